@@ -1,0 +1,84 @@
+"""The pool of KV cache blocks: O(1) allocation, reference counts, and a prefix cache of full blocks."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Hash chain key of a full block: it identifies the block's tokens *and* everything before them."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class BlockPool:
+    """Blocks with refcount 0 sit in an LRU free queue; cached ones keep their hash until reused (evicted).
+
+    Allocation pops the least recently freed block, so cached prefixes that were used recently survive
+    longest. A block found by a prefix-cache lookup is taken out of the free queue while in use.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def allocate(self) -> int:
+        if not self.free_queue:
+            raise RuntimeError("KV block pool exhausted; the scheduler must check num_free first")
+        block, _ = self.free_queue.popitem(last=False)
+        self._evict(block)
+        self.ref_counts[block] = 1
+        return block
+
+    def _evict(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            self.block_hash[block] = None
+            if self.cached.get(h) == block:
+                del self.cached[h]
+            self.num_evictions += 1
+
+    def take(self, block: int) -> None:
+        """Add a reference to an existing block (a prefix-cache hit or a fork)."""
+        if self.ref_counts[block] == 0:
+            del self.free_queue[block]
+        self.ref_counts[block] += 1
+
+    def release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] < 0:
+            raise RuntimeError(f"block {block} released more often than taken")
+        if self.ref_counts[block] == 0:
+            if not self.enable_caching:
+                self.block_hash[block] = None
+            self.free_queue[block] = None  # most recently freed: evicted last
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self.cached.get(block_hash) if self.enable_caching else None
+
+    def cache(self, block: int, block_hash: int) -> None:
+        """Register a block that just became full under its hash (first writer wins)."""
+        if not self.enable_caching or self.block_hash[block] is not None:
+            return
+        if block_hash not in self.cached:
+            self.cached[block_hash] = block
+            self.block_hash[block] = block_hash
+
+    def num_taken_from_free(self, blocks: Sequence[int]) -> int:
+        """How many of these blocks would leave the free queue if taken."""
+        return sum(1 for b in blocks if self.ref_counts[b] == 0)
+
+    def reset_prefix_cache(self) -> None:
+        for h, b in list(self.cached.items()):
+            if self.ref_counts[b] == 0:
+                self.block_hash[b] = None
+                del self.cached[h]

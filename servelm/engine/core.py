@@ -1,0 +1,201 @@
+"""EngineCore: the token-level engine loop (scheduler + KV cache + model runner), with no text handling.
+
+It is what runs in the engine process behind the server; `LLMEngine` pairs it with the output processor.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from servelm.config import DEFAULT_KV_CACHE_GB, EngineConfig
+from servelm.engine.kv_cache_manager import KVCacheManager
+from servelm.engine.model_runner import ModelRunner, kv_bytes_per_block
+from servelm.engine.sampler import SampleResult
+from servelm.engine.scheduler import Scheduler
+from servelm.engine.sequence import Request, Sequence
+from servelm.model.decoder import DecoderLM
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SeqOutput:
+    """What one sample gained in one step."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[SampleResult] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_usage: float
+    num_kv_blocks: int
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_swaps: int
+    num_evictions: int
+    num_steps: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model: DecoderLM) -> None:
+        self.config = config
+        self.model = model
+        spec = model.spec
+        block_bytes = kv_bytes_per_block(model, config.block_size)
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            gb = config.kv_cache_memory_gb or DEFAULT_KV_CACHE_GB
+            num_blocks = max(1, int(gb * 2**30) // block_bytes)
+        capacity = num_blocks * config.block_size
+        max_len = config.max_model_len or spec.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > capacity:
+            raise ValueError(f"max_model_len={config.max_model_len} does not fit the KV cache: {num_blocks} "
+                             f"blocks x {config.block_size} = {capacity} tokens; add blocks or lower max_model_len")
+        if config.max_model_len is None and capacity < max_len:
+            logger.warning("max_model_len lowered from %d to the KV cache capacity %d", max_len, capacity)
+            max_len = capacity
+        self.max_model_len = min(max_len, spec.max_position_embeddings)
+        num_cpu_blocks = int(config.swap_space_gb * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill, config.preemption_mode)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu_blocks, config.seed)
+        self.requests: dict[str, Request] = {}
+        self._order = 0
+        self.num_steps = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    # -- requests ----------------------------------------------------------------------------------
+    def check_request(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
+        """Raise ValueError if a request can never be served (before it is queued)."""
+        n = len(prompt_token_ids)
+        vocab = self.model.spec.vocab_size
+        if n == 0:
+            raise ValueError("prompt must contain at least one token")
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if n + (max_tokens or 1) > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the request has "
+                f"{n} prompt tokens and max_tokens={max_tokens or 1} (total {n + (max_tokens or 1)})")
+        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
+            raise ValueError(f"prompt has {n} tokens, more than max_num_batched_tokens="
+                             f"{self.config.max_num_batched_tokens}; enable chunked prefill or raise the budget")
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.check_request(req.prompt_token_ids, req.params.max_tokens)
+        req.params.check_vocab(self.model.spec.vocab_size)
+        req.order = self._order
+        self._order += 1
+        seq = Sequence(req, 0, list(req.prompt_token_ids), generator=req.make_generator(0))
+        req.seqs = [seq]
+        self.requests[req.request_id] = req
+        self.scheduler.add(seq)
+
+    def finish_seq(self, request_id: str, index: int | None, reason: str, stop_reason=None) -> None:
+        """End one sample (index) or all samples (None) of a request, freeing their blocks."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if index is None or seq.index == index:
+                self.scheduler.finish(seq, reason, stop_reason)
+        if index is not None and not req.forked and req.params.n > 1:
+            return  # the other samples do not exist yet
+        if req.finished:
+            del self.requests[request_id]
+
+    def abort_request(self, request_id: str) -> None:
+        self.finish_seq(request_id, None, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def step(self) -> list[SeqOutput]:
+        out = self.scheduler.schedule()
+        if not out:
+            self.kv.end_step()
+            return []
+        self.num_steps += 1
+        for s in out.scheduled:
+            req = s.seq.request
+            if s.sample_seqs and req.params.n > 1 and not req.forked:
+                s.sample_seqs += [Sequence(req, i, list(s.seq.token_ids), generator=req.make_generator(i))
+                                  for i in range(1, req.params.n)]
+        results = iter(self.runner.execute(out))
+        self.kv.end_step()
+        now = time.monotonic()
+        outputs: list[SeqOutput] = []
+        for s in out.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_tokens
+            self.kv.commit_computed(seq)
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
+            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                self.prompt_tokens += s.num_tokens
+            for child in s.sample_seqs[1:]:  # fork n>1 siblings onto the parent's blocks
+                child.num_computed_tokens = seq.num_computed_tokens
+                child.num_cached_tokens, child.first_scheduled = seq.num_cached_tokens, seq.first_scheduled
+                self.kv.fork(seq, child)
+                seq.request.seqs.append(child)
+                self.scheduler.add_running(child)
+            if len(s.sample_seqs) > 1:
+                seq.request.forked = True
+            for q in s.sample_seqs:
+                outputs.append(self._append(q, next(results), now))
+        return outputs
+
+    def _append(self, seq: Sequence, res: SampleResult, now: float) -> SeqOutput:
+        p = seq.request.params
+        tok = res.token_id
+        seq.token_ids.append(tok)
+        self.generation_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        n_out = seq.num_output_tokens
+        reason, stop_reason = None, None
+        if n_out >= p.min_tokens and not p.ignore_eos and tok in p._eos_token_ids:
+            reason = "stop"
+        elif n_out >= p.min_tokens and tok in p.stop_token_ids:
+            reason, stop_reason = "stop", tok
+        elif (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        out = SeqOutput(seq.request.request_id, seq.index, [tok], [res] if res.logprob is not None else [],
+                        reason, stop_reason, seq.num_cached_tokens)
+        if reason is not None:
+            self.finish_seq(seq.request.request_id, seq.index, reason, stop_reason)
+        return out
+
+    def stats(self) -> EngineStats:
+        sch, kv = self.scheduler, self.kv
+        swapped = sum(1 for s in sch.waiting if s.cpu_block_table)
+        return EngineStats(
+            num_running=len(sch.running), num_waiting=len(sch.waiting) - swapped, num_swapped=swapped,
+            kv_usage=kv.usage, num_kv_blocks=kv.pool.num_blocks, num_free_blocks=kv.num_free_blocks,
+            prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
+            prefix_cache_hit_rate=kv.prefix_hit_rate, num_preemptions=sch.num_preemptions,
+            num_swaps=sch.num_swaps, num_evictions=kv.pool.num_evictions, num_steps=self.num_steps,
+            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+        )

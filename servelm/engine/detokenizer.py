@@ -1,0 +1,66 @@
+"""Incremental detokenization and stop strings for one sample.
+
+Text is produced by decoding a short sliding window of token ids twice (with and without the newest
+tokens) and keeping the difference, so multi-byte characters split across tokens wait until complete
+and leading spaces render as they would in the full text.
+"""
+
+from __future__ import annotations
+
+_CONTEXT_TOKENS = 5  # prompt tokens decoded as left context for the first output token
+
+
+def _holdback(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of text that could still grow into a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool, stop: list[str],
+                 include_stop_str_in_output: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_token_ids[-(_CONTEXT_TOKENS + 1):])
+        self.prefix_offset = max(len(self.ids) - _CONTEXT_TOKENS, 0)
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.stop = stop
+        self.max_stop_len = max((len(s) for s in stop), default=0)
+        self.include_stop = include_stop_str_in_output
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def add_token(self, token_id: int, check_stop: bool) -> str | None:
+        """Append one token; returns the stop string if the text now contains one (text is cut there)."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None  # an incomplete character: wait for the next token
+        old_len = len(self.text)
+        self.text += full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if not (self.stop and check_stop):
+            return None
+        # Only the new text and the few characters before it can contain a new match.
+        search_from = max(0, old_len - self.max_stop_len + 1)
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) != -1]
+        if not hits:
+            return None
+        i, s = min(hits)
+        self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+        return s
+
+    def stream_safe_len(self, finished: bool) -> int:
+        """How much of the text can be shown now without ever leaking part of a stop string."""
+        if finished or not self.stop:
+            return len(self.text)
+        return len(self.text) - _holdback(self.text, self.stop)

@@ -1,0 +1,179 @@
+"""KV cache bookkeeping for sequences: block tables, prefix-cache hits, copy-on-write, swap to CPU.
+
+The scheduler talks only to this class; the block pool stays hidden behind it. Physical copies it decides
+on (CoW, swap out/in) are queued here and executed by the model runner before the next forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from servelm.engine.block_pool import BlockPool, hash_block
+from servelm.engine.sequence import Sequence
+
+
+@dataclass
+class BlockOps:
+    """Physical block copies for the runner, in this order: swap out, swap in, copy-on-write."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    copy: list[tuple[int, int]] = field(default_factory=list)  # (src device block, dst device block)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.copy)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_cpu_blocks: int) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self._cpu_release_after_step: list[int] = []
+        self.ops = BlockOps()
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found
+
+    # -- admission ---------------------------------------------------------------------------------
+    def _update_hashes(self, seq: Sequence, upto_tokens: int) -> None:
+        """Extend seq.block_hashes over every full block within the first `upto_tokens` tokens."""
+        bs = self.block_size
+        hashes = seq.block_hashes
+        for i in range(len(hashes), upto_tokens // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks holding the longest cached prefix of seq (no side effects). At least one token is left
+        to compute, because sampling needs the last position's logits."""
+        if not self.pool.enable_caching:
+            return []
+        self._update_hashes(seq, seq.num_tokens - 1)
+        blocks = []
+        for h in seq.block_hashes:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens of seq; False (and no change) if blocks are short.
+
+        `cached_blocks`, for a sequence being admitted, are prefix-cache hits that become its first blocks.
+        """
+        cached_blocks = cached_blocks or []
+        bs = self.block_size
+        num_computed = seq.num_computed_tokens + len(cached_blocks) * bs
+        have = len(seq.block_table) + len(cached_blocks)
+        need = max(0, -(-(num_computed + num_new_tokens) // bs) - have)
+        cow = self._needs_cow(seq) and not cached_blocks
+        if need + int(cow) + self.pool.num_taken_from_free(cached_blocks) > self.pool.num_free:
+            return False
+        if cached_blocks:
+            for b in cached_blocks:
+                self.pool.take(b)
+            seq.block_table.extend(cached_blocks)
+            seq.num_computed_tokens = num_computed
+        if cow:
+            self._copy_on_write(seq)
+        for _ in range(need):
+            seq.block_table.append(self.pool.allocate())
+        return True
+
+    def record_prefix_query(self, seq: Sequence, num_hit_tokens: int) -> None:
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def _needs_cow(self, seq: Sequence) -> bool:
+        """The next token lands in a partly filled block that another sequence also references."""
+        if seq.num_computed_tokens % self.block_size == 0:
+            return False
+        last = seq.block_table[seq.num_computed_tokens // self.block_size]
+        return self.pool.ref_counts[last] > 1
+
+    def _copy_on_write(self, seq: Sequence) -> None:
+        idx = seq.num_computed_tokens // self.block_size
+        src = seq.block_table[idx]
+        dst = self.pool.allocate()
+        self.ops.copy.append((src, dst))
+        self.pool.release(src)
+        seq.block_table[idx] = dst
+
+    def commit_computed(self, seq: Sequence) -> None:
+        """After a forward pass: register the blocks that are now full in the prefix cache."""
+        if not self.pool.enable_caching:
+            return
+        first_new = len(seq.block_hashes)
+        self._update_hashes(seq, seq.num_computed_tokens)
+        for i in range(first_new, len(seq.block_hashes)):
+            self.pool.cache(seq.block_table[i], seq.block_hashes[i])
+
+    # -- sharing and release -----------------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child shares every block of parent (copy-on-write protects the partly filled last one)."""
+        for b in parent.block_table:
+            self.pool.take(b)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+
+    def free(self, seq: Sequence) -> None:
+        # Tail first, so that the blocks least likely to be shared are evicted first.
+        for b in reversed(seq.block_table):
+            self.pool.release(b)
+        seq.block_table = []
+        if seq.cpu_block_table:
+            self._cpu_release_after_step.extend(seq.cpu_block_table)
+            seq.cpu_block_table = []
+
+    def reset_for_recompute(self, seq: Sequence) -> None:
+        self.free(seq)
+        seq.num_computed_tokens = 0
+
+    # -- swapping ----------------------------------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(self.cpu_free) >= len(seq.block_table)
+
+    def swap_out(self, seq: Sequence) -> None:
+        cpu = [self.cpu_free.pop() for _ in seq.block_table]
+        self.ops.swap_out.extend(zip(seq.block_table, cpu, strict=True))
+        for b in reversed(seq.block_table):
+            self.pool.release(b)
+        seq.block_table, seq.cpu_block_table = [], cpu
+
+    def swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Bring a swapped sequence back into fresh device blocks, with room for its next tokens."""
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        if total > self.pool.num_free:
+            return False
+        dev = [self.pool.allocate() for _ in range(total)]
+        self.ops.swap_in.extend(zip(seq.cpu_block_table, dev, strict=False))
+        self._cpu_release_after_step.extend(seq.cpu_block_table)
+        seq.block_table, seq.cpu_block_table = dev, []
+        # Fresh blocks are not in the prefix cache: re-register them as they are (hashes stay valid).
+        if self.pool.enable_caching:
+            for i, h in enumerate(seq.block_hashes):
+                self.pool.cache(dev[i], h)
+        return True
+
+    def take_ops(self) -> BlockOps:
+        ops, self.ops = self.ops, BlockOps()
+        return ops
+
+    def end_step(self) -> None:
+        """CPU blocks read by this step's swap-ins may be reused from the next step on."""
+        self.cpu_free.extend(self._cpu_release_after_step)
+        self._cpu_release_after_step = []
+
+    # -- stats -------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

@@ -1,0 +1,75 @@
+"""LLMEngine: the in-process step API (EngineCore for tokens + OutputProcessor for text)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+import torch
+
+from servelm.config import EngineConfig
+from servelm.engine.core import EngineCore, EngineStats
+from servelm.engine.output_processor import OutputProcessor
+from servelm.engine.sequence import Priority, Request
+from servelm.model.loader import LoadedModel, load_model
+from servelm.outputs import RequestOutput
+from servelm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """add_request / abort_request / step / has_unfinished_requests / get_stats, as in vLLM."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.loaded = loaded or load_model(config.model, config.gguf_file, config.tokenizer, config.dtype,
+                                           config.device)
+        self.tokenizer = self.loaded.tokenizer
+        self.eos_token_ids = self.loaded.eos_token_ids
+        self.core = EngineCore(config, self.loaded.model)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
+
+    def prepare_params(self, params: SamplingParams) -> SamplingParams:
+        """A private copy with the model's EOS ids filled in (the caller's object is left alone)."""
+        params = copy.copy(params)
+        params._eos_token_ids = self.eos_token_ids
+        return params
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = Priority.NORMAL, arrival_time: float | None = None) -> None:
+        params = self.prepare_params(params or SamplingParams())
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenize(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        req = Request(request_id, ids, params, arrival_time or time.monotonic(), priority)
+        self.core.add_request(req)  # validates; raises ValueError before anything is recorded
+        self.output_processor.add_request(request_id, text, ids, params)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        self.core.abort_request(request_id)
+        return self.output_processor.abort(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        seq_outputs = self.core.step()
+        outputs, stopped = self.output_processor.process(seq_outputs)
+        for request_id, index, stop in stopped:
+            self.core.finish_seq(request_id, index, "stop", stop)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def get_stats(self) -> EngineStats:
+        return self.core.stats()

@@ -1,0 +1,111 @@
+"""Turns a scheduler step into one forward pass: owns the KV cache tensors, builds the flattened batch,
+executes block copies, runs the model and samples."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from servelm.engine.kv_cache_manager import BlockOps
+from servelm.engine.sampler import Sampler, SampleResult
+from servelm.engine.scheduler import SchedulerOutput
+from servelm.model.attention import AttentionMetadata, PrefillSpan
+from servelm.model.decoder import DecoderLM
+
+
+def kv_bytes_per_block(model: DecoderLM, block_size: int) -> int:
+    s = model.spec
+    return 2 * s.num_layers * block_size * s.num_kv_heads * s.head_dim * model.dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, num_cpu_blocks: int, seed: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        s = model.spec
+        shape = (num_blocks, block_size, s.num_kv_heads, s.head_dim)
+        # torch.empty leaves pages untouched, so resident memory grows only as blocks are first written.
+        self.kv_caches = [(torch.empty(shape, dtype=model.dtype), torch.empty(shape, dtype=model.dtype))
+                          for _ in range(s.num_layers)]
+        self.num_cpu_blocks = num_cpu_blocks
+        self._cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.sampler = Sampler(seed)
+
+    @property
+    def cpu_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self._cpu_caches is None:  # allocated on first swap: most runs never swap
+            shape = (self.num_cpu_blocks, *self.kv_caches[0][0].shape[1:])
+            dt = self.model.dtype
+            self._cpu_caches = [(torch.empty(shape, dtype=dt), torch.empty(shape, dtype=dt))
+                                for _ in self.kv_caches]
+        return self._cpu_caches
+
+    def apply_block_ops(self, ops: BlockOps) -> None:
+        for pairs, src_caches, dst_caches in (
+            (ops.swap_out, self.kv_caches, None),
+            (ops.swap_in, None, self.kv_caches),
+            (ops.copy, self.kv_caches, self.kv_caches),
+        ):
+            if not pairs:
+                continue
+            src_caches = src_caches or self.cpu_caches
+            dst_caches = dst_caches or self.cpu_caches
+            src = torch.tensor([p[0] for p in pairs])
+            dst = torch.tensor([p[1] for p in pairs])
+            for (sk, sv), (dk, dv) in zip(src_caches, dst_caches, strict=True):
+                dk[dst] = sk[src]
+                dv[dst] = sv[src]
+
+    def _prepare(self, out: SchedulerOutput):
+        bs = self.block_size
+        ids, positions, slots = [], [], []
+        decode_idx, decode_tables, decode_lens, prefills = [], [], [], []
+        logits_idx, repeats = [], []
+        offset = 0
+        for s in out.scheduled:
+            seq, start, n = s.seq, s.start, s.num_tokens
+            ids.extend(seq.token_ids[start:start + n])
+            pos = np.arange(start, start + n)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            if n == 1:
+                decode_idx.append(offset)
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                prefills.append(PrefillSpan(offset, n, start + n, torch.from_numpy(table)))
+            offset += n
+            if s.sample_seqs:
+                logits_idx.append(offset - 1)
+                repeats.append(len(s.sample_seqs))
+        max_blocks = max((len(t) for t in decode_tables), default=1)
+        tables = np.zeros((len(decode_tables), max_blocks), dtype=np.int64)
+        for r, t in enumerate(decode_tables):
+            tables[r, : len(t)] = t
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)),
+            decode_idx=torch.tensor(decode_idx, dtype=torch.long),
+            decode_block_tables=torch.from_numpy(tables),
+            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long),
+            prefills=prefills,
+            block_size=bs,
+        )
+        return (torch.tensor(ids, dtype=torch.long), torch.from_numpy(np.concatenate(positions)), meta,
+                torch.tensor(logits_idx, dtype=torch.long), torch.tensor(repeats, dtype=torch.long))
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[SampleResult]:
+        """Run one step; returns one result per sequence in the order of all `sample_seqs` lists."""
+        self.apply_block_ops(out.ops)
+        if not out.scheduled:
+            return []
+        input_ids, positions, meta, logits_idx, repeats = self._prepare(out)
+        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        if logits_idx.numel() == 0:
+            return []
+        logits = self.model.logits(hidden[logits_idx])
+        if bool((repeats > 1).any()):
+            logits = logits.repeat_interleave(repeats, dim=0)
+        seqs = [q for s in out.scheduled for q in s.sample_seqs]
+        return self.sampler.sample(logits, seqs)

@@ -1,0 +1,152 @@
+"""Turns token-level `SeqOutput`s into user-facing `RequestOutput`s: text, stop strings, logprobs, n samples.
+
+In the server this runs in the API process, so detokenization never slows the engine loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from servelm.engine.core import SeqOutput
+from servelm.engine.detokenizer import IncrementalDetokenizer
+from servelm.outputs import CompletionOutput, Logprob, RequestOutput
+from servelm.sampling_params import OutputKind, SamplingParams
+
+
+@dataclass
+class _Sample:
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_text: int = 0  # delta mode: what was already reported
+    sent_tokens: int = 0
+    reported_finish: bool = False
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    samples: dict[int, _Sample] = field(default_factory=dict)
+    num_cached_tokens: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return len(self.samples) == self.params.n and all(s.finish_reason for s in self.samples.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, _RequestState] = {}
+        self._token_text: dict[int, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        self.states[request_id] = _RequestState(request_id, prompt, prompt_token_ids, params, time.monotonic())
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        st = self.states.pop(request_id, None)
+        if st is None:
+            return None
+        for i in range(st.params.n):
+            s = st.samples.get(i) or self._new_sample(st, i)
+            st.samples[i] = s
+            s.finish_reason = s.finish_reason or "abort"
+        return self._make_output(st, force=True)
+
+    def _new_sample(self, st: _RequestState, index: int) -> _Sample:
+        p = st.params
+        detok = IncrementalDetokenizer(self.tokenizer, st.prompt_token_ids, p.skip_special_tokens, p.stop,
+                                       p.include_stop_str_in_output)
+        return _Sample(detok, logprobs=[] if p.logprobs is not None else None,
+                       cumulative_logprob=0.0 if p.logprobs is not None else None)
+
+    def _token_str(self, tok: int) -> str:
+        text = self._token_text.get(tok)
+        if text is None:
+            text = self._token_text[tok] = self.tokenizer.decode([tok])
+        return text
+
+    def process(self, outputs: list[SeqOutput]) -> tuple[list[RequestOutput], list[tuple[str, int, str]]]:
+        """Returns the outputs to report, and the samples that hit a stop string (the engine must end them)."""
+        touched: dict[str, _RequestState] = {}
+        stopped: list[tuple[str, int, str]] = []
+        now = time.monotonic()
+        for o in outputs:
+            st = self.states.get(o.request_id)
+            if st is None:
+                continue
+            s = st.samples.get(o.index)
+            if s is None:
+                s = st.samples[o.index] = self._new_sample(st, o.index)
+            if s.finish_reason is not None:
+                continue  # already ended by a stop string; tokens still in flight are dropped
+            st.num_cached_tokens = o.num_cached_tokens
+            st.first_token_time = st.first_token_time or now
+            p = st.params
+            for k, tok in enumerate(o.new_token_ids):
+                s.token_ids.append(tok)
+                can_stop = len(s.token_ids) >= p.min_tokens
+                hit = s.detok.add_token(tok, check_stop=can_stop)
+                if s.logprobs is not None and k < len(o.new_logprobs):
+                    self._add_logprobs(s, o.new_logprobs[k])
+                if hit is not None:
+                    s.finish_reason, s.stop_reason = "stop", hit
+                    if o.finish_reason is None:
+                        stopped.append((o.request_id, o.index, hit))
+                    break
+            else:
+                if o.finish_reason is not None:
+                    s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
+            touched[o.request_id] = st
+        results = []
+        for st in touched.values():
+            out = self._make_output(st)
+            if out is not None:
+                results.append(out)
+            if st.finished:
+                del self.states[st.request_id]
+        return results, stopped
+
+    def _add_logprobs(self, s: _Sample, res) -> None:
+        entry = {tok: Logprob(lp, rank=i + 1, decoded_token=self._token_str(tok))
+                 for i, (tok, lp) in enumerate(res.top_logprobs or [])}
+        entry[res.token_id] = Logprob(res.logprob, rank=res.rank, decoded_token=self._token_str(res.token_id))
+        s.logprobs.append(entry)
+        s.cumulative_logprob += res.logprob
+
+    def _make_output(self, st: _RequestState, force: bool = False) -> RequestOutput | None:
+        kind = st.params.output_kind
+        finished = st.finished or force
+        if kind == OutputKind.FINAL_ONLY and not finished:
+            return None
+        completions = []
+        for i in sorted(st.samples):
+            s = st.samples[i]
+            done = s.finish_reason is not None
+            end = s.detok.stream_safe_len(done)
+            if kind == OutputKind.DELTA:
+                text, tokens = s.detok.text[s.sent_text:end], s.token_ids[s.sent_tokens:]
+                logprobs = s.logprobs[s.sent_tokens:] if s.logprobs is not None else None
+                newly_done = done and not s.reported_finish
+                if not (text or tokens or newly_done):
+                    continue
+                s.sent_text, s.sent_tokens, s.reported_finish = end, len(s.token_ids), done
+            else:
+                text, tokens, logprobs = s.detok.text[:end], list(s.token_ids), s.logprobs
+            completions.append(CompletionOutput(i, text, tokens, s.cumulative_logprob, logprobs,
+                                                s.finish_reason, s.stop_reason))
+        metrics = {"arrival_time": st.arrival}
+        if st.first_token_time is not None:
+            metrics["first_token_time"] = st.first_token_time
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, completions, finished,
+                             metrics, st.num_cached_tokens)

@@ -1,0 +1,152 @@
+"""Vectorized sampling over a batch of logits rows, each row with its own SamplingParams.
+
+Order: logprobs of the raw distribution; logit_bias; min_tokens masking; repetition, frequency and presence
+penalties; then greedy argmax, or temperature, top-k, top-p, min-p and a draw. Draws use the "exponential
+race" (argmax of p / Exp(1) noise), so a seeded row only consumes its own generator and its result does not
+depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from servelm.engine.sequence import Sequence
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None = None  # of the chosen token under the raw model distribution
+    rank: int | None = None  # 1 = the most likely token
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+        params = [s.request.params for s in seqs]
+        want_lp = [p.logprobs is not None for p in params]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        logits = self._process(logits, seqs)
+        tokens = self._choose(logits, seqs)
+        token_list = tokens.tolist()
+        results = [SampleResult(t) for t in token_list]
+        if raw_logprobs is not None:
+            self._attach_logprobs(raw_logprobs, tokens, params, results)
+        return results
+
+    def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        rows, cols, vals = [], [], []
+        banned_rows, banned_cols = [], []
+        penalty_rows = []
+        for r, s in enumerate(seqs):
+            p = s.request.params
+            for tok, bias in (p.logit_bias or {}).items():
+                rows.append(r)
+                cols.append(tok)
+                vals.append(bias)
+            if s.num_output_tokens < p.min_tokens:
+                stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(p._eos_token_ids))
+                banned_rows += [r] * len(stop_ids)
+                banned_cols += list(stop_ids)
+            if p.needs_penalties:
+                penalty_rows.append(r)
+        if not (rows or banned_rows or penalty_rows):
+            return logits
+        logits = logits.clone()
+        if rows:
+            logits.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(vals), accumulate=True)
+        if banned_rows:
+            logits[torch.tensor(banned_rows), torch.tensor(banned_cols)] = float("-inf")
+        if penalty_rows:
+            idx = torch.tensor(penalty_rows)
+            logits[idx] = self._penalize(logits[idx], [seqs[r] for r in penalty_rows], vocab)
+        return logits
+
+    @staticmethod
+    def _penalize(logits: torch.Tensor, seqs: list[Sequence], vocab: int) -> torch.Tensor:
+        n = len(seqs)
+        out_counts = torch.zeros(n, vocab + 1)
+        seen = torch.zeros(n, vocab + 1, dtype=torch.bool)
+        max_out = max(s.num_output_tokens for s in seqs)
+        if max_out:
+            ids = torch.full((n, max_out), vocab, dtype=torch.long)  # padding lands in the spare column
+            for r, s in enumerate(seqs):
+                out = s.output_token_ids
+                ids[r, : len(out)] = torch.tensor(out, dtype=torch.long)
+            out_counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+        for r, s in enumerate(seqs):
+            seen[r, torch.tensor(s.request.prompt_token_ids, dtype=torch.long)] = True
+        out_counts, seen = out_counts[:, :vocab], (seen[:, :vocab] | (out_counts[:, :vocab] > 0))
+        rep = torch.tensor([s.request.params.repetition_penalty for s in seqs])[:, None]
+        freq = torch.tensor([s.request.params.frequency_penalty for s in seqs])[:, None]
+        pres = torch.tensor([s.request.params.presence_penalty for s in seqs])[:, None]
+        # Repetition penalty (transformers/CTRL style) over prompt and output tokens.
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalized, logits)
+        # OpenAI frequency/presence penalties over output tokens only.
+        return logits - freq * out_counts - pres * (out_counts > 0).float()
+
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        tokens = logits.argmax(dim=-1)
+        rand_rows = [r for r, s in enumerate(seqs) if not s.request.params.greedy]
+        if not rand_rows:
+            return tokens
+        rr = torch.tensor(rand_rows)
+        ps = [seqs[r].request.params for r in rand_rows]
+        x = logits[rr] / torch.tensor([p.temperature for p in ps])[:, None]
+        top_k = torch.tensor([p.effective_top_k for p in ps])
+        top_p = torch.tensor([p.top_p for p in ps])
+        if (top_k > 0).any() or (top_p < 1).any():
+            x = _top_k_top_p(x, top_k, top_p)
+        probs = torch.softmax(x, dim=-1)
+        min_p = torch.tensor([p.min_p for p in ps])
+        if (min_p > 0).any():
+            thresh = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+            probs = torch.where(probs < thresh, torch.zeros_like(probs), probs)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rand_rows) if seqs[r].generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+        for i, r in enumerate(rand_rows):
+            g = seqs[r].generator
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        tokens[rr] = (probs / noise).argmax(dim=-1)
+        return tokens
+
+    @staticmethod
+    def _attach_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params, results: list[SampleResult]) -> None:
+        chosen = raw.gather(1, tokens[:, None]).squeeze(1)
+        ranks = (raw > chosen[:, None]).sum(dim=-1) + 1
+        k_max = max((p.logprobs or 0) for p in params)
+        top_v, top_i = raw.topk(k_max, dim=-1) if k_max else (None, None)
+        for r, (p, res) in enumerate(zip(params, results, strict=True)):
+            if p.logprobs is None:
+                continue
+            res.logprob = float(chosen[r])
+            res.rank = int(ranks[r])
+            k = p.logprobs
+            res.top_logprobs = list(zip(top_i[r, :k].tolist(), top_v[r, :k].tolist(), strict=True)) if k else []
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k and nucleus (top-p); at least one token always survives."""
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    vocab = x.shape[-1]
+    ranks = torch.arange(vocab)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    drop = ranks >= k[:, None]
+    probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+    drop |= (before >= top_p[:, None]) & (top_p[:, None] < 1)
+    drop[:, 0] = False
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, sorted_x)

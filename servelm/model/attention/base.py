@@ -1,0 +1,66 @@
+"""The attention backend interface: paged attention over a flattened, unpadded token batch."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence computing several tokens this step (a prompt chunk, possibly after a cached prefix)."""
+
+    start: int  # offset of its first query token in the flattened batch
+    q_len: int  # tokens computed this step
+    ctx_len: int  # tokens in its KV cache once this step's tokens are written
+    block_table: torch.Tensor  # [num_blocks] int64, enough blocks for ctx_len
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of the batch reads and writes the paged KV cache."""
+
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot (block * block_size + offset) per new token
+    decode_idx: torch.Tensor  # [Bd] int64: batch positions of single-token (decode) sequences
+    decode_block_tables: torch.Tensor  # [Bd, max_blocks] int64, padded with block 0
+    decode_seq_lens: torch.Tensor  # [Bd] int64: context length including the new token
+    prefills: list[PrefillSpan]
+    block_size: int
+
+    @property
+    def num_decodes(self) -> int:
+        return int(self.decode_idx.numel())
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one layer and writes the new keys/values into the paged cache.
+
+    KV cache layout, per layer: key and value tensors of shape [num_blocks, block_size, kv_heads, head_dim].
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        ...
+
+    @staticmethod
+    def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                 slot_mapping: torch.Tensor) -> None:
+        k_cache, v_cache = kv_cache
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)

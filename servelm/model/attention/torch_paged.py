@@ -1,0 +1,68 @@
+"""Paged attention on PyTorch (CPU, and any device as a reference) built on scaled_dot_product_attention."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from servelm.model.attention.base import AttentionBackend, AttentionMetadata
+
+
+def _window_mask(q_pos: torch.Tensor, kv_len: int, sliding_window: int | None) -> torch.Tensor:
+    """Boolean [Q, kv_len] mask: causal, and within the sliding window when there is one."""
+    kv_pos = torch.arange(kv_len, device=q_pos.device)
+    mask = kv_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+    return mask
+
+
+class TorchPagedAttention(AttentionBackend):
+    """Decodes are batched into one SDPA call over their gathered blocks; prefill chunks run one by one."""
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, sliding_window):
+        self.write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            out[meta.decode_idx] = self._decode(q[meta.decode_idx], kv_cache, meta, sliding_window)
+        for span in meta.prefills:
+            sl = slice(span.start, span.start + span.q_len)
+            out[sl] = self._prefill(q[sl], k[sl], v[sl], kv_cache, span, meta.block_size, sliding_window)
+        return out
+
+    def _decode(self, q, kv_cache, meta: AttentionMetadata, sliding_window):
+        k_cache, v_cache = kv_cache
+        bt = meta.decode_block_tables
+        b, nb = bt.shape
+        kk = k_cache[bt].view(b, nb * meta.block_size, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        vv = v_cache[bt].view(b, nb * meta.block_size, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        pos = torch.arange(nb * meta.block_size)
+        lens = meta.decode_seq_lens[:, None]
+        mask = pos[None, :] < lens
+        if sliding_window is not None:
+            mask &= pos[None, :] > lens - 1 - sliding_window
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), kk, vv, attn_mask=mask[:, None, None, :], scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return o.squeeze(2)
+
+    def _prefill(self, q, k, v, kv_cache, span, block_size, sliding_window):
+        gqa = self.num_heads != self.num_kv_heads
+        if span.ctx_len == span.q_len:
+            # No cached prefix: attend to this chunk's own keys, no cache read needed.
+            kk, vv = k, v
+        else:
+            k_cache, v_cache = kv_cache
+            nb = (span.ctx_len + block_size - 1) // block_size
+            blocks = span.block_table[:nb]
+            kk = k_cache[blocks].view(-1, self.num_kv_heads, self.head_dim)[: span.ctx_len]
+            vv = v_cache[blocks].view(-1, self.num_kv_heads, self.head_dim)[: span.ctx_len]
+        qt, kt, vt = q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1)
+        if span.ctx_len == span.q_len and sliding_window is None:
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=self.scale, enable_gqa=gqa)
+        else:
+            q_pos = torch.arange(span.ctx_len - span.q_len, span.ctx_len)
+            mask = _window_mask(q_pos, span.ctx_len, sliding_window)
+            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+        return o.transpose(0, 1)

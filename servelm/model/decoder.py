@@ -1,0 +1,128 @@
+"""One decoder-only transformer for the Llama, Mistral, Qwen2 and Qwen3 families.
+
+It runs a flattened batch of tokens from many sequences (no padding); attention goes through an
+`AttentionBackend` over the paged KV cache. Q/K/V and gate/up projections are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from servelm.model.attention import AttentionBackend, AttentionMetadata
+from servelm.model.spec import ModelSpec
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 and cast back before scaling, exactly as transformers does, for bit parity.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, D] (the half-split "rotate_half" convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class DecoderLM:
+    """Weights plus a forward pass; holds no per-request state."""
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 backend: type[AttentionBackend]) -> None:
+        self.spec = spec
+        self.dtype = dtype
+        self.embed = weights.pop("model.embed_tokens.weight")
+        self.norm = weights.pop("model.norm.weight")
+        lm_head = weights.pop("lm_head.weight", None)
+        self.lm_head = self.embed if lm_head is None or spec.tie_word_embeddings else lm_head
+        self.layers = [self._take_layer(weights, i) for i in range(spec.num_layers)]
+        unused = [k for k in weights if not k.endswith("rotary_emb.inv_freq")]
+        if unused:
+            raise ValueError(f"checkpoint has tensors this model does not use: {unused[:5]}")
+        scale = spec.head_dim ** -0.5
+        self.attn = backend(spec.num_heads, spec.num_kv_heads, spec.head_dim, scale)
+        self._rope_cache(spec.max_position_embeddings)
+
+    def _take_layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+
+        def take(name: str, required: bool = True) -> torch.Tensor | None:
+            t = w.pop(p + name, None)
+            if t is None and required:
+                raise ValueError(f"checkpoint is missing {p + name}")
+            return t
+
+        q, k, v = take("self_attn.q_proj.weight"), take("self_attn.k_proj.weight"), take("self_attn.v_proj.weight")
+        biases = [take(f"self_attn.{n}_proj.bias", False) for n in "qkv"]
+        qkv_bias = None
+        if any(b is not None for b in biases):
+            qkv_bias = torch.cat([b if b is not None else torch.zeros(t.shape[0], dtype=t.dtype)
+                                  for b, t in zip(biases, (q, k, v), strict=True)])
+        return LayerWeights(
+            input_norm=take("input_layernorm.weight"),
+            qkv=torch.cat([q, k, v]).contiguous(),
+            qkv_bias=qkv_bias,
+            o_proj=take("self_attn.o_proj.weight"),
+            o_bias=take("self_attn.o_proj.bias", False),
+            q_norm=take("self_attn.q_norm.weight", False),
+            k_norm=take("self_attn.k_norm.weight", False),
+            post_norm=take("post_attention_layernorm.weight"),
+            gate_up=torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]).contiguous(),
+            down=take("mlp.down_proj.weight"),
+        )
+
+    def _rope_cache(self, max_pos: int) -> None:
+        t = torch.arange(max_pos, dtype=torch.float32)
+        freqs = torch.outer(t, self.spec.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        f = self.spec.rope_attention_factor
+        self.cos = (emb.cos() * f).to(self.dtype)
+        self.sin = (emb.sin() * f).to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden]."""
+        s = self.spec
+        h = self.embed[input_ids]
+        cos, sin = self.cos[positions], self.sin[positions]
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        for i, lw in enumerate(self.layers):
+            x = rms_norm(h, lw.input_norm, s.rms_norm_eps)
+            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+            q = qkv[:, :q_size].view(-1, s.num_heads, s.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(-1, s.num_kv_heads, s.head_dim)
+            v = qkv[:, q_size + kv_size:].view(-1, s.num_kv_heads, s.head_dim)
+            if lw.q_norm is not None:
+                q = rms_norm(q, lw.q_norm, s.rms_norm_eps)
+                k = rms_norm(k, lw.k_norm, s.rms_norm_eps)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            o = self.attn.forward(q, k, v.contiguous(), kv_caches[i], meta, s.sliding_windows[i])
+            h = h + F.linear(o.reshape(-1, q_size), lw.o_proj, lw.o_bias)
+            x = rms_norm(h, lw.post_norm, s.rms_norm_eps)
+            gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, lw.down)
+        return rms_norm(h, self.norm, s.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

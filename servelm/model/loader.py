@@ -1,0 +1,101 @@
+"""Load a model (weights, config, tokenizer) from a Hugging Face folder or a GGUF file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from servelm.model.attention import get_backend
+from servelm.model.decoder import DecoderLM
+from servelm.model.gguf_loader import iter_gguf_tensors, load_gguf_config_and_tokenizer
+from servelm.model.source import ModelSource, resolve_model, set_offline_env
+from servelm.model.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_has_bf16() -> bool:
+    """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX), so bf16 is the fast dtype."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.startswith("cuda"):
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+
+@dataclass
+class LoadedModel:
+    model: DecoderLM
+    tokenizer: object  # a transformers tokenizer
+    hf_config: object
+    source: ModelSource
+    eos_token_ids: frozenset[int]
+    load_seconds: float
+
+
+def _iter_safetensors(folder: Path, dtype: torch.dtype):
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in tqdm(list(sf.keys()), desc=f"Loading {f.name}", unit="tensor", leave=False):
+                yield name, sf.get_tensor(name).to(dtype)
+
+
+def _eos_ids(folder: Path, hf_config, tokenizer) -> frozenset[int]:
+    """EOS ids from the generation config, the model config and the tokenizer (as transformers stops on)."""
+    ids: set[int] = set()
+    gen = folder / "generation_config.json"
+    candidates = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    if gen.is_file():
+        candidates.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for c in candidates:
+        if isinstance(c, int):
+            ids.add(c)
+        elif isinstance(c, list):
+            ids.update(int(x) for x in c)
+    return frozenset(ids)
+
+
+def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str | None = None,
+               dtype: str = "auto", device: str = "cpu") -> LoadedModel:
+    from transformers import AutoConfig, AutoTokenizer
+
+    set_offline_env()
+    t0 = time.perf_counter()
+    src = resolve_model(model, gguf_file)
+    torch_dtype = resolve_dtype(dtype, device)
+    if src.kind == "gguf":
+        hf_config, tok = load_gguf_config_and_tokenizer(src.path)
+        tensors = iter_gguf_tensors(src.path, torch_dtype)
+    else:
+        hf_config = AutoConfig.from_pretrained(src.path)
+        tok = AutoTokenizer.from_pretrained(src.path)
+        tensors = _iter_safetensors(src.path, torch_dtype)
+    if tokenizer is not None:
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+    spec = ModelSpec.from_hf_config(hf_config)
+    weights = dict(tensors)
+    lm = DecoderLM(spec, weights, torch_dtype, get_backend(device))
+    seconds = time.perf_counter() - t0
+    logger.info("loaded %s (%s, %s) in %.1fs", src.name, spec.architecture, torch_dtype, seconds)
+    return LoadedModel(lm, tok, hf_config, src, _eos_ids(src.folder, hf_config, tok), seconds)

