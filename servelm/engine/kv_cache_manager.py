@@ -33,6 +33,7 @@ class KVCacheManager:
         self.ops = BlockOps()
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
+        self.num_cow_copies = 0
 
     # -- admission ---------------------------------------------------------------------------------
     def _update_hashes(self, seq: Sequence, upto_tokens: int) -> None:
@@ -97,6 +98,7 @@ class KVCacheManager:
         src = seq.block_table[idx]
         dst = self.pool.allocate()
         self.ops.copy.append((src, dst))
+        self.num_cow_copies += 1
         self.pool.release(src)
         seq.block_table[idx] = dst
 
@@ -104,10 +106,11 @@ class KVCacheManager:
         """After a forward pass: register the blocks that are now full in the prefix cache."""
         if not self.pool.enable_caching:
             return
-        first_new = len(seq.block_hashes)
-        self._update_hashes(seq, seq.num_computed_tokens)
-        for i in range(first_new, len(seq.block_hashes)):
+        full = seq.num_computed_tokens // self.block_size
+        self._update_hashes(seq, full * self.block_size)
+        for i in range(seq.num_registered_blocks, full):
             self.pool.cache(seq.block_table[i], seq.block_hashes[i])
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
     # -- sharing and release -----------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -116,12 +119,14 @@ class KVCacheManager:
             self.pool.take(b)
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
+        child.num_registered_blocks = parent.num_registered_blocks
 
     def free(self, seq: Sequence) -> None:
         # Tail first, so that the blocks least likely to be shared are evicted first.
         for b in reversed(seq.block_table):
             self.pool.release(b)
         seq.block_table = []
+        seq.num_registered_blocks = 0
         if seq.cpu_block_table:
             self._cpu_release_after_step.extend(seq.cpu_block_table)
             seq.cpu_block_table = []
@@ -152,8 +157,10 @@ class KVCacheManager:
         seq.block_table, seq.cpu_block_table = dev, []
         # Fresh blocks are not in the prefix cache: re-register them as they are (hashes stay valid).
         if self.pool.enable_caching:
-            for i, h in enumerate(seq.block_hashes):
+            full = seq.num_computed_tokens // self.block_size
+            for i, h in enumerate(seq.block_hashes[:full]):
                 self.pool.cache(dev[i], h)
+            seq.num_registered_blocks = full
         return True
 
     def take_ops(self) -> BlockOps:

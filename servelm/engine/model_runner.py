@@ -13,6 +13,15 @@ from servelm.model.attention import AttentionMetadata, PrefillSpan
 from servelm.model.decoder import DecoderLM
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor whose pages the OS maps on first write (calloc), so unused KV blocks cost no RSS.
+
+    Zeros, not torch.empty: masked attention multiplies unused slots by 0, and 0 * NaN garbage is NaN.
+    """
+    arr = np.zeros(shape, dtype=np.dtype(f"i{dtype.itemsize}"))
+    return torch.from_numpy(arr).view(dtype)
+
+
 def kv_bytes_per_block(model: DecoderLM, block_size: int) -> int:
     s = model.spec
     return 2 * s.num_layers * block_size * s.num_kv_heads * s.head_dim * model.dtype.itemsize
@@ -24,8 +33,7 @@ class ModelRunner:
         self.block_size = block_size
         s = model.spec
         shape = (num_blocks, block_size, s.num_kv_heads, s.head_dim)
-        # torch.empty leaves pages untouched, so resident memory grows only as blocks are first written.
-        self.kv_caches = [(torch.empty(shape, dtype=model.dtype), torch.empty(shape, dtype=model.dtype))
+        self.kv_caches = [(lazy_zeros(shape, model.dtype), lazy_zeros(shape, model.dtype))
                           for _ in range(s.num_layers)]
         self.num_cpu_blocks = num_cpu_blocks
         self._cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -36,7 +44,7 @@ class ModelRunner:
         if self._cpu_caches is None:  # allocated on first swap: most runs never swap
             shape = (self.num_cpu_blocks, *self.kv_caches[0][0].shape[1:])
             dt = self.model.dtype
-            self._cpu_caches = [(torch.empty(shape, dtype=dt), torch.empty(shape, dtype=dt))
+            self._cpu_caches = [(lazy_zeros(shape, dt), lazy_zeros(shape, dt))
                                 for _ in self.kv_caches]
         return self._cpu_caches
 

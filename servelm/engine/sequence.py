@@ -42,6 +42,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     cpu_block_table: list[int] = field(default_factory=list)  # while SWAPPED
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash chain of its full blocks
+    num_registered_blocks: int = 0  # leading blocks already entered in the prefix cache
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -1,0 +1,103 @@
+"""Fixtures: tiny random-weight models of each supported family, built from transformers configs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+VOCAB = 49152  # the SmolLM2 tokenizer's
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+              bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
+              # Wide weights give peaked logits, so greedy choices never hinge on float rounding noise.
+              initializer_range=0.2)
+
+
+def _configs():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    return {
+        "llama": LlamaConfig(**COMMON),
+        "llama3rope": LlamaConfig(**{**COMMON, "tie_word_embeddings": True}, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        "mistral": MistralConfig(**COMMON, sliding_window=24),
+        "qwen2": Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=24, max_window_layers=1),
+        "qwen3": Qwen3Config(**COMMON, head_dim=32),
+    }
+
+
+ARCHS = ["llama", "llama3rope", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """The real SmolLM2 tokenizer (from the default model's GGUF), saved as a plain HF folder."""
+    from servelm.model.gguf_loader import load_gguf_config_and_tokenizer
+    from servelm.model.source import default_model_path
+
+    _, tok = load_gguf_config_and_tokenizer(default_model_path())
+    out = tmp_path_factory.mktemp("tokenizer")
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def build_model(arch: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_configs()[arch], dtype=torch.float32)
+    model.save_pretrained(out)
+    for f in tokenizer_dir.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {a: build_model(a, root / a, tokenizer_dir) for a in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def hf_models(model_dirs):
+    from transformers import AutoModelForCausalLM
+
+    return {a: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for a, d in model_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs) -> Path:
+    return model_dirs["llama"]
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The oracle: transformers' own greedy generate, never stopping early."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    model.generation_config.eos_token_id = None  # else generate() merges it back in and stops at EOS
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), generation_config=gen)
+    new = out[0, len(prompt_ids):].tolist()
+    assert len(new) == max_new_tokens, "the oracle must not stop early"
+    return new
+
+
+def random_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [[1] + torch.randint(4, VOCAB, (k - 1,), generator=g).tolist() for k in lens]

@@ -1,0 +1,58 @@
+"""The real SmolLM2-135M GGUF: native loading matches transformers loading the same file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import hf_greedy
+
+from servelm import LLM, SamplingParams
+from servelm.model.gguf_loader import hf_name, unpermute_rotary
+from servelm.model.source import default_model_path
+
+PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "In 1492, Columbus",
+           "The best way to learn a language is", "Water boils at", "My favourite colour is", "import numpy as np"]
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    path = default_model_path()
+    return LLM(str(path.parent), gguf_file=path.name, dtype="float32", kv_cache_memory_gb=0.25)
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    n_head, head_dim, cols = 3, 8, 5
+    w = np.arange(n_head * head_dim * cols, dtype=np.float32).reshape(n_head * head_dim, cols)
+    # llama.cpp's converter interleaves the two rotary halves of every head
+    permuted = w.reshape(n_head, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
+    assert np.array_equal(unpermute_rotary(permuted, n_head), w)
+
+
+def test_gguf_names_map_to_hf_names():
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert hf_name("blk.0.attn_k_norm.weight") == "model.layers.0.self_attn.k_norm.weight"
+    assert hf_name("blk.0.attn_q.bias") == "model.layers.0.self_attn.q_proj.bias"
+    assert hf_name("rope_freqs.weight") is None
+
+
+def test_smollm2_gguf_greedy_matches_transformers(smollm):
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    tok = smollm.get_tokenizer()
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    ours = smollm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, ours, strict=True):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 32)
+
+
+def test_smollm2_default_model_answers(smollm):
+    out = smollm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert out.outputs[0].text.startswith(", the city of Nova Haven was a thriving metropolis")
+    chat = smollm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                       SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
+    assert chat.text == "The capital of France is Paris."
+    assert chat.finish_reason == "stop" and chat.stop_reason is None  # ended by EOS <|im_end|>
