@@ -1,0 +1,134 @@
+"""Block pool and KV cache manager: allocation, refcounts, prefix hits, LRU eviction, CoW, swap, no leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from servelm.engine.block_pool import BlockPool, hash_block
+from servelm.engine.kv_cache_manager import KVCacheManager
+from servelm.engine.sequence import Request, Sequence
+from servelm.sampling_params import SamplingParams
+
+
+def make_seq(tokens: list[int], n: int = 1) -> Sequence:
+    req = Request("r", list(tokens), SamplingParams(n=n))
+    return Sequence(req, 0, list(tokens))
+
+
+def test_alloc_free_refcounts():
+    pool = BlockPool(4, enable_caching=True)
+    a, b = pool.allocate(), pool.allocate()
+    assert a != b and pool.num_free == 2 and pool.ref_counts[a] == 1
+    pool.take(a)
+    assert pool.ref_counts[a] == 2
+    pool.release(a)
+    assert pool.num_free == 2  # still referenced once
+    pool.release(a)
+    pool.release(b)
+    assert pool.num_free == 4
+    with pytest.raises(RuntimeError):
+        pool.release(b)
+
+
+def test_exhausted_pool_raises():
+    pool = BlockPool(1, enable_caching=False)
+    pool.allocate()
+    with pytest.raises(RuntimeError):
+        pool.allocate()
+
+
+def test_hash_chain_depends_on_parent():
+    assert hash_block(None, [1, 2]) != hash_block(hash_block(None, [9, 9]), [1, 2])
+    assert hash_block(None, [1, 2]) == hash_block(None, [1, 2])
+
+
+def test_lru_eviction_order():
+    pool = BlockPool(3, enable_caching=True)
+    blocks = [pool.allocate() for _ in range(3)]
+    for i, b in enumerate(blocks):
+        pool.cache(b, 100 + i)
+    for b in (blocks[1], blocks[0], blocks[2]):  # freed in this order
+        pool.release(b)
+    assert pool.allocate() == blocks[1]  # least recently freed goes first
+    assert pool.lookup(101) is None and pool.num_evictions == 1
+    assert pool.lookup(100) == blocks[0] and pool.lookup(102) == blocks[2]
+
+
+def test_prefix_hit_takes_cached_block_out_of_free_queue():
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True, num_cpu_blocks=0)
+    a = make_seq(list(range(10)))
+    assert kv.allocate(a, 10)
+    a.num_computed_tokens = 10
+    kv.commit_computed(a)  # two full blocks registered
+    kv.free(a)
+    b = make_seq(list(range(8)) + [50, 51, 52])
+    hit = kv.find_cached_prefix(b)
+    assert len(hit) == 2
+    free_before = kv.num_free_blocks
+    assert kv.allocate(b, 3, hit)
+    assert b.num_computed_tokens == 8 and b.block_table[:2] == hit
+    assert kv.num_free_blocks == free_before - 3  # two cached blocks taken back + one new
+    assert all(kv.pool.ref_counts[x] == 1 for x in hit)
+
+
+def test_full_prompt_hit_still_leaves_a_token_to_compute():
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True, num_cpu_blocks=0)
+    a = make_seq(list(range(8)))
+    kv.allocate(a, 8)
+    a.num_computed_tokens = 8
+    kv.commit_computed(a)
+    kv.free(a)
+    again = make_seq(list(range(8)))
+    assert len(kv.find_cached_prefix(again)) == 1  # the last block is recomputed for its logits
+
+
+def test_allocate_fails_without_side_effects():
+    kv = KVCacheManager(2, 4, enable_prefix_caching=True, num_cpu_blocks=0)
+    s = make_seq(list(range(12)))
+    assert not kv.allocate(s, 12)
+    assert s.block_table == [] and kv.num_free_blocks == 2
+
+
+def test_copy_on_write_of_shared_partial_block():
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True, num_cpu_blocks=0)
+    parent = make_seq(list(range(6)), n=2)
+    kv.allocate(parent, 6)
+    parent.num_computed_tokens = 6
+    child = Sequence(parent.request, 1, list(parent.token_ids))
+    kv.fork(parent, child)
+    child.num_computed_tokens = 6
+    shared_last = parent.block_table[1]
+    assert kv.pool.ref_counts[shared_last] == 2
+    parent.token_ids.append(7)
+    assert kv.allocate(parent, 1)  # writes slot 6, inside the shared block: copy first
+    ops = kv.take_ops()
+    assert ops.copy == [(shared_last, parent.block_table[1])]
+    assert parent.block_table[0] == child.block_table[0]  # the full block stays shared
+    assert kv.pool.ref_counts[shared_last] == 1
+    child.token_ids.append(8)
+    assert kv.allocate(child, 1)
+    assert not kv.take_ops().copy  # the last holder writes in place
+    kv.free(parent)
+    kv.free(child)
+    assert kv.num_free_blocks == 8
+
+
+def test_swap_out_and_in_moves_blocks_to_cpu_and_back():
+    kv = KVCacheManager(4, 4, enable_prefix_caching=False, num_cpu_blocks=4)
+    s = make_seq(list(range(7)))
+    kv.allocate(s, 7)
+    s.num_computed_tokens = 7
+    dev = list(s.block_table)
+    assert kv.can_swap_out(s)
+    kv.swap_out(s)
+    assert kv.num_free_blocks == 4 and len(s.cpu_block_table) == 2
+    out_ops = kv.take_ops().swap_out
+    assert [d for d, _ in out_ops] == dev
+    s.token_ids.append(1)
+    assert kv.swap_in(s, 1)
+    in_ops = kv.take_ops().swap_in
+    assert [c for c, _ in in_ops] == [c for _, c in out_ops]
+    kv.end_step()
+    assert len(kv.cpu_free) == 4  # cpu blocks return once the step's copies are done
+    kv.free(s)
+    assert kv.num_free_blocks == 4

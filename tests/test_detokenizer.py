@@ -1,0 +1,33 @@
+"""Incremental detokenization reproduces the full decode and never streams part of a stop string."""
+
+from __future__ import annotations
+
+from servelm.engine.detokenizer import IncrementalDetokenizer
+
+
+def test_incremental_text_equals_full_decode(tokenizer):
+    text = "Héllo wörld 🙂 — naïve café, 日本語のテキスト!\n  indented"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    d = IncrementalDetokenizer(tokenizer, [1, 2, 3], True, [], False)
+    seen = []
+    for t in ids:
+        d.add_token(t, check_stop=True)
+        seen.append(d.text)
+        assert "\ufffd" not in d.text  # partial UTF-8 characters are held back
+    assert d.text == tokenizer.decode(ids)
+    assert all(a == b[: len(a)] for a, b in zip(seen, seen[1:], strict=False))  # text only ever grows
+
+
+def test_stop_string_holdback_for_streaming(tokenizer):
+    ids = tokenizer("one two three four", add_special_tokens=False).input_ids
+    d = IncrementalDetokenizer(tokenizer, [], True, ["three f"], False)
+    shown = []
+    hit = None
+    for t in ids:
+        hit = d.add_token(t, check_stop=True)
+        shown.append(d.text[: d.stream_safe_len(finished=hit is not None)])
+        if hit:
+            break
+    assert hit == "three f"
+    assert d.text == "one two "
+    assert all("thr" not in s for s in shown)  # nothing of the stop string was ever shown
