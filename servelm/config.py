@@ -2,32 +2,39 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 DEFAULT_KV_CACHE_GB = 1.0
+
+
+def _f(default, help: str):
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class EngineConfig:
     """Everything `LLM(...)` and `servelm serve` accept about the engine. `None` means "derive it"."""
 
-    model: str | None = None  # HF folder, .gguf file, or None for the default model
-    gguf_file: str | None = None  # a GGUF file name inside `model` (a folder)
-    tokenizer: str | None = None  # a tokenizer folder other than the model's
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "cpu"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"  # recompute | swap
-    swap_space_gb: float = 4.0
-    seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    model: str | None = _f(None, "a Hugging Face folder, a .gguf file, or omitted for the default "
+                           "SmolLM2-135M-Instruct")
+    gguf_file: str | None = _f(None, "a GGUF file name inside the MODEL folder")
+    tokenizer: str | None = _f(None, "a tokenizer folder to use instead of the model's own")
+    dtype: str = _f("auto", "auto | float32 | bfloat16 | float16; auto picks bfloat16 where the CPU has "
+                    "native bf16 (AVX512-BF16/AMX), else float32")
+    device: str = _f("cpu", "device to run on")
+    block_size: int = _f(16, "tokens per KV cache block")
+    num_kv_blocks: int | None = _f(None, "KV cache blocks; overrides --kv-cache-memory-gb")
+    kv_cache_memory_gb: float | None = _f(None, f"KV cache budget in GiB (default {DEFAULT_KV_CACHE_GB})")
+    max_num_seqs: int = _f(256, "most sequences in one batch")
+    max_num_batched_tokens: int = _f(2048, "token budget of one engine step (prefill chunks + decodes)")
+    max_model_len: int | None = _f(None, "context length; default: the model's, capped by the KV cache")
+    enable_prefix_caching: bool = _f(True, "reuse the KV cache of shared prompt prefixes")
+    enable_chunked_prefill: bool = _f(True, "split long prompts over several steps, mixed with decodes")
+    preemption_mode: str = _f("recompute", "recompute | swap: what happens to a request preempted "
+                              "when the KV cache is full")
+    swap_space_gb: float = _f(4.0, "CPU swap space for preempted requests in GiB (swap mode)")
+    seed: int = _f(0, "seed of the sampler's random generator for unseeded requests")
+    num_threads: int | None = _f(None, "torch compute threads (default: torch's choice)")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -53,5 +60,5 @@ class EngineConfig:
         return asdict(self)
 
     @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+    def field_help(cls) -> dict[str, str]:
+        return {f.name: f.metadata.get("help", "") for f in fields(cls)}

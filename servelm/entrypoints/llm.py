@@ -38,6 +38,15 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
             preemption_mode=preemption_mode, swap_space_gb=swap_space_gb, seed=seed, num_threads=num_threads,
         )
+        self._setup(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm._setup(config)
+        return llm
+
+    def _setup(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

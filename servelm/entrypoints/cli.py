@@ -1,0 +1,168 @@
+"""The `servelm` command line: generate, chat, bench."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import uuid
+
+from servelm.config import EngineConfig
+
+EXAMPLES = """examples:
+  servelm generate "Once upon a time" --max-tokens 32 --temperature 0
+  servelm generate "Tell me a joke" --chat --temperature 0.7 --seed 1
+  servelm generate "def fib(n):" --model ./my-llama --stop "\\n\\n" --json
+  servelm chat --system "You are terse."
+  servelm bench throughput --workload W1 --baselines hf-static
+"""
+
+
+def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+    """One flag per EngineConfig field, with its default and help taken from the config itself."""
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model" and not with_model:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        helptext = f"{f.metadata.get('help', '')} (default: {f.default})"
+        if f.type in ("bool", bool):
+            group.add_argument(flag, default=f.default, action=argparse.BooleanOptionalAction, help=helptext)
+            continue
+        base = str(f.type).replace(" | None", "")
+        conv = {"int": int, "float": float}.get(base, str)
+        group.add_argument(flag, type=conv, default=f.default, help=helptext)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
+    g.add_argument("--temperature", type=float, default=1.0, help="0 means greedy (default: 1.0)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 disables it")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("-n", type=int, default=1, help="completions per prompt")
+    g.add_argument("--logprobs", type=int, default=None, help="return the top-k logprobs of each token")
+
+
+def sampling_params_from_args(args: argparse.Namespace):
+    from servelm.sampling_params import SamplingParams
+
+    return SamplingParams(
+        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, stop=args.stop,
+        max_tokens=args.max_tokens, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from servelm.entrypoints.llm import LLM
+
+    llm = LLM.from_config(engine_config_from_args(args))
+    params = sampling_params_from_args(args)
+    if args.chat:
+        prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompts]
+    else:
+        prompts = list(args.prompts)
+    outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    for prompt, out in zip(args.prompts, outs, strict=True):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "completions": [
+                {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                 "stop_reason": c.stop_reason, "cumulative_logprob": c.cumulative_logprob}
+                for c in out.outputs]}))
+        else:
+            for c in out.outputs:
+                print(c.text if args.chat else prompt + c.text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from servelm.engine.llm_engine import LLMEngine
+    from servelm.entrypoints.llm import LLM
+    from servelm.sampling_params import OutputKind
+
+    llm = LLM.from_config(engine_config_from_args(args))
+    engine: LLMEngine = llm.engine
+    params = dataclasses.replace(sampling_params_from_args(args), n=1, output_kind=OutputKind.DELTA)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print("servelm chat: type a message, or /exit to quit, /reset to forget the conversation.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        rid = uuid.uuid4().hex
+        engine.add_request(rid, llm.apply_chat_template(history), params)
+        reply = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                delta = out.outputs[0].text if out.outputs else ""
+                reply.append(delta)
+                print(delta, end="", flush=True)
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="servelm", description="servelm: a fast LLM inference engine. Runs offline on local models only.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one or more prompts and print the results",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen.add_argument("prompts", nargs="+", help="prompt text(s)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="an interactive chat in the terminal with streamed replies")
+    chat.add_argument("--system", default=None, help="a system prompt")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat, temperature=0.7, max_tokens=512)
+
+    bench = sub.add_parser("bench", help="benchmarks that print JSON")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from servelm.bench.throughput import add_args as add_throughput_args
+
+    thr = bench_sub.add_parser("throughput", help="offline workloads W1-W4 vs transformers, as JSON")
+    add_throughput_args(thr)
+    add_engine_args(thr)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"servelm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
