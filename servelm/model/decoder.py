@@ -12,35 +12,20 @@ import torch
 import torch.nn.functional as F
 
 from servelm.model.attention import AttentionBackend, AttentionMetadata
+from servelm.model.layers import Linear, apply_rotary, rms_norm
 from servelm.model.spec import ModelSpec
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in float32 and cast back before scaling, exactly as transformers does, for bit parity.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, D] (the half-split "rotate_half" convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: Linear
+    o_proj: Linear
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 class DecoderLM:
@@ -53,7 +38,7 @@ class DecoderLM:
         self.embed = weights.pop("model.embed_tokens.weight")
         self.norm = weights.pop("model.norm.weight")
         lm_head = weights.pop("lm_head.weight", None)
-        self.lm_head = self.embed if lm_head is None or spec.tie_word_embeddings else lm_head
+        self.lm_head = Linear(self.embed if lm_head is None or spec.tie_word_embeddings else lm_head)
         self.layers = [self._take_layer(weights, i) for i in range(spec.num_layers)]
         unused = [k for k in weights if not k.endswith("rotary_emb.inv_freq")]
         if unused:
@@ -79,15 +64,13 @@ class DecoderLM:
                                   for b, t in zip(biases, (q, k, v), strict=True)])
         return LayerWeights(
             input_norm=take("input_layernorm.weight"),
-            qkv=torch.cat([q, k, v]).contiguous(),
-            qkv_bias=qkv_bias,
-            o_proj=take("self_attn.o_proj.weight"),
-            o_bias=take("self_attn.o_proj.bias", False),
+            qkv=Linear(torch.cat([q, k, v]).contiguous(), qkv_bias),
+            o_proj=Linear(take("self_attn.o_proj.weight"), take("self_attn.o_proj.bias", False)),
             q_norm=take("self_attn.q_norm.weight", False),
             k_norm=take("self_attn.k_norm.weight", False),
             post_norm=take("post_attention_layernorm.weight"),
-            gate_up=torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]).contiguous(),
-            down=take("mlp.down_proj.weight"),
+            gate_up=Linear(torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]).contiguous()),
+            down=Linear(take("mlp.down_proj.weight")),
         )
 
     def _rope_cache(self, max_pos: int) -> None:
@@ -108,7 +91,7 @@ class DecoderLM:
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         for i, lw in enumerate(self.layers):
             x = rms_norm(h, lw.input_norm, s.rms_norm_eps)
-            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+            qkv = lw.qkv(x)
             q = qkv[:, :q_size].view(-1, s.num_heads, s.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(-1, s.num_kv_heads, s.head_dim)
             v = qkv[:, q_size + kv_size:].view(-1, s.num_kv_heads, s.head_dim)
@@ -117,12 +100,12 @@ class DecoderLM:
                 k = rms_norm(k, lw.k_norm, s.rms_norm_eps)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             o = self.attn.forward(q, k, v.contiguous(), kv_caches[i], meta, s.sliding_windows[i])
-            h = h + F.linear(o.reshape(-1, q_size), lw.o_proj, lw.o_bias)
+            h = h + lw.o_proj(o.reshape(-1, q_size))
             x = rms_norm(h, lw.post_norm, s.rms_norm_eps)
-            gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, lw.down)
+            gate, up = lw.gate_up(x).chunk(2, dim=-1)
+            h = h + lw.down(F.silu(gate) * up)
         return rms_norm(h, self.norm, s.rms_norm_eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
