@@ -6,6 +6,7 @@ It runs a flattened batch of tokens from many sequences (no padding); attention 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,7 @@ class DecoderLM:
     """Weights plus a forward pass; holds no per-request state."""
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 backend: type[AttentionBackend]) -> None:
+                 backend: Callable[..., AttentionBackend]) -> None:
         self.spec = spec
         self.dtype = dtype
         self.embed = weights.pop("model.embed_tokens.weight")
@@ -92,13 +93,13 @@ class DecoderLM:
         for i, lw in enumerate(self.layers):
             x = rms_norm(h, lw.input_norm, s.rms_norm_eps)
             qkv = lw.qkv(x)
-            q = qkv[:, :q_size].view(-1, s.num_heads, s.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].view(-1, s.num_kv_heads, s.head_dim)
+            qk = qkv[:, :q_size + kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
             v = qkv[:, q_size + kv_size:].view(-1, s.num_kv_heads, s.head_dim)
             if lw.q_norm is not None:
-                q = rms_norm(q, lw.q_norm, s.rms_norm_eps)
-                k = rms_norm(k, lw.k_norm, s.rms_norm_eps)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+                qk = torch.cat([rms_norm(qk[:, :s.num_heads], lw.q_norm, s.rms_norm_eps),
+                                rms_norm(qk[:, s.num_heads:], lw.k_norm, s.rms_norm_eps)], dim=1)
+            qk = apply_rotary(qk, cos, sin)  # queries and keys rotated in one pass
+            q, k = qk[:, :s.num_heads].contiguous(), qk[:, s.num_heads:]
             o = self.attn.forward(q, k, v.contiguous(), kv_caches[i], meta, s.sliding_windows[i])
             h = h + lw.o_proj(o.reshape(-1, q_size))
             x = rms_norm(h, lw.post_norm, s.rms_norm_eps)

@@ -7,10 +7,9 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in float32 and cast back before scaling, exactly as transformers does, for bit parity.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    # torch's fused kernel accumulates in float32 like transformers; in bf16 it rounds once where
+    # transformers rounds twice (before and after the weight), a difference of at most one bf16 ulp.
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -20,13 +19,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def _can_prepack(w: torch.Tensor) -> bool:
+    return (w.device.type == "cpu" and w.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
 class Linear:
-    """y = x W^T + b. A seam for other weight formats (prepacked or quantized); plain F.linear for now,
-    because oneDNN-prepacked bf16 weights measured slower here once weights fall out of cache."""
+    """y = x W^T + b. On CPU in bf16 the weight is reordered once into oneDNN's blocked layout: with a
+    model's worth of distinct weights (cold caches) that measured 1.2-1.6x faster than F.linear for
+    1 to 128 rows, with identical results. Elsewhere it is plain F.linear; also the seam for quantized
+    weight formats."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight = weight
         self.bias = bias
+        self.weight: torch.Tensor | None = weight
+        self.packed: torch.Tensor | None = None
+        if _can_prepack(weight):
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+                self.weight = None  # keep only the packed copy
+            except RuntimeError:
+                self.packed = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

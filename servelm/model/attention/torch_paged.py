@@ -22,6 +22,8 @@ class TorchPagedAttention(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, sliding_window):
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
+        if not meta.prefills:  # a pure decode batch: every token is a decode, in order
+            return self._decode(q, kv_cache, meta, sliding_window)
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[meta.decode_idx] = self._decode(q[meta.decode_idx], kv_cache, meta, sliding_window)
@@ -66,3 +68,17 @@ class TorchPagedAttention(AttentionBackend):
             mask = _window_mask(q_pos, span.ctx_len, sliding_window)
             o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         return o.transpose(0, 1)
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """Decodes run in a C++ kernel that reads keys and values in place through the block tables."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, kernels) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.kernels = kernels
+
+    def _decode(self, q, kv_cache, meta: AttentionMetadata, sliding_window):
+        out = torch.empty_like(q)
+        self.kernels.paged_decode_attention(out, q.contiguous(), kv_cache[0], kv_cache[1], meta.decode_block_tables,
+                                            meta.decode_seq_lens, self.scale, sliding_window or 0)
+        return out

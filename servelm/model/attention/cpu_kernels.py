@@ -1,0 +1,50 @@
+"""C++ CPU kernels, compiled on first use with torch's extension builder and cached.
+
+`SERVELM_CPU_KERNELS=0` turns them off (the PyTorch paths are used instead). A machine that cannot
+compile them (no compiler, no ninja) falls back the same way, with one warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+_SRC = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_module = None
+_tried = False
+
+
+def enabled() -> bool:
+    return os.environ.get("SERVELM_CPU_KERNELS", "1") != "0"
+
+
+def load():
+    """The compiled module, or None when disabled or unavailable."""
+    global _module, _tried
+    if not enabled():
+        return None
+    if _tried:
+        return _module
+    _tried = True
+    from torch.utils.cpp_extension import load as build
+
+    from servelm.model.source import cache_dir
+
+    src = _SRC.read_bytes()
+    tag = hashlib.sha1(src + torch.__version__.encode()).hexdigest()[:12]
+    build_dir = cache_dir() / "kernels" / tag
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        logger.info("compiling servelm CPU kernels (first use only)")
+        _module = build(name=f"servelm_cpu_{tag}", sources=[str(_SRC)], build_directory=str(build_dir),
+                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
+                        verbose=False)
+    except Exception as e:  # a missing compiler must not stop the engine
+        logger.warning("servelm CPU kernels unavailable, using the PyTorch path: %s", e)
+        _module = None
+    return _module

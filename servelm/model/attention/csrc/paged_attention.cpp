@@ -1,0 +1,129 @@
+// Paged attention for single-token (decode) queries on CPU, read straight from the block tables.
+// The PyTorch fallback must gather every sequence's blocks into a contiguous copy first; this kernel
+// reads each key/value row where it lies, so the only memory traffic is the cache itself.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// Widen one row to float. bf16 is the top half of a float32, so a shift is exact and vectorizes.
+template <typename scalar_t>
+inline void load_row(const scalar_t* __restrict src, float* __restrict dst, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) {
+      uint32_t bits = static_cast<uint32_t>(raw[d]) << 16;
+      float f;
+      std::memcpy(&f, &bits, sizeof(f));
+      dst[d] = f;
+    }
+  } else {
+    for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+  }
+}
+
+template <typename scalar_t>
+void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                   const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                   const torch::Tensor& seq_lens, double scale, int64_t window) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), row(D), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      const int64_t len = lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t L = len - start;
+      scores.resize(G * L);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          qf[g * D + d] = static_cast<float>(qp[(b * Hq + h * G + g) * D + d]) * fscale;
+      const int64_t* table = tables + b * max_blocks;
+      // Walk the context block by block: one table lookup per block, not a division per token.
+      for (int64_t t = start; t < len;) {
+        const int64_t off = t % bs, n = std::min(bs - off, len - t);
+        const scalar_t* kr = kp + ((table[t / bs] * bs + off) * Hkv + h) * D;
+        for (int64_t i = 0; i < n; ++i, kr += Hkv * D) {
+          load_row(kr, row.data(), D);
+          const float* __restrict rp = row.data();
+          for (int64_t g = 0; g < G; ++g) {
+            const float* __restrict qg = qf.data() + g * D;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < D; ++d) s += qg[d] * rp[d];
+            scores[g * L + (t + i - start)] = s;
+          }
+        }
+        t += n;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * L;
+        const float m = *std::max_element(sg, sg + L);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < L; ++j) {
+          sg[j] = std::exp(sg[j] - m);
+          sum += sg[j];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t j = 0; j < L; ++j) sg[j] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = start; t < len;) {
+        const int64_t off = t % bs, n = std::min(bs - off, len - t);
+        const scalar_t* vr = vp + ((table[t / bs] * bs + off) * Hkv + h) * D;
+        for (int64_t i = 0; i < n; ++i, vr += Hkv * D) {
+          load_row(vr, row.data(), D);
+          const float* __restrict rp = row.data();
+          for (int64_t g = 0; g < G; ++g) {
+            const float w = scores[g * L + (t + i - start)];
+            float* __restrict ag = acc.data() + g * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ag[d] += w * rp[d];
+          }
+        }
+        t += n;
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          op[(b * Hq + h * G + g) * D + d] = static_cast<scalar_t>(acc[g * D + d]);
+    }
+  });
+}
+
+}  // namespace
+
+// out, q: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]
+// int64; seq_lens: [B] int64 (context length including the new token); window <= 0 means none.
+void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_decode_attention needs contiguous tensors");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "tables must be contiguous");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    decode_kernel<scalar_t>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+}

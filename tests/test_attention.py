@@ -1,0 +1,63 @@
+"""Attention backends: the C++ decode kernel against the PyTorch reference, and the engine on either."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_greedy, random_prompts
+
+from servelm import LLM, SamplingParams
+from servelm.model.attention import AttentionMetadata, CpuPagedAttention, TorchPagedAttention, cpu_kernels
+from servelm.model.attention.torch_paged import _window_mask
+
+kernels = cpu_kernels.load()
+needs_kernels = pytest.mark.skipif(kernels is None, reason="CPU kernels could not be compiled here")
+
+
+def _naive(q, k, v, q_pos, window):
+    """Plain softmax attention of queries at q_pos over keys 0..len(k)-1, with GQA by repetition."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1).float(), v.repeat_interleave(g, 1).float()
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~_window_mask(q_pos, k.shape[0], window)[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("backend", ["torch", "kernel"])
+def test_decode_batch_matches_naive_attention(backend, window, dtype, tol):
+    if backend == "kernel" and kernels is None:
+        pytest.skip("CPU kernels could not be compiled here")
+    torch.manual_seed(0)
+    hq, hkv, d, bs, nb = 6, 2, 16, 4, 40
+    kc, vc = torch.randn(nb, bs, hkv, d).to(dtype), torch.randn(nb, bs, hkv, d).to(dtype)
+    lens = torch.tensor([1, 5, 13, 30])
+    tables = torch.randperm(nb)[: 4 * 8].view(4, 8)
+    q = torch.randn(4, hq, d).to(dtype)
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), torch.arange(4), tables, lens, [], bs)
+    be = (TorchPagedAttention(hq, hkv, d, d**-0.5) if backend == "torch"
+          else CpuPagedAttention(hq, hkv, d, d**-0.5, kernels=kernels))
+    out = be._decode(q, (kc, vc), meta, window)
+    for b, n in enumerate(lens.tolist()):
+        k = kc[tables[b]].reshape(-1, hkv, d)[:n]
+        v = vc[tables[b]].reshape(-1, hkv, d)[:n]
+        ref = _naive(q[b:b + 1], k, v, torch.tensor([n - 1]), window)[0]
+        torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)
+
+
+def test_engine_without_kernels_matches_transformers(monkeypatch, model_dirs, hf_models):
+    monkeypatch.setenv("SERVELM_CPU_KERNELS", "0")
+    llm = LLM(str(model_dirs["mistral"]), dtype="float32", num_kv_blocks=128)
+    layer_backend = llm.engine.core.model.attn
+    assert type(layer_backend) is TorchPagedAttention
+    prompts = random_prompts(5, 10, 40, seed=30)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.outputs[0].token_ids == hf_greedy(hf_models["mistral"], p, 16)
+
+
+@needs_kernels
+def test_engine_uses_kernels_by_default(llama_dir):
+    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=16)
+    assert isinstance(llm.engine.core.model.attn, CpuPagedAttention)
