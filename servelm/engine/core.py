@@ -80,6 +80,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._order = 0
         self.num_steps = 0
+        self.last_num_batched_tokens = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
@@ -138,6 +139,7 @@ class EngineCore:
             self.kv.end_step()
             return []
         self.num_steps += 1
+        self.last_num_batched_tokens = out.num_batched_tokens
         for s in out.scheduled:
             req = s.seq.request
             if s.sample_seqs and req.params.n > 1 and not req.forked:

@@ -76,26 +76,34 @@ def _eos_ids(folder: Path, hf_config, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str | None = None,
-               dtype: str = "auto", device: str = "cpu") -> LoadedModel:
+def load_config_and_tokenizer(model: str | None, gguf_file: str | None = None, tokenizer: str | None = None):
+    """(source, hf_config, tokenizer, eos ids) without loading weights: what the API process needs."""
     from transformers import AutoConfig, AutoTokenizer
 
     set_offline_env()
-    t0 = time.perf_counter()
     src = resolve_model(model, gguf_file)
-    torch_dtype = resolve_dtype(dtype, device)
     if src.kind == "gguf":
         hf_config, tok = load_gguf_config_and_tokenizer(src.path)
-        tensors = iter_gguf_tensors(src.path, torch_dtype)
     else:
         hf_config = AutoConfig.from_pretrained(src.path)
         tok = AutoTokenizer.from_pretrained(src.path)
-        tensors = _iter_safetensors(src.path, torch_dtype)
     if tokenizer is not None:
         tok = AutoTokenizer.from_pretrained(tokenizer)
+    return src, hf_config, tok, _eos_ids(src.folder, hf_config, tok)
+
+
+def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str | None = None,
+               dtype: str = "auto", device: str = "cpu") -> LoadedModel:
+    t0 = time.perf_counter()
+    src, hf_config, tok, eos = load_config_and_tokenizer(model, gguf_file, tokenizer)
+    torch_dtype = resolve_dtype(dtype, device)
+    if src.kind == "gguf":
+        tensors = iter_gguf_tensors(src.path, torch_dtype)
+    else:
+        tensors = _iter_safetensors(src.path, torch_dtype)
     spec = ModelSpec.from_hf_config(hf_config)
     weights = dict(tensors)
     lm = DecoderLM(spec, weights, torch_dtype, get_backend(device))
     seconds = time.perf_counter() - t0
     logger.info("loaded %s (%s, %s) in %.1fs", src.name, spec.architecture, torch_dtype, seconds)
-    return LoadedModel(lm, tok, hf_config, src, _eos_ids(src.folder, hf_config, tok), seconds)
+    return LoadedModel(lm, tok, hf_config, src, eos, seconds)

@@ -1,0 +1,415 @@
+"""The OpenAI-compatible HTTP API (FastAPI). It validates, tokenizes, streams; the engine process generates."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from servelm.outputs import RequestOutput
+from servelm.server import protocol as p
+from servelm.server.async_engine import AsyncEngine, EngineDeadError, RequestRejected
+from servelm.server.protocol import APIError
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    model_name: str
+    tokenizer: object
+    embedder: object | None = None
+    embed_model_name: str | None = None
+    created: int = 0
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _sse(obj: dict | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="servelm", description="OpenAI-compatible LLM server")
+    app.state.servelm = state
+    engine, tok = state.engine, state.tokenizer
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', []) if x != 'body') or 'body'}: {e.get('msg')}"
+                        for e in errs[:5])
+        return _error_response(APIError(400, msg or "invalid request", ".".join(loc) or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        message = {404: "not found", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
+        return _error_response(APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
+
+    # -- health ------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if not engine.ready:
+            raise APIError(503, "the engine is not ready", code="engine_unavailable")
+        return {"status": "ready", "models": _model_ids()}
+
+    # -- models ------------------------------------------------------------------------------------
+    def _model_ids() -> list[str]:
+        return [state.model_name] + ([state.embed_model_name] if state.embedder else [])
+
+    def _model_card(mid: str) -> dict:
+        card = {"id": mid, "object": "model", "created": state.created, "owned_by": "servelm"}
+        if mid == state.model_name:
+            card["max_model_len"] = engine.max_model_len
+        return card
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [_model_card(m) for m in _model_ids()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        if model_id not in _model_ids():
+            raise APIError(404, f"model {model_id!r} does not exist", "model", "model_not_found")
+        return _model_card(model_id)
+
+    def _check_model(model: str | None) -> None:
+        if model is not None and model != state.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
+                           "model", "model_not_found")
+
+    # -- generation helpers ------------------------------------------------------------------------
+    def _params(req, prompt_len: int):
+        try:
+            params = req.sampling_params(max(1, engine.max_model_len - prompt_len))
+            params.check_vocab(engine.info.vocab_size if engine.info else 1 << 31)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+        if prompt_len + (params.max_tokens or 0) > engine.max_model_len:
+            raise APIError(400, f"this model's maximum context length is {engine.max_model_len} tokens; the "
+                                f"request has {prompt_len} prompt tokens and max_tokens={params.max_tokens} "
+                                f"({prompt_len + params.max_tokens} in total)", "max_tokens", "context_length_exceeded")
+        return params
+
+    async def _stream_outputs(request: Request, rid: str, ids: list[int], params, prompt: str | None
+                              ) -> AsyncIterator[RequestOutput]:
+        """Engine outputs for one request; a client that goes away aborts it."""
+        try:
+            gen = engine.generate(rid, ids, params, prompt)
+            async for out in gen:
+                yield out
+        except RequestRejected as e:
+            raise APIError(400, str(e)) from e
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from e
+
+    async def _collect(request: Request, jobs: list[tuple[str, list[int], object, str | None]]):
+        """Run several requests to completion, aborting all of them if the client disconnects."""
+        async def one(job):
+            final: dict[int, dict] = {}
+            async for out in _stream_outputs(request, *job):
+                for c in out.outputs:
+                    acc = final.setdefault(c.index, {"text": "", "token_ids": [], "logprobs": [], "finish": None,
+                                                     "stop_reason": None})
+                    acc["text"] += c.text
+                    acc["token_ids"] += c.token_ids
+                    acc["logprobs"] += c.logprobs or []
+                    acc["finish"], acc["stop_reason"] = c.finish_reason or acc["finish"], c.stop_reason
+            return final
+
+        tasks = [asyncio.create_task(one(j)) for j in jobs]
+        watcher = asyncio.create_task(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait([*tasks, watcher], return_when=asyncio.FIRST_COMPLETED)
+            while watcher not in done and not all(t.done() for t in tasks):
+                if any(t.done() and t.exception() for t in tasks):
+                    break
+                done, _ = await asyncio.wait([*tasks, watcher], return_when=asyncio.FIRST_COMPLETED)
+            if watcher in done and not all(t.done() for t in tasks):
+                raise APIError(499, "client disconnected")
+            return [t.result() for t in tasks]
+        finally:
+            watcher.cancel()
+            for t in tasks:
+                t.cancel()
+
+    def _logprobs_chat(token_ids: list[int], entries: list, k: int) -> dict:
+        def item(lp) -> dict:
+            text = lp.decoded_token or ""
+            return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+
+        content = []
+        for tid, pos in zip(token_ids, entries, strict=False):
+            top = sorted(pos.values(), key=lambda v: -v.logprob)[:k]
+            content.append({**item(pos[tid]), "top_logprobs": [item(v) for v in top]})
+        return {"content": content}
+
+    def _logprobs_completion(token_ids: list[int], entries: list, offset: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, pos in zip(token_ids, entries, strict=False):
+            lp = pos[tid]
+            tokens.append(lp.decoded_token)
+            token_lps.append(lp.logprob)
+            tops.append({v.decoded_token: v.logprob for v in pos.values()})
+            offsets.append(offset)
+            offset += len(lp.decoded_token or "")
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    # -- completions -------------------------------------------------------------------------------
+    def _completion_prompts(prompt) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, str):
+            return [(prompt, tok(prompt).input_ids)]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        if isinstance(prompt[0], int):
+            return [(None, list(prompt))]
+        if isinstance(prompt[0], str):
+            return [(s, tok(s).input_ids) for s in prompt]
+        return [(None, list(ids)) for ids in prompt]
+
+    @app.post("/v1/completions")
+    async def completions(req: p.CompletionRequest, request: Request):
+        _check_model(req.model)
+        prompts = _completion_prompts(req.prompt)
+        for _, ids in prompts:
+            if not ids:
+                raise APIError(400, "prompt must contain at least one token", "prompt")
+        base = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        jobs = []
+        for i, (text, ids) in enumerate(prompts):
+            jobs.append((f"{base}-{i}", ids, _params(req, len(ids)), text))
+        model = state.model_name
+        n = req.n
+
+        if req.stream:
+            async def events():
+                completion_tokens = 0
+                try:
+                    for i, (rid, ids, params, text) in enumerate(jobs):
+                        if req.echo:
+                            for j in range(n):
+                                yield _sse({"id": base, "object": "text_completion", "created": created,
+                                            "model": model, "choices": [{"index": i * n + j,
+                                            "text": text if text is not None else tok.decode(ids),
+                                            "logprobs": None, "finish_reason": None}]})
+                        async for out in _stream_outputs(request, rid, ids, params, text):
+                            for c in out.outputs:
+                                completion_tokens += len(c.token_ids)
+                                if not (c.text or c.finish_reason):
+                                    continue
+                                yield _sse({"id": base, "object": "text_completion", "created": created,
+                                            "model": model, "choices": [{
+                                                "index": i * n + c.index, "text": c.text,
+                                                "logprobs": _logprobs_completion(c.token_ids, c.logprobs, 0)
+                                                if c.logprobs else None,
+                                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                    if req.stream_options and req.stream_options.include_usage:
+                        prompt_tokens = sum(len(j[1]) for j in jobs) * 1
+                        yield _sse({"id": base, "object": "text_completion", "created": created, "model": model,
+                                    "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+                except APIError as e:
+                    yield _sse(e.body())
+                yield _sse("[DONE]")
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        results = await _collect(request, jobs)
+        choices, completion_tokens = [], 0
+        for i, (final, (_, ids, _, text)) in enumerate(zip(results, jobs, strict=True)):
+            for j in sorted(final):
+                acc = final[j]
+                completion_tokens += len(acc["token_ids"])
+                prefix = (text if text is not None else tok.decode(ids)) if req.echo else ""
+                choices.append({"index": i * n + j, "text": prefix + acc["text"],
+                                "logprobs": _logprobs_completion(acc["token_ids"], acc["logprobs"], len(prefix))
+                                if req.logprobs is not None else None,
+                                "finish_reason": acc["finish"], "stop_reason": acc["stop_reason"]})
+        prompt_tokens = sum(len(j[1]) for j in jobs)
+        return {"id": base, "object": "text_completion", "created": created, "model": model, "choices": choices,
+                "usage": _usage(prompt_tokens, completion_tokens)}
+
+    # -- chat --------------------------------------------------------------------------------------
+    def _chat_ids(messages: list[p.ChatMessage], add_generation_prompt: bool = True, **kw) -> list[int]:
+        if getattr(tok, "chat_template", None) is None:
+            raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+        conv = [{"role": msg.role, "content": msg.text()} for msg in messages]
+        try:
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False, **kw)
+        except Exception as e:  # template errors are the caller's input
+            raise APIError(400, f"chat template failed: {e}", "messages") from e
+        return tok(text, add_special_tokens=False).input_ids
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: p.ChatCompletionRequest, request: Request):
+        _check_model(req.model)
+        ids = _chat_ids(req.messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+        params = _params(req, len(ids))
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created, model = int(time.time()), state.model_name
+
+        if req.stream:
+            async def events():
+                completion_tokens = 0
+                try:
+                    for j in range(req.n):
+                        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                                    "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]})
+                    async for out in _stream_outputs(request, rid, ids, params, None):
+                        for c in out.outputs:
+                            completion_tokens += len(c.token_ids)
+                            if not (c.text or c.finish_reason):
+                                continue
+                            delta = {"content": c.text} if c.text else {}
+                            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                        "model": model, "choices": [{
+                                            "index": c.index, "delta": delta,
+                                            "logprobs": _logprobs_chat(c.token_ids, c.logprobs, req.top_logprobs or 0) if c.logprobs else None,
+                                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                    if req.stream_options and req.stream_options.include_usage:
+                        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                                    "choices": [], "usage": _usage(len(ids), completion_tokens)})
+                except APIError as e:
+                    yield _sse(e.body())
+                yield _sse("[DONE]")
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        [final] = await _collect(request, [(rid, ids, params, None)])
+        choices, completion_tokens = [], 0
+        for j in sorted(final):
+            acc = final[j]
+            completion_tokens += len(acc["token_ids"])
+            choices.append({"index": j, "message": {"role": "assistant", "content": acc["text"]},
+                            "logprobs": _logprobs_chat(acc["token_ids"], acc["logprobs"], req.top_logprobs or 0) if req.logprobs else None,
+                            "finish_reason": acc["finish"], "stop_reason": acc["stop_reason"]})
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+                "usage": _usage(len(ids), completion_tokens)}
+
+    # -- tokenizer ---------------------------------------------------------------------------------
+    @app.post("/tokenize")
+    async def tokenize(req: p.TokenizeRequest):
+        _check_model(req.model)
+        if req.messages is not None:
+            ids = _chat_ids(req.messages)
+        elif req.prompt is not None:
+            ids = tok(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+        else:
+            raise APIError(400, "give either prompt or messages", "prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: p.DetokenizeRequest):
+        _check_model(req.model)
+        vocab = engine.info.vocab_size if engine.info else len(tok)
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
+        return {"prompt": tok.decode(req.tokens)}
+
+    # -- native endpoints --------------------------------------------------------------------------
+    async def _native(request: Request, ids: list[int], body: p.NativeGenerateRequest, prompt: str | None):
+        creq = p.CompletionRequest(prompt=ids, max_tokens=body.max_tokens, temperature=body.temperature,
+                                   top_p=body.top_p, stop=body.stop_sequences)
+        params = _params(creq, len(ids))
+        rid = f"gen-{uuid.uuid4().hex}"
+
+        def reason(c) -> str | None:
+            if c.finish_reason == "stop" and isinstance(c.stop_reason, str):
+                return "stop_sequence"
+            return c.finish_reason
+
+        if body.stream:
+            async def events():
+                try:
+                    async for out in _stream_outputs(request, rid, ids, params, prompt):
+                        c = out.outputs[0]
+                        if c.text or c.finish_reason:
+                            yield _sse({"token": c.text, "index": len(c.token_ids) and c.token_ids[-1],
+                                        "finish_reason": reason(c)})
+                except APIError as e:
+                    yield _sse(e.body())
+            return StreamingResponse(events(), media_type="text/event-stream")
+        [final] = await _collect(request, [(rid, ids, params, prompt)])
+        acc = final[0]
+        return {"id": rid, "text": acc["text"],
+                "finish_reason": "stop_sequence" if acc["finish"] == "stop" and isinstance(acc["stop_reason"], str)
+                else acc["finish"], "usage": _usage(len(ids), len(acc["token_ids"]))}
+
+    @app.post("/generate")
+    async def native_generate(body: p.NativeGenerateRequest, request: Request):
+        return await _native(request, tok(body.prompt).input_ids, body, body.prompt)
+
+    @app.post("/chat")
+    async def native_chat(body: p.NativeChatRequest, request: Request):
+        return await _native(request, _chat_ids(body.messages), body, None)
+
+    # -- embeddings --------------------------------------------------------------------------------
+    async def _embed(inputs: list[str]):
+        if state.embedder is None:
+            raise APIError(404, "this server has no embedding model", "model", "model_not_found")
+        if not inputs or any(not isinstance(s, str) or not s for s in inputs):
+            raise APIError(400, "input must be a non-empty string or a list of non-empty strings", "input")
+        try:
+            return await state.embedder.embed(inputs)
+        except ValueError as e:
+            raise APIError(400, str(e), "input") from e
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: p.EmbeddingRequest):
+        if req.model is not None and req.model != state.embed_model_name:
+            raise APIError(404, f"model {req.model!r} does not exist or is not an embedding model", "model",
+                           "model_not_found")
+        inputs = [req.input] if isinstance(req.input, str) else req.input
+        vectors, tokens = await _embed(inputs)
+        data = []
+        for i, v in enumerate(vectors):
+            emb = _b64(v) if req.encoding_format == "base64" else v.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        return {"object": "list", "data": data, "model": state.embed_model_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    @app.post("/embeddings")
+    async def native_embeddings(req: p.NativeEmbeddingRequest):
+        inputs = [req.input] if isinstance(req.input, str) else req.input
+        vectors, tokens = await _embed(inputs)
+        return {"embeddings": [v.tolist() for v in vectors], "model": state.embed_model_name,
+                "usage": {"prompt_tokens": tokens}}
+
+    return app
+
+
+def _b64(vec) -> str:
+    import base64
+
+    import numpy as np
+
+    return base64.b64encode(np.asarray(vec, dtype="<f4").tobytes()).decode()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.05)

@@ -1,0 +1,217 @@
+"""AsyncEngine: the API process's handle on the engine-core process.
+
+It owns the engine process (start, watch, restart), the ZeroMQ sockets, and the output processor that
+turns token outputs into text. Each request gets an asyncio queue of `RequestOutput`s; leaving the
+generator early (client gone, error) aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from servelm.config import EngineConfig
+from servelm.engine.core import EngineStats
+from servelm.engine.output_processor import OutputProcessor
+from servelm.outputs import RequestOutput
+from servelm.sampling_params import SamplingParams
+from servelm.server import messages as m
+from servelm.server.engine_proc import run_engine
+
+logger = logging.getLogger("servelm.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process died while the request was in flight."""
+
+
+class RequestRejected(ValueError):
+    """The engine refused the request (e.g. it can never fit the context)."""
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    finished: bool = False
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, tokenizer, start_timeout: float = 600.0) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.start_timeout = start_timeout
+        self.output_processor = OutputProcessor(tokenizer)
+        self.streams: dict[str, _Stream] = {}
+        self.ready = False
+        self.info: m.Ready | None = None
+        self.stats: EngineStats | None = None
+        self.restarts = 0
+        self._proc: multiprocessing.Process | None = None
+        self._stopping = False
+        self._tasks: list[asyncio.Task] = []
+        base = os.path.join(tempfile.gettempdir(), f"servelm-{uuid.uuid4().hex[:12]}")
+        self._in_addr, self._out_addr = f"ipc://{base}-in", f"ipc://{base}-out"
+        self._ctx = zmq.asyncio.Context()
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._in.bind(self._in_addr)
+        self._out = self._ctx.socket(zmq.PULL)
+        self._out.bind(self._out_addr)
+        self._ready_event = asyncio.Event()
+        self.on_step = None  # optional callback(StepOutputs) for metrics
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watch())]
+        self._spawn()
+        await self.wait_ready()
+
+    def _spawn(self) -> None:
+        self.ready = False
+        self._ready_event.clear()
+        ctx = multiprocessing.get_context("spawn")
+        self._proc = ctx.Process(target=run_engine, args=(self.config, self._in_addr, self._out_addr),
+                                 name="servelm-engine", daemon=True)
+        self._proc.start()
+        logger.info("engine process started (pid %s)", self._proc.pid)
+
+    async def wait_ready(self) -> None:
+        try:
+            await asyncio.wait_for(self._ready_event.wait(), self.start_timeout)
+        except asyncio.TimeoutError as e:
+            raise RuntimeError(f"the engine did not become ready within {self.start_timeout:.0f}s") from e
+        if not self.ready:
+            raise RuntimeError(self._fatal or "the engine failed to start")
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        if self._proc is not None and self._proc.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                await self._in.send(m.encoder.encode(m.Shutdown()), flags=zmq.NOBLOCK)
+            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10)
+            if self._proc.is_alive():
+                self._proc.kill()
+        for t in self._tasks:
+            t.cancel()
+        self._ctx.destroy(linger=0)
+        for addr in (self._in_addr, self._out_addr):
+            with contextlib.suppress(OSError):
+                os.unlink(addr.removeprefix("ipc://"))
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    _fatal: str | None = None
+
+    async def _watch(self) -> None:
+        """Notice a dead engine at once: fail in-flight requests (503), then start a new one."""
+        while not self._stopping:
+            await asyncio.sleep(0.2)
+            if self._proc is None or self._proc.is_alive() or self._stopping:
+                continue
+            was_ready = self.ready
+            logger.error("engine process %s exited with code %s; failing %d in-flight requests and restarting",
+                         self._proc.pid, self._proc.exitcode, len(self.streams))
+            self.ready = False
+            self._fail_all(EngineDeadError("the engine process died; the request was not completed"))
+            if not was_ready and self._fatal:  # it never started: restarting would fail the same way
+                self._ready_event.set()
+                return
+            self.restarts += 1
+            self._spawn()
+
+    def _fail_all(self, err: Exception) -> None:
+        for rid, stream in list(self.streams.items()):
+            stream.queue.put_nowait(err)
+            self.output_processor.abort(rid)
+        self.streams.clear()
+
+    # -- outputs -----------------------------------------------------------------------------------
+    async def _output_loop(self) -> None:
+        while True:
+            msg = m.output_decoder.decode(await self._out.recv())
+            if isinstance(msg, m.Ready):
+                self.info, self.ready, self._fatal = msg, True, None
+                self._ready_event.set()
+                logger.info("engine ready (pid %s, max_model_len %d)", msg.pid, msg.max_model_len)
+            elif isinstance(msg, m.Fatal):
+                self._fatal = msg.message
+                logger.error("engine failed to start: %s", msg.message)
+            else:
+                self._on_step(msg)
+
+    def _on_step(self, msg: m.StepOutputs) -> None:
+        self.stats = msg.stats
+        for err in msg.errors:
+            stream = self.streams.pop(err.request_id, None)
+            self.output_processor.abort(err.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(RequestRejected(err.message))
+        outputs, stopped = self.output_processor.process(msg.outputs)
+        for rid, index, stop in stopped:
+            self._in.send(m.encoder.encode(m.FinishSample(rid, index, stop)))
+        for out in outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.queue.put_nowait(out)
+            if out.finished:
+                stream.finished = True
+                del self.streams[out.request_id]
+        if self.on_step is not None:
+            self.on_step(msg, outputs)
+
+    # -- requests ----------------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prompt: str | None = None, priority: int = 1) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; closing the iterator early aborts it in the engine."""
+        if not self.ready:
+            raise EngineDeadError("the engine is not ready")
+        if request_id in self.streams:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        stream = _Stream(asyncio.Queue())
+        self.streams[request_id] = stream
+        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        await self._in.send(m.encoder.encode(m.AddRequest(request_id, prompt_token_ids, params, priority)))
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    stream.finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not stream.finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if self.streams.pop(request_id, None) is None:
+            return
+        self.output_processor.abort(request_id)
+        if self.ready:
+            await self._in.send(m.encoder.encode(m.Abort([request_id])))
+        logger.info("aborted request %s", request_id)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len if self.info else 0
+
+    def num_in_flight(self) -> int:
+        return len(self.streams)
+
+    @staticmethod
+    def now() -> float:
+        return time.time()

@@ -1,0 +1,95 @@
+"""The engine-core process: receives requests over ZeroMQ, runs `EngineCore.step()`, streams token outputs.
+
+It never touches text; the API process tokenizes, detokenizes and applies stop strings, so the model loop
+only ever waits for the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+
+import zmq
+
+from servelm.config import EngineConfig
+from servelm.engine.core import EngineCore
+from servelm.engine.sequence import Request
+from servelm.server import messages as m
+
+logger = logging.getLogger("servelm.engine")
+
+
+def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+    """Entry point of the engine process."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.connect(output_addr)
+    try:
+        import torch
+
+        from servelm.model.loader import load_model
+
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        loaded = load_model(config.model, config.gguf_file, config.tokenizer, config.dtype, config.device)
+        core = EngineCore(config, loaded.model)
+        eos = loaded.eos_token_ids
+        _warmup(core, eos)
+    except Exception as e:  # tell the API process why, instead of dying silently
+        out.send(m.encoder.encode(m.Fatal(f"{type(e).__name__}: {e}")))
+        raise
+    out.send(m.encoder.encode(m.Ready(core.max_model_len, core.model.spec.vocab_size, os.getpid())))
+    poller = zmq.Poller()
+    poller.register(inp, zmq.POLLIN)
+    while True:
+        # Block while idle; otherwise only drain what has already arrived between steps.
+        timeout = 0 if core.has_unfinished_requests() else 1000
+        errors: list[m.RequestError] = []
+        while poller.poll(timeout):
+            msg = m.input_decoder.decode(inp.recv())
+            if isinstance(msg, m.Shutdown):
+                return
+            _handle(core, msg, eos, errors)
+            timeout = 0
+        if not core.has_unfinished_requests() and not errors:
+            continue
+        t = time.perf_counter()
+        try:
+            outputs = core.step()
+        except Exception:
+            logger.error("engine step failed:\n%s", traceback.format_exc())
+            raise
+        out.send(m.encoder.encode(m.StepOutputs(outputs, errors, core.stats(), 1000 * (time.perf_counter() - t),
+                                                core.last_num_batched_tokens)))
+
+
+def _handle(core: EngineCore, msg, eos: frozenset[int], errors: list[m.RequestError]) -> None:
+    if isinstance(msg, m.AddRequest):
+        params = msg.params
+        params._eos_token_ids = eos
+        try:
+            core.add_request(Request(msg.request_id, msg.prompt_token_ids, params, priority=msg.priority))
+        except ValueError as e:
+            errors.append(m.RequestError(msg.request_id, str(e)))
+    elif isinstance(msg, m.Abort):
+        for rid in msg.request_ids:
+            core.abort_request(rid)
+    elif isinstance(msg, m.FinishSample):
+        core.finish_seq(msg.request_id, msg.index, "stop", msg.stop)
+
+
+def _warmup(core: EngineCore, eos: frozenset[int]) -> None:
+    """One short request through every code path (prefill, decode, sampling) before serving."""
+    from servelm.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    params._eos_token_ids = eos
+    core.add_request(Request("__warmup__", [1] * 8, params))
+    while core.has_unfinished_requests():
+        core.step()
+    core.kv.pool.reset_prefix_cache()

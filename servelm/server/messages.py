@@ -1,0 +1,64 @@
+"""Typed messages between the API process and the engine-core process (msgpack over ZeroMQ)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from servelm.engine.core import EngineStats, SeqOutput
+from servelm.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 1
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class FinishSample(msgspec.Struct, tag="finish"):
+    """A sample hit a stop string (found by the API process's detokenizer): end it in the engine."""
+
+    request_id: str
+    index: int
+    stop: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+EngineInput = AddRequest | Abort | FinishSample | Shutdown
+
+
+class RequestError(msgspec.Struct):
+    request_id: str
+    message: str
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    max_model_len: int
+    vocab_size: int
+    pid: int
+
+
+class StepOutputs(msgspec.Struct, tag="step"):
+    outputs: list[SeqOutput]
+    errors: list[RequestError]
+    stats: EngineStats
+    step_ms: float = 0.0
+    num_batched_tokens: int = 0
+
+
+class Fatal(msgspec.Struct, tag="fatal"):
+    message: str
+
+
+EngineOutput = Ready | StepOutputs | Fatal
+
+encoder = msgspec.msgpack.Encoder()
+input_decoder = msgspec.msgpack.Decoder(EngineInput)
+output_decoder = msgspec.msgpack.Decoder(EngineOutput)
