@@ -48,6 +48,8 @@ def test_requests_that_can_never_run_are_refused(llama_dir):
         llm.generate([[]], SamplingParams())
     with pytest.raises(ValueError, match="does not fit the KV cache"):
         LLM(str(llama_dir), dtype="float32", num_kv_blocks=2, max_model_len=100)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLM(str(llama_dir), dtype="float32", num_kv_blocks=512, max_model_len=5000)
     assert not llm.engine.has_unfinished_requests()  # nothing half-queued after a refusal
     with pytest.raises(TypeError, match="unknown LLM arguments: bogus"):
         LLM(str(llama_dir), bogus=1)

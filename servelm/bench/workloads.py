@@ -53,3 +53,15 @@ def make_workload(name: str, vocab: int, bos: int = 1, scale: float = 1.0) -> Wo
             outs.append(olen)
         return Workload("W4", prompts, outs)
     raise ValueError(f"unknown workload {name!r}: choose W1, W2, W3 or W4")
+
+
+def make_serving_workload(vocab: int, num_requests: int = 200, seed: int = 4, bos: int = 1) -> Workload:
+    """S1: prompts of uniform 64..512 tokens, outputs of uniform 32..256 (arrival times are drawn by the
+    load generator from the request rate)."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    prompts, outs = [], []
+    for _ in range(num_requests):
+        plen, olen = int(rng.integers(64, 513)), int(rng.integers(32, 257))
+        prompts.append([bos] + _ids(rng, plen - 1, vocab))
+        outs.append(olen)
+    return Workload("S1", prompts, outs)

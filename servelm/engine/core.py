@@ -64,6 +64,9 @@ class EngineCore:
             gb = config.kv_cache_memory_gb or DEFAULT_KV_CACHE_GB
             num_blocks = max(1, int(gb * 2**30) // block_bytes)
         capacity = num_blocks * config.block_size
+        if config.max_model_len is not None and config.max_model_len > spec.max_position_embeddings:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={spec.max_position_embeddings}")
         max_len = config.max_model_len or spec.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > capacity:
             raise ValueError(f"max_model_len={config.max_model_len} does not fit the KV cache: {num_blocks} "
@@ -71,7 +74,7 @@ class EngineCore:
         if config.max_model_len is None and capacity < max_len:
             logger.warning("max_model_len lowered from %d to the KV cache capacity %d", max_len, capacity)
             max_len = capacity
-        self.max_model_len = min(max_len, spec.max_position_embeddings)
+        self.max_model_len = max_len
         num_cpu_blocks = int(config.swap_space_gb * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,

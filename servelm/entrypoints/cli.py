@@ -17,6 +17,7 @@ EXAMPLES = """examples:
   servelm chat --system "You are terse."
   servelm serve --port 8000               # then: curl localhost:8000/v1/models
   servelm bench throughput --workload W1 --baselines hf-static
+  servelm bench serve --base-url http://127.0.0.1:8000 --rate 2
 """
 
 
@@ -157,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     thr = bench_sub.add_parser("throughput", help="offline workloads W1-W4 vs transformers, as JSON")
     add_throughput_args(thr)
     add_engine_args(thr)
+    from servelm.bench.serve import add_args as add_serve_bench_args
+
+    sv = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server with workload S1, as JSON")
+    add_serve_bench_args(sv)
     return parser
 
 

@@ -50,13 +50,17 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
         # Block while idle; otherwise only drain what has already arrived between steps.
         timeout = 0 if core.has_unfinished_requests() else 1000
         errors: list[m.RequestError] = []
+        handled = False
         while poller.poll(timeout):
+            handled = True
             msg = m.input_decoder.decode(inp.recv())
             if isinstance(msg, m.Shutdown):
                 return
             _handle(core, msg, eos, errors)
             timeout = 0
-        if not core.has_unfinished_requests() and not errors:
+        if not core.has_unfinished_requests():
+            if handled:  # e.g. an abort emptied the engine: report errors and fresh stats anyway
+                out.send(m.encoder.encode(m.StepOutputs([], errors, core.stats())))
             continue
         t = time.perf_counter()
         try:

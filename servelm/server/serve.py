@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import signal
 import time
 from pathlib import Path
 
@@ -65,14 +67,36 @@ async def _serve(args) -> int:
     app = build_app(state)
     logger.info("ready in %.1fs: serving %s on http://%s:%d", time.perf_counter() - t0, state.model_name,
                 args.host, args.port)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           timeout_graceful_shutdown=args.drain_timeout))
+    server = _DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                            timeout_graceful_shutdown=args.drain_timeout))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.begin_drain, sig)
     try:
         await server.serve()  # SIGTERM/SIGINT: stop accepting, drain in-flight requests, return
     finally:
         await engine.shutdown()
     logger.info("shut down cleanly")
     return 0
+
+
+class _DrainingServer:
+    """uvicorn's server, with signals handled here: after draining it returns (exit 0) instead of
+    re-raising the signal as uvicorn does."""
+
+    def __new__(cls, config):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield
+
+            def begin_drain(self, sig) -> None:
+                logger.info("received %s: draining in-flight requests", signal.Signals(sig).name)
+                self.should_exit = True
+
+        return Server(config)
 
 
 def cmd_serve(args) -> int:

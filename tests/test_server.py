@@ -1,0 +1,296 @@
+"""A real server on localhost with a tiny model, driven by the official openai SDK and raw httpx."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from conftest import random_prompts
+
+from servelm import LLM, SamplingParams
+
+pytestmark = pytest.mark.server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(cond, timeout: float = 60.0, what: str = "condition"):
+    """Poll until cond() is truthy (a bounded wait for a state, not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def start_server(model_dir, *extra: str):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "servelm.entrypoints.cli", "serve", str(model_dir), "--port", str(port),
+           "--dtype", "float32", "--served-model-name", "tiny", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: proc.poll() is not None or _ready(url), 300, "the server to become ready")
+    except AssertionError:
+        proc.kill()
+        raise
+    if proc.poll() is not None:
+        raise RuntimeError(f"server exited: {proc.stderr.read()[-3000:]}")
+    return proc, url
+
+
+def stop_server(proc) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    proc, url = start_server(llama_dir, "--num-kv-blocks", "256", "--max-model-len", "512")
+    yield url
+    assert stop_server(proc) == 0  # SIGTERM drains and exits cleanly
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(llama_dir):
+    return LLM(str(llama_dir), dtype="float32", num_kv_blocks=256, max_model_len=512)
+
+
+def stats(url) -> dict:
+    return httpx.get(url + "/server/stats").json()
+
+
+def test_health_ready_models(server, client):
+    assert httpx.get(server + "/health").json() == {"status": "ok"}
+    assert httpx.get(server + "/ready").status_code == 200
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["tiny", "all-MiniLM-L6-v2"]
+    card = httpx.get(server + "/v1/models/tiny").json()
+    assert card["max_model_len"] == 512 and card["object"] == "model"
+
+
+def test_completion_greedy_equals_offline_generate(client, offline):
+    prompts = random_prompts(3, 5, 40, seed=40)
+    ref = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for p, r in zip(prompts, ref, strict=True):
+        res = client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert res.choices[0].text == r.outputs[0].text
+        assert res.usage.prompt_tokens == len(p) and res.usage.completion_tokens == 12
+        assert res.usage.total_tokens == len(p) + 12
+        stream = client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in stream) == r.outputs[0].text
+
+
+def test_chat_stream_and_usage(server, client, offline):
+    msgs = [{"role": "user", "content": "Say something"}]
+    ref = offline.chat(msgs, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    res = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert res.choices[0].message.content == ref.outputs[0].text
+    assert res.choices[0].finish_reason == "length" and res.object == "chat.completion"
+    assert abs(res.created - time.time()) < 3600
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_raw_sse_framing(server):
+    with httpx.stream("POST", server + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_n2_stop_seed_logprobs(client, offline):
+    p = random_prompts(1, 10, 10, seed=41)[0]
+    res = client.completions.create(model="tiny", prompt=p, max_tokens=8, n=2, temperature=1.0, seed=7,
+                                    logprobs=2, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in res.choices) == [0, 1]
+    assert res.usage.completion_tokens == 16
+    lp = res.choices[0].logprobs
+    assert len(lp.tokens) == 8 and all(v <= 0 for v in lp.token_logprobs)
+    again = client.completions.create(model="tiny", prompt=p, max_tokens=8, n=2, temperature=1.0, seed=7,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in res.choices]  # seeded: reproducible
+    greedy = offline.generate([p], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    text = greedy[0].outputs[0].text
+    stop = text[3:6]
+    stopped = client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0, stop=[stop],
+                                        extra_body={"ignore_eos": True})
+    assert stopped.choices[0].text == text[: text.find(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == len(chat.choices[0].message.content and content) and len(content[0].top_logprobs) == 2
+
+
+def test_completion_prompt_forms_and_echo(client):
+    res = client.completions.create(model="tiny", prompt=["Hello", "World"], max_tokens=2, temperature=0)
+    assert sorted(c.index for c in res.choices) == [0, 1]
+    res = client.completions.create(model="tiny", prompt=[[1, 5, 6], [1, 7]], max_tokens=2, temperature=0)
+    assert len(res.choices) == 2 and res.usage.prompt_tokens == 5
+    echo = client.completions.create(model="tiny", prompt="Hello there", max_tokens=2, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith("Hello there")
+
+
+def test_tokenize_detokenize_native(server):
+    ids = httpx.post(server + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert ids["count"] == len(ids["tokens"]) and ids["max_model_len"] == 512
+    assert httpx.post(server + "/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"].endswith("Hello world")
+    gen = httpx.post(server + "/generate", json={"prompt": "Hi", "max_tokens": 4, "temperature": 0}).json()
+    assert set(gen) == {"id", "text", "finish_reason", "usage"} and gen["usage"]["completion_tokens"] <= 4
+    with httpx.stream("POST", server + "/generate", json={"prompt": "Hi", "max_tokens": 4, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["finish_reason"] in ("stop", "length", "stop_sequence")
+    assert all(set(e) == {"token", "index", "finish_reason"} for e in events)
+    chat = httpx.post(server + "/chat", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert chat.status_code == 200 and "text" in chat.json()
+
+
+def test_embeddings_float_and_base64(server, client):
+    res = client.embeddings.create(model="all-MiniLM-L6-v2", input=["a cat", "a dog"])  # SDK: base64 path
+    v = np.array(res.data[0].embedding)
+    assert v.shape == (384,) and abs(np.linalg.norm(v) - 1) < 1e-4
+    raw = httpx.post(server + "/v1/embeddings", json={"input": "a cat", "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    assert np.allclose(decoded, v, atol=1e-5)
+    flt = httpx.post(server + "/v1/embeddings", json={"input": "a cat"}).json()
+    assert np.allclose(flt["data"][0]["embedding"], v, atol=1e-5)
+    native = httpx.post(server + "/embeddings", json={"input": ["x"]}).json()
+    assert len(native["embeddings"][0]) == 384
+    emb = stats(server)["embeddings"]
+    assert emb["batches"] >= 1 and emb["real_tokens"] <= emb["padded_tokens"]
+
+
+@pytest.mark.parametrize("method, path, body, status, param", [
+    ("POST", "/v1/chat/completions", b"{not json", 400, None),
+    ("POST", "/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": 3}, 400,
+     "temperature"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+    ("POST", "/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
+    ("GET", "/v1/completions", None, 405, None),
+    ("GET", "/v1/nothing-here", None, 404, None),
+    ("GET", "/v1/models/gpt-9", None, 404, "model"),
+])
+def test_errors_have_openai_shape(server, method, path, body, status, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
+    r = httpx.request(method, server + path, headers={"content-type": "application/json"}, **kw)
+    assert r.status_code == status
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param:
+        assert err["param"] == param
+
+
+def test_context_error_names_both_numbers(server):
+    r = httpx.post(server + "/v1/completions", json={"prompt": [1] * 500, "max_tokens": 100})
+    assert r.status_code == 400
+    assert "512" in r.json()["error"]["message"] and "500" in r.json()["error"]["message"]
+
+
+def test_32_concurrent_streams_match_offline(client, offline):
+    prompts = random_prompts(32, 4, 60, seed=42)
+    ref = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+
+    def one(p):
+        s = client.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+        return "".join(c.choices[0].text for c in s)
+
+    with ThreadPoolExecutor(32) as pool:
+        texts = list(pool.map(one, prompts))
+    assert texts == [r.outputs[0].text for r in ref]
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    total = stats(server)["scheduler"]["num_kv_blocks"]
+    with httpx.stream("POST", server + "/v1/completions", json={
+            "prompt": random_prompts(1, 40, 40, seed=43)[0], "max_tokens": 400, "stream": True,
+            "ignore_eos": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break  # leave mid-stream
+    _wait(lambda: (s := stats(server))["engine"]["in_flight"] == 0 and s["scheduler"]["num_running"] == 0
+          and s["scheduler"]["num_free_blocks"] == total, 60, "the aborted request's blocks to come back")
+
+
+def test_disconnect_while_queued_and_engine_restart(llama_dir):
+    proc, url = start_server(llama_dir, "--num-kv-blocks", "128", "--max-model-len", "1024", "--max-num-seqs", "1",
+                             "--embedding-model", "none")
+    try:
+        body = {"prompt": [1, 2, 3, 4], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body) as running:
+            running_lines = running.iter_lines()  # kept alive: dropping the iterator closes the connection
+            next(running_lines)  # the first request holds the only slot
+            with httpx.stream("POST", url + "/v1/completions", json=body) as queued:
+                _wait(lambda: stats(url)["engine"]["in_flight"] == 2, 30, "the second request to queue")
+                assert stats(url)["scheduler"]["num_waiting"] == 1
+            # the queued client left: its request is removed from the engine's queue
+            _wait(lambda: stats(url)["scheduler"]["num_waiting"] == 0 and stats(url)["engine"]["in_flight"] == 1,
+                  30, "the queued request to be aborted")
+            del queued
+            assert stats(url)["scheduler"]["num_running"] == 1  # the first one is untouched
+        _wait(lambda: stats(url)["scheduler"]["num_free_blocks"] == 128, 30, "all blocks to be free")
+
+        # Kill the engine mid-request: the client gets an error at once, /ready says so, the engine restarts.
+        pid = stats(url)["engine"]["pid"]
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            os.kill(pid, signal.SIGKILL)
+            events = [line for line in lines if line.startswith("data: ")]
+        assert any('"error"' in e and "engine" in e for e in events)
+        assert events[-1] == "data: [DONE]"
+        _wait(lambda: stats(url)["engine"]["pid"] != pid and _ready(url), 300, "the engine to restart")
+        assert stats(url)["engine"]["restarts"] == 1
+        ok = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json()
+        assert ok["usage"]["completion_tokens"] >= 1
+    finally:
+        assert stop_server(proc) == 0
