@@ -50,7 +50,6 @@ class TorchPagedAttention(AttentionBackend):
         return o.squeeze(2)
 
     def _prefill(self, q, k, v, kv_cache, span, block_size, sliding_window):
-        gqa = self.num_heads != self.num_kv_heads
         if span.ctx_len == span.q_len:
             # No cached prefix: attend to this chunk's own keys, no cache read needed.
             kk, vv = k, v
@@ -60,14 +59,16 @@ class TorchPagedAttention(AttentionBackend):
             blocks = span.block_table[:nb]
             kk = k_cache[blocks].view(-1, self.num_kv_heads, self.head_dim)[: span.ctx_len]
             vv = v_cache[blocks].view(-1, self.num_kv_heads, self.head_dim)[: span.ctx_len]
-        qt, kt, vt = q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1)
+        gqa = self.num_heads != self.num_kv_heads
+        # 4-D inputs: with 3-D ones SDPA on CPU falls back from its flash kernel to the slow math path.
+        qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, kk, vv))
         if span.ctx_len == span.q_len and sliding_window is None:
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=self.scale, enable_gqa=gqa)
         else:
             q_pos = torch.arange(span.ctx_len - span.q_len, span.ctx_len)
             mask = _window_mask(q_pos, span.ctx_len, sliding_window)
             o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-        return o.transpose(0, 1)
+        return o.squeeze(0).transpose(0, 1)
 
 
 class CpuPagedAttention(TorchPagedAttention):
