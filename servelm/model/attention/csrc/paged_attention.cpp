@@ -30,6 +30,19 @@ inline void load_row(const scalar_t* __restrict src, float* __restrict dst, int6
   }
 }
 
+// Calls fn(row, t) for each context position t in [start, len) with a pointer to its row of head h,
+// walking the block table one block at a time (one lookup per block, not a division per token).
+template <typename scalar_t, typename Fn>
+inline void for_each_row(const scalar_t* cache, const int64_t* table, int64_t bs, int64_t row_stride,
+                         int64_t head_offset, int64_t start, int64_t len, Fn&& fn) {
+  for (int64_t t = start; t < len;) {
+    const int64_t off = t % bs, n = std::min(bs - off, len - t);
+    const scalar_t* row = cache + (table[t / bs] * bs + off) * row_stride + head_offset;
+    for (int64_t i = 0; i < n; ++i, row += row_stride) fn(row, t + i);
+    t += n;
+  }
+}
+
 template <typename scalar_t>
 void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                    const torch::Tensor& v_cache, const torch::Tensor& block_tables,
@@ -57,23 +70,17 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
         for (int64_t d = 0; d < D; ++d)
           qf[g * D + d] = static_cast<float>(qp[(b * Hq + h * G + g) * D + d]) * fscale;
       const int64_t* table = tables + b * max_blocks;
-      // Walk the context block by block: one table lookup per block, not a division per token.
-      for (int64_t t = start; t < len;) {
-        const int64_t off = t % bs, n = std::min(bs - off, len - t);
-        const scalar_t* kr = kp + ((table[t / bs] * bs + off) * Hkv + h) * D;
-        for (int64_t i = 0; i < n; ++i, kr += Hkv * D) {
-          load_row(kr, row.data(), D);
-          const float* __restrict rp = row.data();
-          for (int64_t g = 0; g < G; ++g) {
-            const float* __restrict qg = qf.data() + g * D;
-            float s = 0.f;
+      for_each_row(kp, table, bs, Hkv * D, h * D, start, len, [&](const scalar_t* kr, int64_t t) {
+        load_row(kr, row.data(), D);
+        const float* __restrict rp = row.data();
+        for (int64_t g = 0; g < G; ++g) {
+          const float* __restrict qg = qf.data() + g * D;
+          float s = 0.f;
 #pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; ++d) s += qg[d] * rp[d];
-            scores[g * L + (t + i - start)] = s;
-          }
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * rp[d];
+          scores[g * L + (t - start)] = s;
         }
-        t += n;
-      }
+      });
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * L;
         const float m = *std::max_element(sg, sg + L);
@@ -87,21 +94,16 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
         for (int64_t j = 0; j < L; ++j) sg[j] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = start; t < len;) {
-        const int64_t off = t % bs, n = std::min(bs - off, len - t);
-        const scalar_t* vr = vp + ((table[t / bs] * bs + off) * Hkv + h) * D;
-        for (int64_t i = 0; i < n; ++i, vr += Hkv * D) {
-          load_row(vr, row.data(), D);
-          const float* __restrict rp = row.data();
-          for (int64_t g = 0; g < G; ++g) {
-            const float w = scores[g * L + (t + i - start)];
-            float* __restrict ag = acc.data() + g * D;
+      for_each_row(vp, table, bs, Hkv * D, h * D, start, len, [&](const scalar_t* vr, int64_t t) {
+        load_row(vr, row.data(), D);
+        const float* __restrict rp = row.data();
+        for (int64_t g = 0; g < G; ++g) {
+          const float w = scores[g * L + (t - start)];
+          float* __restrict ag = acc.data() + g * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += w * rp[d];
-          }
+          for (int64_t d = 0; d < D; ++d) ag[d] += w * rp[d];
         }
-        t += n;
-      }
+      });
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           op[(b * Hq + h * G + g) * D + d] = static_cast<scalar_t>(acc[g * D + d]);
