@@ -9,7 +9,7 @@ from conftest import hf_greedy
 
 from servelm import LLM, SamplingParams
 from servelm.model.gguf_loader import hf_name, unpermute_rotary
-from servelm.model.source import default_model_path
+from servelm.model.source import default_model_path, resolve_model
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "In 1492, Columbus",
            "The best way to learn a language is", "Water boils at", "My favourite colour is", "import numpy as np"]
@@ -27,6 +27,15 @@ def test_unpermute_inverts_llama_cpp_permutation():
     # llama.cpp's converter interleaves the two rotary halves of every head
     permuted = w.reshape(n_head, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
     assert np.array_equal(unpermute_rotary(permuted, n_head), w)
+
+
+def test_model_sources_resolve(tmp_path):
+    path = default_model_path()
+    assert resolve_model(str(path)).kind == "gguf"  # LLM(model="x.gguf")
+    assert resolve_model(str(path.parent), path.name).path == path  # LLM(model="dir", gguf_file=...)
+    assert resolve_model(None).path == path  # the default model
+    with pytest.raises(FileNotFoundError, match="not found"):
+        resolve_model(str(path.parent), "missing.gguf")
 
 
 def test_gguf_names_map_to_hf_names():

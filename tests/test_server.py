@@ -292,5 +292,18 @@ def test_disconnect_while_queued_and_engine_restart(llama_dir):
         assert stats(url)["engine"]["restarts"] == 1
         ok = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json()
         assert ok["usage"]["completion_tokens"] >= 1
+
+        # SIGTERM while a stream is in flight: it still completes, then the server exits 0.
+        drain = {**body, "max_tokens": 300}
+        with httpx.stream("POST", url + "/v1/completions", json=drain, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and not any('"error"' in x for x in rest)
+        finals = [json.loads(x[6:]) for x in rest[:-1]]
+        assert finals[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(60) == 0
     finally:
-        assert stop_server(proc) == 0
+        if proc.poll() is None:
+            assert stop_server(proc) == 0
