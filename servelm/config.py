@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 DEFAULT_KV_CACHE_GB = 1.0
 
@@ -59,6 +59,3 @@ class EngineConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    @classmethod
-    def field_help(cls) -> dict[str, str]:
-        return {f.name: f.metadata.get("help", "") for f in fields(cls)}

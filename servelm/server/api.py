@@ -154,13 +154,15 @@ def build_app(state: ServerState) -> FastAPI:
         tasks = [asyncio.create_task(one(j)) for j in jobs]
         watcher = asyncio.create_task(_wait_disconnect(request))
         try:
-            done, _ = await asyncio.wait([*tasks, watcher], return_when=asyncio.FIRST_COMPLETED)
-            while watcher not in done and not all(t.done() for t in tasks):
-                if any(t.done() and t.exception() for t in tasks):
-                    break
-                done, _ = await asyncio.wait([*tasks, watcher], return_when=asyncio.FIRST_COMPLETED)
-            if watcher in done and not all(t.done() for t in tasks):
-                raise APIError(499, "client disconnected")
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending | {watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if watcher in done:
+                    raise APIError(499, "client disconnected")  # the finally below aborts the requests
+                pending.discard(watcher)
+                for t in done:
+                    if t.exception() is not None:
+                        raise t.exception()
             return [t.result() for t in tasks]
         finally:
             watcher.cancel()

@@ -13,7 +13,6 @@ import logging
 import multiprocessing
 import os
 import tempfile
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -68,6 +67,7 @@ class AsyncEngine:
         self._out = self._ctx.socket(zmq.PULL)
         self._out.bind(self._out_addr)
         self._ready_event = asyncio.Event()
+        self._fatal: str | None = None  # why the engine failed to start, if it did
         self.on_step = None  # optional callback(StepOutputs) for metrics
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -111,8 +111,6 @@ class AsyncEngine:
     @property
     def engine_pid(self) -> int | None:
         return self._proc.pid if self._proc else None
-
-    _fatal: str | None = None
 
     async def _watch(self) -> None:
         """Notice a dead engine at once: fail in-flight requests (503), then start a new one."""
@@ -211,7 +209,3 @@ class AsyncEngine:
 
     def num_in_flight(self) -> int:
         return len(self.streams)
-
-    @staticmethod
-    def now() -> float:
-        return time.time()
