@@ -97,6 +97,7 @@ def stats(url) -> dict:
 def test_health_ready_models(server, client):
     assert httpx.get(server + "/health").json() == {"status": "ok"}
     assert httpx.get(server + "/ready").status_code == 200
+    assert stats(server)["scheduler"]["num_kv_blocks"] == 256  # engine stats are there as soon as it is ready
     ids = [m.id for m in client.models.list().data]
     assert ids == ["tiny", "all-MiniLM-L6-v2"]
     card = httpx.get(server + "/v1/models/tiny").json()
@@ -187,6 +188,8 @@ def test_tokenize_detokenize_native(server):
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1]["finish_reason"] in ("stop", "length", "stop_sequence")
     assert all(set(e) == {"token", "index", "finish_reason"} for e in events)
+    indexes = [e["index"] for e in events]
+    assert indexes == sorted(indexes) and indexes[0] >= 0 and indexes[-1] < 4  # token positions in the output
     chat = httpx.post(server + "/chat", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
     assert chat.status_code == 200 and "text" in chat.json()
 
@@ -266,6 +269,7 @@ def test_disconnect_while_queued_and_engine_restart(llama_dir):
                              "--embedding-model", "none")
     try:
         body = {"prompt": [1, 2, 3, 4], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        admitted_before = stats(url)["scheduler"]["prefix_cache_queries"]  # counts tokens at each admission
         with httpx.stream("POST", url + "/v1/completions", json=body) as running:
             running_lines = running.iter_lines()  # kept alive: dropping the iterator closes the connection
             next(running_lines)  # the first request holds the only slot
@@ -275,8 +279,16 @@ def test_disconnect_while_queued_and_engine_restart(llama_dir):
             # the queued client left: its request is removed from the engine's queue
             _wait(lambda: stats(url)["scheduler"]["num_waiting"] == 0 and stats(url)["engine"]["in_flight"] == 1,
                   30, "the queued request to be aborted")
+            assert stats(url)["scheduler"]["prefix_cache_queries"] == admitted_before + 4  # never admitted
             del queued
             assert stats(url)["scheduler"]["num_running"] == 1  # the first one is untouched
+            # a non-streaming client that gives up while queued is aborted the same way
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
+            _wait(lambda: stats(url)["scheduler"]["num_waiting"] == 0 and stats(url)["engine"]["in_flight"] == 1,
+                  30, "the non-streaming queued request to be aborted")
+            s = stats(url)["scheduler"]
+            assert s["num_running"] == 1 and s["prefix_cache_queries"] == admitted_before + 4
         _wait(lambda: stats(url)["scheduler"]["num_free_blocks"] == 128, 30, "all blocks to be free")
 
         # Kill the engine mid-request: the client gets an error at once, /ready says so, the engine restarts.

@@ -124,8 +124,6 @@ class EngineCore:
         for seq in req.seqs:
             if index is None or seq.index == index:
                 self.scheduler.finish(seq, reason, stop_reason)
-        if index is not None and not req.forked and req.params.n > 1:
-            return  # the other samples do not exist yet
         if req.finished:
             del self.requests[request_id]
 

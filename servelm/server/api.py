@@ -125,8 +125,7 @@ def build_app(state: ServerState) -> FastAPI:
                                 f"({prompt_len + params.max_tokens} in total)", "max_tokens", "context_length_exceeded")
         return params
 
-    async def _stream_outputs(request: Request, rid: str, ids: list[int], params, prompt: str | None
-                              ) -> AsyncIterator[RequestOutput]:
+    async def _stream_outputs(rid: str, ids: list[int], params, prompt: str | None) -> AsyncIterator[RequestOutput]:
         """Engine outputs for one request; a client that goes away aborts it."""
         try:
             gen = engine.generate(rid, ids, params, prompt)
@@ -141,7 +140,7 @@ def build_app(state: ServerState) -> FastAPI:
         """Run several requests to completion, aborting all of them if the client disconnects."""
         async def one(job):
             final: dict[int, dict] = {}
-            async for out in _stream_outputs(request, *job):
+            async for out in _stream_outputs(*job):
                 for c in out.outputs:
                     acc = final.setdefault(c.index, {"text": "", "token_ids": [], "logprobs": [], "finish": None,
                                                      "stop_reason": None})
@@ -229,7 +228,7 @@ def build_app(state: ServerState) -> FastAPI:
                                             "model": model, "choices": [{"index": i * n + j,
                                             "text": text if text is not None else tok.decode(ids),
                                             "logprobs": None, "finish_reason": None}]})
-                        async for out in _stream_outputs(request, rid, ids, params, text):
+                        async for out in _stream_outputs(rid, ids, params, text):
                             for c in out.outputs:
                                 completion_tokens += len(c.token_ids)
                                 if not (c.text or c.finish_reason):
@@ -241,7 +240,7 @@ def build_app(state: ServerState) -> FastAPI:
                                                 if c.logprobs else None,
                                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
                     if req.stream_options and req.stream_options.include_usage:
-                        prompt_tokens = sum(len(j[1]) for j in jobs) * 1
+                        prompt_tokens = sum(len(j[1]) for j in jobs)
                         yield _sse({"id": base, "object": "text_completion", "created": created, "model": model,
                                     "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
                 except APIError as e:
@@ -291,7 +290,7 @@ def build_app(state: ServerState) -> FastAPI:
                         yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                                     "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}]})
-                    async for out in _stream_outputs(request, rid, ids, params, None):
+                    async for out in _stream_outputs(rid, ids, params, None):
                         for c in out.outputs:
                             completion_tokens += len(c.token_ids)
                             if not (c.text or c.finish_reason):
@@ -355,12 +354,13 @@ def build_app(state: ServerState) -> FastAPI:
 
         if body.stream:
             async def events():
+                position = -1  # index: the position in the output of the event's last token
                 try:
-                    async for out in _stream_outputs(request, rid, ids, params, prompt):
+                    async for out in _stream_outputs(rid, ids, params, prompt):
                         c = out.outputs[0]
+                        position += len(c.token_ids)
                         if c.text or c.finish_reason:
-                            yield _sse({"token": c.text, "index": len(c.token_ids) and c.token_ids[-1],
-                                        "finish_reason": reason(c)})
+                            yield _sse({"token": c.text, "index": position, "finish_reason": reason(c)})
                 except APIError as e:
                     yield _sse(e.body())
             return StreamingResponse(events(), media_type="text/event-stream")

@@ -140,7 +140,7 @@ class AsyncEngine:
         while True:
             msg = m.output_decoder.decode(await self._out.recv())
             if isinstance(msg, m.Ready):
-                self.info, self.ready, self._fatal = msg, True, None
+                self.info, self.stats, self.ready, self._fatal = msg, msg.stats, True, None
                 self._ready_event.set()
                 logger.info("engine ready (pid %s, max_model_len %d)", msg.pid, msg.max_model_len)
             elif isinstance(msg, m.Fatal):

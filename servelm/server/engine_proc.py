@@ -43,7 +43,7 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     except Exception as e:  # tell the API process why, instead of dying silently
         out.send(m.encoder.encode(m.Fatal(f"{type(e).__name__}: {e}")))
         raise
-    out.send(m.encoder.encode(m.Ready(core.max_model_len, core.model.spec.vocab_size, os.getpid())))
+    out.send(m.encoder.encode(m.Ready(core.max_model_len, core.model.spec.vocab_size, os.getpid(), core.stats())))
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     while True:

@@ -43,6 +43,7 @@ class Ready(msgspec.Struct, tag="ready"):
     max_model_len: int
     vocab_size: int
     pid: int
+    stats: EngineStats  # so /server/stats has engine figures from the moment it is ready
 
 
 class StepOutputs(msgspec.Struct, tag="step"):
