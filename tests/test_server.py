@@ -274,8 +274,10 @@ def test_disconnect_while_queued_and_engine_restart(llama_dir):
             running_lines = running.iter_lines()  # kept alive: dropping the iterator closes the connection
             next(running_lines)  # the first request holds the only slot
             with httpx.stream("POST", url + "/v1/completions", json=body) as queued:
-                _wait(lambda: stats(url)["engine"]["in_flight"] == 2, 30, "the second request to queue")
-                assert stats(url)["scheduler"]["num_waiting"] == 1
+                # engine stats arrive with the next step, so wait for both views to agree
+                _wait(lambda: (s := stats(url))["engine"]["in_flight"] == 2 and s["scheduler"]["num_waiting"] == 1,
+                      30, "the second request to queue")
+                assert stats(url)["scheduler"]["num_running"] == 1
             # the queued client left: its request is removed from the engine's queue
             _wait(lambda: stats(url)["scheduler"]["num_waiting"] == 0 and stats(url)["engine"]["in_flight"] == 1,
                   30, "the queued request to be aborted")
