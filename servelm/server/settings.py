@@ -1,0 +1,266 @@
+"""The serving config tree: engine, server and admission sections, loaded with precedence CLI > env > file.
+
+Every field has a default, a help text, one env var (`SERVELM_<FIELD>`) and one flag (`--field-name`).
+`load()` records where each value came from, so `--print-config` and `GET /admin/config` can say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+from servelm.config import ConfigError, EngineConfig, _f, require
+
+PRIORITIES = ("high", "normal", "low")  # index = the engine's Priority value
+
+
+@dataclass
+class ServerConfig:
+    """The HTTP front end: listening, identity, limits on the request itself, observability."""
+
+    host: str = _f("127.0.0.1", "address to listen on")
+    port: int = _f(8000, "port to listen on")
+    served_model_name: str | None = _f(None, "the model id clients use (default: derived from the model)")
+    embedding_model: str = _f("default", "embedding model folder, 'default' (packaged all-MiniLM-L6-v2 if "
+                              "installed) or 'none'")
+    embedding_batch_window_ms: float = _f(5.0, "how long the embedding batcher waits for more texts")
+    embedding_max_batch_size: int = _f(32, "most texts in one embedding batch")
+    drain_timeout: float = _f(30.0, "on SIGTERM, seconds to let in-flight requests finish before exiting")
+    api_key: str | None = _f(None, "one API key every caller must present (Bearer or x-api-key)")
+    api_keys_file: str | None = _f(None, "YAML/JSON file of API keys: name, key or key_hash, rpm, tpm, "
+                                   "priority, models, allow_priority_raise, admin")
+    admin_key: str | None = _f(None, "key that guards /admin routes (keys marked admin in the keys file also work)")
+    metrics_require_key: bool = _f(False, "require an API key for GET /metrics")
+    max_request_body_bytes: int = _f(4 * 2**20, "larger request bodies get 413")
+    log_requests: bool = _f(True, "one JSON log line per request at completion")
+    log_prompts: bool = _f(False, "include prompt and completion text in the request log lines")
+    otlp_endpoint: str | None = _f(None, "OTLP/HTTP collector, e.g. http://localhost:4318/v1/traces: turns "
+                                   "on OpenTelemetry tracing")
+    otlp_service_name: str = _f("servelm", "service.name of the exported spans")
+
+    def validate(self) -> None:
+        def need(ok: bool, name: str, allowed: str) -> None:
+            require(self, ok, name, allowed)
+
+        need(0 <= self.port <= 65535, "port", "in [0, 65535]")
+        need(self.embedding_batch_window_ms >= 0, "embedding_batch_window_ms", ">= 0")
+        need(self.embedding_max_batch_size >= 1, "embedding_max_batch_size", ">= 1")
+        need(self.drain_timeout >= 0, "drain_timeout", ">= 0")
+        need(self.api_key is None or len(self.api_key) >= 8, "api_key", "at least 8 characters")
+        need(self.admin_key is None or len(self.admin_key) >= 8, "admin_key", "at least 8 characters")
+        need(self.api_keys_file is None or Path(self.api_keys_file).is_file(), "api_keys_file", "an existing file")
+        need(self.max_request_body_bytes >= 1024, "max_request_body_bytes", ">= 1024")
+
+
+@dataclass
+class AdmissionConfig:
+    """What the API admits and when it sheds load; all of it can change at run time."""
+
+    queue_high_watermark: int = _f(1000, "queued requests at which new ones get 503", runtime=True)
+    queue_low_watermark: int = _f(500, "after shedding, admit again once the queue is below this", runtime=True)
+    queue_timeout_s: float = _f(30.0, "a request with no first token after this long is removed (408)",
+                                runtime=True)
+    rate_limit_rpm: int | None = _f(None, "requests per minute per key, for keys without their own limit",
+                                    runtime=True)
+    rate_limit_tpm: int | None = _f(None, "tokens (prompt + max_tokens) per minute per key, for keys without "
+                                    "their own limit", runtime=True)
+    default_priority: str = _f("normal", "priority of requests whose key sets none: high | normal | low",
+                               runtime=True)
+
+    def validate(self) -> None:
+        def need(ok: bool, name: str, allowed: str) -> None:
+            require(self, ok, name, allowed)
+
+        need(self.queue_high_watermark >= 1, "queue_high_watermark", ">= 1")
+        need(0 <= self.queue_low_watermark <= self.queue_high_watermark, "queue_low_watermark",
+             f"in [0, queue_high_watermark={self.queue_high_watermark}]")
+        need(self.queue_timeout_s > 0, "queue_timeout_s", "> 0")
+        need(self.rate_limit_rpm is None or self.rate_limit_rpm >= 1, "rate_limit_rpm", ">= 1 or None")
+        need(self.rate_limit_tpm is None or self.rate_limit_tpm >= 1, "rate_limit_tpm", ">= 1 or None")
+        need(self.default_priority in PRIORITIES, "default_priority", "one of high, normal, low")
+
+
+SECTIONS: dict[str, type] = {"engine": EngineConfig, "server": ServerConfig, "admission": AdmissionConfig}
+
+
+@dataclass
+class ServeConfig:
+    engine: EngineConfig
+    server: ServerConfig
+    admission: AdmissionConfig
+    sources: dict[str, str]  # "section.field" -> default | file | env | cli | runtime
+
+    def to_dict(self) -> dict:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def describe(self) -> dict:
+        """The effective config, each value with where it came from."""
+        return {sec: {k: {"value": v, "source": self.sources[f"{sec}.{k}"],
+                          "runtime": _field(sec, k).metadata.get("runtime", False)}
+                      for k, v in vals.items()} for sec, vals in self.to_dict().items()}
+
+    def patch(self, changes: dict) -> dict:
+        """Apply run-time changes ({field: value} or {section: {field: value}}); all or nothing.
+
+        Returns {"section.field": new value}. Raises ConfigError naming the first bad key or value.
+        """
+        flat = {}
+        for k, v in changes.items():
+            if k in SECTIONS and isinstance(v, dict):
+                flat.update({(k, f): x for f, x in v.items()})
+            else:
+                flat[(_section_of(k), k)] = v
+        updates: dict[str, dict] = {}
+        for (sec, name), value in flat.items():
+            f = _field(sec, name)
+            if not f.metadata.get("runtime"):
+                raise ConfigError(f"{sec}.{name}", value, "changed only at start-up (not a run-time setting)")
+            updates.setdefault(sec, {})[name] = _coerce(f"{sec}.{name}", value, _hints(sec)[name])
+        new = {sec: dataclasses.replace(getattr(self, sec), **vals) for sec, vals in updates.items()}
+        for sec, obj in new.items():
+            _validate(sec, obj, "runtime")
+        for sec, obj in new.items():
+            setattr(self, sec, obj)
+        applied = {}
+        for sec, vals in updates.items():
+            for name in vals:
+                self.sources[f"{sec}.{name}"] = "runtime"
+                applied[f"{sec}.{name}"] = getattr(getattr(self, sec), name)
+        return applied
+
+
+def env_var(name: str) -> str:
+    return "SERVELM_" + name.upper()
+
+
+def all_fields() -> list[tuple[str, dataclasses.Field]]:
+    return [(sec, f) for sec, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def load(cli: dict | None = None, env: dict | None = None, file: str | None = None) -> ServeConfig:
+    """Merge defaults < file < env < cli; validate; raise ConfigError naming key, value and source."""
+    env = os.environ if env is None else env
+    cli = cli or {}
+    file = file or env.get("SERVELM_CONFIG")
+    values: dict[str, dict] = {sec: {} for sec in SECTIONS}
+    sources = {f"{sec}.{f.name}": "default" for sec, f in all_fields()}
+    if file:
+        for sec, name, value in _read_file(file):
+            values[sec][name] = _coerce(f"{sec}.{name}", value, _hints(sec)[name], f"file {file}")
+            sources[f"{sec}.{name}"] = "file"
+    for sec, f in all_fields():
+        var = env_var(f.name)
+        if var in env:
+            values[sec][f.name] = _coerce(f"{sec}.{f.name}", env[var], _hints(sec)[f.name], f"env {var}")
+            sources[f"{sec}.{f.name}"] = "env"
+    for name, value in cli.items():
+        sec = _section_of(name)
+        values[sec][name] = value
+        sources[f"{sec}.{name}"] = "cli"
+    built = {sec: _build(sec, cls, values[sec], sources) for sec, cls in SECTIONS.items()}
+    return ServeConfig(sources=sources, **built)
+
+
+def _build(sec: str, cls: type, values: dict, sources: dict):
+    try:
+        obj = cls(**values)
+        obj.validate()
+        return obj
+    except ConfigError as e:
+        raise _located(sec, e, sources.get(f"{sec}.{e.key}", "default")) from None
+
+
+def _validate(sec: str, obj, source: str) -> None:
+    try:
+        obj.validate()
+    except ConfigError as e:
+        raise _located(sec, e, source) from None
+
+
+def _located(sec: str, e: ConfigError, source: str) -> ConfigError:
+    where = {"env": f"env {env_var(e.key)}", "cli": f"--{e.key.replace('_', '-')}"}.get(source, source)
+    return ConfigError(f"{sec}.{e.key}", e.value, f"{e.allowed} (set by {where})")
+
+
+def _read_file(path: str):
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("config", path, "an existing YAML, JSON or TOML file")
+    text = p.read_text()
+    try:
+        if p.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif p.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+    except Exception as e:
+        raise ConfigError("config", path, f"valid {p.suffix.lstrip('.') or 'YAML'} ({e})") from e
+    if not isinstance(data, dict):
+        raise ConfigError("config", path, "a mapping of sections (engine, server, admission)")
+    for sec, vals in data.items():
+        if sec not in SECTIONS or not isinstance(vals, dict):
+            raise ConfigError(f"config section {sec!r}", vals, f"one of {', '.join(SECTIONS)} holding a mapping")
+        for name, value in vals.items():
+            _field(sec, name)
+            yield sec, name, value
+
+
+def _field(sec: str, name: str) -> dataclasses.Field:
+    for f in dataclasses.fields(SECTIONS[sec]):
+        if f.name == name:
+            return f
+    raise ConfigError(f"{sec}.{name}", name, f"a known key of [{sec}]")
+
+
+def _section_of(name: str) -> str:
+    for sec, f in all_fields():
+        if f.name == name:
+            return sec
+    raise ConfigError(name, name, "a known config key")
+
+
+def _hints(sec: str) -> dict:
+    return typing.get_type_hints(SECTIONS[sec])
+
+
+def _coerce(key: str, value, tp, source: str = "runtime"):
+    """Turn a file/env/JSON value into the field's type, or raise ConfigError."""
+    args = typing.get_args(tp)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), tp) if args else tp
+    if value is None or (optional and isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
+        if optional:
+            return None
+        raise ConfigError(key, value, f"{_TYPE_NAMES[base]} (from {source})")
+    try:
+        if base is bool:
+            if isinstance(value, bool):
+                return value
+            s = str(value).strip().lower()
+            if s in ("1", "true", "yes", "on"):
+                return True
+            if s in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if base is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if base is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(key, value, f"{_TYPE_NAMES[base]} (from {source})") from None
+
+
+_TYPE_NAMES = {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string"}
