@@ -6,9 +6,6 @@ import base64
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,60 +14,11 @@ import numpy as np
 import openai
 import pytest
 from conftest import random_prompts
+from serving import _ready, _wait, raw_request, start_server, stats, stop_server
 
 from servelm import LLM, SamplingParams
 
 pytestmark = pytest.mark.server
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(cond, timeout: float = 60.0, what: str = "condition"):
-    """Poll until cond() is truthy (a bounded wait for a state, not a timing assertion)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/ready", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def start_server(model_dir, *extra: str):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "servelm.entrypoints.cli", "serve", str(model_dir), "--port", str(port),
-           "--dtype", "float32", "--served-model-name", "tiny", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait(lambda: proc.poll() is not None or _ready(url), 300, "the server to become ready")
-    except AssertionError:
-        proc.kill()
-        raise
-    if proc.poll() is not None:
-        raise RuntimeError(f"server exited: {proc.stderr.read()[-3000:]}")
-    return proc, url
-
-
-def stop_server(proc) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +36,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def offline(llama_dir):
     return LLM(str(llama_dir), dtype="float32", num_kv_blocks=256, max_model_len=512)
-
-
-def stats(url) -> dict:
-    return httpx.get(url + "/server/stats").json()
 
 
 def test_health_ready_models(server, client):
@@ -273,16 +217,16 @@ def test_disconnect_while_queued_and_engine_restart(llama_dir):
         with httpx.stream("POST", url + "/v1/completions", json=body) as running:
             running_lines = running.iter_lines()  # kept alive: dropping the iterator closes the connection
             next(running_lines)  # the first request holds the only slot
-            with httpx.stream("POST", url + "/v1/completions", json=body) as queued:
-                # engine stats arrive with the next step, so wait for both views to agree
-                _wait(lambda: (s := stats(url))["engine"]["in_flight"] == 2 and s["scheduler"]["num_waiting"] == 1,
-                      30, "the second request to queue")
-                assert stats(url)["scheduler"]["num_running"] == 1
+            queued = raw_request(url, "/v1/completions", body)  # a streaming client, waiting for its headers
+            # engine stats arrive with the next step, so wait for both views to agree
+            _wait(lambda: (s := stats(url))["engine"]["in_flight"] == 2 and s["scheduler"]["num_waiting"] == 1,
+                  30, "the second request to queue")
+            assert stats(url)["scheduler"]["num_running"] == 1
+            queued.close()
             # the queued client left: its request is removed from the engine's queue
             _wait(lambda: stats(url)["scheduler"]["num_waiting"] == 0 and stats(url)["engine"]["in_flight"] == 1,
                   30, "the queued request to be aborted")
             assert stats(url)["scheduler"]["prefix_cache_queries"] == admitted_before + 4  # never admitted
-            del queued
             assert stats(url)["scheduler"]["num_running"] == 1  # the first one is untouched
             # a non-streaming client that gives up while queued is aborted the same way
             with pytest.raises(httpx.ReadTimeout):

@@ -37,6 +37,7 @@ class _RequestState:
     samples: dict[int, _Sample] = field(default_factory=dict)
     num_cached_tokens: int = 0
     first_token_time: float | None = None
+    queue_time: float | None = None  # from the engine: arrival to first scheduled
 
     @property
     def finished(self) -> bool:
@@ -92,6 +93,8 @@ class OutputProcessor:
                 continue  # already ended by a stop string; tokens still in flight are dropped
             st.num_cached_tokens = o.num_cached_tokens
             st.first_token_time = st.first_token_time or now
+            if st.queue_time is None and o.queue_time is not None:
+                st.queue_time = o.queue_time
             p = st.params
             for k, tok in enumerate(o.new_token_ids):
                 s.token_ids.append(tok)
@@ -148,5 +151,7 @@ class OutputProcessor:
         metrics = {"arrival_time": st.arrival}
         if st.first_token_time is not None:
             metrics["first_token_time"] = st.first_token_time
+        if st.queue_time is not None:
+            metrics["queue_time"] = st.queue_time
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, completions, finished,
                              metrics, st.num_cached_tokens)

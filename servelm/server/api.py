@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 import json
 import time
 import uuid
@@ -17,8 +17,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from servelm.outputs import RequestOutput
 from servelm.server import protocol as p
-from servelm.server.async_engine import AsyncEngine, EngineDeadError, RequestRejected
+from servelm.server.admission import Admission
+from servelm.server.async_engine import AsyncEngine, EngineDeadError, QueueTimeout, RequestRejected
+from servelm.server.auth import KeyStore
+from servelm.server.metrics import Metrics
 from servelm.server.protocol import APIError
+from servelm.server.settings import ServeConfig
+from servelm.server.telemetry import RequestRecord, Telemetry
 
 
 @dataclass
@@ -26,6 +31,11 @@ class ServerState:
     engine: AsyncEngine
     model_name: str
     tokenizer: object
+    config: ServeConfig
+    keys: KeyStore
+    metrics: Metrics
+    admission: Admission
+    telemetry: Telemetry
     embedder: object | None = None
     embed_model_name: str | None = None
     created: int = 0
@@ -45,10 +55,15 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState):
+    """The FastAPI app wrapped in the gateway (request ids, body limit, keys, telemetry)."""
+    from servelm.server.gateway import Gateway
+    from servelm.server.ops import add_ops_routes
+
     app = FastAPI(title="servelm", description="OpenAI-compatible LLM server")
     app.state.servelm = state
     engine, tok = state.engine, state.tokenizer
+    metrics = state.metrics
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -78,14 +93,6 @@ def build_app(state: ServerState) -> FastAPI:
         if not engine.ready:
             raise APIError(503, "the engine is not ready", code="engine_unavailable")
         return {"status": "ready", "models": _model_ids()}
-
-    @app.get("/server/stats")
-    async def server_stats():
-        st = engine.stats
-        return {"engine": {"ready": engine.ready, "pid": engine.engine_pid, "restarts": engine.restarts,
-                           "in_flight": engine.num_in_flight(), "max_model_len": engine.max_model_len},
-                "scheduler": dataclasses.asdict(st) if st else None,
-                "embeddings": dataclasses.asdict(state.embedder.stats) if state.embedder else None}
 
     # -- models ------------------------------------------------------------------------------------
     def _model_ids() -> list[str]:
@@ -125,22 +132,87 @@ def build_app(state: ServerState) -> FastAPI:
                                 f"({prompt_len + params.max_tokens} in total)", "max_tokens", "context_length_exceeded")
         return params
 
-    async def _stream_outputs(rid: str, ids: list[int], params, prompt: str | None) -> AsyncIterator[RequestOutput]:
-        """Engine outputs for one request; a client that goes away aborts it."""
+    def _admit(request: Request, req, prompts: list[list[int]], params: list) -> int:
+        """Admission control for a generation request; returns its engine priority."""
+        rec = _record(request)
+        rec.stream = bool(getattr(req, "stream", False))
+        rec.prompt_tokens = sum(len(ids) for ids in prompts)
+        cost = rec.prompt_tokens + sum((sp.max_tokens or 0) * sp.n for sp in params)
+        return state.admission.admit(rec, state.model_name, cost, getattr(req, "priority", None))
+
+    async def _stream_outputs(rec: RequestRecord, rid: str, ids: list[int], params, prompt: str | None,
+                              priority: int) -> AsyncIterator[RequestOutput]:
+        """Engine outputs for one request, recorded for metrics, logs and traces; a client that goes away
+        aborts it."""
+        submitted = time.monotonic()
+        rec.submitted = rec.submitted or submitted
+        first = last = None
+        n_out = 0
         try:
-            gen = engine.generate(rid, ids, params, prompt)
+            gen = engine.generate(rid, ids, params, prompt, priority, state.config.admission.queue_timeout_s)
             async for out in gen:
+                now = time.monotonic()
+                new = sum(len(c.token_ids) for c in out.outputs)
+                if new:
+                    if last is not None:
+                        metrics.itl.observe(now - last)
+                    first, last = first or now, now
+                    n_out += new
+                    rec.first_token = min(rec.first_token or now, now)
+                    rec.last_token = now
+                    rec.completion_tokens += new
+                if rec.queue_time is None and "queue_time" in out.metrics:
+                    rec.queue_time = out.metrics["queue_time"]
+                if state.telemetry.log_prompts:
+                    rec.completion_text = (rec.completion_text or "") + "".join(c.text for c in out.outputs)
+                for c in out.outputs:
+                    rec.finish_reason = rec.finish_reason or c.finish_reason
+                if out.finished:
+                    metrics.observe_finished(submitted, first, now, out.metrics.get("queue_time"), len(ids), n_out,
+                                             next((c.finish_reason for c in out.outputs), None))
                 yield out
+        except QueueTimeout as e:
+            metrics.timeouts.inc()
+            raise APIError(408, str(e), code="queue_timeout") from e
         except RequestRejected as e:
             raise APIError(400, str(e)) from e
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_unavailable") from e
 
-    async def _collect(request: Request, jobs: list[tuple[str, list[int], object, str | None]]):
+    async def _open(request: Request, job) -> AsyncIterator[RequestOutput]:
+        """Start a request and wait for its first output before any response bytes, so queue timeouts,
+        overload and engine errors get their HTTP status; a client that leaves meanwhile aborts it."""
+        gen = _stream_outputs(_record(request), *job)
+        first = asyncio.ensure_future(anext(gen))
+        watcher = asyncio.create_task(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({first, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if first not in done:
+            first.cancel()
+            with contextlib.suppress(BaseException):
+                await first
+            raise APIError(499, "client disconnected")
+        head = first.result()
+
+        async def rest():
+            yield head
+            async for out in gen:
+                yield out
+        return rest()
+
+    def _log_prompt(request: Request, prompts: list) -> None:
+        if state.telemetry.log_prompts:
+            _record(request).prompt_text = json.dumps(prompts if len(prompts) > 1 else prompts[0])
+
+    async def _collect(request: Request, jobs: list[tuple]):
         """Run several requests to completion, aborting all of them if the client disconnects."""
+        rec = _record(request)
+
         async def one(job):
             final: dict[int, dict] = {}
-            async for out in _stream_outputs(*job):
+            async for out in _stream_outputs(rec, *job):
                 for c in out.outputs:
                     acc = final.setdefault(c.index, {"text": "", "token_ids": [], "logprobs": [], "finish": None,
                                                      "stop_reason": None})
@@ -211,24 +283,28 @@ def build_app(state: ServerState) -> FastAPI:
                 raise APIError(400, "prompt must contain at least one token", "prompt")
         base = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        jobs = []
-        for i, (text, ids) in enumerate(prompts):
-            jobs.append((f"{base}-{i}", ids, _params(req, len(ids)), text))
+        plist = [_params(req, len(ids)) for _, ids in prompts]
+        prio = _admit(request, req, [ids for _, ids in prompts], plist)
+        _log_prompt(request, [text if text is not None else ids for text, ids in prompts])
+        jobs = [(f"{base}-{i}", ids, sp, text, prio) for i, ((text, ids), sp) in enumerate(zip(prompts, plist, strict=True))]
         model = state.model_name
         n = req.n
 
         if req.stream:
+            head = await _open(request, jobs[0])
+
             async def events():
                 completion_tokens = 0
                 try:
-                    for i, (rid, ids, params, text) in enumerate(jobs):
+                    for i, (_, ids, _, text, _) in enumerate(jobs):
                         if req.echo:
                             for j in range(n):
                                 yield _sse({"id": base, "object": "text_completion", "created": created,
                                             "model": model, "choices": [{"index": i * n + j,
                                             "text": text if text is not None else tok.decode(ids),
                                             "logprobs": None, "finish_reason": None}]})
-                        async for out in _stream_outputs(rid, ids, params, text):
+                        outs = head if i == 0 else _stream_outputs(_record(request), *jobs[i])
+                        async for out in outs:
                             for c in out.outputs:
                                 completion_tokens += len(c.token_ids)
                                 if not (c.text or c.finish_reason):
@@ -244,13 +320,14 @@ def build_app(state: ServerState) -> FastAPI:
                         yield _sse({"id": base, "object": "text_completion", "created": created, "model": model,
                                     "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
                 except APIError as e:
+                    _record(request).error = e.message
                     yield _sse(e.body())
                 yield _sse("[DONE]")
             return StreamingResponse(events(), media_type="text/event-stream")
 
         results = await _collect(request, jobs)
         choices, completion_tokens = [], 0
-        for i, (final, (_, ids, _, text)) in enumerate(zip(results, jobs, strict=True)):
+        for i, (final, (_, ids, _, text, _)) in enumerate(zip(results, jobs, strict=True)):
             for j in sorted(final):
                 acc = final[j]
                 completion_tokens += len(acc["token_ids"])
@@ -279,10 +356,15 @@ def build_app(state: ServerState) -> FastAPI:
         _check_model(req.model)
         ids = _chat_ids(req.messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
         params = _params(req, len(ids))
+        prio = _admit(request, req, [ids], [params])
+        _log_prompt(request, [m.text() for m in req.messages])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created, model = int(time.time()), state.model_name
+        job = (rid, ids, params, None, prio)
 
         if req.stream:
+            head = await _open(request, job)
+
             async def events():
                 completion_tokens = 0
                 try:
@@ -290,7 +372,7 @@ def build_app(state: ServerState) -> FastAPI:
                         yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                                     "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}]})
-                    async for out in _stream_outputs(rid, ids, params, None):
+                    async for out in head:
                         for c in out.outputs:
                             completion_tokens += len(c.token_ids)
                             if not (c.text or c.finish_reason):
@@ -305,11 +387,12 @@ def build_app(state: ServerState) -> FastAPI:
                         yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                                     "choices": [], "usage": _usage(len(ids), completion_tokens)})
                 except APIError as e:
+                    _record(request).error = e.message
                     yield _sse(e.body())
                 yield _sse("[DONE]")
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        [final] = await _collect(request, [(rid, ids, params, None)])
+        [final] = await _collect(request, [job])
         choices, completion_tokens = [], 0
         for j in sorted(final):
             acc = final[j]
@@ -345,7 +428,10 @@ def build_app(state: ServerState) -> FastAPI:
         creq = p.CompletionRequest(prompt=ids, max_tokens=body.max_tokens, temperature=body.temperature,
                                    top_p=body.top_p, stop=body.stop_sequences)
         params = _params(creq, len(ids))
+        prio = _admit(request, body, [ids], [params])
+        _log_prompt(request, [prompt if prompt is not None else ids])
         rid = f"gen-{uuid.uuid4().hex}"
+        job = (rid, ids, params, prompt, prio)
 
         def reason(c) -> str | None:
             if c.finish_reason == "stop" and isinstance(c.stop_reason, str):
@@ -353,18 +439,21 @@ def build_app(state: ServerState) -> FastAPI:
             return c.finish_reason
 
         if body.stream:
+            head = await _open(request, job)
+
             async def events():
                 position = -1  # index: the position in the output of the event's last token
                 try:
-                    async for out in _stream_outputs(rid, ids, params, prompt):
+                    async for out in head:
                         c = out.outputs[0]
                         position += len(c.token_ids)
                         if c.text or c.finish_reason:
                             yield _sse({"token": c.text, "index": position, "finish_reason": reason(c)})
                 except APIError as e:
+                    _record(request).error = e.message
                     yield _sse(e.body())
             return StreamingResponse(events(), media_type="text/event-stream")
-        [final] = await _collect(request, [(rid, ids, params, prompt)])
+        [final] = await _collect(request, [job])
         acc = final[0]
         return {"id": rid, "text": acc["text"],
                 "finish_reason": "stop_sequence" if acc["finish"] == "stop" and isinstance(acc["stop_reason"], str)
@@ -410,7 +499,12 @@ def build_app(state: ServerState) -> FastAPI:
         return {"embeddings": [v.tolist() for v in vectors], "model": state.embed_model_name,
                 "usage": {"prompt_tokens": tokens}}
 
-    return app
+    add_ops_routes(app, state)
+    return Gateway(app, state)
+
+
+def _record(request: Request) -> RequestRecord:
+    return request.state.record
 
 
 def _b64(vec) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -39,10 +40,15 @@ class RequestRejected(ValueError):
     """The engine refused the request (e.g. it can never fit the context)."""
 
 
+class QueueTimeout(TimeoutError):
+    """The request got no first token within the queue timeout; it was removed from the engine."""
+
+
 @dataclass
 class _Stream:
     queue: asyncio.Queue
     finished: bool = False
+    started: bool = False  # has produced output (no longer queued)
 
 
 class AsyncEngine:
@@ -68,7 +74,9 @@ class AsyncEngine:
         self._out.bind(self._out_addr)
         self._ready_event = asyncio.Event()
         self._fatal: str | None = None  # why the engine failed to start, if it did
-        self.on_step = None  # optional callback(StepOutputs) for metrics
+        self.on_step = None  # optional callback(StepOutputs, outputs) for metrics
+        self.on_ready = None  # optional callback(Ready, restarted: bool)
+        self.on_down = None  # optional callback() when the engine process dies
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -122,6 +130,8 @@ class AsyncEngine:
             logger.error("engine process %s exited with code %s; failing %d in-flight requests and restarting",
                          self._proc.pid, self._proc.exitcode, len(self.streams))
             self.ready = False
+            if self.on_down is not None:
+                self.on_down()
             self._fail_all(EngineDeadError("the engine process died; the request was not completed"))
             if not was_ready and self._fatal:  # it never started: restarting would fail the same way
                 self._ready_event.set()
@@ -142,6 +152,8 @@ class AsyncEngine:
             if isinstance(msg, m.Ready):
                 self.info, self.stats, self.ready, self._fatal = msg, msg.stats, True, None
                 self._ready_event.set()
+                if self.on_ready is not None:
+                    self.on_ready(msg, self.restarts > 0)
                 logger.info("engine ready (pid %s, max_model_len %d)", msg.pid, msg.max_model_len)
             elif isinstance(msg, m.Fatal):
                 self._fatal = msg.message
@@ -163,6 +175,7 @@ class AsyncEngine:
             stream = self.streams.get(out.request_id)
             if stream is None:
                 continue
+            stream.started = True
             stream.queue.put_nowait(out)
             if out.finished:
                 stream.finished = True
@@ -172,8 +185,12 @@ class AsyncEngine:
 
     # -- requests ----------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None, priority: int = 1) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; closing the iterator early aborts it in the engine."""
+                       prompt: str | None = None, priority: int = 1,
+                       queue_timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; closing the iterator early aborts it in the engine.
+
+        With queue_timeout, a request with no output after that many seconds is aborted (QueueTimeout).
+        """
         if not self.ready:
             raise EngineDeadError("the engine is not ready")
         if request_id in self.streams:
@@ -184,7 +201,14 @@ class AsyncEngine:
         await self._in.send(m.encoder.encode(m.AddRequest(request_id, prompt_token_ids, params, priority)))
         try:
             while True:
-                item = await stream.queue.get()
+                if stream.started or queue_timeout is None:
+                    item = await stream.queue.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(stream.queue.get(), queue_timeout)
+                    except asyncio.TimeoutError:
+                        raise QueueTimeout(f"the request waited {queue_timeout:g}s in the queue without being "
+                                           "served; try again later") from None
                 if isinstance(item, Exception):
                     stream.finished = True
                     raise item
@@ -209,3 +233,14 @@ class AsyncEngine:
 
     def num_in_flight(self) -> int:
         return len(self.streams)
+
+    def num_queued(self) -> int:
+        """Requests sent to the engine that have no output yet."""
+        return sum(1 for s in self.streams.values() if not s.started)
+
+    async def update_config(self, max_num_seqs: int, scheduling_policy: str, priority_aging_s: float) -> None:
+        """Change scheduler settings now, and for any engine restarted later."""
+        self.config = dataclasses.replace(self.config, max_num_seqs=max_num_seqs,
+                                          scheduling_policy=scheduling_policy, priority_aging_s=priority_aging_s)
+        if self.ready:
+            await self._in.send(m.encoder.encode(m.UpdateConfig(max_num_seqs, scheduling_policy, priority_aging_s)))

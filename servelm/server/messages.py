@@ -27,11 +27,19 @@ class FinishSample(msgspec.Struct, tag="finish"):
     stop: str
 
 
+class UpdateConfig(msgspec.Struct, tag="update"):
+    """Run-time scheduler settings (PATCH /admin/config)."""
+
+    max_num_seqs: int
+    scheduling_policy: str
+    priority_aging_s: float
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineInput = AddRequest | Abort | FinishSample | Shutdown
+EngineInput = AddRequest | Abort | FinishSample | UpdateConfig | Shutdown
 
 
 class RequestError(msgspec.Struct):

@@ -27,6 +27,10 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
+# A priority class by name, or its index (0 high, 1 normal, 2 low; lower is served first, as in vLLM).
+Priority = Literal["high", "normal", "low"] | Annotated[int, Field(ge=0, le=2)] | None
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -56,6 +60,7 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    priority: Priority = None
 
     def _params(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
         return SamplingParams(
@@ -138,6 +143,7 @@ class NativeGenerateRequest(BaseModel):
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     stop_sequences: list[str] | None = None
     stream: bool = False
+    priority: Priority = None
 
 
 class NativeChatRequest(NativeGenerateRequest):

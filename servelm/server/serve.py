@@ -55,29 +55,51 @@ def _embedder(server):
     return Embedder(path, server.embedding_max_batch_size, server.embedding_batch_window_ms), name
 
 
-async def _serve(args) -> int:
+def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed_name=None, tracing=None):
+    """Everything the API needs, wired to one config tree."""
+    from servelm.server.admission import Admission
+    from servelm.server.api import ServerState
+    from servelm.server.auth import KeyStore
+    from servelm.server.metrics import Metrics
+    from servelm.server.telemetry import Telemetry
+
+    srv = config.server
+    keys = KeyStore.from_config(srv.api_key, srv.api_keys_file, srv.admin_key)
+    metrics = Metrics(model_name)
+    engine.on_ready = lambda msg, restarted: metrics.on_ready(msg.stats, restarted)
+    engine.on_down = metrics.on_engine_down
+    engine.on_step = lambda msg, _: metrics.on_step(msg.stats, msg.num_batched_tokens, msg.num_batched_tokens > 0)
+    if engine.ready and engine.stats is not None:
+        metrics.on_ready(engine.stats, False)
+    if tracing is None and srv.otlp_endpoint:
+        from servelm.server.telemetry import Tracing
+
+        tracing = Tracing(endpoint=srv.otlp_endpoint, service_name=srv.otlp_service_name)
+    telemetry = Telemetry(metrics, srv.log_requests, srv.log_prompts, tracing)
+    admission = Admission(config, metrics, engine.num_queued)
+    return ServerState(engine, model_name, tokenizer, config, keys, metrics, admission, telemetry, embedder,
+                       embed_name, created=int(time.time()))
+
+
+async def _serve(config) -> int:
     import uvicorn
 
-    from servelm.entrypoints.cli import engine_config_from_args
     from servelm.model.loader import load_config_and_tokenizer
-    from servelm.server.api import ServerState, build_app
+    from servelm.server.api import build_app
     from servelm.server.async_engine import AsyncEngine
 
-    if args.model_pos is not None:
-        args.model = args.model_pos
-    config = engine_config_from_args(args)
     t0 = time.perf_counter()
-    src, _, tokenizer, _ = load_config_and_tokenizer(config.model, config.gguf_file, config.tokenizer)
-    embedder, embed_name = _embedder(args)
-    engine = AsyncEngine(config, tokenizer)
+    ec, srv = config.engine, config.server
+    src, _, tokenizer, _ = load_config_and_tokenizer(ec.model, ec.gguf_file, ec.tokenizer)
+    embedder, embed_name = _embedder(srv)
+    engine = AsyncEngine(ec, tokenizer)
     await engine.start()
-    state = ServerState(engine, args.served_model_name or src.name, tokenizer, embedder, embed_name,
-                        created=int(time.time()))
+    state = build_state(config, tokenizer, engine, srv.served_model_name or src.name, embedder, embed_name)
     app = build_app(state)
-    logger.info("ready in %.1fs: serving %s on http://%s:%d", time.perf_counter() - t0, state.model_name,
-                args.host, args.port)
-    server = _DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                            timeout_graceful_shutdown=args.drain_timeout))
+    logger.info("ready in %.1fs: serving %s on http://%s:%d (API keys: %s)", time.perf_counter() - t0,
+                state.model_name, srv.host, srv.port, f"{len(state.keys.keys)}" if state.keys.enabled else "off")
+    server = _DrainingServer(uvicorn.Config(app, host=srv.host, port=srv.port, log_level="warning",
+                                            timeout_graceful_shutdown=srv.drain_timeout))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.begin_drain, sig)
@@ -85,6 +107,8 @@ async def _serve(args) -> int:
         await server.serve()  # SIGTERM/SIGINT: stop accepting, drain in-flight requests, return
     finally:
         await engine.shutdown()
+        if state.telemetry.tracing is not None:
+            state.telemetry.tracing.shutdown()
     logger.info("shut down cleanly")
     return 0
 
@@ -109,4 +133,14 @@ class _DrainingServer:
 
 
 def cmd_serve(args) -> int:
-    return asyncio.run(_serve(args))
+    import json
+
+    from servelm.server.auth import KeyStore
+
+    config = load_config(args)  # ConfigError (a ValueError): main() prints it and exits 2
+    srv = config.server
+    KeyStore.from_config(srv.api_key, srv.api_keys_file, srv.admin_key)  # a bad keys file stops start-up too
+    if args.print_config:
+        print(json.dumps(config.describe(), indent=2))
+        return 0
+    return asyncio.run(_serve(config))

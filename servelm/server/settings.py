@@ -9,14 +9,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tomllib
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomllib
+
 from servelm.config import ConfigError, EngineConfig, _f, require
 
 PRIORITIES = ("high", "normal", "low")  # index = the engine's Priority value
+SECRETS = frozenset({"api_key", "admin_key"})  # never printed, logged or returned
 
 
 @dataclass
@@ -51,8 +53,9 @@ class ServerConfig:
         need(self.embedding_batch_window_ms >= 0, "embedding_batch_window_ms", ">= 0")
         need(self.embedding_max_batch_size >= 1, "embedding_max_batch_size", ">= 1")
         need(self.drain_timeout >= 0, "drain_timeout", ">= 0")
-        need(self.api_key is None or len(self.api_key) >= 8, "api_key", "at least 8 characters")
-        need(self.admin_key is None or len(self.admin_key) >= 8, "admin_key", "at least 8 characters")
+        for name in SECRETS:
+            if getattr(self, name) is not None and len(getattr(self, name)) < 8:
+                raise ConfigError(name, "<redacted>", "at least 8 characters")
         need(self.api_keys_file is None or Path(self.api_keys_file).is_file(), "api_keys_file", "an existing file")
         need(self.max_request_body_bytes >= 1024, "max_request_body_bytes", ">= 1024")
 
@@ -100,7 +103,8 @@ class ServeConfig:
 
     def describe(self) -> dict:
         """The effective config, each value with where it came from."""
-        return {sec: {k: {"value": v, "source": self.sources[f"{sec}.{k}"],
+        return {sec: {k: {"value": "<redacted>" if k in SECRETS and v is not None else v,
+                          "source": self.sources[f"{sec}.{k}"],
                           "runtime": _field(sec, k).metadata.get("runtime", False)}
                       for k, v in vals.items()} for sec, vals in self.to_dict().items()}
 

@@ -1,0 +1,93 @@
+"""Admission: may this request enter the engine now, and at what priority?
+
+Every API call counts against the key's requests per minute (`take_request`, from the gateway). A
+generation request then passes, in order: the key may use the model (403), the requested priority is
+allowed (403), the queue is not over its watermark (503, with hysteresis between the high and low
+watermarks), and the key's tokens per minute have room for prompt + max_tokens (429). Every check reads the live config, so PATCH /admin/config applies to the next request.
+"""
+
+from __future__ import annotations
+
+from servelm.server.auth import ApiKey
+from servelm.server.protocol import APIError
+from servelm.server.ratelimit import InMemoryRateLimitStore, Limits, RateLimitStore
+from servelm.server.settings import PRIORITIES, ServeConfig
+from servelm.server.telemetry import RequestRecord
+
+
+class Admission:
+    def __init__(self, config: ServeConfig, metrics, queue_depth, store: RateLimitStore | None = None) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.queue_depth = queue_depth  # () -> requests in the engine with no output yet
+        self.store = store or InMemoryRateLimitStore()
+        self.shedding = False
+
+    def limits(self, key: ApiKey | None) -> Limits:
+        a = self.config.admission
+        if key is None:
+            return Limits(a.rate_limit_rpm, a.rate_limit_tpm)
+        return Limits(key.rpm if key.rpm is not None else a.rate_limit_rpm,
+                      key.tpm if key.tpm is not None else a.rate_limit_tpm)
+
+    def priority(self, key: ApiKey | None, requested: str | int | None) -> int:
+        base = PRIORITIES.index((key.priority if key else None) or self.config.admission.default_priority)
+        if requested is None:
+            return base
+        want = requested if isinstance(requested, int) else PRIORITIES.index(requested)
+        if want < base and not (key and key.allow_priority_raise):
+            raise APIError(403, f"this key may not raise priority above {PRIORITIES[base]!r}", "priority",
+                           "priority_not_allowed")
+        return want
+
+    def admit(self, rec: RequestRecord, model: str, tokens: int, requested_priority: str | int | None) -> int:
+        """Check a generation request costing `tokens` (prompt + max_tokens); returns its engine priority."""
+        rec.model = model
+        key = rec.api_key
+        if key is not None and key.models is not None and model not in key.models:
+            raise APIError(403, f"this key may not use model {model!r}", "model", "model_not_allowed")
+        prio = self.priority(key, requested_priority)
+        rec.priority = PRIORITIES[prio]
+        a = self.config.admission
+        depth = self.queue_depth()
+        if self.shedding and depth < a.queue_low_watermark:
+            self.shedding = False
+        elif not self.shedding and depth >= a.queue_high_watermark:
+            self.shedding = True
+        if self.shedding:
+            self.metrics.backpressure.inc()
+            raise APIError(503, f"the server is overloaded ({depth} requests queued); retry later", code="overloaded",
+                           headers={"Retry-After": "1"})
+        limits = self.limits(key)
+        if limits.tpm is not None:
+            self._take(rec, limits, 0, tokens)
+            rec.reserved_tokens = tokens
+        return prio
+
+    def take_request(self, rec: RequestRecord) -> None:
+        """Count one API call against the caller's requests-per-minute (429 when over)."""
+        limits = self.limits(rec.api_key)
+        if limits.rpm is not None:
+            self._take(rec, limits, 1, 0)
+
+    def _take(self, rec: RequestRecord, limits: Limits, requests: int, tokens: int) -> None:
+        d = self.store.acquire(rec.key_name, limits, requests, tokens)
+        if not d.allowed:
+            self.metrics.rate_limited.labels(rec.key_name, d.reason).inc()
+            what, limit = ("requests", limits.rpm) if d.reason == "requests" else ("tokens", limits.tpm)
+            extra = f"; this request needs {tokens} tokens" if d.reason == "tokens" else ""
+            raise APIError(429, f"rate limit reached for {what} per minute (limit {limit}{extra}); retry in "
+                                f"{d.retry_after:.1f}s", code="rate_limit_exceeded", headers=d.headers())
+
+    def settle(self, rec: RequestRecord) -> None:
+        """Give the key back the tokens it reserved but did not use."""
+        if rec.reserved_tokens:
+            used = rec.prompt_tokens + rec.completion_tokens
+            self.store.settle(rec.key_name, self.limits(rec.api_key), rec.reserved_tokens - used)
+            rec.reserved_tokens = 0
+
+    def limit_headers(self, rec: RequestRecord) -> dict[str, str]:
+        limits = self.limits(rec.api_key)
+        if limits.rpm is None and limits.tpm is None:
+            return {}
+        return self.store.peek(rec.key_name, limits).headers()

@@ -1,0 +1,173 @@
+"""The ASGI gateway in front of every route: request id, body size limit, API keys, rate-limit headers, and
+the end-of-request hand-off to telemetry (metrics, the JSON log line, traces).
+
+It is plain ASGI rather than a Starlette BaseHTTPMiddleware, so streaming responses and client disconnects
+pass through untouched.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+from starlette.datastructures import Headers
+
+from servelm.server.auth import KeyStore, presented_key
+from servelm.server.protocol import APIError
+from servelm.server.telemetry import RequestRecord
+
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", "/server/stats"})  # not logged or traced
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+class Gateway:
+    def __init__(self, app, state) -> None:
+        self.app = app
+        self.state = state  # ServerState: config, keys, limiter, telemetry
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        st = self.state
+        headers = Headers(scope=scope)
+        incoming = headers.get("x-request-id")
+        rid = incoming if incoming and _REQUEST_ID.match(incoming) else uuid.uuid4().hex
+        path = scope["path"]
+        rec = RequestRecord(rid, scope["method"], path, traceparent=headers.get("traceparent"),
+                            tracestate=headers.get("tracestate"))
+        scope.setdefault("state", {})["record"] = rec
+        response_started = False
+        body_done = False
+
+        async def send_wrapped(message):
+            nonlocal response_started, body_done
+            if message["type"] == "http.response.start":
+                response_started = True
+                rec.status = message["status"]
+                extra = [(b"x-request-id", rid.encode())]
+                present = {k.lower() for k, _ in message.get("headers", [])}
+                for k, v in self._limit_headers(rec).items():
+                    if k.encode() not in present:
+                        extra.append((k.encode(), v.encode()))
+                message = {**message, "headers": list(message.get("headers", [])) + extra}
+            elif message["type"] == "http.response.body":
+                if rec.first_byte is None and message.get("body"):
+                    rec.first_byte = _now()
+                if not message.get("more_body", False):
+                    body_done = True
+            await send(message)
+            if body_done:
+                self._finish(rec)
+
+        try:
+            error = self._check(scope, headers, rec)
+            body = b""
+            if error is None:
+                body, error = await _read_body(receive, headers, st.config.server.max_request_body_bytes)
+            if error is not None:
+                await _send_error(send_wrapped, error)
+                return
+            await self.app(scope, _replay(body, receive), send_wrapped)
+        except BaseException:
+            if not response_started:
+                rec.status = 500
+            raise
+        finally:
+            if not body_done:
+                if response_started or rec.status == 200:
+                    rec.status = 499  # the client went away before the response was complete
+                self._finish(rec)
+
+    def _check(self, scope, headers: Headers, rec: RequestRecord) -> APIError | None:
+        """Authenticate: None when the request may proceed."""
+        st, path = self.state, scope["path"]
+        keys: KeyStore = st.keys
+        presented = presented_key(headers)
+        if path.startswith("/admin"):
+            if keys.admin_digest is None and not any(k.admin for k in keys.keys):
+                return APIError(403, "admin routes are disabled: start the server with --admin-key", code="forbidden")
+            if presented is None:
+                return APIError(401, "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key'",
+                                code="invalid_api_key")
+            if not keys.is_admin(presented):
+                return APIError(403, "this key may not use admin routes", code="forbidden")
+            rec.key_name = "admin"
+            return None
+        if path in OPEN_PATHS and not (path == "/metrics" and st.config.server.metrics_require_key):
+            return None
+        if keys.enabled:
+            key = keys.lookup(presented)
+            if key is None:
+                msg = "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key'" if presented is None \
+                    else "invalid API key"
+                return APIError(401, msg, code="invalid_api_key")
+            rec.key_name, rec.api_key = key.name, key
+        if path in QUIET_PATHS:
+            return None
+        try:
+            st.admission.take_request(rec)
+        except APIError as e:
+            return e
+        return None
+
+    def _limit_headers(self, rec: RequestRecord) -> dict[str, str]:
+        if rec.path in OPEN_PATHS:
+            return {}
+        return self.state.admission.limit_headers(rec)
+
+    def _finish(self, rec: RequestRecord) -> None:
+        if rec._ended:
+            return
+        self.state.admission.settle(rec)
+        self.state.telemetry.finish(rec, quiet=rec.path in QUIET_PATHS)
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()
+
+
+async def _read_body(receive, headers: Headers, limit: int) -> tuple[bytes, APIError | None]:
+    """Read the whole body up front (JSON APIs), refusing more than `limit` bytes with 413."""
+    too_big = APIError(413, f"request body is larger than the limit of {limit} bytes", code="request_too_large")
+    length = headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        return b"", too_big
+    chunks, size = [], 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return b"", APIError(499, "client disconnected")
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return b"", too_big
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            return b"".join(chunks), None
+
+
+def _replay(body: bytes, receive):
+    """A receive() that hands the app the body already read, then passes through (for disconnects)."""
+    sent = False
+
+    async def inner():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return inner
+
+
+async def _send_error(send, err: APIError) -> None:
+    import json
+
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), str(v).encode()) for k, v in (err.headers or {}).items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -1,0 +1,161 @@
+"""Prometheus metrics, named like vLLM's under `servelm:` so existing dashboards and routers carry over.
+
+Engine-wide figures arrive with every engine step (`on_step`); per-request figures are observed by the API
+as each engine request finishes (`observe_finished`); HTTP outcomes by the gateway middleware.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+from servelm.engine.core import EngineStats
+
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+            40.0, 80.0, 160.0, 640.0)
+_PER_TOKEN = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
+_E2E = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+# Engine counters that arrive as cumulative totals in EngineStats: metric suffix -> stats field.
+_ENGINE_COUNTERS = {
+    "prompt_tokens": ("prompt_tokens", "Prefill tokens computed (prefix cache hits excluded)."),
+    "generation_tokens": ("generation_tokens", "Tokens generated."),
+    "num_preemptions": ("num_preemptions", "Sequences preempted (recompute or swap)."),
+    "num_priority_preemptions": ("num_priority_preemptions", "Preemptions to make room for a higher priority."),
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "kv_cache_evictions": ("num_evictions", "Cached KV blocks evicted to make room."),
+}
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        disable_created_metrics()  # *_created series only add noise to scrapes
+        self.registry = r = CollectorRegistry()
+        self.model_name = model_name
+        m = {"model_name": model_name}
+        self._m = m
+        # gauges (vLLM: num_requests_running/waiting, kv_cache_usage_perc)
+        self.running = Gauge("servelm:num_requests_running", "Requests in the running batch.", ["model_name"],
+                             registry=r).labels(**m)
+        self.waiting = Gauge("servelm:num_requests_waiting", "Requests queued in the engine.", ["model_name"],
+                             registry=r).labels(**m)
+        self.swapped = Gauge("servelm:num_requests_swapped", "Requests swapped out to CPU.", ["model_name"],
+                             registry=r).labels(**m)
+        self.waiting_by_priority = Gauge("servelm:num_requests_waiting_by_priority",
+                                         "Requests queued in the engine, by priority class.",
+                                         ["model_name", "priority"], registry=r)
+        self.kv_usage = Gauge("servelm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
+                              ["model_name"], registry=r).labels(**m)
+        self.engine_up = Gauge("servelm:engine_up", "1 while the engine process is ready, else 0.",
+                               ["model_name"], registry=r).labels(**m)
+        self.engine_restarts = Counter("servelm:engine_restarts", "Engine process restarts after a crash.",
+                                       ["model_name"], registry=r).labels(**m)
+        # engine counters
+        self._engine_counters = {
+            field: Counter(f"servelm:{name}", help_, ["model_name"], registry=r).labels(**m)
+            for name, (field, help_) in _ENGINE_COUNTERS.items()}
+        self._last: EngineStats | None = None
+        # per-step histograms (vLLM: iteration_tokens_total)
+        self.iteration_tokens = Histogram("servelm:iteration_tokens_total", "Tokens computed per engine step.",
+                                          ["model_name"], buckets=_TOKENS, registry=r).labels(**m)
+        self.batch_size = Histogram("servelm:batch_size", "Sequences per engine step.", ["model_name"],
+                                    buckets=_BATCH, registry=r).labels(**m)
+        # per-request histograms
+        def hist(name: str, help_: str, buckets) -> Histogram:
+            return Histogram(f"servelm:{name}", help_, ["model_name"], buckets=buckets, registry=r).labels(**m)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY)
+        self.tpot = hist("time_per_output_token_seconds", "Mean time per output token after the first, per "
+                         "request.", _PER_TOKEN)
+        self.itl = hist("inter_token_latency_seconds", "Time between successive outputs of a request.",
+                        _PER_TOKEN)
+        self.e2e = hist("e2e_request_latency_seconds", "Request latency, arrival to last token.", _E2E)
+        self.queue_time = hist("request_queue_time_seconds", "Time from arrival to first scheduled.", _LATENCY)
+        self.prompt_len = hist("request_prompt_tokens", "Prompt length per request.", _TOKENS)
+        self.gen_len = hist("request_generation_tokens", "Generated tokens per request.", _TOKENS)
+        self.success = Counter("servelm:request_success", "Finished generation requests, by finish reason.",
+                               ["model_name", "finished_reason"], registry=r)
+        # HTTP outcomes
+        self.requests = Counter("servelm:requests", "HTTP requests by model, API key name and status.",
+                                ["model_name", "key", "status"], registry=r)
+        self.rate_limited = Counter("servelm:rate_limited_requests", "Requests refused with 429, by key and "
+                                    "limit.", ["key", "limit"], registry=r)
+        self.backpressure = Counter("servelm:backpressure_rejections", "Requests refused with 503 because the "
+                                    "queue was over its watermark.", ["model_name"], registry=r).labels(**m)
+        self.timeouts = Counter("servelm:request_timeouts", "Requests removed after waiting longer than the "
+                                "queue timeout (408).", ["model_name"], registry=r).labels(**m)
+        self.aborts = Counter("servelm:request_aborts", "Requests aborted because the client went away.",
+                              ["model_name"], registry=r).labels(**m)
+        self.window = ThroughputWindow()
+
+    def on_ready(self, stats: EngineStats, restarted: bool) -> None:
+        self._last = stats  # a new engine process: its counters start here (warm-up excluded)
+        self.engine_up.set(1)
+        if restarted:
+            self.engine_restarts.inc()
+        self._gauges(stats)
+
+    def on_engine_down(self) -> None:
+        self.engine_up.set(0)
+
+    def on_step(self, stats: EngineStats, num_batched_tokens: int, ran: bool) -> None:
+        self._gauges(stats)
+        last = self._last
+        deltas = {}
+        for field, counter in self._engine_counters.items():
+            d = getattr(stats, field) - (getattr(last, field) if last else 0)
+            if d > 0:
+                counter.inc(d)
+                deltas[field] = d
+        self._last = stats
+        self.window.add(deltas.get("prompt_tokens", 0), deltas.get("generation_tokens", 0))
+        if ran:
+            self.iteration_tokens.observe(num_batched_tokens)
+            self.batch_size.observe(stats.batch_size)
+
+    def _gauges(self, s: EngineStats) -> None:
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting + s.num_swapped)
+        self.swapped.set(s.num_swapped)
+        self.kv_usage.set(s.kv_usage)
+        for name, n in zip(("high", "normal", "low"), s.waiting_by_priority, strict=False):
+            self.waiting_by_priority.labels(self.model_name, name).set(n)
+
+    def observe_finished(self, arrival: float, first_token: float | None, end: float, queue_time: float | None,
+                         prompt_tokens: int, output_tokens: int, finish_reason: str | None) -> None:
+        """One engine request (all its samples) has finished."""
+        if first_token is not None:
+            self.ttft.observe(first_token - arrival)
+            if output_tokens > 1:
+                self.tpot.observe((end - first_token) / (output_tokens - 1))
+        self.e2e.observe(end - arrival)
+        if queue_time is not None:
+            self.queue_time.observe(max(0.0, queue_time))
+        self.prompt_len.observe(prompt_tokens)
+        self.gen_len.observe(output_tokens)
+        self.success.labels(self.model_name, finish_reason or "abort").inc()
+
+
+class ThroughputWindow:
+    """Prompt and generation tokens/s over the last minute."""
+
+    def __init__(self, span: float = 60.0, clock=time.monotonic) -> None:
+        self.span, self.clock = span, clock
+        self.start = clock()
+        self._events: deque[tuple[float, int, int]] = deque()
+
+    def add(self, prompt: int, generation: int) -> None:
+        if prompt or generation:
+            self._events.append((self.clock(), prompt, generation))
+
+    def rates(self) -> tuple[float, float]:
+        now = self.clock()
+        while self._events and self._events[0][0] < now - self.span:
+            self._events.popleft()
+        elapsed = max(1e-9, min(self.span, now - self.start))
+        return (sum(e[1] for e in self._events) / elapsed, sum(e[2] for e in self._events) / elapsed)

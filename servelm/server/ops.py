@@ -1,0 +1,65 @@
+"""Operator routes: Prometheus `/metrics`, `/server/stats` JSON, and `/admin/config` (admin key)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fastapi import FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from servelm.config import ConfigError
+from servelm.server.protocol import APIError
+from servelm.server.settings import PRIORITIES
+
+
+def add_ops_routes(app: FastAPI, state) -> None:
+    engine, metrics = state.engine, state.metrics
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        metrics.engine_up.set(1 if engine.ready else 0)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/server/stats")
+    async def server_stats():
+        st = engine.stats
+        prompt_tps, gen_tps = metrics.window.rates()
+        by_prio = st.waiting_by_priority if st else [0, 0, 0]
+        return {
+            "engine": {"ready": engine.ready, "pid": engine.engine_pid, "restarts": engine.restarts,
+                       "status": "up" if engine.ready else "down", "in_flight": engine.num_in_flight(),
+                       "max_model_len": engine.max_model_len},
+            "queue": {"depth": engine.num_queued(), "by_priority": dict(zip(PRIORITIES, by_prio, strict=True)),
+                      "shedding": state.admission.shedding},
+            "running": st.num_running if st else 0,
+            "batch_size": st.batch_size if st else 0,
+            "throughput": {"prompt_tokens_per_s": round(prompt_tps, 2), "generation_tokens_per_s": round(gen_tps, 2),
+                           "window_s": metrics.window.span},
+            "kv_cache": {"usage": st.kv_usage, "num_blocks": st.num_kv_blocks, "free_blocks": st.num_free_blocks}
+            if st else None,
+            "prefix_cache": {"queries": st.prefix_cache_queries, "hits": st.prefix_cache_hits,
+                             "hit_rate": st.prefix_cache_hit_rate, "evictions": st.num_evictions} if st else None,
+            "scheduler": dataclasses.asdict(st) if st else None,
+            "embeddings": dataclasses.asdict(state.embedder.stats) if state.embedder else None,
+        }
+
+    @app.get("/admin/config")
+    async def get_config():
+        return {"config": state.config.describe()}
+
+    @app.patch("/admin/config")
+    async def patch_config(request: Request):
+        try:
+            changes = await request.json()
+        except ValueError as e:
+            raise APIError(400, "body must be a JSON object of settings to change") from e
+        if not isinstance(changes, dict) or not changes:
+            raise APIError(400, "body must be a non-empty JSON object of settings to change")
+        try:
+            applied = state.config.patch(changes)
+        except ConfigError as e:
+            raise APIError(400, str(e), e.key, "invalid_config") from e
+        if any(k.startswith("engine.") for k in applied):
+            e = state.config.engine
+            await engine.update_config(e.max_num_seqs, e.scheduling_policy, e.priority_aging_s)
+        return {"applied": applied, "config": state.config.describe()}

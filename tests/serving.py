@@ -1,0 +1,95 @@
+"""Helpers for tests that run a real servelm server on localhost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from urllib.parse import urlparse
+
+import httpx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(cond, timeout: float = 60.0, what: str = "condition"):
+    """Poll until cond() is truthy (a bounded wait for a state, not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def stats(url: str, headers: dict | None = None) -> dict:
+    return httpx.get(url + "/server/stats", headers=headers).json()
+
+
+def start_server(model_dir, *extra: str, env: dict | None = None):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "servelm.entrypoints.cli", "serve", str(model_dir), "--port", str(port),
+           "--dtype", "float32", "--served-model-name", "tiny", *extra]
+    log = tempfile.NamedTemporaryFile("w+", prefix="servelm-test-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+    proc.log_path = log.name
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: proc.poll() is not None or _ready(url), 300, "the server to become ready")
+    except AssertionError:
+        proc.kill()
+        raise
+    if proc.poll() is not None:
+        raise RuntimeError(f"server exited: {open(proc.log_path).read()[-3000:]}")
+    return proc, url
+
+
+def stop_server(proc) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+
+
+def raw_request(url: str, path: str, body: dict, headers: dict | None = None) -> socket.socket:
+    """Send a POST and return the open socket: closing it is a client that goes away, at a moment of the
+    test's choosing (an HTTP client would block until the response headers arrive)."""
+    u = urlparse(url)
+    data = json.dumps(body).encode()
+    head = [f"POST {path} HTTP/1.1", f"Host: {u.hostname}:{u.port}", "Content-Type: application/json",
+            f"Content-Length: {len(data)}", *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    s = socket.create_connection((u.hostname, u.port))
+    s.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + data)
+    return s
+
+
+def server_log_lines(proc) -> list[dict]:
+    """The JSON request lines the server has logged so far."""
+    out = []
+    with open(proc.log_path) as f:
+        for line in f:
+            if line.startswith("{"):
+                out.append(json.loads(line))
+    return out
