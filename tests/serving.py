@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
@@ -47,10 +48,11 @@ def start_server(model_dir, *extra: str, env: dict | None = None):
     port = _free_port()
     cmd = [sys.executable, "-m", "servelm.entrypoints.cli", "serve", str(model_dir), "--port", str(port),
            "--dtype", "float32", "--served-model-name", "tiny", *extra]
-    log = tempfile.NamedTemporaryFile("w+", prefix="servelm-test-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True,
-                            env={**os.environ, **(env or {})})
-    proc.log_path = log.name
+    fd, log_path = tempfile.mkstemp(prefix="servelm-test-", suffix=".log")
+    with os.fdopen(fd, "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True,
+                                env={**os.environ, **(env or {})})
+    proc.log_path = log_path
     url = f"http://127.0.0.1:{port}"
     try:
         _wait(lambda: proc.poll() is not None or _ready(url), 300, "the server to become ready")
@@ -58,7 +60,7 @@ def start_server(model_dir, *extra: str, env: dict | None = None):
         proc.kill()
         raise
     if proc.poll() is not None:
-        raise RuntimeError(f"server exited: {open(proc.log_path).read()[-3000:]}")
+        raise RuntimeError(f"server exited: {Path(proc.log_path).read_text()[-3000:]}")
     return proc, url
 
 
