@@ -1,0 +1,155 @@
+"""The serve config tree: precedence CLI > env > file, typed parsing, clear errors, exit code 2, run-time patches;
+plus the API keys file and the rate-limit token buckets."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from servelm.config import ConfigError
+from servelm.server.auth import KeyStore, hash_key, load_keys_file, presented_key
+from servelm.server.ratelimit import InMemoryRateLimitStore, Limits
+from servelm.server.settings import env_var, load
+
+
+def test_precedence_cli_over_env_over_file(tmp_path):
+    f = tmp_path / "servelm.yaml"
+    f.write_text("engine:\n  max_num_seqs: 8\n  block_size: 32\nadmission:\n  queue_timeout_s: 20\n"
+                 "  queue_high_watermark: 50\n  queue_low_watermark: 20\n")
+    env = {"SERVELM_MAX_NUM_SEQS": "4", "SERVELM_QUEUE_TIMEOUT_S": "25", "SERVELM_LOG_PROMPTS": "true"}
+    c = load({"queue_timeout_s": 30.0}, env, str(f))
+    assert (c.engine.max_num_seqs, c.engine.block_size, c.admission.queue_timeout_s) == (4, 32, 30.0)
+    assert c.admission.queue_high_watermark == 50 and c.server.log_prompts is True
+    assert c.sources["engine.max_num_seqs"] == "env" and c.sources["engine.block_size"] == "file"
+    assert c.sources["admission.queue_timeout_s"] == "cli" and c.sources["server.port"] == "default"
+    d = c.describe()
+    assert d["engine"]["max_num_seqs"] == {"value": 4, "source": "env", "runtime": True}
+    assert d["server"]["port"]["runtime"] is False
+
+
+def test_toml_and_json_files_and_config_env_var(tmp_path):
+    t = tmp_path / "c.toml"
+    t.write_text("[server]\nport = 9001\n[engine]\nenable_prefix_caching = false\n")
+    c = load({}, {"SERVELM_CONFIG": str(t)})
+    assert c.server.port == 9001 and c.engine.enable_prefix_caching is False
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps({"admission": {"rate_limit_rpm": 60}}))
+    assert load({}, {}, str(j)).admission.rate_limit_rpm == 60
+
+
+@pytest.mark.parametrize("env,file_text,match", [
+    ({"SERVELM_MAX_NUM_SEQS": "0"}, None, r"engine\.max_num_seqs must be >= 1 \(set by env SERVELM_MAX_NUM_SEQS\), got 0"),
+    ({"SERVELM_MAX_NUM_SEQS": "many"}, None, r"engine\.max_num_seqs must be an integer .*got 'many'"),
+    ({"SERVELM_ENABLE_PREFIX_CACHING": "maybe"}, None, r"enable_prefix_caching must be a boolean"),
+    ({}, "engine:\n  dtype: float8\n", r"engine\.dtype must be one of auto.*\(set by file\), got 'float8'"),
+    ({}, "engine:\n  max_num_sequences: 3\n", r"engine\.max_num_sequences must be a known key"),
+    ({}, "scheduler:\n  x: 1\n", r"section 'scheduler'"),
+    ({}, "admission:\n  queue_low_watermark: 2000\n", r"queue_low_watermark must be in \[0, queue_high_watermark"),
+    ({"SERVELM_API_KEY": "short"}, None, r"server\.api_key must be at least 8 characters.*<redacted>"),
+])
+def test_invalid_values_name_key_value_and_source(tmp_path, env, file_text, match):
+    path = None
+    if file_text is not None:
+        path = tmp_path / "bad.yaml"
+        path.write_text(file_text)
+    with pytest.raises(ConfigError, match=match) as e:
+        load({}, env, str(path) if path else None)
+    assert "short" not in str(e.value)  # a secret is never echoed
+
+
+def test_runtime_patch_is_validated_all_or_nothing():
+    c = load({}, {})
+    applied = c.patch({"max_num_seqs": 3, "admission": {"queue_timeout_s": "2.5"}})
+    assert applied == {"engine.max_num_seqs": 3, "admission.queue_timeout_s": 2.5}
+    assert c.sources["engine.max_num_seqs"] == "runtime"
+    with pytest.raises(ConfigError, match="changed only at start-up"):
+        c.patch({"block_size": 32})
+    with pytest.raises(ConfigError, match="queue_low_watermark"):
+        c.patch({"queue_timeout_s": 9, "queue_low_watermark": 5000})
+    assert c.admission.queue_timeout_s == 2.5  # the bad patch changed nothing
+    with pytest.raises(ConfigError, match="known config key"):
+        c.patch({"nope": 1})
+
+
+def test_every_field_has_help_and_a_unique_env_var():
+    from servelm.server.settings import all_fields
+
+    names = [f.name for _, f in all_fields()]
+    assert len(names) == len(set(names))
+    assert all(f.metadata.get("help") for _, f in all_fields())
+    assert env_var("max_num_seqs") == "SERVELM_MAX_NUM_SEQS"
+
+
+def _serve(*args, env=None):
+    import os
+
+    return subprocess.run([sys.executable, "-m", "servelm.entrypoints.cli", "serve", *args], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=120)
+
+
+def test_cli_invalid_config_exits_2_and_print_config_shows_sources(tmp_path):
+    r = _serve("--max-num-seqs", "0")
+    assert r.returncode == 2 and "engine.max_num_seqs must be >= 1 (set by --max-num-seqs), got 0" in r.stderr
+    r = _serve("--print-config", env={"SERVELM_QUEUE_TIMEOUT_S": "abc"})
+    assert r.returncode == 2 and "SERVELM_QUEUE_TIMEOUT_S" in r.stderr
+    f = tmp_path / "c.yaml"
+    f.write_text("server:\n  port: 9100\nengine:\n  max_num_seqs: 7\n")
+    r = _serve("--config", str(f), "--print-config", "--max-num-seqs", "5", "--api-key", "sk-secret-key",
+               env={"SERVELM_PORT": "9200"})
+    assert r.returncode == 0, r.stderr
+    shown = json.loads(r.stdout)
+    assert shown["engine"]["max_num_seqs"] == {"value": 5, "source": "cli", "runtime": True}
+    assert shown["server"]["port"]["value"] == 9200 and shown["server"]["port"]["source"] == "env"
+    assert shown["server"]["api_key"]["value"] == "<redacted>" and "sk-secret-key" not in r.stdout
+    bad_keys = tmp_path / "keys.yaml"
+    bad_keys.write_text("- name: a\n  key: k1-long-enough\n  rpm: -1\n")
+    r = _serve("--api-keys-file", str(bad_keys), "--print-config")
+    assert r.returncode == 2 and "rpm must be a positive integer" in r.stderr
+
+
+def test_keys_file_hashes_and_lookup(tmp_path):
+    f = tmp_path / "keys.yaml"
+    f.write_text(f"keys:\n  - name: plain\n    key: sk-plain-0001\n    rpm: 5\n    models: [tiny]\n"
+                 f"  - name: hashed\n    key_hash: \"{hash_key('sk-hashed-0002')}\"\n    priority: low\n"
+                 f"  - name: ops\n    key: sk-ops-00003\n    admin: true\n")
+    keys = load_keys_file(str(f))
+    store = KeyStore(keys, admin_digest=None)
+    assert store.lookup("sk-plain-0001").name == "plain" and store.lookup("sk-plain-0001").rpm == 5
+    assert store.lookup("sk-hashed-0002").priority == "low"
+    assert store.lookup("sk-wrong") is None and store.lookup(None) is None
+    assert store.is_admin("sk-ops-00003") and not store.is_admin("sk-plain-0001")
+    assert all(len(k.digest) == 32 for k in keys)  # only digests are kept
+    f.write_text("- name: x\n  key: a\n  key_hash: b\n")
+    with pytest.raises(ValueError, match="exactly one of key or key_hash"):
+        load_keys_file(str(f))
+    f.write_text("- name: x\n  key_hash: sha256:abc\n")
+    with pytest.raises(ValueError, match="64 hex digits"):
+        load_keys_file(str(f))
+
+
+def test_presented_key_from_bearer_or_x_api_key():
+    assert presented_key({"authorization": "Bearer sk-1"}) == "sk-1"
+    assert presented_key({"x-api-key": "sk-2"}) == "sk-2"
+    assert presented_key({"authorization": "Basic abc"}) is None
+
+
+def test_token_buckets_refill_settle_and_refuse_without_taking():
+    now = [0.0]
+    store = InMemoryRateLimitStore(clock=lambda: now[0])
+    lim = Limits(rpm=2, tpm=100)
+    assert store.acquire("k", lim, 1, 60).allowed
+    d = store.acquire("k", lim, 1, 60)  # tokens: 40 left < 60
+    assert not d.allowed and d.reason == "tokens" and d.remaining_requests == 1 and d.remaining_tokens == 40
+    assert d.retry_after == pytest.approx(20 * 60 / 100)
+    assert d.headers()["retry-after"] == "12" and d.headers()["x-ratelimit-limit-tokens"] == "100"
+    store.settle("k", lim, 50)  # the first request used only 10 of its 60
+    assert store.acquire("k", lim, 1, 60).allowed
+    d = store.acquire("k", lim, 1, 0)
+    assert not d.allowed and d.reason == "requests" and d.retry_after == pytest.approx(30.0)
+    now[0] += 30.0  # one request refills every 30 s at rpm=2
+    assert store.acquire("k", lim, 1, 0).allowed
+    assert not store.acquire("k", lim, 0, 101).allowed  # larger than the bucket: never fits
+    assert store.peek("other", lim).remaining_requests == 2  # keys have separate buckets
