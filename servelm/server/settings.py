@@ -125,9 +125,13 @@ class ServeConfig:
             if not f.metadata.get("runtime"):
                 raise ConfigError(f"{sec}.{name}", value, "changed only at start-up (not a run-time setting)")
             updates.setdefault(sec, {})[name] = _coerce(f"{sec}.{name}", value, _hints(sec)[name])
-        new = {sec: dataclasses.replace(getattr(self, sec), **vals) for sec, vals in updates.items()}
-        for sec, obj in new.items():
-            _validate(sec, obj, "runtime")
+        new = {}
+        for sec, vals in updates.items():
+            try:
+                new[sec] = dataclasses.replace(getattr(self, sec), **vals)  # EngineConfig validates here
+                new[sec].validate()
+            except ConfigError as e:
+                raise _located(sec, e, "runtime") from None
         for sec, obj in new.items():
             setattr(self, sec, obj)
         applied = {}
@@ -177,13 +181,6 @@ def _build(sec: str, cls: type, values: dict, sources: dict):
         return obj
     except ConfigError as e:
         raise _located(sec, e, sources.get(f"{sec}.{e.key}", "default")) from None
-
-
-def _validate(sec: str, obj, source: str) -> None:
-    try:
-        obj.validate()
-    except ConfigError as e:
-        raise _located(sec, e, source) from None
 
 
 def _located(sec: str, e: ConfigError, source: str) -> ConfigError:

@@ -1,0 +1,283 @@
+"""Multi-tenant controls on a real server: keys, rate limits, priorities, backpressure, queue timeout, body limit,
+run-time config, metrics, stats and request logs. Tests run in file order; the last one checks that every
+metric the earlier ones provoked has moved."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from serving import _wait, raw_request, server_log_lines, start_server, stats, stop_server
+
+from servelm.server.auth import hash_key
+
+pytestmark = pytest.mark.server
+
+ADMIN = {"x-api-key": "sk-admin-000000"}
+ALICE = {"Authorization": "Bearer sk-alice-000001"}
+GOLD = {"Authorization": "Bearer sk-gold-0000005"}
+BRONZE = {"x-api-key": "sk-bronze-000006"}
+LONG = {"prompt": [1, 2, 3, 4], "max_tokens": 900, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def svc(llama_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("svc")
+    keys = d / "keys.yaml"
+    keys.write_text(f"""keys:
+  - {{name: alice, key: sk-alice-000001}}
+  - {{name: hashed, key_hash: "{hash_key('sk-hashed-00002')}"}}
+  - {{name: limited, key: sk-limited-0003, rpm: 20}}
+  - {{name: tokens, key: sk-tokens-00004, tpm: 300}}
+  - {{name: gold, key: sk-gold-0000005, priority: high}}
+  - {{name: bronze, key: sk-bronze-000006, priority: low, models: [tiny]}}
+  - {{name: boxed, key: sk-boxed-000007, models: [another-model]}}
+""")
+    conf = d / "servelm.yaml"
+    conf.write_text("engine:\n  max_num_seqs: 8\nadmission:\n  queue_timeout_s: 20\n")
+    proc, url = start_server(llama_dir, "--config", str(conf), "--api-keys-file", str(keys), "--admin-key",
+                             ADMIN["x-api-key"], "--max-request-body-bytes", "65536", "--num-kv-blocks", "80",
+                             "--max-model-len", "1024", "--embedding-model", "none",
+                             env={"SERVELM_MAX_NUM_SEQS": "4"})
+    yield proc, url
+    assert stop_server(proc) == 0
+
+
+def patch(url: str, **changes) -> httpx.Response:
+    return httpx.patch(url + "/admin/config", json=changes, headers=ADMIN)
+
+
+def complete(url: str, headers: dict, **body) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4, **body}, headers=headers,
+                      timeout=120)
+
+
+def queue_depth(url: str) -> int:
+    return stats(url, ALICE)["queue"]["depth"]
+
+
+def test_keys_guard_every_api_route(svc):
+    _, url = svc
+    for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                         ("GET", "/server/stats"), ("POST", "/tokenize"), ("GET", "/no/such/route")]:
+        r = httpx.request(method, url + path, json={})
+        assert r.status_code == 401, path
+        assert r.json()["error"]["type"] == "authentication_error"
+        assert httpx.request(method, url + path, json={}, headers={"x-api-key": "sk-wrong-key"}).status_code == 401
+    for path in ("/health", "/ready", "/metrics"):  # probes and scrapes stay open
+        assert httpx.get(url + path).status_code == 200
+    assert httpx.get(url + "/v1/models", headers=ALICE).status_code == 200  # Bearer
+    assert httpx.get(url + "/v1/models", headers={"x-api-key": "sk-alice-000001"}).status_code == 200
+    assert httpx.get(url + "/v1/models", headers={"x-api-key": "sk-hashed-00002"}).status_code == 200  # hash only
+    # admin routes: no key 401, an ordinary key 403, the admin key 200
+    assert httpx.get(url + "/admin/config").status_code == 401
+    r = httpx.get(url + "/admin/config", headers=ALICE)
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    assert httpx.get(url + "/admin/config", headers=ADMIN).status_code == 200
+    # per-key model lists and priority rules
+    r = complete(url, {"x-api-key": "sk-boxed-000007"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed"
+    r = complete(url, BRONZE, priority="high")
+    assert r.status_code == 403 and r.json()["error"]["param"] == "priority"
+    assert complete(url, BRONZE, priority="low").status_code == 200
+    assert complete(url, ALICE, priority="low").status_code == 200  # lowering is always allowed
+
+
+def test_request_id_and_one_json_log_line_per_request(svc):
+    proc, url = svc
+    r = complete(url, ALICE, max_tokens=3, ignore_eos=True, prompt="tell me")
+    assert r.status_code == 200 and len(r.headers["x-request-id"]) >= 16
+    r = complete(url, {**ALICE, "x-request-id": "log-test-1"}, max_tokens=3, ignore_eos=True)
+    assert r.headers["x-request-id"] == "log-test-1"
+    lines = _wait(lambda: [x for x in server_log_lines(proc) if x["request_id"] == "log-test-1"], 10, "the log line")
+    assert len(lines) == 1
+    line = lines[0]
+    assert line["key"] == "alice" and line["model"] == "tiny" and line["status"] == 200
+    assert line["prompt_tokens"] == r.json()["usage"]["prompt_tokens"] and line["completion_tokens"] == 3
+    assert line["finish_reason"] == "length" and line["priority"] == "normal"
+    assert line["queue_ms"] >= 0 and 0 < line["ttft_ms"] <= line["e2e_ms"]
+    assert "prompt" not in line and "completion" not in line  # text only with --log-prompts
+    assert not any("sk-alice" in open(proc.log_path).read() for _ in [0])  # keys are never logged
+
+
+def test_oversized_body_gets_413(svc):
+    _, url = svc
+    big = {"prompt": "x" * 70000, "max_tokens": 1}
+    r = httpx.post(url + "/v1/completions", json=big, headers=ALICE)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no content-length: counted as it arrives
+        for _ in range(20):
+            yield b"x" * 5000
+
+    r = httpx.post(url + "/v1/completions", content=chunks(), headers={**ALICE, "content-type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_requests_per_minute_429_with_headers_then_recovery(svc):
+    _, url = svc
+    key = {"x-api-key": "sk-limited-0003"}
+    remaining = []
+    for _ in range(20):
+        r = httpx.get(url + "/v1/models", headers=key)
+        assert r.status_code == 200
+        remaining.append(int(r.headers["x-ratelimit-remaining-requests"]))
+        assert r.headers["x-ratelimit-limit-requests"] == "20"
+    assert remaining[-1] < remaining[0]
+    r = httpx.get(url + "/v1/models", headers=key)
+    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+    assert int(r.headers["retry-after"]) >= 1 and r.headers["x-ratelimit-remaining-requests"] == "0"
+    # one request refills every 3 s at 20 rpm
+    _wait(lambda: httpx.get(url + "/v1/models", headers=key).status_code == 200, 30, "the bucket to refill")
+
+
+def test_tokens_per_minute_reserve_and_refuse(svc):
+    _, url = svc
+    key = {"x-api-key": "sk-tokens-00004"}
+    r = complete(url, key, max_tokens=400)  # can never fit a 300-token bucket
+    assert r.status_code == 429 and "tokens" in r.json()["error"]["message"]
+    assert r.headers["x-ratelimit-limit-tokens"] == "300"
+    r = complete(url, key, max_tokens=100, ignore_eos=True)
+    assert r.status_code == 200 and int(r.headers["x-ratelimit-remaining-tokens"]) < 300
+
+
+def test_admin_config_shows_sources_and_validates_patches(svc):
+    _, url = svc
+    cfg = httpx.get(url + "/admin/config", headers=ADMIN).json()["config"]
+    assert cfg["engine"]["max_num_seqs"] == {"value": 4, "source": "env", "runtime": True}  # env beats file
+    assert cfg["admission"]["queue_timeout_s"]["source"] == "file"
+    assert cfg["server"]["max_request_body_bytes"] == {"value": 65536, "source": "cli", "runtime": False}
+    assert cfg["server"]["admin_key"]["value"] == "<redacted>"
+    r = patch(url, max_num_seqs=0)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "engine.max_num_seqs"
+    r = patch(url, port=1234)
+    assert r.status_code == 400 and "start-up" in r.json()["error"]["message"]
+    r = patch(url, queue_timeout_s=15)
+    assert r.status_code == 200 and r.json()["applied"] == {"admission.queue_timeout_s": 15.0}
+    assert httpx.get(url + "/admin/config", headers=ADMIN).json()["config"]["admission"]["queue_timeout_s"] == {
+        "value": 15.0, "source": "runtime", "runtime": True}
+
+
+def _run(url: str, headers: dict, body: dict, done: list, name: str) -> threading.Thread:
+    def go():
+        r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=300)
+        done.append((name, r.status_code, r.json()["usage"]["completion_tokens"]))
+    t = threading.Thread(target=go)
+    t.start()
+    return t
+
+
+def test_priorities_under_contention_high_first_low_still_finishes(svc):
+    _, url = svc
+    assert patch(url, max_num_seqs=1, priority_aging_s=600).status_code == 200  # one slot: a strict order
+    before = stats(url, ALICE)["scheduler"]["num_priority_preemptions"]
+    done: list = []
+    threads = [_run(url, BRONZE, LONG, done, "low")]
+    _wait(lambda: stats(url, ALICE)["running"] == 1, 60, "the low request to run")
+    threads.append(_run(url, ALICE, {**LONG, "max_tokens": 600}, done, "normal"))
+    _wait(lambda: stats(url, ALICE)["queue"]["by_priority"]["low"] == 1, 60, "normal to displace low")
+    threads.append(_run(url, GOLD, {**LONG, "max_tokens": 20}, done, "high"))
+    for t in threads:
+        t.join(300)
+    assert [d[0] for d in done] == ["high", "normal", "low"]
+    assert all(status == 200 for _, status, _ in done)
+    assert dict((n, k) for n, _, k in done) == {"high": 20, "normal": 600, "low": 900}  # preempted, then complete
+    assert stats(url, ALICE)["scheduler"]["num_priority_preemptions"] >= before + 2
+    assert patch(url, max_num_seqs=4).status_code == 200
+
+
+def test_queue_timeout_gives_408(svc):
+    _, url = svc
+    assert patch(url, max_num_seqs=1, queue_timeout_s=1).status_code == 200
+    blocker = raw_request(url, "/v1/completions", {**LONG, "stream": True}, GOLD)
+    try:
+        _wait(lambda: stats(url, ALICE)["running"] == 1, 60, "the blocker to run")
+        r = complete(url, ALICE)
+        assert r.status_code == 408 and r.json()["error"]["type"] == "timeout_error"
+        r = complete(url, ALICE, stream=True)  # streaming requests get the status too: nothing was sent yet
+        assert r.status_code == 408 and r.json()["error"]["code"] == "queue_timeout"
+        _wait(lambda: queue_depth(url) == 0, 30, "timed-out requests to leave the queue")
+    finally:
+        blocker.close()
+    assert patch(url, max_num_seqs=4, queue_timeout_s=20).status_code == 200
+
+
+def test_backpressure_503_at_high_watermark_until_below_low(svc):
+    _, url = svc
+    assert patch(url, max_num_seqs=1, queue_high_watermark=2, queue_low_watermark=1).status_code == 200
+    blocker = raw_request(url, "/v1/completions", {**LONG, "stream": True}, GOLD)
+    queued = []
+    try:
+        _wait(lambda: stats(url, ALICE)["running"] == 1, 60, "the blocker to run")
+        queued = [raw_request(url, "/v1/completions", {"prompt": "q", "max_tokens": 2}, ALICE) for _ in range(2)]
+        _wait(lambda: queue_depth(url) == 2, 30, "two queued requests")
+        r = complete(url, ALICE)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "overloaded"
+        queued.pop().close()
+        _wait(lambda: queue_depth(url) == 1, 30, "one queued request")
+        assert complete(url, ALICE).status_code == 503  # still shedding: not yet below the low watermark
+        assert stats(url, ALICE)["queue"]["shedding"] is True
+        queued.pop().close()
+        _wait(lambda: queue_depth(url) == 0, 30, "an empty queue")
+    finally:
+        for s in [blocker, *queued]:
+            s.close()
+    _wait(lambda: stats(url, ALICE)["running"] == 0, 60, "the blocker to be aborted")
+    assert complete(url, ALICE).status_code == 200  # admitted again
+    assert stats(url, ALICE)["queue"]["shedding"] is False
+    assert patch(url, max_num_seqs=4, queue_high_watermark=1000, queue_low_watermark=500).status_code == 200
+
+
+def test_stats_json_shape(svc):
+    _, url = svc
+    complete(url, ALICE, prompt="the same prompt " * 12, max_tokens=2)
+    complete(url, ALICE, prompt="the same prompt " * 12, max_tokens=2)  # a prefix cache hit
+    s = stats(url, ALICE)
+    assert set(s["queue"]["by_priority"]) == {"high", "normal", "low"}
+    assert s["engine"]["status"] == "up" and isinstance(s["batch_size"], int) and s["running"] == 0
+    assert s["throughput"]["generation_tokens_per_s"] > 0 and s["throughput"]["prompt_tokens_per_s"] > 0
+    assert s["throughput"]["window_s"] == 60
+    assert 0 <= s["kv_cache"]["usage"] <= 1 and s["kv_cache"]["num_blocks"] == 80
+    assert s["prefix_cache"]["hits"] > 0 and 0 < s["prefix_cache"]["hit_rate"] <= 1
+
+
+def _samples(url: str) -> dict:
+    text = httpx.get(url + "/metrics").text
+    out: dict = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def _total(samples: dict, name: str, **labels) -> float:
+    return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
+
+
+def test_every_metric_is_exported_and_moved(svc):
+    _, url = svc
+    s = _samples(url)
+    moved = ["servelm:prompt_tokens_total", "servelm:generation_tokens_total", "servelm:num_preemptions_total",
+             "servelm:num_priority_preemptions_total", "servelm:prefix_cache_queries_total",
+             "servelm:prefix_cache_hits_total", "servelm:kv_cache_evictions_total",
+             "servelm:backpressure_rejections_total", "servelm:request_timeouts_total",
+             "servelm:request_aborts_total", "servelm:rate_limited_requests_total", "servelm:request_success_total",
+             "servelm:requests_total"]
+    for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "inter_token_latency_seconds",
+              "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prompt_tokens",
+              "request_generation_tokens", "iteration_tokens_total", "batch_size"):
+        moved.append(f"servelm:{h}_count")
+    for name in moved:
+        assert _total(s, name) > 0, name
+    for gauge in ("servelm:num_requests_running", "servelm:num_requests_waiting", "servelm:num_requests_swapped",
+                  "servelm:kv_cache_usage_perc", "servelm:num_requests_waiting_by_priority"):
+        assert gauge in s, gauge
+    assert _total(s, "servelm:engine_up") == 1
+    assert _total(s, "servelm:requests_total", key="limited", status="429") >= 1
+    assert _total(s, "servelm:requests_total", key="alice", status="200", model_name="tiny") >= 1
+    assert _total(s, "servelm:requests_total", key="anonymous", status="401") >= 1
+    assert _total(s, "servelm:rate_limited_requests_total", key="tokens", limit="tokens") >= 1
+    assert _total(s, "servelm:request_success_total", finished_reason="length") >= 1
