@@ -68,12 +68,13 @@ class RequestRecord:
 
 def setup_request_log() -> None:
     """Request lines go to stderr as bare JSON, one per line, whatever the other loggers look like."""
-    if not _request_logger.handlers:
+    _request_logger.setLevel(logging.INFO)
+    _request_logger.propagate = False
+    if not any(getattr(h, "_servelm", False) for h in _request_logger.handlers):
         h = logging.StreamHandler(sys.stderr)
         h.setFormatter(logging.Formatter("%(message)s"))
+        h._servelm = True
         _request_logger.addHandler(h)
-        _request_logger.setLevel(logging.INFO)
-        _request_logger.propagate = False
 
 
 class Tracing:
