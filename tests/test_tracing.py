@@ -81,7 +81,7 @@ def test_spans_link_to_traceparent_and_nest_under_the_request(llama_dir):
     k1 = children(first)
     assert set(k1) == {"queue", "prefill", "decode"}
     assert k1["queue"].end_time <= k1["prefill"].end_time <= k1["decode"].start_time <= k1["decode"].end_time
-    assert set(children(second)) == {"queue", "prefill", "decode", "stream"}
+    assert set(children(second)) == {"queue", "prefill", "decode", "streaming"}
     assert not any(s.name.endswith("/health") for s in spans)
 
     # --log-prompts adds the texts to the request's log line

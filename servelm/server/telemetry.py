@@ -78,7 +78,7 @@ def setup_request_log() -> None:
 
 
 class Tracing:
-    """Spans request > queue, prefill, decode, stream, built at the end of each request from its record."""
+    """Spans request > queue, prefill, decode, streaming, built at the end of each request from its record."""
 
     def __init__(self, exporter=None, endpoint: str | None = None, service_name: str = "servelm") -> None:
         from opentelemetry.sdk.resources import Resource
@@ -122,7 +122,7 @@ class Tracing:
             child("prefill", scheduled, rec.first_token)
             child("decode", rec.first_token, rec.last_token)
         if rec.stream:
-            child("stream", rec.first_byte, end)
+            child("streaming", rec.first_byte, end)
         root.end(end_time=rec.to_ns(end))
 
     def shutdown(self) -> None:
