@@ -10,6 +10,11 @@ from servelm.model.attention.torch_paged import CpuPagedAttention, TorchPagedAtt
 
 def get_backend(device: str):
     """A factory `(num_heads, num_kv_heads, head_dim, scale) -> AttentionBackend` for the device."""
+    if device.startswith("cuda"):
+        from servelm.model.attention.triton_paged import HAS_TRITON, TritonPagedAttention
+
+        if HAS_TRITON:
+            return TritonPagedAttention
     if device == "cpu":
         from servelm.model.attention import cpu_kernels
 

@@ -1,0 +1,75 @@
+"""The Triton paged-attention kernel against the PyTorch reference, run by Triton's CPU interpreter.
+
+A mixed step (decodes, a prompt chunk after a cached prefix, a fresh prompt) with GQA, with and without a
+sliding window; on a GPU machine the same test runs the compiled kernel (see BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernel's definition
+
+from servelm.model.attention import AttentionMetadata, PrefillSpan, TorchPagedAttention  # noqa: E402
+from servelm.model.attention import triton_paged  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not triton_paged.HAS_TRITON, reason="triton is not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _step(hkv: int, d: int, bs: int, nb: int, dtype):
+    """A random KV cache and a batch: 3 decodes, a 20-token chunk after a 27-token prefix, a 9-token prompt."""
+    g = torch.Generator().manual_seed(0)
+    kc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
+    vc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
+    perm = torch.randperm(nb, generator=g)
+    dec_lens = torch.tensor([1, 17, 40])
+    dec_tables = perm[:15].view(3, 5)
+    spans = [PrefillSpan(3, 20, 47, perm[15:21]), PrefillSpan(23, 9, 9, perm[21:23])]
+    t = 32
+    slots = []
+    for i, n in enumerate(dec_lens.tolist()):
+        slots.append(int(dec_tables[i, (n - 1) // bs]) * bs + (n - 1) % bs)
+    for s in spans:
+        for p in range(s.ctx_len - s.q_len, s.ctx_len):
+            slots.append(int(s.block_table[p // bs]) * bs + p % bs)
+    meta = AttentionMetadata(torch.tensor(slots), torch.arange(3), dec_tables, dec_lens, spans, bs)
+    return kc, vc, meta, t
+
+
+# numpy, under the interpreter, has no bfloat16: it is checked where the kernel really compiles (a GPU)
+HALF = [(torch.bfloat16, 3e-2)] if torch.cuda.is_available() else []
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.float16, 5e-3), *HALF])
+@pytest.mark.parametrize("window", [None, 7])
+def test_triton_matches_torch_reference(window, dtype, tol):
+    hq, hkv, d, bs, nb = 4, 2, 16, 8, 24
+    kc, vc, meta, t = _step(hkv, d, bs, nb, dtype)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(t, hq, d, generator=g).to(dtype)
+    k = torch.randn(t, hkv, d, generator=g).to(dtype)
+    v = torch.randn(t, hkv, d, generator=g).to(dtype)
+    ref = TorchPagedAttention(hq, hkv, d, d**-0.5).forward(q, k, v, (kc.clone(), vc.clone()), meta, window)
+    dev = lambda x: x.to(DEVICE)  # noqa: E731
+    kc2, vc2 = dev(kc), dev(vc)
+    out = triton_paged.TritonPagedAttention(hq, hkv, d, d**-0.5).forward(
+        dev(q), dev(k), dev(v), (kc2, vc2), meta, window)
+    torch.testing.assert_close(out.cpu().float(), ref.float(), atol=tol, rtol=tol)
+    ref_k = kc.clone()
+    ref_k.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
+    torch.testing.assert_close(kc2.cpu(), ref_k)  # the new keys were written where the slots say
+
+
+def test_head_dim_not_a_power_of_two():
+    hq, hkv, d, bs, nb = 2, 1, 24, 8, 24
+    kc, vc, meta, t = _step(hkv, d, bs, nb, torch.float32)
+    q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    ref = TorchPagedAttention(hq, hkv, d, d**-0.5).forward(q, k, v, (kc.clone(), vc.clone()), meta, None)
+    out = triton_paged.TritonPagedAttention(hq, hkv, d, d**-0.5).forward(
+        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), (kc.to(DEVICE), vc.to(DEVICE)), meta, None)
+    torch.testing.assert_close(out.cpu(), ref, atol=2e-5, rtol=2e-5)
