@@ -14,8 +14,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernel's definition
 
-from servelm.model.attention import AttentionMetadata, PrefillSpan, TorchPagedAttention  # noqa: E402
-from servelm.model.attention import triton_paged  # noqa: E402
+from servelm.model.attention import (  # noqa: E402
+    AttentionMetadata,
+    PrefillSpan,
+    TorchPagedAttention,
+    triton_paged,  # noqa: E402
+)
 
 pytestmark = pytest.mark.skipif(not triton_paged.HAS_TRITON, reason="triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

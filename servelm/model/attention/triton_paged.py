@@ -117,7 +117,7 @@ class TritonPagedAttention(AttentionBackend):
         return (*cat, bt.to(device))
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, sliding_window):
-        self.write_kv(k, v, kv_cache, meta.slot_mapping)
+        self.write_kv(k, v, kv_cache, meta.slot_mapping.to(q.device, non_blocking=True))
         k_cache, v_cache = kv_cache
         out = torch.empty_like(q)
         q_starts, q_lens, ctx_lens, bt = self.rows(meta, q.device)
