@@ -74,7 +74,7 @@ class Scheduler:
         return max(0, p)
 
     def _key(self, seq: Sequence) -> tuple:
-        return (self.effective_priority(seq, self._now), *seq.sort_key()[1:])
+        return (self.effective_priority(seq, self._now), *seq.arrival_key())
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

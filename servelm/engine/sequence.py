@@ -75,9 +75,9 @@ class Sequence:
     def finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
 
-    def sort_key(self) -> tuple:
-        """Scheduling order: the seam for priorities; FCFS within one priority."""
-        return (self.request.priority, self.request.arrival_time, self.request.order, self.index)
+    def arrival_key(self) -> tuple:
+        """FCFS order; the scheduler puts the (aged) priority class in front of it."""
+        return (self.request.arrival_time, self.request.order, self.index)
 
 
 @dataclass(eq=False)

@@ -8,6 +8,7 @@ pass through untouched.
 from __future__ import annotations
 
 import re
+import time
 import uuid
 
 from starlette.datastructures import Headers
@@ -53,7 +54,7 @@ class Gateway:
                 message = {**message, "headers": list(message.get("headers", [])) + extra}
             elif message["type"] == "http.response.body":
                 if rec.first_byte is None and message.get("body"):
-                    rec.first_byte = _now()
+                    rec.first_byte = time.monotonic()
                 if not message.get("more_body", False):
                     body_done = True
             await send(message)
@@ -121,12 +122,6 @@ class Gateway:
             return
         self.state.admission.settle(rec)
         self.state.telemetry.finish(rec, quiet=rec.path in QUIET_PATHS)
-
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()
 
 
 async def _read_body(receive, headers: Headers, limit: int) -> tuple[bytes, APIError | None]:

@@ -38,7 +38,6 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         self.model_name = model_name
         m = {"model_name": model_name}
-        self._m = m
         # gauges (vLLM: num_requests_running/waiting, kv_cache_usage_perc)
         self.running = Gauge("servelm:num_requests_running", "Requests in the running batch.", ["model_name"],
                              registry=r).labels(**m)
