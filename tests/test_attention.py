@@ -7,7 +7,8 @@ import torch
 from conftest import hf_greedy, random_prompts
 
 from servelm import LLM, SamplingParams
-from servelm.model.attention import AttentionMetadata, CpuPagedAttention, TorchPagedAttention, cpu_kernels
+from servelm.model import cpu_kernels
+from servelm.model.attention import AttentionMetadata, CpuPagedAttention, TorchPagedAttention
 from servelm.model.attention.torch_paged import _window_mask
 
 kernels = cpu_kernels.load()
@@ -26,11 +27,12 @@ def _naive(q, k, v, q_pos, window):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("backend", ["torch", "kernel"])
-def test_decode_batch_matches_naive_attention(backend, window, dtype, tol):
+@pytest.mark.parametrize("d", [16, 64, 128])  # 64 and 128 take the kernel's AVX512-BF16 path in bf16
+def test_decode_batch_matches_naive_attention(backend, window, dtype, tol, d):
     if backend == "kernel" and kernels is None:
         pytest.skip("CPU kernels could not be compiled here")
     torch.manual_seed(0)
-    hq, hkv, d, bs, nb = 6, 2, 16, 4, 40
+    hq, hkv, bs, nb = 6, 2, 4, 40
     kc, vc = torch.randn(nb, bs, hkv, d).to(dtype), torch.randn(nb, bs, hkv, d).to(dtype)
     lens = torch.tensor([1, 5, 13, 30])
     tables = torch.randperm(nb)[: 4 * 8].view(4, 8)
@@ -61,3 +63,15 @@ def test_engine_without_kernels_matches_transformers(monkeypatch, model_dirs, hf
 def test_engine_uses_kernels_by_default(llama_dir):
     llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=16)
     assert isinstance(llm.engine.core.model.attn, CpuPagedAttention)
+
+
+@needs_kernels
+def test_argmax_kernel_matches_torch_on_ties_nan_and_inf():
+    torch.manual_seed(0)
+    x = torch.randn(6, 32003)
+    x[1, 5] = x[1, 9] = x[1].max() + 1  # a tie: the first index wins, as in torch
+    x[2, 30000] = float("nan")  # NaN is the maximum, as in torch
+    x[3] = float("-inf")
+    x[4, -1] = 1e9  # in the scalar tail after the vector part
+    x[5] = x[5].round()  # many ties
+    assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))

@@ -16,7 +16,7 @@ def get_backend(device: str):
         if HAS_TRITON:
             return TritonPagedAttention
     if device == "cpu":
-        from servelm.model.attention import cpu_kernels
+        from servelm.model import cpu_kernels
 
         kernels = cpu_kernels.load()
         if kernels is not None:

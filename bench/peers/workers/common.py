@@ -1,0 +1,79 @@
+"""Shared by every peer worker; standard library and numpy only, since each worker runs in its peer's own
+virtual environment. Prompts are drawn exactly as in ../shared/workloads.md (token ids, PCG64)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+WORKLOADS = {"W1": dict(n=64, prompt=128, out=128, seed=0), "W2": dict(n=1, prompt=512, out=128, seed=1)}
+
+
+def prompts(workload: str, vocab: int = 32000, bos: int = 1) -> list[list[int]]:
+    w = WORKLOADS[workload]
+    rng = np.random.Generator(np.random.PCG64(w["seed"]))
+    return [[bos] + [int(i) for i in rng.integers(4, vocab, size=w["prompt"] - 1)] for _ in range(w["n"])]
+
+
+def output_len(workload: str) -> int:
+    return WORKLOADS[workload]["out"]
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc)
+    p.add_argument("--model", required=True, help="Hugging Face folder (or .gguf file for llama.cpp)")
+    p.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--max-requests", type=int, default=None,
+                   help="time only this many W1 requests (for systems that run one request at a time)")
+    return p
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
+
+
+class Timer:
+    def __enter__(self) -> Timer:
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.s = time.perf_counter() - self.start
+
+
+def latency(run_one, prompt: list[int], out: int, reps: int) -> dict:
+    """TTFT from a one-token request, TPOT from a full one: the method used for every offline system."""
+    run_one(prompt, 1)  # warm-up
+    ttft, e2e = [], []
+    for _ in range(reps):
+        with Timer() as t1:
+            run_one(prompt, 1)
+        with Timer() as t2:
+            run_one(prompt, out)
+        ttft.append(t1.s)
+        e2e.append(t2.s)
+    t, e = median(ttft), median(e2e)
+    return {"ttft_ms": round(1000 * t, 2), "tpot_ms": round(1000 * (e - t) / (out - 1), 3)}
+
+
+def throughput(run_batch, batch: list[list[int]], out: int, reps: int) -> dict:
+    """Output tokens/s of the whole batch submitted at once (median of reps after one warm-up)."""
+    run_batch(batch[:2], 4)
+    walls = []
+    for _ in range(reps):
+        with Timer() as t:
+            run_batch(batch, out)
+        walls.append(t.s)
+    return {"output_tok_per_s": round(len(batch) * out / median(walls), 1), "requests_timed": len(batch)}
+
+
+def report(system: str, version: str, args: argparse.Namespace, load_s: float, figures: dict) -> None:
+    row = {"system": system, "version": version, "workload": args.workload, "threads": args.threads,
+           "load_s": round(load_s, 2), **figures}
+    print("RESULT " + json.dumps(row), flush=True)

@@ -1,0 +1,32 @@
+"""transformers `generate`: W1 as one padded static batch (no padding is needed: equal lengths), W2 alone."""
+
+import time
+
+from common import latency, output_len, parser, prompts, report, throughput
+
+
+def main() -> None:
+    args = parser(__doc__).parse_args()
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.set_num_threads(args.threads)
+    t = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
+    load_s = time.perf_counter() - t
+
+    def run(batch, n):
+        gen = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+        with torch.no_grad():
+            model.generate(torch.tensor(batch), attention_mask=torch.ones(len(batch), len(batch[0]), dtype=torch.long),
+                           generation_config=gen)
+
+    ps, out = prompts(args.workload), output_len(args.workload)
+    figures = throughput(run, ps, out, args.reps) if len(ps) > 1 else latency(lambda p, n: run([p], n), ps[0], out,
+                                                                                 args.reps)
+    report("transformers", transformers.__version__, args, load_s, figures)
+
+
+if __name__ == "__main__":
+    main()

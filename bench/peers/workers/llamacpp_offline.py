@@ -1,0 +1,46 @@
+"""llama.cpp through llama-cpp-python, one request at a time (its Python API has no batching across
+requests): W2's TTFT and TPOT, and W1's rate over the first --max-requests requests."""
+
+import time
+
+from common import Timer, median, output_len, parser, prompts, report
+
+
+def main() -> None:
+    args = parser(__doc__).parse_args()
+    import llama_cpp
+
+    t = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=args.model, n_ctx=1024, n_batch=512, n_threads=args.threads,
+                          n_threads_batch=args.threads, verbose=False)
+    load_s = time.perf_counter() - t
+
+    def one(prompt, n):
+        """Greedy generation of n tokens from a cleared cache; returns (ttft, e2e) in seconds."""
+        llm.reset()
+        start = time.perf_counter()
+        first = None
+        for i, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True)):
+            if first is None:
+                first = time.perf_counter() - start
+            if i + 1 >= n:
+                break
+        return first, time.perf_counter() - start
+
+    ps, out = prompts(args.workload), output_len(args.workload)
+    one(ps[0][:32], 4)
+    if len(ps) == 1:
+        runs = [one(ps[0], out) for _ in range(args.reps)]
+        t1, e = median([r[0] for r in runs]), median([r[1] for r in runs])
+        figures = {"ttft_ms": round(1000 * t1, 2), "tpot_ms": round(1000 * (e - t1) / (out - 1), 3)}
+    else:
+        batch = ps[: args.max_requests or len(ps)]
+        with Timer() as tm:
+            for p in batch:
+                one(p, out)
+        figures = {"output_tok_per_s": round(len(batch) * out / tm.s, 1), "requests_timed": len(batch)}
+    report("llama.cpp (llama-cpp-python, sequential)", llama_cpp.__version__, args, load_s, figures)
+
+
+if __name__ == "__main__":
+    main()

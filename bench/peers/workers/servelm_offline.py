@@ -1,0 +1,28 @@
+"""servelm's offline `LLM.generate` on a shared workload (run by ../run_peers.py)."""
+
+import time
+
+from common import latency, output_len, parser, prompts, report, throughput
+
+
+def main() -> None:
+    args = parser(__doc__).parse_args()
+    import servelm
+    from servelm import LLM, SamplingParams
+
+    t = time.perf_counter()
+    llm = LLM(args.model, dtype="bfloat16", num_threads=args.threads, enable_prefix_caching=False)
+    load_s = time.perf_counter() - t
+
+    def run(batch, n):
+        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        llm.generate(batch, sp, use_tqdm=False)
+
+    ps, out = prompts(args.workload), output_len(args.workload)
+    figures = throughput(run, ps, out, args.reps) if len(ps) > 1 else latency(lambda p, n: run([p], n), ps[0], out,
+                                                                                 args.reps)
+    report("servelm", servelm.__version__, args, load_s, figures)
+
+
+if __name__ == "__main__":
+    main()

