@@ -1,0 +1,61 @@
+"""The C++ dense kernels against torch: argmax over rows, and the bf16 matrix-vector product that
+single-row linear layers use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from servelm.model import cpu_kernels
+from servelm.model.layers import Linear
+
+kernels = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels could not be compiled here")
+
+
+def test_argmax_matches_torch_on_ties_nan_and_inf():
+    torch.manual_seed(0)
+    x = torch.randn(6, 32003)
+    x[1, 5] = x[1, 9] = x[1].max() + 1  # a tie: the first index wins, as in torch
+    x[2, 30000] = float("nan")  # NaN is the maximum, as in torch
+    x[3] = float("-inf")
+    x[4, -1] = 1e9  # in the scalar tail after the vector part
+    x[5] = x[5].round()  # many ties
+    assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("k", [64, 576, 1536])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_float32_reference(k, bias):
+    if not kernels.bf16_gemv_supported(k):
+        pytest.skip("no AVX512-BF16 on this CPU")
+    torch.manual_seed(k)
+    n = 1003  # not a multiple of the four rows done at a time
+    x, w = torch.randn(1, k).bfloat16(), torch.randn(n, k).bfloat16()
+    b = torch.randn(n).bfloat16() if bias else None
+    y = kernels.bf16_gemv(x, w, b)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert y.dtype == torch.bfloat16 and y.shape == (1, n)
+    # float32 sums in another order, then one rounding to bf16: within one bf16 ulp of the exact value
+    torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-3 * k**0.5)
+
+
+def test_linear_takes_the_kernel_for_one_row_and_onednn_for_more():
+    if not kernels.bf16_gemv_supported(256):
+        pytest.skip("no AVX512-BF16 on this CPU")
+    torch.manual_seed(1)
+    w = torch.randn(300, 256).bfloat16()
+    lin = Linear(w)
+    assert lin.gemv is not None and lin.weight is not None
+    x = torch.randn(5, 256).bfloat16()
+    many = lin(x)
+    one = torch.cat([lin(x[i:i + 1]) for i in range(5)])
+    ref = F.linear(x.float(), w.float())
+    torch.testing.assert_close(many.float(), ref, rtol=2**-7, atol=2e-2)
+    torch.testing.assert_close(one.float(), ref, rtol=2**-7, atol=2e-2)
+
+
+def test_float32_linear_keeps_plain_matmul():
+    lin = Linear(torch.randn(8, 64))
+    assert lin.gemv is None and lin.packed is None
