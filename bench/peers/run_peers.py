@@ -113,7 +113,7 @@ def ensure_models(cache: Path, names: list[str]) -> dict[str, dict[str, Path]]:
 
 
 # The random models' tokenizer is GPT-2-style byte-level BPE (make_models.py), which the converter does not
-# recognise by its hash; llama.cpp's "gpt2" pre-tokenizer is the one that reproduces it. Prompts are token
+# recognise by its hash; llama.cpp's "gpt-2" pre-tokenizer is the one that reproduces it. Prompts are token
 # ids anyway, so tokenization never enters the figures.
 _CONVERT = """
 import runpy, sys
@@ -123,7 +123,7 @@ def pre(self, tokenizer):
     try:
         return _pre(self, tokenizer)
     except NotImplementedError:
-        return "gpt2"
+        return "gpt-2"
 TextModel.get_vocab_base_pre = pre
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")

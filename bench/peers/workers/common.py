@@ -73,6 +73,14 @@ def throughput(run_batch, batch: list[list[int]], out: int, reps: int) -> dict:
     return {"output_tok_per_s": round(len(batch) * out / median(walls), 1), "requests_timed": len(batch)}
 
 
+def measure(args: argparse.Namespace, run_batch) -> dict:
+    """W1 through `throughput`, W2 through `latency`; run_batch(prompts, max_tokens) generates greedily."""
+    ps, out = prompts(args.workload), output_len(args.workload)
+    if len(ps) > 1:
+        return throughput(run_batch, ps, out, args.reps)
+    return latency(lambda p, n: run_batch([p], n), ps[0], out, args.reps)
+
+
 def report(system: str, version: str, args: argparse.Namespace, load_s: float, figures: dict) -> None:
     row = {"system": system, "version": version, "workload": args.workload, "threads": args.threads,
            "load_s": round(load_s, 2), **figures}

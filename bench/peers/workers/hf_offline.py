@@ -2,7 +2,7 @@
 
 import time
 
-from common import latency, output_len, parser, prompts, report, throughput
+from common import measure, parser, report
 
 
 def main() -> None:
@@ -22,10 +22,7 @@ def main() -> None:
             model.generate(torch.tensor(batch), attention_mask=torch.ones(len(batch), len(batch[0]), dtype=torch.long),
                            generation_config=gen)
 
-    ps, out = prompts(args.workload), output_len(args.workload)
-    figures = throughput(run, ps, out, args.reps) if len(ps) > 1 else latency(lambda p, n: run([p], n), ps[0], out,
-                                                                                 args.reps)
-    report("transformers", transformers.__version__, args, load_s, figures)
+    report("transformers", transformers.__version__, args, load_s, measure(args, run))
 
 
 if __name__ == "__main__":

