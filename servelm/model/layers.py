@@ -28,7 +28,7 @@ def _can_prepack(w: torch.Tensor) -> bool:
 
 def _gemv_kernels(w: torch.Tensor):
     """The C++ kernels when they take single bf16 rows of this weight, else None."""
-    if w.device.type != "cpu" or w.dtype != torch.bfloat16:
+    if w.device.type != "cpu" or w.dtype != torch.bfloat16 or not w.is_contiguous():
         return None
     k = cpu_kernels.load()
     return k if k is not None and k.bf16_gemv_supported(w.shape[1]) else None
