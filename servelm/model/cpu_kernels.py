@@ -1,4 +1,5 @@
-"""C++ CPU kernels (paged decode attention, single-row bf16 matmul, row argmax), compiled on first use with
+"""C++ CPU kernels (paged decode attention, single-row bf16 matmul, fused bf16 norm/rotary/SiLU, row
+argmax), compiled on first use with
 torch's extension builder and cached.
 
 `SERVELM_CPU_KERNELS=0` turns them off (the PyTorch paths are used instead). A machine that cannot
@@ -38,7 +39,7 @@ def load():
 
     sources = sorted(_SRC_DIR.glob("*.cpp"))
     digest = hashlib.sha1(torch.__version__.encode())
-    for f in sources:
+    for f in sources + sorted(_SRC_DIR.glob("*.h")):
         digest.update(f.read_bytes())
     tag = digest.hexdigest()[:12]
     build_dir = cache_dir() / "kernels" / tag

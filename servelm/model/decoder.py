@@ -10,10 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from servelm.model.attention import AttentionBackend, AttentionMetadata
-from servelm.model.layers import Linear, apply_rotary, rms_norm
+from servelm.model.layers import Linear, add_rms_norm, fused_kernels, rms_norm, rotary_, silu_mul
 from servelm.model.spec import ModelSpec
 
 
@@ -45,6 +44,7 @@ class DecoderLM:
         if unused:
             raise ValueError(f"checkpoint has tensors this model does not use: {unused[:5]}")
         scale = spec.head_dim ** -0.5
+        self.fused = fused_kernels(dtype, self.embed.device)
         self.attn = backend(spec.num_heads, spec.num_kv_heads, spec.head_dim, scale)
         self._rope_cache(spec.max_position_embeddings)
 
@@ -86,26 +86,25 @@ class DecoderLM:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
-        s = self.spec
-        h = self.embed[input_ids]
-        cos, sin = self.cos[positions], self.sin[positions]
+        s, fused, eps = self.spec, self.fused, self.spec.rms_norm_eps
+        h = self.embed[input_ids]  # the residual stream, updated in place
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        delta = None  # the last sublayer's output, not yet added to h
         for i, lw in enumerate(self.layers):
-            x = rms_norm(h, lw.input_norm, s.rms_norm_eps)
+            x = rms_norm(h, lw.input_norm, eps, fused) if delta is None else add_rms_norm(delta, h, lw.input_norm, eps, fused)
             qkv = lw.qkv(x)
             qk = qkv[:, :q_size + kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
             v = qkv[:, q_size + kv_size:].view(-1, s.num_kv_heads, s.head_dim)
             if lw.q_norm is not None:
-                qk = torch.cat([rms_norm(qk[:, :s.num_heads], lw.q_norm, s.rms_norm_eps),
-                                rms_norm(qk[:, s.num_heads:], lw.k_norm, s.rms_norm_eps)], dim=1)
-            qk = apply_rotary(qk, cos, sin)  # queries and keys rotated in one pass
+                q_part, k_part = qk[:, :s.num_heads], qk[:, s.num_heads:]
+                rms_norm(q_part, lw.q_norm, eps, fused, out=q_part)
+                rms_norm(k_part, lw.k_norm, eps, fused, out=k_part)
+            rotary_(qk, positions, self.cos, self.sin, fused)  # queries and keys rotated in one pass
             q, k = qk[:, :s.num_heads].contiguous(), qk[:, s.num_heads:]
             o = self.attn.forward(q, k, v.contiguous(), kv_caches[i], meta, s.sliding_windows[i])
-            h = h + lw.o_proj(o.reshape(-1, q_size))
-            x = rms_norm(h, lw.post_norm, s.rms_norm_eps)
-            gate, up = lw.gate_up(x).chunk(2, dim=-1)
-            h = h + lw.down(F.silu(gate) * up)
-        return rms_norm(h, self.norm, s.rms_norm_eps)
+            x = add_rms_norm(lw.o_proj(o.reshape(-1, q_size)), h, lw.post_norm, eps, fused)
+            delta = lw.down(silu_mul(lw.gate_up(x), fused))
+        return add_rms_norm(delta, h, self.norm, eps, fused)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Building blocks of the decoder: RMSNorm, rotary embedding, and a linear layer with prepacked weights."""
+"""Building blocks of the decoder: RMSNorm, rotary embedding, SiLU-and-multiply (fused C++ kernels for bf16 on\nCPU, PyTorch elsewhere), and a linear layer with prepacked weights."""
 
 from __future__ import annotations
 
@@ -8,10 +8,36 @@ import torch.nn.functional as F
 from servelm.model import cpu_kernels
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # torch's fused kernel accumulates in float32 like transformers; in bf16 it rounds once where
-    # transformers rounds twice (before and after the weight), a difference of at most one bf16 ulp.
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+def fused_kernels(dtype: torch.dtype, device: torch.device | str = "cpu"):
+    """The C++ module when its fused bf16 norm/rotary/SiLU kernels apply to this model, else None."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return None
+    k = cpu_kernels.load()
+    return k if k is not None and k.fused_elementwise_supported(torch.empty(1, dtype=dtype)) else None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused=None, out: torch.Tensor | None = None
+             ) -> torch.Tensor:
+    """RMSNorm over the last dim (into `out` when given; it may be x). The fused kernel rounds to bf16 where
+    transformers does; torch's own kernel (elsewhere) rounds once where transformers rounds twice, a
+    difference of at most one bf16 ulp."""
+    if fused is not None:
+        out = torch.empty_like(x) if out is None else out
+        fused.rms_norm_bf16(out, x, weight, eps)
+        return out
+    y = F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return y if out is None else out.copy_(y)
+
+
+def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, fused=None
+                 ) -> torch.Tensor:
+    """residual += delta (in place), then RMSNorm(residual): a sublayer's residual add fused with the next norm."""
+    if fused is not None:
+        out = torch.empty_like(residual)
+        fused.add_rms_norm_bf16(out, delta, residual, weight, eps)
+        return out
+    residual.add_(delta)
+    return rms_norm(residual, weight, eps)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -19,6 +45,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused=None) -> None:
+    """Rotates x [T, H, D] in place; cos/sin are [max_pos, D] tables read at `positions`."""
+    if fused is not None:
+        fused.rotary_bf16_(x, positions, cos, sin)
+    else:
+        x.copy_(apply_rotary(x, cos[positions], sin[positions]))
+
+
+def silu_mul(x: torch.Tensor, fused=None) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] along the last dim."""
+    if fused is not None:
+        return fused.silu_mul_bf16(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _can_prepack(w: torch.Tensor) -> bool:

@@ -6,10 +6,20 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
 torch::Tensor argmax_rows(torch::Tensor logits);
 bool bf16_gemv_supported(int64_t K);
 torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+bool fused_elementwise_supported(torch::Tensor t);
+void rms_norm_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor w, double eps);
+void add_rms_norm_bf16(torch::Tensor out, torch::Tensor delta, torch::Tensor residual, torch::Tensor w, double eps);
+void rotary_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_mul_bf16(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("bf16_gemv_supported", &bf16_gemv_supported, "whether bf16_gemv takes inputs of K features");
   m.def("bf16_gemv", &bf16_gemv, "x @ w.T (+ bias) for one bf16 row");
+  m.def("fused_elementwise_supported", &fused_elementwise_supported, "whether the fused bf16 kernels take t");
+  m.def("rms_norm_bf16", &rms_norm_bf16, "out = RMSNorm(x) * w, row by row");
+  m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += delta; out = RMSNorm(residual) * w");
+  m.def("rotary_bf16_", &rotary_bf16_, "rotary embedding in place");
+  m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up");
   m.def("argmax_rows", &argmax_rows, "first argmax of each row of float32 logits");
 }

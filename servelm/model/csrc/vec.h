@@ -1,0 +1,56 @@
+// AVX512 helpers shared by the kernels: bf16 <-> float32 lanes and a vector exp.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define SERVELM_AVX512_BF16 1
+
+namespace servelm {
+
+using bf16 = c10::BFloat16;
+
+// Lanes [0, n) of a 16-lane vector (n may exceed 16).
+inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
+// bf16 is the top half of a float32, so widening is an exact shift.
+inline __m512 load_bf16(const bf16* p, __mmask16 m = 0xFFFF) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// Rounds to nearest even, as a float -> bf16 cast in PyTorch does.
+inline void store_bf16(bf16* p, __m512 v, __mmask16 m = 0xFFFF) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// The float32 value a bf16 tensor would hold after this op: rounding between ops is what makes
+// a fused kernel agree bit for bit with the chain of bf16 PyTorch ops it replaces.
+inline __m512 round_bf16(__m512 v) {
+  const __m256i raw = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// exp(x) as 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial: ~1 ulp. Overflows to
+// inf and underflows to 0 like expf (the clamp keeps +-inf from turning into inf - inf = NaN).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace servelm
+#endif
