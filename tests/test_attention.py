@@ -32,12 +32,12 @@ def test_decode_batch_matches_naive_attention(backend, window, dtype, tol, d):
     if backend == "kernel" and kernels is None:
         pytest.skip("CPU kernels could not be compiled here")
     torch.manual_seed(0)
-    hq, hkv, bs, nb = 6, 2, 4, 40
+    hq, hkv, bs, nb = 6, 2, 4, 80
     kc, vc = torch.randn(nb, bs, hkv, d).to(dtype), torch.randn(nb, bs, hkv, d).to(dtype)
-    lens = torch.tensor([1, 5, 13, 30])
-    tables = torch.randperm(nb)[: 4 * 8].view(4, 8)
-    q = torch.randn(4, hq, d).to(dtype)
-    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), torch.arange(4), tables, lens, [], bs)
+    lens = torch.tensor([1, 5, 16, 30, 47])  # the kernel sums scores 16 positions at a time
+    tables = torch.randperm(nb)[: 5 * 12].view(5, 12)
+    q = torch.randn(5, hq, d).to(dtype)
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), torch.arange(5), tables, lens, [], bs)
     be = (TorchPagedAttention(hq, hkv, d, d**-0.5) if backend == "torch"
           else CpuPagedAttention(hq, hkv, d, d**-0.5, kernels=kernels))
     out = be._decode(q, (kc, vc), meta, window)

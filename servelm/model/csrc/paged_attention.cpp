@@ -130,8 +130,26 @@ inline __m512 bf16x16_to_f32(const c10::BFloat16* p) { return servelm::load_bf16
 
 constexpr int kMaxGroup = 16;  // query heads per KV head
 
+// Lane i of the result is the sum of all lanes of v[i]: 16 horizontal sums in 45 instructions where
+// 16 separate reductions take ~130, which is most of the score loop's cost.
+inline __m512 hsum16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
 // bf16 with head_dim = 32 * C: q.k with AVX512-BF16 dot products (bf16 pairs, exact products,
 // float32 sums), softmax with a vector exp, and the value sum in float32 registers.
+// Values are widened without shuffles: a bf16 pair is one 32-bit lane, the even element its low half
+// (shifted up) and the odd its high half (masked), so sums run on even and odd dims apart and are
+// interleaved back once at the end.
 template <int C>
 void decode_bf16_avx512(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                         const torch::Tensor& v_cache, const torch::Tensor& block_tables,
@@ -162,15 +180,27 @@ void decode_bf16_avx512(torch::Tensor& out, const torch::Tensor& q, const torch:
         for (int64_t c = 0; c < C; ++c)
           qv[g][c] = (__m512bh)_mm512_loadu_si512(qp + (b * Hq + h * G + g) * D + c * 32);
       const int64_t* table = tables + b * max_blocks;
+      __m512 pend[kMaxGroup][16];  // unreduced q.k of up to 16 positions, summed 16 at a time
+      int64_t n = 0;
+      auto flush = [&](int64_t t_next) {  // scores of positions [t_next - n, t_next)
+        for (int64_t g = 0; g < G; ++g) {
+          for (int64_t i = n; i < 16; ++i) pend[g][i] = _mm512_setzero_ps();
+          const __m512 sc = _mm512_mul_ps(hsum16(pend[g]), _mm512_set1_ps(fscale));
+          _mm512_mask_storeu_ps(scores.data() + g * Lp + (t_next - n - start), servelm::lanes(n), sc);
+        }
+        n = 0;
+      };
       for_each_row(kp, table, bs, row_stride, h * D, start, len, [&](const bf16* kr, int64_t t) {
         __m512bh kv[C];
         for (int64_t c = 0; c < C; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kr + c * 32);
         for (int64_t g = 0; g < G; ++g) {
           __m512 acc = _mm512_setzero_ps();
           for (int64_t c = 0; c < C; ++c) acc = _mm512_dpbf16_ps(acc, qv[g][c], kv[c]);
-          scores[g * Lp + (t - start)] = _mm512_reduce_add_ps(acc) * fscale;
+          pend[g][n] = acc;
         }
+        if (++n == 16) flush(t + 1);
       }, D * 2);
+      if (n > 0) flush(len);
       for (int64_t g = 0; g < G; ++g) {  // softmax over L (padding lanes hold -inf and give 0)
         float* sg = scores.data() + g * Lp;
         __m512 mv = _mm512_set1_ps(-INFINITY);
@@ -185,21 +215,33 @@ void decode_bf16_avx512(torch::Tensor& out, const torch::Tensor& q, const torch:
         const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sv));
         for (int64_t j = 0; j < Lp; j += 16) _mm512_storeu_ps(sg + j, _mm512_mul_ps(_mm512_loadu_ps(sg + j), inv));
       }
-      __m512 acc[kMaxGroup][2 * C];
+      __m512 even[kMaxGroup][C], odd[kMaxGroup][C];
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t c = 0; c < 2 * C; ++c) acc[g][c] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < C; ++c) even[g][c] = odd[g][c] = _mm512_setzero_ps();
+      const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
       for_each_row(vp, table, bs, row_stride, h * D, start, len, [&](const bf16* vr, int64_t t) {
-        __m512 vv[2 * C];
-        for (int64_t c = 0; c < 2 * C; ++c) vv[c] = bf16x16_to_f32(vr + c * 16);
+        __m512 ve[C], vo[C];
+        for (int64_t c = 0; c < C; ++c) {
+          const __m512i raw = _mm512_loadu_si512(vr + c * 32);
+          ve[c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+          vo[c] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+        }
         for (int64_t g = 0; g < G; ++g) {
           const __m512 w = _mm512_set1_ps(scores[g * Lp + (t - start)]);
-          for (int64_t c = 0; c < 2 * C; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
+          for (int64_t c = 0; c < C; ++c) {
+            even[g][c] = _mm512_fmadd_ps(w, ve[c], even[g][c]);
+            odd[g][c] = _mm512_fmadd_ps(w, vo[c], odd[g][c]);
+          }
         }
       }, D * 2);
+      const __m512i lo_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+      const __m512i hi_idx = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
       for (int64_t g = 0; g < G; ++g) {
         bf16* o = op + (b * Hq + h * G + g) * D;
-        for (int64_t c = 0; c < 2 * C; ++c)  // round to nearest even, as a float -> bf16 cast does
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[g][c]));
+        for (int64_t c = 0; c < C; ++c) {  // round to nearest even, as a float -> bf16 cast does
+          servelm::store_bf16(o + c * 32, _mm512_permutex2var_ps(even[g][c], lo_idx, odd[g][c]));
+          servelm::store_bf16(o + c * 32 + 16, _mm512_permutex2var_ps(even[g][c], hi_idx, odd[g][c]));
+        }
       }
     }
   });
