@@ -14,9 +14,10 @@ kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels could not be compiled here")
 
 
-def test_argmax_matches_torch_on_ties_nan_and_inf():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # the sampler's greedy rows stay bf16
+def test_argmax_matches_torch_on_ties_nan_and_inf(dtype):
     torch.manual_seed(0)
-    x = torch.randn(6, 32003)
+    x = torch.randn(6, 32003).to(dtype)
     x[1, 5] = x[1, 9] = x[1].max() + 1  # a tie: the first index wins, as in torch
     x[2, 30000] = float("nan")  # NaN is the maximum, as in torch
     x[3] = float("-inf")

@@ -7,6 +7,8 @@ and leading spaces render as they would in the full text.
 
 from __future__ import annotations
 
+from tokenizers import Tokenizer
+
 _CONTEXT_TOKENS = 5  # prompt tokens decoded as left context for the first output token
 
 
@@ -21,10 +23,23 @@ def _holdback(text: str, stops: list[str]) -> int:
     return best
 
 
+def _plain_decode(tokenizer) -> bool:
+    """Whether the tokenizer's decode is its backend's (no subclass rewrites the text)."""
+    try:
+        from transformers import TokenizersBackend
+    except ImportError:  # older transformers: PreTrainedTokenizerFast
+        from transformers import PreTrainedTokenizerFast as TokenizersBackend
+    return isinstance(tokenizer, TokenizersBackend) and type(tokenizer)._decode is TokenizersBackend._decode
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool, stop: list[str],
                  include_stop_str_in_output: bool) -> None:
         self.tokenizer = tokenizer
+        # A fast tokenizer's Rust backend decodes directly: transformers' decode() wraps the same call in
+        # argument conversions that cost more than the decode itself (two calls per token per sample).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend_decode = backend.decode if isinstance(backend, Tokenizer) and _plain_decode(tokenizer) else None
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_token_ids[-(_CONTEXT_TOKENS + 1):])
         self.prefix_offset = max(len(self.ids) - _CONTEXT_TOKENS, 0)
@@ -35,6 +50,8 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 

@@ -19,7 +19,7 @@ from servelm.model import cpu_kernels
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """First argmax of each row; the C++ kernel on CPU (torch's reduction there is scalar and was 6% of a
     batch-64 step), torch elsewhere. Both return the first of tied maxima."""
-    kernels = cpu_kernels.load() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    kernels = cpu_kernels.load() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
     return kernels.argmax_rows(x) if kernels is not None else x.argmax(dim=-1)
 
 
@@ -40,7 +40,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         params = [s.request.params for s in seqs]
         want_lp = [p.logprobs is not None for p in params]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        # logits arrive in the model's dtype: a greedy row takes its argmax there (widening to float32 is
+        # exact, so the choice is the same), everything else widens first.
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(want_lp) else None
         logits = self._process(logits, seqs)
         tokens = self._choose(logits, seqs)
         token_list = tokens.tolist()
@@ -68,7 +70,7 @@ class Sampler:
                 penalty_rows.append(r)
         if not (rows or banned_rows or penalty_rows):
             return logits
-        logits = logits.clone()
+        logits = logits.to(torch.float32, copy=True)
         if rows:
             logits.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(vals), accumulate=True)
         if banned_rows:
@@ -109,7 +111,7 @@ class Sampler:
             return tokens
         rr = torch.tensor(rand_rows)
         ps = [seqs[r].request.params for r in rand_rows]
-        x = logits[rr] / torch.tensor([p.temperature for p in ps])[:, None]
+        x = logits[rr].float() / torch.tensor([p.temperature for p in ps])[:, None]
         top_k = torch.tensor([p.effective_top_k for p in ps])
         top_p = torch.tensor([p.top_p for p in ps])
         if (top_k > 0).any() or (top_p < 1).any():

@@ -108,4 +108,5 @@ class DecoderLM:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """[N, vocab] in the model's dtype (the sampler widens what it must)."""
+        return self.lm_head(hidden)

@@ -7,45 +7,58 @@
 #include <cstdint>
 #include <limits>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define SERVELM_AVX512_BF16 1
-#endif
+#include <type_traits>
 
-// Index of the first maximum of each row of a float32 [B, V] tensor, as torch.argmax (NaN counts as
-// the maximum, as there).
-torch::Tensor argmax_rows(torch::Tensor logits) {
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2, "argmax_rows needs float32 [B, V]");
-  logits = logits.contiguous();
-  const int64_t B = logits.size(0), V = logits.size(1);
-  auto out = torch::empty({B}, logits.options().dtype(at::kLong));
-  const float* lp = logits.data_ptr<float>();
-  int64_t* op = out.data_ptr<int64_t>();
+#include "vec.h"
+
+// -ffast-math (the extension's flag) lets the compiler assume no NaN and fold the NaN checks away.
+#pragma GCC optimize("no-fast-math")
+
+namespace {
+template <typename T>
+void argmax_kernel(const T* lp, int64_t* op, int64_t B, int64_t V) {
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const float* row = lp + b * V;
+      const T* row = lp + b * V;
       float best = -std::numeric_limits<float>::infinity();
       int64_t v = 0;
 #ifdef SERVELM_AVX512_BF16
       __m512 mv = _mm512_set1_ps(best);
       bool nan = false;
       for (; v + 16 <= V; v += 16) {
-        const __m512 x = _mm512_loadu_ps(row + v);
+        __m512 x;
+        if constexpr (std::is_same_v<T, float>) x = _mm512_loadu_ps(row + v);
+        else x = servelm::load_bf16(row + v);
         nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) != 0;
         mv = _mm512_max_ps(mv, x);
       }
       best = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mv);
 #endif
-      for (; v < V; ++v)
-        if (best == best && !(row[v] <= best)) best = row[v];  // a NaN, once seen, stays
+      for (; v < V; ++v) {
+        const float x = static_cast<float>(row[v]);
+        if (best == best && !(x <= best)) best = x;  // a NaN, once seen, stays
+      }
       int64_t idx = 0;
       if (best != best) {
-        while (row[idx] == row[idx]) ++idx;  // first NaN
+        while (static_cast<float>(row[idx]) == static_cast<float>(row[idx])) ++idx;  // first NaN
       } else {
-        while (row[idx] != best) ++idx;
+        while (static_cast<float>(row[idx]) != best) ++idx;
       }
       op[b] = idx;
     }
   });
+}
+}  // namespace
+
+// Index of the first maximum of each row of a float32 or bf16 [B, V] tensor, as torch.argmax (NaN
+// counts as the maximum, as there). bf16 rows are compared as the floats they widen to exactly.
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK((logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16) && logits.dim() == 2,
+              "argmax_rows needs float32 or bf16 [B, V]");
+  logits = logits.contiguous();
+  const int64_t B = logits.size(0), V = logits.size(1);
+  auto out = torch::empty({B}, logits.options().dtype(at::kLong));
+  if (logits.scalar_type() == at::kFloat) argmax_kernel(logits.data_ptr<float>(), out.data_ptr<int64_t>(), B, V);
+  else argmax_kernel(logits.data_ptr<c10::BFloat16>(), out.data_ptr<int64_t>(), B, V);
   return out;
 }
