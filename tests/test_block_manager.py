@@ -132,3 +132,24 @@ def test_swap_out_and_in_moves_blocks_to_cpu_and_back():
     assert len(kv.cpu_free) == 4  # cpu blocks return once the step's copies are done
     kv.free(s)
     assert kv.num_free_blocks == 4
+
+
+def test_freed_blocks_are_reused_before_untouched_ones():
+    # the pool's memory is mapped on first write: reusing warm blocks keeps a long run's RSS at its peak use
+    pool = BlockPool(64, enable_caching=False)
+    first = [pool.allocate() for _ in range(4)]
+    for b in first:
+        pool.release(b)
+    again = [pool.allocate() for _ in range(4)]
+    assert sorted(again) == sorted(first)
+
+
+def test_plain_free_blocks_go_before_cached_prefixes():
+    pool = BlockPool(3, enable_caching=True)
+    cached, plain = pool.allocate(), pool.allocate()
+    pool.cache(cached, 7)
+    pool.release(cached)
+    pool.release(plain)
+    assert {pool.allocate(), pool.allocate()} == {plain, 2}  # the cached prefix survives
+    assert pool.lookup(7) == cached and pool.num_evictions == 0
+    assert pool.allocate() == cached and pool.lookup(7) is None and pool.num_evictions == 1

@@ -12,10 +12,14 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
 
 
 class BlockPool:
-    """Blocks with refcount 0 sit in an LRU free queue; cached ones keep their hash until reused (evicted).
+    """Free blocks (refcount 0) sit in one of two places: a stack of blocks that hold nothing reusable,
+    and an LRU queue of blocks that still hold a cached prefix (they keep their hash until reused).
 
-    Allocation pops the least recently freed block, so cached prefixes that were used recently survive
-    longest. A block found by a prefix-cache lookup is taken out of the free queue while in use.
+    Allocation takes from the stack first, the most recently freed block, so a run keeps reusing the
+    same warm, already-mapped memory (the pool's pages are mapped on first write: cycling through the
+    whole pool would make every page resident). Only then does it evict the least recently used cached
+    block, so cached prefixes survive as long as possible. A block found by a prefix-cache lookup
+    leaves the queue while in use.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:
@@ -23,19 +27,23 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.free_plain: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 on top
+        self.free_cached: OrderedDict[int, None] = OrderedDict()  # oldest first
         self.cached: dict[int, int] = {}  # hash -> block id
         self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_plain) + len(self.free_cached)
 
     def allocate(self) -> int:
-        if not self.free_queue:
+        if self.free_plain:
+            block = self.free_plain.pop()
+        elif self.free_cached:
+            block, _ = self.free_cached.popitem(last=False)
+            self._evict(block)
+        else:
             raise RuntimeError("KV block pool exhausted; the scheduler must check num_free first")
-        block, _ = self.free_queue.popitem(last=False)
-        self._evict(block)
         self.ref_counts[block] = 1
         return block
 
@@ -50,7 +58,8 @@ class BlockPool:
     def take(self, block: int) -> None:
         """Add a reference to an existing block (a prefix-cache hit or a fork)."""
         if self.ref_counts[block] == 0:
-            del self.free_queue[block]
+            if self.free_cached.pop(block, False) is False:  # False: absent (the queue stores None)
+                self.free_plain.remove(block)
         self.ref_counts[block] += 1
 
     def release(self, block: int) -> None:
@@ -60,7 +69,10 @@ class BlockPool:
         if self.ref_counts[block] == 0:
             if not self.enable_caching:
                 self.block_hash[block] = None
-            self.free_queue[block] = None  # most recently freed: evicted last
+            if self.block_hash[block] is None:
+                self.free_plain.append(block)
+            else:
+                self.free_cached[block] = None  # most recently freed: evicted last
 
     def lookup(self, block_hash: int) -> int | None:
         return self.cached.get(block_hash) if self.enable_caching else None
@@ -82,3 +94,5 @@ class BlockPool:
             if self.ref_counts[b] == 0:
                 self.block_hash[b] = None
                 del self.cached[h]
+                del self.free_cached[b]
+                self.free_plain.append(b)
