@@ -58,7 +58,10 @@ def _iter_safetensors(folder: Path, dtype: torch.dtype):
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for name in tqdm(list(sf.keys()), desc=f"Loading {f.name}", unit="tensor", leave=False):
-                yield name, sf.get_tensor(name).to(dtype)
+                t = sf.get_tensor(name)
+                # get_tensor maps the file: a kept tensor would keep the whole mapping, and with it every
+                # page that loading touched, resident (the packed and fused copies made from them too).
+                yield name, t.to(dtype, copy=True)
 
 
 def _eos_ids(folder: Path, hf_config, tokenizer) -> frozenset[int]:
