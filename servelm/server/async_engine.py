@@ -52,11 +52,10 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, tokenizer, start_timeout: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, tokenizer=None, start_timeout: float = 600.0) -> None:
         self.config = config
-        self.tokenizer = tokenizer
         self.start_timeout = start_timeout
-        self.output_processor = OutputProcessor(tokenizer)
+        self.set_tokenizer(tokenizer)
         self.streams: dict[str, _Stream] = {}
         self.ready = False
         self.info: m.Ready | None = None
@@ -78,11 +77,20 @@ class AsyncEngine:
         self.on_ready = None  # optional callback(Ready, restarted: bool)
         self.on_down = None  # optional callback() when the engine process dies
 
+    def set_tokenizer(self, tokenizer) -> None:
+        """The tokenizer may come after launch(): no request is accepted before it is set."""
+        self.tokenizer = tokenizer
+        self.output_processor = OutputProcessor(tokenizer)
+
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
+        self.launch()
+        await self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the engine process without waiting for it: the caller can load what it needs meanwhile."""
         self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watch())]
         self._spawn()
-        await self.wait_ready()
 
     def _spawn(self) -> None:
         self.ready = False

@@ -90,10 +90,16 @@ async def _serve(config) -> int:
 
     t0 = time.perf_counter()
     ec, srv = config.engine, config.server
-    src, _, tokenizer, _ = load_config_and_tokenizer(ec.model, ec.gguf_file, ec.tokenizer)
-    embedder, embed_name = _embedder(srv)
-    engine = AsyncEngine(ec, tokenizer)
-    await engine.start()
+    engine = AsyncEngine(ec)
+    engine.launch()  # the engine process imports torch and loads the model while this one loads the rest
+    try:
+        src, _, tokenizer, _ = load_config_and_tokenizer(ec.model, ec.gguf_file, ec.tokenizer)
+        engine.set_tokenizer(tokenizer)
+        embedder, embed_name = _embedder(srv)
+        await engine.wait_ready()
+    except BaseException:
+        await engine.shutdown()
+        raise
     state = build_state(config, tokenizer, engine, srv.served_model_name or src.name, embedder, embed_name)
     app = build_app(state)
     logger.info("ready in %.1fs: serving %s on http://%s:%d (API keys: %s)", time.perf_counter() - t0,
