@@ -1,15 +1,42 @@
 """servelm: a fast LLM inference engine and OpenAI-compatible server."""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from servelm.model.source import set_offline_env
 
 set_offline_env()
 
-from servelm.config import EngineConfig  # noqa: E402
-from servelm.engine.llm_engine import LLMEngine  # noqa: E402
-from servelm.entrypoints.llm import LLM  # noqa: E402
-from servelm.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from servelm.sampling_params import OutputKind, SamplingParams  # noqa: E402
-
 __version__ = "0.1.0"
+
+# Imported on first use: `import servelm` (and so `servelm serve`, which starts its engine process
+# before anything heavy) must not pay for torch, which LLM and LLMEngine pull in.
+_LAZY = {
+    "EngineConfig": "servelm.config",
+    "LLMEngine": "servelm.engine.llm_engine",
+    "LLM": "servelm.entrypoints.llm",
+    "CompletionOutput": "servelm.outputs",
+    "Logprob": "servelm.outputs",
+    "RequestOutput": "servelm.outputs",
+    "OutputKind": "servelm.sampling_params",
+    "SamplingParams": "servelm.sampling_params",
+}
+
+if TYPE_CHECKING:
+    from servelm.config import EngineConfig
+    from servelm.engine.llm_engine import LLMEngine
+    from servelm.entrypoints.llm import LLM
+    from servelm.outputs import CompletionOutput, Logprob, RequestOutput
+    from servelm.sampling_params import OutputKind, SamplingParams
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'servelm' has no attribute {name!r}")
+
+
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "OutputKind", "RequestOutput",
            "SamplingParams", "__version__"]

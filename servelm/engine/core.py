@@ -7,53 +7,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 from servelm.config import DEFAULT_KV_CACHE_GB, EngineConfig
 from servelm.engine.kv_cache_manager import KVCacheManager
 from servelm.engine.model_runner import ModelRunner, kv_bytes_per_block
-from servelm.engine.sampler import SampleResult
 from servelm.engine.scheduler import Scheduler
 from servelm.engine.sequence import Request, Sequence
+from servelm.engine.step_outputs import EngineStats, SampleResult, SeqOutput
 from servelm.model.decoder import DecoderLM
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SeqOutput:
-    """What one sample gained in one step."""
-
-    request_id: str
-    index: int
-    new_token_ids: list[int]
-    new_logprobs: list[SampleResult] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    queue_time: float | None = None  # seconds from arrival to first scheduled, on a sample's first token
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    kv_usage: float
-    num_kv_blocks: int
-    num_free_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prefix_cache_hit_rate: float
-    num_preemptions: int
-    num_swaps: int
-    num_evictions: int
-    num_steps: int
-    prompt_tokens: int
-    generation_tokens: int
-    num_priority_preemptions: int = 0
-    waiting_by_priority: list[int] = field(default_factory=lambda: [0, 0, 0])  # high, normal, low
-    batch_size: int = 0  # sequences in the last step
 
 
 class EngineCore:

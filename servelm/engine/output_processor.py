@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from servelm.engine.core import SeqOutput
 from servelm.engine.detokenizer import IncrementalDetokenizer
+from servelm.engine.step_outputs import SeqOutput
 from servelm.outputs import CompletionOutput, Logprob, RequestOutput
 from servelm.sampling_params import OutputKind, SamplingParams
 

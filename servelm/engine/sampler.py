@@ -8,11 +8,10 @@ depend on the rest of the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from servelm.engine.sequence import Sequence
+from servelm.engine.step_outputs import SampleResult
 from servelm.model import cpu_kernels
 
 
@@ -21,14 +20,6 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     batch-64 step), torch elsewhere. Both return the first of tied maxima."""
     kernels = cpu_kernels.load() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
     return kernels.argmax_rows(x) if kernels is not None else x.argmax(dim=-1)
-
-
-@dataclass
-class SampleResult:
-    token_id: int
-    logprob: float | None = None  # of the chosen token under the raw model distribution
-    rank: int | None = None  # 1 = the most likely token
-    top_logprobs: list[tuple[int, float]] | None = None
 
 
 class Sampler:

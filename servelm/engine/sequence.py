@@ -6,8 +6,10 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch only where a seeded sample needs a generator (keeps the API process light)
+    import torch
 
 from servelm.sampling_params import SamplingParams
 
@@ -102,6 +104,8 @@ class Request:
     def make_generator(self, index: int) -> torch.Generator | None:
         if self.params.seed is None:
             return None
+        import torch
+
         g = torch.Generator()
         # Each sample gets its own stream so its draws never depend on its siblings' progress.
         g.manual_seed((self.params.seed * 1_000_003 + index) % (2**63))

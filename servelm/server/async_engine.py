@@ -22,8 +22,8 @@ import zmq
 import zmq.asyncio
 
 from servelm.config import EngineConfig
-from servelm.engine.core import EngineStats
 from servelm.engine.output_processor import OutputProcessor
+from servelm.engine.step_outputs import EngineStats
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
 from servelm.server import messages as m

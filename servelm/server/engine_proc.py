@@ -10,13 +10,16 @@ import logging
 import os
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import zmq
 
 from servelm.config import EngineConfig
-from servelm.engine.core import EngineCore
 from servelm.engine.sequence import Request
 from servelm.server import messages as m
+
+if TYPE_CHECKING:  # the API process imports this module; torch is loaded in the engine process only
+    from servelm.engine.core import EngineCore
 
 logger = logging.getLogger("servelm.engine")
 
@@ -32,6 +35,7 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     try:
         import torch
 
+        from servelm.engine.core import EngineCore
         from servelm.model.loader import load_model
 
         if config.num_threads:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from servelm.engine.core import EngineStats, SeqOutput
+from servelm.engine.step_outputs import EngineStats, SeqOutput
 from servelm.sampling_params import SamplingParams
 
 

@@ -82,17 +82,18 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
 
 
 async def _serve(config) -> int:
-    import uvicorn
-
-    from servelm.model.loader import load_config_and_tokenizer
-    from servelm.server.api import build_app
-    from servelm.server.async_engine import AsyncEngine
+    from servelm.server.async_engine import AsyncEngine  # light: no torch, no transformers
 
     t0 = time.perf_counter()
     ec, srv = config.engine, config.server
     engine = AsyncEngine(ec)
     engine.launch()  # the engine process imports torch and loads the model while this one loads the rest
     try:
+        import uvicorn
+
+        from servelm.model.loader import load_config_and_tokenizer
+        from servelm.server.api import build_app
+
         src, _, tokenizer, _ = load_config_and_tokenizer(ec.model, ec.gguf_file, ec.tokenizer)
         engine.set_tokenizer(tokenizer)
         embedder, embed_name = _embedder(srv)

@@ -1,0 +1,50 @@
+"""What one engine step produces, as plain data: it crosses the process boundary (see
+`servelm/server/messages.py`), so this module imports nothing heavy (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None = None  # of the chosen token under the raw model distribution
+    rank: int | None = None  # 1 = the most likely token
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class SeqOutput:
+    """What one sample gained in one step."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[SampleResult] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    queue_time: float | None = None  # seconds from arrival to first scheduled, on a sample's first token
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_usage: float
+    num_kv_blocks: int
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_swaps: int
+    num_evictions: int
+    num_steps: int
+    prompt_tokens: int
+    generation_tokens: int
+    num_priority_preemptions: int = 0
+    waiting_by_priority: list[int] = field(default_factory=lambda: [0, 0, 0])  # high, normal, low
+    batch_size: int = 0  # sequences in the last step
