@@ -42,6 +42,20 @@ void argmax_kernel(const T* lp, int64_t* op, int64_t B, int64_t V) {
       if (best != best) {
         while (static_cast<float>(row[idx]) == static_cast<float>(row[idx])) ++idx;  // first NaN
       } else {
+#ifdef SERVELM_AVX512_BF16
+        // the first lane equal to the maximum, 16 at a time (a scalar scan cost as much as the max)
+        const __m512 bv = _mm512_set1_ps(best);
+        for (; idx + 16 <= V; idx += 16) {
+          __m512 x;
+          if constexpr (std::is_same_v<T, float>) x = _mm512_loadu_ps(row + idx);
+          else x = servelm::load_bf16(row + idx);
+          const __mmask16 hit = _mm512_cmp_ps_mask(x, bv, _CMP_EQ_OQ);
+          if (hit) {
+            idx += __builtin_ctz(hit);
+            break;
+          }
+        }
+#endif
         while (static_cast<float>(row[idx]) != best) ++idx;
       }
       op[b] = idx;
