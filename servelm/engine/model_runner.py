@@ -82,17 +82,21 @@ class ModelRunner:
         offset = 0
         for s in out.scheduled:
             seq, start, n = s.seq, s.start, s.num_tokens
-            ids.extend(seq.token_ids[start:start + n])
-            pos = np.arange(start, start + n)
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            if n == 1:
+            table = seq.block_table
+            if n == 1:  # a decode: plain ints, no per-sequence arrays (most of a step's sequences)
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
                 decode_idx.append(offset)
                 decode_tables.append(table)
                 decode_lens.append(start + 1)
             else:
-                prefills.append(PrefillSpan(offset, n, start + n, torch.from_numpy(table)))
+                ids.extend(seq.token_ids[start:start + n])
+                pos = np.arange(start, start + n)
+                arr = np.asarray(table, dtype=np.int64)
+                positions.extend(range(start, start + n))
+                slots.extend((arr[pos // bs] * bs + pos % bs).tolist())
+                prefills.append(PrefillSpan(offset, n, start + n, torch.from_numpy(arr)))
             offset += n
             if s.sample_seqs:
                 logits_idx.append(offset - 1)
@@ -102,14 +106,14 @@ class ModelRunner:
         for r, t in enumerate(decode_tables):
             tables[r, : len(t)] = t
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
             decode_idx=torch.tensor(decode_idx, dtype=torch.long),
             decode_block_tables=torch.from_numpy(tables),
             decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long),
             prefills=prefills,
             block_size=bs,
         )
-        return (torch.tensor(ids, dtype=torch.long), torch.from_numpy(np.concatenate(positions)), meta,
+        return (torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
                 torch.tensor(logits_idx, dtype=torch.long), torch.tensor(repeats, dtype=torch.long))
 
     @torch.inference_mode()
