@@ -57,8 +57,10 @@ def test_rotary_in_place_is_bit_exact():
     qkv = torch.randn(7, 15 * d).bfloat16()
     view = qkv[:, : 12 * d].view(7, 12, d)
     view.copy_(x)
-    rotary_(view, positions, cos, sin, fused)
+    rotary_(view, cos, sin, positions, fused)
     assert torch.equal(view, expect)
+    with pytest.raises(RuntimeError, match="beyond the table"):  # never a read past the table
+        rotary_(view, cos, sin, torch.tensor([0, 1, 2, 3, 4, 5, 300]), fused)
 
 
 @pytest.mark.parametrize("i", [24, 1408, 1536])

@@ -57,10 +57,11 @@ class BlockPool:
 
     def take(self, block: int) -> None:
         """Add a reference to an existing block (a prefix-cache hit or a fork)."""
-        # a free block found by lookup holds a prefix, so it sits in the queue (which stores None, so
-        # False means absent)
-        if self.ref_counts[block] == 0 and self.free_cached.pop(block, False) is False:
-            self.free_plain.remove(block)
+        if self.ref_counts[block] == 0:
+            if block in self.free_cached:  # a lookup hit: free blocks that hold a prefix wait there
+                del self.free_cached[block]
+            else:
+                self.free_plain.remove(block)
         self.ref_counts[block] += 1
 
     def release(self, block: int) -> None:

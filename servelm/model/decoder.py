@@ -89,6 +89,8 @@ class DecoderLM:
         s, fused, eps = self.spec, self.fused, self.spec.rms_norm_eps
         h = self.embed[input_ids]  # the residual stream, updated in place
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        # the fused kernel reads the rotary tables at the positions; the PyTorch path gathers them once here
+        cos, sin, rope_pos = (self.cos, self.sin, positions) if fused else (self.cos[positions], self.sin[positions], None)
         delta = None  # the last sublayer's output, not yet added to h
         for i, lw in enumerate(self.layers):
             x = rms_norm(h, lw.input_norm, eps, fused) if delta is None else add_rms_norm(delta, h, lw.input_norm, eps, fused)
@@ -99,7 +101,7 @@ class DecoderLM:
                 q_part, k_part = qk[:, :s.num_heads], qk[:, s.num_heads:]
                 rms_norm(q_part, lw.q_norm, eps, fused, out=q_part)
                 rms_norm(k_part, lw.k_norm, eps, fused, out=k_part)
-            rotary_(qk, positions, self.cos, self.sin, fused)  # queries and keys rotated in one pass
+            rotary_(qk, cos, sin, rope_pos, fused)  # queries and keys rotated in one pass
             q, k = qk[:, :s.num_heads].contiguous(), qk[:, s.num_heads:]
             o = self.attn.forward(q, k, v.contiguous(), kv_caches[i], meta, s.sliding_windows[i])
             x = add_rms_norm(lw.o_proj(o.reshape(-1, q_size)), h, lw.post_norm, eps, fused)

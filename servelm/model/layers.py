@@ -1,4 +1,5 @@
-"""Building blocks of the decoder: RMSNorm, rotary embedding, SiLU-and-multiply (fused C++ kernels for bf16 on\nCPU, PyTorch elsewhere), and a linear layer with prepacked weights."""
+"""Building blocks of the decoder: RMSNorm, rotary embedding, SiLU-and-multiply (fused C++ kernels for bf16 on
+CPU, PyTorch elsewhere), and a linear layer with prepacked weights."""
 
 from __future__ import annotations
 
@@ -47,12 +48,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused=None) -> None:
-    """Rotates x [T, H, D] in place; cos/sin are [max_pos, D] tables read at `positions`."""
-    if fused is not None:
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None,
+            fused=None) -> None:
+    """Rotates x [T, H, D] in place. cos/sin are the [T, D] rows of x's positions, or, with `positions`,
+    the [max_pos, D] tables read there (the fused kernel reads the tables directly)."""
+    if fused is not None and positions is not None:
         fused.rotary_bf16_(x, positions, cos, sin)
-    else:
-        x.copy_(apply_rotary(x, cos[positions], sin[positions]))
+        return
+    if positions is not None:
+        cos, sin = cos[positions], sin[positions]
+    x.copy_(apply_rotary(x, cos, sin))
 
 
 def silu_mul(x: torch.Tensor, fused=None) -> torch.Tensor:

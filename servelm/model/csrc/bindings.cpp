@@ -21,5 +21,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += delta; out = RMSNorm(residual) * w");
   m.def("rotary_bf16_", &rotary_bf16_, "rotary embedding in place");
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up");
-  m.def("argmax_rows", &argmax_rows, "first argmax of each row of float32 logits");
+  m.def("argmax_rows", &argmax_rows, "first argmax of each row of float32 or bf16 logits");
 }

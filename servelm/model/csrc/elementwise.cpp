@@ -69,7 +69,8 @@ bool fused_elementwise_supported(torch::Tensor t) { return fast_bf16(t); }
 
 // out[r] = RMSNorm(x[r]) * w for each row of x ([T, D] or [T, H, D], unit last stride); out may be x.
 void rms_norm_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor w, double eps) {
-  TORCH_CHECK(fast_bf16(x) && fast_bf16(out) && w.is_contiguous() && out.sizes() == x.sizes(),
+  TORCH_CHECK(fast_bf16(x) && fast_bf16(out) && w.is_contiguous() && w.scalar_type() == at::kBFloat16 &&
+                  out.sizes() == x.sizes() && w.size(0) == x.size(-1),
               "rms_norm_bf16 needs bf16 rows with a unit last stride");
 #ifdef SERVELM_AVX512_BF16
   const int64_t D = x.size(-1);
@@ -88,6 +89,7 @@ void rms_norm_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor w, double e
 void add_rms_norm_bf16(torch::Tensor out, torch::Tensor delta, torch::Tensor residual, torch::Tensor w, double eps) {
   TORCH_CHECK(fast_bf16(delta) && out.is_contiguous() && delta.is_contiguous() && residual.is_contiguous() &&
                   residual.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
+                  w.is_contiguous() && w.scalar_type() == at::kBFloat16 && w.size(0) == residual.size(-1) &&
                   delta.sizes() == residual.sizes() && out.sizes() == residual.sizes() && residual.dim() == 2,
               "add_rms_norm_bf16 needs contiguous bf16 [T, D] tensors");
 #ifdef SERVELM_AVX512_BF16
@@ -121,6 +123,9 @@ void rotary_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, t
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
   const int64_t st = x.stride(0), sh = x.stride(1);
   const int64_t* pos = positions.data_ptr<int64_t>();
+  TORCH_CHECK(positions.numel() == T && cos.size(-1) == D && sin.sizes() == cos.sizes(), "rotary_bf16_: shapes differ");
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rotary_bf16_: position ", pos[t], " beyond the table");
   const bf16* cp = cos.data_ptr<bf16>();
   const bf16* sp = sin.data_ptr<bf16>();
   bf16* xp = x.data_ptr<bf16>();

@@ -7,10 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define SERVELM_AVX512_BF16 1
-#endif
+#include "vec.h"
 
 namespace {
 #ifdef SERVELM_AVX512_BF16

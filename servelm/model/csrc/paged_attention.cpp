@@ -126,8 +126,6 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
 #ifdef SERVELM_AVX512_BF16
 using servelm::exp512;
 
-inline __m512 bf16x16_to_f32(const c10::BFloat16* p) { return servelm::load_bf16(p); }
-
 constexpr int kMaxGroup = 16;  // query heads per KV head
 
 // Lane i of the result is the sum of all lanes of v[i]: 16 horizontal sums in 45 instructions where
