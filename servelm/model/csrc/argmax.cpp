@@ -11,9 +11,6 @@
 
 #include "vec.h"
 
-// -ffast-math (the extension's flag) lets the compiler assume no NaN and fold the NaN checks away.
-#pragma GCC optimize("no-fast-math")
-
 namespace {
 template <typename T>
 void argmax_kernel(const T* lp, int64_t* op, int64_t B, int64_t V) {

@@ -11,10 +11,6 @@
 
 #include "vec.h"
 
-// The extension builds with -ffast-math, which lets the compiler turn x / y into an approximate
-// reciprocal (NaN for y = inf, one ulp off elsewhere): these kernels promise PyTorch's results.
-#pragma GCC optimize("no-fast-math")
-
 namespace {
 
 bool fast_bf16(const torch::Tensor& t) {
