@@ -55,6 +55,21 @@ def test_requests_that_can_never_run_are_refused(llama_dir):
         LLM(str(llama_dir), bogus=1)
 
 
+def test_vllm_prompt_dicts_are_accepted(llama_dir):
+    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=64)
+    ids = random_prompts(1, 12, 12, seed=3)[0]
+    text = llm.get_tokenizer().decode(ids[4:], skip_special_tokens=True)
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    plain = llm.generate([ids, text], sp, use_tqdm=False)
+    dicts = llm.generate([{"prompt_token_ids": ids}, {"prompt": text}], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert dicts[0].prompt_token_ids == ids
+    single = llm.generate({"prompt_token_ids": ids}, sp, use_tqdm=False)
+    assert single[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="exactly one of"):
+        llm.generate({"text": "hi"}, sp)
+
+
 def test_missing_model_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="never downloads"):
         LLM(str(tmp_path / "nope"))

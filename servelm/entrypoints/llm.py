@@ -13,7 +13,18 @@ from servelm.engine.llm_engine import LLMEngine
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import OutputKind, SamplingParams
 
-Prompt = str | list[int]
+# A prompt: text, token ids, or vLLM's TextPrompt / TokensPrompt dicts ({"prompt": ...} / {"prompt_token_ids": ...}).
+Prompt = str | list[int] | dict
+
+
+def _unwrap(prompt: Prompt) -> str | list[int]:
+    """Text or token ids from any accepted prompt form."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = {"prompt", "prompt_token_ids"} & prompt.keys()
+    if len(keys) != 1:
+        raise ValueError("a prompt dict needs exactly one of 'prompt' (text) or 'prompt_token_ids'")
+    return prompt[keys.pop()]
 
 
 class LLM:
@@ -57,7 +68,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate completions; outputs come back in the order of `prompts`."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -71,7 +82,7 @@ class LLM:
             for prompt, params in zip(prompts, params_list, strict=True):
                 rid = str(next(self._ids))
                 params = dataclasses.replace(params, output_kind=OutputKind.FINAL_ONLY)
-                self.engine.add_request(rid, prompt, params)
+                self.engine.add_request(rid, _unwrap(prompt), params)
                 ids.append(rid)
         except Exception:
             for rid in ids:
