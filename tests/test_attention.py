@@ -48,6 +48,24 @@ def test_decode_batch_matches_naive_attention(backend, window, dtype, tol, d):
         torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_write_kv_kernel_matches_index_copy(dtype):
+    torch.manual_seed(1)
+    hq, hkv, d, bs, nb = 4, 2, 64, 16, 10
+    qkv = torch.randn(37, (hq + 2 * hkv) * d).to(dtype)  # k and v as views into a fused projection
+    k = qkv[:, hq * d:(hq + hkv) * d].view(-1, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
+    slots = torch.randperm(nb * bs)[:37]
+    ref = (torch.randn(nb, bs, hkv, d).to(dtype), torch.randn(nb, bs, hkv, d).to(dtype))
+    got = (ref[0].clone(), ref[1].clone())
+    TorchPagedAttention.write_kv(k, v, ref, slots)
+    CpuPagedAttention(hq, hkv, d, 1.0, kernels=kernels).write_kv(k, v, got, slots)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.write_kv(got[0], got[1], k[:1], v[:1], torch.tensor([nb * bs]))
+
+
 def test_engine_without_kernels_matches_transformers(monkeypatch, model_dirs, hf_models):
     monkeypatch.setenv("SERVELM_CPU_KERNELS", "0")
     llm = LLM(str(model_dirs["mistral"]), dtype="float32", num_kv_blocks=128)

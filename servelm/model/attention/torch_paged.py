@@ -72,11 +72,15 @@ class TorchPagedAttention(AttentionBackend):
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """Decodes run in a C++ kernel that reads keys and values in place through the block tables."""
+    """Decodes run in a C++ kernel that reads keys and values in place through the block tables; new keys and
+    values are copied into their slots row by row."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, kernels) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.kernels = kernels
+
+    def write_kv(self, k, v, kv_cache, slot_mapping) -> None:
+        self.kernels.write_kv(kv_cache[0], kv_cache[1], k, v, slot_mapping)
 
     def _decode(self, q, kv_cache, meta: AttentionMetadata, sliding_window):
         out = torch.empty_like(q)

@@ -3,6 +3,7 @@
 
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window);
+void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots);
 torch::Tensor argmax_rows(torch::Tensor logits);
 bool bf16_gemv_supported(int64_t K);
 torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
@@ -14,6 +15,7 @@ torch::Tensor silu_mul_bf16(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("write_kv", &write_kv, "copy each token's keys and values into its cache slot");
   m.def("bf16_gemv_supported", &bf16_gemv_supported, "whether bf16_gemv takes inputs of K features");
   m.def("bf16_gemv", &bf16_gemv, "x @ w.T (+ bias) for one bf16 row");
   m.def("fused_elementwise_supported", &fused_elementwise_supported, "whether the fused bf16 kernels take t");

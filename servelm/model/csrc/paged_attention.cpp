@@ -272,3 +272,31 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
     decode_kernel<scalar_t>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
   });
 }
+
+// Writes this step's keys and values into their cache slots: one row copy per token. k, v: [T, Hkv, D] with
+// each token's heads contiguous (views into the fused qkv output are fine); caches [blocks, block_size, Hkv, D].
+// index_copy_ does the same element by element and cost ~4% of a prefill.
+void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3),
+              "write_kv: caches [blocks, block_size, Hkv, D] and k, v [T, Hkv, D]");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(), "write_kv: dtypes differ");
+  for (const auto* t : {&k, &v})
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "write_kv: each token's heads must be contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
+              "write_kv: one int64 slot per token");
+  const int64_t T = k.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row = k.size(1) * k.size(2) * k.element_size();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(s[t] >= 0 && s[t] < num_slots, "write_kv: slot ", s[t], " out of range");
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(kc + s[t] * row, kp + t * ks, row);
+    std::memcpy(vc + s[t] * row, vp + t * vs, row);
+  }
+}
