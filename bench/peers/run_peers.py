@@ -213,7 +213,7 @@ def serve_s1(cache: Path, model: Path, threads: int, rate: float) -> list[dict]:
                        "--no-enable-prefix-caching"],
         "servelm serve": [sys.executable, "-m", "servelm.entrypoints.cli", "serve", str(model), "--dtype", "bfloat16",
                           "--port", "{port}", "--num-threads", str(threads), "--embedding-model", "none",
-                          "--no-enable-prefix-caching"],
+                          "--no-enable-prefix-caching", "--kv-cache-memory-gb", "2"],  # = VLLM_CPU_KVCACHE_SPACE
     }
     for label, cmd in servers.items():
         port = 8310 + len(rows)
