@@ -3,8 +3,10 @@ engine launch must not pull in torch or transformers (each costs seconds of star
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
 
 def test_api_side_imports_stay_light():
@@ -19,3 +21,55 @@ def test_package_exports_still_resolve():
 
     assert servelm.LLM.__name__ == "LLM" and servelm.SamplingParams.__name__ == "SamplingParams"
     assert set(servelm.__all__) <= set(dir(servelm)) | set(servelm._LAZY) | {"__version__"}
+
+
+_ORPHAN_SCRIPT = """
+import multiprocessing, time
+
+def child(started):
+    from servelm.server.engine_proc import _exit_with_parent
+    _exit_with_parent(0.05)
+    started.set()
+    time.sleep(120)
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("spawn")
+    started = ctx.Event()
+    p = ctx.Process(target=child, args=(started,))
+    p.start()
+    print(p.pid, started.wait(60), flush=True)
+    time.sleep(120)
+"""
+
+
+def test_engine_process_exits_when_its_parent_is_killed(tmp_path):
+    """SIGKILL of the API process must not leave the engine process running on its own."""
+    script = tmp_path / "parent.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    import servelm
+
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(servelm.__file__))}
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pid, started = parent.stdout.readline().split()
+        child = int(pid)
+        assert started == "True", "the child did not start"
+        assert _alive(child)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a reaper."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

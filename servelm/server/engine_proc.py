@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import traceback
 from typing import TYPE_CHECKING
@@ -27,6 +28,7 @@ logger = logging.getLogger("servelm.engine")
 def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     """Entry point of the engine process."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
+    _exit_with_parent()
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     inp.connect(input_addr)
@@ -74,6 +76,21 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
             raise
         out.send(m.encoder.encode(m.StepOutputs(outputs, errors, core.stats(), 1000 * (time.perf_counter() - t),
                                                 core.last_num_batched_tokens)))
+
+
+def _exit_with_parent(poll_s: float = 1.0) -> None:
+    """Exit when the API process dies, however it dies (SIGKILL included): an orphaned engine would keep its
+    memory and threads forever. A thread rather than a check in the loop, because loading (compiling kernels,
+    reading weights) can take minutes before the loop starts."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        logger.warning("API process %d is gone; engine exiting", parent)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _handle(core: EngineCore, msg, eos: frozenset[int], errors: list[m.RequestError]) -> None:
