@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import hf_greedy, random_prompts
 
 from servelm import LLM, SamplingParams
 from servelm.model import cpu_kernels
-from servelm.model.attention import AttentionMetadata, CpuPagedAttention, TorchPagedAttention
+from servelm.model.attention import AttentionMetadata, CpuPagedAttention, PrefillSpan, TorchPagedAttention
 from servelm.model.attention.torch_paged import _window_mask
 
 kernels = cpu_kernels.load()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="CPU kernels could not be compiled here")
+needs_tiles = pytest.mark.skipif(
+    kernels is None or not kernels.prefill_attention_supported(torch.empty(1, 1, 64, dtype=torch.bfloat16)),
+    reason="no AMX tile unit on this CPU")
 
 
 def _naive(q, k, v, q_pos, window):
@@ -64,6 +68,73 @@ def test_write_kv_kernel_matches_index_copy(dtype):
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     with pytest.raises(RuntimeError, match="out of range"):
         kernels.write_kv(got[0], got[1], k[:1], v[:1], torch.tensor([nb * bs]))
+
+
+def _paged(ctx_len, bs, hkv, d, seed):
+    """A bf16 cache of random keys/values with the sequence's blocks scattered through it."""
+    torch.manual_seed(seed)
+    nb = -(-ctx_len // bs) + 5
+    kc, vc = torch.randn(nb, bs, hkv, d).bfloat16(), torch.randn(nb, bs, hkv, d).bfloat16()
+    table = torch.randperm(nb)[: -(-ctx_len // bs)]
+    k, v = (c[table].reshape(-1, hkv, d)[:ctx_len] for c in (kc, vc))
+    return (kc, vc), table, k, v
+
+
+@needs_tiles
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("window", [None, 5, 40])
+# (queries, context, block size): one token; partial tiles; a cached prefix; blocks that do not divide 16
+@pytest.mark.parametrize("q_len, ctx_len, bs", [(1, 1, 16), (37, 37, 16), (100, 300, 16), (20, 77, 7), (64, 64, 3)])
+def test_tile_prefill_matches_naive_attention(d, window, q_len, ctx_len, bs):
+    hq, hkv = 6, 2
+    cache, table, k, v = _paged(ctx_len, bs, hkv, d, seed=q_len + d)
+    q = torch.randn(q_len, hq, d).bfloat16()
+    span = PrefillSpan(0, q_len, ctx_len, table)
+    be = CpuPagedAttention(hq, hkv, d, d**-0.5, kernels=kernels)
+    assert be.tile_prefill
+    out = be._prefill(q, k[-q_len:], v[-q_len:], cache, span, bs, window)
+    ref = _naive(q, k, v, torch.arange(ctx_len - q_len, ctx_len), window)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    # as close to the exact result as PyTorch's own bf16 attention
+    sdpa = TorchPagedAttention(hq, hkv, d, d**-0.5)._prefill(q, k[-q_len:], v[-q_len:], cache, span, bs, window)
+    assert (out.float() - ref).abs().mean() <= 1.25 * (sdpa.float() - ref).abs().mean() + 1e-4
+
+
+@needs_tiles
+def test_tile_prefill_is_the_same_whatever_the_chunking_and_threads():
+    """Each query's result depends only on its own keys: chunked prefill over a cached prefix, any thread
+    count, and interleaving with oneDNN's and PyTorch's own AMX kernels all give the same bits."""
+    hq, hkv, d, n, bs = 8, 2, 64, 203, 16
+    cache, table, k, v = _paged(n, bs, hkv, d, seed=5)
+    q = torch.randn(n, hq, d).bfloat16()
+    be = CpuPagedAttention(hq, hkv, d, d**-0.5, kernels=kernels)
+    whole = be._prefill(q, k, v, cache, PrefillSpan(0, n, n, table), bs, None)
+    parts = [be._prefill(q[a:b], k[a:b], v[a:b], cache, PrefillSpan(0, b - a, b, table), bs, None)
+             for a, b in [(0, 37), (37, 38), (38, 150), (150, n)]]
+    assert torch.equal(torch.cat(parts), whole)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(be._prefill(q, k, v, cache, PrefillSpan(0, n, n, table), bs, None), whole)
+    finally:
+        torch.set_num_threads(threads)
+    # other AMX users before and after (they set their own tile configuration; so do we)
+    x, w = torch.randn(64, 512).bfloat16(), torch.randn(256, 512).bfloat16()
+    qs, ks = torch.randn(1, 4, 300, 64).bfloat16(), torch.randn(1, 4, 300, 64).bfloat16()
+    lin, att = F.linear(x, w), F.scaled_dot_product_attention(qs, ks, ks, is_causal=True)
+    assert torch.equal(be._prefill(q, k, v, cache, PrefillSpan(0, n, n, table), bs, None), whole)
+    assert torch.equal(F.linear(x, w), lin)
+    assert torch.equal(F.scaled_dot_product_attention(qs, ks, ks, is_causal=True), att)
+
+
+@needs_tiles
+def test_tile_prefill_refuses_bad_block_tables():
+    cache, table, k, v = _paged(40, 16, 2, 64, seed=3)
+    q, out = torch.randn(40, 4, 64).bfloat16(), torch.empty(40, 4, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.paged_prefill_attention(out, q, *cache, torch.tensor([0, 1, 999]), 40, 0.125, 0)
+    with pytest.raises(RuntimeError, match="cover"):
+        kernels.paged_prefill_attention(out, q, *cache, table[:1], 40, 0.125, 0)
 
 
 def test_engine_without_kernels_matches_transformers(monkeypatch, model_dirs, hf_models):

@@ -3,6 +3,9 @@
 
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window);
+bool prefill_attention_supported(torch::Tensor q);
+void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                             torch::Tensor block_table, int64_t ctx_len, double scale, int64_t window);
 void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots);
 torch::Tensor argmax_rows(torch::Tensor logits);
 bool bf16_gemv_supported(int64_t K);
@@ -15,6 +18,10 @@ torch::Tensor silu_mul_bf16(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("prefill_attention_supported", &prefill_attention_supported,
+        "whether paged_prefill_attention takes q (AMX present and permitted, bf16, head_dim % 32 == 0)");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal attention of one sequence's query chunk over its paged cache (AMX tiles)");
   m.def("write_kv", &write_kv, "copy each token's keys and values into its cache slot");
   m.def("bf16_gemv_supported", &bf16_gemv_supported, "whether bf16_gemv takes inputs of K features");
   m.def("bf16_gemv", &bf16_gemv, "x @ w.T (+ bias) for one bf16 row");

@@ -1,0 +1,291 @@
+// Prefill attention on AMX tiles: a chunk of queries against its own sequence's paged keys and values
+// (a cached prefix included), causal, with an optional sliding window. bf16 in and out, float32 softmax.
+//
+// PyTorch's CPU flash attention reaches 50-90 GFLOP/s on this work; the matrix products here run on the
+// AMX tile unit, which leaves the softmax's exp as the main cost. Layout, per (query head, 16 queries):
+//   S^T = K . Q^T  (16 keys x 16 queries per tile): keys are tile rows, so the online softmax's running
+//                  max and sum over keys are vertical operations on 16-query vectors, with no transposes;
+//   O^T += V^T . P^T (16 dims x 16 queries per tile), rescaled in vector registers between key blocks.
+// Keys and values are first copied out of the paged cache into contiguous per-head buffers (K rows and
+// V transposed), O(context x head_dim) work that every query block then reuses.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "vec.h"
+
+#if defined(SERVELM_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define SERVELM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+#ifdef SERVELM_AMX
+using servelm::bf16;
+constexpr int64_t kQ = 16;  // queries per work item (tile columns)
+constexpr int64_t kK = 32;  // keys per block (two tiles of S^T, one bf16 K-step of P^T)
+
+// Linux hands out AMX state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA).
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+// Every tile 16 rows of 64 bytes: 16x16 float32 or 16x32 bf16.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
+  }
+};
+
+// Tile registers (macros: the intrinsics paste the number into the instruction): S^T for keys 0-15 and
+// 16-31 of a block, a K slice, a Q^T slice (later P^T), and 4-7 for O^T: with head_dim 64 all of O^T
+// stays in tiles 4-7 (V^T slices then go through tile 2); otherwise 4-5 hold O^T slices loaded from
+// memory and 6-7 V^T slices.
+#define T_S0 0
+#define T_S1 1
+#define T_K 2
+#define T_Q 3
+#define T_P 3
+#define T_O0 4
+#define T_O1 5
+#define T_V0 6
+#define T_V1 7
+
+// Copies one kv head's first `len` keys into K[len_pad][D] and values into VT[D][len_pad], zero padded.
+// Values go through a 32-row staging block so that each VT row receives one whole cache line at a time.
+void pack_head(const bf16* k_cache, const bf16* v_cache, const int64_t* table, int64_t bs, int64_t row_stride,
+               int64_t head_off, int64_t len, int64_t len_pad, int64_t D, bf16* K, bf16* VT) {
+  std::memset(static_cast<void*>(K + len * D), 0, (len_pad - len) * D * sizeof(bf16));
+  alignas(64) bf16 stage[kK][256];
+  for (int64_t t0 = 0; t0 < len_pad; t0 += kK) {
+    const int64_t n = std::min(kK, std::max<int64_t>(0, len - t0));
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t t = t0 + j, off = (table[t / bs] * bs + t % bs) * row_stride + head_off;
+      std::memcpy(K + t * D, k_cache + off, D * sizeof(bf16));
+      std::memcpy(stage[j], v_cache + off, D * sizeof(bf16));
+    }
+    for (int64_t j = n; j < kK; ++j) std::memset(static_cast<void*>(stage[j]), 0, D * sizeof(bf16));
+    for (int64_t d = 0; d < D; ++d) {
+      bf16* dst = VT + d * len_pad + t0;
+      for (int64_t j = 0; j < kK; ++j) dst[j] = stage[j][d];
+    }
+  }
+}
+
+// Query rows q0.. (n of them) of one head as Q^T in the tile's pair-interleaved layout:
+// QP[step][r][query][2] = Q[query][32 * step + 2r + {0, 1}], missing queries zero.
+void pack_queries(const bf16* q, int64_t row_stride, int64_t n, int64_t D, uint32_t* QP) {
+  std::memset(QP, 0, D / 2 * kQ * sizeof(uint32_t));
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t* row = reinterpret_cast<const uint32_t*>(q + i * row_stride);
+    for (int64_t p = 0; p < D / 2; ++p) QP[(p / 16) * 16 * kQ + (p % 16) * kQ + i] = row[p];
+  }
+}
+
+// One head, up to 16 queries at positions pos0.. against keys [0, ctx) of the packed buffers.
+// kResident: head_dim is 64 and O^T lives in tiles 4-7 for the whole key loop.
+template <bool kResident>
+void attend_block(const uint32_t* QP, const bf16* K, const bf16* VT, int64_t len_pad, int64_t D, int64_t pos0,
+                  int64_t n, int64_t window, float scale, float* O, bf16* out, int64_t out_stride) {
+  const int64_t last = pos0 + n - 1;
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  // padding lanes copy the last query's position: harmless, and they never see an all-masked row
+  const __m512i pos = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32(int(pos0)), lane),
+                                       _mm512_set1_epi32(int(last)));
+  // word 2q <- p0[q] (word q), word 2q + 1 <- p1[q] (word 16 + q)
+  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(64) float S[kK][16];
+  alignas(64) uint32_t PB[kK / 2][16];
+  const __m512 slack = _mm512_set1_ps(8.f);
+  __m512 m = neg_inf, l = _mm512_setzero_ps();
+  std::memset(O, 0, D * 16 * sizeof(float));
+  if constexpr (kResident) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+  }
+  // S^T for one key block into tiles S0/S1. Issued one block ahead (software pipelining): the tile unit
+  // computes the next block's scores while the vector units run this block's softmax.
+  auto scores = [&](int64_t kb) {
+    _tile_zero(T_S0);
+    _tile_zero(T_S1);
+    for (int64_t s = 0; s < D / 32; ++s) {
+      _tile_loadd(T_Q, QP + s * 16 * kQ, kQ * 4);
+      _tile_loadd(T_K, K + kb * D + s * 32, D * 2);
+      _tile_dpbf16ps(T_S0, T_K, T_Q);
+      _tile_loadd(T_K, K + (kb + 16) * D + s * 32, D * 2);
+      _tile_dpbf16ps(T_S1, T_K, T_Q);
+    }
+  };
+  auto store_o = [](float* O) {
+    _tile_stored(4, O, 64);
+    _tile_stored(5, O + 256, 64);
+    _tile_stored(6, O + 512, 64);
+    _tile_stored(7, O + 768, 64);
+  };
+  const int64_t kb0 = lo / kK * kK;
+  scores(kb0);
+  for (int64_t kb = kb0; kb <= last; kb += kK) {
+    _tile_stored(T_S0, S[0], 64);
+    _tile_stored(T_S1, S[16], 64);
+    if (kb + kK <= last) scores(kb + kK);
+    // Masks only where the block crosses the diagonal or the window's edge.
+    const bool edge = kb + kK - 1 > pos0 || (window > 0 && kb <= last - window);
+    __mmask16 valid[kK];
+    __m512 mbs[4] = {neg_inf, neg_inf, neg_inf, neg_inf};  // four chains: a max is 4 cycles of latency
+    for (int64_t j = 0; j < kK; ++j) {
+      __mmask16 ok = 0xFFFF;
+      if (edge) {
+        const __m512i key = _mm512_set1_epi32(int(kb + j));
+        ok = _mm512_cmple_epi32_mask(key, pos);
+        if (window > 0) ok &= _mm512_cmpgt_epi32_mask(_mm512_add_epi32(key, _mm512_set1_epi32(int(window))), pos);
+      }
+      valid[j] = ok;
+      const __m512 sj = _mm512_mask_mov_ps(neg_inf, ok, _mm512_mul_ps(_mm512_load_ps(S[j]), vscale));
+      _mm512_store_ps(S[j], sj);
+      mbs[j % 4] = _mm512_max_ps(mbs[j % 4], sj);
+    }
+    const __m512 mb = _mm512_max_ps(_mm512_max_ps(mbs[0], mbs[1]), _mm512_max_ps(mbs[2], mbs[3]));
+    // Lazy rescaling: exponents taken against a max up to e^8 below the true one still fit float32 and
+    // bf16 comfortably, so the running max (and with it the accumulators) moves only when a score
+    // exceeds it by more: a few times per query, not every block.
+    const __mmask16 grow = _mm512_cmp_ps_mask(mb, _mm512_add_ps(m, slack), _CMP_GT_OQ);
+    if (grow) {
+      const __m512 m_new = _mm512_mask_max_ps(m, grow, m, mb);
+      const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), grow, servelm::exp512(_mm512_sub_ps(m, m_new)));
+      l = _mm512_mul_ps(l, alpha);
+      if constexpr (kResident) store_o(O);
+      for (int64_t d = 0; d < D; ++d) _mm512_store_ps(O + d * 16, _mm512_mul_ps(_mm512_load_ps(O + d * 16), alpha));
+      if constexpr (kResident) {
+        _tile_loadd(4, O, 64);
+        _tile_loadd(5, O + 256, 64);
+        _tile_loadd(6, O + 512, 64);
+        _tile_loadd(7, O + 768, 64);
+      }
+      m = m_new;
+    }
+    // a query with no key yet (its window starts further on) still has max -inf and all p masked to 0
+    const __m512 m_use = _mm512_mask_mov_ps(m, _mm512_cmp_ps_mask(m, neg_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+    for (int64_t j = 0; j < kK; j += 2) {
+      const __m512 p0 = _mm512_maskz_mov_ps(valid[j], servelm::exp512(_mm512_sub_ps(_mm512_load_ps(S[j]), m_use)));
+      const __m512 p1 =
+          _mm512_maskz_mov_ps(valid[j + 1], servelm::exp512(_mm512_sub_ps(_mm512_load_ps(S[j + 1]), m_use)));
+      sum0 = _mm512_add_ps(sum0, p0);
+      sum1 = _mm512_add_ps(sum1, p1);
+      const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // p0 in words 0-15, p1 in 16-31
+      _mm512_store_si512(PB[j / 2], _mm512_permutexvar_epi16(interleave, packed));
+    }
+    l = _mm512_add_ps(l, _mm512_add_ps(sum0, sum1));
+    _tile_loadd(T_P, PB, 64);
+    if constexpr (kResident) {  // O^T += V^T . P^T in tiles 4-7
+      _tile_loadd(T_K, VT + kb, len_pad * 2);
+      _tile_dpbf16ps(4, T_K, T_P);
+      _tile_loadd(T_K, VT + 16 * len_pad + kb, len_pad * 2);
+      _tile_dpbf16ps(5, T_K, T_P);
+      _tile_loadd(T_K, VT + 32 * len_pad + kb, len_pad * 2);
+      _tile_dpbf16ps(6, T_K, T_P);
+      _tile_loadd(T_K, VT + 48 * len_pad + kb, len_pad * 2);
+      _tile_dpbf16ps(7, T_K, T_P);
+      continue;
+    }
+    // O^T += V^T . P^T, accumulated in memory 16 dims at a time; two tile pairs so loads overlap products
+    for (int64_t dg = 0; dg < D / 16; dg += 2) {
+      float* o0 = O + dg * 256;
+      float* o1 = o0 + 256;
+      _tile_loadd(T_O0, o0, 64);
+      _tile_loadd(T_V0, VT + dg * 16 * len_pad + kb, len_pad * 2);
+      _tile_loadd(T_O1, o1, 64);
+      _tile_loadd(T_V1, VT + (dg + 1) * 16 * len_pad + kb, len_pad * 2);
+      _tile_dpbf16ps(T_O0, T_V0, T_P);
+      _tile_dpbf16ps(T_O1, T_V1, T_P);
+      _tile_stored(T_O0, o0, 64);
+      _tile_stored(T_O1, o1, 64);
+    }
+  }
+  if constexpr (kResident) store_o(O);
+  alignas(64) float inv[16];
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
+  for (int64_t i = 0; i < n; ++i) {
+    bf16* row = out + i * out_stride;
+    for (int64_t d = 0; d < D; ++d) row[d] = bf16(O[d * 16 + i] * inv[i]);
+  }
+}
+#endif  // SERVELM_AMX
+
+}  // namespace
+
+bool prefill_attention_supported(torch::Tensor q) {
+#ifdef SERVELM_AMX
+  return q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.size(2) % 32 == 0 && q.size(2) <= 256 &&
+         amx_permitted();
+#else
+  (void)q;
+  return false;
+#endif
+}
+
+void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                             torch::Tensor block_table, int64_t ctx_len, double scale, int64_t window) {
+  TORCH_CHECK(prefill_attention_supported(q), "paged_prefill_attention: needs AMX, bf16 and head_dim % 32 == 0");
+#ifdef SERVELM_AMX
+  const int64_t Q = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && out.sizes() == q.sizes() && out.scalar_type() == at::kBFloat16,
+              "paged_prefill_attention: q and out must be [tokens, heads, head_dim] with unit stride rows");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
+                  k_cache.size(3) == D && H % k_cache.size(2) == 0,
+              "paged_prefill_attention: caches must be contiguous bf16 [blocks, block_size, kv_heads, head_dim]");
+  const int64_t bs = k_cache.size(1), KV = k_cache.size(2), G = H / KV;
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() &&
+                  block_table.numel() * bs >= ctx_len && Q <= ctx_len && Q > 0,
+              "paged_prefill_attention: the block table must cover ctx_len >= number of queries");
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < (ctx_len + bs - 1) / bs; ++b)
+    TORCH_CHECK(table[b] >= 0 && table[b] < k_cache.size(0), "paged_prefill_attention: block ", table[b],
+                " out of range");
+  const int64_t len_pad = (ctx_len + kK - 1) / kK * kK;
+  auto kbuf = torch::empty({KV, len_pad, D}, q.options());
+  auto vbuf = torch::empty({KV, D, len_pad}, q.options());
+  const bf16* kc = reinterpret_cast<const bf16*>(k_cache.data_ptr());
+  const bf16* vc = reinterpret_cast<const bf16*>(v_cache.data_ptr());
+  bf16* K = reinterpret_cast<bf16*>(kbuf.data_ptr());
+  bf16* VT = reinterpret_cast<bf16*>(vbuf.data_ptr());
+  at::parallel_for(0, KV, 1, [&](int64_t b, int64_t e) {
+    for (int64_t h = b; h < e; ++h)
+      pack_head(kc, vc, table, bs, KV * D, h * D, ctx_len, len_pad, D, K + h * len_pad * D, VT + h * D * len_pad);
+  });
+  const bf16* qp = reinterpret_cast<const bf16*>(q.data_ptr());
+  bf16* op = reinterpret_cast<bf16*>(out.data_ptr());
+  const int64_t nqb = (Q + kQ - 1) / kQ, first_pos = ctx_len - Q;
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, H * nqb, 1, [&](int64_t b, int64_t e) {
+    TileConfig cfg;
+    _tile_loadconfig(&cfg);
+    alignas(64) uint32_t QP[256 / 2 * kQ];
+    alignas(64) float O[256 * 16];
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t h = item / nqb, q0 = (item % nqb) * kQ, n = std::min(kQ, Q - q0), kvh = h / G;
+      pack_queries(qp + q0 * q.stride(0) + h * q.stride(1), q.stride(0), n, D, QP);
+      (D == 64 ? attend_block<true> : attend_block<false>)(QP, K + kvh * len_pad * D, VT + kvh * D * len_pad, len_pad, D, first_pos + q0, n, window, fscale,
+                   O, op + q0 * out.stride(0) + h * out.stride(1), out.stride(0));
+    }
+    _tile_release();
+  });
+#endif
+}
