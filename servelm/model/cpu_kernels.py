@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -47,10 +48,20 @@ def load():
         digest.update(f.read_bytes())
     tag = digest.hexdigest()[:12]
     build_dir = cache_dir() / "kernels" / tag
-    build_dir.mkdir(parents=True, exist_ok=True)
+    # Build from a copy inside the cache: torch's builder rebuilds whenever the source paths change, so
+    # building from the checkout would recompile (minutes) for every clone or move of the same code.
+    src_copy = build_dir / "src"
+    src_copy.mkdir(parents=True, exist_ok=True)
+    for f in [*sources, *_SRC_DIR.glob("*.h")]:
+        dst = src_copy / f.name
+        if not dst.exists() or dst.read_bytes() != f.read_bytes():
+            tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
+            shutil.copyfile(f, tmp)
+            os.replace(tmp, dst)  # atomic: a process building at the same moment never reads half a file
     try:
-        logger.info("compiling servelm CPU kernels (first use only)")
-        _module = build(name=f"servelm_cpu_{tag}", sources=[str(f) for f in sources], build_directory=str(build_dir),
+        logger.info("loading servelm CPU kernels (compiled on first use only)")
+        _module = build(name=f"servelm_cpu_{tag}", sources=[str(src_copy / f.name) for f in sources],
+                        build_directory=str(build_dir),
                         extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
                         verbose=False)
     except Exception as e:  # a missing compiler must not stop the engine
