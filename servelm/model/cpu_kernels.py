@@ -43,8 +43,9 @@ def load():
     from servelm.model.source import cache_dir
 
     sources = sorted(_SRC_DIR.glob("*.cpp"))
+    files = sources + sorted(_SRC_DIR.glob("*.h"))
     digest = hashlib.sha1(torch.__version__.encode())
-    for f in sources + sorted(_SRC_DIR.glob("*.h")):
+    for f in files:
         digest.update(f.read_bytes())
     tag = digest.hexdigest()[:12]
     build_dir = cache_dir() / "kernels" / tag
@@ -52,7 +53,7 @@ def load():
     # building from the checkout would recompile (minutes) for every clone or move of the same code.
     src_copy = build_dir / "src"
     src_copy.mkdir(parents=True, exist_ok=True)
-    for f in [*sources, *_SRC_DIR.glob("*.h")]:
+    for f in files:
         dst = src_copy / f.name
         if not dst.exists() or dst.read_bytes() != f.read_bytes():
             tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
