@@ -1,5 +1,5 @@
-"""The C++ dense kernels against torch: argmax over rows, and the bf16 matrix-vector product that
-single-row linear layers use."""
+"""The C++ dense kernels against torch: argmax over rows, the bf16 matrix-vector product that single-row
+linear layers use without AMX, and the AMX tile matmul that decode-sized linear layers use with it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from servelm.model import cpu_kernels
-from servelm.model.layers import Linear
+from servelm.model.layers import Linear, pack_weight_for_tiles
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels could not be compiled here")
@@ -43,8 +43,8 @@ def test_gemv_matches_float32_reference(k, bias):
 
 
 def test_linear_takes_the_kernel_for_one_row_and_onednn_for_more():
-    if not kernels.bf16_gemv_supported(256):
-        pytest.skip("no AVX512-BF16 on this CPU")
+    if not kernels.bf16_gemv_supported(256) or kernels.amx_linear_supported(256):
+        pytest.skip("needs AVX512-BF16 without AMX (with AMX the tile kernel takes single rows)")
     torch.manual_seed(1)
     w = torch.randn(300, 256).bfloat16()
     lin = Linear(w)
@@ -55,6 +55,60 @@ def test_linear_takes_the_kernel_for_one_row_and_onednn_for_more():
     ref = F.linear(x.float(), w.float())
     torch.testing.assert_close(many.float(), ref, rtol=2**-7, atol=2e-2)
     torch.testing.assert_close(one.float(), ref, rtol=2**-7, atol=2e-2)
+
+
+needs_tiles = pytest.mark.skipif(not kernels.amx_linear_supported(64), reason="no AMX on this CPU")
+
+
+@needs_tiles
+@pytest.mark.parametrize("k", [64, 576])
+@pytest.mark.parametrize("n", [40, 1003])  # a partial 32-column block, and a partial 16-column tile
+@pytest.mark.parametrize("bias", [False, True])
+def test_tile_matmul_matches_float32_reference_and_is_batch_invariant(k, n, bias):
+    torch.manual_seed(k + n)
+    w = torch.randn(n, k).bfloat16()
+    b = torch.randn(n).bfloat16() if bias else None
+    packed = pack_weight_for_tiles(w)
+    x = torch.randn(300, k).bfloat16()
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    singles = torch.cat([kernels.amx_linear(x[i:i + 1], packed, n, b) for i in range(x.shape[0])])
+    torch.testing.assert_close(singles.float(), ref, rtol=2**-7, atol=1e-3 * k**0.5)
+    # every row count the blocking treats differently (1 or 2 row tiles, 64-row blocks, 256-row passes,
+    # zero-padded tails) gives each row exactly what it gets alone
+    for m in (2, 16, 17, 32, 33, 63, 64, 65, 97, 128, 257, 300):
+        assert torch.equal(kernels.amx_linear(x[:m], packed, n, b), singles[:m]), m
+
+
+@needs_tiles
+def test_tile_matmul_reads_strided_rows_and_refuses_bad_inputs():
+    torch.manual_seed(2)
+    w = torch.randn(64, 96).bfloat16()
+    packed = pack_weight_for_tiles(w)
+    wide = torch.randn(7, 200).bfloat16()
+    x = wide[:, 10:106]  # rows 200 apart
+    assert torch.equal(kernels.amx_linear(x, packed, 64, None), kernels.amx_linear(x.contiguous(), packed, 64, None))
+    assert kernels.amx_linear(x[:0], packed, 64, None).shape == (0, 64)
+    with pytest.raises(RuntimeError):
+        kernels.amx_linear(x, packed[:-1], 64, None)  # not a packed 64 x 96 weight
+    with pytest.raises(RuntimeError):
+        kernels.amx_linear(x.float(), packed, 64, None)
+    with pytest.raises(RuntimeError):
+        kernels.amx_linear(torch.randn(3, 40).bfloat16(), packed, 64, None)  # K not a multiple of 32
+    assert not kernels.amx_linear_supported(40)
+
+
+@needs_tiles
+def test_linear_takes_tiles_for_decode_rows_and_onednn_beyond():
+    torch.manual_seed(3)
+    w, b = torch.randn(300, 256).bfloat16(), torch.randn(300).bfloat16()
+    lin = Linear(w, b)
+    assert lin.tiles is not None and lin.gemv is None and lin.weight is None  # no row-major copy kept
+    x = torch.randn(Linear.TILE_MAX_ROWS + 1, 256).bfloat16()
+    small, big = x[: Linear.TILE_MAX_ROWS], x
+    assert torch.equal(lin(small), kernels.amx_linear(small, lin.tiled, 300, b))
+    assert torch.equal(lin(big), torch.ops.mkldnn._linear_pointwise(big, lin.packed, b, "none", [], ""))
+    ref = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(lin(small).float(), ref[: Linear.TILE_MAX_ROWS], rtol=2**-7, atol=2e-2)
 
 
 def test_float32_linear_keeps_plain_matmul():

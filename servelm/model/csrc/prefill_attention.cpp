@@ -16,36 +16,16 @@
 #include <cstring>
 #include <limits>
 
-#include "vec.h"
-
-#if defined(SERVELM_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define SERVELM_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx.h"
 
 namespace {
 
 #ifdef SERVELM_AMX
+using servelm::amx_permitted;
 using servelm::bf16;
+using servelm::TileConfig;
 constexpr int64_t kQ = 16;  // queries per work item (tile columns)
 constexpr int64_t kK = 32;  // keys per block (two tiles of S^T, one bf16 K-step of P^T)
-
-// Linux hands out AMX state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA).
-bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-}
-
-// Every tile 16 rows of 64 bytes: 16x16 float32 or 16x32 bf16.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
-  }
-};
 
 // Tile registers (macros: the intrinsics paste the number into the instruction): S^T for keys 0-15 and
 // 16-31 of a block, a K slice, a Q^T slice (later P^T), and 4-7 for O^T: with head_dim 64 all of O^T

@@ -1,0 +1,196 @@
+// y = x W^T (+ b) for bf16 on AMX tiles, for the few rows of a decode step. W is prepacked in tile order
+// (`pack_weight_for_tiles` in layers.py): per block of 32 output columns, per step of 32 inputs, two
+// 16-row B tiles, 2 KB contiguous, so a block's weights stream from memory as one sequential run.
+//
+// Why not oneDNN here: over a model's worth of cache-cold weights, its bf16 matmul for 1-32 rows ran
+// 1.2-1.8x slower than this loop (and the AVX512 matrix-vector kernel 1.4x slower at one row); at 64
+// rows the two are level and beyond that oneDNN's blocking wins, so the caller switches there.
+// Each output row is summed over K in the same order whatever the other rows are, so a sequence's
+// logits do not depend on what it is batched with.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "amx.h"
+
+namespace {
+#ifdef SERVELM_AMX
+using servelm::bf16;
+using servelm::lanes;
+using servelm::load_bf16;
+using servelm::store_bf16;
+constexpr int64_t kN = 32;    // output columns per weight block (two B tiles)
+constexpr int64_t kMc = 256;  // rows of x per pass: that slice of x stays in L2 while the weights stream by
+
+// Finished float32 results of one block, converted to bf16 while the tile unit works on the next block.
+struct Pending {
+  const float* c = nullptr;
+  int64_t rows = 0, n0 = 0;
+  bf16* out = nullptr;
+};
+
+// c [rows][32] float32 -> bf16 output columns n0.. (bias added in float32, one rounding, as oneDNN does).
+void store_rows(const Pending& p, const bf16* bias, int64_t N) {
+  for (int64_t r = 0; r < p.rows; ++r)
+    for (int64_t h = 0; h < kN && p.n0 + h < N; h += 16) {
+      const __mmask16 m = lanes(N - p.n0 - h);
+      __m512 v = _mm512_load_ps(p.c + r * kN + h);
+      if (bias) v = _mm512_add_ps(v, load_bf16(bias + p.n0 + h, m));
+      store_bf16(p.out + r * N + p.n0 + h, v, m);
+    }
+}
+
+// Converts `pending` once the first products of a block are issued, so the conversion overlaps them.
+inline void drain(Pending& pending, const bf16* bias, int64_t N) {
+  if (pending.c) store_rows(pending, bias, N);
+  pending.c = nullptr;
+}
+
+// Prefetches one k-step of the next weight block (`bytes` of it) into L2 while this block computes.
+inline void prefetch_step(const bf16* next, int64_t offset, int bytes) {
+  if (!next) return;
+  const char* p = reinterpret_cast<const char*>(next + offset);
+  for (int l = 0; l < bytes; l += 64) _mm_prefetch(p + l, _MM_HINT_T1);
+}
+
+// Up to 32 rows x one 32-column block. Tiles: C 0-3 (rows 0-15 / 16-31 x columns 0-15 / 16-31),
+// A 4-5, B 6-7. `a` is x in tile order (see amx_linear), `c` receives float32 [32][32].
+template <bool kTwoRowTiles>
+void tile_block32(const bf16* a, const bf16* b, int64_t K, float* c, const bf16* next, Pending& pending,
+                  const bf16* bias, int64_t N) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (kTwoRowTiles) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k = 0; k < K; k += 32) {
+    const bf16* bk = b + k * kN;
+    prefetch_step(next, k * kN, 2048);
+    _tile_loadd(6, bk, 64);
+    _tile_loadd(4, a + k * 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, bk + 512, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kTwoRowTiles) {
+      _tile_loadd(5, a + K * 16 + k * 16, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    if (k == 0) drain(pending, bias, N);
+  }
+  _tile_stored(0, c, kN * 4);
+  _tile_stored(1, c + 16, kN * 4);
+  if constexpr (kTwoRowTiles) {
+    _tile_stored(2, c + 16 * kN, kN * 4);
+    _tile_stored(3, c + 16 * kN + 16, kN * 4);
+  }
+}
+
+// 64 rows x one block, as two 16-column halves with C 0-3 one row tile each: every weight tile is loaded
+// once and used by four products; x's tiles come from L1/L2. `c` receives float32 [64][32].
+void tile_block64(const bf16* a, const bf16* b, int64_t K, float* c, const bf16* next, Pending& pending,
+                  const bf16* bias, int64_t N) {
+  for (int h = 0; h < 2; ++h) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 32) {
+      const bf16* bk = b + k * kN + h * 512;
+      prefetch_step(next, k * kN + h * 512, 1024);
+      _tile_loadd(6, bk, 64);
+      _tile_loadd(4, a + k * 16, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, a + K * 16 + k * 16, 64);
+      _tile_dpbf16ps(1, 5, 6);
+      _tile_loadd(4, a + 2 * K * 16 + k * 16, 64);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_loadd(5, a + 3 * K * 16 + k * 16, 64);
+      _tile_dpbf16ps(3, 5, 6);
+      if (k == 0) drain(pending, bias, N);
+    }
+    _tile_stored(0, c + h * 16, kN * 4);
+    _tile_stored(1, c + 16 * kN + h * 16, kN * 4);
+    _tile_stored(2, c + 32 * kN + h * 16, kN * 4);
+    _tile_stored(3, c + 48 * kN + h * 16, kN * 4);
+  }
+}
+#endif
+}  // namespace
+
+bool amx_linear_supported(int64_t K) {
+#ifdef SERVELM_AMX
+  return K > 0 && K % 32 == 0 && servelm::amx_permitted();
+#else
+  (void)K;
+  return false;
+#endif
+}
+
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && amx_linear_supported(x.size(1)), "amx_linear needs AMX and [M, K] input, K % 32 == 0");
+  const int64_t M = x.size(0), K = x.size(1), blocks = (N + kN - 1) / kN;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  N > 0 && packed.numel() == blocks * kN * K,
+              "amx_linear: bf16 x and a weight packed for ", N, " x ", K);
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N),
+              "amx_linear: bias must be bf16 [N]");
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0) return out;
+#ifdef SERVELM_AMX
+  if (x.stride(1) != 1) x = x.contiguous();
+  // x in tile order, zero padded to whole 32-row groups: [row tile][K / 32][16][32]. Tile loads of rows
+  // K apart (a power of two in most models) crowd into a few L1 sets and ran at half speed; 1 KB
+  // contiguous tiles do not.
+  const int64_t Mp = (M + 31) / 32 * 32;
+  auto xt = torch::empty({Mp * K}, x.options());
+  const bf16* xp = reinterpret_cast<const bf16*>(x.data_ptr());
+  bf16* ap = reinterpret_cast<bf16*>(xt.data_ptr());
+  const int64_t ldx = x.stride(0);
+  at::parallel_for(0, Mp / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t mt = begin; mt < end; ++mt)
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t r = mt * 16 + i;
+        for (int64_t k = 0; k < K; k += 32) {
+          bf16* dst = ap + mt * 16 * K + k * 16 + i * 32;
+          if (r < M) std::memcpy(dst, xp + r * ldx + k, 64);
+          else std::memset(static_cast<void*>(dst), 0, 64);
+        }
+      }
+  });
+  const bf16* wp = reinterpret_cast<const bf16*>(packed.data_ptr());
+  const bf16* bp = bias ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr;
+  bf16* op = reinterpret_cast<bf16*>(out.data_ptr());
+  for (int64_t m0 = 0; m0 < M; m0 += kMc) {
+    const int64_t m1 = std::min(M, m0 + kMc);
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      servelm::TileConfig cfg;
+      _tile_loadconfig(&cfg);
+      alignas(64) float c[2][64 * kN];  // two, so one converts while the other fills
+      Pending pending;
+      int flip = 0;
+      for (int64_t nb = begin; nb < end; ++nb) {
+        const bf16* w = wp + nb * kN * K;
+        for (int64_t r = m0; r < m1;) {
+          const int64_t rows = std::min<int64_t>(64, m1 - r);
+          const bf16* next = r == m0 && nb + 1 < end ? w + kN * K : nullptr;  // first pass over the block only
+          if (rows == 64) tile_block64(ap + r * K, w, K, c[flip], next, pending, bp, N);
+          else if (rows > 16) tile_block32<true>(ap + r * K, w, K, c[flip], next, pending, bp, N);
+          else tile_block32<false>(ap + r * K, w, K, c[flip], next, pending, bp, N);
+          const int64_t done = rows == 64 ? 64 : std::min<int64_t>(rows, 32);
+          pending = Pending{c[flip], done, nb * kN, op + r * N};
+          flip ^= 1;
+          r += done;
+        }
+      }
+      drain(pending, bp, N);
+      _tile_release();
+    });
+  }
+#endif
+  return out;
+}
