@@ -151,7 +151,8 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
   const bf16* xp = reinterpret_cast<const bf16*>(x.data_ptr());
   bf16* ap = reinterpret_cast<bf16*>(xt.data_ptr());
   const int64_t ldx = x.stride(0);
-  at::parallel_for(0, Mp / 16, 1, [&](int64_t begin, int64_t end) {
+  // a decode step's few rows are copied inline: a parallel region would cost more than the copy
+  at::parallel_for(0, Mp / 16, 8, [&](int64_t begin, int64_t end) {
     for (int64_t mt = begin; mt < end; ++mt)
       for (int64_t i = 0; i < 16; ++i) {
         const int64_t r = mt * 16 + i;

@@ -1,0 +1,71 @@
+"""Decode-step linear layers: servelm's AMX tile matmul beside oneDNN's prepacked bf16 matmul (and the
+AVX512 matrix-vector kernel at one row), over a whole model's worth of distinct, cache-cold weights,
+alternating the systems each round and keeping each one's best. Prints one JSON object with ratios.
+
+  python bench/decode_linear.py --model 60m --rows 1,16,32,64 --threads 1
+
+Shapes are those of `llama-rand-60m` or SmolLM2-135M (qkv, o, gate_up, down per layer, then the LM head);
+weights are random, which does not change a matmul's speed. A benchmark, not a test: CI does not run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from servelm.model import cpu_kernels
+from servelm.model.layers import pack_weight_for_tiles
+
+MODELS = {  # hidden, intermediate, layers, vocab, heads, kv heads, head dim
+    "60m": (512, 1408, 8, 32000, 8, 4, 64),
+    "smollm2": (576, 1536, 30, 49152, 9, 3, 64),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), default="60m")
+    p.add_argument("--rows", default="1,16,32,64", help="comma-separated batch sizes (rows per matmul)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=10)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    k = cpu_kernels.load()
+    if k is None or not k.amx_linear_supported(64):
+        raise SystemExit("needs the C++ kernels on a CPU with AMX")
+    h, i, layers, vocab, nq, nkv, hd = MODELS[args.model]
+    shapes = [((nq + 2 * nkv) * hd, h), (h, nq * hd), (2 * i, h), (h, i)] * layers + [(vocab, h)]
+    weights = [torch.randn(n, kk).bfloat16() for n, kk in shapes]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    tiled = [pack_weight_for_tiles(w) for w in weights]
+    results = []
+    for m in (int(r) for r in args.rows.split(",")):
+        xs = {kk: torch.randn(m, kk).bfloat16() for kk in {s[1] for s in shapes}}
+        systems = {
+            "amx_tiles": lambda xs=xs: [k.amx_linear(xs[kk], t, n, None) for t, (n, kk) in zip(tiled, shapes, strict=True)],
+            "onednn": lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(xs[kk], w, None, "none", [], "")
+                               for w, (n, kk) in zip(onednn, shapes, strict=True)],
+        }
+        if m == 1 and k.bf16_gemv_supported(h):
+            systems["gemv"] = lambda xs=xs: [k.bf16_gemv(xs[kk], w, None) for w, (n, kk) in zip(weights, shapes, strict=True)]
+        best = dict.fromkeys(systems, float("inf"))
+        for f in systems.values():
+            f()  # warm-up
+        for _ in range(args.rounds):
+            for name, f in systems.items():
+                t = time.perf_counter()
+                f()
+                best[name] = min(best[name], time.perf_counter() - t)
+        row = {"rows": m, **{f"{n}_ms": round(1000 * s, 2) for n, s in best.items()}}
+        row.update({f"amx_tiles_vs_{n}": round(s / best["amx_tiles"], 2) for n, s in best.items() if n != "amx_tiles"})
+        results.append(row)
+    weight_mb = sum(n * kk * 2 for n, kk in shapes) / 1e6
+    print(json.dumps({"model": args.model, "threads": args.threads, "weight_mb": round(weight_mb, 1),
+                      "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
