@@ -39,7 +39,7 @@ ARCHS = ["llama", "llama3rope", "mistral", "qwen2", "qwen3"]
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """The real SmolLM2 tokenizer (from the default model's GGUF), saved as a plain HF folder."""
-    from servelm.model.gguf_loader import load_gguf_config_and_tokenizer
+    from servelm.model.metadata import load_gguf_config_and_tokenizer
     from servelm.model.source import default_model_path
 
     _, tok = load_gguf_config_and_tokenizer(default_model_path())

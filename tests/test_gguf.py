@@ -8,7 +8,7 @@ import torch
 from conftest import hf_greedy
 
 from servelm import LLM, SamplingParams
-from servelm.model.gguf_loader import hf_name, unpermute_rotary
+from servelm.model.gguf_loader import hf_name, read_gguf_header, unpermute_rotary
 from servelm.model.source import default_model_path, resolve_model
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "In 1492, Columbus",
@@ -36,6 +36,26 @@ def test_model_sources_resolve(tmp_path):
     assert resolve_model(None).path == path  # the default model
     with pytest.raises(FileNotFoundError, match="not found"):
         resolve_model(str(path.parent), "missing.gguf")
+
+
+def test_header_reader_agrees_with_gguf_reader():
+    import mmap
+
+    import gguf
+
+    path = default_model_path()
+    ref = gguf.GGUFReader(str(path))
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        head = read_gguf_header(buf)
+    assert head.data_offset == ref.data_offset
+    assert [(n, list(s), t, o) for n, s, t, o in head.tensors] == \
+        [(t.name, [int(d) for d in t.shape], int(t.tensor_type), int(t.data_offset) - ref.data_offset)
+         for t in ref.tensors]
+    scalars = {k: f.contents() for k, f in ref.fields.items()
+               if not k.startswith("GGUF.") and f.types[0] != gguf.GGUFValueType.ARRAY}
+    assert scalars and all(head.fields[k] == pytest.approx(v) if isinstance(v, float) else head.fields[k] == v
+                           for k, v in scalars.items())
+    assert all(head.fields[k] is None for k, f in ref.fields.items() if f.types[0] == gguf.GGUFValueType.ARRAY)
 
 
 def test_gguf_names_map_to_hf_names():

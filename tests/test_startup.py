@@ -11,6 +11,7 @@ import time
 
 def test_api_side_imports_stay_light():
     code = ("import sys, servelm, servelm.entrypoints.cli, servelm.server.serve, servelm.server.async_engine; "
+            "servelm.entrypoints.cli.build_parser(); "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -73,3 +74,25 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def _modules_after(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code + "; import sys; print(sorted(m for m in "
+                          "('torch', 'torch._dynamo', 'transformers', 'transformers.modeling_utils') if m in sys.modules))"],
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_api_side_tokenizer_needs_neither_torch_nor_model_classes(llama_dir):
+    # SmolLM2-style folder (llama, TokenizersBackend): the API process builds the tokenizer only.
+    code = (f"from servelm.model.metadata import load_tokenizer, resolve_model; "
+            f"load_tokenizer(resolve_model({str(llama_dir)!r}))")
+    assert _modules_after(code) == "['transformers']"
+
+
+def test_engine_side_load_skips_transformers(llama_dir):
+    # The engine process loads weights, config and EOS ids; transformers (2-4 s of imports) stays out.
+    code = (f"from servelm.model.loader import load_model; "
+            f"m = load_model({str(llama_dir)!r}, dtype='float32', with_tokenizer=False); "
+            f"assert m.tokenizer is None and m.eos_token_ids")
+    assert _modules_after(code) == "['torch']"

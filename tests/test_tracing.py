@@ -27,7 +27,7 @@ class _Lines(logging.Handler):
 def test_spans_link_to_traceparent_and_nest_under_the_request(llama_dir):
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from servelm.model.loader import load_config_and_tokenizer
+    from servelm.model.metadata import load_config_and_tokenizer
     from servelm.server.api import build_app
     from servelm.server.async_engine import AsyncEngine
     from servelm.server.serve import build_state

@@ -9,13 +9,16 @@ import platform
 import resource
 import subprocess
 import time
+from typing import TYPE_CHECKING
 
-import torch
 from tqdm import tqdm
 
 from servelm.bench.workloads import Workload, make_workload
 from servelm.config import EngineConfig
 from servelm.sampling_params import OutputKind, SamplingParams
+
+if TYPE_CHECKING:  # torch is imported where used: every CLI start builds this module's parser
+    import torch
 
 BASELINES = ("hf-static", "hf-sequential")
 
@@ -44,6 +47,8 @@ def _peak_rss_mb() -> float:
 
 def hardware_bounds() -> dict:
     """Large-copy memory bandwidth and matmul peak, measured now with the current thread count."""
+    import torch
+
     x = torch.empty(64 * 2**20, dtype=torch.float32).fill_(1.0)  # 256 MiB
     y = torch.empty_like(x)
     y.copy_(x)
@@ -117,6 +122,7 @@ def _hf_model(engine_cfg: EngineConfig, dtype: torch.dtype):
 
 
 def _hf_generate(model, batch: list[list[int]], max_new: int) -> None:
+    import torch
     from transformers import GenerationConfig
 
     width = max(len(p) for p in batch)
@@ -166,6 +172,8 @@ def _git_commit() -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from servelm.entrypoints.cli import engine_config_from_args
     from servelm.model.loader import load_model
 

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
+import math
+import mmap
 import re
+import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
-
-from servelm.model.source import cache_dir
 
 # GGUF tensor name (per block) -> Hugging Face name suffix.
 _BLOCK_NAMES = {
@@ -52,50 +53,86 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+# GGUF metadata value types -> struct formats (strings and arrays are handled apart).
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass
+class GGUFHeader:
+    """What loading needs from a GGUF file: scalar/string metadata and where each tensor's bytes lie.
+
+    gguf.GGUFReader builds a numpy view for every element of every metadata array (a 49k-token
+    vocabulary: 3-4 s here); the tokenizer comes from transformers' conversion instead, so this reads
+    the header once with struct and skips the arrays. Quantized bytes still go to gguf.quants.
+    """
+
+    fields: dict[str, object]
+    tensors: list[tuple[str, tuple[int, ...], int, int]]  # name, GGUF shape (innermost first), type, offset
+    data_offset: int
+
+
+def _read_value(buf, off: int, vtype: int):
+    if vtype in _SCALARS:
+        fmt = "<" + _SCALARS[vtype]
+        return struct.unpack_from(fmt, buf, off)[0], off + struct.calcsize(fmt)
+    if vtype == _STRING:
+        (n,) = struct.unpack_from("<Q", buf, off)
+        return bytes(buf[off + 8:off + 8 + n]).decode("utf-8", errors="replace"), off + 8 + n
+    if vtype == _ARRAY:  # skipped: loading needs no array metadata
+        etype, count = struct.unpack_from("<IQ", buf, off)
+        off += 12
+        if etype in _SCALARS:
+            return None, off + count * struct.calcsize("<" + _SCALARS[etype])
+        for _ in range(count):
+            off = _read_value(buf, off, etype)[1]
+        return None, off
+    raise ValueError(f"bad GGUF metadata value type {vtype}")
+
+
+def read_gguf_header(buf) -> GGUFHeader:
+    import gguf
+
+    magic, version, n_tensors, n_kv = struct.unpack_from("<IIQQ", buf, 0)
+    if magic != gguf.GGUF_MAGIC or version not in (2, 3):
+        raise ValueError(f"not a little-endian GGUF v2/v3 file (magic {magic:#x}, version {version})")
+    off, fields = 24, {}
+    for _ in range(n_kv):
+        key, off = _read_value(buf, off, _STRING)
+        (vtype,) = struct.unpack_from("<I", buf, off)
+        fields[key], off = _read_value(buf, off + 4, vtype)
+    tensors = []
+    for _ in range(n_tensors):
+        name, off = _read_value(buf, off, _STRING)
+        (ndim,) = struct.unpack_from("<I", buf, off)
+        shape = struct.unpack_from(f"<{ndim}Q", buf, off + 4)
+        ttype, toff = struct.unpack_from("<IQ", buf, off + 4 + 8 * ndim)
+        off += 4 + 8 * ndim + 12
+        tensors.append((name, shape, ttype, toff))
+    align = int(fields.get("general.alignment") or gguf.GGUF_DEFAULT_ALIGNMENT)
+    return GGUFHeader(fields, tensors, -(-off // align) * align)
 
 
 def iter_gguf_tensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, tensor) for every tensor of a GGUF file, dequantized to `dtype`."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
-    arch = _field(reader, "general.architecture")
-    n_head = _field(reader, f"{arch}.attention.head_count")
-    n_kv = _field(reader, f"{arch}.attention.head_count_kv", n_head)
-    for t in tqdm(reader.tensors, desc=f"Loading {path.name}", unit="tensor", leave=False):
-        name = hf_name(t.name)
-        if name is None:
-            continue
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))
-        if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
-            arr = unpermute_rotary(arr, n_head if "q_proj" in name else n_kv)
-        yield name, torch.from_numpy(np.array(arr, dtype=np.float32)).to(dtype)
-
-
-def converted_dir(path: Path) -> Path:
-    """A cache folder holding the HF config and tokenizer that transformers derives from a GGUF file."""
-    st = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "gguf" / f"{path.stem}-{key}"
-
-
-def load_gguf_config_and_tokenizer(path: Path):
-    """Config and tokenizer from GGUF metadata via transformers' GGUF support, cached after the first time."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    out = converted_dir(path)
-    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
-        return AutoConfig.from_pretrained(out), AutoTokenizer.from_pretrained(out)
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        config.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-    except OSError:
-        pass  # a read-only cache only costs speed
-    return config, tokenizer
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        head = read_gguf_header(buf)
+        arch = head.fields.get("general.architecture")
+        n_head = head.fields.get(f"{arch}.attention.head_count")
+        n_kv = head.fields.get(f"{arch}.attention.head_count_kv") or n_head
+        for gname, shape, ttype, toff in tqdm(head.tensors, desc=f"Loading {path.name}", unit="tensor",
+                                              leave=False):
+            name = hf_name(gname)
+            if name is None:
+                continue
+            qtype = gguf.GGMLQuantizationType(ttype)
+            block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            rows, row_bytes = math.prod(shape[1:]), shape[0] // block * block_bytes
+            raw = np.frombuffer(buf, np.uint8, rows * row_bytes, head.data_offset + toff).reshape(rows, row_bytes)
+            arr = gguf.quants.dequantize(raw, qtype).reshape(tuple(reversed(shape)))
+            if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
+                arr = unpermute_rotary(arr, n_head if "q_proj" in name else n_kv)
+            yield name, torch.from_numpy(np.array(arr, dtype=np.float32)).to(dtype)
+            del raw, arr  # no view may outlive the mapping

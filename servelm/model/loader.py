@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -13,8 +12,9 @@ from tqdm import tqdm
 
 from servelm.model.attention import get_backend
 from servelm.model.decoder import DecoderLM
-from servelm.model.gguf_loader import iter_gguf_tensors, load_gguf_config_and_tokenizer
-from servelm.model.source import ModelSource, resolve_model, set_offline_env
+from servelm.model.gguf_loader import iter_gguf_tensors
+from servelm.model.metadata import load_config_and_eos, load_config_and_tokenizer
+from servelm.model.source import ModelSource
 from servelm.model.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
 @dataclass
 class LoadedModel:
     model: DecoderLM
-    tokenizer: object  # a transformers tokenizer
+    tokenizer: object | None  # a transformers tokenizer (None where the caller did not need one)
     hf_config: object
     source: ModelSource
     eos_token_ids: frozenset[int]
@@ -64,41 +64,14 @@ def _iter_safetensors(folder: Path, dtype: torch.dtype):
                 yield name, t.to(dtype, copy=True)
 
 
-def _eos_ids(folder: Path, hf_config, tokenizer) -> frozenset[int]:
-    """EOS ids from the generation config, the model config and the tokenizer (as transformers stops on)."""
-    ids: set[int] = set()
-    gen = folder / "generation_config.json"
-    candidates = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
-    if gen.is_file():
-        candidates.append(json.loads(gen.read_text()).get("eos_token_id"))
-    for c in candidates:
-        if isinstance(c, int):
-            ids.add(c)
-        elif isinstance(c, list):
-            ids.update(int(x) for x in c)
-    return frozenset(ids)
-
-
-def load_config_and_tokenizer(model: str | None, gguf_file: str | None = None, tokenizer: str | None = None):
-    """(source, hf_config, tokenizer, eos ids) without loading weights: what the API process needs."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    set_offline_env()
-    src = resolve_model(model, gguf_file)
-    if src.kind == "gguf":
-        hf_config, tok = load_gguf_config_and_tokenizer(src.path)
-    else:
-        hf_config = AutoConfig.from_pretrained(src.path)
-        tok = AutoTokenizer.from_pretrained(src.path)
-    if tokenizer is not None:
-        tok = AutoTokenizer.from_pretrained(tokenizer)
-    return src, hf_config, tok, _eos_ids(src.folder, hf_config, tok)
-
-
 def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str | None = None,
-               dtype: str = "auto", device: str = "cpu") -> LoadedModel:
+               dtype: str = "auto", device: str = "cpu", with_tokenizer: bool = True) -> LoadedModel:
+    """Weights, config, EOS ids and (unless with_tokenizer is False, as in the engine process) tokenizer."""
     t0 = time.perf_counter()
-    src, hf_config, tok, eos = load_config_and_tokenizer(model, gguf_file, tokenizer)
+    if with_tokenizer:
+        src, hf_config, tok, eos = load_config_and_tokenizer(model, gguf_file, tokenizer)
+    else:
+        (src, hf_config, eos), tok = load_config_and_eos(model, gguf_file, tokenizer), None
     torch_dtype = resolve_dtype(dtype, device)
     if src.kind == "gguf":
         tensors = iter_gguf_tensors(src.path, torch_dtype)

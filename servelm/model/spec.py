@@ -68,8 +68,6 @@ def _sliding_windows(config) -> list[int | None]:
 
 def _rope(config, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies via transformers' own RoPE initialisers, so every scaling type matches it."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
@@ -78,5 +76,7 @@ def _rope(config, head_dim: int) -> tuple[torch.Tensor, float]:
         return inv, 1.0
     if rope_type == "dynamic":
         raise ValueError("dynamic NTK RoPE scaling depends on sequence length and is not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # imports torch._dynamo: only when needed
+
     inv, factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
     return inv.float(), float(factor)

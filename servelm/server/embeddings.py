@@ -43,11 +43,11 @@ class BatchStats:
 class Embedder:
     def __init__(self, path: Path, max_batch_size: int = 32, batch_window_ms: float = 5.0,
                  max_length: int = 256) -> None:
-        import torch
-        from transformers import AutoModel, AutoTokenizer
+        from servelm.model.encoder import load_encoder
+        from servelm.model.hf_files import load_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+        self.tokenizer = load_tokenizer(path)
+        self.model = load_encoder(path)
         self.max_batch_size = max_batch_size
         self.window = batch_window_ms / 1000
         self.max_length = max_length
@@ -100,8 +100,7 @@ class Embedder:
 
         enc = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
         mask = enc["attention_mask"]
-        with torch.inference_mode():
-            hidden = self.model(**enc).last_hidden_state
+        hidden = self.model(**enc)
         pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
         pooled = torch.nn.functional.normalize(pooled, dim=-1)
         lens = mask.sum(1).tolist()

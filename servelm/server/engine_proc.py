@@ -42,7 +42,8 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        loaded = load_model(config.model, config.gguf_file, config.tokenizer, config.dtype, config.device)
+        loaded = load_model(config.model, config.gguf_file, config.tokenizer, config.dtype, config.device,
+                            with_tokenizer=False)  # the API process tokenizes
         core = EngineCore(config, loaded.model)
         eos = loaded.eos_token_ids
         _warmup(core, eos)

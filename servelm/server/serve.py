@@ -91,10 +91,11 @@ async def _serve(config) -> int:
     try:
         import uvicorn
 
-        from servelm.model.loader import load_config_and_tokenizer
+        from servelm.model.metadata import load_tokenizer, resolve_model
         from servelm.server.api import build_app
 
-        src, _, tokenizer, _ = load_config_and_tokenizer(ec.model, ec.gguf_file, ec.tokenizer)
+        src = resolve_model(ec.model, ec.gguf_file)
+        tokenizer = load_tokenizer(src, ec.tokenizer)
         engine.set_tokenizer(tokenizer)
         embedder, embed_name = _embedder(srv)
         await engine.wait_ready()

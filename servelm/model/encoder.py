@@ -1,0 +1,97 @@
+"""A BERT-family sentence encoder (all-MiniLM-L6-v2 and its kin) for the embeddings endpoints.
+
+Built here from the checkpoint's tensors rather than through transformers' AutoModel, which imports
+transformers' whole modelling stack (3-4 s of server start-up) to run twenty lines of arithmetic.
+tests/test_encoder.py checks it against transformers' BertModel. Other encoder families go through
+AutoModel (see `load_encoder`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from servelm.model.hf_files import read_json
+
+_ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # GELU approximation
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    num_layers: int
+    num_heads: int
+    eps: float
+    gelu_approximate: str
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> EncoderSpec | None:
+        """The spec, or None for a config this encoder does not reproduce exactly."""
+        if (cfg.get("model_type") != "bert" or cfg.get("position_embedding_type", "absolute") != "absolute"
+                or cfg.get("is_decoder") or cfg.get("hidden_act", "gelu") not in _ACTIVATIONS):
+            return None
+        return cls(cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg.get("layer_norm_eps", 1e-12),
+                   _ACTIVATIONS[cfg.get("hidden_act", "gelu")])
+
+
+class BertEncoder:
+    """Token ids -> last hidden states, as BertModel computes them (no pooler)."""
+
+    def __init__(self, spec: EncoderSpec, weights: dict[str, torch.Tensor]) -> None:
+        self.spec = spec
+        # Checkpoints saved from BertForX prefix every name with "bert.".
+        self.w = {k.removeprefix("bert."): v for k, v in weights.items()}
+
+    @classmethod
+    def load(cls, folder: Path) -> BertEncoder | None:
+        spec = EncoderSpec.from_config(read_json(folder / "config.json") or {})
+        if spec is None or not (folder / "model.safetensors").is_file():
+            return None
+        from safetensors.torch import load_file
+
+        return cls(spec, {k: v.float() for k, v in load_file(folder / "model.safetensors").items()})
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], self.w[f"{name}.weight"], self.w[f"{name}.bias"], self.spec.eps)
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.linear(x, self.w[f"{name}.weight"], self.w[f"{name}.bias"])
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        w, (b, t) = self.w, input_ids.shape
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        x = (w["embeddings.word_embeddings.weight"][input_ids] + w["embeddings.position_embeddings.weight"][:t]
+             + w["embeddings.token_type_embeddings.weight"][token_type_ids])
+        x = self._norm(x, "embeddings.LayerNorm")
+        keys = attention_mask.bool()[:, None, None, :]  # every query attends to the real tokens only
+        heads = self.spec.num_heads
+        for i in range(self.spec.num_layers):
+            p = f"encoder.layer.{i}"
+            q, k, v = (self._linear(x, f"{p}.attention.self.{n}").view(b, t, heads, -1).transpose(1, 2)
+                       for n in ("query", "key", "value"))
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=keys).transpose(1, 2).reshape(b, t, -1)
+            x = self._norm(self._linear(a, f"{p}.attention.output.dense") + x, f"{p}.attention.output.LayerNorm")
+            h = F.gelu(self._linear(x, f"{p}.intermediate.dense"), approximate=self.spec.gelu_approximate)
+            x = self._norm(self._linear(h, f"{p}.output.dense") + x, f"{p}.output.LayerNorm")
+        return x
+
+
+def load_encoder(folder: Path):
+    """A callable (input_ids, attention_mask[, token_type_ids]) -> last hidden states, float32."""
+    enc = BertEncoder.load(folder)
+    if enc is not None:
+        return enc
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def run(**inputs: torch.Tensor) -> torch.Tensor:
+        return model(**inputs).last_hidden_state
+
+    return run

@@ -1,0 +1,88 @@
+"""Plain reads of a Hugging Face model folder, so start-up need not build transformers' model classes.
+
+transformers 5 imports most of itself (torch._dynamo included: 2-3 s here) the first time it builds a
+model config class, and AutoTokenizer builds one only to read `model_type`. Start-up needs a handful
+of values, so a config.json that states them all is read as plain JSON. Whatever these readers cannot
+vouch for (RoPE scaling, keys left to a class default, remote code) goes the transformers way.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+# The families whose config classes keep config.json's values as they are (no derived fields that
+# ModelSpec reads), given the keys below are present.
+PLAIN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+_REQUIRED_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "intermediate_size", "rms_norm_eps", "max_position_embeddings")
+# Where a class would otherwise derive the per-layer sliding windows itself.
+_WINDOW_KEY = {"mistral": "sliding_window", "qwen2": "layer_types", "qwen3": "layer_types"}
+# Tokenizer classes that AutoTokenizer turns into the generic TokenizersBackend for these model types
+# (tests/test_hf_files.py checks this against AutoTokenizer itself).
+_GENERIC_TOKENIZERS = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+_GENERIC_TOKENIZER_MODEL_TYPES = frozenset({"llama"})
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def plain_config(folder: Path) -> SimpleNamespace | None:
+    """config.json as attributes, or None where transformers' config class could read it differently."""
+    d = read_json(folder / "config.json")
+    if d is None or d.get("model_type") not in PLAIN_MODEL_TYPES or any(k not in d for k in _REQUIRED_KEYS):
+        return None
+    if _WINDOW_KEY.get(d["model_type"], "model_type") not in d:
+        return None
+    rope = d.get("rope_parameters") or {}
+    if d.get("rope_scaling") or not isinstance(rope, dict) or rope.get("rope_type", "default") != "default":
+        return None
+    theta = rope.get("rope_theta", d.get("rope_theta"))
+    if theta is None or d.get("rope_theta", theta) != theta:
+        return None
+    return SimpleNamespace(**d)
+
+
+def tokenizer_eos_id(folder: Path) -> int | None:
+    """The tokenizer's EOS id from tokenizer_config.json and tokenizer.json, without building it."""
+    tc = read_json(folder / "tokenizer_config.json")
+    if tc is None or not (folder / "tokenizer.json").is_file():
+        return None
+    eos = tc.get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if not isinstance(eos, str):
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id(eos)
+
+
+def load_tokenizer(folder: Path):
+    """The tokenizer AutoTokenizer would build, without it building the model's config class first."""
+    tc = read_json(folder / "tokenizer_config.json") or {}
+    cfg = read_json(folder / "config.json")
+    named = tc.get("tokenizer_class")
+    if cfg is None or not isinstance(named, str) or "auto_map" in tc:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder)
+    if named in _GENERIC_TOKENIZERS and cfg.get("model_type") in _GENERIC_TOKENIZER_MODEL_TYPES \
+            and (folder / "tokenizer.json").is_file():
+        # The generic class imports without transformers' auto machinery (and without torch).
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    # AutoTokenizer reads only these fields of the config when tokenizer_config.json names its class.
+    light = SimpleNamespace(model_type=cfg.get("model_type"), tokenizer_class=cfg.get("tokenizer_class"))
+    if "model_name" in cfg:
+        light.model_name = cfg["model_name"]
+    return AutoTokenizer.from_pretrained(folder, config=light)

@@ -1,0 +1,112 @@
+"""A model's config, tokenizer and EOS ids: everything but the weights, without importing torch.
+
+The API process needs only these; the engine process needs the config and EOS ids but no tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from servelm.model import hf_files
+from servelm.model.source import ModelSource, cache_dir, resolve_model, set_offline_env
+
+
+def converted_dir(path: Path) -> Path:
+    """A cache folder holding the HF config and tokenizer that transformers derives from a GGUF file."""
+    st = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "gguf" / f"{path.stem}-{key}"
+
+
+def _has_json(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file()
+
+
+def _config_from_folder(folder: Path):
+    plain = hf_files.plain_config(folder)
+    if plain is not None:
+        return plain
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
+
+
+def load_gguf_config_and_tokenizer(path: Path):
+    """Config and tokenizer from GGUF metadata via transformers' GGUF support, cached after the first time."""
+    set_offline_env()
+    out = converted_dir(path)
+    if _has_json(out):
+        return _config_from_folder(out), hf_files.load_tokenizer(out)
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    except OSError:
+        pass  # a read-only cache only costs speed
+    return config, tokenizer
+
+
+def _json_folder(src: ModelSource) -> Path | None:
+    """Where the model's config and tokenizer JSON files lie: its folder, or a GGUF's converted copy."""
+    if src.kind == "hf":
+        return src.path
+    out = converted_dir(src.path)
+    return out if _has_json(out) else None
+
+
+def load_config(src: ModelSource):
+    """The model config: plain JSON where that reads the same as transformers' class, else the class."""
+    set_offline_env()
+    folder = _json_folder(src)
+    if folder is None:
+        return load_gguf_config_and_tokenizer(src.path)[0]
+    return _config_from_folder(folder)
+
+
+def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
+    """The model's tokenizer (or the one in the folder `tokenizer`), as AutoTokenizer would build it."""
+    set_offline_env()
+    folder = Path(tokenizer).expanduser() if tokenizer is not None else _json_folder(src)
+    if folder is None:
+        return load_gguf_config_and_tokenizer(src.path)[1]
+    return hf_files.load_tokenizer(folder)
+
+
+def eos_ids(src: ModelSource, hf_config, tokenizer_eos: int | None) -> frozenset[int]:
+    """EOS ids from the generation config, the model config and the tokenizer (as transformers stops on)."""
+    ids: set[int] = set()
+    gen = src.folder / "generation_config.json"
+    candidates = [getattr(hf_config, "eos_token_id", None), tokenizer_eos]
+    if gen.is_file():
+        candidates.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for c in candidates:
+        if isinstance(c, int):
+            ids.add(c)
+        elif isinstance(c, list):
+            ids.update(int(x) for x in c)
+    return frozenset(ids)
+
+
+def load_config_and_tokenizer(model: str | None, gguf_file: str | None = None, tokenizer: str | None = None):
+    """(source, hf_config, tokenizer, eos ids)."""
+    src = resolve_model(model, gguf_file)
+    hf_config = load_config(src)
+    tok = load_tokenizer(src, tokenizer)
+    return src, hf_config, tok, eos_ids(src, hf_config, getattr(tok, "eos_token_id", None))
+
+
+def load_config_and_eos(model: str | None, gguf_file: str | None = None, tokenizer: str | None = None):
+    """(source, hf_config, eos ids), building the tokenizer only where its files do not state the EOS token."""
+    src = resolve_model(model, gguf_file)
+    hf_config = load_config(src)
+    folder = Path(tokenizer).expanduser() if tokenizer is not None else _json_folder(src)
+    eos = hf_files.tokenizer_eos_id(folder) if folder is not None else None
+    if eos is None:
+        eos = getattr(load_tokenizer(src, tokenizer), "eos_token_id", None)
+    return src, hf_config, eos_ids(src, hf_config, eos)
