@@ -76,7 +76,8 @@ def _rope(config, head_dim: int) -> tuple[torch.Tensor, float]:
         return inv, 1.0
     if rope_type == "dynamic":
         raise ValueError("dynamic NTK RoPE scaling depends on sequence length and is not supported")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # imports torch._dynamo: only when needed
+    # Imported only here: the module pulls in torch._dynamo and most of transformers (seconds of start-up).
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     inv, factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
     return inv.float(), float(factor)
