@@ -153,6 +153,27 @@ def test_embeddings_float_and_base64(server, client):
     assert emb["batches"] >= 1 and emb["real_tokens"] <= emb["padded_tokens"]
 
 
+def test_embedding_process_is_separate_and_replaced_when_it_dies(server):
+    st = stats(server)
+    pid, engine_pid = st["embeddings"]["pid"], st["engine"]["pid"]
+
+    def parent(p: int) -> int:
+        return int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
+
+    # a child of the API process beside the engine process, not the API process itself
+    assert pid is not None and pid != engine_pid and parent(pid) == parent(engine_pid) != pid
+    before = httpx.post(server + "/v1/embeddings", json={"input": "a cat"}).json()["data"][0]["embedding"]
+    os.kill(pid, signal.SIGKILL)
+    down = httpx.post(server + "/v1/embeddings", json={"input": "a cat"})
+    assert down.status_code == 503 and down.json()["error"]["code"] == "embedder_unavailable"
+    again = httpx.post(server + "/v1/embeddings", json={"input": "a cat"}, timeout=120)  # waits for the new one
+    assert again.status_code == 200 and np.allclose(again.json()["data"][0]["embedding"], before, atol=1e-6)
+    emb = stats(server)["embeddings"]
+    assert emb["restarts"] == 1 and emb["pid"] not in (None, pid)
+    assert httpx.post(server + "/v1/chat/completions", json={  # generation never noticed
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200
+
+
 @pytest.mark.parametrize("method, path, body, status, param", [
     ("POST", "/v1/chat/completions", b"{not json", 400, None),
     ("POST", "/v1/chat/completions", {"model": "tiny"}, 400, "messages"),

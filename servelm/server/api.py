@@ -20,6 +20,7 @@ from servelm.server import protocol as p
 from servelm.server.admission import Admission
 from servelm.server.async_engine import AsyncEngine, EngineDeadError, QueueTimeout, RequestRejected
 from servelm.server.auth import KeyStore
+from servelm.server.embeddings import EmbedderDown
 from servelm.server.metrics import Metrics
 from servelm.server.protocol import APIError
 from servelm.server.settings import ServeConfig
@@ -475,6 +476,8 @@ def build_app(state: ServerState):
             raise APIError(400, "input must be a non-empty string or a list of non-empty strings", "input")
         try:
             return await state.embedder.embed(inputs)
+        except EmbedderDown as e:
+            raise APIError(503, str(e), code="embedder_unavailable") from e
         except ValueError as e:
             raise APIError(400, str(e), "input") from e
 

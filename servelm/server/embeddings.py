@@ -1,7 +1,10 @@
 """Sentence embeddings (all-MiniLM-L6-v2 by default) with dynamic batching.
 
 Texts arriving within a short window (default 5 ms), or until the batch is full (default 32), run as one
-padded batch in a worker thread; the real lengths are tracked so padding overhead is measured.
+padded batch; the real lengths are tracked so padding overhead is measured. The encoder runs in its own
+process (a one-worker process pool), like the generation engine: the API process never runs a model,
+so a burst of embedding work cannot stall streaming or metrics. A worker that dies fails its batch
+with EmbedderDown (503) and is replaced.
 """
 
 from __future__ import annotations
@@ -9,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
+import multiprocessing
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,21 +46,76 @@ class BatchStats:
         return 1 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
 
 
+class EmbedderDown(RuntimeError):
+    """The embedding process died (or is being replaced); the batch was not embedded."""
+
+
+_worker: tuple | None = None  # (tokenizer, encoder, max_length), in the embedding process only
+
+
+def _load(path: str, max_length: int) -> None:
+    """Embedding process initializer: exit with the API process, then load the tokenizer and encoder."""
+    global _worker
+    from servelm.model.encoder import load_encoder
+    from servelm.model.hf_files import load_tokenizer
+    from servelm.server.engine_proc import _exit_with_parent
+
+    _exit_with_parent()
+    _worker = (load_tokenizer(Path(path)), load_encoder(Path(path)), max_length)
+
+
+def _ping() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _encode(texts: list[str]) -> tuple[np.ndarray, list[int], int]:
+    """In the embedding process: L2-normalised mean-pooled vectors, each text's tokens, padded size."""
+    import torch
+
+    assert _worker is not None
+    tokenizer, model, max_length = _worker
+    enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    mask = enc["attention_mask"]
+    hidden = model(**enc)
+    pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
+    return torch.nn.functional.normalize(pooled, dim=-1).numpy(), mask.sum(1).tolist(), mask.numel()
+
+
 class Embedder:
     def __init__(self, path: Path, max_batch_size: int = 32, batch_window_ms: float = 5.0,
                  max_length: int = 256) -> None:
-        from servelm.model.encoder import load_encoder
-        from servelm.model.hf_files import load_tokenizer
-
-        self.tokenizer = load_tokenizer(path)
-        self.model = load_encoder(path)
+        self.path, self.max_length = path, max_length
         self.max_batch_size = max_batch_size
         self.window = batch_window_ms / 1000
-        self.max_length = max_length
         self.stats = BatchStats()
+        self.restarts = 0
         self._queue: asyncio.Queue | None = None
         self._task: asyncio.Task | None = None
         self.on_batch = None  # optional callback(batch_size, real_tokens, padded_tokens)
+        self._pool, self._started = self._start()
+
+    def _start(self) -> tuple[ProcessPoolExecutor, Future]:
+        """A fresh embedding process, loading the model now (not at the first request)."""
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_load,
+                                   initargs=(str(self.path), self.max_length))
+        return pool, pool.submit(_ping)
+
+    @property
+    def pid(self) -> int | None:
+        f = self._started
+        return f.result() if f.done() and f.exception() is None else None
+
+    async def wait_ready(self) -> None:
+        """Until the embedding process has loaded its model (raises if it could not)."""
+        try:
+            await asyncio.wrap_future(self._started)
+        except BrokenProcessPool as e:
+            raise RuntimeError(f"the embedding model at {self.path} failed to load (see the log above)") from e
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def embed(self, texts: list[str]) -> tuple[list[np.ndarray], int]:
         """Embed texts (L2-normalised mean pooling); returns the vectors and the token count."""
@@ -85,7 +146,7 @@ class Embedder:
                     break
             texts = [t for t, _ in batch]
             try:
-                vecs, lens = await loop.run_in_executor(None, self._run, texts)
+                vecs, lens = await self._run(texts)
             except Exception as e:  # one bad batch must not kill the batcher
                 for _, fut in batch:
                     if not fut.done():
@@ -95,20 +156,22 @@ class Embedder:
                 if not fut.done():
                     fut.set_result((v, n))
 
-    def _run(self, texts: list[str]):
-        import torch
-
-        enc = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
-        mask = enc["attention_mask"]
-        hidden = self.model(**enc)
-        pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
-        pooled = torch.nn.functional.normalize(pooled, dim=-1)
-        lens = mask.sum(1).tolist()
+    async def _run(self, texts: list[str]) -> tuple[list[np.ndarray], list[int]]:
+        pool = self._pool
+        try:
+            vecs, lens, padded = await asyncio.wrap_future(pool.submit(_encode, texts))
+        except BrokenProcessPool as e:
+            if pool is self._pool:  # the first batch to notice replaces the process
+                logger.error("the embedding process died; starting a new one")
+                self.restarts += 1
+                pool.shutdown(wait=False, cancel_futures=True)
+                self._pool, self._started = self._start()
+            raise EmbedderDown("the embedding process died and is restarting; retry shortly") from e
         self.stats.batches += 1
         self.stats.texts += len(texts)
         self.stats.real_tokens += sum(lens)
-        self.stats.padded_tokens += mask.numel()
+        self.stats.padded_tokens += padded
         self.stats.batch_sizes.append(len(texts))
         if self.on_batch is not None:
-            self.on_batch(len(texts), sum(lens), mask.numel())
-        return list(pooled.numpy()), lens
+            self.on_batch(len(texts), sum(lens), padded)
+        return list(vecs), lens

@@ -40,7 +40,8 @@ def add_ops_routes(app: FastAPI, state) -> None:
             "prefix_cache": {"queries": st.prefix_cache_queries, "hits": st.prefix_cache_hits,
                              "hit_rate": st.prefix_cache_hit_rate, "evictions": st.num_evictions} if st else None,
             "scheduler": dataclasses.asdict(st) if st else None,
-            "embeddings": dataclasses.asdict(state.embedder.stats) if state.embedder else None,
+            "embeddings": {**dataclasses.asdict(state.embedder.stats), "pid": state.embedder.pid,
+                           "restarts": state.embedder.restarts} if state.embedder else None,
         }
 
     @app.get("/admin/config")

@@ -88,7 +88,9 @@ async def _serve(config) -> int:
     ec, srv = config.engine, config.server
     engine = AsyncEngine(ec)
     engine.launch()  # the engine process imports torch and loads the model while this one loads the rest
+    embedder = None
     try:
+        embedder, embed_name = _embedder(srv)  # its own process, loading alongside the engine
         import uvicorn
 
         from servelm.model.metadata import load_tokenizer, resolve_model
@@ -97,9 +99,12 @@ async def _serve(config) -> int:
         src = resolve_model(ec.model, ec.gguf_file)
         tokenizer = load_tokenizer(src, ec.tokenizer)
         engine.set_tokenizer(tokenizer)
-        embedder, embed_name = _embedder(srv)
         await engine.wait_ready()
+        if embedder is not None:
+            await embedder.wait_ready()
     except BaseException:
+        if embedder is not None:
+            embedder.close()
         await engine.shutdown()
         raise
     state = build_state(config, tokenizer, engine, srv.served_model_name or src.name, embedder, embed_name)
@@ -114,6 +119,8 @@ async def _serve(config) -> int:
     try:
         await server.serve()  # SIGTERM/SIGINT: stop accepting, drain in-flight requests, return
     finally:
+        if embedder is not None:
+            embedder.close()
         await engine.shutdown()
         if state.telemetry.tracing is not None:
             state.telemetry.tracing.shutdown()
