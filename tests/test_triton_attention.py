@@ -77,3 +77,23 @@ def test_head_dim_not_a_power_of_two():
     out = triton_paged.TritonPagedAttention(hq, hkv, d, d**-0.5).forward(
         q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), (kc.to(DEVICE), vc.to(DEVICE)), meta, None)
     torch.testing.assert_close(out.cpu(), ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_engine_on_the_triton_backend_matches_transformers(arch, model_dirs, hf_models, monkeypatch):
+    """The whole engine on the Triton backend (the GPU path's attention, here interpreted on the CPU):
+    batching, a shared prefix from the prefix cache, chunked prefill and, for Mistral, a sliding window."""
+    from conftest import hf_greedy, random_prompts
+
+    from servelm import LLM, SamplingParams
+    from servelm.model import loader
+
+    monkeypatch.setattr(loader, "get_backend", lambda device: triton_paged.TritonPagedAttention)
+    llm = LLM(str(model_dirs[arch]), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=24)
+    assert isinstance(llm.engine.loaded.model.attn, triton_paged.TritonPagedAttention)
+    shared = random_prompts(1, 20, 20, seed=7)[0]
+    prompts = [shared + own for own in random_prompts(4, 3, 15, seed=8)] + random_prompts(2, 30, 40, seed=9)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.outputs[0].token_ids == hf_greedy(hf_models[arch], p, 6)
+    assert llm.engine.get_stats().prefix_cache_hits > 0  # the shared prefix came from the cache

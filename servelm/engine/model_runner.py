@@ -41,10 +41,16 @@ class ModelRunner:
     def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, num_cpu_blocks: int, seed: int) -> None:
         self.model = model
         self.block_size = block_size
+        self.device = model.embed.device
         s = model.spec
         shape = (num_blocks, block_size, s.num_kv_heads, s.head_dim)
-        self.kv_caches = [(lazy_zeros(shape, model.dtype), lazy_zeros(shape, model.dtype))
-                          for _ in range(s.num_layers)]
+
+        def zeros() -> torch.Tensor:
+            if self.device.type == "cpu":
+                return lazy_zeros(shape, model.dtype)
+            return torch.zeros(shape, dtype=model.dtype, device=self.device)
+
+        self.kv_caches = [(zeros(), zeros()) for _ in range(s.num_layers)]
         self.num_cpu_blocks = num_cpu_blocks
         self._cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.sampler = Sampler(seed)
@@ -71,8 +77,8 @@ class ModelRunner:
             src = torch.tensor([p[0] for p in pairs])
             dst = torch.tensor([p[1] for p in pairs])
             for (sk, sv), (dk, dv) in zip(src_caches, dst_caches, strict=True):
-                dk[dst] = sk[src]
-                dv[dst] = sv[src]
+                dk[dst] = sk[src].to(dk.device)  # swaps cross devices on a GPU; no-ops on the CPU
+                dv[dst] = sv[src].to(dv.device)
 
     def _prepare(self, out: SchedulerOutput):
         bs = self.block_size
@@ -105,16 +111,21 @@ class ModelRunner:
         tables = np.zeros((len(decode_tables), max_blocks), dtype=np.int64)
         for r, t in enumerate(decode_tables):
             tables[r, : len(t)] = t
+        dev = self.device  # built on the host, copied once per step (no copy at all on the CPU)
+
+        def tensor(x) -> torch.Tensor:
+            t = torch.from_numpy(x) if isinstance(x, np.ndarray) else torch.tensor(x, dtype=torch.long)
+            return t.to(dev, non_blocking=True)
+
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            decode_idx=torch.tensor(decode_idx, dtype=torch.long),
-            decode_block_tables=torch.from_numpy(tables),
-            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long),
+            slot_mapping=tensor(slots),
+            decode_idx=tensor(decode_idx),
+            decode_block_tables=tensor(tables),
+            decode_seq_lens=tensor(decode_lens),
             prefills=prefills,
             block_size=bs,
         )
-        return (torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
-                torch.tensor(logits_idx, dtype=torch.long), torch.tensor(repeats, dtype=torch.long))
+        return (tensor(ids), tensor(positions), meta, tensor(logits_idx), torch.tensor(repeats, dtype=torch.long))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[SampleResult]:
@@ -127,6 +138,8 @@ class ModelRunner:
         if logits_idx.numel() == 0:
             return []
         logits = self.model.logits(hidden[logits_idx])
+        if logits.device.type != "cpu":  # the sampler (seeded generators, stop checks) runs on the host
+            logits = logits.cpu()
         if bool((repeats > 1).any()):
             logits = logits.repeat_interleave(repeats, dim=0)
         seqs = [q for s in out.scheduled for q in s.sample_seqs]

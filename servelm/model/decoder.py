@@ -61,7 +61,7 @@ class DecoderLM:
         biases = [take(f"self_attn.{n}_proj.bias", False) for n in "qkv"]
         qkv_bias = None
         if any(b is not None for b in biases):
-            qkv_bias = torch.cat([b if b is not None else torch.zeros(t.shape[0], dtype=t.dtype)
+            qkv_bias = torch.cat([b if b is not None else torch.zeros(t.shape[0], dtype=t.dtype, device=t.device)
                                   for b, t in zip(biases, (q, k, v), strict=True)])
         return LayerWeights(
             input_norm=take("input_layernorm.weight"),
@@ -79,8 +79,8 @@ class DecoderLM:
         freqs = torch.outer(t, self.spec.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         f = self.spec.rope_attention_factor
-        self.cos = (emb.cos() * f).to(self.dtype)
-        self.sin = (emb.sin() * f).to(self.dtype)
+        self.cos = (emb.cos() * f).to(device=self.embed.device, dtype=self.dtype)
+        self.sin = (emb.sin() * f).to(device=self.embed.device, dtype=self.dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

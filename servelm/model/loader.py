@@ -78,7 +78,7 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
     else:
         tensors = _iter_safetensors(src.path, torch_dtype)
     spec = ModelSpec.from_hf_config(hf_config)
-    weights = dict(tensors)
+    weights = {name: t.to(device) for name, t in tensors}  # on the CPU, .to is a no-op
     lm = DecoderLM(spec, weights, torch_dtype, get_backend(device))
     seconds = time.perf_counter() - t0
     logger.info("loaded %s (%s, %s) in %.1fs", src.name, spec.architecture, torch_dtype, seconds)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,8 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [Bd] int64: context length including the new token
     prefills: list[PrefillSpan]
     block_size: int
+    # what a backend derives from the above once per step and reuses in every layer
+    derived: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_decodes(self) -> int:

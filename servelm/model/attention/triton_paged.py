@@ -99,11 +99,11 @@ class TritonPagedAttention(AttentionBackend):
     def rows(meta: AttentionMetadata, device) -> tuple[torch.Tensor, ...]:
         """Per-row query start, query length, context length and a padded block table."""
         starts, lens, ctx, tables = [], [], [], []
-        if meta.num_decodes:
-            starts.append(meta.decode_idx)
-            lens.append(torch.ones_like(meta.decode_idx))
-            ctx.append(meta.decode_seq_lens)
-            tables.extend(meta.decode_block_tables)
+        if meta.num_decodes:  # assembled on the host (.cpu() is a no-op there), then copied once
+            starts.append(meta.decode_idx.cpu())
+            lens.append(torch.ones_like(starts[-1]))
+            ctx.append(meta.decode_seq_lens.cpu())
+            tables.extend(meta.decode_block_tables.cpu())
         for span in meta.prefills:
             starts.append(torch.tensor([span.start]))
             lens.append(torch.tensor([span.q_len]))
@@ -117,10 +117,13 @@ class TritonPagedAttention(AttentionBackend):
         return (*cat, bt.to(device))
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, sliding_window):
-        self.write_kv(k, v, kv_cache, meta.slot_mapping.to(q.device, non_blocking=True))
+        self.write_kv(k, v, kv_cache, meta.slot_mapping.to(q.device, non_blocking=True))  # no-op if there
         k_cache, v_cache = kv_cache
         out = torch.empty_like(q)
-        q_starts, q_lens, ctx_lens, bt = self.rows(meta, q.device)
+        rows = meta.derived.get("triton_rows")
+        if rows is None:  # once per step, not per layer: it is host work plus four copies to the device
+            rows = meta.derived["triton_rows"] = self.rows(meta, q.device)
+        q_starts, q_lens, ctx_lens, bt = rows
         max_q = max([1] + [s.q_len for s in meta.prefills])
         grid = (bt.shape[0], self.num_heads, triton.cdiv(max_q, self.BLOCK_M))
         _paged_attention_kernel[grid](
