@@ -8,7 +8,7 @@ import torch
 from conftest import hf_greedy
 
 from servelm import LLM, SamplingParams
-from servelm.model.gguf_loader import hf_name, read_gguf_header, unpermute_rotary
+from servelm.model.gguf_loader import dequantize, hf_name, read_gguf_header, unpermute_rotary
 from servelm.model.source import default_model_path, resolve_model
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "In 1492, Columbus",
@@ -56,6 +56,24 @@ def test_header_reader_agrees_with_gguf_reader():
     assert scalars and all(head.fields[k] == pytest.approx(v) if isinstance(v, float) else head.fields[k] == v
                            for k, v in scalars.items())
     assert all(head.fields[k] is None for k, f in ref.fields.items() if f.types[0] == gguf.GGUFValueType.ARRAY)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q6_K", "F16", "F32"])
+def test_whole_tensor_dequantize_matches_gguf(name):
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[name]
+    rows, cols = 7, 256
+    x = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
+    if name.startswith("Q") and name != "Q6_K":
+        raw = gguf.quants.quantize(x, qtype)  # [rows, bytes per row], uint8
+    else:  # no numpy quantizer for Q6_K: random blocks decode just as well; floats as their bytes
+        nbytes = cols // gguf.GGML_QUANT_SIZES[qtype][0] * gguf.GGML_QUANT_SIZES[qtype][1]
+        raw = (x.astype(np.float16 if name == "F16" else np.float32).view(np.uint8) if name.startswith("F")
+               else np.random.default_rng(1).integers(0, 256, (rows, nbytes), dtype=np.uint8))
+    want = gguf.quants.dequantize(raw, qtype)
+    got = dequantize(raw, qtype)
+    assert got.shape == (rows, cols) and np.array_equal(got, want, equal_nan=True)
 
 
 def test_gguf_names_map_to_hf_names():
