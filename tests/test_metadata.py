@@ -69,7 +69,7 @@ def test_tokenizer_matches_autotokenizer(model_dirs, tmp_path, arch, named):
     else:
         tc["tokenizer_class"] = named
     (folder / "tokenizer_config.json").write_text(json.dumps(tc))
-    _check_same_tokenizer(hf_files.load_tokenizer(folder), AutoTokenizer.from_pretrained(folder))
+    _check_same_tokenizer(hf_files.tokenizer_from_folder(folder), AutoTokenizer.from_pretrained(folder))
 
 
 def test_eos_without_the_tokenizer_matches(model_dirs):

@@ -64,7 +64,7 @@ def tokenizer_eos_id(folder: Path) -> int | None:
     return Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id(eos)
 
 
-def load_tokenizer(folder: Path):
+def tokenizer_from_folder(folder: Path):
     """The tokenizer AutoTokenizer would build, without it building the model's config class first."""
     tc = read_json(folder / "tokenizer_config.json") or {}
     cfg = read_json(folder / "config.json")

@@ -6,7 +6,6 @@ The API process needs only these; the engine process needs the config and EOS id
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 from servelm.model import hf_files
@@ -38,7 +37,7 @@ def load_gguf_config_and_tokenizer(path: Path):
     set_offline_env()
     out = converted_dir(path)
     if _has_json(out):
-        return _config_from_folder(out), hf_files.load_tokenizer(out)
+        return _config_from_folder(out), hf_files.tokenizer_from_folder(out)
     from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
@@ -75,16 +74,14 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
     folder = Path(tokenizer).expanduser() if tokenizer is not None else _json_folder(src)
     if folder is None:
         return load_gguf_config_and_tokenizer(src.path)[1]
-    return hf_files.load_tokenizer(folder)
+    return hf_files.tokenizer_from_folder(folder)
 
 
 def eos_ids(src: ModelSource, hf_config, tokenizer_eos: int | None) -> frozenset[int]:
     """EOS ids from the generation config, the model config and the tokenizer (as transformers stops on)."""
     ids: set[int] = set()
-    gen = src.folder / "generation_config.json"
-    candidates = [getattr(hf_config, "eos_token_id", None), tokenizer_eos]
-    if gen.is_file():
-        candidates.append(json.loads(gen.read_text()).get("eos_token_id"))
+    gen = hf_files.read_json(src.folder / "generation_config.json") or {}
+    candidates = [getattr(hf_config, "eos_token_id", None), tokenizer_eos, gen.get("eos_token_id")]
     for c in candidates:
         if isinstance(c, int):
             ids.add(c)

@@ -57,11 +57,11 @@ def _load(path: str, max_length: int) -> None:
     """Embedding process initializer: exit with the API process, then load the tokenizer and encoder."""
     global _worker
     from servelm.model.encoder import load_encoder
-    from servelm.model.hf_files import load_tokenizer
+    from servelm.model.hf_files import tokenizer_from_folder
     from servelm.server.engine_proc import _exit_with_parent
 
     _exit_with_parent()
-    _worker = (load_tokenizer(Path(path)), load_encoder(Path(path)), max_length)
+    _worker = (tokenizer_from_folder(Path(path)), load_encoder(Path(path)), max_length)
 
 
 def _ping() -> int:
