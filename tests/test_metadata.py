@@ -35,7 +35,7 @@ def test_plain_config_reads_as_transformers_does(model_dirs, arch):
 def test_plain_config_steps_aside_when_unsure(model_dirs, tmp_path):
     assert hf_files.plain_config(model_dirs["llama3rope"]) is None  # RoPE scaling: transformers' initialiser
     cfg = json.loads((model_dirs["llama"] / "config.json").read_text())
-    for edit in ({"rms_norm_eps": None}, {"model_type": "gemma"}, {"rope_scaling": {"rope_type": "linear"}},
+    for edit in ({"rms_norm_eps": None}, {"num_key_value_heads": None}, {"model_type": "gemma"}, {"rope_scaling": {"rope_type": "linear"}},
                  {"rope_parameters": None, "rope_theta": None}):
         d = {k: v for k, v in {**cfg, **edit}.items() if v is not None}
         (tmp_path / "config.json").write_text(json.dumps(d))

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 # ModelSpec reads), given the keys below are present.
 PLAIN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 _REQUIRED_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                  "intermediate_size", "rms_norm_eps", "max_position_embeddings")
+                  "num_key_value_heads", "intermediate_size", "rms_norm_eps", "max_position_embeddings")
 # Where a class would otherwise derive the per-layer sliding windows itself.
 _WINDOW_KEY = {"mistral": "sliding_window", "qwen2": "layer_types", "qwen3": "layer_types"}
 # Tokenizer classes that AutoTokenizer turns into the generic TokenizersBackend for these model types
