@@ -38,7 +38,8 @@ def plain_config(folder: Path) -> SimpleNamespace | None:
     d = read_json(folder / "config.json")
     if d is None or d.get("model_type") not in PLAIN_MODEL_TYPES or any(k not in d for k in _REQUIRED_KEYS):
         return None
-    if _WINDOW_KEY.get(d["model_type"], "model_type") not in d:
+    window_key = _WINDOW_KEY.get(d["model_type"])
+    if window_key is not None and window_key not in d:
         return None
     rope = d.get("rope_parameters") or {}
     if d.get("rope_scaling") or not isinstance(rope, dict) or rope.get("rope_type", "default") != "default":
