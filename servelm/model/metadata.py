@@ -68,10 +68,15 @@ def load_config(src: ModelSource):
     return _config_from_folder(folder)
 
 
+def _tokenizer_folder(src: ModelSource, tokenizer: str | None) -> Path | None:
+    """The folder `tokenizer` names, else the model's JSON folder (None: a GGUF not yet converted)."""
+    return Path(tokenizer).expanduser() if tokenizer is not None else _json_folder(src)
+
+
 def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
     """The model's tokenizer (or the one in the folder `tokenizer`), as AutoTokenizer would build it."""
     set_offline_env()
-    folder = Path(tokenizer).expanduser() if tokenizer is not None else _json_folder(src)
+    folder = _tokenizer_folder(src, tokenizer)
     if folder is None:
         return load_gguf_config_and_tokenizer(src.path)[1]
     return hf_files.tokenizer_from_folder(folder)
@@ -102,7 +107,7 @@ def load_config_and_eos(model: str | None, gguf_file: str | None = None, tokeniz
     """(source, hf_config, eos ids), building the tokenizer only where its files do not state the EOS token."""
     src = resolve_model(model, gguf_file)
     hf_config = load_config(src)
-    folder = Path(tokenizer).expanduser() if tokenizer is not None else _json_folder(src)
+    folder = _tokenizer_folder(src, tokenizer)
     eos = hf_files.tokenizer_eos_id(folder) if folder is not None else None
     if eos is None:
         eos = getattr(load_tokenizer(src, tokenizer), "eos_token_id", None)

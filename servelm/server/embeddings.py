@@ -13,6 +13,7 @@ import asyncio
 import importlib.util
 import logging
 import multiprocessing
+import os
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -65,8 +66,6 @@ def _load(path: str, max_length: int) -> None:
 
 
 def _ping() -> int:
-    import os
-
     return os.getpid()
 
 
@@ -93,7 +92,6 @@ class Embedder:
         self.restarts = 0
         self._queue: asyncio.Queue | None = None
         self._task: asyncio.Task | None = None
-        self.on_batch = None  # optional callback(batch_size, real_tokens, padded_tokens)
         self._pool, self._started = self._start()
 
     def _start(self) -> tuple[ProcessPoolExecutor, Future]:
@@ -172,6 +170,4 @@ class Embedder:
         self.stats.real_tokens += sum(lens)
         self.stats.padded_tokens += padded
         self.stats.batch_sizes.append(len(texts))
-        if self.on_batch is not None:
-            self.on_batch(len(texts), sum(lens), padded)
         return list(vecs), lens
