@@ -1,5 +1,6 @@
 """The C++ dense kernels against torch: argmax over rows, the bf16 matrix-vector product that single-row
-linear layers use without AMX, and the AMX tile matmul that decode-sized linear layers use with it."""
+linear layers use without AMX, and the AMX tile matmul that decode-sized linear layers (and gate/up
+projections with their SiLU-and-multiply fused in) use with it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from servelm.model import cpu_kernels
-from servelm.model.layers import Linear, pack_weight_for_tiles
+from servelm.model.layers import GateUpLinear, Linear, fused_kernels, pack_weight_for_tiles, silu_mul
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels could not be compiled here")
@@ -109,6 +110,38 @@ def test_linear_takes_tiles_for_decode_rows_and_onednn_beyond():
     assert torch.equal(lin(big), torch.ops.mkldnn._linear_pointwise(big, lin.packed, b, "none", [], ""))
     ref = F.linear(x.float(), w.float(), b.float())
     torch.testing.assert_close(lin(small).float(), ref[: Linear.TILE_MAX_ROWS], rtol=2**-7, atol=2e-2)
+
+
+@needs_tiles
+@pytest.mark.parametrize("inter", [16, 48, 1536])
+def test_gate_up_fuses_silu_mul_into_the_tile_matmul_with_identical_results(inter):
+    torch.manual_seed(inter)
+    k = 576 if inter == 1536 else 96
+    gate, up = torch.randn(inter, k).bfloat16(), torch.randn(inter, k).bfloat16()
+    mlp_in = GateUpLinear(gate, up)
+    assert mlp_in.tiles is not None and mlp_in.linear is None  # no oneDNN or row-major copy kept
+    fused = fused_kernels(torch.bfloat16)
+    unfused = pack_weight_for_tiles(torch.cat([gate, up]))
+    x = torch.randn(300, k).bfloat16()
+    # decode rows and prefill chunks alike (1-2 row tiles, 64-row blocks, 256-row passes, padded tails)
+    for m in (0, 1, 16, 17, 33, 64, 65, 257, 300):
+        want = silu_mul(kernels.amx_linear(x[:m], unfused, 2 * inter, None), fused)
+        assert torch.equal(mlp_in(x[:m], fused), want), m
+    ref = F.silu(F.linear(x.float(), gate.float())) * F.linear(x.float(), up.float())
+    torch.testing.assert_close(mlp_in(x, fused).float(), ref, rtol=2e-2, atol=5e-2 * k**0.5)
+    with pytest.raises(RuntimeError):  # the fused store needs whole 16-column gate and up groups
+        kernels.amx_linear_silu_mul(x, pack_weight_for_tiles(torch.randn(48, k).bfloat16()), 48)
+
+
+@needs_tiles
+def test_gate_up_of_odd_width_falls_back_to_projection_then_silu_mul():
+    torch.manual_seed(5)
+    gate, up = torch.randn(40, 64).bfloat16(), torch.randn(40, 64).bfloat16()
+    mlp_in = GateUpLinear(gate, up)
+    assert mlp_in.tiles is None and mlp_in.linear is not None
+    fused = fused_kernels(torch.bfloat16)
+    x = torch.randn(5, 64).bfloat16()
+    assert torch.equal(mlp_in(x, fused), silu_mul(Linear(torch.cat([gate, up]))(x), fused))
 
 
 def test_float32_linear_keeps_plain_matmul():

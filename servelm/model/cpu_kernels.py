@@ -1,5 +1,6 @@
-"""C++ CPU kernels (paged decode attention, single-row bf16 matmul, fused bf16 norm/rotary/SiLU, row
-argmax), compiled on first use with torch's extension builder and cached.
+"""C++ CPU kernels (paged decode and prefill attention, AMX tile matmul with an optional fused
+SiLU-and-multiply, single-row bf16 matmul, fused bf16 norm/rotary/SiLU, row argmax), compiled on first
+use with torch's extension builder and cached.
 
 `SERVELM_CPU_KERNELS=0` turns them off (the PyTorch paths are used instead). A machine that cannot
 compile them (no compiler, no ninja) falls back the same way, with one warning.

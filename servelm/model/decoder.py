@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from servelm.model.attention import AttentionBackend, AttentionMetadata
-from servelm.model.layers import Linear, add_rms_norm, fused_kernels, rms_norm, rotary_, silu_mul
+from servelm.model.layers import GateUpLinear, Linear, add_rms_norm, fused_kernels, rms_norm, rotary_
 from servelm.model.spec import ModelSpec
 
 
@@ -24,7 +24,7 @@ class LayerWeights:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: Linear
+    gate_up: GateUpLinear
     down: Linear
 
 
@@ -70,7 +70,7 @@ class DecoderLM:
             q_norm=take("self_attn.q_norm.weight", False),
             k_norm=take("self_attn.k_norm.weight", False),
             post_norm=take("post_attention_layernorm.weight"),
-            gate_up=Linear(torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]).contiguous()),
+            gate_up=GateUpLinear(take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")),
             down=Linear(take("mlp.down_proj.weight")),
         )
 
@@ -105,7 +105,7 @@ class DecoderLM:
             q, k = qk[:, :s.num_heads].contiguous(), qk[:, s.num_heads:]
             o = self.attn.forward(q, k, v.contiguous(), kv_caches[i], meta, s.sliding_windows[i])
             x = add_rms_norm(lw.o_proj(o.reshape(-1, q_size)), h, lw.post_norm, eps, fused)
-            delta = lw.down(silu_mul(lw.gate_up(x), fused))
+            delta = lw.down(lw.gate_up(x, fused))
         return add_rms_norm(delta, h, self.norm, eps, fused)
 
     @torch.inference_mode()

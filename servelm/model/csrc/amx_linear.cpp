@@ -1,4 +1,5 @@
-// y = x W^T (+ b) for bf16 on AMX tiles, for the few rows of a decode step. W is prepacked in tile order
+// y = x W^T (+ b) for bf16 on AMX tiles, for the few rows of a decode step (and, with SiLU-and-multiply
+// fused into the store, for a gate/up projection of any number of rows). W is prepacked in tile order
 // (`pack_weight_for_tiles` in layers.py): per block of 32 output columns, per step of 32 inputs, two
 // 16-row B tiles, 2 KB contiguous, so a block's weights stream from memory as one sequential run.
 //
@@ -32,20 +33,42 @@ struct Pending {
   bf16* out = nullptr;
 };
 
+// What becomes of a block's float32 results: bias added and rounded to bf16 (`N` output columns), or,
+// for a gate/up projection packed with `pack_weight_for_tiles(..., gate_up=True)`, each block's 16 gate
+// and 16 up columns turned into 16 columns of bf16(silu(gate) * up) (`N / 2` output columns).
+struct Epilogue {
+  const bf16* bias = nullptr;
+  int64_t N = 0;
+  bool silu_mul = false;
+};
+
 // c [rows][32] float32 -> bf16 output columns n0.. (bias added in float32, one rounding, as oneDNN does).
-void store_rows(const Pending& p, const bf16* bias, int64_t N) {
+// The SiLU product rounds where the unfused chain does: the projection's bf16 output, the SiLU, the product.
+void store_rows(const Pending& p, const Epilogue& e) {
+  if (e.silu_mul) {
+    const int64_t I = e.N / 2;
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int64_t r = 0; r < p.rows; ++r) {
+      const __m512 g = servelm::round_bf16(_mm512_load_ps(p.c + r * kN));
+      const __m512 u = servelm::round_bf16(_mm512_load_ps(p.c + r * kN + 16));
+      const __m512 act = _mm512_div_ps(g, _mm512_add_ps(one, servelm::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      store_bf16(p.out + r * I + p.n0 / 2, _mm512_mul_ps(servelm::round_bf16(act), u));
+    }
+    return;
+  }
+  const int64_t N = e.N;
   for (int64_t r = 0; r < p.rows; ++r)
     for (int64_t h = 0; h < kN && p.n0 + h < N; h += 16) {
       const __mmask16 m = lanes(N - p.n0 - h);
       __m512 v = _mm512_load_ps(p.c + r * kN + h);
-      if (bias) v = _mm512_add_ps(v, load_bf16(bias + p.n0 + h, m));
+      if (e.bias) v = _mm512_add_ps(v, load_bf16(e.bias + p.n0 + h, m));
       store_bf16(p.out + r * N + p.n0 + h, v, m);
     }
 }
 
 // Converts `pending` once the first products of a block are issued, so the conversion overlaps them.
-inline void drain(Pending& pending, const bf16* bias, int64_t N) {
-  if (pending.c) store_rows(pending, bias, N);
+inline void drain(Pending& pending, const Epilogue& e) {
+  if (pending.c) store_rows(pending, e);
   pending.c = nullptr;
 }
 
@@ -60,7 +83,7 @@ inline void prefetch_step(const bf16* next, int64_t offset, int bytes) {
 // A 4-5, B 6-7. `a` is x in tile order (see amx_linear), `c` receives float32 [32][32].
 template <bool kTwoRowTiles>
 void tile_block32(const bf16* a, const bf16* b, int64_t K, float* c, const bf16* next, Pending& pending,
-                  const bf16* bias, int64_t N) {
+                  const Epilogue& ep) {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (kTwoRowTiles) {
@@ -80,7 +103,7 @@ void tile_block32(const bf16* a, const bf16* b, int64_t K, float* c, const bf16*
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
-    if (k == 0) drain(pending, bias, N);
+    if (k == 0) drain(pending, ep);
   }
   _tile_stored(0, c, kN * 4);
   _tile_stored(1, c + 16, kN * 4);
@@ -93,7 +116,7 @@ void tile_block32(const bf16* a, const bf16* b, int64_t K, float* c, const bf16*
 // 64 rows x one block, as two 16-column halves with C 0-3 one row tile each: every weight tile is loaded
 // once and used by four products; x's tiles come from L1/L2. `c` receives float32 [64][32].
 void tile_block64(const bf16* a, const bf16* b, int64_t K, float* c, const bf16* next, Pending& pending,
-                  const bf16* bias, int64_t N) {
+                  const Epilogue& ep) {
   for (int h = 0; h < 2; ++h) {
     _tile_zero(0);
     _tile_zero(1);
@@ -111,7 +134,7 @@ void tile_block64(const bf16* a, const bf16* b, int64_t K, float* c, const bf16*
       _tile_dpbf16ps(2, 4, 6);
       _tile_loadd(5, a + 3 * K * 16 + k * 16, 64);
       _tile_dpbf16ps(3, 5, 6);
-      if (k == 0) drain(pending, bias, N);
+      if (k == 0) drain(pending, ep);
     }
     _tile_stored(0, c + h * 16, kN * 4);
     _tile_stored(1, c + 16 * kN + h * 16, kN * 4);
@@ -131,7 +154,10 @@ bool amx_linear_supported(int64_t K) {
 #endif
 }
 
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
+namespace {
+
+torch::Tensor tile_matmul(torch::Tensor x, const torch::Tensor& packed, int64_t N,
+                          const c10::optional<torch::Tensor>& bias, bool silu_mul) {
   TORCH_CHECK(x.dim() == 2 && amx_linear_supported(x.size(1)), "amx_linear needs AMX and [M, K] input, K % 32 == 0");
   const int64_t M = x.size(0), K = x.size(1), blocks = (N + kN - 1) / kN;
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
@@ -139,7 +165,9 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
               "amx_linear: bf16 x and a weight packed for ", N, " x ", K);
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N),
               "amx_linear: bias must be bf16 [N]");
-  auto out = torch::empty({M, N}, x.options());
+  TORCH_CHECK(!silu_mul || (N % 32 == 0 && !bias), "amx_linear_silu_mul: gate and up widths must be multiples of 16, no bias");
+  const int64_t ldo = silu_mul ? N / 2 : N;
+  auto out = torch::empty({M, ldo}, x.options());
   if (M == 0) return out;
 #ifdef SERVELM_AMX
   if (x.stride(1) != 1) x = x.contiguous();
@@ -164,7 +192,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
       }
   });
   const bf16* wp = reinterpret_cast<const bf16*>(packed.data_ptr());
-  const bf16* bp = bias ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr;
+  const Epilogue ep{bias ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr, N, silu_mul};
   bf16* op = reinterpret_cast<bf16*>(out.data_ptr());
   for (int64_t m0 = 0; m0 < M; m0 += kMc) {
     const int64_t m1 = std::min(M, m0 + kMc);
@@ -179,19 +207,29 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
         for (int64_t r = m0; r < m1;) {
           const int64_t rows = std::min<int64_t>(64, m1 - r);
           const bf16* next = r == m0 && nb + 1 < end ? w + kN * K : nullptr;  // first pass over the block only
-          if (rows == 64) tile_block64(ap + r * K, w, K, c[flip], next, pending, bp, N);
-          else if (rows > 16) tile_block32<true>(ap + r * K, w, K, c[flip], next, pending, bp, N);
-          else tile_block32<false>(ap + r * K, w, K, c[flip], next, pending, bp, N);
+          if (rows == 64) tile_block64(ap + r * K, w, K, c[flip], next, pending, ep);
+          else if (rows > 16) tile_block32<true>(ap + r * K, w, K, c[flip], next, pending, ep);
+          else tile_block32<false>(ap + r * K, w, K, c[flip], next, pending, ep);
           const int64_t done = rows == 64 ? 64 : std::min<int64_t>(rows, 32);
-          pending = Pending{c[flip], done, nb * kN, op + r * N};
+          pending = Pending{c[flip], done, nb * kN, op + r * ldo};
           flip ^= 1;
           r += done;
         }
       }
-      drain(pending, bp, N);
+      drain(pending, ep);
       _tile_release();
     });
   }
 #endif
   return out;
+}
+
+}  // namespace
+
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
+  return tile_matmul(std::move(x), packed, N, bias, false);
+}
+
+torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  return tile_matmul(std::move(x), packed, N, c10::nullopt, true);
 }

@@ -10,6 +10,7 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
 torch::Tensor argmax_rows(torch::Tensor logits);
 bool amx_linear_supported(int64_t K);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
+torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t N);
 bool bf16_gemv_supported(int64_t K);
 torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 bool fused_elementwise_supported(torch::Tensor t);
@@ -27,6 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "copy each token's keys and values into its cache slot");
   m.def("amx_linear_supported", &amx_linear_supported, "whether amx_linear takes inputs of K features");
   m.def("amx_linear", &amx_linear, "x @ w.T (+ bias) on AMX tiles, w packed by pack_weight_for_tiles");
+  m.def("amx_linear_silu_mul", &amx_linear_silu_mul,
+        "silu(gate) * up from x @ w.T, w a [gate; up] weight packed by pack_weight_for_tiles(w, gate_up=True)");
   m.def("bf16_gemv_supported", &bf16_gemv_supported, "whether bf16_gemv takes inputs of K features");
   m.def("bf16_gemv", &bf16_gemv, "x @ w.T (+ bias) for one bf16 row");
   m.def("fused_elementwise_supported", &fused_elementwise_supported, "whether the fused bf16 kernels take t");
