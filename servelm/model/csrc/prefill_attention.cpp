@@ -199,11 +199,14 @@ void attend_block(const uint32_t* QP, const bf16* K, const bf16* VT, int64_t len
     }
   }
   if constexpr (kResident) store_o(O);
-  alignas(64) float inv[16];
-  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
+  // O^T is [dim][query]: scale each query's lane, then gather each query's row 16 dims at a time (the
+  // scalar loop this replaces, with its bf16 conversions, was a sixth of the kernel's time)
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
+  for (int64_t d = 0; d < D; ++d) _mm512_store_ps(O + d * 16, _mm512_mul_ps(_mm512_load_ps(O + d * 16), inv));
+  const __m512i dims = _mm512_slli_epi32(lane, 4);  // lane * 16: the next dim's entry for this query
   for (int64_t i = 0; i < n; ++i) {
     bf16* row = out + i * out_stride;
-    for (int64_t d = 0; d < D; ++d) row[d] = bf16(O[d * 16 + i] * inv[i]);
+    for (int64_t d = 0; d < D; d += 16) servelm::store_bf16(row + d, _mm512_i32gather_ps(dims, O + d * 16 + i, 4));
   }
 }
 #endif  // SERVELM_AMX
