@@ -119,14 +119,21 @@ def test_gate_up_fuses_silu_mul_into_the_tile_matmul_with_identical_results(inte
     k = 576 if inter == 1536 else 96
     gate, up = torch.randn(inter, k).bfloat16(), torch.randn(inter, k).bfloat16()
     mlp_in = GateUpLinear(gate, up)
-    assert mlp_in.tiles is not None and mlp_in.linear is None  # no oneDNN or row-major copy kept
+    assert mlp_in.tiles is not None and mlp_in.linear is None  # no row-major copy kept
     fused = fused_kernels(torch.bfloat16)
     unfused = pack_weight_for_tiles(torch.cat([gate, up]))
     x = torch.randn(300, k).bfloat16()
-    # decode rows and prefill chunks alike (1-2 row tiles, 64-row blocks, 256-row passes, padded tails)
+    # the kernel takes any number of rows (1-2 row tiles, 64-row blocks, 256-row passes, padded tails)
     for m in (0, 1, 16, 17, 33, 64, 65, 257, 300):
         want = silu_mul(kernels.amx_linear(x[:m], unfused, 2 * inter, None), fused)
-        assert torch.equal(mlp_in(x[:m], fused), want), m
+        assert torch.equal(kernels.amx_linear_silu_mul(x[:m], mlp_in.tiled, 2 * inter), want), m
+    # the layer uses it for decode-sized inputs and oneDNN's projection, then silu_mul, beyond
+    for m in (1, 33, Linear.TILE_MAX_ROWS):
+        assert torch.equal(mlp_in(x[:m], fused), kernels.amx_linear_silu_mul(x[:m], mlp_in.tiled, 2 * inter)), m
+    if mlp_in.packed is not None:
+        m = Linear.TILE_MAX_ROWS + 1
+        want = silu_mul(torch.ops.mkldnn._linear_pointwise(x[:m], mlp_in.packed, None, "none", [], ""), fused)
+        assert torch.equal(mlp_in(x[:m], fused), want)
     ref = F.silu(F.linear(x.float(), gate.float())) * F.linear(x.float(), up.float())
     torch.testing.assert_close(mlp_in(x, fused).float(), ref, rtol=2e-2, atol=5e-2 * k**0.5)
     with pytest.raises(RuntimeError):  # the fused store needs whole 16-column gate and up groups
