@@ -169,8 +169,8 @@ class GateUpLinear:
         self.linear = Linear(weight) if self.tiles is None else None
 
     def __call__(self, x: torch.Tensor, fused=None) -> torch.Tensor:
-        if self.tiles is not None and (x.shape[0] <= Linear.TILE_MAX_ROWS or self.packed is None):
+        if self.tiles is None:
+            return silu_mul(self.linear(x), fused)
+        if x.shape[0] <= Linear.TILE_MAX_ROWS or self.packed is None:
             return self.tiles.amx_linear_silu_mul(x, self.tiled, self.out_features)
-        if self.packed is not None:
-            return silu_mul(_onednn_linear(x, self.packed, None), fused)
-        return silu_mul(self.linear(x), fused)
+        return silu_mul(_onednn_linear(x, self.packed, None), fused)
