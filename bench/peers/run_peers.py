@@ -14,6 +14,7 @@ and each one converted to a bf16 GGUF for llama.cpp with llama.cpp's own convert
 This is a benchmark, not a test: CI does not run it. Example:
   python bench/peers/run_peers.py --models 60m --threads 1 --workloads W1,W2
   python bench/peers/run_peers.py --serve-rate 2      # adds S1: `vllm serve` vs `servelm serve`
+  python bench/peers/run_peers.py --models smollm2 --systems servelm,vllm --paired 5   # all loaded, alternating
 """
 
 from __future__ import annotations
@@ -194,6 +195,91 @@ def run_worker(py: Path, script: str, extra: list[str], model: Path, workload: s
     return {**rows[-1], "peak_rss_mb": round(peak.peak / 2**20)}
 
 
+class PairedWorker:
+    """One system's worker kept loaded (`--paired`): each `measure(workload)` call is one repeat of it."""
+
+    def __init__(self, py: Path, script: str, extra: list[str], model: Path, threads: int, log_path: Path) -> None:
+        cmd = [str(py), str(WORKERS / script), "--model", str(model), "--workload", "W1", "--threads",
+               str(threads), "--paired", *extra]
+        env = {**os.environ, **thread_env(threads), "PYTHONPATH": str(WORKERS)}
+        log(" ".join(cmd) + f"   (stderr: {log_path})")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.script, self.log_path, self.stderr = script, log_path, log_path.open("w")
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.stderr, text=True, bufsize=1)
+        self.peak = TreePeak(self.proc.pid)
+        self._await("READY")
+
+    def _await(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line
+        raise RuntimeError(f"{self.script} exited ({self.proc.wait()}); its log: {self.log_path}")
+
+    def measure(self, workload: str) -> dict:
+        self.proc.stdin.write(workload + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._await("RESULT ")[7:])
+
+    def close(self) -> int:
+        """Ends the worker; returns its peak resident memory (MB) over everything it ran."""
+        self.proc.stdin.close()
+        self.proc.wait(300)
+        self.peak.done.set()
+        self.stderr.close()
+        return round(self.peak.peak / 2**20)
+
+
+def run_paired(cache: Path, pythons: dict[str, Path], model: str, paths: dict[str, Path], systems: list[str],
+               workloads: list[str], threads: int, rounds: int) -> list[dict]:
+    """Every system loaded at once, one repeat of each workload on each in turn per round (the order reversed
+    every other round), so the machine's drift falls on all of them alike. Returns one row per repeat."""
+    workers = {}
+    try:
+        for s in systems:  # loaded one after the other, so load times are not contended
+            _venv, script, extra = SYSTEMS[s]
+            workers[s] = PairedWorker(pythons[s], script, extra, paths["gguf"] if s == "llamacpp" else paths["hf"],
+                                      threads, cache / "peers" / "logs" / f"{s}-{model}-{threads}t.log")
+        rows = []
+        for rnd in range(rounds):
+            for workload in workloads:
+                for s in systems if rnd % 2 == 0 else systems[::-1]:
+                    rows.append({"model": model, "system": s, "workload": workload, "threads": threads,
+                                 "round": rnd, **workers[s].measure(workload)})
+                    log(json.dumps(rows[-1]))
+    finally:
+        peaks = {s: w.close() for s, w in workers.items()}
+    return [{**r, "peak_rss_mb": peaks[r["system"]]} for r in rows]
+
+
+def paired_summary(rows: list[dict]) -> tuple[list[dict], dict]:
+    """Per (model, threads, workload, system): the median over rounds of each figure; and per peer, the
+    min / median / max over rounds of the round-by-round ratio (above 1: servelm is better)."""
+    from statistics import median
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["threads"], r["workload"], r["system"]), []).append(r)
+    summary = []
+    for rs in groups.values():
+        figures = {k: round(median(r[k] for r in rs), 3) for k in ("output_tok_per_s", "ttft_ms", "tpot_ms")
+                   if k in rs[0]}
+        summary.append({**rs[0], **figures, "rounds": len(rs)})
+    spread = {}
+    ours = {(r["model"], r["threads"], r["workload"], r["round"]): r for r in rows if r["system"] == "servelm"}
+    for (model, threads, workload, system), rs in groups.items():
+        if system == "servelm":
+            continue
+        for fig, better_low in (("output_tok_per_s", False), ("ttft_ms", True), ("tpot_ms", True)):
+            per_round = [ours[k][fig] / r[fig] if not better_low else r[fig] / ours[k][fig] for r in rs
+                         if fig in r and (k := (model, threads, workload, r["round"])) in ours]
+            if per_round:
+                q = sorted(per_round)
+                spread[f"{model} {threads}t {workload} servelm vs {system} {fig}"] = [
+                    round(q[0], 2), round(median(q), 2), round(q[-1], 2)]
+    return summary, spread
+
+
 def hardware(threads: int) -> dict:
     import torch
 
@@ -291,6 +377,9 @@ def main() -> int:
     p.add_argument("--workloads", default="W1,W2")
     p.add_argument("--threads", default="1", help="comma-separated thread counts, e.g. 1,2")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                   help="keep every system loaded at once and alternate single repeats for ROUNDS rounds "
+                        "(the way to compare on a noisy machine; --reps is then unused)")
     p.add_argument("--serve-rate", type=float, default=None, help="also run S1 at this rate on both servers")
     p.add_argument("--setup-only", action="store_true", help="install the peers and build the models, then stop")
     p.add_argument("--output", type=Path, default=None, help="append every result row (JSON) to this file")
@@ -305,7 +394,9 @@ def main() -> int:
     for name, paths in models.items():
         for threads in map(int, a.threads.split(",")):
             bounds[threads] = hardware(threads)
-            for workload in a.workloads.split(","):
+            if a.paired:
+                rows += run_paired(a.cache, pythons, name, paths, systems, a.workloads.split(","), threads, a.paired)
+            for workload in a.workloads.split(",") if not a.paired else []:
                 for s in systems:
                     _venv, script, extra = SYSTEMS[s]
                     model = paths["gguf"] if s == "llamacpp" else paths["hf"]
@@ -318,10 +409,14 @@ def main() -> int:
     if a.output:
         with a.output.open("a") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in rows)
-    print(table([r for r in rows if r["workload"] in ("W1", "W2") and "error" not in r]))
-    print(json.dumps({"hardware_bounds_by_threads": bounds, "ratios": ratios(
-        [r for r in rows if r["workload"] in ("W1", "W2")]),
-        "serving": [r for r in rows if r["workload"] == "S1"]}, indent=1))
+    offline = [r for r in rows if r["workload"] in ("W1", "W2") and "error" not in r]
+    spread = {}
+    if a.paired:
+        offline, spread = paired_summary(offline)
+    print(table(offline))
+    print(json.dumps({"hardware_bounds_by_threads": bounds, "ratios": ratios(offline),
+                      **({"paired_round_ratios_min_median_max": spread} if a.paired else {}),
+                      "serving": [r for r in rows if r["workload"] == "S1"]}, indent=1))
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import numpy as np
@@ -30,6 +31,8 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--max-requests", type=int, default=None,
                    help="time only this many W1 requests (for systems that run one request at a time)")
+    p.add_argument("--paired", action="store_true",
+                   help="stay loaded: print READY, then measure each workload named on stdin (one line each)")
     return p
 
 
@@ -85,3 +88,17 @@ def report(system: str, version: str, args: argparse.Namespace, load_s: float, f
     row = {"system": system, "version": version, "workload": args.workload, "threads": args.threads,
            "load_s": round(load_s, 2), **figures}
     print("RESULT " + json.dumps(row), flush=True)
+
+
+def serve(system: str, version: str, args: argparse.Namespace, load_s: float, measure_one) -> None:
+    """Measure `args.workload` once and exit, or with --paired stay loaded and measure every workload
+    named on stdin (one repeat each, the parent alternates systems between lines) until stdin closes.
+    `measure_one(args)` returns the figures of args.workload."""
+    if not args.paired:
+        report(system, version, args, load_s, measure_one(args))
+        return
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if line.strip():
+            run = argparse.Namespace(**{**vars(args), "workload": line.strip(), "reps": 1})
+            report(system, version, run, load_s, measure_one(run))

@@ -2,7 +2,7 @@
 
 import time
 
-from common import measure, parser, report
+from common import measure, parser, serve
 
 
 def main() -> None:
@@ -22,7 +22,7 @@ def main() -> None:
             model.generate(torch.tensor(batch), attention_mask=torch.ones(len(batch), len(batch[0]), dtype=torch.long),
                            generation_config=gen)
 
-    report("transformers", transformers.__version__, args, load_s, measure(args, run))
+    serve("transformers", transformers.__version__, args, load_s, lambda a: measure(a, run))
 
 
 if __name__ == "__main__":

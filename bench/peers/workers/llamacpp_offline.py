@@ -3,7 +3,7 @@ requests): W2's TTFT and TPOT, and W1's rate over the first --max-requests reque
 
 import time
 
-from common import Timer, median, output_len, parser, prompts, report
+from common import Timer, median, output_len, parser, prompts, serve
 
 
 def main() -> None:
@@ -27,19 +27,21 @@ def main() -> None:
                 break
         return first, time.perf_counter() - start
 
-    ps, out = prompts(args.workload), output_len(args.workload)
-    one(ps[0][:32], 4)
-    if len(ps) == 1:
-        runs = [one(ps[0], out) for _ in range(args.reps)]
-        t1, e = median([r[0] for r in runs]), median([r[1] for r in runs])
-        figures = {"ttft_ms": round(1000 * t1, 2), "tpot_ms": round(1000 * (e - t1) / (out - 1), 3)}
-    else:
-        batch = ps[: args.max_requests or len(ps)]
+    one(prompts("W2")[0][:32], 4)
+
+    def measure_one(a):
+        ps, out = prompts(a.workload), output_len(a.workload)
+        if len(ps) == 1:
+            runs = [one(ps[0], out) for _ in range(a.reps)]
+            t1, e = median([r[0] for r in runs]), median([r[1] for r in runs])
+            return {"ttft_ms": round(1000 * t1, 2), "tpot_ms": round(1000 * (e - t1) / (out - 1), 3)}
+        batch = ps[: a.max_requests or len(ps)]
         with Timer() as tm:
             for p in batch:
                 one(p, out)
-        figures = {"output_tok_per_s": round(len(batch) * out / tm.s, 1), "requests_timed": len(batch)}
-    report("llama.cpp (llama-cpp-python, sequential)", llama_cpp.__version__, args, load_s, figures)
+        return {"output_tok_per_s": round(len(batch) * out / tm.s, 1), "requests_timed": len(batch)}
+
+    serve("llama.cpp (llama-cpp-python, sequential)", llama_cpp.__version__, args, load_s, measure_one)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 import time
 
-from common import measure, parser, report
+from common import measure, parser, serve
 
 
 def main() -> None:
@@ -18,7 +18,7 @@ def main() -> None:
         sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         llm.generate(batch, sp, use_tqdm=False)
 
-    report("servelm", servelm.__version__, args, load_s, measure(args, run))
+    serve("servelm", servelm.__version__, args, load_s, lambda a: measure(a, run))
 
 
 if __name__ == "__main__":

