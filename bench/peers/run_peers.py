@@ -244,8 +244,8 @@ def run_paired(cache: Path, pythons: dict[str, Path], model: str, paths: dict[st
         for rnd in range(rounds):
             for workload in workloads:
                 for s in systems if rnd % 2 == 0 else systems[::-1]:
-                    rows.append({"model": model, "system": s, "workload": workload, "threads": threads,
-                                 "round": rnd, **workers[s].measure(workload)})
+                    rows.append({**workers[s].measure(workload), "model": model, "system": s,
+                                 "workload": workload, "threads": threads, "round": rnd})
                     log(json.dumps(rows[-1]))
     finally:
         peaks = {s: w.close() for s, w in workers.items()}
