@@ -72,7 +72,10 @@ inline void drain(Pending& pending, const Epilogue& e) {
   pending.c = nullptr;
 }
 
-// Prefetches one k-step of the next weight block (`bytes` of it) into L2 while this block computes.
+// Prefetches `bytes` of the next weight block into L2 while this block computes. Callers spread a k-step's
+// lines over its tile instructions, a few at a time: issued as one burst before the step (the old way),
+// they held the line fill buffers that this step's tile loads then waited for, and the weight stream and
+// the products ran one after the other (64 and 32 rows 1.15-1.3x faster spread, bench/decode_linear.py).
 inline void prefetch_step(const bf16* next, int64_t offset, int bytes) {
   if (!next) return;
   const char* p = reinterpret_cast<const char*>(next + offset);
@@ -92,16 +95,22 @@ void tile_block32(const bf16* a, const bf16* b, int64_t K, float* c, const bf16*
   }
   for (int64_t k = 0; k < K; k += 32) {
     const bf16* bk = b + k * kN;
-    prefetch_step(next, k * kN, 2048);
+    const int64_t po = k * kN;  // the next block's k-step, prefetched a quarter at a time between tile ops
     _tile_loadd(6, bk, 64);
+    prefetch_step(next, po, 512);
     _tile_loadd(4, a + k * 16, 64);
     _tile_dpbf16ps(0, 4, 6);
+    prefetch_step(next, po + 256, 512);
     _tile_loadd(7, bk + 512, 64);
     _tile_dpbf16ps(1, 4, 7);
+    prefetch_step(next, po + 512, 512);
     if constexpr (kTwoRowTiles) {
       _tile_loadd(5, a + K * 16 + k * 16, 64);
       _tile_dpbf16ps(2, 5, 6);
+      prefetch_step(next, po + 768, 512);
       _tile_dpbf16ps(3, 5, 7);
+    } else {
+      prefetch_step(next, po + 768, 512);
     }
     if (k == 0) drain(pending, ep);
   }
@@ -124,15 +133,23 @@ void tile_block64(const bf16* a, const bf16* b, int64_t K, float* c, const bf16*
     _tile_zero(3);
     for (int64_t k = 0; k < K; k += 32) {
       const bf16* bk = b + k * kN + h * 512;
-      prefetch_step(next, k * kN + h * 512, 1024);
+      const int64_t po = k * kN + h * 512;  // this half's share of the next block, 128 B per tile op
       _tile_loadd(6, bk, 64);
+      prefetch_step(next, po, 128);
       _tile_loadd(4, a + k * 16, 64);
+      prefetch_step(next, po + 64, 128);
       _tile_dpbf16ps(0, 4, 6);
+      prefetch_step(next, po + 128, 128);
       _tile_loadd(5, a + K * 16 + k * 16, 64);
+      prefetch_step(next, po + 192, 128);
       _tile_dpbf16ps(1, 5, 6);
+      prefetch_step(next, po + 256, 128);
       _tile_loadd(4, a + 2 * K * 16 + k * 16, 64);
+      prefetch_step(next, po + 320, 128);
       _tile_dpbf16ps(2, 4, 6);
+      prefetch_step(next, po + 384, 128);
       _tile_loadd(5, a + 3 * K * 16 + k * 16, 64);
+      prefetch_step(next, po + 448, 128);
       _tile_dpbf16ps(3, 5, 6);
       if (k == 0) drain(pending, ep);
     }
