@@ -39,12 +39,24 @@ def load():
     if _tried:
         return _module
     _tried = True
-    from torch.utils.cpp_extension import load as build
+    try:
+        logger.info("loading servelm CPU kernels (compiled on first use only)")
+        _module = build()
+    except Exception as e:  # a missing compiler must not stop the engine
+        logger.warning("servelm CPU kernels unavailable, using the PyTorch path: %s", e)
+        _module = None
+    return _module
+
+
+def build(src_dir: Path = _SRC_DIR):
+    """Compiles (or finds in the cache) the kernels of `src_dir`; benchmarks pass another checkout's csrc
+    to compare two builds in one process. Raises when they cannot be built."""
+    from torch.utils.cpp_extension import load as build_extension
 
     from servelm.model.source import cache_dir
 
-    sources = sorted(_SRC_DIR.glob("*.cpp"))
-    files = sources + sorted(_SRC_DIR.glob("*.h"))
+    sources = sorted(src_dir.glob("*.cpp"))
+    files = sources + sorted(src_dir.glob("*.h"))
     digest = hashlib.sha1(torch.__version__.encode())
     for f in files:
         digest.update(f.read_bytes())
@@ -60,13 +72,6 @@ def load():
             tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
             shutil.copyfile(f, tmp)
             os.replace(tmp, dst)  # atomic: a process building at the same moment never reads half a file
-    try:
-        logger.info("loading servelm CPU kernels (compiled on first use only)")
-        _module = build(name=f"servelm_cpu_{tag}", sources=[str(src_copy / f.name) for f in sources],
-                        build_directory=str(build_dir),
-                        extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                        verbose=False)
-    except Exception as e:  # a missing compiler must not stop the engine
-        logger.warning("servelm CPU kernels unavailable, using the PyTorch path: %s", e)
-        _module = None
-    return _module
+    return build_extension(name=f"servelm_cpu_{tag}", sources=[str(src_copy / f.name) for f in sources],
+                           build_directory=str(build_dir), extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                           verbose=False)

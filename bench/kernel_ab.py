@@ -1,0 +1,113 @@
+"""Two builds of servelm's C++ kernels side by side in one process: a decode step's AMX linear layers
+(SmolLM2's or llama-rand-60m's shapes, cold weights) and the paged decode attention at W1's batch,
+alternating the builds each round. Outputs must be identical (the kernels promise fixed summation
+order); prints one JSON object with medians and the new/base speed-up.
+
+  git worktree add /tmp/base HEAD~1
+  python bench/kernel_ab.py --base /tmp/base --rows 16,32,64
+
+`--base` and `--new` name checkouts (their servelm/model/csrc is built, or found in the kernel cache).
+A benchmark, not a test: CI does not run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from servelm.model import cpu_kernels
+from servelm.model.layers import pack_weight_for_tiles
+
+MODELS = {  # hidden, intermediate, layers, vocab, q heads, kv heads, head dim
+    "60m": (512, 1408, 8, 32000, 8, 4, 64),
+    "smollm2": (576, 1536, 30, 49152, 9, 3, 64),
+}
+
+
+def alternate(fa, fb, rounds: int) -> dict:
+    """Median seconds of each over `rounds`, the order flipped every round."""
+    ta, tb = [], []
+    for r in range(rounds):
+        for f, t in ((fa, ta), (fb, tb)) if r % 2 == 0 else ((fb, tb), (fa, ta)):
+            start = time.perf_counter()
+            f()
+            t.append(time.perf_counter() - start)
+    a, b = statistics.median(ta), statistics.median(tb)
+    return {"base_ms": round(a * 1e3, 2), "new_ms": round(b * 1e3, 2), "new_speedup": round(a / b, 3)}
+
+
+def linears(base, new, model: str, rows: list[int], rounds: int) -> dict:
+    h, i, layers, vocab, nq, nkv, hd = MODELS[model]
+    shapes = [((nq + 2 * nkv) * hd, h, False), (h, nq * hd, False), (2 * i, h, True), (h, i, False)] * layers
+    shapes.append((vocab, h, False))
+    ws = [(pack_weight_for_tiles(torch.randn(n, k).bfloat16(), gate_up=g), n, k, g) for n, k, g in shapes]
+    out = {}
+    for m in rows:
+        xs = {k: torch.randn(m, k).bfloat16() for k in {s[1] for s in shapes}}
+
+        def run(mod, xs=xs):
+            return lambda: [mod.amx_linear_silu_mul(xs[k], w, n) if g else mod.amx_linear(xs[k], w, n, None)
+                            for w, n, k, g in ws]
+
+        fa, fb = run(base), run(new)
+        if not all(torch.equal(a, b) for a, b in zip(fa(), fb(), strict=True)):
+            raise SystemExit(f"linear outputs differ at {m} rows")
+        out[f"linear rows={m}"] = alternate(fa, fb, rounds)
+    return out
+
+
+def attention(base, new, model: str, batch: int, context: int, rounds: int) -> dict:
+    _h, _i, layers, _v, hq, hkv, d = MODELS[model]
+    bs = 16
+    per_seq = -(-context // bs)
+    g = torch.Generator().manual_seed(0)
+    caches = [(torch.randn(batch * per_seq, bs, hkv, d, generator=g).bfloat16(),
+               torch.randn(batch * per_seq, bs, hkv, d, generator=g).bfloat16()) for _ in range(layers)]
+    tables = torch.randperm(batch * per_seq, generator=g).view(batch, per_seq).contiguous()
+    lens = torch.full((batch,), context, dtype=torch.int64)
+    q = torch.randn(batch, hq, d, generator=g).bfloat16()
+    outs = [torch.empty_like(q), torch.empty_like(q)]
+
+    def run(mod, o):
+        return lambda: [mod.paged_decode_attention(o, q, kc, vc, tables, lens, d ** -0.5, 0) for kc, vc in caches]
+
+    fa, fb = run(base, outs[0]), run(new, outs[1])
+    fa(), fb()
+    if not torch.equal(*outs):
+        raise SystemExit("decode attention outputs differ")
+    row = alternate(fa, fb, rounds)
+    kv_bytes = layers * batch * context * hkv * d * 2 * 2
+    row.update(new_gb_s=round(kv_bytes / row["new_ms"] / 1e6, 2), base_gb_s=round(kv_bytes / row["base_ms"] / 1e6, 2))
+    return {f"decode attention batch={batch} context={context}": row}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", type=Path, required=True, help="checkout whose kernels are the baseline")
+    p.add_argument("--new", type=Path, default=Path(__file__).resolve().parents[1], help="default: this checkout")
+    p.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    p.add_argument("--rows", default="16,32,64", help="decode rows for the linear layers ('' to skip)")
+    p.add_argument("--attention", default="64x192", help="BATCHxCONTEXT for decode attention ('' to skip)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=12)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    base, new = (cpu_kernels.build(c / "servelm" / "model" / "csrc") for c in (a.base, a.new))
+    if not base.amx_linear_supported(64):
+        raise SystemExit("needs a CPU with AMX")
+    res = {"model": a.model, "threads": a.threads}
+    if a.rows:
+        res.update(linears(base, new, a.model, [int(r) for r in a.rows.split(",")], a.rounds))
+    if a.attention:
+        batch, context = map(int, a.attention.split("x"))
+        res.update(attention(base, new, a.model, batch, context, a.rounds))
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
