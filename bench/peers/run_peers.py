@@ -229,6 +229,19 @@ class PairedWorker:
                 return line
         raise RuntimeError(f"{self.script} exited ({self.proc.wait()}); its log: {self.log_path}")
 
+    def cpu_s(self) -> float:
+        """CPU seconds used so far by the worker and its children (vLLM's engine core runs in one)."""
+        import psutil
+
+        total = 0.0
+        for proc in [self.peak.proc, *self.peak.proc.children(recursive=True)]:
+            try:
+                t = proc.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
     def measure(self, workload: str) -> dict:
         self.proc.stdin.write(workload + "\n")
         self.proc.stdin.flush()
@@ -257,8 +270,13 @@ def run_paired(cache: Path, pythons: dict[str, Path], model: str, paths: dict[st
         for rnd in range(rounds):
             for workload in workloads:
                 for s in systems if rnd % 2 == 0 else systems[::-1]:
-                    rows.append({**workers[s].measure(workload), "model": model, "system": s,
-                                 "workload": workload, "threads": threads, "round": rnd})
+                    # what the idle workers burn meanwhile: their polling competes with the one measured
+                    others = [w for o, w in workers.items() if o != s]
+                    before = sum(w.cpu_s() for w in others)
+                    row = workers[s].measure(workload)
+                    idle = sum(w.cpu_s() for w in others) - before
+                    rows.append({**row, "model": model, "system": s, "workload": workload, "threads": threads,
+                                 "round": rnd, "others_cpu_s": round(idle, 2)})
                     log(json.dumps(rows[-1]))
     finally:
         peaks = {s: w.close() for s, w in workers.items()}
