@@ -23,6 +23,19 @@ from servelm.model.attention import AttentionMetadata, TorchPagedAttention
 MODELS = {"60m": (8, 8, 4, 64), "smollm2": (30, 9, 3, 64)}  # layers, q heads, kv heads, head dim
 
 
+def decode_step(model: str, batch: int, context: int, block_size: int = 16):
+    """Random bf16 inputs of one decode step: per layer (k_cache, v_cache) with each sequence's blocks
+    scattered, then block tables, context lengths and queries."""
+    layers, hq, hkv, d = MODELS[model]
+    per_seq = -(-context // block_size)
+    g = torch.Generator().manual_seed(0)
+    caches = [(torch.randn(batch * per_seq, block_size, hkv, d, generator=g).bfloat16(),
+               torch.randn(batch * per_seq, block_size, hkv, d, generator=g).bfloat16()) for _ in range(layers)]
+    tables = torch.randperm(batch * per_seq, generator=g).view(batch, per_seq).contiguous()
+    lens = torch.full((batch,), context, dtype=torch.int64)
+    return caches, tables, lens, torch.randn(batch, hq, d, generator=g).bfloat16()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="smollm2")
@@ -38,13 +51,7 @@ def main() -> None:
         raise SystemExit("needs servelm's C++ kernels")
     layers, hq, hkv, d = MODELS[args.model]
     b, ctx, bs = args.batch, args.context, args.block_size
-    per_seq = -(-ctx // bs)
-    g = torch.Generator().manual_seed(0)
-    caches = [(torch.randn(b * per_seq, bs, hkv, d, generator=g).bfloat16(),
-               torch.randn(b * per_seq, bs, hkv, d, generator=g).bfloat16()) for _ in range(layers)]
-    tables = torch.randperm(b * per_seq, generator=g).view(b, per_seq).contiguous()
-    lens = torch.full((b,), ctx, dtype=torch.int64)
-    q = torch.randn(b, hq, d, generator=g).bfloat16()
+    caches, tables, lens, q = decode_step(args.model, b, ctx, bs)
     out = torch.empty_like(q)
     scale = d ** -0.5
     kv_bytes = layers * b * ctx * hkv * d * 2 * 2

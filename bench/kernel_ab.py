@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from decode_attention import decode_step  # bench/ is on sys.path when run
 
 from servelm.model import cpu_kernels
 from servelm.model.layers import pack_weight_for_tiles
@@ -63,14 +64,7 @@ def linears(base, new, model: str, rows: list[int], rounds: int) -> dict:
 
 def attention(base, new, model: str, batch: int, context: int, rounds: int) -> dict:
     _h, _i, layers, _v, hq, hkv, d = MODELS[model]
-    bs = 16
-    per_seq = -(-context // bs)
-    g = torch.Generator().manual_seed(0)
-    caches = [(torch.randn(batch * per_seq, bs, hkv, d, generator=g).bfloat16(),
-               torch.randn(batch * per_seq, bs, hkv, d, generator=g).bfloat16()) for _ in range(layers)]
-    tables = torch.randperm(batch * per_seq, generator=g).view(batch, per_seq).contiguous()
-    lens = torch.full((batch,), context, dtype=torch.int64)
-    q = torch.randn(batch, hq, d, generator=g).bfloat16()
+    caches, tables, lens, q = decode_step(model, batch, context)
     outs = [torch.empty_like(q), torch.empty_like(q)]
 
     def run(mod, o):
