@@ -73,9 +73,9 @@ inline void drain(Pending& pending, const Epilogue& e) {
 }
 
 // Prefetches `bytes` of the next weight block into L2 while this block computes. Callers spread a k-step's
-// lines over its tile instructions, a few at a time: issued as one burst before the step (the old way),
-// they held the line fill buffers that this step's tile loads then waited for, and the weight stream and
-// the products ran one after the other (64 and 32 rows 1.15-1.3x faster spread, bench/decode_linear.py).
+// lines over its tile instructions, a few at a time: issued as one burst before the step, the weight
+// stream and the products ran one after the other (the burst seemingly holding the line fill buffers
+// the step's tile loads need); spread, 32 and 64 rows ran 1.13-1.3x faster (bench/kernel_ab.py).
 inline void prefetch_step(const bf16* next, int64_t offset, int bytes) {
   if (!next) return;
   const char* p = reinterpret_cast<const char*>(next + offset);
