@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 
 DEFAULT_KV_CACHE_GB = 1.0
@@ -18,6 +19,21 @@ class ConfigError(ValueError):
 def _f(default, help: str, runtime: bool = False):
     """A config field; `runtime` marks it changeable while serving (PATCH /admin/config)."""
     return field(default=default, metadata={"help": help, "runtime": runtime})
+
+
+def cpu_list(spec: str) -> list[int] | None:
+    """'0-3,6' -> [0, 1, 2, 3, 6]; None unless every CPU named is one this process may run on."""
+    cpus: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi or lo)
+            if first > last:
+                return None
+            cpus.update(range(first, last + 1))
+    except ValueError:
+        return None
+    return sorted(cpus) if cpus and cpus <= os.sched_getaffinity(0) else None
 
 
 def require(obj, ok: bool, name: str, allowed: str) -> None:
@@ -49,7 +65,10 @@ class EngineConfig:
                               "when the KV cache is full")
     swap_space_gb: float = _f(4.0, "CPU swap space for preempted requests in GiB (swap mode)")
     seed: int = _f(0, "seed of the sampler's random generator for unseeded requests")
-    num_threads: int | None = _f(None, "torch compute threads (default: torch's choice)")
+    num_threads: int | None = _f(None, "torch compute threads (default: torch's choice, or one per "
+                                 "--cpu-bind CPU)")
+    cpu_bind: str | None = _f(None, "CPUs the engine's compute threads run on, e.g. '0-3' or '0,2' (like "
+                              "vLLM's VLLM_CPU_OMP_THREADS_BIND); default: wherever the OS schedules them")
     scheduling_policy: str = _f("priority", "priority | fcfs: admit and preempt by priority class "
                                 "(high, normal, low) with aging, or purely by arrival", runtime=True)
     priority_aging_s: float = _f(10.0, "seconds of waiting that lift a request one priority class, so "
@@ -73,6 +92,8 @@ class EngineConfig:
         need(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "recompute or swap")
         need(self.swap_space_gb >= 0, "swap_space_gb", ">= 0")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1 or None")
+        need(self.cpu_bind is None or cpu_list(self.cpu_bind) is not None, "cpu_bind",
+             f"a list of this process's CPUs {sorted(os.sched_getaffinity(0))} like '0-3' or '0,2'")
         need(self.scheduling_policy in ("priority", "fcfs"), "scheduling_policy", "priority or fcfs")
         need(self.priority_aging_s >= 0, "priority_aging_s", ">= 0")
 

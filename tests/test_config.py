@@ -153,3 +153,50 @@ def test_token_buckets_refill_settle_and_refuse_without_taking():
     assert store.acquire("k", lim, 1, 0).allowed
     assert not store.acquire("k", lim, 0, 101).allowed  # larger than the bucket: never fits
     assert store.peek("other", lim).remaining_requests == 2  # keys have separate buckets
+
+
+@pytest.mark.parametrize("spec,ok", [("{c}", True), ("{c}-{c}", True), (" {c} ", True), ("{c}-0", False),
+                                     ("a", False), ("", False), ("{c},", False), ("100000", False),
+                                     ("{c}-100000", False)])
+def test_cpu_bind_accepts_only_this_process_cpus(spec, ok):
+    import os
+
+    from servelm.config import EngineConfig
+
+    first = min(os.sched_getaffinity(0))  # "{c}-0" is backwards unless CPU 0 alone: then it is valid
+    spec = spec.format(c=first)
+    ok = ok or spec == "0-0"
+    if ok:
+        assert EngineConfig(cpu_bind=spec).cpu_bind == spec
+    else:
+        with pytest.raises(ConfigError, match=r"cpu_bind must be a list of this process's CPUs"):
+            EngineConfig(cpu_bind=spec)
+
+
+def test_cpu_bind_from_env_names_its_source():
+    import os
+
+    first = str(min(os.sched_getaffinity(0)))
+    assert load({}, {"SERVELM_CPU_BIND": first}).engine.cpu_bind == first
+    with pytest.raises(ConfigError, match=r"engine\.cpu_bind must be .*\(set by env SERVELM_CPU_BIND\), got 'x'"):
+        load({}, {"SERVELM_CPU_BIND": "x"})
+
+
+def test_cpu_bind_binds_the_engine_process_and_sets_one_thread_per_cpu():
+    import os
+
+    import torch
+
+    from servelm.config import EngineConfig
+    from servelm.engine.threads import configure_threads
+
+    cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    first = min(cpus)
+    try:
+        configure_threads(EngineConfig(cpu_bind=str(first)))
+        assert os.sched_getaffinity(0) == {first} and torch.get_num_threads() == 1
+        configure_threads(EngineConfig(cpu_bind=f"{first}-{first}", num_threads=2))
+        assert torch.get_num_threads() == 2  # an explicit count wins over one per CPU
+    finally:
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(threads)

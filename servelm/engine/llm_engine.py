@@ -6,12 +6,11 @@ import copy
 import logging
 import time
 
-import torch
-
 from servelm.config import EngineConfig
 from servelm.engine.core import EngineCore, EngineStats
 from servelm.engine.output_processor import OutputProcessor
 from servelm.engine.sequence import Priority, Request
+from servelm.engine.threads import configure_threads
 from servelm.model.loader import LoadedModel, load_model
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
@@ -24,8 +23,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        configure_threads(config)
         self.loaded = loaded or load_model(config.model, config.gguf_file, config.tokenizer, config.dtype,
                                            config.device)
         self.tokenizer = self.loaded.tokenizer

@@ -35,13 +35,11 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     out = ctx.socket(zmq.PUSH)
     out.connect(output_addr)
     try:
-        import torch
-
         from servelm.engine.core import EngineCore
+        from servelm.engine.threads import configure_threads
         from servelm.model.loader import load_model
 
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        configure_threads(config)
         loaded = load_model(config.model, config.gguf_file, config.tokenizer, config.dtype, config.device,
                             with_tokenizer=False)  # the API process tokenizes
         core = EngineCore(config, loaded.model)
