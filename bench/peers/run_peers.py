@@ -181,7 +181,7 @@ def thread_env(threads: int) -> dict[str, str]:
 def pin_like_vllm(script: str, threads: int):
     """A preexec function that binds a worker to the CPUs VLLM_CPU_OMP_THREADS_BIND gives vLLM's compute
     threads (vLLM binds itself). The two vCPUs here slow down at different times (a 512-token TTFT ran
-    180-210 ms on one while 340-380 ms on the other, alternating in one process), so an unbound worker
+    175-214 ms on one while 341-384 ms on the other, alternating in one process), so an unbound worker
     drew whichever CPU the scheduler gave it and the comparison drew its luck."""
     if script == "vllm_offline.py":
         return None
@@ -189,14 +189,18 @@ def pin_like_vllm(script: str, threads: int):
     return lambda: os.sched_setaffinity(0, cpus)
 
 
+def start_worker(py: Path, script: str, args: list[str], threads: int, **popen) -> subprocess.Popen:
+    """A worker process with the thread environment and CPU binding every system gets."""
+    cmd = [str(py), str(WORKERS / script), "--threads", str(threads), *args]
+    log(" ".join(cmd))
+    return subprocess.Popen(cmd, env={**os.environ, **thread_env(threads), "PYTHONPATH": str(WORKERS)}, text=True,
+                            preexec_fn=pin_like_vllm(script, threads), **popen)
+
+
 def run_worker(py: Path, script: str, extra: list[str], model: Path, workload: str, threads: int,
                reps: int) -> dict:
-    cmd = [str(py), str(WORKERS / script), "--model", str(model), "--workload", workload, "--threads",
-           str(threads), "--reps", str(reps), *extra]
-    env = {**os.environ, **thread_env(threads), "PYTHONPATH": str(WORKERS)}
-    log(" ".join(cmd))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=pin_like_vllm(script, threads))
+    proc = start_worker(py, script, ["--model", str(model), "--workload", workload, "--reps", str(reps), *extra],
+                        threads, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     peak = TreePeak(proc.pid)
     stdout, stderr = proc.communicate()
     peak.done.set()
@@ -211,15 +215,12 @@ class PairedWorker:
     """One system's worker kept loaded (`--paired`): each `measure(workload)` call is one repeat of it."""
 
     def __init__(self, py: Path, script: str, extra: list[str], model: Path, threads: int, log_path: Path) -> None:
-        cmd = [str(py), str(WORKERS / script), "--model", str(model), "--workload", "W1", "--threads",
-               str(threads), "--paired", *extra]
-        env = {**os.environ, **thread_env(threads), "PYTHONPATH": str(WORKERS)}
-        log(" ".join(cmd) + f"   (stderr: {log_path})")
+        log(f"{script} stderr: {log_path}")
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.script, self.log_path, self.stderr = script, log_path, log_path.open("w")
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.stderr, text=True, bufsize=1,
-                                     preexec_fn=pin_like_vllm(script, threads))
+        self.proc = start_worker(py, script, ["--model", str(model), "--workload", "W1", "--paired", *extra],
+                                 threads, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                 bufsize=1)
         self.peak = TreePeak(self.proc.pid)
         self._await("READY")
 
