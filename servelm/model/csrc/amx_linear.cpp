@@ -18,13 +18,14 @@
 #include "amx.h"
 
 namespace {
+// Outside the AMX guard: the argument checks use the block width on every CPU.
+constexpr int64_t kN = 32;    // output columns per weight block (two B tiles)
+constexpr int64_t kMc = 256;  // rows of x per pass: that slice of x stays in L2 while the weights stream by
 #ifdef SERVELM_AMX
 using servelm::bf16;
 using servelm::lanes;
 using servelm::load_bf16;
 using servelm::store_bf16;
-constexpr int64_t kN = 32;    // output columns per weight block (two B tiles)
-constexpr int64_t kMc = 256;  // rows of x per pass: that slice of x stays in L2 while the weights stream by
 
 // Finished float32 results of one block, converted to bf16 while the tile unit works on the next block.
 struct Pending {
