@@ -20,6 +20,7 @@ This is a benchmark, not a test: CI does not run it. Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -89,7 +90,8 @@ def llamacpp_source(cache: Path) -> Path:
     return next(src.glob("*/vendor/llama.cpp"))
 
 
-def ensure_models(cache: Path, names: list[str]) -> dict[str, dict[str, Path]]:
+def ensure_models(cache: Path, names: list[str], gguf_too: bool) -> dict[str, dict[str, Path]]:
+    """Each model as a bf16 HF folder, and (for llama.cpp, `gguf_too`) as a bf16 GGUF."""
     models = cache / "models"
     out = {}
     for name in names:
@@ -104,7 +106,8 @@ def ensure_models(cache: Path, names: list[str]) -> dict[str, dict[str, Path]]:
         else:
             raise SystemExit(f"unknown model {name!r}: choose 60m or smollm2")
         gguf = models / f"{hf.name}.bf16.gguf"
-        if not gguf.exists():
+        if gguf_too and not gguf.exists():
+            sh([sys.executable, "-m", "pip", "install", "sentencepiece"])  # the converter imports it
             llama = llamacpp_source(cache)
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(llama), str(llama / "gguf-py")])}
             sh([sys.executable, "-c", _CONVERT, str(llama / "convert_hf_to_gguf.py"), str(hf), "--outtype", "bf16",
@@ -230,12 +233,15 @@ class PairedWorker:
                 return line
         raise RuntimeError(f"{self.script} exited ({self.proc.wait()}); its log: {self.log_path}")
 
+    def _tree(self) -> list:
+        return [self.peak.proc, *self.peak.proc.children(recursive=True)]
+
     def cpu_s(self) -> float:
         """CPU seconds used so far by the worker and its children (vLLM's engine core runs in one)."""
         import psutil
 
         total = 0.0
-        for proc in [self.peak.proc, *self.peak.proc.children(recursive=True)]:
+        for proc in self._tree():
             try:
                 t = proc.cpu_times()
                 total += t.user + t.system
@@ -243,13 +249,24 @@ class PairedWorker:
                 pass
         return total
 
+    def freeze(self, frozen: bool) -> None:
+        """SIGSTOP / SIGCONT the worker and its children: an idle vLLM keeps polling (0.1-0.4 CPU-s per
+        turn of another system was measured), which at two threads stalls the measured system's barriers."""
+        import psutil
+
+        for proc in self._tree():
+            with contextlib.suppress(psutil.Error):
+                (proc.suspend if frozen else proc.resume)()
+
     def measure(self, workload: str) -> dict:
+        self.freeze(False)
         self.proc.stdin.write(workload + "\n")
         self.proc.stdin.flush()
         return json.loads(self._await("RESULT ")[7:])
 
     def close(self) -> int:
         """Ends the worker; returns its peak resident memory (MB) over everything it ran."""
+        self.freeze(False)
         self.proc.stdin.close()
         self.proc.wait(300)
         self.peak.done.set()
@@ -258,9 +275,10 @@ class PairedWorker:
 
 
 def run_paired(cache: Path, pythons: dict[str, Path], model: str, paths: dict[str, Path], systems: list[str],
-               workloads: list[str], threads: int, rounds: int) -> list[dict]:
+               workloads: list[str], threads: int, rounds: int, freeze_idle: bool = True) -> list[dict]:
     """Every system loaded at once, one repeat of each workload on each in turn per round (the order reversed
-    every other round), so the machine's drift falls on all of them alike. Returns one row per repeat."""
+    every other round), so the machine's drift falls on all of them alike; the idle ones are stopped
+    (SIGSTOP) unless `freeze_idle` is off. Returns one row per repeat."""
     workers = {}
     try:
         for s in systems:  # loaded one after the other, so load times are not contended
@@ -273,11 +291,13 @@ def run_paired(cache: Path, pythons: dict[str, Path], model: str, paths: dict[st
                 for s in systems if rnd % 2 == 0 else systems[::-1]:
                     # what the idle workers burn meanwhile: their polling competes with the one measured
                     others = [w for o, w in workers.items() if o != s]
+                    for w in others if freeze_idle else []:
+                        w.freeze(True)
                     before = sum(w.cpu_s() for w in others)
                     row = workers[s].measure(workload)
                     idle = sum(w.cpu_s() for w in others) - before
                     rows.append({**row, "model": model, "system": s, "workload": workload, "threads": threads,
-                                 "round": rnd, "others_cpu_s": round(idle, 2)})
+                                 "round": rnd, "others_cpu_s": round(idle, 2), "others_frozen": freeze_idle})
                     log(json.dumps(rows[-1]))
     finally:
         peaks = {s: w.close() for s, w in workers.items()}
@@ -412,6 +432,9 @@ def main() -> int:
     p.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
                    help="keep every system loaded at once and alternate single repeats for ROUNDS rounds "
                         "(the way to compare on a noisy machine; --reps is then unused)")
+    p.add_argument("--freeze-idle", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --paired, SIGSTOP the systems not being measured so their idle polling "
+                        "does not compete for the measured one's CPUs (--no-freeze-idle: leave them running)")
     p.add_argument("--serve-rate", type=float, default=None, help="also run S1 at this rate on both servers")
     p.add_argument("--setup-only", action="store_true", help="install the peers and build the models, then stop")
     p.add_argument("--output", type=Path, default=None, help="append every result row (JSON) to this file")
@@ -419,7 +442,7 @@ def main() -> int:
     systems = [s for s in a.systems.split(",") if s]
     pythons = {s: Path(sys.executable) if SYSTEMS[s][0] is None else ensure_venv(a.cache, SYSTEMS[s][0])
                for s in systems}
-    models = ensure_models(a.cache, a.models.split(","))
+    models = ensure_models(a.cache, a.models.split(","), "llamacpp" in systems)
     if a.setup_only:
         return 0
     rows, bounds = [], {}
@@ -427,7 +450,8 @@ def main() -> int:
         for threads in map(int, a.threads.split(",")):
             bounds[threads] = hardware(threads)
             if a.paired:
-                rows += run_paired(a.cache, pythons, name, paths, systems, a.workloads.split(","), threads, a.paired)
+                rows += run_paired(a.cache, pythons, name, paths, systems, a.workloads.split(","), threads, a.paired,
+                                   a.freeze_idle)
             for workload in a.workloads.split(",") if not a.paired else []:
                 for s in systems:
                     _venv, script, extra = SYSTEMS[s]
