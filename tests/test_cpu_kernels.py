@@ -1,6 +1,6 @@
-"""The C++ dense kernels against torch: argmax over rows, the bf16 matrix-vector product that single-row
-linear layers use without AMX, and the AMX tile matmul that decode-sized linear layers (and gate/up
-projections with their SiLU-and-multiply fused in) use with it."""
+"""The C++ dense kernels against torch: argmax over rows, and the two kernels over tile-packed weights that
+decode-sized linear layers (and gate/up projections, their SiLU-and-multiply fused in) use: the AVX512
+few-row kernel on CPUs without AMX, the AMX tile matmul on CPUs with it."""
 
 from __future__ import annotations
 
@@ -27,35 +27,67 @@ def test_argmax_matches_torch_on_ties_nan_and_inf(dtype):
     assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
 
 
+needs_gemv = pytest.mark.skipif(kernels is None or not kernels.bf16_gemv_supported(64) or kernels.amx_linear_supported(64),
+                                reason="needs AVX512-BF16 without AMX (with AMX the tile kernel takes decode rows)")
+
+
+@needs_gemv
 @pytest.mark.parametrize("k", [64, 576, 1536])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv_matches_float32_reference(k, bias):
-    if not kernels.bf16_gemv_supported(k):
-        pytest.skip("no AVX512-BF16 on this CPU")
+def test_gemv_matches_float32_reference_and_is_row_invariant(k, bias):
     torch.manual_seed(k)
-    n = 1003  # not a multiple of the four rows done at a time
-    x, w = torch.randn(1, k).bfloat16(), torch.randn(n, k).bfloat16()
+    n = 1003  # a partial 32-column block and a partial 16-column half
+    x, w = torch.randn(6, k).bfloat16(), torch.randn(n, k).bfloat16()
     b = torch.randn(n).bfloat16() if bias else None
-    y = kernels.bf16_gemv(x, w, b)
+    y = kernels.bf16_gemv(x, pack_weight_for_tiles(w), n, b)  # 6 rows: a group of four, then two
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
-    assert y.dtype == torch.bfloat16 and y.shape == (1, n)
+    assert y.dtype == torch.bfloat16 and y.shape == (6, n)
     # float32 sums in another order, then one rounding to bf16: within one bf16 ulp of the exact value
     torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-3 * k**0.5)
+    for i in range(6):  # a row's result does not depend on the rows beside it
+        assert torch.equal(kernels.bf16_gemv(x[i:i + 1], pack_weight_for_tiles(w), n, b), y[i:i + 1])
+    with pytest.raises(RuntimeError):
+        kernels.bf16_gemv(x, pack_weight_for_tiles(w)[1:], n, b)  # not a weight packed for n x k
 
 
-def test_linear_takes_the_kernel_for_one_row_and_onednn_for_more():
-    if not kernels.bf16_gemv_supported(256) or kernels.amx_linear_supported(256):
-        pytest.skip("needs AVX512-BF16 without AMX (with AMX the tile kernel takes single rows)")
+@needs_gemv
+def test_linear_takes_the_kernel_for_few_rows_and_onednn_for_more():
     torch.manual_seed(1)
-    w = torch.randn(300, 256).bfloat16()
-    lin = Linear(w)
-    assert lin.gemv is not None and lin.weight is not None
-    x = torch.randn(5, 256).bfloat16()
-    many = lin(x)
-    one = torch.cat([lin(x[i:i + 1]) for i in range(5)])
-    ref = F.linear(x.float(), w.float())
-    torch.testing.assert_close(many.float(), ref, rtol=2**-7, atol=2e-2)
-    torch.testing.assert_close(one.float(), ref, rtol=2**-7, atol=2e-2)
+    w, b = torch.randn(300, 256).bfloat16(), torch.randn(300).bfloat16()
+    lin = Linear(w, b)
+    assert lin.gemv is not None and lin.tiled is not None
+    assert lin.packed is None or lin.weight is None  # no row-major copy beside oneDNN's
+    x = torch.randn(Linear.GEMV_MAX_ROWS + 1, 256).bfloat16()
+    few = x[: Linear.GEMV_MAX_ROWS]
+    assert torch.equal(lin(few), kernels.bf16_gemv(few, lin.tiled, 300, b))
+    if lin.packed is not None:
+        assert torch.equal(lin(x), torch.ops.mkldnn._linear_pointwise(x, lin.packed, b, "none", [], ""))
+    ref = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(lin(x).float(), ref, rtol=2**-7, atol=2e-2)
+    torch.testing.assert_close(lin(few).float(), ref[: Linear.GEMV_MAX_ROWS], rtol=2**-7, atol=2e-2)
+
+
+@needs_gemv
+@pytest.mark.parametrize("inter", [16, 48, 1536])
+def test_gate_up_fuses_silu_mul_into_the_gemv_with_identical_results(inter):
+    torch.manual_seed(inter)
+    k = 576 if inter == 1536 else 96
+    gate, up = torch.randn(inter, k).bfloat16(), torch.randn(inter, k).bfloat16()
+    mlp_in = GateUpLinear(gate, up)
+    assert mlp_in.gemv is not None and mlp_in.linear is None
+    fused = fused_kernels(torch.bfloat16)
+    unfused = pack_weight_for_tiles(torch.cat([gate, up]))
+    x = torch.randn(9, k).bfloat16()
+    for m in (1, 2, 4, 5, 9):
+        want = silu_mul(kernels.bf16_gemv(x[:m], unfused, 2 * inter, None), fused)
+        assert torch.equal(kernels.bf16_gemv_silu_mul(x[:m], mlp_in.tiled, 2 * inter), want), m
+    few = x[: Linear.GEMV_MAX_ROWS]
+    assert torch.equal(mlp_in(few, fused), kernels.bf16_gemv_silu_mul(few, mlp_in.tiled, 2 * inter))
+    if mlp_in.packed is not None:
+        want = silu_mul(torch.ops.mkldnn._linear_pointwise(x, mlp_in.packed, None, "none", [], ""), fused)
+        assert torch.equal(mlp_in(x, fused), want)
+    ref = F.silu(F.linear(x.float(), gate.float())) * F.linear(x.float(), up.float())
+    torch.testing.assert_close(mlp_in(x, fused).float(), ref, rtol=2e-2, atol=5e-2 * k**0.5)
 
 
 needs_tiles = pytest.mark.skipif(kernels is None or not kernels.amx_linear_supported(64), reason="no AMX on this CPU")

@@ -110,8 +110,8 @@ def pack_weight_for_tiles(w: torch.Tensor, gate_up: bool = False) -> torch.Tenso
 
 
 def _gemv_kernels(w: torch.Tensor):
-    """The C++ kernels when they take single bf16 rows of this weight, else None."""
-    if w.device.type != "cpu" or w.dtype != torch.bfloat16 or not w.is_contiguous():
+    """The C++ kernels when their AVX512 few-row kernel takes this bf16 weight, else None."""
+    if w.device.type != "cpu" or w.dtype != torch.bfloat16:
         return None
     k = cpu_kernels.load()
     return k if k is not None and k.bf16_gemv_supported(w.shape[1]) else None
@@ -120,57 +120,67 @@ def _gemv_kernels(w: torch.Tensor):
 class Linear:
     """y = x W^T + b. On CPU in bf16 the weight is reordered once into oneDNN's blocked layout: with a
     model's worth of distinct weights (cold caches) that measured 1.2-1.6x faster than F.linear for
-    1 to 128 rows, with identical results. Decode-sized inputs (up to `TILE_MAX_ROWS` rows) go to the
-    C++ AMX tile kernel where the CPU has AMX (1.2-1.8x faster than oneDNN for 1-32 rows, level at 64),
-    else single rows to the AVX512 matrix-vector kernel, which needs the checkpoint's row-major weight.
-    Either way two copies of the weight are kept, twice the weight memory for faster decode steps.
-    Elsewhere it is plain F.linear; also the seam for quantized weight formats."""
+    1 to 128 rows, with identical results. Decode-sized inputs go to a C++ kernel over a second copy of
+    the weight packed by `pack_weight_for_tiles`: the AMX tile matmul up to `TILE_MAX_ROWS` rows where the
+    CPU has AMX (1.2-1.8x faster than oneDNN for 1-32 rows, level at 64), else the AVX512 few-row kernel
+    up to `GEMV_MAX_ROWS` (1.9x oneDNN at 1-2 rows, 1.1x at 4, 0.7x at 8 on Zen 4). Two copies of
+    the weight are kept, twice the weight memory for faster decode steps. Elsewhere it is plain F.linear;
+    also the seam for quantized weight formats."""
 
     TILE_MAX_ROWS = 64
+    GEMV_MAX_ROWS = 4
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.bias = bias
         self.out_features = weight.shape[0]
         self.weight: torch.Tensor | None = weight
-        self.tiles = _tile_kernels(weight) if bias is None or bias.dtype == weight.dtype else None
-        if bias is not None and self.tiles is not None:
+        same = bias is None or bias.dtype == weight.dtype
+        self.tiles = _tile_kernels(weight) if same else None
+        self.gemv = _gemv_kernels(weight) if same and self.tiles is None else None
+        if bias is not None and (self.tiles or self.gemv) is not None:
             self.bias = bias.contiguous()
-        self.tiled = pack_weight_for_tiles(weight) if self.tiles is not None else None
-        self.gemv = _gemv_kernels(weight) if self.tiles is None else None
+        self.tiled = pack_weight_for_tiles(weight) if (self.tiles or self.gemv) is not None else None
         self.packed = _onednn_packed(weight)
-        if self.packed is not None and self.gemv is None:
-            self.weight = None  # the row-major copy is needed only by the matrix-vector kernel
+        if self.packed is not None:
+            self.weight = None  # no row-major copy: oneDNN and the kernels read their own layouts
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.tiles is not None and (rows <= self.TILE_MAX_ROWS or self.packed is None):
             return self.tiles.amx_linear(x, self.tiled, self.out_features, self.bias)
-        if self.gemv is not None and rows == 1:
-            return self.gemv.bf16_gemv(x, self.weight, self.bias)
+        if self.gemv is not None and rows <= self.GEMV_MAX_ROWS:
+            return self.gemv.bf16_gemv(x, self.tiled, self.out_features, self.bias)
         if self.packed is not None:
             return _onednn_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
 class GateUpLinear:
-    """silu(x Wg^T) * (x Wu^T), the input half of a gated MLP. Where the AMX kernel takes the weight, decode-sized
-    inputs (up to `Linear.TILE_MAX_ROWS` rows) run it with the SiLU-and-multiply in its store of each finished
-    block, so the [T, 2I] projection never makes a round trip through memory; prefill-sized inputs go to
-    oneDNN and then `silu_mul` (512-token TTFT on SmolLM2 1.02-1.35x faster than the fused tile kernel,
-    alternating in one process; level at 2048 rows). The two agree to float32 summation order, as `Linear`'s
-    tile and oneDNN paths do."""
+    """silu(x Wg^T) * (x Wu^T), the input half of a gated MLP. Where a C++ kernel takes the weight (the AMX
+    tile matmul up to `Linear.TILE_MAX_ROWS` rows, the AVX512 few-row kernel up to `Linear.GEMV_MAX_ROWS`),
+    decode-sized inputs run it with the SiLU-and-multiply in its store of each finished block, so the
+    [T, 2I] projection never makes a round trip through memory; prefill-sized inputs go to oneDNN and then
+    `silu_mul` (512-token TTFT on SmolLM2 1.02-1.35x faster than the fused tile kernel, alternating in one
+    process; level at 2048 rows). The paths agree to float32 summation order."""
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor) -> None:
         weight = torch.cat([gate, up]).contiguous()
         self.out_features = weight.shape[0]
-        self.tiles = _tile_kernels(weight) if gate.shape[0] % 16 == 0 else None
-        self.tiled = pack_weight_for_tiles(weight, gate_up=True) if self.tiles is not None else None
-        self.packed = _onednn_packed(weight) if self.tiles is not None else None
-        self.linear = Linear(weight) if self.tiles is None else None
+        whole = gate.shape[0] % 16 == 0  # the fused store takes whole 16-column gate and up groups
+        self.tiles = _tile_kernels(weight) if whole else None
+        self.gemv = _gemv_kernels(weight) if whole and self.tiles is None else None
+        self.packed = _onednn_packed(weight) if (self.tiles or self.gemv) is not None else None
+        if self.tiles is None and self.packed is None:
+            self.gemv = None  # the few-row kernel needs oneDNN beside it for wider inputs
+        self.tiled = pack_weight_for_tiles(weight, gate_up=True) if (self.tiles or self.gemv) is not None else None
+        self.linear = Linear(weight) if self.tiled is None else None
 
     def __call__(self, x: torch.Tensor, fused=None) -> torch.Tensor:
-        if self.tiles is None:
+        if self.linear is not None:
             return silu_mul(self.linear(x), fused)
-        if x.shape[0] <= Linear.TILE_MAX_ROWS or self.packed is None:
+        rows = x.shape[0]
+        if self.tiles is not None and (rows <= Linear.TILE_MAX_ROWS or self.packed is None):
             return self.tiles.amx_linear_silu_mul(x, self.tiled, self.out_features)
+        if self.gemv is not None and rows <= Linear.GEMV_MAX_ROWS:
+            return self.gemv.bf16_gemv_silu_mul(x, self.tiled, self.out_features)
         return silu_mul(_onednn_linear(x, self.packed, None), fused)

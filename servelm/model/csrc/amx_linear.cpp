@@ -16,6 +16,7 @@
 #include <cstring>
 
 #include "amx.h"
+#include "linear_epilogue.h"
 
 namespace {
 // Outside the AMX guard: the argument checks use the block width on every CPU.
@@ -23,49 +24,10 @@ constexpr int64_t kN = 32;    // output columns per weight block (two B tiles)
 constexpr int64_t kMc = 256;  // rows of x per pass: that slice of x stays in L2 while the weights stream by
 #ifdef SERVELM_AMX
 using servelm::bf16;
-using servelm::lanes;
-using servelm::load_bf16;
-using servelm::store_bf16;
-
-// Finished float32 results of one block, converted to bf16 while the tile unit works on the next block.
-struct Pending {
-  const float* c = nullptr;
-  int64_t rows = 0, n0 = 0;
-  bf16* out = nullptr;
-};
-
-// What becomes of a block's float32 results: bias added and rounded to bf16 (`N` output columns), or,
-// for a gate/up projection packed with `pack_weight_for_tiles(..., gate_up=True)`, each block's 16 gate
-// and 16 up columns turned into 16 columns of bf16(silu(gate) * up) (`N / 2` output columns).
-struct Epilogue {
-  const bf16* bias = nullptr;
-  int64_t N = 0;
-  bool silu_mul = false;
-};
-
-// c [rows][32] float32 -> bf16 output columns n0.. (bias added in float32, one rounding, as oneDNN does).
-// The SiLU product rounds where the unfused chain does: the projection's bf16 output, the SiLU, the product.
-void store_rows(const Pending& p, const Epilogue& e) {
-  if (e.silu_mul) {
-    const int64_t I = e.N / 2;
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (int64_t r = 0; r < p.rows; ++r) {
-      const __m512 g = servelm::round_bf16(_mm512_load_ps(p.c + r * kN));
-      const __m512 u = servelm::round_bf16(_mm512_load_ps(p.c + r * kN + 16));
-      const __m512 act = _mm512_div_ps(g, _mm512_add_ps(one, servelm::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-      store_bf16(p.out + r * I + p.n0 / 2, _mm512_mul_ps(servelm::round_bf16(act), u));
-    }
-    return;
-  }
-  const int64_t N = e.N;
-  for (int64_t r = 0; r < p.rows; ++r)
-    for (int64_t h = 0; h < kN && p.n0 + h < N; h += 16) {
-      const __mmask16 m = lanes(N - p.n0 - h);
-      __m512 v = _mm512_load_ps(p.c + r * kN + h);
-      if (e.bias) v = _mm512_add_ps(v, load_bf16(e.bias + p.n0 + h, m));
-      store_bf16(p.out + r * N + p.n0 + h, v, m);
-    }
-}
+using servelm::Epilogue;
+using servelm::Pending;
+using servelm::store_rows;
+static_assert(kN == servelm::kBlockCols, "the epilogue's block width");
 
 // Converts `pending` once the first products of a block are issued, so the conversion overlaps them.
 inline void drain(Pending& pending, const Epilogue& e) {
