@@ -14,9 +14,9 @@ from servelm.model.attention.torch_paged import _window_mask
 
 kernels = cpu_kernels.load()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="CPU kernels could not be compiled here")
-needs_tiles = pytest.mark.skipif(
+needs_prefill_kernel = pytest.mark.skipif(
     kernels is None or not kernels.prefill_attention_supported(torch.empty(1, 1, 64, dtype=torch.bfloat16)),
-    reason="no AMX tile unit on this CPU")
+    reason="no AVX512-BF16 on this CPU")
 
 
 def _naive(q, k, v, q_pos, window):
@@ -80,18 +80,18 @@ def _paged(ctx_len, bs, hkv, d, seed):
     return (kc, vc), table, k, v
 
 
-@needs_tiles
+@needs_prefill_kernel
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("window", [None, 5, 40])
 # (queries, context, block size): one token; partial tiles; a cached prefix; blocks that do not divide 16
 @pytest.mark.parametrize("q_len, ctx_len, bs", [(1, 1, 16), (37, 37, 16), (100, 300, 16), (20, 77, 7), (64, 64, 3)])
-def test_tile_prefill_matches_naive_attention(d, window, q_len, ctx_len, bs):
+def test_kernel_prefill_matches_naive_attention(d, window, q_len, ctx_len, bs):
     hq, hkv = 6, 2
     cache, table, k, v = _paged(ctx_len, bs, hkv, d, seed=q_len + d)
     q = torch.randn(q_len, hq, d).bfloat16()
     span = PrefillSpan(0, q_len, ctx_len, table)
     be = CpuPagedAttention(hq, hkv, d, d**-0.5, kernels=kernels)
-    assert be.tile_prefill
+    assert be.kernel_prefill
     out = be._prefill(q, k[-q_len:], v[-q_len:], cache, span, bs, window)
     ref = _naive(q, k, v, torch.arange(ctx_len - q_len, ctx_len), window)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
@@ -100,8 +100,8 @@ def test_tile_prefill_matches_naive_attention(d, window, q_len, ctx_len, bs):
     assert (out.float() - ref).abs().mean() <= 1.25 * (sdpa.float() - ref).abs().mean() + 1e-4
 
 
-@needs_tiles
-def test_tile_prefill_is_the_same_whatever_the_chunking_and_threads():
+@needs_prefill_kernel
+def test_kernel_prefill_is_the_same_whatever_the_chunking_and_threads():
     """Each query's result depends only on its own keys: chunked prefill over a cached prefix, any thread
     count, and interleaving with oneDNN's and PyTorch's own AMX kernels all give the same bits."""
     hq, hkv, d, n, bs = 8, 2, 64, 203, 16
@@ -127,8 +127,8 @@ def test_tile_prefill_is_the_same_whatever_the_chunking_and_threads():
     assert torch.equal(F.scaled_dot_product_attention(qs, ks, ks, is_causal=True), att)
 
 
-@needs_tiles
-def test_tile_prefill_refuses_bad_block_tables():
+@needs_prefill_kernel
+def test_kernel_prefill_refuses_bad_block_tables():
     cache, table, k, v = _paged(40, 16, 2, 64, seed=3)
     q, out = torch.randn(40, 4, 64).bfloat16(), torch.empty(40, 4, 64).bfloat16()
     with pytest.raises(RuntimeError, match="out of range"):

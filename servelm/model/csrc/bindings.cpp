@@ -23,9 +23,9 @@ torch::Tensor silu_mul_bf16(torch::Tensor x);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("prefill_attention_supported", &prefill_attention_supported,
-        "whether paged_prefill_attention takes q (AMX present and permitted, bf16, head_dim % 32 == 0)");
+        "whether paged_prefill_attention takes q (AVX512-BF16, bf16, head_dim % 32 == 0, at most 256)");
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "causal attention of one sequence's query chunk over its paged cache (AMX tiles)");
+        "causal attention of one sequence's query chunk over its paged cache (AMX tiles or AVX512-BF16)");
   m.def("write_kv", &write_kv, "copy each token's keys and values into its cache slot");
   m.def("amx_linear_supported", &amx_linear_supported, "whether amx_linear takes inputs of K features");
   m.def("amx_linear", &amx_linear, "x @ w.T (+ bias) on AMX tiles, w packed by pack_weight_for_tiles");

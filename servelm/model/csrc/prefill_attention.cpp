@@ -1,11 +1,12 @@
-// Prefill attention on AMX tiles: a chunk of queries against its own sequence's paged keys and values
-// (a cached prefix included), causal, with an optional sliding window. bf16 in and out, float32 softmax.
+// Prefill attention: a chunk of queries against its own sequence's paged keys and values (a cached prefix
+// included), causal, with an optional sliding window. bf16 in and out, float32 softmax. Two engines for
+// the matrix products: AMX tiles where the CPU has them, else AVX512-BF16 dot products (PyTorch's CPU
+// flash attention reached 50-90 GFLOP/s on this work with AMX, and 18 on Zen 4 without).
 //
-// PyTorch's CPU flash attention reaches 50-90 GFLOP/s on this work; the matrix products here run on the
-// AMX tile unit, which leaves the softmax's exp as the main cost. Layout, per (query head, 16 queries):
-//   S^T = K . Q^T  (16 keys x 16 queries per tile): keys are tile rows, so the online softmax's running
-//                  max and sum over keys are vertical operations on 16-query vectors, with no transposes;
-//   O^T += V^T . P^T (16 dims x 16 queries per tile), rescaled in vector registers between key blocks.
+// Layout, per (query head, 16 queries), queries as the 16 lanes of a vector:
+//   S^T = K . Q^T  (keys x 16 queries): the online softmax's running max and sum over keys are vertical
+//                  operations on 16-query vectors, with no transposes;
+//   O^T += V^T . P^T (head_dim x 16 queries), rescaled in vector registers between key blocks.
 // Keys and values are first copied out of the paged cache into contiguous per-head buffers (K rows and
 // V transposed), O(context x head_dim) work that every query block then reuses.
 #include <torch/extension.h>
@@ -20,26 +21,10 @@
 
 namespace {
 
-#ifdef SERVELM_AMX
-using servelm::amx_permitted;
+#ifdef SERVELM_AVX512_BF16
 using servelm::bf16;
-using servelm::TileConfig;
-constexpr int64_t kQ = 16;  // queries per work item (tile columns)
+constexpr int64_t kQ = 16;  // queries per work item (vector lanes; tile columns)
 constexpr int64_t kK = 32;  // keys per block (two tiles of S^T, one bf16 K-step of P^T)
-
-// Tile registers (macros: the intrinsics paste the number into the instruction): S^T for keys 0-15 and
-// 16-31 of a block, a K slice, a Q^T slice (later P^T), and 4-7 for O^T: with head_dim 64 all of O^T
-// stays in tiles 4-7 (V^T slices then go through tile 2); otherwise 4-5 hold O^T slices loaded from
-// memory and 6-7 V^T slices.
-#define T_S0 0
-#define T_S1 1
-#define T_K 2
-#define T_Q 3
-#define T_P 3
-#define T_O0 4
-#define T_O1 5
-#define T_V0 6
-#define T_V1 7
 
 // Copies one kv head's first `len` keys into K[len_pad][D] and values into VT[D][len_pad], zero padded.
 // Values go through a 32-row staging block so that each VT row receives one whole cache line at a time.
@@ -72,26 +57,154 @@ void pack_queries(const bf16* q, int64_t row_stride, int64_t n, int64_t D, uint3
   }
 }
 
-// One head, up to 16 queries at positions pos0.. against keys [0, ctx) of the packed buffers.
+// Per work item: where its queries sit and the running softmax state, lanes = queries.
+struct SoftmaxState {
+  int64_t pos0, last, window;
+  __m512i pos;  // each lane's query position (padding lanes copy the last query's)
+  __m512 scale, m, l;
+  SoftmaxState(int64_t pos0_, int64_t n, int64_t window_, float s) : pos0(pos0_), last(pos0_ + n - 1), window(window_) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    // padding lanes copy the last query's position: harmless, and they never see an all-masked row
+    pos = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32(int(pos0)), lane), _mm512_set1_epi32(int(last)));
+    scale = _mm512_set1_ps(s);
+    m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    l = _mm512_setzero_ps();
+  }
+  int64_t first_block() const { return (window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0) / kK * kK; }
+};
+
+// One key block's softmax: S[key][query] scores in, scaled and masked in place; the running max moved
+// when needed (rescale(alpha) then scales the output accumulators); P^T out in PB as bf16 key pairs
+// (the layout both engines' P^T . V^T products take), its sums added to the running sum.
+template <class Rescale>
+inline void softmax_block(SoftmaxState& st, int64_t kb, float (*S)[16], uint32_t (*PB)[16], Rescale&& rescale) {
+  // word 2q <- p0[q] (word q), word 2q + 1 <- p1[q] (word 16 + q)
+  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 slack = _mm512_set1_ps(8.f);
+  // Masks only where the block crosses the diagonal or the window's edge.
+  const bool edge = kb + kK - 1 > st.pos0 || (st.window > 0 && kb <= st.last - st.window);
+  __mmask16 valid[kK];
+  __m512 mbs[4] = {neg_inf, neg_inf, neg_inf, neg_inf};  // four chains: a max is 4 cycles of latency
+  for (int64_t j = 0; j < kK; ++j) {
+    __mmask16 ok = 0xFFFF;
+    if (edge) {
+      const __m512i key = _mm512_set1_epi32(int(kb + j));
+      ok = _mm512_cmple_epi32_mask(key, st.pos);
+      if (st.window > 0) ok &= _mm512_cmpgt_epi32_mask(_mm512_add_epi32(key, _mm512_set1_epi32(int(st.window))), st.pos);
+    }
+    valid[j] = ok;
+    const __m512 sj = _mm512_mask_mov_ps(neg_inf, ok, _mm512_mul_ps(_mm512_load_ps(S[j]), st.scale));
+    _mm512_store_ps(S[j], sj);
+    mbs[j % 4] = _mm512_max_ps(mbs[j % 4], sj);
+  }
+  const __m512 mb = _mm512_max_ps(_mm512_max_ps(mbs[0], mbs[1]), _mm512_max_ps(mbs[2], mbs[3]));
+  // Lazy rescaling: exponents taken against a max up to e^8 below the true one still fit float32 and
+  // bf16 comfortably, so the running max (and with it the accumulators) moves only when a score
+  // exceeds it by more: a few times per query, not every block.
+  const __mmask16 grow = _mm512_cmp_ps_mask(mb, _mm512_add_ps(st.m, slack), _CMP_GT_OQ);
+  if (grow) {
+    const __m512 m_new = _mm512_mask_max_ps(st.m, grow, st.m, mb);
+    const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), grow, servelm::exp512(_mm512_sub_ps(st.m, m_new)));
+    st.l = _mm512_mul_ps(st.l, alpha);
+    rescale(alpha);
+    st.m = m_new;
+  }
+  // a query with no key yet (its window starts further on) still has max -inf and all p masked to 0
+  const __m512 m_use = _mm512_mask_mov_ps(st.m, _mm512_cmp_ps_mask(st.m, neg_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  for (int64_t j = 0; j < kK; j += 2) {
+    const __m512 p0 = _mm512_maskz_mov_ps(valid[j], servelm::exp512(_mm512_sub_ps(_mm512_load_ps(S[j]), m_use)));
+    const __m512 p1 = _mm512_maskz_mov_ps(valid[j + 1], servelm::exp512(_mm512_sub_ps(_mm512_load_ps(S[j + 1]), m_use)));
+    sum0 = _mm512_add_ps(sum0, p0);
+    sum1 = _mm512_add_ps(sum1, p1);
+    const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // p0 in words 0-15, p1 in 16-31
+    _mm512_store_si512(PB[j / 2], _mm512_permutexvar_epi16(interleave, packed));
+  }
+  st.l = _mm512_add_ps(st.l, _mm512_add_ps(sum0, sum1));
+}
+
+// O^T [dim][query] float32 -> each query's output row: scaled by 1 / sum, then gathered 16 dims at a
+// time (the scalar loop this replaces, with its bf16 conversions, was a sixth of the kernel's time).
+inline void write_rows(const SoftmaxState& st, float* O, int64_t D, int64_t n, bf16* out, int64_t out_stride) {
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), st.l);
+  for (int64_t d = 0; d < D; ++d) _mm512_store_ps(O + d * 16, _mm512_mul_ps(_mm512_load_ps(O + d * 16), inv));
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i dims = _mm512_slli_epi32(lane, 4);  // lane * 16: the next dim's entry for this query
+  for (int64_t i = 0; i < n; ++i) {
+    bf16* row = out + i * out_stride;
+    for (int64_t d = 0; d < D; d += 16) servelm::store_bf16(row + d, _mm512_i32gather_ps(dims, O + d * 16 + i, 4));
+  }
+}
+
+// One head, up to 16 queries at positions pos0.. against keys [0, ctx) of the packed buffers, on AVX512:
+// scores 8 keys at a time (one Q^T pair vector, eight broadcast key pairs), O^T 16 dims at a time in
+// registers (one P^T pair vector, sixteen broadcast value pairs).
+void attend_block_avx512(const uint32_t* QP, const bf16* K, const bf16* VT, int64_t len_pad, int64_t D, int64_t pos0,
+                         int64_t n, int64_t window, float scale, float* O, bf16* out, int64_t out_stride) {
+  SoftmaxState st(pos0, n, window, scale);
+  alignas(64) float S[kK][16];
+  alignas(64) uint32_t PB[kK / 2][16];
+  std::memset(O, 0, D * 16 * sizeof(float));
+  const __m512bh* q = reinterpret_cast<const __m512bh*>(QP);
+  for (int64_t kb = st.first_block(); kb <= st.last; kb += kK) {
+    for (int64_t j0 = 0; j0 < kK; j0 += 8) {
+      __m512 acc[8];
+      for (int u = 0; u < 8; ++u) acc[u] = _mm512_setzero_ps();
+      const uint32_t* krow = reinterpret_cast<const uint32_t*>(K + (kb + j0) * D);
+      for (int64_t p = 0; p < D / 2; ++p) {
+        const __m512bh qv = q[p];
+        for (int u = 0; u < 8; ++u) acc[u] = _mm512_dpbf16_ps(acc[u], qv, (__m512bh)_mm512_set1_epi32(int(krow[u * D / 2 + p])));
+      }
+      for (int u = 0; u < 8; ++u) _mm512_store_ps(S[j0 + u], acc[u]);
+    }
+    softmax_block(st, kb, S, PB, [&](__m512 alpha) {
+      for (int64_t d = 0; d < D; ++d) _mm512_store_ps(O + d * 16, _mm512_mul_ps(_mm512_load_ps(O + d * 16), alpha));
+    });
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      __m512 o[16];
+      for (int u = 0; u < 16; ++u) o[u] = _mm512_load_ps(O + (d0 + u) * 16);
+      for (int64_t jp = 0; jp < kK / 2; ++jp) {
+        const __m512bh pv = (__m512bh)_mm512_load_si512(PB[jp]);
+        for (int u = 0; u < 16; ++u) {
+          const int32_t vpair = *reinterpret_cast<const int32_t*>(VT + (d0 + u) * len_pad + kb + 2 * jp);
+          o[u] = _mm512_dpbf16_ps(o[u], pv, (__m512bh)_mm512_set1_epi32(vpair));
+        }
+      }
+      for (int u = 0; u < 16; ++u) _mm512_store_ps(O + (d0 + u) * 16, o[u]);
+    }
+  }
+  write_rows(st, O, D, n, out, out_stride);
+}
+#endif  // SERVELM_AVX512_BF16
+
+#ifdef SERVELM_AMX
+using servelm::TileConfig;
+
+// Tile registers (macros: the intrinsics paste the number into the instruction): S^T for keys 0-15 and
+// 16-31 of a block, a K slice, a Q^T slice (later P^T), and 4-7 for O^T: with head_dim 64 all of O^T
+// stays in tiles 4-7 (V^T slices then go through tile 2); otherwise 4-5 hold O^T slices loaded from
+// memory and 6-7 V^T slices.
+#define T_S0 0
+#define T_S1 1
+#define T_K 2
+#define T_Q 3
+#define T_P 3
+#define T_O0 4
+#define T_O1 5
+#define T_V0 6
+#define T_V1 7
+
+// One head, up to 16 queries at positions pos0.. against keys [0, ctx) of the packed buffers, on AMX tiles.
 // kResident: head_dim is 64 and O^T lives in tiles 4-7 for the whole key loop.
 template <bool kResident>
 void attend_block(const uint32_t* QP, const bf16* K, const bf16* VT, int64_t len_pad, int64_t D, int64_t pos0,
                   int64_t n, int64_t window, float scale, float* O, bf16* out, int64_t out_stride) {
-  const int64_t last = pos0 + n - 1;
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  // padding lanes copy the last query's position: harmless, and they never see an all-masked row
-  const __m512i pos = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32(int(pos0)), lane),
-                                       _mm512_set1_epi32(int(last)));
-  // word 2q <- p0[q] (word q), word 2q + 1 <- p1[q] (word 16 + q)
-  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i interleave = _mm512_load_si512(kInterleave);
-  const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  SoftmaxState st(pos0, n, window, scale);
   alignas(64) float S[kK][16];
   alignas(64) uint32_t PB[kK / 2][16];
-  const __m512 slack = _mm512_set1_ps(8.f);
-  __m512 m = neg_inf, l = _mm512_setzero_ps();
   std::memset(O, 0, D * 16 * sizeof(float));
   if constexpr (kResident) {
     _tile_zero(4);
@@ -118,37 +231,13 @@ void attend_block(const uint32_t* QP, const bf16* K, const bf16* VT, int64_t len
     _tile_stored(6, O + 512, 64);
     _tile_stored(7, O + 768, 64);
   };
-  const int64_t kb0 = lo / kK * kK;
+  const int64_t kb0 = st.first_block();
   scores(kb0);
-  for (int64_t kb = kb0; kb <= last; kb += kK) {
+  for (int64_t kb = kb0; kb <= st.last; kb += kK) {
     _tile_stored(T_S0, S[0], 64);
     _tile_stored(T_S1, S[16], 64);
-    if (kb + kK <= last) scores(kb + kK);
-    // Masks only where the block crosses the diagonal or the window's edge.
-    const bool edge = kb + kK - 1 > pos0 || (window > 0 && kb <= last - window);
-    __mmask16 valid[kK];
-    __m512 mbs[4] = {neg_inf, neg_inf, neg_inf, neg_inf};  // four chains: a max is 4 cycles of latency
-    for (int64_t j = 0; j < kK; ++j) {
-      __mmask16 ok = 0xFFFF;
-      if (edge) {
-        const __m512i key = _mm512_set1_epi32(int(kb + j));
-        ok = _mm512_cmple_epi32_mask(key, pos);
-        if (window > 0) ok &= _mm512_cmpgt_epi32_mask(_mm512_add_epi32(key, _mm512_set1_epi32(int(window))), pos);
-      }
-      valid[j] = ok;
-      const __m512 sj = _mm512_mask_mov_ps(neg_inf, ok, _mm512_mul_ps(_mm512_load_ps(S[j]), vscale));
-      _mm512_store_ps(S[j], sj);
-      mbs[j % 4] = _mm512_max_ps(mbs[j % 4], sj);
-    }
-    const __m512 mb = _mm512_max_ps(_mm512_max_ps(mbs[0], mbs[1]), _mm512_max_ps(mbs[2], mbs[3]));
-    // Lazy rescaling: exponents taken against a max up to e^8 below the true one still fit float32 and
-    // bf16 comfortably, so the running max (and with it the accumulators) moves only when a score
-    // exceeds it by more: a few times per query, not every block.
-    const __mmask16 grow = _mm512_cmp_ps_mask(mb, _mm512_add_ps(m, slack), _CMP_GT_OQ);
-    if (grow) {
-      const __m512 m_new = _mm512_mask_max_ps(m, grow, m, mb);
-      const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), grow, servelm::exp512(_mm512_sub_ps(m, m_new)));
-      l = _mm512_mul_ps(l, alpha);
+    if (kb + kK <= st.last) scores(kb + kK);
+    softmax_block(st, kb, S, PB, [&](__m512 alpha) {
       if constexpr (kResident) store_o(O);
       for (int64_t d = 0; d < D; ++d) _mm512_store_ps(O + d * 16, _mm512_mul_ps(_mm512_load_ps(O + d * 16), alpha));
       if constexpr (kResident) {
@@ -157,21 +246,7 @@ void attend_block(const uint32_t* QP, const bf16* K, const bf16* VT, int64_t len
         _tile_loadd(6, O + 512, 64);
         _tile_loadd(7, O + 768, 64);
       }
-      m = m_new;
-    }
-    // a query with no key yet (its window starts further on) still has max -inf and all p masked to 0
-    const __m512 m_use = _mm512_mask_mov_ps(m, _mm512_cmp_ps_mask(m, neg_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
-    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-    for (int64_t j = 0; j < kK; j += 2) {
-      const __m512 p0 = _mm512_maskz_mov_ps(valid[j], servelm::exp512(_mm512_sub_ps(_mm512_load_ps(S[j]), m_use)));
-      const __m512 p1 =
-          _mm512_maskz_mov_ps(valid[j + 1], servelm::exp512(_mm512_sub_ps(_mm512_load_ps(S[j + 1]), m_use)));
-      sum0 = _mm512_add_ps(sum0, p0);
-      sum1 = _mm512_add_ps(sum1, p1);
-      const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // p0 in words 0-15, p1 in 16-31
-      _mm512_store_si512(PB[j / 2], _mm512_permutexvar_epi16(interleave, packed));
-    }
-    l = _mm512_add_ps(l, _mm512_add_ps(sum0, sum1));
+    });
     _tile_loadd(T_P, PB, 64);
     if constexpr (kResident) {  // O^T += V^T . P^T in tiles 4-7
       _tile_loadd(T_K, VT + kb, len_pad * 2);
@@ -199,24 +274,17 @@ void attend_block(const uint32_t* QP, const bf16* K, const bf16* VT, int64_t len
     }
   }
   if constexpr (kResident) store_o(O);
-  // O^T is [dim][query]: scale each query's lane, then gather each query's row 16 dims at a time (the
-  // scalar loop this replaces, with its bf16 conversions, was a sixth of the kernel's time)
-  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
-  for (int64_t d = 0; d < D; ++d) _mm512_store_ps(O + d * 16, _mm512_mul_ps(_mm512_load_ps(O + d * 16), inv));
-  const __m512i dims = _mm512_slli_epi32(lane, 4);  // lane * 16: the next dim's entry for this query
-  for (int64_t i = 0; i < n; ++i) {
-    bf16* row = out + i * out_stride;
-    for (int64_t d = 0; d < D; d += 16) servelm::store_bf16(row + d, _mm512_i32gather_ps(dims, O + d * 16 + i, 4));
-  }
+  write_rows(st, O, D, n, out, out_stride);
 }
 #endif  // SERVELM_AMX
 
 }  // namespace
 
+// Whether paged_prefill_attention takes q: bf16 [tokens, heads, head_dim], head_dim a multiple of 32 up to
+// 256, on a CPU with AVX512-BF16 (AMX tiles used where present and permitted).
 bool prefill_attention_supported(torch::Tensor q) {
-#ifdef SERVELM_AMX
-  return q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.size(2) % 32 == 0 && q.size(2) <= 256 &&
-         amx_permitted();
+#ifdef SERVELM_AVX512_BF16
+  return q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.size(2) % 32 == 0 && q.size(2) <= 256;
 #else
   (void)q;
   return false;
@@ -225,8 +293,8 @@ bool prefill_attention_supported(torch::Tensor q) {
 
 void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                              torch::Tensor block_table, int64_t ctx_len, double scale, int64_t window) {
-  TORCH_CHECK(prefill_attention_supported(q), "paged_prefill_attention: needs AMX, bf16 and head_dim % 32 == 0");
-#ifdef SERVELM_AMX
+  TORCH_CHECK(prefill_attention_supported(q), "paged_prefill_attention: needs AVX512-BF16, bf16 and head_dim % 32 == 0");
+#ifdef SERVELM_AVX512_BF16
   const int64_t Q = q.size(0), H = q.size(1), D = q.size(2);
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && out.sizes() == q.sizes() && out.scalar_type() == at::kBFloat16,
               "paged_prefill_attention: q and out must be [tokens, heads, head_dim] with unit stride rows");
@@ -257,18 +325,30 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
   bf16* op = reinterpret_cast<bf16*>(out.data_ptr());
   const int64_t nqb = (Q + kQ - 1) / kQ, first_pos = ctx_len - Q;
   const float fscale = static_cast<float>(scale);
+  [[maybe_unused]] bool tiles = false;
+#ifdef SERVELM_AMX
+  tiles = servelm::amx_permitted();
+#endif
   at::parallel_for(0, H * nqb, 1, [&](int64_t b, int64_t e) {
+#ifdef SERVELM_AMX
     TileConfig cfg;
-    _tile_loadconfig(&cfg);
+    if (tiles) _tile_loadconfig(&cfg);
+#endif
     alignas(64) uint32_t QP[256 / 2 * kQ];
     alignas(64) float O[256 * 16];
     for (int64_t item = b; item < e; ++item) {
       const int64_t h = item / nqb, q0 = (item % nqb) * kQ, n = std::min(kQ, Q - q0), kvh = h / G;
       pack_queries(qp + q0 * q.stride(0) + h * q.stride(1), q.stride(0), n, D, QP);
-      (D == 64 ? attend_block<true> : attend_block<false>)(QP, K + kvh * len_pad * D, VT + kvh * D * len_pad, len_pad, D, first_pos + q0, n, window, fscale,
-                   O, op + q0 * out.stride(0) + h * out.stride(1), out.stride(0));
+      auto attend = attend_block_avx512;
+#ifdef SERVELM_AMX
+      if (tiles) attend = D == 64 ? attend_block<true> : attend_block<false>;
+#endif
+      attend(QP, K + kvh * len_pad * D, VT + kvh * D * len_pad, len_pad, D, first_pos + q0, n, window, fscale, O,
+             op + q0 * out.stride(0) + h * out.stride(1), out.stride(0));
     }
-    _tile_release();
+#ifdef SERVELM_AMX
+    if (tiles) _tile_release();
+#endif
   });
 #endif
 }
