@@ -64,6 +64,7 @@ def main() -> None:
     p.add_argument("--workload", default="W1", choices=["W1", "W2"])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=None, help="output tokens (default: the workload's; 1 times TTFT)")
+    p.add_argument("--warmups", type=int, default=1, help="untimed whole runs first")
     p.add_argument("--decode-rows", type=int, default=64, help="calls with at most this many rows count as decode")
     args = p.parse_args()
     module = cpu_kernels.load()
@@ -77,7 +78,8 @@ def main() -> None:
     llm = LLM(args.model, dtype="bfloat16", num_threads=args.threads, enable_prefix_caching=False)
     batch, out = prompts(args.workload), args.max_tokens or output_len(args.workload)
     sp = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
-    llm.generate(batch[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    for _ in range(args.warmups):  # whole runs first: the KV cache's pages are touched (faulted in) once
+        llm.generate(batch, sp, use_tqdm=False)
     TIMES.clear()
     t = time.perf_counter()
     llm.generate(batch, sp, use_tqdm=False)
