@@ -67,29 +67,6 @@ def test_linear_takes_the_kernel_for_few_rows_and_onednn_for_more():
     torch.testing.assert_close(lin(few).float(), ref[: Linear.GEMV_MAX_ROWS], rtol=2**-7, atol=2e-2)
 
 
-@needs_gemv
-@pytest.mark.parametrize("inter", [16, 48, 1536])
-def test_gate_up_fuses_silu_mul_into_the_gemv_with_identical_results(inter):
-    torch.manual_seed(inter)
-    k = 576 if inter == 1536 else 96
-    gate, up = torch.randn(inter, k).bfloat16(), torch.randn(inter, k).bfloat16()
-    mlp_in = GateUpLinear(gate, up)
-    assert mlp_in.gemv is not None and mlp_in.linear is None
-    fused = fused_kernels(torch.bfloat16)
-    unfused = pack_weight_for_tiles(torch.cat([gate, up]))
-    x = torch.randn(9, k).bfloat16()
-    for m in (1, 2, 4, 5, 9):
-        want = silu_mul(kernels.bf16_gemv(x[:m], unfused, 2 * inter, None), fused)
-        assert torch.equal(kernels.bf16_gemv_silu_mul(x[:m], mlp_in.tiled, 2 * inter), want), m
-    few = x[: Linear.GEMV_MAX_ROWS]
-    assert torch.equal(mlp_in(few, fused), kernels.bf16_gemv_silu_mul(few, mlp_in.tiled, 2 * inter))
-    if mlp_in.packed is not None:
-        want = silu_mul(torch.ops.mkldnn._linear_pointwise(x, mlp_in.packed, None, "none", [], ""), fused)
-        assert torch.equal(mlp_in(x, fused), want)
-    ref = F.silu(F.linear(x.float(), gate.float())) * F.linear(x.float(), up.float())
-    torch.testing.assert_close(mlp_in(x, fused).float(), ref, rtol=2e-2, atol=5e-2 * k**0.5)
-
-
 needs_tiles = pytest.mark.skipif(kernels is None or not kernels.amx_linear_supported(64), reason="no AMX on this CPU")
 
 
@@ -144,32 +121,36 @@ def test_linear_takes_tiles_for_decode_rows_and_onednn_beyond():
     torch.testing.assert_close(lin(small).float(), ref[: Linear.TILE_MAX_ROWS], rtol=2**-7, atol=2e-2)
 
 
-@needs_tiles
+@pytest.mark.skipif(kernels is None or not kernels.bf16_gemv_supported(64), reason="no AVX512-BF16 on this CPU")
 @pytest.mark.parametrize("inter", [16, 48, 1536])
-def test_gate_up_fuses_silu_mul_into_the_tile_matmul_with_identical_results(inter):
+def test_gate_up_fuses_silu_mul_into_the_decode_kernel_with_identical_results(inter):
+    """On the kernel this CPU's decode steps use: the AMX tile matmul, or the AVX512 few-row kernel."""
+    tiles = kernels.amx_linear_supported(64)
+    plain, fused_kernel, limit = ((kernels.amx_linear, kernels.amx_linear_silu_mul, Linear.TILE_MAX_ROWS) if tiles
+                                  else (kernels.bf16_gemv, kernels.bf16_gemv_silu_mul, Linear.GEMV_MAX_ROWS))
     torch.manual_seed(inter)
     k = 576 if inter == 1536 else 96
     gate, up = torch.randn(inter, k).bfloat16(), torch.randn(inter, k).bfloat16()
     mlp_in = GateUpLinear(gate, up)
-    assert mlp_in.tiles is not None and mlp_in.linear is None  # no row-major copy kept
+    assert (mlp_in.tiles if tiles else mlp_in.gemv) is not None and mlp_in.linear is None  # no row-major copy
     fused = fused_kernels(torch.bfloat16)
     unfused = pack_weight_for_tiles(torch.cat([gate, up]))
     x = torch.randn(300, k).bfloat16()
-    # the kernel takes any number of rows (1-2 row tiles, 64-row blocks, 256-row passes, padded tails)
-    for m in (0, 1, 16, 17, 33, 64, 65, 257, 300):
-        want = silu_mul(kernels.amx_linear(x[:m], unfused, 2 * inter, None), fused)
-        assert torch.equal(kernels.amx_linear_silu_mul(x[:m], mlp_in.tiled, 2 * inter), want), m
+    # the kernels take any number of rows (row groups, 1-2 row tiles, 64-row blocks, 256-row passes, tails)
+    for m in (0, 1, 2, 4, 5, 16, 17, 33, 64, 65, 257, 300):
+        want = silu_mul(plain(x[:m], unfused, 2 * inter, None), fused)
+        assert torch.equal(fused_kernel(x[:m], mlp_in.tiled, 2 * inter), want), m
     # the layer uses it for decode-sized inputs and oneDNN's projection, then silu_mul, beyond
-    for m in (1, 33, Linear.TILE_MAX_ROWS):
-        assert torch.equal(mlp_in(x[:m], fused), kernels.amx_linear_silu_mul(x[:m], mlp_in.tiled, 2 * inter)), m
+    for m in sorted({1, limit}):
+        assert torch.equal(mlp_in(x[:m], fused), fused_kernel(x[:m], mlp_in.tiled, 2 * inter)), m
     if mlp_in.packed is not None:
-        m = Linear.TILE_MAX_ROWS + 1
+        m = limit + 1
         want = silu_mul(torch.ops.mkldnn._linear_pointwise(x[:m], mlp_in.packed, None, "none", [], ""), fused)
         assert torch.equal(mlp_in(x[:m], fused), want)
     ref = F.silu(F.linear(x.float(), gate.float())) * F.linear(x.float(), up.float())
     torch.testing.assert_close(mlp_in(x, fused).float(), ref, rtol=2e-2, atol=5e-2 * k**0.5)
     with pytest.raises(RuntimeError):  # the fused store needs whole 16-column gate and up groups
-        kernels.amx_linear_silu_mul(x, pack_weight_for_tiles(torch.randn(48, k).bfloat16()), 48)
+        fused_kernel(x, pack_weight_for_tiles(torch.randn(48, k).bfloat16()), 48)
 
 
 @needs_tiles

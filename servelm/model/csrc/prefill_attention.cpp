@@ -57,8 +57,11 @@ void pack_queries(const bf16* q, int64_t row_stride, int64_t n, int64_t D, uint3
   }
 }
 
-// Per work item: where its queries sit and the running softmax state, lanes = queries.
+// Per work item: where its queries sit, the running softmax state (lanes = queries) and one key block's
+// scores S[key][query] and probabilities P^T (bf16 key pairs).
 struct SoftmaxState {
+  alignas(64) float S[kK][16];
+  alignas(64) uint32_t PB[kK / 2][16];
   int64_t pos0, last, window;
   __m512i pos;  // each lane's query position (padding lanes copy the last query's)
   __m512 scale, m, l;
@@ -73,11 +76,13 @@ struct SoftmaxState {
   int64_t first_block() const { return (window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0) / kK * kK; }
 };
 
-// One key block's softmax: S[key][query] scores in, scaled and masked in place; the running max moved
-// when needed (rescale(alpha) then scales the output accumulators); P^T out in PB as bf16 key pairs
+// One key block's softmax: st.S's scores in, scaled and masked in place; the running max moved
+// when needed (rescale(alpha) then scales the output accumulators); P^T out in st.PB as bf16 key pairs
 // (the layout both engines' P^T . V^T products take), its sums added to the running sum.
 template <class Rescale>
-inline void softmax_block(SoftmaxState& st, int64_t kb, float (*S)[16], uint32_t (*PB)[16], Rescale&& rescale) {
+inline void softmax_block(SoftmaxState& st, int64_t kb, Rescale&& rescale) {
+  float (*S)[16] = st.S;
+  uint32_t (*PB)[16] = st.PB;
   // word 2q <- p0[q] (word q), word 2q + 1 <- p1[q] (word 16 + q)
   alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
                                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -145,8 +150,6 @@ inline void write_rows(const SoftmaxState& st, float* O, int64_t D, int64_t n, b
 void attend_block_avx512(const uint32_t* QP, const bf16* K, const bf16* VT, int64_t len_pad, int64_t D, int64_t pos0,
                          int64_t n, int64_t window, float scale, float* O, bf16* out, int64_t out_stride) {
   SoftmaxState st(pos0, n, window, scale);
-  alignas(64) float S[kK][16];
-  alignas(64) uint32_t PB[kK / 2][16];
   std::memset(O, 0, D * 16 * sizeof(float));
   const __m512bh* q = reinterpret_cast<const __m512bh*>(QP);
   for (int64_t kb = st.first_block(); kb <= st.last; kb += kK) {
@@ -158,16 +161,16 @@ void attend_block_avx512(const uint32_t* QP, const bf16* K, const bf16* VT, int6
         const __m512bh qv = q[p];
         for (int u = 0; u < 8; ++u) acc[u] = _mm512_dpbf16_ps(acc[u], qv, (__m512bh)_mm512_set1_epi32(int(krow[u * D / 2 + p])));
       }
-      for (int u = 0; u < 8; ++u) _mm512_store_ps(S[j0 + u], acc[u]);
+      for (int u = 0; u < 8; ++u) _mm512_store_ps(st.S[j0 + u], acc[u]);
     }
-    softmax_block(st, kb, S, PB, [&](__m512 alpha) {
+    softmax_block(st, kb, [&](__m512 alpha) {
       for (int64_t d = 0; d < D; ++d) _mm512_store_ps(O + d * 16, _mm512_mul_ps(_mm512_load_ps(O + d * 16), alpha));
     });
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       __m512 o[16];
       for (int u = 0; u < 16; ++u) o[u] = _mm512_load_ps(O + (d0 + u) * 16);
       for (int64_t jp = 0; jp < kK / 2; ++jp) {
-        const __m512bh pv = (__m512bh)_mm512_load_si512(PB[jp]);
+        const __m512bh pv = (__m512bh)_mm512_load_si512(st.PB[jp]);
         for (int u = 0; u < 16; ++u) {
           const int32_t vpair = *reinterpret_cast<const int32_t*>(VT + (d0 + u) * len_pad + kb + 2 * jp);
           o[u] = _mm512_dpbf16_ps(o[u], pv, (__m512bh)_mm512_set1_epi32(vpair));
@@ -203,8 +206,6 @@ template <bool kResident>
 void attend_block(const uint32_t* QP, const bf16* K, const bf16* VT, int64_t len_pad, int64_t D, int64_t pos0,
                   int64_t n, int64_t window, float scale, float* O, bf16* out, int64_t out_stride) {
   SoftmaxState st(pos0, n, window, scale);
-  alignas(64) float S[kK][16];
-  alignas(64) uint32_t PB[kK / 2][16];
   std::memset(O, 0, D * 16 * sizeof(float));
   if constexpr (kResident) {
     _tile_zero(4);
@@ -234,10 +235,10 @@ void attend_block(const uint32_t* QP, const bf16* K, const bf16* VT, int64_t len
   const int64_t kb0 = st.first_block();
   scores(kb0);
   for (int64_t kb = kb0; kb <= st.last; kb += kK) {
-    _tile_stored(T_S0, S[0], 64);
-    _tile_stored(T_S1, S[16], 64);
+    _tile_stored(T_S0, st.S[0], 64);
+    _tile_stored(T_S1, st.S[16], 64);
     if (kb + kK <= st.last) scores(kb + kK);
-    softmax_block(st, kb, S, PB, [&](__m512 alpha) {
+    softmax_block(st, kb, [&](__m512 alpha) {
       if constexpr (kResident) store_o(O);
       for (int64_t d = 0; d < D; ++d) _mm512_store_ps(O + d * 16, _mm512_mul_ps(_mm512_load_ps(O + d * 16), alpha));
       if constexpr (kResident) {
@@ -247,7 +248,7 @@ void attend_block(const uint32_t* QP, const bf16* K, const bf16* VT, int64_t len
         _tile_loadd(7, O + 768, 64);
       }
     });
-    _tile_loadd(T_P, PB, 64);
+    _tile_loadd(T_P, st.PB, 64);
     if constexpr (kResident) {  // O^T += V^T . P^T in tiles 4-7
       _tile_loadd(T_K, VT + kb, len_pad * 2);
       _tile_dpbf16ps(4, T_K, T_P);
