@@ -1,4 +1,5 @@
-"""Two builds of servelm's C++ kernels side by side in one process: a decode step's AMX linear layers
+"""Two builds of servelm's C++ kernels side by side in one process: a decode step's linear layers (AMX
+tiles, or the AVX512 few-row kernel on CPUs without AMX)
 (SmolLM2's or llama-rand-60m's shapes, cold weights) and the paged decode attention at W1's batch,
 alternating the builds each round. Outputs must be identical (the kernels promise fixed summation
 order); prints one JSON object with medians and the new/base speed-up.
@@ -52,8 +53,9 @@ def linears(base, new, model: str, rows: list[int], rounds: int) -> dict:
         xs = {k: torch.randn(m, k).bfloat16() for k in {s[1] for s in shapes}}
 
         def run(mod, xs=xs):
-            return lambda: [mod.amx_linear_silu_mul(xs[k], w, n) if g else mod.amx_linear(xs[k], w, n, None)
-                            for w, n, k, g in ws]
+            tiles = mod.amx_linear_supported(64)  # else the AVX512 few-row kernel, over the same packing
+            plain, fused = (mod.amx_linear, mod.amx_linear_silu_mul) if tiles else (mod.bf16_gemv, mod.bf16_gemv_silu_mul)
+            return lambda: [fused(xs[k], w, n) if g else plain(xs[k], w, n, None) for w, n, k, g in ws]
 
         fa, fb = run(base), run(new)
         if not all(torch.equal(a, b) for a, b in zip(fa(), fb(), strict=True)):
@@ -92,8 +94,8 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     base, new = (cpu_kernels.build(c / "servelm" / "model" / "csrc") for c in (a.base, a.new))
-    if not base.amx_linear_supported(64):
-        raise SystemExit("needs a CPU with AMX")
+    if not base.bf16_gemv_supported(64):
+        raise SystemExit("needs a CPU with AVX512-BF16")
     res = {"model": a.model, "threads": a.threads}
     if a.rows:
         res.update(linears(base, new, a.model, [int(r) for r in a.rows.split(",")], a.rounds))
