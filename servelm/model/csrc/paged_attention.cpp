@@ -156,10 +156,8 @@ inline __m512 hsum16(const __m512* v) {
 }
 
 // bf16 with head_dim = 32 * C: q.k with AVX512-BF16 dot products (bf16 pairs, exact products,
-// float32 sums), softmax with a vector exp, and the value sum in float32 registers.
-// Values are widened without shuffles: a bf16 pair is one 32-bit lane, the even element its low half
-// (shifted up) and the odd its high half (masked), so sums run on even and odd dims apart and are
-// interleaved back once at the end.
+// float32 sums), softmax with a vector exp, probabilities rounded to bf16 and P @ V as bf16 dot products
+// over pairs of positions (half the float32 FMAs and no widening of the values).
 template <int C>
 void decode_bf16_avx512(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                         const torch::Tensor& v_cache, const torch::Tensor& block_tables,
@@ -178,6 +176,8 @@ void decode_bf16_avx512(torch::Tensor& out, const torch::Tensor& q, const torch:
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<bf16> probs;
+    const std::vector<bf16> zeros(D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
       const int64_t len = lens[b];
@@ -185,6 +185,7 @@ void decode_bf16_avx512(torch::Tensor& out, const torch::Tensor& q, const torch:
       const int64_t L = len - start;
       const int64_t Lp = (L + 15) & ~int64_t(15);
       scores.assign(G * Lp, -INFINITY);
+      probs.resize(G * Lp);
       __m512bh qv[kMaxGroup][C];
       for (int64_t g = 0; g < G; ++g)
         for (int64_t c = 0; c < C; ++c)
@@ -227,35 +228,52 @@ void decode_bf16_avx512(torch::Tensor& out, const torch::Tensor& q, const torch:
           _mm512_storeu_ps(sg + j, e);
           sv = _mm512_add_ps(sv, e);
         }
+        // Probabilities rounded to bf16, as transformers' eager attention casts them before P @ V.
         const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sv));
-        for (int64_t j = 0; j < Lp; j += 16) _mm512_storeu_ps(sg + j, _mm512_mul_ps(_mm512_loadu_ps(sg + j), inv));
+        for (int64_t j = 0; j < Lp; j += 16)
+          servelm::store_bf16(probs.data() + g * Lp + j, _mm512_mul_ps(_mm512_loadu_ps(sg + j), inv));
       }
-      __m512 even[kMaxGroup][C], odd[kMaxGroup][C];
+      // P @ V with bf16 dot products over pairs of positions: interleaving two value rows puts
+      // (v[t][d], v[t+1][d]) in one 32-bit lane, and one broadcast (p[t], p[t+1]) weighs both.
+      // unpacklo/hi_epi16 leave dims permuted within 128-bit lanes; the store puts them back.
+      __m512 lo[kMaxGroup][C], hi[kMaxGroup][C];
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t c = 0; c < C; ++c) even[g][c] = odd[g][c] = _mm512_setzero_ps();
-      const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-      for_each_row(vp, table, bs, row_stride, h * D, start, len, [&](const bf16* vr, int64_t t) {
-        __m512 ve[C], vo[C];
+        for (int64_t c = 0; c < C; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
+      auto pair = [&](const bf16* r0, const bf16* r1, int64_t j) {
+        __m512i vl[C], vh[C];
         for (int64_t c = 0; c < C; ++c) {
-          const __m512i raw = _mm512_loadu_si512(vr + c * 32);
-          ve[c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-          vo[c] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+          const __m512i a = _mm512_loadu_si512(r0 + c * 32), b = _mm512_loadu_si512(r1 + c * 32);
+          vl[c] = _mm512_unpacklo_epi16(a, b);
+          vh[c] = _mm512_unpackhi_epi16(a, b);
         }
         for (int64_t g = 0; g < G; ++g) {
-          const __m512 w = _mm512_set1_ps(scores[g * Lp + (t - start)]);
+          int32_t pp;
+          std::memcpy(&pp, probs.data() + g * Lp + j, sizeof(pp));
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(pp);
           for (int64_t c = 0; c < C; ++c) {
-            even[g][c] = _mm512_fmadd_ps(w, ve[c], even[g][c]);
-            odd[g][c] = _mm512_fmadd_ps(w, vo[c], odd[g][c]);
+            lo[g][c] = _mm512_dpbf16_ps(lo[g][c], w, (__m512bh)vl[c]);
+            hi[g][c] = _mm512_dpbf16_ps(hi[g][c], w, (__m512bh)vh[c]);
           }
         }
+      };
+      const bf16* held = nullptr;  // the even position of a pair, waiting for its odd partner
+      for_each_row(vp, table, bs, row_stride, h * D, start, len, [&](const bf16* vr, int64_t t) {
+        if (held == nullptr) {
+          held = vr;
+        } else {
+          pair(held, vr, t - 1 - start);
+          held = nullptr;
+        }
       }, D * 2, next);
-      const __m512i lo_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-      const __m512i hi_idx = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+      if (held != nullptr) pair(held, zeros.data(), L - 1);  // its partner's probability is 0
+      // Lane i of an unpacklo result holds dim 8*(i/4) + i%4 of its 32, unpackhi the next 4.
+      const __m512i idx0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+      const __m512i idx1 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
       for (int64_t g = 0; g < G; ++g) {
         bf16* o = op + (b * Hq + h * G + g) * D;
         for (int64_t c = 0; c < C; ++c) {  // round to nearest even, as a float -> bf16 cast does
-          servelm::store_bf16(o + c * 32, _mm512_permutex2var_ps(even[g][c], lo_idx, odd[g][c]));
-          servelm::store_bf16(o + c * 32 + 16, _mm512_permutex2var_ps(even[g][c], hi_idx, odd[g][c]));
+          servelm::store_bf16(o + c * 32, _mm512_permutex2var_ps(lo[g][c], idx0, hi[g][c]));
+          servelm::store_bf16(o + c * 32 + 16, _mm512_permutex2var_ps(lo[g][c], idx1, hi[g][c]));
         }
       }
     }
