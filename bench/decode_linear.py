@@ -1,5 +1,5 @@
 """Decode-step linear layers: servelm's kernel over packed weights (the AMX tile matmul where the CPU has
-AMX, else the AVX512 few-row kernel) beside oneDNN's prepacked bf16 matmul, over a whole model's worth of
+AMX, else the AVX512-BF16 kernel) beside oneDNN's prepacked bf16 matmul, over a whole model's worth of
 distinct, cache-cold weights, alternating the systems each round and keeping each one's best. Prints one
 JSON object with ratios and the weight bytes per second each reached.
 
@@ -35,9 +35,9 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     k = cpu_kernels.load()
-    if k is None or not k.bf16_gemv_supported(64):
+    if k is None or not k.avx512_linear_supported(64):
         raise SystemExit("needs the C++ kernels on a CPU with AVX512-BF16")
-    kernel = k.amx_linear if k.amx_linear_supported(64) else k.bf16_gemv
+    kernel = k.amx_linear if k.amx_linear_supported(64) else k.avx512_linear
     h, i, layers, vocab, nq, nkv, hd = MODELS[args.model]
     shapes = [((nq + 2 * nkv) * hd, h), (h, nq * hd), (2 * i, h), (h, i)] * layers + [(vocab, h)]
     weights = [torch.randn(n, kk).bfloat16() for n, kk in shapes]

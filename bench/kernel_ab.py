@@ -1,5 +1,5 @@
 """Two builds of servelm's C++ kernels side by side in one process: a decode step's linear layers (AMX
-tiles, or the AVX512 few-row kernel on CPUs without AMX)
+tiles, or the AVX512-BF16 kernel on CPUs without AMX)
 (SmolLM2's or llama-rand-60m's shapes, cold weights) and the paged decode attention at W1's batch,
 alternating the builds each round. Outputs must be identical (the kernels promise fixed summation
 order); prints one JSON object with medians and the new/base speed-up.
@@ -53,8 +53,8 @@ def linears(base, new, model: str, rows: list[int], rounds: int) -> dict:
         xs = {k: torch.randn(m, k).bfloat16() for k in {s[1] for s in shapes}}
 
         def run(mod, xs=xs):
-            tiles = mod.amx_linear_supported(64)  # else the AVX512 few-row kernel, over the same packing
-            plain, fused = (mod.amx_linear, mod.amx_linear_silu_mul) if tiles else (mod.bf16_gemv, mod.bf16_gemv_silu_mul)
+            tiles = mod.amx_linear_supported(64)  # else the AVX512-BF16 kernel, over the same packing
+            plain, fused = (mod.amx_linear, mod.amx_linear_silu_mul) if tiles else (mod.avx512_linear, mod.avx512_linear_silu_mul)
             return lambda: [fused(xs[k], w, n) if g else plain(xs[k], w, n, None) for w, n, k, g in ws]
 
         fa, fb = run(base), run(new)
@@ -98,7 +98,7 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     base, new = (cpu_kernels.build(c / "servelm" / "model" / "csrc") for c in (a.base, a.new))
-    if not base.bf16_gemv_supported(64):
+    if not base.avx512_linear_supported(64):
         raise SystemExit("needs a CPU with AVX512-BF16")
     res = {"model": a.model, "threads": a.threads}
     if a.rows:

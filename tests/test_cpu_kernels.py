@@ -1,6 +1,6 @@
 """The C++ dense kernels against torch: argmax over rows, and the two kernels over tile-packed weights that
 decode-sized linear layers (and gate/up projections, their SiLU-and-multiply fused in) use: the AVX512
-few-row kernel on CPUs without AMX, the AMX tile matmul on CPUs with it."""
+kernel on CPUs without AMX, the AMX tile matmul on CPUs with it."""
 
 from __future__ import annotations
 
@@ -27,44 +27,47 @@ def test_argmax_matches_torch_on_ties_nan_and_inf(dtype):
     assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
 
 
-needs_gemv = pytest.mark.skipif(kernels is None or not kernels.bf16_gemv_supported(64) or kernels.amx_linear_supported(64),
+needs_avx512_linear = pytest.mark.skipif(kernels is None or not kernels.avx512_linear_supported(64) or kernels.amx_linear_supported(64),
                                 reason="needs AVX512-BF16 without AMX (with AMX the tile kernel takes decode rows)")
 
 
-@needs_gemv
+@needs_avx512_linear
 @pytest.mark.parametrize("k", [64, 576, 1536])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv_matches_float32_reference_and_is_row_invariant(k, bias):
+def test_avx512_linear_matches_float32_reference_and_is_row_invariant(k, bias):
     torch.manual_seed(k)
-    n = 1003  # a partial 32-column block and a partial 16-column half
-    x, w = torch.randn(6, k).bfloat16(), torch.randn(n, k).bfloat16()
+    n, m = 1003, 30  # a partial 32-column block and a partial 16-column half; row groups of 12, 12, 6
+    x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
     b = torch.randn(n).bfloat16() if bias else None
-    y = kernels.bf16_gemv(x, pack_weight_for_tiles(w), n, b)  # 6 rows: a group of four, then two
+    packed = pack_weight_for_tiles(w)
+    y = kernels.avx512_linear(x, packed, n, b)
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
-    assert y.dtype == torch.bfloat16 and y.shape == (6, n)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     # float32 sums in another order, then one rounding to bf16: within one bf16 ulp of the exact value
     torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-3 * k**0.5)
-    for i in range(6):  # a row's result does not depend on the rows beside it
-        assert torch.equal(kernels.bf16_gemv(x[i:i + 1], pack_weight_for_tiles(w), n, b), y[i:i + 1])
+    # a row's result does not depend on the rows beside it: alone and in fours (the few-row path), in the
+    # middle of a group of 12 and in the group of 6 that ends the batch (the many-row path)
+    for rows in (slice(0, 1), slice(5, 6), slice(29, 30), slice(8, 12), slice(3, 16), slice(20, 30)):
+        assert torch.equal(kernels.avx512_linear(x[rows], packed, n, b), y[rows]), rows
     with pytest.raises(RuntimeError):
-        kernels.bf16_gemv(x, pack_weight_for_tiles(w)[1:], n, b)  # not a weight packed for n x k
+        kernels.avx512_linear(x, pack_weight_for_tiles(w)[1:], n, b)  # not a weight packed for n x k
 
 
-@needs_gemv
+@needs_avx512_linear
 def test_linear_takes_the_kernel_for_few_rows_and_onednn_for_more():
     torch.manual_seed(1)
     w, b = torch.randn(300, 256).bfloat16(), torch.randn(300).bfloat16()
     lin = Linear(w, b)
-    assert lin.gemv is not None and lin.tiled is not None
+    assert lin.avx512 is not None and lin.tiled is not None
     assert lin.packed is None or lin.weight is None  # no row-major copy beside oneDNN's
-    x = torch.randn(Linear.GEMV_MAX_ROWS + 1, 256).bfloat16()
-    few = x[: Linear.GEMV_MAX_ROWS]
-    assert torch.equal(lin(few), kernels.bf16_gemv(few, lin.tiled, 300, b))
+    x = torch.randn(Linear.AVX512_MAX_ROWS + 1, 256).bfloat16()
+    few = x[: Linear.AVX512_MAX_ROWS]
+    assert torch.equal(lin(few), kernels.avx512_linear(few, lin.tiled, 300, b))
     if lin.packed is not None:
         assert torch.equal(lin(x), torch.ops.mkldnn._linear_pointwise(x, lin.packed, b, "none", [], ""))
     ref = F.linear(x.float(), w.float(), b.float())
     torch.testing.assert_close(lin(x).float(), ref, rtol=2**-7, atol=2e-2)
-    torch.testing.assert_close(lin(few).float(), ref[: Linear.GEMV_MAX_ROWS], rtol=2**-7, atol=2e-2)
+    torch.testing.assert_close(lin(few).float(), ref[: Linear.AVX512_MAX_ROWS], rtol=2**-7, atol=2e-2)
 
 
 needs_tiles = pytest.mark.skipif(kernels is None or not kernels.amx_linear_supported(64), reason="no AMX on this CPU")
@@ -112,7 +115,7 @@ def test_linear_takes_tiles_for_decode_rows_and_onednn_beyond():
     torch.manual_seed(3)
     w, b = torch.randn(300, 256).bfloat16(), torch.randn(300).bfloat16()
     lin = Linear(w, b)
-    assert lin.tiles is not None and lin.gemv is None and lin.weight is None  # no row-major copy kept
+    assert lin.tiles is not None and lin.avx512 is None and lin.weight is None  # no row-major copy kept
     x = torch.randn(Linear.TILE_MAX_ROWS + 1, 256).bfloat16()
     small, big = x[: Linear.TILE_MAX_ROWS], x
     assert torch.equal(lin(small), kernels.amx_linear(small, lin.tiled, 300, b))
@@ -121,18 +124,18 @@ def test_linear_takes_tiles_for_decode_rows_and_onednn_beyond():
     torch.testing.assert_close(lin(small).float(), ref[: Linear.TILE_MAX_ROWS], rtol=2**-7, atol=2e-2)
 
 
-@pytest.mark.skipif(kernels is None or not kernels.bf16_gemv_supported(64), reason="no AVX512-BF16 on this CPU")
+@pytest.mark.skipif(kernels is None or not kernels.avx512_linear_supported(64), reason="no AVX512-BF16 on this CPU")
 @pytest.mark.parametrize("inter", [16, 48, 1536])
 def test_gate_up_fuses_silu_mul_into_the_decode_kernel_with_identical_results(inter):
-    """On the kernel this CPU's decode steps use: the AMX tile matmul, or the AVX512 few-row kernel."""
+    """On the kernel this CPU's decode steps use: the AMX tile matmul, or the AVX512-BF16 kernel."""
     tiles = kernels.amx_linear_supported(64)
     plain, fused_kernel, limit = ((kernels.amx_linear, kernels.amx_linear_silu_mul, Linear.TILE_MAX_ROWS) if tiles
-                                  else (kernels.bf16_gemv, kernels.bf16_gemv_silu_mul, Linear.GEMV_MAX_ROWS))
+                                  else (kernels.avx512_linear, kernels.avx512_linear_silu_mul, Linear.AVX512_MAX_ROWS))
     torch.manual_seed(inter)
     k = 576 if inter == 1536 else 96
     gate, up = torch.randn(inter, k).bfloat16(), torch.randn(inter, k).bfloat16()
     mlp_in = GateUpLinear(gate, up)
-    assert (mlp_in.tiles if tiles else mlp_in.gemv) is not None and mlp_in.linear is None  # no row-major copy
+    assert (mlp_in.tiles if tiles else mlp_in.avx512) is not None and mlp_in.linear is None  # no row-major copy
     fused = fused_kernels(torch.bfloat16)
     unfused = pack_weight_for_tiles(torch.cat([gate, up]))
     x = torch.randn(300, k).bfloat16()
@@ -166,7 +169,7 @@ def test_gate_up_of_odd_width_falls_back_to_projection_then_silu_mul():
 
 def test_float32_linear_keeps_plain_matmul():
     lin = Linear(torch.randn(8, 64))
-    assert lin.gemv is None and lin.packed is None
+    assert lin.avx512 is None and lin.packed is None
 
 
 def test_kernels_build_from_a_copy_in_the_cache():

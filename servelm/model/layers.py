@@ -109,12 +109,12 @@ def pack_weight_for_tiles(w: torch.Tensor, gate_up: bool = False) -> torch.Tenso
     return w.reshape(n_pad // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
 
 
-def _gemv_kernels(w: torch.Tensor):
-    """The C++ kernels when their AVX512 few-row kernel takes this bf16 weight, else None."""
+def _avx512_kernels(w: torch.Tensor):
+    """The C++ kernels when their AVX512-BF16 linear kernel takes this bf16 weight, else None."""
     if w.device.type != "cpu" or w.dtype != torch.bfloat16:
         return None
     k = cpu_kernels.load()
-    return k if k is not None and k.bf16_gemv_supported(w.shape[1]) else None
+    return k if k is not None and k.avx512_linear_supported(w.shape[1]) else None
 
 
 class Linear:
@@ -122,13 +122,14 @@ class Linear:
     model's worth of distinct weights (cold caches) that measured 1.2-1.6x faster than F.linear for
     1 to 128 rows, with identical results. Decode-sized inputs go to a C++ kernel over a second copy of
     the weight packed by `pack_weight_for_tiles`: the AMX tile matmul up to `TILE_MAX_ROWS` rows where the
-    CPU has AMX (1.2-1.8x faster than oneDNN for 1-32 rows, level at 64), else the AVX512 few-row kernel
-    up to `GEMV_MAX_ROWS` (1.9x oneDNN at 1-2 rows, 1.1x at 4, 0.7x at 8 on Zen 4). Two copies of
+    CPU has AMX (1.2-1.8x faster than oneDNN for 1-32 rows, level at 64), else the AVX512-BF16 kernel
+    up to `AVX512_MAX_ROWS` (on Zen 4, cold weights: 2.1x oneDNN at 1 row, 1.9x at 8, 1.16x at 64,
+    1.08x at 128, level from 256; `bench/decode_linear.py`). Two copies of
     the weight are kept, twice the weight memory for faster decode steps. Elsewhere it is plain F.linear;
     also the seam for quantized weight formats."""
 
     TILE_MAX_ROWS = 64
-    GEMV_MAX_ROWS = 4
+    AVX512_MAX_ROWS = 128
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.bias = bias
@@ -136,10 +137,10 @@ class Linear:
         self.weight: torch.Tensor | None = weight
         same = bias is None or bias.dtype == weight.dtype
         self.tiles = _tile_kernels(weight) if same else None
-        self.gemv = _gemv_kernels(weight) if same and self.tiles is None else None
-        if bias is not None and (self.tiles or self.gemv) is not None:
+        self.avx512 = _avx512_kernels(weight) if same and self.tiles is None else None
+        if bias is not None and (self.tiles or self.avx512) is not None:
             self.bias = bias.contiguous()
-        self.tiled = pack_weight_for_tiles(weight) if (self.tiles or self.gemv) is not None else None
+        self.tiled = pack_weight_for_tiles(weight) if (self.tiles or self.avx512) is not None else None
         self.packed = _onednn_packed(weight)
         if self.packed is not None:
             self.weight = None  # no row-major copy: oneDNN and the kernels read their own layouts
@@ -148,8 +149,8 @@ class Linear:
         rows = x.shape[0]
         if self.tiles is not None and (rows <= self.TILE_MAX_ROWS or self.packed is None):
             return self.tiles.amx_linear(x, self.tiled, self.out_features, self.bias)
-        if self.gemv is not None and rows <= self.GEMV_MAX_ROWS:
-            return self.gemv.bf16_gemv(x, self.tiled, self.out_features, self.bias)
+        if self.avx512 is not None and rows <= self.AVX512_MAX_ROWS:
+            return self.avx512.avx512_linear(x, self.tiled, self.out_features, self.bias)
         if self.packed is not None:
             return _onednn_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -157,7 +158,7 @@ class Linear:
 
 class GateUpLinear:
     """silu(x Wg^T) * (x Wu^T), the input half of a gated MLP. Where a C++ kernel takes the weight (the AMX
-    tile matmul up to `Linear.TILE_MAX_ROWS` rows, the AVX512 few-row kernel up to `Linear.GEMV_MAX_ROWS`),
+    tile matmul up to `Linear.TILE_MAX_ROWS` rows, the AVX512-BF16 kernel up to `Linear.AVX512_MAX_ROWS`),
     decode-sized inputs run it with the SiLU-and-multiply in its store of each finished block, so the
     [T, 2I] projection never makes a round trip through memory; prefill-sized inputs go to oneDNN and then
     `silu_mul` (512-token TTFT on SmolLM2 1.02-1.35x faster than the fused tile kernel, alternating in one
@@ -168,11 +169,11 @@ class GateUpLinear:
         self.out_features = weight.shape[0]
         whole = gate.shape[0] % 16 == 0  # the fused store takes whole 16-column gate and up groups
         self.tiles = _tile_kernels(weight) if whole else None
-        self.gemv = _gemv_kernels(weight) if whole and self.tiles is None else None
-        self.packed = _onednn_packed(weight) if (self.tiles or self.gemv) is not None else None
+        self.avx512 = _avx512_kernels(weight) if whole and self.tiles is None else None
+        self.packed = _onednn_packed(weight) if (self.tiles or self.avx512) is not None else None
         if self.tiles is None and self.packed is None:
-            self.gemv = None  # the few-row kernel needs oneDNN beside it for wider inputs
-        self.tiled = pack_weight_for_tiles(weight, gate_up=True) if (self.tiles or self.gemv) is not None else None
+            self.avx512 = None  # the AVX512 kernel needs oneDNN beside it for wider inputs
+        self.tiled = pack_weight_for_tiles(weight, gate_up=True) if (self.tiles or self.avx512) is not None else None
         self.linear = Linear(weight) if self.tiled is None else None
 
     def __call__(self, x: torch.Tensor, fused=None) -> torch.Tensor:
@@ -181,6 +182,6 @@ class GateUpLinear:
         rows = x.shape[0]
         if self.tiles is not None and (rows <= Linear.TILE_MAX_ROWS or self.packed is None):
             return self.tiles.amx_linear_silu_mul(x, self.tiled, self.out_features)
-        if self.gemv is not None and rows <= Linear.GEMV_MAX_ROWS:
-            return self.gemv.bf16_gemv_silu_mul(x, self.tiled, self.out_features)
+        if self.avx512 is not None and rows <= Linear.AVX512_MAX_ROWS:
+            return self.avx512.avx512_linear_silu_mul(x, self.tiled, self.out_features)
         return silu_mul(_onednn_linear(x, self.packed, None), fused)

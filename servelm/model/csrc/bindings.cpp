@@ -11,9 +11,9 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 bool amx_linear_supported(int64_t K);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
 torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t N);
-bool bf16_gemv_supported(int64_t K);
-torch::Tensor bf16_gemv(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
-torch::Tensor bf16_gemv_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t N);
+bool avx512_linear_supported(int64_t K);
+torch::Tensor avx512_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
+torch::Tensor avx512_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t N);
 bool fused_elementwise_supported(torch::Tensor t);
 void rms_norm_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor w, double eps);
 void add_rms_norm_bf16(torch::Tensor out, torch::Tensor delta, torch::Tensor residual, torch::Tensor w, double eps);
@@ -31,10 +31,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear", &amx_linear, "x @ w.T (+ bias) on AMX tiles, w packed by pack_weight_for_tiles");
   m.def("amx_linear_silu_mul", &amx_linear_silu_mul,
         "silu(gate) * up from x @ w.T, w a [gate; up] weight packed by pack_weight_for_tiles(w, gate_up=True)");
-  m.def("bf16_gemv_supported", &bf16_gemv_supported, "whether bf16_gemv takes inputs of K features");
-  m.def("bf16_gemv", &bf16_gemv, "x @ w.T (+ bias) for a few bf16 rows, w packed by pack_weight_for_tiles (AVX512)");
-  m.def("bf16_gemv_silu_mul", &bf16_gemv_silu_mul,
-        "silu(gate) * up from x @ w.T for a few rows, w packed by pack_weight_for_tiles(w, gate_up=True)");
+  m.def("avx512_linear_supported", &avx512_linear_supported, "whether avx512_linear takes inputs of K features");
+  m.def("avx512_linear", &avx512_linear, "x @ w.T (+ bias) for bf16 rows, w packed by pack_weight_for_tiles (AVX512-BF16)");
+  m.def("avx512_linear_silu_mul", &avx512_linear_silu_mul,
+        "silu(gate) * up from x @ w.T (AVX512-BF16), w packed by pack_weight_for_tiles(w, gate_up=True)");
   m.def("fused_elementwise_supported", &fused_elementwise_supported, "whether the fused bf16 kernels take t");
   m.def("rms_norm_bf16", &rms_norm_bf16, "out = RMSNorm(x) * w, row by row");
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += delta; out = RMSNorm(residual) * w");
