@@ -54,20 +54,19 @@ def test_avx512_linear_matches_float32_reference_and_is_row_invariant(k, bias):
 
 
 @needs_avx512_linear
-def test_linear_takes_the_kernel_for_few_rows_and_onednn_for_more():
+def test_linear_takes_the_avx512_kernel_for_every_input_and_keeps_one_weight_copy():
     torch.manual_seed(1)
     w, b = torch.randn(300, 256).bfloat16(), torch.randn(300).bfloat16()
     lin = Linear(w, b)
     assert lin.avx512 is not None and lin.tiled is not None
-    assert lin.packed is None or lin.weight is None  # no row-major copy beside oneDNN's
-    x = torch.randn(Linear.AVX512_MAX_ROWS + 1, 256).bfloat16()
-    few = x[: Linear.AVX512_MAX_ROWS]
-    assert torch.equal(lin(few), kernels.avx512_linear(few, lin.tiled, 300, b))
-    if lin.packed is not None:
-        assert torch.equal(lin(x), torch.ops.mkldnn._linear_pointwise(x, lin.packed, b, "none", [], ""))
+    assert lin.packed is None and lin.weight is None  # neither oneDNN's copy nor the row-major one
+    x = torch.randn(600, 256).bfloat16()
     ref = F.linear(x.float(), w.float(), b.float())
-    torch.testing.assert_close(lin(x).float(), ref, rtol=2**-7, atol=2e-2)
-    torch.testing.assert_close(lin(few).float(), ref[: Linear.AVX512_MAX_ROWS], rtol=2**-7, atol=2e-2)
+    for m in (1, 64, 600):  # decode steps and prefill chunks (chunks of 192 rows, groups of 12)
+        assert torch.equal(lin(x[:m]), kernels.avx512_linear(x[:m], lin.tiled, 300, b)), m
+        torch.testing.assert_close(lin(x[:m]).float(), ref[:m], rtol=2**-7, atol=2e-2)
+    # the last rows of a 600-row input (the fourth 192-row chunk, groups of 12) equal the same rows alone
+    assert torch.equal(lin(x)[-7:], lin(x[-7:]))
 
 
 needs_tiles = pytest.mark.skipif(kernels is None or not kernels.amx_linear_supported(64), reason="no AMX on this CPU")
@@ -130,7 +129,7 @@ def test_gate_up_fuses_silu_mul_into_the_decode_kernel_with_identical_results(in
     """On the kernel this CPU's decode steps use: the AMX tile matmul, or the AVX512-BF16 kernel."""
     tiles = kernels.amx_linear_supported(64)
     plain, fused_kernel, limit = ((kernels.amx_linear, kernels.amx_linear_silu_mul, Linear.TILE_MAX_ROWS) if tiles
-                                  else (kernels.avx512_linear, kernels.avx512_linear_silu_mul, Linear.AVX512_MAX_ROWS))
+                                  else (kernels.avx512_linear, kernels.avx512_linear_silu_mul, 300))
     torch.manual_seed(inter)
     k = 576 if inter == 1536 else 96
     gate, up = torch.randn(inter, k).bfloat16(), torch.randn(inter, k).bfloat16()
@@ -143,10 +142,12 @@ def test_gate_up_fuses_silu_mul_into_the_decode_kernel_with_identical_results(in
     for m in (0, 1, 2, 4, 5, 16, 17, 33, 64, 65, 257, 300):
         want = silu_mul(plain(x[:m], unfused, 2 * inter, None), fused)
         assert torch.equal(fused_kernel(x[:m], mlp_in.tiled, 2 * inter), want), m
-    # the layer uses it for decode-sized inputs and oneDNN's projection, then silu_mul, beyond
+    # the layer uses it for decode-sized inputs (any input without AMX) and, with AMX, oneDNN's projection,
+    # then silu_mul, beyond
     for m in sorted({1, limit}):
         assert torch.equal(mlp_in(x[:m], fused), fused_kernel(x[:m], mlp_in.tiled, 2 * inter)), m
-    if mlp_in.packed is not None:
+    assert (mlp_in.packed is not None) == tiles  # no oneDNN copy beside the AVX512 kernel's
+    if tiles:
         m = limit + 1
         want = silu_mul(torch.ops.mkldnn._linear_pointwise(x[:m], mlp_in.packed, None, "none", [], ""), fused)
         assert torch.equal(mlp_in(x[:m], fused), want)

@@ -1,9 +1,10 @@
-// bf16 linear layers on CPUs with AVX512-BF16 but no AMX, for decode-sized inputs (1 to ~128 rows): the
+// bf16 linear layers on CPUs with AVX512-BF16 but no AMX, for any number of rows: the
 // weight is read in the AMX kernel's packed order (`pack_weight_for_tiles`), one sequential stream with
 // 16 output columns x one input pair per 64-byte line, so each line feeds dot-product instructions with
 // no horizontal sums. Every row's sums run in the same order whatever the number of rows, so a row's
 // result does not depend on the rows beside it. Over SmolLM2's weights (cache-cold, one thread, Zen 4):
-// one row at the plain-read bandwidth (26 GB/s; oneDNN 12), 64 rows at ~205 GFLOP/s (oneDNN ~180).
+// one row at the plain-read bandwidth (26 GB/s; oneDNN 12), 64 rows at ~205 GFLOP/s (oneDNN ~180),
+// prefill-sized inputs ~222 GFLOP/s (oneDNN ~216), so oneDNN's copy of the weight is not kept.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -72,6 +73,7 @@ void few_rows(const bf16* x, int64_t ldx, const bf16* b, int64_t K, float* c) {
 }
 
 constexpr int64_t kRowGroup = 12;  // 24 accumulators; 8 measured level, 11, 14 and 16 slower
+constexpr int64_t kChunkRows = 16 * kRowGroup;
 
 template <int R = kRowGroup>
 void group_times_block(int64_t rows, const bf16* x, int64_t ldx, const bf16* b, int64_t K, float* c,
@@ -91,27 +93,33 @@ void few_times_block(int64_t rows, const bf16* x, int64_t ldx, const bf16* b, in
   }
 }
 
-// Up to 4 rows the weight streams once at memory speed (one row: 26 GB/s, the plain-read bandwidth);
-// beyond, each 32-column block is reused from cache by groups of 12 rows, and the first group, which
+// Up to 4 rows the weight streams once at memory speed (one row: 26 GB/s, the plain-read bandwidth).
+// Beyond, each 32-column block is reused from cache by groups of 12 rows, and the first group, which
 // streams the block from memory, fetches the next one into L2 (without: 160 instead of ~205 GFLOP/s
-// at 64 rows). Prefetching with a few rows measured slower: the loads alone keep the memory busy.
+// at 64 rows; with a few rows prefetching measured slower, the loads alone keep the memory busy).
+// Prefill-sized inputs pass over the blocks in chunks of 192 rows, whose inputs stay in L2.
 void packed_matmul(const bf16* x, int64_t M, int64_t ldx, const bf16* w, int64_t K, const servelm::Epilogue& ep,
                    bf16* out) {
   const int64_t blocks = (ep.N + kBlockCols - 1) / kBlockCols, ldo = ep.silu_mul ? ep.N / 2 : ep.N;
   at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
     alignas(64) float c[kRowGroup * kBlockCols];
-    for (int64_t nb = begin; nb < end; ++nb) {
-      const bf16* b = w + nb * kBlockCols * K;
-      if (M <= 4) {
-        few_times_block(M, x, ldx, b, K, c);
+    if (M <= 4) {
+      for (int64_t nb = begin; nb < end; ++nb) {
+        few_times_block(M, x, ldx, w + nb * kBlockCols * K, K, c);
         servelm::store_rows(servelm::Pending{c, M, nb * kBlockCols, out}, ep);
-        continue;
       }
-      for (int64_t r = 0; r < M; r += kRowGroup) {
-        const int64_t rows = std::min<int64_t>(kRowGroup, M - r);
-        const bf16* ahead = r == 0 && nb + 1 < end ? b + kBlockCols * K : nullptr;
-        group_times_block(rows, x + r * ldx, ldx, b, K, c, ahead);
-        servelm::store_rows(servelm::Pending{c, rows, nb * kBlockCols, out + r * ldo}, ep);
+      return;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
+      const int64_t m1 = std::min<int64_t>(M, m0 + kChunkRows);
+      for (int64_t nb = begin; nb < end; ++nb) {
+        const bf16* b = w + nb * kBlockCols * K;
+        for (int64_t r = m0; r < m1; r += kRowGroup) {
+          const int64_t rows = std::min<int64_t>(kRowGroup, m1 - r);
+          const bf16* ahead = r == m0 && nb + 1 < end ? b + kBlockCols * K : nullptr;
+          group_times_block(rows, x + r * ldx, ldx, b, K, c, ahead);
+          servelm::store_rows(servelm::Pending{c, rows, nb * kBlockCols, out + r * ldo}, ep);
+        }
       }
     }
   });
