@@ -46,9 +46,10 @@ struct NextRows {
 // the next item's lines then stream in while this one computes. Prefetching each next block into L1
 // in a burst instead measured 1.25x slower (W1's batch-64 step, bench/decode_attention.py).
 template <typename scalar_t, typename Fn>
-inline void for_each_row(const scalar_t* cache, const int64_t* table, int64_t bs, int64_t row_stride,
-                         int64_t head_offset, int64_t start, int64_t len, Fn&& fn, int64_t row_bytes = 0,
-                         const NextRows& next = {}) {
+__attribute__((always_inline)) inline void for_each_row(const scalar_t* cache, const int64_t* table, int64_t bs,
+                                                        int64_t row_stride, int64_t head_offset, int64_t start,
+                                                        int64_t len, Fn&& fn, int64_t row_bytes = 0,
+                                                        const NextRows& next = {}) {
   for (int64_t t = start; t < len;) {
     const int64_t off = t % bs, n = std::min(bs - off, len - t);
     const scalar_t* row = cache + (table[t / bs] * bs + off) * row_stride + head_offset;
@@ -137,8 +138,7 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
 
 #ifdef SERVELM_AVX512_BF16
 using servelm::exp512;
-
-constexpr int kMaxGroup = 16;  // query heads per KV head
+using bf16 = c10::BFloat16;
 
 // Lane i of the result is the sum of all lanes of v[i]: 16 horizontal sums in 45 instructions where
 // 16 separate reductions take ~130, which is most of the score loop's cost.
@@ -155,6 +155,77 @@ inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
+// P @ V for query groups [g0, g0 + GT) of one KV head, as bf16 dot products over pairs of positions:
+// interleaving two value rows puts (v[t][d], v[t+1][d]) in one 32-bit lane, and one broadcast
+// (p[t], p[t+1]) weighs both. GT and C are compile-time so the 2 * GT * C accumulators stay in
+// registers (a runtime group count left them on the stack: a store-load chain per pair).
+template <int C, int GT>
+void pv_groups(const bf16* vp, const int64_t* table, int64_t bs, int64_t row_stride, int64_t head_offset,
+               int64_t start, int64_t len, const bf16* probs, int64_t Lp, const bf16* zeros, bf16* out,
+               const NextRows& next, bool prefetch) {
+  __m512 lo[GT][C], hi[GT][C];
+#pragma GCC unroll 8
+  for (int g = 0; g < GT; ++g)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
+  auto pair = [&](const bf16* r0, const bf16* r1, int64_t j) __attribute__((always_inline)) {
+    __m512bh w[GT];
+#pragma GCC unroll 8
+    for (int g = 0; g < GT; ++g) {
+      int32_t pp;
+      std::memcpy(&pp, probs + g * Lp + j, sizeof(pp));
+      w[g] = (__m512bh)_mm512_set1_epi32(pp);
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const __m512i a = _mm512_loadu_si512(r0 + c * 32), b = _mm512_loadu_si512(r1 + c * 32);
+      const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(a, b), vh = (__m512bh)_mm512_unpackhi_epi16(a, b);
+#pragma GCC unroll 8
+      for (int g = 0; g < GT; ++g) {
+        lo[g][c] = _mm512_dpbf16_ps(lo[g][c], w[g], vl);
+        hi[g][c] = _mm512_dpbf16_ps(hi[g][c], w[g], vh);
+      }
+    }
+  };
+  const bf16* held = nullptr;  // the even position of a pair, waiting for its odd partner
+  auto visit = [&](const bf16* vr, int64_t t) __attribute__((always_inline)) {
+    if (held == nullptr) {
+      held = vr;
+    } else {
+      pair(held, vr, t - 1 - start);
+      held = nullptr;
+    }
+  };
+  for_each_row(vp, table, bs, row_stride, head_offset, start, len, visit, prefetch ? C * 64 : 0, next);
+  if (held != nullptr) pair(held, zeros, len - 1 - start);  // its partner's probability is 0
+  // Lane i of an unpacklo result holds dim 8*(i/4) + i%4 of its 32, unpackhi the next 4.
+  const __m512i idx0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i idx1 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+#pragma GCC unroll 8
+  for (int g = 0; g < GT; ++g)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {  // round to nearest even, as a float -> bf16 cast does
+      servelm::store_bf16(out + g * C * 32 + c * 32, _mm512_permutex2var_ps(lo[g][c], idx0, hi[g][c]));
+      servelm::store_bf16(out + g * C * 32 + c * 32 + 16, _mm512_permutex2var_ps(lo[g][c], idx1, hi[g][c]));
+    }
+}
+
+// Query groups per P @ V pass: as many as keep 2 * GT * C accumulators within 16 registers.
+template <int C>
+constexpr int kGroupsPerPass = C <= 2 ? 4 : (C == 4 ? 2 : 1);
+
+template <int C, int GT = kGroupsPerPass<C>>
+void pv_dispatch(int64_t groups, const bf16* vp, const int64_t* table, int64_t bs, int64_t row_stride,
+                 int64_t head_offset, int64_t start, int64_t len, const bf16* probs, int64_t Lp,
+                 const bf16* zeros, bf16* out, const NextRows& next, bool prefetch) {
+  if constexpr (GT > 1) {
+    if (groups < GT)
+      return pv_dispatch<C, GT - 1>(groups, vp, table, bs, row_stride, head_offset, start, len, probs, Lp,
+                                    zeros, out, next, prefetch);
+  }
+  pv_groups<C, GT>(vp, table, bs, row_stride, head_offset, start, len, probs, Lp, zeros, out, next, prefetch);
+}
+
 // bf16 with head_dim = 32 * C: q.k with AVX512-BF16 dot products (bf16 pairs, exact products,
 // float32 sums), softmax with a vector exp, probabilities rounded to bf16 and P @ V as bf16 dot products
 // over pairs of positions (half the float32 FMAs and no widening of the values).
@@ -162,7 +233,6 @@ template <int C>
 void decode_bf16_avx512(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                         const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                         const torch::Tensor& seq_lens, double scale, int64_t window) {
-  using bf16 = c10::BFloat16;
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1), row_stride = Hkv * D;
@@ -186,34 +256,38 @@ void decode_bf16_avx512(torch::Tensor& out, const torch::Tensor& q, const torch:
       const int64_t Lp = (L + 15) & ~int64_t(15);
       scores.assign(G * Lp, -INFINITY);
       probs.resize(G * Lp);
-      __m512bh qv[kMaxGroup][C];
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t c = 0; c < C; ++c)
-          qv[g][c] = (__m512bh)_mm512_loadu_si512(qp + (b * Hq + h * G + g) * D + c * 32);
+      const bf16* qh = qp + (b * Hq + h * G) * D;
       const int64_t* table = tables + b * max_blocks;
       NextRows next;  // the item after this one in this thread's range, if any
       if (item + 1 < end) {
         const int64_t nb = (item + 1) / Hkv;
         next = {tables + nb * max_blocks, ((item + 1) % Hkv) * D, lens[nb]};
       }
-      __m512 pend[kMaxGroup][16];  // unreduced q.k of up to 16 positions, summed 16 at a time
+      // Scores 16 positions at a time: per group, 16 register accumulators, then one transposing sum.
+      const bf16* rows[16];
       int64_t n = 0;
       auto flush = [&](int64_t t_next) {  // scores of positions [t_next - n, t_next)
+        for (int64_t i = n; i < 16; ++i) rows[i] = zeros.data();
         for (int64_t g = 0; g < G; ++g) {
-          for (int64_t i = n; i < 16; ++i) pend[g][i] = _mm512_setzero_ps();
-          const __m512 sc = _mm512_mul_ps(hsum16(pend[g]), _mm512_set1_ps(fscale));
+          __m512bh qv[C];
+#pragma GCC unroll 8
+          for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qh + g * D + c * 32);
+          __m512 acc[16];
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) {
+            __m512 a = _mm512_setzero_ps();
+#pragma GCC unroll 8
+            for (int c = 0; c < C; ++c)
+              a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(rows[i] + c * 32));
+            acc[i] = a;
+          }
+          const __m512 sc = _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(fscale));
           _mm512_mask_storeu_ps(scores.data() + g * Lp + (t_next - n - start), servelm::lanes(n), sc);
         }
         n = 0;
       };
       for_each_row(kp, table, bs, row_stride, h * D, start, len, [&](const bf16* kr, int64_t t) {
-        __m512bh kv[C];
-        for (int64_t c = 0; c < C; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kr + c * 32);
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 acc = _mm512_setzero_ps();
-          for (int64_t c = 0; c < C; ++c) acc = _mm512_dpbf16_ps(acc, qv[g][c], kv[c]);
-          pend[g][n] = acc;
-        }
+        rows[n] = kr;
         if (++n == 16) flush(t + 1);
       }, D * 2, next);
       if (n > 0) flush(len);
@@ -233,49 +307,10 @@ void decode_bf16_avx512(torch::Tensor& out, const torch::Tensor& q, const torch:
         for (int64_t j = 0; j < Lp; j += 16)
           servelm::store_bf16(probs.data() + g * Lp + j, _mm512_mul_ps(_mm512_loadu_ps(sg + j), inv));
       }
-      // P @ V with bf16 dot products over pairs of positions: interleaving two value rows puts
-      // (v[t][d], v[t+1][d]) in one 32-bit lane, and one broadcast (p[t], p[t+1]) weighs both.
-      // unpacklo/hi_epi16 leave dims permuted within 128-bit lanes; the store puts them back.
-      __m512 lo[kMaxGroup][C], hi[kMaxGroup][C];
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t c = 0; c < C; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
-      auto pair = [&](const bf16* r0, const bf16* r1, int64_t j) {
-        __m512i vl[C], vh[C];
-        for (int64_t c = 0; c < C; ++c) {
-          const __m512i a = _mm512_loadu_si512(r0 + c * 32), b = _mm512_loadu_si512(r1 + c * 32);
-          vl[c] = _mm512_unpacklo_epi16(a, b);
-          vh[c] = _mm512_unpackhi_epi16(a, b);
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          int32_t pp;
-          std::memcpy(&pp, probs.data() + g * Lp + j, sizeof(pp));
-          const __m512bh w = (__m512bh)_mm512_set1_epi32(pp);
-          for (int64_t c = 0; c < C; ++c) {
-            lo[g][c] = _mm512_dpbf16_ps(lo[g][c], w, (__m512bh)vl[c]);
-            hi[g][c] = _mm512_dpbf16_ps(hi[g][c], w, (__m512bh)vh[c]);
-          }
-        }
-      };
-      const bf16* held = nullptr;  // the even position of a pair, waiting for its odd partner
-      for_each_row(vp, table, bs, row_stride, h * D, start, len, [&](const bf16* vr, int64_t t) {
-        if (held == nullptr) {
-          held = vr;
-        } else {
-          pair(held, vr, t - 1 - start);
-          held = nullptr;
-        }
-      }, D * 2, next);
-      if (held != nullptr) pair(held, zeros.data(), L - 1);  // its partner's probability is 0
-      // Lane i of an unpacklo result holds dim 8*(i/4) + i%4 of its 32, unpackhi the next 4.
-      const __m512i idx0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-      const __m512i idx1 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
-      for (int64_t g = 0; g < G; ++g) {
-        bf16* o = op + (b * Hq + h * G + g) * D;
-        for (int64_t c = 0; c < C; ++c) {  // round to nearest even, as a float -> bf16 cast does
-          servelm::store_bf16(o + c * 32, _mm512_permutex2var_ps(lo[g][c], idx0, hi[g][c]));
-          servelm::store_bf16(o + c * 32 + 16, _mm512_permutex2var_ps(lo[g][c], idx1, hi[g][c]));
-        }
-      }
+      for (int64_t g0 = 0; g0 < G; g0 += kGroupsPerPass<C>)  // only the first pass prefetches
+        pv_dispatch<C>(std::min<int64_t>(G - g0, kGroupsPerPass<C>), vp, table, bs, row_stride, h * D, start, len,
+                       probs.data() + g0 * Lp, Lp, zeros.data(), op + (b * Hq + h * G + g0) * D,
+                       next, g0 == 0);
     }
   });
 }
@@ -292,8 +327,8 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "tables must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
 #ifdef SERVELM_AVX512_BF16
-  const int64_t G = q.size(1) / k_cache.size(2), D = q.size(2);
-  if (q.scalar_type() == at::kBFloat16 && G <= kMaxGroup) {
+  const int64_t D = q.size(2);
+  if (q.scalar_type() == at::kBFloat16) {
     switch (D) {
       case 64: return decode_bf16_avx512<2>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
       case 128: return decode_bf16_avx512<4>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
