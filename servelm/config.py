@@ -52,7 +52,9 @@ class EngineConfig:
     tokenizer: str | None = _f(None, "a tokenizer folder to use instead of the model's own")
     dtype: str = _f("auto", "auto | float32 | bfloat16 | float16; auto picks bfloat16 where the CPU has "
                     "native bf16 (AVX512-BF16/AMX), else float32")
-    device: str = _f("cpu", "device to run on")
+    device: str = _f("cpu", "device to run on: cpu, or cuda (NVIDIA GPUs: Triton attention, CUDA graphs)")
+    enforce_eager: bool = _f(False, "on CUDA, run decode steps eagerly instead of replaying CUDA graphs "
+                             "captured per batch size (as vLLM's --enforce-eager)")
     block_size: int = _f(16, "tokens per KV cache block")
     num_kv_blocks: int | None = _f(None, "KV cache blocks; overrides --kv-cache-memory-gb")
     kv_cache_memory_gb: float | None = _f(None, f"KV cache budget in GiB (default {DEFAULT_KV_CACHE_GB})")
@@ -83,6 +85,7 @@ class EngineConfig:
 
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
              "one of auto, float32, bfloat16, float16")
+        need(self.device == "cpu" or self.device.startswith("cuda"), "device", "cpu, cuda or cuda:N")
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", "a power of two in [1, 256]")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1 or None")
         need(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0 or None")

@@ -38,7 +38,11 @@ ARCHS = ["llama", "llama3rope", "mistral", "qwen2", "qwen3"]
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    """The real SmolLM2 tokenizer (from the default model's GGUF), saved as a plain HF folder."""
+    """The real SmolLM2 tokenizer (from the default model's GGUF), saved as a plain HF folder.
+    $SERVELM_TEST_TOKENIZER names such a folder instead, where the default model's package is not installed
+    (the GPU machine, which takes the tests with a copied tokenizer)."""
+    if os.environ.get("SERVELM_TEST_TOKENIZER"):
+        return Path(os.environ["SERVELM_TEST_TOKENIZER"])
     from servelm.model.metadata import load_gguf_config_and_tokenizer
     from servelm.model.source import default_model_path
 
@@ -101,3 +105,25 @@ def random_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     return [[1] + torch.randint(4, VOCAB, (k - 1,), generator=g).tolist() for k in lens]
+
+
+_refs: dict = {}
+
+
+def reference(hf_models, arch: str, prompts: list[list[int]], max_new: int = 16) -> list[list[int]]:
+    """The oracle's greedy continuations, each computed once per session."""
+    out = []
+    for p in prompts:
+        key = (arch, tuple(p), max_new)
+        if key not in _refs:
+            _refs[key] = hf_greedy(hf_models[arch], p, max_new)
+        out.append(_refs[key])
+    return out
+
+
+def run(llm, prompts, params=None) -> list[list[int]]:
+    """servelm's token ids for each prompt (16 greedy tokens unless `params` says otherwise)."""
+    from servelm import SamplingParams
+
+    params = params or SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

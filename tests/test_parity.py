@@ -4,26 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS, hf_greedy, random_prompts
+from conftest import ARCHS, random_prompts, reference, run
 
 from servelm import LLM, SamplingParams
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-_refs: dict = {}
-
-
-def reference(hf_models, arch: str, prompts: list[list[int]], max_new: int = 16) -> list[list[int]]:
-    out = []
-    for p in prompts:
-        key = (arch, tuple(p), max_new)
-        if key not in _refs:
-            _refs[key] = hf_greedy(hf_models[arch], p, max_new)
-        out.append(_refs[key])
-    return out
-
-
-def run(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -97,3 +97,33 @@ def test_engine_on_the_triton_backend_matches_transformers(arch, model_dirs, hf_
     for p, o in zip(prompts, outs, strict=True):
         assert o.outputs[0].token_ids == hf_greedy(hf_models[arch], p, 6)
     assert llm.engine.get_stats().prefix_cache_hits > 0  # the shared prefix came from the cache
+
+
+@pytest.mark.parametrize("hq, hkv", [(3, 1), (8, 2)])
+@pytest.mark.parametrize("bs", [4, 32])
+def test_query_groups_and_block_sizes(hq, hkv, bs):
+    """Query heads packed per KV head (groups of 3 straddle the 16-row tiles) over caches whose block
+    size is smaller or larger than the kernel's 32-position KV tile."""
+    d, nb = 16, 64
+    kc, vc, meta, t = _step(hkv, d, 8, nb, torch.float32)
+    # the same logical step re-laid out at block size bs: token p of a sequence in block p // bs
+    def relayout(n_ctx: int, first: int) -> torch.Tensor:
+        return torch.arange(first, first + (n_ctx + bs - 1) // bs)
+    dec_lens = meta.decode_seq_lens
+    per = (64 + bs - 1) // bs
+    tables = torch.stack([relayout(64, r * per) for r in range(3)])
+    spans = [type(meta.prefills[0])(s.start, s.q_len, s.ctx_len, relayout(s.ctx_len, (3 + i) * per))
+             for i, s in enumerate(meta.prefills)]
+    g = torch.Generator().manual_seed(2)
+    nblocks = 5 * per
+    kc = torch.randn(nblocks, bs, hkv, d, generator=g)
+    vc = torch.randn(nblocks, bs, hkv, d, generator=g)
+    slots = [int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(dec_lens.tolist())]
+    for s in spans:
+        slots += [int(s.block_table[p // bs]) * bs + p % bs for p in range(s.ctx_len - s.q_len, s.ctx_len)]
+    meta = AttentionMetadata(torch.tensor(slots), torch.arange(3), tables, dec_lens, spans, bs)
+    q, k, v = torch.randn(t, hq, d, generator=g), torch.randn(t, hkv, d, generator=g), torch.randn(t, hkv, d, generator=g)
+    ref = TorchPagedAttention(hq, hkv, d, d**-0.5).forward(q, k, v, (kc.clone(), vc.clone()), meta, None)
+    out = triton_paged.TritonPagedAttention(hq, hkv, d, d**-0.5).forward(
+        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), (kc.to(DEVICE), vc.to(DEVICE)), meta, None)
+    torch.testing.assert_close(out.cpu(), ref, atol=2e-5, rtol=2e-5)

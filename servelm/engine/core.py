@@ -9,6 +9,7 @@ import logging
 import time
 
 from servelm.config import DEFAULT_KV_CACHE_GB, EngineConfig
+from servelm.engine.cuda_graphs import capture_sizes
 from servelm.engine.kv_cache_manager import KVCacheManager
 from servelm.engine.model_runner import ModelRunner, kv_bytes_per_block
 from servelm.engine.scheduler import Scheduler
@@ -47,7 +48,9 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.preemption_mode,
                                    config.scheduling_policy, config.priority_aging_s)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu_blocks, config.seed)
+        graph_sizes = None if config.enforce_eager else capture_sizes(config.max_num_seqs)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu_blocks, config.seed,
+                                  graph_sizes, max_len)
         self.requests: dict[str, Request] = {}
         self._order = 0
         self.num_steps = 0

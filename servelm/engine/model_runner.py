@@ -9,6 +9,7 @@ import mmap
 import numpy as np
 import torch
 
+from servelm.engine.cuda_graphs import DecodeGraphs
 from servelm.engine.kv_cache_manager import BlockOps
 from servelm.engine.sampler import Sampler, SampleResult
 from servelm.engine.scheduler import SchedulerOutput
@@ -38,12 +39,16 @@ def kv_bytes_per_block(model: DecoderLM, block_size: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, num_cpu_blocks: int, seed: int) -> None:
+    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, num_cpu_blocks: int, seed: int,
+                 cuda_graph_sizes: list[int] | None = None, max_model_len: int = 0) -> None:
+        """`cuda_graph_sizes`: on a CUDA device, decode batch sizes to capture (None: run eagerly)."""
         self.model = model
         self.block_size = block_size
         self.device = model.embed.device
         s = model.spec
-        shape = (num_blocks, block_size, s.num_kv_heads, s.head_dim)
+        # a spare block past the pool's end takes the padding rows' writes of graph replays
+        self.spare_block = num_blocks
+        shape = (num_blocks + 1, block_size, s.num_kv_heads, s.head_dim)
 
         def zeros() -> torch.Tensor:
             if self.device.type == "cpu":
@@ -54,6 +59,18 @@ class ModelRunner:
         self.num_cpu_blocks = num_cpu_blocks
         self._cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.sampler = Sampler(seed)
+        self.max_model_len = max_model_len
+        self.graphs: DecodeGraphs | None = None
+        self.num_graph_steps = 0  # decode steps run through the static buffers (replays on a GPU)
+        if cuda_graph_sizes and self.device.type == "cuda":
+            self.enable_decode_graphs(cuda_graph_sizes, capture=True)
+
+    def enable_decode_graphs(self, sizes: list[int], capture: bool) -> None:
+        """Run pure-decode steps of up to max(sizes) sequences through padded static buffers, replaying a
+        CUDA graph per size when `capture` (without it, on any device, the same buffers run eagerly)."""
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_blocks, self.spare_block,
+                                   sizes, capture)
 
     @property
     def cpu_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -107,16 +124,19 @@ class ModelRunner:
             if s.sample_seqs:
                 logits_idx.append(offset - 1)
                 repeats.append(len(s.sample_seqs))
-        max_blocks = max((len(t) for t in decode_tables), default=1)
-        tables = np.zeros((len(decode_tables), max_blocks), dtype=np.int64)
-        for r, t in enumerate(decode_tables):
-            tables[r, : len(t)] = t
         dev = self.device  # built on the host, copied once per step (no copy at all on the CPU)
 
         def tensor(x) -> torch.Tensor:
-            t = torch.from_numpy(x) if isinstance(x, np.ndarray) else torch.tensor(x, dtype=torch.long)
-            return t.to(dev, non_blocking=True)
+            return torch.from_numpy(x) if isinstance(x, np.ndarray) else torch.tensor(x, dtype=torch.long)
 
+        logits_dev = tensor(logits_idx).to(dev)
+        repeats_t = torch.tensor(repeats, dtype=torch.long)
+        max_blocks = max((len(t) for t in decode_tables), default=1)
+        if not prefills and self.graphs is not None and self.graphs.can_run(len(ids), max_blocks):
+            return None, None, None, logits_dev, repeats_t, (ids, positions, slots, decode_tables, decode_lens)
+        tables = np.zeros((len(decode_tables), max_blocks), dtype=np.int64)
+        for r, t in enumerate(decode_tables):
+            tables[r, : len(t)] = t
         meta = AttentionMetadata(
             slot_mapping=tensor(slots),
             decode_idx=tensor(decode_idx),
@@ -125,7 +145,9 @@ class ModelRunner:
             prefills=prefills,
             block_size=bs,
         )
-        return (tensor(ids), tensor(positions), meta, tensor(logits_idx), torch.tensor(repeats, dtype=torch.long))
+        meta.derived = self.model.attn.derive(meta)
+        return (tensor(ids).to(dev, non_blocking=True), tensor(positions).to(dev, non_blocking=True),
+                meta.to(dev), logits_dev, repeats_t, None)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[SampleResult]:
@@ -133,14 +155,16 @@ class ModelRunner:
         self.apply_block_ops(out.ops)
         if not out.scheduled:
             return []
-        input_ids, positions, meta, logits_idx, repeats = self._prepare(out)
-        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
-        if logits_idx.numel() == 0:
+        input_ids, positions, meta, logits_idx, repeats, graph_step = self._prepare(out)
+        if graph_step is not None:  # every row's logits, from the static buffers (a graph replay on a GPU)
+            hidden, logits = None, self.graphs.run(*graph_step)
+            self.num_graph_steps += 1
+        else:
+            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        if logits_idx.numel() == 0:  # a step of prompt chunks that sample nothing yet
             return []
-        logits = self.model.logits(hidden[logits_idx])
-        if logits.device.type != "cpu":  # the sampler (seeded generators, stop checks) runs on the host
-            logits = logits.cpu()
+        logits = logits[logits_idx] if graph_step is not None else self.model.logits(hidden[logits_idx])
         if bool((repeats > 1).any()):
-            logits = logits.repeat_interleave(repeats, dim=0)
+            logits = logits.repeat_interleave(repeats.to(logits.device), dim=0)
         seqs = [q for s in out.scheduled for q in s.sample_seqs]
         return self.sampler.sample(logits, seqs)

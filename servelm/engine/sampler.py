@@ -27,8 +27,24 @@ class Sampler:
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
 
+    @staticmethod
+    def plain_greedy(seqs: list[Sequence]) -> bool:
+        """True when every row is greedy with nothing to apply before its argmax and no logprobs."""
+        for s in seqs:
+            p = s.request.params
+            if not p.greedy or p.logprobs is not None or p.logit_bias or p.needs_penalties \
+                    or s.num_output_tokens < p.min_tokens:
+                return False
+        return True
+
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+        """Tokens for each row. Logits on a GPU stay there for a plain greedy batch (only the chosen ids
+        cross to the host); anything else runs here on the host (seeded generators, penalties, logprobs)."""
+        if logits.device.type != "cpu":
+            if self.plain_greedy(seqs):
+                return [SampleResult(t) for t in logits.argmax(dim=-1).tolist()]
+            logits = logits.cpu()
         params = [s.request.params for s in seqs]
         want_lp = [p.logprobs is not None for p in params]
         # logits arrive in the model's dtype: a greedy row takes its argmax there (widening to float32 is

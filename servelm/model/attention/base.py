@@ -35,6 +35,23 @@ class AttentionMetadata:
     def num_decodes(self) -> int:
         return int(self.decode_idx.numel())
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the step's attention reads, the derived ones included, in a fixed order (each has
+        the batch as its first dimension except the prefills' block tables, which are not listed)."""
+        out = [self.slot_mapping, self.decode_idx, self.decode_block_tables, self.decode_seq_lens]
+        for v in self.derived.values():
+            out.extend(v if isinstance(v, tuple) else (v,))
+        return out
+
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """A copy on `device` (the same object where it is already there)."""
+        if self.slot_mapping.device == torch.device(device):
+            return self
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        derived = {k: tuple(map(move, v)) if isinstance(v, tuple) else move(v) for k, v in self.derived.items()}
+        return AttentionMetadata(move(self.slot_mapping), move(self.decode_idx), move(self.decode_block_tables),
+                                 move(self.decode_seq_lens), self.prefills, self.block_size, derived)
+
 
 class AttentionBackend(ABC):
     """Computes attention for one layer and writes the new keys/values into the paged cache.
@@ -47,6 +64,11 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+
+    def derive(self, meta: AttentionMetadata) -> dict:
+        """What this backend computes from a step's host-side metadata once for all layers (into
+        `meta.derived`, moved to the device with the rest); nothing by default."""
+        return {}
 
     @abstractmethod
     def forward(
