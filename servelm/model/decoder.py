@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from servelm.model.attention import AttentionBackend, AttentionMetadata
+from servelm.model.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention
 from servelm.model.layers import GateUpLinear, Linear, add_rms_norm, fused_kernels, rms_norm, rotary_
 from servelm.model.spec import ModelSpec
 
@@ -47,6 +47,23 @@ class DecoderLM:
         self.fused = fused_kernels(dtype, self.embed.device)
         self.attn = backend(spec.num_heads, spec.num_kv_heads, spec.head_dim, scale)
         self._rope_cache(spec.max_position_embeddings)
+        self.cpp_decode = self._cpp_decode_weights()  # None where the C++ layer loop does not apply
+
+    def _cpp_decode_weights(self) -> list[torch.Tensor] | None:
+        """The flat weight list of the C++ layer loop for pure-decode steps (`decode_layers`): where the
+        fused kernels, the CPU attention kernel and the AVX512 linear kernel take every layer (AMD Zen 4/5;
+        on AMX CPUs decode-sized linears go to the tile kernel and the Python loop runs)."""
+        if self.fused is None or not hasattr(self.fused, "decode_layers") or not isinstance(self.attn, CpuPagedAttention):
+            return None
+        flat = []
+        none = torch.empty(0, dtype=self.dtype)
+        for lw in self.layers:
+            if any(x.avx512 is None for x in (lw.qkv, lw.o_proj, lw.down, lw.gate_up)):
+                return None
+            flat += [lw.input_norm, lw.qkv.tiled, none if lw.qkv.bias is None else lw.qkv.bias, lw.o_proj.tiled,
+                     none if lw.o_proj.bias is None else lw.o_proj.bias, lw.post_norm, lw.gate_up.tiled,
+                     lw.down.tiled, none if lw.q_norm is None else lw.q_norm, none if lw.k_norm is None else lw.k_norm]
+        return flat
 
     def _take_layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -88,6 +105,14 @@ class DecoderLM:
         """Hidden states after the final norm, [T, hidden]."""
         s, fused, eps = self.spec, self.fused, self.spec.rms_norm_eps
         h = self.embed[input_ids]  # the residual stream, updated in place
+        if self.cpp_decode is not None and not meta.prefills:  # the same kernels, looped in C++
+            lw = self.layers[0]
+            return fused.decode_layers(
+                h, positions, self.cos, self.sin, self.cpp_decode, [c for kv in kv_caches for c in kv],
+                meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens, self.norm,
+                [w or 0 for w in s.sliding_windows], [lw.qkv.out_features, lw.o_proj.out_features,
+                                                      lw.gate_up.out_features, lw.down.out_features],
+                [s.num_heads, s.num_kv_heads, s.head_dim], eps, self.attn.scale)
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         # the fused kernel reads the rotary tables at the positions; the PyTorch path gathers them once here
         cos, sin, rope_pos = (self.cos, self.sin, positions) if fused else (self.cos[positions], self.sin[positions], None)

@@ -19,6 +19,11 @@ void rms_norm_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor w, double e
 void add_rms_norm_bf16(torch::Tensor out, torch::Tensor delta, torch::Tensor residual, torch::Tensor w, double eps);
 void rotary_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_mul_bf16(torch::Tensor x);
+torch::Tensor decode_layers(torch::Tensor h, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                            std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches,
+                            torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens,
+                            torch::Tensor final_norm, std::vector<int64_t> windows, std::vector<int64_t> sizes,
+                            std::vector<int64_t> heads, double eps, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
@@ -40,5 +45,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += delta; out = RMSNorm(residual) * w");
   m.def("rotary_bf16_", &rotary_bf16_, "rotary embedding in place");
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up");
+  m.def("decode_layers", &decode_layers, "every decoder layer of a pure-decode step (AVX512-BF16 kernels)");
   m.def("argmax_rows", &argmax_rows, "first argmax of each row of float32 or bf16 logits");
 }
