@@ -46,6 +46,7 @@ def test_toml_and_json_files_and_config_env_var(tmp_path):
     ({"SERVELM_ENABLE_PREFIX_CACHING": "maybe"}, None, r"enable_prefix_caching must be a boolean"),
     ({}, "engine:\n  dtype: float8\n", r"engine\.dtype must be one of auto.*\(set by file\), got 'float8'"),
     ({}, "engine:\n  max_num_sequences: 3\n", r"engine\.max_num_sequences must be a known key"),
+    ({"SERVELM_DEVICE": "tpu"}, None, r"engine\.device must be cpu, cuda or cuda:N \(set by env SERVELM_DEVICE\)"),
     ({}, "scheduler:\n  x: 1\n", r"section 'scheduler'"),
     ({}, "admission:\n  queue_low_watermark: 2000\n", r"queue_low_watermark must be in \[0, queue_high_watermark"),
     ({"SERVELM_API_KEY": "short"}, None, r"server\.api_key must be at least 8 characters.*<redacted>"),
