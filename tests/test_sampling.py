@@ -126,3 +126,16 @@ def test_penalties_and_bias_follow_their_definitions():
     banned = s._process(logits, [seq])
     assert banned[0, 5] == float("-inf")
     assert logits.shape[1] == vocab and logits[0, 5] == 3.0  # the input is never modified
+
+
+def test_plain_greedy_marks_the_batches_that_may_take_their_argmax_on_the_device():
+    """On a GPU a plain greedy batch skips the host sampler; any row that needs processing, a draw or
+    logprobs keeps the whole batch on the host path."""
+    greedy = _seq([1, 2], [3], temperature=0.0)
+    assert Sampler.plain_greedy([greedy, _seq([1], [], temperature=0.0, min_tokens=0)])
+    for other in (_seq([1], [], temperature=0.7), _seq([1], [], temperature=0.0, logprobs=2),
+                  _seq([1], [], temperature=0.0, logit_bias={4: 1.0}),
+                  _seq([1], [], temperature=0.0, repetition_penalty=1.2),
+                  _seq([1], [], temperature=0.0, min_tokens=2)):
+        assert not Sampler.plain_greedy([greedy, other])
+    assert Sampler.plain_greedy([_seq([1], [3, 4], temperature=0.0, min_tokens=2)])  # min_tokens reached

@@ -45,40 +45,29 @@ class DecodeGraphs:
         # the largest size's buffers; each size's graph reads a leading slice of them
         self.ids = torch.zeros(n, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(n, dtype=torch.long, device=self.device)
-        self.meta = self._pad_meta(self._host_meta(np.zeros(0, dtype=np.int64), [], []), n).to(self.device)
-        if self.meta.slot_mapping.device == torch.device("cpu"):  # .to() kept the host tensors: own them
-            self.meta = _clone(self.meta)
+        self.meta = self._padded_meta([], [], [], n).to(self.device)  # on the CPU, the host tensors
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         if capture:
             self._capture()
 
     # -- metadata ----------------------------------------------------------------------------------------
-    def _host_meta(self, slots: np.ndarray, tables: list[list[int]], lens: list[int]) -> AttentionMetadata:
-        bt = np.zeros((len(tables), self.max_blocks), dtype=np.int64)
+    def _padded_meta(self, slots: list[int], tables: list[list[int]], lens: list[int], size: int
+                     ) -> AttentionMetadata:
+        """A step's decode metadata padded to `size` rows (tables to `max_blocks` columns); rows n..size-1
+        are dummy decodes of one token in the spare block. Then the backend derives its own rows."""
+        n, pad = len(tables), size - len(tables)
+        bt = np.zeros((size, self.max_blocks), dtype=np.int64)
         for r, t in enumerate(tables):
             bt[r, : len(t)] = t
-        return AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.asarray(slots, dtype=np.int64)),
-            decode_idx=torch.arange(len(tables)),
-            decode_block_tables=torch.from_numpy(bt),
-            decode_seq_lens=torch.tensor(lens, dtype=torch.long),
-            prefills=[], block_size=self.block_size)
-
-    def _pad_meta(self, meta: AttentionMetadata, size: int) -> AttentionMetadata:
-        """Rows n..size-1 become dummy decodes of one token in the spare block; then the backend derives."""
-        n = meta.num_decodes
-        pad = size - n
-        bt = torch.zeros(size, self.max_blocks, dtype=torch.long)
-        bt[:n] = meta.decode_block_tables
         bt[n:, 0] = self.spare_block
-        padded = AttentionMetadata(
-            slot_mapping=torch.cat([meta.slot_mapping, torch.full((pad,), self.spare_block * self.block_size)]),
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots + [self.spare_block * self.block_size] * pad, dtype=torch.long),
             decode_idx=torch.arange(size),
-            decode_block_tables=bt,
-            decode_seq_lens=torch.cat([meta.decode_seq_lens, torch.ones(pad, dtype=torch.long)]),
+            decode_block_tables=torch.from_numpy(bt),
+            decode_seq_lens=torch.tensor(lens + [1] * pad, dtype=torch.long),
             prefills=[], block_size=self.block_size)
-        padded.derived = self.model.attn.derive(padded)
-        return padded
+        meta.derived = self.model.attn.derive(meta)
+        return meta
 
     def _static_meta(self, size: int) -> AttentionMetadata:
         """The leading `size` rows of the static buffers, as the metadata a graph of that size reads."""
@@ -96,14 +85,14 @@ class DecodeGraphs:
         """Logits [n, vocab] of a step of n decodes (the last row of each is its only token)."""
         n = len(ids)
         size = next(s for s in self.sizes if s >= n)
-        host = self._pad_meta(self._host_meta(np.asarray(slots), tables, lens), size)
+        host = self._padded_meta(slots, tables, lens, size)
         pad = [0] * (size - n)
         self.ids[:size].copy_(torch.tensor(ids + pad), non_blocking=True)
         self.positions[:size].copy_(torch.tensor(positions + pad), non_blocking=True)
         for dst, src in zip(self._static_meta(size).tensors(), host.tensors(), strict=True):
             dst.copy_(src, non_blocking=True)
         graph, logits = self.graphs.get(size, (None, None))
-        if graph is None:  # the CPU (no capture), or a size that failed to capture
+        if graph is None:  # not captured (the CPU)
             return self._forward(size)[:n]
         graph.replay()
         return logits[:n]
@@ -127,8 +116,3 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
-
-def _clone(meta: AttentionMetadata) -> AttentionMetadata:
-    derived = {k: tuple(t.clone() for t in v) if isinstance(v, tuple) else v.clone() for k, v in meta.derived.items()}
-    return AttentionMetadata(meta.slot_mapping.clone(), meta.decode_idx.clone(), meta.decode_block_tables.clone(),
-                             meta.decode_seq_lens.clone(), [], meta.block_size, derived)

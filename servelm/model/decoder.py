@@ -53,7 +53,7 @@ class DecoderLM:
         """The flat weight list of the C++ layer loop for pure-decode steps (`decode_layers`): where the
         fused kernels, the CPU attention kernel and the AVX512 linear kernel take every layer (AMD Zen 4/5;
         on AMX CPUs decode-sized linears go to the tile kernel and the Python loop runs)."""
-        if self.fused is None or not hasattr(self.fused, "decode_layers") or not isinstance(self.attn, CpuPagedAttention):
+        if self.fused is None or not isinstance(self.attn, CpuPagedAttention):
             return None
         flat = []
         none = torch.empty(0, dtype=self.dtype)
