@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from servelm.model import memory
 from servelm.model.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention
 from servelm.model.layers import GateUpLinear, Linear, add_rms_norm, fused_kernels, rms_norm, rotary_
 from servelm.model.spec import ModelSpec
@@ -47,7 +48,21 @@ class DecoderLM:
         self.fused = fused_kernels(dtype, self.embed.device)
         self.attn = backend(spec.num_heads, spec.num_kv_heads, spec.head_dim, scale)
         self._rope_cache(spec.max_position_embeddings)
+        if self.embed.device.type == "cpu" and memory.WEIGHTS_IN_HUGE_PAGES:
+            memory.move_to_huge_pages(self._streamed_tensors())
         self.cpp_decode = self._cpp_decode_weights()  # None where the C++ layer loop does not apply
+
+    def _streamed_tensors(self) -> list[tuple[object, str]]:
+        """(holder, attribute) of every tensor a decode step reads in full: the linears' weights in the
+        layout their kernel reads (oneDNN's opaque copies stay where oneDNN put them), biases and norms."""
+        slots: list[tuple[object, str]] = [(self, "norm")]
+        if self.lm_head.weight is self.embed:  # tied and read as is: one copy serves both
+            slots.append((self, "embed"))
+        linears = [self.lm_head]
+        for lw in self.layers:
+            slots += [(lw, n) for n in ("input_norm", "post_norm", "q_norm", "k_norm")]
+            linears += [lw.qkv, lw.o_proj, lw.gate_up.linear or lw.gate_up, lw.down]
+        return slots + [(lin, n) for lin in linears for n in ("tiled", "weight", "bias") if hasattr(lin, n)]
 
     def _cpp_decode_weights(self) -> list[torch.Tensor] | None:
         """The flat weight list of the C++ layer loop for pure-decode steps (`decode_layers`): where the
