@@ -19,6 +19,7 @@ import torch
 
 from servelm.model import cpu_kernels
 from servelm.model.attention import AttentionMetadata, TorchPagedAttention
+from servelm.model.memory import lazy_zeros
 
 MODELS = {"60m": (8, 8, 4, 64), "smollm2": (30, 9, 3, 64)}  # layers, q heads, kv heads, head dim
 
@@ -29,8 +30,12 @@ def decode_step(model: str, batch: int, context: int, block_size: int = 16):
     layers, hq, hkv, d = MODELS[model]
     per_seq = -(-context // block_size)
     g = torch.Generator().manual_seed(0)
-    caches = [(torch.randn(batch * per_seq, block_size, hkv, d, generator=g).bfloat16(),
-               torch.randn(batch * per_seq, block_size, hkv, d, generator=g).bfloat16()) for _ in range(layers)]
+    shape = (batch * per_seq, block_size, hkv, d)
+
+    def cache() -> torch.Tensor:  # in huge pages, as the engine's KV pool
+        return lazy_zeros(shape, torch.bfloat16).copy_(torch.randn(shape, generator=g))
+
+    caches = [(cache(), cache()) for _ in range(layers)]
     tables = torch.randperm(batch * per_seq, generator=g).view(batch, per_seq).contiguous()
     lens = torch.full((batch,), context, dtype=torch.int64)
     return caches, tables, lens, torch.randn(batch, hq, d, generator=g).bfloat16()
@@ -55,7 +60,7 @@ def main() -> None:
     out = torch.empty_like(q)
     scale = d ** -0.5
     kv_bytes = layers * b * ctx * hkv * d * 2 * 2
-    flat = torch.ones(kv_bytes // 4)  # the same bytes as float32, for a plain streaming read
+    flat = lazy_zeros((kv_bytes // 4,), torch.float32).fill_(1)  # the same bytes, for a plain streaming read
     torch_path = TorchPagedAttention(hq, hkv, d, scale)
     meta = AttentionMetadata(torch.zeros(b, dtype=torch.long), torch.arange(b), tables, lens, [], bs)
 

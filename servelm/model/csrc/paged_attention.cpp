@@ -40,28 +40,55 @@ struct NextRows {
   int64_t head_offset = 0, len = 0;
 };
 
+// What a walk over one item's rows prefetches into L2, one row's lines per row it reads, so that the
+// misses spread over the walk instead of coming in bursts: the same positions of the next item
+// (`next`), this walk's own rows `ahead` blocks further on (its blocks lie anywhere in the pool, which
+// the hardware prefetcher cannot follow), and, for positions before `values_until`, the rows at the
+// same offsets in `values` (a key walk fetching the first blocks of the value walk that follows it,
+// which that walk's own look-ahead cannot cover). Prefetching each next block into L1 in a burst
+// instead measured 1.25x slower (W1's batch-64 step, bench/decode_attention.py).
+struct Prefetch {
+  int64_t row_bytes = 0;  // 0: no prefetching
+  NextRows next;
+  int64_t ahead = 0;
+  const void* values = nullptr;
+  int64_t values_until = 0;
+};
+
 // Calls fn(row, t) for each context position t in [start, len) with a pointer to its row of head h,
 // walking the block table one block at a time (one lookup per block, not a division per token).
-// With row_bytes > 0 it also prefetches, one row per row read, the same positions of `next` into L2:
-// the next item's lines then stream in while this one computes. Prefetching each next block into L1
-// in a burst instead measured 1.25x slower (W1's batch-64 step, bench/decode_attention.py).
 template <typename scalar_t, typename Fn>
 __attribute__((always_inline)) inline void for_each_row(const scalar_t* cache, const int64_t* table, int64_t bs,
                                                         int64_t row_stride, int64_t head_offset, int64_t start,
-                                                        int64_t len, Fn&& fn, int64_t row_bytes = 0,
-                                                        const NextRows& next = {}) {
+                                                        int64_t len, Fn&& fn, const Prefetch& pf = {}) {
+  const int64_t stride_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
   for (int64_t t = start; t < len;) {
-    const int64_t off = t % bs, n = std::min(bs - off, len - t);
-    const scalar_t* row = cache + (table[t / bs] * bs + off) * row_stride + head_offset;
-    const int64_t ahead = row_bytes > 0 ? std::min(n, next.len - t) : 0;
-    const char* nrow = ahead > 0
-        ? reinterpret_cast<const char*>(cache + (next.table[t / bs] * bs + off) * row_stride + next.head_offset)
-        : nullptr;
-    for (int64_t i = 0; i < n; ++i, row += row_stride) {
-      if (i < ahead)
-        for (int64_t byte = 0; byte < row_bytes; byte += 64)
-          _mm_prefetch(nrow + i * row_stride * static_cast<int64_t>(sizeof(scalar_t)) + byte, _MM_HINT_T1);
-      fn(row, t + i);
+    const int64_t blk = t / bs, off = t % bs, n = std::min(bs - off, len - t);
+    const int64_t at = (table[blk] * bs + off) * row_stride + head_offset;
+    const scalar_t* row = cache + at;
+    if (pf.row_bytes > 0) {
+      const int64_t n_next = std::min(n, pf.next.len - t);
+      const char* nrow = n_next > 0
+          ? reinterpret_cast<const char*>(cache + (pf.next.table[blk] * bs + off) * row_stride + pf.next.head_offset)
+          : nullptr;
+      const int64_t t_ahead = (blk + pf.ahead) * bs + off;
+      const int64_t n_ahead = pf.ahead > 0 ? std::min(n, len - t_ahead) : 0;
+      const char* arow = n_ahead > 0
+          ? reinterpret_cast<const char*>(cache + (table[blk + pf.ahead] * bs + off) * row_stride + head_offset)
+          : nullptr;
+      const int64_t n_values = pf.values != nullptr ? std::min(n, pf.values_until - t) : 0;
+      const char* vrow = n_values > 0 ? reinterpret_cast<const char*>(static_cast<const scalar_t*>(pf.values) + at) : nullptr;
+      for (int64_t i = 0; i < n; ++i, row += row_stride) {
+        const int64_t step = i * stride_bytes;
+        for (int64_t byte = 0; byte < pf.row_bytes; byte += 64) {
+          if (i < n_next) _mm_prefetch(nrow + step + byte, _MM_HINT_T1);
+          if (i < n_ahead) _mm_prefetch(arow + step + byte, _MM_HINT_T1);
+          if (i < n_values) _mm_prefetch(vrow + step + byte, _MM_HINT_T1);
+        }
+        fn(row, t + i);
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i, row += row_stride) fn(row, t + i);
     }
     t += n;
   }
@@ -162,7 +189,7 @@ inline __m512 hsum16(const __m512* v) {
 template <int C, int GT>
 void pv_groups(const bf16* vp, const int64_t* table, int64_t bs, int64_t row_stride, int64_t head_offset,
                int64_t start, int64_t len, const bf16* probs, int64_t Lp, const bf16* zeros, bf16* out,
-               const NextRows& next, bool prefetch) {
+               const Prefetch& pf) {
   __m512 lo[GT][C], hi[GT][C];
 #pragma GCC unroll 8
   for (int g = 0; g < GT; ++g)
@@ -196,7 +223,7 @@ void pv_groups(const bf16* vp, const int64_t* table, int64_t bs, int64_t row_str
       held = nullptr;
     }
   };
-  for_each_row(vp, table, bs, row_stride, head_offset, start, len, visit, prefetch ? C * 64 : 0, next);
+  for_each_row(vp, table, bs, row_stride, head_offset, start, len, visit, pf);
   if (held != nullptr) pair(held, zeros, len - 1 - start);  // its partner's probability is 0
   // Lane i of an unpacklo result holds dim 8*(i/4) + i%4 of its 32, unpackhi the next 4.
   const __m512i idx0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
@@ -210,6 +237,14 @@ void pv_groups(const bf16* vp, const int64_t* table, int64_t bs, int64_t row_str
     }
 }
 
+// Prefetch distances of the bf16 kernel. Each walk runs 2 blocks ahead of itself; the key walk also
+// fetches the value rows of up to 256 KB of positions (all of them up to 2048 positions at head size 64)
+// so that the value walk starts on L2 hits. Against the next-item prefetch alone, cold caches, one thread
+// (Zen 4): W2's batch-1 step at 600 positions 1.6x, W1's batch-64 step 1.38x, 4 x 2000 positions 1.62x;
+// the key walk fetching only the first 2 or 8 blocks of values gave 1.24-1.51x.
+constexpr int64_t kAheadBlocks = 2;
+constexpr int64_t kValuePrefetchBytes = 256 << 10;
+
 // Query groups per P @ V pass: as many as keep 2 * GT * C accumulators within 16 registers.
 template <int C>
 constexpr int kGroupsPerPass = C <= 2 ? 4 : (C == 4 ? 2 : 1);
@@ -217,13 +252,13 @@ constexpr int kGroupsPerPass = C <= 2 ? 4 : (C == 4 ? 2 : 1);
 template <int C, int GT = kGroupsPerPass<C>>
 void pv_dispatch(int64_t groups, const bf16* vp, const int64_t* table, int64_t bs, int64_t row_stride,
                  int64_t head_offset, int64_t start, int64_t len, const bf16* probs, int64_t Lp,
-                 const bf16* zeros, bf16* out, const NextRows& next, bool prefetch) {
+                 const bf16* zeros, bf16* out, const Prefetch& pf) {
   if constexpr (GT > 1) {
     if (groups < GT)
       return pv_dispatch<C, GT - 1>(groups, vp, table, bs, row_stride, head_offset, start, len, probs, Lp,
-                                    zeros, out, next, prefetch);
+                                    zeros, out, pf);
   }
-  pv_groups<C, GT>(vp, table, bs, row_stride, head_offset, start, len, probs, Lp, zeros, out, next, prefetch);
+  pv_groups<C, GT>(vp, table, bs, row_stride, head_offset, start, len, probs, Lp, zeros, out, pf);
 }
 
 // bf16 with head_dim = 32 * C: q.k with AVX512-BF16 dot products (bf16 pairs, exact products,
@@ -289,7 +324,7 @@ void decode_bf16_avx512(torch::Tensor& out, const torch::Tensor& q, const torch:
       for_each_row(kp, table, bs, row_stride, h * D, start, len, [&](const bf16* kr, int64_t t) {
         rows[n] = kr;
         if (++n == 16) flush(t + 1);
-      }, D * 2, next);
+      }, Prefetch{D * 2, next, kAheadBlocks, vp, start + kValuePrefetchBytes / (D * 2)});
       if (n > 0) flush(len);
       for (int64_t g = 0; g < G; ++g) {  // softmax over L (padding lanes hold -inf and give 0)
         float* sg = scores.data() + g * Lp;
@@ -310,7 +345,7 @@ void decode_bf16_avx512(torch::Tensor& out, const torch::Tensor& q, const torch:
       for (int64_t g0 = 0; g0 < G; g0 += kGroupsPerPass<C>)  // only the first pass prefetches
         pv_dispatch<C>(std::min<int64_t>(G - g0, kGroupsPerPass<C>), vp, table, bs, row_stride, h * D, start, len,
                        probs.data() + g0 * Lp, Lp, zeros.data(), op + (b * Hq + h * G + g0) * D,
-                       next, g0 == 0);
+                       g0 == 0 ? Prefetch{C * 64, next, kAheadBlocks} : Prefetch{});
     }
   });
 }
