@@ -9,6 +9,7 @@ on most distributions). On Zen 4, cold bf16 weights streamed at batch 1: 24 -> 3
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 
@@ -72,3 +73,16 @@ def move_to_huge_pages(slots: list[tuple[object, str]]) -> None:
             off = offsets[key]
             moved[key] = arena[off:off + sizes[key]].view(t.dtype).view(t.shape).copy_(t)
         setattr(obj, name, moved[key])
+    release_freed_heap()
+
+
+def release_freed_heap() -> None:
+    """Hands memory that the C heap holds free back to the OS (glibc's malloc_trim). Large tensors freed
+    during loading otherwise stay resident: glibc raises its mmap threshold after freeing a mapped
+    chunk, so later large blocks come from the heap, whose free pages it keeps."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
