@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "peers" / "workers"))
-from common import prompts  # noqa: E402  (the shared workloads' token ids)
+from ab_rounds import alternate  # bench/ is on sys.path when run
 
 
 def anon_huge_kb() -> int:
@@ -35,7 +32,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--w1", action="store_true", help="also time W1 (64 x 128 tokens) each round")
     a = p.parse_args()
-    from servelm import LLM, SamplingParams
+    from servelm import LLM
     from servelm.model import memory
 
     engines = {}
@@ -44,29 +41,9 @@ def main() -> None:
         before = anon_huge_kb()
         engines[side] = LLM(a.model, dtype="bfloat16", num_threads=a.threads, enable_prefix_caching=False)
         print(f"{side}: AnonHugePages +{anon_huge_kb() - before} kB", file=sys.stderr)
-    vocab = engines["huge"].engine.core.model.spec.vocab_size
-    w2 = prompts("W2", vocab)[0]
-    w1 = prompts("W1", vocab)
-
-    def gen(side, batch, n):
-        t = time.perf_counter()
-        engines[side].generate(batch, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-        return time.perf_counter() - t
-
-    res = {side: {"tpot_ms": [], "w1_tok_s": []} for side in engines}
-    for side in engines:  # warm-up both
-        gen(side, [w2], 8)
-    for r in range(a.rounds):
-        for side in (("huge", "small") if r % 2 == 0 else ("small", "huge")):
-            ttft = gen(side, [w2], 1)
-            res[side]["tpot_ms"].append(round(1000 * (gen(side, [w2], 128) - ttft) / 127, 3))
-            if a.w1:
-                res[side]["w1_tok_s"].append(round(64 * 128 / gen(side, w1, 128), 1))
-    out = {"model": a.model, "threads": a.threads, "rounds": res}
-    for key in ("tpot_ms", "w1_tok_s"):
-        if res["huge"][key]:
-            h, s = statistics.median(res["huge"][key]), statistics.median(res["small"][key])
-            out[key] = {"huge": h, "small": s, "speedup": round(s / h if key == "tpot_ms" else h / s, 3)}
+    out = {"model": a.model, "threads": a.threads,
+           **alternate(engines.__getitem__, ("huge", "small"), engines["huge"].engine.core.model.spec.vocab_size,
+                       a.rounds, a.w1)}
     print(json.dumps(out, indent=1))
 
 

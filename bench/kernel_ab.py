@@ -8,6 +8,8 @@ order); prints one JSON object with medians and the new/base speed-up.
   python bench/kernel_ab.py --base /tmp/base --rows 16,32,64
 
 `--base` and `--new` name checkouts (their servelm/model/csrc is built, or found in the kernel cache).
+`--engine DIR` also runs a model end to end with each build's kernels in turn (one engine; W2 TPOT and,
+with `--w1`, W1 throughput, alternating rounds).
 A benchmark, not a test: CI does not run it.
 """
 
@@ -99,6 +101,9 @@ def main() -> None:
     p.add_argument("--attention", default="64x192", help="BATCHxCONTEXT for decode attention ('' to skip)")
     p.add_argument("--allow-diff", action="store_true",
                    help="time attention builds whose outputs differ (a deliberate numerics change)")
+    p.add_argument("--engine", type=Path, default=None, metavar="MODEL_DIR",
+                   help="also time W2 (and W1 with --w1) on this bf16 model with each build's kernels")
+    p.add_argument("--w1", action="store_true")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=12)
     a = p.parse_args()
@@ -112,7 +117,29 @@ def main() -> None:
     if a.attention:
         batch, context = map(int, a.attention.split("x"))
         res.update(attention(base, new, a.model, batch, context, a.rounds, a.allow_diff))
+    if a.engine:
+        res["engine"] = engine(base, new, a.engine, a.threads, max(3, a.rounds // 2), a.w1)
     print(json.dumps(res, indent=1))
+
+
+def engine(base, new, model_dir: Path, threads: int, rounds: int, w1: bool) -> dict:
+    """One engine whose fused-kernel module (the C++ decode layer loop and the elementwise kernels, and
+    through them the decode attention) is switched between the builds; the linear layers keep this
+    process's default build."""
+    from ab_rounds import alternate
+
+    from servelm import LLM
+
+    llm = LLM(str(model_dir), dtype="bfloat16", num_threads=threads, enable_prefix_caching=False)
+    model = llm.engine.core.model
+    if model.fused is None:
+        raise SystemExit("the model does not run on the fused kernels here")
+
+    def select(side: str):
+        model.fused = new if side == "new" else base
+        return llm
+
+    return {"model": str(model_dir), **alternate(select, ("new", "base"), model.spec.vocab_size, rounds, w1)}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,47 @@
+"""Two variants of servelm alternating in one process, so that a noisy minute hits both alike: per round,
+W2's TPOT (one 512-token prompt, 128 tokens) and optionally W1's throughput on each, the order flipped
+every round. Shared by the A/B benchmarks (`decode_loop_ab.py`, `huge_pages_ab.py`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers" / "workers"))
+from common import prompts  # noqa: E402  (the shared workloads' token ids)
+
+
+def alternate(select: Callable[[str], object], sides: tuple[str, str], vocab: int, rounds: int,
+              w1: bool) -> dict:
+    """`select(side)` makes a side current and returns its `LLM`; `sides[0]` is the candidate, `sides[1]`
+    the baseline. Returns each side's rounds and, per figure, both medians and the candidate's speed-up."""
+    from servelm import SamplingParams
+
+    w2_prompt, w1_prompts = prompts("W2", vocab)[0], prompts("W1", vocab)
+
+    def gen(llm, batch, n: int) -> float:
+        t = time.perf_counter()
+        llm.generate(batch, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t
+
+    res = {side: {"tpot_ms": [], "w1_tok_s": []} for side in sides}
+    for side in sides:  # warm-up both
+        gen(select(side), [w2_prompt], 8)
+    for r in range(rounds):
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            llm = select(side)
+            ttft = gen(llm, [w2_prompt], 1)
+            res[side]["tpot_ms"].append(round(1000 * (gen(llm, [w2_prompt], 128) - ttft) / 127, 3))
+            if w1:
+                res[side]["w1_tok_s"].append(round(64 * 128 / gen(llm, w1_prompts, 128), 1))
+    out: dict = {"rounds": res}
+    new, base = sides
+    for key in ("tpot_ms", "w1_tok_s"):
+        if res[new][key]:
+            a, b = statistics.median(res[new][key]), statistics.median(res[base][key])
+            out[key] = {new: a, base: b, "speedup": round(b / a if key == "tpot_ms" else a / b, 3)}
+    return out
