@@ -5,6 +5,7 @@ every round. Shared by the A/B benchmarks (`decode_loop_ab.py`, `huge_pages_ab.p
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -13,6 +14,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers" / "workers"))
 from common import prompts  # noqa: E402  (the shared workloads' token ids)
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The A/B benchmarks' common options: model folder, threads, rounds, and whether to time W1 too."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--w1", action="store_true", help="also time W1 (64 x 128 tokens) each round")
+    return p
 
 
 def alternate(select: Callable[[str], object], sides: tuple[str, str], vocab: int, rounds: int,

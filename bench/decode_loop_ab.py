@@ -9,19 +9,13 @@ A benchmark, not a test: CI does not run it.
 
 from __future__ import annotations
 
-import argparse
 import json
 
-from ab_rounds import alternate  # bench/ is on sys.path when run
+from ab_rounds import alternate, parser  # bench/ is on sys.path when run
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--w1", action="store_true", help="also time W1 (64 x 128 tokens) each round")
-    a = p.parse_args()
+    a = parser(__doc__).parse_args()
     from servelm import LLM
 
     llm = LLM(a.model, dtype="bfloat16", num_threads=a.threads, enable_prefix_caching=False)

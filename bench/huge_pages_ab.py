@@ -10,12 +10,11 @@ A benchmark, not a test: CI does not run it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from ab_rounds import alternate  # bench/ is on sys.path when run
+from ab_rounds import alternate, parser  # bench/ is on sys.path when run
 
 
 def anon_huge_kb() -> int:
@@ -26,12 +25,7 @@ def anon_huge_kb() -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--w1", action="store_true", help="also time W1 (64 x 128 tokens) each round")
-    a = p.parse_args()
+    a = parser(__doc__).parse_args()
     from servelm import LLM
     from servelm.model import memory
 
