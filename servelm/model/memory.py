@@ -3,8 +3,9 @@
 A decode step reads every weight once and the KV blocks of every sequence; with 4 KB pages each 4 KB of
 that stream costs a TLB entry, and in a virtual machine a TLB miss is a two-level page walk. Mappings
 advised MADV_HUGEPAGE get 2 MB pages where the kernel's THP mode is `madvise` or `always` (the default
-on most distributions). On Zen 4, cold bf16 weights streamed at batch 1: 24 -> 30 GB/s on one thread,
-30 -> 33.5 GB/s on two (`bench/huge_pages_ab.py`); decode attention over the KV pool measured 25% faster.
+on most distributions). On Zen 4 the one-row linear kernel streamed cold bf16 weights at 24 -> 30 GB/s on
+one thread and 30 -> 33.5 GB/s on two (W2 TPOT 1.04-1.12x, `bench/huge_pages_ab.py`); decode attention
+over the KV pool measured 25% faster.
 """
 
 from __future__ import annotations
