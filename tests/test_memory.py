@@ -40,15 +40,19 @@ def test_move_refuses_device_tensors():
         memory.move_to_huge_pages([(meta, "w")])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: the kernels' packed layouts where they apply
 @pytest.mark.parametrize("place", [True, False])
-def test_decoder_weights_share_one_mapping(place, model_dirs, monkeypatch):
+def test_decoder_weights_share_one_mapping(place, dtype, model_dirs, monkeypatch):
     from servelm.model.loader import load_model
 
     monkeypatch.setattr(memory, "WEIGHTS_IN_HUGE_PAGES", place)
-    model = load_model(str(model_dirs["qwen2"]), None, None, "float32", "cpu").model
+    model = load_model(str(model_dirs["qwen2"]), None, None, dtype, "cpu").model
     lw = model.layers[-1]
-    held = [model.norm, lw.input_norm, lw.qkv.weight, lw.qkv.bias, lw.down.weight,
-            model.lm_head.weight if model.lm_head.weight is not None else model.lm_head.tiled]
+    held = [model.norm, lw.input_norm, lw.post_norm, lw.qkv.bias]
+    for lin in (lw.qkv, lw.o_proj, lw.down, model.lm_head):
+        held += [lin.weight, lin.tiled]
+    held.append(lw.gate_up.tiled if lw.gate_up.linear is None else lw.gate_up.linear.weight)
     held = [t for t in held if t is not None]
+    assert len(held) >= 5
     storages = {t.untyped_storage().data_ptr() for t in held}
     assert (len(storages) == 1) == place

@@ -47,9 +47,9 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def move_to_huge_pages(slots: list[tuple[object, str]]) -> None:
     """Moves the tensors held at `slots` ((object, attribute name) pairs; None values are skipped) into
-    one huge-page mapping, one after another (contiguous copies), rebinding each attribute to its copy as it is made so that
-    the original can be freed then (the peak is the total plus what is still held elsewhere). Slots that
-    hold the same tensor share one copy."""
+    one huge-page mapping as contiguous copies, one after another. Each attribute is rebound as its copy
+    is made, so the original can be freed then: the peak is the total plus what is held elsewhere.
+    Slots that hold the same tensor share one copy."""
     sizes: dict[int, int] = {}  # by id: the slots keep every original alive until it is rebound
     for obj, name in slots:
         t = getattr(obj, name)

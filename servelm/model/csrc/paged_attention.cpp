@@ -44,8 +44,8 @@ struct NextRows {
 // misses spread over the walk instead of coming in bursts: the same positions of the next item
 // (`next`), this walk's own rows `ahead` blocks further on (its blocks lie anywhere in the pool, which
 // the hardware prefetcher cannot follow), and, for positions before `values_until`, the rows at the
-// same offsets in `values` (a key walk fetching the first blocks of the value walk that follows it,
-// which that walk's own look-ahead cannot cover). Prefetching each next block into L1 in a burst
+// same offsets in `values` (a key walk fetching ahead for the value walk that follows it, whose own
+// look-ahead cannot cover its first blocks). Prefetching each next block into L1 in a burst
 // instead measured 1.25x slower (W1's batch-64 step, bench/decode_attention.py).
 struct Prefetch {
   int64_t row_bytes = 0;  // 0: no prefetching
