@@ -1,5 +1,5 @@
 """Decode-step linear layers: servelm's kernel over packed weights (the AMX tile matmul where the CPU has
-AMX, else the AVX512-BF16 kernel) beside oneDNN's prepacked bf16 matmul, over a whole model's worth of
+AMX, else the AVX512-BF16 kernel, with each of its two ways to multiply bf16 pairs) beside oneDNN's prepacked bf16 matmul, over a whole model's worth of
 distinct, cache-cold weights, alternating the systems each round and keeping each one's best. Prints one
 JSON object with ratios and the weight bytes per second each reached.
 
@@ -38,6 +38,8 @@ def main() -> None:
     if k is None or not k.avx512_linear_supported(64):
         raise SystemExit("needs the C++ kernels on a CPU with AVX512-BF16")
     kernel = k.amx_linear if k.amx_linear_supported(64) else k.avx512_linear
+    dots = [] if kernel is k.amx_linear else ["bf16", "fma"]
+    default_dot = k.linear_dot()
     h, i, layers, vocab, nq, nkv, hd = MODELS[args.model]
     shapes = [((nq + 2 * nkv) * hd, h), (h, nq * hd), (2 * i, h), (h, i)] * layers + [(vocab, h)]
     weights = [torch.randn(n, kk).bfloat16() for n, kk in shapes]
@@ -48,11 +50,16 @@ def main() -> None:
     results = []
     for m in (int(r) for r in args.rows.split(",")):
         xs = {kk: torch.randn(m, kk).bfloat16() for kk in {s[1] for s in shapes}}
-        systems = {
-            "packed": lambda xs=xs: [kernel(xs[kk], t, n, None) for t, (n, kk) in zip(tiled, shapes, strict=True)],
-            "onednn": lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(xs[kk], w, None, "none", [], "")
-                                     for w, (n, kk) in zip(onednn, shapes, strict=True)],
-        }
+
+        def packed(xs=xs, dot=None):
+            if dot is not None:
+                k.set_linear_dot(dot)
+            return [kernel(xs[kk], t, n, None) for t, (n, kk) in zip(tiled, shapes, strict=True)]
+
+        # the AVX512 kernel's two ways to multiply bf16 pairs, each timed (the AMX kernel has one)
+        systems = {f"packed_{d}": (lambda d=d: packed(dot=d)) for d in dots} or {"packed": packed}
+        systems["onednn"] = lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(xs[kk], w, None, "none", [], "")
+                                           for w, (n, kk) in zip(onednn, shapes, strict=True)]
         best = dict.fromkeys(systems, float("inf"))
         for f in systems.values():
             f()  # warm-up
@@ -61,11 +68,15 @@ def main() -> None:
                 t = time.perf_counter()
                 f()
                 best[name] = min(best[name], time.perf_counter() - t)
+        flops = 2 * m * weight_bytes / 2
         row = {"rows": m, **{f"{n}_ms": round(1000 * s, 2) for n, s in best.items()},
                **{f"{n}_weight_gb_s": round(weight_bytes / s / 1e9, 1) for n, s in best.items()},
-               "packed_speedup_vs_onednn": round(best["onednn"] / best["packed"], 2)}
+               **{f"{n}_gflop_s": round(flops / s / 1e9, 1) for n, s in best.items()},
+               **{f"{n}_speedup_vs_onednn": round(best["onednn"] / s, 2) for n, s in best.items() if n != "onednn"}}
         results.append(row)
+    k.set_linear_dot(default_dot)
     print(json.dumps({"model": args.model, "threads": args.threads, "kernel": kernel.__name__,
+                      "default_dot": default_dot,
                       "weight_mb": round(weight_bytes / 1e6, 1),
                       "results": results}, indent=1))
 

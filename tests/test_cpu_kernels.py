@@ -4,6 +4,8 @@ kernel on CPUs without AMX, the AMX tile matmul on CPUs with it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,10 +33,19 @@ needs_avx512_linear = pytest.mark.skipif(kernels is None or not kernels.avx512_l
                                 reason="needs AVX512-BF16 without AMX (with AMX the tile kernel takes decode rows)")
 
 
+@pytest.fixture(params=["bf16", "fma"])
+def dot(request):
+    """Each of the AVX512 kernel's two ways to multiply bf16 pairs, the process default restored after."""
+    before = kernels.linear_dot()
+    kernels.set_linear_dot(request.param)
+    yield request.param
+    kernels.set_linear_dot(before)
+
+
 @needs_avx512_linear
 @pytest.mark.parametrize("k", [64, 576, 1536])
 @pytest.mark.parametrize("bias", [False, True])
-def test_avx512_linear_matches_float32_reference_and_is_row_invariant(k, bias):
+def test_avx512_linear_matches_float32_reference_and_is_row_invariant(k, bias, dot):
     torch.manual_seed(k)
     n, m = 1003, 30  # a partial 32-column block and a partial 16-column half; row groups of 12, 12, 6
     x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
@@ -51,6 +62,34 @@ def test_avx512_linear_matches_float32_reference_and_is_row_invariant(k, bias):
         assert torch.equal(kernels.avx512_linear(x[rows], packed, n, b), y[rows]), rows
     with pytest.raises(RuntimeError):
         kernels.avx512_linear(x, pack_weight_for_tiles(w)[1:], n, b)  # not a weight packed for n x k
+
+
+def _cpu_vendor() -> str:
+    text = Path("/proc/cpuinfo").read_text()
+    return next((line.split(":")[1].strip() for line in text.splitlines() if line.startswith("vendor_id")), "")
+
+
+@needs_avx512_linear
+def test_avx512_linear_fma_form_is_the_default_on_intel_and_sums_in_the_instructions_order():
+    intel = _cpu_vendor() == "GenuineIntel"
+    assert kernels.linear_dot() == ("fma" if intel else "bf16")
+    torch.manual_seed(3)
+    x, w = torch.randn(40, 576).bfloat16(), torch.randn(200, 576).bfloat16()
+    packed = pack_weight_for_tiles(w)
+    before = kernels.linear_dot()
+    try:
+        out = {}
+        for mode in ("bf16", "fma"):
+            kernels.set_linear_dot(mode)
+            assert kernels.linear_dot() == mode
+            out[mode] = [kernels.avx512_linear(x[:m], packed, 200, None) for m in (1, 4, 40)]
+        if intel:  # the FMAs add the odd element's product first, as Intel's dot-product instruction does
+            for a, b in zip(out["bf16"], out["fma"], strict=True):
+                assert torch.equal(a, b)
+        with pytest.raises(RuntimeError, match="'bf16' or 'fma'"):
+            kernels.set_linear_dot("fp16")
+    finally:
+        kernels.set_linear_dot(before)
 
 
 @needs_avx512_linear
@@ -125,7 +164,7 @@ def test_linear_takes_tiles_for_decode_rows_and_onednn_beyond():
 
 @pytest.mark.skipif(kernels is None or not kernels.avx512_linear_supported(64), reason="no AVX512-BF16 on this CPU")
 @pytest.mark.parametrize("inter", [16, 48, 1536])
-def test_gate_up_fuses_silu_mul_into_the_decode_kernel_with_identical_results(inter):
+def test_gate_up_fuses_silu_mul_into_the_decode_kernel_with_identical_results(inter, dot):
     """On the kernel this CPU's decode steps use: the AMX tile matmul, or the AVX512-BF16 kernel."""
     tiles = kernels.amx_linear_supported(64)
     plain, fused_kernel, limit = ((kernels.amx_linear, kernels.amx_linear_silu_mul, Linear.TILE_MAX_ROWS) if tiles

@@ -5,11 +5,19 @@
 // result does not depend on the rows beside it. Over SmolLM2's weights (cache-cold, one thread, Zen 4):
 // one row at the plain-read bandwidth (26 GB/s; oneDNN 12), 64 rows at ~205 GFLOP/s (oneDNN ~180),
 // prefill-sized inputs ~222 GFLOP/s (oneDNN ~216), so oneDNN's copy of the weight is not kept.
+//
+// Two ways to multiply a bf16 pair, chosen once per process (`set_linear_dot`): AVX512-BF16's dot-product
+// instruction, or, where that instruction issues at half the rate of float FMAs (Intel Sapphire and
+// Emerald Rapids: 86 vs 175 GFLOP/s per core), two float FMAs per pair on widened operands. The FMAs add
+// the odd element's product first, then the even one's, which is the instruction's own order (products of
+// bf16 values are exact in float32), so on Intel the two give the same sums.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
+#include <type_traits>
 
 #include "linear_epilogue.h"
 
@@ -79,24 +87,102 @@ void few_rows(const bf16* x, int64_t ldx, const bf16* b, int64_t K, float* c) {
   }
 }
 
+// The float-FMA forms of block_rows and few_rows: x arrives widened to float32 (broadcast from memory
+// into the FMA), each weight line is split into its even and odd elements (the low half of a 32-bit lane
+// is the even one; bf16 widens by a shift).
+inline void split_pairs(const bf16* line, __m512& even, __m512& odd) {
+  const __m512i w = _mm512_loadu_si512(line);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+}
+
+template <int R>
+void block_rows_fma(const float* x, int64_t ldx, const bf16* b, int64_t K, float* c, const Ahead& ahead) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const bf16* bk = b + k * 32;
+    const bf16* pf = ahead.block != nullptr && (k / 32) % ahead.groups == ahead.group ? ahead.block + k * 32 : nullptr;
+#pragma GCC unroll 4
+    for (int p = 0; p < 16; ++p) {
+      if (pf != nullptr) {
+        _mm_prefetch(reinterpret_cast<const char*>(pf + p * 32), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(pf + 512 + p * 32), _MM_HINT_T1);
+      }
+      __m512 e0, o0, e1, o1;
+      split_pairs(bk + p * 32, e0, o0);
+      split_pairs(bk + 512 + p * 32, e1, o1);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * ldx + k + 2 * p;
+        const __m512 xo = _mm512_set1_ps(xr[1]), xe = _mm512_set1_ps(xr[0]);
+        acc[r][0] = _mm512_fmadd_ps(xe, e0, _mm512_fmadd_ps(xo, o0, acc[r][0]));
+        acc[r][1] = _mm512_fmadd_ps(xe, e1, _mm512_fmadd_ps(xo, o1, acc[r][1]));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(c + r * kBlockCols, acc[r][0]);
+    _mm512_store_ps(c + r * kBlockCols + 16, acc[r][1]);
+  }
+}
+
+// Lines fetched this many elements (8 KB) ahead: the FMA form's extra instructions per line keep fewer
+// loads in flight than the dot-product form, and without it one row read 7% slower (Emerald Rapids).
+constexpr int64_t kFewAhead = 4096;
+
+template <int R>
+void few_rows_fma(const float* x, int64_t ldx, const bf16* b, int64_t K, float* c) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    for (int h = 0; h < 2; ++h) {
+      const bf16* bh = b + k * 32 + h * 512;
+      for (int p = 0; p < 16; ++p) {
+        _mm_prefetch(reinterpret_cast<const char*>(bh + p * 32 + kFewAhead), _MM_HINT_T0);
+        __m512 e, o;
+        split_pairs(bh + p * 32, e, o);
+        for (int r = 0; r < R; ++r) {
+          const float* xr = x + r * ldx + k + 2 * p;
+          acc[r][h] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), e, _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), o, acc[r][h]));
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(c + r * kBlockCols, acc[r][0]);
+    _mm512_store_ps(c + r * kBlockCols + 16, acc[r][1]);
+  }
+}
+
 constexpr int64_t kRowGroup = 12;  // 24 accumulators; 8 measured level, 11, 14 and 16 slower
 constexpr int64_t kChunkRows = 16 * kRowGroup;
 
-template <int R = kRowGroup>
-void group_times_block(int64_t rows, const bf16* x, int64_t ldx, const bf16* b, int64_t K, float* c,
+// X: bf16 inputs (the dot-product instruction) or float32 ones (the FMA form).
+template <typename X, int R = kRowGroup>
+void group_times_block(int64_t rows, const X* x, int64_t ldx, const bf16* b, int64_t K, float* c,
                        const Ahead& ahead) {
   if constexpr (R > 1) {
-    if (rows < R) return group_times_block<R - 1>(rows, x, ldx, b, K, c, ahead);
+    if (rows < R) return group_times_block<X, R - 1>(rows, x, ldx, b, K, c, ahead);
   }
-  block_rows<R>(x, ldx, b, K, c, ahead);
+  if constexpr (std::is_same_v<X, float>) {
+    block_rows_fma<R>(x, ldx, b, K, c, ahead);
+  } else {
+    block_rows<R>(x, ldx, b, K, c, ahead);
+  }
 }
 
-void few_times_block(int64_t rows, const bf16* x, int64_t ldx, const bf16* b, int64_t K, float* c) {
+template <int R>
+void few_rows_any(const bf16* x, int64_t ldx, const bf16* b, int64_t K, float* c) { few_rows<R>(x, ldx, b, K, c); }
+template <int R>
+void few_rows_any(const float* x, int64_t ldx, const bf16* b, int64_t K, float* c) { few_rows_fma<R>(x, ldx, b, K, c); }
+
+template <typename X>
+void few_times_block(int64_t rows, const X* x, int64_t ldx, const bf16* b, int64_t K, float* c) {
   switch (rows) {
-    case 1: return few_rows<1>(x, ldx, b, K, c);
-    case 2: return few_rows<2>(x, ldx, b, K, c);
-    case 3: return few_rows<3>(x, ldx, b, K, c);
-    default: return few_rows<4>(x, ldx, b, K, c);
+    case 1: return few_rows_any<1>(x, ldx, b, K, c);
+    case 2: return few_rows_any<2>(x, ldx, b, K, c);
+    case 3: return few_rows_any<3>(x, ldx, b, K, c);
+    default: return few_rows_any<4>(x, ldx, b, K, c);
   }
 }
 
@@ -105,7 +191,8 @@ void few_times_block(int64_t rows, const bf16* x, int64_t ldx, const bf16* b, in
 // next block into L2 (without: 160 instead of ~205 GFLOP/s at 64 rows; all of it by the first group:
 // 1.6% slower than spread; with a few rows prefetching measured slower, the loads keep memory busy).
 // Prefill-sized inputs pass over the blocks in chunks of 192 rows, whose inputs stay in L2.
-void packed_matmul(const bf16* x, int64_t M, int64_t ldx, const bf16* w, int64_t K, const servelm::Epilogue& ep,
+template <typename X>
+void packed_matmul(const X* x, int64_t M, int64_t ldx, const bf16* w, int64_t K, const servelm::Epilogue& ep,
                    bf16* out) {
   const int64_t blocks = (ep.N + kBlockCols - 1) / kBlockCols, ldo = ep.silu_mul ? ep.N / 2 : ep.N;
   at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
@@ -131,6 +218,8 @@ void packed_matmul(const bf16* x, int64_t M, int64_t ldx, const bf16* w, int64_t
     }
   });
 }
+// Whether the FMA form runs: on Intel CPUs (see the top of this file), unless `set_linear_dot` says otherwise.
+bool use_fma = __builtin_cpu_is("intel");
 #endif
 
 torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, int64_t N,
@@ -148,8 +237,14 @@ torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, int64_
   if (M == 0) return out;
   if (x.stride(1) != 1) x = x.contiguous();
   const servelm::Epilogue ep{bias ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr, N, silu_mul};
-  packed_matmul(reinterpret_cast<const bf16*>(x.data_ptr()), M, x.stride(0),
-                reinterpret_cast<const bf16*>(packed.data_ptr()), K, ep, reinterpret_cast<bf16*>(out.data_ptr()));
+  const auto* w = reinterpret_cast<const bf16*>(packed.data_ptr());
+  auto* o = reinterpret_cast<bf16*>(out.data_ptr());
+  if (use_fma) {
+    const torch::Tensor xf = x.to(at::kFloat);  // widened once: M * K, against M * K * N multiplies
+    packed_matmul(xf.data_ptr<float>(), M, xf.stride(0), w, K, ep, o);
+  } else {
+    packed_matmul(reinterpret_cast<const bf16*>(x.data_ptr()), M, x.stride(0), w, K, ep, o);
+  }
 #else
   TORCH_CHECK(false, "avx512_linear needs AVX512-BF16");
 #endif
@@ -157,6 +252,22 @@ torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, int64_
 }
 
 }  // namespace
+
+// How the AVX512 linear kernel multiplies bf16 pairs: "bf16" (the dot-product instruction) or "fma".
+std::string linear_dot() {
+#ifdef SERVELM_AVX512_BF16
+  return use_fma ? "fma" : "bf16";
+#else
+  return "none";
+#endif
+}
+
+void set_linear_dot(const std::string& mode) {
+  TORCH_CHECK(mode == "bf16" || mode == "fma", "set_linear_dot: 'bf16' or 'fma', not '", mode, "'");
+#ifdef SERVELM_AVX512_BF16
+  use_fma = mode == "fma";
+#endif
+}
 
 // Whether avx512_linear takes an input of K features here (K % 32 == 0, AVX512-BF16 compiled in).
 bool avx512_linear_supported(int64_t K) {
