@@ -39,7 +39,7 @@ def main() -> None:
         raise SystemExit("needs the C++ kernels on a CPU with AVX512-BF16")
     kernel = k.amx_linear if k.amx_linear_supported(64) else k.avx512_linear
     dots = [] if kernel is k.amx_linear else ["bf16", "fma"]
-    default_dot = k.linear_dot()
+    default_dot = k.bf16_dot()
     h, i, layers, vocab, nq, nkv, hd = MODELS[args.model]
     shapes = [((nq + 2 * nkv) * hd, h), (h, nq * hd), (2 * i, h), (h, i)] * layers + [(vocab, h)]
     weights = [torch.randn(n, kk).bfloat16() for n, kk in shapes]
@@ -53,7 +53,7 @@ def main() -> None:
 
         def packed(xs=xs, dot=None):
             if dot is not None:
-                k.set_linear_dot(dot)
+                k.set_bf16_dot(dot)
             return [kernel(xs[kk], t, n, None) for t, (n, kk) in zip(tiled, shapes, strict=True)]
 
         # the AVX512 kernel's two ways to multiply bf16 pairs, each timed (the AMX kernel has one)
@@ -74,7 +74,7 @@ def main() -> None:
                **{f"{n}_gflop_s": round(flops / s / 1e9, 1) for n, s in best.items()},
                **{f"{n}_speedup_vs_onednn": round(best["onednn"] / s, 2) for n, s in best.items() if n != "onednn"}}
         results.append(row)
-    k.set_linear_dot(default_dot)
+    k.set_bf16_dot(default_dot)
     print(json.dumps({"model": args.model, "threads": args.threads, "kernel": kernel.__name__,
                       "default_dot": default_dot,
                       "weight_mb": round(weight_bytes / 1e6, 1),

@@ -127,3 +127,24 @@ def run(llm, prompts, params=None) -> list[list[int]]:
 
     params = params or SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def cpu_vendor() -> str:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return next((line.split(":")[1].strip() for line in text.splitlines() if line.startswith("vendor_id")), "")
+
+
+@pytest.fixture(params=["bf16", "fma"])
+def dot(request):
+    """Each of the CPU kernels' two ways to multiply bf16 pairs (AVX512-BF16's dot-product instruction, or
+    float FMAs), the process default restored after; skipped where the kernels are not built."""
+    from servelm.model import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("CPU kernels could not be compiled here")
+    before = kernels.bf16_dot()
+    kernels.set_bf16_dot(request.param)
+    yield request.param
+    if before in ("bf16", "fma"):
+        kernels.set_bf16_dot(before)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import hf_greedy, random_prompts
+from conftest import cpu_vendor, hf_greedy, random_prompts
 
 from servelm import LLM, SamplingParams
 from servelm.model import cpu_kernels
@@ -86,7 +86,7 @@ def _paged(ctx_len, bs, hkv, d, seed):
 @pytest.mark.parametrize("window", [None, 5, 40])
 # (queries, context, block size): one token; partial tiles; a cached prefix; blocks that do not divide 16
 @pytest.mark.parametrize("q_len, ctx_len, bs", [(1, 1, 16), (37, 37, 16), (100, 300, 16), (20, 77, 7), (64, 64, 3)])
-def test_kernel_prefill_matches_naive_attention(d, window, q_len, ctx_len, bs):
+def test_kernel_prefill_matches_naive_attention(d, window, q_len, ctx_len, bs, dot):
     hq, hkv = 6, 2
     cache, table, k, v = _paged(ctx_len, bs, hkv, d, seed=q_len + d)
     q = torch.randn(q_len, hq, d).bfloat16()
@@ -102,7 +102,7 @@ def test_kernel_prefill_matches_naive_attention(d, window, q_len, ctx_len, bs):
 
 
 @needs_prefill_kernel
-def test_kernel_prefill_is_the_same_whatever_the_chunking_and_threads():
+def test_kernel_prefill_is_the_same_whatever_the_chunking_and_threads(dot):
     """Each query's result depends only on its own keys: chunked prefill over a cached prefix, any thread
     count, and interleaving with oneDNN's and PyTorch's own AMX kernels all give the same bits."""
     hq, hkv, d, n, bs = 8, 2, 64, 203, 16
@@ -126,6 +126,10 @@ def test_kernel_prefill_is_the_same_whatever_the_chunking_and_threads():
     assert torch.equal(be._prefill(q, k, v, cache, PrefillSpan(0, n, n, table), bs, None), whole)
     assert torch.equal(F.linear(x, w), lin)
     assert torch.equal(F.scaled_dot_product_attention(qs, ks, ks, is_causal=True), att)
+    if cpu_vendor() == "GenuineIntel" and not kernels.amx_linear_supported(64):
+        # the float-FMA form adds each pair's odd product first, as Intel's dot-product instruction does
+        kernels.set_bf16_dot("bf16" if dot == "fma" else "fma")
+        assert torch.equal(be._prefill(q, k, v, cache, PrefillSpan(0, n, n, table), bs, None), whole)
 
 
 @needs_prefill_kernel

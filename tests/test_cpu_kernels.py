@@ -4,11 +4,10 @@ kernel on CPUs without AMX, the AMX tile matmul on CPUs with it."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import cpu_vendor
 
 from servelm.model import cpu_kernels
 from servelm.model.layers import GateUpLinear, Linear, fused_kernels, pack_weight_for_tiles, silu_mul
@@ -33,15 +32,6 @@ needs_avx512_linear = pytest.mark.skipif(kernels is None or not kernels.avx512_l
                                 reason="needs AVX512-BF16 without AMX (with AMX the tile kernel takes decode rows)")
 
 
-@pytest.fixture(params=["bf16", "fma"])
-def dot(request):
-    """Each of the AVX512 kernel's two ways to multiply bf16 pairs, the process default restored after."""
-    before = kernels.linear_dot()
-    kernels.set_linear_dot(request.param)
-    yield request.param
-    kernels.set_linear_dot(before)
-
-
 @needs_avx512_linear
 @pytest.mark.parametrize("k", [64, 576, 1536])
 @pytest.mark.parametrize("bias", [False, True])
@@ -64,32 +54,27 @@ def test_avx512_linear_matches_float32_reference_and_is_row_invariant(k, bias, d
         kernels.avx512_linear(x, pack_weight_for_tiles(w)[1:], n, b)  # not a weight packed for n x k
 
 
-def _cpu_vendor() -> str:
-    text = Path("/proc/cpuinfo").read_text()
-    return next((line.split(":")[1].strip() for line in text.splitlines() if line.startswith("vendor_id")), "")
-
-
 @needs_avx512_linear
 def test_avx512_linear_fma_form_is_the_default_on_intel_and_sums_in_the_instructions_order():
-    intel = _cpu_vendor() == "GenuineIntel"
-    assert kernels.linear_dot() == ("fma" if intel else "bf16")
+    intel = cpu_vendor() == "GenuineIntel"
+    assert kernels.bf16_dot() == ("fma" if intel else "bf16")
     torch.manual_seed(3)
     x, w = torch.randn(40, 576).bfloat16(), torch.randn(200, 576).bfloat16()
     packed = pack_weight_for_tiles(w)
-    before = kernels.linear_dot()
+    before = kernels.bf16_dot()
     try:
         out = {}
         for mode in ("bf16", "fma"):
-            kernels.set_linear_dot(mode)
-            assert kernels.linear_dot() == mode
+            kernels.set_bf16_dot(mode)
+            assert kernels.bf16_dot() == mode
             out[mode] = [kernels.avx512_linear(x[:m], packed, 200, None) for m in (1, 4, 40)]
         if intel:  # the FMAs add the odd element's product first, as Intel's dot-product instruction does
             for a, b in zip(out["bf16"], out["fma"], strict=True):
                 assert torch.equal(a, b)
         with pytest.raises(RuntimeError, match="'bf16' or 'fma'"):
-            kernels.set_linear_dot("fp16")
+            kernels.set_bf16_dot("fp16")
     finally:
-        kernels.set_linear_dot(before)
+        kernels.set_bf16_dot(before)
 
 
 @needs_avx512_linear

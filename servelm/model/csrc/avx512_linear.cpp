@@ -6,7 +6,7 @@
 // one row at the plain-read bandwidth (26 GB/s; oneDNN 12), 64 rows at ~205 GFLOP/s (oneDNN ~180),
 // prefill-sized inputs ~222 GFLOP/s (oneDNN ~216), so oneDNN's copy of the weight is not kept.
 //
-// Two ways to multiply a bf16 pair, chosen once per process (`set_linear_dot`): AVX512-BF16's dot-product
+// Two ways to multiply a bf16 pair, chosen once per process (`set_bf16_dot`; prefill attention follows it): AVX512-BF16's dot-product
 // instruction, or, where that instruction issues at half the rate of float FMAs (Intel Sapphire and
 // Emerald Rapids: 86 vs 175 GFLOP/s per core), two float FMAs per pair on widened operands. The FMAs add
 // the odd element's product first, then the even one's, which is the instruction's own order (products of
@@ -88,13 +88,8 @@ void few_rows(const bf16* x, int64_t ldx, const bf16* b, int64_t K, float* c) {
 }
 
 // The float-FMA forms of block_rows and few_rows: x arrives widened to float32 (broadcast from memory
-// into the FMA), each weight line is split into its even and odd elements (the low half of a 32-bit lane
-// is the even one; bf16 widens by a shift).
-inline void split_pairs(const bf16* line, __m512& even, __m512& odd) {
-  const __m512i w = _mm512_loadu_si512(line);
-  even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-  odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
-}
+// into the FMA), each weight line is split into its even and odd elements (servelm::split_pairs).
+using servelm::split_pairs;
 
 template <int R>
 void block_rows_fma(const float* x, int64_t ldx, const bf16* b, int64_t K, float* c, const Ahead& ahead) {
@@ -218,8 +213,6 @@ void packed_matmul(const X* x, int64_t M, int64_t ldx, const bf16* w, int64_t K,
     }
   });
 }
-// Whether the FMA form runs: on Intel CPUs (see the top of this file), unless `set_linear_dot` says otherwise.
-bool use_fma = __builtin_cpu_is("intel");
 #endif
 
 torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, int64_t N,
@@ -239,7 +232,7 @@ torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, int64_
   const servelm::Epilogue ep{bias ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr, N, silu_mul};
   const auto* w = reinterpret_cast<const bf16*>(packed.data_ptr());
   auto* o = reinterpret_cast<bf16*>(out.data_ptr());
-  if (use_fma) {
+  if (servelm::fma_dot()) {
     const torch::Tensor xf = x.to(at::kFloat);  // widened once: M * K, against M * K * N multiplies
     packed_matmul(xf.data_ptr<float>(), M, xf.stride(0), w, K, ep, o);
   } else {
@@ -253,19 +246,29 @@ torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, int64_
 
 }  // namespace
 
-// How the AVX512 linear kernel multiplies bf16 pairs: "bf16" (the dot-product instruction) or "fma".
-std::string linear_dot() {
 #ifdef SERVELM_AVX512_BF16
-  return use_fma ? "fma" : "bf16";
+namespace servelm {
+bool& fma_dot() {
+  static bool on = __builtin_cpu_is("intel");  // see the top of this file
+  return on;
+}
+}  // namespace servelm
+#endif
+
+// How the AVX512 linear and prefill attention kernels multiply bf16 pairs: "bf16" (the dot-product
+// instruction) or "fma".
+std::string bf16_dot() {
+#ifdef SERVELM_AVX512_BF16
+  return servelm::fma_dot() ? "fma" : "bf16";
 #else
   return "none";
 #endif
 }
 
-void set_linear_dot(const std::string& mode) {
-  TORCH_CHECK(mode == "bf16" || mode == "fma", "set_linear_dot: 'bf16' or 'fma', not '", mode, "'");
+void set_bf16_dot(const std::string& mode) {
+  TORCH_CHECK(mode == "bf16" || mode == "fma", "set_bf16_dot: 'bf16' or 'fma', not '", mode, "'");
 #ifdef SERVELM_AVX512_BF16
-  use_fma = mode == "fma";
+  servelm::fma_dot() = mode == "fma";
 #endif
 }
 

@@ -12,8 +12,8 @@ bool amx_linear_supported(int64_t K);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
 torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t N);
 bool avx512_linear_supported(int64_t K);
-std::string linear_dot();
-void set_linear_dot(const std::string& mode);
+std::string bf16_dot();
+void set_bf16_dot(const std::string& mode);
 torch::Tensor avx512_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
 torch::Tensor avx512_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t N);
 bool fused_elementwise_supported(torch::Tensor t);
@@ -39,8 +39,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear_silu_mul", &amx_linear_silu_mul,
         "silu(gate) * up from x @ w.T, w a [gate; up] weight packed by pack_weight_for_tiles(w, gate_up=True)");
   m.def("avx512_linear_supported", &avx512_linear_supported, "whether avx512_linear takes inputs of K features");
-  m.def("linear_dot", &linear_dot, "how avx512_linear multiplies bf16 pairs: 'bf16' (dot-product instruction) or 'fma'");
-  m.def("set_linear_dot", &set_linear_dot, "choose 'bf16' or 'fma' for avx512_linear (default: 'fma' on Intel)");
+  m.def("bf16_dot", &bf16_dot,
+        "how avx512_linear and paged_prefill_attention multiply bf16 pairs: 'bf16' (dot-product instruction) or 'fma'");
+  m.def("set_bf16_dot", &set_bf16_dot, "choose 'bf16' or 'fma' (default: 'fma' on Intel CPUs)");
   m.def("avx512_linear", &avx512_linear, "x @ w.T (+ bias) for bf16 rows, w packed by pack_weight_for_tiles (AVX512-BF16)");
   m.def("avx512_linear_silu_mul", &avx512_linear_silu_mul,
         "silu(gate) * up from x @ w.T (AVX512-BF16), w packed by pack_weight_for_tiles(w, gate_up=True)");

@@ -147,19 +147,43 @@ inline void write_rows(const SoftmaxState& st, float* O, int64_t D, int64_t n, b
 // One head, up to 16 queries at positions pos0.. against keys [0, ctx) of the packed buffers, on AVX512:
 // scores 8 keys at a time (one Q^T pair vector, eight broadcast key pairs), O^T 16 dims at a time in
 // registers (one P^T pair vector, sixteen broadcast value pairs).
-void attend_block_avx512(const uint32_t* QP, const bf16* K, const bf16* VT, int64_t len_pad, int64_t D, int64_t pos0,
-                         int64_t n, int64_t window, float scale, float* O, bf16* out, int64_t out_stride) {
+// With `Kf` and `VTf` (the same buffers widened to float32) it runs the float-FMA form of the pair
+// products (see avx512_linear.cpp): odd element first, as the dot-product instruction adds them, so the
+// same sums where that instruction is the slow one.
+void attend_block_avx512(const uint32_t* QP, const bf16* K, const bf16* VT, const float* Kf, const float* VTf,
+                         int64_t len_pad, int64_t D, int64_t pos0, int64_t n, int64_t window, float scale, float* O,
+                         bf16* out, int64_t out_stride) {
   SoftmaxState st(pos0, n, window, scale);
   std::memset(O, 0, D * 16 * sizeof(float));
   const __m512bh* q = reinterpret_cast<const __m512bh*>(QP);
+  const bool fma = Kf != nullptr;
+  alignas(64) float QE[128][16], QO[128][16];  // Q^T's even and odd elements per pair, for the FMA form
+  if (fma) {
+    for (int64_t p = 0; p < D / 2; ++p) {
+      __m512 e, o;
+      servelm::split_pairs(QP + p * kQ, e, o);
+      _mm512_store_ps(QE[p], e);
+      _mm512_store_ps(QO[p], o);
+    }
+  }
   for (int64_t kb = st.first_block(); kb <= st.last; kb += kK) {
     for (int64_t j0 = 0; j0 < kK; j0 += 8) {
       __m512 acc[8];
       for (int u = 0; u < 8; ++u) acc[u] = _mm512_setzero_ps();
-      const uint32_t* krow = reinterpret_cast<const uint32_t*>(K + (kb + j0) * D);
-      for (int64_t p = 0; p < D / 2; ++p) {
-        const __m512bh qv = q[p];
-        for (int u = 0; u < 8; ++u) acc[u] = _mm512_dpbf16_ps(acc[u], qv, (__m512bh)_mm512_set1_epi32(int(krow[u * D / 2 + p])));
+      if (fma) {
+        const float* kr = Kf + (kb + j0) * D;
+        for (int64_t p = 0; p < D / 2; ++p) {
+          const __m512 qe = _mm512_load_ps(QE[p]), qo = _mm512_load_ps(QO[p]);
+          for (int u = 0; u < 8; ++u)
+            acc[u] = _mm512_fmadd_ps(qe, _mm512_set1_ps(kr[u * D + 2 * p]),
+                                     _mm512_fmadd_ps(qo, _mm512_set1_ps(kr[u * D + 2 * p + 1]), acc[u]));
+        }
+      } else {
+        const uint32_t* krow = reinterpret_cast<const uint32_t*>(K + (kb + j0) * D);
+        for (int64_t p = 0; p < D / 2; ++p) {
+          const __m512bh qv = q[p];
+          for (int u = 0; u < 8; ++u) acc[u] = _mm512_dpbf16_ps(acc[u], qv, (__m512bh)_mm512_set1_epi32(int(krow[u * D / 2 + p])));
+        }
       }
       for (int u = 0; u < 8; ++u) _mm512_store_ps(st.S[j0 + u], acc[u]);
     }
@@ -169,11 +193,22 @@ void attend_block_avx512(const uint32_t* QP, const bf16* K, const bf16* VT, int6
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       __m512 o[16];
       for (int u = 0; u < 16; ++u) o[u] = _mm512_load_ps(O + (d0 + u) * 16);
-      for (int64_t jp = 0; jp < kK / 2; ++jp) {
-        const __m512bh pv = (__m512bh)_mm512_load_si512(st.PB[jp]);
-        for (int u = 0; u < 16; ++u) {
-          const int32_t vpair = *reinterpret_cast<const int32_t*>(VT + (d0 + u) * len_pad + kb + 2 * jp);
-          o[u] = _mm512_dpbf16_ps(o[u], pv, (__m512bh)_mm512_set1_epi32(vpair));
+      if (fma) {
+        for (int64_t jp = 0; jp < kK / 2; ++jp) {
+          __m512 pe, po;
+          servelm::split_pairs(st.PB[jp], pe, po);
+          for (int u = 0; u < 16; ++u) {
+            const float* vr = VTf + (d0 + u) * len_pad + kb + 2 * jp;
+            o[u] = _mm512_fmadd_ps(pe, _mm512_set1_ps(vr[0]), _mm512_fmadd_ps(po, _mm512_set1_ps(vr[1]), o[u]));
+          }
+        }
+      } else {
+        for (int64_t jp = 0; jp < kK / 2; ++jp) {
+          const __m512bh pv = (__m512bh)_mm512_load_si512(st.PB[jp]);
+          for (int u = 0; u < 16; ++u) {
+            const int32_t vpair = *reinterpret_cast<const int32_t*>(VT + (d0 + u) * len_pad + kb + 2 * jp);
+            o[u] = _mm512_dpbf16_ps(o[u], pv, (__m512bh)_mm512_set1_epi32(vpair));
+          }
         }
       }
       for (int u = 0; u < 16; ++u) _mm512_store_ps(O + (d0 + u) * 16, o[u]);
@@ -322,6 +357,15 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
     for (int64_t h = b; h < e; ++h)
       pack_head(kc, vc, table, bs, KV * D, h * D, ctx_len, len_pad, D, K + h * len_pad * D, VT + h * D * len_pad);
   });
+  // the FMA form reads widened copies (cache-resident: 2 x 4 bytes per key and dim of one kv head)
+  const bool fma = servelm::fma_dot();
+  torch::Tensor kf, vf;
+  if (fma) {
+    kf = kbuf.to(at::kFloat);
+    vf = vbuf.to(at::kFloat);
+  }
+  const float* Kf = fma ? kf.data_ptr<float>() : nullptr;
+  const float* VTf = fma ? vf.data_ptr<float>() : nullptr;
   const bf16* qp = reinterpret_cast<const bf16*>(q.data_ptr());
   bf16* op = reinterpret_cast<bf16*>(out.data_ptr());
   const int64_t nqb = (Q + kQ - 1) / kQ, first_pos = ctx_len - Q;
@@ -340,12 +384,18 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k
     for (int64_t item = b; item < e; ++item) {
       const int64_t h = item / nqb, q0 = (item % nqb) * kQ, n = std::min(kQ, Q - q0), kvh = h / G;
       pack_queries(qp + q0 * q.stride(0) + h * q.stride(1), q.stride(0), n, D, QP);
-      auto attend = attend_block_avx512;
+      bf16* o = op + q0 * out.stride(0) + h * out.stride(1);
 #ifdef SERVELM_AMX
-      if (tiles) attend = D == 64 ? attend_block<true> : attend_block<false>;
+      if (tiles) {
+        (D == 64 ? attend_block<true> : attend_block<false>)(QP, K + kvh * len_pad * D, VT + kvh * D * len_pad,
+                                                              len_pad, D, first_pos + q0, n, window, fscale, O, o,
+                                                              out.stride(0));
+        continue;
+      }
 #endif
-      attend(QP, K + kvh * len_pad * D, VT + kvh * D * len_pad, len_pad, D, first_pos + q0, n, window, fscale, O,
-             op + q0 * out.stride(0) + h * out.stride(1), out.stride(0));
+      attend_block_avx512(QP, K + kvh * len_pad * D, VT + kvh * D * len_pad, fma ? Kf + kvh * len_pad * D : nullptr,
+                          fma ? VTf + kvh * D * len_pad : nullptr, len_pad, D, first_pos + q0, n, window, fscale, O,
+                          o, out.stride(0));
     }
 #ifdef SERVELM_AMX
     if (tiles) _tile_release();

@@ -34,6 +34,18 @@ inline __m512 round_bf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// A line of 16 bf16 pairs split into float32 even and odd elements (the even one is a lane's low half;
+// bf16 widens by a shift): the operands of the float-FMA form of the pair products.
+inline void split_pairs(const void* line, __m512& even, __m512& odd) {
+  const __m512i w = _mm512_loadu_si512(line);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+}
+
+// Whether the kernels multiply bf16 pairs with float FMAs rather than AVX512-BF16's dot-product
+// instruction (avx512_linear.cpp says why; on by default on Intel CPUs). Settable for benchmarks and tests.
+bool& fma_dot();
+
 // exp(x) as 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial: ~1 ulp. Overflows to
 // inf and underflows to 0 like expf (the clamp keeps +-inf from turning into inf - inf = NaN).
 inline __m512 exp512(__m512 x) {
