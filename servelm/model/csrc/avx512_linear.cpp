@@ -33,10 +33,34 @@ struct Ahead {
   int64_t groups = 1, group = 0;
 };
 
+// Input pair (x0, x1) of a row times a weight line (16 columns x pair) into acc, in one of two forms:
+// X = bf16, AVX512-BF16's dot-product instruction; X = float, the float-FMA form, the line split into its
+// even and odd elements (servelm::split_pairs) and the odd product added first, as the instruction does.
+template <typename X>
+struct Line;
+
+template <>
+struct Line<bf16> {
+  __m512bh w;
+  explicit Line(const bf16* p) : w((__m512bh)_mm512_loadu_si512(p)) {}
+  static __m512bh pair(const bf16* x) { return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x)); }
+  __m512 madd(__m512 acc, __m512bh xp) const { return _mm512_dpbf16_ps(acc, xp, w); }
+};
+
+template <>
+struct Line<float> {
+  __m512 even, odd;
+  explicit Line(const bf16* p) { servelm::split_pairs(p, even, odd); }
+  static const float* pair(const float* x) { return x; }
+  __m512 madd(__m512 acc, const float* xp) const {
+    return _mm512_fmadd_ps(_mm512_set1_ps(xp[0]), even, _mm512_fmadd_ps(_mm512_set1_ps(xp[1]), odd, acc));
+  }
+};
+
 // Rows [0, R) of x times one packed 32-column block -> c [R][32] float32: both 16-column halves per
-// input pair, so each broadcast of x feeds two dot products; one sum per row and half (2R accumulators).
-template <int R>
-void block_rows(const bf16* x, int64_t ldx, const bf16* b, int64_t K, float* c, const Ahead& ahead) {
+// input pair, so each broadcast of x feeds two products; one sum per row and half (2R accumulators).
+template <typename X, int R>
+void block_rows(const X* x, int64_t ldx, const bf16* b, int64_t K, float* c, const Ahead& ahead) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
@@ -48,12 +72,11 @@ void block_rows(const bf16* x, int64_t ldx, const bf16* b, int64_t K, float* c, 
         _mm_prefetch(reinterpret_cast<const char*>(pf + p * 32), _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(pf + 512 + p * 32), _MM_HINT_T1);
       }
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(bk + p * 32);
-      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(bk + 512 + p * 32);
+      const Line<X> w0(bk + p * 32), w1(bk + 512 + p * 32);
       for (int r = 0; r < R; ++r) {
-        const __m512bh xp = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * ldx + k + 2 * p));
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xp, w0);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xp, w1);
+        const auto xp = Line<X>::pair(x + r * ldx + k + 2 * p);
+        acc[r][0] = w0.madd(acc[r][0], xp);
+        acc[r][1] = w1.madd(acc[r][1], xp);
       }
     }
   }
@@ -63,83 +86,25 @@ void block_rows(const bf16* x, int64_t ldx, const bf16* b, int64_t K, float* c, 
   }
 }
 
-// The same sums for a few rows (batch-1 decode): one half at a time, so the weight is read in address
-// order; with the two halves interleaved one row read 10 GB/s instead of 25.
-template <int R>
-void few_rows(const bf16* x, int64_t ldx, const bf16* b, int64_t K, float* c) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    for (int h = 0; h < 2; ++h) {
-      const bf16* bh = b + k * 32 + h * 512;
-      for (int p = 0; p < 16; ++p) {
-        const __m512bh w = (__m512bh)_mm512_loadu_si512(bh + p * 32);
-        for (int r = 0; r < R; ++r) {
-          const __m512bh xp = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * ldx + k + 2 * p));
-          acc[r][h] = _mm512_dpbf16_ps(acc[r][h], xp, w);
-        }
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm512_store_ps(c + r * kBlockCols, acc[r][0]);
-    _mm512_store_ps(c + r * kBlockCols + 16, acc[r][1]);
-  }
-}
-
-// The float-FMA forms of block_rows and few_rows: x arrives widened to float32 (broadcast from memory
-// into the FMA), each weight line is split into its even and odd elements (servelm::split_pairs).
-using servelm::split_pairs;
-
-template <int R>
-void block_rows_fma(const float* x, int64_t ldx, const bf16* b, int64_t K, float* c, const Ahead& ahead) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    const bf16* bk = b + k * 32;
-    const bf16* pf = ahead.block != nullptr && (k / 32) % ahead.groups == ahead.group ? ahead.block + k * 32 : nullptr;
-#pragma GCC unroll 4
-    for (int p = 0; p < 16; ++p) {
-      if (pf != nullptr) {
-        _mm_prefetch(reinterpret_cast<const char*>(pf + p * 32), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(pf + 512 + p * 32), _MM_HINT_T1);
-      }
-      __m512 e0, o0, e1, o1;
-      split_pairs(bk + p * 32, e0, o0);
-      split_pairs(bk + 512 + p * 32, e1, o1);
-      for (int r = 0; r < R; ++r) {
-        const float* xr = x + r * ldx + k + 2 * p;
-        const __m512 xo = _mm512_set1_ps(xr[1]), xe = _mm512_set1_ps(xr[0]);
-        acc[r][0] = _mm512_fmadd_ps(xe, e0, _mm512_fmadd_ps(xo, o0, acc[r][0]));
-        acc[r][1] = _mm512_fmadd_ps(xe, e1, _mm512_fmadd_ps(xo, o1, acc[r][1]));
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm512_store_ps(c + r * kBlockCols, acc[r][0]);
-    _mm512_store_ps(c + r * kBlockCols + 16, acc[r][1]);
-  }
-}
-
-// Lines fetched this many elements (8 KB) ahead: the FMA form's extra instructions per line keep fewer
-// loads in flight than the dot-product form, and without it one row read 7% slower (Emerald Rapids).
+// Lines the FMA form fetches this many elements (8 KB) ahead in few_rows: its extra instructions per
+// line keep fewer loads in flight than the instruction form, and without it one row read 7% slower
+// (Emerald Rapids).
 constexpr int64_t kFewAhead = 4096;
 
-template <int R>
-void few_rows_fma(const float* x, int64_t ldx, const bf16* b, int64_t K, float* c) {
+// The same sums for a few rows (batch-1 decode): one half at a time, so the weight is read in address
+// order; with the two halves interleaved one row read 10 GB/s instead of 25 (Zen 4; 20% slower on
+// Emerald Rapids).
+template <typename X, int R>
+void few_rows(const X* x, int64_t ldx, const bf16* b, int64_t K, float* c) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
     for (int h = 0; h < 2; ++h) {
       const bf16* bh = b + k * 32 + h * 512;
       for (int p = 0; p < 16; ++p) {
-        _mm_prefetch(reinterpret_cast<const char*>(bh + p * 32 + kFewAhead), _MM_HINT_T0);
-        __m512 e, o;
-        split_pairs(bh + p * 32, e, o);
-        for (int r = 0; r < R; ++r) {
-          const float* xr = x + r * ldx + k + 2 * p;
-          acc[r][h] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), e, _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), o, acc[r][h]));
-        }
+        if constexpr (std::is_same_v<X, float>) _mm_prefetch(reinterpret_cast<const char*>(bh + p * 32 + kFewAhead), _MM_HINT_T0);
+        const Line<X> w(bh + p * 32);
+        for (int r = 0; r < R; ++r) acc[r][h] = w.madd(acc[r][h], Line<X>::pair(x + r * ldx + k + 2 * p));
       }
     }
   }
@@ -159,25 +124,16 @@ void group_times_block(int64_t rows, const X* x, int64_t ldx, const bf16* b, int
   if constexpr (R > 1) {
     if (rows < R) return group_times_block<X, R - 1>(rows, x, ldx, b, K, c, ahead);
   }
-  if constexpr (std::is_same_v<X, float>) {
-    block_rows_fma<R>(x, ldx, b, K, c, ahead);
-  } else {
-    block_rows<R>(x, ldx, b, K, c, ahead);
-  }
+  block_rows<X, R>(x, ldx, b, K, c, ahead);
 }
-
-template <int R>
-void few_rows_any(const bf16* x, int64_t ldx, const bf16* b, int64_t K, float* c) { few_rows<R>(x, ldx, b, K, c); }
-template <int R>
-void few_rows_any(const float* x, int64_t ldx, const bf16* b, int64_t K, float* c) { few_rows_fma<R>(x, ldx, b, K, c); }
 
 template <typename X>
 void few_times_block(int64_t rows, const X* x, int64_t ldx, const bf16* b, int64_t K, float* c) {
   switch (rows) {
-    case 1: return few_rows_any<1>(x, ldx, b, K, c);
-    case 2: return few_rows_any<2>(x, ldx, b, K, c);
-    case 3: return few_rows_any<3>(x, ldx, b, K, c);
-    default: return few_rows_any<4>(x, ldx, b, K, c);
+    case 1: return few_rows<X, 1>(x, ldx, b, K, c);
+    case 2: return few_rows<X, 2>(x, ldx, b, K, c);
+    case 3: return few_rows<X, 3>(x, ldx, b, K, c);
+    default: return few_rows<X, 4>(x, ldx, b, K, c);
   }
 }
 
