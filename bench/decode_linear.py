@@ -1,7 +1,7 @@
 """Decode-step linear layers: servelm's kernel over packed weights (the AMX tile matmul where the CPU has
-AMX, else the AVX512-BF16 kernel, with each of its two ways to multiply bf16 pairs) beside oneDNN's prepacked bf16 matmul, over a whole model's worth of
-distinct, cache-cold weights, alternating the systems each round and keeping each one's best. Prints one
-JSON object with ratios and the weight bytes per second each reached.
+AMX, else the AVX512-BF16 kernel in each of its two pair-product forms) beside oneDNN's prepacked bf16
+matmul, over a whole model's worth of distinct, cache-cold weights, alternating the systems each round
+and keeping each one's best. Prints one JSON object with ratios, weight bytes and flops per second.
 
   python bench/decode_linear.py --model 60m --rows 1,16,32,64 --threads 1
 
@@ -68,7 +68,7 @@ def main() -> None:
                 t = time.perf_counter()
                 f()
                 best[name] = min(best[name], time.perf_counter() - t)
-        flops = 2 * m * weight_bytes / 2
+        flops = m * weight_bytes  # 2 flops per bf16 weight (2 bytes) per row
         row = {"rows": m, **{f"{n}_ms": round(1000 * s, 2) for n, s in best.items()},
                **{f"{n}_weight_gb_s": round(weight_bytes / s / 1e9, 1) for n, s in best.items()},
                **{f"{n}_gflop_s": round(flops / s / 1e9, 1) for n, s in best.items()},

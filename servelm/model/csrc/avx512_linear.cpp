@@ -6,11 +6,12 @@
 // one row at the plain-read bandwidth (26 GB/s; oneDNN 12), 64 rows at ~205 GFLOP/s (oneDNN ~180),
 // prefill-sized inputs ~222 GFLOP/s (oneDNN ~216), so oneDNN's copy of the weight is not kept.
 //
-// Two ways to multiply a bf16 pair, chosen once per process (`set_bf16_dot`; prefill attention follows it): AVX512-BF16's dot-product
-// instruction, or, where that instruction issues at half the rate of float FMAs (Intel Sapphire and
-// Emerald Rapids: 86 vs 175 GFLOP/s per core), two float FMAs per pair on widened operands. The FMAs add
-// the odd element's product first, then the even one's, which is the instruction's own order (products of
-// bf16 values are exact in float32), so on Intel the two give the same sums.
+// Two ways to multiply a bf16 pair, chosen once per process (`set_bf16_dot`; prefill attention follows
+// it): AVX512-BF16's dot-product instruction, or two float FMAs per pair on widened operands, taken on
+// Intel CPUs, where the instruction issues at half the rate of float FMAs (measured on Emerald Rapids:
+// 86 vs 175 GFLOP/s per core, `bench/dot_rate.cpp`; on Zen 4 it is the faster one). The FMAs add the odd
+// element's product first, then the even one's, which is the instruction's own order (products of bf16
+// values are exact in float32), so on Intel the two give the same sums.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
