@@ -64,15 +64,16 @@ template <typename X, int R>
 void block_rows(const X* x, int64_t ldx, const bf16* b, int64_t K, float* c, const Ahead& ahead) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  int64_t turn = ahead.group;  // this group's k steps of the next block: every groups-th, from its own
   for (int64_t k = 0; k < K; k += 32) {
     const bf16* bk = b + k * 32;  // [k step][half][16 pairs][16 columns][2]
-    const bf16* pf = ahead.block != nullptr && (k / 32) % ahead.groups == ahead.group ? ahead.block + k * 32 : nullptr;
+    // Off this group's turn the prefetches touch the lines being read (L1 hits): no branch in the loop.
+    const bf16* pf = ahead.block != nullptr && turn == 0 ? ahead.block + k * 32 : bk;
+    turn = turn == 0 ? ahead.groups - 1 : turn - 1;
 #pragma GCC unroll 4
     for (int p = 0; p < 16; ++p) {
-      if (pf != nullptr) {
-        _mm_prefetch(reinterpret_cast<const char*>(pf + p * 32), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(pf + 512 + p * 32), _MM_HINT_T1);
-      }
+      _mm_prefetch(reinterpret_cast<const char*>(pf + p * 32), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(pf + 512 + p * 32), _MM_HINT_T1);
       const Line<X> w0(bk + p * 32), w1(bk + 512 + p * 32);
       for (int r = 0; r < R; ++r) {
         const auto xp = Line<X>::pair(x + r * ldx + k + 2 * p);
@@ -87,10 +88,13 @@ void block_rows(const X* x, int64_t ldx, const bf16* b, int64_t K, float* c, con
   }
 }
 
-// Lines the FMA form fetches this many elements (8 KB) ahead in few_rows: its extra instructions per
-// line keep fewer loads in flight than the instruction form, and without it one row read 7% slower
-// (Emerald Rapids).
-constexpr int64_t kFewAhead = 4096;
+// How far ahead the FMA form prefetches in few_rows, in elements: each line into L2 16 KB ahead, then
+// into L1 8 KB ahead (its extra instructions per line keep fewer loads in flight than the instruction
+// form). One row, one thread, Emerald Rapids (bench/few_rows_read.cpp), from DRAM: no prefetch 13.1 GB/s,
+// L1 only 14.1, L2 only 15.5, both 16.6 (plain read 16.4); SmolLM2's batch-1 TPOT 1.10-1.12x. Weights
+// that fit the L3 read ~15% slower with both than with L1 only in that benchmark (noisy), but the
+// L3-resident llama-rand-60m's TPOT stayed level (0.98-1.03x).
+constexpr int64_t kFewAheadL2 = 8192, kFewAheadL1 = 4096;
 
 // The same sums for a few rows (batch-1 decode): one half at a time, so the weight is read in address
 // order; with the two halves interleaved one row read 10 GB/s instead of 25 (Zen 4; 20% slower on
@@ -103,7 +107,10 @@ void few_rows(const X* x, int64_t ldx, const bf16* b, int64_t K, float* c) {
     for (int h = 0; h < 2; ++h) {
       const bf16* bh = b + k * 32 + h * 512;
       for (int p = 0; p < 16; ++p) {
-        if constexpr (std::is_same_v<X, float>) _mm_prefetch(reinterpret_cast<const char*>(bh + p * 32 + kFewAhead), _MM_HINT_T0);
+        if constexpr (std::is_same_v<X, float>) {
+          _mm_prefetch(reinterpret_cast<const char*>(bh + p * 32 + kFewAheadL2), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(bh + p * 32 + kFewAheadL1), _MM_HINT_T0);
+        }
         const Line<X> w(bh + p * 32);
         for (int r = 0; r < R; ++r) acc[r][h] = w.madd(acc[r][h], Line<X>::pair(x + r * ldx + k + 2 * p));
       }
