@@ -43,10 +43,11 @@ struct NextRows {
 // What a walk over one item's rows prefetches into L2, one row's lines per row it reads, so that the
 // misses spread over the walk instead of coming in bursts: the same positions of the next item
 // (`next`), this walk's own rows `ahead` blocks further on (its blocks lie anywhere in the pool, which
-// the hardware prefetcher cannot follow), and, for positions before `values_until`, the rows at the
-// same offsets in `values` (a key walk fetching ahead for the value walk that follows it, whose own
-// look-ahead cannot cover its first blocks). Prefetching each next block into L1 in a burst
-// instead measured 1.25x slower (W1's batch-64 step, bench/decode_attention.py).
+// the hardware prefetcher cannot follow; with `ahead` > 1 also the next block's rows, into L1), and,
+// for positions before `values_until`, the rows at the same offsets in `values` (a key walk fetching
+// ahead for the value walk that follows it, whose own look-ahead cannot cover its first blocks).
+// Prefetching each next block into L1 in a burst instead measured 1.25x slower (W1's batch-64 step,
+// bench/decode_attention.py).
 struct Prefetch {
   int64_t row_bytes = 0;  // 0: no prefetching
   NextRows next;
@@ -78,11 +79,17 @@ __attribute__((always_inline)) inline void for_each_row(const scalar_t* cache, c
           : nullptr;
       const int64_t n_values = pf.values != nullptr ? std::min(n, pf.values_until - t) : 0;
       const char* vrow = n_values > 0 ? reinterpret_cast<const char*>(static_cast<const scalar_t*>(pf.values) + at) : nullptr;
+      const int64_t t_near = (blk + 1) * bs + off;
+      const int64_t n_near = pf.ahead > 1 ? std::min(n, len - t_near) : 0;
+      const char* near = n_near > 0
+          ? reinterpret_cast<const char*>(cache + (table[blk + 1] * bs + off) * row_stride + head_offset)
+          : nullptr;
       for (int64_t i = 0; i < n; ++i, row += row_stride) {
         const int64_t step = i * stride_bytes;
         for (int64_t byte = 0; byte < pf.row_bytes; byte += 64) {
           if (i < n_next) _mm_prefetch(nrow + step + byte, _MM_HINT_T1);
           if (i < n_ahead) _mm_prefetch(arow + step + byte, _MM_HINT_T1);
+          if (i < n_near) _mm_prefetch(near + step + byte, _MM_HINT_T0);
           if (i < n_values) _mm_prefetch(vrow + step + byte, _MM_HINT_T1);
         }
         fn(row, t + i);
@@ -237,12 +244,14 @@ void pv_groups(const bf16* vp, const int64_t* table, int64_t bs, int64_t row_str
     }
 }
 
-// Prefetch distances of the bf16 kernel. Each walk runs 2 blocks ahead of itself; the key walk also
+// Prefetch distances of the bf16 kernel. Each walk fetches its rows 3 blocks ahead into L2 and 1 block
+// ahead into L1 (against 2 blocks into L2 only, cold caches, Emerald Rapids, bench/kernel_ab.py: W1's
+// batch-64 step 1.05-1.06x, batch 1 at 600 positions 1.09-1.20x; W2 TPOT 1.02-1.03x); the key walk also
 // fetches the value rows of up to 256 KB of positions (all of them up to 2048 positions at head size 64)
 // so that the value walk starts on L2 hits. Against the next-item prefetch alone, cold caches, one thread
 // (Zen 4): W2's batch-1 step at 600 positions 1.6x, W1's batch-64 step 1.38x, 4 x 2000 positions 1.62x;
 // the key walk fetching only the first 2 or 8 blocks of values gave 1.24-1.51x.
-constexpr int64_t kAheadBlocks = 2;
+constexpr int64_t kAheadBlocks = 3;
 constexpr int64_t kValuePrefetchBytes = 256 << 10;
 
 // Query groups per P @ V pass: as many as keep 2 * GT * C accumulators within 16 registers.
