@@ -20,11 +20,12 @@ import json
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from decode_attention import decode_step  # bench/ is on sys.path when run
 
-from servelm.model import cpu_kernels
+from servelm.model import cpu_kernels, memory
 from servelm.model.layers import pack_weight_for_tiles
 
 MODELS = {  # hidden, intermediate, layers, vocab, q heads, kv heads, head dim
@@ -52,7 +53,10 @@ def linears(base, new, model: str, rows: list[int], rounds: int) -> dict:
     h, i, layers, vocab, nq, nkv, hd = MODELS[model]
     shapes = [((nq + 2 * nkv) * hd, h, False), (h, nq * hd, False), (2 * i, h, True), (h, i, False)] * layers
     shapes.append((vocab, h, False))
-    ws = [(pack_weight_for_tiles(torch.randn(n, k).bfloat16(), gate_up=g), n, k, g) for n, k, g in shapes]
+    packed = [SimpleNamespace(w=pack_weight_for_tiles(torch.randn(n, k).bfloat16(), gate_up=g)) for n, k, g in shapes]
+    if memory.WEIGHTS_IN_HUGE_PAGES:  # placed as the engine places them
+        memory.move_to_huge_pages([(p, "w") for p in packed])
+    ws = [(p.w, n, k, g) for p, (n, k, g) in zip(packed, shapes, strict=True)]
     out = {}
     for m in rows:
         xs = {k: torch.randn(m, k).bfloat16() for k in {s[1] for s in shapes}}

@@ -34,14 +34,19 @@ struct Ahead {
   int64_t groups = 1, group = 0;
 };
 
-// Input pair (x0, x1) of a row times a weight line (16 columns x pair) into acc, in one of two forms:
+// Input pair (x0, x1) of a row times a weight line (16 columns x pair) into acc, in one of three forms:
 // X = bf16, AVX512-BF16's dot-product instruction; X = float, the float-FMA form, the line split into its
-// even and odd elements (servelm::split_pairs) and the odd product added first, as the instruction does.
+// even and odd elements (servelm::split_pairs) and the odd product added first, as the instruction does;
+// X = WidenedBf16, the same FMAs on bf16 inputs widened pair by pair as they are broadcast. `In` is the
+// input's element type.
+struct WidenedBf16 {};
+
 template <typename X>
 struct Line;
 
 template <>
 struct Line<bf16> {
+  using In = bf16;
   __m512bh w;
   explicit Line(const bf16* p) : w((__m512bh)_mm512_loadu_si512(p)) {}
   static __m512bh pair(const bf16* x) { return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x)); }
@@ -50,6 +55,7 @@ struct Line<bf16> {
 
 template <>
 struct Line<float> {
+  using In = float;
   __m512 even, odd;
   explicit Line(const bf16* p) { servelm::split_pairs(p, even, odd); }
   static const float* pair(const float* x) { return x; }
@@ -58,10 +64,28 @@ struct Line<float> {
   }
 };
 
+template <>
+struct Line<WidenedBf16> {
+  using In = bf16;
+  struct Pair {
+    __m512 x0, x1;
+  };
+  Line<float> f;
+  explicit Line(const bf16* p) : f(p) {}
+  static Pair pair(const bf16* x) {
+    __m512 x0, x1;
+    servelm::broadcast_pair(x, x0, x1);
+    return {x0, x1};
+  }
+  __m512 madd(__m512 acc, const Pair& xp) const {
+    return _mm512_fmadd_ps(xp.x0, f.even, _mm512_fmadd_ps(xp.x1, f.odd, acc));
+  }
+};
+
 // Rows [0, R) of x times one packed 32-column block -> c [R][32] float32: both 16-column halves per
 // input pair, so each broadcast of x feeds two products; one sum per row and half (2R accumulators).
 template <typename X, int R>
-void block_rows(const X* x, int64_t ldx, const bf16* b, int64_t K, float* c, const Ahead& ahead) {
+void block_rows(const typename Line<X>::In* x, int64_t ldx, const bf16* b, int64_t K, float* c, const Ahead& ahead) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   int64_t turn = ahead.group;  // this group's k steps of the next block: every groups-th, from its own
@@ -100,14 +124,14 @@ constexpr int64_t kFewAheadL2 = 8192, kFewAheadL1 = 4096;
 // order; with the two halves interleaved one row read 10 GB/s instead of 25 (Zen 4; 20% slower on
 // Emerald Rapids).
 template <typename X, int R>
-void few_rows(const X* x, int64_t ldx, const bf16* b, int64_t K, float* c) {
+void few_rows(const typename Line<X>::In* x, int64_t ldx, const bf16* b, int64_t K, float* c) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
     for (int h = 0; h < 2; ++h) {
       const bf16* bh = b + k * 32 + h * 512;
       for (int p = 0; p < 16; ++p) {
-        if constexpr (std::is_same_v<X, float>) {
+        if constexpr (!std::is_same_v<X, bf16>) {
           _mm_prefetch(reinterpret_cast<const char*>(bh + p * 32 + kFewAheadL2), _MM_HINT_T1);
           _mm_prefetch(reinterpret_cast<const char*>(bh + p * 32 + kFewAheadL1), _MM_HINT_T0);
         }
@@ -127,7 +151,7 @@ constexpr int64_t kChunkRows = 16 * kRowGroup;
 
 // X: bf16 inputs (the dot-product instruction) or float32 ones (the FMA form).
 template <typename X, int R = kRowGroup>
-void group_times_block(int64_t rows, const X* x, int64_t ldx, const bf16* b, int64_t K, float* c,
+void group_times_block(int64_t rows, const typename Line<X>::In* x, int64_t ldx, const bf16* b, int64_t K, float* c,
                        const Ahead& ahead) {
   if constexpr (R > 1) {
     if (rows < R) return group_times_block<X, R - 1>(rows, x, ldx, b, K, c, ahead);
@@ -136,7 +160,7 @@ void group_times_block(int64_t rows, const X* x, int64_t ldx, const bf16* b, int
 }
 
 template <typename X>
-void few_times_block(int64_t rows, const X* x, int64_t ldx, const bf16* b, int64_t K, float* c) {
+void few_times_block(int64_t rows, const typename Line<X>::In* x, int64_t ldx, const bf16* b, int64_t K, float* c) {
   switch (rows) {
     case 1: return few_rows<X, 1>(x, ldx, b, K, c);
     case 2: return few_rows<X, 2>(x, ldx, b, K, c);
@@ -150,28 +174,33 @@ void few_times_block(int64_t rows, const X* x, int64_t ldx, const bf16* b, int64
 // next block into L2 (without: 160 instead of ~205 GFLOP/s at 64 rows; all of it by the first group:
 // 1.6% slower than spread; with a few rows prefetching measured slower, the loads keep memory busy).
 // Prefill-sized inputs pass over the blocks in chunks of 192 rows, whose inputs stay in L2.
+// X: the pair-product form; the FMA form takes up to 4 rows as WidenedBf16, more as float.
 template <typename X>
-void packed_matmul(const X* x, int64_t M, int64_t ldx, const bf16* w, int64_t K, const servelm::Epilogue& ep,
-                   bf16* out) {
+void packed_matmul(const typename Line<X>::In* x, int64_t M, int64_t ldx, const bf16* w, int64_t K,
+                   const servelm::Epilogue& ep, bf16* out) {
   const int64_t blocks = (ep.N + kBlockCols - 1) / kBlockCols, ldo = ep.silu_mul ? ep.N / 2 : ep.N;
   at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
     alignas(64) float c[kRowGroup * kBlockCols];
-    if (M <= 4) {
-      for (int64_t nb = begin; nb < end; ++nb) {
-        few_times_block(M, x, ldx, w + nb * kBlockCols * K, K, c);
-        servelm::store_rows(servelm::Pending{c, M, nb * kBlockCols, out}, ep);
+    if constexpr (!std::is_same_v<X, float>) {
+      if (M <= 4) {
+        for (int64_t nb = begin; nb < end; ++nb) {
+          few_times_block<X>(M, x, ldx, w + nb * kBlockCols * K, K, c);
+          servelm::store_rows(servelm::Pending{c, M, nb * kBlockCols, out}, ep);
+        }
+        return;
       }
-      return;
     }
-    for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
-      const int64_t m1 = std::min<int64_t>(M, m0 + kChunkRows), groups = (m1 - m0 + kRowGroup - 1) / kRowGroup;
-      for (int64_t nb = begin; nb < end; ++nb) {
-        const bf16* b = w + nb * kBlockCols * K;
-        for (int64_t r = m0; r < m1; r += kRowGroup) {
-          const int64_t rows = std::min<int64_t>(kRowGroup, m1 - r);
-          const Ahead ahead{nb + 1 < end ? b + kBlockCols * K : nullptr, groups, (r - m0) / kRowGroup};
-          group_times_block(rows, x + r * ldx, ldx, b, K, c, ahead);
-          servelm::store_rows(servelm::Pending{c, rows, nb * kBlockCols, out + r * ldo}, ep);
+    if constexpr (!std::is_same_v<X, WidenedBf16>) {
+      for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
+        const int64_t m1 = std::min<int64_t>(M, m0 + kChunkRows), groups = (m1 - m0 + kRowGroup - 1) / kRowGroup;
+        for (int64_t nb = begin; nb < end; ++nb) {
+          const bf16* b = w + nb * kBlockCols * K;
+          for (int64_t r = m0; r < m1; r += kRowGroup) {
+            const int64_t rows = std::min<int64_t>(kRowGroup, m1 - r);
+            const Ahead ahead{nb + 1 < end ? b + kBlockCols * K : nullptr, groups, (r - m0) / kRowGroup};
+            group_times_block<X>(rows, x + r * ldx, ldx, b, K, c, ahead);
+            servelm::store_rows(servelm::Pending{c, rows, nb * kBlockCols, out + r * ldo}, ep);
+          }
         }
       }
     }
@@ -196,11 +225,14 @@ torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, int64_
   const servelm::Epilogue ep{bias ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr, N, silu_mul};
   const auto* w = reinterpret_cast<const bf16*>(packed.data_ptr());
   auto* o = reinterpret_cast<bf16*>(out.data_ptr());
-  if (servelm::fma_dot()) {
-    const torch::Tensor xf = x.to(at::kFloat);  // widened once: M * K, against M * K * N multiplies
-    packed_matmul(xf.data_ptr<float>(), M, xf.stride(0), w, K, ep, o);
+  const auto* xb = reinterpret_cast<const bf16*>(x.data_ptr());
+  if (!servelm::fma_dot()) {
+    packed_matmul<bf16>(xb, M, x.stride(0), w, K, ep, o);
+  } else if (M <= 4) {  // widened as broadcast: a float copy per call cost 1.6% of a batch-1 step
+    packed_matmul<WidenedBf16>(xb, M, x.stride(0), w, K, ep, o);
   } else {
-    packed_matmul(reinterpret_cast<const bf16*>(x.data_ptr()), M, x.stride(0), w, K, ep, o);
+    const torch::Tensor xf = x.to(at::kFloat);  // widened once: M * K, against M * K * N multiplies
+    packed_matmul<float>(xf.data_ptr<float>(), M, xf.stride(0), w, K, ep, o);
   }
 #else
   TORCH_CHECK(false, "avx512_linear needs AVX512-BF16");

@@ -42,6 +42,13 @@ inline void split_pairs(const void* line, __m512& even, __m512& odd) {
   odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
 }
 
+// A bf16 pair (x0, x1) broadcast to every lane as its two float32 values: the FMA form's inputs.
+inline void broadcast_pair(const void* pair, __m512& x0, __m512& x1) {
+  const __m512i v = _mm512_set1_epi32(*static_cast<const int32_t*>(pair));
+  x0 = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  x1 = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+}
+
 // Whether the kernels multiply bf16 pairs with float FMAs rather than AVX512-BF16's dot-product
 // instruction (avx512_linear.cpp says why; on by default on Intel CPUs). Settable for benchmarks and tests.
 bool& fma_dot();
