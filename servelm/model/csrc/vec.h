@@ -34,19 +34,19 @@ inline __m512 round_bf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// A line of 16 bf16 pairs split into float32 even and odd elements (the even one is a lane's low half;
-// bf16 widens by a shift): the operands of the float-FMA form of the pair products.
-inline void split_pairs(const void* line, __m512& even, __m512& odd) {
-  const __m512i w = _mm512_loadu_si512(line);
+// 16 bf16 pairs (one per 32-bit lane) split into float32 even and odd elements (the even one is a lane's
+// low half; bf16 widens by a shift): the operands of the float-FMA form of the pair products.
+inline void split_lanes(__m512i w, __m512& even, __m512& odd) {
   even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
 }
 
-// A bf16 pair (x0, x1) broadcast to every lane as its two float32 values: the FMA form's inputs.
+// A weight line of 16 pairs, split.
+inline void split_pairs(const void* line, __m512& even, __m512& odd) { split_lanes(_mm512_loadu_si512(line), even, odd); }
+
+// One input pair (x0, x1), split and broadcast to every lane.
 inline void broadcast_pair(const void* pair, __m512& x0, __m512& x1) {
-  const __m512i v = _mm512_set1_epi32(*static_cast<const int32_t*>(pair));
-  x0 = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-  x1 = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+  split_lanes(_mm512_set1_epi32(*static_cast<const int32_t*>(pair)), x0, x1);
 }
 
 // Whether the kernels multiply bf16 pairs with float FMAs rather than AVX512-BF16's dot-product
