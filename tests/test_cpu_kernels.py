@@ -47,7 +47,8 @@ def test_avx512_linear_matches_float32_reference_and_is_row_invariant(k, bias, d
     # float32 sums in another order, then one rounding to bf16: within one bf16 ulp of the exact value
     torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-3 * k**0.5)
     # a row's result does not depend on the rows beside it: alone and in fours (the few-row path), in the
-    # middle of a group of 12 and in the group of 6 that ends the batch (the many-row path)
+    # middle of a group of 12 and in the group of 6 that ends the batch (the many-row path; with three
+    # groups the FMA form's first group splits each block's lines once for the other two)
     for rows in (slice(0, 1), slice(5, 6), slice(29, 30), slice(8, 12), slice(3, 16), slice(20, 30)):
         assert torch.equal(kernels.avx512_linear(x[rows], packed, n, b), y[rows]), rows
     with pytest.raises(RuntimeError):
