@@ -27,9 +27,11 @@ from servelm.model import cpu_kernels, layers  # noqa: E402
 TIMES: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
 
 
-def _rows(args) -> int:
-    """Rows of the call's input: the smallest leading dimension among its tensors (caches and weights are
-    larger than a decode step's rows)."""
+def _rows(name: str, args) -> int:
+    """Rows of the call's input: a linear's first argument, else the smallest leading dimension among its
+    tensors (caches are larger than a decode step's rows; a packed weight's block count need not be)."""
+    if "linear" in name and args and isinstance(args[0], torch.Tensor):
+        return args[0].shape[0]
     return min((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2), default=0)
 
 
@@ -37,7 +39,7 @@ def timed(name: str, fn, decode_rows: int):
     def wrapper(*args, **kwargs):
         t = time.perf_counter()
         out = fn(*args, **kwargs)
-        entry = TIMES[f"{name} {'decode' if _rows(args) <= decode_rows else 'prefill'}"]
+        entry = TIMES[f"{name} {'decode' if _rows(name, args) <= decode_rows else 'prefill'}"]
         entry[0] += time.perf_counter() - t
         entry[1] += 1
         return out

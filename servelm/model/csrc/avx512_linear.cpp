@@ -18,8 +18,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <cstdlib>
 #include <type_traits>
-#include <vector>
 
 #include "linear_epilogue.h"
 
@@ -106,9 +106,19 @@ struct Line<SplitFloat> {
 // the first group stores the lines it splits there and the others read them, which spares each of them
 // the 4 vector ops per 48 FMAs that splitting takes on the ports the FMAs issue from.
 float* split_buffer(int64_t K) {
-  thread_local std::vector<__m512> buf;
-  if (static_cast<int64_t>(buf.size()) < 2 * K) buf.resize(2 * K);
-  return reinterpret_cast<float*>(buf.data());
+  struct Buffer {  // 64-byte aligned (std::vector<__m512> drops the type's alignment attribute)
+    float* p = nullptr;
+    int64_t floats = 0;
+    ~Buffer() { std::free(p); }
+  };
+  thread_local Buffer buf;
+  if (buf.floats < 32 * K) {
+    std::free(buf.p);
+    buf.p = static_cast<float*>(std::aligned_alloc(64, 32 * K * sizeof(float)));  // a multiple of 64 bytes
+    buf.floats = buf.p != nullptr ? 32 * K : 0;
+    TORCH_CHECK(buf.p != nullptr, "avx512_linear: out of memory for a split weight block");
+  }
+  return buf.p;
 }
 
 // Rows [0, R) of x times one packed 32-column block -> c [R][32] float32: both 16-column halves per
