@@ -17,8 +17,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <string>
 #include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "linear_epilogue.h"
@@ -39,13 +39,18 @@ struct Ahead {
 // X = bf16, AVX512-BF16's dot-product instruction; X = float, the float-FMA form, the line split into its
 // even and odd elements (servelm::split_pairs) and the odd product added first, as the instruction does;
 // X = WidenedBf16, the same FMAs on bf16 inputs widened pair by pair as they are broadcast; X = SplitFloat,
-// the same FMAs on a line split beforehand (split_block). `In` is the input's element type, `W` the
+// the same FMAs on a line split beforehand (split_buffer). `In` is the input's element type, `W` the
 // weight line's.
 struct WidenedBf16 {};
 struct SplitFloat {};
 
 template <typename X>
 struct Line;
+
+// The float-FMA form's pair product: the odd elements' product first, as the instruction adds them.
+inline __m512 fma_pair(__m512 acc, __m512 x0, __m512 x1, __m512 even, __m512 odd) {
+  return _mm512_fmadd_ps(x0, even, _mm512_fmadd_ps(x1, odd, acc));
+}
 
 template <>
 struct Line<bf16> {
@@ -63,9 +68,10 @@ struct Line<float> {
   using W = bf16;
   __m512 even, odd;
   explicit Line(const bf16* p) { servelm::split_pairs(p, even, odd); }
+  explicit Line(const float* split) : even(_mm512_load_ps(split)), odd(_mm512_load_ps(split + 16)) {}
   static const float* pair(const float* x) { return x; }
   __m512 madd(__m512 acc, const float* xp) const {
-    return _mm512_fmadd_ps(_mm512_set1_ps(xp[0]), even, _mm512_fmadd_ps(_mm512_set1_ps(xp[1]), odd, acc));
+    return fma_pair(acc, _mm512_set1_ps(xp[0]), _mm512_set1_ps(xp[1]), even, odd);
   }
 };
 
@@ -83,22 +89,14 @@ struct Line<WidenedBf16> {
     servelm::broadcast_pair(x, x0, x1);
     return {x0, x1};
   }
-  __m512 madd(__m512 acc, const Pair& xp) const {
-    return _mm512_fmadd_ps(xp.x0, f.even, _mm512_fmadd_ps(xp.x1, f.odd, acc));
-  }
+  __m512 madd(__m512 acc, const Pair& xp) const { return fma_pair(acc, xp.x0, xp.x1, f.even, f.odd); }
 };
 
-// A line of a block split by split_block: its 16 even elements, then its 16 odd ones, as float32.
+// A line already split into a split_buffer: its 16 even elements, then its 16 odd ones, as float32.
 template <>
-struct Line<SplitFloat> {
-  using In = float;
+struct Line<SplitFloat> : Line<float> {
   using W = float;
-  __m512 even, odd;
-  explicit Line(const float* p) : even(_mm512_load_ps(p)), odd(_mm512_load_ps(p + 16)) {}
-  static const float* pair(const float* x) { return x; }
-  __m512 madd(__m512 acc, const float* xp) const {
-    return _mm512_fmadd_ps(_mm512_set1_ps(xp[0]), even, _mm512_fmadd_ps(_mm512_set1_ps(xp[1]), odd, acc));
-  }
+  using Line<float>::Line;
 };
 
 // Room for a block's K lines split into float32 even and odd elements ([line][16 even | 16 odd], the same
@@ -200,7 +198,7 @@ void few_rows(const typename Line<X>::In* x, int64_t ldx, const bf16* b, int64_t
 constexpr int64_t kRowGroup = 12;  // 24 accumulators; 8 measured level, 11, 14 and 16 slower
 constexpr int64_t kChunkRows = 16 * kRowGroup;
 
-// X: bf16 inputs (the dot-product instruction) or float32 ones (the FMA form).
+// X: the pair-product form (Line); `keep`, the float-FMA form's split_buffer to fill (see block_rows).
 template <typename X, int R = kRowGroup>
 void group_times_block(int64_t rows, const typename Line<X>::In* x, int64_t ldx, const typename Line<X>::W* b,
                        int64_t K, float* c, const Ahead& ahead, float* keep = nullptr) {
@@ -232,7 +230,6 @@ void packed_matmul(const typename Line<X>::In* x, int64_t M, int64_t ldx, const 
   const int64_t blocks = (ep.N + kBlockCols - 1) / kBlockCols, ldo = ep.silu_mul ? ep.N / 2 : ep.N;
   at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
     alignas(64) float c[kRowGroup * kBlockCols];
-    float* split = std::is_same_v<X, float> && M > 2 * kRowGroup ? split_buffer(K) : nullptr;
     if constexpr (!std::is_same_v<X, float>) {
       if (M <= 4) {
         for (int64_t nb = begin; nb < end; ++nb) {
@@ -245,16 +242,16 @@ void packed_matmul(const typename Line<X>::In* x, int64_t M, int64_t ldx, const 
     if constexpr (!std::is_same_v<X, WidenedBf16>) {
       for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
         const int64_t m1 = std::min<int64_t>(M, m0 + kChunkRows), groups = (m1 - m0 + kRowGroup - 1) / kRowGroup;
+        // The FMA form, 3 or more groups: the first group over a block splits its lines and keeps them for
+        // the others (with 2, the stores cost what the second group saves: 16 rows 0.98x).
+        float* split = nullptr;
+        if constexpr (std::is_same_v<X, float>) split = groups >= 3 ? split_buffer(K) : nullptr;
         for (int64_t nb = begin; nb < end; ++nb) {
           const bf16* b = w + nb * kBlockCols * K;
           for (int64_t r = m0; r < m1; r += kRowGroup) {
             const int64_t rows = std::min<int64_t>(kRowGroup, m1 - r);
             const Ahead ahead{nb + 1 < end ? b + kBlockCols * K : nullptr, groups, (r - m0) / kRowGroup};
-            // The FMA form, 3 or more groups: the first group of a block splits its lines and keeps them for
-            // the others (with 2, the stores cost what the second group saves: 16 rows 0.98x).
-            if (!std::is_same_v<X, float> || groups < 3) {
-              group_times_block<X>(rows, x + r * ldx, ldx, b, K, c, ahead);
-            } else if (r == m0) {
+            if (split == nullptr || r == m0) {
               group_times_block<X>(rows, x + r * ldx, ldx, b, K, c, ahead, split);
             } else if constexpr (std::is_same_v<X, float>) {
               group_times_block<SplitFloat>(rows, x + r * ldx, ldx, split, K, c, ahead);
