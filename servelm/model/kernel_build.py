@@ -120,13 +120,15 @@ def _link(variant: Variant, objs: list[Path], out_dir: Path, cxx: str) -> str | 
 
 
 def build(out_dir: Path = OUT_DIR, src_dir: Path = SRC_DIR, names: list[str] | None = None,
-          jobs: int | None = None, log=print) -> dict:
+          jobs: int | None = None, log=print, machine: str | None = None) -> dict:
     """Builds the variants (all of this architecture's, or `names`) into out_dir and writes its manifest:
     {key, sources, built: [names], failed: {name: reason}}. A variant that cannot build (an old compiler,
-    another architecture) is recorded as failed, never retried at run time."""
+    another architecture) is recorded as failed, never retried at run time. `machine` (default: this one)
+    with $CXX a cross compiler checks the build for another architecture."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    chosen = [v for v in variants() if names is None or v.name in names]
-    manifest: dict = {"key": build_key(src_dir), "sources": source_digest(src_dir), "machine": platform.machine(),
+    machine = machine or platform.machine()
+    chosen = [v for v in variants(machine) if names is None or v.name in names]
+    manifest: dict = {"key": build_key(src_dir), "sources": source_digest(src_dir), "machine": machine,
                       "built": [], "failed": {}}
     cxx = compiler()
     if cxx is None:

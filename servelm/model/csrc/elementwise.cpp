@@ -11,10 +11,10 @@
 
 namespace {
 
+#ifdef SERVELM_AVX512_BF16
 // Rows per parallel task: enough work that a task outweighs its scheduling.
 int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1)); }
 
-#ifdef SERVELM_AVX512_BF16
 using servelm::bf16;
 using servelm::exp512;
 using servelm::lanes;
