@@ -74,6 +74,11 @@ class AdmissionConfig:
                                     "their own limit", runtime=True)
     default_priority: str = _f("normal", "priority of requests whose key sets none: high | normal | low",
                                runtime=True)
+    max_n: int = _f(16, "most samples (n) one generation request may ask for (400 above)", runtime=True)
+    max_request_tokens: int = _f(32768, "most tokens one generation request may ask for: its prompt tokens plus "
+                                 "n x max_tokens, over all its prompts (400 above); a request that omits "
+                                 "max_tokens gets a default that fits", runtime=True)
+    max_embedding_inputs: int = _f(2048, "most inputs in one embedding request (400 above)", runtime=True)
 
     def validate(self) -> None:
         def need(ok: bool, name: str, allowed: str) -> None:
@@ -86,6 +91,8 @@ class AdmissionConfig:
         need(self.rate_limit_rpm is None or self.rate_limit_rpm >= 1, "rate_limit_rpm", ">= 1 or None")
         need(self.rate_limit_tpm is None or self.rate_limit_tpm >= 1, "rate_limit_tpm", ">= 1 or None")
         need(self.default_priority in PRIORITIES, "default_priority", "one of high, normal, low")
+        for cap in ("max_n", "max_request_tokens", "max_embedding_inputs"):
+            need(getattr(self, cap) >= 1, cap, ">= 1")
 
 
 SECTIONS: dict[str, type] = {"engine": EngineConfig, "server": ServerConfig, "admission": AdmissionConfig}

@@ -1,0 +1,68 @@
+"""Operational hardening on a real server (issue 27): per-request work caps, fair embedding batches, health and
+stats that say what is true now, a header read timeout, failed-authentication limits, and API keys kept out of
+the command line. The engine-kill test runs last: it leaves the engine restarting."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from serving import start_server, stop_server
+
+pytestmark = pytest.mark.server
+
+KEY = "sk-ops-hardening-01"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def ops(llama_dir):
+    # admission caps at their defaults (max_n 16) except max_request_tokens, set through the env on purpose
+    proc, url = start_server(llama_dir, "--num-kv-blocks", "256", "--max-model-len", "1024",
+                             "--max-embedding-inputs", "8", env={"SERVELM_MAX_REQUEST_TOKENS": "600"})
+    yield proc, url
+    assert stop_server(proc) == 0
+
+
+def _post(url: str, path: str, body: dict, **kw) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=120, **kw)
+
+
+def test_n_over_the_default_cap_is_400_naming_the_limit(ops):
+    _, url = ops
+    chat = {"messages": [{"role": "user", "content": "hi"}], "n": 128}  # no max_tokens: whole contexts
+    r = _post(url, "/v1/chat/completions", chat)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "n" and "max_n" in err["message"] and "16" in err["message"]
+    assert _post(url, "/v1/completions", {"prompt": "hi", "n": 17, "max_tokens": 1}).status_code == 400
+    assert _post(url, "/v1/completions", {"prompt": "hi", "n": 16, "max_tokens": 1}).status_code == 200
+
+
+def test_total_tokens_cap_refuses_explicit_and_bounds_default_max_tokens(ops):
+    _, url = ops
+    # 4 prompt-ish tokens + 4 x 200 > 600
+    r = _post(url, "/v1/completions", {"prompt": [1, 2, 3, 4], "n": 4, "max_tokens": 200})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "max_tokens" and "max_request_tokens" in err["message"] and "600" in err["message"]
+    # several prompts count together: 3 x (4 + 150) = 462 fits, 4 x (4 + 150) = 616 does not
+    ok = _post(url, "/v1/completions", {"prompt": [[1, 2, 3, 4]] * 3, "max_tokens": 150, "ignore_eos": True})
+    assert ok.status_code == 200, ok.text
+    assert _post(url, "/v1/completions", {"prompt": [[1, 2, 3, 4]] * 4, "max_tokens": 150}).status_code == 400
+    # no max_tokens: the default is what fits the cap, not the rest of the 1024-token context per sample
+    chat = {"messages": [{"role": "user", "content": "hi"}], "n": 4, "ignore_eos": True}
+    r = _post(url, "/v1/chat/completions", chat)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert all(c["finish_reason"] == "length" for c in r.json()["choices"])
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= 600
+
+
+def test_embedding_inputs_cap(ops):
+    _, url = ops
+    r = _post(url, "/v1/embeddings", {"input": ["a text"] * 9})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "input" and "max_embedding_inputs" in err["message"] and "8" in err["message"]
+    assert _post(url, "/embeddings", {"input": ["a text"] * 9}).status_code == 400
+    assert len(_post(url, "/v1/embeddings", {"input": ["a text"] * 8}).json()["data"]) == 8
