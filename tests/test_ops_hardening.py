@@ -18,7 +18,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def ops(llama_dir):
     # admission caps at their defaults (max_n 16) except max_request_tokens, set through the env on purpose
     proc, url = start_server(llama_dir, "--num-kv-blocks", "256", "--max-model-len", "1024",
-                             "--max-embedding-inputs", "8", env={"SERVELM_MAX_REQUEST_TOKENS": "600"})
+                             "--max-embedding-inputs", "8", env={"SERVELM_MAX_REQUEST_TOKENS": "120"})
     yield proc, url
     assert stop_server(proc) == 0
 
@@ -40,22 +40,21 @@ def test_n_over_the_default_cap_is_400_naming_the_limit(ops):
 
 def test_total_tokens_cap_refuses_explicit_and_bounds_default_max_tokens(ops):
     _, url = ops
-    # 4 prompt-ish tokens + 4 x 200 > 600
-    r = _post(url, "/v1/completions", {"prompt": [1, 2, 3, 4], "n": 4, "max_tokens": 200})
+    r = _post(url, "/v1/completions", {"prompt": [1, 2, 3, 4], "n": 4, "max_tokens": 30})  # 4 + 4 x 30 > 120
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == "max_tokens" and "max_request_tokens" in err["message"] and "600" in err["message"]
-    # several prompts count together: 3 x (4 + 150) = 462 fits, 4 x (4 + 150) = 616 does not
-    ok = _post(url, "/v1/completions", {"prompt": [[1, 2, 3, 4]] * 3, "max_tokens": 150, "ignore_eos": True})
+    assert err["param"] == "max_tokens" and "max_request_tokens" in err["message"] and "120" in err["message"]
+    # several prompts count together: 3 x (4 + 30) = 102 fits, 4 x (4 + 30) = 136 does not
+    ok = _post(url, "/v1/completions", {"prompt": [[1, 2, 3, 4]] * 3, "max_tokens": 30, "ignore_eos": True})
     assert ok.status_code == 200, ok.text
-    assert _post(url, "/v1/completions", {"prompt": [[1, 2, 3, 4]] * 4, "max_tokens": 150}).status_code == 400
+    assert _post(url, "/v1/completions", {"prompt": [[1, 2, 3, 4]] * 4, "max_tokens": 30}).status_code == 400
     # no max_tokens: the default is what fits the cap, not the rest of the 1024-token context per sample
     chat = {"messages": [{"role": "user", "content": "hi"}], "n": 4, "ignore_eos": True}
     r = _post(url, "/v1/chat/completions", chat)
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
     assert all(c["finish_reason"] == "length" for c in r.json()["choices"])
-    assert usage["prompt_tokens"] + usage["completion_tokens"] <= 600
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= 120
 
 
 def test_embedding_inputs_cap(ops):
