@@ -4,21 +4,26 @@ the command line. The engine-kill test runs last: it leaves the engine restartin
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+
 import httpx
 import pytest
-from serving import start_server, stop_server
+from serving import _wait, start_server, stop_server
 
 pytestmark = pytest.mark.server
 
 KEY = "sk-ops-hardening-01"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ADMIN = {"x-api-key": "sk-ops-admin-0001"}
 
 
 @pytest.fixture(scope="module")
 def ops(llama_dir):
     # admission caps at their defaults (max_n 16) except max_request_tokens, set through the env on purpose
     proc, url = start_server(llama_dir, "--num-kv-blocks", "256", "--max-model-len", "1024",
-                             "--max-embedding-inputs", "8", env={"SERVELM_MAX_REQUEST_TOKENS": "120"})
+                             "--max-embedding-inputs", "8", "--admin-key", ADMIN["x-api-key"], env={"SERVELM_MAX_REQUEST_TOKENS": "120"})
     yield proc, url
     assert stop_server(proc) == 0
 
@@ -65,3 +70,39 @@ def test_embedding_inputs_cap(ops):
     assert err["param"] == "input" and "max_embedding_inputs" in err["message"] and "8" in err["message"]
     assert _post(url, "/embeddings", {"input": ["a text"] * 9}).status_code == 400
     assert len(_post(url, "/v1/embeddings", {"input": ["a text"] * 8}).json()["data"]) == 8
+
+
+def _dead(pid: int) -> bool:
+    """The process has exited (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_zz_engine_kill_is_reported_at_once_with_no_ghost_requests(ops):
+    """Last in the module: the engine restarts after it."""
+    _, url = ops
+    cap = httpx.patch(url + "/admin/config", json={"max_request_tokens": 4096}, headers=ADMIN)
+    assert cap.status_code == 200, cap.text  # the caps are run-time settings
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with contextlib.ExitStack() as streams:
+        for _ in range(3):
+            r = streams.enter_context(httpx.stream("POST", url + "/v1/completions", json=body, timeout=60))
+            lines = r.iter_lines()
+            assert r.status_code == 200 and next(lines).startswith("data: ")  # it is running
+            streams.callback(lambda lines=lines: list(lines))  # drain: the error event and [DONE]
+        before = httpx.get(url + "/server/stats").json()
+        assert before["running"] == 3 and before["engine"]["in_flight"] == 3, before
+        pid = before["engine"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        _wait(lambda: _dead(pid), 30, "the engine process to die")
+        # asked right after the death is observable: nothing may still say it is up or busy
+        assert httpx.get(url + "/ready").status_code == 503
+        st = httpx.get(url + "/server/stats").json()
+        assert st["engine"]["status"] == "down"
+        assert (st["running"], st["waiting"], st["engine"]["in_flight"], st["queue"]["depth"]) == (0, 0, 0, 0)
+        metrics = httpx.get(url + "/metrics").text
+        for gauge in ("servelm:engine_up", "servelm:num_requests_running", "servelm:num_requests_waiting"):
+            assert f'{gauge}{{model_name="tiny"}} 0.0' in metrics, gauge

@@ -91,7 +91,7 @@ def build_app(state: ServerState):
 
     @app.get("/ready")
     async def ready():
-        if not engine.ready:
+        if not engine.check_engine():  # the process itself, not the last word from it
             raise APIError(503, "the engine is not ready", code="engine_unavailable")
         return {"status": "ready", "models": _model_ids()}
 
