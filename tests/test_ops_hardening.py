@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
+from urllib.parse import urlparse
 
 import httpx
 import pytest
@@ -23,7 +25,8 @@ ADMIN = {"x-api-key": "sk-ops-admin-0001"}
 def ops(llama_dir):
     # admission caps at their defaults (max_n 16) except max_request_tokens, set through the env on purpose
     proc, url = start_server(llama_dir, "--num-kv-blocks", "256", "--max-model-len", "1024",
-                             "--max-embedding-inputs", "8", "--admin-key", ADMIN["x-api-key"], env={"SERVELM_MAX_REQUEST_TOKENS": "120"})
+                             "--max-embedding-inputs", "8", "--admin-key", ADMIN["x-api-key"],
+                             "--header-timeout-s", "1", env={"SERVELM_MAX_REQUEST_TOKENS": "120"})
     yield proc, url
     assert stop_server(proc) == 0
 
@@ -106,3 +109,30 @@ def test_zz_engine_kill_is_reported_at_once_with_no_ghost_requests(ops):
         metrics = httpx.get(url + "/metrics").text
         for gauge in ("servelm:engine_up", "servelm:num_requests_running", "servelm:num_requests_waiting"):
             assert f'{gauge}{{model_name="tiny"}} 0.0' in metrics, gauge
+
+
+def _read_until_closed(sock: socket.socket, limit_s: float) -> bytes:
+    """Everything the server sends until it closes the connection; socket.timeout if it never does."""
+    sock.settimeout(limit_s)
+    data = b""
+    while chunk := sock.recv(4096):
+        data += chunk
+    return data
+
+
+def test_slow_request_head_is_closed_after_the_header_timeout(ops):
+    _, url = ops
+    u = urlparse(url)
+    with socket.create_connection((u.hostname, u.port)) as slow:
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: app")  # and never the rest
+        assert _read_until_closed(slow, 30).startswith(b"HTTP/1.1 408")
+    # a kept-alive connection that starts a second head and stalls is closed the same way
+    with socket.create_connection((u.hostname, u.port)) as conn:
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        conn.settimeout(30)
+        assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+        conn.sendall(b"GET /health HTTP/1.1\r\nHo")
+        assert b"408" in _read_until_closed(conn, 30)
+    # a whole request is unaffected, and so is a handler that takes longer than the timeout
+    r = _post(url, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 40, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40

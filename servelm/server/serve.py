@@ -112,7 +112,7 @@ async def _serve(config) -> int:
     logger.info("ready in %.1fs: serving %s on http://%s:%d (API keys: %s)", time.perf_counter() - t0,
                 state.model_name, srv.host, srv.port, f"{len(state.keys.keys)}" if state.keys.enabled else "off")
     server = _DrainingServer(uvicorn.Config(app, host=srv.host, port=srv.port, log_level="warning",
-                                            timeout_graceful_shutdown=srv.drain_timeout))
+                                            timeout_graceful_shutdown=srv.drain_timeout, http=_http_protocol(srv)))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.begin_drain, sig)
@@ -126,6 +126,17 @@ async def _serve(config) -> int:
             state.telemetry.tracing.shutdown()
     logger.info("shut down cleanly")
     return 0
+
+
+def _http_protocol(srv):
+    """uvicorn's HTTP protocol (httptools if installed, else h11), with the request-head timeout."""
+    if srv.header_timeout_s <= 0:
+        return "auto"
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    from servelm.server.header_timeout import with_header_timeout
+
+    return with_header_timeout(AutoHTTPProtocol, srv.header_timeout_s)
 
 
 class _DrainingServer:

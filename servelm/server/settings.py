@@ -39,6 +39,9 @@ class ServerConfig:
     admin_key: str | None = _f(None, "key that guards /admin routes (keys marked admin in the keys file also work)")
     metrics_require_key: bool = _f(False, "require an API key for GET /metrics")
     max_request_body_bytes: int = _f(4 * 2**20, "larger request bodies get 413")
+    header_timeout_s: float = _f(10.0, "close a connection whose request head (request line and headers) is not "
+                                 "complete this long after it opened or after its last response (slow clients, "
+                                 "slowloris); 0 turns it off")
     log_requests: bool = _f(True, "one JSON log line per request at completion")
     log_prompts: bool = _f(False, "include prompt and completion text in the request log lines")
     otlp_endpoint: str | None = _f(None, "OTLP/HTTP collector, e.g. http://localhost:4318/v1/traces: turns "
@@ -53,6 +56,7 @@ class ServerConfig:
         need(self.embedding_batch_window_ms >= 0, "embedding_batch_window_ms", ">= 0")
         need(self.embedding_max_batch_size >= 1, "embedding_max_batch_size", ">= 1")
         need(self.drain_timeout >= 0, "drain_timeout", ">= 0")
+        need(self.header_timeout_s >= 0, "header_timeout_s", ">= 0")
         for name in SECRETS:
             if getattr(self, name) is not None and len(getattr(self, name)) < 8:
                 raise ConfigError(name, "<redacted>", "at least 8 characters")
