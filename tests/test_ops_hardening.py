@@ -26,13 +26,14 @@ def ops(llama_dir):
     # admission caps at their defaults (max_n 16) except max_request_tokens, set through the env on purpose
     proc, url = start_server(llama_dir, "--num-kv-blocks", "256", "--max-model-len", "1024",
                              "--max-embedding-inputs", "8", "--admin-key", ADMIN["x-api-key"],
-                             "--header-timeout-s", "1", env={"SERVELM_MAX_REQUEST_TOKENS": "120"})
+                             "--header-timeout-s", "1", "--auth-failures-per-minute", "5",
+                             env={"SERVELM_MAX_REQUEST_TOKENS": "120", "SERVELM_API_KEY": KEY})
     yield proc, url
     assert stop_server(proc) == 0
 
 
-def _post(url: str, path: str, body: dict, **kw) -> httpx.Response:
-    return httpx.post(url + path, json=body, timeout=120, **kw)
+def _post(url: str, path: str, body: dict, headers: dict = AUTH) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=120, headers=headers)
 
 
 def test_n_over_the_default_cap_is_400_naming_the_limit(ops):
@@ -75,40 +76,30 @@ def test_embedding_inputs_cap(ops):
     assert len(_post(url, "/v1/embeddings", {"input": ["a text"] * 8}).json()["data"]) == 8
 
 
-def _dead(pid: int) -> bool:
-    """The process has exited (gone, or a zombie its parent has not reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+def _client(address: str) -> httpx.Client:
+    """A client whose connections come from `address` (any 127.x.y.z is this machine)."""
+    return httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=60)
 
 
-def test_zz_engine_kill_is_reported_at_once_with_no_ghost_requests(ops):
-    """Last in the module: the engine restarts after it."""
+def test_failed_authentications_are_limited_per_client_address(ops):
     _, url = ops
-    cap = httpx.patch(url + "/admin/config", json={"max_request_tokens": 4096}, headers=ADMIN)
-    assert cap.status_code == 200, cap.text  # the caps are run-time settings
-    body = {"prompt": [1, 2, 3, 4], "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    with contextlib.ExitStack() as streams:
-        for _ in range(3):
-            r = streams.enter_context(httpx.stream("POST", url + "/v1/completions", json=body, timeout=60))
-            lines = r.iter_lines()
-            assert r.status_code == 200 and next(lines).startswith("data: ")  # it is running
-            streams.callback(lambda lines=lines: list(lines))  # drain: the error event and [DONE]
-        before = httpx.get(url + "/server/stats").json()
-        assert before["running"] == 3 and before["engine"]["in_flight"] == 3, before
-        pid = before["engine"]["pid"]
-        os.kill(pid, signal.SIGKILL)
-        _wait(lambda: _dead(pid), 30, "the engine process to die")
-        # asked right after the death is observable: nothing may still say it is up or busy
-        assert httpx.get(url + "/ready").status_code == 503
-        st = httpx.get(url + "/server/stats").json()
-        assert st["engine"]["status"] == "down"
-        assert (st["running"], st["waiting"], st["engine"]["in_flight"], st["queue"]["depth"]) == (0, 0, 0, 0)
-        metrics = httpx.get(url + "/metrics").text
-        for gauge in ("servelm:engine_up", "servelm:num_requests_running", "servelm:num_requests_waiting"):
-            assert f'{gauge}{{model_name="tiny"}} 0.0' in metrics, gauge
+    wrong = {"Authorization": "Bearer sk-not-the-key-0"}
+    with _client("127.0.0.3") as guesser, _client("127.0.0.1") as other, _client("127.0.0.4") as third:
+        for _ in range(5):  # --auth-failures-per-minute 5
+            assert guesser.get(url + "/v1/models", headers=wrong).status_code == 401
+        r = guesser.get(url + "/v1/models", headers=wrong)
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "too_many_auth_failures" and int(r.headers["retry-after"]) >= 1
+        # refused whatever it sends now, so a right guess is indistinguishable from a wrong one
+        assert guesser.get(url + "/v1/models", headers=AUTH).status_code == 429
+        assert guesser.get(url + "/admin/config", headers=ADMIN).status_code == 429
+        assert guesser.get(url + "/health").status_code == 200  # probes need no key
+        # other addresses are unaffected: the right key works, a wrong one is a plain 401
+        assert other.get(url + "/v1/models", headers=AUTH).status_code == 200
+        assert third.get(url + "/v1/models", headers=wrong).status_code == 401
+        # a missing key is not a guess and is not counted
+        for _ in range(6):
+            assert third.get(url + "/v1/models").status_code == 401
 
 
 def _read_until_closed(sock: socket.socket, limit_s: float) -> bytes:
@@ -136,3 +127,40 @@ def test_slow_request_head_is_closed_after_the_header_timeout(ops):
     # a whole request is unaffected, and so is a handler that takes longer than the timeout
     r = _post(url, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 40, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
+
+
+def _dead(pid: int) -> bool:
+    """The process has exited (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_engine_kill_is_reported_at_once_with_no_ghost_requests(ops):
+    """Last in the module: the engine restarts after it."""
+    _, url = ops
+    cap = httpx.patch(url + "/admin/config", json={"max_request_tokens": 4096}, headers=ADMIN)
+    assert cap.status_code == 200, cap.text  # the caps are run-time settings
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with contextlib.ExitStack() as streams:
+        for _ in range(3):
+            r = streams.enter_context(httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH,
+                                                           timeout=60))
+            lines = r.iter_lines()
+            assert r.status_code == 200 and next(lines).startswith("data: ")  # it is running
+            streams.callback(lambda lines=lines: list(lines))  # drain: the error event and [DONE]
+        before = httpx.get(url + "/server/stats", headers=AUTH).json()
+        assert before["running"] == 3 and before["engine"]["in_flight"] == 3, before
+        pid = before["engine"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        _wait(lambda: _dead(pid), 30, "the engine process to die")
+        # asked right after the death is observable: nothing may still say it is up or busy
+        assert httpx.get(url + "/ready").status_code == 503
+        st = httpx.get(url + "/server/stats", headers=AUTH).json()
+        assert st["engine"]["status"] == "down"
+        assert (st["running"], st["waiting"], st["engine"]["in_flight"], st["queue"]["depth"]) == (0, 0, 0, 0)
+        metrics = httpx.get(url + "/metrics").text
+        for gauge in ("servelm:engine_up", "servelm:num_requests_running", "servelm:num_requests_waiting"):
+            assert f'{gauge}{{model_name="tiny"}} 0.0' in metrics, gauge

@@ -82,6 +82,9 @@ class AdmissionConfig:
     max_request_tokens: int = _f(32768, "most tokens one generation request may ask for: its prompt tokens plus "
                                  "n x max_tokens, over all its prompts (400 above); a request that omits "
                                  "max_tokens gets a default that fits", runtime=True)
+    auth_failures_per_minute: int | None = _f(10, "failed authentications (a wrong API key) allowed per client "
+                                              "address per minute; beyond, that address gets 429 (None: no limit)",
+                                              runtime=True)
     max_embedding_inputs: int = _f(2048, "most inputs in one embedding request (400 above)", runtime=True)
 
     def validate(self) -> None:
@@ -95,6 +98,8 @@ class AdmissionConfig:
         need(self.rate_limit_rpm is None or self.rate_limit_rpm >= 1, "rate_limit_rpm", ">= 1 or None")
         need(self.rate_limit_tpm is None or self.rate_limit_tpm >= 1, "rate_limit_tpm", ">= 1 or None")
         need(self.default_priority in PRIORITIES, "default_priority", "one of high, normal, low")
+        need(self.auth_failures_per_minute is None or self.auth_failures_per_minute >= 1,
+             "auth_failures_per_minute", ">= 1 or None")
         for cap in ("max_n", "max_request_tokens", "max_embedding_inputs"):
             need(getattr(self, cap) >= 1, cap, ">= 1")
 
