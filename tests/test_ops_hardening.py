@@ -22,12 +22,15 @@ ADMIN = {"x-api-key": "sk-ops-admin-0001"}
 
 
 @pytest.fixture(scope="module")
-def ops(llama_dir):
+def ops(llama_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("ops")
+    (d / "api.key").write_text(KEY + "\n")  # keys from files: nothing secret on the command line
+    (d / "admin.key").write_text(ADMIN["x-api-key"])
     # admission caps at their defaults (max_n 16) except max_request_tokens, set through the env on purpose
     proc, url = start_server(llama_dir, "--num-kv-blocks", "256", "--max-model-len", "1024",
-                             "--max-embedding-inputs", "8", "--admin-key", ADMIN["x-api-key"],
-                             "--header-timeout-s", "1", "--auth-failures-per-minute", "5",
-                             env={"SERVELM_MAX_REQUEST_TOKENS": "120", "SERVELM_API_KEY": KEY})
+                             "--max-embedding-inputs", "8", "--api-key-file", str(d / "api.key"),
+                             "--admin-key-file", str(d / "admin.key"), "--header-timeout-s", "1",
+                             "--auth-failures-per-minute", "5", env={"SERVELM_MAX_REQUEST_TOKENS": "120"})
     yield proc, url
     assert stop_server(proc) == 0
 
@@ -74,6 +77,45 @@ def test_embedding_inputs_cap(ops):
     assert err["param"] == "input" and "max_embedding_inputs" in err["message"] and "8" in err["message"]
     assert _post(url, "/embeddings", {"input": ["a text"] * 9}).status_code == 400
     assert len(_post(url, "/v1/embeddings", {"input": ["a text"] * 8}).json()["data"]) == 8
+
+
+def _process_tree(pid: int) -> list[int]:
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids += [int(k) for k in f.read().split()]
+    return [pid] + [p for k in kids for p in _process_tree(k)]
+
+
+def test_keys_from_files_authenticate_and_stay_out_of_the_command_line(ops):
+    proc, url = ops
+    assert _post(url, "/tokenize", {"prompt": "hi"}).status_code == 200
+    assert _post(url, "/tokenize", {"prompt": "hi"}, headers={}).status_code == 401
+    assert httpx.get(url + "/admin/config", headers=ADMIN).status_code == 200
+    pids = _process_tree(proc.pid)
+    assert len(pids) >= 3  # the API process, the engine process, the embedding process
+    for pid in pids:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        assert b"api.key" in cmdline or pid != proc.pid
+        assert KEY.encode() not in cmdline and ADMIN["x-api-key"].encode() not in cmdline
+
+
+def test_key_file_settings_are_validated(tmp_path):
+    from servelm.config import ConfigError
+    from servelm.server.settings import load
+
+    good, short = tmp_path / "good.key", tmp_path / "short.key"
+    good.write_text("sk-from-a-file-1\n")
+    short.write_text("sk-1\n")
+    assert load({"api_key_file": str(good)}, env={}).server.secret("api_key") == "sk-from-a-file-1"
+    assert load({}, env={"SERVELM_API_KEY": "sk-from-env-0001"}).server.secret("api_key") == "sk-from-env-0001"
+    for cli, env, bad in [({"api_key_file": str(short)}, {}, "api_key"),
+                          ({"admin_key_file": str(tmp_path / "missing")}, {}, "admin_key_file"),
+                          ({"api_key_file": str(good)}, {"SERVELM_API_KEY": "sk-from-env-0001"}, "api_key_file")]:
+        with pytest.raises(ConfigError) as e:
+            load(cli, env=env)
+        assert bad in e.value.key and "sk-1" not in str(e.value)
 
 
 def _client(address: str) -> httpx.Client:

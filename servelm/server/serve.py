@@ -64,7 +64,7 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
     from servelm.server.telemetry import Telemetry
 
     srv = config.server
-    keys = KeyStore.from_config(srv.api_key, srv.api_keys_file, srv.admin_key)
+    keys = KeyStore.from_config(srv.secret("api_key"), srv.api_keys_file, srv.secret("admin_key"))
     metrics = Metrics(model_name)
     engine.on_ready = lambda msg, restarted: metrics.on_ready(msg.stats, restarted)
     engine.on_down = metrics.on_engine_down
@@ -165,7 +165,12 @@ def cmd_serve(args) -> int:
 
     config = load_config(args)  # ConfigError (a ValueError): main() prints it and exits 2
     srv = config.server
-    KeyStore.from_config(srv.api_key, srv.api_keys_file, srv.admin_key)  # a bad keys file stops start-up too
+    KeyStore.from_config(srv.secret("api_key"), srv.api_keys_file, srv.secret("admin_key"))  # bad keys stop start-up
+    for name in ("api_key", "admin_key"):
+        if config.sources[f"server.{name}"] == "cli":
+            flag = name.replace("_", "-")
+            logger.warning("--%s is visible to every user of this machine in the process list; use --%s-file or "
+                           "SERVELM_%s instead", flag, flag, name.upper())
     if args.print_config:
         print(json.dumps(config.describe(), indent=2))
         return 0
