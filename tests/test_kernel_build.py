@@ -167,3 +167,18 @@ def test_the_portable_variant_builds_for_arm(tmp_path, monkeypatch):
     assert manifest["built"] == ["portable"], manifest["failed"]
     head = (tmp_path / kernel_build.library_name("portable")).read_bytes()[:20]
     assert head[:4] == b"\x7fELF" and int.from_bytes(head[18:20], "little") == 183  # EM_AARCH64
+
+
+def test_a_machine_without_a_compiler_installs_and_runs_the_pytorch_path(monkeypatch, tmp_path, caplog):
+    """No compiler: the build records every variant as failed (the install goes on), and the loader says
+    once why it runs the PyTorch path, naming the failure."""
+    monkeypatch.setattr(kernel_build, "compiler", lambda: None)
+    manifest = kernel_build.build(tmp_path, log=lambda *_: None)
+    assert manifest["built"] == [] and all("no C++ compiler" in why for why in manifest["failed"].values())
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_module", None)
+    monkeypatch.setattr(kernel_build, "build", lambda *a, **k: pytest.fail("load() must never compile"))
+    monkeypatch.setattr(cpu_kernels, "manifest", lambda lib_dir=None: manifest)
+    with caplog.at_level(logging.WARNING, logger="servelm.model.cpu_kernels"):
+        assert cpu_kernels.load() is None
+    assert "no C++ compiler" in caplog.text and "PyTorch path" in caplog.text
