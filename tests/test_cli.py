@@ -1,0 +1,76 @@
+"""The `servelm` command line as a new user meets it: help that tells the truth, --version, and errors that
+are one clear line with exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+def _cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "servelm.entrypoints.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    from servelm.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _help_entries(text: str) -> dict[str, str]:
+    """'--flag METAVAR' -> its help text (wrapped lines joined), from an argparse --help page."""
+    entries: dict[str, str] = {}
+    key = None
+    for line in text.splitlines():
+        m = re.match(r"^  (-\S.*?)(?:\s{2,}(.*))?$", line)
+        if m:
+            key = m.group(1).strip()
+            entries[key] = (m.group(2) or "").strip()
+        elif key is not None and line.startswith("    ") and line.strip():
+            entries[key] = (entries[key] + " " + line.strip()).strip()
+        else:
+            key = None
+    return entries
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_help_shows_the_defaults_the_command_uses_once_each(command, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    sub = _subparser(command)
+    used = vars(sub.parse_args(["x"] if command == "generate" else []))
+    entries = _help_entries(sub.format_help())
+    sampling = next(g for g in sub._action_groups if g.title == "sampling")
+    for action in sampling._group_actions:
+        flag = action.option_strings[0]
+        entry = next(v for k, v in entries.items() if k.split()[0].rstrip(",") == flag)
+        assert entry and not entry.startswith("(default"), f"{flag} has no description"
+    for key, text in entries.items():
+        shown = re.findall(r"\(default: ([^)]*)\)", text)
+        assert len(shown) <= 1, f"{key}: default printed {len(shown)} times: {text}"
+        dest = next((a.dest for a in sub._actions if key.split()[0].rstrip(",") in a.option_strings), None)
+        if shown and dest in used and used[dest] is not None:  # None: the help may say what it derives
+            assert shown[0] == str(used[dest]), f"{key}: help says {shown[0]}, the command uses {used[dest]}"
+
+
+def test_chat_defaults_are_the_chat_ones():
+    from servelm.entrypoints.cli import CHAT_DEFAULTS
+
+    used = vars(_subparser("chat").parse_args([]))
+    assert {k: used[k] for k in CHAT_DEFAULTS} == CHAT_DEFAULTS == {"max_tokens": 512, "temperature": 0.7}
+    assert "(default: 0.7)" in _help_entries(_subparser("chat").format_help())["--temperature TEMPERATURE"]
+
+
+def test_version_is_the_package_metadata_version():
+    from importlib.metadata import version
+
+    r = _cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"servelm {version('servelm')}"
