@@ -74,3 +74,54 @@ def test_version_is_the_package_metadata_version():
 
     r = _cli("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"servelm {version('servelm')}"
+
+
+QUIET = {"SERVELM_CPU_KERNELS": "0"}  # no kernel build: these starts must fail long before one matters
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _unsupported(tmp_path):
+    bad = tmp_path / "gpt-foo"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"architectures": ["FooForCausalLM"], "model_type": "foo"}')
+    return [(str(bad), "'FooForCausalLM'"), (str(tmp_path / "missing"), "not found")]
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_unsupported_or_missing_model_is_one_line_exit_2(command, tmp_path):
+    for model, says in _unsupported(tmp_path):
+        args = ["generate", "hi", "--model", model] if command == "generate" else \
+            ["serve", model, "--port", str(_free_port()), "--embedding-model", "none"]
+        r = _cli(*args, env=QUIET)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert len(lines) == 1 and lines[0].startswith("servelm: error:") and says in lines[0], lines
+
+
+def test_serve_model_the_engine_refuses_is_one_error_line_exit_2(tmp_path, tokenizer_dir):
+    """A model that passes the file checks but that the engine process refuses (here: an activation servelm
+    has no kernel for): the engine's reason as the last line, no traceback from either process."""
+    import json
+
+    from conftest import COMMON
+
+    model = tmp_path / "gelu-llama"
+    model.mkdir()
+    for f in tokenizer_dir.iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    (model / "config.json").write_text(json.dumps({**COMMON, "architectures": ["LlamaForCausalLM"],
+                                                   "model_type": "llama", "hidden_act": "gelu",
+                                                   "rms_norm_eps": 1e-6, "rope_theta": 10000.0}))
+    r = _cli("serve", str(model), "--port", str(_free_port()), "--embedding-model", "none", "--dtype", "float32",
+             env=QUIET, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("servelm: error: the engine could not start:") and "hidden_act 'gelu'" in last

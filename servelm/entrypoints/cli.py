@@ -97,10 +97,19 @@ def sampling_params_from_args(args: argparse.Namespace):
         max_tokens=args.max_tokens, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _load_llm(args: argparse.Namespace):
+    """The LLM for generate and chat; a missing or unsupported model is one line (exit 2) before any load."""
+    from servelm.model.metadata import check_model
+
+    config = engine_config_from_args(args)
+    check_model(config.model, config.gguf_file)
     from servelm.entrypoints.llm import LLM
 
-    llm = LLM.from_config(engine_config_from_args(args))
+    return LLM.from_config(config)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _load_llm(args)
     params = sampling_params_from_args(args)
     if args.chat:
         prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompts]
@@ -121,10 +130,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from servelm.engine.llm_engine import LLMEngine
-    from servelm.entrypoints.llm import LLM
     from servelm.sampling_params import OutputKind
 
-    llm = LLM.from_config(engine_config_from_args(args))
+    llm = _load_llm(args)
     engine: LLMEngine = llm.engine
     params = dataclasses.replace(sampling_params_from_args(args), n=1, output_kind=OutputKind.DELTA)
     history = [{"role": "system", "content": args.system}] if args.system else []

@@ -36,6 +36,14 @@ class EngineDeadError(RuntimeError):
     """The engine process died while the request was in flight."""
 
 
+class EngineStartError(RuntimeError):
+    """The engine process could not start; `input_error` when the model or config is at fault."""
+
+    def __init__(self, message: str, input_error: bool = False) -> None:
+        super().__init__(message)
+        self.input_error = input_error
+
+
 class RequestRejected(ValueError):
     """The engine refused the request (e.g. it can never fit the context)."""
 
@@ -72,7 +80,7 @@ class AsyncEngine:
         self._out = self._ctx.socket(zmq.PULL)
         self._out.bind(self._out_addr)
         self._ready_event = asyncio.Event()
-        self._fatal: str | None = None  # why the engine failed to start, if it did
+        self._fatal: m.Fatal | None = None  # why the engine failed to start, if it did
         self.on_step = None  # optional callback(StepOutputs, outputs) for metrics
         self.on_ready = None  # optional callback(Ready, restarted: bool)
         self.on_down = None  # optional callback() when the engine process dies
@@ -107,7 +115,8 @@ class AsyncEngine:
         except asyncio.TimeoutError as e:
             raise RuntimeError(f"the engine did not become ready within {self.start_timeout:.0f}s") from e
         if not self.ready:
-            raise RuntimeError(self._fatal or "the engine failed to start")
+            fatal = self._fatal or m.Fatal("the engine process exited before it was ready")
+            raise EngineStartError(fatal.message, fatal.input_error)
 
     async def shutdown(self) -> None:
         self._stopping = True
@@ -164,8 +173,9 @@ class AsyncEngine:
                     self.on_ready(msg, self.restarts > 0)
                 logger.info("engine ready (pid %s, max_model_len %d)", msg.pid, msg.max_model_len)
             elif isinstance(msg, m.Fatal):
-                self._fatal = msg.message
-                logger.error("engine failed to start: %s", msg.message)
+                self._fatal = msg
+                if self.restarts:  # else wait_ready() raises it to whoever is starting the server
+                    logger.error("engine failed to start: %s", msg.message)
             else:
                 self._on_step(msg)
 

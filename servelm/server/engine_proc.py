@@ -45,9 +45,15 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
         core = EngineCore(config, loaded.model)
         eos = loaded.eos_token_ids
         _warmup(core, eos)
+    except (ValueError, FileNotFoundError) as e:  # a model servelm cannot run: the message says it all
+        out.send(m.encoder.encode(m.Fatal(str(e), input_error=True)))
+        ctx.destroy(linger=5000)  # deliver it before exiting
+        return
     except Exception as e:  # tell the API process why, instead of dying silently
+        logger.error("engine failed to start:\n%s", traceback.format_exc())
         out.send(m.encoder.encode(m.Fatal(f"{type(e).__name__}: {e}")))
-        raise
+        ctx.destroy(linger=5000)
+        return
     out.send(m.encoder.encode(m.Ready(core.max_model_len, core.model.spec.vocab_size, os.getpid(), core.stats())))
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)

@@ -64,6 +64,7 @@ class StepOutputs(msgspec.Struct, tag="step"):
 
 class Fatal(msgspec.Struct, tag="fatal"):
     message: str
+    input_error: bool = False  # the model or its config is at fault (the user's to fix), not servelm
 
 
 EngineOutput = Ready | StepOutputs | Fatal

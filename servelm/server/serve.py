@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -158,4 +159,13 @@ def cmd_serve(args) -> int:
     if args.print_config:
         print(json.dumps(config.describe(), indent=2))
         return 0
-    return asyncio.run(_serve(config))
+    from servelm.model.metadata import check_model
+
+    check_model(config.engine.model, config.engine.gguf_file)  # one line and exit 2 before anything loads
+    from servelm.server.async_engine import EngineStartError
+
+    try:
+        return asyncio.run(_serve(config))
+    except EngineStartError as e:
+        print(f"servelm: error: the engine could not start: {e}", file=sys.stderr)
+        return 2 if e.input_error else 1
