@@ -87,6 +87,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_serve_on_a_port_in_use_fails_at_once_before_the_model_loads():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = _cli("serve", "--port", str(port), "--embedding-model", "none", env=QUIET)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr[-2000:]
+    # one line, naming the address; nothing else ran (no engine process, no model load logged)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("servelm: error:") and f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0]
+
+
 def _unsupported(tmp_path):
     bad = tmp_path / "gpt-foo"
     bad.mkdir()

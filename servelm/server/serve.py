@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -82,7 +84,23 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
                        embed_name, created=int(time.time()))
 
 
-async def _serve(config) -> int:
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening address now, before the model loads: a port in use fails at once, and nothing can
+    take the port while the model loads. Not yet listening, so clients are refused until the server is ready
+    (uvicorn listens on it then). Raises OSError."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def _serve(config, sock: socket.socket) -> int:
     from servelm.server.async_engine import AsyncEngine  # light: no torch, no transformers
 
     t0 = time.perf_counter()
@@ -118,7 +136,7 @@ async def _serve(config) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.begin_drain, sig)
     try:
-        await server.serve()  # SIGTERM/SIGINT: stop accepting, drain in-flight requests, return
+        await server.serve(sockets=[sock])  # SIGTERM/SIGINT: stop accepting, drain in-flight requests, return
     finally:
         if embedder is not None:
             embedder.close()
@@ -162,10 +180,18 @@ def cmd_serve(args) -> int:
     from servelm.model.metadata import check_model
 
     check_model(config.engine.model, config.engine.gguf_file)  # one line and exit 2 before anything loads
+    try:
+        sock = bind_socket(srv.host, srv.port)
+    except OSError as e:
+        reason = "the address is already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+        print(f"servelm: error: cannot listen on {srv.host}:{srv.port}: {reason} (is another server running "
+              "there? choose another with --port)", file=sys.stderr)
+        return 2
     from servelm.server.async_engine import EngineStartError
 
-    try:
-        return asyncio.run(_serve(config))
-    except EngineStartError as e:
-        print(f"servelm: error: the engine could not start: {e}", file=sys.stderr)
-        return 2 if e.input_error else 1
+    with sock:
+        try:
+            return asyncio.run(_serve(config, sock))
+        except EngineStartError as e:
+            print(f"servelm: error: the engine could not start: {e}", file=sys.stderr)
+            return 2 if e.input_error else 1
