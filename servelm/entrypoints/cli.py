@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import uuid
 
 from servelm.config import EngineConfig
 
@@ -129,35 +128,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from servelm.engine.llm_engine import LLMEngine
-    from servelm.sampling_params import OutputKind
+    from servelm.entrypoints.chat import run_chat
 
-    llm = _load_llm(args)
-    engine: LLMEngine = llm.engine
-    params = dataclasses.replace(sampling_params_from_args(args), n=1, output_kind=OutputKind.DELTA)
-    history = [{"role": "system", "content": args.system}] if args.system else []
-    print("servelm chat: type a message, or /exit to quit, /reset to forget the conversation.", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            return 0
-        if line.strip() in ("/exit", "/quit"):
-            return 0
-        if line.strip() == "/reset":
-            history = history[:1] if args.system else []
-            continue
-        history.append({"role": "user", "content": line})
-        rid = uuid.uuid4().hex
-        engine.add_request(rid, llm.apply_chat_template(history), params)
-        reply = []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                delta = out.outputs[0].text if out.outputs else ""
-                reply.append(delta)
-                print(delta, end="", flush=True)
-        print()
-        history.append({"role": "assistant", "content": "".join(reply)})
+    return run_chat(_load_llm(args), sampling_params_from_args(args), args.system)
 
 
 def _version() -> str:
@@ -226,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"servelm: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while loading: stop quietly, with the shell's code for SIGINT
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
