@@ -58,10 +58,12 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def build_app(state: ServerState):
     """The FastAPI app wrapped in the gateway (request ids, body limit, keys, telemetry)."""
+    from servelm.server.docs import add_docs_routes
     from servelm.server.gateway import Gateway
     from servelm.server.ops import add_ops_routes
 
-    app = FastAPI(title="servelm", description="OpenAI-compatible LLM server")
+    app = FastAPI(title="servelm", description="OpenAI-compatible LLM server", docs_url=None, redoc_url=None)
+    add_docs_routes(app)  # Swagger UI and ReDoc with local assets: they work offline
     app.state.servelm = state
     engine, tok = state.engine, state.tokenizer
     metrics = state.metrics
