@@ -46,3 +46,20 @@ def test_api_docs_need_no_internet(client, path):
         got = client.get(a)
         assert got.status_code == 200 and len(got.content) > 1000, a
     assert client.get("/openapi.json").json()["paths"]["/v1/chat/completions"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/generate"])
+@pytest.mark.parametrize("body", [b'{"messages": [}', b'{\n  "model": "tiny",\n  "prompt": "x",\n}', b"not json"])
+def test_malformed_json_is_400_saying_what_and_where(client, path, body):
+    import json
+
+    try:
+        json.loads(body)
+    except json.JSONDecodeError as e:
+        where = f"line {e.lineno} column {e.colno}"
+    r = client.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] is None
+    assert "not valid JSON" in err["message"] and where in err["message"], err["message"]

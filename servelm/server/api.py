@@ -76,6 +76,8 @@ def build_app(state: ServerState):
     async def _validation_error(_: Request, exc: RequestValidationError):
         errs = exc.errors()
         first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":  # the body itself: say what is wrong and where, not a field
+            return _error_response(APIError(400, p.json_error_message(first, exc.body)))
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
         msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', []) if x != 'body') or 'body'}: {e.get('msg')}"
                         for e in errs[:5])
