@@ -105,7 +105,7 @@ async def _serve(config, sock: socket.socket) -> int:
 
     t0 = time.perf_counter()
     ec, srv = config.engine, config.server
-    engine = AsyncEngine(ec)
+    engine = AsyncEngine(ec, start_timeout=srv.engine_start_timeout_s)
     engine.launch()  # the engine process imports torch and loads the model while this one loads the rest
     embedder = None
     try:

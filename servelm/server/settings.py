@@ -33,6 +33,8 @@ class ServerConfig:
     embedding_batch_window_ms: float = _f(5.0, "how long the embedding batcher waits for more texts")
     embedding_max_batch_size: int = _f(32, "most texts in one embedding batch")
     drain_timeout: float = _f(30.0, "on SIGTERM, seconds to let in-flight requests finish before exiting")
+    engine_start_timeout_s: float = _f(600.0, "seconds the engine may take to load and warm up before the start "
+                                       "is given up (0: no limit); meanwhile its progress is logged")
     api_key: str | None = _f(None, "one API key every caller must present (Bearer or x-api-key)")
     api_keys_file: str | None = _f(None, "YAML/JSON file of API keys: name, key or key_hash, rpm, tpm, "
                                    "priority, models, allow_priority_raise, admin")
@@ -53,6 +55,7 @@ class ServerConfig:
         need(self.embedding_batch_window_ms >= 0, "embedding_batch_window_ms", ">= 0")
         need(self.embedding_max_batch_size >= 1, "embedding_max_batch_size", ">= 1")
         need(self.drain_timeout >= 0, "drain_timeout", ">= 0")
+        need(self.engine_start_timeout_s >= 0, "engine_start_timeout_s", ">= 0 (0: no limit)")
         for name in SECRETS:
             if getattr(self, name) is not None and len(getattr(self, name)) < 8:
                 raise ConfigError(name, "<redacted>", "at least 8 characters")
