@@ -129,7 +129,7 @@ async def _serve(config, sock: socket.socket) -> int:
     state = build_state(config, tokenizer, engine, srv.served_model_name or src.name, embedder, embed_name)
     app = build_app(state)
     logger.info("ready in %.1fs: serving %s on http://%s:%d (API keys: %s)", time.perf_counter() - t0,
-                state.model_name, srv.host, srv.port, f"{len(state.keys.keys)}" if state.keys.enabled else "off")
+                state.model_name, srv.host, sock.getsockname()[1], f"{len(state.keys.keys)}" if state.keys.enabled else "off")
     server = _DrainingServer(uvicorn.Config(app, host=srv.host, port=srv.port, log_level="warning",
                                             timeout_graceful_shutdown=srv.drain_timeout))
     loop = asyncio.get_running_loop()
