@@ -6,11 +6,10 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
-from tqdm import tqdm
-
 from servelm.config import EngineConfig
 from servelm.engine.llm_engine import LLMEngine
 from servelm.outputs import RequestOutput
+from servelm.progress import progress
 from servelm.sampling_params import OutputKind, SamplingParams
 
 # A prompt: text, token ids, or vLLM's TextPrompt / TokensPrompt dicts ({"prompt": ...} / {"prompt_token_ids": ...}).
@@ -113,7 +112,7 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+        bar = progress(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
+
+from servelm.progress import progress
 
 # GGUF tensor name (per block) -> Hugging Face name suffix.
 _BLOCK_NAMES = {
@@ -138,8 +139,8 @@ def iter_gguf_tensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, tor
         arch = head.fields.get("general.architecture")
         n_head = head.fields.get(f"{arch}.attention.head_count")
         n_kv = head.fields.get(f"{arch}.attention.head_count_kv") or n_head
-        for gname, shape, ttype, toff in tqdm(head.tensors, desc=f"Loading {path.name}", unit="tensor",
-                                              leave=False):
+        for gname, shape, ttype, toff in progress(head.tensors, desc=f"Loading {path.name}", unit="tensor",
+                                                  leave=False):
             name = hf_name(gname)
             if name is None:
                 continue

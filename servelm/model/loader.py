@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from servelm.model.attention import get_backend
 from servelm.model.decoder import DecoderLM
@@ -16,6 +15,7 @@ from servelm.model.gguf_loader import iter_gguf_tensors
 from servelm.model.metadata import load_config_and_eos, load_config_and_tokenizer
 from servelm.model.source import ModelSource
 from servelm.model.spec import ModelSpec
+from servelm.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def _iter_safetensors(folder: Path, dtype: torch.dtype):
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
-            for name in tqdm(list(sf.keys()), desc=f"Loading {f.name}", unit="tensor", leave=False):
+            for name in progress(list(sf.keys()), desc=f"Loading {f.name}", unit="tensor", leave=False):
                 t = sf.get_tensor(name)
                 # get_tensor maps the file: a kept tensor would keep the whole mapping, and with it every
                 # page that loading touched, resident (the packed and fused copies made from them too).

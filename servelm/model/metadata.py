@@ -11,6 +11,38 @@ from pathlib import Path
 from servelm.model import hf_files
 from servelm.model.source import ModelSource, cache_dir, resolve_model, set_offline_env
 
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def architecture(config) -> str | None:
+    """The config's architecture: its `architectures[0]`, else the one its `model_type` stands for."""
+    archs = getattr(config, "architectures", None) or []
+    model_type = getattr(config, "model_type", None)
+    return archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(model_type, model_type)
+
+
+def check_model(model: str | None, gguf_file: str | None = None) -> ModelSource:
+    """Find the model and refuse one servelm cannot run, from its files alone (no torch, no transformers), so
+    the user gets one clear error before anything is loaded. Raises FileNotFoundError or ValueError."""
+    src = resolve_model(model, gguf_file)
+    if src.kind == "gguf":
+        with open(src.path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ValueError(f"{src.path} is not a GGUF file")
+        return src
+    config = hf_files.read_json(src.path / "config.json")
+    if config is None:
+        raise ValueError(f"{src.path / 'config.json'} is not a JSON object")
+    from types import SimpleNamespace
+
+    arch = architecture(SimpleNamespace(**config))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"model {str(src.path)!r} has architecture {arch!r}, which servelm does not support; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return src
+
 
 def converted_dir(path: Path) -> Path:
     """A cache folder holding the HF config and tokenizer that transformers derives from a GGUF file."""

@@ -6,9 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+from servelm.model.metadata import SUPPORTED_ARCHITECTURES, architecture
 
 
 @dataclass
@@ -30,8 +28,7 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config) -> ModelSpec:
-        archs = getattr(config, "architectures", None) or []
-        arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(config.model_type, config.model_type)
+        arch = architecture(config)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         act = getattr(config, "hidden_act", "silu")

@@ -58,10 +58,12 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def build_app(state: ServerState):
     """The FastAPI app wrapped in the gateway (request ids, body limit, keys, telemetry)."""
+    from servelm.server.docs import add_docs_routes
     from servelm.server.gateway import Gateway
     from servelm.server.ops import add_ops_routes
 
-    app = FastAPI(title="servelm", description="OpenAI-compatible LLM server")
+    app = FastAPI(title="servelm", description="OpenAI-compatible LLM server", docs_url=None, redoc_url=None)
+    add_docs_routes(app)  # Swagger UI and ReDoc with local assets: they work offline
     app.state.servelm = state
     engine, tok = state.engine, state.tokenizer
     metrics = state.metrics
@@ -74,6 +76,8 @@ def build_app(state: ServerState):
     async def _validation_error(_: Request, exc: RequestValidationError):
         errs = exc.errors()
         first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":  # the body itself: say what is wrong and where, not a field
+            return _error_response(APIError(400, p.json_error_message(first, exc.body)))
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
         msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', []) if x != 'body') or 'body'}: {e.get('msg')}"
                         for e in errs[:5])

@@ -14,6 +14,7 @@ import logging
 import multiprocessing
 import os
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -36,6 +37,14 @@ class EngineDeadError(RuntimeError):
     """The engine process died while the request was in flight."""
 
 
+class EngineStartError(RuntimeError):
+    """The engine process could not start; `input_error` when the model or config is at fault."""
+
+    def __init__(self, message: str, input_error: bool = False) -> None:
+        super().__init__(message)
+        self.input_error = input_error
+
+
 class RequestRejected(ValueError):
     """The engine refused the request (e.g. it can never fit the context)."""
 
@@ -54,9 +63,12 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, tokenizer=None, start_timeout: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, tokenizer=None, start_timeout: float = 600.0,
+                 progress_every_s: float = 15.0) -> None:
         self.config = config
-        self.start_timeout = start_timeout
+        self.start_timeout = start_timeout  # 0: no limit
+        self.progress_every_s = progress_every_s  # while starting, log what the engine is doing this often
+        self.phase, self._phase_since, self._launched = "starting the engine process", time.monotonic(), 0.0
         self.set_tokenizer(tokenizer)
         self.streams: dict[str, _Stream] = {}
         self.ready = False
@@ -75,7 +87,7 @@ class AsyncEngine:
         self._out = self._ctx.socket(zmq.PULL)
         self._out.bind(self._out_addr)
         self._ready_event = asyncio.Event()
-        self._fatal: str | None = None  # why the engine failed to start, if it did
+        self._fatal: m.Fatal | None = None  # why the engine failed to start, if it did
         self.on_step = None  # optional callback(StepOutputs, outputs) for metrics
         self.on_ready = None  # optional callback(Ready, restarted: bool)
         self.on_down = None  # optional callback() when the engine process dies
@@ -98,9 +110,9 @@ class AsyncEngine:
     def _spawn(self) -> None:
         self.ready = False
         self._ready_event.clear()
-        ctx = multiprocessing.get_context("spawn")
-        self._proc = ctx.Process(target=run_engine, args=(self.config, self._in_addr, self._out_addr),
-                                 name="servelm-engine", daemon=True)
+        self._set_phase("starting the engine process")
+        self._launched = time.monotonic()
+        self._proc = self._new_process()
         self._proc.start()
         logger.info("engine process started (pid %s)", self._proc.pid)
         proc = self._proc
@@ -115,13 +127,37 @@ class AsyncEngine:
             proc.join(1)  # exited: reap it (returns at once in practice)
             self._engine_died(proc)
 
+    def _new_process(self):
+        ctx = multiprocessing.get_context("spawn")
+        return ctx.Process(target=run_engine, args=(self.config, self._in_addr, self._out_addr),
+                           name="servelm-engine", daemon=True)
+
+    def _set_phase(self, phase: str) -> None:
+        self.phase, self._phase_since = phase, time.monotonic()
+
     async def wait_ready(self) -> None:
-        try:
-            await asyncio.wait_for(self._ready_event.wait(), self.start_timeout)
-        except asyncio.TimeoutError as e:
-            raise RuntimeError(f"the engine did not become ready within {self.start_timeout:.0f}s") from e
+        """Wait until the engine is ready, logging what it is doing every `progress_every_s` meanwhile; raise
+        EngineStartError if it fails or is not ready within `start_timeout` seconds (0: no limit)."""
+        while not self._ready_event.is_set():
+            now = time.monotonic()
+            left = self.start_timeout - (now - self._launched) if self.start_timeout > 0 else float("inf")
+            if left <= 0:
+                raise EngineStartError(
+                    f"the engine did not become ready within {self.start_timeout:g}s (it was {self.phase}, for "
+                    f"{now - self._phase_since:.0f}s); allow it longer with --engine-start-timeout-s "
+                    "(SERVELM_ENGINE_START_TIMEOUT_S; 0 waits without limit)")
+            try:
+                await asyncio.wait_for(self._ready_event.wait(), min(left, self.progress_every_s))
+            except asyncio.TimeoutError:
+                if time.monotonic() - self._launched >= self.start_timeout > 0:
+                    continue  # the check above raises
+                now = time.monotonic()
+                logger.info("engine still starting (pid %s): %s for %.0fs, %.0fs since launch%s", self.engine_pid,
+                            self.phase, now - self._phase_since, now - self._launched,
+                            f" (start timeout {self.start_timeout:g}s)" if self.start_timeout > 0 else "")
         if not self.ready:
-            raise RuntimeError(self._fatal or "the engine failed to start")
+            fatal = self._fatal or m.Fatal("the engine process exited before it was ready")
+            raise EngineStartError(fatal.message, fatal.input_error)
 
     async def shutdown(self) -> None:
         self._stopping = True
@@ -131,7 +167,8 @@ class AsyncEngine:
         if self._proc is not None and self._proc.is_alive():
             with contextlib.suppress(zmq.ZMQError):
                 await self._in.send(m.encoder.encode(m.Shutdown()), flags=zmq.NOBLOCK)
-            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10)
+            # A ready engine finishes its step and exits; one still loading reads no messages: kill it now.
+            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10 if self.ready else 0)
             if self._proc.is_alive():
                 self._proc.kill()
         for t in self._tasks:
@@ -192,9 +229,12 @@ class AsyncEngine:
                 if self.on_ready is not None:
                     self.on_ready(msg, self.restarts > 0)
                 logger.info("engine ready (pid %s, max_model_len %d)", msg.pid, msg.max_model_len)
+            elif isinstance(msg, m.Starting):
+                self._set_phase(msg.phase)
             elif isinstance(msg, m.Fatal):
-                self._fatal = msg.message
-                logger.error("engine failed to start: %s", msg.message)
+                self._fatal = msg
+                if self.restarts:  # else wait_ready() raises it to whoever is starting the server
+                    logger.error("engine failed to start: %s", msg.message)
             else:
                 self._on_step(msg)
 

@@ -27,6 +27,19 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
+def json_error_message(err: dict, doc) -> str:
+    """'the request body is not valid JSON: Expecting value at line 3 column 1 (char 31)', as json.loads
+    would place it (FastAPI reports only the character offset, as the error's location)."""
+    pos = next((x for x in err.get("loc", ()) if isinstance(x, int)), None)
+    what = (err.get("ctx") or {}).get("error") or "malformed"
+    if pos is None or not isinstance(doc, (str, bytes)):
+        return f"the request body is not valid JSON: {what}"
+    text = doc.decode(errors="replace") if isinstance(doc, bytes) else doc
+    line = text.count("\n", 0, pos) + 1
+    column = pos - text.rfind("\n", 0, pos)
+    return f"the request body is not valid JSON: {what} at line {line} column {column} (char {pos})"
+
+
 # A priority class by name, or its index (0 high, 1 normal, 2 low; lower is served first, as in vLLM).
 Priority = Literal["high", "normal", "low"] | Annotated[int, Field(ge=0, le=2)] | None
 
