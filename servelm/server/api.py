@@ -279,9 +279,12 @@ def build_app(state: ServerState):
     async def completions(req: p.CompletionRequest, request: Request):
         _check_model(req.model)
         prompts = _completion_prompts(req.prompt)
+        vocab = engine.info.vocab_size if engine.info else len(tok)
         for _, ids in prompts:
             if not ids:
                 raise APIError(400, "prompt must contain at least one token", "prompt")
+            if not all(0 <= t < vocab for t in ids):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
         base = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         plist = [_params(req, len(ids)) for _, ids in prompts]

@@ -27,6 +27,9 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
+INT64 = (-2**63, 2**63 - 1)  # OpenAI documents `seed` as an int64
+INT32_MAX = 2**31 - 1  # beyond any vocabulary or context: a cap that keeps counts well inside the engine's ints
+
 # A priority class by name, or its index (0 high, 1 normal, 2 low; lower is served first, as in vLLM).
 Priority = Literal["high", "normal", "low"] | Annotated[int, Field(ge=0, le=2)] | None
 
@@ -38,25 +41,25 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions, with OpenAI's ranges plus vLLM's extensions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=INT64[0], le=INT64[1])] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
@@ -77,7 +80,7 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = 16
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     suffix: str | None = None
@@ -105,8 +108,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
@@ -138,7 +141,7 @@ class DetokenizeRequest(BaseModel):
 
 class NativeGenerateRequest(BaseModel):
     prompt: str
-    max_tokens: Annotated[int, Field(ge=1)] = 128
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] = 128
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     stop_sequences: list[str] | None = None
