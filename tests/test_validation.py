@@ -54,3 +54,50 @@ def test_out_of_range_numbers_are_400_and_leak_nothing(server, path, body, param
     assert ok.status_code == 200, ok.text
     s = stats(server)
     assert s["engine"]["in_flight"] == 0 and s["queue"]["depth"] == 0 and s["engine"]["restarts"] == 0
+
+
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt.1"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', "messages.0.content"),
+    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     "messages.0.content.0.text"),
+    ("/v1/embeddings", b'{"input": ["\\ud800"]}', "input.0"),
+    ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"\\ud800": 1}}', "logit_bias.\ud800"),
+])
+def test_lone_surrogates_are_400(server, path, raw, param):
+    err = error(httpx.post(server + path, content=raw, headers={"content-type": "application/json"}))
+    assert err["param"] == param
+    assert err["code"] == "invalid_unicode"
+
+
+def test_a_valid_surrogate_pair_is_text(server):
+    r = httpx.post(server + "/tokenize", content=b'{"prompt": "\\ud83d\\ude00"}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["count"] >= 1
+
+
+def test_errors_keep_the_keep_alive_connection(server):
+    bad = b'{"prompt": "\\ud800", "max_tokens": 2}'
+    with httpx.Client(base_url=server, limits=httpx.Limits(max_connections=1)) as client:
+        for _ in range(20):
+            r = client.post("/v1/completions", content=bad, headers={"content-type": "application/json"})
+            assert r.status_code == 400
+            assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"max_num_seqs": 1e20}', "engine.max_num_seqs"),  # was a 500, yet GET showed it applied
+    (b'{"max_num_seqs": 18446744073709551616}', "engine.max_num_seqs"),
+    (b'{"queue_timeout_s": 1e400}', "admission.queue_timeout_s"),  # a float infinity
+    (b'{"max_num_seqs": 5, "default_priority": "urgent"}', "admission.default_priority"),
+    (b'{"\\ud800": 1}', "\ud800"),
+])
+def test_admin_patch_is_validated_and_all_or_nothing(server, raw, param):
+    before = httpx.get(server + "/admin/config", headers=ADMIN).json()["config"]
+    r = httpx.patch(server + "/admin/config", content=raw, headers=ADMIN)
+    assert error(r)["param"] == param
+    assert httpx.get(server + "/admin/config", headers=ADMIN).json()["config"] == before
+    ok = httpx.patch(server + "/admin/config", json={"max_num_seqs": 8}, headers=ADMIN)
+    assert ok.status_code == 200 and ok.json()["applied"] == {"engine.max_num_seqs": 8}

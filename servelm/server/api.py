@@ -11,9 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import StreamingResponse
 
 from servelm.outputs import RequestOutput
 from servelm.server import protocol as p
@@ -21,6 +19,7 @@ from servelm.server.admission import Admission
 from servelm.server.async_engine import AsyncEngine, EngineDeadError, QueueTimeout, RequestRejected
 from servelm.server.auth import KeyStore
 from servelm.server.embeddings import EmbedderDown
+from servelm.server.errors import install_error_handlers
 from servelm.server.metrics import Metrics
 from servelm.server.protocol import APIError
 from servelm.server.settings import ServeConfig
@@ -40,10 +39,6 @@ class ServerState:
     embedder: object | None = None
     embed_model_name: str | None = None
     created: int = 0
-
-
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def _sse(obj: dict | str) -> bytes:
@@ -66,23 +61,7 @@ def build_app(state: ServerState):
     engine, tok = state.engine, state.tokenizer
     metrics = state.metrics
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return _error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
-        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', []) if x != 'body') or 'body'}: {e.get('msg')}"
-                        for e in errs[:5])
-        return _error_response(APIError(400, msg or "invalid request", ".".join(loc) or None))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
-        message = {404: "not found", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
-        return _error_response(APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
+    install_error_handlers(app)
 
     # -- health ------------------------------------------------------------------------------------
     @app.get("/health")

@@ -258,8 +258,10 @@ class AsyncEngine:
         return sum(1 for s in self.streams.values() if not s.started)
 
     async def update_config(self, max_num_seqs: int, scheduling_policy: str, priority_aging_s: float) -> None:
-        """Change scheduler settings now, and for any engine restarted later."""
+        """Change scheduler settings now, and for any engine restarted later (nothing changes if they cannot be
+        sent)."""
+        message = m.encoder.encode(m.UpdateConfig(max_num_seqs, scheduling_policy, priority_aging_s))
         self.config = dataclasses.replace(self.config, max_num_seqs=max_num_seqs,
                                           scheduling_policy=scheduling_policy, priority_aging_s=priority_aging_s)
         if self.ready:
-            await self._in.send(m.encoder.encode(m.UpdateConfig(max_num_seqs, scheduling_policy, priority_aging_s)))
+            await self._in.send(message)

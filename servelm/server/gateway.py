@@ -7,6 +7,7 @@ pass through untouched.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
@@ -17,6 +18,7 @@ from servelm.server.auth import KeyStore, presented_key
 from servelm.server.protocol import APIError
 from servelm.server.telemetry import RequestRecord
 
+logger = logging.getLogger("servelm.server")
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", "/server/stats"})  # not logged or traced
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -70,6 +72,17 @@ class Gateway:
                 await _send_error(send_wrapped, error)
                 return
             await self.app(scope, _replay(body, receive), send_wrapped)
+        except Exception:
+            # A bug, not input. The app's catch-all already answered a JSON 500 and logged it; swallow the
+            # exception Starlette re-raises, or the server would reset a keep-alive connection. A response cut
+            # off mid-stream cannot be mended: that connection is closed.
+            if body_done:
+                return
+            if not response_started:
+                logger.exception("unhandled error in %s %s (request %s)", scope["method"], path, rid)
+                await _send_error(send_wrapped, APIError(500, "internal server error", code="internal_error"))
+                return
+            raise
         except BaseException:
             if not response_started:
                 rec.status = 500
@@ -161,7 +174,7 @@ def _replay(body: bytes, receive):
 async def _send_error(send, err: APIError) -> None:
     import json
 
-    body = json.dumps(err.body()).encode()
+    body = json.dumps(err.body()).encode()  # ASCII: a message quoting the input always encodes
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), str(v).encode()) for k, v in (err.headers or {}).items()]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from servelm.sampling_params import OutputKind, SamplingParams
 
@@ -34,11 +34,48 @@ INT32_MAX = 2**31 - 1  # beyond any vocabulary or context: a cap that keeps coun
 Priority = Literal["high", "normal", "low"] | Annotated[int, Field(ge=0, le=2)] | None
 
 
+def lone_surrogate(value: Any, path: tuple = ()) -> tuple | None:
+    """The path of the first string (or key) in a JSON value holding a lone UTF-16 surrogate (JSON's "\\ud800"
+    decodes to one; no tokenizer or encoder takes it), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            found = lone_surrogate(k, (*path, k)) or lone_surrogate(v, (*path, k))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = lone_surrogate(v, (*path, i))
+            if found is not None:
+                return found
+    return None
+
+
+class _Body(BaseModel):
+    """A request body: text must be valid Unicode."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        path = lone_surrogate(data)
+        if path is not None:
+            param = ".".join(str(x) for x in path)
+            raise APIError(400, f"{param or 'body'}: holds a lone UTF-16 surrogate (invalid Unicode)", param or None,
+                           "invalid_unicode")
+        return data
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Body):
     """Fields shared by completions and chat completions, with OpenAI's ranges plus vLLM's extensions."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -120,26 +157,26 @@ class ChatCompletionRequest(_SamplingFields):
         return self._params(self.max_completion_tokens or self.max_tokens, lp, default_max)
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(_Body):
     input: str | list[str]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
 
 
-class NativeGenerateRequest(BaseModel):
+class NativeGenerateRequest(_Body):
     prompt: str
     max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] = 128
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
@@ -154,5 +191,5 @@ class NativeChatRequest(NativeGenerateRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
 
 
-class NativeEmbeddingRequest(BaseModel):
+class NativeEmbeddingRequest(_Body):
     input: str | list[str]

@@ -1,0 +1,63 @@
+"""How every failure is answered: OpenAI's JSON error object with the right status, for the app's own errors,
+request validation, routing (404/405) and, as a last resort, any unexpected exception (a JSON 500 that keeps the
+connection usable)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from servelm.server.protocol import APIError
+
+logger = logging.getLogger("servelm.server")
+
+
+class ErrorResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message that quotes the input (even a lone surrogate) always
+    encodes."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return ErrorResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _validation_message(e: dict) -> tuple[str, str]:
+    """(param, message) of one pydantic error, in OpenAI's words where OpenAI has some."""
+    param = ".".join(str(x) for x in e.get("loc", []) if x != "body")
+    if e.get("type") == "extra_forbidden":
+        return param, f"unrecognized request argument supplied: {param}"
+    return param, f"{param or 'body'}: {e.get('msg')}"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        found = [_validation_message(e) for e in exc.errors()[:5]]
+        param = found[0][0] if found else ""
+        return error_response(APIError(400, "; ".join(m for _, m in found) or "invalid request", param or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        message = {404: "not found", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
+        return error_response(APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        # A bug, never an answer to input. Starlette re-raises after sending this; the gateway keeps the
+        # connection open (see Gateway.__call__).
+        rid = request.state.record.request_id if hasattr(request.state, "record") else None
+        logger.error("unhandled %s in %s %s (request %s)", type(exc).__name__, request.method, request.url.path,
+                     rid, exc_info=exc)
+        return error_response(APIError(500, "internal server error", code="internal_error"))
