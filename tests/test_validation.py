@@ -101,3 +101,75 @@ def test_admin_patch_is_validated_and_all_or_nothing(server, raw, param):
     assert httpx.get(server + "/admin/config", headers=ADMIN).json()["config"] == before
     ok = httpx.patch(server + "/admin/config", json={"max_num_seqs": 8}, headers=ADMIN)
     assert ok.status_code == 200 and ok.json()["applied"] == {"engine.max_num_seqs": 8}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    (CHAT, {"messages": MSGS, "stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
+    (CHAT, {"messages": [{"role": "tool", "tool_call_id": "c1"}]}, "messages.0.content"),
+    (CHAT, {"messages": [*MSGS, {"role": "user", "content": None}]}, "messages.1.content"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content.0.type"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages.0.content.0.text"),
+    ("/v1/completions", {"prompt": "hi", "temperature_typo": 0.5}, "temperature_typo"),
+    (CHAT, {"messages": MSGS, "max_token": 5}, "max_token"),
+    ("/v1/embeddings", {"input": "hi", "foo": 1}, "foo"),
+    ("/generate", {"prompt": "hi", "top_k": 3}, "top_k"),
+    ("/detokenize", {"tokens": [1], "skip": True}, "skip"),
+])
+def test_validation_gaps_are_400_naming_the_field(server, path, body, param):
+    assert error(httpx.post(server + path, json=body))["param"] == param
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (CHAT, {"messages": MSGS, "response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CHAT, {"messages": MSGS, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/completions", {"prompt": "hi", "suffix": " end"}, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "a+"}, "guided_regex"),
+    (CHAT, {"messages": MSGS, "guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/embeddings", {"input": "hi", "dimensions": 8}, "dimensions"),
+])
+def test_fields_not_implemented_yet_are_400_naming_them(server, path, body, param):
+    err = error(httpx.post(server + path, json=body))
+    assert err["param"] == param and err["code"] == "unsupported_parameter" and "not supported" in err["message"]
+
+
+@pytest.mark.parametrize("path, body", [  # values that change nothing, and the implemented extensions
+    (CHAT, {"messages": MSGS, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}),
+    (CHAT, {"messages": MSGS, "tools": None, "suffix": None, "stream_options": None, "store": False}),
+    ("/v1/completions", {"prompt": "hi", "suffix": "", "best_of": 1}),
+    ("/v1/completions", {"prompt": "hi", "ignore_eos": True, "min_tokens": 1, "include_stop_str_in_output": True,
+                         "skip_special_tokens": False, "priority": "low", "user": "u1", "top_k": 5, "min_p": 0.1,
+                         "repetition_penalty": 1.1, "stop_token_ids": [7], "seed": -5, "echo": True,
+                         "logprobs": 2, "logit_bias": {"7": -100}}),
+    (CHAT, {"messages": [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                         {"role": "user", "content": "hi", "name": "bob"},
+                         {"role": "assistant", "content": None}, {"role": "user", "content": "more"}],
+            "add_generation_prompt": True, "chat_template_kwargs": {}, "max_completion_tokens": 2,
+            "logprobs": True, "top_logprobs": 2, "stream": True, "stream_options": {"include_usage": True}}),
+    ("/generate", {"prompt": "hi", "stop_sequences": ["x"], "priority": 1}),
+])
+def test_what_servelm_implements_still_works(server, path, body):
+    r = httpx.post(server + path, json={"max_tokens": 2, **body})
+    assert r.status_code == 200, r.text
+
+
+def test_the_openai_sdk_still_works(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+    chat = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2, temperature=0, seed=3,
+                                          n=2, stop=["\n"], logprobs=True, top_logprobs=1, user="u",
+                                          presence_penalty=0.1, frequency_penalty=0.1, top_p=0.9,
+                                          max_completion_tokens=2, logit_bias={"7": 1})
+    assert len(chat.choices) == 2
+    text = client.completions.create(model="tiny", prompt="hi", max_tokens=2, echo=True, logprobs=1,
+                                     extra_body={"ignore_eos": True})
+    assert text.choices[0].text.startswith("hi")
+    assert len(client.embeddings.create(input=["a", "b"], model="all-MiniLM-L6-v2").data) == 2  # base64
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=MSGS, response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format"

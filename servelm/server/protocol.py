@@ -55,20 +55,59 @@ def lone_surrogate(value: Any, path: tuple = ()) -> tuple | None:
     return None
 
 
-class _Body(BaseModel):
-    """A request body: text must be valid Unicode."""
+# Fields of OpenAI's and vLLM's APIs that servelm does not implement yet, each with the values that change nothing
+# (always also null). Any other value is a 400 naming the field rather than a result that silently ignores it.
+# Shrink the list as features land; a field a request model defines is implemented and never refused here.
+NOT_SUPPORTED_YET: dict[str, tuple] = {
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),
+    "functions": ([],), "function_call": ("none",), "suffix": ("",), "best_of": (1,),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (), "structured_outputs": (), "logits_processors": (), "prompt_logprobs": (),
+    "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "verbosity": (),
+    "web_search_options": (), "store": (False,), "metadata": (), "service_tier": ("auto", "default"),
+    "dimensions": (),
+}
 
-    model_config = ConfigDict(allow_inf_nan=False)
+
+class _Body(BaseModel):
+    """A request body: valid Unicode, finite numbers, and no field servelm would silently ignore."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
+    def _screen(cls, data: Any) -> Any:
         path = lone_surrogate(data)
         if path is not None:
             param = ".".join(str(x) for x in path)
             raise APIError(400, f"{param or 'body'}: holds a lone UTF-16 surrogate (invalid Unicode)", param or None,
                            "invalid_unicode")
-        return data
+        if not isinstance(data, dict):
+            return data
+        noop = []
+        for name, value in data.items():
+            if name not in NOT_SUPPORTED_YET or name in cls.model_fields:
+                continue
+            if value is not None and value not in NOT_SUPPORTED_YET[name]:
+                raise APIError(400, f"'{name}' is not supported by this server yet", name, "unsupported_parameter")
+            noop.append(name)
+        return {k: v for k, v in data.items() if k not in noop} if noop else data
+
+
+def check_messages(messages: list[ChatMessage] | None) -> None:
+    """What OpenAI refuses in a conversation: content missing where it is required, a text part without text,
+    and (here) any part that is not text."""
+    for i, msg in enumerate(messages or []):
+        if msg.content is None and msg.role != "assistant":
+            raise APIError(400, f"messages.{i}.content: a {msg.role!r} message needs content",
+                           f"messages.{i}.content")
+        for j, part in enumerate(msg.content if isinstance(msg.content, list) else []):
+            where = f"messages.{i}.content.{j}"
+            if part.get("type") != "text":
+                raise APIError(400, f"{where}.type: content part type {part.get('type')!r} is not supported "
+                                    "(only 'text')", f"{where}.type")
+            if not isinstance(part.get("text"), str):
+                raise APIError(400, f"{where}.text: a text part needs 'text', a string", f"{where}.text")
 
 
 class StreamOptions(BaseModel):
@@ -77,8 +116,6 @@ class StreamOptions(BaseModel):
 
 class _SamplingFields(_Body):
     """Fields shared by completions and chat completions, with OpenAI's ranges plus vLLM's extensions."""
-
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
@@ -102,6 +139,12 @@ class _SamplingFields(_Body):
     user: str | None = None
     priority: Priority = None
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
+        return self
+
     def _params(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
@@ -120,7 +163,6 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = 16
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    suffix: str | None = None
 
     def sampling_params(self, default_max: int) -> SamplingParams:
         return self._params(self.max_tokens, self.logprobs, default_max)
@@ -133,13 +175,9 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # OpenAI content parts: only text is supported
-            parts = []
-            for p in self.content:
-                if p.get("type") != "text":
-                    raise APIError(400, f"content part type {p.get('type')!r} is not supported", "messages")
-                parts.append(p.get("text", ""))
-            return "".join(parts)
+        """The content as one string (parts are text: check_messages() refused any other)."""
+        if isinstance(self.content, list):
+            return "".join(p["text"] for p in self.content)
         return self.content or ""
 
 
@@ -151,6 +189,11 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _messages(self) -> ChatCompletionRequest:
+        check_messages(self.messages)
+        return self
 
     def sampling_params(self, default_max: int) -> SamplingParams:
         lp = (self.top_logprobs or 0) if self.logprobs else None
@@ -169,6 +212,11 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _messages(self) -> TokenizeRequest:
+        check_messages(self.messages)
+        return self
 
 
 class DetokenizeRequest(_Body):
@@ -189,6 +237,11 @@ class NativeGenerateRequest(_Body):
 class NativeChatRequest(NativeGenerateRequest):
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _messages(self) -> NativeChatRequest:
+        check_messages(self.messages)
+        return self
 
 
 class NativeEmbeddingRequest(_Body):
