@@ -48,8 +48,8 @@ def error(r: httpx.Response, status: int = 400) -> dict:
 def test_out_of_range_numbers_are_400_and_leak_nothing(server, path, body, param):
     for _ in range(6):  # more than the high watermark: a leaked slot per request would shed the next request
         err = error(httpx.post(server + path, json={"max_tokens": 2, **body}))
-        if param is not None:
-            assert err["param"] == param
+        if param is not None:  # the field, or the exact item in it
+            assert err["param"] == param or err["param"].startswith(param + ".")
     ok = httpx.post(server + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "seed": 2**63 - 1})
     assert ok.status_code == 200, ok.text
     s = stats(server)
@@ -173,3 +173,43 @@ def test_the_openai_sdk_still_works(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=MSGS, response_format={"type": "json_object"})
     assert e.value.body["param"] == "response_format"
+
+
+def test_chat_message_has_refusal_null(server):
+    r = httpx.post(server + CHAT, json={"messages": MSGS, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["refusal"] is None
+    with httpx.stream("POST", server + CHAT, json={"messages": MSGS, "max_tokens": 2, "stream": True}) as s:
+        first = next(line for line in s.iter_lines() if line.startswith("data: "))
+    assert '"refusal":null' in first
+
+
+@pytest.mark.parametrize("method, path, allow", [
+    ("TRACE", "/v1/completions", "POST"),
+    ("TRACE", "/admin/config", "GET, PATCH"),  # was 401 (and 403 with admin routes off)
+    ("CONNECT", "/v1/models", "GET"),
+    ("DELETE", "/v1/chat/completions", "POST"),
+])
+def test_unknown_methods_are_405(server, method, path, allow):
+    r = httpx.request(method, server + path)
+    error(r, 405)
+    assert r.headers["allow"] == allow
+
+
+def test_openapi_lists_real_statuses_and_bounds(server):
+    doc = httpx.get(server + "/openapi.json").json()
+    assert "422" not in str(doc) and "HTTPValidationError" not in doc["components"]["schemas"]
+    err = {"$ref": "#/components/schemas/Error"}
+    for path, status in [("/v1/completions", {"200", "400", "401", "403", "404", "408", "413", "429", "503"}),
+                         ("/v1/embeddings", {"200", "400", "401", "403", "404", "413", "429", "503"})]:
+        responses = doc["paths"][path]["post"]["responses"]
+        assert set(responses) == status
+        assert all(responses[s]["content"]["application/json"]["schema"] == err for s in status - {"200"})
+    assert set(doc["paths"]["/ready"]["get"]["responses"]) == {"200", "413", "503"}
+    assert set(doc["components"]["schemas"]["Error"]["properties"]["error"]["required"]) == {
+        "message", "type", "param", "code"}
+    schemas = doc["components"]["schemas"]
+    prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    assert {"type": "string", "minLength": 1} in prompt  # "" is refused, so the document does not offer it
+    ids = next(s for s in prompt if s.get("x-token-ids"))
+    assert ids["minItems"] == 1 and ids["items"]["maximum"] == VOCAB - 1 and ids["items"]["minimum"] == 0
+    assert {"type": "string", "minLength": 1} in schemas["EmbeddingRequest"]["properties"]["input"]["anyOf"]

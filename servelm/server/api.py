@@ -21,6 +21,7 @@ from servelm.server.auth import KeyStore
 from servelm.server.embeddings import EmbedderDown
 from servelm.server.errors import install_error_handlers
 from servelm.server.metrics import Metrics
+from servelm.server.openapi import install_openapi
 from servelm.server.protocol import APIError
 from servelm.server.settings import ServeConfig
 from servelm.server.telemetry import RequestRecord, Telemetry
@@ -62,6 +63,7 @@ def build_app(state: ServerState):
     metrics = state.metrics
 
     install_error_handlers(app)
+    install_openapi(app, lambda: engine.info.vocab_size if engine.info else None)
 
     # -- health ------------------------------------------------------------------------------------
     @app.get("/health")
@@ -353,7 +355,7 @@ def build_app(state: ServerState):
                 try:
                     for j in range(req.n):
                         yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                                    "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                    "choices": [{"index": j, "delta": {"role": "assistant", "content": "", "refusal": None},
                                                  "logprobs": None, "finish_reason": None}]})
                     async for out in head:
                         for c in out.outputs:
@@ -380,7 +382,7 @@ def build_app(state: ServerState):
         for j in sorted(final):
             acc = final[j]
             completion_tokens += len(acc["token_ids"])
-            choices.append({"index": j, "message": {"role": "assistant", "content": acc["text"]},
+            choices.append({"index": j, "message": {"role": "assistant", "content": acc["text"], "refusal": None},
                             "logprobs": _logprobs_chat(acc["token_ids"], acc["logprobs"], req.top_logprobs or 0) if req.logprobs else None,
                             "finish_reason": acc["finish"], "stop_reason": acc["stop_reason"]})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,

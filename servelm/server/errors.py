@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,9 +30,23 @@ def error_response(err: APIError) -> JSONResponse:
     return ErrorResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
+_UNION_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|[a-z]+-[a-z\-]+)(\[.*\])?$|^[a-z]+\[.*\]$")
+
+
+def _loc(e: dict) -> list:
+    """An error's location without "body" and without the union-member labels pydantic puts in it."""
+    return [x for x in e.get("loc", []) if x != "body" and not (isinstance(x, str) and _UNION_TAG.match(x))]
+
+
+def _best(errors: list[dict]) -> dict:
+    """The error that says most: a broken constraint before a wrong type (a union reports one error per member,
+    most of them "not this type"), then the deepest location."""
+    return max(errors, key=lambda e: (not e.get("type", "").endswith("_type"), len(_loc(e))))
+
+
 def _validation_message(e: dict) -> tuple[str, str]:
     """(param, message) of one pydantic error, in OpenAI's words where OpenAI has some."""
-    param = ".".join(str(x) for x in e.get("loc", []) if x != "body")
+    param = ".".join(str(x) for x in _loc(e))
     if e.get("type") == "extra_forbidden":
         return param, f"unrecognized request argument supplied: {param}"
     return param, f"{param or 'body'}: {e.get('msg')}"
@@ -44,9 +59,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):
-        found = [_validation_message(e) for e in exc.errors()[:5]]
-        param = found[0][0] if found else ""
-        return error_response(APIError(400, "; ".join(m for _, m in found) or "invalid request", param or None))
+        errors = list(exc.errors())
+        if not errors:
+            return error_response(APIError(400, "invalid request"))
+        param, message = _validation_message(_best(errors))
+        return error_response(APIError(400, message, param or None))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException):

@@ -13,6 +13,7 @@ import time
 import uuid
 
 from starlette.datastructures import Headers
+from starlette.routing import Match
 
 from servelm.server.auth import KeyStore, presented_key
 from servelm.server.protocol import APIError
@@ -64,7 +65,7 @@ class Gateway:
                 self._finish(rec)
 
         try:
-            error = self._check(scope, headers, rec)
+            error = self._method_not_allowed(scope) or self._check(scope, headers, rec)
             body = b""
             if error is None:
                 body, error = await _read_body(receive, headers, st.config.server.max_request_body_bytes)
@@ -92,6 +93,20 @@ class Gateway:
                 if response_started or rec.status == 200:
                     rec.status = 499  # the client went away before the response was complete
                 self._finish(rec)
+
+    def _method_not_allowed(self, scope) -> APIError | None:
+        """405 for a method no route at this path takes (TRACE, CONNECT, ...), before keys are asked for: which
+        methods a route takes is no secret, and a 401/403 would tell the client the wrong thing to fix."""
+        allowed: set[str] = set()
+        for route in getattr(self.app, "routes", ()):
+            match, _ = route.matches(scope)
+            if match == Match.FULL:
+                return None
+            if match == Match.PARTIAL:
+                allowed |= getattr(route, "methods", None) or set()
+        if not allowed:
+            return None  # no such path: the app answers 404 (after the key check)
+        return APIError(405, "method not allowed", headers={"Allow": ", ".join(sorted(allowed))})
 
     def _check(self, scope, headers: Headers, rec: RequestRecord) -> APIError | None:
         """Authenticate: None when the request may proceed."""

@@ -30,6 +30,14 @@ class APIError(Exception):
 INT64 = (-2**63, 2**63 - 1)  # OpenAI documents `seed` as an int64
 INT32_MAX = 2**31 - 1  # beyond any vocabulary or context: a cap that keeps counts well inside the engine's ints
 
+# Strings and lists the server refuses when empty say so in the schema (and so in /openapi.json).
+Text = Annotated[str, Field(min_length=1)]
+Texts = Annotated[list[Text], Field(min_length=1)]
+# Token ids: the vocabulary bound is added to /openapi.json once the model is known (see openapi.py).
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]],
+                     Field(min_length=1, json_schema_extra={"x-token-ids": True})]
+Stop = Text | list[Text] | None
+
 # A priority class by name, or its index (0 high, 1 normal, 2 low; lower is served first, as in vLLM).
 Priority = Literal["high", "normal", "low"] | Annotated[int, Field(ge=0, le=2)] | None
 
@@ -127,7 +135,7 @@ class _SamplingFields(_Body):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     seed: Annotated[int, Field(ge=INT64[0], le=INT64[1])] | None = None
-    stop: str | list[str] | None = None
+    stop: Stop = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     stream: bool = False
@@ -159,7 +167,7 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | Texts | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = 16
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -201,7 +209,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class EmbeddingRequest(_Body):
-    input: str | list[str]
+    input: Text | Texts
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
@@ -221,15 +229,15 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(json_schema_extra={"x-token-ids": True})]
 
 
 class NativeGenerateRequest(_Body):
-    prompt: str
+    prompt: Text
     max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] = 128
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[Text] | None = None
     stream: bool = False
     priority: Priority = None
 
@@ -245,4 +253,4 @@ class NativeChatRequest(NativeGenerateRequest):
 
 
 class NativeEmbeddingRequest(_Body):
-    input: str | list[str]
+    input: Text | Texts
