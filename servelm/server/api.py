@@ -11,9 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import StreamingResponse
 
 from servelm.outputs import RequestOutput
 from servelm.server import protocol as p
@@ -21,7 +19,9 @@ from servelm.server.admission import Admission
 from servelm.server.async_engine import AsyncEngine, EngineDeadError, QueueTimeout, RequestRejected
 from servelm.server.auth import KeyStore
 from servelm.server.embeddings import EmbedderDown
+from servelm.server.errors import install_error_handlers
 from servelm.server.metrics import Metrics
+from servelm.server.openapi import install_openapi
 from servelm.server.protocol import APIError
 from servelm.server.settings import ServeConfig
 from servelm.server.telemetry import RequestRecord, Telemetry
@@ -40,10 +40,6 @@ class ServerState:
     embedder: object | None = None
     embed_model_name: str | None = None
     created: int = 0
-
-
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def _sse(obj: dict | str) -> bytes:
@@ -68,25 +64,8 @@ def build_app(state: ServerState):
     engine, tok = state.engine, state.tokenizer
     metrics = state.metrics
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return _error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        if first.get("type") == "json_invalid":  # the body itself: say what is wrong and where, not a field
-            return _error_response(APIError(400, p.json_error_message(first, exc.body)))
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
-        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', []) if x != 'body') or 'body'}: {e.get('msg')}"
-                        for e in errs[:5])
-        return _error_response(APIError(400, msg or "invalid request", ".".join(loc) or None))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
-        message = {404: "not found", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
-        return _error_response(APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
+    install_error_handlers(app)
+    install_openapi(app, lambda: engine.info.vocab_size if engine.info else None)
 
     # -- health ------------------------------------------------------------------------------------
     @app.get("/health")
@@ -286,9 +265,12 @@ def build_app(state: ServerState):
     async def completions(req: p.CompletionRequest, request: Request):
         _check_model(req.model)
         prompts = _completion_prompts(req.prompt)
+        vocab = engine.info.vocab_size if engine.info else len(tok)
         for _, ids in prompts:
             if not ids:
                 raise APIError(400, "prompt must contain at least one token", "prompt")
+            if not all(0 <= t < vocab for t in ids):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
         base = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         plist = [_params(req, len(ids)) for _, ids in prompts]
@@ -378,7 +360,7 @@ def build_app(state: ServerState):
                 try:
                     for j in range(req.n):
                         yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                                    "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                    "choices": [{"index": j, "delta": {"role": "assistant", "content": "", "refusal": None},
                                                  "logprobs": None, "finish_reason": None}]})
                     async for out in head:
                         for c in out.outputs:
@@ -405,7 +387,7 @@ def build_app(state: ServerState):
         for j in sorted(final):
             acc = final[j]
             completion_tokens += len(acc["token_ids"])
-            choices.append({"index": j, "message": {"role": "assistant", "content": acc["text"]},
+            choices.append({"index": j, "message": {"role": "assistant", "content": acc["text"], "refusal": None},
                             "logprobs": _logprobs_chat(acc["token_ids"], acc["logprobs"], req.top_logprobs or 0) if req.logprobs else None,
                             "finish_reason": acc["finish"], "stop_reason": acc["stop_reason"]})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,

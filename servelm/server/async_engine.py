@@ -273,11 +273,18 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not ready")
         if request_id in self.streams:
             raise RequestRejected(f"request id {request_id!r} is already in use")
+        try:  # encode before registering: a value the wire cannot carry is the caller's input, and leaks nothing
+            message = m.encoder.encode(m.AddRequest(request_id, prompt_token_ids, params, priority))
+        except (OverflowError, TypeError, ValueError) as e:
+            raise RequestRejected(f"the request holds a value out of range: {e}") from e
         stream = _Stream(asyncio.Queue(), samples=params.n)
+        # Registration and release are one guarded unit: from here on, every exit (error, cancellation, a client
+        # that leaves, the iterator closed early) goes through the finally, which frees the stream, the output
+        # state and, via Abort, the engine's queue slot and KV blocks.
         self.streams[request_id] = stream
-        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
-        await self._in.send(m.encoder.encode(m.AddRequest(request_id, prompt_token_ids, params, priority)))
         try:
+            self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+            await self._in.send(message)
             while True:
                 if stream.started or queue_timeout is None:
                     item = await stream.queue.get()
@@ -300,7 +307,11 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         if self.streams.pop(request_id, None) is None:
             return
-        self.output_processor.abort(request_id)
+        try:
+            self.output_processor.abort(request_id)
+        except Exception:  # its detokenizer state may be what failed; the slot is free either way
+            self.output_processor.states.pop(request_id, None)
+            logger.exception("dropping the output state of request %s failed", request_id)
         if self.ready:
             await self._in.send(m.encoder.encode(m.Abort([request_id])))
         logger.info("aborted request %s", request_id)
@@ -325,8 +336,10 @@ class AsyncEngine:
         return sum(1 for s in self.streams.values() if not s.started)
 
     async def update_config(self, max_num_seqs: int, scheduling_policy: str, priority_aging_s: float) -> None:
-        """Change scheduler settings now, and for any engine restarted later."""
+        """Change scheduler settings now, and for any engine restarted later (nothing changes if they cannot be
+        sent)."""
+        message = m.encoder.encode(m.UpdateConfig(max_num_seqs, scheduling_policy, priority_aging_s))
         self.config = dataclasses.replace(self.config, max_num_seqs=max_num_seqs,
                                           scheduling_policy=scheduling_policy, priority_aging_s=priority_aging_s)
         if self.ready:
-            await self._in.send(m.encoder.encode(m.UpdateConfig(max_num_seqs, scheduling_policy, priority_aging_s)))
+            await self._in.send(message)

@@ -13,6 +13,7 @@ import time
 import uuid
 
 from starlette.datastructures import Headers
+from starlette.routing import Match
 
 from servelm.server.auth import KeyStore, presented_key
 from servelm.server.protocol import APIError
@@ -67,7 +68,7 @@ class Gateway:
                 self._finish(rec)
 
         try:
-            error = self._check(scope, headers, rec)
+            error = self._method_not_allowed(scope) or self._check(scope, headers, rec)
             body = b""
             if error is None:
                 body, error = await _read_body(receive, headers, st.config.server.max_request_body_bytes)
@@ -75,6 +76,17 @@ class Gateway:
                 await _send_error(send_wrapped, error)
                 return
             await self.app(scope, _replay(body, receive), send_wrapped)
+        except Exception:
+            # A bug, not input. The app's catch-all already answered a JSON 500 and logged it; swallow the
+            # exception Starlette re-raises, or the server would reset a keep-alive connection. A response cut
+            # off mid-stream cannot be mended: that connection is closed.
+            if body_done:
+                return
+            if not response_started:
+                logger.exception("unhandled error in %s %s (request %s)", scope["method"], path, rid)
+                await _send_error(send_wrapped, APIError(500, "internal server error", code="internal_error"))
+                return
+            raise
         except BaseException:
             if not response_started:
                 rec.status = 500
@@ -84,6 +96,20 @@ class Gateway:
                 if response_started or rec.status == 200:
                     rec.status = 499  # the client went away before the response was complete
                 self._finish(rec)
+
+    def _method_not_allowed(self, scope) -> APIError | None:
+        """405 for a method no route at this path takes (TRACE, CONNECT, ...), before keys are asked for: which
+        methods a route takes is no secret, and a 401/403 would tell the client the wrong thing to fix."""
+        allowed: set[str] = set()
+        for route in getattr(self.app, "routes", ()):
+            match, _ = route.matches(scope)
+            if match == Match.FULL:
+                return None
+            if match == Match.PARTIAL:
+                allowed |= getattr(route, "methods", None) or set()
+        if not allowed:
+            return None  # no such path: the app answers 404 (after the key check)
+        return APIError(405, "method not allowed", headers={"Allow": ", ".join(sorted(allowed))})
 
     def _check(self, scope, headers: Headers, rec: RequestRecord) -> APIError | None:
         """Authenticate: None when the request may proceed."""
@@ -192,7 +218,7 @@ def _replay(body: bytes, receive):
 async def _send_error(send, err: APIError) -> None:
     import json
 
-    body = json.dumps(err.body()).encode()
+    body = json.dumps(err.body()).encode()  # ASCII: a message quoting the input always encodes
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), str(v).encode()) for k, v in (err.headers or {}).items()]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})

@@ -60,11 +60,17 @@ def add_ops_routes(app: FastAPI, state) -> None:
             raise APIError(400, "body must be a JSON object of settings to change") from e
         if not isinstance(changes, dict) or not changes:
             raise APIError(400, "body must be a non-empty JSON object of settings to change")
+        before = (dataclasses.replace(state.config.engine), dataclasses.replace(state.config.admission),
+                  dict(state.config.sources))
         try:
             applied = state.config.patch(changes)
         except ConfigError as e:
             raise APIError(400, str(e), e.key, "invalid_config") from e
         if any(k.startswith("engine.") for k in applied):
             e = state.config.engine
-            await engine.update_config(e.max_num_seqs, e.scheduling_policy, e.priority_aging_s)
+            try:
+                await engine.update_config(e.max_num_seqs, e.scheduling_policy, e.priority_aging_s)
+            except Exception:  # all or nothing: what GET shows is what the engine runs with
+                state.config.engine, state.config.admission, state.config.sources = before
+                raise
         return {"applied": applied, "config": state.config.describe()}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import typing
 from dataclasses import dataclass
@@ -287,14 +288,18 @@ def _coerce(key: str, value, tp, source: str = "runtime"):
         if base is int:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
+            if not -2**63 <= int(value) < 2**63:  # what the engine's messages (and any sane setting) hold
+                raise ConfigError(key, value, f"an integer in [-2**63, 2**63) (from {source})")
             return int(value)
         if base is float:
-            if isinstance(value, bool):
+            if isinstance(value, bool) or not math.isfinite(float(value)):
                 raise ValueError
             return float(value)
         return str(value)
-    except (TypeError, ValueError):
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(float("inf"))
         raise ConfigError(key, value, f"{_TYPE_NAMES[base]} (from {source})") from None
 
 
-_TYPE_NAMES = {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string"}
+_TYPE_NAMES = {bool: "a boolean (true/false)", int: "an integer", float: "a finite number", str: "a string"}
