@@ -43,7 +43,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     cpu_block_table: list[int] = field(default_factory=list)  # while SWAPPED
-    block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash chain of its full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hash chain of its full blocks
     num_registered_blocks: int = 0  # leading blocks already entered in the prefix cache
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
@@ -92,6 +92,7 @@ class Request:
     order: int = 0  # arrival counter, a tie-breaker for equal arrival times
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # True once the n samples exist (after the prompt's first token)
+    cache_salt: str | None = None  # prefix-cache namespace: requests share cached blocks only within one salt
 
     @property
     def num_prompt_tokens(self) -> int:

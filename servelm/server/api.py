@@ -141,8 +141,20 @@ def build_app(state: ServerState):
         cost = rec.prompt_tokens + sum((sp.max_tokens or 0) * sp.n for sp in params)
         return state.admission.admit(rec, state.model_name, cost, getattr(req, "priority", None))
 
+    def _cache_salt(request: Request, req) -> str | None:
+        """The prefix-cache namespace of a request: its API key's (under isolation "key") and its own
+        cache_salt. The key's part comes first and is fixed-length, so no chosen salt can name another
+        key's namespace."""
+        parts = []
+        key = _record(request).api_key
+        if state.config.server.prefix_cache_isolation == "key" and key is not None:
+            parts.append("key:" + key.digest.hex())
+        if getattr(req, "cache_salt", None):
+            parts.append("salt:" + req.cache_salt)
+        return "/".join(parts) or None
+
     async def _stream_outputs(rec: RequestRecord, rid: str, ids: list[int], params, prompt: str | None,
-                              priority: int) -> AsyncIterator[RequestOutput]:
+                              priority: int, salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Engine outputs for one request, recorded for metrics, logs and traces; a client that goes away
         aborts it."""
         submitted = time.monotonic()
@@ -150,7 +162,7 @@ def build_app(state: ServerState):
         first = last = None
         n_out = 0
         try:
-            gen = engine.generate(rid, ids, params, prompt, priority, state.config.admission.queue_timeout_s)
+            gen = engine.generate(rid, ids, params, prompt, priority, state.config.admission.queue_timeout_s, salt)
             async for out in gen:
                 now = time.monotonic()
                 new = sum(len(c.token_ids) for c in out.outputs)
@@ -287,7 +299,9 @@ def build_app(state: ServerState):
         plist = [_params(req, len(ids)) for _, ids in prompts]
         prio = _admit(request, req, [ids for _, ids in prompts], plist)
         _log_prompt(request, [text if text is not None else ids for text, ids in prompts])
-        jobs = [(f"{base}-{i}", ids, sp, text, prio) for i, ((text, ids), sp) in enumerate(zip(prompts, plist, strict=True))]
+        salt = _cache_salt(request, req)
+        jobs = [(f"{base}-{i}", ids, sp, text, prio, salt)
+                for i, ((text, ids), sp) in enumerate(zip(prompts, plist, strict=True))]
         model = state.model_name
         n = req.n
 
@@ -297,7 +311,7 @@ def build_app(state: ServerState):
             async def events():
                 completion_tokens = 0
                 try:
-                    for i, (_, ids, _, text, _) in enumerate(jobs):
+                    for i, (_, ids, _, text, _, _) in enumerate(jobs):
                         if req.echo:
                             for j in range(n):
                                 yield _sse({"id": base, "object": "text_completion", "created": created,
@@ -328,7 +342,7 @@ def build_app(state: ServerState):
 
         results = await _collect(request, jobs)
         choices, completion_tokens = [], 0
-        for i, (final, (_, ids, _, text, _)) in enumerate(zip(results, jobs, strict=True)):
+        for i, (final, (_, ids, _, text, _, _)) in enumerate(zip(results, jobs, strict=True)):
             for j in sorted(final):
                 acc = final[j]
                 completion_tokens += len(acc["token_ids"])
@@ -361,7 +375,7 @@ def build_app(state: ServerState):
         _log_prompt(request, [m.text() for m in req.messages])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created, model = int(time.time()), state.model_name
-        job = (rid, ids, params, None, prio)
+        job = (rid, ids, params, None, prio, _cache_salt(request, req))
 
         if req.stream:
             head = await _open(request, job)
@@ -432,7 +446,7 @@ def build_app(state: ServerState):
         prio = _admit(request, body, [ids], [params])
         _log_prompt(request, [prompt if prompt is not None else ids])
         rid = f"gen-{uuid.uuid4().hex}"
-        job = (rid, ids, params, prompt, prio)
+        job = (rid, ids, params, prompt, prio, _cache_salt(request, body))
 
         def reason(c) -> str | None:
             if c.finish_reason == "stop" and isinstance(c.stop_reason, str):

@@ -194,10 +194,12 @@ class AsyncEngine:
     # -- requests ----------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None, priority: int = 1,
-                       queue_timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+                       queue_timeout: float | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; closing the iterator early aborts it in the engine.
 
         With queue_timeout, a request with no output after that many seconds is aborted (QueueTimeout).
+        `cache_salt`: the request shares prefix-cache blocks only with requests of the same salt.
         """
         if not self.ready:
             raise EngineDeadError("the engine is not ready")
@@ -206,7 +208,8 @@ class AsyncEngine:
         stream = _Stream(asyncio.Queue())
         self.streams[request_id] = stream
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
-        await self._in.send(m.encoder.encode(m.AddRequest(request_id, prompt_token_ids, params, priority)))
+        await self._in.send(m.encoder.encode(m.AddRequest(request_id, prompt_token_ids, params, priority,
+                                                          cache_salt)))
         try:
             while True:
                 if stream.started or queue_timeout is None:

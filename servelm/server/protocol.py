@@ -61,6 +61,9 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     user: str | None = None
     priority: Priority = None
+    # vLLM's field: requests share prefix-cache blocks only with requests of the same salt (and, under
+    # --prefix-cache-isolation key, of the same API key)
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     def _params(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
         return SamplingParams(
