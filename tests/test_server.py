@@ -110,7 +110,11 @@ def test_n2_stop_seed_logprobs(client, offline):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
                                           temperature=0, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
-    assert len(content) == len(chat.choices[0].message.content and content) and len(content[0].top_logprobs) == 2
+    assert len(content) == chat.usage.completion_tokens == 3  # one entry per generated token
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert c.logprob <= 0 and c.logprob == c.top_logprobs[0].logprob  # greedy: the chosen token is the top one
 
 
 def test_completion_prompt_forms_and_echo(client):
