@@ -126,6 +126,48 @@ def test_completion_prompt_forms_and_echo(client):
     assert echo.choices[0].text.startswith("Hello there")
 
 
+def _hf_logprobs(model, ids: list[int]):
+    import torch
+
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_echo_with_logprobs_returns_the_prompt_tokens(server, client, hf_models, tokenizer):
+    """What lm-evaluation-harness's loglikelihood tasks send: the prompt's tokens come back with their
+    logprobs (the first None), for text and token-id prompts, also with max_tokens 0."""
+    text = "The capital of France is"
+    ids = httpx.post(server + "/tokenize", json={"prompt": text}).json()["tokens"]
+    ref = _hf_logprobs(hf_models["llama"], ids)
+    res = client.completions.create(model="tiny", prompt=text, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    lp = res.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1 and res.choices[0].text.startswith(text)
+    assert lp.tokens[:len(ids)] == [tokenizer.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for j in range(1, len(ids)):
+        assert lp.token_logprobs[j] == pytest.approx(float(ref[j - 1, ids[j]]), abs=1e-4)
+        best = int(ref[j - 1].argmax())
+        assert lp.top_logprobs[j][tokenizer.decode([best])] == pytest.approx(float(ref[j - 1, best]), abs=1e-4)
+    assert lp.text_offset[:3] == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
+    # token ids and max_tokens 0: only the prompt, scored; nothing generated
+    scored = client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=0, max_tokens=0)
+    c = scored.choices[0]
+    assert c.text == tokenizer.decode(ids) and c.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+    assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) == len(ids)
+    assert c.logprobs.token_logprobs[1:] == pytest.approx([float(ref[j - 1, ids[j]]) for j in range(1, len(ids))],
+                                                          abs=1e-4)
+    # streamed: the echo chunk carries the prompt's logprobs, and max_tokens 0 adds no text
+    chunks = list(client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=0, max_tokens=0,
+                                            stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == tokenizer.decode(ids)
+    assert chunks[0].choices[0].logprobs.token_logprobs == c.logprobs.token_logprobs
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # max_tokens 0 without echo generates nothing and scores nothing: refused
+    r = httpx.post(server + "/v1/completions", json={"prompt": text, "max_tokens": 0})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+
+
 def test_tokenize_detokenize_native(server):
     ids = httpx.post(server + "/tokenize", json={"prompt": "Hello world"}).json()
     assert ids["count"] == len(ids["tokens"]) and ids["max_model_len"] == 512

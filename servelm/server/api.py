@@ -233,6 +233,8 @@ def build_app(state: ServerState):
                     acc["token_ids"] += c.token_ids
                     acc["logprobs"] += c.logprobs or []
                     acc["finish"], acc["stop_reason"] = c.finish_reason or acc["finish"], c.stop_reason
+                    if out.prompt_logprobs is not None:
+                        acc["prompt_logprobs"] = out.prompt_logprobs
             return final
 
         tasks = [asyncio.create_task(one(j)) for j in jobs]
@@ -275,6 +277,29 @@ def build_app(state: ServerState):
             offset += len(lp.decoded_token or "")
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
+    def _echo_logprobs(ids: list[int], entries: list | None) -> dict:
+        """The prompt's part of an echoed completion's logprobs: its tokens, their logprobs (None for the
+        first, which nothing predicts), the top alternatives and text offsets from 0."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = 0
+        for j, tid in enumerate(ids):
+            pos = entries[j] if entries is not None and j < len(entries) else None
+            lp = pos[tid] if pos is not None else None
+            text = lp.decoded_token if lp is not None else tok.decode([tid])
+            tokens.append(text)
+            token_lps.append(lp.logprob if lp is not None else None)
+            tops.append({v.decoded_token: v.logprob for v in pos.values()} if pos is not None else None)
+            offsets.append(offset)
+            offset += len(text or "")
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _completion_logprobs(ids: list[int], acc: dict, echo: bool, offset: int) -> dict:
+        gen = _logprobs_completion(acc["token_ids"], acc["logprobs"], offset)
+        if not echo:
+            return gen
+        head = _echo_logprobs(ids, acc.get("prompt_logprobs"))
+        return {k: head[k] + gen[k] for k in gen}
+
     # -- completions -------------------------------------------------------------------------------
     def _completion_prompts(prompt) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str):
@@ -308,28 +333,42 @@ def build_app(state: ServerState):
         if req.stream:
             head = await _open(request, jobs[0])
 
+            echoed: set[int] = set()
+
+            def choices_of(i: int, out: RequestOutput) -> list[dict]:
+                """The chunk choices one engine output of prompt i makes: the echoed prompt first (with its
+                logprobs, which come with the first output), then each sample's new text."""
+                _, ids, _, text, _, _ = jobs[i]
+                choices = []
+                if req.echo and i not in echoed:
+                    echoed.add(i)
+                    lp = _echo_logprobs(ids, out.prompt_logprobs) if req.logprobs is not None else None
+                    choices += [{"index": i * n + j, "text": text if text is not None else tok.decode(ids),
+                                 "logprobs": lp, "finish_reason": None} for j in range(n)]
+                for c in out.outputs:
+                    if req.max_tokens == 0:  # echo only: the token the engine ran is not part of the answer
+                        if c.finish_reason:
+                            choices.append({"index": i * n + c.index, "text": "", "logprobs": None,
+                                            "finish_reason": "length", "stop_reason": None})
+                        continue
+                    if c.text or c.finish_reason:
+                        choices.append({"index": i * n + c.index, "text": c.text,
+                                        "logprobs": _logprobs_completion(c.token_ids, c.logprobs, 0)
+                                        if c.logprobs else None,
+                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                return choices
+
             async def events():
                 completion_tokens = 0
                 try:
-                    for i, (_, ids, _, text, _, _) in enumerate(jobs):
-                        if req.echo:
-                            for j in range(n):
-                                yield _sse({"id": base, "object": "text_completion", "created": created,
-                                            "model": model, "choices": [{"index": i * n + j,
-                                            "text": text if text is not None else tok.decode(ids),
-                                            "logprobs": None, "finish_reason": None}]})
+                    for i in range(len(jobs)):
                         outs = head if i == 0 else _stream_outputs(_record(request), *jobs[i])
                         async for out in outs:
-                            for c in out.outputs:
-                                completion_tokens += len(c.token_ids)
-                                if not (c.text or c.finish_reason):
-                                    continue
+                            if req.max_tokens != 0:
+                                completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+                            for choice in choices_of(i, out):
                                 yield _sse({"id": base, "object": "text_completion", "created": created,
-                                            "model": model, "choices": [{
-                                                "index": i * n + c.index, "text": c.text,
-                                                "logprobs": _logprobs_completion(c.token_ids, c.logprobs, 0)
-                                                if c.logprobs else None,
-                                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                                            "model": model, "choices": [choice]})
                     if req.stream_options and req.stream_options.include_usage:
                         prompt_tokens = sum(len(j[1]) for j in jobs)
                         yield _sse({"id": base, "object": "text_completion", "created": created, "model": model,
@@ -345,10 +384,12 @@ def build_app(state: ServerState):
         for i, (final, (_, ids, _, text, _, _)) in enumerate(zip(results, jobs, strict=True)):
             for j in sorted(final):
                 acc = final[j]
+                if req.max_tokens == 0:  # echo only: the one token the engine ran is not part of the answer
+                    acc.update(text="", token_ids=[], logprobs=[], finish="length", stop_reason=None)
                 completion_tokens += len(acc["token_ids"])
                 prefix = (text if text is not None else tok.decode(ids)) if req.echo else ""
                 choices.append({"index": i * n + j, "text": prefix + acc["text"],
-                                "logprobs": _logprobs_completion(acc["token_ids"], acc["logprobs"], len(prefix))
+                                "logprobs": _completion_logprobs(ids, acc, req.echo, len(prefix))
                                 if req.logprobs is not None else None,
                                 "finish_reason": acc["finish"], "stop_reason": acc["stop_reason"]})
         prompt_tokens = sum(len(j[1]) for j in jobs)

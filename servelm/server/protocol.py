@@ -80,13 +80,20 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    # 0 only with echo: score the prompt, generate nothing (what lm-evaluation-harness's loglikelihood sends)
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     suffix: str | None = None
 
     def sampling_params(self, default_max: int) -> SamplingParams:
-        return self._params(self.max_tokens, self.logprobs, default_max)
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 is allowed only with echo, to score the prompt)")
+        # max_tokens 0 runs one token that the response leaves out: the prompt's logprobs come with it
+        params = self._params(1 if self.max_tokens == 0 else self.max_tokens, self.logprobs, default_max)
+        if self.echo and self.logprobs is not None:
+            params.prompt_logprobs = self.logprobs
+        return params
 
 
 class ChatMessage(BaseModel):
