@@ -9,11 +9,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, published as tomli before it joined the standard library
+    import tomli as tomllib
 
 from servelm.config import ConfigError, EngineConfig, _f, require
 
