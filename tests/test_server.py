@@ -168,6 +168,23 @@ def test_echo_with_logprobs_returns_the_prompt_tokens(server, client, hf_models,
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
 
 
+def test_streamed_prompts_run_concurrently(client, offline):
+    """Several prompts in one streamed request run at once: the second prompt's first chunk comes before
+    the first prompt ends (run one after another, every chunk of prompt 0 would come first), each chunk
+    carries its prompt's index, and each prompt's text is what it gets alone."""
+    prompts = random_prompts(2, 6, 12, seed=44)
+    ref = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
+    chunks = [c.choices[0] for c in client.completions.create(
+        model="tiny", prompt=prompts, max_tokens=48, temperature=0, stream=True, extra_body={"ignore_eos": True})]
+    assert {c.index for c in chunks} == {0, 1}
+    first_of_1 = next(k for k, c in enumerate(chunks) if c.index == 1)
+    end_of_0 = next(k for k, c in enumerate(chunks) if c.index == 0 and c.finish_reason)
+    assert first_of_1 < end_of_0
+    for i in (0, 1):
+        assert "".join(c.text for c in chunks if c.index == i) == ref[i].outputs[0].text
+        assert [c.finish_reason for c in chunks if c.index == i][-1] == "length"
+
+
 def test_tokenize_detokenize_native(server):
     ids = httpx.post(server + "/tokenize", json={"prompt": "Hello world"}).json()
     assert ids["count"] == len(ids["tokens"]) and ids["max_model_len"] == 512

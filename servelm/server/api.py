@@ -331,7 +331,16 @@ def build_app(state: ServerState):
         n = req.n
 
         if req.stream:
-            head = await _open(request, jobs[0])
+            # Every prompt runs at once, as without streaming: the others are submitted before the first
+            # one's output is awaited, and their chunks are interleaved as they come.
+            merged: asyncio.Queue = asyncio.Queue()
+            pumps = [asyncio.create_task(_pump(i, _stream_outputs(_record(request), *jobs[i]), merged))
+                     for i in range(1, len(jobs))]
+            try:
+                head = await _open(request, jobs[0])
+            except BaseException:
+                await _cancel(pumps)
+                raise
 
             echoed: set[int] = set()
 
@@ -360,15 +369,21 @@ def build_app(state: ServerState):
 
             async def events():
                 completion_tokens = 0
+                pumps.append(asyncio.create_task(_pump(0, head, merged)))
                 try:
-                    for i in range(len(jobs)):
-                        outs = head if i == 0 else _stream_outputs(_record(request), *jobs[i])
-                        async for out in outs:
-                            if req.max_tokens != 0:
-                                completion_tokens += sum(len(c.token_ids) for c in out.outputs)
-                            for choice in choices_of(i, out):
-                                yield _sse({"id": base, "object": "text_completion", "created": created,
-                                            "model": model, "choices": [choice]})
+                    running = len(jobs)
+                    while running:
+                        i, out = await merged.get()
+                        if out is None:  # prompt i is done
+                            running -= 1
+                            continue
+                        if isinstance(out, BaseException):
+                            raise out
+                        if req.max_tokens != 0:
+                            completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        for choice in choices_of(i, out):
+                            yield _sse({"id": base, "object": "text_completion", "created": created,
+                                        "model": model, "choices": [choice]})
                     if req.stream_options and req.stream_options.include_usage:
                         prompt_tokens = sum(len(j[1]) for j in jobs)
                         yield _sse({"id": base, "object": "text_completion", "created": created, "model": model,
@@ -376,6 +391,8 @@ def build_app(state: ServerState):
                 except APIError as e:
                     _record(request).error = e.message
                     yield _sse(e.body())
+                finally:  # a client gone or an error: the prompts still running are aborted
+                    await _cancel(pumps)
                 yield _sse("[DONE]")
             return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -571,6 +588,27 @@ def _b64(vec) -> str:
     import numpy as np
 
     return base64.b64encode(np.asarray(vec, dtype="<f4").tobytes()).decode()
+
+
+async def _pump(index: int, outputs: AsyncIterator, into: asyncio.Queue) -> None:
+    """Feed (index, output) pairs into a queue shared by several streams; then (index, None), or
+    (index, exception) if the stream failed."""
+    try:
+        async for out in outputs:
+            into.put_nowait((index, out))
+    except Exception as e:
+        into.put_nowait((index, e))
+        return
+    into.put_nowait((index, None))
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    """Cancel tasks and wait for them, so that their streams' cleanup (aborts in the engine) has run."""
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(BaseException):
+            await t
 
 
 async def _wait_disconnect(request: Request) -> None:
