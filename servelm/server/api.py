@@ -7,7 +7,8 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -65,6 +66,16 @@ def build_app(state: ServerState):
     app.state.servelm = state
     engine, tok = state.engine, state.tokenizer
     metrics = state.metrics
+    # Tokenization, chat templates and long decodes run here, never on the event loop: a long prompt would
+    # stall every stream and health check. One thread, because a fast tokenizer's settings are not safe to
+    # share between threads (and the tokenizers library releases the GIL while it encodes anyway).
+    text_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelm-tokenize")
+
+    async def _off_loop(fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(text_pool, fn, *args)
+
+    def _encode(text: str, **kw) -> list[int]:
+        return tok(text, **kw).input_ids
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -301,21 +312,21 @@ def build_app(state: ServerState):
         return {k: head[k] + gen[k] for k in gen}
 
     # -- completions -------------------------------------------------------------------------------
-    def _completion_prompts(prompt) -> list[tuple[str | None, list[int]]]:
+    async def _completion_prompts(prompt) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str):
-            return [(prompt, tok(prompt).input_ids)]
+            return [(prompt, await _off_loop(_encode, prompt))]
         if not prompt:
             raise APIError(400, "prompt must not be empty", "prompt")
         if isinstance(prompt[0], int):
             return [(None, list(prompt))]
         if isinstance(prompt[0], str):
-            return [(s, tok(s).input_ids) for s in prompt]
+            return list(zip(prompt, await _off_loop(lambda: [_encode(s) for s in prompt]), strict=True))
         return [(None, list(ids)) for ids in prompt]
 
     @app.post("/v1/completions")
     async def completions(req: p.CompletionRequest, request: Request):
         _check_model(req.model)
-        prompts = _completion_prompts(req.prompt)
+        prompts = await _completion_prompts(req.prompt)
         for _, ids in prompts:
             if not ids:
                 raise APIError(400, "prompt must contain at least one token", "prompt")
@@ -327,6 +338,9 @@ def build_app(state: ServerState):
         salt = _cache_salt(request, req)
         jobs = [(f"{base}-{i}", ids, sp, text, prio, salt)
                 for i, ((text, ids), sp) in enumerate(zip(prompts, plist, strict=True))]
+        # the text echoed for each prompt (token-id prompts decoded, off the loop)
+        echo_texts = await _off_loop(lambda: [text if text is not None else tok.decode(ids)
+                                              for text, ids in prompts]) if req.echo else None
         model = state.model_name
         n = req.n
 
@@ -347,12 +361,12 @@ def build_app(state: ServerState):
             def choices_of(i: int, out: RequestOutput) -> list[dict]:
                 """The chunk choices one engine output of prompt i makes: the echoed prompt first (with its
                 logprobs, which come with the first output), then each sample's new text."""
-                _, ids, _, text, _, _ = jobs[i]
+                ids = jobs[i][1]
                 choices = []
                 if req.echo and i not in echoed:
                     echoed.add(i)
                     lp = _echo_logprobs(ids, out.prompt_logprobs) if req.logprobs is not None else None
-                    choices += [{"index": i * n + j, "text": text if text is not None else tok.decode(ids),
+                    choices += [{"index": i * n + j, "text": echo_texts[i],
                                  "logprobs": lp, "finish_reason": None} for j in range(n)]
                 for c in out.outputs:
                     if req.max_tokens == 0:  # echo only: the token the engine ran is not part of the answer
@@ -398,13 +412,13 @@ def build_app(state: ServerState):
 
         results = await _collect(request, jobs)
         choices, completion_tokens = [], 0
-        for i, (final, (_, ids, _, text, _, _)) in enumerate(zip(results, jobs, strict=True)):
+        for i, (final, (_, ids, _, _, _, _)) in enumerate(zip(results, jobs, strict=True)):
             for j in sorted(final):
                 acc = final[j]
                 if req.max_tokens == 0:  # echo only: the one token the engine ran is not part of the answer
                     acc.update(text="", token_ids=[], logprobs=[], finish="length", stop_reason=None)
                 completion_tokens += len(acc["token_ids"])
-                prefix = (text if text is not None else tok.decode(ids)) if req.echo else ""
+                prefix = echo_texts[i] if req.echo else ""
                 choices.append({"index": i * n + j, "text": prefix + acc["text"],
                                 "logprobs": _completion_logprobs(ids, acc, req.echo, len(prefix))
                                 if req.logprobs is not None else None,
@@ -414,20 +428,24 @@ def build_app(state: ServerState):
                 "usage": _usage(prompt_tokens, completion_tokens)}
 
     # -- chat --------------------------------------------------------------------------------------
-    def _chat_ids(messages: list[p.ChatMessage], add_generation_prompt: bool = True, **kw) -> list[int]:
+    async def _chat_ids(messages: list[p.ChatMessage], add_generation_prompt: bool = True, **kw) -> list[int]:
         if getattr(tok, "chat_template", None) is None:
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
         conv = [{"role": msg.role, "content": msg.text()} for msg in messages]
-        try:
-            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False, **kw)
-        except Exception as e:  # template errors are the caller's input
-            raise APIError(400, f"chat template failed: {e}", "messages") from e
-        return tok(text, add_special_tokens=False).input_ids
+
+        def render() -> list[int]:
+            try:
+                text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                               **kw)
+            except Exception as e:  # template errors are the caller's input
+                raise APIError(400, f"chat template failed: {e}", "messages") from e
+            return _encode(text, add_special_tokens=False)
+        return await _off_loop(render)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: p.ChatCompletionRequest, request: Request):
         _check_model(req.model)
-        ids = _chat_ids(req.messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+        ids = await _chat_ids(req.messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
         params = _params(req, len(ids))
         prio = _admit(request, req, [ids], [params])
         _log_prompt(request, [m.text() for m in req.messages])
@@ -481,9 +499,9 @@ def build_app(state: ServerState):
     async def tokenize(req: p.TokenizeRequest):
         _check_model(req.model)
         if req.messages is not None:
-            ids = _chat_ids(req.messages)
+            ids = await _chat_ids(req.messages)
         elif req.prompt is not None:
-            ids = tok(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+            ids = await _off_loop(lambda: _encode(req.prompt, add_special_tokens=req.add_special_tokens))
         else:
             raise APIError(400, "give either prompt or messages", "prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
@@ -494,7 +512,7 @@ def build_app(state: ServerState):
         vocab = engine.info.vocab_size if engine.info else len(tok)
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
-        return {"prompt": tok.decode(req.tokens)}
+        return {"prompt": await _off_loop(tok.decode, req.tokens)}
 
     # -- native endpoints --------------------------------------------------------------------------
     async def _native(request: Request, ids: list[int], body: p.NativeGenerateRequest, prompt: str | None):
@@ -534,11 +552,11 @@ def build_app(state: ServerState):
 
     @app.post("/generate")
     async def native_generate(body: p.NativeGenerateRequest, request: Request):
-        return await _native(request, tok(body.prompt).input_ids, body, body.prompt)
+        return await _native(request, await _off_loop(_encode, body.prompt), body, body.prompt)
 
     @app.post("/chat")
     async def native_chat(body: p.NativeChatRequest, request: Request):
-        return await _native(request, _chat_ids(body.messages), body, None)
+        return await _native(request, await _chat_ids(body.messages), body, None)
 
     # -- embeddings --------------------------------------------------------------------------------
     async def _embed(inputs: list[str]):
