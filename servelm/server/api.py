@@ -102,7 +102,7 @@ def build_app(state: ServerState):
 
     @app.get("/ready")
     async def ready():
-        if not engine.ready:
+        if not engine.check_engine():  # the process itself, not the last word from it
             raise APIError(503, "the engine is not ready", code="engine_unavailable")
         return {"status": "ready", "models": _model_ids()}
 
@@ -134,7 +134,9 @@ def build_app(state: ServerState):
     # -- generation helpers ------------------------------------------------------------------------
     def _params(req, prompt_len: int):
         try:
-            params = req.sampling_params(max(1, engine.max_model_len - prompt_len))
+            default_max = state.admission.default_max_tokens(prompt_len, getattr(req, "n", 1),
+                                                             max(1, engine.max_model_len - prompt_len))
+            params = req.sampling_params(default_max)
             params.check_vocab(engine.info.vocab_size if engine.info else 1 << 31)
         except ValueError as e:
             raise APIError(400, str(e)) from e
@@ -150,6 +152,7 @@ def build_app(state: ServerState):
         rec.stream = bool(getattr(req, "stream", False))
         rec.prompt_tokens = sum(len(ids) for ids in prompts)
         cost = rec.prompt_tokens + sum((sp.max_tokens or 0) * sp.n for sp in params)
+        state.admission.check_work(max(sp.n for sp in params), rec.prompt_tokens, cost)
         return state.admission.admit(rec, state.model_name, cost, getattr(req, "priority", None))
 
     def _cache_salt(request: Request, req) -> str | None:
@@ -564,6 +567,11 @@ def build_app(state: ServerState):
             raise APIError(404, "this server has no embedding model", "model", "model_not_found")
         if not inputs or any(not isinstance(s, str) or not s for s in inputs):
             raise APIError(400, "input must be a non-empty string or a list of non-empty strings", "input")
+        cap = state.config.admission.max_embedding_inputs
+        if len(inputs) > cap:
+            raise APIError(400, f"input has {len(inputs)} items, over this server's limit of {cap} per request "
+                                "(admission.max_embedding_inputs); split it into several requests", "input",
+                           "limit_exceeded")
         try:
             return await state.embedder.embed(inputs)
         except EmbedderDown as e:

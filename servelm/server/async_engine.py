@@ -53,6 +53,8 @@ class _Stream:
     queue: asyncio.Queue
     finished: bool = False
     started: bool = False  # has produced output (no longer queued)
+    samples: int = 1  # n
+    finished_samples: int = 0
 
 
 class AsyncEngine:
@@ -67,6 +69,7 @@ class AsyncEngine:
         self.restarts = 0
         self._proc: multiprocessing.Process | None = None
         self._stopping = False
+        self._handled: multiprocessing.Process | None = None  # the dead engine process already dealt with
         self._tasks: list[asyncio.Task] = []
         base = os.path.join(tempfile.gettempdir(), f"servelm-{uuid.uuid4().hex[:12]}")
         self._in_addr, self._out_addr = f"ipc://{base}-in", f"ipc://{base}-out"
@@ -104,6 +107,17 @@ class AsyncEngine:
                                  name="servelm-engine", daemon=True)
         self._proc.start()
         logger.info("engine process started (pid %s)", self._proc.pid)
+        proc = self._proc
+        with contextlib.suppress(RuntimeError, NotImplementedError, ValueError):  # no loop: the poll still works
+            asyncio.get_running_loop().add_reader(proc.sentinel, self._on_sentinel, proc)
+
+    def _on_sentinel(self, proc: multiprocessing.Process) -> None:
+        """The process's sentinel became readable: it has exited (noticed at once, not at the next poll)."""
+        with contextlib.suppress(ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(proc.sentinel)
+        if proc is self._proc and proc is not self._handled and not self._stopping:
+            proc.join(1)  # exited: reap it (returns at once in practice)
+            self._engine_died(proc)
 
     async def wait_ready(self) -> None:
         try:
@@ -115,6 +129,9 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         self._stopping = True
+        if self._proc is not None:
+            with contextlib.suppress(ValueError, OSError):
+                asyncio.get_running_loop().remove_reader(self._proc.sentinel)
         if self._proc is not None and self._proc.is_alive():
             with contextlib.suppress(zmq.ZMQError):
                 await self._in.send(m.encoder.encode(m.Shutdown()), flags=zmq.NOBLOCK)
@@ -132,24 +149,36 @@ class AsyncEngine:
     def engine_pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    def check_engine(self) -> bool:
+        """Whether the engine can serve now: ready, and its process alive (checked directly, so a dead engine is
+        noticed by whoever asks first: /ready, /metrics, /server/stats, the watcher)."""
+        proc = self._proc
+        if proc is not None and proc is not self._handled and not self._stopping and not proc.is_alive():
+            self._engine_died(proc)
+        return self.ready
+
     async def _watch(self) -> None:
-        """Notice a dead engine at once: fail in-flight requests (503), then start a new one."""
+        """A fallback to the sentinel: poll the engine process, so its death is always noticed."""
         while not self._stopping:
             await asyncio.sleep(0.2)
-            if self._proc is None or self._proc.is_alive() or self._stopping:
-                continue
-            was_ready = self.ready
-            logger.error("engine process %s exited with code %s; failing %d in-flight requests and restarting",
-                         self._proc.pid, self._proc.exitcode, len(self.streams))
-            self.ready = False
-            if self.on_down is not None:
-                self.on_down()
-            self._fail_all(EngineDeadError("the engine process died; the request was not completed"))
-            if not was_ready and self._fatal:  # it never started: restarting would fail the same way
-                self._ready_event.set()
-                return
-            self.restarts += 1
-            self._spawn()
+            self.check_engine()
+
+    def _engine_died(self, proc: multiprocessing.Process) -> None:
+        """Fail in-flight requests (503), forget the dead engine's stats, then start a new one."""
+        self._handled = proc
+        was_ready = self.ready
+        logger.error("engine process %s exited with code %s; failing %d in-flight requests and restarting",
+                     proc.pid, proc.exitcode, len(self.streams))
+        self.ready = False
+        self.stats = None  # its figures describe a process that is gone
+        if self.on_down is not None:
+            self.on_down()
+        self._fail_all(EngineDeadError("the engine process died; the request was not completed"))
+        if not was_ready and self._fatal:  # it never started: restarting would fail the same way
+            self._ready_event.set()
+            return
+        self.restarts += 1
+        self._spawn()
 
     def _fail_all(self, err: Exception) -> None:
         for rid, stream in list(self.streams.items()):
@@ -192,6 +221,7 @@ class AsyncEngine:
                 if stream is None:
                     continue
                 stream.started = True
+                stream.finished_samples += sum(1 for c in out.outputs if c.finish_reason is not None)
                 stream.queue.put_nowait(out)
                 if out.finished:
                     stream.finished = True
@@ -210,11 +240,11 @@ class AsyncEngine:
         With queue_timeout, a request with no output after that many seconds is aborted (QueueTimeout).
         `cache_salt`: the request shares prefix-cache blocks only with requests of the same salt.
         """
-        if not self.ready:
+        if not self.check_engine():
             raise EngineDeadError("the engine is not ready")
         if request_id in self.streams:
             raise RequestRejected(f"request id {request_id!r} is already in use")
-        stream = _Stream(asyncio.Queue())
+        stream = _Stream(asyncio.Queue(), samples=params.n)
         self.streams[request_id] = stream
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
         await self._in.send(m.encoder.encode(m.AddRequest(request_id, prompt_token_ids, params, priority,
@@ -253,6 +283,14 @@ class AsyncEngine:
 
     def num_in_flight(self) -> int:
         return len(self.streams)
+
+    def live_counts(self) -> tuple[int, int]:
+        """(running, waiting) sequences now: the samples the API has in flight, of which as many as the engine
+        last reported running are running. Engine stats arrive only with a step, so they alone lag behind new
+        requests (and describe a dead engine's last step); the API's own registry is current."""
+        in_flight = sum(s.samples - s.finished_samples for s in self.streams.values())
+        running = min(self.stats.num_running if self.stats else 0, in_flight)
+        return running, in_flight - running
 
     def num_queued(self) -> int:
         """Requests sent to the engine that have no output yet."""

@@ -64,7 +64,7 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
     from servelm.server.telemetry import Telemetry
 
     srv = config.server
-    keys = KeyStore.from_config(srv.api_key, srv.api_keys_file, srv.admin_key)
+    keys = KeyStore.from_config(srv.secret("api_key"), srv.api_keys_file, srv.secret("admin_key"))
     metrics = Metrics(model_name)
     engine.on_ready = lambda msg, restarted: metrics.on_ready(msg.stats, restarted)
     engine.on_down = metrics.on_engine_down
@@ -112,7 +112,7 @@ async def _serve(config) -> int:
     logger.info("ready in %.1fs: serving %s on http://%s:%d (API keys: %s)", time.perf_counter() - t0,
                 state.model_name, srv.host, srv.port, f"{len(state.keys.keys)}" if state.keys.enabled else "off")
     server = _DrainingServer(uvicorn.Config(app, host=srv.host, port=srv.port, log_level="warning",
-                                            timeout_graceful_shutdown=srv.drain_timeout))
+                                            timeout_graceful_shutdown=srv.drain_timeout, http=_http_protocol(srv)))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.begin_drain, sig)
@@ -126,6 +126,17 @@ async def _serve(config) -> int:
             state.telemetry.tracing.shutdown()
     logger.info("shut down cleanly")
     return 0
+
+
+def _http_protocol(srv):
+    """uvicorn's HTTP protocol (httptools if installed, else h11), with the request-head timeout."""
+    if srv.header_timeout_s <= 0:
+        return "auto"
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    from servelm.server.header_timeout import with_header_timeout
+
+    return with_header_timeout(AutoHTTPProtocol, srv.header_timeout_s)
 
 
 class _DrainingServer:
@@ -154,7 +165,12 @@ def cmd_serve(args) -> int:
 
     config = load_config(args)  # ConfigError (a ValueError): main() prints it and exits 2
     srv = config.server
-    KeyStore.from_config(srv.api_key, srv.api_keys_file, srv.admin_key)  # a bad keys file stops start-up too
+    KeyStore.from_config(srv.secret("api_key"), srv.api_keys_file, srv.secret("admin_key"))  # bad keys stop start-up
+    for name in ("api_key", "admin_key"):
+        if config.sources[f"server.{name}"] == "cli":
+            flag = name.replace("_", "-")
+            logger.warning("--%s is visible to every user of this machine in the process list; use --%s-file or "
+                           "SERVELM_%s instead", flag, flag, name.upper())
     if args.print_config:
         print(json.dumps(config.describe(), indent=2))
         return 0
