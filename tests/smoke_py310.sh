@@ -8,8 +8,12 @@
 # uses the main Python, which has torch, once: to write the test tokenizer folder).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY310=${SERVELM_PY310:-$(command -v python3.10 || echo /root/.pyenv/versions/3.10.13/bin/python)}
-if ! [ -x "$PY310" ]; then
+PY310=""
+# the first that runs (a pyenv shim for a version not selected exists but fails)
+for cand in ${SERVELM_PY310:-} /root/.pyenv/versions/3.10*/bin/python3.10 python3.10; do
+  if "$cand" -c 'import sys; assert sys.version_info[:2] == (3, 10)' 2>/dev/null; then PY310=$cand; break; fi
+done
+if [ -z "$PY310" ]; then
   echo "smoke_py310: no Python 3.10 interpreter found (set SERVELM_PY310)" >&2
   exit 1
 fi
