@@ -50,7 +50,7 @@ def test_a_new_request_shows_in_gauges_and_stats_before_any_engine_step(tokenize
             st = (await c.get("/server/stats")).json()
             assert (st["running"], st["waiting"], st["engine"]["in_flight"]) == (0, 2, 1)
             # the engine reports more running than the API has in flight (stale): never more than in flight
-            engine._on_step(m.StepOutputs([], [], EngineStats(5, 3, 0, 0.1, 64, 60, 0, 0, 0.0, 0, 0, 0, 1, 0, 0)))
+            await engine._on_step(m.StepOutputs([], [], EngineStats(5, 3, 0, 0.1, 64, 60, 0, 0, 0.0, 0, 0, 0, 1, 0, 0)))
             st = (await c.get("/server/stats")).json()
             assert (st["running"], st["waiting"]) == (2, 0)
             pending.cancel()

@@ -32,6 +32,10 @@ from servelm.server.engine_proc import run_engine
 
 logger = logging.getLogger("servelm.server")
 
+# Sample outputs detokenized between two returns to the event loop: a step of a few hundred sequences is
+# turned into text in slices, so streams, health checks and new requests are served in between.
+DETOKENIZE_SLICE = 64
+
 
 class EngineDeadError(RuntimeError):
     """The engine process died while the request was in flight."""
@@ -236,45 +240,52 @@ class AsyncEngine:
                 if self.restarts:  # else wait_ready() raises it to whoever is starting the server
                     logger.error("engine failed to start: %s", msg.message)
             else:
-                self._on_step(msg)
+                await self._on_step(msg)
 
-    def _on_step(self, msg: m.StepOutputs) -> None:
+    async def _on_step(self, msg: m.StepOutputs) -> None:
         self.stats = msg.stats
         for err in msg.errors:
             stream = self.streams.pop(err.request_id, None)
             self.output_processor.abort(err.request_id)
             if stream is not None:
                 stream.queue.put_nowait(RequestRejected(err.message))
-        outputs, stopped = self.output_processor.process(msg.outputs)
-        for rid, index, stop in stopped:
-            self._in.send(m.encoder.encode(m.FinishSample(rid, index, stop)))
-        for out in outputs:
-            stream = self.streams.get(out.request_id)
-            if stream is None:
-                continue
-            stream.started = True
-            stream.finished_samples += sum(1 for c in out.outputs if c.finish_reason is not None)
-            stream.queue.put_nowait(out)
-            if out.finished:
-                stream.finished = True
-                del self.streams[out.request_id]
+        all_outputs = []
+        for k in range(0, len(msg.outputs), DETOKENIZE_SLICE):
+            if k:
+                await asyncio.sleep(0)  # let the loop serve others between slices
+            outputs, stopped = self.output_processor.process(msg.outputs[k:k + DETOKENIZE_SLICE])
+            for rid, index, stop in stopped:
+                await self._in.send(m.encoder.encode(m.FinishSample(rid, index, stop)))
+            for out in outputs:
+                stream = self.streams.get(out.request_id)
+                if stream is None:
+                    continue
+                stream.started = True
+                stream.finished_samples += sum(1 for c in out.outputs if c.finish_reason is not None)
+                stream.queue.put_nowait(out)
+                if out.finished:
+                    stream.finished = True
+                    del self.streams[out.request_id]
+            all_outputs += outputs
         if self.on_step is not None:
-            self.on_step(msg, outputs)
+            self.on_step(msg, all_outputs)
 
     # -- requests ----------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None, priority: int = 1,
-                       queue_timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+                       queue_timeout: float | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; closing the iterator early aborts it in the engine.
 
         With queue_timeout, a request with no output after that many seconds is aborted (QueueTimeout).
+        `cache_salt`: the request shares prefix-cache blocks only with requests of the same salt.
         """
         if not self.check_engine():
             raise EngineDeadError("the engine is not ready")
         if request_id in self.streams:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         try:  # encode before registering: a value the wire cannot carry is the caller's input, and leaks nothing
-            message = m.encoder.encode(m.AddRequest(request_id, prompt_token_ids, params, priority))
+            message = m.encoder.encode(m.AddRequest(request_id, prompt_token_ids, params, priority, cache_salt))
         except (OverflowError, TypeError, ValueError) as e:
             raise RequestRejected(f"the request holds a value out of range: {e}") from e
         stream = _Stream(asyncio.Queue(), samples=params.n)

@@ -110,7 +110,8 @@ def _handle(core: EngineCore, msg, eos: frozenset[int], errors: list[m.RequestEr
         params = msg.params
         params._eos_token_ids = eos
         try:
-            core.add_request(Request(msg.request_id, msg.prompt_token_ids, params, priority=msg.priority))
+            core.add_request(Request(msg.request_id, msg.prompt_token_ids, params, priority=msg.priority,
+                                     cache_salt=msg.cache_salt))
         except ValueError as e:
             errors.append(m.RequestError(msg.request_id, str(e)))
     elif isinstance(msg, m.Abort):

@@ -13,6 +13,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 1
+    cache_salt: str | None = None
 
 
 class Abort(msgspec.Struct, tag="abort"):

@@ -10,11 +10,15 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, published as tomli before it joined the standard library
+    import tomli as tomllib
 
 from servelm.config import ConfigError, EngineConfig, _f, require
 
@@ -54,6 +58,9 @@ class ServerConfig:
     otlp_endpoint: str | None = _f(None, "OTLP/HTTP collector, e.g. http://localhost:4318/v1/traces: turns "
                                    "on OpenTelemetry tracing")
     otlp_service_name: str = _f("servelm", "service.name of the exported spans")
+    prefix_cache_isolation: str = _f("key", "key | none: with key, requests share prefix-cache blocks only "
+                                     "with requests made with the same API key (one tenant cannot time-probe "
+                                     "another's prompts); none shares them across all callers")
 
     def validate(self) -> None:
         def need(ok: bool, name: str, allowed: str) -> None:
@@ -75,6 +82,7 @@ class ServerConfig:
                 raise ConfigError(name, "<redacted>", "at least 8 characters, with no spaces or line breaks")
         need(self.api_keys_file is None or Path(self.api_keys_file).is_file(), "api_keys_file", "an existing file")
         need(self.max_request_body_bytes >= 1024, "max_request_body_bytes", ">= 1024")
+        need(self.prefix_cache_isolation in ("key", "none"), "prefix_cache_isolation", "key or none")
 
     def secret(self, name: str) -> str | None:
         """api_key or admin_key: as given, or read from its *_file (surrounding whitespace dropped)."""
