@@ -113,9 +113,10 @@ def gguf_config_dict(path: Path, head: GGUFHeader) -> dict:
     n_head = r.get("attention.head_count", required=True)
     head_dim = r.get("attention.key_length", hidden // n_head)
     if r.get("attention.value_length", head_dim) != head_dim:
-        r.refuse(f"value_length {f[arch + '.attention.value_length']} differs from key_length {head_dim}")
+        r.refuse(f"{arch}.attention.value_length {f[arch + '.attention.value_length']} differs from the key length "
+                 f"{head_dim} (value heads of another size are not supported)")
     if r.get("rope.dimension_count", head_dim) != head_dim:
-        r.refuse(f"rope.dimension_count {f[arch + '.rope.dimension_count']} is not the head size {head_dim} "
+        r.refuse(f"{arch}.rope.dimension_count {f[arch + '.rope.dimension_count']} is not the head size {head_dim} "
                  "(partial rotary embeddings are not supported)")
     model_type, cls = GGUF_ARCHITECTURES[arch]
     tensors = {name: shape for name, shape, _, _ in head.tensors}
@@ -186,20 +187,20 @@ def _rope_parameters(r: _Reader) -> dict:
     if kind in (None, "none") and linear not in (None, 1.0):
         kind, factor = "linear", linear
     if r.get("rope.scaling.attn_factor", 1.0, kind=float) != 1.0:
-        r.refuse(f"rope.scaling.attn_factor {r.get('rope.scaling.attn_factor', kind=float)} is not supported")
+        r.refuse(f"{r.arch}.rope.scaling.attn_factor {r.get('rope.scaling.attn_factor', kind=float)} is not supported")
     if kind in (None, "none"):
         if factor not in (None, 0.0, 1.0):
-            r.refuse(f"rope.scaling.factor {factor} is given without a scaling type")
+            r.refuse(f"{r.arch}.rope.scaling.factor {factor} is given without a scaling type")
         return {"rope_type": "default", "rope_theta": theta}
     if not factor or factor <= 0:
-        r.refuse(f"RoPE scaling {kind!r} needs a positive rope.scaling.factor")
+        r.refuse(f"{r.arch}.rope.scaling.type {kind!r} needs a positive {r.arch}.rope.scaling.factor")
     if kind == "linear":
         return {"rope_type": "linear", "rope_theta": theta, "factor": factor}
     if kind != "yarn":
-        r.refuse(f"RoPE scaling type {kind!r} is not supported (supported: none, linear, yarn)")
+        r.refuse(f"{r.arch}.rope.scaling.type {kind!r} is not supported (supported: none, linear, yarn)")
     ext = r.get("rope.scaling.yarn_ext_factor", -1.0, kind=float)
     if ext >= 0 and ext != 1.0:  # negative: llama.cpp's "unset", which is 1 for YaRN
-        r.refuse(f"rope.scaling.yarn_ext_factor {ext} is not supported (only 1)")
+        r.refuse(f"{r.arch}.rope.scaling.yarn_ext_factor {ext} is not supported (only 1)")
     params = {"rope_type": "yarn", "rope_theta": theta, "factor": factor,
               "original_max_position_embeddings": r.get("rope.scaling.original_context_length", required=True)}
     for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
@@ -227,6 +228,6 @@ def _windows(r: _Reader, n_layers: int) -> dict:
     elif isinstance(pattern, int) and not isinstance(pattern, bool):  # every n-th layer full (0: none)
         sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)]
     else:
-        r.refuse(f"attention.sliding_window_pattern {_short(pattern)} does not give one value per layer")
+        r.refuse(f"{r.arch}.attention.sliding_window_pattern {_short(pattern)} does not give one value per layer")
     return {"sliding_window": window,
             "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
