@@ -81,17 +81,20 @@ def test_mistral_gguf_warns_then_matches_with_the_window(converted, caplog):
     assert _gguf_tokens(folder, gguf, sliding_window=24) == want
 
 
-def test_gguf_tokenizer_and_eos_match_the_folder(converted):
-    folder, gguf = converted["qwen3"]
-    _, cfg, tok, eos = load_config_and_tokenizer(str(gguf))
+@pytest.mark.parametrize("name", ["qwen3", "llama3rope"])
+def test_gguf_tokenizer_and_eos_match_the_folder(converted, name):
+    """The GGUF's tokenizer, on the first start (converted) and on later ones (read from the cache)."""
+    folder, gguf = converted[name]
     _, ref_cfg, ref, ref_eos = load_config_and_tokenizer(str(folder))
-    for text in ["Hello world", "  spaces and émojis 🙂", "def f(x):\n    return x"]:
-        assert tok(text).input_ids == ref(text).input_ids
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
-        ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    assert (tok.bos_token_id, tok.eos_token_id, eos) == (ref.bos_token_id, ref.eos_token_id, ref_eos)
-    assert (cfg.head_dim, cfg.tie_word_embeddings) == (ref_cfg.head_dim, ref_cfg.tie_word_embeddings)
+    for start in ("first", "cached"):
+        _, cfg, tok, eos = load_config_and_tokenizer(str(gguf))
+        for text in ["Hello world", "  spaces and émojis 🙂", "def f(x):\n    return x"]:
+            assert tok(text).input_ids == ref(text).input_ids, (start, text)
+        assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+            ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True), start
+        assert (tok.bos_token_id, tok.eos_token_id, eos) == (ref.bos_token_id, ref.eos_token_id, ref_eos), start
+        assert (cfg.head_dim, cfg.tie_word_embeddings) == (ref_cfg.head_dim, ref_cfg.tie_word_embeddings)
 
 
 # --- files servelm cannot honour ------------------------------------------------------------------

@@ -55,12 +55,24 @@ def load_gguf_config_and_tokenizer(path: Path):
     try:
         out.mkdir(parents=True, exist_ok=True)
         tokenizer.save_pretrained(out)
+        _generic_tokenizer_class(out)
         # Beside the tokenizer for the readers that look at model_type and the EOS token; never read back as
         # the model's config (that always comes from the header).
         (out / "config.json").write_text(json.dumps(config_json, indent=2))
     except OSError:
         pass  # a read-only cache only costs speed
     return config, tokenizer
+
+
+def _generic_tokenizer_class(folder: Path) -> None:
+    """Have later starts read the saved tokenizer.json as it is. Named after the model's family (e.g.
+    Qwen2Tokenizer), transformers would rebuild that family's own pre-tokenizer over the one the GGUF file
+    states (llama.cpp's `tokenizer.ggml.pre`), and split some texts differently than the first start."""
+    path = folder / "tokenizer_config.json"
+    tc = hf_files.read_json(path)
+    if tc is not None and (folder / "tokenizer.json").is_file():
+        tc["tokenizer_class"] = "TokenizersBackend"
+        path.write_text(json.dumps(tc, indent=2))
 
 
 def _json_folder(src: ModelSource) -> Path | None:
