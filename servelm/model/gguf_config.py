@@ -120,6 +120,8 @@ def gguf_config_dict(path: Path, head: GGUFHeader) -> dict:
                  "(partial rotary embeddings are not supported)")
     model_type, cls = GGUF_ARCHITECTURES[arch]
     tensors = {name: shape for name, shape, _, _ in head.tensors}
+    if "token_embd.weight" not in tensors:
+        r.refuse("the token_embd.weight tensor is missing")
     d = {
         "architectures": [cls], "model_type": model_type, "hidden_act": "silu",
         "vocab_size": r.get("vocab_size", tensors["token_embd.weight"][1]),
