@@ -32,6 +32,10 @@ def _configs():
         "llama3rope": LlamaConfig(**{**COMMON, "tie_word_embeddings": True}, rope_parameters={
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        # Built only where a test asks for it (not in ARCHS): the GGUF tests' YaRN model.
+        "llama_yarn": LlamaConfig(**COMMON, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "original_max_position_embeddings": 64,
+            "beta_fast": 16.0, "beta_slow": 2.0}),
         "mistral": MistralConfig(**COMMON, sliding_window=24),
         "qwen2": Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=24, max_window_layers=1),
         "qwen3": Qwen3Config(**COMMON, head_dim=32),

@@ -39,7 +39,7 @@ class LLM:
                  preemption_mode: str = "recompute", swap_space_gb: float = 4, seed: int = 0,
                  gguf_file: str | None = None, tokenizer: str | None = None, num_threads: int | None = None,
                  cpu_bind: str | None = None, device: str = "cpu", enforce_eager: bool = False,
-                 **kwargs) -> None:
+                 sliding_window: int | None = None, **kwargs) -> None:
         if kwargs:
             raise TypeError(f"unknown LLM arguments: {', '.join(sorted(kwargs))}")
         config = EngineConfig(
@@ -48,7 +48,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
             preemption_mode=preemption_mode, swap_space_gb=swap_space_gb, seed=seed, num_threads=num_threads,
-            cpu_bind=cpu_bind, device=device, enforce_eager=enforce_eager,
+            cpu_bind=cpu_bind, device=device, enforce_eager=enforce_eager, sliding_window=sliding_window,
         )
         self._setup(config)
 

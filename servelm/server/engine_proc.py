@@ -46,7 +46,7 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
         configure_threads(config)
         phase(f"loading the model {config.model or '(default)'}")
         loaded = load_model(config.model, config.gguf_file, config.tokenizer, config.dtype, config.device,
-                            with_tokenizer=False)  # the API process tokenizes
+                            with_tokenizer=False, sliding_window=config.sliding_window)  # the API process tokenizes
         phase("allocating the KV cache")
         core = EngineCore(config, loaded.model)
         eos = loaded.eos_token_ids
