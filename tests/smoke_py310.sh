@@ -14,8 +14,10 @@ for cand in ${SERVELM_PY310:-} /root/.pyenv/versions/3.10*/bin/python3.10 python
   if "$cand" -c 'import sys; assert sys.version_info[:2] == (3, 10)' 2>/dev/null; then PY310=$cand; break; fi
 done
 if [ -z "$PY310" ]; then
-  echo "smoke_py310: no Python 3.10 interpreter found (set SERVELM_PY310)" >&2
-  exit 1
+  # CI must run it; elsewhere (a user's machine with no Python 3.10) it is skipped, saying so
+  echo "smoke_py310: no Python 3.10 interpreter found (set SERVELM_PY310)${CI:+; CI needs one}" >&2
+  [ -n "${CI:-}" ] && exit 1
+  exit 0
 fi
 VENV=${SERVELM_PY310_VENV:-${TMPDIR:-/tmp}/servelm-py310}
 [ -x "$VENV/bin/python" ] || "$PY310" -m venv "$VENV"
