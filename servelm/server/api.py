@@ -63,7 +63,7 @@ def build_app(state: ServerState):
     metrics = state.metrics
 
     install_error_handlers(app)
-    install_openapi(app, lambda: engine.info.vocab_size if engine.info else None)
+    install_openapi(app, lambda: engine.info.vocab_size if engine.info else None, lambda: engine.max_model_len)
 
     # -- health ------------------------------------------------------------------------------------
     @app.get("/health")
