@@ -35,6 +35,8 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    # log-probabilities of the prompt's own tokens (the first has none), each with this many alternatives
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
@@ -82,6 +84,9 @@ class SamplingParams:
             )
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "an integer in [0, 20] or None")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", "an integer in [0, 20] or None")
         if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
             raise bad("seed", "an integer in [-2**63, 2**64) (what a torch generator takes) or None")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -61,6 +61,19 @@ def _validation_message(e: dict) -> tuple[str, str]:
     return param, f"{param or 'body'}: {e.get('msg')}"
 
 
+def json_error_message(err: dict, doc) -> str:
+    """'the request body is not valid JSON: Expecting value at line 3 column 1 (char 31)', as json.loads
+    would place it (FastAPI reports only the character offset, as the error's location)."""
+    pos = next((x for x in err.get("loc", ()) if isinstance(x, int)), None)
+    what = (err.get("ctx") or {}).get("error") or "malformed"
+    if pos is None or not isinstance(doc, (str, bytes)):
+        return f"the request body is not valid JSON: {what}"
+    text = doc.decode(errors="replace") if isinstance(doc, bytes) else doc
+    line = text.count("\n", 0, pos) + 1
+    column = pos - text.rfind("\n", 0, pos)
+    return f"the request body is not valid JSON: {what} at line {line} column {column} (char {pos})"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -71,6 +84,8 @@ def install_error_handlers(app: FastAPI) -> None:
         errors = list(exc.errors())
         if not errors:
             return error_response(APIError(400, "invalid request"))
+        if errors[0].get("type") == "json_invalid":  # the body itself: say what is wrong and where, not a field
+            return error_response(APIError(400, json_error_message(errors[0], exc.body)))
         param, message = _validation_message(_best(errors))
         return error_response(APIError(400, message, param or None))
 

@@ -17,9 +17,11 @@ from starlette.routing import Match
 
 from servelm.server.auth import KeyStore, presented_key
 from servelm.server.protocol import APIError
+from servelm.server.ratelimit import FailureLimiter
 from servelm.server.telemetry import RequestRecord
 
 logger = logging.getLogger("servelm.server")
+
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", "/server/stats"})  # not logged or traced
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -29,6 +31,7 @@ class Gateway:
     def __init__(self, app, state) -> None:
         self.app = app
         self.state = state  # ServerState: config, keys, limiter, telemetry
+        self.auth_failures = FailureLimiter()  # per client address
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -113,24 +116,33 @@ class Gateway:
         st, path = self.state, scope["path"]
         keys: KeyStore = st.keys
         presented = presented_key(headers)
+        address = (scope.get("client") or ("unknown",))[0]
         if path.startswith("/admin"):
             if keys.admin_digest is None and not any(k.admin for k in keys.keys):
                 return APIError(403, "admin routes are disabled: start the server with --admin-key", code="forbidden")
+            if (blocked := self._auth_blocked(address)) is not None:
+                return blocked
             if presented is None:
                 return APIError(401, "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key'",
                                 code="invalid_api_key")
             if not keys.is_admin(presented):
+                if keys.lookup(presented) is None:  # a valid key without admin rights is not a guess
+                    self._auth_failed(address)
                 return APIError(403, "this key may not use admin routes", code="forbidden")
             rec.key_name = "admin"
             return None
         if path in OPEN_PATHS and not (path == "/metrics" and st.config.server.metrics_require_key):
             return None
         if keys.enabled:
+            if (blocked := self._auth_blocked(address)) is not None:
+                return blocked
             key = keys.lookup(presented)
             if key is None:
-                msg = "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key'" if presented is None \
-                    else "invalid API key"
-                return APIError(401, msg, code="invalid_api_key")
+                if presented is None:
+                    return APIError(401, "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key'",
+                                    code="invalid_api_key")
+                self._auth_failed(address)
+                return APIError(401, "invalid API key", code="invalid_api_key")
             rec.key_name, rec.api_key = key.name, key
         if path in QUIET_PATHS:
             return None
@@ -139,6 +151,23 @@ class Gateway:
         except APIError as e:
             return e
         return None
+
+    def _auth_blocked(self, address: str) -> APIError | None:
+        """429 while `address` has used up its failed authentications (whatever key it sends now)."""
+        limit = self.state.config.admission.auth_failures_per_minute
+        wait = self.auth_failures.retry_after(address, limit) if limit else 0.0
+        if not wait:
+            return None
+        self.state.metrics.rate_limited.labels("-", "auth_failures").inc()
+        secs = max(1, int(wait + 0.999))
+        return APIError(429, f"too many failed authentications from this address (limit {limit} per minute); "
+                             f"retry in {secs}s", code="too_many_auth_failures", headers={"Retry-After": str(secs)})
+
+    def _auth_failed(self, address: str) -> None:
+        limit = self.state.config.admission.auth_failures_per_minute
+        if limit and self.auth_failures.record_failure(address, limit):
+            logger.warning("client address %s used up its %d failed authentications per minute; refusing it "
+                           "with 429 until the limit refills", address, limit)
 
     def _limit_headers(self, rec: RequestRecord) -> dict[str, str]:
         if rec.path in OPEN_PATHS:

@@ -145,6 +145,9 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = True
     user: str | None = None
     priority: Priority = None
+    # vLLM's field: requests share prefix-cache blocks only with requests of the same salt (and, under
+    # --prefix-cache-isolation key, of the same API key)
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
@@ -167,12 +170,19 @@ class _SamplingFields(_Body):
 
 class CompletionRequest(_SamplingFields):
     prompt: Text | Texts | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
-    max_tokens: Length | None = 16
+    # 0 only with echo: score the prompt, generate nothing (what lm-evaluation-harness's loglikelihood sends)
+    max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX, json_schema_extra={"x-context-bound": True})] | None = 16
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
     def sampling_params(self, default_max: int) -> SamplingParams:
-        return self._params(self.max_tokens, self.logprobs, default_max)
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 is allowed only with echo, to score the prompt)")
+        # max_tokens 0 runs one token that the response leaves out: the prompt's logprobs come with it
+        params = self._params(1 if self.max_tokens == 0 else self.max_tokens, self.logprobs, default_max)
+        if self.echo and self.logprobs is not None:
+            params.prompt_logprobs = self.logprobs
+        return params
 
 
 class TextPart(BaseModel):
