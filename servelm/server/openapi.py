@@ -54,10 +54,11 @@ def _bound_token_ids(node, vocab: int) -> None:
 
 
 def _bound_lengths(node, max_model_len: int) -> None:
-    """Every integer marked as a generation length gets the context length as its maximum."""
+    """Every integer marked as a generation length gets the context length less one prompt token as its maximum
+    (prompt plus max_tokens must fit too, a bound across two fields that JSON Schema cannot state)."""
     if isinstance(node, dict):
         if node.get("x-context-bound") and node.get("type") == "integer":
-            node["maximum"] = max_model_len
+            node["maximum"] = max_model_len - 1
         for v in node.values():
             _bound_lengths(v, max_model_len)
     elif isinstance(node, list):
