@@ -213,3 +213,10 @@ def test_openapi_lists_real_statuses_and_bounds(server):
     ids = next(s for s in prompt if s.get("x-token-ids"))
     assert ids["minItems"] == 1 and ids["items"]["maximum"] == VOCAB - 1 and ids["items"]["minimum"] == 0
     assert {"type": "string", "minLength": 1} in schemas["EmbeddingRequest"]["properties"]["input"]["anyOf"]
+
+
+def test_native_default_max_tokens_fits_the_context(server):
+    """/generate's default of 128 new tokens is capped by what the context holds (512 - 500 here)."""
+    r = httpx.post(server + "/generate", json={"prompt": "hi " * 500, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] + r.json()["usage"]["completion_tokens"] <= 512

@@ -177,7 +177,8 @@ class CompletionRequest(_SamplingFields):
 
     def sampling_params(self, default_max: int) -> SamplingParams:
         if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens must be at least 1 (0 is allowed only with echo, to score the prompt)")
+            raise APIError(400, "max_tokens must be at least 1 (0 is allowed only with echo, to score the prompt)",
+                           "max_tokens")
         # max_tokens 0 runs one token that the response leaves out: the prompt's logprobs come with it
         params = self._params(1 if self.max_tokens == 0 else self.max_tokens, self.logprobs, default_max)
         if self.echo and self.logprobs is not None:
