@@ -72,7 +72,8 @@ _RANGES = {"max_num_seqs": {"minimum": 1}, "priority_aging_s": {"minimum": 0},
            "scheduling_policy": {"enum": ["priority", "fcfs"]}, "queue_high_watermark": {"minimum": 1},
            "queue_low_watermark": {"minimum": 0}, "queue_timeout_s": {"exclusiveMinimum": 0},
            "rate_limit_rpm": {"minimum": 1}, "rate_limit_tpm": {"minimum": 1},
-           "default_priority": {"enum": ["high", "normal", "low"]}}
+           "default_priority": {"enum": ["high", "normal", "low"]}, "auth_failures_per_minute": {"minimum": 1},
+           "max_n": {"minimum": 1}, "max_request_tokens": {"minimum": 1}, "max_embedding_inputs": {"minimum": 1}}
 
 
 def _config_patch_schema() -> dict:
@@ -115,6 +116,9 @@ def install_openapi(app: FastAPI, vocab_size, max_model_len) -> None:
         paths = doc.get("paths", {})
         if "/metrics" in paths:  # Prometheus text, not JSON
             paths["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+        for path in _GENERATION:  # with "stream": true, server-sent events
+            if "post" in paths.get(path, {}):
+                paths[path]["post"]["responses"]["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
         if "patch" in paths.get("/admin/config", {}):
             paths["/admin/config"]["patch"]["requestBody"] = _config_patch_schema()
         vocab, context = vocab_size(), max_model_len()
