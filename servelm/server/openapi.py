@@ -17,6 +17,9 @@ ERROR_SCHEMA = {
 _WHY = {400: "invalid request", 401: "missing or invalid API key", 403: "the key may not do this",
         404: "unknown model or route", 408: "queue timeout", 413: "request body too large",
         429: "rate limit", 503: "overloaded, or the engine or embedder is down"}
+# One server-sent event: its data line is a JSON chunk (or [DONE]).
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 _GENERATION = {"/v1/completions", "/v1/chat/completions", "/generate", "/chat"}
 
 
@@ -118,7 +121,7 @@ def install_openapi(app: FastAPI, vocab_size, max_model_len) -> None:
             paths["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
         for path in _GENERATION:  # with "stream": true, server-sent events
             if "post" in paths.get(path, {}):
-                paths[path]["post"]["responses"]["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+                paths[path]["post"]["responses"]["200"]["content"]["text/event-stream"] = {"schema": _SSE_EVENT}
         if "patch" in paths.get("/admin/config", {}):
             paths["/admin/config"]["patch"]["requestBody"] = _config_patch_schema()
         vocab, context = vocab_size(), max_model_len()
