@@ -213,3 +213,14 @@ def test_openapi_lists_real_statuses_and_bounds(server):
     ids = next(s for s in prompt if s.get("x-token-ids"))
     assert ids["minItems"] == 1 and ids["items"]["maximum"] == VOCAB - 1 and ids["items"]["minimum"] == 0
     assert {"type": "string", "minLength": 1} in schemas["EmbeddingRequest"]["properties"]["input"]["anyOf"]
+    assert "text/event-stream" in doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+    assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    patch = doc["paths"]["/admin/config"]["patch"]["requestBody"]["content"]["application/json"]["schema"]
+    assert patch["properties"]["max_num_seqs"]["minimum"] == 1 and not patch["additionalProperties"]
+
+
+def test_native_default_max_tokens_fits_the_context(server):
+    """/generate's default of 128 new tokens is capped by what the context holds (512 - 500 here)."""
+    r = httpx.post(server + "/generate", json={"prompt": "hi " * 500, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] + r.json()["usage"]["completion_tokens"] <= 512

@@ -76,7 +76,7 @@ def build_app(state: ServerState):
         return tok(text, **kw).input_ids
 
     install_error_handlers(app)
-    install_openapi(app, lambda: engine.info.vocab_size if engine.info else None)
+    install_openapi(app, lambda: engine.info.vocab_size if engine.info else None, lambda: engine.max_model_len)
 
     # -- health ------------------------------------------------------------------------------------
     @app.get("/health")
@@ -505,7 +505,10 @@ def build_app(state: ServerState):
 
     # -- native endpoints --------------------------------------------------------------------------
     async def _native(request: Request, ids: list[int], body: p.NativeGenerateRequest, prompt: str | None):
-        creq = p.CompletionRequest(prompt=ids, max_tokens=body.max_tokens, temperature=body.temperature,
+        max_tokens = body.max_tokens
+        if "max_tokens" not in body.model_fields_set:  # the default never asks for more than the context holds
+            max_tokens = max(1, min(max_tokens, engine.max_model_len - len(ids)))
+        creq = p.CompletionRequest(prompt=ids, max_tokens=max_tokens, temperature=body.temperature,
                                    top_p=body.top_p, stop=body.stop_sequences)
         params = _params(creq, len(ids))
         prio = _admit(request, body, [ids], [params])

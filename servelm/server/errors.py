@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from servelm.server.protocol import APIError
+from servelm.server.protocol import ROLES, APIError
 
 logger = logging.getLogger("servelm.server")
 
@@ -34,8 +34,17 @@ _UNION_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|[a-z]+-[a-z\-]+)(\
 
 
 def _loc(e: dict) -> list:
-    """An error's location without "body" and without the union-member labels pydantic puts in it."""
-    return [x for x in e.get("loc", []) if x != "body" and not (isinstance(x, str) and _UNION_TAG.match(x))]
+    """An error's location without "body" and without the union-member labels pydantic puts in it (a type, or
+    a message's role after its index)."""
+    out: list = []
+    for x in e.get("loc", []):
+        if x == "body" or (isinstance(x, str) and (_UNION_TAG.match(x) or (x in ROLES and out and
+                                                                        isinstance(out[-1], int)))):
+            continue
+        out.append(x)
+    if e.get("type") in ("union_tag_invalid", "union_tag_not_found"):  # the discriminator itself is wrong
+        out.append(str((e.get("ctx") or {}).get("discriminator", "")).strip("'") or "role")
+    return out
 
 
 def _best(errors: list[dict]) -> dict:

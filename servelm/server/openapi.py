@@ -17,6 +17,9 @@ ERROR_SCHEMA = {
 _WHY = {400: "invalid request", 401: "missing or invalid API key", 403: "the key may not do this",
         404: "unknown model or route", 408: "queue timeout", 413: "request body too large",
         429: "rate limit", 503: "overloaded, or the engine or embedder is down"}
+# One server-sent event: its data line is a JSON chunk (or [DONE]).
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 _GENERATION = {"/v1/completions", "/v1/chat/completions", "/generate", "/chat"}
 
 
@@ -53,7 +56,49 @@ def _bound_token_ids(node, vocab: int) -> None:
             _bound_token_ids(v, vocab)
 
 
-def install_openapi(app: FastAPI, vocab_size) -> None:
+def _bound_lengths(node, max_model_len: int) -> None:
+    """Every integer marked as a generation length gets the context length less one prompt token as its maximum
+    (prompt plus max_tokens must fit too, a bound across two fields that JSON Schema cannot state)."""
+    if isinstance(node, dict):
+        if node.get("x-context-bound") and node.get("type") == "integer":
+            node["maximum"] = max_model_len - 1
+        for v in node.values():
+            _bound_lengths(v, max_model_len)
+    elif isinstance(node, list):
+        for v in node:
+            _bound_lengths(v, max_model_len)
+
+
+# What PATCH /admin/config takes: the run-time settings, flat, with the ranges their validate() enforces.
+_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean"}
+_RANGES = {"max_num_seqs": {"minimum": 1}, "priority_aging_s": {"minimum": 0},
+           "scheduling_policy": {"enum": ["priority", "fcfs"]}, "queue_high_watermark": {"minimum": 1},
+           "queue_low_watermark": {"minimum": 0}, "queue_timeout_s": {"exclusiveMinimum": 0},
+           "rate_limit_rpm": {"minimum": 1}, "rate_limit_tpm": {"minimum": 1},
+           "default_priority": {"enum": ["high", "normal", "low"]}, "auth_failures_per_minute": {"minimum": 1},
+           "max_n": {"minimum": 1}, "max_request_tokens": {"minimum": 1}, "max_embedding_inputs": {"minimum": 1}}
+
+
+def _config_patch_schema() -> dict:
+    import typing
+
+    from servelm.server.settings import SECTIONS, all_fields
+
+    props = {}
+    for sec, f in all_fields():
+        if not f.metadata.get("runtime"):
+            continue
+        tp = typing.get_type_hints(SECTIONS[sec])[f.name]
+        args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+        one = {"type": _TYPES[args[0]], **_RANGES.get(f.name, {}), "description": f.metadata.get("help", "")}
+        if args[0] is int:
+            one.setdefault("maximum", 2**63 - 1)
+        props[f.name] = {"anyOf": [one, {"type": "null"}]} if type(None) in typing.get_args(tp) else one
+    return {"required": True, "content": {"application/json": {"schema": {
+        "type": "object", "minProperties": 1, "additionalProperties": False, "properties": props}}}}
+
+
+def install_openapi(app: FastAPI, vocab_size, max_model_len) -> None:
     """Replace FastAPI's generated document with the corrected one (built once, on first request)."""
 
     def openapi() -> dict:
@@ -71,10 +116,19 @@ def install_openapi(app: FastAPI, vocab_size) -> None:
                 for status in sorted(statuses(path, method)):
                     responses[str(status)] = {"description": _WHY[status], "content": {
                         "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-        vocab = vocab_size()
-        if vocab:
+        paths = doc.get("paths", {})
+        if "/metrics" in paths:  # Prometheus text, not JSON
+            paths["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+        for path in _GENERATION:  # with "stream": true, server-sent events
+            if "post" in paths.get(path, {}):
+                paths[path]["post"]["responses"]["200"]["content"]["text/event-stream"] = {"schema": _SSE_EVENT}
+        if "patch" in paths.get("/admin/config", {}):
+            paths["/admin/config"]["patch"]["requestBody"] = _config_patch_schema()
+        vocab, context = vocab_size(), max_model_len()
+        if vocab and context:  # the model is loaded: its bounds are known, and the document final
             _bound_token_ids(schemas, vocab)
-        app.openapi_schema = doc
+            _bound_lengths(schemas, context)
+            app.openapi_schema = doc
         return doc
 
     app.openapi = openapi

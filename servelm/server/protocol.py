@@ -37,6 +37,8 @@ Texts = Annotated[list[Text], Field(min_length=1)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]],
                      Field(min_length=1, json_schema_extra={"x-token-ids": True})]
 Stop = Text | list[Text] | None
+# A number of tokens to generate: /openapi.json bounds it by the context length (see openapi.py).
+Length = Annotated[int, Field(ge=1, le=INT32_MAX, json_schema_extra={"x-context-bound": True})]
 
 # A priority class by name, or its index (0 high, 1 normal, 2 low; lower is served first, as in vLLM).
 Priority = Literal["high", "normal", "low"] | Annotated[int, Field(ge=0, le=2)] | None
@@ -77,10 +79,22 @@ NOT_SUPPORTED_YET: dict[str, tuple] = {
 }
 
 
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 2.0 as an integer, so the server does: integral floats become ints (float fields take
+    ints; strict validation still refuses "2" and true)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _integral(v) for k, v in value.items()}
+    return value
+
+
 class _Body(BaseModel):
     """A request body: valid Unicode, finite numbers, and no field servelm would silently ignore."""
 
-    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", strict=True)  # "5" is not a number
 
     @model_validator(mode="before")
     @classmethod
@@ -92,6 +106,7 @@ class _Body(BaseModel):
                            "invalid_unicode")
         if not isinstance(data, dict):
             return data
+        data = _integral(data)
         noop = []
         for name, value in data.items():
             if name not in NOT_SUPPORTED_YET or name in cls.model_fields:
@@ -100,22 +115,6 @@ class _Body(BaseModel):
                 raise APIError(400, f"'{name}' is not supported by this server yet", name, "unsupported_parameter")
             noop.append(name)
         return {k: v for k, v in data.items() if k not in noop} if noop else data
-
-
-def check_messages(messages: list[ChatMessage] | None) -> None:
-    """What OpenAI refuses in a conversation: content missing where it is required, a text part without text,
-    and (here) any part that is not text."""
-    for i, msg in enumerate(messages or []):
-        if msg.content is None and msg.role != "assistant":
-            raise APIError(400, f"messages.{i}.content: a {msg.role!r} message needs content",
-                           f"messages.{i}.content")
-        for j, part in enumerate(msg.content if isinstance(msg.content, list) else []):
-            where = f"messages.{i}.content.{j}"
-            if part.get("type") != "text":
-                raise APIError(400, f"{where}.type: content part type {part.get('type')!r} is not supported "
-                                    "(only 'text')", f"{where}.type")
-            if not isinstance(part.get("text"), str):
-                raise APIError(400, f"{where}.text: a text part needs 'text', a string", f"{where}.text")
 
 
 class StreamOptions(BaseModel):
@@ -172,13 +171,14 @@ class _SamplingFields(_Body):
 class CompletionRequest(_SamplingFields):
     prompt: Text | Texts | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
     # 0 only with echo: score the prompt, generate nothing (what lm-evaluation-harness's loglikelihood sends)
-    max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = 16
+    max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX, json_schema_extra={"x-context-bound": True})] | None = 16
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
     def sampling_params(self, default_max: int) -> SamplingParams:
         if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens must be at least 1 (0 is allowed only with echo, to score the prompt)")
+            raise APIError(400, "max_tokens must be at least 1 (0 is allowed only with echo, to score the prompt)",
+                           "max_tokens")
         # max_tokens 0 runs one token that the response leaves out: the prompt's logprobs come with it
         params = self._params(1 if self.max_tokens == 0 else self.max_tokens, self.logprobs, default_max)
         if self.echo and self.logprobs is not None:
@@ -186,32 +186,65 @@ class CompletionRequest(_SamplingFields):
         return params
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class TextPart(BaseModel):
+    """An OpenAI content part; only text is supported."""
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    content: str | list[TextPart]
+    name: str | None = None
 
     def text(self) -> str:
-        """The content as one string (parts are text: check_messages() refused any other)."""
+        """The content as one string."""
         if isinstance(self.content, list):
-            return "".join(p["text"] for p in self.content)
+            return "".join(p.text for p in self.content)
         return self.content or ""
 
 
+class SystemMessage(_Message):
+    role: Literal["system"]
+
+
+class DeveloperMessage(_Message):
+    role: Literal["developer"]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    tool_call_id: str | None = None
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: str | list[TextPart] | None = None  # only the assistant may leave it out (OpenAI: with tool calls)
+
+
+ROLES = ("system", "developer", "user", "tool", "assistant")
+ChatMessage = Annotated[SystemMessage | DeveloperMessage | UserMessage | ToolMessage | AssistantMessage,
+                        Field(discriminator="role")]
+Messages = Annotated[list[ChatMessage], Field(min_length=1)]
+
+
 class ChatCompletionRequest(_SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    messages: Messages
+    max_tokens: Length | None = None
+    max_completion_tokens: Length | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    @model_validator(mode="after")
-    def _messages(self) -> ChatCompletionRequest:
-        check_messages(self.messages)
-        return self
 
     def sampling_params(self, default_max: int) -> SamplingParams:
         lp = (self.top_logprobs or 0) if self.logprobs else None
@@ -226,15 +259,15 @@ class EmbeddingRequest(_Body):
 
 
 class TokenizeRequest(_Body):
+    model_config = ConfigDict(json_schema_extra={"anyOf": [  # one of the two, not null
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
+
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Messages | None = None
     add_special_tokens: bool = True
 
-    @model_validator(mode="after")
-    def _messages(self) -> TokenizeRequest:
-        check_messages(self.messages)
-        return self
 
 
 class DetokenizeRequest(_Body):
@@ -244,7 +277,7 @@ class DetokenizeRequest(_Body):
 
 class NativeGenerateRequest(_Body):
     prompt: Text
-    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] = 128
+    max_tokens: Length = 128
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     stop_sequences: list[Text] | None = None
@@ -254,12 +287,8 @@ class NativeGenerateRequest(_Body):
 
 class NativeChatRequest(NativeGenerateRequest):
     prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Messages
 
-    @model_validator(mode="after")
-    def _messages(self) -> NativeChatRequest:
-        check_messages(self.messages)
-        return self
 
 
 class NativeEmbeddingRequest(_Body):
