@@ -6,9 +6,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Hash chain key of a full block: it identifies the block's tokens *and* everything before them."""
-    return hash((parent_hash, tuple(token_ids)))
+def hash_block(parent_hash: int | None, token_ids: Sequence[int], num_prompt: int | None = None) -> int:
+    """Hash chain key of a full block: it identifies the block's tokens *and* everything before them.
+    `num_prompt`, for a block that does not lie wholly in its sequence's prompt, is how many of its tokens
+    do: generated tokens' keys and values come from the decode path, prompt tokens' from the prefill path
+    (different summation orders), so a later prompt must not reuse them as if it had computed them."""
+    if num_prompt is None:
+        return hash((parent_hash, tuple(token_ids)))
+    return hash((parent_hash, tuple(token_ids), "generated", num_prompt))
 
 
 class BlockPool:

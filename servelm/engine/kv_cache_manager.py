@@ -42,7 +42,9 @@ class KVCacheManager:
         hashes = seq.block_hashes
         for i in range(len(hashes), upto_tokens // bs):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+            in_prompt = seq.num_prompt_tokens - i * bs
+            hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs],
+                                     None if in_prompt >= bs else max(in_prompt, 0)))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached prefix of seq (no side effects). At least one token is left
