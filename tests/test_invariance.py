@@ -107,3 +107,18 @@ def test_seeded_sampling_is_the_same_in_any_batch(model_dir, dtype):
     for i, (p, s) in enumerate(zip(PROMPTS, seeded, strict=True)):  # again, all but one token cached
         mixed = others[: 5 * i + 2] + [p]  # a different batch (size and neighbours) for each request
         assert outputs(llm, mixed, [noise] * (len(mixed) - 1) + [s])[-1] == ref[i], i
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_prompt_that_repeats_a_reply_computes_it_as_prompt(model_dir, dtype):
+    """Multi-turn chat: the next prompt holds the last reply, whose cached keys and values came from the
+    decode path; it must get what it gets with nothing cached, so those blocks are not reused as prompt."""
+    first = PROMPTS[1]  # 49 tokens
+    reply = outputs(LLM(model_dir, dtype=dtype, num_kv_blocks=64), [first],
+                    SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0][0]
+    follow_up = first + reply + [5, 6, 7]  # 92 tokens: the reply fills whole blocks
+    llm = LLM(model_dir, dtype=dtype, num_kv_blocks=64)
+    outputs(llm, [first], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    hits = llm.engine.get_stats().prefix_cache_hits
+    assert outputs(llm, [follow_up]) == alone(model_dir, dtype, [follow_up])
+    assert llm.engine.get_stats().prefix_cache_hits - hits == 48  # the prompt's 3 blocks, none of the reply's
