@@ -6,7 +6,8 @@ runs, the median and the engine's own load time (from its log), and each checkou
       --src /path/to/old/checkout --src .
 
 Setups: `hf` (the model, no embedder), `hf+emb` (with the default embedding model) and `default`
-(`servelm serve` with no model: the packaged SmolLM2 GGUF). A benchmark, not a test.
+(`servelm serve` with no model: the packaged SmolLM2 GGUF). `--cold` gives every run an empty
+SERVELM_CACHE_DIR: the time of a new user's first start. A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ import urllib.request
 from pathlib import Path
 
 
-def _ready_seconds(src: str, args: list[str], port: int) -> tuple[float, float | None]:
+def _ready_seconds(src: str, args: list[str], port: int, cold: bool) -> tuple[float, float | None]:
     src = str(Path(src).resolve())
     env = {**os.environ, "PYTHONPATH": src}
-    with tempfile.TemporaryFile("w+") as log:
+    with tempfile.TemporaryFile("w+") as log, tempfile.TemporaryDirectory() as cache:
+        if cold:  # a first start: nothing converted or cached yet
+            env["SERVELM_CACHE_DIR"] = cache
         t0 = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", "servelm.entrypoints.cli", "serve", *args, "--port", str(port)],
                                 env=env, cwd=src, stdout=log, stderr=subprocess.STDOUT)  # cwd: `-m` puts it first
@@ -58,6 +61,7 @@ def main() -> None:
     p.add_argument("--setups", default="hf,hf+emb,default")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--port", type=int, default=8399)
+    p.add_argument("--cold", action="store_true", help="each run with an empty SERVELM_CACHE_DIR (a first start)")
     args = p.parse_args()
     srcs = args.src or ["."]
     setups = {"hf": [args.model, "--dtype", "bfloat16", "--embedding-model", "none"],
@@ -67,8 +71,8 @@ def main() -> None:
     for _ in range(args.repeats):
         for src in srcs:
             for s in chosen:
-                runs.setdefault((src, s), []).append(_ready_seconds(src, setups[s], args.port))
-    out: dict = {"model": args.model, "repeats": args.repeats, "results": {}}
+                runs.setdefault((src, s), []).append(_ready_seconds(src, setups[s], args.port, args.cold))
+    out: dict = {"model": args.model, "repeats": args.repeats, "cold": args.cold, "results": {}}
     for src in srcs:
         res = out["results"][src] = {}
         for s in chosen:

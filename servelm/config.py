@@ -61,6 +61,9 @@ class EngineConfig:
     max_num_seqs: int = _f(256, "most sequences in one batch", runtime=True)
     max_num_batched_tokens: int = _f(2048, "token budget of one engine step (prefill chunks + decodes)")
     max_model_len: int | None = _f(None, "context length; default: the model's, capped by the KV cache")
+    sliding_window: int | None = _f(None, "an attention window (tokens) for every layer, overriding the model's: "
+                                    "for GGUF files that do not state the window the model was trained with "
+                                    "(llama.cpp's converter drops Mistral's and Qwen's)")
     enable_prefix_caching: bool = _f(True, "reuse the KV cache of shared prompt prefixes")
     enable_chunked_prefill: bool = _f(True, "split long prompts over several steps, mixed with decodes")
     preemption_mode: str = _f("recompute", "recompute | swap: what happens to a request preempted "
@@ -92,6 +95,7 @@ class EngineConfig:
         need(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1")
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1 or None")
+        need(self.sliding_window is None or self.sliding_window >= 1, "sliding_window", ">= 1 or None")
         need(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "recompute or swap")
         need(self.swap_space_gb >= 0, "swap_space_gb", ">= 0")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1 or None")

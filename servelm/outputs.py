@@ -41,3 +41,5 @@ class RequestOutput:
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (as vLLM)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

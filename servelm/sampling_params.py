@@ -35,6 +35,8 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    # log-probabilities of the prompt's own tokens (the first has none), each with this many alternatives
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
@@ -61,8 +63,8 @@ class SamplingParams:
             raise bad("temperature", ">= 0")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", "an integer >= 0 (0 or -1 disables it)")
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k < 2**31:  # the sampler holds it in an int64
+            raise bad("top_k", "an integer in [0, 2**31) (0 or -1 disables it)")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", "in [0, 1]")
         if self.repetition_penalty <= 0:
@@ -82,8 +84,11 @@ class SamplingParams:
             )
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "an integer in [0, 20] or None")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "an integer or None")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", "an integer in [0, 20] or None")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
+            raise bad("seed", "an integer in [-2**63, 2**64) (what a torch generator takes) or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -6,10 +6,15 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+try:
+    import torch
+except ImportError:  # the torch-free smoke subset (API side, config, scheduler) runs without it
+    torch = None
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+if torch is not None:
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 VOCAB = 49152  # the SmolLM2 tokenizer's
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -27,6 +32,10 @@ def _configs():
         "llama3rope": LlamaConfig(**{**COMMON, "tie_word_embeddings": True}, rope_parameters={
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        # Built only where a test asks for it (not in ARCHS): the GGUF tests' YaRN model.
+        "llama_yarn": LlamaConfig(**COMMON, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "original_max_position_embeddings": 64,
+            "beta_fast": 16.0, "beta_slow": 2.0}),
         "mistral": MistralConfig(**COMMON, sliding_window=24),
         "qwen2": Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=24, max_window_layers=1),
         "qwen3": Qwen3Config(**COMMON, head_dim=32),

@@ -10,9 +10,19 @@ from servelm.engine.sequence import Request, Sequence
 from servelm.sampling_params import SamplingParams
 
 
-def make_seq(tokens: list[int], n: int = 1) -> Sequence:
-    req = Request("r", list(tokens), SamplingParams(n=n))
+def make_seq(tokens: list[int], n: int = 1, salt: str | None = None) -> Sequence:
+    req = Request("r", list(tokens), SamplingParams(n=n), cache_salt=salt)
     return Sequence(req, 0, list(tokens))
+
+
+def computed(kv: KVCacheManager, tokens: list[int], salt: str | None = None) -> Sequence:
+    """A sequence whose tokens are all computed and whose full blocks are in the prefix cache, then freed."""
+    s = make_seq(tokens, salt=salt)
+    assert kv.allocate(s, len(tokens))
+    s.num_computed_tokens = len(tokens)
+    kv.commit_computed(s)
+    kv.free(s)
+    return s
 
 
 def test_alloc_free_refcounts():
@@ -40,6 +50,34 @@ def test_exhausted_pool_raises():
 def test_hash_chain_depends_on_parent():
     assert hash_block(None, [1, 2]) != hash_block(hash_block(None, [9, 9]), [1, 2])
     assert hash_block(None, [1, 2]) == hash_block(None, [1, 2])
+    assert hash_block(None, [1, 2]) != hash_block(None, [2, 1])
+    assert len(hash_block(None, [1, 2])) == 32  # SHA-256, not a 64-bit hash() anyone can collide
+
+
+def test_different_cache_salts_never_share_blocks():
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True, num_cpu_blocks=0)
+    tokens = list(range(13))
+    first = computed(kv, tokens, salt="tenant-a")
+    assert len(kv.find_cached_prefix(make_seq(tokens, salt="tenant-a"))) == 3  # same salt: shared
+    for other in ("tenant-b", None):
+        assert kv.find_cached_prefix(make_seq(tokens, salt=other)) == []
+    # and an unsalted prompt's blocks are not found by a salted one either
+    computed(kv, list(range(100, 113)))
+    assert kv.find_cached_prefix(make_seq(list(range(100, 113)), salt="tenant-a")) == []
+    assert len(kv.find_cached_prefix(make_seq(list(range(100, 113))))) == 3
+    assert first.block_hashes != make_seq(tokens).block_hashes
+
+
+def test_forced_hash_collision_is_not_served(monkeypatch):
+    """Every block key the same: a lookup must still only return a block holding exactly these tokens."""
+    import servelm.engine.kv_cache_manager as kvm
+
+    monkeypatch.setattr(kvm, "hash_block", lambda parent, ids: b"\0" * 32)
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True, num_cpu_blocks=0)
+    computed(kv, [5, 6, 7, 8, 9])
+    assert kv.find_cached_prefix(make_seq([1, 2, 3, 4, 9])) == []  # same key, other tokens: a miss
+    assert kv.find_cached_prefix(make_seq([5, 6, 7, 8, 9], salt="other")) == []  # same key, other salt
+    assert len(kv.find_cached_prefix(make_seq([5, 6, 7, 8, 1]))) == 1  # the true owner still hits
 
 
 def test_lru_eviction_order():

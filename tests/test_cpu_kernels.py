@@ -192,15 +192,3 @@ def test_gate_up_of_odd_width_falls_back_to_projection_then_silu_mul():
 def test_float32_linear_keeps_plain_matmul():
     lin = Linear(torch.randn(8, 64))
     assert lin.avx512 is None and lin.packed is None
-
-
-def test_kernels_build_from_a_copy_in_the_cache():
-    """The build must not name the checkout's paths: torch's builder recompiles when they change (a new clone)."""
-    from pathlib import Path
-
-    build_dir = Path(kernels.__file__).parent
-    ninja = (build_dir / "build.ninja").read_text()
-    assert str(cpu_kernels._SRC_DIR) not in ninja
-    for f in cpu_kernels._SRC_DIR.glob("*.cpp"):
-        copy = build_dir / "src" / f.name
-        assert copy.read_bytes() == f.read_bytes() and str(copy) in ninja

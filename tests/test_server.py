@@ -110,7 +110,11 @@ def test_n2_stop_seed_logprobs(client, offline):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
                                           temperature=0, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
-    assert len(content) == len(chat.choices[0].message.content and content) and len(content[0].top_logprobs) == 2
+    assert len(content) == chat.usage.completion_tokens == 3  # one entry per generated token
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert c.logprob <= 0 and c.logprob == c.top_logprobs[0].logprob  # greedy: the chosen token is the top one
 
 
 def test_completion_prompt_forms_and_echo(client):
@@ -120,6 +124,65 @@ def test_completion_prompt_forms_and_echo(client):
     assert len(res.choices) == 2 and res.usage.prompt_tokens == 5
     echo = client.completions.create(model="tiny", prompt="Hello there", max_tokens=2, temperature=0, echo=True)
     assert echo.choices[0].text.startswith("Hello there")
+
+
+def _hf_logprobs(model, ids: list[int]):
+    import torch
+
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_echo_with_logprobs_returns_the_prompt_tokens(server, client, hf_models, tokenizer):
+    """What lm-evaluation-harness's loglikelihood tasks send: the prompt's tokens come back with their
+    logprobs (the first None), for text and token-id prompts, also with max_tokens 0."""
+    text = "The capital of France is"
+    ids = httpx.post(server + "/tokenize", json={"prompt": text}).json()["tokens"]
+    ref = _hf_logprobs(hf_models["llama"], ids)
+    res = client.completions.create(model="tiny", prompt=text, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    lp = res.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1 and res.choices[0].text.startswith(text)
+    assert lp.tokens[:len(ids)] == [tokenizer.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for j in range(1, len(ids)):
+        assert lp.token_logprobs[j] == pytest.approx(float(ref[j - 1, ids[j]]), abs=1e-4)
+        best = int(ref[j - 1].argmax())
+        assert lp.top_logprobs[j][tokenizer.decode([best])] == pytest.approx(float(ref[j - 1, best]), abs=1e-4)
+    assert lp.text_offset[:3] == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
+    # token ids and max_tokens 0: only the prompt, scored; nothing generated
+    scored = client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=0, max_tokens=0)
+    c = scored.choices[0]
+    assert c.text == tokenizer.decode(ids) and c.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+    assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) == len(ids)
+    assert c.logprobs.token_logprobs[1:] == pytest.approx([float(ref[j - 1, ids[j]]) for j in range(1, len(ids))],
+                                                          abs=1e-4)
+    # streamed: the echo chunk carries the prompt's logprobs, and max_tokens 0 adds no text
+    chunks = list(client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=0, max_tokens=0,
+                                            stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == tokenizer.decode(ids)
+    assert chunks[0].choices[0].logprobs.token_logprobs == c.logprobs.token_logprobs
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # max_tokens 0 without echo generates nothing and scores nothing: refused
+    r = httpx.post(server + "/v1/completions", json={"prompt": text, "max_tokens": 0})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+
+
+def test_streamed_prompts_run_concurrently(client, offline):
+    """Several prompts in one streamed request run at once: the second prompt's first chunk comes before
+    the first prompt ends (run one after another, every chunk of prompt 0 would come first), each chunk
+    carries its prompt's index, and each prompt's text is what it gets alone."""
+    prompts = random_prompts(2, 6, 12, seed=44)
+    ref = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
+    chunks = [c.choices[0] for c in client.completions.create(
+        model="tiny", prompt=prompts, max_tokens=48, temperature=0, stream=True, extra_body={"ignore_eos": True})]
+    assert {c.index for c in chunks} == {0, 1}
+    first_of_1 = next(k for k, c in enumerate(chunks) if c.index == 1)
+    end_of_0 = next(k for k, c in enumerate(chunks) if c.index == 0 and c.finish_reason)
+    assert first_of_1 < end_of_0
+    for i in (0, 1):
+        assert "".join(c.text for c in chunks if c.index == i) == ref[i].outputs[0].text
+        assert [c.finish_reason for c in chunks if c.index == i][-1] == "length"
 
 
 def test_tokenize_detokenize_native(server):

@@ -251,6 +251,26 @@ def test_stats_json_shape(svc):
     assert s["prefix_cache"]["hits"] > 0 and 0 < s["prefix_cache"]["hit_rate"] <= 1
 
 
+def test_prefix_cache_is_isolated_per_key_and_cache_salt(svc):
+    """Default --prefix-cache-isolation key: one key never hits blocks cached by another key's requests,
+    and a cache_salt makes a namespace of its own within a key."""
+    _, url = svc
+    hashed = {"x-api-key": "sk-hashed-00002"}
+    body = {"prompt": "a prompt only this test sends, long enough for two blocks " * 3, "max_tokens": 1}
+
+    def hits_after(headers: dict, **extra) -> int:
+        before = stats(url, ALICE)["prefix_cache"]["hits"]
+        assert complete(url, headers, **body, **extra).status_code == 200
+        return stats(url, ALICE)["prefix_cache"]["hits"] - before
+
+    assert hits_after(ALICE) == 0  # first time: nothing cached
+    assert hits_after(ALICE) > 0  # same key: shared
+    assert hits_after(hashed) == 0  # another key, same prompt: not shared
+    assert hits_after(ALICE, cache_salt="s1") == 0  # a salt is a namespace of its own
+    assert hits_after(ALICE, cache_salt="s1") > 0
+    assert hits_after(hashed, cache_salt="s1") == 0  # the same salt under another key is still apart
+
+
 def _samples(url: str) -> dict:
     text = httpx.get(url + "/metrics").text
     out: dict = {}

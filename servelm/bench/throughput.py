@@ -11,10 +11,9 @@ import subprocess
 import time
 from typing import TYPE_CHECKING
 
-from tqdm import tqdm
-
 from servelm.bench.workloads import Workload, make_workload
 from servelm.config import EngineConfig
+from servelm.progress import progress
 from servelm.sampling_params import OutputKind, SamplingParams
 
 if TYPE_CHECKING:  # torch is imported where used: every CLI start builds this module's parser
@@ -95,7 +94,7 @@ def run_servelm(cfg: EngineConfig, wl: Workload, repeats: int, label: str = "ser
             engine.add_request(f"{rep}-{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
                                                                output_kind=OutputKind.DELTA))
         first, last = {}, {}
-        with tqdm(total=wl.num_requests, desc=f"{label} {wl.name}", unit="req", leave=False) as bar:
+        with progress(total=wl.num_requests, desc=f"{label} {wl.name}", unit="req", leave=False) as bar:
             while engine.has_unfinished_requests():
                 outs = engine.step()
                 now = time.perf_counter()
@@ -146,7 +145,7 @@ def _hf_generate(model, batch: list[list[int]], max_new: int) -> None:
 def run_hf_static(model, wl: Workload, batch_size: int) -> dict:
     """Padded static batches in arrival order: each batch runs until its longest output is done."""
     start = time.perf_counter()
-    for i in tqdm(range(0, wl.num_requests, batch_size), desc=f"hf-static {wl.name}", leave=False):
+    for i in progress(range(0, wl.num_requests, batch_size), desc=f"hf-static {wl.name}", leave=False):
         _hf_generate(model, wl.prompts[i:i + batch_size], max(wl.output_lens[i:i + batch_size]))
     wall = time.perf_counter() - start
     return {"system": "transformers-static", "batch_size": batch_size, "wall_s": round(wall, 2),
@@ -156,7 +155,7 @@ def run_hf_static(model, wl: Workload, batch_size: int) -> dict:
 def run_hf_sequential(model, wl: Workload, n_requests: int) -> dict:
     """One request at a time; TTFT from a one-token generate, TPOT from the rest."""
     ttfts, tpots, tokens, wall = [], [], 0, 0.0
-    for p, n in tqdm(list(zip(wl.prompts, wl.output_lens, strict=True))[:n_requests], desc="hf-sequential",
+    for p, n in progress(list(zip(wl.prompts, wl.output_lens, strict=True))[:n_requests], desc="hf-sequential",
                      leave=False):
         t = time.perf_counter()
         _hf_generate(model, [p], 1)

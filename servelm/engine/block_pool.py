@@ -2,18 +2,38 @@
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
+_NO_SALT = bytes(32)  # the parent of an unsalted prompt's first block
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int], num_prompt: int | None = None) -> int:
-    """Hash chain key of a full block: it identifies the block's tokens *and* everything before them.
-    `num_prompt`, for a block that does not lie wholly in its sequence's prompt, is how many of its tokens
-    do: generated tokens' keys and values come from the decode path, prompt tokens' from the prefill path
+
+def root_hash(cache_salt: str | None) -> bytes:
+    """The "parent" of a prompt's first block: a cache salt (one per tenant) starts a separate chain, so
+    blocks are never shared across salts."""
+    if not cache_salt:
+        return _NO_SALT
+    return hashlib.sha256(b"servelm-cache-salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+
+
+def block_preimage(parent_hash: bytes | None, token_ids: Sequence[int], num_prompt: int | None = None) -> bytes:
+    """What a block's key is the hash of: the parent's 32-byte key, then the token ids as int64s, then, for
+    a block that does not lie wholly in its sequence's prompt, a marker and how many of its tokens do:
+    generated tokens' keys and values come from the decode path, prompt tokens' from the prefill path
     (different summation orders), so a later prompt must not reuse them as if it had computed them."""
-    if num_prompt is None:
-        return hash((parent_hash, tuple(token_ids)))
-    return hash((parent_hash, tuple(token_ids), "generated", num_prompt))
+    pre = (parent_hash or _NO_SALT) + array("q", token_ids).tobytes()
+    return pre if num_prompt is None else pre + b"generated" + num_prompt.to_bytes(8, "little")
+
+
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], num_prompt: int | None = None) -> bytes:
+    """Hash chain key of a full block: it identifies the block's tokens *and* everything before them.
+
+    SHA-256, not Python's hash(): blocks are shared between requests, so a key must not collide, by chance
+    or by a crafted prompt (hash() of a tuple of ints is 64 bits and easy to collide on purpose).
+    """
+    return hashlib.sha256(block_preimage(parent_hash, token_ids, num_prompt)).digest()
 
 
 class BlockPool:
@@ -31,10 +51,13 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        # what each cached block's key was computed from: a hit is served only if it matches exactly, so
+        # even a hash collision cannot hand one prompt's KV to another
+        self.block_content: list[bytes | None] = [None] * num_blocks
         self.free_plain: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 on top
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # oldest first
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.cached: dict[bytes, int] = {}  # hash -> block id
         self.num_evictions = 0
 
     @property
@@ -55,7 +78,7 @@ class BlockPool:
     def _evict(self, block: int) -> None:
         h = self.block_hash[block]
         if h is not None:
-            self.block_hash[block] = None
+            self.block_hash[block] = self.block_content[block] = None
             if self.cached.get(h) == block:
                 del self.cached[h]
             self.num_evictions += 1
@@ -75,22 +98,29 @@ class BlockPool:
             raise RuntimeError(f"block {block} released more often than taken")
         if self.ref_counts[block] == 0:
             if not self.enable_caching:
-                self.block_hash[block] = None
+                self.block_hash[block] = self.block_content[block] = None
             if self.block_hash[block] is None:
                 self.free_plain.append(block)
             else:
                 self.free_cached[block] = None  # most recently freed: evicted last
 
-    def lookup(self, block_hash: int) -> int | None:
-        return self.cached.get(block_hash) if self.enable_caching else None
+    def lookup(self, block_hash: bytes, content: bytes = b"") -> int | None:
+        """The cached block under this key whose stored content (the key's preimage) is `content`."""
+        if not self.enable_caching:
+            return None
+        block = self.cached.get(block_hash)
+        if block is None or self.block_content[block] != content:
+            return None
+        return block
 
-    def cache(self, block: int, block_hash: int) -> None:
+    def cache(self, block: int, block_hash: bytes, content: bytes = b"") -> None:
         """Register a block that just became full under its hash (first writer wins)."""
         if not self.enable_caching or self.block_hash[block] is not None:
             return
         if block_hash not in self.cached:
             self.cached[block_hash] = block
             self.block_hash[block] = block_hash
+            self.block_content[block] = content
 
     def num_taken_from_free(self, blocks: Sequence[int]) -> int:
         """How many of these blocks would leave the free queue if taken."""
@@ -99,7 +129,7 @@ class BlockPool:
     def reset_prefix_cache(self) -> None:
         for h, b in list(self.cached.items()):
             if self.ref_counts[b] == 0:
-                self.block_hash[b] = None
+                self.block_hash[b] = self.block_content[b] = None
                 del self.cached[h]
                 del self.free_cached[b]
                 self.free_plain.append(b)

@@ -130,6 +130,10 @@ class EngineCore:
                 s.sample_seqs += [Sequence(req, i, list(s.seq.token_ids), generator=req.make_generator(i))
                                   for i in range(1, req.params.n)]
         results = iter(self.runner.execute(out))
+        for req, first, lps in self.runner.prompt_logprobs:
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None] * req.num_prompt_tokens
+            req.prompt_logprobs[first:first + len(lps)] = lps  # a recomputed chunk overwrites, never appends
         self.kv.end_step()
         now = time.monotonic()
         outputs: list[SeqOutput] = []
@@ -169,6 +173,10 @@ class EngineCore:
         queue_time = seq.first_scheduled - seq.request.arrival_time if n_out == 1 else None
         out = SeqOutput(seq.request.request_id, seq.index, [tok], [res] if res.logprob is not None else [],
                         reason, stop_reason, seq.num_cached_tokens, queue_time)
+        req = seq.request
+        if seq.index == 0 and req.needs_prompt_logprobs:  # the whole prompt has run: report its logprobs once
+            out.prompt_logprobs = req.prompt_logprobs or [None] * req.num_prompt_tokens
+            req.prompt_logprobs, req.prompt_logprobs_done = None, True
         if reason is not None:
             self.finish_seq(seq.request.request_id, seq.index, reason, stop_reason)
         return out

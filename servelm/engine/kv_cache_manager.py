@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from servelm.engine.block_pool import BlockPool, hash_block
+from servelm.engine.block_pool import BlockPool, block_preimage, hash_block, root_hash
 from servelm.engine.sequence import Sequence
 
 
@@ -36,15 +36,25 @@ class KVCacheManager:
         self.num_cow_copies = 0
 
     # -- admission ---------------------------------------------------------------------------------
+    def _parent(self, seq: Sequence, i: int) -> bytes:
+        return seq.block_hashes[i - 1] if i else root_hash(seq.request.cache_salt)
+
+    def _num_prompt(self, seq: Sequence, i: int) -> int | None:
+        """None where block i lies wholly in seq's prompt, else how many of its tokens do (see block_preimage)."""
+        in_prompt = seq.num_prompt_tokens - i * self.block_size
+        return None if in_prompt >= self.block_size else max(in_prompt, 0)
+
+    def _content(self, seq: Sequence, i: int) -> bytes:
+        """The preimage of block i's key: what a prefix-cache hit on it must match exactly."""
+        bs = self.block_size
+        return block_preimage(self._parent(seq, i), seq.token_ids[i * bs:(i + 1) * bs], self._num_prompt(seq, i))
+
     def _update_hashes(self, seq: Sequence, upto_tokens: int) -> None:
         """Extend seq.block_hashes over every full block within the first `upto_tokens` tokens."""
         bs = self.block_size
         hashes = seq.block_hashes
         for i in range(len(hashes), upto_tokens // bs):
-            parent = hashes[-1] if hashes else None
-            in_prompt = seq.num_prompt_tokens - i * bs
-            hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs],
-                                     None if in_prompt >= bs else max(in_prompt, 0)))
+            hashes.append(hash_block(self._parent(seq, i), seq.token_ids[i * bs:(i + 1) * bs], self._num_prompt(seq, i)))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached prefix of seq (no side effects). At least one token is left
@@ -53,8 +63,8 @@ class KVCacheManager:
             return []
         self._update_hashes(seq, seq.num_tokens - 1)
         blocks = []
-        for h in seq.block_hashes:
-            b = self.pool.lookup(h)
+        for i, h in enumerate(seq.block_hashes):
+            b = self.pool.lookup(h, self._content(seq, i))
             if b is None:
                 break
             blocks.append(b)
@@ -111,7 +121,7 @@ class KVCacheManager:
         full = seq.num_computed_tokens // self.block_size
         self._update_hashes(seq, full * self.block_size)
         for i in range(seq.num_registered_blocks, full):
-            self.pool.cache(seq.block_table[i], seq.block_hashes[i])
+            self.pool.cache(seq.block_table[i], seq.block_hashes[i], self._content(seq, i))
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
     # -- sharing and release -----------------------------------------------------------------------
@@ -161,7 +171,7 @@ class KVCacheManager:
         if self.pool.enable_caching:
             full = seq.num_computed_tokens // self.block_size
             for i, h in enumerate(seq.block_hashes[:full]):
-                self.pool.cache(dev[i], h)
+                self.pool.cache(dev[i], h, self._content(seq, i))
             seq.num_registered_blocks = full
         return True
 

@@ -25,7 +25,7 @@ class LLMEngine:
         self.config = config
         configure_threads(config)
         self.loaded = loaded or load_model(config.model, config.gguf_file, config.tokenizer, config.dtype,
-                                           config.device)
+                                           config.device, sliding_window=config.sliding_window)
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = self.loaded.eos_token_ids
         self.core = EngineCore(config, self.loaded.model)
@@ -45,13 +45,15 @@ class LLMEngine:
         return params
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = Priority.NORMAL, arrival_time: float | None = None) -> None:
+                    priority: int = Priority.NORMAL, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> None:
+        """`cache_salt`: requests share prefix-cache blocks only with requests of the same salt."""
         params = self.prepare_params(params or SamplingParams())
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenize(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
-        req = Request(request_id, ids, params, arrival_time or time.monotonic(), priority)
+        req = Request(request_id, ids, params, arrival_time or time.monotonic(), priority, cache_salt=cache_salt)
         self.core.add_request(req)  # validates; raises ValueError before anything is recorded
         self.output_processor.add_request(request_id, text, ids, params)
 

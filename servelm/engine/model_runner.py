@@ -8,11 +8,14 @@ import torch
 
 from servelm.engine.cuda_graphs import DecodeGraphs
 from servelm.engine.kv_cache_manager import BlockOps
-from servelm.engine.sampler import Sampler, SampleResult
+from servelm.engine.sampler import Sampler, SampleResult, prompt_logprob_results
 from servelm.engine.scheduler import SchedulerOutput
+from servelm.engine.sequence import Request
 from servelm.model.attention import AttentionMetadata, PrefillSpan
 from servelm.model.decoder import DecoderLM
 from servelm.model.memory import lazy_zeros
+
+_PROMPT_LOGPROB_ROWS = 256  # rows of full-vocabulary logits at a time: [256, 49152] float32 is 48 MiB
 
 
 def kv_bytes_per_block(model: DecoderLM, block_size: int) -> int:
@@ -44,6 +47,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0  # decode steps run through the static buffers (replays on a GPU)
+        # filled by execute(): (request, first prompt position, results) for prompt-logprob requests
+        self.prompt_logprobs: list[tuple[Request, int, list[SampleResult]]] = []
         if cuda_graph_sizes and self.device.type == "cuda":
             self.enable_decode_graphs(cuda_graph_sizes, capture=True)
 
@@ -79,7 +84,7 @@ class ModelRunner:
                 dk[dst] = sk[src].to(dk.device)  # swaps cross devices on a GPU; no-ops on the CPU
                 dv[dst] = sv[src].to(dv.device)
 
-    def _prepare(self, out: SchedulerOutput):
+    def _prepare(self, out: SchedulerOutput, need_hidden: bool = False):
         bs = self.block_size
         ids, positions, slots = [], [], []
         decode_idx, decode_tables, decode_lens, prefills = [], [], [], []
@@ -124,7 +129,7 @@ class ModelRunner:
         logits_dev = tensor(logits_idx).to(dev)
         repeats_t = torch.tensor(repeats, dtype=torch.long)
         max_blocks = max((len(t) for t in decode_tables), default=1)
-        if not prefills and self.graphs is not None and self.graphs.can_run(len(ids), max_blocks):
+        if not prefills and not need_hidden and self.graphs is not None and self.graphs.can_run(len(ids), max_blocks):
             return None, None, None, logits_dev, repeats_t, (ids, positions, slots, decode_tables, decode_lens)
         tables = np.zeros((len(decode_tables), max_blocks), dtype=np.int64)
         for r, t in enumerate(decode_tables):
@@ -147,12 +152,14 @@ class ModelRunner:
         self.apply_block_ops(out.ops)
         if not out.scheduled:
             return []
-        input_ids, positions, meta, logits_idx, repeats, graph_step = self._prepare(out)
+        want_prompt = any(s.seq.request.needs_prompt_logprobs for s in out.scheduled)
+        input_ids, positions, meta, logits_idx, repeats, graph_step = self._prepare(out, want_prompt)
         if graph_step is not None:  # every row's logits, from the static buffers (a graph replay on a GPU)
             hidden, logits = None, self.graphs.run(*graph_step)
             self.num_graph_steps += 1
         else:
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+        self.prompt_logprobs = self._prompt_logprobs(out, hidden) if want_prompt else []
         if logits_idx.numel() == 0:  # a step of prompt chunks that sample nothing yet
             return []
         logits = logits[logits_idx] if graph_step is not None else self.model.logits(hidden[logits_idx])
@@ -160,3 +167,23 @@ class ModelRunner:
             logits = logits.repeat_interleave(repeats.to(logits.device), dim=0)
         seqs = [q for s in out.scheduled for q in s.sample_seqs]
         return self.sampler.sample(logits, seqs)
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor):
+        """Logprobs of prompt tokens for the requests that ask for them: the row of position p predicts the
+        prompt token at p + 1. Only those rows get logits (the rest of the batch pays nothing), a few hundred
+        at a time so a long prefill chunk never holds [chunk, vocab] at once."""
+        found = []
+        offset = 0
+        for s in out.scheduled:
+            req = s.seq.request
+            lo, hi = s.start, min(s.start + s.num_tokens, req.num_prompt_tokens - 1)
+            if req.needs_prompt_logprobs and hi > lo:
+                results: list[SampleResult] = []
+                for a in range(lo, hi, _PROMPT_LOGPROB_ROWS):
+                    b = min(a + _PROMPT_LOGPROB_ROWS, hi)
+                    rows = hidden[offset + a - s.start: offset + b - s.start]
+                    results += prompt_logprob_results(self.model.logits(rows), req.prompt_token_ids[a + 1:b + 1],
+                                                      req.params.prompt_logprobs)
+                found.append((req, lo + 1, results))
+            offset += s.num_tokens
+        return found

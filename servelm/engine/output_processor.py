@@ -38,6 +38,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     first_token_time: float | None = None
     queue_time: float | None = None  # from the engine: arrival to first scheduled
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -92,6 +93,8 @@ class OutputProcessor:
             if s.finish_reason is not None:
                 continue  # already ended by a stop string; tokens still in flight are dropped
             st.num_cached_tokens = o.num_cached_tokens
+            if o.prompt_logprobs is not None:
+                st.prompt_logprobs = [None if r is None else self._logprob_entry(r) for r in o.prompt_logprobs]
             st.first_token_time = st.first_token_time or now
             if st.queue_time is None and o.queue_time is not None:
                 st.queue_time = o.queue_time
@@ -120,11 +123,15 @@ class OutputProcessor:
                 del self.states[st.request_id]
         return results, stopped
 
-    def _add_logprobs(self, s: _Sample, res) -> None:
+    def _logprob_entry(self, res) -> dict[int, Logprob]:
+        """The top alternatives and the token itself (which may be outside them), by token id."""
         entry = {tok: Logprob(lp, rank=i + 1, decoded_token=self._token_str(tok))
                  for i, (tok, lp) in enumerate(res.top_logprobs or [])}
         entry[res.token_id] = Logprob(res.logprob, rank=res.rank, decoded_token=self._token_str(res.token_id))
-        s.logprobs.append(entry)
+        return entry
+
+    def _add_logprobs(self, s: _Sample, res) -> None:
+        s.logprobs.append(self._logprob_entry(res))
         s.cumulative_logprob += res.logprob
 
     def _make_output(self, st: _RequestState, force: bool = False) -> RequestOutput | None:
@@ -154,4 +161,4 @@ class OutputProcessor:
         if st.queue_time is not None:
             metrics["queue_time"] = st.queue_time
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, completions, finished,
-                             metrics, st.num_cached_tokens)
+                             metrics, st.num_cached_tokens, st.prompt_logprobs)

@@ -154,6 +154,18 @@ class Sampler:
             res.top_logprobs = list(zip(top_i[r, :k].tolist(), top_v[r, :k].tolist(), strict=True)) if k else []
 
 
+def prompt_logprob_results(logits: torch.Tensor, targets: list[int], k: int) -> list[SampleResult]:
+    """Each row's log-probability of its target token under the raw distribution, its rank and the top k."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    tgt = torch.tensor(targets, dtype=torch.long, device=raw.device)
+    chosen = raw.gather(1, tgt[:, None]).squeeze(1)
+    ranks = ((raw > chosen[:, None]).sum(dim=-1) + 1).tolist()
+    top_v, top_i = raw.topk(k, dim=-1) if k else (None, None)
+    tops = list(zip(top_i.tolist(), top_v.tolist(), strict=True)) if k else None
+    return [SampleResult(t, lp, r, list(zip(*tops[i], strict=True)) if k else [])
+            for i, (t, lp, r) in enumerate(zip(targets, chosen.tolist(), ranks, strict=True))]
+
+
 def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask logits outside each row's top-k and nucleus (top-p); at least one token always survives."""
     sorted_x, order = x.sort(dim=-1, descending=True)

@@ -114,7 +114,8 @@ class Scheduler:
                 if not self.kv.swap_in(seq, n):
                     break
             else:
-                cached = self.kv.find_cached_prefix(seq)
+                # prompt logprobs need every prompt position's logits: no cached prefix for those
+                cached = [] if seq.request.needs_prompt_logprobs else self.kv.find_cached_prefix(seq)
                 remaining = seq.num_tokens - len(cached) * self.kv.block_size
                 if remaining > budget and not self.enable_chunked_prefill:
                     break

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch only where a seeded sample needs a generator (keeps the API process light)
     import torch
 
+from servelm.engine.step_outputs import SampleResult
 from servelm.sampling_params import SamplingParams
 
 
@@ -43,7 +44,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     cpu_block_table: list[int] = field(default_factory=list)  # while SWAPPED
-    block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash chain of its full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hash chain of its full blocks
     num_registered_blocks: int = 0  # leading blocks already entered in the prefix cache
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
@@ -92,6 +93,16 @@ class Request:
     order: int = 0  # arrival counter, a tie-breaker for equal arrival times
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # True once the n samples exist (after the prompt's first token)
+    cache_salt: str | None = None  # prefix-cache namespace: requests share cached blocks only within one salt
+    # params.prompt_logprobs: one entry per prompt position (the first is None), filled as chunks run
+    prompt_logprobs: list[SampleResult | None] | None = None
+    prompt_logprobs_done: bool = False  # all computed and reported: a recompute need not redo them
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt positions must produce logprobs: such a request computes its whole prompt (no prefix-cache
+        hits), so that every position's logits exist."""
+        return self.params.prompt_logprobs is not None and not self.prompt_logprobs_done
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -26,6 +26,8 @@ class SeqOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduled, on a sample's first token
+    # with params.prompt_logprobs: every prompt position's (the first None), once, on sample 0's first token
+    prompt_logprobs: list[SampleResult | None] | None = None
 
 
 @dataclass

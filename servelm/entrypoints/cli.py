@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import uuid
 
 from servelm.config import EngineConfig
 
@@ -35,14 +34,17 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str, skip
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        helptext = f"{f.metadata.get('help', '')} (default: {f.default})"
+        helptext = f.metadata.get("help", "")
+        if "(default" not in helptext and "default:" not in helptext:  # some say what None stands for
+            helptext += f" (default: {f.default})"
         default = argparse.SUPPRESS if suppress_defaults else f.default
         tp = hints[f.name]
         base = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
         if base is bool:
-            group.add_argument(flag, default=default, action=argparse.BooleanOptionalAction, help=helptext)
+            group.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
+                               help=helptext.replace("%", "%%"))
         else:
-            group.add_argument(flag, type=base, default=default, help=helptext)
+            group.add_argument(flag, type=base, default=default, help=helptext.replace("%", "%%"))
 
 
 def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
@@ -53,21 +55,35 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
-def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+# The two sampling defaults that differ by command; every other one is SamplingParams' own. Help texts
+# print argparse's %(default)s, so what --help says is what the command uses.
+GENERATE_DEFAULTS = {"max_tokens": 128, "temperature": 1.0}
+CHAT_DEFAULTS = {"max_tokens": 512, "temperature": 0.7}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
+    from servelm.sampling_params import SamplingParams
+
+    d = {f.name: f.default for f in dataclasses.fields(SamplingParams)} | defaults
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
-    g.add_argument("--temperature", type=float, default=1.0, help="0 means greedy (default: 1.0)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 disables it")
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--min-tokens", type=int, default=0)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("-n", type=int, default=1, help="completions per prompt")
-    g.add_argument("--logprobs", type=int, default=None, help="return the top-k logprobs of each token")
+
+    def arg(flag: str, tp: type, help: str, **kw) -> None:
+        dest = flag.lstrip("-").replace("-", "_")
+        g.add_argument(flag, type=tp, default=d[dest], help=help + " (default: %(default)s)", **kw)
+
+    arg("--max-tokens", int, "most tokens to generate per completion")
+    arg("--temperature", float, "divides the logits; 0 means greedy")
+    arg("--top-p", float, "keep the smallest set of tokens whose probability adds up to p (1 keeps all)")
+    arg("--top-k", int, "keep the k most likely tokens (0 keeps all)")
+    arg("--min-p", float, "drop tokens less likely than min-p times the most likely one (0 keeps all)")
+    arg("--repetition-penalty", float, "above 1 discourages tokens already in the prompt or output")
+    arg("--presence-penalty", float, "in [-2, 2]: subtracted once from each token already generated")
+    arg("--frequency-penalty", float, "in [-2, 2]: subtracted per occurrence of each generated token")
+    g.add_argument("--stop", action="append", default=None, help="end a completion at this string (repeatable)")
+    arg("--min-tokens", int, "EOS and stop token ids are masked until this many tokens exist")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    arg("-n", int, "completions per prompt")
+    g.add_argument("--logprobs", type=int, default=None, help="also return the top-k logprobs of each token")
 
 
 def sampling_params_from_args(args: argparse.Namespace):
@@ -80,10 +96,19 @@ def sampling_params_from_args(args: argparse.Namespace):
         max_tokens=args.max_tokens, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _load_llm(args: argparse.Namespace):
+    """The LLM for generate and chat; a missing or unsupported model is one line (exit 2) before any load."""
+    from servelm.model.metadata import check_model
+
+    config = engine_config_from_args(args)
+    check_model(config.model, config.gguf_file)
     from servelm.entrypoints.llm import LLM
 
-    llm = LLM.from_config(engine_config_from_args(args))
+    return LLM.from_config(config)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _load_llm(args)
     params = sampling_params_from_args(args)
     if args.chat:
         prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompts]
@@ -103,58 +128,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from servelm.engine.llm_engine import LLMEngine
-    from servelm.entrypoints.llm import LLM
-    from servelm.sampling_params import OutputKind
+    from servelm.entrypoints.chat import run_chat
 
-    llm = LLM.from_config(engine_config_from_args(args))
-    engine: LLMEngine = llm.engine
-    params = dataclasses.replace(sampling_params_from_args(args), n=1, output_kind=OutputKind.DELTA)
-    history = [{"role": "system", "content": args.system}] if args.system else []
-    print("servelm chat: type a message, or /exit to quit, /reset to forget the conversation.", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            return 0
-        if line.strip() in ("/exit", "/quit"):
-            return 0
-        if line.strip() == "/reset":
-            history = history[:1] if args.system else []
-            continue
-        history.append({"role": "user", "content": line})
-        rid = uuid.uuid4().hex
-        engine.add_request(rid, llm.apply_chat_template(history), params)
-        reply = []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                delta = out.outputs[0].text if out.outputs else ""
-                reply.append(delta)
-                print(delta, end="", flush=True)
-        print()
-        history.append({"role": "assistant", "content": "".join(reply)})
+    return run_chat(_load_llm(args), sampling_params_from_args(args), args.system)
+
+
+def _version() -> str:
+    """The installed distribution's version (what pip reports), else the source tree's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("servelm")
+    except PackageNotFoundError:
+        from servelm import __version__
+
+        return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="servelm", description="servelm: a fast LLM inference engine. Runs offline on local models only.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"servelm {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="complete one or more prompts and print the results",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen = sub.add_parser("generate", help="complete one or more prompts and print the results")
     gen.add_argument("prompts", nargs="+", help="prompt text(s)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_engine_args(gen)
-    add_sampling_args(gen)
+    add_sampling_args(gen, GENERATE_DEFAULTS)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="an interactive chat in the terminal with streamed replies")
     chat.add_argument("--system", default=None, help="a system prompt")
     add_engine_args(chat)
-    add_sampling_args(chat)
-    chat.set_defaults(func=cmd_chat, temperature=0.7, max_tokens=512)
+    add_sampling_args(chat, CHAT_DEFAULTS)
+    chat.set_defaults(func=cmd_chat)
 
     from servelm.server.serve import add_args as add_serve_args
 
@@ -189,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"servelm: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while loading: stop quietly, with the shell's code for SIGINT
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -6,11 +6,10 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
-from tqdm import tqdm
-
 from servelm.config import EngineConfig
 from servelm.engine.llm_engine import LLMEngine
 from servelm.outputs import RequestOutput
+from servelm.progress import progress
 from servelm.sampling_params import OutputKind, SamplingParams
 
 # A prompt: text, token ids, or vLLM's TextPrompt / TokensPrompt dicts ({"prompt": ...} / {"prompt_token_ids": ...}).
@@ -40,7 +39,7 @@ class LLM:
                  preemption_mode: str = "recompute", swap_space_gb: float = 4, seed: int = 0,
                  gguf_file: str | None = None, tokenizer: str | None = None, num_threads: int | None = None,
                  cpu_bind: str | None = None, device: str = "cpu", enforce_eager: bool = False,
-                 **kwargs) -> None:
+                 sliding_window: int | None = None, **kwargs) -> None:
         if kwargs:
             raise TypeError(f"unknown LLM arguments: {', '.join(sorted(kwargs))}")
         config = EngineConfig(
@@ -49,7 +48,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
             preemption_mode=preemption_mode, swap_space_gb=swap_space_gb, seed=seed, num_threads=num_threads,
-            cpu_bind=cpu_bind, device=device, enforce_eager=enforce_eager,
+            cpu_bind=cpu_bind, device=device, enforce_eager=enforce_eager, sliding_window=sliding_window,
         )
         self._setup(config)
 
@@ -113,7 +112,7 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+        bar = progress(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:

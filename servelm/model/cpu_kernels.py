@@ -1,77 +1,125 @@
-"""C++ CPU kernels (paged decode and prefill attention, AMX tile matmul with an optional fused
-SiLU-and-multiply, single-row bf16 matmul, fused bf16 norm/rotary/SiLU, row argmax), compiled on first
-use with torch's extension builder and cached.
+"""The C++ CPU kernels (paged decode and prefill attention, AMX tile matmul with an optional fused
+SiLU-and-multiply, single-row bf16 matmul, fused bf16 norm/rotary/SiLU, row argmax): which build variant
+this CPU runs, loaded once per process.
 
-`SERVELM_CPU_KERNELS=0` turns them off (the PyTorch paths are used instead). A machine that cannot
-compile them (no compiler, no ninja) falls back the same way, with one warning.
+The libraries are compiled when servelm is installed (`kernel_build.py`, one per instruction-set level),
+never at start. `load()` takes the best variant whose instruction sets this CPU has (read from
+/proc/cpuinfo), says once which one, and falls back to the PyTorch path, with one warning, where none
+was built or none fits. `SERVELM_CPU_KERNELS` chooses: `auto` (default), `0` (off: the PyTorch path), or
+a variant name (`amx`, `avx512bf16`, `avx2`, `portable`), which is refused if this CPU lacks what it needs.
 """
 
 from __future__ import annotations
 
-import hashlib
+import json
 import logging
 import os
-import shutil
 from pathlib import Path
 
-import torch
+from servelm.model import kernel_build
+from servelm.model.kernel_ops import CpuKernels
 
 logger = logging.getLogger(__name__)
-_SRC_DIR = Path(__file__).parent / "csrc"
-_module = None
+_module: CpuKernels | None = None
 _tried = False
-# No -ffast-math: the kernels promise PyTorch's exact results, and fast-math turns x / y into an approximate
-# reciprocal and folds NaN checks away. (A per-file `#pragma GCC optimize("no-fast-math")` instead stopped
-# the vec.h helpers from inlining and made the elementwise kernels 3x slower.) `omp simd reduction`
-# still vectorizes the attention kernel's sums.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 
 
 def enabled() -> bool:
-    return os.environ.get("SERVELM_CPU_KERNELS", "1") != "0"
+    return os.environ.get("SERVELM_CPU_KERNELS", "auto").strip().lower() not in ("0", "off", "false", "none")
 
 
-def load():
-    """The compiled module, or None when disabled or unavailable."""
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """This CPU's feature names as Linux reports them (`flags` on x86, `Features` on ARM); empty if unknown."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "Features"):
+                return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def choose_variant(built: list[str], flags: frozenset[str], wanted: str = "auto", machine: str | None = None
+                   ) -> tuple[str | None, str]:
+    """The variant to load among those `built` for a CPU with `flags`, and why: the first (best) variant of
+    this architecture whose required features the CPU has all of, or `wanted` if it names one the CPU can
+    run. (None, reason) when there is none."""
+    table = {v.name: v for v in kernel_build.variants(machine)}
+    if wanted not in ("auto", "1", "on", "true", ""):
+        v = table.get(wanted)
+        if v is None:
+            return None, f"no kernel variant {wanted!r} (this architecture has {', '.join(table)})"
+        missing = sorted(set(v.requires) - flags)
+        if missing:
+            return None, f"this CPU lacks {', '.join(missing)}, which variant {wanted!r} needs"
+        if wanted not in built:
+            return None, f"variant {wanted!r} was not built"
+        return wanted, f"variant {wanted!r} as SERVELM_CPU_KERNELS asks"
+    for v in table.values():
+        if v.name in built and set(v.requires) <= flags:
+            return v.name, f"the best variant this CPU runs ({v.name})"
+    return None, "no built variant runs on this CPU"
+
+
+def manifest(lib_dir: Path = kernel_build.OUT_DIR) -> dict | None:
+    try:
+        return json.loads((lib_dir / kernel_build.MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def load_variant(name: str, lib_dir: Path = kernel_build.OUT_DIR) -> CpuKernels:
+    """One built variant, loaded whatever the CPU (tests load each variant the CPU can execute)."""
+    return CpuKernels(lib_dir / kernel_build.library_name(name), name)
+
+
+def load() -> CpuKernels | None:
+    """The kernels for this process, or None when turned off or unavailable (the variant is chosen and
+    logged once)."""
     global _module, _tried
-    if not enabled():
+    if not enabled():  # read on every call: turning them off takes effect at once
         return None
     if _tried:
         return _module
     _tried = True
+    found = manifest()
+    if found is None:
+        logger.warning("servelm CPU kernels are not built (a source checkout that was not installed): using the "
+                       "PyTorch path; build them with `pip install -e .` or `python -m servelm.model.kernel_build`")
+        return None
+    current = kernel_build.source_digest()
+    if found.get("sources") != current:
+        logger.warning("servelm CPU kernels in %s were built from other sources than these: using the PyTorch "
+                       "path; rebuild with `python -m servelm.model.kernel_build`", kernel_build.OUT_DIR)
+        return None
+    wanted = os.environ.get("SERVELM_CPU_KERNELS", "auto").strip().lower()
+    name, why = choose_variant(found.get("built", []), cpu_flags(), wanted)
+    if name is None:
+        failed = "; ".join(f"{k}: {v.splitlines()[0]}" for k, v in found.get("failed", {}).items())
+        logger.warning("servelm CPU kernels unavailable (%s%s): using the PyTorch path", why,
+                       f"; failed builds: {failed}" if failed else "")
+        return None
     try:
-        logger.info("loading servelm CPU kernels (compiled on first use only)")
-        _module = build()
-    except Exception as e:  # a missing compiler must not stop the engine
-        logger.warning("servelm CPU kernels unavailable, using the PyTorch path: %s", e)
-        _module = None
+        _module = load_variant(name)
+    except OSError as e:  # e.g. a library copied to a machine without libgomp
+        logger.warning("servelm CPU kernels could not be loaded (%s): using the PyTorch path", e)
+        return None
+    logger.info("servelm CPU kernels: %s", why)
     return _module
 
 
-def build(src_dir: Path = _SRC_DIR):
-    """Compiles (or finds in the cache) the kernels of `src_dir`; benchmarks pass another checkout's csrc
-    to compare two builds in one process. Raises when they cannot be built."""
-    from torch.utils.cpp_extension import load as build_extension
-
+def build(src_dir: Path = kernel_build.SRC_DIR, variant: str | None = None) -> CpuKernels:
+    """Builds the kernels of `src_dir` (another checkout's, for a side-by-side benchmark) into the cache,
+    keyed by everything that changes the build, and loads the best variant for this CPU (or `variant`).
+    Raises when it cannot build."""
     from servelm.model.source import cache_dir
 
-    sources = sorted(src_dir.glob("*.cpp"))
-    files = sources + sorted(src_dir.glob("*.h"))
-    digest = hashlib.sha1(torch.__version__.encode())
-    for f in files:
-        digest.update(f.read_bytes())
-    tag = digest.hexdigest()[:12]
-    build_dir = cache_dir() / "kernels" / tag
-    # Build from a copy inside the cache: torch's builder rebuilds whenever the source paths change, so
-    # building from the checkout would recompile (minutes) for every clone or move of the same code.
-    src_copy = build_dir / "src"
-    src_copy.mkdir(parents=True, exist_ok=True)
-    for f in files:
-        dst = src_copy / f.name
-        if not dst.exists() or dst.read_bytes() != f.read_bytes():
-            tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
-            shutil.copyfile(f, tmp)
-            os.replace(tmp, dst)  # atomic: a process building at the same moment never reads half a file
-    return build_extension(name=f"servelm_cpu_{tag}", sources=[str(src_copy / f.name) for f in sources],
-                           build_directory=str(build_dir), extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                           verbose=False)
+    out = cache_dir() / "kernels" / kernel_build.build_key(src_dir)
+    found = manifest(out)
+    if found is None:
+        found = kernel_build.build(out, src_dir, log=logger.info)
+    name, why = choose_variant(found["built"], cpu_flags(), variant or "auto")
+    if name is None:
+        raise RuntimeError(f"no kernel build for this CPU: {why}; failed: {found['failed']}")
+    return load_variant(name, out)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 import mmap
 import re
-import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
+
+from servelm.model.gguf_header import GGUFHeader, read_gguf_header  # noqa: F401 (re-exported)
+from servelm.progress import progress
 
 # GGUF tensor name (per block) -> Hugging Face name suffix.
 _BLOCK_NAMES = {
@@ -34,6 +34,8 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Tensors that go into the config rather than the weights (llama.cpp's Llama-3 RoPE frequency factors).
+_CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
 # llama.cpp's converter permutes Q/K rows for rotary only for these architectures.
 _PERMUTED_ARCHS = {"llama", "mistral"}
 
@@ -51,66 +53,6 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row interleaving (its converter pairs rotary halves for ggml's rope)."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-# GGUF metadata value types -> struct formats (strings and arrays are handled apart).
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
-
-
-@dataclass
-class GGUFHeader:
-    """What loading needs from a GGUF file: scalar/string metadata and where each tensor's bytes lie.
-
-    gguf.GGUFReader builds a numpy view for every element of every metadata array (a 49k-token
-    vocabulary: 3-4 s here); the tokenizer comes from transformers' conversion instead, so this reads
-    the header once with struct and skips the arrays. Quantized bytes still go to gguf.quants.
-    """
-
-    fields: dict[str, object]
-    tensors: list[tuple[str, tuple[int, ...], int, int]]  # name, GGUF shape (innermost first), type, offset
-    data_offset: int
-
-
-def _read_value(buf, off: int, vtype: int):
-    if vtype in _SCALARS:
-        fmt = "<" + _SCALARS[vtype]
-        return struct.unpack_from(fmt, buf, off)[0], off + struct.calcsize(fmt)
-    if vtype == _STRING:
-        (n,) = struct.unpack_from("<Q", buf, off)
-        return bytes(buf[off + 8:off + 8 + n]).decode("utf-8", errors="replace"), off + 8 + n
-    if vtype == _ARRAY:  # skipped: loading needs no array metadata
-        etype, count = struct.unpack_from("<IQ", buf, off)
-        off += 12
-        if etype in _SCALARS:
-            return None, off + count * struct.calcsize("<" + _SCALARS[etype])
-        for _ in range(count):
-            off = _read_value(buf, off, etype)[1]
-        return None, off
-    raise ValueError(f"bad GGUF metadata value type {vtype}")
-
-
-def read_gguf_header(buf) -> GGUFHeader:
-    import gguf
-
-    magic, version, n_tensors, n_kv = struct.unpack_from("<IIQQ", buf, 0)
-    if magic != gguf.GGUF_MAGIC or version not in (2, 3):
-        raise ValueError(f"not a little-endian GGUF v2/v3 file (magic {magic:#x}, version {version})")
-    off, fields = 24, {}
-    for _ in range(n_kv):
-        key, off = _read_value(buf, off, _STRING)
-        (vtype,) = struct.unpack_from("<I", buf, off)
-        fields[key], off = _read_value(buf, off + 4, vtype)
-    tensors = []
-    for _ in range(n_tensors):
-        name, off = _read_value(buf, off, _STRING)
-        (ndim,) = struct.unpack_from("<I", buf, off)
-        shape = struct.unpack_from(f"<{ndim}Q", buf, off + 4)
-        ttype, toff = struct.unpack_from("<IQ", buf, off + 4 + 8 * ndim)
-        off += 4 + 8 * ndim + 12
-        tensors.append((name, shape, ttype, toff))
-    align = int(fields.get("general.alignment") or gguf.GGUF_DEFAULT_ALIGNMENT)
-    return GGUFHeader(fields, tensors, -(-off // align) * align)
 
 
 # Block formats whose gguf.quants class decodes any number of blocks in one call (no lookup grids).
@@ -138,11 +80,13 @@ def iter_gguf_tensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, tor
         arch = head.fields.get("general.architecture")
         n_head = head.fields.get(f"{arch}.attention.head_count")
         n_kv = head.fields.get(f"{arch}.attention.head_count_kv") or n_head
-        for gname, shape, ttype, toff in tqdm(head.tensors, desc=f"Loading {path.name}", unit="tensor",
-                                              leave=False):
+        for gname, shape, ttype, toff in progress(head.tensors, desc=f"Loading {path.name}", unit="tensor",
+                                                  leave=False):
             name = hf_name(gname)
             if name is None:
-                continue
+                if gname in _CONFIG_TENSORS:
+                    continue
+                raise ValueError(f"{path.name}: tensor {gname} is not part of a supported model")
             qtype = gguf.GGMLQuantizationType(ttype)
             block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
             rows, row_bytes = math.prod(shape[1:]), shape[0] // block * block_bytes

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from servelm.model.attention import get_backend
 from servelm.model.decoder import DecoderLM
@@ -16,6 +15,7 @@ from servelm.model.gguf_loader import iter_gguf_tensors
 from servelm.model.metadata import load_config_and_eos, load_config_and_tokenizer
 from servelm.model.source import ModelSource
 from servelm.model.spec import ModelSpec
+from servelm.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def _iter_safetensors(folder: Path, dtype: torch.dtype):
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
-            for name in tqdm(list(sf.keys()), desc=f"Loading {f.name}", unit="tensor", leave=False):
+            for name in progress(list(sf.keys()), desc=f"Loading {f.name}", unit="tensor", leave=False):
                 t = sf.get_tensor(name)
                 # get_tensor maps the file: a kept tensor would keep the whole mapping, and with it every
                 # page that loading touched, resident (the packed and fused copies made from them too).
@@ -65,8 +65,10 @@ def _iter_safetensors(folder: Path, dtype: torch.dtype):
 
 
 def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str | None = None,
-               dtype: str = "auto", device: str = "cpu", with_tokenizer: bool = True) -> LoadedModel:
-    """Weights, config, EOS ids and (unless with_tokenizer is False, as in the engine process) tokenizer."""
+               dtype: str = "auto", device: str = "cpu", with_tokenizer: bool = True,
+               sliding_window: int | None = None) -> LoadedModel:
+    """Weights, config, EOS ids and (unless with_tokenizer is False, as in the engine process) tokenizer.
+    `sliding_window` puts that attention window on every layer (for GGUF files that lost the model's)."""
     t0 = time.perf_counter()
     if with_tokenizer:
         src, hf_config, tok, eos = load_config_and_tokenizer(model, gguf_file, tokenizer)
@@ -77,7 +79,12 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
         tensors = iter_gguf_tensors(src.path, torch_dtype)
     else:
         tensors = _iter_safetensors(src.path, torch_dtype)
-    spec = ModelSpec.from_hf_config(hf_config)
+    spec = ModelSpec.from_hf_config(hf_config, sliding_window)
+    if getattr(hf_config, "gguf_sliding_window_unstated", False) and sliding_window is None:
+        logger.warning("%s states no sliding window (llama.cpp's converter does not write Mistral's or Qwen's), "
+                       "so every layer runs full attention; if the original model's config.json sets "
+                       "sliding_window, pass it: LLM(..., sliding_window=N) or servelm serve --sliding-window N",
+                       src.path.name)
     weights = {name: t.to(device) for name, t in tensors}  # on the CPU, .to is a no-op
     lm = DecoderLM(spec, weights, torch_dtype, get_backend(device))
     seconds = time.perf_counter() - t0

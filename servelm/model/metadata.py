@@ -6,17 +6,57 @@ The API process needs only these; the engine process needs the config and EOS id
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 from servelm.model import hf_files
+from servelm.model.gguf_config import config_from_dict, gguf_config_dict, read_gguf_config
+from servelm.model.gguf_header import read_gguf_file_header
 from servelm.model.source import ModelSource, cache_dir, resolve_model, set_offline_env
+
+# Bumped whenever what is cached for a GGUF file changes: folders written by older servelm versions (whose
+# config came from transformers' GGUF reader) are never read again.
+_GGUF_CACHE_VERSION = 2
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def architecture(config) -> str | None:
+    """The config's architecture: its `architectures[0]`, else the one its `model_type` stands for."""
+    archs = getattr(config, "architectures", None) or []
+    model_type = getattr(config, "model_type", None)
+    return archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(model_type, model_type)
+
+
+def check_model(model: str | None, gguf_file: str | None = None) -> ModelSource:
+    """Find the model and refuse one servelm cannot run, from its files alone (no torch, no transformers), so
+    the user gets one clear error before anything is loaded. Raises FileNotFoundError or ValueError."""
+    src = resolve_model(model, gguf_file)
+    if src.kind == "gguf":
+        with open(src.path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ValueError(f"{src.path} is not a GGUF file")
+        gguf_config_dict(src.path, read_gguf_file_header(src.path))  # GGUFUnsupported: what it cannot honour
+        return src
+    config = hf_files.read_json(src.path / "config.json")
+    if config is None:
+        raise ValueError(f"{src.path / 'config.json'} is not a JSON object")
+    from types import SimpleNamespace
+
+    arch = architecture(SimpleNamespace(**config))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"model {str(src.path)!r} has architecture {arch!r}, which servelm does not support; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return src
 
 
 def converted_dir(path: Path) -> Path:
-    """A cache folder holding the HF config and tokenizer that transformers derives from a GGUF file."""
+    """A cache folder holding the tokenizer that transformers derives from a GGUF file (and its config)."""
     st = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "gguf" / f"{path.stem}-{key}"
+    key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:v{_GGUF_CACHE_VERSION}"
+    return cache_dir() / "gguf" / f"{path.stem}-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
 
 
 def _has_json(folder: Path) -> bool:
@@ -33,26 +73,43 @@ def _config_from_folder(folder: Path):
 
 
 def load_gguf_config_and_tokenizer(path: Path):
-    """Config and tokenizer from GGUF metadata via transformers' GGUF support, cached after the first time."""
+    """Config (from the header, servelm's own reading) and tokenizer (transformers' conversion of the GGUF
+    vocabulary, cached after the first time). The config comes first: a file servelm cannot run is refused
+    before the tokenizer costs anything or leaves a cache folder behind."""
     set_offline_env()
+    config_json = gguf_config_dict(path, read_gguf_file_header(path))
+    config = config_from_dict(config_json)
     out = converted_dir(path)
     if _has_json(out):
-        return _config_from_folder(out), hf_files.tokenizer_from_folder(out)
-    from transformers import AutoConfig, AutoTokenizer
+        return config, hf_files.tokenizer_from_folder(out)
+    from transformers import AutoTokenizer
 
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        config.save_pretrained(out)
         tokenizer.save_pretrained(out)
+        _generic_tokenizer_class(out)
+        # Beside the tokenizer for the readers that look at model_type and the EOS token; never read back as
+        # the model's config (that always comes from the header).
+        (out / "config.json").write_text(json.dumps(config_json, indent=2))
     except OSError:
         pass  # a read-only cache only costs speed
     return config, tokenizer
 
 
+def _generic_tokenizer_class(folder: Path) -> None:
+    """Have later starts read the saved tokenizer.json as it is. Named after the model's family (e.g.
+    Qwen2Tokenizer), transformers would rebuild that family's own pre-tokenizer over the one the GGUF file
+    states (llama.cpp's `tokenizer.ggml.pre`), and split some texts differently than the first start."""
+    path = folder / "tokenizer_config.json"
+    tc = hf_files.read_json(path)
+    if tc is not None and (folder / "tokenizer.json").is_file():
+        tc["tokenizer_class"] = "TokenizersBackend"
+        path.write_text(json.dumps(tc, indent=2))
+
+
 def _json_folder(src: ModelSource) -> Path | None:
-    """Where the model's config and tokenizer JSON files lie: its folder, or a GGUF's converted copy."""
+    """Where the model's tokenizer JSON files lie: its folder, or a GGUF's converted copy (None: not yet)."""
     if src.kind == "hf":
         return src.path
     out = converted_dir(src.path)
@@ -60,12 +117,12 @@ def _json_folder(src: ModelSource) -> Path | None:
 
 
 def load_config(src: ModelSource):
-    """The model config: plain JSON where that reads the same as transformers' class, else the class."""
+    """The model config: plain JSON where that reads the same as transformers' class, else the class; for a
+    GGUF file, read from its header."""
     set_offline_env()
-    folder = _json_folder(src)
-    if folder is None:
-        return load_gguf_config_and_tokenizer(src.path)[0]
-    return _config_from_folder(folder)
+    if src.kind == "gguf":
+        return read_gguf_config(src.path)
+    return _config_from_folder(src.path)
 
 
 def _tokenizer_folder(src: ModelSource, tokenizer: str | None) -> Path | None:
@@ -85,7 +142,8 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
 def eos_ids(src: ModelSource, hf_config, tokenizer_eos: int | None) -> frozenset[int]:
     """EOS ids from the generation config, the model config and the tokenizer (as transformers stops on)."""
     ids: set[int] = set()
-    gen = hf_files.read_json(src.folder / "generation_config.json") or {}
+    # A GGUF file states its own EOS ids; a generation_config.json beside it belongs to something else.
+    gen = (hf_files.read_json(src.folder / "generation_config.json") or {}) if src.kind == "hf" else {}
     candidates = [getattr(hf_config, "eos_token_id", None), tokenizer_eos, gen.get("eos_token_id")]
     for c in candidates:
         if isinstance(c, int):

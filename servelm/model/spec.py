@@ -6,9 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+from servelm.model.metadata import SUPPORTED_ARCHITECTURES, architecture
 
 
 @dataclass
@@ -29,9 +27,9 @@ class ModelSpec:
     rope_attention_factor: float
 
     @classmethod
-    def from_hf_config(cls, config) -> ModelSpec:
-        archs = getattr(config, "architectures", None) or []
-        arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(config.model_type, config.model_type)
+    def from_hf_config(cls, config, sliding_window: int | None = None) -> ModelSpec:
+        """`sliding_window` (the engine setting) puts that window on every layer, whatever the config says."""
+        arch = architecture(config)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         act = getattr(config, "hidden_act", "silu")
@@ -51,7 +49,7 @@ class ModelSpec:
             rms_norm_eps=config.rms_norm_eps,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_position_embeddings=config.max_position_embeddings,
-            sliding_windows=_sliding_windows(config),
+            sliding_windows=[sliding_window] * config.num_hidden_layers if sliding_window else _sliding_windows(config),
             inv_freq=inv_freq,
             rope_attention_factor=factor,
         )
@@ -73,7 +71,12 @@ def _rope(config, head_dim: int) -> tuple[torch.Tensor, float]:
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        factors = getattr(config, "rope_freq_factors", None)  # a GGUF's rope_freqs (Llama-3 scaling)
+        if factors is not None:  # divided as llama.cpp does: exactly the llama3 rule's frequencies
+            inv = inv / torch.tensor(factors, dtype=torch.float32)
         return inv, 1.0
+    if getattr(config, "rope_freq_factors", None) is not None:
+        raise ValueError(f"rope_freq_factors with RoPE scaling {rope_type!r} is not supported")
     if rope_type == "dynamic":
         raise ValueError("dynamic NTK RoPE scaling depends on sequence length and is not supported")
     # Imported only here: the module pulls in torch._dynamo and most of transformers (seconds of start-up).

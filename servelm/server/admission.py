@@ -40,6 +40,24 @@ class Admission:
                            "priority_not_allowed")
         return want
 
+    def default_max_tokens(self, prompt_tokens: int, n: int, context_left: int) -> int:
+        """max_tokens for a request that gives none: the rest of the context, but no more than lets the request
+        fit max_request_tokens (so n=128 without max_tokens cannot ask for 128 whole contexts)."""
+        fits = (self.config.admission.max_request_tokens - prompt_tokens) // max(1, n)
+        return max(1, min(context_left, fits))
+
+    def check_work(self, n: int, prompt_tokens: int, cost: int) -> None:
+        """Refuse (400) a request over the per-request caps: n, and prompt + n x max_tokens over its prompts."""
+        a = self.config.admission
+        if n > a.max_n:
+            raise APIError(400, f"n={n} is over this server's limit of {a.max_n} samples per request "
+                                "(admission.max_n)", "n", "limit_exceeded")
+        if cost > a.max_request_tokens:
+            raise APIError(400, f"this request asks for up to {cost} tokens ({prompt_tokens} prompt tokens plus "
+                                f"n x max_tokens = {cost - prompt_tokens}), over this server's limit of "
+                                f"{a.max_request_tokens} tokens per request (admission.max_request_tokens); "
+                                "lower max_tokens or n", "max_tokens", "limit_exceeded")
+
     def admit(self, rec: RequestRecord, model: str, tokens: int, requested_priority: str | int | None) -> int:
         """Check a generation request costing `tokens` (prompt + max_tokens); returns its engine priority."""
         rec.model = model

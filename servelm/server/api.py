@@ -7,13 +7,12 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import StreamingResponse
 
 from servelm.outputs import RequestOutput
 from servelm.server import protocol as p
@@ -21,7 +20,9 @@ from servelm.server.admission import Admission
 from servelm.server.async_engine import AsyncEngine, EngineDeadError, QueueTimeout, RequestRejected
 from servelm.server.auth import KeyStore
 from servelm.server.embeddings import EmbedderDown
+from servelm.server.errors import install_error_handlers
 from servelm.server.metrics import Metrics
+from servelm.server.openapi import install_openapi
 from servelm.server.protocol import APIError
 from servelm.server.settings import ServeConfig
 from servelm.server.telemetry import RequestRecord, Telemetry
@@ -42,10 +43,6 @@ class ServerState:
     created: int = 0
 
 
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
 def _sse(obj: dict | str) -> bytes:
     data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
@@ -58,31 +55,28 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def build_app(state: ServerState):
     """The FastAPI app wrapped in the gateway (request ids, body limit, keys, telemetry)."""
+    from servelm.server.docs import add_docs_routes
     from servelm.server.gateway import Gateway
     from servelm.server.ops import add_ops_routes
 
-    app = FastAPI(title="servelm", description="OpenAI-compatible LLM server")
+    app = FastAPI(title="servelm", description="OpenAI-compatible LLM server", docs_url=None, redoc_url=None)
+    add_docs_routes(app)  # Swagger UI and ReDoc with local assets: they work offline
     app.state.servelm = state
     engine, tok = state.engine, state.tokenizer
     metrics = state.metrics
+    # Tokenization, chat templates and long decodes run here, never on the event loop: a long prompt would
+    # stall every stream and health check. One thread, because a fast tokenizer's settings are not safe to
+    # share between threads (and the tokenizers library releases the GIL while it encodes anyway).
+    text_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelm-tokenize")
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return _error_response(exc)
+    async def _off_loop(fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(text_pool, fn, *args)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
-        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', []) if x != 'body') or 'body'}: {e.get('msg')}"
-                        for e in errs[:5])
-        return _error_response(APIError(400, msg or "invalid request", ".".join(loc) or None))
+    def _encode(text: str, **kw) -> list[int]:
+        return tok(text, **kw).input_ids
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
-        message = {404: "not found", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
-        return _error_response(APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
+    install_error_handlers(app)
+    install_openapi(app, lambda: engine.info.vocab_size if engine.info else None)
 
     # -- health ------------------------------------------------------------------------------------
     @app.get("/health")
@@ -91,7 +85,7 @@ def build_app(state: ServerState):
 
     @app.get("/ready")
     async def ready():
-        if not engine.ready:
+        if not engine.check_engine():  # the process itself, not the last word from it
             raise APIError(503, "the engine is not ready", code="engine_unavailable")
         return {"status": "ready", "models": _model_ids()}
 
@@ -123,7 +117,9 @@ def build_app(state: ServerState):
     # -- generation helpers ------------------------------------------------------------------------
     def _params(req, prompt_len: int):
         try:
-            params = req.sampling_params(max(1, engine.max_model_len - prompt_len))
+            default_max = state.admission.default_max_tokens(prompt_len, getattr(req, "n", 1),
+                                                             max(1, engine.max_model_len - prompt_len))
+            params = req.sampling_params(default_max)
             params.check_vocab(engine.info.vocab_size if engine.info else 1 << 31)
         except ValueError as e:
             raise APIError(400, str(e)) from e
@@ -139,10 +135,23 @@ def build_app(state: ServerState):
         rec.stream = bool(getattr(req, "stream", False))
         rec.prompt_tokens = sum(len(ids) for ids in prompts)
         cost = rec.prompt_tokens + sum((sp.max_tokens or 0) * sp.n for sp in params)
+        state.admission.check_work(max(sp.n for sp in params), rec.prompt_tokens, cost)
         return state.admission.admit(rec, state.model_name, cost, getattr(req, "priority", None))
 
+    def _cache_salt(request: Request, req) -> str | None:
+        """The prefix-cache namespace of a request: its API key's (under isolation "key") and its own
+        cache_salt. The key's part comes first and is fixed-length, so no chosen salt can name another
+        key's namespace."""
+        parts = []
+        key = _record(request).api_key
+        if state.config.server.prefix_cache_isolation == "key" and key is not None:
+            parts.append("key:" + key.digest.hex())
+        if getattr(req, "cache_salt", None):
+            parts.append("salt:" + req.cache_salt)
+        return "/".join(parts) or None
+
     async def _stream_outputs(rec: RequestRecord, rid: str, ids: list[int], params, prompt: str | None,
-                              priority: int) -> AsyncIterator[RequestOutput]:
+                              priority: int, salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Engine outputs for one request, recorded for metrics, logs and traces; a client that goes away
         aborts it."""
         submitted = time.monotonic()
@@ -150,7 +159,7 @@ def build_app(state: ServerState):
         first = last = None
         n_out = 0
         try:
-            gen = engine.generate(rid, ids, params, prompt, priority, state.config.admission.queue_timeout_s)
+            gen = engine.generate(rid, ids, params, prompt, priority, state.config.admission.queue_timeout_s, salt)
             async for out in gen:
                 now = time.monotonic()
                 new = sum(len(c.token_ids) for c in out.outputs)
@@ -221,6 +230,8 @@ def build_app(state: ServerState):
                     acc["token_ids"] += c.token_ids
                     acc["logprobs"] += c.logprobs or []
                     acc["finish"], acc["stop_reason"] = c.finish_reason or acc["finish"], c.stop_reason
+                    if out.prompt_logprobs is not None:
+                        acc["prompt_logprobs"] = out.prompt_logprobs
             return final
 
         tasks = [asyncio.create_task(one(j)) for j in jobs]
@@ -263,59 +274,119 @@ def build_app(state: ServerState):
             offset += len(lp.decoded_token or "")
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
+    def _echo_logprobs(ids: list[int], entries: list | None) -> dict:
+        """The prompt's part of an echoed completion's logprobs: its tokens, their logprobs (None for the
+        first, which nothing predicts), the top alternatives and text offsets from 0."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = 0
+        for j, tid in enumerate(ids):
+            pos = entries[j] if entries is not None and j < len(entries) else None
+            lp = pos[tid] if pos is not None else None
+            text = lp.decoded_token if lp is not None else tok.decode([tid])
+            tokens.append(text)
+            token_lps.append(lp.logprob if lp is not None else None)
+            tops.append({v.decoded_token: v.logprob for v in pos.values()} if pos is not None else None)
+            offsets.append(offset)
+            offset += len(text or "")
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _completion_logprobs(ids: list[int], acc: dict, echo: bool, offset: int) -> dict:
+        gen = _logprobs_completion(acc["token_ids"], acc["logprobs"], offset)
+        if not echo:
+            return gen
+        head = _echo_logprobs(ids, acc.get("prompt_logprobs"))
+        return {k: head[k] + gen[k] for k in gen}
+
     # -- completions -------------------------------------------------------------------------------
-    def _completion_prompts(prompt) -> list[tuple[str | None, list[int]]]:
+    async def _completion_prompts(prompt) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str):
-            return [(prompt, tok(prompt).input_ids)]
+            return [(prompt, await _off_loop(_encode, prompt))]
         if not prompt:
             raise APIError(400, "prompt must not be empty", "prompt")
         if isinstance(prompt[0], int):
             return [(None, list(prompt))]
         if isinstance(prompt[0], str):
-            return [(s, tok(s).input_ids) for s in prompt]
+            return list(zip(prompt, await _off_loop(lambda: [_encode(s) for s in prompt]), strict=True))
         return [(None, list(ids)) for ids in prompt]
 
     @app.post("/v1/completions")
     async def completions(req: p.CompletionRequest, request: Request):
         _check_model(req.model)
-        prompts = _completion_prompts(req.prompt)
+        prompts = await _completion_prompts(req.prompt)
+        vocab = engine.info.vocab_size if engine.info else len(tok)
         for _, ids in prompts:
             if not ids:
                 raise APIError(400, "prompt must contain at least one token", "prompt")
+            if not all(0 <= t < vocab for t in ids):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
         base = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         plist = [_params(req, len(ids)) for _, ids in prompts]
         prio = _admit(request, req, [ids for _, ids in prompts], plist)
         _log_prompt(request, [text if text is not None else ids for text, ids in prompts])
-        jobs = [(f"{base}-{i}", ids, sp, text, prio) for i, ((text, ids), sp) in enumerate(zip(prompts, plist, strict=True))]
+        salt = _cache_salt(request, req)
+        jobs = [(f"{base}-{i}", ids, sp, text, prio, salt)
+                for i, ((text, ids), sp) in enumerate(zip(prompts, plist, strict=True))]
+        # the text echoed for each prompt (token-id prompts decoded, off the loop)
+        echo_texts = await _off_loop(lambda: [text if text is not None else tok.decode(ids)
+                                              for text, ids in prompts]) if req.echo else None
         model = state.model_name
         n = req.n
 
         if req.stream:
-            head = await _open(request, jobs[0])
+            # Every prompt runs at once, as without streaming: the others are submitted before the first
+            # one's output is awaited, and their chunks are interleaved as they come.
+            merged: asyncio.Queue = asyncio.Queue()
+            pumps = [asyncio.create_task(_pump(i, _stream_outputs(_record(request), *jobs[i]), merged))
+                     for i in range(1, len(jobs))]
+            try:
+                head = await _open(request, jobs[0])
+            except BaseException:
+                await _cancel(pumps)
+                raise
+
+            echoed: set[int] = set()
+
+            def choices_of(i: int, out: RequestOutput) -> list[dict]:
+                """The chunk choices one engine output of prompt i makes: the echoed prompt first (with its
+                logprobs, which come with the first output), then each sample's new text."""
+                ids = jobs[i][1]
+                choices = []
+                if req.echo and i not in echoed:
+                    echoed.add(i)
+                    lp = _echo_logprobs(ids, out.prompt_logprobs) if req.logprobs is not None else None
+                    choices += [{"index": i * n + j, "text": echo_texts[i],
+                                 "logprobs": lp, "finish_reason": None} for j in range(n)]
+                for c in out.outputs:
+                    if req.max_tokens == 0:  # echo only: the token the engine ran is not part of the answer
+                        if c.finish_reason:
+                            choices.append({"index": i * n + c.index, "text": "", "logprobs": None,
+                                            "finish_reason": "length", "stop_reason": None})
+                        continue
+                    if c.text or c.finish_reason:
+                        choices.append({"index": i * n + c.index, "text": c.text,
+                                        "logprobs": _logprobs_completion(c.token_ids, c.logprobs, 0)
+                                        if c.logprobs else None,
+                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                return choices
 
             async def events():
                 completion_tokens = 0
+                pumps.append(asyncio.create_task(_pump(0, head, merged)))
                 try:
-                    for i, (_, ids, _, text, _) in enumerate(jobs):
-                        if req.echo:
-                            for j in range(n):
-                                yield _sse({"id": base, "object": "text_completion", "created": created,
-                                            "model": model, "choices": [{"index": i * n + j,
-                                            "text": text if text is not None else tok.decode(ids),
-                                            "logprobs": None, "finish_reason": None}]})
-                        outs = head if i == 0 else _stream_outputs(_record(request), *jobs[i])
-                        async for out in outs:
-                            for c in out.outputs:
-                                completion_tokens += len(c.token_ids)
-                                if not (c.text or c.finish_reason):
-                                    continue
-                                yield _sse({"id": base, "object": "text_completion", "created": created,
-                                            "model": model, "choices": [{
-                                                "index": i * n + c.index, "text": c.text,
-                                                "logprobs": _logprobs_completion(c.token_ids, c.logprobs, 0)
-                                                if c.logprobs else None,
-                                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                    running = len(jobs)
+                    while running:
+                        i, out = await merged.get()
+                        if out is None:  # prompt i is done
+                            running -= 1
+                            continue
+                        if isinstance(out, BaseException):
+                            raise out
+                        if req.max_tokens != 0:
+                            completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        for choice in choices_of(i, out):
+                            yield _sse({"id": base, "object": "text_completion", "created": created,
+                                        "model": model, "choices": [choice]})
                     if req.stream_options and req.stream_options.include_usage:
                         prompt_tokens = sum(len(j[1]) for j in jobs)
                         yield _sse({"id": base, "object": "text_completion", "created": created, "model": model,
@@ -323,18 +394,22 @@ def build_app(state: ServerState):
                 except APIError as e:
                     _record(request).error = e.message
                     yield _sse(e.body())
+                finally:  # a client gone or an error: the prompts still running are aborted
+                    await _cancel(pumps)
                 yield _sse("[DONE]")
             return StreamingResponse(events(), media_type="text/event-stream")
 
         results = await _collect(request, jobs)
         choices, completion_tokens = [], 0
-        for i, (final, (_, ids, _, text, _)) in enumerate(zip(results, jobs, strict=True)):
+        for i, (final, (_, ids, _, _, _, _)) in enumerate(zip(results, jobs, strict=True)):
             for j in sorted(final):
                 acc = final[j]
+                if req.max_tokens == 0:  # echo only: the one token the engine ran is not part of the answer
+                    acc.update(text="", token_ids=[], logprobs=[], finish="length", stop_reason=None)
                 completion_tokens += len(acc["token_ids"])
-                prefix = (text if text is not None else tok.decode(ids)) if req.echo else ""
+                prefix = echo_texts[i] if req.echo else ""
                 choices.append({"index": i * n + j, "text": prefix + acc["text"],
-                                "logprobs": _logprobs_completion(acc["token_ids"], acc["logprobs"], len(prefix))
+                                "logprobs": _completion_logprobs(ids, acc, req.echo, len(prefix))
                                 if req.logprobs is not None else None,
                                 "finish_reason": acc["finish"], "stop_reason": acc["stop_reason"]})
         prompt_tokens = sum(len(j[1]) for j in jobs)
@@ -342,26 +417,30 @@ def build_app(state: ServerState):
                 "usage": _usage(prompt_tokens, completion_tokens)}
 
     # -- chat --------------------------------------------------------------------------------------
-    def _chat_ids(messages: list[p.ChatMessage], add_generation_prompt: bool = True, **kw) -> list[int]:
+    async def _chat_ids(messages: list[p.ChatMessage], add_generation_prompt: bool = True, **kw) -> list[int]:
         if getattr(tok, "chat_template", None) is None:
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
         conv = [{"role": msg.role, "content": msg.text()} for msg in messages]
-        try:
-            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False, **kw)
-        except Exception as e:  # template errors are the caller's input
-            raise APIError(400, f"chat template failed: {e}", "messages") from e
-        return tok(text, add_special_tokens=False).input_ids
+
+        def render() -> list[int]:
+            try:
+                text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                               **kw)
+            except Exception as e:  # template errors are the caller's input
+                raise APIError(400, f"chat template failed: {e}", "messages") from e
+            return _encode(text, add_special_tokens=False)
+        return await _off_loop(render)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: p.ChatCompletionRequest, request: Request):
         _check_model(req.model)
-        ids = _chat_ids(req.messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+        ids = await _chat_ids(req.messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
         params = _params(req, len(ids))
         prio = _admit(request, req, [ids], [params])
         _log_prompt(request, [m.text() for m in req.messages])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created, model = int(time.time()), state.model_name
-        job = (rid, ids, params, None, prio)
+        job = (rid, ids, params, None, prio, _cache_salt(request, req))
 
         if req.stream:
             head = await _open(request, job)
@@ -371,7 +450,7 @@ def build_app(state: ServerState):
                 try:
                     for j in range(req.n):
                         yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                                    "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                    "choices": [{"index": j, "delta": {"role": "assistant", "content": "", "refusal": None},
                                                  "logprobs": None, "finish_reason": None}]})
                     async for out in head:
                         for c in out.outputs:
@@ -398,7 +477,7 @@ def build_app(state: ServerState):
         for j in sorted(final):
             acc = final[j]
             completion_tokens += len(acc["token_ids"])
-            choices.append({"index": j, "message": {"role": "assistant", "content": acc["text"]},
+            choices.append({"index": j, "message": {"role": "assistant", "content": acc["text"], "refusal": None},
                             "logprobs": _logprobs_chat(acc["token_ids"], acc["logprobs"], req.top_logprobs or 0) if req.logprobs else None,
                             "finish_reason": acc["finish"], "stop_reason": acc["stop_reason"]})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
@@ -409,9 +488,9 @@ def build_app(state: ServerState):
     async def tokenize(req: p.TokenizeRequest):
         _check_model(req.model)
         if req.messages is not None:
-            ids = _chat_ids(req.messages)
+            ids = await _chat_ids(req.messages)
         elif req.prompt is not None:
-            ids = tok(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+            ids = await _off_loop(lambda: _encode(req.prompt, add_special_tokens=req.add_special_tokens))
         else:
             raise APIError(400, "give either prompt or messages", "prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
@@ -422,7 +501,7 @@ def build_app(state: ServerState):
         vocab = engine.info.vocab_size if engine.info else len(tok)
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
-        return {"prompt": tok.decode(req.tokens)}
+        return {"prompt": await _off_loop(tok.decode, req.tokens)}
 
     # -- native endpoints --------------------------------------------------------------------------
     async def _native(request: Request, ids: list[int], body: p.NativeGenerateRequest, prompt: str | None):
@@ -432,7 +511,7 @@ def build_app(state: ServerState):
         prio = _admit(request, body, [ids], [params])
         _log_prompt(request, [prompt if prompt is not None else ids])
         rid = f"gen-{uuid.uuid4().hex}"
-        job = (rid, ids, params, prompt, prio)
+        job = (rid, ids, params, prompt, prio, _cache_salt(request, body))
 
         def reason(c) -> str | None:
             if c.finish_reason == "stop" and isinstance(c.stop_reason, str):
@@ -462,11 +541,11 @@ def build_app(state: ServerState):
 
     @app.post("/generate")
     async def native_generate(body: p.NativeGenerateRequest, request: Request):
-        return await _native(request, tok(body.prompt).input_ids, body, body.prompt)
+        return await _native(request, await _off_loop(_encode, body.prompt), body, body.prompt)
 
     @app.post("/chat")
     async def native_chat(body: p.NativeChatRequest, request: Request):
-        return await _native(request, _chat_ids(body.messages), body, None)
+        return await _native(request, await _chat_ids(body.messages), body, None)
 
     # -- embeddings --------------------------------------------------------------------------------
     async def _embed(inputs: list[str]):
@@ -474,6 +553,11 @@ def build_app(state: ServerState):
             raise APIError(404, "this server has no embedding model", "model", "model_not_found")
         if not inputs or any(not isinstance(s, str) or not s for s in inputs):
             raise APIError(400, "input must be a non-empty string or a list of non-empty strings", "input")
+        cap = state.config.admission.max_embedding_inputs
+        if len(inputs) > cap:
+            raise APIError(400, f"input has {len(inputs)} items, over this server's limit of {cap} per request "
+                                "(admission.max_embedding_inputs); split it into several requests", "input",
+                           "limit_exceeded")
         try:
             return await state.embedder.embed(inputs)
         except EmbedderDown as e:
@@ -516,6 +600,27 @@ def _b64(vec) -> str:
     import numpy as np
 
     return base64.b64encode(np.asarray(vec, dtype="<f4").tobytes()).decode()
+
+
+async def _pump(index: int, outputs: AsyncIterator, into: asyncio.Queue) -> None:
+    """Feed (index, output) pairs into a queue shared by several streams; then (index, None), or
+    (index, exception) if the stream failed."""
+    try:
+        async for out in outputs:
+            into.put_nowait((index, out))
+    except Exception as e:
+        into.put_nowait((index, e))
+        return
+    into.put_nowait((index, None))
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    """Cancel tasks and wait for them, so that their streams' cleanup (aborts in the engine) has run."""
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(BaseException):
+            await t
 
 
 async def _wait_disconnect(request: Request) -> None:

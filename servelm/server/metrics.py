@@ -100,7 +100,17 @@ class Metrics:
         self._gauges(stats)
 
     def on_engine_down(self) -> None:
+        """The engine process is gone: nothing runs, waits or holds KV cache any more."""
         self.engine_up.set(0)
+        for g in (self.running, self.waiting, self.swapped, self.kv_usage):
+            g.set(0)
+        for name in ("high", "normal", "low"):
+            self.waiting_by_priority.labels(self.model_name, name).set(0)
+
+    def set_live(self, running: int, waiting: int) -> None:
+        """Running and waiting sequences as the API counts them at read time (engine steps lag behind)."""
+        self.running.set(running)
+        self.waiting.set(waiting)
 
     def on_step(self, stats: EngineStats, num_batched_tokens: int, ran: bool) -> None:
         self._gauges(stats)

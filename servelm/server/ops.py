@@ -17,12 +17,15 @@ def add_ops_routes(app: FastAPI, state) -> None:
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        metrics.engine_up.set(1 if engine.ready else 0)
+        metrics.engine_up.set(1 if engine.check_engine() else 0)
+        metrics.set_live(*engine.live_counts())  # what is true now, not as of the engine's last step
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/server/stats")
     async def server_stats():
+        engine.check_engine()  # a dead engine is reported as down, with no ghost requests
         st = engine.stats
+        running, waiting = engine.live_counts()
         prompt_tps, gen_tps = metrics.window.rates()
         by_prio = st.waiting_by_priority if st else [0, 0, 0]
         return {
@@ -31,7 +34,8 @@ def add_ops_routes(app: FastAPI, state) -> None:
                        "max_model_len": engine.max_model_len},
             "queue": {"depth": engine.num_queued(), "by_priority": dict(zip(PRIORITIES, by_prio, strict=True)),
                       "shedding": state.admission.shedding},
-            "running": st.num_running if st else 0,
+            "running": running,
+            "waiting": waiting,
             "batch_size": st.batch_size if st else 0,
             "throughput": {"prompt_tokens_per_s": round(prompt_tps, 2), "generation_tokens_per_s": round(gen_tps, 2),
                            "window_s": metrics.window.span},
@@ -56,11 +60,17 @@ def add_ops_routes(app: FastAPI, state) -> None:
             raise APIError(400, "body must be a JSON object of settings to change") from e
         if not isinstance(changes, dict) or not changes:
             raise APIError(400, "body must be a non-empty JSON object of settings to change")
+        before = (dataclasses.replace(state.config.engine), dataclasses.replace(state.config.admission),
+                  dict(state.config.sources))
         try:
             applied = state.config.patch(changes)
         except ConfigError as e:
             raise APIError(400, str(e), e.key, "invalid_config") from e
         if any(k.startswith("engine.") for k in applied):
             e = state.config.engine
-            await engine.update_config(e.max_num_seqs, e.scheduling_policy, e.priority_aging_s)
+            try:
+                await engine.update_config(e.max_num_seqs, e.scheduling_policy, e.priority_aging_s)
+            except Exception:  # all or nothing: what GET shows is what the engine runs with
+                state.config.engine, state.config.admission, state.config.sources = before
+                raise
         return {"applied": applied, "config": state.config.describe()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from servelm.sampling_params import OutputKind, SamplingParams
 
@@ -27,40 +27,134 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
+INT64 = (-2**63, 2**63 - 1)  # OpenAI documents `seed` as an int64
+INT32_MAX = 2**31 - 1  # beyond any vocabulary or context: a cap that keeps counts well inside the engine's ints
+
+# Strings and lists the server refuses when empty say so in the schema (and so in /openapi.json).
+Text = Annotated[str, Field(min_length=1)]
+Texts = Annotated[list[Text], Field(min_length=1)]
+# Token ids: the vocabulary bound is added to /openapi.json once the model is known (see openapi.py).
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]],
+                     Field(min_length=1, json_schema_extra={"x-token-ids": True})]
+Stop = Text | list[Text] | None
+
 # A priority class by name, or its index (0 high, 1 normal, 2 low; lower is served first, as in vLLM).
 Priority = Literal["high", "normal", "low"] | Annotated[int, Field(ge=0, le=2)] | None
+
+
+def lone_surrogate(value: Any, path: tuple = ()) -> tuple | None:
+    """The path of the first string (or key) in a JSON value holding a lone UTF-16 surrogate (JSON's "\\ud800"
+    decodes to one; no tokenizer or encoder takes it), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            found = lone_surrogate(k, (*path, k)) or lone_surrogate(v, (*path, k))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = lone_surrogate(v, (*path, i))
+            if found is not None:
+                return found
+    return None
+
+
+# Fields of OpenAI's and vLLM's APIs that servelm does not implement yet, each with the values that change nothing
+# (always also null). Any other value is a 400 naming the field rather than a result that silently ignores it.
+# Shrink the list as features land; a field a request model defines is implemented and never refused here.
+NOT_SUPPORTED_YET: dict[str, tuple] = {
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),
+    "functions": ([],), "function_call": ("none",), "suffix": ("",), "best_of": (1,),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (), "structured_outputs": (), "logits_processors": (), "prompt_logprobs": (),
+    "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "verbosity": (),
+    "web_search_options": (), "store": (False,), "metadata": (), "service_tier": ("auto", "default"),
+    "dimensions": (),
+}
+
+
+class _Body(BaseModel):
+    """A request body: valid Unicode, finite numbers, and no field servelm would silently ignore."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen(cls, data: Any) -> Any:
+        path = lone_surrogate(data)
+        if path is not None:
+            param = ".".join(str(x) for x in path)
+            raise APIError(400, f"{param or 'body'}: holds a lone UTF-16 surrogate (invalid Unicode)", param or None,
+                           "invalid_unicode")
+        if not isinstance(data, dict):
+            return data
+        noop = []
+        for name, value in data.items():
+            if name not in NOT_SUPPORTED_YET or name in cls.model_fields:
+                continue
+            if value is not None and value not in NOT_SUPPORTED_YET[name]:
+                raise APIError(400, f"'{name}' is not supported by this server yet", name, "unsupported_parameter")
+            noop.append(name)
+        return {k: v for k, v in data.items() if k not in noop} if noop else data
+
+
+def check_messages(messages: list[ChatMessage] | None) -> None:
+    """What OpenAI refuses in a conversation: content missing where it is required, a text part without text,
+    and (here) any part that is not text."""
+    for i, msg in enumerate(messages or []):
+        if msg.content is None and msg.role != "assistant":
+            raise APIError(400, f"messages.{i}.content: a {msg.role!r} message needs content",
+                           f"messages.{i}.content")
+        for j, part in enumerate(msg.content if isinstance(msg.content, list) else []):
+            where = f"messages.{i}.content.{j}"
+            if part.get("type") != "text":
+                raise APIError(400, f"{where}.type: content part type {part.get('type')!r} is not supported "
+                                    "(only 'text')", f"{where}.type")
+            if not isinstance(part.get("text"), str):
+                raise APIError(400, f"{where}.text: a text part needs 'text', a string", f"{where}.text")
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Body):
     """Fields shared by completions and chat completions, with OpenAI's ranges plus vLLM's extensions."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: Annotated[int, Field(ge=INT64[0], le=INT64[1])] | None = None
+    stop: Stop = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
     priority: Priority = None
+    # vLLM's field: requests share prefix-cache blocks only with requests of the same salt (and, under
+    # --prefix-cache-isolation key, of the same API key)
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
+        return self
 
     def _params(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
         return SamplingParams(
@@ -76,14 +170,20 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    prompt: Text | Texts | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+    # 0 only with echo: score the prompt, generate nothing (what lm-evaluation-harness's loglikelihood sends)
+    max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = 16
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    suffix: str | None = None
 
     def sampling_params(self, default_max: int) -> SamplingParams:
-        return self._params(self.max_tokens, self.logprobs, default_max)
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 is allowed only with echo, to score the prompt)")
+        # max_tokens 0 runs one token that the response leaves out: the prompt's logprobs come with it
+        params = self._params(1 if self.max_tokens == 0 else self.max_tokens, self.logprobs, default_max)
+        if self.echo and self.logprobs is not None:
+            params.prompt_logprobs = self.logprobs
+        return params
 
 
 class ChatMessage(BaseModel):
@@ -93,55 +193,61 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # OpenAI content parts: only text is supported
-            parts = []
-            for p in self.content:
-                if p.get("type") != "text":
-                    raise APIError(400, f"content part type {p.get('type')!r} is not supported", "messages")
-                parts.append(p.get("text", ""))
-            return "".join(parts)
+        """The content as one string (parts are text: check_messages() refused any other)."""
+        if isinstance(self.content, list):
+            return "".join(p["text"] for p in self.content)
         return self.content or ""
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _messages(self) -> ChatCompletionRequest:
+        check_messages(self.messages)
+        return self
 
     def sampling_params(self, default_max: int) -> SamplingParams:
         lp = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(self.max_completion_tokens or self.max_tokens, lp, default_max)
 
 
-class EmbeddingRequest(BaseModel):
-    input: str | list[str]
+class EmbeddingRequest(_Body):
+    input: Text | Texts
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
+    @model_validator(mode="after")
+    def _messages(self) -> TokenizeRequest:
+        check_messages(self.messages)
+        return self
 
-class DetokenizeRequest(BaseModel):
+
+class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(json_schema_extra={"x-token-ids": True})]
 
 
-class NativeGenerateRequest(BaseModel):
-    prompt: str
-    max_tokens: Annotated[int, Field(ge=1)] = 128
+class NativeGenerateRequest(_Body):
+    prompt: Text
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] = 128
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[Text] | None = None
     stream: bool = False
     priority: Priority = None
 
@@ -150,6 +256,11 @@ class NativeChatRequest(NativeGenerateRequest):
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
 
+    @model_validator(mode="after")
+    def _messages(self) -> NativeChatRequest:
+        check_messages(self.messages)
+        return self
 
-class NativeEmbeddingRequest(BaseModel):
-    input: str | list[str]
+
+class NativeEmbeddingRequest(_Body):
+    input: Text | Texts

@@ -3,7 +3,8 @@
 Every authenticated API call takes one request; a generation request also takes its worst-case token
 count (prompt + max_tokens) at admission, and the unused part is given back when it ends (`settle`). The buckets live behind `RateLimitStore`, so a
 shared store (e.g. Redis with an atomic script doing the same arithmetic) can serve several API
-replicas; `InMemoryRateLimitStore` is the single-process one.
+replicas; `InMemoryRateLimitStore` is the single-process one. `FailureLimiter` counts failed authentications per
+client address, so keys cannot be guessed at network speed.
 """
 
 from __future__ import annotations
@@ -122,3 +123,38 @@ class InMemoryRateLimitStore:
 
 def _floor(b: _Bucket | None) -> int | None:
     return None if b is None else int(b.level)
+
+
+class FailureLimiter:
+    """Failed authentications per client address: a bucket of `per_minute` failures, refilled continuously.
+    While it is empty the address is refused (429) whatever key it sends, so a correct guess looks the same
+    as a wrong one. Full buckets are forgotten, so memory stays bounded by the addresses failing now."""
+
+    def __init__(self, clock=time.monotonic, prune_above: int = 10_000) -> None:
+        self.clock, self.prune_above = clock, prune_above
+        self._buckets: dict[str, _Bucket] = {}
+        self._lock = threading.Lock()
+
+    def retry_after(self, address: str, per_minute: int) -> float:
+        """Seconds until `address` may try again; 0 when it may now."""
+        with self._lock:
+            b = self._buckets.get(address)
+            if b is None or b.refill(per_minute, self.clock()) >= 1:
+                return 0.0
+            return (1 - b.level) * 60.0 / per_minute
+
+    def record_failure(self, address: str, per_minute: int) -> bool:
+        """Count one failure; True when it used the address's last allowed attempt."""
+        with self._lock:
+            now = self.clock()
+            b = self._buckets.get(address)
+            if b is None:
+                if len(self._buckets) >= self.prune_above:
+                    self._prune(per_minute, now)
+                b = self._buckets[address] = _Bucket(per_minute, now)
+            b.level = max(0.0, b.refill(per_minute, now) - 1)
+            return b.level < 1
+
+    def _prune(self, per_minute: int, now: float) -> None:
+        for addr in [a for a, b in self._buckets.items() if b.refill(per_minute, now) >= per_minute]:
+            del self._buckets[addr]

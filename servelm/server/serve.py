@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
+import socket
+import sys
 import time
 from pathlib import Path
 
@@ -64,7 +67,7 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
     from servelm.server.telemetry import Telemetry
 
     srv = config.server
-    keys = KeyStore.from_config(srv.api_key, srv.api_keys_file, srv.admin_key)
+    keys = KeyStore.from_config(srv.secret("api_key"), srv.api_keys_file, srv.secret("admin_key"))
     metrics = Metrics(model_name)
     engine.on_ready = lambda msg, restarted: metrics.on_ready(msg.stats, restarted)
     engine.on_down = metrics.on_engine_down
@@ -81,12 +84,28 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
                        embed_name, created=int(time.time()))
 
 
-async def _serve(config) -> int:
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening address now, before the model loads: a port in use fails at once, and nothing can
+    take the port while the model loads. Not yet listening, so clients are refused until the server is ready
+    (uvicorn listens on it then). Raises OSError."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def _serve(config, sock: socket.socket) -> int:
     from servelm.server.async_engine import AsyncEngine  # light: no torch, no transformers
 
     t0 = time.perf_counter()
     ec, srv = config.engine, config.server
-    engine = AsyncEngine(ec)
+    engine = AsyncEngine(ec, start_timeout=srv.engine_start_timeout_s)
     engine.launch()  # the engine process imports torch and loads the model while this one loads the rest
     embedder = None
     try:
@@ -110,14 +129,14 @@ async def _serve(config) -> int:
     state = build_state(config, tokenizer, engine, srv.served_model_name or src.name, embedder, embed_name)
     app = build_app(state)
     logger.info("ready in %.1fs: serving %s on http://%s:%d (API keys: %s)", time.perf_counter() - t0,
-                state.model_name, srv.host, srv.port, f"{len(state.keys.keys)}" if state.keys.enabled else "off")
+                state.model_name, srv.host, sock.getsockname()[1], f"{len(state.keys.keys)}" if state.keys.enabled else "off")
     server = _DrainingServer(uvicorn.Config(app, host=srv.host, port=srv.port, log_level="warning",
-                                            timeout_graceful_shutdown=srv.drain_timeout))
+                                            timeout_graceful_shutdown=srv.drain_timeout, http=_http_protocol(srv)))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.begin_drain, sig)
     try:
-        await server.serve()  # SIGTERM/SIGINT: stop accepting, drain in-flight requests, return
+        await server.serve(sockets=[sock])  # SIGTERM/SIGINT: stop accepting, drain in-flight requests, return
     finally:
         if embedder is not None:
             embedder.close()
@@ -126,6 +145,17 @@ async def _serve(config) -> int:
             state.telemetry.tracing.shutdown()
     logger.info("shut down cleanly")
     return 0
+
+
+def _http_protocol(srv):
+    """uvicorn's HTTP protocol (httptools if installed, else h11), with the request-head timeout."""
+    if srv.header_timeout_s <= 0:
+        return "auto"
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    from servelm.server.header_timeout import with_header_timeout
+
+    return with_header_timeout(AutoHTTPProtocol, srv.header_timeout_s)
 
 
 class _DrainingServer:
@@ -154,8 +184,30 @@ def cmd_serve(args) -> int:
 
     config = load_config(args)  # ConfigError (a ValueError): main() prints it and exits 2
     srv = config.server
-    KeyStore.from_config(srv.api_key, srv.api_keys_file, srv.admin_key)  # a bad keys file stops start-up too
+    KeyStore.from_config(srv.secret("api_key"), srv.api_keys_file, srv.secret("admin_key"))  # bad keys stop start-up
+    for name in ("api_key", "admin_key"):
+        if config.sources[f"server.{name}"] == "cli":
+            flag = name.replace("_", "-")
+            logger.warning("--%s is visible to every user of this machine in the process list; use --%s-file or "
+                           "SERVELM_%s instead", flag, flag, name.upper())
     if args.print_config:
         print(json.dumps(config.describe(), indent=2))
         return 0
-    return asyncio.run(_serve(config))
+    from servelm.model.metadata import check_model
+
+    check_model(config.engine.model, config.engine.gguf_file)  # one line and exit 2 before anything loads
+    try:
+        sock = bind_socket(srv.host, srv.port)
+    except OSError as e:
+        reason = "the address is already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+        print(f"servelm: error: cannot listen on {srv.host}:{srv.port}: {reason} (is another server running "
+              "there? choose another with --port)", file=sys.stderr)
+        return 2
+    from servelm.server.async_engine import EngineStartError
+
+    with sock:
+        try:
+            return asyncio.run(_serve(config, sock))
+        except EngineStartError as e:
+            print(f"servelm: error: the engine could not start: {e}", file=sys.stderr)
+            return 2 if e.input_error else 1

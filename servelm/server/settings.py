@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, published as tomli before it joined the standard library
+    import tomli as tomllib
 
 from servelm.config import ConfigError, EngineConfig, _f, require
 
@@ -33,17 +38,29 @@ class ServerConfig:
     embedding_batch_window_ms: float = _f(5.0, "how long the embedding batcher waits for more texts")
     embedding_max_batch_size: int = _f(32, "most texts in one embedding batch")
     drain_timeout: float = _f(30.0, "on SIGTERM, seconds to let in-flight requests finish before exiting")
-    api_key: str | None = _f(None, "one API key every caller must present (Bearer or x-api-key)")
+    engine_start_timeout_s: float = _f(600.0, "seconds the engine may take to load and warm up before the start "
+                                       "is given up (0: no limit); meanwhile its progress is logged")
+    api_key: str | None = _f(None, "one API key every caller must present (Bearer or x-api-key); as a flag it is "
+                             "visible in the process list: prefer --api-key-file or SERVELM_API_KEY")
+    api_key_file: str | None = _f(None, "file holding the one API key (instead of --api-key)")
     api_keys_file: str | None = _f(None, "YAML/JSON file of API keys: name, key or key_hash, rpm, tpm, "
                                    "priority, models, allow_priority_raise, admin")
-    admin_key: str | None = _f(None, "key that guards /admin routes (keys marked admin in the keys file also work)")
+    admin_key: str | None = _f(None, "key that guards /admin routes (keys marked admin in the keys file also work); "
+                               "prefer --admin-key-file or SERVELM_ADMIN_KEY")
+    admin_key_file: str | None = _f(None, "file holding the admin key (instead of --admin-key)")
     metrics_require_key: bool = _f(False, "require an API key for GET /metrics")
     max_request_body_bytes: int = _f(4 * 2**20, "larger request bodies get 413")
+    header_timeout_s: float = _f(10.0, "close a connection whose request head (request line and headers) is not "
+                                 "complete this long after it opened or after its last response (slow clients, "
+                                 "slowloris); 0 turns it off")
     log_requests: bool = _f(True, "one JSON log line per request at completion")
     log_prompts: bool = _f(False, "include prompt and completion text in the request log lines")
     otlp_endpoint: str | None = _f(None, "OTLP/HTTP collector, e.g. http://localhost:4318/v1/traces: turns "
                                    "on OpenTelemetry tracing")
     otlp_service_name: str = _f("servelm", "service.name of the exported spans")
+    prefix_cache_isolation: str = _f("key", "key | none: with key, requests share prefix-cache blocks only "
+                                     "with requests made with the same API key (one tenant cannot time-probe "
+                                     "another's prompts); none shares them across all callers")
 
     def validate(self) -> None:
         def need(ok: bool, name: str, allowed: str) -> None:
@@ -53,11 +70,24 @@ class ServerConfig:
         need(self.embedding_batch_window_ms >= 0, "embedding_batch_window_ms", ">= 0")
         need(self.embedding_max_batch_size >= 1, "embedding_max_batch_size", ">= 1")
         need(self.drain_timeout >= 0, "drain_timeout", ">= 0")
+        need(self.header_timeout_s >= 0, "header_timeout_s", ">= 0")
+        need(self.engine_start_timeout_s >= 0, "engine_start_timeout_s", ">= 0 (0: no limit)")
         for name in SECRETS:
-            if getattr(self, name) is not None and len(getattr(self, name)) < 8:
-                raise ConfigError(name, "<redacted>", "at least 8 characters")
+            path = getattr(self, f"{name}_file")
+            if path is not None:
+                need(getattr(self, name) is None, f"{name}_file", f"not given together with {name}")
+                need(Path(path).is_file(), f"{name}_file", "an existing file holding the key")
+            key = self.secret(name)
+            if key is not None and (len(key) < 8 or any(c.isspace() for c in key)):
+                raise ConfigError(name, "<redacted>", "at least 8 characters, with no spaces or line breaks")
         need(self.api_keys_file is None or Path(self.api_keys_file).is_file(), "api_keys_file", "an existing file")
         need(self.max_request_body_bytes >= 1024, "max_request_body_bytes", ">= 1024")
+        need(self.prefix_cache_isolation in ("key", "none"), "prefix_cache_isolation", "key or none")
+
+    def secret(self, name: str) -> str | None:
+        """api_key or admin_key: as given, or read from its *_file (surrounding whitespace dropped)."""
+        path = getattr(self, f"{name}_file")
+        return Path(path).read_text().strip() if path is not None else getattr(self, name)
 
 
 @dataclass
@@ -74,6 +104,14 @@ class AdmissionConfig:
                                     "their own limit", runtime=True)
     default_priority: str = _f("normal", "priority of requests whose key sets none: high | normal | low",
                                runtime=True)
+    max_n: int = _f(16, "most samples (n) one generation request may ask for (400 above)", runtime=True)
+    max_request_tokens: int = _f(32768, "most tokens one generation request may ask for: its prompt tokens plus "
+                                 "n x max_tokens, over all its prompts (400 above); a request that omits "
+                                 "max_tokens gets a default that fits", runtime=True)
+    auth_failures_per_minute: int | None = _f(10, "failed authentications (a wrong API key) allowed per client "
+                                              "address per minute; beyond, that address gets 429 (None: no limit)",
+                                              runtime=True)
+    max_embedding_inputs: int = _f(2048, "most inputs in one embedding request (400 above)", runtime=True)
 
     def validate(self) -> None:
         def need(ok: bool, name: str, allowed: str) -> None:
@@ -86,6 +124,10 @@ class AdmissionConfig:
         need(self.rate_limit_rpm is None or self.rate_limit_rpm >= 1, "rate_limit_rpm", ">= 1 or None")
         need(self.rate_limit_tpm is None or self.rate_limit_tpm >= 1, "rate_limit_tpm", ">= 1 or None")
         need(self.default_priority in PRIORITIES, "default_priority", "one of high, normal, low")
+        need(self.auth_failures_per_minute is None or self.auth_failures_per_minute >= 1,
+             "auth_failures_per_minute", ">= 1 or None")
+        for cap in ("max_n", "max_request_tokens", "max_embedding_inputs"):
+            need(getattr(self, cap) >= 1, cap, ">= 1")
 
 
 SECTIONS: dict[str, type] = {"engine": EngineConfig, "server": ServerConfig, "admission": AdmissionConfig}
@@ -254,14 +296,18 @@ def _coerce(key: str, value, tp, source: str = "runtime"):
         if base is int:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
+            if not -2**63 <= int(value) < 2**63:  # what the engine's messages (and any sane setting) hold
+                raise ConfigError(key, value, f"an integer in [-2**63, 2**63) (from {source})")
             return int(value)
         if base is float:
-            if isinstance(value, bool):
+            if isinstance(value, bool) or not math.isfinite(float(value)):
                 raise ValueError
             return float(value)
         return str(value)
-    except (TypeError, ValueError):
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(float("inf"))
         raise ConfigError(key, value, f"{_TYPE_NAMES[base]} (from {source})") from None
 
 
-_TYPE_NAMES = {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string"}
+_TYPE_NAMES = {bool: "a boolean (true/false)", int: "an integer", float: "a finite number", str: "a string"}

@@ -8,15 +8,16 @@
 // rows the two are level and beyond that oneDNN's blocking wins, so the caller switches there.
 // Each output row is summed over K in the same order whatever the other rows are, so a sequence's
 // logits do not depend on what it is batched with.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "amx.h"
+#include "kernels.h"
 #include "linear_epilogue.h"
+
+using servelm::bf16;
 
 namespace {
 // Outside the AMX guard: the argument checks use the block width on every CPU.
@@ -125,59 +126,53 @@ void tile_block64(const bf16* a, const bf16* b, int64_t K, float* c, const bf16*
 #endif
 }  // namespace
 
-bool amx_linear_supported(int64_t K) {
+bool servelm::amx_available() {
 #ifdef SERVELM_AMX
-  return K > 0 && K % 32 == 0 && servelm::amx_permitted();
+  return amx_permitted();
 #else
-  (void)K;
   return false;
 #endif
 }
 
-namespace {
+SERVELM_API int servelm_amx_linear_supported(int64_t K) { return K > 0 && K % 32 == 0 && servelm::amx_available(); }
 
-torch::Tensor tile_matmul(torch::Tensor x, const torch::Tensor& packed, int64_t N,
-                          const c10::optional<torch::Tensor>& bias, bool silu_mul) {
-  TORCH_CHECK(x.dim() == 2 && amx_linear_supported(x.size(1)), "amx_linear needs AMX and [M, K] input, K % 32 == 0");
-  const int64_t M = x.size(0), K = x.size(1), blocks = (N + kN - 1) / kN;
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  N > 0 && packed.numel() == blocks * kN * K,
-              "amx_linear: bf16 x and a weight packed for ", N, " x ", K);
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N),
-              "amx_linear: bias must be bf16 [N]");
-  TORCH_CHECK(!silu_mul || (N % 32 == 0 && !bias), "amx_linear_silu_mul: gate and up widths must be multiples of 16, no bias");
-  const int64_t ldo = silu_mul ? N / 2 : N;
-  auto out = torch::empty({M, ldo}, x.options());
-  if (M == 0) return out;
+void servelm::amx_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const bf16* packed, int64_t N,
+                         const bf16* bias, bool silu_mul) {
+  check(amx_available(), "amx_linear needs AMX");
+  check_packed_linear("amx_linear", M, K, N, bias != nullptr, silu_mul);
+  const int64_t blocks = (N + kN - 1) / kN, ldo = silu_mul ? N / 2 : N;
+  if (M == 0) return;
 #ifdef SERVELM_AMX
-  if (x.stride(1) != 1) x = x.contiguous();
   // x in tile order, zero padded to whole 32-row groups: [row tile][K / 32][16][32]. Tile loads of rows
   // K apart (a power of two in most models) crowd into a few L1 sets and ran at half speed; 1 KB
   // contiguous tiles do not.
   const int64_t Mp = (M + 31) / 32 * 32;
-  auto xt = torch::empty({Mp * K}, x.options());
-  const bf16* xp = reinterpret_cast<const bf16*>(x.data_ptr());
-  bf16* ap = reinterpret_cast<bf16*>(xt.data_ptr());
-  const int64_t ldx = x.stride(0);
+  bf16* ap = static_cast<bf16*>(std::aligned_alloc(64, Mp * K * sizeof(bf16)));  // K % 32 == 0: whole lines
+  check(ap != nullptr, "amx_linear: out of memory");
+  struct Free {
+    void* p;
+    ~Free() { std::free(p); }
+  } free_ap{ap};
+  const bf16* xp = x;
   // a decode step's few rows are copied inline: a parallel region would cost more than the copy
-  at::parallel_for(0, Mp / 16, 8, [&](int64_t begin, int64_t end) {
+  parallel_for(0, Mp / 16, 8, [&](int64_t begin, int64_t end) {
     for (int64_t mt = begin; mt < end; ++mt)
       for (int64_t i = 0; i < 16; ++i) {
         const int64_t r = mt * 16 + i;
         for (int64_t k = 0; k < K; k += 32) {
           bf16* dst = ap + mt * 16 * K + k * 16 + i * 32;
-          if (r < M) std::memcpy(dst, xp + r * ldx + k, 64);
+          if (r < M) std::memcpy(static_cast<void*>(dst), xp + r * ldx + k, 64);
           else std::memset(static_cast<void*>(dst), 0, 64);
         }
       }
   });
-  const bf16* wp = reinterpret_cast<const bf16*>(packed.data_ptr());
-  const Epilogue ep{bias ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr, N, silu_mul};
-  bf16* op = reinterpret_cast<bf16*>(out.data_ptr());
+  const bf16* wp = packed;
+  const Epilogue ep{bias, N, silu_mul};
+  bf16* op = out;
   for (int64_t m0 = 0; m0 < M; m0 += kMc) {
     const int64_t m1 = std::min(M, m0 + kMc);
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      servelm::TileConfig cfg;
+    parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      TileConfig cfg;
       _tile_loadconfig(&cfg);
       alignas(64) float c[2][64 * kN];  // two, so one converts while the other fills
       Pending pending;
@@ -200,16 +195,14 @@ torch::Tensor tile_matmul(torch::Tensor x, const torch::Tensor& packed, int64_t 
       _tile_release();
     });
   }
+#else
+  (void)out, (void)x, (void)ldx, (void)packed, (void)blocks, (void)ldo;
 #endif
-  return out;
 }
 
-}  // namespace
-
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
-  return tile_matmul(std::move(x), packed, N, bias, false);
-}
-
-torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  return tile_matmul(std::move(x), packed, N, c10::nullopt, true);
+// x: [M, K] bf16 (row stride ldx), packed: the weight in `pack_weight_for_tiles` order, bias: [N] bf16 or
+// null; out [M, N], or [M, N / 2] with silu_mul.
+SERVELM_API int servelm_amx_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const bf16* packed,
+                                   int64_t N, const bf16* bias, int silu_mul) {
+  return servelm::guarded([&] { servelm::amx_linear(out, x, M, K, ldx, packed, N, bias, silu_mul != 0); });
 }

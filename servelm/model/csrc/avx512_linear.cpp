@@ -12,16 +12,16 @@
 // 86 vs 175 GFLOP/s per core, `bench/dot_rate.cpp`; on Zen 4 it is the faster one). The FMAs add the odd
 // element's product first, then the even one's, which is the instruction's own order (products of bf16
 // values are exact in float32), so on Intel the two give the same sums.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
 
+#include "kernels.h"
 #include "linear_epilogue.h"
+
+using servelm::bf16;
 
 namespace {
 #ifdef SERVELM_AVX512_BF16
@@ -114,7 +114,7 @@ float* split_buffer(int64_t K) {
     std::free(buf.p);
     buf.p = static_cast<float*>(std::aligned_alloc(64, 32 * K * sizeof(float)));  // a multiple of 64 bytes
     buf.floats = buf.p != nullptr ? 32 * K : 0;
-    TORCH_CHECK(buf.p != nullptr, "avx512_linear: out of memory for a split weight block");
+    servelm::check(buf.p != nullptr, "avx512_linear: out of memory for a split weight block");
   }
   return buf.p;
 }
@@ -228,7 +228,7 @@ template <typename X>
 void packed_matmul(const typename Line<X>::In* x, int64_t M, int64_t ldx, const bf16* w, int64_t K,
                    const servelm::Epilogue& ep, bf16* out) {
   const int64_t blocks = (ep.N + kBlockCols - 1) / kBlockCols, ldo = ep.silu_mul ? ep.N / 2 : ep.N;
-  at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
+  servelm::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
     alignas(64) float c[kRowGroup * kBlockCols];
     if constexpr (!std::is_same_v<X, float>) {
       if (M <= 4) {
@@ -265,38 +265,6 @@ void packed_matmul(const typename Line<X>::In* x, int64_t M, int64_t ldx, const 
 }
 #endif
 
-torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, int64_t N,
-                            const c10::optional<torch::Tensor>& bias, bool silu_mul) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
-              "avx512_linear: bf16 [M, K] input and packed weight");
-  const int64_t M = x.size(0), K = x.size(1), blocks = (N + 31) / 32;
-  TORCH_CHECK(K % 32 == 0 && N > 0 && packed.is_contiguous() && packed.numel() == blocks * 32 * K,
-              "avx512_linear: a weight packed for ", N, " x ", K, " (K a multiple of 32)");
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N),
-              "avx512_linear: bias must be bf16 [N]");
-  TORCH_CHECK(!silu_mul || (N % 32 == 0 && !bias), "avx512_linear_silu_mul: gate and up widths must be multiples of 16, no bias");
-  auto out = torch::empty({M, silu_mul ? N / 2 : N}, x.options());
-#ifdef SERVELM_AVX512_BF16
-  if (M == 0) return out;
-  if (x.stride(1) != 1) x = x.contiguous();
-  const servelm::Epilogue ep{bias ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr, N, silu_mul};
-  const auto* w = reinterpret_cast<const bf16*>(packed.data_ptr());
-  auto* o = reinterpret_cast<bf16*>(out.data_ptr());
-  const auto* xb = reinterpret_cast<const bf16*>(x.data_ptr());
-  if (!servelm::fma_dot()) {
-    packed_matmul<bf16>(xb, M, x.stride(0), w, K, ep, o);
-  } else if (M <= 4) {  // widened as broadcast: a float copy per call cost 1.6% of a batch-1 step
-    packed_matmul<WidenedBf16>(xb, M, x.stride(0), w, K, ep, o);
-  } else {
-    const torch::Tensor xf = x.to(at::kFloat);  // widened once: M * K, against M * K * N multiplies
-    packed_matmul<float>(xf.data_ptr<float>(), M, xf.stride(0), w, K, ep, o);
-  }
-#else
-  TORCH_CHECK(false, "avx512_linear needs AVX512-BF16");
-#endif
-  return out;
-}
-
 }  // namespace
 
 #ifdef SERVELM_AVX512_BF16
@@ -308,39 +276,74 @@ bool& fma_dot() {
 }  // namespace servelm
 #endif
 
-// How the AVX512 linear and prefill attention kernels multiply bf16 pairs: "bf16" (the dot-product
-// instruction) or "fma".
-std::string bf16_dot() {
+// Checks shared by the two packed-weight kernels (this one and amx_linear.cpp).
+void servelm::check_packed_linear(const char* name, int64_t M, int64_t K, int64_t N, bool bias, bool silu_mul) {
+  check(M >= 0 && K > 0 && K % 32 == 0 && N > 0, name, ": [M, K] input with K a multiple of 32 and N > 0");
+  check(!silu_mul || (N % 32 == 0 && !bias), name, "_silu_mul: gate and up widths must be multiples of 16, no bias");
+}
+
+void servelm::avx512_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const bf16* packed,
+                            int64_t N, const bf16* bias, bool silu_mul) {
+  check_packed_linear("avx512_linear", M, K, N, bias != nullptr, silu_mul);
 #ifdef SERVELM_AVX512_BF16
-  return servelm::fma_dot() ? "fma" : "bf16";
+  if (M == 0) return;
+  const Epilogue ep{bias, N, silu_mul};
+  if (!fma_dot()) {
+    packed_matmul<bf16>(x, M, ldx, packed, K, ep, out);
+  } else if (M <= 4) {  // widened as broadcast: a float copy per call cost 1.6% of a batch-1 step
+    packed_matmul<WidenedBf16>(x, M, ldx, packed, K, ep, out);
+  } else {  // widened once: M * K, against M * K * N multiplies
+    float* xf = static_cast<float*>(std::aligned_alloc(64, (M * K * sizeof(float) + 63) / 64 * 64));
+    check(xf != nullptr, "avx512_linear: out of memory");
+    parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r)
+        for (int64_t k = 0; k < K; ++k) xf[r * K + k] = x[r * ldx + k];
+    });
+    try {
+      packed_matmul<float>(xf, M, K, packed, K, ep, out);
+    } catch (...) {
+      std::free(xf);
+      throw;
+    }
+    std::free(xf);
+  }
 #else
-  return "none";
+  (void)out, (void)x, (void)ldx, (void)packed;
+  check(false, "avx512_linear needs AVX512-BF16");
 #endif
 }
 
-void set_bf16_dot(const std::string& mode) {
-  TORCH_CHECK(mode == "bf16" || mode == "fma", "set_bf16_dot: 'bf16' or 'fma', not '", mode, "'");
+// How the AVX512 linear and prefill attention kernels multiply bf16 pairs: 1 for two float FMAs per pair,
+// 0 for the dot-product instruction, -1 where this build has no AVX512-BF16.
+SERVELM_API int servelm_bf16_dot() {
 #ifdef SERVELM_AVX512_BF16
-  servelm::fma_dot() = mode == "fma";
+  return servelm::fma_dot() ? 1 : 0;
+#else
+  return -1;
+#endif
+}
+
+SERVELM_API void servelm_set_bf16_dot(int fma) {
+#ifdef SERVELM_AVX512_BF16
+  servelm::fma_dot() = fma != 0;
+#else
+  (void)fma;
 #endif
 }
 
 // Whether avx512_linear takes an input of K features here (K % 32 == 0, AVX512-BF16 compiled in).
-bool avx512_linear_supported(int64_t K) {
+SERVELM_API int servelm_avx512_linear_supported(int64_t K) {
 #ifdef SERVELM_AVX512_BF16
   return K > 0 && K % 32 == 0;
 #else
   (void)K;
-  return false;
+  return 0;
 #endif
 }
 
-// x: [M, K] bf16, packed: the weight in `pack_weight_for_tiles` order, bias: [N] bf16 or none.
-torch::Tensor avx512_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
-  return packed_linear(std::move(x), packed, N, bias, false);
-}
-
-// silu(gate) * up for a [gate; up] weight packed with `pack_weight_for_tiles(w, gate_up=True)`.
-torch::Tensor avx512_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  return packed_linear(std::move(x), packed, N, c10::nullopt, true);
+// x: [M, K] bf16 (row stride ldx), packed: the weight in `pack_weight_for_tiles` order, bias: [N] bf16 or
+// null; out [M, N], or [M, N / 2] with silu_mul (a [gate; up] weight packed with gate_up=True).
+SERVELM_API int servelm_avx512_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx,
+                                      const bf16* packed, int64_t N, const bf16* bias, int silu_mul) {
+  return servelm::guarded([&] { servelm::avx512_linear(out, x, M, K, ldx, packed, N, bias, silu_mul != 0); });
 }

@@ -1,71 +1,116 @@
 // Every decoder layer of a decode step (each token a decode) in one call: the same kernels, in the same
-// order, on the same tensors as the Python layer loop in model/decoder.py, without its ~20 Python-level
+// order, on the same data as the Python layer loop in model/decoder.py, without its ~20 Python-level
 // operations per layer (about 0.85 ms of a SmolLM2 batch-1 step of 10 ms at one thread). Results are
 // identical to the Python loop's.
-#include <torch/extension.h>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 
-#include <vector>
+#include "kernels.h"
+#include "vec.h"
 
-void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window);
-void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots);
-torch::Tensor avx512_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
-torch::Tensor avx512_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t N);
-void rms_norm_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor w, double eps);
-void add_rms_norm_bf16(torch::Tensor out, torch::Tensor delta, torch::Tensor residual, torch::Tensor w, double eps);
-void rotary_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
+using servelm::bf16;
 
 namespace {
 
-// An absent optional weight travels as an empty tensor (a Python list of tensors cannot hold None).
-c10::optional<torch::Tensor> present(const torch::Tensor& t) {
-  return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
-}
+constexpr int64_t kPerLayer = 10;  // weights per layer (see servelm_decode_layers)
+
+// The step's intermediate activations: one 64-byte aligned allocation per thread, grown when a larger step
+// comes, carved into arrays that each start on their own cache line.
+class Arena {
+ public:
+  ~Arena() { std::free(base_); }
+  bf16* carve(const int64_t* counts, int n, bf16** out) {
+    int64_t total = 0;
+    for (int i = 0; i < n; ++i) total += (counts[i] * int64_t(sizeof(bf16)) + 63) / 64 * 64;
+    if (total > bytes_) {
+      std::free(base_);
+      base_ = static_cast<char*>(std::aligned_alloc(64, total));
+      bytes_ = base_ != nullptr ? total : 0;
+      servelm::check(base_ != nullptr, "decode_layers: out of memory for ", total, " bytes");
+    }
+    char* p = base_;
+    for (int i = 0; i < n; ++i) {
+      out[i] = reinterpret_cast<bf16*>(p);
+      p += (counts[i] * int64_t(sizeof(bf16)) + 63) / 64 * 64;
+    }
+    return out[0];
+  }
+
+ private:
+  char* base_ = nullptr;
+  int64_t bytes_ = 0;
+};
 
 }  // namespace
 
-// h: [T, hidden] bf16 residual stream (updated in place). Per layer, kPerLayer weights: input norm,
-// packed qkv, qkv bias, packed o_proj, o_proj bias, post norm, packed gate_up, packed down, q norm,
-// k norm (biases and q/k norms empty when absent). caches: k, v per layer. Out features: sizes =
-// {qkv, o_proj, gate_up, down}; heads = {num_heads, num_kv_heads, head_dim}. Returns the final norm's output.
-torch::Tensor decode_layers(torch::Tensor h, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                            std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches,
-                            torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens,
-                            torch::Tensor final_norm, std::vector<int64_t> windows, std::vector<int64_t> sizes,
-                            std::vector<int64_t> heads, double eps, double scale) {
-  constexpr size_t kPerLayer = 10;
-  const size_t L = windows.size();
-  TORCH_CHECK(weights.size() == kPerLayer * L && caches.size() == 2 * L && sizes.size() == 4 && heads.size() == 3,
-              "decode_layers: ", kPerLayer, " weights and 2 caches per layer");
-  const int64_t T = h.size(0), H = heads[0], Hkv = heads[1], D = heads[2];
-  const int64_t q_size = H * D, kv_size = Hkv * D;
-  torch::Tensor delta;
-  torch::Tensor x = torch::empty_like(h);
-  for (size_t i = 0; i < L; ++i) {
-    const torch::Tensor* w = &weights[kPerLayer * i];
-    if (delta.defined()) {
-      add_rms_norm_bf16(x, delta, h, w[0], eps);
-    } else {
-      rms_norm_bf16(x, h, w[0], eps);
+// h: [T, hidden] bf16 residual stream (updated in place); out [T, hidden] receives the final norm's output.
+// Per layer, kPerLayer weight pointers: input norm, packed qkv, qkv bias, packed o_proj, o_proj bias, post
+// norm, packed gate_up, packed down, q norm, k norm (biases and q/k norms null when absent). caches: k, v per
+// layer, each [num_blocks, bs, Hkv, D]. sizes = {qkv, o_proj, gate_up, down} out features; heads =
+// {num_heads, num_kv_heads, head_dim}; cos/sin [max_pos, D] rotary tables read at positions.
+SERVELM_API int servelm_decode_layers(bf16* out, bf16* h, int64_t T, int64_t hidden, const int64_t* positions,
+                                      const bf16* cos, const bf16* sin, int64_t max_pos, const bf16* const* weights,
+                                      void* const* caches, int64_t num_blocks, int64_t bs, const int64_t* slots,
+                                      const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens,
+                                      const bf16* final_norm, const int64_t* windows, int64_t L, const int64_t* sizes,
+                                      const int64_t* heads, double eps_d, double scale) {
+  return servelm::guarded([&] {
+    using servelm::Rows;
+    const int64_t H = heads[0], Hkv = heads[1], D = heads[2];
+    const int64_t q_size = H * D, kv_size = Hkv * D, qkv_size = sizes[0];
+    const float eps = float(eps_d);
+    servelm::check(qkv_size == q_size + 2 * kv_size && sizes[1] == hidden && sizes[3] == hidden,
+                   "decode_layers: layer sizes do not fit the heads and hidden size");
+    thread_local Arena arena;
+    const int64_t counts[6] = {T * hidden, T * qkv_size, T * q_size, T * q_size, T * hidden, T * sizes[2] / 2};
+    bf16* buf[6];
+    arena.carve(counts, 6, buf);
+    bf16 *x = buf[0], *qkv = buf[1], *q = buf[2], *o = buf[3], *attn = buf[4], *act = buf[5];
+    bf16* delta = nullptr;  // the last sublayer's output, not yet added to h; reuses attn's room
+    const Rows hidden_rows{T, 1, hidden, 0};
+    const Rows q_rows{T, H, qkv_size, D}, k_rows{T, Hkv, qkv_size, D};
+    for (int64_t i = 0; i < L; ++i) {
+      const bf16* const* w = weights + kPerLayer * i;
+      if (delta != nullptr) servelm::add_rms_norm(x, delta, h, w[0], T, hidden, eps);
+      else servelm::rms_norm(x, hidden_rows, h, hidden_rows, w[0], hidden, eps);
+      servelm::avx512_linear(qkv, x, T, hidden, hidden, w[1], qkv_size, w[2], false);
+      if (w[8] != nullptr) {  // Qwen3's per-head norms of queries and keys, in place
+        servelm::rms_norm(qkv, q_rows, qkv, q_rows, w[8], D, eps);
+        servelm::rms_norm(qkv + q_size, k_rows, qkv + q_size, k_rows, w[9], D, eps);
+      }
+      servelm::rotary(qkv, T, H + Hkv, D, qkv_size, D, positions, cos, sin, max_pos);  // queries and keys
+      for (int64_t t = 0; t < T; ++t) std::memcpy(q + t * q_size, qkv + t * qkv_size, q_size * sizeof(bf16));
+      void* kc = caches[2 * i];
+      void* vc = caches[2 * i + 1];
+      servelm::write_kv(kc, vc, num_blocks * bs, kv_size * int64_t(sizeof(bf16)), qkv + q_size,
+                        qkv_size * int64_t(sizeof(bf16)), qkv + q_size + kv_size, qkv_size * int64_t(sizeof(bf16)),
+                        slots, T);
+      servelm::paged_decode_attention(servelm::kBFloat16, o, q, T, H, servelm::Cache{kc, vc, num_blocks, bs, Hkv, D},
+                                      block_tables, max_blocks, seq_lens, scale, windows[i]);
+      servelm::avx512_linear(attn, o, T, q_size, q_size, w[3], hidden, w[4], false);
+      servelm::add_rms_norm(x, attn, h, w[5], T, hidden, eps);
+      servelm::avx512_linear(act, x, T, hidden, hidden, w[6], sizes[2], nullptr, true);
+      servelm::avx512_linear(attn, act, T, sizes[2] / 2, sizes[2] / 2, w[7], hidden, nullptr, false);
+      delta = attn;
     }
-    torch::Tensor qkv = avx512_linear(x, w[1], sizes[0], present(w[2]));
-    torch::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({T, H + Hkv, D});
-    torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, Hkv, D});
-    if (w[8].numel()) {  // Qwen3's per-head norms of queries and keys, in place
-      torch::Tensor q_part = qk.narrow(1, 0, H), k_part = qk.narrow(1, H, Hkv);
-      rms_norm_bf16(q_part, q_part, w[8], eps);
-      rms_norm_bf16(k_part, k_part, w[9], eps);
-    }
-    rotary_bf16_(qk, positions, cos, sin);
-    torch::Tensor q = qk.narrow(1, 0, H).contiguous();
-    write_kv(caches[2 * i], caches[2 * i + 1], qk.narrow(1, H, Hkv), v, slots);
-    torch::Tensor o = torch::empty_like(q);
-    paged_decode_attention(o, q, caches[2 * i], caches[2 * i + 1], block_tables, seq_lens, scale, windows[i]);
-    torch::Tensor attn = avx512_linear(o.view({T, q_size}), w[3], sizes[1], present(w[4]));
-    add_rms_norm_bf16(x, attn, h, w[5], eps);
-    delta = avx512_linear(avx512_linear_silu_mul(x, w[6], sizes[2]), w[7], sizes[3], c10::nullopt);
-  }
-  torch::Tensor out = torch::empty_like(h);
-  add_rms_norm_bf16(out, delta, h, final_norm, eps);
-  return out;
+    servelm::add_rms_norm(out, delta, h, final_norm, T, hidden, eps);
+  });
 }
+
+// Whether this build has the AVX512-BF16 kernels (the fused elementwise ones, decode_layers, the linear).
+SERVELM_API int servelm_avx512_bf16_compiled() {
+#ifdef SERVELM_AVX512_BF16
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+std::string& servelm::last_error() {
+  thread_local std::string message;
+  return message;
+}
+
+SERVELM_API const char* servelm_last_error() { return servelm::last_error().c_str(); }

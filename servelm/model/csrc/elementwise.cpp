@@ -3,30 +3,20 @@
 // at batch 64 they cost more than their arithmetic, and in a 512-token prefill bf16 SiLU alone ran at
 // ~1.5 GB/s. Each kernel rounds to bf16 wherever the transformers op chain does, so results are
 // identical to it, not merely close.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
 #include <cmath>
 #include <cstdint>
 
+#include "kernels.h"
 #include "vec.h"
 
 namespace {
 
-bool fast_bf16(const torch::Tensor& t) {
 #ifdef SERVELM_AVX512_BF16
-  return t.scalar_type() == at::kBFloat16 && t.device().is_cpu() && t.stride(-1) == 1;
-#else
-  (void)t;
-  return false;
-#endif
-}
-
 // Rows per parallel task: enough work that a task outweighs its scheduling.
 int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1)); }
 
-#ifdef SERVELM_AVX512_BF16
 using servelm::bf16;
+using servelm::exp512;
 using servelm::lanes;
 using servelm::load_bf16;
 using servelm::round_bf16;
@@ -49,88 +39,58 @@ inline void norm_row(const bf16* x, const bf16* w, bf16* out, int64_t D, float e
 }
 #endif
 
-// Views any [.., D] tensor with a unit last stride as rows: (outer, inner) index -> row pointer.
-struct Rows {
-  int64_t outer, inner, so, si;
-  explicit Rows(const torch::Tensor& t)
-      : outer(t.size(0)), inner(t.dim() == 3 ? t.size(1) : 1),
-        so(t.stride(0)), si(t.dim() == 3 ? t.stride(1) : 0) {}
-  int64_t offset(int64_t r) const { return (r / inner) * so + (r % inner) * si; }
-  int64_t count() const { return outer * inner; }
-};
-
 }  // namespace
 
-bool fused_elementwise_supported(torch::Tensor t) { return fast_bf16(t); }
 
-// out[r] = RMSNorm(x[r]) * w for each row of x ([T, D] or [T, H, D], unit last stride); out may be x.
-void rms_norm_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor w, double eps) {
-  TORCH_CHECK(fast_bf16(x) && fast_bf16(out) && w.is_contiguous() && w.scalar_type() == at::kBFloat16 &&
-                  out.sizes() == x.sizes() && w.size(0) == x.size(-1),
-              "rms_norm_bf16 needs bf16 rows with a unit last stride");
+namespace servelm {
+
+// out[r] = RMSNorm(x[r]) * w for each row; out may be x.
+void rms_norm(bf16* out, const Rows& ro, const bf16* x, const Rows& rx, const bf16* w, int64_t D, float eps) {
 #ifdef SERVELM_AVX512_BF16
-  const int64_t D = x.size(-1);
-  const Rows rx(x), ro(out);
-  const bf16* xp = x.data_ptr<bf16>();
-  const bf16* wp = w.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, rx.count(), grain(D), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) norm_row(xp + rx.offset(r), wp, op + ro.offset(r), D, float(eps));
+  parallel_for(0, rx.count(), grain(D), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) norm_row(x + rx.offset(r), w, out + ro.offset(r), D, eps);
   });
+#else
+  (void)out, (void)ro, (void)x, (void)rx, (void)w, (void)D, (void)eps;
+  check(false, "rms_norm_bf16 needs AVX512-BF16");
 #endif
 }
 
 // residual = bf16(residual + delta) in place, out = RMSNorm(residual) * w: the residual add of one
 // sublayer fused with the norm that opens the next. All [T, D] contiguous.
-void add_rms_norm_bf16(torch::Tensor out, torch::Tensor delta, torch::Tensor residual, torch::Tensor w, double eps) {
-  TORCH_CHECK(fast_bf16(delta) && out.is_contiguous() && delta.is_contiguous() && residual.is_contiguous() &&
-                  residual.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
-                  w.is_contiguous() && w.scalar_type() == at::kBFloat16 && w.size(0) == residual.size(-1) &&
-                  delta.sizes() == residual.sizes() && out.sizes() == residual.sizes() && residual.dim() == 2,
-              "add_rms_norm_bf16 needs contiguous bf16 [T, D] tensors");
+void add_rms_norm(bf16* out, const bf16* delta, bf16* residual, const bf16* w, int64_t T, int64_t D, float eps) {
 #ifdef SERVELM_AVX512_BF16
-  const int64_t D = residual.size(1);
-  const bf16* dp = delta.data_ptr<bf16>();
-  const bf16* wp = w.data_ptr<bf16>();
-  bf16* rp = residual.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, residual.size(0), grain(D), [&](int64_t begin, int64_t end) {
+  parallel_for(0, T, grain(D), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      bf16* res = rp + r * D;
-      const bf16* del = dp + r * D;
+      bf16* res = residual + r * D;
+      const bf16* del = delta + r * D;
       for (int64_t d = 0; d < D; d += 16) {
         const __mmask16 m = lanes(D - d);
         store_bf16(res + d, _mm512_add_ps(load_bf16(res + d, m), load_bf16(del + d, m)), m);
       }
-      norm_row(res, wp, op + r * D, D, float(eps));
+      norm_row(res, w, out + r * D, D, eps);
     }
   });
+#else
+  (void)out, (void)delta, (void)residual, (void)w, (void)T, (void)D, (void)eps;
+  check(false, "add_rms_norm_bf16 needs AVX512-BF16");
 #endif
 }
 
-// In place on x ([T, H, D], unit last stride): x = bf16(x * cos) + bf16(rotate_half(x) * sin), rounded
-// as transformers' bf16 ops round; cos/sin are [max_pos, D] tables read at positions[t].
-void rotary_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(fast_bf16(x) && x.dim() == 3 && cos.is_contiguous() && sin.is_contiguous() &&
-                  cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 &&
-                  positions.scalar_type() == at::kLong && positions.is_contiguous() && x.size(2) % 2 == 0,
-              "rotary_bf16_ needs bf16 [T, H, D] with a unit last stride and int64 positions");
-#ifdef SERVELM_AVX512_BF16
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
-  const int64_t st = x.stride(0), sh = x.stride(1);
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  TORCH_CHECK(positions.numel() == T && cos.size(-1) == D && sin.sizes() == cos.sizes(), "rotary_bf16_: shapes differ");
+// In place on x ([T, H, D], strides st, sh, unit last stride): x = bf16(x * cos) + bf16(rotate_half(x) * sin),
+// rounded as transformers' bf16 ops round; cos/sin are [max_pos, D] tables read at pos[t].
+void rotary(bf16* x, int64_t T, int64_t H, int64_t D, int64_t st, int64_t sh, const int64_t* pos, const bf16* cos,
+            const bf16* sin, int64_t max_pos) {
   for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rotary_bf16_: position ", pos[t], " beyond the table");
-  const bf16* cp = cos.data_ptr<bf16>();
-  const bf16* sp = sin.data_ptr<bf16>();
-  bf16* xp = x.data_ptr<bf16>();
-  at::parallel_for(0, T, grain(H * D), [&](int64_t begin, int64_t end) {
+    check(pos[t] >= 0 && pos[t] < max_pos, "rotary_bf16_: position ", pos[t], " beyond the table");
+#ifdef SERVELM_AVX512_BF16
+  const int64_t half = D / 2;
+  parallel_for(0, T, grain(H * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const bf16* c = cp + pos[t] * D;
-      const bf16* s = sp + pos[t] * D;
+      const bf16* c = cos + pos[t] * D;
+      const bf16* s = sin + pos[t] * D;
       for (int64_t h = 0; h < H; ++h) {
-        bf16* row = xp + t * st + h * sh;
+        bf16* row = x + t * st + h * sh;
         for (int64_t d = 0; d < half; d += 16) {
           const __mmask16 m = lanes(half - d);
           const __m512 lo = load_bf16(row + d, m), hi = load_bf16(row + half + d, m);
@@ -145,31 +105,59 @@ void rotary_bf16_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, t
       }
     }
   });
+#else
+  (void)x, (void)H, (void)D, (void)st, (void)sh, (void)cos, (void)sin;
+  check(false, "rotary_bf16_ needs AVX512-BF16");
 #endif
 }
 
 // [T, 2I] -> [T, I]: bf16(bf16(silu(gate)) * up), gate and up the two halves of each row.
-torch::Tensor silu_mul_bf16(torch::Tensor x) {
-  TORCH_CHECK(fast_bf16(x) && x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
-              "silu_mul_bf16 needs contiguous bf16 [T, 2I]");
-  const int64_t T = x.size(0), I = x.size(1) / 2;
-  auto out = torch::empty({T, I}, x.options());
+void silu_mul(bf16* out, const bf16* x, int64_t T, int64_t I) {
 #ifdef SERVELM_AVX512_BF16
-  const bf16* xp = x.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
+  parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
     const __m512 one = _mm512_set1_ps(1.f);
     for (int64_t t = begin; t < end; ++t) {
-      const bf16* g = xp + t * 2 * I;
+      const bf16* g = x + t * 2 * I;
       const bf16* u = g + I;
       for (int64_t d = 0; d < I; d += 16) {
         const __mmask16 m = lanes(I - d);
         const __m512 gv = load_bf16(g + d, m);
-        const __m512 act = _mm512_div_ps(gv, _mm512_add_ps(one, servelm::exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        store_bf16(op + t * I + d, _mm512_mul_ps(round_bf16(act), load_bf16(u + d, m)), m);
+        const __m512 act = _mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        store_bf16(out + t * I + d, _mm512_mul_ps(round_bf16(act), load_bf16(u + d, m)), m);
       }
     }
   });
+#else
+  (void)out, (void)x, (void)T, (void)I;
+  check(false, "silu_mul_bf16 needs AVX512-BF16");
 #endif
-  return out;
+}
+
+}  // namespace servelm
+
+using servelm::bf16;
+using servelm::guarded;
+using servelm::Rows;
+
+SERVELM_API int servelm_rms_norm(bf16* out, int64_t o_outer, int64_t o_inner, int64_t o_so, int64_t o_si,
+                                 const bf16* x, int64_t x_outer, int64_t x_inner, int64_t x_so, int64_t x_si,
+                                 const bf16* w, int64_t D, double eps) {
+  return guarded([&] {
+    servelm::rms_norm(out, Rows{o_outer, o_inner, o_so, o_si}, x, Rows{x_outer, x_inner, x_so, x_si}, w, D,
+                      float(eps));
+  });
+}
+
+SERVELM_API int servelm_add_rms_norm(bf16* out, const bf16* delta, bf16* residual, const bf16* w, int64_t T,
+                                     int64_t D, double eps) {
+  return guarded([&] { servelm::add_rms_norm(out, delta, residual, w, T, D, float(eps)); });
+}
+
+SERVELM_API int servelm_rotary(bf16* x, int64_t T, int64_t H, int64_t D, int64_t st, int64_t sh, const int64_t* pos,
+                               const bf16* cos, const bf16* sin, int64_t max_pos) {
+  return guarded([&] { servelm::rotary(x, T, H, D, st, sh, pos, cos, sin, max_pos); });
+}
+
+SERVELM_API int servelm_silu_mul(bf16* out, const bf16* x, int64_t T, int64_t I) {
+  return guarded([&] { servelm::silu_mul(out, x, T, I); });
 }

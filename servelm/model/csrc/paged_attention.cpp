@@ -1,9 +1,6 @@
 // Paged attention for single-token (decode) queries on CPU, read straight from the block tables.
 // The PyTorch fallback must gather every sequence's blocks into a contiguous copy first; this kernel
 // reads each key/value row where it lies, so the only memory traffic is the cache itself.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -11,8 +8,7 @@
 #include <cmath>
 #include <vector>
 
-#include <xmmintrin.h>
-
+#include "kernels.h"
 #include "vec.h"
 
 namespace {
@@ -20,7 +16,7 @@ namespace {
 // Widen one row to float. bf16 is the top half of a float32, so a shift is exact and vectorizes.
 template <typename scalar_t>
 inline void load_row(const scalar_t* __restrict src, float* __restrict dst, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+  if constexpr (std::is_same_v<scalar_t, servelm::bf16>) {
     const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
 #pragma omp simd
     for (int64_t d = 0; d < n; ++d) {
@@ -87,10 +83,10 @@ __attribute__((always_inline)) inline void for_each_row(const scalar_t* cache, c
       for (int64_t i = 0; i < n; ++i, row += row_stride) {
         const int64_t step = i * stride_bytes;
         for (int64_t byte = 0; byte < pf.row_bytes; byte += 64) {
-          if (i < n_next) _mm_prefetch(nrow + step + byte, _MM_HINT_T1);
-          if (i < n_ahead) _mm_prefetch(arow + step + byte, _MM_HINT_T1);
-          if (i < n_near) _mm_prefetch(near + step + byte, _MM_HINT_T0);
-          if (i < n_values) _mm_prefetch(vrow + step + byte, _MM_HINT_T1);
+          if (i < n_next) __builtin_prefetch(nrow + step + byte, 0, 2);
+          if (i < n_ahead) __builtin_prefetch(arow + step + byte, 0, 2);
+          if (i < n_near) __builtin_prefetch(near + step + byte, 0, 3);
+          if (i < n_values) __builtin_prefetch(vrow + step + byte, 0, 2);
         }
         fn(row, t + i);
       }
@@ -102,21 +98,14 @@ __attribute__((always_inline)) inline void for_each_row(const scalar_t* cache, c
 }
 
 template <typename scalar_t>
-void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
-                   const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                   const torch::Tensor& seq_lens, double scale, int64_t window) {
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
-  const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-  scalar_t* op = out.data_ptr<scalar_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+void decode_kernel(scalar_t* op, const scalar_t* qp, int64_t B, int64_t Hq, const servelm::Cache& cache,
+                   const int64_t* tables, int64_t max_blocks, const int64_t* lens, double scale, int64_t window) {
+  const int64_t D = cache.D, bs = cache.bs, Hkv = cache.Hkv, G = Hq / Hkv;
+  const scalar_t* kp = static_cast<const scalar_t*>(cache.k);
+  const scalar_t* vp = static_cast<const scalar_t*>(cache.v);
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  servelm::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), row(D), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
@@ -172,7 +161,7 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
 
 #ifdef SERVELM_AVX512_BF16
 using servelm::exp512;
-using bf16 = c10::BFloat16;
+using servelm::bf16;
 
 // Lane i of the result is the sum of all lanes of v[i]: 16 horizontal sums in 45 instructions where
 // 16 separate reductions take ~130, which is most of the score loop's cost.
@@ -274,21 +263,16 @@ void pv_dispatch(int64_t groups, const bf16* vp, const int64_t* table, int64_t b
 // float32 sums), softmax with a vector exp, probabilities rounded to bf16 and P @ V as bf16 dot products
 // over pairs of positions (half the float32 FMAs and no widening of the values).
 template <int C>
-void decode_bf16_avx512(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
-                        const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                        const torch::Tensor& seq_lens, double scale, int64_t window) {
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
-  const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1), row_stride = Hkv * D;
-  const bf16* qp = q.data_ptr<bf16>();
-  const bf16* kp = k_cache.data_ptr<bf16>();
-  const bf16* vp = v_cache.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+void decode_bf16_avx512(bf16* op, const bf16* qp, int64_t B, int64_t Hq, const servelm::Cache& cache,
+                        const int64_t* tables, int64_t max_blocks, const int64_t* lens, double scale,
+                        int64_t window) {
+  const int64_t D = cache.D, bs = cache.bs, Hkv = cache.Hkv;
+  const int64_t G = Hq / Hkv, row_stride = Hkv * D;
+  const bf16* kp = static_cast<const bf16*>(cache.k);
+  const bf16* vp = static_cast<const bf16*>(cache.v);
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  servelm::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<bf16> probs;
     const std::vector<bf16> zeros(D);
@@ -362,55 +346,71 @@ void decode_bf16_avx512(torch::Tensor& out, const torch::Tensor& q, const torch:
 
 }  // namespace
 
-// out, q: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]
-// int64; seq_lens: [B] int64 (context length including the new token); window <= 0 means none.
-void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_decode_attention needs contiguous tensors");
-  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "tables must be contiguous");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
+namespace servelm {
+
+// out, q: [B, Hq, D] contiguous; block tables [B, max_blocks]; lens [B] (context length including the new
+// token); window <= 0 means none.
+void paged_decode_attention(DType dtype, void* out, const void* q, int64_t B, int64_t Hq, const Cache& cache,
+                            const int64_t* tables, int64_t max_blocks, const int64_t* lens, double scale,
+                            int64_t window) {
+  check(Hq % cache.Hkv == 0, "query heads must be a multiple of kv heads");
 #ifdef SERVELM_AVX512_BF16
-  const int64_t D = q.size(2);
-  if (q.scalar_type() == at::kBFloat16) {
-    switch (D) {
-      case 64: return decode_bf16_avx512<2>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
-      case 128: return decode_bf16_avx512<4>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
-      case 256: return decode_bf16_avx512<8>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
-      case 32: return decode_bf16_avx512<1>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+  if (dtype == kBFloat16) {
+    auto* o = static_cast<bf16*>(out);
+    const auto* qb = static_cast<const bf16*>(q);
+    switch (cache.D) {
+      case 64: return decode_bf16_avx512<2>(o, qb, B, Hq, cache, tables, max_blocks, lens, scale, window);
+      case 128: return decode_bf16_avx512<4>(o, qb, B, Hq, cache, tables, max_blocks, lens, scale, window);
+      case 256: return decode_bf16_avx512<8>(o, qb, B, Hq, cache, tables, max_blocks, lens, scale, window);
+      case 32: return decode_bf16_avx512<1>(o, qb, B, Hq, cache, tables, max_blocks, lens, scale, window);
       default: break;  // other head sizes take the generic path
     }
   }
 #endif
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_kernel<scalar_t>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, window);
+  switch (dtype) {
+    case kFloat32:
+      return decode_kernel(static_cast<float*>(out), static_cast<const float*>(q), B, Hq, cache, tables, max_blocks,
+                           lens, scale, window);
+    case kBFloat16:
+      return decode_kernel(static_cast<bf16*>(out), static_cast<const bf16*>(q), B, Hq, cache, tables, max_blocks,
+                           lens, scale, window);
+    case kFloat16:
+      return decode_kernel(static_cast<f16*>(out), static_cast<const f16*>(q), B, Hq, cache, tables, max_blocks,
+                           lens, scale, window);
+  }
+  check(false, "paged_decode_attention: float32, bfloat16 or float16");
+}
+
+// Writes this step's keys and values into their cache slots: one row copy per token (index_copy_ does the
+// same element by element and cost ~4% of a prefill).
+void write_kv(void* k_cache, void* v_cache, int64_t num_slots, int64_t row_bytes, const void* k, int64_t k_stride,
+              const void* v, int64_t v_stride, const int64_t* slots, int64_t T) {
+  for (int64_t t = 0; t < T; ++t) check(slots[t] >= 0 && slots[t] < num_slots, "write_kv: slot ", slots[t], " out of range");
+  char* kc = static_cast<char*>(k_cache);
+  char* vc = static_cast<char*>(v_cache);
+  const char* kp = static_cast<const char*>(k);
+  const char* vp = static_cast<const char*>(v);
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(kc + slots[t] * row_bytes, kp + t * k_stride, row_bytes);
+    std::memcpy(vc + slots[t] * row_bytes, vp + t * v_stride, row_bytes);
+  }
+}
+
+}  // namespace servelm
+
+SERVELM_API int servelm_paged_decode_attention(int32_t dtype, void* out, const void* q, int64_t B, int64_t Hq,
+                                               const void* k_cache, const void* v_cache, int64_t num_blocks,
+                                               int64_t bs, int64_t Hkv, int64_t D, const int64_t* tables,
+                                               int64_t max_blocks, const int64_t* lens, double scale,
+                                               int64_t window) {
+  return servelm::guarded([&] {
+    servelm::paged_decode_attention(servelm::DType(dtype), out, q, B, Hq,
+                                    servelm::Cache{k_cache, v_cache, num_blocks, bs, Hkv, D}, tables, max_blocks,
+                                    lens, scale, window);
   });
 }
 
-// Writes this step's keys and values into their cache slots: one row copy per token. k, v: [T, Hkv, D] with
-// each token's heads contiguous (views into the fused qkv output are fine); caches [blocks, block_size, Hkv, D].
-// index_copy_ does the same element by element and cost ~4% of a prefill.
-void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots) {
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
-                  k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3),
-              "write_kv: caches [blocks, block_size, Hkv, D] and k, v [T, Hkv, D]");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&
-                  v_cache.scalar_type() == k_cache.scalar_type(), "write_kv: dtypes differ");
-  for (const auto* t : {&k, &v})
-    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "write_kv: each token's heads must be contiguous");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
-              "write_kv: one int64 slot per token");
-  const int64_t T = k.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
-  const int64_t row = k.size(1) * k.size(2) * k.element_size();
-  const int64_t* s = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(s[t] >= 0 && s[t] < num_slots, "write_kv: slot ", s[t], " out of range");
-  char* kc = static_cast<char*>(k_cache.data_ptr());
-  char* vc = static_cast<char*>(v_cache.data_ptr());
-  const char* kp = static_cast<const char*>(k.data_ptr());
-  const char* vp = static_cast<const char*>(v.data_ptr());
-  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
-  for (int64_t t = 0; t < T; ++t) {
-    std::memcpy(kc + s[t] * row, kp + t * ks, row);
-    std::memcpy(vc + s[t] * row, vp + t * vs, row);
-  }
+SERVELM_API int servelm_write_kv(void* k_cache, void* v_cache, int64_t num_slots, int64_t row_bytes, const void* k,
+                                 int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots, int64_t T) {
+  return servelm::guarded([&] { servelm::write_kv(k_cache, v_cache, num_slots, row_bytes, k, k_stride, v, v_stride, slots, T); });
 }

@@ -9,20 +9,20 @@
 //   O^T += V^T . P^T (head_dim x 16 queries), rescaled in vector registers between key blocks.
 // Keys and values are first copied out of the paged cache into contiguous per-head buffers (K rows and
 // V transposed), O(context x head_dim) work that every query block then reuses.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
 #include "amx.h"
+#include "kernels.h"
+
+using servelm::bf16;
 
 namespace {
 
 #ifdef SERVELM_AVX512_BF16
-using servelm::bf16;
 constexpr int64_t kQ = 16;  // queries per work item (vector lanes; tile columns)
 constexpr int64_t kK = 32;  // keys per block (two tiles of S^T, one bf16 K-step of P^T)
 
@@ -316,90 +316,106 @@ void attend_block(const uint32_t* QP, const bf16* K, const bf16* VT, int64_t len
 
 }  // namespace
 
-// Whether paged_prefill_attention takes q: bf16 [tokens, heads, head_dim], head_dim a multiple of 32 up to
-// 256, on a CPU with AVX512-BF16 (AMX tiles used where present and permitted).
-bool prefill_attention_supported(torch::Tensor q) {
+namespace {
+
+// A 64-byte aligned scratch array, freed on scope exit (the kernels' vector loads expect whole lines).
+template <typename T>
+struct Scratch {
+  T* p;
+  explicit Scratch(int64_t n) : p(static_cast<T*>(std::aligned_alloc(64, std::max<int64_t>(64, (n * sizeof(T) + 63) / 64 * 64)))) {
+    servelm::check(p != nullptr, "paged_prefill_attention: out of memory for ", n * sizeof(T), " bytes");
+  }
+  ~Scratch() { std::free(p); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+};
+
+}  // namespace
+
+// Whether paged_prefill_attention takes bf16 queries of this head size: a multiple of 32 up to 256, on a
+// build with AVX512-BF16 (AMX tiles used where present and permitted).
+SERVELM_API int servelm_prefill_attention_supported(int64_t D) {
 #ifdef SERVELM_AVX512_BF16
-  return q.scalar_type() == at::kBFloat16 && q.dim() == 3 && q.size(2) % 32 == 0 && q.size(2) <= 256;
+  return D % 32 == 0 && D > 0 && D <= 256;
 #else
-  (void)q;
-  return false;
+  (void)D;
+  return 0;
 #endif
 }
 
-void paged_prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                             torch::Tensor block_table, int64_t ctx_len, double scale, int64_t window) {
-  TORCH_CHECK(prefill_attention_supported(q), "paged_prefill_attention: needs AVX512-BF16, bf16 and head_dim % 32 == 0");
+// q, out: [Q, H, D] bf16 with unit last stride (row strides q_s0/q_s1, o_s0/o_s1); caches [blocks, bs, KV, D]
+// contiguous bf16; block_table covers ctx_len positions, the last Q of which are the queries.
+SERVELM_API int servelm_paged_prefill_attention(bf16* out, int64_t o_s0, int64_t o_s1, const bf16* q, int64_t q_s0,
+                                                int64_t q_s1, int64_t Q, int64_t H, int64_t D, const bf16* k_cache,
+                                                const bf16* v_cache, int64_t num_blocks, int64_t bs, int64_t KV,
+                                                const int64_t* table, int64_t table_len, int64_t ctx_len,
+                                                double scale, int64_t window) {
+  return servelm::guarded([&] {
+    using servelm::check;
+    check(servelm_prefill_attention_supported(D), "paged_prefill_attention: needs AVX512-BF16, bf16 and head_dim % 32 == 0");
+    check(H % KV == 0, "paged_prefill_attention: query heads must be a multiple of kv heads");
+    check(table_len * bs >= ctx_len && Q <= ctx_len && Q > 0,
+          "paged_prefill_attention: the block table must cover ctx_len >= number of queries");
+    for (int64_t b = 0; b < (ctx_len + bs - 1) / bs; ++b)
+      check(table[b] >= 0 && table[b] < num_blocks, "paged_prefill_attention: block ", table[b], " out of range");
 #ifdef SERVELM_AVX512_BF16
-  const int64_t Q = q.size(0), H = q.size(1), D = q.size(2);
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && out.sizes() == q.sizes() && out.scalar_type() == at::kBFloat16,
-              "paged_prefill_attention: q and out must be [tokens, heads, head_dim] with unit stride rows");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
-                  k_cache.size(3) == D && H % k_cache.size(2) == 0,
-              "paged_prefill_attention: caches must be contiguous bf16 [blocks, block_size, kv_heads, head_dim]");
-  const int64_t bs = k_cache.size(1), KV = k_cache.size(2), G = H / KV;
-  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() &&
-                  block_table.numel() * bs >= ctx_len && Q <= ctx_len && Q > 0,
-              "paged_prefill_attention: the block table must cover ctx_len >= number of queries");
-  const int64_t* table = block_table.data_ptr<int64_t>();
-  for (int64_t b = 0; b < (ctx_len + bs - 1) / bs; ++b)
-    TORCH_CHECK(table[b] >= 0 && table[b] < k_cache.size(0), "paged_prefill_attention: block ", table[b],
-                " out of range");
-  const int64_t len_pad = (ctx_len + kK - 1) / kK * kK;
-  auto kbuf = torch::empty({KV, len_pad, D}, q.options());
-  auto vbuf = torch::empty({KV, D, len_pad}, q.options());
-  const bf16* kc = reinterpret_cast<const bf16*>(k_cache.data_ptr());
-  const bf16* vc = reinterpret_cast<const bf16*>(v_cache.data_ptr());
-  bf16* K = reinterpret_cast<bf16*>(kbuf.data_ptr());
-  bf16* VT = reinterpret_cast<bf16*>(vbuf.data_ptr());
-  at::parallel_for(0, KV, 1, [&](int64_t b, int64_t e) {
-    for (int64_t h = b; h < e; ++h)
-      pack_head(kc, vc, table, bs, KV * D, h * D, ctx_len, len_pad, D, K + h * len_pad * D, VT + h * D * len_pad);
-  });
-  // the FMA form reads widened copies (cache-resident: 2 x 4 bytes per key and dim of one kv head)
-  const bool fma = servelm::fma_dot();
-  torch::Tensor kf, vf;
-  if (fma) {
-    kf = kbuf.to(at::kFloat);
-    vf = vbuf.to(at::kFloat);
-  }
-  const float* Kf = fma ? kf.data_ptr<float>() : nullptr;
-  const float* VTf = fma ? vf.data_ptr<float>() : nullptr;
-  const bf16* qp = reinterpret_cast<const bf16*>(q.data_ptr());
-  bf16* op = reinterpret_cast<bf16*>(out.data_ptr());
-  const int64_t nqb = (Q + kQ - 1) / kQ, first_pos = ctx_len - Q;
-  const float fscale = static_cast<float>(scale);
-  [[maybe_unused]] bool tiles = false;
-#ifdef SERVELM_AMX
-  tiles = servelm::amx_permitted();
-#endif
-  at::parallel_for(0, H * nqb, 1, [&](int64_t b, int64_t e) {
-#ifdef SERVELM_AMX
-    TileConfig cfg;
-    if (tiles) _tile_loadconfig(&cfg);
-#endif
-    alignas(64) uint32_t QP[256 / 2 * kQ];
-    alignas(64) float O[256 * 16];
-    for (int64_t item = b; item < e; ++item) {
-      const int64_t h = item / nqb, q0 = (item % nqb) * kQ, n = std::min(kQ, Q - q0), kvh = h / G;
-      pack_queries(qp + q0 * q.stride(0) + h * q.stride(1), q.stride(0), n, D, QP);
-      bf16* o = op + q0 * out.stride(0) + h * out.stride(1);
-#ifdef SERVELM_AMX
-      if (tiles) {
-        (D == 64 ? attend_block<true> : attend_block<false>)(QP, K + kvh * len_pad * D, VT + kvh * D * len_pad,
-                                                              len_pad, D, first_pos + q0, n, window, fscale, O, o,
-                                                              out.stride(0));
-        continue;
+    const int64_t G = H / KV;
+    const int64_t len_pad = (ctx_len + kK - 1) / kK * kK;
+    Scratch<bf16> kbuf(KV * len_pad * D), vbuf(KV * D * len_pad);
+    bf16* K = kbuf.p;
+    bf16* VT = vbuf.p;
+    // the FMA form reads widened copies (cache-resident: 2 x 4 bytes per key and dim of one kv head)
+    const bool fma = servelm::fma_dot();
+    const int64_t per_head = len_pad * D;
+    Scratch<float> kf(fma ? KV * per_head : 0), vf(fma ? KV * per_head : 0);
+    servelm::parallel_for(0, KV, 1, [&](int64_t b, int64_t e) {
+      for (int64_t h = b; h < e; ++h) {
+        pack_head(k_cache, v_cache, table, bs, KV * D, h * D, ctx_len, len_pad, D, K + h * per_head, VT + h * per_head);
+        if (!fma) continue;
+        for (int64_t i = h * per_head; i < (h + 1) * per_head; ++i) {  // exact: bf16 is a float32's top half
+          kf.p[i] = K[i];
+          vf.p[i] = VT[i];
+        }
       }
-#endif
-      attend_block_avx512(QP, K + kvh * len_pad * D, VT + kvh * D * len_pad, fma ? Kf + kvh * len_pad * D : nullptr,
-                          fma ? VTf + kvh * D * len_pad : nullptr, len_pad, D, first_pos + q0, n, window, fscale, O,
-                          o, out.stride(0));
-    }
+    });
+    const float* Kf = fma ? kf.p : nullptr;
+    const float* VTf = fma ? vf.p : nullptr;
+    const int64_t nqb = (Q + kQ - 1) / kQ, first_pos = ctx_len - Q;
+    const float fscale = static_cast<float>(scale);
+    [[maybe_unused]] bool tiles = false;
 #ifdef SERVELM_AMX
-    if (tiles) _tile_release();
+    tiles = servelm::amx_permitted();
+#endif
+    servelm::parallel_for(0, H * nqb, 1, [&](int64_t b, int64_t e) {
+#ifdef SERVELM_AMX
+      TileConfig cfg;
+      if (tiles) _tile_loadconfig(&cfg);
+#endif
+      alignas(64) uint32_t QP[256 / 2 * kQ];
+      alignas(64) float O[256 * 16];
+      for (int64_t item = b; item < e; ++item) {
+        const int64_t h = item / nqb, q0 = (item % nqb) * kQ, n = std::min(kQ, Q - q0), kvh = h / G;
+        pack_queries(q + q0 * q_s0 + h * q_s1, q_s0, n, D, QP);
+        bf16* o = out + q0 * o_s0 + h * o_s1;
+#ifdef SERVELM_AMX
+        if (tiles) {
+          (D == 64 ? attend_block<true> : attend_block<false>)(QP, K + kvh * len_pad * D, VT + kvh * D * len_pad,
+                                                                len_pad, D, first_pos + q0, n, window, fscale, O, o,
+                                                                o_s0);
+          continue;
+        }
+#endif
+        attend_block_avx512(QP, K + kvh * len_pad * D, VT + kvh * D * len_pad, fma ? Kf + kvh * len_pad * D : nullptr,
+                            fma ? VTf + kvh * D * len_pad : nullptr, len_pad, D, first_pos + q0, n, window, fscale,
+                            O, o, o_s0);
+      }
+#ifdef SERVELM_AMX
+      if (tiles) _tile_release();
+#endif
+    });
+#else
+    (void)out, (void)o_s0, (void)o_s1, (void)q, (void)q_s0, (void)q_s1, (void)k_cache, (void)v_cache, (void)scale,
+        (void)window;
 #endif
   });
-#endif
 }

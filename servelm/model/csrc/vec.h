@@ -1,17 +1,15 @@
 // AVX512 helpers shared by the kernels: bf16 <-> float32 lanes and a vector exp.
 #pragma once
 
-#include <c10/util/BFloat16.h>
-
 #include <cstdint>
+
+#include "common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define SERVELM_AVX512_BF16 1
 
 namespace servelm {
-
-using bf16 = c10::BFloat16;
 
 // Lanes [0, n) of a 16-lane vector (n may exceed 16).
 inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }

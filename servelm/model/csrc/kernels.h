@@ -1,0 +1,53 @@
+// The kernels' C++ interface inside the library (raw pointers and sizes): what decode_layers.cpp chains and
+// what the C entry points (`servelm_*`, called from servelm/model/kernel_ops.py) wrap. Every function
+// exists in every build variant; one whose instructions a variant lacks raises when called, and the
+// `*_supported` entry points tell the caller beforehand.
+#pragma once
+
+#include <cstdint>
+
+#include "common.h"
+
+namespace servelm {
+
+// Rows of D elements, [outer, inner, D] with strides (so, si) in elements, or [outer, D] with inner = 1.
+struct Rows {
+  int64_t outer = 0, inner = 1, so = 0, si = 0;
+  int64_t offset(int64_t r) const { return (r / inner) * so + (r % inner) * si; }
+  int64_t count() const { return outer * inner; }
+};
+
+enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+bool avx512_bf16_compiled();
+bool amx_available();
+
+// Fused bf16 elementwise kernels (elementwise.cpp).
+void rms_norm(bf16* out, const Rows& ro, const bf16* x, const Rows& rx, const bf16* w, int64_t D, float eps);
+void add_rms_norm(bf16* out, const bf16* delta, bf16* residual, const bf16* w, int64_t T, int64_t D, float eps);
+void rotary(bf16* x, int64_t T, int64_t H, int64_t D, int64_t st, int64_t sh, const int64_t* pos, const bf16* cos,
+            const bf16* sin, int64_t max_pos);
+void silu_mul(bf16* out, const bf16* x, int64_t T, int64_t I);
+
+// out [M, N] (or [M, N / 2] with silu_mul) = x [M, K] (row stride ldx) times a weight packed by
+// pack_weight_for_tiles (avx512_linear.cpp, amx_linear.cpp).
+void check_packed_linear(const char* name, int64_t M, int64_t K, int64_t N, bool bias, bool silu_mul);
+void avx512_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const bf16* packed, int64_t N,
+                   const bf16* bias, bool silu_mul);
+void amx_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const bf16* packed, int64_t N,
+                const bf16* bias, bool silu_mul);
+
+// Paged attention (paged_attention.cpp): caches [num_blocks, bs, Hkv, D] contiguous.
+struct Cache {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t num_blocks = 0, bs = 0, Hkv = 0, D = 0;
+};
+void paged_decode_attention(DType dtype, void* out, const void* q, int64_t B, int64_t Hq, const Cache& cache,
+                            const int64_t* tables, int64_t max_blocks, const int64_t* lens, double scale,
+                            int64_t window);
+// k, v: T rows of row_bytes (each token's heads contiguous) at k_stride / v_stride bytes apart.
+void write_kv(void* k_cache, void* v_cache, int64_t num_slots, int64_t row_bytes, const void* k, int64_t k_stride,
+              const void* v, int64_t v_stride, const int64_t* slots, int64_t T);
+
+}  // namespace servelm

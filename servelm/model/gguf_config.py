@@ -1,0 +1,235 @@
+"""A model config from a GGUF header: every key that changes the computation is read or the file is refused.
+
+transformers' GGUF support drops metadata (Llama-3 RoPE scaling, YaRN, Qwen3's head_dim), which gives a
+silently different model. This builds the Hugging Face-style config itself from the header, before any
+tokenizer work, and refuses with one line what servelm cannot run as the file says.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from types import SimpleNamespace
+
+from servelm.model.gguf_header import GGUFHeader, read_f32_tensor, read_gguf_file_header
+
+# GGUF architecture -> (transformers model_type, architecture class).
+GGUF_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "mistral": ("mistral", "MistralForCausalLM"),
+                      "qwen2": ("qwen2", "Qwen2ForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+# `{arch}.` keys this module reads (every other one is refused).
+_ARCH_KEYS = frozenset({
+    "vocab_size", "context_length", "embedding_length", "feed_forward_length", "block_count",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
+    "attention.layer_norm_rms_epsilon", "attention.sliding_window", "attention.sliding_window_pattern",
+    "rope.freq_base", "rope.dimension_count", "rope.scale_linear", "rope.scaling.type", "rope.scaling.factor",
+    "rope.scaling.original_context_length", "rope.scaling.finetuned", "rope.scaling.attn_factor",
+    "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_beta_fast",
+    "rope.scaling.yarn_beta_slow",
+})
+_GLOBAL_TENSORS = frozenset({"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"})
+_BLOCK_TENSORS = frozenset({f"{n}.{p}" for n in ("attn_q", "attn_k", "attn_v", "attn_output") for p in ("weight", "bias")}
+                           | {f"{n}.weight" for n in ("attn_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")})
+_QK_NORMS = frozenset({"attn_q_norm.weight", "attn_k_norm.weight"})
+# Families whose Hugging Face configs can carry a sliding window that llama.cpp's converter does not write.
+_WINDOW_FAMILIES = ("mistral", "qwen2", "qwen3")
+
+
+class GGUFUnsupported(ValueError):
+    """A GGUF file whose metadata or tensors servelm cannot honour (the message is one line)."""
+
+
+def _f32(x: float) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-06, not 9.99999997e-07)."""
+    want = struct.pack("<f", x)
+    for digits in range(1, 10):
+        y = float(f"{x:.{digits}g}")
+        if struct.pack("<f", y) == want:
+            return y
+    return x
+
+
+class _Reader:
+    def __init__(self, path: Path, head: GGUFHeader, arch: str) -> None:
+        self.path, self.head, self.arch = path, head, arch
+
+    def refuse(self, why: str):
+        raise GGUFUnsupported(f"GGUF file {self.path.name}: {why}")
+
+    def get(self, key: str, default=None, kind: type = int, required: bool = False):
+        full = f"{self.arch}.{key}"
+        value = self.head.fields.get(full, default)
+        if full not in self.head.fields:
+            if required:
+                self.refuse(f"metadata key {full} is missing")
+            return value
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return _f32(value) if full in self.head.float32_keys else float(value)
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind in (str, bool, list) and isinstance(value, kind):
+            return value
+        self.refuse(f"metadata {full} = {_short(value)} is not a single {kind.__name__} (per-layer values are "
+                    "not supported)")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def read_gguf_config(path: Path) -> SimpleNamespace | object:
+    """The config of a GGUF model, or GGUFUnsupported naming what servelm cannot honour."""
+    return config_from_dict(gguf_config_dict(path, read_gguf_file_header(path)))
+
+
+def config_from_dict(d: dict) -> SimpleNamespace | object:
+    """Plain attributes where the RoPE is unscaled, else transformers' class (its RoPE initialisers)."""
+    if d["rope_parameters"]["rope_type"] == "default":
+        return SimpleNamespace(**d)
+    from transformers import AutoConfig  # its RoPE initialisers read the class's attributes
+
+    return AutoConfig.for_model(**d)
+
+
+def gguf_config_dict(path: Path, head: GGUFHeader) -> dict:
+    """The config.json a Hugging Face folder of this model would have (plus `rope_freq_factors` where the
+    file has a rope_freqs tensor, and `gguf_sliding_window_unstated` where it may have lost a window)."""
+    f = head.fields
+    arch = f.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise GGUFUnsupported(f"GGUF file {path.name}: architecture {arch!r} is not supported (supported: "
+                              f"{', '.join(GGUF_ARCHITECTURES)})")
+    r = _Reader(path, head, arch)
+    if f.get("general.type", "model") != "model":
+        r.refuse(f"general.type is {f['general.type']!r}; only whole models (not adapters) load")
+    if (f.get("split.count") or 1) > 1:
+        r.refuse("split GGUF files are not supported; merge them into one file first (llama-gguf-split --merge)")
+    unknown = sorted(k for k in f if k.startswith(arch + ".") and k[len(arch) + 1:] not in _ARCH_KEYS)
+    if unknown:
+        r.refuse(f"metadata {', '.join(unknown)} changes the model in a way servelm does not implement")
+    n_layers = r.get("block_count", required=True)
+    _check_tensors(r, n_layers)
+    hidden = r.get("embedding_length", required=True)
+    n_head = r.get("attention.head_count", required=True)
+    head_dim = r.get("attention.key_length", hidden // n_head)
+    if r.get("attention.value_length", head_dim) != head_dim:
+        r.refuse(f"{arch}.attention.value_length {f[arch + '.attention.value_length']} differs from the key length "
+                 f"{head_dim} (value heads of another size are not supported)")
+    if r.get("rope.dimension_count", head_dim) != head_dim:
+        r.refuse(f"{arch}.rope.dimension_count {f[arch + '.rope.dimension_count']} is not the head size {head_dim} "
+                 "(partial rotary embeddings are not supported)")
+    model_type, cls = GGUF_ARCHITECTURES[arch]
+    tensors = {name: shape for name, shape, _, _ in head.tensors}
+    if "token_embd.weight" not in tensors:
+        r.refuse("the token_embd.weight tensor is missing")
+    d = {
+        "architectures": [cls], "model_type": model_type, "hidden_act": "silu",
+        "vocab_size": r.get("vocab_size", tensors["token_embd.weight"][1]),
+        "hidden_size": hidden, "intermediate_size": r.get("feed_forward_length", required=True),
+        "num_hidden_layers": n_layers, "num_attention_heads": n_head,
+        "num_key_value_heads": r.get("attention.head_count_kv", n_head), "head_dim": head_dim,
+        "rms_norm_eps": r.get("attention.layer_norm_rms_epsilon", kind=float, required=True),
+        "max_position_embeddings": r.get("context_length", required=True),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        **_token_ids(f),
+    }
+    d["rope_parameters"] = _rope_parameters(r)
+    factors = read_f32_tensor(path, head, "rope_freqs.weight")
+    if factors is not None:  # llama.cpp's form of Llama-3 scaling: per-dimension frequency divisors
+        if d["rope_parameters"]["rope_type"] != "default":
+            r.refuse("a rope_freqs tensor together with RoPE scaling type "
+                     f"{d['rope_parameters']['rope_type']!r} is not supported")
+        if len(factors) != head_dim // 2:
+            r.refuse(f"rope_freqs has {len(factors)} values, expected {head_dim // 2}")
+        d["rope_freq_factors"] = factors
+    d.update(_windows(r, n_layers))
+    return d
+
+
+def _check_tensors(r: _Reader, n_layers: int) -> None:
+    """Every tensor must be one the decoder uses: an unknown one would be skipped, a different model."""
+    allowed = _BLOCK_TENSORS | (_QK_NORMS if r.arch == "qwen3" else frozenset())
+    bad, norms = [], set()
+    for name, *_ in r.head.tensors:
+        if name in _GLOBAL_TENSORS:
+            continue
+        parts = name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layers \
+                and parts[2] in allowed:
+            if parts[2] in _QK_NORMS:
+                norms.add(name)
+            continue
+        bad.append(name)
+    if bad:
+        r.refuse(f"tensor {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} is not part of a {r.arch} model "
+                 "that servelm implements")
+    if r.arch == "qwen3" and len(norms) != 2 * n_layers:
+        r.refuse("a qwen3 model needs attn_q_norm and attn_k_norm in every block")
+
+
+def _token_ids(f: dict) -> dict:
+    """BOS/EOS/pad ids; llama.cpp also ends generation at end-of-turn and end-of-message tokens."""
+    out = {}
+    for gguf_key, hf in (("bos", "bos"), ("padding", "pad")):
+        if isinstance(f.get(f"tokenizer.ggml.{gguf_key}_token_id"), int):
+            out[f"{hf}_token_id"] = f[f"tokenizer.ggml.{gguf_key}_token_id"]
+    eos = [f[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+           if isinstance(f.get(k), int)]
+    eos = list(dict.fromkeys(eos))
+    if eos:
+        out["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return out
+
+
+def _rope_parameters(r: _Reader) -> dict:
+    theta = r.get("rope.freq_base", 10000.0, kind=float)
+    kind = r.get("rope.scaling.type", None, kind=str)
+    factor = r.get("rope.scaling.factor", None, kind=float)
+    linear = r.get("rope.scale_linear", None, kind=float)  # the older key for linear scaling
+    if kind in (None, "none") and linear not in (None, 1.0):
+        kind, factor = "linear", linear
+    if r.get("rope.scaling.attn_factor", 1.0, kind=float) != 1.0:
+        r.refuse(f"{r.arch}.rope.scaling.attn_factor {r.get('rope.scaling.attn_factor', kind=float)} is not supported")
+    if kind in (None, "none"):
+        if factor not in (None, 0.0, 1.0):
+            r.refuse(f"{r.arch}.rope.scaling.factor {factor} is given without a scaling type")
+        return {"rope_type": "default", "rope_theta": theta}
+    if not factor or factor <= 0:
+        r.refuse(f"{r.arch}.rope.scaling.type {kind!r} needs a positive {r.arch}.rope.scaling.factor")
+    if kind == "linear":
+        return {"rope_type": "linear", "rope_theta": theta, "factor": factor}
+    if kind != "yarn":
+        r.refuse(f"{r.arch}.rope.scaling.type {kind!r} is not supported (supported: none, linear, yarn)")
+    ext = r.get("rope.scaling.yarn_ext_factor", -1.0, kind=float)
+    if ext >= 0 and ext != 1.0:  # negative: llama.cpp's "unset", which is 1 for YaRN
+        r.refuse(f"{r.arch}.rope.scaling.yarn_ext_factor {ext} is not supported (only 1)")
+    params = {"rope_type": "yarn", "rope_theta": theta, "factor": factor,
+              "original_max_position_embeddings": r.get("rope.scaling.original_context_length", required=True)}
+    for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                    ("yarn_attn_factor", "attention_factor")):
+        value = r.get(f"rope.scaling.{key}", None, kind=float)
+        if value is not None:
+            params[hf] = value
+    return params
+
+
+def _windows(r: _Reader, n_layers: int) -> dict:
+    """sliding_window and per-layer layer_types, as llama.cpp reads the window and its layer pattern."""
+    window = r.get("attention.sliding_window", None)
+    if window is None:
+        name = " ".join(str(r.head.fields.get(k, "")) for k in ("general.name", "general.basename")).lower()
+        unstated = r.arch in _WINDOW_FAMILIES or "mistral" in name
+        return {"sliding_window": None, "gguf_sliding_window_unstated": unstated}
+    if window == 0:
+        return {"sliding_window": None}
+    pattern = r.head.fields.get(f"{r.arch}.attention.sliding_window_pattern")
+    if pattern is None:
+        sliding = [True] * n_layers
+    elif isinstance(pattern, list) and len(pattern) == n_layers:
+        sliding = [bool(x) for x in pattern]
+    elif isinstance(pattern, int) and not isinstance(pattern, bool):  # every n-th layer full (0: none)
+        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)]
+    else:
+        r.refuse(f"{r.arch}.attention.sliding_window_pattern {_short(pattern)} does not give one value per layer")
+    return {"sliding_window": window,
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}

@@ -1,0 +1,99 @@
+"""A GGUF file's header (metadata and tensor table) read with `struct`: no torch, no numpy, no gguf.
+
+gguf.GGUFReader builds a numpy view for every element of every metadata array (a 49k-token vocabulary:
+3-4 s here). Loading needs the scalars, the strings and a few short arrays (per-layer patterns); the
+vocabulary arrays are walked over, not decoded (the tokenizer comes from transformers' conversion).
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+GGUF_MAGIC = 0x46554747  # b"GGUF" little-endian
+_DEFAULT_ALIGNMENT = 32
+# GGUF metadata value types -> struct formats (strings and arrays are handled apart).
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_FLOAT32 = 6
+# Scalar arrays up to this length are read (per-layer values); longer ones (vocabularies) are skipped.
+MAX_ARRAY = 4096
+
+
+@dataclass
+class GGUFHeader:
+    """Metadata (arrays longer than MAX_ARRAY or of strings as None) and where each tensor's bytes lie."""
+
+    fields: dict[str, object]
+    tensors: list[tuple[str, tuple[int, ...], int, int]]  # name, GGUF shape (innermost first), type, offset
+    data_offset: int
+    float32_keys: frozenset[str] = frozenset()  # keys stored as float32 (their exact decimal is the shortest)
+
+
+def _read_value(buf, off: int, vtype: int):
+    if vtype in _SCALARS:
+        fmt = "<" + _SCALARS[vtype]
+        return struct.unpack_from(fmt, buf, off)[0], off + struct.calcsize(fmt)
+    if vtype == _STRING:
+        (n,) = struct.unpack_from("<Q", buf, off)
+        return bytes(buf[off + 8:off + 8 + n]).decode("utf-8", errors="replace"), off + 8 + n
+    if vtype == _ARRAY:
+        etype, count = struct.unpack_from("<IQ", buf, off)
+        off += 12
+        if etype in _SCALARS:
+            fmt = _SCALARS[etype]
+            end = off + count * struct.calcsize("<" + fmt)
+            return (list(struct.unpack_from(f"<{count}{fmt}", buf, off)) if count <= MAX_ARRAY else None), end
+        if etype == _STRING:  # vocabularies and merges: skipped without decoding
+            for _ in range(count):
+                off += 8 + struct.unpack_from("<Q", buf, off)[0]
+            return None, off
+        for _ in range(count):
+            off = _read_value(buf, off, etype)[1]
+        return None, off
+    raise ValueError(f"bad GGUF metadata value type {vtype}")
+
+
+def read_gguf_header(buf) -> GGUFHeader:
+    magic, version, n_tensors, n_kv = struct.unpack_from("<IIQQ", buf, 0)
+    if magic != GGUF_MAGIC or version not in (2, 3):
+        raise ValueError(f"not a little-endian GGUF v2/v3 file (magic {magic:#x}, version {version})")
+    off, fields, f32 = 24, {}, set()
+    for _ in range(n_kv):
+        key, off = _read_value(buf, off, _STRING)
+        (vtype,) = struct.unpack_from("<I", buf, off)
+        fields[key], off = _read_value(buf, off + 4, vtype)
+        if vtype == _FLOAT32:
+            f32.add(key)
+    tensors = []
+    for _ in range(n_tensors):
+        name, off = _read_value(buf, off, _STRING)
+        (ndim,) = struct.unpack_from("<I", buf, off)
+        shape = struct.unpack_from(f"<{ndim}Q", buf, off + 4)
+        ttype, toff = struct.unpack_from("<IQ", buf, off + 4 + 8 * ndim)
+        off += 4 + 8 * ndim + 12
+        tensors.append((name, shape, ttype, toff))
+    align = int(fields.get("general.alignment") or _DEFAULT_ALIGNMENT)
+    return GGUFHeader(fields, tensors, -(-off // align) * align, frozenset(f32))
+
+
+def read_gguf_file_header(path: Path) -> GGUFHeader:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        return read_gguf_header(buf)
+
+
+def read_f32_tensor(path: Path, head: GGUFHeader, name: str) -> list[float] | None:
+    """A small float32 tensor's values (e.g. rope_freqs), None where the file has no such tensor."""
+    for tname, shape, ttype, toff in head.tensors:
+        if tname == name:
+            if ttype != 0:  # GGML_TYPE_F32
+                raise ValueError(f"GGUF tensor {name} is of type {ttype}, expected float32")
+            n = 1
+            for d in shape:
+                n *= d
+            with open(path, "rb") as f:
+                f.seek(head.data_offset + toff)
+                return list(struct.unpack(f"<{n}f", f.read(4 * n)))
+    return None

@@ -1,0 +1,95 @@
+"""How every failure is answered: OpenAI's JSON error object with the right status, for the app's own errors,
+request validation, routing (404/405) and, as a last resort, any unexpected exception (a JSON 500 that keeps the
+connection usable)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from servelm.server.protocol import APIError
+
+logger = logging.getLogger("servelm.server")
+
+
+class ErrorResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message that quotes the input (even a lone surrogate) always
+    encodes."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return ErrorResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|[a-z]+-[a-z\-]+)(\[.*\])?$|^[a-z]+\[.*\]$")
+
+
+def _loc(e: dict) -> list:
+    """An error's location without "body" and without the union-member labels pydantic puts in it."""
+    return [x for x in e.get("loc", []) if x != "body" and not (isinstance(x, str) and _UNION_TAG.match(x))]
+
+
+def _best(errors: list[dict]) -> dict:
+    """The error that says most: a broken constraint before a wrong type (a union reports one error per member,
+    most of them "not this type"), then the deepest location."""
+    return max(errors, key=lambda e: (not e.get("type", "").endswith("_type"), len(_loc(e))))
+
+
+def _validation_message(e: dict) -> tuple[str, str]:
+    """(param, message) of one pydantic error, in OpenAI's words where OpenAI has some."""
+    param = ".".join(str(x) for x in _loc(e))
+    if e.get("type") == "extra_forbidden":
+        return param, f"unrecognized request argument supplied: {param}"
+    return param, f"{param or 'body'}: {e.get('msg')}"
+
+
+def json_error_message(err: dict, doc) -> str:
+    """'the request body is not valid JSON: Expecting value at line 3 column 1 (char 31)', as json.loads
+    would place it (FastAPI reports only the character offset, as the error's location)."""
+    pos = next((x for x in err.get("loc", ()) if isinstance(x, int)), None)
+    what = (err.get("ctx") or {}).get("error") or "malformed"
+    if pos is None or not isinstance(doc, (str, bytes)):
+        return f"the request body is not valid JSON: {what}"
+    text = doc.decode(errors="replace") if isinstance(doc, bytes) else doc
+    line = text.count("\n", 0, pos) + 1
+    column = pos - text.rfind("\n", 0, pos)
+    return f"the request body is not valid JSON: {what} at line {line} column {column} (char {pos})"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        errors = list(exc.errors())
+        if not errors:
+            return error_response(APIError(400, "invalid request"))
+        if errors[0].get("type") == "json_invalid":  # the body itself: say what is wrong and where, not a field
+            return error_response(APIError(400, json_error_message(errors[0], exc.body)))
+        param, message = _validation_message(_best(errors))
+        return error_response(APIError(400, message, param or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        message = {404: "not found", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
+        return error_response(APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        # A bug, never an answer to input. Starlette re-raises after sending this; the gateway keeps the
+        # connection open (see Gateway.__call__).
+        rid = request.state.record.request_id if hasattr(request.state, "record") else None
+        logger.error("unhandled %s in %s %s (request %s)", type(exc).__name__, request.method, request.url.path,
+                     rid, exc_info=exc)
+        return error_response(APIError(500, "internal server error", code="internal_error"))

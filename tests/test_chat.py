@@ -1,0 +1,73 @@
+"""`servelm chat` in a real terminal (a pty): Ctrl-C during a reply stops it and returns to the prompt, as
+Ollama does; Ctrl-C or Ctrl-D at the prompt quits with exit code 0 and no traceback."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect")
+
+PROMPT = "\r\n> "
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory, tokenizer_dir):
+    """A one-layer random Llama with a 64k context: a reply of 60000 tokens would run for minutes, so a
+    test that gets its prompt back only did so because Ctrl-C stopped the reply."""
+    import torch
+    from conftest import COMMON
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**{**COMMON, "num_hidden_layers": 1, "max_position_embeddings": 1 << 16})
+    out = tmp_path_factory.mktemp("chat-model")
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
+    for f in tokenizer_dir.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def _chat(model) -> pexpect.spawn:
+    args = ["-m", "servelm.entrypoints.cli", "chat", "--model", str(model), "--dtype", "float32",
+            "--temperature", "0", "--max-tokens", "60000", "--ignore-eos"]
+    env = {**os.environ, "SERVELM_CPU_KERNELS": "0"}
+    child = pexpect.spawn(sys.executable, args, env=env, encoding="utf-8", timeout=180, dimensions=(40, 200))
+    child.expect_exact("> ")  # loaded, at the prompt
+    return child
+
+
+def _reply_started(child, message: str) -> None:
+    child.sendline(message)
+    child.expect_exact(message + "\r\n")  # the terminal's echo
+    child.expect(r"\S{5}")  # the reply is streaming
+
+
+def test_ctrl_c_stops_a_reply_and_ctrl_c_at_the_prompt_quits(long_model):
+    child = _chat(long_model)
+    try:
+        _reply_started(child, "hello")
+        child.sendintr()
+        child.expect_exact(PROMPT)  # back at the prompt, the reply cut short
+        _reply_started(child, "and again")  # the engine serves the next message after the abort
+        child.sendintr()
+        child.expect_exact(PROMPT)
+        child.sendintr()  # at the prompt: quit
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 0 and "Traceback" not in child.before
+    finally:
+        child.close(force=True)
+
+
+def test_ctrl_d_at_the_prompt_quits(long_model):
+    child = _chat(long_model)
+    try:
+        child.sendeof()
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 0 and "Traceback" not in child.before
+    finally:
+        child.close(force=True)

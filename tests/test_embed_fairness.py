@@ -1,0 +1,74 @@
+"""The embedding batcher's scheduling, with a fake encoder in place of the embedding process: a small request
+is served between a large request's batches, results keep their order, a client that leaves frees its place."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from servelm.server.embeddings import Embedder
+
+
+class FakeEmbedder(Embedder):
+    """No process; each batch is recorded, and the first one is held until the test releases it."""
+
+    def __init__(self, max_batch_size: int) -> None:
+        super().__init__(Path("unused"), max_batch_size, batch_window_ms=0)
+        self.batches: list[list[str]] = []
+        self.first_started = asyncio.Event()
+        self.release = asyncio.Event()
+
+    def _start(self):
+        return None, None
+
+    async def _run(self, texts: list[str]):
+        self.batches.append(list(texts))
+        self.first_started.set()
+        await self.release.wait()
+        await asyncio.sleep(0)  # a real batch is awaited in another process: others run meanwhile
+        return [f"vec:{t}" for t in texts], [len(t) for t in texts]
+
+
+def test_small_request_finishes_between_a_large_requests_batches():
+    async def main():
+        emb = FakeEmbedder(max_batch_size=4)
+        large_texts = [f"large-{i}" for i in range(40)]  # 10 batches
+        finished: list[str] = []
+
+        async def request(name: str, texts: list[str]):
+            out = await emb.embed(texts)
+            finished.append(name)
+            return out
+
+        large = asyncio.create_task(request("large", large_texts))
+        await emb.first_started.wait()  # the large request's first batch is being encoded
+        small = asyncio.create_task(request("small", ["small"]))
+        await asyncio.sleep(0)  # let the small request enqueue
+        emb.release.set()
+        await asyncio.gather(large, small)
+        assert finished == ["small", "large"], "the small request waited for the whole large one"
+        assert any("small" in b for b in emb.batches[:2])  # it rode in the batch right after the first
+        vecs, tokens = await small
+        assert vecs == ["vec:small"] and tokens == 5
+        vecs, tokens = await large
+        assert vecs == [f"vec:{t}" for t in large_texts]  # every text's vector in its place
+        assert tokens == sum(len(t) for t in large_texts)
+        assert sorted(t for b in emb.batches for t in b) == sorted(large_texts + ["small"])  # each text once
+        assert all(len(b) <= 4 for b in emb.batches)
+
+    asyncio.run(main())
+
+
+def test_a_client_that_leaves_takes_its_remaining_texts_out():
+    async def main():
+        emb = FakeEmbedder(max_batch_size=2)
+        gone = asyncio.create_task(emb.embed([f"gone-{i}" for i in range(20)]))
+        await emb.first_started.wait()
+        gone.cancel()
+        stays = asyncio.create_task(emb.embed(["stays"]))
+        await asyncio.sleep(0)
+        emb.release.set()
+        assert (await stays)[0] == ["vec:stays"]
+        assert sum(t.startswith("gone") for b in emb.batches for t in b) == 2  # only the batch already running
+
+    asyncio.run(main())
