@@ -9,6 +9,12 @@ import torch
 from conftest import VOCAB, random_prompts
 
 from servelm import LLM, SamplingParams
+from servelm.model import cpu_kernels
+
+_kernels = cpu_kernels.load()
+# the guarantee is the C++ kernels' (bf16 on CPUs with AMX or AVX512-BF16); PyTorch's paths do not give it
+pytestmark = pytest.mark.skipif(_kernels is None or not _kernels.avx512_linear_supported(64),
+                                reason="needs the CPU kernels on a CPU with AVX512-BF16")
 
 # Head size 64 and widths that are multiples of 32 take the kernels a real model takes on this CPU (AMX or
 # AVX512-BF16 linears, the bf16 decode and prefill attention kernels); an MLP input of 1024 is wide enough
