@@ -38,6 +38,13 @@ class _Loading:
     pid = 4242
     exitcode = None
 
+    def __init__(self) -> None:
+        self._never, self._w = os.pipe()  # the exit sentinel: never readable, as a live process's
+
+    @property
+    def sentinel(self) -> int:
+        return self._never
+
     def start(self) -> None: ...
     def is_alive(self) -> bool: return True
     def join(self, timeout=None) -> None: ...

@@ -86,6 +86,7 @@ class AsyncEngine:
         base = os.path.join(tempfile.gettempdir(), f"servelm-{uuid.uuid4().hex[:12]}")
         self._in_addr, self._out_addr = f"ipc://{base}-in", f"ipc://{base}-out"
         self._ctx = zmq.asyncio.Context()
+        self._ctx.setsockopt(zmq.LINGER, 0)  # never wait on unsent messages at close: a dropped engine never hangs
         self._in = self._ctx.socket(zmq.PUSH)
         self._in.bind(self._in_addr)
         self._out = self._ctx.socket(zmq.PULL)
