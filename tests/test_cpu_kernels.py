@@ -135,17 +135,19 @@ def test_tile_matmul_reads_strided_rows_and_refuses_bad_inputs():
 
 
 @needs_tiles
-def test_linear_takes_tiles_for_decode_rows_and_onednn_beyond():
+def test_linear_takes_tiles_for_every_row_count_and_keeps_one_weight_copy():
+    """One kernel whatever the rows: oneDNN's sums change with the row count, which made a token's bits
+    depend on its prefill chunk and its batch."""
     torch.manual_seed(3)
     w, b = torch.randn(300, 256).bfloat16(), torch.randn(300).bfloat16()
     lin = Linear(w, b)
-    assert lin.tiles is not None and lin.avx512 is None and lin.weight is None  # no row-major copy kept
-    x = torch.randn(Linear.TILE_MAX_ROWS + 1, 256).bfloat16()
-    small, big = x[: Linear.TILE_MAX_ROWS], x
-    assert torch.equal(lin(small), kernels.amx_linear(small, lin.tiled, 300, b))
-    assert torch.equal(lin(big), torch.ops.mkldnn._linear_pointwise(big, lin.packed, b, "none", [], ""))
+    assert lin.tiles is not None and lin.avx512 is None and lin.weight is None and lin.packed is None
+    x = torch.randn(300, 256).bfloat16()
+    for m in (1, 64, 65, 300):
+        assert torch.equal(lin(x[:m]), kernels.amx_linear(x[:m], lin.tiled, 300, b)), m
+    assert torch.equal(lin(x)[-7:], lin(x[-7:]))
     ref = F.linear(x.float(), w.float(), b.float())
-    torch.testing.assert_close(lin(small).float(), ref[: Linear.TILE_MAX_ROWS], rtol=2**-7, atol=2e-2)
+    torch.testing.assert_close(lin(x).float(), ref, rtol=2**-7, atol=2e-2)
 
 
 @pytest.mark.skipif(kernels is None or not kernels.avx512_linear_supported(64), reason="no AVX512-BF16 on this CPU")
@@ -153,8 +155,8 @@ def test_linear_takes_tiles_for_decode_rows_and_onednn_beyond():
 def test_gate_up_fuses_silu_mul_into_the_decode_kernel_with_identical_results(inter, dot):
     """On the kernel this CPU's decode steps use: the AMX tile matmul, or the AVX512-BF16 kernel."""
     tiles = kernels.amx_linear_supported(64)
-    plain, fused_kernel, limit = ((kernels.amx_linear, kernels.amx_linear_silu_mul, Linear.TILE_MAX_ROWS) if tiles
-                                  else (kernels.avx512_linear, kernels.avx512_linear_silu_mul, 300))
+    plain, fused_kernel = ((kernels.amx_linear, kernels.amx_linear_silu_mul) if tiles
+                           else (kernels.avx512_linear, kernels.avx512_linear_silu_mul))
     torch.manual_seed(inter)
     k = 576 if inter == 1536 else 96
     gate, up = torch.randn(inter, k).bfloat16(), torch.randn(inter, k).bfloat16()
@@ -167,15 +169,9 @@ def test_gate_up_fuses_silu_mul_into_the_decode_kernel_with_identical_results(in
     for m in (0, 1, 2, 4, 5, 16, 17, 33, 64, 65, 257, 300):
         want = silu_mul(plain(x[:m], unfused, 2 * inter, None), fused)
         assert torch.equal(fused_kernel(x[:m], mlp_in.tiled, 2 * inter), want), m
-    # the layer uses it for decode-sized inputs (any input without AMX) and, with AMX, oneDNN's projection,
-    # then silu_mul, beyond
-    for m in sorted({1, limit}):
+    # the layer uses it for every input: decode steps and prefill chunks alike
+    for m in (1, 64, 65, 300):
         assert torch.equal(mlp_in(x[:m], fused), fused_kernel(x[:m], mlp_in.tiled, 2 * inter)), m
-    assert (mlp_in.packed is not None) == tiles  # no oneDNN copy beside the AVX512 kernel's
-    if tiles:
-        m = limit + 1
-        want = silu_mul(torch.ops.mkldnn._linear_pointwise(x[:m], mlp_in.packed, None, "none", [], ""), fused)
-        assert torch.equal(mlp_in(x[:m], fused), want)
     ref = F.silu(F.linear(x.float(), gate.float())) * F.linear(x.float(), up.float())
     torch.testing.assert_close(mlp_in(x, fused).float(), ref, rtol=2e-2, atol=5e-2 * k**0.5)
     with pytest.raises(RuntimeError):  # the fused store needs whole 16-column gate and up groups

@@ -18,18 +18,22 @@ def root_hash(cache_salt: str | None) -> bytes:
     return hashlib.sha256(b"servelm-cache-salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
 
 
-def block_preimage(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """What a block's key is the hash of: the parent's 32-byte key, then the token ids as int64s."""
-    return (parent_hash or _NO_SALT) + array("q", token_ids).tobytes()
+def block_preimage(parent_hash: bytes | None, token_ids: Sequence[int], num_prompt: int | None = None) -> bytes:
+    """What a block's key is the hash of: the parent's 32-byte key, then the token ids as int64s, then, for
+    a block that does not lie wholly in its sequence's prompt, a marker and how many of its tokens do:
+    generated tokens' keys and values come from the decode path, prompt tokens' from the prefill path
+    (different summation orders), so a later prompt must not reuse them as if it had computed them."""
+    pre = (parent_hash or _NO_SALT) + array("q", token_ids).tobytes()
+    return pre if num_prompt is None else pre + b"generated" + num_prompt.to_bytes(8, "little")
 
 
-def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], num_prompt: int | None = None) -> bytes:
     """Hash chain key of a full block: it identifies the block's tokens *and* everything before them.
 
     SHA-256, not Python's hash(): blocks are shared between requests, so a key must not collide, by chance
     or by a crafted prompt (hash() of a tuple of ints is 64 bits and easy to collide on purpose).
     """
-    return hashlib.sha256(block_preimage(parent_hash, token_ids)).digest()
+    return hashlib.sha256(block_preimage(parent_hash, token_ids, num_prompt)).digest()
 
 
 class BlockPool:

@@ -39,17 +39,22 @@ class KVCacheManager:
     def _parent(self, seq: Sequence, i: int) -> bytes:
         return seq.block_hashes[i - 1] if i else root_hash(seq.request.cache_salt)
 
+    def _num_prompt(self, seq: Sequence, i: int) -> int | None:
+        """None where block i lies wholly in seq's prompt, else how many of its tokens do (see block_preimage)."""
+        in_prompt = seq.num_prompt_tokens - i * self.block_size
+        return None if in_prompt >= self.block_size else max(in_prompt, 0)
+
     def _content(self, seq: Sequence, i: int) -> bytes:
         """The preimage of block i's key: what a prefix-cache hit on it must match exactly."""
         bs = self.block_size
-        return block_preimage(self._parent(seq, i), seq.token_ids[i * bs:(i + 1) * bs])
+        return block_preimage(self._parent(seq, i), seq.token_ids[i * bs:(i + 1) * bs], self._num_prompt(seq, i))
 
     def _update_hashes(self, seq: Sequence, upto_tokens: int) -> None:
         """Extend seq.block_hashes over every full block within the first `upto_tokens` tokens."""
         bs = self.block_size
         hashes = seq.block_hashes
         for i in range(len(hashes), upto_tokens // bs):
-            hashes.append(hash_block(self._parent(seq, i), seq.token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block(self._parent(seq, i), seq.token_ids[i * bs:(i + 1) * bs], self._num_prompt(seq, i)))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached prefix of seq (no side effects). At least one token is left

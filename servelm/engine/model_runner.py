@@ -93,7 +93,12 @@ class ModelRunner:
         for s in out.scheduled:
             seq, start, n = s.seq, s.start, s.num_tokens
             table = seq.block_table
-            if n == 1:  # a decode: plain ints, no per-sequence arrays (most of a step's sequences)
+            # Where a token's attention runs depends only on its position, never on the chunking: prompt
+            # positions take the prefill path (one left after a prefix-cache hit included), generated ones
+            # the decode path, one row each (a recompute after preemption included). The two kernels sum
+            # in different orders, so choosing by chunk size made outputs depend on scheduling.
+            prompt_end = min(max(seq.num_prompt_tokens, start), start + n)
+            if n == 1 and prompt_end == start:  # a decode: plain ints, no per-sequence arrays (most rows)
                 ids.append(seq.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
@@ -106,7 +111,12 @@ class ModelRunner:
                 arr = np.asarray(table, dtype=np.int64)
                 positions.extend(range(start, start + n))
                 slots.extend((arr[pos // bs] * bs + pos % bs).tolist())
-                prefills.append(PrefillSpan(offset, n, start + n, torch.from_numpy(arr)))
+                if prompt_end > start:
+                    prefills.append(PrefillSpan(offset, prompt_end - start, prompt_end, torch.from_numpy(arr)))
+                for p in range(prompt_end, start + n):  # generated tokens recomputed after preemption
+                    decode_idx.append(offset + p - start)
+                    decode_tables.append(table)
+                    decode_lens.append(p + 1)
             offset += n
             if s.sample_seqs:
                 logits_idx.append(offset - 1)

@@ -118,17 +118,17 @@ def _avx512_kernels(w: torch.Tensor):
 
 
 class Linear:
-    """y = x W^T + b. On CPU in bf16 the weight is reordered once into oneDNN's blocked layout: with a
-    model's worth of distinct weights (cold caches) that measured 1.2-1.6x faster than F.linear for
-    1 to 128 rows, with identical results. Where the CPU has AMX, decode-sized inputs (up to
-    `TILE_MAX_ROWS` rows) go to the C++ AMX tile matmul over a second copy of the weight packed by
-    `pack_weight_for_tiles` (1.2-1.8x faster than oneDNN for 1-32 rows, level at 64): twice the weight
-    memory for faster decode steps. With AVX512-BF16 but no AMX (AMD Zen 4/5) the C++ AVX512 kernel over
-    the packed weight takes every input and oneDNN's copy is not kept (on Zen 4, cold weights: 2.1x
-    oneDNN at 1 row, 1.9x at 8, 1.16x at 64, 1.02-1.04x at 256-2048; `bench/decode_linear.py`).
-    Elsewhere it is plain F.linear; also the seam for quantized weight formats."""
-
-    TILE_MAX_ROWS = 64
+    """y = x W^T + b. On CPU in bf16, where the CPU has AMX, every input goes to the C++ AMX tile matmul over
+    the weight packed by `pack_weight_for_tiles` (1.2-1.8x faster than oneDNN for 1-32 rows, within
+    0.8-1.25x of it for prefill chunks, shared machine). Each output row is summed in one fixed order
+    whatever the number of rows, so a token gets the same bits in a decode batch of any size and in a
+    prefill chunk of any length; oneDNN's bf16 matmul changes its blocking with the row count and gave
+    rows that differed in a few elements from 65 rows on, which made outputs depend on scheduling. With
+    AVX512-BF16 but no AMX (AMD Zen 4/5) the C++ AVX512 kernel over the same packed weight takes every
+    input, with the same property (on Zen 4, cold weights: 2.1x oneDNN at 1 row, 1.9x at 8, 1.16x at 64,
+    1.02-1.04x at 256-2048; `bench/decode_linear.py`). Elsewhere in bf16 the weight is reordered once
+    into oneDNN's blocked layout (1.2-1.6x faster than F.linear for 1 to 128 rows, identical results);
+    otherwise it is plain F.linear. Also the seam for quantized weight formats."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.bias = bias
@@ -140,13 +140,12 @@ class Linear:
         if bias is not None and (self.tiles or self.avx512) is not None:
             self.bias = bias.contiguous()
         self.tiled = pack_weight_for_tiles(weight) if (self.tiles or self.avx512) is not None else None
-        self.packed = _onednn_packed(weight) if self.avx512 is None else None
-        if self.packed is not None or self.avx512 is not None:
+        self.packed = _onednn_packed(weight) if self.tiled is None else None
+        if self.packed is not None or self.tiled is not None:
             self.weight = None  # no row-major copy: oneDNN and the kernels read their own layouts
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if self.tiles is not None and (rows <= self.TILE_MAX_ROWS or self.packed is None):
+        if self.tiles is not None:
             return self.tiles.amx_linear(x, self.tiled, self.out_features, self.bias)
         if self.avx512 is not None:
             return self.avx512.avx512_linear(x, self.tiled, self.out_features, self.bias)
@@ -157,11 +156,11 @@ class Linear:
 
 class GateUpLinear:
     """silu(x Wg^T) * (x Wu^T), the input half of a gated MLP. Where a C++ kernel takes the weight (the AMX
-    tile matmul up to `Linear.TILE_MAX_ROWS` rows, the AVX512-BF16 kernel for any number), it runs with
-    the SiLU-and-multiply in its store of each finished block, so the [T, 2I] projection never makes a
-    round trip through memory. With AMX, prefill-sized inputs go to oneDNN and then `silu_mul` (512-token
-    TTFT on SmolLM2 1.02-1.35x faster than the fused tile kernel, alternating in one process; level at
-    2048 rows). The paths agree to float32 summation order."""
+    tile matmul, else the AVX512-BF16 kernel; any number of rows), it runs with the SiLU-and-multiply in
+    its store of each finished block, so the [T, 2I] projection never makes a round trip through memory,
+    and rounds where the unfused chain does. Like `Linear`, one kernel for every row count keeps a
+    token's bits independent of how it was batched (oneDNN for prefill chunks measured 1.02-1.35x faster
+    at 512 tokens, but its sums change with the row count)."""
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor) -> None:
         weight = torch.cat([gate, up]).contiguous()
@@ -169,16 +168,12 @@ class GateUpLinear:
         whole = gate.shape[0] % 16 == 0  # the fused store takes whole 16-column gate and up groups
         self.tiles = _tile_kernels(weight) if whole else None
         self.avx512 = _avx512_kernels(weight) if whole and self.tiles is None else None
-        self.packed = _onednn_packed(weight) if self.tiles is not None else None
         self.tiled = pack_weight_for_tiles(weight, gate_up=True) if (self.tiles or self.avx512) is not None else None
         self.linear = Linear(weight) if self.tiled is None else None
 
     def __call__(self, x: torch.Tensor, fused=None) -> torch.Tensor:
         if self.linear is not None:
             return silu_mul(self.linear(x), fused)
-        rows = x.shape[0]
-        if self.tiles is not None and (rows <= Linear.TILE_MAX_ROWS or self.packed is None):
+        if self.tiles is not None:
             return self.tiles.amx_linear_silu_mul(x, self.tiled, self.out_features)
-        if self.avx512 is not None:
-            return self.avx512.avx512_linear_silu_mul(x, self.tiled, self.out_features)
-        return silu_mul(_onednn_linear(x, self.packed, None), fused)
+        return self.avx512.avx512_linear_silu_mul(x, self.tiled, self.out_features)
