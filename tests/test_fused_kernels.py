@@ -83,12 +83,9 @@ def test_bf16_decoder_uses_the_fused_path(model_dirs):
 def test_cpp_decode_layer_loop_matches_the_python_loop(arch, model_dirs):
     """A pure-decode step through `decode_layers` (C++) gives the same bits as the Python layer loop, for a
     batch of decodes at different context lengths (a sliding window, qkv biases, q/k norms included)."""
-    from servelm.model import cpu_kernels
     from servelm.model.attention import AttentionMetadata
     from servelm.model.loader import load_model
 
-    if cpu_kernels.load().amx_linear_supported(64):  # decode rows take the tile kernel and the Python loop
-        pytest.skip("AMX: the Python layer loop runs (test_kernel_build reruns this on the avx512bf16 build)")
     model = load_model(str(model_dirs[arch]), None, None, "bfloat16", "cpu").model
     assert model.cpp_decode is not None
     s, bs = model.spec, 8

@@ -66,14 +66,14 @@ class DecoderLM:
 
     def _cpp_decode_weights(self) -> list[torch.Tensor] | None:
         """The flat weight list of the C++ layer loop for pure-decode steps (`decode_layers`): where the
-        fused kernels, the CPU attention kernel and the AVX512 linear kernel take every layer (AMD Zen 4/5;
-        on AMX CPUs decode-sized linears go to the tile kernel and the Python loop runs)."""
+        fused kernels, the CPU attention kernel and a packed-weight linear kernel (AMX tiles or AVX512-BF16) take
+        every layer."""
         if self.fused is None or not isinstance(self.attn, CpuPagedAttention):
             return None
         flat = []
         none = torch.empty(0, dtype=self.dtype)
         for lw in self.layers:
-            if any(x.avx512 is None for x in (lw.qkv, lw.o_proj, lw.down, lw.gate_up)):
+            if any((x.tiles or x.avx512) is None for x in (lw.qkv, lw.o_proj, lw.down, lw.gate_up)):
                 return None
             flat += [lw.input_norm, lw.qkv.tiled, none if lw.qkv.bias is None else lw.qkv.bias, lw.o_proj.tiled,
                      none if lw.o_proj.bias is None else lw.o_proj.bias, lw.post_norm, lw.gate_up.tiled,

@@ -71,7 +71,7 @@ class CpuKernels:
     # --- fused bf16 elementwise kernels ---------------------------------------------------------------------
 
     def fused_elementwise_supported(self, t: torch.Tensor) -> bool:
-        return self.avx512_bf16 and t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.stride(-1) == 1
+        return self.avx512_bf16 and t.dtype == torch.bfloat16 and t.is_cpu and t.stride(-1) == 1
 
     @staticmethod
     def _rows(t: torch.Tensor) -> tuple[int, int, int, int]:

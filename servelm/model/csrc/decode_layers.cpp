@@ -1,5 +1,6 @@
-// Every decoder layer of a decode step (each token a decode) in one call: the same kernels, in the same
-// order, on the same data as the Python layer loop in model/decoder.py, without its ~20 Python-level
+// Every decoder layer of a decode step (each token a decode) in one call: the same kernels (AMX tiles or
+// AVX512 for the linears, as the Python loop's Linear picks), in the same order, on the same data as the
+// Python layer loop in model/decoder.py, without its ~20 Python-level
 // operations per layer (about 0.85 ms of a SmolLM2 batch-1 step of 10 ms at one thread). Results are
 // identical to the Python loop's.
 #include <cstdint>
@@ -69,13 +70,20 @@ SERVELM_API int servelm_decode_layers(bf16* out, bf16* h, int64_t T, int64_t hid
     arena.carve(counts, 6, buf);
     bf16 *x = buf[0], *qkv = buf[1], *q = buf[2], *o = buf[3], *attn = buf[4], *act = buf[5];
     bf16* delta = nullptr;  // the last sublayer's output, not yet added to h; reuses attn's room
+    // the linear kernel the Python loop's Linear takes for these weights: AMX tiles where the CPU has them
+    const bool tiles = servelm::amx_available();
+    auto linear = [tiles](bf16* o, const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const bf16* bias,
+                          bool silu_mul) {
+      if (tiles) servelm::amx_linear(o, x, M, K, K, w, N, bias, silu_mul);
+      else servelm::avx512_linear(o, x, M, K, K, w, N, bias, silu_mul);
+    };
     const Rows hidden_rows{T, 1, hidden, 0};
     const Rows q_rows{T, H, qkv_size, D}, k_rows{T, Hkv, qkv_size, D};
     for (int64_t i = 0; i < L; ++i) {
       const bf16* const* w = weights + kPerLayer * i;
       if (delta != nullptr) servelm::add_rms_norm(x, delta, h, w[0], T, hidden, eps);
       else servelm::rms_norm(x, hidden_rows, h, hidden_rows, w[0], hidden, eps);
-      servelm::avx512_linear(qkv, x, T, hidden, hidden, w[1], qkv_size, w[2], false);
+      linear(qkv, x, T, hidden, w[1], qkv_size, w[2], false);
       if (w[8] != nullptr) {  // Qwen3's per-head norms of queries and keys, in place
         servelm::rms_norm(qkv, q_rows, qkv, q_rows, w[8], D, eps);
         servelm::rms_norm(qkv + q_size, k_rows, qkv + q_size, k_rows, w[9], D, eps);
@@ -89,10 +97,10 @@ SERVELM_API int servelm_decode_layers(bf16* out, bf16* h, int64_t T, int64_t hid
                         slots, T);
       servelm::paged_decode_attention(servelm::kBFloat16, o, q, T, H, servelm::Cache{kc, vc, num_blocks, bs, Hkv, D},
                                       block_tables, max_blocks, seq_lens, scale, windows[i]);
-      servelm::avx512_linear(attn, o, T, q_size, q_size, w[3], hidden, w[4], false);
+      linear(attn, o, T, q_size, w[3], hidden, w[4], false);
       servelm::add_rms_norm(x, attn, h, w[5], T, hidden, eps);
-      servelm::avx512_linear(act, x, T, hidden, hidden, w[6], sizes[2], nullptr, true);
-      servelm::avx512_linear(attn, act, T, sizes[2] / 2, sizes[2] / 2, w[7], hidden, nullptr, false);
+      linear(act, x, T, hidden, w[6], sizes[2], nullptr, true);
+      linear(attn, act, T, sizes[2] / 2, w[7], hidden, nullptr, false);
       delta = attn;
     }
     servelm::add_rms_norm(out, delta, h, final_norm, T, hidden, eps);
