@@ -1,0 +1,70 @@
+"""W2 (TTFT, TPOT) and W1 (throughput) of the default model in bf16 for two or more checkouts, each run in a
+process of its own with that checkout first on PYTHONPATH, alternating checkouts every round so that a noisy
+minute hits all alike. For changes one process cannot hold both sides of (a new build system, a changed
+Python dispatch). Prints one JSON object: per checkout the rounds, the medians and the ratio to the first.
+
+  python bench/checkouts_ab.py --src /path/to/old/checkout --src . --rounds 3 --threads 1
+
+A benchmark, not a test: CI does not run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def worker(threads: int) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "peers" / "workers"))
+    from common import prompts
+
+    from servelm import LLM, SamplingParams
+
+    llm = LLM(dtype="bfloat16", num_threads=threads, enable_prefix_caching=False)
+    vocab = llm.engine.core.model.spec.vocab_size
+    w2, w1 = prompts("W2", vocab)[0], prompts("W1", vocab)
+
+    def gen(batch, n: int) -> float:
+        t = time.perf_counter()
+        llm.generate(batch, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t
+
+    gen([w2], 8)
+    ttft = gen([w2], 1)
+    tpot = (gen([w2], 128) - ttft) / 127
+    print(json.dumps({"ttft_ms": round(1000 * ttft, 1), "tpot_ms": round(1000 * tpot, 2),
+                      "w1_tok_s": round(64 * 128 / gen(w1, 128), 1)}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--src", action="append", required=True, help="a checkout (repeatable; the first is the base)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        return worker(a.threads)
+    runs: dict[str, list[dict]] = {s: [] for s in a.src}
+    for r in range(a.rounds):
+        for src in a.src if r % 2 == 0 else a.src[::-1]:
+            env = {**os.environ, "PYTHONPATH": str(Path(src).resolve())}
+            out = subprocess.run([sys.executable, __file__, "--worker", "--src", src, "--threads", str(a.threads)],
+                                 env=env, cwd="/", capture_output=True, text=True, check=True).stdout
+            runs[src].append(json.loads(out.strip().splitlines()[-1]))
+    res: dict = {"threads": a.threads, "rounds": runs, "median": {}}
+    for src, rs in runs.items():
+        res["median"][src] = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+    base = res["median"][a.src[0]]
+    res["ratio_to_first"] = {src: {k: round(m[k] / base[k], 3) for k in m} for src, m in res["median"].items()}
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
