@@ -182,3 +182,21 @@ def test_a_machine_without_a_compiler_installs_and_runs_the_pytorch_path(monkeyp
     with caplog.at_level(logging.WARNING, logger="servelm.model.cpu_kernels"):
         assert cpu_kernels.load() is None
     assert "no C++ compiler" in caplog.text and "PyTorch path" in caplog.text
+
+
+@pytest.mark.skipif(not X86 or kernel_build.compiler() is None, reason="needs an x86-64 C++ toolchain")
+def test_the_wheel_carries_every_variant_and_is_a_platform_wheel(tmp_path):
+    """`pip wheel .` builds the kernels into the wheel (no compile left for the first start), tagged for the
+    platform since it holds native libraries."""
+    import zipfile
+
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(root), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path)], check=True, capture_output=True, text=True,
+                   env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    (wheel,) = tmp_path.glob("servelm-*.whl")
+    assert not wheel.name.endswith("-none-any.whl") and "linux_x86_64" in wheel.name
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for v in kernel_build.X86_64:
+        assert f"servelm/model/_kernels/{kernel_build.library_name(v.name)}" in names
+    assert "servelm/model/_kernels/manifest.json" in names
