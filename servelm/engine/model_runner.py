@@ -84,8 +84,11 @@ class ModelRunner:
                 dk[dst] = sk[src].to(dk.device)  # swaps cross devices on a GPU; no-ops on the CPU
                 dv[dst] = sv[src].to(dv.device)
 
-    def _prepare(self, out: SchedulerOutput, need_hidden: bool = False):
+    def _prepare(self, out: SchedulerOutput):
+        """The step's inputs, and whether a request in it wants its prompt's logprobs (checked on prompt
+        chunks only: a decode row never holds prompt positions, so decodes pay nothing for the feature)."""
         bs = self.block_size
+        want_prompt = False
         ids, positions, slots = [], [], []
         decode_idx, decode_tables, decode_lens, prefills = [], [], [], []
         logits_idx, repeats = [], []
@@ -113,6 +116,7 @@ class ModelRunner:
                 slots.extend((arr[pos // bs] * bs + pos % bs).tolist())
                 if prompt_end > start:
                     prefills.append(PrefillSpan(offset, prompt_end - start, prompt_end, torch.from_numpy(arr)))
+                    want_prompt = want_prompt or seq.request.needs_prompt_logprobs
                 for p in range(prompt_end, start + n):  # generated tokens recomputed after preemption
                     decode_idx.append(offset + p - start)
                     decode_tables.append(table)
@@ -129,8 +133,8 @@ class ModelRunner:
         logits_dev = tensor(logits_idx).to(dev)
         repeats_t = torch.tensor(repeats, dtype=torch.long)
         max_blocks = max((len(t) for t in decode_tables), default=1)
-        if not prefills and not need_hidden and self.graphs is not None and self.graphs.can_run(len(ids), max_blocks):
-            return None, None, None, logits_dev, repeats_t, (ids, positions, slots, decode_tables, decode_lens)
+        if not prefills and self.graphs is not None and self.graphs.can_run(len(ids), max_blocks):
+            return None, None, None, logits_dev, repeats_t, (ids, positions, slots, decode_tables, decode_lens), False
         tables = np.zeros((len(decode_tables), max_blocks), dtype=np.int64)
         for r, t in enumerate(decode_tables):
             tables[r, : len(t)] = t
@@ -144,7 +148,7 @@ class ModelRunner:
         )
         meta.derived = self.model.attn.derive(meta)
         return (tensor(ids).to(dev, non_blocking=True), tensor(positions).to(dev, non_blocking=True),
-                meta.to(dev), logits_dev, repeats_t, None)
+                meta.to(dev), logits_dev, repeats_t, None, want_prompt)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[SampleResult]:
@@ -152,8 +156,7 @@ class ModelRunner:
         self.apply_block_ops(out.ops)
         if not out.scheduled:
             return []
-        want_prompt = any(s.seq.request.needs_prompt_logprobs for s in out.scheduled)
-        input_ids, positions, meta, logits_idx, repeats, graph_step = self._prepare(out, want_prompt)
+        input_ids, positions, meta, logits_idx, repeats, graph_step, want_prompt = self._prepare(out)
         if graph_step is not None:  # every row's logits, from the static buffers (a graph replay on a GPU)
             hidden, logits = None, self.graphs.run(*graph_step)
             self.num_graph_steps += 1
