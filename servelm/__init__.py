@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 # Imported on first use: `import servelm` (and so `servelm serve`, which starts its engine process
 # before anything heavy) must not pay for torch, which LLM and LLMEngine pull in.
 _LAZY = {
-    "EngineConfig": "servelm.config",
+    "EngineConfig": "servelm.config.engine",
     "LLMEngine": "servelm.engine.llm_engine",
     "LLM": "servelm.entrypoints.llm",
     "CompletionOutput": "servelm.outputs",
@@ -25,7 +25,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from servelm.config import EngineConfig
+    from servelm.config.engine import EngineConfig
     from servelm.engine.llm_engine import LLMEngine
     from servelm.entrypoints.llm import LLM
     from servelm.outputs import CompletionOutput, Logprob, RequestOutput

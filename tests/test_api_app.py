@@ -25,9 +25,9 @@ class _NoEngine:
 def client():
     from starlette.testclient import TestClient
 
+    from servelm.config.settings import load
     from servelm.server.api import build_app
     from servelm.server.serve import build_state
-    from servelm.server.settings import load
 
     state = build_state(load({}, env={}), None, _NoEngine(), "tiny")
     with TestClient(build_app(state)) as c:

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from servelm.config import ConfigError
+from servelm.config.engine import ConfigError
+from servelm.config.settings import load
 from servelm.outputs import CompletionOutput, RequestOutput
-from servelm.server.settings import load
 
 
 class _RecordingEngine:

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from servelm.config import ConfigError
+from servelm.config.engine import ConfigError
+from servelm.config.settings import env_var, load
 from servelm.server.auth import KeyStore, hash_key, load_keys_file, presented_key
 from servelm.server.ratelimit import InMemoryRateLimitStore, Limits
-from servelm.server.settings import env_var, load
 
 
 def test_precedence_cli_over_env_over_file(tmp_path):
@@ -77,7 +77,7 @@ def test_runtime_patch_is_validated_all_or_nothing():
 
 
 def test_every_field_has_help_and_a_unique_env_var():
-    from servelm.server.settings import all_fields
+    from servelm.config.settings import all_fields
 
     names = [f.name for _, f in all_fields()]
     assert len(names) == len(set(names))
@@ -163,7 +163,7 @@ def test_token_buckets_refill_settle_and_refuse_without_taking():
 def test_cpu_bind_accepts_only_this_process_cpus(spec, ok):
     import os
 
-    from servelm.config import EngineConfig
+    from servelm.config.engine import EngineConfig
 
     first = min(os.sched_getaffinity(0))  # "{c}-0" is backwards unless CPU 0 alone: then it is valid
     spec = spec.format(c=first)
@@ -189,7 +189,7 @@ def test_cpu_bind_binds_the_engine_process_and_sets_one_thread_per_cpu():
 
     torch = pytest.importorskip("torch")  # absent in the Python 3.10 smoke run
 
-    from servelm.config import EngineConfig
+    from servelm.config.engine import EngineConfig
     from servelm.engine.threads import configure_threads
 
     cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()

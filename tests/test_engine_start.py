@@ -13,12 +13,12 @@ import time
 import pytest
 import zmq
 
-from servelm.server import messages as m
+from servelm.worker import messages as m
 
 
 def test_start_timeout_is_a_setting_with_every_source(tmp_path):
-    from servelm.config import ConfigError
-    from servelm.server.settings import load
+    from servelm.config.engine import ConfigError
+    from servelm.config.settings import load
 
     assert load({}, env={}).server.engine_start_timeout_s == 600.0
     f = tmp_path / "c.yaml"
@@ -52,8 +52,8 @@ class _Loading:
 
 
 def test_a_slow_start_logs_what_the_engine_is_doing_then_gives_up_naming_the_setting(caplog):
-    from servelm.config import EngineConfig
-    from servelm.server.async_engine import AsyncEngine, EngineStartError
+    from servelm.config.engine import EngineConfig
+    from servelm.worker.client import AsyncEngine, EngineStartError
 
     class Engine(AsyncEngine):
         def _new_process(self):

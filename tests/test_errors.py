@@ -12,7 +12,7 @@ import uvicorn
 from fastapi import FastAPI
 from serving import _free_port, _wait
 
-from servelm.server import settings
+from servelm.config import settings
 from servelm.server.admission import Admission
 from servelm.server.auth import KeyStore
 from servelm.server.errors import install_error_handlers

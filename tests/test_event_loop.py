@@ -13,7 +13,7 @@ import httpx
 from servelm.engine.step_outputs import EngineStats, SeqOutput
 from servelm.outputs import CompletionOutput, RequestOutput
 from servelm.sampling_params import OutputKind, SamplingParams
-from servelm.server import messages as m
+from servelm.worker import messages as m
 
 
 class _BlockingTokenizer:
@@ -45,9 +45,9 @@ class _FakeEngine:
 
 
 def test_health_is_served_while_a_prompt_is_being_tokenized(tokenizer):
+    from servelm.config.settings import load
     from servelm.server.api import build_app
     from servelm.server.serve import build_state
-    from servelm.server.settings import load
 
     events: list[str] = []
     tok = _BlockingTokenizer(tokenizer, events)
@@ -80,8 +80,8 @@ def _stats() -> EngineStats:
 def test_a_large_step_is_detokenized_in_slices_and_stop_strings_reach_the_engine(tokenizer):
     import zmq
 
-    from servelm.config import EngineConfig
-    from servelm.server.async_engine import DETOKENIZE_SLICE, AsyncEngine, _Stream
+    from servelm.config.engine import EngineConfig
+    from servelm.worker.client import DETOKENIZE_SLICE, AsyncEngine, _Stream
 
     n = 3 * DETOKENIZE_SLICE
     ids = tokenizer(" hello stop", add_special_tokens=False).input_ids

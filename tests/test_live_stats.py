@@ -23,12 +23,12 @@ def _gauge(text: str, name: str) -> float:
 
 
 def test_a_new_request_shows_in_gauges_and_stats_before_any_engine_step(tokenizer):
+    from servelm.config.settings import load
     from servelm.engine.step_outputs import EngineStats
-    from servelm.server import messages as m
     from servelm.server.api import build_app
-    from servelm.server.async_engine import AsyncEngine
     from servelm.server.serve import build_state
-    from servelm.server.settings import load
+    from servelm.worker import messages as m
+    from servelm.worker.client import AsyncEngine
 
     idle = EngineStats(0, 0, 0, 0.0, 64, 64, 0, 0, 0.0, 0, 0, 0, 0, 0, 0)
 

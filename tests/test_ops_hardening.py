@@ -102,8 +102,8 @@ def test_keys_from_files_authenticate_and_stay_out_of_the_command_line(ops):
 
 
 def test_key_file_settings_are_validated(tmp_path):
-    from servelm.config import ConfigError
-    from servelm.server.settings import load
+    from servelm.config.engine import ConfigError
+    from servelm.config.settings import load
 
     good, short = tmp_path / "good.key", tmp_path / "short.key"
     good.write_text("sk-from-a-file-1\n")

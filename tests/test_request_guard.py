@@ -9,10 +9,10 @@ import asyncio
 import pytest
 import zmq
 
-from servelm.config import EngineConfig
+from servelm.config.engine import EngineConfig
 from servelm.sampling_params import SamplingParams
-from servelm.server import messages as m
-from servelm.server.async_engine import AsyncEngine, RequestRejected
+from servelm.worker import messages as m
+from servelm.worker.client import AsyncEngine, RequestRejected
 
 
 async def _drain(engine: AsyncEngine, rid: str, ids: list[int], params: SamplingParams) -> None:

@@ -10,7 +10,7 @@ import time
 
 
 def test_api_side_imports_stay_light():
-    code = ("import sys, servelm, servelm.entrypoints.cli, servelm.server.serve, servelm.server.async_engine; "
+    code = ("import sys, servelm, servelm.entrypoints.cli, servelm.server.serve, servelm.worker.client; "
             "servelm.entrypoints.cli.build_parser(); "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -28,7 +28,7 @@ _ORPHAN_SCRIPT = """
 import multiprocessing, time
 
 def child(started):
-    from servelm.server.engine_proc import _exit_with_parent
+    from servelm.worker.process import _exit_with_parent
     _exit_with_parent(0.05)
     started.set()
     time.sleep(120)

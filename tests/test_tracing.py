@@ -27,12 +27,12 @@ class _Lines(logging.Handler):
 def test_spans_link_to_traceparent_and_nest_under_the_request(llama_dir):
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+    from servelm.config.settings import load
     from servelm.model.metadata import load_config_and_tokenizer
     from servelm.server.api import build_app
-    from servelm.server.async_engine import AsyncEngine
     from servelm.server.serve import build_state
-    from servelm.server.settings import load
     from servelm.server.telemetry import Tracing
+    from servelm.worker.client import AsyncEngine
 
     exporter = InMemorySpanExporter()
     lines = _Lines()

@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING
 
 from servelm.bench.workloads import Workload, make_workload
-from servelm.config import EngineConfig
+from servelm.config.engine import EngineConfig
 from servelm.progress import progress
 from servelm.sampling_params import OutputKind, SamplingParams
 
@@ -183,7 +183,7 @@ def _git_commit() -> str | None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from servelm.entrypoints.cli import engine_config_from_args
+    from servelm.config.args import engine_config_from_args
     from servelm.model.loader import load_model
 
     cfg = engine_config_from_args(args)

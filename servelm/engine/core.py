@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
-from servelm.config import DEFAULT_KV_CACHE_GB, EngineConfig
+from servelm.config.engine import DEFAULT_KV_CACHE_GB, EngineConfig
 from servelm.engine.cuda_graphs import capture_sizes
 from servelm.engine.kv_cache_manager import KVCacheManager
 from servelm.engine.model_runner import ModelRunner, kv_bytes_per_block

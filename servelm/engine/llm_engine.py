@@ -6,7 +6,7 @@ import copy
 import logging
 import time
 
-from servelm.config import EngineConfig
+from servelm.config.engine import EngineConfig
 from servelm.engine.core import EngineCore, EngineStats
 from servelm.engine.output_processor import OutputProcessor
 from servelm.engine.sequence import Priority, Request

@@ -1,5 +1,5 @@
 """What one engine step produces, as plain data: it crosses the process boundary (see
-`servelm/server/messages.py`), so this module imports nothing heavy (no torch)."""
+`servelm/worker/messages.py`), so this module imports nothing heavy (no torch)."""
 
 from __future__ import annotations
 

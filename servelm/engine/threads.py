@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from servelm.config import EngineConfig, cpu_list
+from servelm.config.engine import EngineConfig, cpu_list
 
 
 def configure_threads(config: EngineConfig) -> None:

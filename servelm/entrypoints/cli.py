@@ -7,7 +7,7 @@ import dataclasses
 import json
 import sys
 
-from servelm.config import EngineConfig
+from servelm.config.args import add_engine_args, engine_config_from_args
 
 EXAMPLES = """examples:
   servelm generate "Once upon a time" --max-tokens 32 --temperature 0
@@ -18,41 +18,6 @@ EXAMPLES = """examples:
   servelm bench throughput --workload W1 --baselines hf-static
   servelm bench serve --base-url http://127.0.0.1:8000 --rate 2
 """
-
-
-def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = (),
-                    suppress_defaults: bool = False) -> None:
-    """One flag per field of a config dataclass, with its default and help taken from the config itself.
-
-    With suppress_defaults, flags left out are absent from the namespace, so a file or env var can set them.
-    """
-    import typing
-
-    group = parser.add_argument_group(title)
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        helptext = f.metadata.get("help", "")
-        if "(default" not in helptext and "default:" not in helptext:  # some say what None stands for
-            helptext += f" (default: {f.default})"
-        default = argparse.SUPPRESS if suppress_defaults else f.default
-        tp = hints[f.name]
-        base = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
-        if base is bool:
-            group.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
-                               help=helptext.replace("%", "%%"))
-        else:
-            group.add_argument(flag, type=base, default=default, help=helptext.replace("%", "%%"))
-
-
-def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
-    add_config_args(parser, EngineConfig, "engine", skip=() if with_model else ("model",))
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
 # The two sampling defaults that differ by command; every other one is SamplingParams' own. Help texts

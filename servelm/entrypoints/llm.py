@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
-from servelm.config import EngineConfig
+from servelm.config.engine import EngineConfig
 from servelm.engine.llm_engine import LLMEngine
 from servelm.outputs import RequestOutput
 from servelm.progress import progress

@@ -8,10 +8,10 @@ watermarks), and the key's tokens per minute have room for prompt + max_tokens (
 
 from __future__ import annotations
 
+from servelm.config.settings import PRIORITIES, ServeConfig
 from servelm.server.auth import ApiKey
 from servelm.server.protocol import APIError
 from servelm.server.ratelimit import InMemoryRateLimitStore, Limits, RateLimitStore
-from servelm.server.settings import PRIORITIES, ServeConfig
 from servelm.server.telemetry import RequestRecord
 
 

@@ -14,18 +14,18 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from servelm.config.settings import ServeConfig
 from servelm.outputs import RequestOutput
 from servelm.server import protocol as p
 from servelm.server.admission import Admission
-from servelm.server.async_engine import AsyncEngine, EngineDeadError, QueueTimeout, RequestRejected
 from servelm.server.auth import KeyStore
 from servelm.server.embeddings import EmbedderDown
 from servelm.server.errors import install_error_handlers
 from servelm.server.metrics import Metrics
 from servelm.server.openapi import install_openapi
 from servelm.server.protocol import APIError
-from servelm.server.settings import ServeConfig
 from servelm.server.telemetry import RequestRecord, Telemetry
+from servelm.worker.client import AsyncEngine, EngineDeadError, QueueTimeout, RequestRejected
 
 
 @dataclass

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from servelm.server.settings import PRIORITIES
+from servelm.config.settings import PRIORITIES
 
 ANONYMOUS = "anonymous"
 

@@ -62,7 +62,7 @@ def _load(path: str, max_length: int) -> None:
     global _worker
     from servelm.model.encoder import load_encoder
     from servelm.model.hf_files import tokenizer_from_folder
-    from servelm.server.engine_proc import _exit_with_parent
+    from servelm.worker.process import _exit_with_parent
 
     _exit_with_parent()
     _worker = (tokenizer_from_folder(Path(path)), load_encoder(Path(path)), max_length)

@@ -82,7 +82,7 @@ _RANGES = {"max_num_seqs": {"minimum": 1}, "priority_aging_s": {"minimum": 0},
 def _config_patch_schema() -> dict:
     import typing
 
-    from servelm.server.settings import SECTIONS, all_fields
+    from servelm.config.settings import SECTIONS, all_fields
 
     props = {}
     for sec, f in all_fields():

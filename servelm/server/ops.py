@@ -7,9 +7,9 @@ import dataclasses
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from servelm.config import ConfigError
+from servelm.config.engine import ConfigError
+from servelm.config.settings import PRIORITIES
 from servelm.server.protocol import APIError
-from servelm.server.settings import PRIORITIES
 
 
 def add_ops_routes(app: FastAPI, state) -> None:

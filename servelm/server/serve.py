@@ -17,8 +17,8 @@ logger = logging.getLogger("servelm.server")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from servelm.entrypoints.cli import add_config_args
-    from servelm.server.settings import SECTIONS
+    from servelm.config.args import add_config_args
+    from servelm.config.settings import SECTIONS
 
     p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
                    help="model folder or .gguf file (default: the packaged SmolLM2-135M-Instruct)")
@@ -33,7 +33,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def load_config(args):
     """The serve config tree from file < env < these CLI args."""
-    from servelm.server.settings import all_fields, load
+    from servelm.config.settings import all_fields, load
 
     cli = {f.name: getattr(args, f.name) for _, f in all_fields() if hasattr(args, f.name)}
     if args.model_pos is not None:
@@ -101,7 +101,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 async def _serve(config, sock: socket.socket) -> int:
-    from servelm.server.async_engine import AsyncEngine  # light: no torch, no transformers
+    from servelm.worker.client import AsyncEngine  # light: no torch, no transformers
 
     t0 = time.perf_counter()
     ec, srv = config.engine, config.server
@@ -203,7 +203,7 @@ def cmd_serve(args) -> int:
         print(f"servelm: error: cannot listen on {srv.host}:{srv.port}: {reason} (is another server running "
               "there? choose another with --port)", file=sys.stderr)
         return 2
-    from servelm.server.async_engine import EngineStartError
+    from servelm.worker.client import EngineStartError
 
     with sock:
         try:

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from servelm.config import EngineConfig
+from servelm.config.engine import EngineConfig
 from servelm.engine.output_processor import OutputProcessor
 from servelm.engine.step_outputs import EngineStats
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
-from servelm.server import messages as m
-from servelm.server.engine_proc import run_engine
+from servelm.worker import messages as m
+from servelm.worker.process import run_engine
 
 logger = logging.getLogger("servelm.server")
 

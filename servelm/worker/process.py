@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from servelm.config import EngineConfig
+from servelm.config.engine import EngineConfig
 from servelm.engine.sequence import Request
-from servelm.server import messages as m
+from servelm.worker import messages as m
 
 if TYPE_CHECKING:  # the API process imports this module; torch is loaded in the engine process only
     from servelm.engine.core import EngineCore

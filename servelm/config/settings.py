@@ -20,7 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, published as tomli before it joined the standard library
     import tomli as tomllib
 
-from servelm.config import ConfigError, EngineConfig, _f, require
+from servelm.config.engine import ConfigError, EngineConfig, _f, require
 
 PRIORITIES = ("high", "normal", "low")  # index = the engine's Priority value
 SECRETS = frozenset({"api_key", "admin_key"})  # never printed, logged or returned

@@ -1,0 +1,43 @@
+"""Command-line flags from the config dataclasses: one flag per field, with the field's default and help."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from servelm.config.engine import EngineConfig
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = (),
+                    suppress_defaults: bool = False) -> None:
+    """One flag per field of a config dataclass, with its default and help taken from the config itself.
+
+    With suppress_defaults, flags left out are absent from the namespace, so a file or env var can set them.
+    """
+    import typing
+
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        helptext = f.metadata.get("help", "")
+        if "(default" not in helptext and "default:" not in helptext:  # some say what None stands for
+            helptext += f" (default: {f.default})"
+        default = argparse.SUPPRESS if suppress_defaults else f.default
+        tp = hints[f.name]
+        base = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+        if base is bool:
+            group.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
+                               help=helptext.replace("%", "%%"))
+        else:
+            group.add_argument(flag, type=base, default=default, help=helptext.replace("%", "%%"))
+
+
+def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+    add_config_args(parser, EngineConfig, "engine", skip=() if with_model else ("model",))
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
