@@ -1,0 +1,81 @@
+"""The control plane's shared vocabulary: a model version as the registry records it, and the error every
+control operation raises (the HTTP layer turns it into the OpenAI error shape with its status)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+
+from servelm.config.engine import EngineConfig
+
+
+class State(str, Enum):
+    """A version's lifecycle state (see `lifecycle.ALLOWED` for the transitions)."""
+
+    REGISTERED = "REGISTERED"
+    VALIDATING = "VALIDATING"
+    VALIDATED = "VALIDATED"
+    FAILED = "FAILED"
+    STAGING = "STAGING"
+    STAGING_TESTED = "STAGING_TESTED"
+    CANARY = "CANARY"
+    PRODUCTION = "PRODUCTION"
+    ROLLBACK = "ROLLBACK"
+    DEPRECATED = "DEPRECATED"
+    ARCHIVED = "ARCHIVED"
+
+
+class Kind(str, Enum):
+    """What a version's workers do: generate text (engine-core workers) or embed it (embedding workers)."""
+
+    GENERATE = "generate"
+    EMBED = "embed"
+
+
+class ControlError(Exception):
+    """A control operation refused: `status` is the HTTP status the server answers with (400, 404, 409, 507,
+    503), `code` a short machine-readable reason."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+@dataclass
+class ModelVersion:
+    """One registered version of a model: its immutable artifact and what is known about it."""
+
+    name: str
+    version: int
+    state: State
+    kind: Kind
+    artifact: str  # the path inside the content-addressed store (a folder, or a .gguf file)
+    sha256: str  # digest over the artifact's files (names and contents), checked before serving
+    source: str  # where it was registered from
+    architecture: str | None = None
+    dtype: str | None = None
+    size_bytes: int = 0
+    num_params: int | None = None
+    created_by: str = "system"
+    created_at: float = 0.0
+    labels: dict[str, str] = field(default_factory=dict)
+    engine: dict = field(default_factory=dict)  # EngineConfig overrides for this version's workers
+    golden_prompts: list[str] = field(default_factory=list)
+    golden_outputs: list[str] = field(default_factory=list)  # recorded by validation (greedy)
+    failure: str | None = None  # why validation failed
+
+    @property
+    def ref(self) -> str:
+        """How clients name this version: `name:version`."""
+        return f"{self.name}:{self.version}"
+
+    def engine_config(self, base: EngineConfig) -> EngineConfig:
+        """The engine settings of this version's workers: the server's, with this version's overrides and its
+        artifact as the model."""
+        return dataclasses.replace(base, **self.engine, model=self.artifact, gguf_file=None)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["state"], d["kind"], d["ref"] = self.state.value, self.kind.value, self.ref
+        return d
