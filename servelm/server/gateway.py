@@ -53,6 +53,8 @@ class Gateway:
                 response_started = True
                 rec.status = message["status"]
                 extra = [(b"x-request-id", rid.encode())]
+                if rec.model_version is not None:
+                    extra.append((b"x-servelm-model-version", rec.model_version.encode()))
                 present = {k.lower() for k, _ in message.get("headers", [])}
                 for k, v in self._limit_headers(rec).items():
                     if k.encode() not in present:

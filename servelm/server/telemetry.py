@@ -25,6 +25,7 @@ class RequestRecord:
     key_name: str = "anonymous"
     api_key: object = None  # the caller's ApiKey, None without keys
     model: str | None = None
+    model_version: str | None = None  # name:version of the registered version that served it
     priority: str | None = None
     status: int = 200
     stream: bool = False

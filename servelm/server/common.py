@@ -1,0 +1,269 @@
+"""What every generation route shares: tokenizing off the event loop, sampling params and admission for a
+request, and running engine requests (streamed or collected) with metrics, logs and client-disconnect aborts.
+
+`Api` holds the server state; each helper takes the model that serves the request (`m`: the engine surface of
+an AsyncEngine plus its `tokenizer`), so one app can serve several models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastapi import Request
+
+from servelm.outputs import RequestOutput
+from servelm.server import protocol as p
+from servelm.server.protocol import APIError
+from servelm.server.telemetry import RequestRecord
+from servelm.worker.client import EngineDeadError, QueueTimeout, RequestRejected
+
+Job = tuple  # (request id, prompt token ids, SamplingParams, prompt text | None, priority, cache salt | None)
+
+
+def sse(obj: dict | str) -> bytes:
+    """One server-sent event carrying `obj` (JSON) or a bare string such as [DONE]."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def record(request: Request) -> RequestRecord:
+    """The gateway's record of this request (telemetry, admission)."""
+    return request.state.record
+
+
+def b64(vec) -> str:
+    """A vector as base64 of little-endian float32 (OpenAI's encoding_format=base64)."""
+    import numpy as np
+
+    return base64.b64encode(np.asarray(vec, dtype="<f4").tobytes()).decode()
+
+
+def vocab_size(m) -> int:
+    """The model's vocabulary size as its engine reports it (the tokenizer's before the engine is up)."""
+    return m.info.vocab_size if m.info else len(m.tokenizer)
+
+
+class Api:
+    """The shared request machinery of one app, over its ServerState."""
+
+    def __init__(self, state) -> None:
+        self.state = state
+        self.metrics = state.metrics
+        # Tokenization, chat templates and long decodes run here, never on the event loop: a long prompt would
+        # stall every stream and health check. One thread, because a fast tokenizer's settings are not safe to
+        # share between threads (and the tokenizers library releases the GIL while it encodes anyway).
+        self.text_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelm-tokenize")
+
+    def resolve(self, request: Request, model: str | None):
+        """The model serving this request (404 naming the available ones); its version goes on the record,
+        from which the gateway sets the x-servelm-model-version header."""
+        m = self.state.models.resolve(model)
+        rec = record(request)
+        rec.model = m.served_name
+        rec.model_version = m.version.ref if m.version is not None else None
+        return m
+
+    # -- text --------------------------------------------------------------------------------------
+    async def off_loop(self, fn: Callable, *args) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.text_pool, fn, *args)
+
+    @staticmethod
+    def encode(m, text: str, **kw) -> list[int]:
+        return m.tokenizer(text, **kw).input_ids
+
+    async def chat_ids(self, m, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
+                       **kw) -> list[int]:
+        """The prompt token ids of a conversation, rendered with the model's chat template."""
+        tok = m.tokenizer
+        if getattr(tok, "chat_template", None) is None:
+            raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+        conv = [{"role": msg.role, "content": msg.text()} for msg in messages]
+
+        def render() -> list[int]:
+            try:
+                text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                               **kw)
+            except Exception as e:  # template errors are the caller's input
+                raise APIError(400, f"chat template failed: {e}", "messages") from e
+            return self.encode(m, text, add_special_tokens=False)
+        return await self.off_loop(render)
+
+    # -- admission ---------------------------------------------------------------------------------
+    def params(self, m, req, prompt_len: int):
+        """The request's SamplingParams, checked against the model's vocabulary and context (400)."""
+        try:
+            default_max = self.state.admission.default_max_tokens(prompt_len, getattr(req, "n", 1),
+                                                                  max(1, m.max_model_len - prompt_len))
+            params = req.sampling_params(default_max)
+            params.check_vocab(m.info.vocab_size if m.info else 1 << 31)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+        if prompt_len + (params.max_tokens or 0) > m.max_model_len:
+            raise APIError(400, f"this model's maximum context length is {m.max_model_len} tokens; the "
+                                f"request has {prompt_len} prompt tokens and max_tokens={params.max_tokens} "
+                                f"({prompt_len + params.max_tokens} in total)", "max_tokens", "context_length_exceeded")
+        return params
+
+    def admit(self, m, request: Request, req, prompts: list[list[int]], params: list) -> int:
+        """Admission control for a generation request; returns its engine priority."""
+        rec = record(request)
+        rec.stream = bool(getattr(req, "stream", False))
+        rec.prompt_tokens = sum(len(ids) for ids in prompts)
+        cost = rec.prompt_tokens + sum((sp.max_tokens or 0) * sp.n for sp in params)
+        admission = self.state.admission
+        admission.check_work(max(sp.n for sp in params), rec.prompt_tokens, cost)
+        return admission.admit(rec, m.served_name, cost, getattr(req, "priority", None))
+
+    def cache_salt(self, request: Request, req) -> str | None:
+        """The prefix-cache namespace of a request: its API key's (under isolation "key") and its own
+        cache_salt. The key's part comes first and is fixed-length, so no chosen salt can name another
+        key's namespace."""
+        parts = []
+        key = record(request).api_key
+        if self.state.config.server.prefix_cache_isolation == "key" and key is not None:
+            parts.append("key:" + key.digest.hex())
+        if getattr(req, "cache_salt", None):
+            parts.append("salt:" + req.cache_salt)
+        return "/".join(parts) or None
+
+    def log_prompt(self, request: Request, prompts: list) -> None:
+        if self.state.telemetry.log_prompts:
+            record(request).prompt_text = json.dumps(prompts if len(prompts) > 1 else prompts[0])
+
+    # -- running requests --------------------------------------------------------------------------
+    async def stream_outputs(self, m, rec: RequestRecord, rid: str, ids: list[int], params, prompt: str | None,
+                             priority: int, salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Engine outputs for one request, recorded for metrics, logs and traces; a client that goes away
+        aborts it."""
+        state, metrics = self.state, self.metrics
+        submitted = time.monotonic()
+        rec.submitted = rec.submitted or submitted
+        first = last = None
+        n_out = 0
+        try:
+            gen = m.generate(rid, ids, params, prompt, priority, state.config.admission.queue_timeout_s, salt)
+            async for out in gen:
+                now = time.monotonic()
+                new = sum(len(c.token_ids) for c in out.outputs)
+                if new:
+                    if last is not None:
+                        metrics.itl.observe(now - last)
+                    first, last = first or now, now
+                    n_out += new
+                    rec.first_token = min(rec.first_token or now, now)
+                    rec.last_token = now
+                    rec.completion_tokens += new
+                if rec.queue_time is None and "queue_time" in out.metrics:
+                    rec.queue_time = out.metrics["queue_time"]
+                if state.telemetry.log_prompts:
+                    rec.completion_text = (rec.completion_text or "") + "".join(c.text for c in out.outputs)
+                for c in out.outputs:
+                    rec.finish_reason = rec.finish_reason or c.finish_reason
+                if out.finished:
+                    metrics.observe_finished(submitted, first, now, out.metrics.get("queue_time"), len(ids), n_out,
+                                             next((c.finish_reason for c in out.outputs), None))
+                yield out
+        except QueueTimeout as e:
+            metrics.timeouts.inc()
+            raise APIError(408, str(e), code="queue_timeout") from e
+        except RequestRejected as e:
+            raise APIError(400, str(e)) from e
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from e
+
+    async def open(self, m, request: Request, job: Job) -> AsyncIterator[RequestOutput]:
+        """Start a request and wait for its first output before any response bytes, so queue timeouts,
+        overload and engine errors get their HTTP status; a client that leaves meanwhile aborts it."""
+        gen = self.stream_outputs(m, record(request), *job)
+        first = asyncio.ensure_future(anext(gen))
+        watcher = asyncio.create_task(wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({first, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if first not in done:
+            first.cancel()
+            with contextlib.suppress(BaseException):
+                await first
+            raise APIError(499, "client disconnected")
+        head = first.result()
+
+        async def rest():
+            yield head
+            async for out in gen:
+                yield out
+        return rest()
+
+    async def collect(self, m, request: Request, jobs: list[Job]) -> list[dict[int, dict]]:
+        """Run several requests to completion, aborting all of them if the client disconnects."""
+        rec = record(request)
+
+        async def one(job):
+            final: dict[int, dict] = {}
+            async for out in self.stream_outputs(m, rec, *job):
+                for c in out.outputs:
+                    acc = final.setdefault(c.index, {"text": "", "token_ids": [], "logprobs": [], "finish": None,
+                                                     "stop_reason": None})
+                    acc["text"] += c.text
+                    acc["token_ids"] += c.token_ids
+                    acc["logprobs"] += c.logprobs or []
+                    acc["finish"], acc["stop_reason"] = c.finish_reason or acc["finish"], c.stop_reason
+                    if out.prompt_logprobs is not None:
+                        acc["prompt_logprobs"] = out.prompt_logprobs
+            return final
+
+        tasks = [asyncio.create_task(one(j)) for j in jobs]
+        watcher = asyncio.create_task(wait_disconnect(request))
+        try:
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending | {watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if watcher in done:
+                    raise APIError(499, "client disconnected")  # the finally below aborts the requests
+                pending.discard(watcher)
+                for t in done:
+                    if t.exception() is not None:
+                        raise t.exception()
+            return [t.result() for t in tasks]
+        finally:
+            watcher.cancel()
+            for t in tasks:
+                t.cancel()
+
+
+async def pump(index: int, outputs: AsyncIterator, into: asyncio.Queue) -> None:
+    """Feed (index, output) pairs into a queue shared by several streams; then (index, None), or
+    (index, exception) if the stream failed."""
+    try:
+        async for out in outputs:
+            into.put_nowait((index, out))
+    except Exception as e:
+        into.put_nowait((index, e))
+        return
+    into.put_nowait((index, None))
+
+
+async def cancel(tasks: list[asyncio.Task]) -> None:
+    """Cancel tasks and wait for them, so that their streams' cleanup (aborts in the engine) has run."""
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(BaseException):
+            await t
+
+
+async def wait_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.05)

@@ -1,0 +1,116 @@
+"""The models this server answers for, by the name clients put in `model`.
+
+`ModelDirectory.resolve(model)` returns the `ServedModel` that serves a request: the engine surface the HTTP
+layer uses (an AsyncEngine, or a control-plane Deployment of several workers) plus its tokenizer, the name
+responses carry and the registered version, if any. Models come from two places: fixed ones given at start
+(`servelm serve MODEL`, or the config file's `models:` list), and, when a deployment manager is attached,
+whatever it has deployed (`name` -> its PRODUCTION version, `name:version` pinned).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from servelm.control.types import ControlError, ModelVersion
+from servelm.server.protocol import APIError
+
+
+class ServedModel:
+    """One servable target. Attributes it does not have itself (generate, abort, max_model_len, info,
+    check_engine, num_queued, live_counts, stats, ...) are the engine's."""
+
+    def __init__(self, engine: Any, tokenizer: Any, served_name: str, version: ModelVersion | None = None,
+                 metrics: Any = None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.served_name = served_name  # what responses' `model` says: the name, or name:version
+        self.version = version
+        self.metrics = metrics  # this model's labelled metrics view, where the server keeps one
+
+    @property
+    def name(self) -> str:
+        """The model's name without a version."""
+        return self.version.name if self.version is not None else self.served_name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.engine, attr)
+
+    def __repr__(self) -> str:
+        return f"ServedModel({self.served_name!r})"
+
+
+class ModelDirectory:
+    """Resolves a request's `model` field to the model that serves it."""
+
+    def __init__(self) -> None:
+        self._fixed: dict[str, ServedModel] = {}
+        self.deployments: Any = None  # control.deployments.DeploymentManager, when the server has one
+        self._wrapped: dict[int, ServedModel] = {}
+
+    def add(self, served: ServedModel) -> None:
+        """A model served for the server's whole life under its name."""
+        if served.served_name in self._fixed:
+            raise ValueError(f"two models are named {served.served_name!r}")
+        self._fixed[served.served_name] = served
+
+    @property
+    def default(self) -> ServedModel | None:
+        """The model a request that names none gets: the first fixed one."""
+        return next(iter(self._fixed.values()), None)
+
+    def fixed(self) -> list[ServedModel]:
+        return list(self._fixed.values())
+
+    def _wrap(self, dep: Any) -> ServedModel:
+        """A deployment as a ServedModel (one wrapper per deployment object, so its identity is stable)."""
+        served = self._wrapped.get(id(dep))
+        if served is None or served.engine is not dep:
+            served = ServedModel(dep, dep.tokenizer, dep.version.ref, dep.version)
+            self._wrapped[id(dep)] = served
+        return served
+
+    def deployed(self) -> list[ServedModel]:
+        """Every deployment of the attached manager, wrapped."""
+        if self.deployments is None:
+            return []
+        return [self._wrap(d) for d in self.deployments.list()]
+
+    def __iter__(self) -> Iterator[ServedModel]:
+        yield from self.fixed()
+        yield from self.deployed()
+
+    def names(self) -> list[str]:
+        """Every id a request may put in `model`: fixed names, and each deployed version's name and
+        name:version."""
+        out = list(self._fixed)
+        for d in self.deployed():
+            for n in (d.name, d.served_name):
+                if n not in out:
+                    out.append(n)
+        return out
+
+    def resolve(self, model: str | None) -> ServedModel:
+        """The model serving `model` (None: the default one); 404 in OpenAI's shape naming what exists."""
+        if model is None:
+            if self.default is not None:
+                return self.default
+            deployed = self.deployed()
+            if len(deployed) == 1:
+                return deployed[0]
+            raise APIError(400, f"name a model: this server serves {self._listing()}", "model", "model_required")
+        found = self._fixed.get(model)
+        if found is not None:
+            return found
+        if self.deployments is not None:
+            try:
+                return self._wrap(self.deployments.resolve(model))
+            except ControlError as e:
+                if e.status != 404:
+                    raise APIError(e.status, e.message, e.param or "model", e.code) from e
+        raise APIError(404, f"model {model!r} does not exist; this server serves {self._listing()}", "model",
+                       "model_not_found")
+
+    def _listing(self) -> str:
+        names = self.names()
+        return ", ".join(repr(n) for n in names) if names else "no models yet"

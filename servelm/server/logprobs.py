@@ -1,0 +1,55 @@
+"""Logprobs in the shapes OpenAI's chat and completions APIs return them."""
+
+from __future__ import annotations
+
+
+def chat_logprobs(token_ids: list[int], entries: list, k: int) -> dict:
+    """Chat's {"content": [{token, logprob, bytes, top_logprobs}]} with the k most likely alternatives."""
+    def item(lp) -> dict:
+        text = lp.decoded_token or ""
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+
+    content = []
+    for tid, pos in zip(token_ids, entries, strict=False):
+        top = sorted(pos.values(), key=lambda v: -v.logprob)[:k]
+        content.append({**item(pos[tid]), "top_logprobs": [item(v) for v in top]})
+    return {"content": content}
+
+
+def completion_logprobs(token_ids: list[int], entries: list, offset: int) -> dict:
+    """Completions' parallel lists (tokens, token_logprobs, top_logprobs, text_offset) from `offset`."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, pos in zip(token_ids, entries, strict=False):
+        lp = pos[tid]
+        tokens.append(lp.decoded_token)
+        token_lps.append(lp.logprob)
+        tops.append({v.decoded_token: v.logprob for v in pos.values()})
+        offsets.append(offset)
+        offset += len(lp.decoded_token or "")
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def echo_logprobs(tok, ids: list[int], entries: list | None) -> dict:
+    """The prompt's part of an echoed completion's logprobs: its tokens, their logprobs (None for the
+    first, which nothing predicts), the top alternatives and text offsets from 0."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = 0
+    for j, tid in enumerate(ids):
+        pos = entries[j] if entries is not None and j < len(entries) else None
+        lp = pos[tid] if pos is not None else None
+        text = lp.decoded_token if lp is not None else tok.decode([tid])
+        tokens.append(text)
+        token_lps.append(lp.logprob if lp is not None else None)
+        tops.append({v.decoded_token: v.logprob for v in pos.values()} if pos is not None else None)
+        offsets.append(offset)
+        offset += len(text or "")
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def with_echo(tok, ids: list[int], acc: dict, echo: bool, offset: int) -> dict:
+    """A collected completion's logprobs, preceded by the prompt's when it is echoed."""
+    gen = completion_logprobs(acc["token_ids"], acc["logprobs"], offset)
+    if not echo:
+        return gen
+    head = echo_logprobs(tok, ids, acc.get("prompt_logprobs"))
+    return {k: head[k] + gen[k] for k in gen}

@@ -1,0 +1,72 @@
+"""POST /v1/chat/completions: a conversation rendered with the model's chat template, n samples, streamed or
+not."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from servelm.server import protocol as p
+from servelm.server.common import Api, record, sse, usage
+from servelm.server.logprobs import chat_logprobs
+from servelm.server.protocol import APIError
+
+
+def add_routes(app: FastAPI, api: Api) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: p.ChatCompletionRequest, request: Request):
+        m = api.resolve(request, req.model)
+        ids = await api.chat_ids(m, req.messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+        params = api.params(m, req, len(ids))
+        prio = api.admit(m, request, req, [ids], [params])
+        api.log_prompt(request, [msg.text() for msg in req.messages])
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created, model = int(time.time()), m.served_name
+        job = (rid, ids, params, None, prio, api.cache_salt(request, req))
+        k = req.top_logprobs or 0
+
+        if req.stream:
+            head = await api.open(m, request, job)
+
+            async def events():
+                completion_tokens = 0
+                try:
+                    for j in range(req.n):
+                        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                                   "choices": [{"index": j, "delta": {"role": "assistant", "content": "",
+                                                                      "refusal": None},
+                                                "logprobs": None, "finish_reason": None}]})
+                    async for out in head:
+                        for c in out.outputs:
+                            completion_tokens += len(c.token_ids)
+                            if not (c.text or c.finish_reason):
+                                continue
+                            delta = {"content": c.text} if c.text else {}
+                            yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                       "model": model, "choices": [{
+                                           "index": c.index, "delta": delta,
+                                           "logprobs": chat_logprobs(c.token_ids, c.logprobs, k) if c.logprobs
+                                           else None,
+                                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                    if req.stream_options and req.stream_options.include_usage:
+                        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                                   "choices": [], "usage": usage(len(ids), completion_tokens)})
+                except APIError as e:
+                    record(request).error = e.message
+                    yield sse(e.body())
+                yield sse("[DONE]")
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        [final] = await api.collect(m, request, [job])
+        choices, completion_tokens = [], 0
+        for j in sorted(final):
+            acc = final[j]
+            completion_tokens += len(acc["token_ids"])
+            choices.append({"index": j, "message": {"role": "assistant", "content": acc["text"], "refusal": None},
+                            "logprobs": chat_logprobs(acc["token_ids"], acc["logprobs"], k) if req.logprobs else None,
+                            "finish_reason": acc["finish"], "stop_reason": acc["stop_reason"]})
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+                "usage": usage(len(ids), completion_tokens)}

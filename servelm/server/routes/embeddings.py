@@ -1,0 +1,55 @@
+"""POST /v1/embeddings (OpenAI's shape) and /embeddings (native), served by the embedding model."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from servelm.server import protocol as p
+from servelm.server.common import Api, b64
+from servelm.server.embeddings import EmbedderDown
+from servelm.server.protocol import APIError
+
+
+async def _embed(api: Api, inputs: list[str]):
+    """(vectors, prompt tokens) of the inputs, after the request's caps are checked."""
+    state = api.state
+    if state.embedder is None:
+        raise APIError(404, "this server has no embedding model", "model", "model_not_found")
+    if not inputs or any(not isinstance(s, str) or not s for s in inputs):
+        raise APIError(400, "input must be a non-empty string or a list of non-empty strings", "input")
+    cap = state.config.admission.max_embedding_inputs
+    if len(inputs) > cap:
+        raise APIError(400, f"input has {len(inputs)} items, over this server's limit of {cap} per request "
+                            "(admission.max_embedding_inputs); split it into several requests", "input",
+                       "limit_exceeded")
+    try:
+        return await state.embedder.embed(inputs)
+    except EmbedderDown as e:
+        raise APIError(503, str(e), code="embedder_unavailable") from e
+    except ValueError as e:
+        raise APIError(400, str(e), "input") from e
+
+
+def add_routes(app: FastAPI, api: Api) -> None:
+    state = api.state
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: p.EmbeddingRequest):
+        if req.model is not None and req.model != state.embed_model_name:
+            raise APIError(404, f"model {req.model!r} does not exist or is not an embedding model", "model",
+                           "model_not_found")
+        inputs = [req.input] if isinstance(req.input, str) else req.input
+        vectors, tokens = await _embed(api, inputs)
+        data = []
+        for i, v in enumerate(vectors):
+            emb = b64(v) if req.encoding_format == "base64" else v.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        return {"object": "list", "data": data, "model": state.embed_model_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    @app.post("/embeddings")
+    async def native_embeddings(req: p.NativeEmbeddingRequest):
+        inputs = [req.input] if isinstance(req.input, str) else req.input
+        vectors, tokens = await _embed(api, inputs)
+        return {"embeddings": [v.tolist() for v in vectors], "model": state.embed_model_name,
+                "usage": {"prompt_tokens": tokens}}

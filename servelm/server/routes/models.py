@@ -1,0 +1,52 @@
+"""Health, readiness and the model list: GET /health, /ready, /v1/models, /v1/models/{id}."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from servelm.server.common import Api
+from servelm.server.protocol import APIError
+
+
+def add_routes(app: FastAPI, api: Api) -> None:
+    state = api.state
+
+    def cards() -> list[dict]:
+        """One card per id a request may name: each generation model (and each deployed version, by name and
+        by name:version), then the embedding model."""
+        out, seen = [], set()
+        for m in state.models:
+            for mid in dict.fromkeys((m.name, m.served_name)):
+                if mid in seen:
+                    continue
+                seen.add(mid)
+                card = {"id": mid, "object": "model", "created": state.created, "owned_by": "servelm",
+                        "max_model_len": m.max_model_len}
+                if m.version is not None:
+                    card.update(version=m.version.version, state=m.version.state.value, root=m.version.ref)
+                out.append(card)
+        if state.embedder and state.embed_model_name not in seen:
+            out.append({"id": state.embed_model_name, "object": "model", "created": state.created,
+                        "owned_by": "servelm"})
+        return out
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if not all(m.check_engine() for m in state.models.fixed()):  # the processes, not their last word
+            raise APIError(503, "the engine is not ready", code="engine_unavailable")
+        return {"status": "ready", "models": [c["id"] for c in cards()]}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": cards()}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        card = next((c for c in cards() if c["id"] == model_id), None)
+        if card is None:
+            raise APIError(404, f"model {model_id!r} does not exist", "model", "model_not_found")
+        return card
