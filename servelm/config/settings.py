@@ -21,6 +21,7 @@ else:  # Python 3.10: the same parser, published as tomli before it joined the s
     import tomli as tomllib
 
 from servelm.config.engine import ConfigError, EngineConfig, _f, require
+from servelm.config.models import ModelSpec, parse_models
 
 PRIORITIES = ("high", "normal", "low")  # index = the engine's Priority value
 SECRETS = frozenset({"api_key", "admin_key"})  # never printed, logged or returned
@@ -58,6 +59,11 @@ class ServerConfig:
     otlp_endpoint: str | None = _f(None, "OTLP/HTTP collector, e.g. http://localhost:4318/v1/traces: turns "
                                    "on OpenTelemetry tracing")
     otlp_service_name: str = _f("servelm", "service.name of the exported spans")
+    data_dir: str | None = _f(None, "directory holding the model registry and its artifact store (default: "
+                              "$XDG_DATA_HOME/servelm or ~/.local/share/servelm); setting it (or declaring "
+                              "models in the config file) turns on the registry and the /admin model routes")
+    registry_url: str | None = _f(None, "SQLAlchemy URL of the model registry, e.g. postgresql://... to share "
+                                  "one between servers (default: SQLite in the data directory)")
     prefix_cache_isolation: str = _f("key", "key | none: with key, requests share prefix-cache blocks only "
                                      "with requests made with the same API key (one tenant cannot time-probe "
                                      "another's prompts); none shares them across all callers")
@@ -88,6 +94,13 @@ class ServerConfig:
         """api_key or admin_key: as given, or read from its *_file (surrounding whitespace dropped)."""
         path = getattr(self, f"{name}_file")
         return Path(path).read_text().strip() if path is not None else getattr(self, name)
+
+    def data_path(self) -> Path:
+        """The data directory: data_dir, else $XDG_DATA_HOME/servelm, else ~/.local/share/servelm."""
+        if self.data_dir:
+            return Path(self.data_dir).expanduser()
+        xdg = os.environ.get("XDG_DATA_HOME")
+        return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "servelm"
 
 
 @dataclass
@@ -139,16 +152,27 @@ class ServeConfig:
     server: ServerConfig
     admission: AdmissionConfig
     sources: dict[str, str]  # "section.field" -> default | file | env | cli | runtime
+    models: list[ModelSpec] = dataclasses.field(default_factory=list)  # the config file's `models:` list
+
+    @property
+    def control_plane(self) -> bool:
+        """Whether the server keeps a model registry: models declared in the file, or a data dir or registry
+        URL given. Without, `servelm serve MODEL` runs as it always has, writing nothing."""
+        return bool(self.models) or self.sources["server.data_dir"] != "default" or \
+            self.server.registry_url is not None
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
     def describe(self) -> dict:
-        """The effective config, each value with where it came from."""
-        return {sec: {k: {"value": "<redacted>" if k in SECRETS and v is not None else v,
+        """The effective config, each value with where it came from (and the declared models, if any)."""
+        out = {sec: {k: {"value": "<redacted>" if k in SECRETS and v is not None else v,
                           "source": self.sources[f"{sec}.{k}"],
                           "runtime": _field(sec, k).metadata.get("runtime", False)}
                       for k, v in vals.items()} for sec, vals in self.to_dict().items()}
+        if self.models:
+            out["models"] = [m.to_dict() for m in self.models]
+        return out
 
     def patch(self, changes: dict) -> dict:
         """Apply run-time changes ({field: value} or {section: {field: value}}); all or nothing.
@@ -199,8 +223,12 @@ def load(cli: dict | None = None, env: dict | None = None, file: str | None = No
     file = file or env.get("SERVELM_CONFIG")
     values: dict[str, dict] = {sec: {} for sec in SECTIONS}
     sources = {f"{sec}.{f.name}": "default" for sec, f in all_fields()}
+    models: list[ModelSpec] = []
     if file:
         for sec, name, value in _read_file(file):
+            if sec == "models":
+                models = parse_models(value, f"file {file}")
+                continue
             values[sec][name] = _coerce(f"{sec}.{name}", value, _hints(sec)[name], f"file {file}")
             sources[f"{sec}.{name}"] = "file"
     for sec, f in all_fields():
@@ -213,7 +241,7 @@ def load(cli: dict | None = None, env: dict | None = None, file: str | None = No
         values[sec][name] = value
         sources[f"{sec}.{name}"] = "cli"
     built = {sec: _build(sec, cls, values[sec], sources) for sec, cls in SECTIONS.items()}
-    return ServeConfig(sources=sources, **built)
+    return ServeConfig(sources=sources, models=models, **built)
 
 
 def _build(sec: str, cls: type, values: dict, sources: dict):
@@ -247,10 +275,14 @@ def _read_file(path: str):
     except Exception as e:
         raise ConfigError("config", path, f"valid {p.suffix.lstrip('.') or 'YAML'} ({e})") from e
     if not isinstance(data, dict):
-        raise ConfigError("config", path, "a mapping of sections (engine, server, admission)")
+        raise ConfigError("config", path, "a mapping of sections (engine, server, admission, models)")
     for sec, vals in data.items():
+        if sec == "models":
+            yield "models", "models", vals
+            continue
         if sec not in SECTIONS or not isinstance(vals, dict):
-            raise ConfigError(f"config section {sec!r}", vals, f"one of {', '.join(SECTIONS)} holding a mapping")
+            raise ConfigError(f"config section {sec!r}", vals, f"one of {', '.join(SECTIONS)} holding a mapping, "
+                              "or models holding a list")
         for name, value in vals.items():
             _field(sec, name)
             yield sec, name, value

@@ -19,9 +19,14 @@ class Admission:
     def __init__(self, config: ServeConfig, metrics, queue_depth, store: RateLimitStore | None = None) -> None:
         self.config = config
         self.metrics = metrics
-        self.queue_depth = queue_depth  # () -> requests in the engine with no output yet
+        self.queue_depth = queue_depth  # () -> requests in the engine with no output yet (the default model's)
         self.store = store or InMemoryRateLimitStore()
-        self.shedding = False
+        self._shedding: dict[str | None, bool] = {}  # per model: each has its own queue and watermarks' state
+
+    @property
+    def shedding(self) -> bool:
+        """Whether new generation requests are being refused (for any model) until its queue drains."""
+        return any(self._shedding.values())
 
     def limits(self, key: ApiKey | None) -> Limits:
         a = self.config.admission
@@ -58,22 +63,28 @@ class Admission:
                                 f"{a.max_request_tokens} tokens per request (admission.max_request_tokens); "
                                 "lower max_tokens or n", "max_tokens", "limit_exceeded")
 
-    def admit(self, rec: RequestRecord, model: str, tokens: int, requested_priority: str | int | None) -> int:
-        """Check a generation request costing `tokens` (prompt + max_tokens); returns its engine priority."""
+    def admit(self, rec: RequestRecord, model: str, tokens: int, requested_priority: str | int | None,
+              queue_depth=None, metrics=None) -> int:
+        """Check a generation request costing `tokens` (prompt + max_tokens); returns its engine priority.
+        `queue_depth` and `metrics` are the model's own (default: the server's default model's). A key limited
+        to some models may use `name` for any of its versions (`name:version`)."""
         rec.model = model
         key = rec.api_key
-        if key is not None and key.models is not None and model not in key.models:
+        if key is not None and key.models is not None and model not in key.models and \
+                model.rpartition(":")[0] not in key.models:
             raise APIError(403, f"this key may not use model {model!r}", "model", "model_not_allowed")
         prio = self.priority(key, requested_priority)
         rec.priority = PRIORITIES[prio]
         a = self.config.admission
-        depth = self.queue_depth()
-        if self.shedding and depth < a.queue_low_watermark:
-            self.shedding = False
-        elif not self.shedding and depth >= a.queue_high_watermark:
-            self.shedding = True
-        if self.shedding:
-            self.metrics.backpressure.inc()
+        depth = (queue_depth or self.queue_depth)()
+        shedding = self._shedding.get(model, False)
+        if shedding and depth < a.queue_low_watermark:
+            shedding = False
+        elif not shedding and depth >= a.queue_high_watermark:
+            shedding = True
+        self._shedding[model] = shedding
+        if shedding:
+            (metrics or self.metrics).backpressure.inc()
             raise APIError(503, f"the server is overloaded ({depth} requests queued); retry later", code="overloaded",
                            headers={"Retry-After": "1"})
         limits = self.limits(key)

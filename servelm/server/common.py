@@ -75,6 +75,12 @@ class Api:
         rec.model_version = m.version.ref if m.version is not None else None
         return m
 
+    def metrics_of(self, m):
+        """The model's own labelled metrics (made on first use for a model that has none yet)."""
+        if m.metrics is None:
+            m.metrics = self.metrics.for_model(m.served_name)
+        return m.metrics
+
     # -- text --------------------------------------------------------------------------------------
     async def off_loop(self, fn: Callable, *args) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.text_pool, fn, *args)
@@ -124,7 +130,8 @@ class Api:
         cost = rec.prompt_tokens + sum((sp.max_tokens or 0) * sp.n for sp in params)
         admission = self.state.admission
         admission.check_work(max(sp.n for sp in params), rec.prompt_tokens, cost)
-        return admission.admit(rec, m.served_name, cost, getattr(req, "priority", None))
+        return admission.admit(rec, m.served_name, cost, getattr(req, "priority", None), m.num_queued,
+                               self.metrics_of(m))
 
     def cache_salt(self, request: Request, req) -> str | None:
         """The prefix-cache namespace of a request: its API key's (under isolation "key") and its own
@@ -147,7 +154,7 @@ class Api:
                              priority: int, salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Engine outputs for one request, recorded for metrics, logs and traces; a client that goes away
         aborts it."""
-        state, metrics = self.state, self.metrics
+        state, metrics = self.state, self.metrics_of(m)
         submitted = time.monotonic()
         rec.submitted = rec.submitted or submitted
         first = last = None

@@ -33,63 +33,91 @@ _ENGINE_COUNTERS = {
 
 
 class Metrics:
+    """The server's metrics; per-model figures carry a model_name label. `for_model(name)` is a view bound to
+    another model's labels over the same registry (several models behind one server)."""
+
     def __init__(self, model_name: str) -> None:
         disable_created_metrics()  # *_created series only add noise to scrapes
         self.registry = r = CollectorRegistry()
+        f: dict = {}
+
+        def gauge(name: str, help_: str, labels=("model_name",)) -> None:
+            f[name] = Gauge(f"servelm:{name}", help_, list(labels), registry=r)
+
+        def counter(name: str, help_: str, labels=("model_name",)) -> None:
+            f[name] = Counter(f"servelm:{name}", help_, list(labels), registry=r)
+
+        def hist(name: str, help_: str, buckets) -> None:
+            f[name] = Histogram(f"servelm:{name}", help_, ["model_name"], buckets=buckets, registry=r)
+
+        # gauges (vLLM: num_requests_running/waiting, kv_cache_usage_perc)
+        gauge("num_requests_running", "Requests in the running batch.")
+        gauge("num_requests_waiting", "Requests queued in the engine.")
+        gauge("num_requests_swapped", "Requests swapped out to CPU.")
+        gauge("num_requests_waiting_by_priority", "Requests queued in the engine, by priority class.",
+              ("model_name", "priority"))
+        gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        gauge("engine_up", "1 while the engine process is ready, else 0.")
+        counter("engine_restarts", "Engine process restarts after a crash.")
+        for name, (_, help_) in _ENGINE_COUNTERS.items():  # engine counters
+            counter(name, help_)
+        # per-step histograms (vLLM: iteration_tokens_total)
+        hist("iteration_tokens_total", "Tokens computed per engine step.", _TOKENS)
+        hist("batch_size", "Sequences per engine step.", _BATCH)
+        # per-request histograms
+        hist("time_to_first_token_seconds", "Time to first token.", _LATENCY)
+        hist("time_per_output_token_seconds", "Mean time per output token after the first, per request.",
+             _PER_TOKEN)
+        hist("inter_token_latency_seconds", "Time between successive outputs of a request.", _PER_TOKEN)
+        hist("e2e_request_latency_seconds", "Request latency, arrival to last token.", _E2E)
+        hist("request_queue_time_seconds", "Time from arrival to first scheduled.", _LATENCY)
+        hist("request_prompt_tokens", "Prompt length per request.", _TOKENS)
+        hist("request_generation_tokens", "Generated tokens per request.", _TOKENS)
+        counter("request_success", "Finished generation requests, by finish reason.",
+                ("model_name", "finished_reason"))
+        # HTTP outcomes
+        counter("requests", "HTTP requests by model, API key name and status.", ("model_name", "key", "status"))
+        counter("rate_limited_requests", "Requests refused with 429, by key and limit.", ("key", "limit"))
+        counter("backpressure_rejections", "Requests refused with 503 because the queue was over its watermark.")
+        counter("request_timeouts", "Requests removed after waiting longer than the queue timeout (408).")
+        counter("request_aborts", "Requests aborted because the client went away.")
+        self._bind(f, model_name)
+
+    def for_model(self, model_name: str) -> Metrics:
+        """The same metrics, bound to another model's label (its own gauges, counters and window)."""
+        view = object.__new__(Metrics)
+        view.registry = self.registry
+        view._bind(self._families, model_name)
+        return view
+
+    def _bind(self, f: dict, model_name: str) -> None:
+        self._families = f
         self.model_name = model_name
         m = {"model_name": model_name}
-        # gauges (vLLM: num_requests_running/waiting, kv_cache_usage_perc)
-        self.running = Gauge("servelm:num_requests_running", "Requests in the running batch.", ["model_name"],
-                             registry=r).labels(**m)
-        self.waiting = Gauge("servelm:num_requests_waiting", "Requests queued in the engine.", ["model_name"],
-                             registry=r).labels(**m)
-        self.swapped = Gauge("servelm:num_requests_swapped", "Requests swapped out to CPU.", ["model_name"],
-                             registry=r).labels(**m)
-        self.waiting_by_priority = Gauge("servelm:num_requests_waiting_by_priority",
-                                         "Requests queued in the engine, by priority class.",
-                                         ["model_name", "priority"], registry=r)
-        self.kv_usage = Gauge("servelm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
-                              ["model_name"], registry=r).labels(**m)
-        self.engine_up = Gauge("servelm:engine_up", "1 while the engine process is ready, else 0.",
-                               ["model_name"], registry=r).labels(**m)
-        self.engine_restarts = Counter("servelm:engine_restarts", "Engine process restarts after a crash.",
-                                       ["model_name"], registry=r).labels(**m)
-        # engine counters
-        self._engine_counters = {
-            field: Counter(f"servelm:{name}", help_, ["model_name"], registry=r).labels(**m)
-            for name, (field, help_) in _ENGINE_COUNTERS.items()}
+        self.running = f["num_requests_running"].labels(**m)
+        self.waiting = f["num_requests_waiting"].labels(**m)
+        self.swapped = f["num_requests_swapped"].labels(**m)
+        self.waiting_by_priority = f["num_requests_waiting_by_priority"]
+        self.kv_usage = f["kv_cache_usage_perc"].labels(**m)
+        self.engine_up = f["engine_up"].labels(**m)
+        self.engine_restarts = f["engine_restarts"].labels(**m)
+        self._engine_counters = {field: f[name].labels(**m) for name, (field, _) in _ENGINE_COUNTERS.items()}
         self._last: EngineStats | None = None
-        # per-step histograms (vLLM: iteration_tokens_total)
-        self.iteration_tokens = Histogram("servelm:iteration_tokens_total", "Tokens computed per engine step.",
-                                          ["model_name"], buckets=_TOKENS, registry=r).labels(**m)
-        self.batch_size = Histogram("servelm:batch_size", "Sequences per engine step.", ["model_name"],
-                                    buckets=_BATCH, registry=r).labels(**m)
-        # per-request histograms
-        def hist(name: str, help_: str, buckets) -> Histogram:
-            return Histogram(f"servelm:{name}", help_, ["model_name"], buckets=buckets, registry=r).labels(**m)
-
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY)
-        self.tpot = hist("time_per_output_token_seconds", "Mean time per output token after the first, per "
-                         "request.", _PER_TOKEN)
-        self.itl = hist("inter_token_latency_seconds", "Time between successive outputs of a request.",
-                        _PER_TOKEN)
-        self.e2e = hist("e2e_request_latency_seconds", "Request latency, arrival to last token.", _E2E)
-        self.queue_time = hist("request_queue_time_seconds", "Time from arrival to first scheduled.", _LATENCY)
-        self.prompt_len = hist("request_prompt_tokens", "Prompt length per request.", _TOKENS)
-        self.gen_len = hist("request_generation_tokens", "Generated tokens per request.", _TOKENS)
-        self.success = Counter("servelm:request_success", "Finished generation requests, by finish reason.",
-                               ["model_name", "finished_reason"], registry=r)
-        # HTTP outcomes
-        self.requests = Counter("servelm:requests", "HTTP requests by model, API key name and status.",
-                                ["model_name", "key", "status"], registry=r)
-        self.rate_limited = Counter("servelm:rate_limited_requests", "Requests refused with 429, by key and "
-                                    "limit.", ["key", "limit"], registry=r)
-        self.backpressure = Counter("servelm:backpressure_rejections", "Requests refused with 503 because the "
-                                    "queue was over its watermark.", ["model_name"], registry=r).labels(**m)
-        self.timeouts = Counter("servelm:request_timeouts", "Requests removed after waiting longer than the "
-                                "queue timeout (408).", ["model_name"], registry=r).labels(**m)
-        self.aborts = Counter("servelm:request_aborts", "Requests aborted because the client went away.",
-                              ["model_name"], registry=r).labels(**m)
+        self.iteration_tokens = f["iteration_tokens_total"].labels(**m)
+        self.batch_size = f["batch_size"].labels(**m)
+        self.ttft = f["time_to_first_token_seconds"].labels(**m)
+        self.tpot = f["time_per_output_token_seconds"].labels(**m)
+        self.itl = f["inter_token_latency_seconds"].labels(**m)
+        self.e2e = f["e2e_request_latency_seconds"].labels(**m)
+        self.queue_time = f["request_queue_time_seconds"].labels(**m)
+        self.prompt_len = f["request_prompt_tokens"].labels(**m)
+        self.gen_len = f["request_generation_tokens"].labels(**m)
+        self.success = f["request_success"]
+        self.requests = f["requests"]
+        self.rate_limited = f["rate_limited_requests"]
+        self.backpressure = f["backpressure_rejections"].labels(**m)
+        self.timeouts = f["request_timeouts"].labels(**m)
+        self.aborts = f["request_aborts"].labels(**m)
         self.window = ThroughputWindow()
 
     def on_ready(self, stats: EngineStats, restarted: bool) -> None:

@@ -13,40 +13,30 @@ from servelm.server.protocol import APIError
 
 
 def add_ops_routes(app: FastAPI, state) -> None:
-    engine, metrics = state.engine, state.metrics
+    metrics = state.metrics
+
+    def metrics_of(m):
+        if m.metrics is None:
+            m.metrics = metrics.for_model(m.served_name)
+        return m.metrics
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        metrics.engine_up.set(1 if engine.check_engine() else 0)
-        metrics.set_live(*engine.live_counts())  # what is true now, not as of the engine's last step
+        for m in state.models:
+            mm = metrics_of(m)
+            mm.engine_up.set(1 if m.check_engine() else 0)
+            mm.set_live(*m.live_counts())  # what is true now, not as of the engine's last step
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/server/stats")
     async def server_stats():
-        engine.check_engine()  # a dead engine is reported as down, with no ghost requests
-        st = engine.stats
-        running, waiting = engine.live_counts()
-        prompt_tps, gen_tps = metrics.window.rates()
-        by_prio = st.waiting_by_priority if st else [0, 0, 0]
-        return {
-            "engine": {"ready": engine.ready, "pid": engine.engine_pid, "restarts": engine.restarts,
-                       "status": "up" if engine.ready else "down", "in_flight": engine.num_in_flight(),
-                       "max_model_len": engine.max_model_len},
-            "queue": {"depth": engine.num_queued(), "by_priority": dict(zip(PRIORITIES, by_prio, strict=True)),
-                      "shedding": state.admission.shedding},
-            "running": running,
-            "waiting": waiting,
-            "batch_size": st.batch_size if st else 0,
-            "throughput": {"prompt_tokens_per_s": round(prompt_tps, 2), "generation_tokens_per_s": round(gen_tps, 2),
-                           "window_s": metrics.window.span},
-            "kv_cache": {"usage": st.kv_usage, "num_blocks": st.num_kv_blocks, "free_blocks": st.num_free_blocks}
-            if st else None,
-            "prefix_cache": {"queries": st.prefix_cache_queries, "hits": st.prefix_cache_hits,
-                             "hit_rate": st.prefix_cache_hit_rate, "evictions": st.num_evictions} if st else None,
-            "scheduler": dataclasses.asdict(st) if st else None,
-            "embeddings": {**dataclasses.asdict(state.embedder.stats), "pid": state.embedder.pid,
-                           "restarts": state.embedder.restarts} if state.embedder else None,
-        }
+        """The default model's figures at the top level (as with one model), every model's under "models"."""
+        default = state.models.default
+        out = _engine_stats(state, default, metrics_of(default)) if default is not None else {}
+        out["embeddings"] = {**dataclasses.asdict(state.embedder.stats), "pid": state.embedder.pid,
+                             "restarts": state.embedder.restarts} if state.embedder else None
+        out["models"] = {m.served_name: _engine_stats(state, m, metrics_of(m)) for m in state.models}
+        return out
 
     @app.get("/admin/config")
     async def get_config():
@@ -69,8 +59,36 @@ def add_ops_routes(app: FastAPI, state) -> None:
         if any(k.startswith("engine.") for k in applied):
             e = state.config.engine
             try:
-                await engine.update_config(e.max_num_seqs, e.scheduling_policy, e.priority_aging_s)
+                for m in state.models:
+                    await m.update_config(e.max_num_seqs, e.scheduling_policy, e.priority_aging_s)
             except Exception:  # all or nothing: what GET shows is what the engine runs with
                 state.config.engine, state.config.admission, state.config.sources = before
                 raise
         return {"applied": applied, "config": state.config.describe()}
+
+
+def _engine_stats(state, engine, metrics) -> dict:
+    """One model's engine, queue, throughput and cache figures."""
+    engine.check_engine()  # a dead engine is reported as down, with no ghost requests
+    st = engine.stats
+    running, waiting = engine.live_counts()
+    prompt_tps, gen_tps = metrics.window.rates()
+    by_prio = st.waiting_by_priority if st else [0, 0, 0]
+    return {
+        "engine": {"ready": engine.ready, "pid": getattr(engine, "engine_pid", None),
+                   "restarts": getattr(engine, "restarts", 0),
+                   "status": "up" if engine.ready else "down", "in_flight": engine.num_in_flight(),
+                   "max_model_len": engine.max_model_len},
+        "queue": {"depth": engine.num_queued(), "by_priority": dict(zip(PRIORITIES, by_prio, strict=True)),
+                  "shedding": state.admission.shedding},
+        "running": running,
+        "waiting": waiting,
+        "batch_size": st.batch_size if st else 0,
+        "throughput": {"prompt_tokens_per_s": round(prompt_tps, 2), "generation_tokens_per_s": round(gen_tps, 2),
+                       "window_s": metrics.window.span},
+        "kv_cache": {"usage": st.kv_usage, "num_blocks": st.num_kv_blocks, "free_blocks": st.num_free_blocks}
+        if st else None,
+        "prefix_cache": {"queries": st.prefix_cache_queries, "hits": st.prefix_cache_hits,
+                         "hit_rate": st.prefix_cache_hit_rate, "evictions": st.num_evictions} if st else None,
+        "scheduler": dataclasses.asdict(st) if st else None,
+    }

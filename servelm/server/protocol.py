@@ -276,6 +276,7 @@ class DetokenizeRequest(_Body):
 
 
 class NativeGenerateRequest(_Body):
+    model: str | None = None  # default: the server's default model
     prompt: Text
     max_tokens: Length = 128
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0

@@ -58,22 +58,25 @@ def _embedder(server):
     return Embedder(path, server.embedding_max_batch_size, server.embedding_batch_window_ms), name
 
 
-def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed_name=None, tracing=None):
-    """Everything the API needs, wired to one config tree."""
+def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed_name=None, tracing=None,
+                more: list | None = None):
+    """Everything the API needs, wired to one config tree. `engine`, `tokenizer`, `model_name` are the default
+    model; `more` lists further fixed models as (engine, tokenizer, name), each with its own metrics labels."""
     from servelm.server.admission import Admission
     from servelm.server.api import ServerState
     from servelm.server.auth import KeyStore
+    from servelm.server.directory import ModelDirectory, ServedModel
     from servelm.server.metrics import Metrics
     from servelm.server.telemetry import Telemetry
 
     srv = config.server
     keys = KeyStore.from_config(srv.secret("api_key"), srv.api_keys_file, srv.secret("admin_key"))
     metrics = Metrics(model_name)
-    engine.on_ready = lambda msg, restarted: metrics.on_ready(msg.stats, restarted)
-    engine.on_down = metrics.on_engine_down
-    engine.on_step = lambda msg, _: metrics.on_step(msg.stats, msg.num_batched_tokens, msg.num_batched_tokens > 0)
-    if engine.ready and engine.stats is not None:
-        metrics.on_ready(engine.stats, False)
+    directory = ModelDirectory()
+    for eng, tok, name in [(engine, tokenizer, model_name), *(more or [])]:
+        m = metrics if name == model_name else metrics.for_model(name)
+        wire_metrics(eng, m)
+        directory.add(ServedModel(eng, tok, name, metrics=m))
     if tracing is None and srv.otlp_endpoint:
         from servelm.server.telemetry import Tracing
 
@@ -81,7 +84,16 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
     telemetry = Telemetry(metrics, srv.log_requests, srv.log_prompts, tracing)
     admission = Admission(config, metrics, engine.num_queued)
     return ServerState(engine, model_name, tokenizer, config, keys, metrics, admission, telemetry, embedder,
-                       embed_name, created=int(time.time()))
+                       embed_name, created=int(time.time()), models=directory)
+
+
+def wire_metrics(engine, metrics) -> None:
+    """Feed an engine's ready, down and step events into a model's metrics."""
+    engine.on_ready = lambda msg, restarted: metrics.on_ready(msg.stats, restarted)
+    engine.on_down = metrics.on_engine_down
+    engine.on_step = lambda msg, _: metrics.on_step(msg.stats, msg.num_batched_tokens, msg.num_batched_tokens > 0)
+    if engine.ready and engine.stats is not None:
+        metrics.on_ready(engine.stats, False)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -101,35 +113,32 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 async def _serve(config, sock: socket.socket) -> int:
-    from servelm.worker.client import AsyncEngine  # light: no torch, no transformers
+    from servelm.server.launch import fixed_models, start_engines
 
     t0 = time.perf_counter()
-    ec, srv = config.engine, config.server
-    engine = AsyncEngine(ec, start_timeout=srv.engine_start_timeout_s)
-    engine.launch()  # the engine process imports torch and loads the model while this one loads the rest
+    srv = config.server
+    launches = fixed_models(config)
     embedder = None
+    started: list = []
     try:
-        embedder, embed_name = _embedder(srv)  # its own process, loading alongside the engine
+        embedder, embed_name = _embedder(srv)  # its own process, loading alongside the engines
         import uvicorn
 
-        from servelm.model.metadata import load_tokenizer, resolve_model
         from servelm.server.api import build_app
 
-        src = resolve_model(ec.model, ec.gguf_file)
-        tokenizer = load_tokenizer(src, ec.tokenizer)
-        engine.set_tokenizer(tokenizer)
-        await engine.wait_ready()
+        started = await start_engines(launches, srv.engine_start_timeout_s)
         if embedder is not None:
             await embedder.wait_ready()
     except BaseException:
         if embedder is not None:
             embedder.close()
-        await engine.shutdown()
+        await asyncio.gather(*(e.shutdown() for e, _, _ in started), return_exceptions=True)
         raise
-    state = build_state(config, tokenizer, engine, srv.served_model_name or src.name, embedder, embed_name)
+    (engine, tokenizer, name), more = started[0], started[1:]
+    state = build_state(config, tokenizer, engine, name, embedder, embed_name, more=more)
     app = build_app(state)
     logger.info("ready in %.1fs: serving %s on http://%s:%d (API keys: %s)", time.perf_counter() - t0,
-                state.model_name, srv.host, sock.getsockname()[1], f"{len(state.keys.keys)}" if state.keys.enabled else "off")
+                ", ".join(state.models.names()), srv.host, sock.getsockname()[1], f"{len(state.keys.keys)}" if state.keys.enabled else "off")
     server = _DrainingServer(uvicorn.Config(app, host=srv.host, port=srv.port, log_level="warning",
                                             timeout_graceful_shutdown=srv.drain_timeout, http=_http_protocol(srv)))
     loop = asyncio.get_running_loop()
@@ -140,7 +149,7 @@ async def _serve(config, sock: socket.socket) -> int:
     finally:
         if embedder is not None:
             embedder.close()
-        await engine.shutdown()
+        await asyncio.gather(*(e.shutdown() for e, _, _ in started), return_exceptions=True)
         if state.telemetry.tracing is not None:
             state.telemetry.tracing.shutdown()
     logger.info("shut down cleanly")
@@ -194,8 +203,10 @@ def cmd_serve(args) -> int:
         print(json.dumps(config.describe(), indent=2))
         return 0
     from servelm.model.metadata import check_model
+    from servelm.server.launch import fixed_models
 
-    check_model(config.engine.model, config.engine.gguf_file)  # one line and exit 2 before anything loads
+    for launch in fixed_models(config):  # one line and exit 2 before anything loads
+        check_model(launch.engine.model, launch.engine.gguf_file)
     try:
         sock = bind_socket(srv.host, srv.port)
     except OSError as e:
