@@ -64,4 +64,8 @@ def build_app(state: ServerState):
     for family in (models, completions, chat, tokenize, native, embeddings):
         family.add_routes(app, api)
     add_ops_routes(app, state)
+    if state.control is not None:
+        from servelm.server.admin import add_admin_routes
+
+        add_admin_routes(app, state)
     return Gateway(app, state)

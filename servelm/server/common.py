@@ -163,6 +163,9 @@ class Api:
             gen = m.generate(rid, ids, params, prompt, priority, state.config.admission.queue_timeout_s, salt)
             async for out in gen:
                 now = time.monotonic()
+                served_by = getattr(out, "model_version", None)  # a deployment tags the version that served it
+                if served_by is not None and m.version is not None and rec.model_version != served_by:
+                    rec.model = rec.model_version = served_by
                 new = sum(len(c.token_ids) for c in out.outputs)
                 if new:
                     if last is not None:

@@ -9,7 +9,7 @@ whatever it has deployed (`name` -> its PRODUCTION version, `name:version` pinne
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from servelm.control.types import ControlError, ModelVersion
@@ -43,10 +43,13 @@ class ServedModel:
 class ModelDirectory:
     """Resolves a request's `model` field to the model that serves it."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics_for: Callable[[str], Any] | None = None) -> None:
         self._fixed: dict[str, ServedModel] = {}
         self.deployments: Any = None  # control.deployments.DeploymentManager, when the server has one
-        self._wrapped: dict[int, ServedModel] = {}
+        # name -> that model's metrics view. A deployment's request figures go there; its workers' step
+        # figures do not (several workers' cumulative counters cannot feed one series).
+        self.metrics_for = metrics_for
+        self._metrics: dict[str, Any] = {}  # served name -> metrics of deployed versions
 
     def add(self, served: ServedModel) -> None:
         """A model served for the server's whole life under its name."""
@@ -63,12 +66,15 @@ class ModelDirectory:
         return list(self._fixed.values())
 
     def _wrap(self, dep: Any) -> ServedModel:
-        """A deployment as a ServedModel (one wrapper per deployment object, so its identity is stable)."""
-        served = self._wrapped.get(id(dep))
-        if served is None or served.engine is not dep:
-            served = ServedModel(dep, dep.tokenizer, dep.version.ref, dep.version)
-            self._wrapped[id(dep)] = served
-        return served
+        """A deployment as a ServedModel, as it is now (a swap changes its version and tokenizer), with the
+        metrics of its current version."""
+        version = dep.version
+        metrics = None
+        if self.metrics_for is not None:
+            metrics = self._metrics.get(version.ref)
+            if metrics is None:
+                metrics = self._metrics[version.ref] = self.metrics_for(version.ref)
+        return ServedModel(dep, dep.tokenizer, version.ref, version, metrics)
 
     def deployed(self) -> list[ServedModel]:
         """Every deployment of the attached manager, wrapped."""

@@ -75,9 +75,16 @@ def json_error_message(err: dict, doc) -> str:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    from servelm.control.types import ControlError
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
         return error_response(exc)
+
+    @app.exception_handler(ControlError)
+    async def _control_error(_: Request, exc: ControlError):
+        """A control operation refused (unknown version, illegal transition, no room, ...): its own status."""
+        return error_response(APIError(exc.status, exc.message, exc.param, exc.code))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):

@@ -131,7 +131,8 @@ class Gateway:
                 if keys.lookup(presented) is None:  # a valid key without admin rights is not a guess
                     self._auth_failed(address)
                 return APIError(403, "this key may not use admin routes", code="forbidden")
-            rec.key_name = "admin"
+            admin = keys.lookup(presented)  # a keys-file key marked admin is named in logs and the audit trail
+            rec.key_name = admin.name if admin is not None and admin.admin else "admin"
             return None
         if path in OPEN_PATHS and not (path == "/metrics" and st.config.server.metrics_require_key):
             return None

@@ -19,10 +19,16 @@ logger = logging.getLogger("servelm.server")
 
 @dataclass
 class Launch:
-    """One fixed model to start: its served name and engine settings."""
+    """One fixed model to start: its served name and engine settings; with several workers (or a routing
+    strategy), a control-plane Deployment instead of one AsyncEngine."""
 
     name: str
     engine: EngineConfig
+    spec: Any = None  # the config file's ModelSpec, for models from the `models:` list
+
+    @property
+    def pooled(self) -> bool:
+        return self.spec is not None and (self.spec.workers > 1 or self.spec.strategy != "round_robin")
 
 
 def fixed_models(config) -> list[Launch]:
@@ -35,10 +41,7 @@ def fixed_models(config) -> list[Launch]:
     if not config.models or config.sources.get("engine.model") != "default":
         out.append(Launch(srv.served_model_name or resolve_model(ec.model, ec.gguf_file).name, ec))
     for spec in config.models:
-        if spec.workers != 1:
-            raise ConfigError(f"models[{spec.name}].workers", spec.workers,
-                              "1 here: several workers per model need the deployments of the control plane")
-        out.append(Launch(spec.name, spec.engine_config(dataclasses.replace(ec, tokenizer=None))))
+        out.append(Launch(spec.name, spec.engine_config(dataclasses.replace(ec, tokenizer=None)), spec))
     names = [launch.name for launch in out]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
@@ -52,20 +55,41 @@ async def start_engines(launches: list[Launch], start_timeout: float) -> list[tu
     from servelm.model.metadata import load_tokenizer, resolve_model
     from servelm.worker.client import AsyncEngine  # light: no torch, no transformers
 
-    engines = []
+    engines: list = [None] * len(launches)
+    tokenizers: list = []
     try:
-        for launch in launches:
-            engine = AsyncEngine(launch.engine, start_timeout=start_timeout)
-            engine.launch()  # the engine process imports torch and loads the model while this one goes on
-            engines.append(engine)
-        tokenizers = []
-        for launch, engine in zip(launches, engines, strict=True):
+        for i, launch in enumerate(launches):
+            if not launch.pooled:
+                engines[i] = AsyncEngine(launch.engine, start_timeout=start_timeout)
+                engines[i].launch()  # the engine process imports torch and loads the model meanwhile
+        for i, launch in enumerate(launches):
             ec = launch.engine
             tok = load_tokenizer(resolve_model(ec.model, ec.gguf_file), ec.tokenizer)
-            engine.set_tokenizer(tok)
             tokenizers.append(tok)
-        await asyncio.gather(*(e.wait_ready() for e in engines))
+            if launch.pooled:
+                engines[i] = _deployment(launch, tok, start_timeout)
+            else:
+                engines[i].set_tokenizer(tok)
+        await asyncio.gather(*(e.start() if launch.pooled else e.wait_ready()
+                               for e, launch in zip(engines, launches, strict=True)))
     except BaseException:
-        await asyncio.gather(*(e.shutdown() for e in engines), return_exceptions=True)
+        await asyncio.gather(*(e.shutdown() for e in engines if e is not None), return_exceptions=True)
         raise
     return [(e, t, launch.name) for e, t, launch in zip(engines, tokenizers, launches, strict=True)]
+
+
+def _deployment(launch: Launch, tokenizer, start_timeout: float):
+    """A model of the `models:` list with several workers: a Deployment of an unregistered version (its
+    path as the artifact), served under its plain name."""
+    try:
+        from servelm.control.deployment import Deployment
+    except ImportError as e:  # the deployments piece is not installed in this build
+        raise ConfigError(f"models[{launch.name}].workers", launch.spec.workers,
+                          "1: this build has no deployments of several workers") from e
+    from servelm.control.types import Kind, ModelVersion, State
+
+    spec = launch.spec
+    version = ModelVersion(spec.name, 0, State.PRODUCTION, Kind.GENERATE, spec.path, "", spec.path,
+                           engine=dict(spec.engine))
+    base = dataclasses.replace(launch.engine, model=spec.path)
+    return Deployment(version, base, spec.workers, spec.strategy, tokenizer, spec.name, start_timeout)

@@ -16,7 +16,8 @@ ERROR_SCHEMA = {
 }
 _WHY = {400: "invalid request", 401: "missing or invalid API key", 403: "the key may not do this",
         404: "unknown model or route", 408: "queue timeout", 413: "request body too large",
-        429: "rate limit", 503: "overloaded, or the engine or embedder is down"}
+        409: "the state forbids it (lifecycle, deployment in use)", 429: "rate limit",
+        503: "overloaded, or the engine or embedder is down", 507: "no room in the memory budget"}
 # One server-sent event: its data line is a JSON chunk (or [DONE]).
 _SSE_EVENT = {"type": "object", "required": ["data"],
               "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
@@ -31,6 +32,8 @@ def statuses(path: str, method: str) -> set[int]:
         return {413, 503}
     if path == "/metrics":
         return {401, 413}  # 401 with --metrics-require-key
+    if path.startswith("/admin") and path != "/admin/config":  # the model platform's routes
+        return {400, 401, 403, 404, 409, 413, 503, 507}
     if path.startswith("/admin"):
         return {401, 403, 413} | ({400} if method == "patch" else set())
     out = {401, 413} if path == "/server/stats" else {401, 403, 413, 429}

@@ -13,8 +13,9 @@ class APIError(Exception):
     """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-             404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
-             429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
+             404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 409: "conflict_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable",
+             507: "insufficient_storage"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:

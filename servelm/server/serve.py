@@ -72,10 +72,11 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
     srv = config.server
     keys = KeyStore.from_config(srv.secret("api_key"), srv.api_keys_file, srv.secret("admin_key"))
     metrics = Metrics(model_name)
-    directory = ModelDirectory()
+    directory = ModelDirectory(metrics.for_model)
     for eng, tok, name in [(engine, tokenizer, model_name), *(more or [])]:
         m = metrics if name == model_name else metrics.for_model(name)
-        wire_metrics(eng, m)
+        if getattr(eng, "workers", None) is None:  # one engine; a deployment's workers' counters cannot share
+            wire_metrics(eng, m)
         directory.add(ServedModel(eng, tok, name, metrics=m))
     if tracing is None and srv.otlp_endpoint:
         from servelm.server.telemetry import Tracing
@@ -136,6 +137,14 @@ async def _serve(config, sock: socket.socket) -> int:
         raise
     (engine, tokenizer, name), more = started[0], started[1:]
     state = build_state(config, tokenizer, engine, name, embedder, embed_name, more=more)
+    if config.control_plane:
+        try:
+            state.control = await _open_control_plane(config, state)
+        except BaseException:
+            if embedder is not None:
+                embedder.close()
+            await asyncio.gather(*(e.shutdown() for e, _, _ in started), return_exceptions=True)
+            raise
     app = build_app(state)
     logger.info("ready in %.1fs: serving %s on http://%s:%d (API keys: %s)", time.perf_counter() - t0,
                 ", ".join(state.models.names()), srv.host, sock.getsockname()[1], f"{len(state.keys.keys)}" if state.keys.enabled else "off")
@@ -149,11 +158,25 @@ async def _serve(config, sock: socket.socket) -> int:
     finally:
         if embedder is not None:
             embedder.close()
+        if state.control is not None:
+            await state.control.close()
         await asyncio.gather(*(e.shutdown() for e, _, _ in started), return_exceptions=True)
         if state.telemetry.tracing is not None:
             state.telemetry.tracing.shutdown()
     logger.info("shut down cleanly")
     return 0
+
+
+async def _open_control_plane(config, state):
+    """The registry in the data dir and the deployments it records, restored before the server listens."""
+    from servelm.server.control_plane import ControlPlane
+
+    plane = ControlPlane.open(config)
+    state.models.deployments = plane.deployments
+    restored = await plane.restore()
+    logger.info("model registry in %s: %d deployment(s) restored%s", plane.registry.data_dir, len(restored),
+                f" ({', '.join(restored)})" if restored else "")
+    return plane
 
 
 def _http_protocol(srv):

@@ -30,6 +30,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
 
         if req.stream:
             head = await api.open(m, request, job)
+            model = record(request).model or model  # the version that took it (a swap may be under way)
 
             async def events():
                 completion_tokens = 0
@@ -61,6 +62,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
             return StreamingResponse(events(), media_type="text/event-stream")
 
         [final] = await api.collect(m, request, [job])
+        model = record(request).model or model
         choices, completion_tokens = [], 0
         for j in sorted(final):
             acc = final[j]

@@ -67,6 +67,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
             except BaseException:
                 await cancel(pumps)
                 raise
+            model = record(request).model or model  # the version that took it (a swap may be under way)
 
             echoed: set[int] = set()
 
@@ -123,6 +124,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
             return StreamingResponse(events(), media_type="text/event-stream")
 
         results = await api.collect(m, request, jobs)
+        model = record(request).model or model
         choices, completion_tokens = [], 0
         for i, (final, (_, ids, _, _, _, _)) in enumerate(zip(results, jobs, strict=True)):
             for j in sorted(final):

@@ -1,0 +1,237 @@
+"""The server's control plane: the model registry (versions, lifecycle, audit) and the deployments that serve
+them, kept in step. The admin routes call this; it calls `servelm.control` only.
+
+What it adds over its two parts: a promotion to PRODUCTION (or a rollback) swaps the model's deployment to
+that version with zero downtime before the registry records it, so a version that fails to start leaves the
+old one serving and the registry unchanged; every deploy, scale, swap and unload is persisted (a restarted
+server restores its deployments with `restore()`) and written to the audit trail with the admin key's name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from servelm.config.engine import EngineConfig
+from servelm.control.types import ControlError, Kind, ModelVersion, State
+
+logger = logging.getLogger("servelm.control")
+SYSTEM = "system"  # the actor of what the server does by itself (restore, eviction)
+DEPLOYABLE = frozenset({State.VALIDATED, State.STAGING, State.STAGING_TESTED, State.CANARY, State.PRODUCTION})
+
+
+def parse_ref(model: str) -> tuple[str, int | None]:
+    """'name:3' -> ('name', 3); 'name' -> ('name', None)."""
+    name, sep, ver = model.rpartition(":")
+    return (name, int(ver)) if sep and ver.isdigit() else (model, None)
+
+
+class ControlPlane:
+    """Registry + DeploymentManager behind one object, with the server's engine settings as the base."""
+
+    def __init__(self, registry: Any, deployments: Any, engine_base: EngineConfig, start_timeout: float = 600.0):
+        self.registry = registry
+        self.deployments = deployments
+        self.engine_base = engine_base
+        self.start_timeout = start_timeout
+
+    @classmethod
+    def open(cls, config) -> ControlPlane:
+        """The registry in the server's data dir (or at registry_url) and an empty deployment manager."""
+        from servelm.control.deployments import DeploymentManager
+        from servelm.control.registry import Registry
+
+        srv = config.server
+        registry = Registry(srv.registry_url, srv.data_path())
+        plane = cls(registry, None, config.engine, srv.engine_start_timeout_s)
+        plane.deployments = DeploymentManager(engine_base=config.engine, on_change=plane._on_change,
+                                              production_of=plane._production_of,
+                                              start_timeout=srv.engine_start_timeout_s)
+        return plane
+
+    async def close(self) -> None:
+        await self.deployments.shutdown()
+        self.registry.close()
+
+    # -- versions ----------------------------------------------------------------------------------
+    async def register(self, name: str, path: str, *, labels: dict | None, engine: dict | None,
+                       golden_prompts: list[str] | None, actor: str, validate: bool = False) -> ModelVersion:
+        """Import a model folder or .gguf file as the next version of `name` (copying it may take a while, so
+        it runs off the event loop); with `validate`, validate it at once."""
+        mv = await asyncio.to_thread(self.registry.register, name, path, labels=labels, engine=engine,
+                                     golden_prompts=golden_prompts, actor=actor)
+        if validate:
+            mv = await self.validate(name, mv.version, actor)
+        return mv
+
+    async def validate(self, name: str, version: int, actor: str) -> ModelVersion:
+        """REGISTERED -> VALIDATING -> VALIDATED | FAILED (with the reason); returns the version as it ends."""
+        from servelm.control.validation import validate
+
+        return await validate(self.registry, name, version, self.engine_base, actor,
+                              start_timeout=self.start_timeout)
+
+    def version(self, name: str, version: int | None = None) -> ModelVersion:
+        """A version; without a number, the PRODUCTION one, else the newest (404 when there is none)."""
+        if version is not None:
+            return self.registry.get(name, version)
+        found = self.registry.production(name) or next(iter(reversed(self.registry.versions(name))), None)
+        if found is None:
+            raise ControlError(404, f"no model {name!r}; models: {', '.join(self.registry.models()) or 'none'}",
+                               code="model_not_found", param="model")
+        return found
+
+    async def transition(self, name: str, version: int, to: str, actor: str, reason: str | None = None
+                         ) -> ModelVersion:
+        """Move a version through its lifecycle (409 for a transition the state machine forbids). Into
+        PRODUCTION: the deployment serving the model's current PRODUCTION version (or its only one) is swapped
+        to this version first; if that fails, nothing changes and the error says why."""
+        from servelm.control import lifecycle
+
+        try:
+            target = State(to)
+        except ValueError:
+            raise ControlError(400, f"unknown state {to!r}; states: {', '.join(s.value for s in State)}",
+                               code="invalid_state", param="state") from None
+        mv = self.registry.get(name, version)
+        lifecycle.check(mv.state, target, mv.ref)
+        if target == State.PRODUCTION:
+            await self._swap_model_to(mv, actor)
+        if target == State.VALIDATING:  # validation runs the whole way, as POST .../validate
+            return await self.validate(name, version, actor)
+        return await asyncio.to_thread(self.registry.transition, name, version, target, actor, reason)
+
+    async def rollback(self, name: str, actor: str, reason: str | None = None) -> ModelVersion:
+        """Put the previous PRODUCTION version back, swapping the model's deployment to it first."""
+        prev = self.registry.previous_production(name)
+        if prev is None:
+            cur = self.registry.production(name)
+            raise ControlError(409, f"{cur.ref if cur else name} has no previous PRODUCTION version to roll back to",
+                               code="nothing_to_roll_back")
+        await self._swap_model_to(prev, actor)
+        return await asyncio.to_thread(self.registry.rollback, name, actor, reason)
+
+    def delete(self, name: str, version: int, actor: str) -> None:
+        self.registry.delete(name, version, actor)
+
+    # -- deployments -------------------------------------------------------------------------------
+    async def deploy(self, model: str, *, workers: int, strategy: str, actor: str, keep_alive_s: float | None = None,
+                     deployment_id: str | None = None) -> dict:
+        """Serve a version (`name:version`, or `name` for its PRODUCTION/newest one) with N workers."""
+        name, number = parse_ref(model)
+        mv = self.version(name, number)
+        _check_deployable(mv)
+        d = await self.deployments.create(mv, workers, strategy, keep_alive_s=keep_alive_s,
+                                          deployment_id=deployment_id)
+        rec = d.describe()
+        self.registry.audit.record(actor, "deploy", d.id, None, _brief(rec))
+        return rec
+
+    async def scale(self, deployment_id: str, workers: int, actor: str) -> dict:
+        before = _brief(self.deployments.get(deployment_id).describe())
+        d = await self.deployments.scale(deployment_id, workers)
+        rec = d.describe()
+        self.registry.audit.record(actor, "scale", deployment_id, before, _brief(rec))
+        return rec
+
+    async def swap(self, deployment_id: str, model: str, actor: str) -> dict:
+        """Serve another version on a deployment (zero downtime); `model` is a version number or name:version."""
+        d = self.deployments.get(deployment_id)
+        name, number = parse_ref(model) if not model.isdigit() else (d.version.name, int(model))
+        mv = self.version(name, number)
+        _check_deployable(mv)
+        return await self._swap(d, mv, actor)
+
+    async def unload(self, deployment_id: str, actor: str) -> None:
+        before = _brief(self.deployments.get(deployment_id).describe())
+        await self.deployments.unload(deployment_id)
+        self.registry.audit.record(actor, "unload", deployment_id, before, None)
+
+    def describe(self, deployment_id: str) -> dict:
+        return self.deployments.get(deployment_id).describe()
+
+    def list_deployments(self) -> list[dict]:
+        return [d.describe() for d in self.deployments.list()]
+
+    async def restore(self) -> list[str]:
+        """Bring back every persisted deployment (after a restart); one that cannot start is logged and
+        audited, and the rest still come back. Returns the ids restored."""
+        restored = []
+        for rec in self.registry.deployments():
+            try:
+                mv = self.registry.get(rec["name"], int(rec["version"]))
+                _check_deployable(mv)
+                await self.deployments.create(mv, int(rec.get("workers", 1)), rec.get("strategy", "least_loaded"),
+                                              keep_alive_s=rec.get("keep_alive_s"), deployment_id=rec["id"])
+                restored.append(rec["id"])
+            except (ControlError, OSError, ValueError, KeyError) as e:
+                why = e.message if isinstance(e, ControlError) else f"{type(e).__name__}: {e}"
+                logger.error("could not restore deployment %s: %s", rec.get("id"), why)
+                self.registry.audit.record(SYSTEM, "restore_failed", str(rec.get("id")), None, {"reason": why})
+        if restored:
+            self.registry.audit.record(SYSTEM, "restore", "deployments", None, {"restored": restored})
+        return restored
+
+    # -- internals ---------------------------------------------------------------------------------
+    async def _swap_model_to(self, mv: ModelVersion, actor: str) -> None:
+        """Swap the deployment that serves `mv`'s model by name to `mv` (none deployed: nothing to do)."""
+        mine = [d for d in self.deployments.list() if d.version.name == mv.name]
+        if not mine or any(d.version.version == mv.version for d in mine):
+            return
+        prod = self.registry.production(mv.name)
+        target = next((d for d in mine if prod is not None and d.version.version == prod.version), None)
+        if target is None and len(mine) == 1:
+            target = mine[0]
+        if target is not None:
+            _check_deployable(mv, promoting=True)
+            await self._swap(target, mv, actor)
+
+    async def _swap(self, d, mv: ModelVersion, actor: str) -> dict:
+        before = _brief(d.describe())
+        try:
+            await self.deployments.swap(d.id, mv)
+        except ControlError as e:
+            self.registry.audit.record(actor, "swap_failed", d.id, before, {"to": mv.ref, "reason": e.message})
+            raise
+        rec = d.describe()
+        self.registry.audit.record(actor, "swap", d.id, before, _brief(rec))
+        return rec
+
+    def _production_of(self, name: str) -> int | None:
+        mv = self.registry.production(name)
+        return mv.version if mv is not None else None
+
+    def _on_change(self, action: str, rec: dict) -> None:
+        """Persist the manager's changes: a deployment that exists is saved (a restart brings it back), one
+        that is gone is forgotten; what the manager did by itself (evict, expire) is audited here."""
+        if action in ("unload", "evict", "expire"):
+            self.registry.delete_deployment(rec["id"])
+        else:
+            self.registry.save_deployment(_persisted(rec))
+        if action in ("evict", "expire"):
+            self.registry.audit.record(SYSTEM, action, rec["id"], _brief(rec), None)
+
+
+def _check_deployable(mv: ModelVersion, promoting: bool = False) -> None:
+    if mv.kind != Kind.GENERATE:
+        raise ControlError(400, f"{mv.ref} is an embedding model; deployments serve generation models",
+                           code="wrong_kind")
+    if mv.state not in DEPLOYABLE and not promoting:
+        raise ControlError(409, f"{mv.ref} is {mv.state.value}; deploy a version that is one of "
+                           f"{', '.join(s.value for s in sorted(DEPLOYABLE, key=list(State).index))}",
+                           code="not_deployable")
+
+
+_KEEP = ("id", "name", "version", "ref", "workers", "strategy", "keep_alive_s")
+
+
+def _persisted(rec: dict) -> dict:
+    """What restoring a deployment needs of its record."""
+    return {k: rec.get(k) for k in _KEEP}
+
+
+def _brief(rec: dict | None) -> dict | None:
+    """A deployment record as the audit trail keeps it (no per-worker state)."""
+    return None if rec is None else {k: rec.get(k) for k in _KEEP}
+
