@@ -17,6 +17,7 @@ EXAMPLES = """examples:
   servelm serve --port 8000               # then: curl localhost:8000/v1/models
   servelm bench throughput --workload W1 --baselines hf-static
   servelm bench serve --base-url http://127.0.0.1:8000 --rate 2
+  servelm models register smol ./SmolLM2 --validate && servelm models promote smol:1 && servelm models deploy smol
 """
 
 
@@ -139,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "server, admission) or an env var SERVELM_<SETTING>; precedence CLI > env > file.",
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_args(serve)
+
+    from servelm.entrypoints.models_cli import add_args as add_models_args
+
+    models = sub.add_parser("models", help="manage a running server's models and deployments (admin API)",
+                            description="The model platform's admin API: register versions, promote and roll "
+                            "them back, deploy and scale them, read the audit trail.")
+    add_models_args(models)
 
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
