@@ -1,0 +1,159 @@
+"""The model platform's admin API and CLI on a real server: refusals (401/403/404/409/400) in the error shape;
+register -> validate -> promote -> deploy -> serve by name and name:version -> promote a second version (the
+deployment swaps) -> roll back, all in the audit trail with the admin key's name; `servelm models` over it;
+and a restarted server restores its deployments from the registry."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+from serving import start_server, stop_server
+
+pytest.importorskip("servelm.control.registry")  # the registry and deployments pieces of issue 29
+pytest.importorskip("servelm.control.deployments")
+pytestmark = pytest.mark.server
+
+ADMIN_KEY = "sk-admin-platform-1"
+ADMIN = {"x-api-key": ADMIN_KEY}
+USER_KEY = "sk-user-platform-1"
+
+
+def _keys_file(tmp_path) -> str:
+    path = tmp_path / "keys.yaml"
+    path.write_text(f"- {{name: ops-alice, key: {ADMIN_KEY}, admin: true}}\n- {{name: user, key: {USER_KEY}}}\n")
+    return str(path)
+
+
+def _start(llama_dir, data_dir, keys: str):
+    return start_server(llama_dir, "--num-kv-blocks", "64", "--max-model-len", "256", "--embedding-model", "none",
+                        "--data-dir", str(data_dir), "--api-keys-file", keys)
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("platform")
+    proc, url = _start(llama_dir, tmp / "data", _keys_file(tmp))
+    yield url
+    assert stop_server(proc) == 0
+
+
+def cli(url: str, *args: str) -> subprocess.CompletedProcess:
+    """`servelm models ARGS` against the server, as an operator runs it."""
+    return subprocess.run([sys.executable, "-m", "servelm.entrypoints.cli", "models", "--url", url, *args],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "SERVELM_ADMIN_KEY": ADMIN_KEY})
+
+
+def error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def complete(url: str, model: str) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", headers={"x-api-key": USER_KEY}, timeout=60,
+                      json={"model": model, "prompt": [1, 500, 600, 700], "max_tokens": 6, "temperature": 0,
+                            "ignore_eos": True})
+
+
+def test_admin_refusals(server, model_dirs):
+    error(httpx.get(server + "/admin/models"), 401)
+    error(httpx.get(server + "/admin/models", headers={"x-api-key": USER_KEY}), 403)  # a key, not an admin one
+    err = error(httpx.get(server + "/admin/models/nothing/versions/1", headers=ADMIN), 404)
+    assert "nothing:1" in err["message"]
+    err = error(httpx.post(server + "/admin/models", headers=ADMIN, json={"name": "x", "path": "/no/such/dir"}), 400)
+    assert err["param"] == "path"
+    error(httpx.post(server + "/admin/models", headers=ADMIN, json={"name": "x", "path": "/m", "colour": 1}), 400)
+    r = httpx.post(server + "/admin/models", headers=ADMIN, json={"name": "refused", "path": str(model_dirs["llama"])})
+    assert r.status_code == 201 and r.json()["state"] == "REGISTERED"
+    err = error(httpx.post(server + "/admin/models/refused/versions/1/transition", headers=ADMIN,
+                           json={"state": "PRODUCTION"}), 409)
+    assert "REGISTERED" in err["message"] and "VALIDATING" in err["message"]  # names where it is and may go
+    err = error(httpx.post(server + "/admin/deployments", headers=ADMIN, json={"model": "refused:1"}), 409)
+    assert "REGISTERED" in err["message"]
+    error(httpx.patch(server + "/admin/deployments/none", headers=ADMIN, json={"workers": 2}), 404)
+    error(httpx.post(server + "/admin/models/refused/rollback", headers=ADMIN), 409)
+
+
+def test_register_promote_deploy_swap_rollback_audit(server, model_dirs):
+    # v1 through the CLI: register + validate, promote all the way, deploy
+    r = cli(server, "--json", "register", "m", str(model_dirs["llama"]), "--validate", "--label", "team=a")
+    assert r.returncode == 0, r.stderr
+    v1 = json.loads(r.stdout)
+    assert (v1["ref"], v1["state"], v1["labels"]) == ("m:1", "VALIDATED", {"team": "a"})
+    assert len(v1["golden_outputs"]) == 3  # the default smoke prompts ran
+    r = cli(server, "promote", "m:1")
+    assert r.returncode == 0, r.stderr
+    assert [line.split(" -> ")[1].split()[0] for line in r.stdout.splitlines()] == \
+        ["STAGING", "STAGING_TESTED", "CANARY", "PRODUCTION"]
+    r = cli(server, "deploy", "m", "--workers", "1")
+    assert r.returncode == 0 and "m-v1" in r.stdout and "m:1" in r.stdout, r.stderr
+    first = complete(server, "m")
+    assert first.status_code == 200, first.text
+    assert first.headers["x-servelm-model-version"] == "m:1" and first.json()["model"] == "m:1"
+    assert complete(server, "m:1").json()["choices"] == first.json()["choices"]
+    assert {"m", "m:1"} <= {c["id"] for c in httpx.get(server + "/v1/models").json()["data"]}
+
+    # v2 (other weights) through HTTP: promoting it swaps the deployment
+    v2 = httpx.post(server + "/admin/models", headers=ADMIN, timeout=300,
+                    json={"name": "m", "path": str(model_dirs["qwen3"]), "validate": True}).json()
+    assert (v2["ref"], v2["state"]) == ("m:2", "VALIDATED")
+    for state in ("STAGING", "STAGING_TESTED", "CANARY", "PRODUCTION"):
+        r = httpx.post(server + "/admin/models/m/versions/2/transition", headers=ADMIN, timeout=300,
+                       json={"state": state})
+        assert r.status_code == 200, r.text
+    second = complete(server, "m")
+    assert second.headers["x-servelm-model-version"] == "m:2" and second.json()["model"] == "m:2"
+    assert second.json()["choices"][0]["text"] != first.json()["choices"][0]["text"]
+    error(complete(server, "m:1"), 404)  # no deployment serves v1 any more
+    listed = json.loads(cli(server, "--json", "list").stdout)
+    assert [(m["name"], m["production"]) for m in listed if m["name"] == "m"] == [("m", "m:2")]
+
+    # rollback: v1 is PRODUCTION and served again
+    r = cli(server, "rollback", "m", "--reason", "v2 regressed")
+    assert r.returncode == 0 and "m:1" in r.stdout, r.stderr
+    back = complete(server, "m")
+    assert back.headers["x-servelm-model-version"] == "m:1" and back.json()["choices"] == first.json()["choices"]
+
+    # scale through PATCH, then the audit trail
+    r = httpx.patch(server + "/admin/deployments/m-v1", headers=ADMIN, json={"workers": 2}, timeout=300)
+    assert r.status_code == 200 and r.json()["workers"] == 2, r.text
+    audit = httpx.get(server + "/admin/audit", headers=ADMIN).json()
+    assert audit["ok"] is True and audit["first_bad_id"] is None
+    actions = [(e["action"], e["target"]) for e in audit["entries"] if e["actor"] == "ops-alice"]
+    for want in [("register", "m:1"), ("deploy", "m-v1"), ("swap", "m-v1"), ("transition", "m:2"),
+                 ("rollback", "m"), ("scale", "m-v1")]:
+        assert want in actions
+    r = cli(server, "audit", "--target", "m-v1")
+    assert r.returncode == 0 and "chain verified" in r.stdout and "scale" in r.stdout
+
+
+def test_restart_restores_deployments(llama_dir, model_dirs, tmp_path):
+    keys = _keys_file(tmp_path)
+    proc, url = _start(llama_dir, tmp_path / "data", keys)
+    try:
+        httpx.post(url + "/admin/models", headers=ADMIN, timeout=300,
+                   json={"name": "r", "path": str(model_dirs["qwen3"]), "validate": True}).raise_for_status()
+        r = httpx.post(url + "/admin/deployments", headers=ADMIN, timeout=300,
+                       json={"model": "r:1", "workers": 2, "strategy": "round_robin", "id": "r-main"})
+        assert r.status_code == 201, r.text
+        before = complete(url, "r:1").json()["choices"]
+    finally:
+        assert stop_server(proc) == 0
+    proc, url = _start(llama_dir, tmp_path / "data", keys)
+    try:
+        deps = httpx.get(url + "/admin/deployments", headers=ADMIN).json()
+        assert [(d["id"], d["ref"], d["workers"], d["strategy"]) for d in deps] == [("r-main", "r:1", 2, "round_robin")]
+        again = complete(url, "r:1")
+        assert again.headers["x-servelm-model-version"] == "r:1" and again.json()["choices"] == before
+        restored = [e for e in httpx.get(url + "/admin/audit", headers=ADMIN).json()["entries"]
+                    if e["action"] == "restore"]
+        assert restored and restored[-1]["after"] == {"restored": ["r-main"]}
+    finally:
+        assert stop_server(proc) == 0
