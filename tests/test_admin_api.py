@@ -98,7 +98,8 @@ def test_register_promote_deploy_swap_rollback_audit(server, model_dirs):
     assert first.status_code == 200, first.text
     assert first.headers["x-servelm-model-version"] == "m:1" and first.json()["model"] == "m:1"
     assert complete(server, "m:1").json()["choices"] == first.json()["choices"]
-    assert {"m", "m:1"} <= {c["id"] for c in httpx.get(server + "/v1/models").json()["data"]}
+    cards = httpx.get(server + "/v1/models", headers={"x-api-key": USER_KEY}).json()["data"]
+    assert {"m", "m:1"} <= {c["id"] for c in cards}
 
     # v2 (other weights) through HTTP: promoting it swaps the deployment
     v2 = httpx.post(server + "/admin/models", headers=ADMIN, timeout=300,
