@@ -167,3 +167,32 @@ def test_a_key_limited_to_a_model_name_may_use_its_versions(tokenizer, tmp_path)
                            headers=auth).status_code == 200
         assert client.post("/v1/completions", json={"model": "alpha", "prompt": "x", "max_tokens": 1},
                            headers=auth).status_code == 403
+
+
+def test_the_version_that_served_a_request_is_the_one_reported(tokenizer):
+    """A deployment tags each output with the version whose worker produced it (a swap can land between
+    resolving the model and running the request): the header and the `model` field report that version."""
+    from starlette.testclient import TestClient
+
+    from servelm.config.settings import load
+    from servelm.server.api import build_app
+    from servelm.server.serve import build_state
+
+    class Swapped(FakeDeployment):
+        async def generate(self, rid, ids, params, *args, **kw):
+            async for out in super().generate(rid, ids, params, *args, **kw):
+                out.model_version = "gamma:5"  # the new version took the request
+                yield out
+
+    config = load({"embedding_model": "none", "log_requests": False}, env={})
+    state = build_state(config, tokenizer, FakeEngine("A"), "alpha")
+    state.models.deployments = FakeManager([Swapped("gamma", 4, State.PRODUCTION, tokenizer)])
+    with TestClient(build_app(state)) as client:
+        for stream in (False, True):
+            r = client.post("/v1/completions", json={"model": "gamma", "prompt": "x", "max_tokens": 1,
+                                                     "stream": stream})
+            assert r.headers["x-servelm-model-version"] == "gamma:5"
+            assert '"model":"gamma:5"' in r.text.replace(" ", "")
+        chat = client.post("/v1/chat/completions", json={"model": "gamma", "max_tokens": 1,
+                                                         "messages": [{"role": "user", "content": "x"}]})
+        assert chat.json()["model"] == "gamma:5" and chat.headers["x-servelm-model-version"] == "gamma:5"
