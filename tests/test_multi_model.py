@@ -24,7 +24,7 @@ def two_models(model_dirs, tmp_path_factory):
     cfg = _config(tmp_path_factory.mktemp("cfg"), [{"name": "qwen", "path": str(model_dirs["qwen3"]),
                                                     "engine": {"max_model_len": 128}}])
     proc, url = start_server(model_dirs["llama"], "--config", cfg, "--num-kv-blocks", "64", "--max-model-len", "256",
-                             "--embedding-model", "none")
+                             "--embedding-model", "none", "--data-dir", str(tmp_path_factory.mktemp("data")))
     yield url
     assert stop_server(proc) == 0
 
@@ -86,3 +86,26 @@ def test_a_bad_models_entry_is_refused_naming_it(tmp_path, entry, key):
     with pytest.raises(ConfigError) as e:
         load({}, env={}, file=cfg)
     assert e.value.key == key
+
+
+@pytest.mark.server
+def test_a_config_model_with_several_workers_is_a_deployment(model_dirs, tmp_path):
+    pytest.importorskip("servelm.control.deployment")
+    cfg = _config(tmp_path, [{"name": "pool", "path": str(model_dirs["qwen3"]), "workers": 2,
+                              "strategy": "round_robin"}])
+    proc, url = start_server(model_dirs["llama"], "--config", cfg, "--num-kv-blocks", "64", "--max-model-len", "256",
+                             "--embedding-model", "none", "--data-dir", str(tmp_path / "data"))
+    try:
+        texts = set()
+        for _ in range(4):  # round robin: both workers serve, and they agree
+            r = httpx.post(url + "/v1/completions", json={"model": "pool", "prompt": [1, 9, 99], "max_tokens": 5,
+                                                          "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["model"] == "pool", r.text
+            assert "x-servelm-model-version" not in r.headers  # a declared model, not a registered version
+            texts.add(r.json()["choices"][0]["text"])
+        assert len(texts) == 1
+        pool = httpx.get(url + "/server/stats").json()["models"]["pool"]
+        assert pool["engine"]["ready"] is True
+        assert [c["id"] for c in httpx.get(url + "/v1/models").json()["data"]] == ["tiny", "pool"]
+    finally:
+        assert stop_server(proc) == 0

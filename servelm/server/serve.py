@@ -171,7 +171,11 @@ async def _open_control_plane(config, state):
     """The registry in the data dir and the deployments it records, restored before the server listens."""
     from servelm.server.control_plane import ControlPlane
 
-    plane = ControlPlane.open(config)
+    try:
+        plane = ControlPlane.open(config)
+    except ImportError as e:  # a build without the registry or deployments pieces
+        logger.warning("no model registry in this build (%s): serving the declared models only", e)
+        return None
     state.models.deployments = plane.deployments
     restored = await plane.restore()
     logger.info("model registry in %s: %d deployment(s) restored%s", plane.registry.data_dir, len(restored),
