@@ -160,8 +160,7 @@ class ControlPlane:
         restored = []
         for rec in self.registry.deployments():
             try:
-                mv = self.registry.get(rec["name"], int(rec["version"]))
-                _check_deployable(mv)
+                mv = self.registry.get(rec["name"], int(rec["version"]))  # served before: whatever its state now
                 await self.deployments.create(mv, int(rec.get("workers", 1)), rec.get("strategy", "least_loaded"),
                                               keep_alive_s=rec.get("keep_alive_s"), deployment_id=rec["id"])
                 restored.append(rec["id"])
