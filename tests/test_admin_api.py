@@ -79,6 +79,13 @@ def test_admin_refusals(server, model_dirs):
     assert "REGISTERED" in err["message"]
     error(httpx.patch(server + "/admin/deployments/none", headers=ADMIN, json={"workers": 2}), 404)
     error(httpx.post(server + "/admin/models/refused/rollback", headers=ADMIN), 409)
+    bad = subprocess.run([sys.executable, "-m", "servelm.entrypoints.cli", "models", "--url", server, "list"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "SERVELM_ADMIN_KEY": USER_KEY})
+    assert bad.returncode == 1 and "may not use admin routes (HTTP 403)" in bad.stderr
+    doc = httpx.get(server + "/openapi.json", headers={"x-api-key": USER_KEY}).json()
+    patch = doc["paths"]["/admin/deployments/{deployment_id}"]["patch"]
+    assert patch["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ScaleBody")
+    assert {"409", "507"} <= set(patch["responses"])
 
 
 def test_register_promote_deploy_swap_rollback_audit(server, model_dirs):
