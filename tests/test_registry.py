@@ -351,3 +351,120 @@ def test_state_survives_reopening(tmp_path):
     assert again.deployments()[0]["workers"] == 3
     assert again.audit.verify() == (True, None) and len(again.audit.entries()) == 1 + len(TO_PRODUCTION)
     again.close()
+
+
+# -- validation with a real worker ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    """A tiny random Llama of this module's own (the store makes registered files read-only)."""
+    from conftest import build_model
+
+    return build_model("llama", tmp_path_factory.mktemp("registry-models") / "tiny", tokenizer_dir, seed=3)
+
+
+BASE = dict(dtype="float32", num_kv_blocks=64, max_model_len=256)
+
+
+def _validate(reg: Registry, name: str, version: int, **kw):
+    import asyncio
+
+    from servelm.config.engine import EngineConfig
+    from servelm.control.validation import validate
+
+    return asyncio.run(validate(reg, name, version, EngineConfig(**BASE), "validator", **kw))
+
+
+def test_validation_runs_golden_prompts_in_a_worker_and_records_greedy_outputs(reg, tiny_dir, tokenizer):
+    import multiprocessing
+
+    from servelm import LLM, SamplingParams
+
+    prompts = ["Hello, my name is", "The sky is"]
+    reg.register("tiny", tiny_dir, golden_prompts=prompts, actor="a")
+    mv = _validate(reg, "tiny", 1)
+    assert mv.state == S.VALIDATED and mv.failure is None and reg.get("tiny", 1) == mv
+    assert multiprocessing.active_children() == []  # the worker was shut down
+
+    llm = LLM(mv.artifact, **BASE)
+    ids = [tokenizer(p).input_ids for p in prompts]
+    ref = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    assert mv.golden_outputs == [r.outputs[0].text for r in ref]
+    actions = [(e["actor"], e["after"]["state"]) for e in reg.audit.entries()[1:]]
+    assert actions == [("validator", "VALIDATING"), ("validator", "VALIDATED")]
+    assert reg.audit.entries()[-1]["after"]["outputs"] == mv.golden_outputs
+
+
+def test_validation_fails_a_changed_artifact_before_starting_a_worker(reg, tmp_path, tiny_dir):
+    reg.register("tiny", shutil.copytree(tiny_dir, tmp_path / "copy"), actor="a")
+    cfg = Path(reg.get("tiny", 1).artifact) / "config.json"
+    cfg.chmod(0o644)
+    cfg.write_text(cfg.read_text().replace('"num_hidden_layers": 2', '"num_hidden_layers": 1'))
+    mv = _validate(reg, "tiny", 1)
+    assert mv.state == S.FAILED and "changed" in mv.failure and mv.sha256 in mv.failure
+    assert reg.audit.entries()[-1]["after"] == {"state": "FAILED", "reason": mv.failure}
+
+
+def test_validation_fails_with_the_reason_when_the_worker_cannot_load(reg, tmp_path, tiny_dir):
+    import multiprocessing
+
+    broken = shutil.copytree(tiny_dir, tmp_path / "broken")
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # header intact, tensors cut short
+    reg.register("broken", broken, actor="a")
+    mv = _validate(reg, "broken", 1)
+    assert mv.state == S.FAILED and mv.golden_outputs == []
+    assert "SafetensorError" in mv.failure, mv.failure  # the worker's own reason, as it reported it
+    assert multiprocessing.active_children() == []
+    assert reg.transition("broken", 1, S.REGISTERED, "a").state == S.REGISTERED  # FAILED -> REGISTERED, retry
+
+
+def test_validation_of_an_embedding_version_runs_the_encoder(reg, tmp_path):
+    from servelm.server.embeddings import default_embedding_path
+
+    src = default_embedding_path()
+    if src is None:
+        pytest.skip("the default embedding model is not installed")
+    reg.register("mini", shutil.copytree(src, tmp_path / "mini"), golden_prompts=["a cat", "a dog"], actor="a")
+    mv = _validate(reg, "mini", 1)
+    assert mv.state == S.VALIDATED, mv.failure
+    rec = [json.loads(o) for o in mv.golden_outputs]
+    assert [r["dim"] for r in rec] == [384, 384] and rec[0]["head"] != rec[1]["head"]
+
+
+def test_validation_uses_the_embedder_it_is_given(reg, tmp_path):
+    """The server's seam: its own embedding worker is used, and one that fails makes the version FAILED."""
+    from servelm.server.embeddings import default_embedding_path
+
+    src = default_embedding_path()
+    if src is None:
+        pytest.skip("the default embedding model is not installed")
+    reg.register("mini", shutil.copytree(src, tmp_path / "mini"), actor="a")
+    seen = []
+
+    class Fake:
+        def __init__(self, path):
+            seen.append(path)
+
+        async def wait_ready(self):
+            pass
+
+        async def embed(self, texts):
+            return [[float(len(t)), 0.5] for t in texts], 0
+
+        def close(self):
+            seen.append("closed")
+
+    mv = _validate(reg, "mini", 1, embedder_factory=Fake)
+    assert mv.state == S.VALIDATED and seen == [Path(mv.artifact), "closed"]
+    from servelm.control.validation import DEFAULT_PROMPTS
+
+    assert [json.loads(o)["head"][0] for o in mv.golden_outputs] == [float(len(p)) for p in DEFAULT_PROMPTS]
+
+    class Broken(Fake):
+        async def wait_ready(self):
+            raise RuntimeError("the embedding model failed to load")
+
+    reg.transition("mini", 1, S.STAGING, "a")  # VALIDATED cannot be validated again: register anew
+    reg.register("mini", src, actor="a")
+    mv = _validate(reg, "mini", 2, embedder_factory=Broken)
+    assert mv.state == S.FAILED and "failed to load" in mv.failure and seen[-1] == "closed"
