@@ -182,18 +182,20 @@ def test_concurrent_writers_get_distinct_versions_and_one_unbroken_chain(tmp_pat
     numbers never collide and the audit chain never forks."""
     data = tmp_path / "data"
     src = fake_model(tmp_path / "m")
-    regs = [Registry(None, data) for _ in range(4)]
+    regs: list[Registry] = []
     errors: list[BaseException] = []
 
-    def work(r: Registry, k: int) -> None:
+    def work(k: int) -> None:
         try:
+            r = Registry(None, data)  # all four create the (new) database at once too
+            regs.append(r)
             for _ in range(5):
                 mv = r.register("m", src, actor=f"w{k}")
                 r.transition("m", mv.version, S.VALIDATING, f"w{k}")
         except BaseException as e:  # noqa: BLE001 (reported below)
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(r, k)) for k, r in enumerate(regs)]
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
     for t in threads:

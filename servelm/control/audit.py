@@ -48,7 +48,7 @@ class Audit:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        metadata.create_all(engine)
+        db.create_tables(engine, metadata)
 
     def append(self, conn: Connection, actor: str, action: str, target: str, before=None, after=None) -> dict:
         """Add an entry inside the caller's transaction (so the change and its record commit together)."""

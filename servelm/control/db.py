@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-from sqlalchemy import Connection, Engine, create_engine, event
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import Connection, Engine, MetaData, create_engine, event
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
 T = TypeVar("T")
 RETRIES = 5
@@ -63,6 +63,19 @@ def read(engine: Engine) -> Iterator[Connection]:
     """One reading transaction (a consistent snapshot)."""
     with engine.connect() as conn, conn.begin():
         yield conn
+
+
+def create_tables(engine: Engine, metadata: MetaData) -> None:
+    """Create what is missing, under the write lock: servers starting together on one new database do not
+    both create the same table (elsewhere than SQLite, the loser of that race looks again)."""
+    for attempt in range(2):
+        try:
+            with write(engine) as conn:
+                metadata.create_all(conn)
+            return
+        except (OperationalError, ProgrammingError, IntegrityError):
+            if attempt:
+                raise
 
 
 def retrying(op: Callable[[], T]) -> T:

@@ -115,7 +115,7 @@ class Registry:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.url = url or db.default_url(self.data_dir)
         self.engine = db.open_engine(self.url)
-        metadata.create_all(self.engine)
+        db.create_tables(self.engine, metadata)
         self.audit = Audit(self.engine)
         self.store = ArtifactStore(self.data_dir / "artifacts")
 
