@@ -177,6 +177,39 @@ def test_audit_chain_records_every_change_and_detects_tampering(reg, tmp_path):
     assert reg.audit.verify() == (False, 3)
 
 
+def test_the_database_refuses_a_fork_of_the_chain_and_writers_retry(reg):
+    """Where the database cannot serialize writers (PostgreSQL), two entries extending the same tip collide
+    on the unique prev_hash; the loser's whole operation runs again."""
+    from sqlalchemy.exc import IntegrityError
+
+    from servelm.control import db
+    from servelm.control.audit import entries_table
+
+    first = reg.audit.record("a", "x", "t")
+    with pytest.raises(IntegrityError), reg.engine.begin() as c:
+        c.execute(entries_table.insert().values(**{**first, "id": 99, "hash": "f" * 64}))
+    assert reg.audit.verify() == (True, None)
+
+    tries = []
+
+    def flaky():
+        tries.append(1)
+        if len(tries) < 3:
+            raise IntegrityError("INSERT", {}, Exception("unique"))
+        return "done"
+
+    assert db.retrying(flaky) == "done" and len(tries) == 3
+
+    def always():
+        tries.append(1)
+        raise IntegrityError("INSERT", {}, Exception("unique"))
+
+    tries.clear()
+    with pytest.raises(IntegrityError):
+        db.retrying(always)
+    assert len(tries) == db.RETRIES
+
+
 def test_concurrent_writers_get_distinct_versions_and_one_unbroken_chain(tmp_path):
     """Threads with their own Registry on one SQLite file: each register is one transaction, so version
     numbers never collide and the audit chain never forks."""

@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from sqlalchemy import (
     JSON,
@@ -23,7 +25,6 @@ from sqlalchemy import (
     String,
     Table,
     Text,
-    func,
     select,
 )
 
@@ -33,6 +34,7 @@ from servelm.control.audit import Audit
 from servelm.control.store import ArtifactStore, size_bytes
 from servelm.control.types import ControlError, Kind, ModelVersion, State
 
+T = TypeVar("T")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # no ':' (name:version pins a version)
 
 metadata = MetaData()
@@ -121,6 +123,13 @@ class Registry:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    def _write(self, op: Callable[[Connection], T]) -> T:
+        """Run `op` in one writing transaction, again if a concurrent writer took a unique key first."""
+        def attempt() -> T:
+            with db.write(self.engine) as conn:
+                return op(conn)
+        return db.retrying(attempt)
 
     # -- reading ----------------------------------------------------------------------------------
     def _find(self, conn: Connection, name: str, version: int) -> ModelVersion | None:
@@ -237,7 +246,7 @@ class Registry:
         except ValueError:
             raise ControlError(400, f"unknown state {to!r}; states: {', '.join(s.value for s in State)}",
                                code="invalid_state", param="state") from None
-        with db.write(self.engine) as conn:
+        def op(conn: Connection) -> ModelVersion:
             mv = self._get(conn, name, version)
             lifecycle.check(mv.state, to, mv.ref)
             changes: dict = {}
@@ -260,12 +269,13 @@ class Registry:
                 after["outputs"] = list(outputs)
             self.audit.append(conn, actor, "transition", mv.ref, {"state": mv.state.value}, after)
             return new
+        return self._write(op)
 
     def rollback(self, name: str, actor: str, reason: str | None = None) -> ModelVersion:
         """Put the previous PRODUCTION version back: the current one goes to DEPRECATED and the one it replaced
         returns to PRODUCTION. This is the one way out of DEPRECATED other than ARCHIVED, and only for the
         version the current one replaced. Returns the restored version; the caller swaps its deployment."""
-        with db.write(self.engine) as conn:
+        def op(conn: Connection) -> ModelVersion:
             cur = self._production(conn, name)
             if cur is None:
                 raise ControlError(409, f"{name} has no PRODUCTION version to roll back", code="nothing_to_roll_back")
@@ -278,23 +288,31 @@ class Registry:
             self.audit.append(conn, actor, "rollback", name, {"production": cur.ref},
                               {"production": prev.ref, "reason": reason})
             return restored
+        return self._write(op)
 
     def _deployed(self, conn: Connection, name: str, version: int) -> list[str]:
         return list(conn.execute(select(deployments_table.c.id).where(
             deployments_table.c.name == name, deployments_table.c.version == version)).scalars())
 
     def _drop(self, conn: Connection, mv: ModelVersion) -> None:
-        """Delete a version's row, and its artifact once no version references it (inside the transaction,
-        so a concurrent register of the same content cannot lose it)."""
+        """Delete a version's row. Its artifact goes with the gc sweep at the end of the same transaction
+        (`_sweep`), once no version references it: inside the transaction, so a concurrent register of the
+        same content cannot lose it."""
         conn.execute(versions_table.delete().where(versions_table.c.name == mv.name,
                                                    versions_table.c.version == mv.version))
-        if not conn.execute(select(func.count()).where(versions_table.c.sha256 == mv.sha256)).scalar():
-            self.store.remove(mv.sha256)
+
+    def _sweep(self, conn: Connection, shas: set[str] | None = None) -> list[str]:
+        """Remove the artifacts (of `shas`, or all) that no version references; last in a transaction, after
+        its audit entry, so a retried transaction never finds its files already gone."""
+        kept = set(conn.execute(select(versions_table.c.sha256).distinct()).scalars())
+        if shas is None:
+            return self.store.gc(kept)
+        return [sha for sha in sorted(shas - kept) if self.store.remove(sha)]
 
     def delete(self, name: str, version: int, actor: str) -> None:
         """Remove a version (and its artifact, if no other version shares it). 409 while it is active
         (VALIDATING, STAGING, STAGING_TESTED, CANARY, PRODUCTION) or deployed."""
-        with db.write(self.engine) as conn:
+        def op(conn: Connection) -> None:
             mv = self._get(conn, name, version)
             if mv.state in lifecycle.ACTIVE:
                 raise ControlError(409, f"cannot delete {mv.ref}: it is {mv.state.value}", code="version_in_use")
@@ -304,6 +322,8 @@ class Registry:
                                    code="version_in_use")
             self._drop(conn, mv)
             self.audit.append(conn, actor, "delete", mv.ref, mv.to_dict(), None)
+            self._sweep(conn, {mv.sha256})
+        self._write(op)
 
     def gc(self, keep_last: int, actor: str) -> list[str]:
         """Per model, keep the newest `keep_last` versions, and any older one that is active, deployed or the
@@ -312,8 +332,8 @@ class Registry:
         if not isinstance(keep_last, int) or keep_last < 1:
             raise ControlError(400, f"keep_last must be an integer >= 1, got {keep_last!r}", code="invalid_keep",
                                param="keep_last")
-        removed: list[str] = []
-        with db.write(self.engine) as conn:
+        def op(conn: Connection) -> list[str]:
+            removed: list[str] = []
             names = conn.execute(select(versions_table.c.name).distinct()).scalars().all()
             for name in names:
                 rows = conn.execute(select(versions_table).where(versions_table.c.name == name)
@@ -327,10 +347,12 @@ class Registry:
                     self._drop(conn, mv)
                     removed.append(mv.ref)
             kept = set(conn.execute(select(versions_table.c.sha256).distinct()).scalars())
-            swept = self.store.gc(kept)
+            unused = sorted(self.store.digests() - kept)
             self.audit.append(conn, actor, "gc", "registry", None,
-                              {"keep_last": keep_last, "removed": removed, "artifacts_removed": swept})
-        return removed
+                              {"keep_last": keep_last, "removed": removed, "artifacts_removed": unused})
+            self._sweep(conn)
+            return removed
+        return self._write(op)
 
     # -- deployment records -------------------------------------------------------------------------
     def save_deployment(self, rec: dict) -> None:
@@ -339,13 +361,14 @@ class Registry:
         scale and unload with `audit.record`."""
         if "id" not in rec:
             raise ValueError("a deployment record needs an 'id'")
-        with db.write(self.engine) as conn:
+        def op(conn: Connection) -> None:
             old = conn.execute(select(deployments_table.c.created_at)
                                .where(deployments_table.c.id == str(rec["id"]))).scalar()
             conn.execute(deployments_table.delete().where(deployments_table.c.id == str(rec["id"])))
             conn.execute(deployments_table.insert().values(
                 id=str(rec["id"]), name=rec.get("name"), version=rec.get("version"), record=dict(rec),
                 created_at=old if old is not None else time.time()))
+        self._write(op)
 
     def deployments(self) -> list[dict]:
         """Every deployment record, oldest first (what a restarted server brings back)."""
