@@ -98,7 +98,7 @@ async def _run_embed(mv: ModelVersion, prompts: list[str], factory: Callable[[Pa
         await worker.wait_ready()
         vectors, _ = await worker.embed(prompts)
     finally:
-        worker.close()
+        await asyncio.to_thread(worker.close)  # may wait for its process to exit: not on the event loop
     if len(vectors) != len(prompts):
         raise RuntimeError(f"the embedder returned {len(vectors)} vectors for {len(prompts)} texts")
     return [json.dumps({"dim": len(v), "head": [round(float(x), 4) for x in list(v)[:EMBED_HEAD]]})
