@@ -165,3 +165,42 @@ def test_restart_restores_deployments(llama_dir, model_dirs, tmp_path):
         assert restored and restored[-1]["after"] == {"restored": ["r-main"]}
     finally:
         assert stop_server(proc) == 0
+
+
+def test_on_demand_load_and_embedding_versions(server, model_dirs):
+    # a registered, validated version nobody deployed loads on its first request, and says how long it waited
+    r = httpx.post(server + "/admin/models", headers=ADMIN, timeout=300,
+                   json={"name": "od", "path": str(model_dirs["qwen2"]), "validate": True})
+    assert r.status_code == 201 and r.json()["state"] == "VALIDATED", r.text
+    error(complete(server, "od:2"), 404)  # no such version: nothing to load
+    first = complete(server, "od:1")
+    assert first.status_code == 200, first.text
+    assert first.headers["x-servelm-model-version"] == "od:1" and float(first.headers["x-servelm-load-wait-s"]) > 0
+    again = complete(server, "od:1")
+    assert "x-servelm-load-wait-s" not in again.headers and again.json()["choices"] == first.json()["choices"]
+    deps = {d["id"]: d for d in httpx.get(server + "/admin/deployments", headers=ADMIN).json()}
+    assert deps["od-v1"]["keep_alive_s"] == 300
+    assert any(e["action"] == "load_on_demand" and e["target"] == "od-v1"
+               for e in httpx.get(server + "/admin/audit", headers=ADMIN).json()["entries"])
+
+    # an embedding version: deployed, listed and served by name like the generation ones
+    from servelm.server.embeddings import default_embedding_path
+
+    path = default_embedding_path()
+    if path is None:
+        pytest.skip("the packaged embedding model is not installed")
+    v = httpx.post(server + "/admin/models", headers=ADMIN, timeout=300,
+                   json={"name": "emb", "path": str(path), "validate": True}).json()
+    assert (v["kind"], v["state"]) == ("embed", "VALIDATED")
+    r = httpx.post(server + "/admin/deployments", headers=ADMIN, timeout=300, json={"model": "emb:1"})
+    assert r.status_code == 201, r.text
+    user = {"x-api-key": USER_KEY}
+    ids = {c["id"] for c in httpx.get(server + "/v1/models", headers=user).json()["data"]}
+    assert {"emb", "emb:1"} <= ids
+    got = httpx.post(server + "/v1/embeddings", headers=user, json={"model": "emb", "input": ["a cat", "a dog"]})
+    assert got.status_code == 200 and got.json()["model"] == "emb:1", got.text
+    assert got.headers["x-servelm-model-version"] == "emb:1" and len(got.json()["data"]) == 2
+    native = httpx.post(server + "/embeddings", headers=user, json={"model": "emb:1", "input": "a cat"}).json()
+    assert native["embeddings"][0] == pytest.approx(got.json()["data"][0]["embedding"], abs=1e-5)
+    err = error(httpx.post(server + "/v1/embeddings", headers=user, json={"model": "m", "input": "x"}), 404)
+    assert "'emb'" in err["message"]  # a generation model is not an embedding model; the message lists those

@@ -64,6 +64,9 @@ class ServerConfig:
                               "models in the config file) turns on the registry and the /admin model routes")
     registry_url: str | None = _f(None, "SQLAlchemy URL of the model registry, e.g. postgresql://... to share "
                                   "one between servers (default: SQLite in the data directory)")
+    load_on_demand: bool = _f(True, "with a registry: a request naming a registered version that no deployment "
+                              "serves loads it first (the wait is in the x-servelm-load-wait-s header)")
+    keep_alive_s: float = _f(300.0, "an on-demand loaded model is unloaded after this many idle seconds (0: kept)")
     prefix_cache_isolation: str = _f("key", "key | none: with key, requests share prefix-cache blocks only "
                                      "with requests made with the same API key (one tenant cannot time-probe "
                                      "another's prompts); none shares them across all callers")
@@ -89,6 +92,7 @@ class ServerConfig:
         need(self.api_keys_file is None or Path(self.api_keys_file).is_file(), "api_keys_file", "an existing file")
         need(self.max_request_body_bytes >= 1024, "max_request_body_bytes", ">= 1024")
         need(self.prefix_cache_isolation in ("key", "none"), "prefix_cache_isolation", "key or none")
+        need(self.keep_alive_s >= 0, "keep_alive_s", ">= 0 (0: kept loaded)")
 
     def secret(self, name: str) -> str | None:
         """api_key or admin_key: as given, or read from its *_file (surrounding whitespace dropped)."""

@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import Request
 
+from servelm.control.types import Kind
 from servelm.outputs import RequestOutput
 from servelm.server import protocol as p
 from servelm.server.protocol import APIError
@@ -66,13 +67,15 @@ class Api:
         # share between threads (and the tokenizers library releases the GIL while it encodes anyway).
         self.text_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelm-tokenize")
 
-    def resolve(self, request: Request, model: str | None):
-        """The model serving this request (404 naming the available ones); its version goes on the record,
-        from which the gateway sets the x-servelm-model-version header."""
-        m = self.state.models.resolve(model)
+    async def resolve(self, request: Request, model: str | None, kind: Kind = Kind.GENERATE):
+        """The model serving this request (404 naming the available ones), loaded first if it is registered
+        but not deployed (on-demand). Its version and the load's wait go on the record, from which the gateway
+        sets the x-servelm-model-version and x-servelm-load-wait-s headers."""
+        m, waited = await self.state.models.load(model, kind)
         rec = record(request)
         rec.model = m.served_name
         rec.model_version = m.version.ref if m.version is not None else None
+        rec.load_wait_s = waited
         return m
 
     def metrics_of(self, m):

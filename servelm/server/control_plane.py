@@ -155,22 +155,39 @@ class ControlPlane:
         return [d.describe() for d in self.deployments.list()]
 
     async def restore(self) -> list[str]:
-        """Bring back every persisted deployment (after a restart); one that cannot start is logged and
-        audited, and the rest still come back. Returns the ids restored."""
-        restored = []
-        for rec in self.registry.deployments():
-            try:
-                mv = self.registry.get(rec["name"], int(rec["version"]))  # served before: whatever its state now
-                await self.deployments.create(mv, int(rec.get("workers", 1)), rec.get("strategy", "least_loaded"),
-                                              keep_alive_s=rec.get("keep_alive_s"), deployment_id=rec["id"])
-                restored.append(rec["id"])
-            except (ControlError, OSError, ValueError, KeyError) as e:
-                why = e.message if isinstance(e, ControlError) else f"{type(e).__name__}: {e}"
-                logger.error("could not restore deployment %s: %s", rec.get("id"), why)
-                self.registry.audit.record(SYSTEM, "restore_failed", str(rec.get("id")), None, {"reason": why})
+        """Bring back every persisted deployment (after a restart), whatever its version's state now; one that
+        cannot start is logged and audited, and the rest still come back. Returns the ids restored."""
+        records = self.registry.deployments()
+        started = await self.deployments.restore(records, self.registry.get)
+        restored = [d.id for d in started]
+        for rec in records:
+            if rec.get("id") not in restored:
+                self.registry.audit.record(SYSTEM, "restore_failed", str(rec.get("id")), None,
+                                           {"reason": "it could not start (see the server log)"})
         if restored:
             self.registry.audit.record(SYSTEM, "restore", "deployments", None, {"restored": restored})
         return restored
+
+    def find_version(self, model: str, kind: Kind | None = None) -> ModelVersion | None:
+        """What an on-demand load of `model` serves: `name` -> its PRODUCTION version, `name:version` -> that
+        version if it may be deployed; None when there is none (of `kind`, if given)."""
+        name, number = parse_ref(model)
+        try:
+            mv = self.registry.get(name, number) if number is not None else self.registry.production(name)
+        except ControlError:
+            return None
+        if mv is None or mv.state not in DEPLOYABLE or (kind is not None and mv.kind != kind):
+            return None
+        return mv
+
+    async def load_on_demand(self, model: str, kind: Kind, keep_alive_s: float | None) -> tuple[Any, float]:
+        """The deployment serving `model`, loaded now if it is registered but not deployed (audited)."""
+        dep, waited = await self.deployments.ensure(model, lambda m: self.find_version(m, kind),
+                                                    keep_alive_s=keep_alive_s)
+        if waited > 0:
+            self.registry.audit.record(SYSTEM, "load_on_demand", dep.id, None,
+                                       {**_brief(dep.describe()), "wait_s": round(waited, 3)})
+        return dep, waited
 
     # -- internals ---------------------------------------------------------------------------------
     async def _swap_model_to(self, mv: ModelVersion, actor: str) -> None:
@@ -213,9 +230,6 @@ class ControlPlane:
 
 
 def _check_deployable(mv: ModelVersion, promoting: bool = False) -> None:
-    if mv.kind != Kind.GENERATE:
-        raise ControlError(400, f"{mv.ref} is an embedding model; deployments serve generation models",
-                           code="wrong_kind")
     if mv.state not in DEPLOYABLE and not promoting:
         raise ControlError(409, f"{mv.ref} is {mv.state.value}; deploy a version that is one of "
                            f"{', '.join(s.value for s in sorted(DEPLOYABLE, key=list(State).index))}",

@@ -9,10 +9,10 @@ whatever it has deployed (`name` -> its PRODUCTION version, `name:version` pinne
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-from servelm.control.types import ControlError, ModelVersion
+from servelm.control.types import ControlError, Kind, ModelVersion
 from servelm.server.protocol import APIError
 
 
@@ -46,6 +46,9 @@ class ModelDirectory:
     def __init__(self, metrics_for: Callable[[str], Any] | None = None) -> None:
         self._fixed: dict[str, ServedModel] = {}
         self.deployments: Any = None  # control.deployments.DeploymentManager, when the server has one
+        # model -> (deployment, seconds waited): load a registered version no deployment serves yet, on its
+        # first request (None: off)
+        self.on_demand: Callable[[str, Kind], Awaitable[tuple[Any, float]]] | None = None
         # name -> that model's metrics view. A deployment's request figures go there; its workers' step
         # figures do not (several workers' cumulative counters cannot feed one series).
         self.metrics_for = metrics_for
@@ -70,53 +73,86 @@ class ModelDirectory:
         metrics of its current version."""
         version = dep.version
         metrics = None
-        if self.metrics_for is not None:
+        if self.metrics_for is not None and _kind(dep) == Kind.GENERATE:
             metrics = self._metrics.get(version.ref)
             if metrics is None:
                 metrics = self._metrics[version.ref] = self.metrics_for(version.ref)
-        return ServedModel(dep, dep.tokenizer, version.ref, version, metrics)
+        return ServedModel(dep, getattr(dep, "tokenizer", None), version.ref, version, metrics)
 
-    def deployed(self) -> list[ServedModel]:
-        """Every deployment of the attached manager, wrapped."""
+    def deployed(self, kind: Kind = Kind.GENERATE) -> list[ServedModel]:
+        """The attached manager's deployments of one kind (generation, or embedding), wrapped."""
         if self.deployments is None:
             return []
-        return [self._wrap(d) for d in self.deployments.list()]
+        return [self._wrap(d) for d in self.deployments.list() if _kind(d) == kind]
 
     def __iter__(self) -> Iterator[ServedModel]:
+        """Every generation model: the fixed ones, then the deployed versions."""
         yield from self.fixed()
         yield from self.deployed()
 
-    def names(self) -> list[str]:
-        """Every id a request may put in `model`: fixed names, and each deployed version's name and
-        name:version."""
-        out = list(self._fixed)
-        for d in self.deployed():
+    def names(self, kind: Kind = Kind.GENERATE) -> list[str]:
+        """Every id a request may put in `model`: fixed names (generation), and each deployed version's name
+        and name:version."""
+        out = list(self._fixed) if kind == Kind.GENERATE else []
+        for d in self.deployed(kind):
             for n in (d.name, d.served_name):
                 if n not in out:
                     out.append(n)
         return out
 
-    def resolve(self, model: str | None) -> ServedModel:
+    def resolve(self, model: str | None, kind: Kind = Kind.GENERATE) -> ServedModel:
         """The model serving `model` (None: the default one); 404 in OpenAI's shape naming what exists."""
-        if model is None:
+        if model is None and kind == Kind.GENERATE:
             if self.default is not None:
                 return self.default
             deployed = self.deployed()
             if len(deployed) == 1:
                 return deployed[0]
-            raise APIError(400, f"name a model: this server serves {self._listing()}", "model", "model_required")
-        found = self._fixed.get(model)
+            raise APIError(400, f"name a model: this server serves {self._listing(kind)}", "model",
+                           "model_required")
+        found = self._fixed.get(model) if kind == Kind.GENERATE else None
         if found is not None:
             return found
-        if self.deployments is not None:
+        if self.deployments is not None and model is not None:
             try:
-                return self._wrap(self.deployments.resolve(model))
+                dep = self.deployments.resolve(model)
             except ControlError as e:
                 if e.status != 404:
                     raise APIError(e.status, e.message, e.param or "model", e.code) from e
-        raise APIError(404, f"model {model!r} does not exist; this server serves {self._listing()}", "model",
-                       "model_not_found")
+            else:
+                if _kind(dep) == kind:
+                    return self._wrap(dep)
+        raise self._not_found(model, kind)
 
-    def _listing(self) -> str:
-        names = self.names()
+    async def load(self, model: str | None, kind: Kind = Kind.GENERATE) -> tuple[ServedModel, float | None]:
+        """As `resolve`, but a registered version that no deployment serves yet is loaded first when on-demand
+        loading is on: returns the model and the seconds waited for its load (None: it was there)."""
+        try:
+            return self.resolve(model, kind), None
+        except APIError as e:
+            if e.status != 404 or model is None or self.on_demand is None:
+                raise
+            try:
+                dep, waited = await self.on_demand(model, kind)
+            except ControlError as ce:
+                if ce.status == 404:
+                    raise e from None  # nothing registered either: the listing of what exists stands
+                raise APIError(ce.status, ce.message, ce.param or "model", ce.code) from ce
+            if _kind(dep) != kind:
+                raise e from None
+            return self._wrap(dep), waited
+
+    def _not_found(self, model: str | None, kind: Kind) -> APIError:
+        if kind == Kind.EMBED:
+            return APIError(404, f"model {model!r} does not exist or is not an embedding model; embedding "
+                                 f"models: {self._listing(kind)}", "model", "model_not_found")
+        return APIError(404, f"model {model!r} does not exist; this server serves {self._listing(kind)}", "model",
+                        "model_not_found")
+
+    def _listing(self, kind: Kind = Kind.GENERATE) -> str:
+        names = self.names(kind)
         return ", ".join(repr(n) for n in names) if names else "no models yet"
+
+
+def _kind(dep: Any) -> Kind:
+    return getattr(dep.version, "kind", Kind.GENERATE)

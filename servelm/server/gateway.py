@@ -55,6 +55,8 @@ class Gateway:
                 extra = [(b"x-request-id", rid.encode())]
                 if rec.model_version is not None:
                     extra.append((b"x-servelm-model-version", rec.model_version.encode()))
+                if rec.load_wait_s is not None:
+                    extra.append((b"x-servelm-load-wait-s", f"{rec.load_wait_s:.3f}".encode()))
                 present = {k.lower() for k, _ in message.get("headers", [])}
                 for k, v in self._limit_headers(rec).items():
                     if k.encode() not in present:

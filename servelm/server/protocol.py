@@ -294,4 +294,5 @@ class NativeChatRequest(NativeGenerateRequest):
 
 
 class NativeEmbeddingRequest(_Body):
+    model: str | None = None  # default: the server's embedding model
     input: Text | Texts

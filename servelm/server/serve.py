@@ -177,6 +177,10 @@ async def _open_control_plane(config, state):
         logger.warning("no model registry in this build (%s): serving the declared models only", e)
         return None
     state.models.deployments = plane.deployments
+    srv = config.server
+    if srv.load_on_demand:
+        keep = srv.keep_alive_s or None
+        state.models.on_demand = lambda model, kind: plane.load_on_demand(model, kind, keep)
     restored = await plane.restore()
     logger.info("model registry in %s: %d deployment(s) restored%s", plane.registry.data_dir, len(restored),
                 f" ({', '.join(restored)})" if restored else "")

@@ -26,6 +26,7 @@ class RequestRecord:
     api_key: object = None  # the caller's ApiKey, None without keys
     model: str | None = None
     model_version: str | None = None  # name:version of the registered version that served it
+    load_wait_s: float | None = None  # seconds it waited for its model to load on demand
     priority: str | None = None
     status: int = 200
     stream: bool = False

@@ -2,28 +2,38 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
+from servelm.control.types import Kind
 from servelm.server import protocol as p
 from servelm.server.common import Api, b64
 from servelm.server.embeddings import EmbedderDown
 from servelm.server.protocol import APIError
 
 
-async def _embed(api: Api, inputs: list[str]):
-    """(vectors, prompt tokens) of the inputs, after the request's caps are checked."""
+async def _embedder(api: Api, request: Request, model: str | None):
+    """(embedder, the name responses carry): the server's embedding model when `model` names it or nothing,
+    else a deployed (or on-demand loaded) embedding version."""
     state = api.state
-    if state.embedder is None:
-        raise APIError(404, "this server has no embedding model", "model", "model_not_found")
+    if model is None or model == state.embed_model_name:
+        if state.embedder is None:
+            raise APIError(404, "this server has no embedding model", "model", "model_not_found")
+        return state.embedder, state.embed_model_name
+    m = await api.resolve(request, model, Kind.EMBED)
+    return m, m.served_name
+
+
+async def _embed(api: Api, embedder, inputs: list[str]):
+    """(vectors, prompt tokens) of the inputs, after the request's caps are checked."""
     if not inputs or any(not isinstance(s, str) or not s for s in inputs):
         raise APIError(400, "input must be a non-empty string or a list of non-empty strings", "input")
-    cap = state.config.admission.max_embedding_inputs
+    cap = api.state.config.admission.max_embedding_inputs
     if len(inputs) > cap:
         raise APIError(400, f"input has {len(inputs)} items, over this server's limit of {cap} per request "
                             "(admission.max_embedding_inputs); split it into several requests", "input",
                        "limit_exceeded")
     try:
-        return await state.embedder.embed(inputs)
+        return await embedder.embed(inputs)
     except EmbedderDown as e:
         raise APIError(503, str(e), code="embedder_unavailable") from e
     except ValueError as e:
@@ -31,25 +41,21 @@ async def _embed(api: Api, inputs: list[str]):
 
 
 def add_routes(app: FastAPI, api: Api) -> None:
-    state = api.state
-
     @app.post("/v1/embeddings")
-    async def embeddings(req: p.EmbeddingRequest):
-        if req.model is not None and req.model != state.embed_model_name:
-            raise APIError(404, f"model {req.model!r} does not exist or is not an embedding model", "model",
-                           "model_not_found")
+    async def embeddings(req: p.EmbeddingRequest, request: Request):
+        embedder, name = await _embedder(api, request, req.model)
         inputs = [req.input] if isinstance(req.input, str) else req.input
-        vectors, tokens = await _embed(api, inputs)
+        vectors, tokens = await _embed(api, embedder, inputs)
         data = []
         for i, v in enumerate(vectors):
             emb = b64(v) if req.encoding_format == "base64" else v.tolist()
             data.append({"object": "embedding", "index": i, "embedding": emb})
-        return {"object": "list", "data": data, "model": state.embed_model_name,
+        return {"object": "list", "data": data, "model": name,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     @app.post("/embeddings")
-    async def native_embeddings(req: p.NativeEmbeddingRequest):
+    async def native_embeddings(req: p.NativeEmbeddingRequest, request: Request):
+        embedder, name = await _embedder(api, request, req.model)
         inputs = [req.input] if isinstance(req.input, str) else req.input
-        vectors, tokens = await _embed(api, inputs)
-        return {"embeddings": [v.tolist() for v in vectors], "model": state.embed_model_name,
-                "usage": {"prompt_tokens": tokens}}
+        vectors, tokens = await _embed(api, embedder, inputs)
+        return {"embeddings": [v.tolist() for v in vectors], "model": name, "usage": {"prompt_tokens": tokens}}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from servelm.control.types import Kind
 from servelm.server.common import Api
 from servelm.server.protocol import APIError
 
@@ -26,8 +27,16 @@ def add_routes(app: FastAPI, api: Api) -> None:
                     card.update(version=m.version.version, state=m.version.state.value, root=m.version.ref)
                 out.append(card)
         if state.embedder and state.embed_model_name not in seen:
+            seen.add(state.embed_model_name)
             out.append({"id": state.embed_model_name, "object": "model", "created": state.created,
                         "owned_by": "servelm"})
+        for m in state.models.deployed(Kind.EMBED):  # deployed embedding versions
+            for mid in dict.fromkeys((m.name, m.served_name)):
+                if mid not in seen:
+                    seen.add(mid)
+                    out.append({"id": mid, "object": "model", "created": state.created, "owned_by": "servelm",
+                                "version": m.version.version, "state": m.version.state.value,
+                                "root": m.version.ref})
         return out
 
     @app.get("/health")

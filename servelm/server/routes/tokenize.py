@@ -12,7 +12,7 @@ from servelm.server.protocol import APIError
 def add_routes(app: FastAPI, api: Api) -> None:
     @app.post("/tokenize")
     async def tokenize(req: p.TokenizeRequest, request: Request):
-        m = api.resolve(request, req.model)
+        m = await api.resolve(request, req.model)
         if req.messages is not None:
             ids = await api.chat_ids(m, req.messages)
         elif req.prompt is not None:
@@ -23,7 +23,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
 
     @app.post("/detokenize")
     async def detokenize(req: p.DetokenizeRequest, request: Request):
-        m = api.resolve(request, req.model)
+        m = await api.resolve(request, req.model)
         vocab = vocab_size(m)
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
