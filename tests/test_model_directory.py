@@ -196,3 +196,36 @@ def test_the_version_that_served_a_request_is_the_one_reported(tokenizer):
         chat = client.post("/v1/chat/completions", json={"model": "gamma", "max_tokens": 1,
                                                          "messages": [{"role": "user", "content": "x"}]})
         assert chat.json()["model"] == "gamma:5" and chat.headers["x-servelm-model-version"] == "gamma:5"
+
+
+def test_a_registered_model_loads_on_its_first_request(tokenizer):
+    """With on-demand loading, a model no deployment serves yet is loaded by the request that names it; the
+    response says how long it waited. What is not registered either stays a 404 listing what exists."""
+    from starlette.testclient import TestClient
+
+    from servelm.config.settings import load
+    from servelm.server.api import build_app
+    from servelm.server.serve import build_state
+
+    config = load({"embedding_model": "none", "log_requests": False}, env={})
+    state = build_state(config, tokenizer, FakeEngine("A"), "alpha")
+    manager = FakeManager([])
+    loads: list[str] = []
+
+    async def on_demand(model, kind):
+        if model != "delta:1":
+            raise ControlError(404, "not registered")
+        loads.append(model)
+        dep = FakeDeployment("delta", 1, State.VALIDATED, tokenizer)
+        manager.deployments.append(dep)
+        return dep, 0.25
+
+    state.models.deployments, state.models.on_demand = manager, on_demand
+    with TestClient(build_app(state)) as client:
+        first = _complete(client, "delta:1")
+        assert first.json()["choices"][0]["text"] == "delta-v1"
+        assert first.headers["x-servelm-load-wait-s"] == "0.250" and first.headers["x-servelm-model-version"] == "delta:1"
+        second = _complete(client, "delta:1")
+        assert "x-servelm-load-wait-s" not in second.headers and loads == ["delta:1"]  # loaded once
+        err = _complete(client, "epsilon").json()["error"]
+        assert err["code"] == "model_not_found" and "'alpha'" in err["message"] and "'delta:1'" in err["message"]
