@@ -176,13 +176,15 @@ class DeploymentManager:
         """Make room for `need` bytes: unload idle deployments (least recently used first) until it fits, else
         raise ControlError(507) naming the numbers."""
         async with self._lock:
-            while self.in_use() + need > self.budget.total:
-                idle = [d for d in self._deployments.values() if d is not keep and d.num_in_flight() == 0]
-                if not idle:
-                    break
-                victim = min(idle, key=lambda d: d.last_used)
-                logger.warning("unloading idle deployment %s to make room for %s", victim.id, what)
-                await self.unload(victim.id, "evict")
+            idle = sorted((d for d in self._deployments.values() if d is not keep and d.num_in_flight() == 0),
+                          key=lambda d: d.last_used)
+            freeable = sum(self._footprints[d.id] * len(d._all_workers()) for d in idle)
+            if self.in_use() - freeable + need <= self.budget.total:  # evict only where that makes it fit
+                for victim in idle:
+                    if self.in_use() + need <= self.budget.total:
+                        break
+                    logger.warning("unloading idle deployment %s to make room for %s", victim.id, what)
+                    await self.unload(victim.id, "evict")
             self.budget.check(need, self.in_use(), what)
             self._reserved += need
 
