@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -33,12 +34,17 @@ logger = logging.getLogger("servelm.deployments")
 _POLL_S = 0.05  # how often a drain or a re-send waiting for a worker looks again
 
 
+_TOKENIZER_LOCK = threading.Lock()
+
+
 def load_tokenizer(version: ModelVersion, config: EngineConfig):
-    """The version's tokenizer, as `servelm serve` loads it (no model classes, no torch)."""
+    """The version's tokenizer, as `servelm serve` loads it (no model classes, no torch). One load at a time:
+    transformers' lazy imports are not thread-safe (two at once can fail with an ImportError)."""
     from servelm.model.metadata import load_tokenizer as load
     from servelm.model.metadata import resolve_model
 
-    return load(resolve_model(config.model, config.gguf_file), config.tokenizer)
+    with _TOKENIZER_LOCK:
+        return load(resolve_model(config.model, config.gguf_file), config.tokenizer)
 
 
 @dataclass
