@@ -219,13 +219,13 @@ def test_a_dead_or_hung_worker_is_replaced_and_its_queued_requests_served_by_the
     async def main():
         base = dataclasses.replace(BASE, max_num_seqs=2)  # a third request waits in the worker's queue
         dep = _deployment(_version(llama_dir), 2, "round_robin", base=base,
-                          health=HealthSettings(interval_s=0.2, timeout_s=2.0))
+                          health=HealthSettings(interval_s=0.2, timeout_s=1.5, kill_after_s=4.0))
         await dep.start()
         try:
             victim, other = dep.workers
             tasks, streamed = _collect(dep, 8, 150)
-            await _until(lambda: victim.engine.num_queued() >= 2 and victim.engine.num_in_flight() == 4,
-                         "the victim to run two requests and queue two")
+            await _until(lambda: victim.engine.num_queued() == 2 and victim.engine.num_in_flight() == 4,
+                         "the victim to run two requests (both streaming) and queue two")
             queued = {rid for rid, s in victim.engine.streams.items() if not s.started}
             running = set(victim.engine.streams) - queued
             pid, routed_before = victim.pid, other.routed
@@ -242,6 +242,33 @@ def test_a_dead_or_hung_worker_is_replaced_and_its_queued_requests_served_by_the
             before = victim.routed
             await asyncio.gather(*(_run(dep, f"after{i}", [1, 2], 2) for i in range(2)))
             assert victim.routed == before + 1  # back in rotation
+        finally:
+            await dep.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_paused_worker_leaves_rotation_its_queue_moves_and_it_rejoins_when_it_answers(llama_dir):
+    async def main():
+        base = dataclasses.replace(BASE, max_num_seqs=2)
+        dep = _deployment(_version(llama_dir), 2, "round_robin", base=base,
+                          health=HealthSettings(interval_s=0.2, timeout_s=1.5, kill_after_s=600.0))
+        await dep.start()
+        try:
+            victim, other = dep.workers
+            tasks, _ = _collect(dep, 8, 150)
+            await _until(lambda: victim.engine.num_queued() == 2 and victim.engine.num_in_flight() == 4,
+                         "the victim to run two requests (both streaming) and queue two")
+            queued = {rid for rid, s in victim.engine.streams.items() if not s.started}
+            routed_before = other.routed
+            os.kill(victim.pid, signal.SIGSTOP)  # alive, answering nothing: a long step, or hung
+            await _until(lambda: not victim.routable and other.routed == routed_before + len(queued),
+                         "the victim to leave rotation and its queued requests to move")
+            os.kill(victim.pid, signal.SIGCONT)
+            done = await asyncio.wait_for(asyncio.gather(*tasks.values()), 120)
+            assert len(set(done)) == 1  # every request served, the running ones by the victim once it woke
+            await _until(lambda: victim.routable, "the victim to rejoin")
+            assert victim.engine.restarts == 0 and victim.pid is not None and _alive(victim.pid)
         finally:
             await dep.shutdown()
 

@@ -197,7 +197,8 @@ class Deployment:
         gen.active += 1
         try:
             for attempt in itertools.count():
-                worker = self._route(gen, req, tried) if attempt == 0 else await self._reroute(gen, req, tried)
+                worker = self._route(gen, req, tried) if attempt == 0 else \
+                    await self._reroute(gen, req, tried, queue_timeout)
                 started = False
                 worker.pending[request_id] = need
                 worker.routed += 1
@@ -242,10 +243,11 @@ class Deployment:
             return min(fresh or candidates, key=Worker.load)
         return self.strategy.pick(fresh or candidates, req)
 
-    async def _reroute(self, gen: Generation, req: RouteRequest, tried: set[int]) -> Worker:
-        """A worker for a re-sent request, waiting (up to the start timeout) for one to come back if none is
-        ready: a lone worker's queued requests wait for its restart rather than fail."""
-        deadline = time.monotonic() + (self.start_timeout or float("inf"))
+    async def _reroute(self, gen: Generation, req: RouteRequest, tried: set[int],
+                       queue_timeout: float | None) -> Worker:
+        """A worker for a re-sent request, waiting (up to the queue timeout, else the start timeout) for one to
+        come back if none is ready: a lone worker's queued requests wait for its restart rather than fail."""
+        deadline = time.monotonic() + (queue_timeout or self.start_timeout or float("inf"))
         while (not self._candidates(gen) and any(not w.stopped for w in gen.workers)
                and time.monotonic() < deadline and not self._closing):
             await asyncio.sleep(_POLL_S)
@@ -365,10 +367,13 @@ class Deployment:
         """Health checks: dead workers are noticed, hung ones killed (the client restarts both), and a
         restarted worker's remembered prefixes forgotten."""
         while not self._closing:
+            t = time.monotonic()
             await asyncio.sleep(self.health.interval_s)
+            if time.monotonic() - t > self.health.interval_s + self.health.timeout_s / 2:
+                continue  # this process was stalled, not the workers: their answers may be unread yet
             for w in self._all_workers():
                 with contextlib.suppress(Exception):  # a check must never stop the watcher
-                    await w.check_health(self.health.timeout_s)
+                    await w.check_health(self.health)
                 if w.engine.restarts != w.seen_restarts:
                     w.seen_restarts = w.engine.restarts
                     self.strategy.forget(w.id)

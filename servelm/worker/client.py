@@ -194,6 +194,15 @@ class AsyncEngine:
             with contextlib.suppress(zmq.ZMQError):
                 await self._in.send(m.encoder.encode(m.Ping(self._ping_seq)), flags=zmq.NOBLOCK)
 
+    def fail_queued(self, err: Exception) -> int:
+        """End the requests that have no output yet with `err` (their callers abort them here and may send them
+        elsewhere); those already streaming go on. Returns how many."""
+        queued = [rid for rid, st in self.streams.items() if not st.started]
+        for rid in queued:
+            stream = self.streams[rid]
+            stream.queue.put_nowait(err)
+        return len(queued)
+
     def kill(self) -> None:
         """Kill the engine process (a hung one): its death is handled as any other, and it is restarted."""
         if self._proc is not None and self._proc.is_alive():
