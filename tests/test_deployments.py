@@ -379,13 +379,15 @@ def test_a_swap_that_cannot_start_keeps_the_old_version_serving(llama_dir, tmp_p
     asyncio.run(main())
 
 
+@pytest.mark.slow  # about 25 s on 2 busy cores: four engine starts
 def test_manager_resolves_names_and_versions_and_evicts_idle_deployments_to_fit(llama_dir, llama2_dir):
     from servelm.control.deployments import DeploymentManager
 
     async def main():
         changes = []
         per_worker = worker_footprint(_version(llama_dir), dataclasses.replace(BASE, model=str(llama_dir))).total
-        mgr = DeploymentManager(BASE, MemoryBudget(int(2.5 * per_worker)), lambda a, r: changes.append((a, r["id"])))
+        mgr = DeploymentManager(BASE, MemoryBudget(int(2.5 * per_worker)), lambda a, r: changes.append((a, r["id"])),
+                                reap_every_s=0.2)
         try:
             d1 = await mgr.create(_version(llama_dir))
             d2 = await mgr.create(_version(llama2_dir, version=2, state=State.STAGING))
@@ -410,6 +412,24 @@ def test_manager_resolves_names_and_versions_and_evicts_idle_deployments_to_fit(
             assert e.value.status == 404
             assert [a for a, _ in changes] == ["create", "create", "evict", "create", "unload"]
             assert mgr.in_use() == per_worker
+            # on demand: the first requests for an unloaded model share one load, and say how long they waited
+            other = _version(llama2_dir, name="other")
+            asked = []
+
+            def find(model: str) -> ModelVersion | None:
+                asked.append(model)
+                return other if model == "other" else None
+
+            (a, wa), (b, wb) = await asyncio.gather(mgr.ensure("other", find, keep_alive_s=0.0),
+                                                    mgr.ensure("other", find, keep_alive_s=0.0))
+            assert a is b and a.version is other and wa > 0 and wb > 0 and asked == ["other", "other"]
+            assert changes[-1] == ("create", "other-v1") and len(changes) == 6
+            assert await mgr.ensure("tiny", find) == (d1, 0.0)
+            with pytest.raises(ControlError) as e:
+                await mgr.ensure("nope", find)
+            assert e.value.status == 404
+            await _until(lambda: changes[-1] == ("expire", "other-v1"), "the idle on-demand deployment to expire")
+            assert mgr.list() == [d1] and not any(_alive(w.pid) for w in a.workers)
         finally:
             await mgr.shutdown()
 

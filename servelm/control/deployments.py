@@ -47,6 +47,7 @@ class DeploymentManager:
         self._reserved = 0  # bytes of workers being started (not yet counted in a deployment)
         self._lock = asyncio.Lock()  # budget decisions one at a time
         self._reaper: asyncio.Task | None = None
+        self._loading: dict[str, asyncio.Future] = {}  # version ref -> its on-demand load in progress
 
     # -- lookup ------------------------------------------------------------------------------------
     def get(self, deployment_id: str) -> Deployment:
@@ -93,6 +94,27 @@ class DeploymentManager:
                                f"({', '.join(d.version.ref for d in mine)}) and none of them is its PRODUCTION "
                                "version; name one as name:version", code="model_not_found", param="model")
         return found
+
+    async def ensure(self, model: str, find: Callable[[str], ModelVersion | None], workers: int = 1,
+                     strategy: str = "least_loaded", keep_alive_s: float | None = 300.0) -> tuple[Deployment, float]:
+        """The deployment serving `model`, loading it first if there is none (on demand): `find(model)` names
+        the version to load (the registry's PRODUCTION version of a name, or a pinned `name:version`; None: the
+        404 stands). Returns it and the seconds this call waited for the load (0.0 if it was there); requests
+        arriving during one load share it. On-demand deployments unload after `keep_alive_s` idle."""
+        try:
+            return self.resolve(model), 0.0
+        except ControlError:
+            version = find(model)
+            if version is None:
+                raise
+        t0 = time.monotonic()
+        task = self._loading.get(version.ref)
+        if task is None:
+            task = asyncio.ensure_future(self.create(version, workers, strategy, keep_alive_s=keep_alive_s))
+            self._loading[version.ref] = task
+            task.add_done_callback(lambda _: self._loading.pop(version.ref, None))
+        d = await asyncio.shield(task)  # a caller that leaves does not cancel the load for the others
+        return d, time.monotonic() - t0
 
     # -- changes -----------------------------------------------------------------------------------
     async def create(self, version: ModelVersion, workers: int = 1, strategy: str = "least_loaded",
