@@ -434,3 +434,35 @@ def test_manager_resolves_names_and_versions_and_evicts_idle_deployments_to_fit(
             await mgr.shutdown()
 
     asyncio.run(main())
+
+
+def test_an_embedding_version_deploys_as_the_embedding_worker(llama_dir):
+    from servelm.control.deployments import DeploymentManager, EmbedDeployment
+    from servelm.worker.embedder import default_embedding_path
+
+    path = default_embedding_path()
+    if path is None:
+        pytest.skip("the default embedding model's package is not installed")
+    minilm = dataclasses.replace(_version(path, name="minilm"), kind=Kind.EMBED)
+
+    async def main():
+        changes = []
+        mgr = DeploymentManager(BASE, on_change=lambda a, r: changes.append((a, r["kind"])))
+        try:
+            d = await mgr.create(minilm, workers=3)
+            assert isinstance(d, EmbedDeployment) and mgr.resolve("minilm") is d and d.ready
+            vecs, tokens = await d.embed(["a cat", "a dog"])
+            assert len(vecs) == 2 and vecs[0].shape == (384,) and tokens > 2
+            assert abs(float((vecs[0] ** 2).sum()) - 1) < 1e-4
+            assert mgr.in_use() == worker_footprint(minilm, None).total  # one process, however many were asked
+            with pytest.raises(ControlError) as e:
+                await mgr.swap(d.id, _version(llama_dir, name="minilm", version=2))
+            assert e.value.code == "wrong_kind" and d.version is minilm
+            pid = d.embedder.pid
+            await mgr.unload(d.id)
+            assert changes == [("create", "embed"), ("unload", "embed")] and mgr.in_use() == 0
+            await _until(lambda: not _alive(pid), "the embedding process to exit")
+        finally:
+            await mgr.shutdown()
+
+    asyncio.run(main())

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from servelm.config.engine import DEFAULT_KV_CACHE_GB, EngineConfig
-from servelm.control.types import ControlError, ModelVersion
+from servelm.control.types import ControlError, Kind, ModelVersion
 
 GiB = 2**30
 DEFAULT_FRACTION = 0.8  # of RAM: the default budget
@@ -72,10 +72,14 @@ def kv_bytes_per_block(hf_config, block_size: int, size: int) -> int:
     return 2 * hf_config.num_hidden_layers * block_size * kv_heads * head_dim * size
 
 
-def worker_footprint(version: ModelVersion, config: EngineConfig) -> Footprint:
-    """The footprint of one worker of `version` under `config` (the version's own engine settings applied)."""
+def worker_footprint(version: ModelVersion, config: EngineConfig | None) -> Footprint:
+    """The footprint of one worker of `version` under `config` (the version's own engine settings applied); an
+    embedding worker (no config) runs its encoder in float32 and has no KV pool."""
     from servelm.model.metadata import load_config, resolve_model
 
+    if version.kind == Kind.EMBED or config is None:
+        return Footprint(version.num_params * 4 if version.num_params else
+                         version.size_bytes or _files_size(Path(version.artifact)), 0)
     size = itemsize(config.dtype, config.device)
     if version.num_params:
         weights = version.num_params * size

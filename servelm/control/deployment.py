@@ -117,6 +117,12 @@ class Deployment:
     def config(self) -> EngineConfig:
         return self._gen.config
 
+    kind = Kind.GENERATE
+
+    def num_processes(self) -> int:
+        """Worker processes now running or starting, draining ones included (what the memory budget counts)."""
+        return len(self._all_workers())
+
     def _all_workers(self) -> list[Worker]:
         return list(self._gen.workers) + [w for g in self._old for w in g.workers]
 
@@ -395,6 +401,6 @@ class Deployment:
     def describe(self) -> dict:
         """A JSON-able record: what the admin API shows and the registry persists."""
         return {"id": self.id, "name": self.version.name, "version": self.version.version, "ref": self.version.ref,
-                "workers": self.num_workers, "strategy": self.strategy_name, "keep_alive_s": self.keep_alive_s,
+                "kind": Kind.GENERATE.value, "workers": self.num_workers, "strategy": self.strategy_name, "keep_alive_s": self.keep_alive_s,
                 "ready": self.ready, "in_flight": self.num_in_flight(),
                 "worker_status": [w.describe() for w in self._all_workers()]}

@@ -16,11 +16,13 @@ from collections.abc import Callable
 from servelm.config.engine import EngineConfig
 from servelm.control.budget import MemoryBudget, worker_footprint
 from servelm.control.deployment import Deployment, load_tokenizer
-from servelm.control.types import ControlError, ModelVersion, State
+from servelm.control.embed_deployment import EmbedDeployment
+from servelm.control.types import ControlError, Kind, ModelVersion, State
 from servelm.worker.handle import HealthSettings
 
-__all__ = ["Deployment", "DeploymentManager", "load_tokenizer"]
+__all__ = ["Deployment", "DeploymentManager", "EmbedDeployment", "Served", "load_tokenizer"]
 logger = logging.getLogger("servelm.deployments")
+Served = Deployment | EmbedDeployment  # what resolve() returns: generation (AsyncEngine surface) or embeddings
 
 
 class DeploymentManager:
@@ -42,7 +44,7 @@ class DeploymentManager:
         self.on_change, self.production_of = on_change, production_of
         self.start_timeout, self.health = start_timeout, health
         self.reap_every_s = reap_every_s
-        self._deployments: dict[str, Deployment] = {}
+        self._deployments: dict[str, Served] = {}
         self._footprints: dict[str, int] = {}  # id -> bytes per worker
         self._reserved = 0  # bytes of workers being started (not yet counted in a deployment)
         self._lock = asyncio.Lock()  # budget decisions one at a time
@@ -50,14 +52,14 @@ class DeploymentManager:
         self._loading: dict[str, asyncio.Future] = {}  # version ref -> its on-demand load in progress
 
     # -- lookup ------------------------------------------------------------------------------------
-    def get(self, deployment_id: str) -> Deployment:
+    def get(self, deployment_id: str) -> Served:
         d = self._deployments.get(deployment_id)
         if d is None:
             raise ControlError(404, f"no deployment {deployment_id!r}; deployments: "
                                f"{', '.join(self._deployments) or 'none'}", code="deployment_not_found")
         return d
 
-    def list(self) -> list[Deployment]:
+    def list(self) -> list[Served]:
         return list(self._deployments.values())
 
     def served(self) -> list[str]:
@@ -66,7 +68,7 @@ class DeploymentManager:
         names = sorted({d.version.name for d in self._deployments.values()})
         return [n for n in names if self._by_name(n, strict=False) is not None] + refs
 
-    def resolve(self, model: str) -> Deployment:
+    def resolve(self, model: str) -> Served:
         """The deployment that serves `model` (`name` or `name:version`); 404 naming what exists."""
         name, sep, ver = model.rpartition(":")
         if sep and ver.isdigit():
@@ -80,7 +82,7 @@ class DeploymentManager:
         raise ControlError(404, f"the model {model!r} is not deployed; available: "
                            f"{', '.join(self.served()) or 'none'}", code="model_not_found", param="model")
 
-    def _by_name(self, name: str, strict: bool) -> Deployment | None:
+    def _by_name(self, name: str, strict: bool) -> Served | None:
         mine = [d for d in self._deployments.values() if d.version.name == name]
         if len(mine) == 1:
             return mine[0]
@@ -96,7 +98,7 @@ class DeploymentManager:
         return found
 
     async def ensure(self, model: str, find: Callable[[str], ModelVersion | None], workers: int = 1,
-                     strategy: str = "least_loaded", keep_alive_s: float | None = 300.0) -> tuple[Deployment, float]:
+                     strategy: str = "least_loaded", keep_alive_s: float | None = 300.0) -> tuple[Served, float]:
         """The deployment serving `model`, loading it first if there is none (on demand): `find(model)` names
         the version to load (the registry's PRODUCTION version of a name, or a pinned `name:version`; None: the
         404 stands). Returns it and the seconds this call waited for the load (0.0 if it was there); requests
@@ -119,13 +121,20 @@ class DeploymentManager:
     # -- changes -----------------------------------------------------------------------------------
     async def create(self, version: ModelVersion, workers: int = 1, strategy: str = "least_loaded",
                      engine_base: EngineConfig | None = None, tokenizer=None, keep_alive_s: float | None = None,
-                     deployment_id: str | None = None) -> Deployment:
-        """Deploy `version` with `workers` workers, started and warm when this returns."""
-        d = Deployment(version, engine_base or self.engine_base, workers, strategy, tokenizer, deployment_id,
-                       self.start_timeout, self.health, keep_alive_s=keep_alive_s)
+                     deployment_id: str | None = None) -> Served:
+        """Deploy `version` with `workers` workers, started and warm when this returns (an embedding version:
+        one embedding worker)."""
+        d: Served
+        if version.kind == Kind.EMBED:
+            d, config = EmbedDeployment(version, deployment_id, keep_alive_s), None
+            workers = 1
+        else:
+            d = Deployment(version, engine_base or self.engine_base, workers, strategy, tokenizer, deployment_id,
+                           self.start_timeout, self.health, keep_alive_s=keep_alive_s)
+            config = d.config
         if d.id in self._deployments:
             raise ControlError(409, f"deployment {d.id!r} exists already", code="deployment_exists")
-        per_worker = await asyncio.to_thread(self._footprint, version, d.config)
+        per_worker = await asyncio.to_thread(self._footprint, version, config)
         await self._reserve(per_worker * workers, f"deploying {version.ref} with {workers} worker(s)", keep=None)
         try:
             await d.start()
@@ -139,7 +148,7 @@ class DeploymentManager:
         self._changed("create", d)
         return d
 
-    async def scale(self, deployment_id: str, n: int) -> Deployment:
+    async def scale(self, deployment_id: str, n: int) -> Served:
         d = self.get(deployment_id)
         extra = max(0, n - d.num_workers) * self._footprints[d.id]
         await self._reserve(extra, f"scaling {d.id} to {n} workers", keep=d)
@@ -150,11 +159,12 @@ class DeploymentManager:
         self._changed("scale", d)
         return d
 
-    async def swap(self, deployment_id: str, version: ModelVersion, tokenizer=None) -> Deployment:
+    async def swap(self, deployment_id: str, version: ModelVersion, tokenizer=None) -> Served:
         """Serve `version` on this deployment with zero downtime (its workers run beside the old ones for a
         while, so both must fit the budget)."""
         d = self.get(deployment_id)
-        per_worker = await asyncio.to_thread(self._footprint, version, version.engine_config(d.base))
+        config = version.engine_config(d.base) if isinstance(d, Deployment) else None
+        per_worker = await asyncio.to_thread(self._footprint, version, config)
         need = per_worker * d.num_workers
         await self._reserve(need, f"swapping {d.id} to {version.ref}", keep=d)
         try:
@@ -183,7 +193,7 @@ class DeploymentManager:
         await asyncio.gather(*(d.shutdown() for d in ds), return_exceptions=True)
 
     # -- memory ------------------------------------------------------------------------------------
-    def _footprint(self, version: ModelVersion, config: EngineConfig) -> int:
+    def _footprint(self, version: ModelVersion, config: EngineConfig | None) -> int:
         try:
             return worker_footprint(version, config).total
         except (OSError, ValueError, AttributeError) as e:
@@ -192,15 +202,15 @@ class DeploymentManager:
 
     def in_use(self) -> int:
         """Bytes of every running and starting worker (a draining one counts until it is gone)."""
-        return self._reserved + sum(self._footprints[i] * len(d._all_workers()) for i, d in self._deployments.items())
+        return self._reserved + sum(self._footprints[i] * d.num_processes() for i, d in self._deployments.items())
 
-    async def _reserve(self, need: int, what: str, keep: Deployment | None) -> None:
+    async def _reserve(self, need: int, what: str, keep: Served | None) -> None:
         """Make room for `need` bytes: unload idle deployments (least recently used first) until it fits, else
         raise ControlError(507) naming the numbers."""
         async with self._lock:
             idle = sorted((d for d in self._deployments.values() if d is not keep and d.num_in_flight() == 0),
                           key=lambda d: d.last_used)
-            freeable = sum(self._footprints[d.id] * len(d._all_workers()) for d in idle)
+            freeable = sum(self._footprints[d.id] * d.num_processes() for d in idle)
             if self.in_use() - freeable + need <= self.budget.total:  # evict only where that makes it fit
                 for victim in idle:
                     if self.in_use() + need <= self.budget.total:
@@ -226,7 +236,7 @@ class DeploymentManager:
                     with contextlib.suppress(ControlError):
                         await self.unload(d.id, "expire")
 
-    def _changed(self, action: str, d: Deployment) -> None:
+    def _changed(self, action: str, d: Served) -> None:
         if self.on_change is not None:
             try:
                 self.on_change(action, d.describe())
