@@ -329,7 +329,7 @@ class Deployment:
                 await self._start_workers(gen, n - have)
             elif n < have:
                 # the least useful go first: not ready, then least loaded
-                victims = sorted(gen.workers, key=lambda w: (w.engine.ready, -w.load()))[:have - n]
+                victims = sorted(gen.workers, key=lambda w: (w.engine.ready, w.load()))[:have - n]
                 for w in victims:
                     w.draining = True
                 gen.workers = [w for w in gen.workers if w not in victims]
