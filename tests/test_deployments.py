@@ -458,6 +458,7 @@ def test_an_embedding_version_deploys_as_the_embedding_worker(llama_dir):
             with pytest.raises(ControlError) as e:
                 await mgr.swap(d.id, _version(llama_dir, name="minilm", version=2))
             assert e.value.code == "wrong_kind" and d.version is minilm
+            assert changes.pop() == ("swap_failed", "embed")  # reported for the audit trail too
             pid = d.embedder.pid
             await mgr.unload(d.id)
             assert changes == [("create", "embed"), ("unload", "embed")] and mgr.in_use() == 0

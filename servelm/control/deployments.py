@@ -28,8 +28,9 @@ Served = Deployment | EmbedDeployment  # what resolve() returns: generation (Asy
 class DeploymentManager:
     """Every deployment of the server.
 
-    `on_change(action, record)` is called after each change ("create", "scale", "swap", "unload", "evict"),
-    with the deployment's `describe()` record, so the caller can persist and audit it. `production_of(name)`
+    `on_change(action, record)` is called after each change ("create", "scale", "swap", "unload", "evict",
+    "expire") and after a failed swap ("swap_failed", the record with `to` and `error`), with the deployment's
+    `describe()` record, so the caller can persist and audit it. `production_of(name)`
     names the PRODUCTION version of a model (the registry's view; default: the deployed versions' states).
     Deployments idle for their `keep_alive_s` are unloaded; under memory pressure idle ones are unloaded
     least recently used first.
@@ -171,6 +172,7 @@ class DeploymentManager:
             await d.swap(version, tokenizer)
         except ControlError as e:
             logger.error("swap of %s to %s failed: %s", d.id, version.ref, e.message)
+            self._changed("swap_failed", d, to=version.ref, error=e.message)
             raise
         finally:
             self._reserved -= need
@@ -236,9 +238,9 @@ class DeploymentManager:
                     with contextlib.suppress(ControlError):
                         await self.unload(d.id, "expire")
 
-    def _changed(self, action: str, d: Served) -> None:
+    def _changed(self, action: str, d: Served, **extra) -> None:
         if self.on_change is not None:
             try:
-                self.on_change(action, d.describe())
+                self.on_change(action, {**d.describe(), **extra})
             except Exception:  # persistence failing must not undo a change that took effect
                 logger.exception("on_change(%s, %s) failed", action, d.id)
