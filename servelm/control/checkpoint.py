@@ -1,0 +1,100 @@
+"""What the registry records about a checkpoint, read from its files alone (headers, never the weights):
+what its workers do, architecture, dtype and parameter count."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections import Counter
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+
+from servelm.control.types import ControlError, Kind
+from servelm.model import hf_files, metadata
+from servelm.model.gguf_header import read_gguf_file_header
+
+# Encoder-only families: their versions embed text rather than generate it.
+ENCODER_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra"})
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
+                       "I8": "int8", "U8": "uint8", "I32": "int32", "I64": "int64"}
+
+
+@dataclass
+class CheckpointInfo:
+    kind: Kind
+    architecture: str | None
+    dtype: str | None
+    num_params: int | None
+
+
+def describe(path: Path) -> CheckpointInfo:
+    """Inspect a model folder or .gguf file; ControlError(400) for one servelm cannot serve."""
+    path = Path(path)
+    config = hf_files.read_json(path / "config.json") if path.is_dir() else None
+    if config is not None and (config.get("model_type") in ENCODER_MODEL_TYPES
+                               or any(a == "BertModel" for a in config.get("architectures") or [])):
+        return _describe_folder(path, config, Kind.EMBED)
+    try:
+        src = metadata.check_model(str(path))
+    except (FileNotFoundError, ValueError) as e:
+        raise ControlError(400, f"cannot register {str(path)!r}: {e}", code="invalid_model", param="path") from e
+    if src.kind == "gguf":
+        return _describe_gguf(src.path)
+    return _describe_folder(src.path, config or {}, Kind.GENERATE)
+
+
+def _describe_folder(folder: Path, config: dict, kind: Kind) -> CheckpointInfo:
+    dtypes: Counter[str] = Counter()
+    params = 0
+    files = sorted(folder.glob("*.safetensors"))
+    for f in files:
+        for name, t in _safetensors_header(f).items():
+            if name == "__metadata__":
+                continue
+            n = prod(t["shape"])
+            params += n
+            dtypes[t["dtype"]] += n
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    if dtype is None and dtypes:
+        raw = dtypes.most_common(1)[0][0]
+        dtype = _SAFETENSORS_DTYPES.get(raw, raw)
+    from types import SimpleNamespace
+
+    arch = metadata.architecture(SimpleNamespace(**config)) if config else None
+    return CheckpointInfo(kind, arch, dtype, params if files else None)
+
+
+def _safetensors_header(path: Path) -> dict:
+    """A .safetensors file's JSON header: tensor name -> {dtype, shape, data_offsets}."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ControlError(400, f"{path} is not a safetensors file", code="invalid_model", param="path")
+        (n,) = struct.unpack("<Q", raw)
+        try:
+            return json.loads(f.read(n))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ControlError(400, f"{path} has no valid safetensors header", code="invalid_model",
+                               param="path") from e
+
+
+def _describe_gguf(path: Path) -> CheckpointInfo:
+    head = read_gguf_file_header(path)
+    arch = metadata.architecture(metadata.load_config(metadata.resolve_model(str(path))))
+    counts: Counter[str] = Counter()
+    params = 0
+    for _name, shape, ggml_type, _offset in head.tensors:
+        n = prod(shape)
+        params += n
+        counts[_ggml_type_name(ggml_type)] += n
+    return CheckpointInfo(Kind.GENERATE, arch, counts.most_common(1)[0][0] if counts else None, params)
+
+
+def _ggml_type_name(t: int) -> str:
+    try:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(t).name
+    except (ImportError, ValueError):
+        return f"ggml_type_{t}"

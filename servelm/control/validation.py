@@ -1,0 +1,145 @@
+"""Validation before anything is served: the artifact's hash still matches, it loads in a real worker, and its
+golden prompts (or a default smoke set) run greedily; the outputs are recorded. Any failure leaves the version
+FAILED with the reason.
+
+Generation versions run in one engine-core worker (`AsyncEngine`), as a deployment would run them. Embedding
+versions run in an embedding worker made by `embedder_factory` (the server passes its `Embedder`); without
+one, a one-process pool runs the encoder (mean pooling, L2 normalisation, as the server's embedder does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import multiprocessing
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Protocol
+
+from servelm.config.engine import EngineConfig
+from servelm.control.types import ControlError, Kind, ModelVersion, State
+
+logger = logging.getLogger("servelm.control")
+
+DEFAULT_PROMPTS = ("The capital of France is", "Once upon a time,", "def fibonacci(n):")
+MAX_TOKENS = 16
+EMBED_HEAD = 8  # leading dimensions of each embedding kept in the record
+
+
+class EmbedWorker(Protocol):
+    """What validation needs of an embedding worker (the server's `Embedder` has this shape)."""
+
+    async def wait_ready(self) -> None: ...
+    async def embed(self, texts: list[str]) -> tuple[Sequence[Sequence[float]], int]: ...
+    def close(self) -> None: ...
+
+
+async def validate(registry, name: str, version: int, base: EngineConfig, actor: str, *,
+                   embedder_factory: Callable[[Path], EmbedWorker] | None = None, max_tokens: int = MAX_TOKENS,
+                   start_timeout: float = 600.0) -> ModelVersion:
+    """REGISTERED -> VALIDATING -> VALIDATED (outputs recorded) or FAILED (reason recorded); returns the
+    version as it ends. The worker is shut down either way. A cancelled validation is recorded as FAILED."""
+    mv = await asyncio.to_thread(registry.transition, name, version, State.VALIDATING, actor)
+    prompts = list(mv.golden_prompts) or list(DEFAULT_PROMPTS)
+    try:
+        await asyncio.to_thread(registry.store.check, Path(mv.artifact), mv.sha256)
+        if mv.kind == Kind.EMBED:
+            outputs = await _run_embed(mv, prompts, embedder_factory or ChildEncoder)
+        else:
+            outputs = await _run_generate(mv, base, prompts, max_tokens, start_timeout)
+    except asyncio.CancelledError:
+        registry.transition(name, version, State.FAILED, actor, "validation was cancelled")
+        raise
+    except Exception as e:  # noqa: BLE001 (whatever went wrong is the version's failure, reported as such)
+        reason = e.message if isinstance(e, ControlError) else f"{type(e).__name__}: {e}"
+        logger.warning("validation of %s failed: %s", mv.ref, reason)
+        return await asyncio.to_thread(registry.transition, name, version, State.FAILED, actor, reason)
+    logger.info("validated %s: %d golden prompts", mv.ref, len(outputs))
+    return await asyncio.to_thread(registry.transition, name, version, State.VALIDATED, actor, None,
+                                   outputs=outputs)
+
+
+async def _run_generate(mv: ModelVersion, base: EngineConfig, prompts: list[str], max_tokens: int,
+                        start_timeout: float) -> list[str]:
+    """Start one engine worker on the version's artifact and settings, run each prompt greedily, shut it down."""
+    from servelm.model.metadata import load_tokenizer, resolve_model
+    from servelm.sampling_params import SamplingParams
+    from servelm.worker.client import AsyncEngine
+
+    config = mv.engine_config(base)
+    engine = AsyncEngine(config, start_timeout=start_timeout)
+    engine.launch()  # the worker loads the weights while this process loads the tokenizer
+    try:
+        tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(config.model), config.tokenizer)
+        engine.set_tokenizer(tokenizer)
+        await engine.wait_ready()
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        outputs = []
+        for i, prompt in enumerate(prompts):
+            ids = tokenizer(prompt).input_ids
+            final = None
+            async for out in engine.generate(f"validate-{mv.ref}-{i}-{uuid.uuid4().hex[:8]}", ids, params, prompt):
+                final = out
+            if final is None or not final.finished:
+                raise RuntimeError(f"golden prompt {i} produced no finished output")
+            outputs.append(final.outputs[0].text)
+        return outputs
+    finally:
+        await engine.shutdown()
+
+
+async def _run_embed(mv: ModelVersion, prompts: list[str], factory: Callable[[Path], EmbedWorker]) -> list[str]:
+    """Embed the prompts in an embedding worker; record each vector's size and leading values."""
+    worker = factory(Path(mv.artifact))
+    try:
+        await worker.wait_ready()
+        vectors, _ = await worker.embed(prompts)
+    finally:
+        await asyncio.to_thread(worker.close)  # may wait for its process to exit: not on the event loop
+    if len(vectors) != len(prompts):
+        raise RuntimeError(f"the embedder returned {len(vectors)} vectors for {len(prompts)} texts")
+    return [json.dumps({"dim": len(v), "head": [round(float(x), 4) for x in list(v)[:EMBED_HEAD]]})
+            for v in vectors]
+
+
+def _encode(path: str, texts: list[str], max_length: int) -> list[list[float]]:
+    """In the child process: L2-normalised, mean-pooled last hidden states."""
+    import torch
+
+    from servelm.model.encoder import load_encoder
+    from servelm.model.hf_files import tokenizer_from_folder
+
+    tokenizer, model = tokenizer_from_folder(Path(path)), load_encoder(Path(path))
+    enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    mask = enc["attention_mask"]
+    with torch.inference_mode():
+        hidden = model(**enc)
+        pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
+        return torch.nn.functional.normalize(pooled, dim=-1).tolist()
+
+
+def _child_init() -> None:
+    from servelm.worker.process import _exit_with_parent
+
+    _exit_with_parent()
+
+
+class ChildEncoder:
+    """An embedding worker of one spawned process (never the API process), for validation only."""
+
+    def __init__(self, path: Path, max_length: int = 256) -> None:
+        self.path, self.max_length = path, max_length
+        self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_child_init)
+
+    async def wait_ready(self) -> None:
+        """Nothing to wait for: the model loads with the first batch."""
+
+    async def embed(self, texts: list[str]) -> tuple[list[list[float]], int]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, _encode, str(self.path), texts, self.max_length), 0
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
