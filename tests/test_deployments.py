@@ -467,3 +467,32 @@ def test_an_embedding_version_deploys_as_the_embedding_worker(llama_dir):
             await mgr.shutdown()
 
     asyncio.run(main())
+
+
+def test_deployments_come_back_from_their_records(llama_dir):
+    from servelm.control.deployments import DeploymentManager
+
+    v = _version(llama_dir)
+
+    async def main():
+        records: list[dict] = []
+        first = DeploymentManager(BASE, on_change=lambda a, r: records.append(r))
+        await first.create(v, workers=1, strategy="prefix_aware", keep_alive_s=60.0, deployment_id="chat")
+        await first.shutdown()
+        again = DeploymentManager(BASE)
+        try:
+            broken = {**records[-1], "id": "gone", "version": 7}  # its version no longer exists: skipped
+
+            def version_of(name: str, number: int) -> ModelVersion:
+                if number != 1:
+                    raise ControlError(404, f"no version {name}:{number}")
+                return v
+
+            restored = await again.restore([records[-1], broken], version_of)
+            d = again.get("chat")
+            assert restored == [d] and again.resolve("tiny:1") is d and d.ready
+            assert (d.strategy_name, d.num_workers, d.keep_alive_s) == ("prefix_aware", 1, 60.0)
+        finally:
+            await again.shutdown()
+
+    asyncio.run(main())

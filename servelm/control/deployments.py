@@ -149,6 +149,21 @@ class DeploymentManager:
         self._changed("create", d)
         return d
 
+    async def restore(self, records: list[dict], version_of: Callable[[str, int], ModelVersion]) -> list[Served]:
+        """Bring back deployments from their `describe()` records (what `on_change` was given; a restarted
+        server's registry holds them), oldest first. One that cannot start is logged and skipped, so the rest
+        still serve; returns those that started."""
+        started = []
+        for rec in records:
+            try:
+                version = version_of(rec["name"], int(rec["version"]))
+                started.append(await self.create(version, int(rec.get("workers", 1)),
+                                                  rec.get("strategy") or "least_loaded",
+                                                  keep_alive_s=rec.get("keep_alive_s"), deployment_id=rec["id"]))
+            except (ControlError, KeyError, ValueError, TypeError) as e:
+                logger.error("could not restore deployment %s: %s", rec.get("id"), getattr(e, "message", e))
+        return started
+
     async def scale(self, deployment_id: str, n: int) -> Served:
         d = self.get(deployment_id)
         extra = max(0, n - d.num_workers) * self._footprints[d.id]
