@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import time
 
 import numpy as np
+import psutil
 
 from servelm import SamplingParams
 from servelm.bench.workloads import Workload, make_serving_workload, make_workload
@@ -110,16 +112,29 @@ async def _prefix(deps: dict[str, Deployment], w3: Workload) -> dict:
     return out
 
 
+def _tree_rss_mib() -> float:
+    """Resident memory of this process and every process under it (the workers), MiB."""
+    me = psutil.Process()
+    total = 0
+    for p in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += p.memory_info().rss
+    return round(total / 2**20, 1)
+
+
 async def _swap(args, dep: Deployment) -> dict:
-    """Seconds from swap() to the switch-over (new workers started and warm), and to the old ones drained."""
+    """Seconds from swap() to the switch-over (new workers started and warm), and to the old ones drained; RSS
+    of the process tree before the first swap and after the last (the old workers' memory is returned)."""
     runs = []
+    rss_before = _tree_rss_mib()
     for k in range(args.swaps):
         target = _version(args.swap_to or args.model, k + 2)
         t0 = time.perf_counter()
         await dep.swap(target)
         runs.append({"to_switch_over_s": round(dep.last_swap["start_s"], 2),
                      "total_s": round(time.perf_counter() - t0, 2)})
-    return {"workers": len(dep.workers), "runs": runs,
+    return {"workers": len(dep.workers), "runs": runs, "tree_rss_mib_before": rss_before,
+            "tree_rss_mib_after": _tree_rss_mib(),
             "median_to_switch_over_s": statistics.median(r["to_switch_over_s"] for r in runs)}
 
 
