@@ -6,8 +6,10 @@ switch-over, then drain). Prints one JSON object. A benchmark, not a test: run i
   python bench/routing.py --model ~/.cache/servelm-bench/models/llama-rand-60m --dtype bfloat16 --threads 1
   python bench/routing.py --model /tmp/tiny-llama --quick          # a smoke run: well under a minute
 
-`--swap-to` names the version swapped to (default: the same model as a second version). On 2 cores, two
-1-thread workers compete with the API process for the cores: more workers may not help, and the JSON says so.
+Each swap starts a new version of `--swap-model` (default: `--model`; e.g. a SmolLM2 folder for the issue's
+figure) and switches to it. On 2 cores, two 1-thread workers compete with the API process for the cores: more
+workers may not help, and the JSON says so. A full run takes about 15 minutes (S1: 200 requests at 2/s, five
+times).
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ async def _swap(args, dep: Deployment) -> dict:
     runs = []
     rss_before = _tree_rss_mib()
     for k in range(args.swaps):
-        target = _version(args.swap_to or args.model, k + 2)
+        target = _version(args.swap_model or args.model, k + 2)
         t0 = time.perf_counter()
         await dep.swap(target)
         runs.append({"to_switch_over_s": round(dep.last_swap["start_s"], 2),
@@ -177,14 +179,14 @@ async def main(args) -> dict:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a model folder (or .gguf file)")
-    p.add_argument("--swap-to", default=None, help="the version swapped to (default: --model again)")
+    p.add_argument("--swap-model", default=None, help="the model whose versions the swaps start (default: --model)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=1, help="compute threads per worker")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per worker (default: 1 GiB)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--rate", type=float, default=2.0, help="S1 arrival rate, requests/s")
     p.add_argument("--s1-requests", type=int, default=200)
-    p.add_argument("--swaps", type=int, default=3)
+    p.add_argument("--swaps", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="8 requests per workload, 16 output tokens, 1 swap")
     args = p.parse_args(argv)
     if args.quick:
