@@ -4,11 +4,11 @@ for 1 worker against 2 workers under each strategy, prefix-aware against least-l
 switch-over, then drain). Prints one JSON object. A benchmark, not a test: run it on a quiet machine.
 
   python bench/routing.py --model ~/.cache/servelm-bench/models/llama-rand-60m --dtype bfloat16 --threads 1
-  python bench/routing.py --model /tmp/tiny-llama --quick          # a smoke run: well under a minute
+  python bench/routing.py --quick        # a smoke run on a tiny random-weight Llama built on the spot: < 1 min
 
 Each swap starts a new version of `--swap-model` (default: `--model`; e.g. a SmolLM2 folder for the issue's
 figure) and switches to it. On 2 cores, two 1-thread workers compete with the API process for the cores: more
-workers may not help, and the JSON says so. A full run takes about 15 minutes (S1: 200 requests at 2/s, five
+workers may not help (the figures say whether they do). A full run takes about 15 minutes (S1: 200 requests at 2/s, five
 times).
 """
 
@@ -19,7 +19,9 @@ import asyncio
 import contextlib
 import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -146,6 +148,23 @@ async def _started(base: EngineConfig, model: str, workers: int, strategy: str) 
     return dep
 
 
+def _tiny_model(out: Path) -> str:
+    """A tiny random-weight Llama with the default model's tokenizer (as the tests build theirs), for --quick."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from servelm.model.metadata import load_gguf_config_and_tokenizer
+    from servelm.model.source import default_model_path
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    load_gguf_config_and_tokenizer(default_model_path())[1].save_pretrained(out)
+    return str(out)
+
+
 async def main(args) -> dict:
     base = EngineConfig(dtype=args.dtype, num_threads=args.threads, num_kv_blocks=args.num_kv_blocks,
                         max_model_len=args.max_model_len)
@@ -178,7 +197,7 @@ async def main(args) -> dict:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a model folder (or .gguf file)")
+    p.add_argument("--model", default=None, help="a model folder (or .gguf file); --quick builds a tiny one")
     p.add_argument("--swap-model", default=None, help="the model whose versions the swaps start (default: --model)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=1, help="compute threads per worker")
@@ -189,10 +208,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--swaps", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="8 requests per workload, 16 output tokens, 1 swap")
     args = p.parse_args(argv)
+    if args.model is None and not args.quick:
+        p.error("--model is required (or --quick, which builds a tiny model)")
     if args.quick:
         args.swaps, args.rate = 1, 8.0
+        if args.num_kv_blocks is None:
+            args.num_kv_blocks = 256
     return args
 
 
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(main(parse())), indent=1))
+    args = parse()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model is None:
+            args.model, args.dtype = _tiny_model(Path(tmp) / "tiny-llama"), "float32"
+        print(json.dumps(asyncio.run(main(args)), indent=1))
