@@ -61,6 +61,8 @@ class Generation:
 class Deployment:
     """One ModelVersion with N workers; the AsyncEngine surface plus `version`, `workers`, `strategy`."""
 
+    kind = Kind.GENERATE
+
     def __init__(self, version: ModelVersion, base: EngineConfig, workers: int = 1,
                  strategy: str = "least_loaded", tokenizer=None, deployment_id: str | None = None,
                  start_timeout: float = 600.0, health: HealthSettings | None = None,
@@ -116,8 +118,6 @@ class Deployment:
     @property
     def config(self) -> EngineConfig:
         return self._gen.config
-
-    kind = Kind.GENERATE
 
     def num_processes(self) -> int:
         """Worker processes now running or starting, draining ones included (what the memory budget counts)."""
