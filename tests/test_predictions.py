@@ -149,3 +149,40 @@ def test_file_only_sink(tmp_path):
     assert log.erase_user("u") == 1 and [e["request_id"] for e in log.entries()] == ["b"]
     with pytest.raises(ControlError):
         PredictionLog(None)
+
+
+def test_group_commit_batches_waiting_entries_and_reports_failures():
+    import threading
+
+    from servelm.control.predictions import _GroupWriter
+    batches, entered, release = [], threading.Event(), threading.Event()
+
+    def flush(rows):
+        entered.set()
+        release.wait()
+        if any(r.get("fail") for r in rows):
+            raise OSError("disk full")
+        batches.append([r["i"] for r in rows])
+
+    w = _GroupWriter(flush)
+    first = w.submit({"i": 0})
+    entered.wait()  # the writer is inside the first transaction: the next ones wait and go together
+    rest = [w.submit({"i": i}) for i in range(1, 200)]
+    assert not first.done() and not any(f.done() for f in rest)  # nothing is reported before it is durable
+    release.set()
+    assert first.result() and all(f.result() for f in rest)
+    assert batches == [[0], list(range(1, 200))]
+    bad = [w.submit({"i": -1, "fail": True})]
+    with pytest.raises(OSError):
+        bad[0].result()
+    w.close()
+
+
+def test_concurrent_logs_are_all_written(tmp_path):
+    log = open_log(tmp_path)
+
+    async def many():
+        return await asyncio.gather(*(log.log(Prediction(request_id=f"r{i}", model="m")) for i in range(100)))
+    assert all(asyncio.run(many()))
+    assert sorted(e["request_id"] for e in log.entries()) == sorted(f"r{i}" for i in range(100))
+    log.close()

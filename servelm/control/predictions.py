@@ -3,8 +3,9 @@
 Entries go to a `predictions` table in the registry's database (SQLite by default, in WAL mode with the
 default synchronous=FULL, so a committed entry survives a kill -9 and a power cut) and/or to a JSON-lines
 file. `log()` returns only after the entry is committed (and, for the file, flushed and fsynced): a caller
-that awaits it before completing the response loses no answered request (RPO 0). Each write is one short
-transaction, run in a thread so the event loop never waits on the disk.
+that awaits it before completing the response loses no answered request (RPO 0). Writes run on one writer
+thread (the event loop never waits on the disk) with group commit: entries that arrive while a commit is
+in progress go together in the next short transaction, so concurrent requests share one fsync.
 
 Per model the mode is off, metadata (no prompt/output) or full. Redaction rules (e-mail, phone, card numbers
 with a Luhn check, custom regexes) run before anything is written. The log is append-only (on SQLite a
@@ -15,9 +16,11 @@ whose caller writes the audit entry (without the erased content).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import os
+import queue
 import re
 import threading
 import time
@@ -163,6 +166,8 @@ class PredictionLog:
         self.retention_days = dict(retention_days or {})
         self.default_retention_days = default_retention_days
         self._sink_lock = threading.Lock()
+        self._writer: _GroupWriter | None = None
+        self._writer_lock = threading.Lock()
         if engine is not None:
             db.create_tables(engine, metadata)
 
@@ -182,25 +187,44 @@ class PredictionLog:
         row["error"] = self.redactor(p.error)
         return row
 
-    def write(self, p: Prediction) -> bool:
-        """Record `p` now (blocking) and return once it is durable; False when the model's mode is off."""
-        if self.mode(p.model) == "off":
-            return False
-        row = self._row(p)
+    def _flush(self, rows: list[dict]) -> None:
+        """Make `rows` durable: one transaction, then one fsync of the file."""
         if self.engine is not None:
             with db.write(self.engine) as conn:
-                conn.execute(predictions_table.insert().values(**row))
+                conn.execute(predictions_table.insert(), rows)
         if self.sink is not None:
-            line = json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n"
+            text = "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in rows)
             with self._sink_lock, open(self.sink, "a", encoding="utf-8") as f:
-                f.write(line)
+                f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
+
+    def write(self, p: Prediction) -> bool:
+        """Record `p` now, in the calling thread, and return once it is durable; False when the model's mode
+        is off."""
+        if self.mode(p.model) == "off":
+            return False
+        self._flush([self._row(p)])
         return True
 
     async def log(self, p: Prediction) -> bool:
-        """`write` off the event loop: await it before completing the response."""
-        return await asyncio.to_thread(self.write, p)
+        """Record `p` through the group-committing writer thread and return once it is durable; await it
+        before completing the response. False when the model's mode is off."""
+        if self.mode(p.model) == "off":
+            return False
+        row = self._row(p)
+        with self._writer_lock:
+            if self._writer is None:
+                self._writer = _GroupWriter(self._flush)
+            fut = self._writer.submit(row)
+        return await asyncio.wrap_future(fut)
+
+    def close(self) -> None:
+        """Stop the writer thread after what was submitted is written."""
+        with self._writer_lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
 
     def entries(self, *, user: str | None = None, model: str | None = None, since: float | None = None,
                 limit: int | None = None) -> list[dict]:
@@ -283,6 +307,50 @@ class PredictionLog:
                 os.fsync(f.fileno())
             os.replace(tmp, self.sink)
             return len(rows) - len(keep)
+
+
+class _GroupWriter:
+    """One thread that writes what was submitted, in batches: each batch is one `flush` call (one
+    transaction), and every submitter's future resolves only after its batch is durable."""
+
+    def __init__(self, flush: Callable[[list[dict]], None], max_batch: int = 256) -> None:
+        self._flush, self._max = flush, max_batch
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="servelm-prediction-log", daemon=True)
+        self._thread.start()
+
+    def submit(self, row: dict) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._q.put((row, fut))
+        return fut
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            batch = [item]
+            while len(batch) < self._max:
+                try:
+                    nxt = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._q.put(None)  # stop after this batch
+                    break
+                batch.append(nxt)
+            try:
+                self._flush([row for row, _ in batch])
+            except BaseException as e:  # every waiter learns that its entry was not written
+                for _, fut in batch:
+                    fut.set_exception(e)
+            else:
+                for _, fut in batch:
+                    fut.set_result(True)
 
 
 def _check_mode(mode: str) -> str:
