@@ -111,3 +111,39 @@ def test_running_totals_follow_the_window():
         mon.observe(prompt="a" * (i + 1), prompt_tokens=[i])
     assert mon.live.char_total.sum() == 8 + 9 + 10
     assert mon.live.token_total.sum() == 3 and list(np.nonzero(mon.live.token_total)[0]) == [7, 8, 9]
+
+
+def outcomes(mon, rng, n, *, refusal=0.02, empty=0.01, length=0.1, fb=0.7, reference=False):
+    for _ in range(n):
+        u = rng.random()
+        text = "" if u < empty else ("I'm sorry, I can't help with that." if u < empty + refusal else "Sure: ...")
+        mon.observe(output=text, finish_reason="length" if rng.random() < length else "stop",
+                    feedback=float(rng.random() < fb), reference=reference)
+
+
+@pytest.mark.parametrize("shift,signal", [
+    ({"refusal": 0.15}, "refusal_rate"),
+    ({"empty": 0.1}, "empty_rate"),
+    ({"fb": 0.5}, "feedback"),
+    ({"length": 0.4}, "finish_reasons"),
+])
+def test_concept_drift_flags_each_signal_alone(shift, signal):
+    from servelm.control.drift import ConceptMonitor
+    rng = np.random.default_rng(5)
+    mon = ConceptMonitor("m:2", window=2000)
+    outcomes(mon, rng, 2000, reference=True)
+    outcomes(mon, rng, 1500)
+    calm = mon.report()
+    assert not calm["alert"], calm
+    outcomes(mon, rng, 2000, **shift)
+    rep = mon.report()
+    assert [k for k, v in rep["signals"].items() if v["alert"]] == [signal], rep
+
+
+def test_refusal_detection():
+    from servelm.control.drift import REFUSAL_RE
+    assert REFUSAL_RE.match("I'm sorry, but I cannot do that")
+    assert REFUSAL_RE.match("  I can't share that.")
+    assert REFUSAL_RE.match("As an AI, I ...")
+    assert not REFUSAL_RE.match("Sorry to hear that! Here is the fix:")
+    assert not REFUSAL_RE.match("The cannot-fail path is ...")

@@ -13,17 +13,24 @@ an embedding model is available, the prompt's embedding vector. Statistics:
 
 Windows are bounded (the last `window` requests; categorical totals kept as running sums). `report()` gives
 each feature's statistics and alert flag; the caller exports them as metrics and in the admin API.
+
+Concept drift (`ConceptMonitor`, per version): the feedback score (one-sided Welch t: lower now), the
+refusal and empty-output rates (one-sided two-proportion z: higher now) and the finish-reason mix
+(chi-square test of the 2 x k table), reference against live window.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import re
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 from scipy import stats
+
+from servelm.control.experiments import Welford, two_proportion_z, welch
 
 # (name, first code point, last code point) for letters by script; everything else by Unicode category
 SCRIPTS = (("latin_ext", 0x00C0, 0x024F), ("greek", 0x0370, 0x03FF), ("cyrillic", 0x0400, 0x04FF),
@@ -207,3 +214,78 @@ class DriftMonitor:
             f["evaluated"] = "psi" in f or "mmd2" in f
         return {"model": self.model, "thresholds": asdict(th), "features": out,
                 "alert": any(f["alert"] for f in out.values())}
+
+
+REFUSAL_RE = re.compile(r"^\W*(?:I(?:'m| am) (?:sorry|unable|not able)|I can(?:not|'t)|I won't|As an AI)\b", re.I)
+
+
+@dataclass
+class ConceptThresholds:
+    alpha: float = 0.01
+    min_samples: int = 50  # per window, per signal
+    margin: float = 0.02  # rates and feedback must move by more than this too
+
+
+class _Outcomes:
+    def __init__(self, size: int) -> None:
+        self.feedback: deque[float] = deque(maxlen=size)
+        self.refusal: deque[bool] = deque(maxlen=size)
+        self.empty: deque[bool] = deque(maxlen=size)
+        self.finish: deque[str] = deque(maxlen=size)
+
+
+class ConceptMonitor:
+    """One version's outcomes, reference against live window (the last `window` requests)."""
+
+    def __init__(self, name: str, thresholds: ConceptThresholds | None = None, window: int = 5000) -> None:
+        self.name, self.th, self.size = name, thresholds or ConceptThresholds(), window
+        self.reference, self.live = _Outcomes(window), _Outcomes(window)
+
+    def observe(self, *, output: str | None = None, finish_reason: str | None = None,
+                feedback: float | None = None, reference: bool = False) -> None:
+        w = self.reference if reference else self.live
+        if output is not None:
+            w.empty.append(not output.strip())
+            w.refusal.append(bool(REFUSAL_RE.match(output)))
+        if finish_reason is not None:
+            w.finish.append(finish_reason)
+        if feedback is not None:
+            w.feedback.append(float(feedback))
+
+    def set_reference(self) -> None:
+        self.reference, self.live = self.live, _Outcomes(self.size)
+
+    def report(self) -> dict[str, Any]:
+        th, ref, live = self.th, self.reference, self.live
+        out: dict[str, Any] = {}
+        for name in ("refusal", "empty"):
+            r, lv = getattr(ref, name), getattr(live, name)
+            f: dict[str, Any] = {"n_ref": len(r), "n_live": len(lv), "alert": False}
+            if min(len(r), len(lv)) >= th.min_samples:
+                _, p = two_proportion_z(sum(lv), len(lv), sum(r), len(r), "greater")
+                f.update(ref_rate=sum(r) / len(r), live_rate=sum(lv) / len(lv), p=p)
+                f["alert"] = bool(p < th.alpha and f["live_rate"] - f["ref_rate"] > th.margin)
+            out[f"{name}_rate"] = f
+        f = {"n_ref": len(ref.feedback), "n_live": len(live.feedback), "alert": False}
+        if min(len(ref.feedback), len(live.feedback)) >= th.min_samples:
+            wr, wl = Welford(), Welford()
+            for x in ref.feedback:
+                wr.add(x)
+            for x in live.feedback:
+                wl.add(x)
+            _, p = welch(wl, wr, "less")
+            f.update(ref_mean=wr.mean, live_mean=wl.mean, p=p)
+            f["alert"] = bool(p < th.alpha and wr.mean - wl.mean > th.margin)
+        out["feedback"] = f
+        f = {"n_ref": len(ref.finish), "n_live": len(live.finish), "alert": False}
+        if min(len(ref.finish), len(live.finish)) >= th.min_samples:
+            cr, cl = Counter(ref.finish), Counter(live.finish)
+            keys = sorted(set(cr) | set(cl))
+            f.update(ref_mix={k: cr[k] / len(ref.finish) for k in keys},
+                     live_mix={k: cl[k] / len(live.finish) for k in keys})
+            if len(keys) > 1:
+                f["p"] = float(stats.chi2_contingency([[cr[k] for k in keys], [cl[k] for k in keys]])[1])
+                f["alert"] = bool(f["p"] < th.alpha and max(abs(f["live_mix"][k] - f["ref_mix"][k])
+                                                             for k in keys) > th.margin)
+        out["finish_reasons"] = f
+        return {"version": self.name, "signals": out, "alert": any(x["alert"] for x in out.values())}
