@@ -140,3 +140,31 @@ def test_invalid_policies_are_400(body, param):
     with pytest.raises(ControlError) as e:
         TrafficPolicy.from_dict(body)
     assert (e.value.status, e.value.code, e.value.param) == (400, "invalid_policy", param)
+
+
+def test_policies_are_stored_and_every_change_audited(tmp_path):
+    from servelm.control import db
+    from servelm.control.audit import Audit
+    from servelm.control.policies import PolicyStore
+    engine = db.open_engine(db.default_url(tmp_path))
+    audit = Audit(engine)
+    store = PolicyStore(engine, audit)
+    p1, p2 = split("m", {1: 90, 2: 10}, sticky=True), split("m", {1: 50, 2: 50})
+    store.set_policy(p1, actor="alice")
+    store.set_policy(p2, actor="bob")
+    store.put("canary", "m", {"step": 1}, actor="system", action="canary.advance")
+    # a new store over the same database (a restarted server) sees the same policy
+    again = PolicyStore(db.open_engine(db.default_url(tmp_path)), Audit(engine))
+    assert again.policy("m") == p2 and again.all("canary") == {"m": {"step": 1}} and again.policy("x") is None
+    assert again.delete("policy", "m", actor="carol") == p2.to_dict() and again.policy("m") is None
+    entries = [(e["actor"], e["action"], e["target"], e["before"], e["after"]) for e in audit.entries()]
+    assert entries == [("alice", "policy.set", "policy:m", None, p1.to_dict()),
+                       ("bob", "policy.set", "policy:m", p1.to_dict(), p2.to_dict()),
+                       ("system", "canary.advance", "canary:m", None, {"step": 1}),
+                       ("carol", "policy.delete", "policy:m", p2.to_dict(), None)]
+    assert audit.verify() == (True, None)
+    with pytest.raises(ControlError) as e:
+        again.delete("policy", "m", actor="carol")
+    assert e.value.status == 404
+    with pytest.raises(ControlError):
+        again.get("nope", "m")
