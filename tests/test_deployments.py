@@ -19,6 +19,7 @@ from servelm import SamplingParams
 from servelm.config.engine import EngineConfig
 from servelm.control import router as routing
 from servelm.control.budget import Footprint, MemoryBudget, worker_footprint
+from servelm.control.traffic import split
 from servelm.control.types import ControlError, Kind, ModelVersion, State
 from servelm.worker.client import EngineDeadError
 from servelm.worker.handle import HealthSettings
@@ -392,6 +393,13 @@ def test_manager_resolves_names_and_versions_and_evicts_idle_deployments_to_fit(
             d1 = await mgr.create(_version(llama_dir))
             d2 = await mgr.create(_version(llama2_dir, version=2, state=State.STAGING))
             assert mgr.resolve("tiny") is d1 and mgr.resolve("tiny:2") is d2 and mgr.resolve("tiny:1") is d1
+            mgr.policy_of = lambda name: split("tiny", {1: 0, 2: 1}) if name == "tiny" else None
+            routed, decision = mgr.route("tiny")
+            assert routed is d2 and decision.version == 2  # the traffic policy picks the version of a bare name
+            assert mgr.route("tiny:1") == (d1, None)  # a pinned version is never redirected
+            mgr.policy_of = lambda name: split("tiny", {9: 1})
+            assert mgr.route("tiny") == (d1, None)  # a chosen version that is not deployed: as resolved
+            mgr.policy_of = None
             with pytest.raises(ControlError) as e:
                 mgr.resolve("other")
             assert e.value.status == 404 and "tiny, tiny:1, tiny:2" in e.value.message

@@ -17,6 +17,7 @@ from servelm.config.engine import EngineConfig
 from servelm.control.budget import MemoryBudget, worker_footprint
 from servelm.control.deployment import Deployment, load_tokenizer
 from servelm.control.embed_deployment import EmbedDeployment
+from servelm.control.traffic import Decision, RequestAttrs, TrafficPolicy
 from servelm.control.types import ControlError, Kind, ModelVersion, State
 from servelm.worker.handle import HealthSettings
 
@@ -31,7 +32,8 @@ class DeploymentManager:
     `on_change(action, record)` is called after each change ("create", "scale", "swap", "unload", "evict",
     "expire") and after a failed swap ("swap_failed", the record with `to` and `error`), with the deployment's
     `describe()` record, so the caller can persist and audit it. `production_of(name)`
-    names the PRODUCTION version of a model (the registry's view; default: the deployed versions' states).
+    names the PRODUCTION version of a model (the registry's view; default: the deployed versions' states);
+    `policy_of(name)` its traffic policy, if any (see `route`).
     Deployments idle for their `keep_alive_s` are unloaded; under memory pressure idle ones are unloaded
     least recently used first.
     """
@@ -39,10 +41,11 @@ class DeploymentManager:
     def __init__(self, engine_base: EngineConfig | None = None, budget: MemoryBudget | None = None,
                  on_change: Callable[[str, dict], None] | None = None,
                  production_of: Callable[[str], int | None] | None = None, start_timeout: float = 600.0,
-                 health: HealthSettings | None = None, reap_every_s: float = 5.0) -> None:
+                 health: HealthSettings | None = None, reap_every_s: float = 5.0,
+                 policy_of: Callable[[str], TrafficPolicy | None] | None = None) -> None:
         self.engine_base = engine_base or EngineConfig()
         self.budget = budget or MemoryBudget()
-        self.on_change, self.production_of = on_change, production_of
+        self.on_change, self.production_of, self.policy_of = on_change, production_of, policy_of
         self.start_timeout, self.health = start_timeout, health
         self.reap_every_s = reap_every_s
         self._deployments: dict[str, Served] = {}
@@ -82,6 +85,22 @@ class DeploymentManager:
                 return found
         raise ControlError(404, f"the model {model!r} is not deployed; available: "
                            f"{', '.join(self.served()) or 'none'}", code="model_not_found", param="model")
+
+    def route(self, model: str, attrs: RequestAttrs | None = None) -> tuple[Served, Decision | None]:
+        """resolve(), with the model's traffic policy (`policy_of(name)`) choosing the version of a bare name:
+        the deployment and the policy's decision (its arm, and a shadow version for the caller to mirror to),
+        or no decision where no policy applies (a pinned `name:version`, no policy). A chosen version that is
+        not deployed falls back to resolve(name), logged."""
+        policy = self.policy_of(model) if self.policy_of is not None and ":" not in model else None
+        if policy is None:
+            return self.resolve(model), None
+        decision = policy.choose(attrs or RequestAttrs())
+        try:
+            return self.resolve(f"{model}:{decision.version}"), decision
+        except ControlError:
+            logger.warning("traffic policy of %s chose version %d, which is not deployed; serving %s as resolved",
+                           model, decision.version, model)
+            return self.resolve(model), None
 
     def _by_name(self, name: str, strict: bool) -> Served | None:
         mine = [d for d in self._deployments.values() if d.version.name == name]
