@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from servelm.config.engine import EngineConfig
+from servelm.config.engine import EngineConfig, cpu_list
 from servelm.control.router import RouteRequest, blocks_needed, make_strategy
 from servelm.control.types import ControlError, Kind, ModelVersion
 from servelm.engine.step_outputs import EngineStats
@@ -279,17 +279,33 @@ class Deployment:
             raise ControlError(409, f"{version.ref} failed to start: its tokenizer could not be loaded: {e}",
                                code="start_failed") from e
 
-    def _new_worker(self, gen: Generation) -> Worker:
-        engine = AsyncEngine(gen.config, gen.tokenizer, start_timeout=self.start_timeout)
+    def _worker_config(self, config: EngineConfig, slot: int) -> EngineConfig:
+        """Worker `slot`'s settings: with `cpu_bind` and several workers, each worker gets its own share of the
+        CPUs (slot k of n: the k-th of n equal parts), so workers do not contend for cores."""
+        cpus = cpu_list(config.cpu_bind) if config.cpu_bind else None
+        n = self.num_workers
+        if not cpus or n < 2 or len(cpus) < n:
+            return config
+        per = len(cpus) // n
+        mine = cpus[(slot % n) * per:(slot % n + 1) * per]
+        return dataclasses.replace(config, cpu_bind=",".join(map(str, mine)),
+                                   num_threads=min(config.num_threads or per, per))
+
+    def _new_worker(self, gen: Generation, slot: int) -> Worker:
+        engine = AsyncEngine(self._worker_config(gen.config, slot), gen.tokenizer, start_timeout=self.start_timeout)
         engine.on_ready = lambda msg, restarted: self.on_ready and self.on_ready(msg, restarted)
         engine.on_down = lambda: self.on_down and self.on_down()
         engine.on_step = lambda msg, outs: self.on_step and self.on_step(msg, outs)
-        return Worker(next(self._ids), engine)
+        worker = Worker(next(self._ids), engine)
+        worker.slot = slot
+        return worker
 
     async def _start_workers(self, gen: Generation, n: int) -> list[Worker]:
-        """Start n workers of `gen` at once and add each to it when warm; on any failure stop those started
-        and raise ControlError naming the reason."""
-        new = [self._new_worker(gen) for _ in range(n)]
+        """Start n workers of `gen` at once and add them to it once all are warm; on any failure stop them and
+        raise ControlError naming the reason."""
+        used = {w.slot for w in gen.workers}
+        slots = [s for s in range(len(used) + n) if s not in used][:n]
+        new = [self._new_worker(gen, slot) for slot in slots]
         for w in new:
             w.engine.launch()
         results = await asyncio.gather(*(w.engine.wait_ready() for w in new), return_exceptions=True)
@@ -326,7 +342,12 @@ class Deployment:
             gen = self._gen
             have = len(gen.workers)
             if n > have:
-                await self._start_workers(gen, n - have)
+                self.num_workers = n  # before the start: each new worker's CPU share depends on it
+                try:
+                    await self._start_workers(gen, n - have)
+                except BaseException:
+                    self.num_workers = have
+                    raise
             elif n < have:
                 # the least useful go first: not ready, then least loaded
                 victims = sorted(gen.workers, key=lambda w: (w.engine.ready, w.load()))[:have - n]

@@ -33,6 +33,7 @@ class Worker:
         self.stopped = False  # shut down for good (scaled away, swapped out): never comes back
         self.unresponsive = False  # silent past the health timeout: out of rotation until it answers
         self.routed = 0  # requests sent to it (re-sent ones included)
+        self.slot = 0  # its place among the deployment's workers (which share of the CPUs it is bound to)
         self.pending: dict[str, int] = {}  # request id -> KV blocks promised, until its first output
         self.seen_restarts = 0  # restarts already reported to the router (a restarted engine has no cache)
 
