@@ -304,7 +304,6 @@ async def _load(dep, stop: asyncio.Event, prompt: list[int], client: int, max_to
     return texts, versions, failures
 
 
-@pytest.mark.slow  # about 40 s on 2 busy cores: three engine starts under load
 def test_scale_1_to_3_to_1_under_load_fails_no_request(llama_dir):
     async def main():
         dep = _deployment(_version(llama_dir), 1, "least_loaded")
@@ -334,7 +333,6 @@ def test_scale_1_to_3_to_1_under_load_fails_no_request(llama_dir):
     asyncio.run(main())
 
 
-@pytest.mark.slow  # about 40 s on 2 busy cores: three engine starts under load
 def test_swap_back_and_forth_under_16_streams(llama_dir, llama2_dir):
     async def main():
         v1, v2 = _version(llama_dir), _version(llama2_dir, version=2)
@@ -393,7 +391,6 @@ def test_a_swap_that_cannot_start_keeps_the_old_version_serving(llama_dir, tmp_p
     asyncio.run(main())
 
 
-@pytest.mark.slow  # about 25 s on 2 busy cores: four engine starts
 def test_manager_resolves_names_and_versions_and_evicts_idle_deployments_to_fit(llama_dir, llama2_dir):
     from servelm.control.deployments import DeploymentManager
 
