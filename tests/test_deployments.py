@@ -128,6 +128,15 @@ def test_footprint_kv_pool_is_what_the_engine_allocates(llama_dir):
     assert worker_footprint(v, dataclasses.replace(cfg, num_kv_blocks=None, kv_cache_memory_gb=0.5)).kv_pool == 2**29
 
 
+def test_default_budget_is_80_percent_of_ram_or_of_the_gpu(monkeypatch):
+    from servelm.control import budget as b
+
+    assert MemoryBudget().total == int(0.8 * b.ram_bytes())
+    monkeypatch.setattr(b, "gpu_bytes", lambda device: 80 * 2**30 if device == "cuda:1" else None)
+    assert MemoryBudget(device="cuda:1").total == int(0.8 * 80 * 2**30)
+    assert MemoryBudget(device="cuda:0").total == int(0.8 * b.ram_bytes())  # unreadable: RAM
+
+
 def test_budget_refusal_is_507_naming_the_numbers():
     budget = MemoryBudget(total_bytes=3 * 2**30)
     budget.check(2**30, 2**30, "x")  # fits

@@ -8,6 +8,7 @@ runtime). Read from the checkpoint's config without importing torch.
 from __future__ import annotations
 
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,18 @@ _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 def ram_bytes() -> int:
     """Physical memory of this machine."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def gpu_bytes(device: str) -> int | None:
+    """Memory of the CUDA device `device` names (cuda, cuda:N), from nvidia-smi (no torch in this process);
+    None where it cannot be read."""
+    index = device.partition(":")[2] or "0"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", index],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+        return int(float(out.strip().splitlines()[0])) * 2**20  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
 
 
 def _cpu_has_bf16() -> bool:
@@ -94,10 +107,14 @@ def worker_footprint(version: ModelVersion, config: EngineConfig | None) -> Foot
 
 
 class MemoryBudget:
-    """How many bytes all workers together may take (default: 80% of RAM)."""
+    """How many bytes all workers together may take (default: 80% of RAM, or of the GPU's memory for a CUDA
+    device: where the weights and KV pools live)."""
 
-    def __init__(self, total_bytes: int | None = None) -> None:
-        self.total = total_bytes if total_bytes is not None else int(DEFAULT_FRACTION * ram_bytes())
+    def __init__(self, total_bytes: int | None = None, device: str = "cpu") -> None:
+        if total_bytes is None:
+            memory = gpu_bytes(device) if device.startswith("cuda") else None
+            total_bytes = int(DEFAULT_FRACTION * (memory or ram_bytes()))
+        self.total = total_bytes
 
     def check(self, need: int, in_use: int, what: str) -> None:
         """Raise ControlError(507) naming the numbers unless `need` more bytes fit beside `in_use`."""

@@ -44,7 +44,7 @@ class DeploymentManager:
                  health: HealthSettings | None = None, reap_every_s: float = 5.0,
                  policy_of: Callable[[str], TrafficPolicy | None] | None = None) -> None:
         self.engine_base = engine_base or EngineConfig()
-        self.budget = budget or MemoryBudget()
+        self.budget = budget or MemoryBudget(device=self.engine_base.device)
         self.on_change, self.production_of, self.policy_of = on_change, production_of, policy_of
         self.start_timeout, self.health = start_timeout, health
         self.reap_every_s = reap_every_s
