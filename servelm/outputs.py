@@ -43,3 +43,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (as vLLM)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    model_version: str | None = None  # "name:version" of the deployment version that served it (servelm serve)

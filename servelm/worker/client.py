@@ -79,6 +79,8 @@ class AsyncEngine:
         self.info: m.Ready | None = None
         self.stats: EngineStats | None = None
         self.restarts = 0
+        self.last_heard = 0.0  # monotonic time of the engine's last message (health checks read it)
+        self._ping_seq = 0
         self._proc: multiprocessing.Process | None = None
         self._stopping = False
         self._handled: multiprocessing.Process | None = None  # the dead engine process already dealt with
@@ -178,10 +180,33 @@ class AsyncEngine:
                 self._proc.kill()
         for t in self._tasks:
             t.cancel()
+        # Requests still in flight end with an error now rather than wait for outputs that will never come.
+        self._fail_all(EngineDeadError("the engine was shut down; the request was not completed"))
         self._ctx.destroy(linger=0)
         for addr in (self._in_addr, self._out_addr):
             with contextlib.suppress(OSError):
                 os.unlink(addr.removeprefix("ipc://"))
+
+    async def ping(self) -> None:
+        """Ask a ready engine for a Pong (it answers between steps): `last_heard` then moves on, unless hung."""
+        if self.ready:
+            self._ping_seq += 1
+            with contextlib.suppress(zmq.ZMQError):
+                await self._in.send(m.encoder.encode(m.Ping(self._ping_seq)), flags=zmq.NOBLOCK)
+
+    def fail_queued(self, err: Exception) -> int:
+        """End the requests that have no output yet with `err` (their callers abort them here and may send them
+        elsewhere); those already streaming go on. Returns how many."""
+        queued = [rid for rid, st in self.streams.items() if not st.started]
+        for rid in queued:
+            stream = self.streams[rid]
+            stream.queue.put_nowait(err)
+        return len(queued)
+
+    def kill(self) -> None:
+        """Kill the engine process (a hung one): its death is handled as any other, and it is restarted."""
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
 
     @property
     def engine_pid(self) -> int | None:
@@ -228,6 +253,9 @@ class AsyncEngine:
     async def _output_loop(self) -> None:
         while True:
             msg = m.output_decoder.decode(await self._out.recv())
+            self.last_heard = time.monotonic()
+            if isinstance(msg, m.Pong):
+                continue
             if isinstance(msg, m.Ready):
                 self.info, self.stats, self.ready, self._fatal = msg, msg.stats, True, None
                 self._ready_event.set()

@@ -40,7 +40,13 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineInput = AddRequest | Abort | FinishSample | UpdateConfig | Shutdown
+class Ping(msgspec.Struct, tag="ping"):
+    """A health check: the engine answers Pong between steps, so one that stops answering is hung."""
+
+    seq: int
+
+
+EngineInput = AddRequest | Abort | FinishSample | UpdateConfig | Shutdown | Ping
 
 
 class RequestError(msgspec.Struct):
@@ -74,7 +80,11 @@ class Fatal(msgspec.Struct, tag="fatal"):
     input_error: bool = False  # the model or its config is at fault (the user's to fix), not servelm
 
 
-EngineOutput = Ready | StepOutputs | Starting | Fatal
+class Pong(msgspec.Struct, tag="pong"):
+    seq: int
+
+
+EngineOutput = Ready | StepOutputs | Starting | Fatal | Pong
 
 encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(EngineInput)

@@ -70,10 +70,13 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
         errors: list[m.RequestError] = []
         handled = False
         while poller.poll(timeout):
-            handled = True
             msg = m.input_decoder.decode(inp.recv())
             if isinstance(msg, m.Shutdown):
                 return
+            if isinstance(msg, m.Ping):  # answered between steps: a hung step goes unanswered
+                out.send(m.encoder.encode(m.Pong(msg.seq)))
+                continue
+            handled = True
             _handle(core, msg, eos, errors)
             timeout = 0
         if not core.has_unfinished_requests():

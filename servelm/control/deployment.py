@@ -1,0 +1,427 @@
+"""A deployment: one model version served by N engine workers, behind the AsyncEngine surface.
+
+The HTTP layer uses a Deployment exactly as it uses one AsyncEngine (generate, abort, stats, readiness). Inside,
+each request is routed to a worker by the deployment's strategy (control/router.py) and stays within the
+*generation* (version + tokenizer + workers) current when it arrived, so a swap never mixes versions within one
+response. A request whose worker dies before it produced output is re-sent to another worker of its generation;
+one that already streamed ends with the engine's clean error. `scale(n)` adds warmed-up workers or drains
+some away; `swap(version)` starts and warms the new version's workers beside the old, switches new requests
+over in one assignment, then drains the old workers and shuts them down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from servelm.config.engine import EngineConfig, cpu_list
+from servelm.control.router import RouteRequest, blocks_needed, make_strategy
+from servelm.control.types import ControlError, Kind, ModelVersion
+from servelm.engine.step_outputs import EngineStats
+from servelm.outputs import RequestOutput
+from servelm.sampling_params import SamplingParams
+from servelm.worker.client import AsyncEngine, EngineDeadError
+from servelm.worker.handle import HealthSettings, Worker
+
+logger = logging.getLogger("servelm.deployments")
+_POLL_S = 0.05  # how often a drain or a re-send waiting for a worker looks again
+
+
+_TOKENIZER_LOCK = threading.Lock()
+
+
+def load_tokenizer(version: ModelVersion, config: EngineConfig):
+    """The version's tokenizer, as `servelm serve` loads it (no model classes, no torch). One load at a time:
+    transformers' lazy imports are not thread-safe (two at once can fail with an ImportError)."""
+    from servelm.model.metadata import load_tokenizer as load
+    from servelm.model.metadata import resolve_model
+
+    with _TOKENIZER_LOCK:
+        return load(resolve_model(config.model, config.gguf_file), config.tokenizer)
+
+
+@dataclass
+class Generation:
+    """What a deployment serves between two swaps: a version, its tokenizer and its workers."""
+
+    version: ModelVersion
+    config: EngineConfig
+    tokenizer: object
+    workers: list[Worker] = field(default_factory=list)  # routable unless draining
+    active: int = 0  # requests inside generate() (a re-sent one is between workers for a moment)
+
+
+class Deployment:
+    """One ModelVersion with N workers; the AsyncEngine surface plus `version`, `workers`, `strategy`."""
+
+    kind = Kind.GENERATE
+
+    def __init__(self, version: ModelVersion, base: EngineConfig, workers: int = 1,
+                 strategy: str = "least_loaded", tokenizer=None, deployment_id: str | None = None,
+                 start_timeout: float = 600.0, health: HealthSettings | None = None,
+                 drain_timeout_s: float = 30.0, keep_alive_s: float | None = None) -> None:
+        if version.kind != Kind.GENERATE:
+            raise ControlError(400, f"{version.ref} is an embedding model; deploy generation models only",
+                               code="wrong_kind")
+        if workers < 1:
+            raise ControlError(400, f"workers must be >= 1, got {workers}", param="workers")
+        self.id = deployment_id or f"{version.name}-v{version.version}"
+        self.base = base
+        self.num_workers = workers
+        self.strategy_name = strategy
+        self.start_timeout, self.health = start_timeout, health or HealthSettings()
+        self.drain_timeout_s, self.keep_alive_s = drain_timeout_s, keep_alive_s
+        config = version.engine_config(base)
+        self.strategy = self._strategy(strategy, config)
+        self._gen = Generation(version, config, tokenizer)
+        self._old: list[Generation] = []  # draining: the workers of a swapped-out version, or scaled away
+        self._ids = itertools.count()
+        self._where: dict[str, Worker] = {}  # request id -> the worker serving it (for abort)
+        self._lock = asyncio.Lock()  # one scale or swap at a time
+        self._health_task: asyncio.Task | None = None
+        self._closing = False
+        self.last_used = time.monotonic()
+        self.last_swap: dict[str, float] = {}
+        self.on_ready = self.on_down = self.on_step = None  # as AsyncEngine's, for every worker
+
+    @staticmethod
+    def _strategy(name: str, config: EngineConfig):
+        try:
+            return make_strategy(name, config.block_size)
+        except ValueError as e:
+            raise ControlError(400, str(e), code="unknown_strategy", param="strategy") from e
+
+    # -- the AsyncEngine surface -------------------------------------------------------------------
+    @property
+    def version(self) -> ModelVersion:
+        return self._gen.version
+
+    @property
+    def served_name(self) -> str:
+        return self._gen.version.ref
+
+    @property
+    def tokenizer(self):
+        return self._gen.tokenizer
+
+    @property
+    def workers(self) -> list[Worker]:
+        return list(self._gen.workers)
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._gen.config
+
+    def num_processes(self) -> int:
+        """Worker processes now running or starting, draining ones included (what the memory budget counts)."""
+        return len(self._all_workers())
+
+    def _all_workers(self) -> list[Worker]:
+        return list(self._gen.workers) + [w for g in self._old for w in g.workers]
+
+    @property
+    def ready(self) -> bool:
+        return any(w.routable for w in self._gen.workers)
+
+    def check_engine(self) -> bool:
+        """Whether some worker can serve now (each one asked, so a dead process is noticed here)."""
+        return any([w.engine.check_engine() and not w.draining for w in self._gen.workers])
+
+    @property
+    def info(self):
+        return next((w.engine.info for w in self._gen.workers if w.engine.info is not None), None)
+
+    @property
+    def max_model_len(self) -> int:
+        return min((w.engine.max_model_len for w in self._gen.workers if w.engine.info), default=0)
+
+    @property
+    def engine_pid(self) -> int | None:
+        return next((w.pid for w in self._gen.workers if w.engine.ready), None)
+
+    @property
+    def restarts(self) -> int:
+        return sum(w.engine.restarts for w in self._gen.workers)
+
+    def num_in_flight(self) -> int:
+        return sum(w.engine.num_in_flight() for w in self._all_workers())
+
+    def num_queued(self) -> int:
+        return sum(w.engine.num_queued() for w in self._all_workers())
+
+    def live_counts(self) -> tuple[int, int]:
+        counts = [w.engine.live_counts() for w in self._all_workers()]
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
+    @property
+    def stats(self) -> EngineStats | None:
+        """The current workers' engine figures summed (KV usage and hit rate recomputed from the sums)."""
+        all_stats = [w.engine.stats for w in self._gen.workers if w.engine.stats is not None]
+        if not all_stats:
+            return None
+        total = {f.name: 0 for f in dataclasses.fields(EngineStats) if f.name not in ("kv_usage", "waiting_by_priority",
+                                                                                      "prefix_cache_hit_rate")}
+        for st in all_stats:
+            for k in total:
+                total[k] += getattr(st, k)
+        blocks, free = total["num_kv_blocks"], total["num_free_blocks"]
+        queries = total["prefix_cache_queries"]
+        return EngineStats(**total, kv_usage=(blocks - free) / blocks if blocks else 0.0,
+                           prefix_cache_hit_rate=total["prefix_cache_hits"] / queries if queries else 0.0,
+                           waiting_by_priority=[sum(s.waiting_by_priority[i] for s in all_stats) for i in range(3)])
+
+    async def update_config(self, max_num_seqs: int, scheduling_policy: str, priority_aging_s: float) -> None:
+        """Change every worker's scheduler settings now, and those of workers started later."""
+        self.base = dataclasses.replace(self.base, max_num_seqs=max_num_seqs, scheduling_policy=scheduling_policy,
+                                        priority_aging_s=priority_aging_s)
+        self._gen.config = self._gen.version.engine_config(self.base)
+        for w in self._all_workers():
+            await w.engine.update_config(max_num_seqs, scheduling_policy, priority_aging_s)
+
+    async def abort(self, request_id: str) -> None:
+        worker = self._where.get(request_id)
+        if worker is not None:
+            await worker.engine.abort(request_id)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prompt: str | None = None, priority: int = 1, queue_timeout: float | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs from one worker of the current generation, each tagged with the version
+        (`model_version`); re-sent to another worker if its worker dies before any output."""
+        gen = self._gen
+        self.last_used = time.monotonic()
+        req = RouteRequest(prompt_token_ids, params.max_tokens or 0, cache_salt)
+        need = blocks_needed(req, gen.config.block_size)
+        tried: set[int] = set()
+        gen.active += 1
+        try:
+            for attempt in itertools.count():
+                worker = self._route(gen, req, tried) if attempt == 0 else \
+                    await self._reroute(gen, req, tried, queue_timeout)
+                started = False
+                worker.pending[request_id] = need
+                worker.routed += 1
+                self._where[request_id] = worker
+                try:
+                    # aclosing: a caller that leaves early closes the worker's stream now, which aborts the request
+                    async with contextlib.aclosing(worker.engine.generate(
+                            request_id, prompt_token_ids, params, prompt, priority, queue_timeout, cache_salt)) as stream:
+                        async for out in stream:
+                            if not started:
+                                started = True
+                                worker.pending.pop(request_id, None)
+                            out.model_version = gen.version.ref
+                            yield out
+                    return
+                except EngineDeadError:
+                    if started or attempt >= 2 * len(gen.workers) + 1:
+                        raise
+                    tried.add(worker.id)
+                    logger.warning("worker %d of %s failed before request %s produced output; re-sending it",
+                                   worker.id, self.id, request_id)
+                finally:
+                    worker.pending.pop(request_id, None)
+                    if self._where.get(request_id) is worker:
+                        del self._where[request_id]
+        finally:
+            gen.active -= 1
+            self.last_used = time.monotonic()
+
+    def _candidates(self, gen: Generation) -> list[Worker]:
+        if gen is self._gen:
+            return [w for w in gen.workers if w.routable]
+        # a swapped-out generation still serves (only) its own re-sent requests until it has drained
+        return [w for w in gen.workers if w.engine.ready and not w.stopped]
+
+    def _route(self, gen: Generation, req: RouteRequest, tried: set[int]) -> Worker:
+        candidates = self._candidates(gen)
+        fresh = [w for w in candidates if w.id not in tried]
+        if not candidates:
+            raise EngineDeadError(f"no worker of {gen.version.ref} is ready")
+        if gen is not self._gen:  # its router went with it
+            return min(fresh or candidates, key=Worker.load)
+        return self.strategy.pick(fresh or candidates, req)
+
+    async def _reroute(self, gen: Generation, req: RouteRequest, tried: set[int],
+                       queue_timeout: float | None) -> Worker:
+        """A worker for a re-sent request, waiting (up to the queue timeout, else the start timeout) for one to
+        come back if none is ready: a lone worker's queued requests wait for its restart rather than fail."""
+        deadline = time.monotonic() + (queue_timeout or self.start_timeout or float("inf"))
+        while (not self._candidates(gen) and any(not w.stopped for w in gen.workers)
+               and time.monotonic() < deadline and not self._closing):
+            await asyncio.sleep(_POLL_S)
+        return self._route(gen, req, tried)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start and warm up every worker (ControlError if one cannot start), then watch their health."""
+        if self._gen.tokenizer is None:
+            self._gen.tokenizer = await self._tokenizer(self._gen.version, self._gen.config)
+        try:
+            await self._start_workers(self._gen, self.num_workers)
+        except BaseException:
+            await self._stop_workers(self._gen.workers)
+            raise
+        self._health_task = asyncio.create_task(self._watch())
+
+    @staticmethod
+    async def _tokenizer(version: ModelVersion, config: EngineConfig):
+        try:
+            return await asyncio.to_thread(load_tokenizer, version, config)
+        except Exception as e:
+            raise ControlError(409, f"{version.ref} failed to start: its tokenizer could not be loaded: {e}",
+                               code="start_failed") from e
+
+    def _worker_config(self, config: EngineConfig, slot: int) -> EngineConfig:
+        """Worker `slot`'s settings: with `cpu_bind` and several workers, each worker gets its own share of the
+        CPUs (slot k of n: the k-th of n equal parts), so workers do not contend for cores."""
+        cpus = cpu_list(config.cpu_bind) if config.cpu_bind else None
+        n = self.num_workers
+        if not cpus or n < 2 or len(cpus) < n:
+            return config
+        per = len(cpus) // n
+        mine = cpus[(slot % n) * per:(slot % n + 1) * per]
+        return dataclasses.replace(config, cpu_bind=",".join(map(str, mine)),
+                                   num_threads=min(config.num_threads or per, per))
+
+    def _new_worker(self, gen: Generation, slot: int) -> Worker:
+        engine = AsyncEngine(self._worker_config(gen.config, slot), gen.tokenizer, start_timeout=self.start_timeout)
+        engine.on_ready = lambda msg, restarted: self.on_ready and self.on_ready(msg, restarted)
+        engine.on_down = lambda: self.on_down and self.on_down()
+        engine.on_step = lambda msg, outs: self.on_step and self.on_step(msg, outs)
+        worker = Worker(next(self._ids), engine)
+        worker.slot = slot
+        return worker
+
+    async def _start_workers(self, gen: Generation, n: int) -> list[Worker]:
+        """Start n workers of `gen` at once and add them to it once all are warm; on any failure stop them and
+        raise ControlError naming the reason."""
+        used = {w.slot for w in gen.workers}
+        slots = [s for s in range(len(used) + n) if s not in used][:n]
+        new = [self._new_worker(gen, slot) for slot in slots]
+        for w in new:
+            w.engine.launch()
+        results = await asyncio.gather(*(w.engine.wait_ready() for w in new), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self._stop_workers(new)
+            raise ControlError(409, f"{gen.version.ref} failed to start: {errors[0]}", code="start_failed")
+        gen.workers.extend(new)
+        return new
+
+    async def _stop_workers(self, workers: list[Worker]) -> None:
+        for w in workers:
+            w.stopped = True
+        await asyncio.gather(*(w.engine.shutdown() for w in workers), return_exceptions=True)
+
+    async def _drain(self, workers: list[Worker], gen: Generation | None = None) -> None:
+        """Wait (up to drain_timeout_s) until these workers (or the whole generation) have nothing in flight;
+        then shut them down (anything still in flight ends with an error, or is re-sent if it had no output)."""
+        for w in workers:
+            w.draining = True
+        deadline = time.monotonic() + self.drain_timeout_s
+        while time.monotonic() < deadline and (any(w.engine.num_in_flight() for w in workers)
+                                               or (gen is not None and gen.active)):
+            await asyncio.sleep(_POLL_S)
+        await self._stop_workers(workers)
+        for w in workers:
+            self.strategy.forget(w.id)
+
+    async def scale(self, n: int) -> None:
+        """Run n workers: new ones join once warm; surplus ones stop taking requests, finish theirs, and stop."""
+        if n < 1:
+            raise ControlError(400, f"workers must be >= 1, got {n}", param="workers")
+        async with self._lock:
+            gen = self._gen
+            have = len(gen.workers)
+            if n > have:
+                self.num_workers = n  # before the start: each new worker's CPU share depends on it
+                try:
+                    await self._start_workers(gen, n - have)
+                except BaseException:
+                    self.num_workers = have
+                    raise
+            elif n < have:
+                # the least useful go first: not ready, then least loaded
+                victims = sorted(gen.workers, key=lambda w: (w.engine.ready, w.load()))[:have - n]
+                for w in victims:
+                    w.draining = True
+                gen.workers = [w for w in gen.workers if w not in victims]
+                self._old.append(Generation(gen.version, gen.config, gen.tokenizer, victims))
+                try:
+                    await self._drain(victims)
+                finally:
+                    self._old = [g for g in self._old if g.workers is not victims]
+            self.num_workers = n
+
+    async def swap(self, version: ModelVersion, tokenizer=None) -> None:
+        """Serve `version` instead, with no request failed: start and warm its workers beside the old ones,
+        switch new requests over at once, then drain the old workers and shut them down. If the new version
+        cannot start, the old one keeps serving and ControlError says why."""
+        if version.kind != Kind.GENERATE:
+            raise ControlError(400, f"{version.ref} is an embedding model; deploy generation models only",
+                               code="wrong_kind")
+        async with self._lock:
+            t0 = time.monotonic()
+            config = version.engine_config(self.base)
+            new = Generation(version, config, tokenizer)
+            try:
+                if new.tokenizer is None:
+                    new.tokenizer = await self._tokenizer(version, config)
+                await self._start_workers(new, self.num_workers)
+            except ControlError as e:
+                raise ControlError(e.status, f"{e.message}; {self.version.ref} keeps serving", e.code) from e
+            old = self._gen
+            self._gen, self.strategy = new, self._strategy(self.strategy_name, config)  # the switch-over
+            switched = time.monotonic()
+            self._old.append(old)
+            try:
+                await self._drain(old.workers, old)
+            finally:
+                self._old = [g for g in self._old if g is not old]
+            self.last_swap = {"start_s": switched - t0, "drain_s": time.monotonic() - switched}
+            logger.info("%s swapped %s -> %s (new workers warm after %.2fs)", self.id, old.version.ref,
+                        version.ref, switched - t0)
+
+    async def _watch(self) -> None:
+        """Health checks: dead workers are noticed, hung ones killed (the client restarts both), and a
+        restarted worker's remembered prefixes forgotten."""
+        while not self._closing:
+            t = time.monotonic()
+            await asyncio.sleep(self.health.interval_s)
+            if time.monotonic() - t > self.health.interval_s + self.health.timeout_s / 2:
+                continue  # this process was stalled, not the workers: their answers may be unread yet
+            for w in self._all_workers():
+                with contextlib.suppress(Exception):  # a check must never stop the watcher
+                    await w.check_health(self.health)
+                if w.engine.restarts != w.seen_restarts:
+                    w.seen_restarts = w.engine.restarts
+                    self.strategy.forget(w.id)
+
+    async def close(self) -> None:
+        """Unload gracefully: stop routing, let in-flight requests finish (up to drain_timeout_s), stop."""
+        for w in self._gen.workers:
+            w.draining = True
+        await self._drain(self._all_workers(), self._gen)
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        """Stop every worker now (in-flight requests end with an error)."""
+        self._closing = True
+        if self._health_task is not None:
+            self._health_task.cancel()
+        await self._stop_workers(self._all_workers())
+
+    def describe(self) -> dict:
+        """A JSON-able record: what the admin API shows and the registry persists."""
+        return {"id": self.id, "name": self.version.name, "version": self.version.version, "ref": self.version.ref,
+                "kind": Kind.GENERATE.value, "workers": self.num_workers, "strategy": self.strategy_name, "keep_alive_s": self.keep_alive_s,
+                "ready": self.ready, "in_flight": self.num_in_flight(),
+                "worker_status": [w.describe() for w in self._all_workers()]}

@@ -1,0 +1,280 @@
+"""The server's deployments: create, find by model name, scale, swap, unload, within a memory budget.
+
+`resolve(model)` is the routing seam above the workers: `name` goes to the deployment of the name's
+PRODUCTION version (or the only deployment of that name), `name:version` to that version's deployment.
+Traffic policies between versions (A/B, canary, shadow) will choose here, between deployments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from servelm.config.engine import EngineConfig
+from servelm.control.budget import MemoryBudget, worker_footprint
+from servelm.control.deployment import Deployment, load_tokenizer
+from servelm.control.embed_deployment import EmbedDeployment
+from servelm.control.traffic import Decision, RequestAttrs, TrafficPolicy
+from servelm.control.types import ControlError, Kind, ModelVersion, State
+from servelm.worker.handle import HealthSettings
+
+__all__ = ["Deployment", "DeploymentManager", "EmbedDeployment", "Served", "load_tokenizer"]
+logger = logging.getLogger("servelm.deployments")
+Served = Deployment | EmbedDeployment  # what resolve() returns: generation (AsyncEngine surface) or embeddings
+
+
+class DeploymentManager:
+    """Every deployment of the server.
+
+    `on_change(action, record)` is called after each change ("create", "scale", "swap", "unload", "evict",
+    "expire") and after a failed swap ("swap_failed", the record with `to` and `error`), with the deployment's
+    `describe()` record, so the caller can persist and audit it. `production_of(name)`
+    names the PRODUCTION version of a model (the registry's view; default: the deployed versions' states);
+    `policy_of(name)` its traffic policy, if any (see `route`).
+    Deployments idle for their `keep_alive_s` are unloaded; under memory pressure idle ones are unloaded
+    least recently used first.
+    """
+
+    def __init__(self, engine_base: EngineConfig | None = None, budget: MemoryBudget | None = None,
+                 on_change: Callable[[str, dict], None] | None = None,
+                 production_of: Callable[[str], int | None] | None = None, start_timeout: float = 600.0,
+                 health: HealthSettings | None = None, reap_every_s: float = 5.0,
+                 policy_of: Callable[[str], TrafficPolicy | None] | None = None) -> None:
+        self.engine_base = engine_base or EngineConfig()
+        self.budget = budget or MemoryBudget(device=self.engine_base.device)
+        self.on_change, self.production_of, self.policy_of = on_change, production_of, policy_of
+        self.start_timeout, self.health = start_timeout, health
+        self.reap_every_s = reap_every_s
+        self._deployments: dict[str, Served] = {}
+        self._footprints: dict[str, int] = {}  # id -> bytes per worker
+        self._reserved = 0  # bytes of workers being started (not yet counted in a deployment)
+        self._lock = asyncio.Lock()  # budget decisions one at a time
+        self._reaper: asyncio.Task | None = None
+        self._loading: dict[str, asyncio.Future] = {}  # version ref -> its on-demand load in progress
+
+    # -- lookup ------------------------------------------------------------------------------------
+    def get(self, deployment_id: str) -> Served:
+        d = self._deployments.get(deployment_id)
+        if d is None:
+            raise ControlError(404, f"no deployment {deployment_id!r}; deployments: "
+                               f"{', '.join(self._deployments) or 'none'}", code="deployment_not_found")
+        return d
+
+    def list(self) -> list[Served]:
+        return list(self._deployments.values())
+
+    def served(self) -> list[str]:
+        """Every name a request may use: each deployed `name:version`, and each model name that resolves."""
+        refs = sorted({d.version.ref for d in self._deployments.values()})
+        names = sorted({d.version.name for d in self._deployments.values()})
+        return [n for n in names if self._by_name(n, strict=False) is not None] + refs
+
+    def resolve(self, model: str) -> Served:
+        """The deployment that serves `model` (`name` or `name:version`); 404 naming what exists."""
+        name, sep, ver = model.rpartition(":")
+        if sep and ver.isdigit():
+            for d in self._deployments.values():
+                if d.version.name == name and d.version.version == int(ver):
+                    return d
+        else:
+            found = self._by_name(model, strict=True)
+            if found is not None:
+                return found
+        raise ControlError(404, f"the model {model!r} is not deployed; available: "
+                           f"{', '.join(self.served()) or 'none'}", code="model_not_found", param="model")
+
+    def route(self, model: str, attrs: RequestAttrs | None = None) -> tuple[Served, Decision | None]:
+        """resolve(), with the model's traffic policy (`policy_of(name)`) choosing the version of a bare name:
+        the deployment and the policy's decision (its arm, and a shadow version for the caller to mirror to),
+        or no decision where no policy applies (a pinned `name:version`, no policy). A chosen version that is
+        not deployed falls back to resolve(name), logged."""
+        policy = self.policy_of(model) if self.policy_of is not None and ":" not in model else None
+        if policy is None:
+            return self.resolve(model), None
+        decision = policy.choose(attrs or RequestAttrs())
+        try:
+            return self.resolve(f"{model}:{decision.version}"), decision
+        except ControlError:
+            logger.warning("traffic policy of %s chose version %d, which is not deployed; serving %s as resolved",
+                           model, decision.version, model)
+            return self.resolve(model), None
+
+    def _by_name(self, name: str, strict: bool) -> Served | None:
+        mine = [d for d in self._deployments.values() if d.version.name == name]
+        if len(mine) == 1:
+            return mine[0]
+        if not mine:
+            return None
+        prod = self.production_of(name) if self.production_of else next(
+            (d.version.version for d in mine if d.version.state == State.PRODUCTION), None)
+        found = next((d for d in mine if d.version.version == prod), None)
+        if found is None and strict:
+            raise ControlError(404, f"the model {name!r} has several deployments "
+                               f"({', '.join(d.version.ref for d in mine)}) and none of them is its PRODUCTION "
+                               "version; name one as name:version", code="model_not_found", param="model")
+        return found
+
+    async def ensure(self, model: str, find: Callable[[str], ModelVersion | None], workers: int = 1,
+                     strategy: str = "least_loaded", keep_alive_s: float | None = 300.0) -> tuple[Served, float]:
+        """The deployment serving `model`, loading it first if there is none (on demand): `find(model)` names
+        the version to load (the registry's PRODUCTION version of a name, or a pinned `name:version`; None: the
+        404 stands). Returns it and the seconds this call waited for the load (0.0 if it was there); requests
+        arriving during one load share it. On-demand deployments unload after `keep_alive_s` idle."""
+        try:
+            return self.resolve(model), 0.0
+        except ControlError:
+            version = find(model)
+            if version is None:
+                raise
+        t0 = time.monotonic()
+        task = self._loading.get(version.ref)
+        if task is None:
+            task = asyncio.ensure_future(self.create(version, workers, strategy, keep_alive_s=keep_alive_s))
+            self._loading[version.ref] = task
+            task.add_done_callback(lambda _: self._loading.pop(version.ref, None))
+        d = await asyncio.shield(task)  # a caller that leaves does not cancel the load for the others
+        return d, time.monotonic() - t0
+
+    # -- changes -----------------------------------------------------------------------------------
+    async def create(self, version: ModelVersion, workers: int = 1, strategy: str = "least_loaded",
+                     engine_base: EngineConfig | None = None, tokenizer=None, keep_alive_s: float | None = None,
+                     deployment_id: str | None = None) -> Served:
+        """Deploy `version` with `workers` workers, started and warm when this returns (an embedding version:
+        one embedding worker)."""
+        d: Served
+        if version.kind == Kind.EMBED:
+            d, config = EmbedDeployment(version, deployment_id, keep_alive_s), None
+            workers = 1
+        else:
+            d = Deployment(version, engine_base or self.engine_base, workers, strategy, tokenizer, deployment_id,
+                           self.start_timeout, self.health, keep_alive_s=keep_alive_s)
+            config = d.config
+        if d.id in self._deployments:
+            raise ControlError(409, f"deployment {d.id!r} exists already", code="deployment_exists")
+        per_worker = await asyncio.to_thread(self._footprint, version, config)
+        await self._reserve(per_worker * workers, f"deploying {version.ref} with {workers} worker(s)", keep=None)
+        try:
+            await d.start()
+        except BaseException:
+            await d.shutdown()
+            raise
+        finally:
+            self._reserved -= per_worker * workers
+        self._deployments[d.id], self._footprints[d.id] = d, per_worker
+        self._start_reaper()
+        self._changed("create", d)
+        return d
+
+    async def restore(self, records: list[dict], version_of: Callable[[str, int], ModelVersion]) -> list[Served]:
+        """Bring back deployments from their `describe()` records (what `on_change` was given; a restarted
+        server's registry holds them), oldest first. One that cannot start is logged and skipped, so the rest
+        still serve; returns those that started."""
+        started = []
+        for rec in records:
+            try:
+                version = version_of(rec["name"], int(rec["version"]))
+                started.append(await self.create(version, int(rec.get("workers", 1)),
+                                                  rec.get("strategy") or "least_loaded",
+                                                  keep_alive_s=rec.get("keep_alive_s"), deployment_id=rec["id"]))
+            except (ControlError, KeyError, ValueError, TypeError) as e:
+                logger.error("could not restore deployment %s: %s", rec.get("id"), getattr(e, "message", e))
+        return started
+
+    async def scale(self, deployment_id: str, n: int) -> Served:
+        d = self.get(deployment_id)
+        extra = max(0, n - d.num_workers) * self._footprints[d.id]
+        await self._reserve(extra, f"scaling {d.id} to {n} workers", keep=d)
+        try:
+            await d.scale(n)
+        finally:
+            self._reserved -= extra
+        self._changed("scale", d)
+        return d
+
+    async def swap(self, deployment_id: str, version: ModelVersion, tokenizer=None) -> Served:
+        """Serve `version` on this deployment with zero downtime (its workers run beside the old ones for a
+        while, so both must fit the budget)."""
+        d = self.get(deployment_id)
+        config = version.engine_config(d.base) if isinstance(d, Deployment) else None
+        per_worker = await asyncio.to_thread(self._footprint, version, config)
+        need = per_worker * d.num_workers
+        await self._reserve(need, f"swapping {d.id} to {version.ref}", keep=d)
+        try:
+            await d.swap(version, tokenizer)
+        except ControlError as e:
+            logger.error("swap of %s to %s failed: %s", d.id, version.ref, e.message)
+            self._changed("swap_failed", d, to=version.ref, error=e.message)
+            raise
+        finally:
+            self._reserved -= need
+        self._footprints[d.id] = per_worker
+        self._changed("swap", d)
+        return d
+
+    async def unload(self, deployment_id: str, action: str = "unload") -> None:
+        """Stop taking requests for it, let in-flight ones finish (up to its drain timeout), stop its workers."""
+        d = self.get(deployment_id)
+        del self._deployments[deployment_id]
+        self._footprints.pop(deployment_id, None)
+        await d.close()
+        self._changed(action, d)
+
+    async def shutdown(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        ds, self._deployments = list(self._deployments.values()), {}
+        await asyncio.gather(*(d.shutdown() for d in ds), return_exceptions=True)
+
+    # -- memory ------------------------------------------------------------------------------------
+    def _footprint(self, version: ModelVersion, config: EngineConfig | None) -> int:
+        try:
+            return worker_footprint(version, config).total
+        except (OSError, ValueError, AttributeError) as e:
+            raise ControlError(409, f"cannot size {version.ref}'s workers from its artifact: {e}",
+                               code="start_failed") from e
+
+    def in_use(self) -> int:
+        """Bytes of every running and starting worker (a draining one counts until it is gone)."""
+        return self._reserved + sum(self._footprints[i] * d.num_processes() for i, d in self._deployments.items())
+
+    async def _reserve(self, need: int, what: str, keep: Served | None) -> None:
+        """Make room for `need` bytes: unload idle deployments (least recently used first) until it fits, else
+        raise ControlError(507) naming the numbers."""
+        async with self._lock:
+            idle = sorted((d for d in self._deployments.values() if d is not keep and d.num_in_flight() == 0),
+                          key=lambda d: d.last_used)
+            freeable = sum(self._footprints[d.id] * d.num_processes() for d in idle)
+            if self.in_use() - freeable + need <= self.budget.total:  # evict only where that makes it fit
+                for victim in idle:
+                    if self.in_use() + need <= self.budget.total:
+                        break
+                    logger.warning("unloading idle deployment %s to make room for %s", victim.id, what)
+                    await self.unload(victim.id, "evict")
+            self.budget.check(need, self.in_use(), what)
+            self._reserved += need
+
+    def _start_reaper(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.create_task(self._reap())
+
+    async def _reap(self) -> None:
+        """Unload deployments idle for longer than their keep_alive_s."""
+        while True:
+            await asyncio.sleep(self.reap_every_s)
+            now = time.monotonic()
+            for d in list(self._deployments.values()):
+                if d.keep_alive_s is not None and d.num_in_flight() == 0 and now - d.last_used > d.keep_alive_s:
+                    logger.info("unloading %s: idle for %.0fs (keep_alive %gs)", d.id, now - d.last_used,
+                                d.keep_alive_s)
+                    with contextlib.suppress(ControlError):
+                        await self.unload(d.id, "expire")
+
+    def _changed(self, action: str, d: Served, **extra) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change(action, {**d.describe(), **extra})
+            except Exception:  # persistence failing must not undo a change that took effect
+                logger.exception("on_change(%s, %s) failed", action, d.id)

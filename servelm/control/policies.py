@@ -1,0 +1,97 @@
+"""Stored traffic-management records: each model's traffic policy, canary rollout and experiments, in the
+registry's database, every change audited in the same transaction (so a change and its audit entry commit
+together or not at all).
+
+Records are the dict forms of `TrafficPolicy`, `CanaryController` and experiment definitions, keyed by
+(kind, key): kind "policy" and "canary" use the model name as key, "experiment" the experiment's name.
+"""
+
+from __future__ import annotations
+
+import time
+
+from sqlalchemy import JSON, Column, Engine, Float, MetaData, String, Table, select
+
+from servelm.control import db
+from servelm.control.audit import Audit
+from servelm.control.traffic import TrafficPolicy
+from servelm.control.types import ControlError
+
+KINDS = ("policy", "canary", "experiment")
+metadata = MetaData()
+records_table = Table(
+    "traffic_records", metadata,
+    Column("kind", String(32), primary_key=True),
+    Column("key", String(200), primary_key=True),
+    Column("record", JSON, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Column("updated_by", String(200), nullable=False),
+)
+
+
+class PolicyStore:
+    """Traffic records in `engine` (the registry's), audited through `audit` (the registry's trail)."""
+
+    def __init__(self, engine: Engine, audit: Audit) -> None:
+        self.engine, self.audit = engine, audit
+        db.create_tables(engine, metadata)
+
+    def get(self, kind: str, key: str) -> dict | None:
+        _check(kind)
+        with db.read(self.engine) as conn:
+            row = conn.execute(select(records_table.c.record).where(records_table.c.kind == kind,
+                                                                    records_table.c.key == key)).first()
+        return row.record if row else None
+
+    def all(self, kind: str) -> dict[str, dict]:
+        _check(kind)
+        with db.read(self.engine) as conn:
+            rows = conn.execute(select(records_table.c.key, records_table.c.record)
+                                .where(records_table.c.kind == kind).order_by(records_table.c.key))
+            return {r.key: r.record for r in rows}
+
+    def put(self, kind: str, key: str, record: dict, actor: str, action: str | None = None) -> dict | None:
+        """Create or replace a record; the audit entry holds before and after. Returns the previous one."""
+        _check(kind)
+
+        def op() -> dict | None:
+            with db.write(self.engine) as conn:
+                where = (records_table.c.kind == kind) & (records_table.c.key == key)
+                row = conn.execute(select(records_table.c.record).where(where)).first()
+                before = row.record if row else None
+                values = {"record": record, "updated_at": time.time(), "updated_by": actor}
+                if row:
+                    conn.execute(records_table.update().where(where).values(**values))
+                else:
+                    conn.execute(records_table.insert().values(kind=kind, key=key, **values))
+                self.audit.append(conn, actor, action or f"{kind}.set", f"{kind}:{key}", before, record)
+                return before
+        return db.retrying(op)
+
+    def delete(self, kind: str, key: str, actor: str) -> dict:
+        """Remove a record (404 when absent); audited. Returns what was removed."""
+        _check(kind)
+
+        def op() -> dict:
+            with db.write(self.engine) as conn:
+                where = (records_table.c.kind == kind) & (records_table.c.key == key)
+                row = conn.execute(select(records_table.c.record).where(where)).first()
+                if row is None:
+                    raise ControlError(404, f"no {kind} for {key!r}", code="not_found")
+                conn.execute(records_table.delete().where(where))
+                self.audit.append(conn, actor, f"{kind}.delete", f"{kind}:{key}", row.record, None)
+                return row.record
+        return db.retrying(op)
+
+    def set_policy(self, policy: TrafficPolicy, actor: str) -> None:
+        """Store a model's traffic policy (validated by construction)."""
+        self.put("policy", policy.model, policy.to_dict(), actor)
+
+    def policy(self, model: str) -> TrafficPolicy | None:
+        d = self.get("policy", model)
+        return TrafficPolicy.from_dict(d) if d else None
+
+
+def _check(kind: str) -> None:
+    if kind not in KINDS:
+        raise ControlError(400, f"unknown record kind {kind!r}; known: {', '.join(KINDS)}", code="invalid_kind")
