@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from servelm.server.embeddings import Embedder
+from servelm.worker.embedder import Embedder
 
 
 class FakeEmbedder(Embedder):

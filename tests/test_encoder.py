@@ -55,7 +55,7 @@ def test_default_embedding_model_matches_transformers():
     from transformers import AutoModel
 
     from servelm.model.hf_files import tokenizer_from_folder
-    from servelm.server.embeddings import default_embedding_path
+    from servelm.worker.embedder import default_embedding_path
 
     path = default_embedding_path()
     if path is None:

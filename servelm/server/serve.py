@@ -42,7 +42,7 @@ def load_config(args):
 
 
 def _embedder(server):
-    from servelm.server.embeddings import DEFAULT_EMBED_NAME, Embedder, default_embedding_path
+    from servelm.worker.embedder import DEFAULT_EMBED_NAME, Embedder, default_embedding_path
 
     if server.embedding_model == "none":
         return None, None
@@ -169,7 +169,7 @@ async def _serve(config, sock: socket.socket) -> int:
 
 async def _open_control_plane(config, state):
     """The registry in the data dir and the deployments it records, restored before the server listens."""
-    from servelm.server.control_plane import ControlPlane
+    from servelm.control.plane import ControlPlane
 
     try:
         plane = ControlPlane.open(config)

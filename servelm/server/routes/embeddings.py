@@ -7,8 +7,8 @@ from fastapi import FastAPI, Request
 from servelm.control.types import Kind
 from servelm.server import protocol as p
 from servelm.server.common import Api, b64
-from servelm.server.embeddings import EmbedderDown
 from servelm.server.protocol import APIError
+from servelm.worker.embedder import EmbedderDown
 
 
 async def _embedder(api: Api, request: Request, model: str | None):
