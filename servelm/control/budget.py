@@ -14,6 +14,7 @@ from pathlib import Path
 
 from servelm.config.engine import DEFAULT_KV_CACHE_GB, EngineConfig
 from servelm.control.types import ControlError, Kind, ModelVersion
+from servelm.model.cpu_features import cpu_has_bf16
 
 GiB = 2**30
 DEFAULT_FRACTION = 0.8  # of RAM: the default budget
@@ -38,19 +39,10 @@ def gpu_bytes(device: str) -> int | None:
         return None
 
 
-def _cpu_has_bf16() -> bool:
-    # as servelm.model.loader.cpu_has_bf16 (which imports torch): where "auto" picks bfloat16
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def itemsize(dtype: str, device: str = "cpu") -> int:
     """Bytes per value of the dtype a worker runs in ("auto" resolved as the loader resolves it)."""
     if dtype == "auto":
-        return 2 if device.startswith("cuda") or _cpu_has_bf16() else 4
+        return 2 if device.startswith("cuda") or cpu_has_bf16() else 4
     return _ITEMSIZE[dtype]
 
 

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from servelm.model import kernel_build
+from servelm.model.cpu_features import cpu_flags
 from servelm.model.kernel_ops import CpuKernels
 
 logger = logging.getLogger(__name__)
@@ -26,18 +27,6 @@ _tried = False
 
 def enabled() -> bool:
     return os.environ.get("SERVELM_CPU_KERNELS", "auto").strip().lower() not in ("0", "off", "false", "none")
-
-
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """This CPU's feature names as Linux reports them (`flags` on x86, `Features` on ARM); empty if unknown."""
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("flags", "Features"):
-                return frozenset(value.split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def choose_variant(built: list[str], flags: frozenset[str], wanted: str = "auto", machine: str | None = None

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from servelm.model.attention import get_backend
+from servelm.model.cpu_features import cpu_has_bf16
 from servelm.model.decoder import DecoderLM
 from servelm.model.gguf_loader import iter_gguf_tensors
 from servelm.model.metadata import load_config_and_eos, load_config_and_tokenizer
@@ -20,15 +21,6 @@ from servelm.progress import progress
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cpu_has_bf16() -> bool:
-    """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX), so bf16 is the fast dtype."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
