@@ -12,7 +12,7 @@ from conftest import VOCAB, random_prompts
 
 from servelm import LLM, SamplingParams
 from servelm.config.engine import ConfigError, EngineConfig
-from servelm.model.attention.invariant import KEY_BLOCK, block_attention
+from servelm.model.attention.invariant import KEY_BLOCK, block_attention, gather_blocks
 
 # Widths as in test_invariance (an MLP input of 1024 is wide enough for the default matmuls to change their
 # sums with the row count); a small initializer keeps the logits flat, so a last-bit difference anywhere
@@ -167,7 +167,7 @@ def test_the_mode_computes_what_the_default_path_computes(model_dirs):
 @pytest.mark.parametrize("window", [None, 40])
 def test_block_attention_matches_sdpa(window):
     torch.manual_seed(0)
-    hkv, g, d, n = 2, 3, 32, 2 * KEY_BLOCK + 5
+    hkv, g, d, n, bs = 2, 3, 32, 2 * KEY_BLOCK + 5, 16
     q, k, v = torch.randn(hkv * g, n, d), torch.randn(hkv, n, d), torch.randn(hkv, n, d)
     pos = torch.arange(n)
     mask = pos[None, :] <= pos[:, None]
@@ -175,11 +175,13 @@ def test_block_attention_matches_sdpa(window):
         mask &= pos[None, :] > pos[:, None] - window
     want = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=0.2,
                                           enable_gqa=True)[0]
-    length = 3 * KEY_BLOCK
-    kt, vv = torch.zeros(1, hkv, d, length), torch.zeros(1, hkv, length, d)
-    kt[0, :, :, :n], vv[0, :, :n] = k.transpose(1, 2), v
+    nblocks = -(-n // bs)
+    caches = [torch.zeros(nblocks + 1, bs, hkv, d) for _ in "kv"]
+    for cache, x in zip(caches, (k, v), strict=True):
+        cache.view(-1, hkv, d)[bs:bs + n] = x.transpose(0, 1)  # block 0 left unused, as padding
+    keys, values = gather_blocks(*caches, torch.arange(1, nblocks + 1)[None], 3)
     rows = q.view(hkv, g, n, d).transpose(1, 2).reshape(1, hkv, n * g, d)
-    got = block_attention(rows, kt, vv, pos.repeat_interleave(g)[None], 0.2, window)
+    got = block_attention(rows, keys, values, pos.repeat_interleave(g)[None], 0.2, window)
     got = got.view(hkv, n, g, d).transpose(1, 2).reshape(hkv * g, n, d)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
