@@ -33,8 +33,8 @@ def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q
     """Attention of float32 queries q [S, Hkv, R, D] (R rows per KV head: queries x heads of its group) at
     positions q_pos [S, R] over nb key blocks: keys [nb, S, Hkv, D, KEY_BLOCK] and values with a column of
     ones [nb, S, Hkv, KEY_BLOCK, D + 1] (`gather_blocks`, or `gather_decode_blocks` where every call has the
-    same R), at positions 0..nb * KEY_BLOCK - 1. Keys past a
-    row's position are masked, as are those outside its window. Returns [S, Hkv, R, D] float32."""
+    same R), at positions 0..nb * KEY_BLOCK - 1. Keys past a row's position are masked, as are those outside
+    its window. Returns [S, Hkv, R, D] float32."""
     rows = q.shape[2]
     if rows < 2:  # duplicate the row: one row would take the matmul's matrix-vector path
         q, q_pos = torch.cat([q, q], dim=2), torch.cat([q_pos, q_pos], dim=1)
