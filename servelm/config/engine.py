@@ -70,6 +70,11 @@ class EngineConfig:
                               "when the KV cache is full")
     swap_space_gb: float = _f(4.0, "CPU swap space for preempted requests in GiB (swap mode)")
     seed: int = _f(0, "seed of the sampler's random generator for unseeded requests")
+    batch_invariant: bool = _f(False, "CPU only: a request's tokens and logprobs are the same bits whatever it is "
+                               "batched with, however its prompt is chunked, cached or preempted, in float32 "
+                               "and on the PyTorch paths too (linears in float32 through oneDNN, prompt "
+                               "attention over fixed key blocks); costs some speed, and memory in bf16 without "
+                               "the C++ kernels (README: Scheduling invariance)")
     num_threads: int | None = _f(None, "torch compute threads (default: torch's choice, or one per "
                                  "--cpu-bind CPU)")
     cpu_bind: str | None = _f(None, "CPUs the engine's compute threads run on, e.g. '0-3' or '0,2' (like "
@@ -89,6 +94,7 @@ class EngineConfig:
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
              "one of auto, float32, bfloat16, float16")
         need(self.device == "cpu" or self.device.startswith("cuda"), "device", "cpu, cuda or cuda:N")
+        need(not self.batch_invariant or self.device == "cpu", "batch_invariant", "false on a GPU (CPU only)")
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", "a power of two in [1, 256]")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1 or None")
         need(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0 or None")

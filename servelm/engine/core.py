@@ -24,6 +24,10 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model: DecoderLM) -> None:
         self.config = config
         self.model = model
+        if config.batch_invariant:
+            from servelm.model.invariant import make_batch_invariant
+
+            make_batch_invariant(model)
         spec = model.spec
         block_bytes = kv_bytes_per_block(model, config.block_size)
         if config.num_kv_blocks is not None:

@@ -39,7 +39,7 @@ class LLM:
                  preemption_mode: str = "recompute", swap_space_gb: float = 4, seed: int = 0,
                  gguf_file: str | None = None, tokenizer: str | None = None, num_threads: int | None = None,
                  cpu_bind: str | None = None, device: str = "cpu", enforce_eager: bool = False,
-                 sliding_window: int | None = None, **kwargs) -> None:
+                 sliding_window: int | None = None, batch_invariant: bool = False, **kwargs) -> None:
         if kwargs:
             raise TypeError(f"unknown LLM arguments: {', '.join(sorted(kwargs))}")
         config = EngineConfig(
@@ -49,6 +49,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
             preemption_mode=preemption_mode, swap_space_gb=swap_space_gb, seed=seed, num_threads=num_threads,
             cpu_bind=cpu_bind, device=device, enforce_eager=enforce_eager, sliding_window=sliding_window,
+            batch_invariant=batch_invariant,
         )
         self._setup(config)
 

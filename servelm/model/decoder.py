@@ -36,6 +36,7 @@ class DecoderLM:
                  backend: Callable[..., AttentionBackend]) -> None:
         self.spec = spec
         self.dtype = dtype
+        self.batch_invariant = False  # set by model.invariant.make_batch_invariant
         self.embed = weights.pop("model.embed_tokens.weight")
         self.norm = weights.pop("model.norm.weight")
         lm_head = weights.pop("lm_head.weight", None)
