@@ -282,3 +282,49 @@ def test_prediction_log_and_erasure_of_one_user(platform):
     entry = client.get("/admin/audit", headers=ADMIN).json()["entries"][-1]
     assert entry["action"] == "predictions.erase" and entry["after"] == {"removed": 3}
     assert "example" not in str(entry)
+
+
+def test_cli_traffic_and_canary_commands(platform, capsys):
+    """`servelm models traffic|canary` over the same admin API (its HTTP client swapped for the in-process
+    one)."""
+    import argparse
+
+    from servelm.entrypoints import models_cli
+
+    client, state, _ = platform
+    parser = argparse.ArgumentParser()
+    models_cli.add_args(parser)
+
+    class Client(models_cli._Client):
+        def __init__(self, args) -> None:
+            self.json = args.json
+
+        def call(self, method, path, body=None, params=None):
+            r = client.request(method, path, json=body, params=params, headers=ADMIN)
+            if r.status_code >= 400:
+                raise models_cli.CliError(f"{r.json()['error']['message']} (HTTP {r.status_code})")
+            return r.json() if r.content else None
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        args = parser.parse_args(list(argv))
+        orig, models_cli._Client = models_cli._Client, Client
+        try:
+            code = models_cli.cmd_models(args)
+        finally:
+            models_cli._Client = orig
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    code, out, _ = run("traffic", "m", "--set", "1=80", "--set", "3=20", "--sticky", "--segment", "x-tier=beta:3")
+    assert code == 0 and "v1=80, v3=20 sticky" in out and "x-tier" in out
+    assert state.traffic.policies["m"].arms[1].weight == 20
+    code, out, err = run("traffic", "m", "--set", "one=2")
+    assert code == 1 and "VERSION=WEIGHT" in err
+    assert run("traffic", "m", "--clear")[0] == 0 and "m" not in state.traffic.policies
+    code, out, _ = run("canary", "start", "m:3", "--steps", "50,100", "--min-requests", "1000")
+    assert code == 0 and "m:3 against m:1: running, step 0 (50% of traffic)" in out
+    code, out, _ = run("canary", "abort", "m", "--reason", "drill")
+    assert code == 0 and "rolled_back" in out and "abort at step 0: drill" in out
+    assert state.control.registry.get("m", 3).state == State.ROLLBACK
+    code, _, err = run("canary", "abort", "m")
+    assert code == 1 and "HTTP 409" in err

@@ -87,7 +87,7 @@ class Api:
         rec.decision = decision
         if traffic is not None and kind == Kind.GENERATE:
             rec.arm = decision.arm if decision is not None else None
-            rec.capture_text = traffic.wants_text(m.name)
+            rec.capture_text, rec.capture_output = True, traffic.wants_output(m.name)
         return m
 
     def metrics_of(self, m):
@@ -200,7 +200,7 @@ class Api:
                     rec.queue_time = out.metrics["queue_time"]
                 if mine:
                     rec.output_ids.extend(t for c in out.outputs if c.index == 0 for t in c.token_ids)
-                if state.telemetry.log_prompts or rec.capture_text:
+                if state.telemetry.log_prompts or rec.capture_output:
                     rec.completion_text = (rec.completion_text or "") + "".join(c.text for c in out.outputs)
                 for c in out.outputs:
                     rec.finish_reason = rec.finish_reason or c.finish_reason

@@ -48,7 +48,8 @@ class RequestRecord:
     arm: str | None = None
     user: str | None = None
     decision: object = None  # control.traffic.Decision, where a traffic policy chose the version
-    capture_text: bool = False  # keep prompt and completion text for the prediction log / drift
+    capture_text: bool = False  # keep the prompt text (the prediction log, drift's character classes)
+    capture_output: bool = False  # keep the completion text (a full prediction log)
     prompt_ids: list | None = None  # the first prompt's token ids
     params: object = None  # its SamplingParams
     output_ids: list = field(default_factory=list)  # its first sample's output token ids

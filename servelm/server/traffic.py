@@ -107,9 +107,9 @@ class TrafficService:
         key = rec.key_name if rec.api_key is not None else None
         return RequestAttrs(user=rec.user, key_name=key, headers=dict(headers))
 
-    def wants_text(self, name: str) -> bool:
-        """Whether prompt and output text are needed (a full prediction log, or drift's character classes)."""
-        return True
+    def wants_output(self, name: str) -> bool:
+        """Whether the completion text is needed: a full prediction log."""
+        return self.log.mode(name) == "full"
 
     async def fault(self, m: Any) -> None:
         """The fault hook: a version labelled `servelm.fault=error` fails its requests (503), one labelled
