@@ -140,6 +140,20 @@ def test_a_header_segment_pins_a_version(platform):
     assert complete(client, model="m:4").headers["x-servelm-model-version"] == "m:4"  # pinned: no policy
 
 
+def test_metadata_and_flag_segments(platform):
+    client, _, _ = platform
+    put_policy(client, {"arms": [{"version": 1}], "segments": [
+        {"version": 3, "name": "eu", "metadata": {"region": "eu"}}, {"version": 4, "name": "f", "flags": ["new-ui"]}]})
+    body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+    for meta, flags, want in (({"region": "eu"}, "", "m:3"), ({"region": "us"}, "", "m:1"),
+                              (None, "x, new-ui", "m:4"), ({"region": "eu"}, "new-ui", "m:3")):
+        r = client.post("/v1/completions", json=body | ({"metadata": meta} if meta else {}),
+                        headers={"x-servelm-flags": flags} if flags else {})
+        assert r.status_code == 200 and r.headers["x-servelm-model-version"] == want, (meta, flags)
+    r = client.post("/v1/completions", json=body | {"metadata": {"k": 1}})
+    assert r.status_code == 400  # metadata values are strings, as OpenAI's
+
+
 def test_policy_refusals_and_audit(platform):
     client, state, _ = platform
     assert client.get("/admin/models/m/traffic", headers=ADMIN).status_code == 404

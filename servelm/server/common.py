@@ -78,7 +78,7 @@ class Api:
         attrs = None
         if traffic is not None and kind == Kind.GENERATE:
             rec.user = getattr(req, "user", None)
-            attrs = traffic.attrs(request.headers, rec)
+            attrs = traffic.attrs(request.headers, rec, getattr(req, "metadata", None))
         m, waited = await self.state.models.load(model, kind, attrs)
         rec.model = m.served_name
         rec.model_version = m.version.ref if m.version is not None else None

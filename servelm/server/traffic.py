@@ -102,10 +102,14 @@ class TrafficService:
         return before
 
     # -- the request path --------------------------------------------------------------------------
-    def attrs(self, headers: Mapping[str, str], rec: RequestRecord) -> RequestAttrs:
-        """What a policy may look at: the body's `user`, the headers, the API key's name."""
+    def attrs(self, headers: Mapping[str, str], rec: RequestRecord, metadata: Mapping[str, str] | None = None
+              ) -> RequestAttrs:
+        """What a policy may look at: the body's `user` and `metadata`, the headers, the API key's name, and
+        feature flags (the comma-separated x-servelm-flags header)."""
         key = rec.key_name if rec.api_key is not None else None
-        return RequestAttrs(user=rec.user, key_name=key, headers=dict(headers))
+        flags = {f.strip() for f in headers.get("x-servelm-flags", "").split(",") if f.strip()}
+        return RequestAttrs(user=rec.user, key_name=key, headers=dict(headers), metadata=dict(metadata or {}),
+                            flags=flags)
 
     def wants_output(self, name: str) -> bool:
         """Whether the completion text is needed: a full prediction log."""
