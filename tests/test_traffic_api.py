@@ -342,3 +342,33 @@ def test_cli_traffic_and_canary_commands(platform, capsys):
     assert state.control.registry.get("m", 3).state == State.ROLLBACK
     code, _, err = run("canary", "abort", "m")
     assert code == 1 and "HTTP 409" in err
+
+
+def test_policies_canaries_and_experiments_come_back_after_a_restart(platform):
+    """A new TrafficService over the same registry (what a restarted server builds) has the stored policy,
+    carries on the running canary at its step, and knows the running experiment."""
+    from prometheus_client import CollectorRegistry
+
+    from servelm.control.traffic import split
+    from servelm.server.traffic import TrafficService
+
+    client, state, _ = platform
+    r = client.post("/admin/models/m/canary", headers=ADMIN, json={"version": 3, "steps": [20, 100],
+                                                                  "min_requests": 10**6, "min_seconds": 0})
+    assert r.status_code == 201, r.text
+    old = state.traffic
+    client.portal.call(old.canaries["m"].stop)  # the old server is gone
+
+    async def restart():
+        svc = TrafficService(state.control, old.cfg, CollectorRegistry(), state.models)
+        return svc, svc.resume()
+    new, resumed = client.portal.call(restart)
+    assert resumed == ["m"] and new.canaries["m"].controller.percent == 20
+    assert {a.version: a.weight for a in new.policies["m"].arms} == {1: 80, 3: 20}
+    client.portal.call(new.canaries["m"].abort, "t", "test")
+    new.clear_policy("m", "t")
+    new.start_experiment("e2", split("m", {1: 1, 4: 1}), None, "t")
+    third = TrafficService(state.control, old.cfg, CollectorRegistry(), state.models)
+    assert third.experiment_of == {"m": "e2"} and set(third.experiments["e2"].arms) == {"v1", "v4"}
+    client.portal.call(new.close)
+    client.portal.call(third.close)

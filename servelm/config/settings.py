@@ -70,6 +70,8 @@ class ServerConfig:
     prediction_log: str = _f("off", "with a registry: the prediction log's mode, off | metadata | full (prompt and "
                              "output, redacted), for every model or per model: 'm=full,other=off,*=metadata'")
     prediction_log_file: str | None = _f(None, "also append prediction-log entries to this JSON-lines file")
+    prediction_log_retention_days: float = _f(0.0, "delete prediction-log entries older than this many days "
+                                              "(hourly; 0: keep them)")
     shadow_queue: int = _f(64, "mirrored (shadow) requests waiting at most, per model; more are dropped and counted")
     shadow_concurrency: int = _f(1, "shadow requests run at once, per model")
     canary_interval_s: float = _f(1.0, "how often a running canary's step is evaluated")
@@ -105,6 +107,7 @@ class ServerConfig:
                  for m in self.prediction_log.split(",") if m.strip()), "prediction_log",
              "off | metadata | full, or model=mode pairs separated by commas")
         need(self.shadow_queue >= 1 and self.shadow_concurrency >= 1, "shadow_queue", ">= 1 (and concurrency >= 1)")
+        need(self.prediction_log_retention_days >= 0, "prediction_log_retention_days", ">= 0 (0: kept)")
         need(self.canary_interval_s > 0, "canary_interval_s", "> 0")
         need(self.drift_window >= 2 and self.drift_min_samples >= 2, "drift_window", ">= 2 (and min samples >= 2)")
 

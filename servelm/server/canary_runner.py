@@ -27,12 +27,22 @@ SYSTEM = "system"
 class CanaryRun:
     """One model's rollout, owned by the TrafficService (`svc`)."""
 
-    def __init__(self, svc: Any, config: CanaryConfig, interval_s: float) -> None:
+    def __init__(self, svc: Any, config: CanaryConfig, interval_s: float,
+                 controller: CanaryController | None = None, history: list[dict] | None = None) -> None:
         self.svc, self.interval = svc, interval_s
-        self.controller = CanaryController(config, time.monotonic)
+        self.controller = controller or CanaryController(config, time.monotonic)
         self.last: CanaryDecision | None = None
-        self.history: list[dict] = []
+        self.history: list[dict] = list(history or [])
         self.task: asyncio.Task | None = None
+
+    @classmethod
+    def resume(cls, svc: Any, record: dict, interval_s: float) -> CanaryRun:
+        """A stored rollout that was running when the server stopped, at its step (its windows start again),
+        evaluated again from now on."""
+        ctl = CanaryController.from_dict(record, time.monotonic)
+        run = cls(svc, ctl.config, interval_s, ctl, record.get("history"))
+        run.task = asyncio.create_task(run._loop())
+        return run
 
     @property
     def name(self) -> str:

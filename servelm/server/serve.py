@@ -149,6 +149,9 @@ async def _serve(config, sock: socket.socket) -> int:
         from servelm.server.traffic import TrafficService
 
         state.traffic = TrafficService(state.control, srv, state.metrics.registry, state.models)
+        resumed = state.traffic.resume()
+        if resumed:
+            logger.info("canary rollouts resumed: %s", ", ".join(resumed))
     app = build_app(state)
     logger.info("ready in %.1fs: serving %s on http://%s:%d (API keys: %s)", time.perf_counter() - t0,
                 ", ".join(state.models.names()), srv.host, sock.getsockname()[1], f"{len(state.keys.keys)}" if state.keys.enabled else "off")

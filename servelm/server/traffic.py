@@ -65,7 +65,9 @@ class TrafficService:
         self.store = PolicyStore(reg.engine, reg.audit)
         default, per = parse_modes(server_config.prediction_log)
         sink = server_config.prediction_log_file
-        self.log = PredictionLog(reg.engine, sink=sink, modes=per, default_mode=default)
+        days = server_config.prediction_log_retention_days or None
+        self.log = PredictionLog(reg.engine, sink=sink, modes=per, default_mode=default, default_retention_days=days)
+        self._retention: asyncio.Task | None = None
         self.policies: dict[str, TrafficPolicy] = {}
         for name, rec in self.store.all("policy").items():
             try:
@@ -74,6 +76,13 @@ class TrafficService:
                 logger.warning("stored traffic policy of %s is invalid, ignored: %s", name, e.message)
         self.experiments: dict[str, Experiment] = {}
         self.experiment_of: dict[str, str] = {}  # model -> its running experiment
+        for name, rec in self.store.all("experiment").items():  # back after a restart (statistics start again)
+            exp = Experiment(name, rec["policy"], rec["arms"], started_at=rec["started_at"], baseline=rec["baseline"])
+            if rec.get("stopped_at") is not None:
+                exp.stop(rec["stopped_at"])
+            else:
+                self.experiment_of[rec["policy"]["model"]] = name
+            self.experiments[name] = exp
         self.canaries: dict[str, Any] = {}  # model -> CanaryRun (server/canary_runner.py)
         self.mirrors: dict[str, ShadowMirror] = {}
         self.drift: dict[str, DriftMonitor] = {}
@@ -83,7 +92,31 @@ class TrafficService:
         self.allow_faults = os.environ.get("SERVELM_ALLOW_FAULTS") == "1"
         cp.deployments.policy_of = self.policies.get  # DeploymentManager.route asks this per request
 
+    def resume(self) -> list[str]:
+        """In the running event loop: carry on the canaries that were running when the server stopped, and
+        start the prediction log's retention job. Returns the models whose canary resumed."""
+        from servelm.server.canary_runner import CanaryRun
+
+        for name, rec in self.store.all("canary").items():
+            if rec.get("status") == "running" and name not in self.canaries:
+                self.canaries[name] = CanaryRun.resume(self, rec, self.cfg.canary_interval_s)
+        if self.log.default_retention_days is not None and self._retention is None:
+            self._retention = asyncio.create_task(self._purge_every(3600.0))
+        return [n for n, r in self.canaries.items() if r.controller.status == "running"]
+
+    async def _purge_every(self, seconds: float) -> None:
+        while True:
+            try:
+                removed = await asyncio.to_thread(self.log.purge_expired)
+                if any(removed.values()):
+                    logger.info("prediction log retention removed %s", removed)
+            except Exception:
+                logger.exception("prediction log retention failed")
+            await asyncio.sleep(seconds)
+
     async def close(self) -> None:
+        if self._retention is not None:
+            self._retention.cancel()
         for run in list(self.canaries.values()):
             await run.stop()
         for mirror in self.mirrors.values():
