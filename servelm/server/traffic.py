@@ -35,6 +35,7 @@ logger = logging.getLogger("servelm.traffic")
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/chat"})
 FAULT_LABEL = "servelm.fault"  # on a version: "error" or "latency:SECONDS" (honoured with SERVELM_ALLOW_FAULTS=1)
 REMEMBER = 100_000  # request ids kept for feedback attribution
+DRIFT_CHARS = 1024  # characters of a prompt profiled for drift
 
 
 def parse_modes(spec: str) -> tuple[str, dict[str, str]]:
@@ -201,7 +202,8 @@ class TrafficService:
         if len(self.served) > REMEMBER:
             self.served.popitem(last=False)
         if rec.prompt_ids is not None and not error:
-            self.monitor(name).observe(prompt=_text(rec.prompt_text), prompt_tokens=rec.prompt_ids,
+            text = _text(rec.prompt_text)  # its first characters: a per-character profile runs on the event loop
+            self.monitor(name).observe(prompt=text[:DRIFT_CHARS] if text else None, prompt_tokens=rec.prompt_ids,
                                        output_tokens=rec.completion_tokens)
         decision = rec.decision
         shadow = getattr(decision, "shadow_version", None)
