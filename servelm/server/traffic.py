@@ -35,7 +35,7 @@ logger = logging.getLogger("servelm.traffic")
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/chat"})
 FAULT_LABEL = "servelm.fault"  # on a version: "error" or "latency:SECONDS" (honoured with SERVELM_ALLOW_FAULTS=1)
 REMEMBER = 100_000  # request ids kept for feedback attribution
-DRIFT_CHARS = 1024  # characters of a prompt profiled for drift
+DRIFT_CHARS = 256  # characters of a prompt profiled for drift (a sample: profiling runs on the event loop)
 
 
 def parse_modes(spec: str) -> tuple[str, dict[str, str]]:
@@ -202,7 +202,7 @@ class TrafficService:
         if len(self.served) > REMEMBER:
             self.served.popitem(last=False)
         if rec.prompt_ids is not None and not error:
-            text = _text(rec.prompt_text)  # its first characters: a per-character profile runs on the event loop
+            text = _text(rec.prompt_text)
             self.monitor(name).observe(prompt=text[:DRIFT_CHARS] if text else None, prompt_tokens=rec.prompt_ids,
                                        output_tokens=rec.completion_tokens)
         decision = rec.decision
