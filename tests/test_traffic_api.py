@@ -372,3 +372,19 @@ def test_policies_canaries_and_experiments_come_back_after_a_restart(platform):
     assert third.experiment_of == {"m": "e2"} and set(third.experiments["e2"].arms) == {"v1", "v4"}
     client.portal.call(new.close)
     client.portal.call(third.close)
+
+
+def test_a_bandit_moves_traffic_to_the_version_with_better_feedback(platform):
+    client, state, _ = platform
+    r = client.put("/admin/models/m/bandit", headers=ADMIN, json={"versions": [1, 3], "min_share": 0.05})
+    assert r.status_code == 200, r.text
+    for j in range(100):
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1},
+                        headers={"x-request-id": f"b{j}"})
+        good = r.headers["x-servelm-model-version"] == "m:3"
+        assert client.post("/v1/feedback", json={"request_id": f"b{j}", "label": "good" if good else "bad"}
+                           ).status_code == 200
+    served = [complete(client).headers["x-servelm-model-version"] for _ in range(200)]
+    # exploration sends 5% to each version; Thompson sampling sends the rest to m:3 (expected ~190 of 200)
+    assert served.count("m:3") >= 150 and served.count("m:1") >= 1
+    assert client.get("/admin/models/m/traffic", headers=ADMIN).json()["bandit"]["alpha"]["3"] > 50

@@ -12,8 +12,10 @@ from fastapi import FastAPI, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from servelm.control.canary import CanaryConfig
+from servelm.control.experiments import ThompsonBandit
 from servelm.control.traffic import TrafficPolicy
 from servelm.control.types import ControlError
+from servelm.server.bandit_policy import BanditPolicy
 from servelm.server.canary_runner import start_canary
 from servelm.server.common import record
 
@@ -52,6 +54,13 @@ class TrafficBody(_In):
     segments: list[SegmentIn] = Field([], description="ordered rules; the first that matches wins")
     shadow: ShadowIn | None = None
     salt: str = ""
+
+
+class BanditBody(_In):
+    versions: Annotated[list[Version], Field(min_length=2)]
+    min_share: Annotated[float, Field(ge=0, le=1)] = Field(0.05, description="least share of traffic per version")
+    lo: float = Field(0.0, description="the feedback score that counts as no reward")
+    hi: float = Field(1.0, description="the feedback score that counts as full reward")
 
 
 class CanaryBody(_In):
@@ -113,6 +122,15 @@ def add_traffic_routes(app: FastAPI, state) -> None:
         svc.clear_policy(name, actor(request))
         return Response(status_code=204)
 
+    @app.put("/admin/models/{name}/bandit")
+    async def put_bandit(name: str, body: BanditBody, request: Request) -> dict:
+        svc._check_free(name)
+        for v in body.versions:
+            cp.registry.get(name, v)
+        policy = BanditPolicy(name, ThompsonBandit(body.versions, min_share=body.min_share, lo=body.lo, hi=body.hi))
+        svc.set_policy(policy, actor(request), "bandit.set")
+        return policy.to_dict()
+
     # -- canary ------------------------------------------------------------------------------------
     @app.post("/admin/models/{name}/canary", status_code=201)
     async def canary_start(name: str, body: CanaryBody, request: Request) -> dict:
@@ -144,6 +162,8 @@ def add_traffic_routes(app: FastAPI, state) -> None:
     async def put_shadow(name: str, body: ShadowIn, request: Request) -> dict:
         cp.registry.get(name, body.version)
         base = svc.policies.get(name)
+        if isinstance(base, BanditPolicy):
+            raise ControlError(409, f"{name} is routed by a bandit; a shadow needs a split policy", code="bandit")
         if base is None:
             prod = cp.registry.production(name)
             if prod is None:

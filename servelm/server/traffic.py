@@ -27,6 +27,7 @@ from servelm.control.predictions import Prediction, PredictionLog
 from servelm.control.shadow import ShadowMirror, ShadowResult
 from servelm.control.traffic import RequestAttrs, TrafficPolicy
 from servelm.control.types import ControlError
+from servelm.server.bandit_policy import BanditPolicy
 from servelm.server.protocol import APIError
 from servelm.server.telemetry import RequestRecord
 from servelm.server.traffic_metrics import TrafficMetrics
@@ -69,12 +70,12 @@ class TrafficService:
         days = server_config.prediction_log_retention_days or None
         self.log = PredictionLog(reg.engine, sink=sink, modes=per, default_mode=default, default_retention_days=days)
         self._retention: asyncio.Task | None = None
-        self.policies: dict[str, TrafficPolicy] = {}
+        self.policies: dict[str, TrafficPolicy | BanditPolicy] = {}
         for name, rec in self.store.all("policy").items():
             try:
-                self.policies[name] = TrafficPolicy.from_dict(rec)
-            except ControlError as e:
-                logger.warning("stored traffic policy of %s is invalid, ignored: %s", name, e.message)
+                self.policies[name] = BanditPolicy.from_dict(rec) if "bandit" in rec else TrafficPolicy.from_dict(rec)
+            except (ControlError, KeyError, TypeError, ValueError) as e:
+                logger.warning("stored traffic policy of %s is invalid, ignored: %s", name, e)
         self.experiments: dict[str, Experiment] = {}
         self.experiment_of: dict[str, str] = {}  # model -> its running experiment
         for name, rec in self.store.all("experiment").items():  # back after a restart (statistics start again)
@@ -125,7 +126,7 @@ class TrafficService:
         await asyncio.to_thread(self.log.close)
 
     # -- policies ----------------------------------------------------------------------------------
-    def set_policy(self, policy: TrafficPolicy, actor: str, action: str = "policy.set") -> None:
+    def set_policy(self, policy: TrafficPolicy | BanditPolicy, actor: str, action: str = "policy.set") -> None:
         """Store (audited) and apply a model's policy."""
         self.store.put("policy", policy.model, policy.to_dict(), actor, action)
         self.policies[policy.model] = policy
@@ -223,6 +224,9 @@ class TrafficService:
         run = self.canaries.get(name)
         if run is not None and version is not None:
             run.controller.feedback(version, score)
+        policy = self.policies.get(name)
+        if isinstance(policy, BanditPolicy) and version is not None:
+            policy.reward(version, score)
         exp = self.experiments.get(self.experiment_of.get(name, ""))
         attached = exp.feedback(request_id, score) if exp is not None else False
         self.metrics.feedback.labels(name, str(version or ""), arm).inc()
