@@ -388,3 +388,59 @@ def test_a_bandit_moves_traffic_to_the_version_with_better_feedback(platform):
     # exploration sends 5% to each version; Thompson sampling sends the rest to m:3 (expected ~190 of 200)
     assert served.count("m:3") >= 150 and served.count("m:1") >= 1
     assert client.get("/admin/models/m/traffic", headers=ADMIN).json()["bandit"]["alpha"]["3"] > 50
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_response_completes_only_after_its_prediction_is_logged(platform, stream):
+    """Driving the ASGI app directly: while a request's log write is held, the server has not sent the last
+    byte of its response (nor, streamed, its [DONE]); releasing the write completes it."""
+    import json
+
+    client, state, _ = platform
+    log = state.traffic.log
+    real = log.log
+
+    async def drive():
+        entered, gate, sent = asyncio.Event(), asyncio.Event(), []
+
+        async def held(p):
+            entered.set()
+            await gate.wait()
+            return await real(p)
+
+        reads = []
+
+        async def receive():  # the body once; then a client that stays connected
+            if reads:
+                await asyncio.Event().wait()
+            reads.append(1)
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        def finished() -> bool:
+            return any(m["type"] == "http.response.body" and (not m.get("more_body") or b"[DONE]" in m["body"])
+                       for m in sent)
+
+        body = json.dumps({"model": "m", "prompt": "x", "max_tokens": 1, "stream": stream}).encode()
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "scheme": "http", "http_version": "1.1",
+                 "server": ("testserver", 80), "client": ("127.0.0.1", 1234),
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                             (b"x-request-id", f"held-{stream}".encode())]}
+        log.log = held
+        try:
+            task = asyncio.create_task(client.app(scope, receive, send))
+            await asyncio.wait_for(entered.wait(), 30)
+            held_back = not finished()
+            gate.set()
+            await asyncio.wait_for(task, 30)
+        finally:
+            log.log = real
+        return held_back, finished(), b"".join(m.get("body", b"") for m in sent if "body" in m)
+
+    held_back, done, text = client.portal.call(drive)
+    assert held_back, "the response completed before its prediction was logged"
+    assert done and (b"[DONE]" in text) == stream
+    assert [r["request_id"] for r in log.entries()][-1] == f"held-{stream}"
