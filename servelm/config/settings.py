@@ -67,6 +67,16 @@ class ServerConfig:
     load_on_demand: bool = _f(True, "with a registry: a request naming a registered version that no deployment "
                               "serves loads it first (the wait is in the x-servelm-load-wait-s header)")
     keep_alive_s: float = _f(300.0, "an on-demand loaded model is unloaded after this many idle seconds (0: kept)")
+    prediction_log: str = _f("off", "with a registry: the prediction log's mode, off | metadata | full (prompt and "
+                             "output, redacted), for every model or per model: 'm=full,other=off,*=metadata'")
+    prediction_log_file: str | None = _f(None, "also append prediction-log entries to this JSON-lines file")
+    prediction_log_retention_days: float = _f(0.0, "delete prediction-log entries older than this many days "
+                                              "(hourly; 0: keep them)")
+    shadow_queue: int = _f(64, "mirrored (shadow) requests waiting at most, per model; more are dropped and counted")
+    shadow_concurrency: int = _f(1, "shadow requests run at once, per model")
+    canary_interval_s: float = _f(1.0, "how often a running canary's step is evaluated")
+    drift_window: int = _f(5000, "requests in each drift window (reference and live), per model")
+    drift_min_samples: int = _f(50, "requests each drift window needs before a feature is judged")
     prefix_cache_isolation: str = _f("key", "key | none: with key, requests share prefix-cache blocks only "
                                      "with requests made with the same API key (one tenant cannot time-probe "
                                      "another's prompts); none shares them across all callers")
@@ -93,6 +103,13 @@ class ServerConfig:
         need(self.max_request_body_bytes >= 1024, "max_request_body_bytes", ">= 1024")
         need(self.prefix_cache_isolation in ("key", "none"), "prefix_cache_isolation", "key or none")
         need(self.keep_alive_s >= 0, "keep_alive_s", ">= 0 (0: kept loaded)")
+        need(all(m.rpartition("=")[2].strip() in ("off", "metadata", "full")
+                 for m in self.prediction_log.split(",") if m.strip()), "prediction_log",
+             "off | metadata | full, or model=mode pairs separated by commas")
+        need(self.shadow_queue >= 1 and self.shadow_concurrency >= 1, "shadow_queue", ">= 1 (and concurrency >= 1)")
+        need(self.prediction_log_retention_days >= 0, "prediction_log_retention_days", ">= 0 (0: kept)")
+        need(self.canary_interval_s > 0, "canary_interval_s", "> 0")
+        need(self.drift_window >= 2 and self.drift_min_samples >= 2, "drift_window", ">= 2 (and min samples >= 2)")
 
     def secret(self, name: str) -> str | None:
         """api_key or admin_key: as given, or read from its *_file (surrounding whitespace dropped)."""

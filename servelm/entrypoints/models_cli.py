@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from servelm.entrypoints import traffic_cli
+
 PROMOTION_PATH = ("VALIDATED", "STAGING", "STAGING_TESTED", "CANARY", "PRODUCTION")
 
 
@@ -78,6 +80,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     au.add_argument("--limit", type=int, default=50, help="the last N entries (default 50)")
     gc = sub.add_parser("gc", help="delete old versions beyond the newest N per model (kept: active, deployed)")
     gc.add_argument("--keep-last", type=int, required=True)
+    traffic_cli.add_args(sub)
     p.set_defaults(func=cmd_models)
 
 
@@ -272,4 +275,5 @@ def _gc(c: _Client, a) -> int:
 _COMMANDS = {"register": _register, "list": _list, "show": _show, "validate": _validate, "transition": _transition,
              "promote": _promote, "rollback": _rollback, "delete": _delete, "deploy": _deploy,
              "deployments": _deployments, "scale": _scale, "swap": _swap, "unload": _unload, "audit": _audit,
-             "gc": _gc}
+             "gc": _gc, "traffic": lambda c, a: traffic_cli.traffic(c, a, CliError),
+             "canary": lambda c, a: traffic_cli.canary(c, a, CliError)}

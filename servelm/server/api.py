@@ -36,6 +36,7 @@ class ServerState:
     created: int = 0
     models: ModelDirectory | None = None
     control: object | None = None  # the control plane (registry, deployments) when the server has one
+    traffic: object | None = None  # server.traffic.TrafficService: policies, canaries, shadow, prediction log
 
     def __post_init__(self) -> None:
         if self.models is None:
@@ -68,4 +69,10 @@ def build_app(state: ServerState):
         from servelm.server.admin import add_admin_routes
 
         add_admin_routes(app, state)
+    if state.traffic is not None:
+        from servelm.server.admin_traffic import add_traffic_routes
+        from servelm.server.routes import feedback
+
+        add_traffic_routes(app, state)
+        feedback.add_routes(app, state)
     return Gateway(app, state)

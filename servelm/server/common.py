@@ -67,15 +67,27 @@ class Api:
         # share between threads (and the tokenizers library releases the GIL while it encodes anyway).
         self.text_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelm-tokenize")
 
-    async def resolve(self, request: Request, model: str | None, kind: Kind = Kind.GENERATE):
+    async def resolve(self, request: Request, model: str | None, kind: Kind = Kind.GENERATE, req=None):
         """The model serving this request (404 naming the available ones), loaded first if it is registered
-        but not deployed (on-demand). Its version and the load's wait go on the record, from which the gateway
-        sets the x-servelm-model-version and x-servelm-load-wait-s headers."""
-        m, waited = await self.state.models.load(model, kind)
+        but not deployed (on-demand). With traffic management on, a bare name's traffic policy picks the
+        version from the request's attributes (`req.user`, headers, the key's name). Its version, arm and the
+        load's wait go on the record, from which the gateway sets the x-servelm-model-version, x-servelm-arm
+        and x-servelm-load-wait-s headers."""
         rec = record(request)
+        traffic = getattr(self.state, "traffic", None)
+        attrs = None
+        if traffic is not None and kind == Kind.GENERATE:
+            rec.user = getattr(req, "user", None)
+            attrs = traffic.attrs(request.headers, rec, getattr(req, "metadata", None))
+        m, waited = await self.state.models.load(model, kind, attrs)
         rec.model = m.served_name
         rec.model_version = m.version.ref if m.version is not None else None
         rec.load_wait_s = waited
+        decision = getattr(m, "decision", None)
+        rec.decision = decision
+        if traffic is not None and kind == Kind.GENERATE:
+            rec.arm = decision.arm if decision is not None else None
+            rec.capture_text, rec.capture_output = True, traffic.wants_output(m.name)
         return m
 
     def metrics_of(self, m):
@@ -149,7 +161,7 @@ class Api:
         return "/".join(parts) or None
 
     def log_prompt(self, request: Request, prompts: list) -> None:
-        if self.state.telemetry.log_prompts:
+        if self.state.telemetry.log_prompts or record(request).capture_text:
             record(request).prompt_text = json.dumps(prompts if len(prompts) > 1 else prompts[0])
 
     # -- running requests --------------------------------------------------------------------------
@@ -162,7 +174,13 @@ class Api:
         rec.submitted = rec.submitted or submitted
         first = last = None
         n_out = 0
+        mine = rec.prompt_ids is None  # the request's first prompt: what the prediction log and shadow see
+        if mine:
+            rec.prompt_ids, rec.params = list(ids), params
+        traffic = getattr(state, "traffic", None)
         try:
+            if traffic is not None:
+                await traffic.fault(m)  # a test hook: a version labelled servelm.fault fails or is slow
             gen = m.generate(rid, ids, params, prompt, priority, state.config.admission.queue_timeout_s, salt)
             async for out in gen:
                 now = time.monotonic()
@@ -180,7 +198,9 @@ class Api:
                     rec.completion_tokens += new
                 if rec.queue_time is None and "queue_time" in out.metrics:
                     rec.queue_time = out.metrics["queue_time"]
-                if state.telemetry.log_prompts:
+                if mine:
+                    rec.output_ids.extend(t for c in out.outputs if c.index == 0 for t in c.token_ids)
+                if state.telemetry.log_prompts or rec.capture_output:
                     rec.completion_text = (rec.completion_text or "") + "".join(c.text for c in out.outputs)
                 for c in out.outputs:
                     rec.finish_reason = rec.finish_reason or c.finish_reason

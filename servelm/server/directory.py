@@ -27,6 +27,7 @@ class ServedModel:
         self.served_name = served_name  # what responses' `model` says: the name, or name:version
         self.version = version
         self.metrics = metrics  # this model's labelled metrics view, where the server keeps one
+        self.decision: Any = None  # the traffic policy's decision that picked this version, if one did
 
     @property
     def name(self) -> str:
@@ -100,8 +101,10 @@ class ModelDirectory:
                     out.append(n)
         return out
 
-    def resolve(self, model: str | None, kind: Kind = Kind.GENERATE) -> ServedModel:
-        """The model serving `model` (None: the default one); 404 in OpenAI's shape naming what exists."""
+    def resolve(self, model: str | None, kind: Kind = Kind.GENERATE, attrs: Any = None) -> ServedModel:
+        """The model serving `model` (None: the default one); 404 in OpenAI's shape naming what exists. With
+        the request's attributes (control.traffic.RequestAttrs), a bare name's traffic policy picks the
+        version (DeploymentManager.route); its decision is on the result."""
         if model is None and kind == Kind.GENERATE:
             if self.default is not None:
                 return self.default
@@ -115,20 +118,26 @@ class ModelDirectory:
             return found
         if self.deployments is not None and model is not None:
             try:
-                dep = self.deployments.resolve(model)
+                if attrs is not None and kind == Kind.GENERATE:
+                    dep, decision = self.deployments.route(model, attrs)
+                else:
+                    dep, decision = self.deployments.resolve(model), None
             except ControlError as e:
                 if e.status != 404:
                     raise APIError(e.status, e.message, e.param or "model", e.code) from e
             else:
                 if _kind(dep) == kind:
-                    return self._wrap(dep)
+                    served = self._wrap(dep)
+                    served.decision = decision
+                    return served
         raise self._not_found(model, kind)
 
-    async def load(self, model: str | None, kind: Kind = Kind.GENERATE) -> tuple[ServedModel, float | None]:
+    async def load(self, model: str | None, kind: Kind = Kind.GENERATE, attrs: Any = None
+                   ) -> tuple[ServedModel, float | None]:
         """As `resolve`, but a registered version that no deployment serves yet is loaded first when on-demand
         loading is on: returns the model and the seconds waited for its load (None: it was there)."""
         try:
-            return self.resolve(model, kind), None
+            return self.resolve(model, kind, attrs), None
         except APIError as e:
             if e.status != 404 or model is None or self.on_demand is None:
                 raise

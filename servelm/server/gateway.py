@@ -55,6 +55,8 @@ class Gateway:
                 extra = [(b"x-request-id", rid.encode())]
                 if rec.model_version is not None:
                     extra.append((b"x-servelm-model-version", rec.model_version.encode()))
+                if rec.arm is not None:
+                    extra.append((b"x-servelm-arm", rec.arm.encode()))
                 if rec.load_wait_s is not None:
                     extra.append((b"x-servelm-load-wait-s", f"{rec.load_wait_s:.3f}".encode()))
                 present = {k.lower() for k, _ in message.get("headers", [])}
@@ -65,7 +67,11 @@ class Gateway:
             elif message["type"] == "http.response.body":
                 if rec.first_byte is None and message.get("body"):
                     rec.first_byte = time.monotonic()
-                if not message.get("more_body", False):
+                last = not message.get("more_body", False)
+                traffic = getattr(st, "traffic", None)
+                if traffic is not None and not rec.traffic_done and (last or _is_done(message)):
+                    await traffic.complete(rec)  # the prediction log is durable before the last byte
+                if last:
                     body_done = True
             await send(message)
             if body_done:
@@ -184,6 +190,11 @@ class Gateway:
             return
         self.state.admission.settle(rec)
         self.state.telemetry.finish(rec, quiet=rec.path in QUIET_PATHS)
+
+
+def _is_done(message) -> bool:
+    """Whether a streamed body chunk ends with the SSE terminator (the client may stop reading there)."""
+    return message.get("body", b"").endswith(b"data: [DONE]\n\n")
 
 
 async def _read_body(receive, headers: Headers, limit: int) -> tuple[bytes, APIError | None]:

@@ -145,6 +145,9 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    # OpenAI's request metadata (up to 16 string pairs): traffic-policy segment rules may match it
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
     priority: Priority = None
     # vLLM's field: requests share prefix-cache blocks only with requests of the same salt (and, under
     # --prefix-cache-isolation key, of the same API key)

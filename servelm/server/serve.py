@@ -145,6 +145,13 @@ async def _serve(config, sock: socket.socket) -> int:
                 embedder.close()
             await asyncio.gather(*(e.shutdown() for e, _, _ in started), return_exceptions=True)
             raise
+    if state.control is not None:
+        from servelm.server.traffic import TrafficService
+
+        state.traffic = TrafficService(state.control, srv, state.metrics.registry, state.models)
+        resumed = state.traffic.resume()
+        if resumed:
+            logger.info("canary rollouts resumed: %s", ", ".join(resumed))
     app = build_app(state)
     logger.info("ready in %.1fs: serving %s on http://%s:%d (API keys: %s)", time.perf_counter() - t0,
                 ", ".join(state.models.names()), srv.host, sock.getsockname()[1], f"{len(state.keys.keys)}" if state.keys.enabled else "off")
@@ -158,6 +165,8 @@ async def _serve(config, sock: socket.socket) -> int:
     finally:
         if embedder is not None:
             embedder.close()
+        if state.traffic is not None:
+            await state.traffic.close()
         if state.control is not None:
             await state.control.close()
         await asyncio.gather(*(e.shutdown() for e, _, _ in started), return_exceptions=True)

@@ -43,6 +43,17 @@ class RequestRecord:
     error: str | None = None
     prompt_text: str | None = None
     completion_text: str | None = None
+    # traffic management (server/traffic.py): the policy's decision, what the prediction log and the shadow
+    # mirror need of the request, and whether its end was handled already
+    arm: str | None = None
+    user: str | None = None
+    decision: object = None  # control.traffic.Decision, where a traffic policy chose the version
+    capture_text: bool = False  # keep the prompt text (the prediction log, drift's character classes)
+    capture_output: bool = False  # keep the completion text (a full prediction log)
+    prompt_ids: list | None = None  # the first prompt's token ids
+    params: object = None  # its SamplingParams
+    output_ids: list = field(default_factory=list)  # its first sample's output token ids
+    traffic_done: bool = False
     traceparent: str | None = None
     tracestate: str | None = None
     _ended: bool = False

@@ -18,7 +18,7 @@ from servelm.server.protocol import APIError
 def add_routes(app: FastAPI, api: Api) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: p.ChatCompletionRequest, request: Request):
-        m = await api.resolve(request, req.model)
+        m = await api.resolve(request, req.model, req=req)
         ids = await api.chat_ids(m, req.messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
         params = api.params(m, req, len(ids))
         prio = api.admit(m, request, req, [ids], [params])

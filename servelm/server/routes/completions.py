@@ -33,7 +33,7 @@ async def _prompts(api: Api, m, prompt) -> list[tuple[str | None, list[int]]]:
 def add_routes(app: FastAPI, api: Api) -> None:
     @app.post("/v1/completions")
     async def completions(req: p.CompletionRequest, request: Request):
-        m = await api.resolve(request, req.model)
+        m = await api.resolve(request, req.model, req=req)
         tok = m.tokenizer
         prompts = await _prompts(api, m, req.prompt)
         vocab = vocab_size(m)

@@ -1,0 +1,336 @@
+"""Traffic management in the running server: the pieces of `servelm.control` (traffic policies, canary,
+experiments, shadow mirror, prediction log, drift) kept per model and fed by every generation request.
+
+The request path touches it three times: `attrs()` when the model is resolved (the policy picks the version
+through DeploymentManager.route), `fault()` before the engine runs (a test hook), and `complete()` just before
+the response's last byte (the gateway awaits it there: the prediction-log entry is durable before the client
+has its answer, then canary windows, experiment arms, drift windows, the shadow mirror and metrics are fed).
+The admin routes (server/admin_traffic.py) and the canary runner (server/canary_runner.py) change it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+from servelm.control.drift import DriftMonitor, DriftThresholds
+from servelm.control.experiments import Experiment
+from servelm.control.policies import PolicyStore
+from servelm.control.predictions import Prediction, PredictionLog
+from servelm.control.shadow import ShadowMirror, ShadowResult
+from servelm.control.traffic import RequestAttrs, TrafficPolicy
+from servelm.control.types import ControlError
+from servelm.server.bandit_policy import BanditPolicy
+from servelm.server.protocol import APIError
+from servelm.server.telemetry import RequestRecord
+from servelm.server.traffic_metrics import TrafficMetrics
+
+logger = logging.getLogger("servelm.traffic")
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/chat"})
+FAULT_LABEL = "servelm.fault"  # on a version: "error" or "latency:SECONDS" (honoured with SERVELM_ALLOW_FAULTS=1)
+REMEMBER = 100_000  # request ids kept for feedback attribution
+DRIFT_CHARS = 256  # characters of a prompt profiled for drift (a sample: profiling runs on the event loop)
+
+
+def parse_modes(spec: str) -> tuple[str, dict[str, str]]:
+    """'full' -> ('full', {}); 'm=full,*=off' -> ('off', {'m': 'full'})."""
+    default, per = "off", {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        name, eq, mode = part.rpartition("=")
+        if not eq or name.strip() == "*":
+            default = mode.strip()
+        else:
+            per[name.strip()] = mode.strip()
+    return default, per
+
+
+def split_ref(ref: str) -> tuple[str, int | None]:
+    name, sep, ver = ref.rpartition(":")
+    return (name, int(ver)) if sep and ver.isdigit() else (ref, None)
+
+
+class TrafficService:
+    """Per-model traffic state over the control plane `cp` (its registry's database and audit trail)."""
+
+    def __init__(self, cp: Any, server_config: Any, metrics_registry: Any, models: Any) -> None:
+        self.cp, self.cfg, self.models = cp, server_config, models
+        reg = cp.registry
+        self.store = PolicyStore(reg.engine, reg.audit)
+        default, per = parse_modes(server_config.prediction_log)
+        sink = server_config.prediction_log_file
+        days = server_config.prediction_log_retention_days or None
+        self.log = PredictionLog(reg.engine, sink=sink, modes=per, default_mode=default, default_retention_days=days)
+        self._retention: asyncio.Task | None = None
+        self.policies: dict[str, TrafficPolicy | BanditPolicy] = {}
+        for name, rec in self.store.all("policy").items():
+            try:
+                self.policies[name] = BanditPolicy.from_dict(rec) if "bandit" in rec else TrafficPolicy.from_dict(rec)
+            except (ControlError, KeyError, TypeError, ValueError) as e:
+                logger.warning("stored traffic policy of %s is invalid, ignored: %s", name, e)
+        self.experiments: dict[str, Experiment] = {}
+        self.experiment_of: dict[str, str] = {}  # model -> its running experiment
+        for name, rec in self.store.all("experiment").items():  # back after a restart (statistics start again)
+            exp = Experiment(name, rec["policy"], rec["arms"], started_at=rec["started_at"], baseline=rec["baseline"])
+            if rec.get("stopped_at") is not None:
+                exp.stop(rec["stopped_at"])
+            else:
+                self.experiment_of[rec["policy"]["model"]] = name
+            self.experiments[name] = exp
+        self.canaries: dict[str, Any] = {}  # model -> CanaryRun (server/canary_runner.py)
+        self.mirrors: dict[str, ShadowMirror] = {}
+        self.drift: dict[str, DriftMonitor] = {}
+        self.served: OrderedDict[str, tuple[str, int | None, str | None]] = OrderedDict()
+        self._alerting: dict[tuple[str, str], bool] = {}  # (model, feature) -> alerting at the last report
+        self.metrics = TrafficMetrics(metrics_registry, self)
+        self.allow_faults = os.environ.get("SERVELM_ALLOW_FAULTS") == "1"
+        cp.deployments.policy_of = self.policies.get  # DeploymentManager.route asks this per request
+
+    def resume(self) -> list[str]:
+        """In the running event loop: carry on the canaries that were running when the server stopped, and
+        start the prediction log's retention job. Returns the models whose canary resumed."""
+        from servelm.server.canary_runner import CanaryRun
+
+        for name, rec in self.store.all("canary").items():
+            if rec.get("status") == "running" and name not in self.canaries:
+                self.canaries[name] = CanaryRun.resume(self, rec, self.cfg.canary_interval_s)
+        if self.log.default_retention_days is not None and self._retention is None:
+            self._retention = asyncio.create_task(self._purge_every(3600.0))
+        return [n for n, r in self.canaries.items() if r.controller.status == "running"]
+
+    async def _purge_every(self, seconds: float) -> None:
+        while True:
+            try:
+                removed = await asyncio.to_thread(self.log.purge_expired)
+                if any(removed.values()):
+                    logger.info("prediction log retention removed %s", removed)
+            except Exception:
+                logger.exception("prediction log retention failed")
+            await asyncio.sleep(seconds)
+
+    async def close(self) -> None:
+        if self._retention is not None:
+            self._retention.cancel()
+        for run in list(self.canaries.values()):
+            await run.stop()
+        for mirror in self.mirrors.values():
+            await mirror.stop()
+        await asyncio.to_thread(self.log.close)
+
+    # -- policies ----------------------------------------------------------------------------------
+    def set_policy(self, policy: TrafficPolicy | BanditPolicy, actor: str, action: str = "policy.set") -> None:
+        """Store (audited) and apply a model's policy."""
+        self.store.put("policy", policy.model, policy.to_dict(), actor, action)
+        self.policies[policy.model] = policy
+
+    def clear_policy(self, name: str, actor: str) -> dict:
+        before = self.store.delete("policy", name, actor)
+        self.policies.pop(name, None)
+        return before
+
+    # -- the request path --------------------------------------------------------------------------
+    def attrs(self, headers: Mapping[str, str], rec: RequestRecord, metadata: Mapping[str, str] | None = None
+              ) -> RequestAttrs:
+        """What a policy may look at: the body's `user` and `metadata`, the headers, the API key's name, and
+        feature flags (the comma-separated x-servelm-flags header)."""
+        key = rec.key_name if rec.api_key is not None else None
+        flags = {f.strip() for f in headers.get("x-servelm-flags", "").split(",") if f.strip()}
+        return RequestAttrs(user=rec.user, key_name=key, headers=dict(headers), metadata=dict(metadata or {}),
+                            flags=flags)
+
+    def wants_output(self, name: str) -> bool:
+        """Whether the completion text is needed: a full prediction log."""
+        return self.log.mode(name) == "full"
+
+    async def fault(self, m: Any) -> None:
+        """The fault hook: a version labelled `servelm.fault=error` fails its requests (503), one labelled
+        `latency:S` waits S seconds first. Only with SERVELM_ALLOW_FAULTS=1 (tests and drills)."""
+        version = getattr(m, "version", None)
+        spec = (version.labels or {}).get(FAULT_LABEL) if self.allow_faults and version is not None else None
+        if not spec:
+            return
+        if spec == "error":
+            raise APIError(503, f"injected fault in {version.ref}", code="injected_fault")
+        if spec.startswith("latency:"):
+            await asyncio.sleep(float(spec.split(":", 1)[1]))
+
+    async def complete(self, rec: RequestRecord) -> None:
+        """A generation request's response is about to complete: log it durably (awaited), then feed the
+        canary, the experiment, drift, the shadow mirror and the metrics."""
+        if rec.traffic_done or rec.model is None or rec.path not in GENERATION_PATHS:
+            return
+        rec.traffic_done = True
+        now = time.monotonic()
+        name, version = split_ref(rec.model_version or rec.model)
+        if rec.model_version is None:
+            name = rec.model
+        error = rec.status >= 500 or rec.error is not None
+        arm = rec.arm or (f"v{version}" if version is not None else "default")
+        ttft = rec.first_token - rec.start if rec.first_token is not None else None
+        tpot = ((rec.last_token - rec.first_token) / (rec.completion_tokens - 1)
+                if rec.first_token is not None and rec.last_token is not None and rec.completion_tokens > 1 else None)
+        latency = now - rec.start
+        await self.log.log(Prediction(
+            request_id=rec.request_id, model=name, version=version, arm=arm,
+            key_name=rec.key_name, user=rec.user or None, prompt=rec.prompt_text, output=rec.completion_text,
+            prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens, latency_s=latency,
+            ttft_s=ttft, finish_reason=rec.finish_reason, error=rec.error or (str(rec.status) if error else None)))
+        try:
+            self._observe(rec, name, version, arm, error, latency, ttft, tpot)
+        except Exception:  # the answer stands whatever happens to the statistics
+            logger.exception("traffic bookkeeping of request %s failed", rec.request_id)
+
+    def _observe(self, rec: RequestRecord, name: str, version: int | None, arm: str, error: bool, latency: float,
+                 ttft: float | None, tpot: float | None) -> None:
+        self.metrics.request(name, version, arm, error, latency, ttft)
+        kw = dict(error=error, prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens,
+                  ttft=ttft, tpot=tpot, latency=latency)
+        run = self.canaries.get(name)
+        if run is not None and version is not None:
+            run.controller.record(version, **kw)
+        exp = self.experiments.get(self.experiment_of.get(name, ""))
+        if exp is not None:
+            exp.record(arm, rec.request_id, **kw)
+        self.served[rec.request_id] = (name, version, arm)
+        if len(self.served) > REMEMBER:
+            self.served.popitem(last=False)
+        if rec.prompt_ids is not None and not error:
+            text = _text(rec.prompt_text)
+            self.monitor(name).observe(prompt=text[:DRIFT_CHARS] if text else None, prompt_tokens=rec.prompt_ids,
+                                       output_tokens=rec.completion_tokens)
+        decision = rec.decision
+        shadow = getattr(decision, "shadow_version", None)
+        if shadow is not None and rec.prompt_ids is not None and not error:
+            primary = ShadowResult(tokens=list(rec.output_ids), latency=latency)
+            if not self.mirror(name).offer((f"{name}:{shadow}", rec.prompt_ids, rec.params), primary):
+                self.metrics.shadow_dropped.labels(name, str(shadow)).inc()
+
+    # -- feedback ----------------------------------------------------------------------------------
+    def feedback(self, request_id: str, score: float) -> dict:
+        """Attach feedback to the arm (and canary window) that served `request_id` (404 when unknown)."""
+        found = self.served.get(request_id)
+        if found is None:
+            raise APIError(404, f"no served request {request_id!r} is known (feedback must name the "
+                                "x-request-id of a recent generation request)", "request_id", "not_found")
+        name, version, arm = found
+        run = self.canaries.get(name)
+        if run is not None and version is not None:
+            run.controller.feedback(version, score)
+        policy = self.policies.get(name)
+        if isinstance(policy, BanditPolicy) and version is not None:
+            policy.reward(version, score)
+        exp = self.experiments.get(self.experiment_of.get(name, ""))
+        attached = exp.feedback(request_id, score) if exp is not None else False
+        self.metrics.feedback.labels(name, str(version or ""), arm).inc()
+        return {"request_id": request_id, "model": name, "version": version, "arm": arm, "score": score,
+                "experiment": exp.name if attached else None}
+
+    # -- experiments -------------------------------------------------------------------------------
+    def start_experiment(self, name: str, policy: TrafficPolicy, baseline: str | None, actor: str) -> Experiment:
+        if name in self.experiments and self.experiments[name].stopped_at is None:
+            raise ControlError(409, f"experiment {name!r} is running", code="experiment_running")
+        self._check_free(policy.model)
+        arms = [a.label for a in policy.arms] + [r.label for r in policy.segments]
+        exp = Experiment(name, policy.to_dict(), arms, started_at=time.time(), baseline=baseline)
+        self.store.put("experiment", name, {"policy": policy.to_dict(), "arms": arms, "baseline": exp.baseline,
+                                            "started_at": exp.started_at, "stopped_at": None}, actor,
+                       "experiment.start")
+        self.set_policy(policy, actor)
+        self.experiments[name] = exp
+        self.experiment_of[policy.model] = name
+        return exp
+
+    def stop_experiment(self, name: str, actor: str) -> Experiment:
+        exp = self.experiment(name)
+        if exp.stopped_at is None:
+            exp.stop(time.time())
+            model = exp.policy["model"]
+            rec = self.store.get("experiment", name) or {}
+            self.store.put("experiment", name, {**rec, "stopped_at": exp.stopped_at}, actor, "experiment.stop")
+            if self.experiment_of.get(model) == name:
+                del self.experiment_of[model]
+                if model in self.policies:
+                    self.clear_policy(model, actor)
+        return exp
+
+    def experiment(self, name: str) -> Experiment:
+        exp = self.experiments.get(name)
+        if exp is None:
+            raise ControlError(404, f"no experiment {name!r}; experiments: {', '.join(self.experiments) or 'none'}",
+                               code="not_found", param="id")
+        return exp
+
+    def _check_free(self, model: str) -> None:
+        """409 when a canary or an experiment already steers this model's traffic."""
+        if model in self.canaries and self.canaries[model].controller.status == "running":
+            raise ControlError(409, f"a canary of {model} is running; abort it first", code="canary_running")
+        if model in self.experiment_of:
+            raise ControlError(409, f"experiment {self.experiment_of[model]!r} runs on {model}; stop it first",
+                               code="experiment_running")
+
+    # -- shadow and drift --------------------------------------------------------------------------
+    def mirror(self, name: str) -> ShadowMirror:
+        m = self.mirrors.get(name)
+        if m is None:
+            m = self.mirrors[name] = ShadowMirror(self._run_shadow, maxsize=self.cfg.shadow_queue,
+                                                  concurrency=self.cfg.shadow_concurrency)
+            m.start()
+        return m
+
+    async def _run_shadow(self, job: tuple) -> ShadowResult:
+        """Run a mirrored request on the shadow version (its answer goes nowhere but the comparison)."""
+        ref, ids, params = job
+        t0 = time.monotonic()
+        m = self.models.resolve(ref)
+        await self.fault(m)
+        tokens: list[int] = []
+        async for out in m.generate(f"shadow-{uuid.uuid4().hex}", list(ids), copy.deepcopy(params), None, 2):
+            tokens.extend(t for c in out.outputs if c.index == 0 for t in c.token_ids)
+        self.metrics.shadow_requests.labels(split_ref(ref)[0], str(split_ref(ref)[1])).inc()
+        return ShadowResult(tokens=tokens, latency=time.monotonic() - t0)
+
+    def monitor(self, name: str) -> DriftMonitor:
+        d = self.drift.get(name)
+        if d is None:
+            th = DriftThresholds(min_samples=self.cfg.drift_min_samples)
+            d = self.drift[name] = DriftMonitor(name, th, window=self.cfg.drift_window)
+        return d
+
+    def drift_report(self, name: str, mon: DriftMonitor | None = None) -> dict:
+        """The model's drift report (404 when it has served nothing yet); a feature that starts alerting
+        counts in servelm:drift_alerts_total."""
+        mon = mon or self.drift.get(name)
+        if mon is None:
+            raise ControlError(404, f"no drift data for {name!r} yet; models with data: "
+                               f"{', '.join(self.drift) or 'none'}", code="not_found", param="model")
+        rep = mon.report()
+        for feature, f in rep["features"].items():
+            if f["alert"] and not self._alerting.get((name, feature), False):
+                self.metrics.drift_alerts.labels(name, feature).inc()
+            self._alerting[(name, feature)] = f["alert"]
+        return rep
+
+
+def _text(prompt_json: str | None) -> str | None:
+    """The record keeps the prompt as JSON (a string, token ids, or a list of them): the text, if any."""
+    import json
+
+    if prompt_json is None:
+        return None
+    try:
+        v = json.loads(prompt_json)
+    except ValueError:
+        return prompt_json
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+        return "\n".join(v)
+    return None
