@@ -11,12 +11,12 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from servelm.control.bandit_policy import BanditPolicy
 from servelm.control.canary import CanaryConfig
+from servelm.control.canary_runner import start_canary
 from servelm.control.experiments import ThompsonBandit
 from servelm.control.traffic import TrafficPolicy
 from servelm.control.types import ControlError
-from servelm.server.bandit_policy import BanditPolicy
-from servelm.server.canary_runner import start_canary
 from servelm.server.common import record
 
 Version = Annotated[int, Field(ge=1)]

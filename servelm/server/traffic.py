@@ -5,7 +5,7 @@ The request path touches it three times: `attrs()` when the model is resolved (t
 through DeploymentManager.route), `fault()` before the engine runs (a test hook), and `complete()` just before
 the response's last byte (the gateway awaits it there: the prediction-log entry is durable before the client
 has its answer, then canary windows, experiment arms, drift windows, the shadow mirror and metrics are fed).
-The admin routes (server/admin_traffic.py) and the canary runner (server/canary_runner.py) change it.
+The admin routes (server/admin_traffic.py) and the canary runner (control/canary_runner.py) change it.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
+from servelm.control.bandit_policy import BanditPolicy
 from servelm.control.drift import DriftMonitor, DriftThresholds
 from servelm.control.experiments import Experiment
 from servelm.control.policies import PolicyStore
@@ -27,7 +28,6 @@ from servelm.control.predictions import Prediction, PredictionLog
 from servelm.control.shadow import ShadowMirror, ShadowResult
 from servelm.control.traffic import RequestAttrs, TrafficPolicy
 from servelm.control.types import ControlError
-from servelm.server.bandit_policy import BanditPolicy
 from servelm.server.protocol import APIError
 from servelm.server.telemetry import RequestRecord
 from servelm.server.traffic_metrics import TrafficMetrics
@@ -85,7 +85,7 @@ class TrafficService:
             else:
                 self.experiment_of[rec["policy"]["model"]] = name
             self.experiments[name] = exp
-        self.canaries: dict[str, Any] = {}  # model -> CanaryRun (server/canary_runner.py)
+        self.canaries: dict[str, Any] = {}  # model -> CanaryRun (control/canary_runner.py)
         self.mirrors: dict[str, ShadowMirror] = {}
         self.drift: dict[str, DriftMonitor] = {}
         self.served: OrderedDict[str, tuple[str, int | None, str | None]] = OrderedDict()
@@ -97,7 +97,7 @@ class TrafficService:
     def resume(self) -> list[str]:
         """In the running event loop: carry on the canaries that were running when the server stopped, and
         start the prediction log's retention job. Returns the models whose canary resumed."""
-        from servelm.server.canary_runner import CanaryRun
+        from servelm.control.canary_runner import CanaryRun
 
         for name, rec in self.store.all("canary").items():
             if rec.get("status") == "running" and name not in self.canaries:
