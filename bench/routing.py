@@ -32,6 +32,7 @@ from servelm.config.engine import EngineConfig
 from servelm.control.deployments import Deployment
 from servelm.control.router import STRATEGIES, make_strategy
 from servelm.control.types import Kind, ModelVersion, State
+from servelm.sampling_params import OutputKind
 
 
 def _version(path: str, version: int) -> ModelVersion:
@@ -50,7 +51,8 @@ async def _one(dep: Deployment, rid: str, prompt: list[int], max_tokens: int) ->
     t0 = time.perf_counter()
     first = last = None
     n = 0
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    # DELTA: each output holds only the new tokens (the default, CUMULATIVE, repeats the whole output so far)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=OutputKind.DELTA)
     async for out in dep.generate(rid, prompt, params):
         k = sum(len(c.token_ids) for c in out.outputs)
         if k:
