@@ -8,10 +8,17 @@ import asyncio
 import dataclasses
 
 import pytest
-from test_deployments import BASE, GREEDY, _deployment, _until, _version
+from conftest import build_model
+from test_deployments import BASE, GREEDY, _alive, _deployment, _until, _version
 
 from servelm import SamplingParams
 from servelm.worker.client import EngineDeadError
+
+
+@pytest.fixture(scope="module")
+def v2_dir(tmp_path_factory, tokenizer_dir):
+    """The same architecture with other weights: a second version to swap to."""
+    return build_model("llama", tmp_path_factory.mktemp("v2") / "llama", tokenizer_dir, seed=1)
 
 
 def test_failed_queued_requests_leave_the_engine_and_their_id_can_be_resent(llama_dir):
@@ -47,5 +54,41 @@ def test_failed_queued_requests_leave_the_engine_and_their_id_can_be_resent(llam
             assert engine.num_in_flight() == 0
         finally:
             await dep.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_swap_or_an_unload_during_a_swap_leaves_no_worker_running(llama_dir, v2_dir):
+    """Workers launched by a swap stop if the swap is cancelled; an unload during a swap waits for it and stops
+    every worker, and the unloaded deployment's record is not persisted again by the swap."""
+    from servelm.control.deployments import DeploymentManager
+
+    async def main():
+        changes: list[str] = []
+        mgr = DeploymentManager(BASE, on_change=lambda a, r: changes.append(a))
+        try:
+            d = await mgr.create(_version(llama_dir))
+            launched = []
+            new_worker = d._new_worker
+            d._new_worker = lambda gen, slot: launched.append(new_worker(gen, slot)) or launched[-1]
+            v2 = _version(v2_dir, version=2)
+
+            swap = asyncio.create_task(mgr.swap(d.id, v2))
+            await _until(lambda: launched and launched[-1].pid, "the new version's worker to launch")
+            swap.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await swap
+            await _until(lambda: not _alive(launched[0].pid), "the cancelled swap's worker to stop", timeout=30)
+            assert d.version.ref == "tiny:1" and d.ready and mgr.in_use() > 0
+
+            swap = asyncio.create_task(mgr.swap(d.id, v2))
+            await _until(lambda: len(launched) == 2 and launched[-1].pid, "the second swap's worker to launch")
+            await mgr.unload(d.id)
+            await asyncio.gather(swap, return_exceptions=True)
+            pids = [w.pid for w in launched] + [w.pid for w in d._all_workers()]
+            await _until(lambda: not any(_alive(p) for p in pids), "every worker to stop", timeout=30)
+            assert changes == ["create", "unload"] and mgr.list() == [] and mgr.in_use() == 0
+        finally:
+            await mgr.shutdown()
 
     asyncio.run(main())

@@ -191,7 +191,8 @@ class DeploymentManager:
             await d.scale(n)
         finally:
             self._reserved -= extra
-        self._changed("scale", d)
+        if self._holds(d):  # unloaded meanwhile: nothing to persist
+            self._changed("scale", d)
         return d
 
     async def swap(self, deployment_id: str, version: ModelVersion, tokenizer=None) -> Served:
@@ -206,13 +207,18 @@ class DeploymentManager:
             await d.swap(version, tokenizer)
         except ControlError as e:
             logger.error("swap of %s to %s failed: %s", d.id, version.ref, e.message)
-            self._changed("swap_failed", d, to=version.ref, error=e.message)
+            if self._holds(d):
+                self._changed("swap_failed", d, to=version.ref, error=e.message)
             raise
         finally:
             self._reserved -= need
-        self._footprints[d.id] = per_worker
-        self._changed("swap", d)
+        if self._holds(d):  # unloaded meanwhile: its record must not come back
+            self._footprints[d.id] = per_worker
+            self._changed("swap", d)
         return d
+
+    def _holds(self, d: Served) -> bool:
+        return self._deployments.get(d.id) is d
 
     async def unload(self, deployment_id: str, action: str = "unload") -> None:
         """Stop taking requests for it, let in-flight ones finish (up to its drain timeout), stop its workers."""
@@ -244,7 +250,8 @@ class DeploymentManager:
         """Make room for `need` bytes: unload idle deployments (least recently used first) until it fits, else
         raise ControlError(507) naming the numbers."""
         async with self._lock:
-            idle = sorted((d for d in self._deployments.values() if d is not keep and d.num_in_flight() == 0),
+            idle = sorted((d for d in self._deployments.values()
+                           if d is not keep and d.num_in_flight() == 0 and not d.busy()),
                           key=lambda d: d.last_used)
             freeable = sum(self._footprints[d.id] * d.num_processes() for d in idle)
             if self.in_use() - freeable + need <= self.budget.total:  # evict only where that makes it fit
@@ -266,7 +273,8 @@ class DeploymentManager:
             await asyncio.sleep(self.reap_every_s)
             now = time.monotonic()
             for d in list(self._deployments.values()):
-                if d.keep_alive_s is not None and d.num_in_flight() == 0 and now - d.last_used > d.keep_alive_s:
+                if (d.keep_alive_s is not None and d.num_in_flight() == 0 and not d.busy()
+                        and now - d.last_used > d.keep_alive_s and self._holds(d)):
                     logger.info("unloading %s: idle for %.0fs (keep_alive %gs)", d.id, now - d.last_used,
                                 d.keep_alive_s)
                     with contextlib.suppress(ControlError):

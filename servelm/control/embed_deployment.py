@@ -54,6 +54,10 @@ class EmbedDeployment:
     def num_in_flight(self) -> int:
         return self._in_flight
 
+    def busy(self) -> bool:
+        """Never skipped by eviction or expiry (a swap here is one process started beside the other)."""
+        return False
+
     def num_processes(self) -> int:
         """Worker processes now running or starting (what the memory budget counts)."""
         return self._processes

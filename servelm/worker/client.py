@@ -183,6 +183,7 @@ class AsyncEngine:
         # Requests still in flight end with an error now rather than wait for outputs that will never come.
         self._fail_all(EngineDeadError("the engine was shut down; the request was not completed"))
         self._ctx.destroy(linger=0)
+        self._ready_event.set()  # a wait_ready() under way returns now (and raises: not ready)
         for addr in (self._in_addr, self._out_addr):
             with contextlib.suppress(OSError):
                 os.unlink(addr.removeprefix("ipc://"))
