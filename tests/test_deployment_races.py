@@ -12,6 +12,7 @@ from conftest import build_model
 from test_deployments import BASE, GREEDY, _alive, _deployment, _until, _version
 
 from servelm import SamplingParams
+from servelm.control.types import ControlError
 from servelm.worker.client import EngineDeadError
 
 
@@ -88,6 +89,24 @@ def test_a_cancelled_swap_or_an_unload_during_a_swap_leaves_no_worker_running(ll
             pids = [w.pid for w in launched] + [w.pid for w in d._all_workers()]
             await _until(lambda: not any(_alive(p) for p in pids), "every worker to stop", timeout=30)
             assert changes == ["create", "unload"] and mgr.list() == [] and mgr.in_use() == 0
+        finally:
+            await mgr.shutdown()
+
+    asyncio.run(main())
+
+
+def test_two_concurrent_creates_of_one_id_start_one_deployment(llama_dir):
+    from servelm.control.deployments import DeploymentManager
+
+    async def main():
+        changes: list[str] = []
+        mgr = DeploymentManager(BASE, on_change=lambda a, r: changes.append(a))
+        try:
+            v = _version(llama_dir)
+            first, second = await asyncio.gather(mgr.create(v), mgr.create(v), return_exceptions=True)
+            assert isinstance(second, ControlError) and second.status == 409 and second.code == "deployment_exists"
+            assert mgr.list() == [first] and changes == ["create"]
+            assert mgr.in_use() == mgr._footprints[first.id] * first.num_processes() == mgr._footprints[first.id]
         finally:
             await mgr.shutdown()
 

@@ -54,6 +54,7 @@ class DeploymentManager:
         self._lock = asyncio.Lock()  # budget decisions one at a time
         self._reaper: asyncio.Task | None = None
         self._loading: dict[str, asyncio.Future] = {}  # version ref -> its on-demand load in progress
+        self._creating: set[str] = set()  # deployment ids being created (claimed before the first await)
 
     # -- lookup ------------------------------------------------------------------------------------
     def get(self, deployment_id: str) -> Served:
@@ -152,18 +153,24 @@ class DeploymentManager:
             d = Deployment(version, engine_base or self.engine_base, workers, strategy, tokenizer, deployment_id,
                            self.start_timeout, self.health, keep_alive_s=keep_alive_s)
             config = d.config
-        if d.id in self._deployments:
+        if d.id in self._deployments or d.id in self._creating:
             raise ControlError(409, f"deployment {d.id!r} exists already", code="deployment_exists")
-        per_worker = await asyncio.to_thread(self._footprint, version, config)
-        await self._reserve(per_worker * workers, f"deploying {version.ref} with {workers} worker(s)", keep=None)
+        # Claimed before the first await: a concurrent create of the same id (two admin calls, or an admin
+        # deploy racing an on-demand load) is refused rather than started and then overwritten, leaking workers.
+        self._creating.add(d.id)
         try:
-            await d.start()
-        except BaseException:
-            await d.shutdown()
-            raise
+            per_worker = await asyncio.to_thread(self._footprint, version, config)
+            await self._reserve(per_worker * workers, f"deploying {version.ref} with {workers} worker(s)", keep=None)
+            try:
+                await d.start()
+            except BaseException:
+                await d.shutdown()
+                raise
+            finally:
+                self._reserved -= per_worker * workers
+            self._deployments[d.id], self._footprints[d.id] = d, per_worker
         finally:
-            self._reserved -= per_worker * workers
-        self._deployments[d.id], self._footprints[d.id] = d, per_worker
+            self._creating.discard(d.id)
         self._start_reaper()
         self._changed("create", d)
         return d
