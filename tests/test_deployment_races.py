@@ -111,3 +111,30 @@ def test_two_concurrent_creates_of_one_id_start_one_deployment(llama_dir):
             await mgr.shutdown()
 
     asyncio.run(main())
+
+
+def test_the_swap_drain_timeout_is_a_server_setting_passed_to_every_deployment(llama_dir, tmp_path, monkeypatch):
+    """Draining workers (swap, scale-down, unload) let in-flight requests finish for server.swap_drain_timeout_s,
+    not a fixed 30 s."""
+    from servelm.config.settings import load
+    from servelm.control.deployments import Deployment
+    from servelm.control.plane import ControlPlane
+
+    assert load({}, {}).server.swap_drain_timeout_s == 600.0
+    config = load({}, {"SERVELM_SWAP_DRAIN_TIMEOUT_S": "1234", "SERVELM_DATA_DIR": str(tmp_path)})
+    assert config.server.swap_drain_timeout_s == 1234.0
+
+    async def no_processes(self):  # what is checked is the setting each deployment gets, not its workers
+        return None
+
+    monkeypatch.setattr(Deployment, "start", no_processes)
+
+    async def main():
+        plane = ControlPlane.open(config)
+        try:
+            d = await plane.deployments.create(_version(llama_dir))
+            assert d.drain_timeout_s == 1234.0
+        finally:
+            await plane.close()
+
+    asyncio.run(main())

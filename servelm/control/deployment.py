@@ -66,7 +66,7 @@ class Deployment:
     def __init__(self, version: ModelVersion, base: EngineConfig, workers: int = 1,
                  strategy: str = "least_loaded", tokenizer=None, deployment_id: str | None = None,
                  start_timeout: float = 600.0, health: HealthSettings | None = None,
-                 drain_timeout_s: float = 30.0, keep_alive_s: float | None = None) -> None:
+                 drain_timeout_s: float = 600.0, keep_alive_s: float | None = None) -> None:
         if version.kind != Kind.GENERATE:
             raise ControlError(400, f"{version.ref} is an embedding model; deploy generation models only",
                                code="wrong_kind")

@@ -42,12 +42,14 @@ class DeploymentManager:
                  on_change: Callable[[str, dict], None] | None = None,
                  production_of: Callable[[str], int | None] | None = None, start_timeout: float = 600.0,
                  health: HealthSettings | None = None, reap_every_s: float = 5.0,
-                 policy_of: Callable[[str], TrafficPolicy | None] | None = None) -> None:
+                 policy_of: Callable[[str], TrafficPolicy | None] | None = None,
+                 drain_timeout_s: float = 600.0) -> None:
         self.engine_base = engine_base or EngineConfig()
         self.budget = budget or MemoryBudget(device=self.engine_base.device)
         self.on_change, self.production_of, self.policy_of = on_change, production_of, policy_of
         self.start_timeout, self.health = start_timeout, health
         self.reap_every_s = reap_every_s
+        self.drain_timeout_s = drain_timeout_s  # how long a swap, scale-down or unload lets requests finish
         self._deployments: dict[str, Served] = {}
         self._footprints: dict[str, int] = {}  # id -> bytes per worker
         self._reserved = 0  # bytes of workers being started (not yet counted in a deployment)
@@ -147,11 +149,12 @@ class DeploymentManager:
         one embedding worker)."""
         d: Served
         if version.kind == Kind.EMBED:
-            d, config = EmbedDeployment(version, deployment_id, keep_alive_s), None
+            d, config = EmbedDeployment(version, deployment_id, keep_alive_s, self.drain_timeout_s), None
             workers = 1
         else:
             d = Deployment(version, engine_base or self.engine_base, workers, strategy, tokenizer, deployment_id,
-                           self.start_timeout, self.health, keep_alive_s=keep_alive_s)
+                           self.start_timeout, self.health, drain_timeout_s=self.drain_timeout_s,
+                           keep_alive_s=keep_alive_s)
             config = d.config
         if d.id in self._deployments or d.id in self._creating:
             raise ControlError(409, f"deployment {d.id!r} exists already", code="deployment_exists")

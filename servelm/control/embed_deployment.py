@@ -23,7 +23,7 @@ class EmbedDeployment:
     strategy_name = "single"
 
     def __init__(self, version: ModelVersion, deployment_id: str | None = None, keep_alive_s: float | None = None,
-                 drain_timeout_s: float = 30.0, max_batch_size: int = 32, batch_window_ms: float = 5.0) -> None:
+                 drain_timeout_s: float = 600.0, max_batch_size: int = 32, batch_window_ms: float = 5.0) -> None:
         if version.kind != Kind.EMBED:
             raise ControlError(400, f"{version.ref} generates text; it deploys as a generation deployment",
                                code="wrong_kind")
