@@ -39,6 +39,9 @@ class ServerConfig:
     embedding_batch_window_ms: float = _f(5.0, "how long the embedding batcher waits for more texts")
     embedding_max_batch_size: int = _f(32, "most texts in one embedding batch")
     drain_timeout: float = _f(30.0, "on SIGTERM, seconds to let in-flight requests finish before exiting")
+    swap_drain_timeout_s: float = _f(600.0, "on a swap, scale-down or unload, seconds the old workers may take to "
+                                     "finish their in-flight requests before they are stopped (those left "
+                                     "then end with an error)")
     engine_start_timeout_s: float = _f(600.0, "seconds the engine may take to load and warm up before the start "
                                        "is given up (0: no limit); meanwhile its progress is logged")
     api_key: str | None = _f(None, "one API key every caller must present (Bearer or x-api-key); as a flag it is "
@@ -89,6 +92,7 @@ class ServerConfig:
         need(self.embedding_batch_window_ms >= 0, "embedding_batch_window_ms", ">= 0")
         need(self.embedding_max_batch_size >= 1, "embedding_max_batch_size", ">= 1")
         need(self.drain_timeout >= 0, "drain_timeout", ">= 0")
+        need(self.swap_drain_timeout_s >= 0, "swap_drain_timeout_s", ">= 0")
         need(self.header_timeout_s >= 0, "header_timeout_s", ">= 0")
         need(self.engine_start_timeout_s >= 0, "engine_start_timeout_s", ">= 0 (0: no limit)")
         for name in SECRETS:

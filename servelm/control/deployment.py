@@ -66,7 +66,7 @@ class Deployment:
     def __init__(self, version: ModelVersion, base: EngineConfig, workers: int = 1,
                  strategy: str = "least_loaded", tokenizer=None, deployment_id: str | None = None,
                  start_timeout: float = 600.0, health: HealthSettings | None = None,
-                 drain_timeout_s: float = 30.0, keep_alive_s: float | None = None) -> None:
+                 drain_timeout_s: float = 600.0, keep_alive_s: float | None = None) -> None:
         if version.kind != Kind.GENERATE:
             raise ControlError(400, f"{version.ref} is an embedding model; deploy generation models only",
                                code="wrong_kind")
@@ -84,7 +84,8 @@ class Deployment:
         self._old: list[Generation] = []  # draining: the workers of a swapped-out version, or scaled away
         self._ids = itertools.count()
         self._where: dict[str, Worker] = {}  # request id -> the worker serving it (for abort)
-        self._lock = asyncio.Lock()  # one scale or swap at a time
+        self._lock = asyncio.Lock()  # one scale, swap or close at a time
+        self._starting: list[Worker] = []  # launched, not yet warm (shutdown() stops them too)
         self._health_task: asyncio.Task | None = None
         self._closing = False
         self.last_used = time.monotonic()
@@ -118,6 +119,10 @@ class Deployment:
     @property
     def config(self) -> EngineConfig:
         return self._gen.config
+
+    def busy(self) -> bool:
+        """A scale, swap or close is under way (eviction and expiry leave it alone)."""
+        return self._lock.locked()
 
     def num_processes(self) -> int:
         """Worker processes now running or starting, draining ones included (what the memory budget counts)."""
@@ -306,13 +311,22 @@ class Deployment:
         used = {w.slot for w in gen.workers}
         slots = [s for s in range(len(used) + n) if s not in used][:n]
         new = [self._new_worker(gen, slot) for slot in slots]
-        for w in new:
-            w.engine.launch()
-        results = await asyncio.gather(*(w.engine.wait_ready() for w in new), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
+        self._starting += new
+        try:  # every exit but success (an error, a cancelled caller, a shutdown meanwhile) stops what it launched
+            for w in new:
+                w.engine.launch()
+            results = await asyncio.gather(*(w.engine.wait_ready() for w in new), return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if self._closing:
+                raise ControlError(409, f"{self.id} was unloaded while {gen.version.ref} was starting",
+                                   code="start_failed")
+            if errors:
+                raise ControlError(409, f"{gen.version.ref} failed to start: {errors[0]}", code="start_failed")
+        except BaseException:
             await self._stop_workers(new)
-            raise ControlError(409, f"{gen.version.ref} failed to start: {errors[0]}", code="start_failed")
+            raise
+        finally:
+            self._starting = [w for w in self._starting if w not in new]
         gen.workers.extend(new)
         return new
 
@@ -406,18 +420,21 @@ class Deployment:
                     self.strategy.forget(w.id)
 
     async def close(self) -> None:
-        """Unload gracefully: stop routing, let in-flight requests finish (up to drain_timeout_s), stop."""
-        for w in self._gen.workers:
-            w.draining = True
-        await self._drain(self._all_workers(), self._gen)
-        await self.shutdown()
+        """Unload gracefully: stop routing, let in-flight requests finish (up to drain_timeout_s), stop. A scale
+        or swap under way completes first (under the same lock), so no worker it starts outlives the close."""
+        async with self._lock:
+            for w in self._gen.workers:
+                w.draining = True
+            await self._drain(self._all_workers(), self._gen)
+            await self.shutdown()
 
     async def shutdown(self) -> None:
-        """Stop every worker now (in-flight requests end with an error)."""
+        """Stop every worker now, those still starting included (in-flight requests end with an error; a scale
+        or swap under way fails rather than add workers)."""
         self._closing = True
         if self._health_task is not None:
             self._health_task.cancel()
-        await self._stop_workers(self._all_workers())
+        await self._stop_workers(self._all_workers() + self._starting)
 
     def describe(self) -> dict:
         """A JSON-able record: what the admin API shows and the registry persists."""

@@ -42,18 +42,21 @@ class DeploymentManager:
                  on_change: Callable[[str, dict], None] | None = None,
                  production_of: Callable[[str], int | None] | None = None, start_timeout: float = 600.0,
                  health: HealthSettings | None = None, reap_every_s: float = 5.0,
-                 policy_of: Callable[[str], TrafficPolicy | None] | None = None) -> None:
+                 policy_of: Callable[[str], TrafficPolicy | None] | None = None,
+                 drain_timeout_s: float = 600.0) -> None:
         self.engine_base = engine_base or EngineConfig()
         self.budget = budget or MemoryBudget(device=self.engine_base.device)
         self.on_change, self.production_of, self.policy_of = on_change, production_of, policy_of
         self.start_timeout, self.health = start_timeout, health
         self.reap_every_s = reap_every_s
+        self.drain_timeout_s = drain_timeout_s  # how long a swap, scale-down or unload lets requests finish
         self._deployments: dict[str, Served] = {}
         self._footprints: dict[str, int] = {}  # id -> bytes per worker
         self._reserved = 0  # bytes of workers being started (not yet counted in a deployment)
         self._lock = asyncio.Lock()  # budget decisions one at a time
         self._reaper: asyncio.Task | None = None
         self._loading: dict[str, asyncio.Future] = {}  # version ref -> its on-demand load in progress
+        self._creating: set[str] = set()  # deployment ids being created (claimed before the first await)
 
     # -- lookup ------------------------------------------------------------------------------------
     def get(self, deployment_id: str) -> Served:
@@ -146,24 +149,31 @@ class DeploymentManager:
         one embedding worker)."""
         d: Served
         if version.kind == Kind.EMBED:
-            d, config = EmbedDeployment(version, deployment_id, keep_alive_s), None
+            d, config = EmbedDeployment(version, deployment_id, keep_alive_s, self.drain_timeout_s), None
             workers = 1
         else:
             d = Deployment(version, engine_base or self.engine_base, workers, strategy, tokenizer, deployment_id,
-                           self.start_timeout, self.health, keep_alive_s=keep_alive_s)
+                           self.start_timeout, self.health, drain_timeout_s=self.drain_timeout_s,
+                           keep_alive_s=keep_alive_s)
             config = d.config
-        if d.id in self._deployments:
+        if d.id in self._deployments or d.id in self._creating:
             raise ControlError(409, f"deployment {d.id!r} exists already", code="deployment_exists")
-        per_worker = await asyncio.to_thread(self._footprint, version, config)
-        await self._reserve(per_worker * workers, f"deploying {version.ref} with {workers} worker(s)", keep=None)
+        # Claimed before the first await: a concurrent create of the same id (two admin calls, or an admin
+        # deploy racing an on-demand load) is refused rather than started and then overwritten, leaking workers.
+        self._creating.add(d.id)
         try:
-            await d.start()
-        except BaseException:
-            await d.shutdown()
-            raise
+            per_worker = await asyncio.to_thread(self._footprint, version, config)
+            await self._reserve(per_worker * workers, f"deploying {version.ref} with {workers} worker(s)", keep=None)
+            try:
+                await d.start()
+            except BaseException:
+                await d.shutdown()
+                raise
+            finally:
+                self._reserved -= per_worker * workers
+            self._deployments[d.id], self._footprints[d.id] = d, per_worker
         finally:
-            self._reserved -= per_worker * workers
-        self._deployments[d.id], self._footprints[d.id] = d, per_worker
+            self._creating.discard(d.id)
         self._start_reaper()
         self._changed("create", d)
         return d
@@ -191,7 +201,8 @@ class DeploymentManager:
             await d.scale(n)
         finally:
             self._reserved -= extra
-        self._changed("scale", d)
+        if self._holds(d):  # unloaded meanwhile: nothing to persist
+            self._changed("scale", d)
         return d
 
     async def swap(self, deployment_id: str, version: ModelVersion, tokenizer=None) -> Served:
@@ -206,13 +217,18 @@ class DeploymentManager:
             await d.swap(version, tokenizer)
         except ControlError as e:
             logger.error("swap of %s to %s failed: %s", d.id, version.ref, e.message)
-            self._changed("swap_failed", d, to=version.ref, error=e.message)
+            if self._holds(d):
+                self._changed("swap_failed", d, to=version.ref, error=e.message)
             raise
         finally:
             self._reserved -= need
-        self._footprints[d.id] = per_worker
-        self._changed("swap", d)
+        if self._holds(d):  # unloaded meanwhile: its record must not come back
+            self._footprints[d.id] = per_worker
+            self._changed("swap", d)
         return d
+
+    def _holds(self, d: Served) -> bool:
+        return self._deployments.get(d.id) is d
 
     async def unload(self, deployment_id: str, action: str = "unload") -> None:
         """Stop taking requests for it, let in-flight ones finish (up to its drain timeout), stop its workers."""
@@ -244,7 +260,8 @@ class DeploymentManager:
         """Make room for `need` bytes: unload idle deployments (least recently used first) until it fits, else
         raise ControlError(507) naming the numbers."""
         async with self._lock:
-            idle = sorted((d for d in self._deployments.values() if d is not keep and d.num_in_flight() == 0),
+            idle = sorted((d for d in self._deployments.values()
+                           if d is not keep and d.num_in_flight() == 0 and not d.busy()),
                           key=lambda d: d.last_used)
             freeable = sum(self._footprints[d.id] * d.num_processes() for d in idle)
             if self.in_use() - freeable + need <= self.budget.total:  # evict only where that makes it fit
@@ -266,7 +283,8 @@ class DeploymentManager:
             await asyncio.sleep(self.reap_every_s)
             now = time.monotonic()
             for d in list(self._deployments.values()):
-                if d.keep_alive_s is not None and d.num_in_flight() == 0 and now - d.last_used > d.keep_alive_s:
+                if (d.keep_alive_s is not None and d.num_in_flight() == 0 and not d.busy()
+                        and now - d.last_used > d.keep_alive_s and self._holds(d)):
                     logger.info("unloading %s: idle for %.0fs (keep_alive %gs)", d.id, now - d.last_used,
                                 d.keep_alive_s)
                     with contextlib.suppress(ControlError):

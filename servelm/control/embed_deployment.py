@@ -23,7 +23,7 @@ class EmbedDeployment:
     strategy_name = "single"
 
     def __init__(self, version: ModelVersion, deployment_id: str | None = None, keep_alive_s: float | None = None,
-                 drain_timeout_s: float = 30.0, max_batch_size: int = 32, batch_window_ms: float = 5.0) -> None:
+                 drain_timeout_s: float = 600.0, max_batch_size: int = 32, batch_window_ms: float = 5.0) -> None:
         if version.kind != Kind.EMBED:
             raise ControlError(400, f"{version.ref} generates text; it deploys as a generation deployment",
                                code="wrong_kind")
@@ -53,6 +53,10 @@ class EmbedDeployment:
 
     def num_in_flight(self) -> int:
         return self._in_flight
+
+    def busy(self) -> bool:
+        """Never skipped by eviction or expiry (a swap here is one process started beside the other)."""
+        return False
 
     def num_processes(self) -> int:
         """Worker processes now running or starting (what the memory budget counts)."""

@@ -47,7 +47,8 @@ class ControlPlane:
         plane = cls(registry, None, config.engine, srv.engine_start_timeout_s)
         plane.deployments = DeploymentManager(engine_base=config.engine, on_change=plane._on_change,
                                               production_of=plane._production_of,
-                                              start_timeout=srv.engine_start_timeout_s)
+                                              start_timeout=srv.engine_start_timeout_s,
+                                              drain_timeout_s=srv.swap_drain_timeout_s)
         return plane
 
     async def close(self) -> None:

@@ -183,6 +183,7 @@ class AsyncEngine:
         # Requests still in flight end with an error now rather than wait for outputs that will never come.
         self._fail_all(EngineDeadError("the engine was shut down; the request was not completed"))
         self._ctx.destroy(linger=0)
+        self._ready_event.set()  # a wait_ready() under way returns now (and raises: not ready)
         for addr in (self._in_addr, self._out_addr):
             with contextlib.suppress(OSError):
                 os.unlink(addr.removeprefix("ipc://"))
@@ -196,11 +197,21 @@ class AsyncEngine:
 
     def fail_queued(self, err: Exception) -> int:
         """End the requests that have no output yet with `err` (their callers abort them here and may send them
-        elsewhere); those already streaming go on. Returns how many."""
+        elsewhere); those already streaming go on. Returns how many.
+
+        Each is forgotten here and aborted in the engine: its caller's generator sees the error as the end of
+        the stream and skips its own abort, and a request left in the engine would later run for nobody (or
+        block the same id re-sent to this worker)."""
         queued = [rid for rid, st in self.streams.items() if not st.started]
         for rid in queued:
-            stream = self.streams[rid]
+            stream = self.streams.pop(rid)
+            stream.finished = True
             stream.queue.put_nowait(err)
+            self.output_processor.abort(rid)
+        if queued and self.ready:  # a paused engine reads it when it wakes, before anything sent later
+            with contextlib.suppress(zmq.ZMQError):
+                sent = self._in.send(m.encoder.encode(m.Abort(queued)), flags=zmq.NOBLOCK)
+                sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # never an unretrieved error
         return len(queued)
 
     def kill(self) -> None:
