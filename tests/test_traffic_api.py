@@ -444,3 +444,23 @@ def test_the_response_completes_only_after_its_prediction_is_logged(platform, st
     assert held_back, "the response completed before its prediction was logged"
     assert done and (b"[DONE]" in text) == stream
     assert [r["request_id"] for r in log.entries()][-1] == f"held-{stream}"
+
+
+def _error(r, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_a_huge_version_number_is_refused_never_a_500(platform):
+    """Version numbers past what the registry's database holds are a 4xx in the error shape, on the on-demand
+    load path, the admin version routes and traffic bodies (SQLite raised OverflowError: a 500)."""
+    client, state, _ = platform
+    state.models.on_demand = lambda model, kind: state.control.load_on_demand(model, kind, None)
+    huge = "99999999999999999999"
+    err = _error(complete(client, model=f"m:{huge}"), 404)
+    assert err["code"] == "model_not_found" and "'m'" in err["message"]
+    assert _error(client.get(f"/admin/models/m/versions/{huge}", headers=ADMIN), 400)["param"]
+    _error(client.put("/admin/models/m/traffic", json={"arms": [{"version": int(huge)}]}, headers=ADMIN), 400)
+    assert state.control.find_version(f"m:{huge}") is None

@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from servelm.config.engine import EngineConfig
-from servelm.control.types import ControlError, Kind, ModelVersion, State
+from servelm.control.types import MAX_VERSION, ControlError, Kind, ModelVersion, State
 
 logger = logging.getLogger("servelm.control")
 SYSTEM = "system"  # the actor of what the server does by itself (restore, eviction)
@@ -22,9 +22,10 @@ DEPLOYABLE = frozenset({State.VALIDATED, State.STAGING, State.STAGING_TESTED, St
 
 
 def parse_ref(model: str) -> tuple[str, int | None]:
-    """'name:3' -> ('name', 3); 'name' -> ('name', None)."""
+    """'name:3' -> ('name', 3); 'name' -> ('name', None). A number above MAX_VERSION is no version (the whole
+    string is then a name that does not exist: a 404, never an integer overflow in the registry's database)."""
     name, sep, ver = model.rpartition(":")
-    return (name, int(ver)) if sep and ver.isdigit() else (model, None)
+    return (name, int(ver)) if sep and ver.isdigit() and 0 < int(ver) <= MAX_VERSION else (model, None)
 
 
 class ControlPlane:

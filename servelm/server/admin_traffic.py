@@ -16,10 +16,10 @@ from servelm.control.canary import CanaryConfig
 from servelm.control.canary_runner import start_canary
 from servelm.control.experiments import ThompsonBandit
 from servelm.control.traffic import TrafficPolicy
-from servelm.control.types import ControlError
+from servelm.control.types import MAX_VERSION, ControlError
 from servelm.server.common import record
 
-Version = Annotated[int, Field(ge=1)]
+Version = Annotated[int, Field(ge=1, le=MAX_VERSION)]
 
 
 class _In(BaseModel):
