@@ -464,3 +464,36 @@ def test_a_huge_version_number_is_refused_never_a_500(platform):
     assert _error(client.get(f"/admin/models/m/versions/{huge}", headers=ADMIN), 400)["param"]
     _error(client.put("/admin/models/m/traffic", json={"arms": [{"version": int(huge)}]}, headers=ADMIN), 400)
     assert state.control.find_version(f"m:{huge}") is None
+
+
+def test_a_key_limited_to_some_models_cannot_load_or_use_others(platform):
+    """A key's model list is checked on the requested name before any on-demand load, on every route that
+    takes a model; and only the PRODUCTION version loads on demand (others need an admin deploy)."""
+    from servelm.server.auth import ApiKey, KeyStore, digest
+
+    client, state, _ = platform
+    state.keys = KeyStore([ApiKey("a", digest("alpha-only-key-1"), models=frozenset({"alpha"})),
+                           ApiKey("all", digest("all-models-key-1"))],
+                          digest(ADMIN["x-api-key"]))
+    loads: list[str] = []
+
+    async def on_demand(model, kind):
+        loads.append(model)
+        return await state.control.load_on_demand(model, kind, None)
+
+    state.models.on_demand = on_demand
+    state.control.deployments._deployments.clear()  # nothing deployed: a request of `m` would load it
+    auth = {"Authorization": "Bearer alpha-only-key-1"}
+    for path, body in (("/v1/completions", {"model": "m:1", "prompt": "x", "max_tokens": 1}),
+                       ("/v1/embeddings", {"model": "m", "input": "x"}),
+                       ("/tokenize", {"model": "m", "prompt": "x"}),
+                       ("/detokenize", {"model": "m", "tokens": [1]})):
+        err = _error(client.post(path, json=body, headers=auth), 403)
+        assert err["code"] == "model_not_allowed", path
+    assert loads == []  # refused before anything loaded
+    assert client.post("/tokenize", json={"model": "alpha", "prompt": "x"}, headers=auth).status_code == 200
+    everything = {"Authorization": "Bearer all-models-key-1"}
+    # only the PRODUCTION version (m:1, or m) may load on demand: m:4 (VALIDATED) and m:3 are refused
+    for ref in ("m:4", "m:3"):
+        assert "PRODUCTION" in _error(complete(client, model=ref, headers=everything), 409)["message"]
+    assert state.control.find_version("m:1").version == 1 and state.control.find_version("m").version == 1
