@@ -497,3 +497,30 @@ def test_a_key_limited_to_some_models_cannot_load_or_use_others(platform):
     for ref in ("m:4", "m:3"):
         assert "PRODUCTION" in _error(complete(client, model=ref, headers=everything), 409)["message"]
     assert state.control.find_version("m:1").version == 1 and state.control.find_version("m").version == 1
+
+
+def test_feedback_is_bounded_once_per_request_and_only_from_its_key(platform):
+    """A score past +-1e6 is refused (1e308 then a normal score overflowed the experiment's statistics to
+    inf/NaN: its report answered 500); a request takes one feedback, and only from the key that made it."""
+    from servelm.server.auth import ApiKey, KeyStore, digest
+
+    client, state, _ = platform
+    state.keys = KeyStore([ApiKey("a", digest("feedback-key-a1")), ApiKey("b", digest("feedback-key-b1"))],
+                          digest(ADMIN["x-api-key"]))
+    a, b = {"Authorization": "Bearer feedback-key-a1"}, {"Authorization": "Bearer feedback-key-b1"}
+    assert client.post("/admin/experiments", headers=ADMIN, json={
+        "name": "fb", "model": "m", "arms": [{"version": 1, "name": "a"}, {"version": 3, "name": "b"}]}
+    ).status_code == 201
+    for rid in ("fb-1", "fb-2"):
+        assert complete(client, headers={**a, "x-request-id": rid}).status_code == 200
+    _error(client.post("/v1/feedback", json={"request_id": "fb-1", "score": 1e308}, headers=a), 400)
+    other = _error(client.post("/v1/feedback", json={"request_id": "fb-1", "score": 1.0}, headers=b), 404)
+    unknown = _error(client.post("/v1/feedback", json={"request_id": "nope", "score": 1.0}, headers=b), 404)
+    assert other["message"].replace("fb-1", "nope") == unknown["message"]  # another key's request looks unknown
+    assert client.post("/v1/feedback", json={"request_id": "fb-1", "score": 1e6}, headers=a).status_code == 200
+    assert _error(client.post("/v1/feedback", json={"request_id": "fb-1", "score": 0.5}, headers=a), 409)
+    assert client.post("/v1/feedback", json={"request_id": "fb-2", "score": -1e6}, headers=a).status_code == 200
+    rep = client.get("/admin/experiments/fb", headers=ADMIN)
+    assert rep.status_code == 200, rep.text
+    fed = [arm["feedback"] for arm in rep.json()["arms"].values() if arm["feedback"]["n"]]
+    assert sum(f["n"] for f in fed) == 2 and all(math.isfinite(f["mean"]) for f in fed)

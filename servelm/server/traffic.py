@@ -88,7 +88,8 @@ class TrafficService:
         self.canaries: dict[str, Any] = {}  # model -> CanaryRun (control/canary_runner.py)
         self.mirrors: dict[str, ShadowMirror] = {}
         self.drift: dict[str, DriftMonitor] = {}
-        self.served: OrderedDict[str, tuple[str, int | None, str | None]] = OrderedDict()
+        # request id -> [model, version, arm, key name, feedback given]: who may rate it, and only once
+        self.served: OrderedDict[str, list] = OrderedDict()
         self._alerting: dict[tuple[str, str], bool] = {}  # (model, feature) -> alerting at the last report
         self.metrics = TrafficMetrics(metrics_registry, self)
         self.allow_faults = os.environ.get("SERVELM_ALLOW_FAULTS") == "1"
@@ -199,7 +200,7 @@ class TrafficService:
         exp = self.experiments.get(self.experiment_of.get(name, ""))
         if exp is not None:
             exp.record(arm, rec.request_id, **kw)
-        self.served[rec.request_id] = (name, version, arm)
+        self.served[rec.request_id] = [name, version, arm, rec.key_name, False]
         if len(self.served) > REMEMBER:
             self.served.popitem(last=False)
         if rec.prompt_ids is not None and not error:
@@ -214,13 +215,19 @@ class TrafficService:
                 self.metrics.shadow_dropped.labels(name, str(shadow)).inc()
 
     # -- feedback ----------------------------------------------------------------------------------
-    def feedback(self, request_id: str, score: float) -> dict:
-        """Attach feedback to the arm (and canary window) that served `request_id` (404 when unknown)."""
+    def feedback(self, request_id: str, score: float, key_name: str = "anonymous") -> dict:
+        """Attach feedback to the arm (and canary window) that served `request_id`: 404 when unknown or made
+        with another API key than `key_name` (not revealing that it exists), 409 when it was already rated."""
         found = self.served.get(request_id)
-        if found is None:
+        if found is None or found[3] != key_name:
             raise APIError(404, f"no served request {request_id!r} is known (feedback must name the "
-                                "x-request-id of a recent generation request)", "request_id", "not_found")
-        name, version, arm = found
+                                "x-request-id of a recent generation request made with this API key)", "request_id",
+                           "not_found")
+        if found[4]:
+            raise APIError(409, f"request {request_id!r} already has feedback (one per request)", "request_id",
+                           "feedback_exists")
+        found[4] = True
+        name, version, arm = found[:3]
         run = self.canaries.get(name)
         if run is not None and version is not None:
             run.controller.feedback(version, score)
