@@ -524,3 +524,18 @@ def test_feedback_is_bounded_once_per_request_and_only_from_its_key(platform):
     assert rep.status_code == 200, rep.text
     fed = [arm["feedback"] for arm in rep.json()["arms"].values() if arm["feedback"]["n"]]
     assert sum(f["n"] for f in fed) == 2 and all(math.isfinite(f["mean"]) for f in fed)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"arms": [{"version": 1, "name": "a"}, {"version": 3, "name": "b"}], "baseline": "nope"}, "baseline"),
+    ({"arms": [{"version": 1, "name": "a"}, {"version": 3, "name": "a"}]}, "arms"),
+])
+def test_an_invalid_experiment_is_refused_before_anything_is_stored(platform, body, param):
+    """An unknown baseline (was a KeyError 500 with the experiment left running) or two arms under one label
+    (their statistics merged silently) is a 400, and neither the experiment nor its policy exists after."""
+    client, state, _ = platform
+    err = _error(client.post("/admin/experiments", headers=ADMIN, json={"name": "bad", "model": "m", **body}), 400)
+    assert err["param"] == param and err["code"] == "invalid_experiment"
+    assert client.get("/admin/experiments", headers=ADMIN).json() == []
+    assert client.get("/admin/models/m/traffic", headers=ADMIN).status_code == 404
+    assert state.traffic.store.all("experiment") == {}

@@ -79,7 +79,12 @@ class TrafficService:
         self.experiments: dict[str, Experiment] = {}
         self.experiment_of: dict[str, str] = {}  # model -> its running experiment
         for name, rec in self.store.all("experiment").items():  # back after a restart (statistics start again)
-            exp = Experiment(name, rec["policy"], rec["arms"], started_at=rec["started_at"], baseline=rec["baseline"])
+            try:
+                exp = Experiment(name, rec["policy"], rec["arms"], started_at=rec["started_at"],
+                                 baseline=rec["baseline"])
+            except (ControlError, KeyError, TypeError) as e:  # stored by an older version that did not check
+                logger.warning("stored experiment %s is invalid, ignored: %s", name, e)
+                continue
             if rec.get("stopped_at") is not None:
                 exp.stop(rec["stopped_at"])
             else:
