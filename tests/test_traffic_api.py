@@ -539,3 +539,23 @@ def test_an_invalid_experiment_is_refused_before_anything_is_stored(platform, bo
     assert client.get("/admin/experiments", headers=ADMIN).json() == []
     assert client.get("/admin/models/m/traffic", headers=ADMIN).status_code == 404
     assert state.traffic.store.all("experiment") == {}
+
+
+def test_a_drift_report_reads_a_copy_of_the_windows_the_loop_feeds(platform):
+    """The report runs in a thread while requests keep appending to the live windows; it reads a copy taken
+    on the loop (iterating the live deques there raised 'deque mutated during iteration': a 500)."""
+    client, state, _ = platform
+    for _ in range(3):
+        complete(client)
+    svc, live = state.traffic, state.traffic.drift["m"]
+    report = svc.drift_report
+
+    def racing(name, mon=None):
+        live.observe(prompt="appended meanwhile", prompt_tokens=[1, 2], output_tokens=1)  # a request finishing
+        assert mon is not live
+        return report(name, mon)
+
+    svc.drift_report = racing
+    rep = client.get("/admin/drift/m", headers=ADMIN)
+    assert rep.status_code == 200, rep.text
+    assert rep.json()["features"]["prompt_len"]["n_live"] == 3 and len(live.live.prompt_len) == 4

@@ -216,7 +216,10 @@ def add_traffic_routes(app: FastAPI, state) -> None:
     # -- drift -------------------------------------------------------------------------------------
     @app.get("/admin/drift/{model}")
     async def drift(model: str) -> dict:
-        return await asyncio.to_thread(svc.drift_report, model)
+        # the windows are copied here, on the loop that appends to them: iterating the live deques in the
+        # thread raced with requests finishing ("deque mutated during iteration", a 500)
+        mon = svc.drift.get(model)
+        return await asyncio.to_thread(svc.drift_report, model, mon.snapshot() if mon is not None else None)
 
     @app.post("/admin/drift/{model}/reference")
     async def drift_reference(model: str, request: Request) -> dict:

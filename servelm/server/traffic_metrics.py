@@ -79,7 +79,7 @@ class _Collector:
         alert = GaugeMetricFamily("servelm:drift_alert", "1 while a feature's drift is over its threshold.",
                                   labels=["model_name", "feature"])
         for name, mon in list(s.drift.items()):
-            rep = s.drift_report(name, mon)
+            rep = s.drift_report(name, mon.snapshot())  # a scrape may run off the loop that feeds it
             for feature, f in rep["features"].items():
                 if "psi" in f:
                     psi.add_metric([name, feature], f["psi"])
