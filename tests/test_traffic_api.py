@@ -296,6 +296,13 @@ def test_prediction_log_and_erasure_of_one_user(platform):
     entry = client.get("/admin/audit", headers=ADMIN).json()["entries"][-1]
     assert entry["action"] == "predictions.erase" and entry["after"] == {"removed": 3}
     assert "example" not in str(entry)
+    # the permanent audit names the erased user by a keyed hash, the same each time, never the id itself
+    assert "alice" not in str(entry) and entry["target"].startswith("user:sha256:")
+    client.delete("/admin/predictions", headers=ADMIN, params={"user": "alice"})
+    again = client.get("/admin/audit", headers=ADMIN).json()["entries"][-1]
+    assert again["target"] == entry["target"] == "user:" + state.traffic.store.pseudonym("alice")
+    assert entry["target"] != "user:" + state.traffic.store.pseudonym("bob")
+    assert client.get("/admin/audit", headers=ADMIN).json()["ok"] is True
 
 
 def test_cli_traffic_and_canary_commands(platform, capsys):

@@ -240,7 +240,9 @@ def add_traffic_routes(app: FastAPI, state) -> None:
     @app.delete("/admin/predictions")
     async def erase(request: Request, user: Annotated[str, Query(min_length=1)]) -> dict:
         removed = await asyncio.to_thread(svc.log.erase_user, user)
-        cp.registry.audit.record(actor(request), "predictions.erase", f"user:{user}", None, {"removed": removed})
+        # the audit trail is permanent and hash-chained: it names the erased user by a keyed hash, never the id
+        who = await asyncio.to_thread(svc.store.pseudonym, user)
+        cp.registry.audit.record(actor(request), "predictions.erase", f"user:{who}", None, {"removed": removed})
         return {"user": user, "removed": removed}
 
     @app.put("/admin/models/{name}/prediction-log")
