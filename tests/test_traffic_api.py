@@ -566,3 +566,26 @@ def test_a_drift_report_reads_a_copy_of_the_windows_the_loop_feeds(platform):
     rep = client.get("/admin/drift/m", headers=ADMIN)
     assert rep.status_code == 200, rep.text
     assert rep.json()["features"]["prompt_len"]["n_live"] == 3 and len(live.live.prompt_len) == 4
+
+
+def test_a_shadow_copy_keeps_the_primary_cache_salt_and_a_queue_timeout(platform):
+    """The mirrored request runs in the primary's prefix-cache namespace (per-key isolation) and with a queue
+    timeout; the comparison covers a bounded prefix of each output (difflib is quadratic)."""
+    client, state, deps = platform
+    seen: list[tuple] = []
+    generate = deps[3].generate
+
+    def spy(rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None):
+        seen.append((queue_timeout, cache_salt))
+        return generate(rid, ids, params, prompt, priority, queue_timeout, cache_salt)
+
+    deps[3].generate = spy
+    assert client.put("/admin/models/m/shadow", headers=ADMIN, json={"version": 3}).status_code == 200
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1, "cache_salt": "s1"})
+    assert r.status_code == 200 and r.headers["x-servelm-model-version"] == "m:1"
+    client.portal.call(state.traffic.mirrors["m"].drain)
+    assert seen == [(state.config.admission.queue_timeout_s, "salt:s1")]
+    from servelm.control.shadow import MAX_COMPARED, similarity
+
+    same = list(range(MAX_COMPARED))
+    assert similarity(same + [1] * 5000, same + [2] * 5000) == 1.0

@@ -179,7 +179,7 @@ class Api:
         n_out = 0
         mine = rec.prompt_ids is None  # the request's first prompt: what the prediction log and shadow see
         if mine:
-            rec.prompt_ids, rec.params = list(ids), params
+            rec.prompt_ids, rec.params, rec.cache_salt = list(ids), params, salt
         traffic = getattr(state, "traffic", None)
         try:
             if traffic is not None:

@@ -61,8 +61,10 @@ def split_ref(ref: str) -> tuple[str, int | None]:
 class TrafficService:
     """Per-model traffic state over the control plane `cp` (its registry's database and audit trail)."""
 
-    def __init__(self, cp: Any, server_config: Any, metrics_registry: Any, models: Any) -> None:
+    def __init__(self, cp: Any, server_config: Any, metrics_registry: Any, models: Any,
+                 queue_timeout_s: float | None = 30.0) -> None:
         self.cp, self.cfg, self.models = cp, server_config, models
+        self.queue_timeout_s = queue_timeout_s  # a shadow request waits no longer than a primary one would
         reg = cp.registry
         self.store = PolicyStore(reg.engine, reg.audit)
         default, per = parse_modes(server_config.prediction_log)
@@ -216,7 +218,8 @@ class TrafficService:
         shadow = getattr(decision, "shadow_version", None)
         if shadow is not None and rec.prompt_ids is not None and not error:
             primary = ShadowResult(tokens=list(rec.output_ids), latency=latency)
-            if not self.mirror(name).offer((f"{name}:{shadow}", rec.prompt_ids, rec.params), primary):
+            job = (f"{name}:{shadow}", rec.prompt_ids, rec.params, rec.cache_salt)
+            if not self.mirror(name).offer(job, primary):
                 self.metrics.shadow_dropped.labels(name, str(shadow)).inc()
 
     # -- feedback ----------------------------------------------------------------------------------
@@ -299,12 +302,14 @@ class TrafficService:
 
     async def _run_shadow(self, job: tuple) -> ShadowResult:
         """Run a mirrored request on the shadow version (its answer goes nowhere but the comparison)."""
-        ref, ids, params = job
+        ref, ids, params, salt = job
         t0 = time.monotonic()
         m = self.models.resolve(ref)
         await self.fault(m)
         tokens: list[int] = []
-        async for out in m.generate(f"shadow-{uuid.uuid4().hex}", list(ids), copy.deepcopy(params), None, 2):
+        # the primary's cache salt keeps the shadow inside the same prefix-cache namespace (per-key isolation)
+        async for out in m.generate(f"shadow-{uuid.uuid4().hex}", list(ids), copy.deepcopy(params), None, 2,
+                                    self.queue_timeout_s, salt):
             tokens.extend(t for c in out.outputs if c.index == 0 for t in c.token_ids)
         self.metrics.shadow_requests.labels(split_ref(ref)[0], str(split_ref(ref)[1])).inc()
         return ShadowResult(tokens=tokens, latency=time.monotonic() - t0)
