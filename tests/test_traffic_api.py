@@ -589,3 +589,24 @@ def test_a_shadow_copy_keeps_the_primary_cache_salt_and_a_queue_timeout(platform
 
     same = list(range(MAX_COMPARED))
     assert similarity(same + [1] * 5000, same + [2] * 5000) == 1.0
+
+
+def test_a_canary_whose_promotion_fails_says_failed_and_counts_an_alert(platform):
+    """The status said 'promoted' before the promotion was applied; when applying it fails it is 'failed',
+    the version is not PRODUCTION and servelm:canary_promotion_failures_total counts it."""
+    client, state, _ = platform
+
+    async def refuse(*args, **kw):
+        raise RuntimeError("registry unavailable")
+
+    r = client.post("/admin/models/m/canary", headers=ADMIN, json={
+        "version": 3, "steps": [30, 60], "min_requests": 15, "min_seconds": 0})
+    assert r.status_code == 201, r.text
+    state.control.transition = refuse
+    i = iter(range(10**6))
+    _wait_canary(client, lambda: complete(client, user=f"u{next(i)}"), "failed", limit=300)
+    assert state.control.registry.get("m", 3).state == State.CANARY
+    status = client.get("/admin/models/m/canary", headers=ADMIN).json()
+    assert status["history"][-1]["action"] == "promotion_failed"
+    assert 'servelm:canary_promotion_failures_total{model_name="m",model_version="3"} 1.0' in \
+        client.get("/metrics").text

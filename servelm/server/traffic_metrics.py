@@ -31,6 +31,9 @@ class TrafficMetrics:
                                  ["model_name", "model_version", "reason"], registry=r)
         self.promotions = Counter("servelm:canary_promotions", "Canaries promoted to PRODUCTION.",
                                   ["model_name", "model_version"], registry=r)
+        self.canary_failures = Counter("servelm:canary_promotion_failures", "Canary promotions that could not "
+                                       "be applied (status failed; alert on it).", ["model_name", "model_version"],
+                                       registry=r)
         self.shadow_requests = Counter("servelm:shadow_requests", "Mirrored requests run on a shadow version.",
                                        ["model_name", "model_version"], registry=r)
         self.shadow_dropped = Counter("servelm:shadow_dropped", "Mirrored requests dropped because the shadow "
