@@ -168,11 +168,16 @@ def test_restart_restores_deployments(llama_dir, model_dirs, tmp_path):
 
 
 def test_on_demand_load_and_embedding_versions(server, model_dirs):
-    # a registered, validated version nobody deployed loads on its first request, and says how long it waited
+    # a registered PRODUCTION version nobody deployed loads on its first request, and says how long it waited
     r = httpx.post(server + "/admin/models", headers=ADMIN, timeout=300,
                    json={"name": "od", "path": str(model_dirs["qwen2"]), "validate": True})
     assert r.status_code == 201 and r.json()["state"] == "VALIDATED", r.text
     error(complete(server, "od:2"), 404)  # no such version: nothing to load
+    # only the PRODUCTION version loads on demand; any other needs an admin deploy
+    assert "PRODUCTION" in error(complete(server, "od:1"), 409)["message"]
+    for st in ("STAGING", "STAGING_TESTED", "CANARY", "PRODUCTION"):
+        t = httpx.post(server + "/admin/models/od/versions/1/transition", headers=ADMIN, json={"state": st})
+        assert t.status_code == 200, t.text
     first = complete(server, "od:1")
     assert first.status_code == 200, first.text
     assert first.headers["x-servelm-model-version"] == "od:1" and float(first.headers["x-servelm-load-wait-s"]) > 0

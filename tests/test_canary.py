@@ -69,6 +69,8 @@ def test_healthy_canary_walks_every_step_and_is_promoted():
     assert [(d.action, d.percent) for d in decisions] == [(ADVANCE, 5.0), (ADVANCE, 25.0), (PROMOTE, 100.0)]
     assert not any(c.failed for d in decisions for c in d.checks)
     assert all(c.ran for c in decisions[-1].checks)  # every check had data at the last step
+    assert ctl.status == "promoting"  # decided; "promoted" once the runner has applied it
+    ctl.promotion_applied(True)
     assert ctl.status == "promoted" and ctl.weights() == {PROD: 0.0, CANARY: 100.0}
     assert ctl.evaluate().action == HOLD  # finished: nothing more to do
 

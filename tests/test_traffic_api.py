@@ -296,6 +296,13 @@ def test_prediction_log_and_erasure_of_one_user(platform):
     entry = client.get("/admin/audit", headers=ADMIN).json()["entries"][-1]
     assert entry["action"] == "predictions.erase" and entry["after"] == {"removed": 3}
     assert "example" not in str(entry)
+    # the permanent audit names the erased user by a keyed hash, the same each time, never the id itself
+    assert "alice" not in str(entry) and entry["target"].startswith("user:sha256:")
+    client.delete("/admin/predictions", headers=ADMIN, params={"user": "alice"})
+    again = client.get("/admin/audit", headers=ADMIN).json()["entries"][-1]
+    assert again["target"] == entry["target"] == "user:" + state.traffic.store.pseudonym("alice")
+    assert entry["target"] != "user:" + state.traffic.store.pseudonym("bob")
+    assert client.get("/admin/audit", headers=ADMIN).json()["ok"] is True
 
 
 def test_cli_traffic_and_canary_commands(platform, capsys):
@@ -444,3 +451,162 @@ def test_the_response_completes_only_after_its_prediction_is_logged(platform, st
     assert held_back, "the response completed before its prediction was logged"
     assert done and (b"[DONE]" in text) == stream
     assert [r["request_id"] for r in log.entries()][-1] == f"held-{stream}"
+
+
+def _error(r, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_a_huge_version_number_is_refused_never_a_500(platform):
+    """Version numbers past what the registry's database holds are a 4xx in the error shape, on the on-demand
+    load path, the admin version routes and traffic bodies (SQLite raised OverflowError: a 500)."""
+    client, state, _ = platform
+    state.models.on_demand = lambda model, kind: state.control.load_on_demand(model, kind, None)
+    huge = "99999999999999999999"
+    err = _error(complete(client, model=f"m:{huge}"), 404)
+    assert err["code"] == "model_not_found" and "'m'" in err["message"]
+    assert _error(client.get(f"/admin/models/m/versions/{huge}", headers=ADMIN), 400)["param"]
+    _error(client.put("/admin/models/m/traffic", json={"arms": [{"version": int(huge)}]}, headers=ADMIN), 400)
+    assert state.control.find_version(f"m:{huge}") is None
+
+
+def test_a_key_limited_to_some_models_cannot_load_or_use_others(platform):
+    """A key's model list is checked on the requested name before any on-demand load, on every route that
+    takes a model; and only the PRODUCTION version loads on demand (others need an admin deploy)."""
+    from servelm.server.auth import ApiKey, KeyStore, digest
+
+    client, state, _ = platform
+    state.keys = KeyStore([ApiKey("a", digest("alpha-only-key-1"), models=frozenset({"alpha"})),
+                           ApiKey("all", digest("all-models-key-1"))],
+                          digest(ADMIN["x-api-key"]))
+    loads: list[str] = []
+
+    async def on_demand(model, kind):
+        loads.append(model)
+        return await state.control.load_on_demand(model, kind, None)
+
+    state.models.on_demand = on_demand
+    state.control.deployments._deployments.clear()  # nothing deployed: a request of `m` would load it
+    auth = {"Authorization": "Bearer alpha-only-key-1"}
+    for path, body in (("/v1/completions", {"model": "m:1", "prompt": "x", "max_tokens": 1}),
+                       ("/v1/embeddings", {"model": "m", "input": "x"}),
+                       ("/tokenize", {"model": "m", "prompt": "x"}),
+                       ("/detokenize", {"model": "m", "tokens": [1]})):
+        err = _error(client.post(path, json=body, headers=auth), 403)
+        assert err["code"] == "model_not_allowed", path
+    assert loads == []  # refused before anything loaded
+    assert client.post("/tokenize", json={"model": "alpha", "prompt": "x"}, headers=auth).status_code == 200
+    everything = {"Authorization": "Bearer all-models-key-1"}
+    # only the PRODUCTION version (m:1, or m) may load on demand: m:4 (VALIDATED) and m:3 are refused
+    for ref in ("m:4", "m:3"):
+        assert "PRODUCTION" in _error(complete(client, model=ref, headers=everything), 409)["message"]
+    assert state.control.find_version("m:1").version == 1 and state.control.find_version("m").version == 1
+
+
+def test_feedback_is_bounded_once_per_request_and_only_from_its_key(platform):
+    """A score past +-1e6 is refused (1e308 then a normal score overflowed the experiment's statistics to
+    inf/NaN: its report answered 500); a request takes one feedback, and only from the key that made it."""
+    from servelm.server.auth import ApiKey, KeyStore, digest
+
+    client, state, _ = platform
+    state.keys = KeyStore([ApiKey("a", digest("feedback-key-a1")), ApiKey("b", digest("feedback-key-b1"))],
+                          digest(ADMIN["x-api-key"]))
+    a, b = {"Authorization": "Bearer feedback-key-a1"}, {"Authorization": "Bearer feedback-key-b1"}
+    assert client.post("/admin/experiments", headers=ADMIN, json={
+        "name": "fb", "model": "m", "arms": [{"version": 1, "name": "a"}, {"version": 3, "name": "b"}]}
+    ).status_code == 201
+    for rid in ("fb-1", "fb-2"):
+        assert complete(client, headers={**a, "x-request-id": rid}).status_code == 200
+    _error(client.post("/v1/feedback", json={"request_id": "fb-1", "score": 1e308}, headers=a), 400)
+    other = _error(client.post("/v1/feedback", json={"request_id": "fb-1", "score": 1.0}, headers=b), 404)
+    unknown = _error(client.post("/v1/feedback", json={"request_id": "nope", "score": 1.0}, headers=b), 404)
+    assert other["message"].replace("fb-1", "nope") == unknown["message"]  # another key's request looks unknown
+    assert client.post("/v1/feedback", json={"request_id": "fb-1", "score": 1e6}, headers=a).status_code == 200
+    assert _error(client.post("/v1/feedback", json={"request_id": "fb-1", "score": 0.5}, headers=a), 409)
+    assert client.post("/v1/feedback", json={"request_id": "fb-2", "score": -1e6}, headers=a).status_code == 200
+    rep = client.get("/admin/experiments/fb", headers=ADMIN)
+    assert rep.status_code == 200, rep.text
+    fed = [arm["feedback"] for arm in rep.json()["arms"].values() if arm["feedback"]["n"]]
+    assert sum(f["n"] for f in fed) == 2 and all(math.isfinite(f["mean"]) for f in fed)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"arms": [{"version": 1, "name": "a"}, {"version": 3, "name": "b"}], "baseline": "nope"}, "baseline"),
+    ({"arms": [{"version": 1, "name": "a"}, {"version": 3, "name": "a"}]}, "arms"),
+])
+def test_an_invalid_experiment_is_refused_before_anything_is_stored(platform, body, param):
+    """An unknown baseline (was a KeyError 500 with the experiment left running) or two arms under one label
+    (their statistics merged silently) is a 400, and neither the experiment nor its policy exists after."""
+    client, state, _ = platform
+    err = _error(client.post("/admin/experiments", headers=ADMIN, json={"name": "bad", "model": "m", **body}), 400)
+    assert err["param"] == param and err["code"] == "invalid_experiment"
+    assert client.get("/admin/experiments", headers=ADMIN).json() == []
+    assert client.get("/admin/models/m/traffic", headers=ADMIN).status_code == 404
+    assert state.traffic.store.all("experiment") == {}
+
+
+def test_a_drift_report_reads_a_copy_of_the_windows_the_loop_feeds(platform):
+    """The report runs in a thread while requests keep appending to the live windows; it reads a copy taken
+    on the loop (iterating the live deques there raised 'deque mutated during iteration': a 500)."""
+    client, state, _ = platform
+    for _ in range(3):
+        complete(client)
+    svc, live = state.traffic, state.traffic.drift["m"]
+    report = svc.drift_report
+
+    def racing(name, mon=None):
+        live.observe(prompt="appended meanwhile", prompt_tokens=[1, 2], output_tokens=1)  # a request finishing
+        assert mon is not live
+        return report(name, mon)
+
+    svc.drift_report = racing
+    rep = client.get("/admin/drift/m", headers=ADMIN)
+    assert rep.status_code == 200, rep.text
+    assert rep.json()["features"]["prompt_len"]["n_live"] == 3 and len(live.live.prompt_len) == 4
+
+
+def test_a_shadow_copy_keeps_the_primary_cache_salt_and_a_queue_timeout(platform):
+    """The mirrored request runs in the primary's prefix-cache namespace (per-key isolation) and with a queue
+    timeout; the comparison covers a bounded prefix of each output (difflib is quadratic)."""
+    client, state, deps = platform
+    seen: list[tuple] = []
+    generate = deps[3].generate
+
+    def spy(rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None):
+        seen.append((queue_timeout, cache_salt))
+        return generate(rid, ids, params, prompt, priority, queue_timeout, cache_salt)
+
+    deps[3].generate = spy
+    assert client.put("/admin/models/m/shadow", headers=ADMIN, json={"version": 3}).status_code == 200
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1, "cache_salt": "s1"})
+    assert r.status_code == 200 and r.headers["x-servelm-model-version"] == "m:1"
+    client.portal.call(state.traffic.mirrors["m"].drain)
+    assert seen == [(state.config.admission.queue_timeout_s, "salt:s1")]
+    from servelm.control.shadow import MAX_COMPARED, similarity
+
+    same = list(range(MAX_COMPARED))
+    assert similarity(same + [1] * 5000, same + [2] * 5000) == 1.0
+
+
+def test_a_canary_whose_promotion_fails_says_failed_and_counts_an_alert(platform):
+    """The status said 'promoted' before the promotion was applied; when applying it fails it is 'failed',
+    the version is not PRODUCTION and servelm:canary_promotion_failures_total counts it."""
+    client, state, _ = platform
+
+    async def refuse(*args, **kw):
+        raise RuntimeError("registry unavailable")
+
+    r = client.post("/admin/models/m/canary", headers=ADMIN, json={
+        "version": 3, "steps": [30, 60], "min_requests": 15, "min_seconds": 0})
+    assert r.status_code == 201, r.text
+    state.control.transition = refuse
+    i = iter(range(10**6))
+    _wait_canary(client, lambda: complete(client, user=f"u{next(i)}"), "failed", limit=300)
+    assert state.control.registry.get("m", 3).state == State.CANARY
+    status = client.get("/admin/models/m/canary", headers=ADMIN).json()
+    assert status["history"][-1]["action"] == "promotion_failed"
+    assert 'servelm:canary_promotion_failures_total{model_name="m",model_version="3"} 1.0' in \
+        client.get("/metrics").text

@@ -116,12 +116,16 @@ class CanaryController:
     def __init__(self, config: CanaryConfig, clock: Callable[[], float] = time.monotonic,
                  step: int = 0) -> None:
         self.config, self.clock, self.step = config, clock, step
-        self.status = "running"  # | promoted | rolled_back
+        self.status = "running"  # | promoting | promoted | failed (promotion not applied) | rolled_back
         self._new_window()
 
     def _new_window(self) -> None:
         self.step_started = self.clock()
         self.windows = {v: ArmStats(f"v{v}") for v in (self.config.production, self.config.canary)}
+
+    def promotion_applied(self, ok: bool) -> None:
+        """The PROMOTE decision was carried out (promoted) or could not be (failed)."""
+        self.status = "promoted" if ok else "failed"
 
     @property
     def percent(self) -> float:
@@ -199,7 +203,7 @@ class CanaryController:
             return CanaryDecision(HOLD, self.step, self.percent, waiting, checks)
         last = self.step + 1 >= len(c.steps) or c.steps[self.step + 1] >= 100
         if last:
-            self.status = "promoted"
+            self.status = "promoting"  # "promoted" only once the runner has applied it (promotion_applied)
             return CanaryDecision(PROMOTE, self.step, 100.0,
                                   [f"step {self.step} ({c.steps[self.step]:g}%) clean: promote"], checks)
         self.step += 1

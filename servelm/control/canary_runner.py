@@ -88,8 +88,17 @@ class CanaryRun:
         elif d.action == ROLLBACK:
             await self._rollback(actor, "; ".join(d.reasons), "automatic" if actor == SYSTEM else "aborted")
         else:
-            await self.svc.cp.transition(cfg.model, cfg.canary, State.PRODUCTION.value, actor,
-                                         f"canary promoted: {'; '.join(d.reasons)}")
+            try:
+                await self.svc.cp.transition(cfg.model, cfg.canary, State.PRODUCTION.value, actor,
+                                             f"canary promoted: {'; '.join(d.reasons)}")
+            except Exception as e:  # the status must not claim a promotion that did not happen; alert on it
+                self.controller.promotion_applied(False)
+                self.history.append({"at": time.time(), "action": "promotion_failed", "step": d.step,
+                                     "percent": self.controller.percent, "reasons": [f"{type(e).__name__}: {e}"]})
+                self._save(actor, "canary.promote_failed")
+                self.svc.metrics.canary_failures.labels(cfg.model, str(cfg.canary)).inc()
+                raise
+            self.controller.promotion_applied(True)
             if cfg.model in self.svc.policies:
                 self.svc.clear_policy(cfg.model, actor)
             self._save(actor, "canary.promote")

@@ -145,6 +145,15 @@ class Window:
         self.token_total = np.zeros(token_buckets, dtype=np.int64)
         self.buckets = token_buckets
 
+    def copy(self) -> Window:
+        """A frozen copy (the deques and totals, not the arrays they hold, which are never changed in place):
+        what a report in another thread reads while the event loop keeps adding to this one."""
+        w = Window.__new__(Window)
+        for k in ("prompt_len", "output_len", "chars", "tokens", "embeddings"):
+            setattr(w, k, getattr(self, k).copy())
+        w.char_total, w.token_total, w.buckets = self.char_total.copy(), self.token_total.copy(), self.buckets
+        return w
+
     @staticmethod
     def _push(q: deque, total: np.ndarray, v: np.ndarray) -> None:
         if len(q) == q.maxlen:
@@ -178,6 +187,12 @@ class DriftMonitor:
     def observe(self, *, reference: bool = False, **features: Any) -> None:
         """Add one request's features (keyword arguments as `Window.add`)."""
         (self.reference if reference else self.live).add(**features)
+
+    def snapshot(self) -> DriftMonitor:
+        """A copy of both windows, taken where they are fed (the event loop), to report on in a thread."""
+        snap = DriftMonitor(self.model, self.th, window=0)
+        snap.size, snap.reference, snap.live = self.size, self.reference.copy(), self.live.copy()
+        return snap
 
     def set_reference(self) -> None:
         """The live window becomes the reference; a new live window starts."""

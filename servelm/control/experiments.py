@@ -206,6 +206,13 @@ class Experiment:
                  baseline: str | None = None, remember: int = 100_000) -> None:
         if not arms:
             raise ControlError(400, "an experiment needs arms", code="invalid_experiment")
+        dup = sorted({a for a in arms if arms.count(a) > 1})
+        if dup:  # two arms under one label would merge their statistics silently
+            raise ControlError(400, f"arm labels must be unique; repeated: {', '.join(dup)} (name the arms)",
+                               code="invalid_experiment", param="arms")
+        if baseline is not None and baseline not in arms:
+            raise ControlError(400, f"baseline {baseline!r} is not an arm of the experiment; its arms: "
+                                    f"{', '.join(arms)}", code="invalid_experiment", param="baseline")
         self.name, self.policy, self.started_at = name, policy, started_at
         self.stopped_at: float | None = None
         self.baseline = baseline or arms[0]

@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from servelm.config.engine import EngineConfig
-from servelm.control.types import ControlError, Kind, ModelVersion, State
+from servelm.control.types import MAX_VERSION, ControlError, Kind, ModelVersion, State
 
 logger = logging.getLogger("servelm.control")
 SYSTEM = "system"  # the actor of what the server does by itself (restore, eviction)
@@ -22,9 +22,10 @@ DEPLOYABLE = frozenset({State.VALIDATED, State.STAGING, State.STAGING_TESTED, St
 
 
 def parse_ref(model: str) -> tuple[str, int | None]:
-    """'name:3' -> ('name', 3); 'name' -> ('name', None)."""
+    """'name:3' -> ('name', 3); 'name' -> ('name', None). A number above MAX_VERSION is no version (the whole
+    string is then a name that does not exist: a 404, never an integer overflow in the registry's database)."""
     name, sep, ver = model.rpartition(":")
-    return (name, int(ver)) if sep and ver.isdigit() else (model, None)
+    return (name, int(ver)) if sep and ver.isdigit() and 0 < int(ver) <= MAX_VERSION else (model, None)
 
 
 class ControlPlane:
@@ -170,8 +171,9 @@ class ControlPlane:
         return restored
 
     def find_version(self, model: str, kind: Kind | None = None) -> ModelVersion | None:
-        """What an on-demand load of `model` serves: `name` -> its PRODUCTION version, `name:version` -> that
-        version if it may be deployed; None when there is none (of `kind`, if given)."""
+        """What an on-demand load of `model` serves: `name` or `name:N` -> its PRODUCTION version (N must be
+        that version); None when there is none (of `kind`, if given). Any other version loads only through an
+        admin deploy (409): a request must not bring up a version that has not been promoted."""
         name, number = parse_ref(model)
         try:
             mv = self.registry.get(name, number) if number is not None else self.registry.production(name)
@@ -179,6 +181,10 @@ class ControlPlane:
             return None
         if mv is None or mv.state not in DEPLOYABLE or (kind is not None and mv.kind != kind):
             return None
+        if mv.state != State.PRODUCTION:
+            raise ControlError(409, f"{mv.ref} is {mv.state.value}, not PRODUCTION: only a PRODUCTION version loads "
+                                    "on demand; deploy it through the admin API (POST /admin/deployments)",
+                               code="not_deployed", param="model")
         return mv
 
     async def load_on_demand(self, model: str, kind: Kind, keep_alive_s: float | None) -> tuple[Any, float]:

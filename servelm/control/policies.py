@@ -8,6 +8,8 @@ Records are the dict forms of `TrafficPolicy`, `CanaryController` and experiment
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 import time
 
 from sqlalchemy import JSON, Column, Engine, Float, MetaData, String, Table, select
@@ -67,6 +69,24 @@ class PolicyStore:
                 self.audit.append(conn, actor, action or f"{kind}.set", f"{kind}:{key}", before, record)
                 return before
         return db.retrying(op)
+
+    def pseudonym(self, value: str) -> str:
+        """sha256 of this registry's erasure secret + `value`: names a subject (an erased user) in the permanent
+        audit trail without writing down who it was. The secret is made on first use, kept in this table
+        (kind "secret", never audited, never served) and shared by every server on the registry, so the same
+        user always maps to the same pseudonym; without the secret the id cannot be guessed back from it."""
+        def op() -> str:
+            with db.write(self.engine) as conn:
+                where = (records_table.c.kind == "secret") & (records_table.c.key == "erasure")
+                row = conn.execute(select(records_table.c.record).where(where)).first()
+                if row is not None:
+                    return row.record["secret"]
+                made = secrets.token_hex(32)
+                conn.execute(records_table.insert().values(kind="secret", key="erasure", record={"secret": made},
+                                                           updated_at=time.time(), updated_by="system"))
+                return made
+        secret = db.retrying(op)
+        return "sha256:" + hashlib.sha256((secret + "\0" + value).encode()).hexdigest()
 
     def delete(self, kind: str, key: str, actor: str) -> dict:
         """Remove a record (404 when absent); audited. Returns what was removed."""

@@ -32,7 +32,7 @@ from servelm.config.engine import ConfigError, EngineConfig
 from servelm.control import checkpoint, db, lifecycle
 from servelm.control.audit import Audit
 from servelm.control.store import ArtifactStore, size_bytes
-from servelm.control.types import ControlError, Kind, ModelVersion, State
+from servelm.control.types import MAX_VERSION, ControlError, Kind, ModelVersion, State
 
 T = TypeVar("T")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # no ':' (name:version pins a version)
@@ -133,6 +133,8 @@ class Registry:
 
     # -- reading ----------------------------------------------------------------------------------
     def _find(self, conn: Connection, name: str, version: int) -> ModelVersion | None:
+        if not 0 < version <= MAX_VERSION:  # no such version; SQLite would overflow on a huge one
+            return None
         row = conn.execute(select(versions_table).where(versions_table.c.name == name,
                                                         versions_table.c.version == version)).first()
         return _to_version(row) if row else None

@@ -37,11 +37,15 @@ class ShadowJob:
     primary: ShadowResult
 
 
+MAX_COMPARED = 2048  # tokens of each output compared: difflib is quadratic in the worst case
+
+
 def similarity(a: Sequence[int], b: Sequence[int]) -> float:
-    """Token-level similarity in [0, 1]: 2 * matching tokens / total tokens (1 for two empty outputs)."""
+    """Token-level similarity in [0, 1]: 2 * matching tokens / total tokens (1 for two empty outputs), over
+    the first MAX_COMPARED tokens of each."""
     if not a and not b:
         return 1.0
-    return difflib.SequenceMatcher(None, list(a), list(b), autojunk=False).ratio()
+    return difflib.SequenceMatcher(None, list(a[:MAX_COMPARED]), list(b[:MAX_COMPARED]), autojunk=False).ratio()
 
 
 @dataclass
@@ -56,13 +60,14 @@ class ShadowStats:
     similarity: Welford = field(default_factory=Welford)
     latency_delta: Reservoir = field(default_factory=lambda: Reservoir(2048))
 
-    def record(self, primary: ShadowResult, shadow: ShadowResult) -> None:
+    def record(self, primary: ShadowResult, shadow: ShadowResult, sim: float | None = None) -> None:
+        """One pair; `sim` is their similarity when already computed (off the event loop)."""
         self.pairs += 1
         self.primary_errors += primary.error is not None
         self.shadow_errors += shadow.error is not None
         if primary.error is None and shadow.error is None:
             self.exact += list(primary.tokens) == list(shadow.tokens)
-            self.similarity.add(similarity(primary.tokens, shadow.tokens))
+            self.similarity.add(sim if sim is not None else similarity(primary.tokens, shadow.tokens))
             self.latency_delta.add(shadow.latency - primary.latency)
 
     def summary(self) -> dict[str, Any]:
@@ -117,7 +122,10 @@ class ShadowMirror:
                     result = await self.run(job.request)
                 except Exception as e:  # a failing shadow is data, not a crash of the mirror
                     result = ShadowResult(error=f"{type(e).__name__}: {e}")
-                self.stats.record(job.primary, result)
+                sim = None
+                if job.primary.error is None and result.error is None:  # difflib off the loop serving requests
+                    sim = await asyncio.to_thread(similarity, job.primary.tokens, result.tokens)
+                self.stats.record(job.primary, result, sim)
             except Exception:
                 log.exception("shadow comparison failed")
             finally:

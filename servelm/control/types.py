@@ -33,6 +33,9 @@ class Kind(str, Enum):
     EMBED = "embed"
 
 
+MAX_VERSION = 2**31 - 1  # version numbers above this are refused: SQLite's integers (and sanity) end near there
+
+
 class ControlError(Exception):
     """A control operation refused: `status` is the HTTP status the server answers with (400, 404, 409, 507,
     503), `code` a short machine-readable reason."""

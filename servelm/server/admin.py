@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Path, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from servelm.control.types import MAX_VERSION
 from servelm.server.common import record
+
+VersionNumber = Annotated[int, Path(ge=1, le=MAX_VERSION, description="a version number")]
 
 
 class _In(BaseModel):
@@ -146,19 +149,19 @@ def add_admin_routes(app: FastAPI, state) -> None:
         return model_out(name)
 
     @app.get("/admin/models/{name}/versions/{version}", response_model=VersionOut)
-    async def show_version(name: str, version: int):
+    async def show_version(name: str, version: VersionNumber):
         return cp.registry.get(name, version).to_dict()
 
     @app.post("/admin/models/{name}/versions/{version}/validate", response_model=VersionOut)
-    async def validate(name: str, version: int, request: Request):
+    async def validate(name: str, version: VersionNumber, request: Request):
         return (await cp.validate(name, version, actor(request))).to_dict()
 
     @app.post("/admin/models/{name}/versions/{version}/transition", response_model=VersionOut)
-    async def transition(name: str, version: int, body: TransitionBody, request: Request):
+    async def transition(name: str, version: VersionNumber, body: TransitionBody, request: Request):
         return (await cp.transition(name, version, body.state, actor(request), body.reason)).to_dict()
 
     @app.delete("/admin/models/{name}/versions/{version}", status_code=204)
-    async def delete_version(name: str, version: int, request: Request):
+    async def delete_version(name: str, version: VersionNumber, request: Request):
         cp.delete(name, version, actor(request))
         return Response(status_code=204)
 

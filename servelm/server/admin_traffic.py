@@ -16,10 +16,10 @@ from servelm.control.canary import CanaryConfig
 from servelm.control.canary_runner import start_canary
 from servelm.control.experiments import ThompsonBandit
 from servelm.control.traffic import TrafficPolicy
-from servelm.control.types import ControlError
+from servelm.control.types import MAX_VERSION, ControlError
 from servelm.server.common import record
 
-Version = Annotated[int, Field(ge=1)]
+Version = Annotated[int, Field(ge=1, le=MAX_VERSION)]
 
 
 class _In(BaseModel):
@@ -216,7 +216,10 @@ def add_traffic_routes(app: FastAPI, state) -> None:
     # -- drift -------------------------------------------------------------------------------------
     @app.get("/admin/drift/{model}")
     async def drift(model: str) -> dict:
-        return await asyncio.to_thread(svc.drift_report, model)
+        # the windows are copied here, on the loop that appends to them: iterating the live deques in the
+        # thread raced with requests finishing ("deque mutated during iteration", a 500)
+        mon = svc.drift.get(model)
+        return await asyncio.to_thread(svc.drift_report, model, mon.snapshot() if mon is not None else None)
 
     @app.post("/admin/drift/{model}/reference")
     async def drift_reference(model: str, request: Request) -> dict:
@@ -237,7 +240,9 @@ def add_traffic_routes(app: FastAPI, state) -> None:
     @app.delete("/admin/predictions")
     async def erase(request: Request, user: Annotated[str, Query(min_length=1)]) -> dict:
         removed = await asyncio.to_thread(svc.log.erase_user, user)
-        cp.registry.audit.record(actor(request), "predictions.erase", f"user:{user}", None, {"removed": removed})
+        # the audit trail is permanent and hash-chained: it names the erased user by a keyed hash, never the id
+        who = await asyncio.to_thread(svc.store.pseudonym, user)
+        cp.registry.audit.record(actor(request), "predictions.erase", f"user:{who}", None, {"removed": removed})
         return {"user": user, "removed": removed}
 
     @app.put("/admin/models/{name}/prediction-log")

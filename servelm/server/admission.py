@@ -70,9 +70,7 @@ class Admission:
         to some models may use `name` for any of its versions (`name:version`)."""
         rec.model = model
         key = rec.api_key
-        if key is not None and key.models is not None and model not in key.models and \
-                model.rpartition(":")[0] not in key.models:
-            raise APIError(403, f"this key may not use model {model!r}", "model", "model_not_allowed")
+        check_model(key, model)
         prio = self.priority(key, requested_priority)
         rec.priority = PRIORITIES[prio]
         a = self.config.admission
@@ -120,3 +118,12 @@ class Admission:
         if limits.rpm is None and limits.tpm is None:
             return {}
         return self.store.peek(rec.key_name, limits).headers()
+
+
+def check_model(key, model: str | None) -> None:
+    """403 unless the API key may use `model`; a key limited to some models may use `name` for any of its
+    versions (`name:version`). None (the server's default model) is checked once it is resolved."""
+    if key is None or key.models is None or model is None:
+        return
+    if model not in key.models and model.rpartition(":")[0] not in key.models:
+        raise APIError(403, f"this key may not use model {model!r}", "model", "model_not_allowed")

@@ -21,6 +21,7 @@ from fastapi import Request
 from servelm.control.types import Kind
 from servelm.outputs import RequestOutput
 from servelm.server import protocol as p
+from servelm.server.admission import check_model
 from servelm.server.protocol import APIError
 from servelm.server.telemetry import RequestRecord
 from servelm.worker.client import EngineDeadError, QueueTimeout, RequestRejected
@@ -74,12 +75,14 @@ class Api:
         load's wait go on the record, from which the gateway sets the x-servelm-model-version, x-servelm-arm
         and x-servelm-load-wait-s headers."""
         rec = record(request)
+        check_model(rec.api_key, model)  # before anything loads: a key must not bring up a model it may not use
         traffic = getattr(self.state, "traffic", None)
         attrs = None
         if traffic is not None and kind == Kind.GENERATE:
             rec.user = getattr(req, "user", None)
             attrs = traffic.attrs(request.headers, rec, getattr(req, "metadata", None))
         m, waited = await self.state.models.load(model, kind, attrs)
+        check_model(rec.api_key, m.served_name)  # the default model, when the request named none
         rec.model = m.served_name
         rec.model_version = m.version.ref if m.version is not None else None
         rec.load_wait_s = waited
@@ -176,7 +179,7 @@ class Api:
         n_out = 0
         mine = rec.prompt_ids is None  # the request's first prompt: what the prediction log and shadow see
         if mine:
-            rec.prompt_ids, rec.params = list(ids), params
+            rec.prompt_ids, rec.params, rec.cache_salt = list(ids), params, salt
         traffic = getattr(state, "traffic", None)
         try:
             if traffic is not None:

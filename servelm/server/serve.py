@@ -148,7 +148,8 @@ async def _serve(config, sock: socket.socket) -> int:
     if state.control is not None:
         from servelm.server.traffic import TrafficService
 
-        state.traffic = TrafficService(state.control, srv, state.metrics.registry, state.models)
+        state.traffic = TrafficService(state.control, srv, state.metrics.registry, state.models,
+                                       config.admission.queue_timeout_s)
         resumed = state.traffic.resume()
         if resumed:
             logger.info("canary rollouts resumed: %s", ", ".join(resumed))

@@ -51,6 +51,7 @@ class RequestRecord:
     capture_text: bool = False  # keep the prompt text (the prediction log, drift's character classes)
     capture_output: bool = False  # keep the completion text (a full prediction log)
     prompt_ids: list | None = None  # the first prompt's token ids
+    cache_salt: str | None = None  # its prefix-cache namespace (a shadow copy runs in the same one)
     params: object = None  # its SamplingParams
     output_ids: list = field(default_factory=list)  # its first sample's output token ids
     traffic_done: bool = False

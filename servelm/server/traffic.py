@@ -61,8 +61,10 @@ def split_ref(ref: str) -> tuple[str, int | None]:
 class TrafficService:
     """Per-model traffic state over the control plane `cp` (its registry's database and audit trail)."""
 
-    def __init__(self, cp: Any, server_config: Any, metrics_registry: Any, models: Any) -> None:
+    def __init__(self, cp: Any, server_config: Any, metrics_registry: Any, models: Any,
+                 queue_timeout_s: float | None = 30.0) -> None:
         self.cp, self.cfg, self.models = cp, server_config, models
+        self.queue_timeout_s = queue_timeout_s  # a shadow request waits no longer than a primary one would
         reg = cp.registry
         self.store = PolicyStore(reg.engine, reg.audit)
         default, per = parse_modes(server_config.prediction_log)
@@ -79,7 +81,12 @@ class TrafficService:
         self.experiments: dict[str, Experiment] = {}
         self.experiment_of: dict[str, str] = {}  # model -> its running experiment
         for name, rec in self.store.all("experiment").items():  # back after a restart (statistics start again)
-            exp = Experiment(name, rec["policy"], rec["arms"], started_at=rec["started_at"], baseline=rec["baseline"])
+            try:
+                exp = Experiment(name, rec["policy"], rec["arms"], started_at=rec["started_at"],
+                                 baseline=rec["baseline"])
+            except (ControlError, KeyError, TypeError) as e:  # stored by an older version that did not check
+                logger.warning("stored experiment %s is invalid, ignored: %s", name, e)
+                continue
             if rec.get("stopped_at") is not None:
                 exp.stop(rec["stopped_at"])
             else:
@@ -88,7 +95,8 @@ class TrafficService:
         self.canaries: dict[str, Any] = {}  # model -> CanaryRun (control/canary_runner.py)
         self.mirrors: dict[str, ShadowMirror] = {}
         self.drift: dict[str, DriftMonitor] = {}
-        self.served: OrderedDict[str, tuple[str, int | None, str | None]] = OrderedDict()
+        # request id -> [model, version, arm, key name, feedback given]: who may rate it, and only once
+        self.served: OrderedDict[str, list] = OrderedDict()
         self._alerting: dict[tuple[str, str], bool] = {}  # (model, feature) -> alerting at the last report
         self.metrics = TrafficMetrics(metrics_registry, self)
         self.allow_faults = os.environ.get("SERVELM_ALLOW_FAULTS") == "1"
@@ -199,7 +207,7 @@ class TrafficService:
         exp = self.experiments.get(self.experiment_of.get(name, ""))
         if exp is not None:
             exp.record(arm, rec.request_id, **kw)
-        self.served[rec.request_id] = (name, version, arm)
+        self.served[rec.request_id] = [name, version, arm, rec.key_name, False]
         if len(self.served) > REMEMBER:
             self.served.popitem(last=False)
         if rec.prompt_ids is not None and not error:
@@ -210,17 +218,24 @@ class TrafficService:
         shadow = getattr(decision, "shadow_version", None)
         if shadow is not None and rec.prompt_ids is not None and not error:
             primary = ShadowResult(tokens=list(rec.output_ids), latency=latency)
-            if not self.mirror(name).offer((f"{name}:{shadow}", rec.prompt_ids, rec.params), primary):
+            job = (f"{name}:{shadow}", rec.prompt_ids, rec.params, rec.cache_salt)
+            if not self.mirror(name).offer(job, primary):
                 self.metrics.shadow_dropped.labels(name, str(shadow)).inc()
 
     # -- feedback ----------------------------------------------------------------------------------
-    def feedback(self, request_id: str, score: float) -> dict:
-        """Attach feedback to the arm (and canary window) that served `request_id` (404 when unknown)."""
+    def feedback(self, request_id: str, score: float, key_name: str = "anonymous") -> dict:
+        """Attach feedback to the arm (and canary window) that served `request_id`: 404 when unknown or made
+        with another API key than `key_name` (not revealing that it exists), 409 when it was already rated."""
         found = self.served.get(request_id)
-        if found is None:
+        if found is None or found[3] != key_name:
             raise APIError(404, f"no served request {request_id!r} is known (feedback must name the "
-                                "x-request-id of a recent generation request)", "request_id", "not_found")
-        name, version, arm = found
+                                "x-request-id of a recent generation request made with this API key)", "request_id",
+                           "not_found")
+        if found[4]:
+            raise APIError(409, f"request {request_id!r} already has feedback (one per request)", "request_id",
+                           "feedback_exists")
+        found[4] = True
+        name, version, arm = found[:3]
         run = self.canaries.get(name)
         if run is not None and version is not None:
             run.controller.feedback(version, score)
@@ -287,12 +302,14 @@ class TrafficService:
 
     async def _run_shadow(self, job: tuple) -> ShadowResult:
         """Run a mirrored request on the shadow version (its answer goes nowhere but the comparison)."""
-        ref, ids, params = job
+        ref, ids, params, salt = job
         t0 = time.monotonic()
         m = self.models.resolve(ref)
         await self.fault(m)
         tokens: list[int] = []
-        async for out in m.generate(f"shadow-{uuid.uuid4().hex}", list(ids), copy.deepcopy(params), None, 2):
+        # the primary's cache salt keeps the shadow inside the same prefix-cache namespace (per-key isolation)
+        async for out in m.generate(f"shadow-{uuid.uuid4().hex}", list(ids), copy.deepcopy(params), None, 2,
+                                    self.queue_timeout_s, salt):
             tokens.extend(t for c in out.outputs if c.index == 0 for t in c.token_ids)
         self.metrics.shadow_requests.labels(split_ref(ref)[0], str(split_ref(ref)[1])).inc()
         return ShadowResult(tokens=tokens, latency=time.monotonic() - t0)

@@ -31,6 +31,9 @@ class TrafficMetrics:
                                  ["model_name", "model_version", "reason"], registry=r)
         self.promotions = Counter("servelm:canary_promotions", "Canaries promoted to PRODUCTION.",
                                   ["model_name", "model_version"], registry=r)
+        self.canary_failures = Counter("servelm:canary_promotion_failures", "Canary promotions that could not "
+                                       "be applied (status failed; alert on it).", ["model_name", "model_version"],
+                                       registry=r)
         self.shadow_requests = Counter("servelm:shadow_requests", "Mirrored requests run on a shadow version.",
                                        ["model_name", "model_version"], registry=r)
         self.shadow_dropped = Counter("servelm:shadow_dropped", "Mirrored requests dropped because the shadow "
@@ -79,7 +82,7 @@ class _Collector:
         alert = GaugeMetricFamily("servelm:drift_alert", "1 while a feature's drift is over its threshold.",
                                   labels=["model_name", "feature"])
         for name, mon in list(s.drift.items()):
-            rep = s.drift_report(name, mon)
+            rep = s.drift_report(name, mon.snapshot())  # a scrape may run off the loop that feeds it
             for feature, f in rep["features"].items():
                 if "psi" in f:
                     psi.add_metric([name, feature], f["psi"])
