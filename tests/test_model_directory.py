@@ -5,40 +5,23 @@ In-process, with fake engines (no engine processes), so it runs in a second."""
 from __future__ import annotations
 
 import pytest
+from fakes import IdleEngine
 
 from servelm.control.types import ControlError, Kind, ModelVersion, State
 from servelm.outputs import CompletionOutput, RequestOutput
 
 
-class FakeEngine:
+class FakeEngine(IdleEngine):
     """The AsyncEngine surface the routes use; every completion is the engine's own word, so a response shows
     which engine served it."""
-
-    ready, stats, info, max_model_len = True, None, None, 256
-    on_ready = on_down = on_step = None
 
     def __init__(self, word: str) -> None:
         self.word = word
         self.served: list[str] = []
 
-    def num_queued(self) -> int:
-        return 0
-
-    def num_in_flight(self) -> int:
-        return 0
-
-    def live_counts(self) -> tuple[int, int]:
-        return 0, 0
-
-    def check_engine(self) -> bool:
-        return True
-
     async def generate(self, rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None):
         self.served.append(rid)
         yield RequestOutput(rid, prompt, ids, [CompletionOutput(0, self.word, [5], finish_reason="length")], True)
-
-    async def abort(self, rid) -> None:
-        pass
 
 
 class FakeDeployment(FakeEngine):

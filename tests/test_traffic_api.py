@@ -10,6 +10,7 @@ import math
 import re
 
 import pytest
+from fakes import IdleEngine
 
 from servelm.control.types import State
 from servelm.outputs import CompletionOutput, RequestOutput
@@ -17,30 +18,15 @@ from servelm.outputs import CompletionOutput, RequestOutput
 ADMIN = {"x-api-key": "sk-admin-traffic-1"}
 
 
-class FakeDep:
+class FakeDep(IdleEngine):
     """A deployment of one registered version: the surface the routes use, no processes. `gate` (when
     set) holds every request until it is released (to fill the shadow queue deterministically)."""
-
-    ready, stats, info, max_model_len = True, None, None, 256
-    on_ready = on_down = on_step = None
 
     def __init__(self, version, tokenizer) -> None:
         self.version, self.tokenizer, self.id = version, tokenizer, f"{version.name}-v{version.version}"
         self.kind = version.kind
         self.gate: asyncio.Event | None = None
         self.served = 0
-
-    def num_queued(self) -> int:
-        return 0
-
-    def num_in_flight(self) -> int:
-        return 0
-
-    def live_counts(self) -> tuple[int, int]:
-        return 0, 0
-
-    def check_engine(self) -> bool:
-        return True
 
     async def generate(self, rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None):
         if self.gate is not None:
@@ -49,9 +35,6 @@ class FakeDep:
         word = f"{self.version.name}-v{self.version.version}"
         yield RequestOutput(rid, prompt, ids, [CompletionOutput(0, word, [5, self.version.version],
                                                                 finish_reason="length")], True)
-
-    async def abort(self, rid) -> None:
-        pass
 
 
 @pytest.fixture
