@@ -133,3 +133,31 @@ class BlockPool:
                 del self.cached[h]
                 del self.free_cached[b]
                 self.free_plain.append(b)
+
+    # -- persistence (servelm.engine.kv_persist) ---------------------------------------------------
+    def cached_blocks(self) -> list[tuple[int, bytes, bytes]]:
+        """(block, key, content) of every cached block, least recently used first: free ones in eviction
+        order, then those in use now (their computed contents are as recent as it gets)."""
+        free = [b for b in self.free_cached]
+        in_use = [b for b in self.cached.values() if self.ref_counts[b] > 0]
+        out = []
+        for b in free + in_use:
+            h, content = self.block_hash[b], self.block_content[b]
+            if h is not None and content is not None and self.cached.get(h) == b:
+                out.append((b, h, content))
+        return out
+
+    def take_plain(self) -> int | None:
+        """A free block that holds nothing reusable, or None: restoring never evicts a cached prefix."""
+        return self.free_plain.pop() if self.free_plain else None
+
+    def return_plain(self, blocks: Sequence[int]) -> None:
+        """Give back blocks from take_plain() that were not restored (a rejected file)."""
+        self.free_plain.extend(reversed(blocks))
+
+    def restore_cached(self, block: int, block_hash: bytes, content: bytes) -> None:
+        """Register a block from take_plain(), its contents already written, as a free cached block (the most
+        recently used one)."""
+        self.block_hash[block], self.block_content[block] = block_hash, content
+        self.cached[block_hash] = block
+        self.free_cached[block] = None
