@@ -39,10 +39,12 @@ def saved(llama_dir, prompts, tmp_path_factory):
     outputs = run(llm, prompts, GREEDY)
     core = llm.engine.core
     path = tmp_path_factory.mktemp("kv") / "cache.kvcache"
+    order = [key for _, key, _ in core.kv.pool.cached_blocks()]  # least recently used first, as saved
     result = kv_persist.save(core, path, _digest(llm, llama_dir))
     assert result.num_blocks == len(core.kv.pool.cached) > 0
     assert result.size_bytes == path.stat().st_size
     assert path.stat().st_mode & 0o077 == 0  # it holds prompts: its owner's only
+    result.keys = order
     return path, outputs, result
 
 
@@ -112,25 +114,33 @@ def test_forged_record_is_rejected(saved, fresh, llama_dir, tmp_path):
     assert core.kv.pool.cached == {}
 
 
-def test_other_model_dtype_or_block_size_is_refused(saved, model_dirs, llama_dir):
+def test_other_model_dtype_or_block_size_is_refused(saved, fresh, model_dirs, llama_dir, monkeypatch):
     path, _, _ = saved
     other = _llm(model_dirs["qwen3"])
     with pytest.raises(KVMismatchError, match="different model"):
         kv_persist.load(other.engine.core, path, _digest(other, model_dirs["qwen3"]))
-    small = _llm(llama_dir, block_size=8)
-    with pytest.raises(KVMismatchError, match="different block size"):
-        kv_persist.load(small.engine.core, path, _digest(small, llama_dir))
-    half = LLM(str(llama_dir), dtype="bfloat16", num_kv_blocks=8)
-    with pytest.raises(KVMismatchError, match="different dtype"):
-        kv_persist.load(half.engine.core, path, _digest(half, llama_dir))
-    for llm in (other, small, half):
-        assert llm.engine.core.kv.pool.cached == {}
+    assert other.engine.core.kv.pool.cached == {}
+    core = _empty(fresh).engine.core
+    digest = _digest(fresh, llama_dir)
+    with monkeypatch.context() as mp:  # the same engine as if it ran another block size, then another dtype
+        mp.setattr(core.config, "block_size", 8)
+        with pytest.raises(KVMismatchError, match="different block size"):
+            kv_persist.load(core, path, digest)
+    with monkeypatch.context() as mp:
+        mp.setattr(core.model, "dtype", torch.bfloat16)
+        with pytest.raises(KVMismatchError, match="different dtype"):
+            kv_persist.load(core, path, digest)
+    assert core.kv.pool.cached == {}
 
 
-def test_restore_into_a_small_pool_keeps_the_most_recent_blocks(saved, llama_dir):
+def test_restore_into_a_busy_pool_keeps_the_most_recent_blocks(saved, fresh, llama_dir):
     path, _, result = saved
-    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=4)
-    core = llm.engine.core
-    loaded = kv_persist.load(core, path, _digest(llm, llama_dir))
-    assert loaded.num_blocks == 4 and loaded.num_skipped == result.num_blocks - 4
-    assert core.kv.pool.num_free == 4  # restored blocks stay free (evictable) for new requests
+    pool = _empty(fresh).engine.core.kv.pool
+    busy = [pool.take_plain() for _ in range(pool.num_free - 4)]  # as if requests held all but 4 blocks
+    try:
+        loaded = kv_persist.load(fresh.engine.core, path, _digest(fresh, llama_dir))
+        assert loaded.num_blocks == 4 and loaded.num_skipped == result.num_blocks - 4
+        assert pool.num_free == 4  # restored blocks stay free (evictable) for new requests
+        assert sorted(pool.cached) == sorted(result.keys[-4:])
+    finally:
+        pool.return_plain(busy)

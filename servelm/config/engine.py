@@ -65,6 +65,9 @@ class EngineConfig:
                                     "for GGUF files that do not state the window the model was trained with "
                                     "(llama.cpp's converter drops Mistral's and Qwen's)")
     enable_prefix_caching: bool = _f(True, "reuse the KV cache of shared prompt prefixes")
+    kv_cache_persist: str | None = _f(None, "a directory where `servelm serve` saves the prefix cache's blocks on "
+                                      "graceful shutdown and restores them from on start, so a restarted server "
+                                      "keeps its prefix hits (one file per model; README: KV cache persistence)")
     enable_chunked_prefill: bool = _f(True, "split long prompts over several steps, mixed with decodes")
     preemption_mode: str = _f("recompute", "recompute | swap: what happens to a request preempted "
                               "when the KV cache is full")
@@ -102,6 +105,8 @@ class EngineConfig:
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1")
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1 or None")
         need(self.sliding_window is None or self.sliding_window >= 1, "sliding_window", ">= 1 or None")
+        need(self.kv_cache_persist is None or (self.enable_prefix_caching and bool(self.kv_cache_persist)),
+             "kv_cache_persist", "a directory, with prefix caching on (or None)")
         need(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "recompute or swap")
         need(self.swap_space_gb >= 0, "swap_space_gb", ">= 0")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1 or None")

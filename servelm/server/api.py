@@ -46,6 +46,7 @@ class ServerState:
 
 def build_app(state: ServerState):
     """The FastAPI app wrapped in the gateway (request ids, body limit, keys, telemetry)."""
+    from servelm.server.admin_kv import add_kv_routes
     from servelm.server.common import Api
     from servelm.server.docs import add_docs_routes
     from servelm.server.errors import install_error_handlers
@@ -65,6 +66,7 @@ def build_app(state: ServerState):
     for family in (models, completions, chat, tokenize, native, embeddings):
         family.add_routes(app, api)
     add_ops_routes(app, state)
+    add_kv_routes(app, state)
     if state.control is not None:
         from servelm.server.admin import add_admin_routes
 

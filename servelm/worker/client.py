@@ -94,6 +94,8 @@ class AsyncEngine:
         self._out = self._ctx.socket(zmq.PULL)
         self._out.bind(self._out_addr)
         self._ready_event = asyncio.Event()
+        self._kv_ops: dict[int, asyncio.Future] = {}  # KV cache save/load requests awaiting the engine's answer
+        self._kv_op_ids = 0
         self._fatal: m.Fatal | None = None  # why the engine failed to start, if it did
         self.on_step = None  # optional callback(StepOutputs, outputs) for metrics
         self.on_ready = None  # optional callback(Ready, restarted: bool)
@@ -175,7 +177,9 @@ class AsyncEngine:
             with contextlib.suppress(zmq.ZMQError):
                 await self._in.send(m.encoder.encode(m.Shutdown()), flags=zmq.NOBLOCK)
             # A ready engine finishes its step and exits; one still loading reads no messages: kill it now.
-            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10 if self.ready else 0)
+            # --kv-cache-persist: it saves the prefix cache before exiting, which may take a while for a large cache
+            wait = (120 if self.config.kv_cache_persist else 10) if self.ready else 0
+            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, wait)
             if self._proc.is_alive():
                 self._proc.kill()
         for t in self._tasks:
@@ -255,6 +259,10 @@ class AsyncEngine:
         self._spawn()
 
     def _fail_all(self, err: Exception) -> None:
+        for fut in self._kv_ops.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._kv_ops.clear()
         for rid, stream in list(self.streams.items()):
             stream.queue.put_nowait(err)
             self.output_processor.abort(rid)
@@ -273,6 +281,10 @@ class AsyncEngine:
                 if self.on_ready is not None:
                     self.on_ready(msg, self.restarts > 0)
                 logger.info("engine ready (pid %s, max_model_len %d)", msg.pid, msg.max_model_len)
+            elif isinstance(msg, m.KVCacheDone):
+                fut = self._kv_ops.pop(msg.op_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
             elif isinstance(msg, m.Starting):
                 self._set_phase(msg.phase)
             elif isinstance(msg, m.Fatal):
@@ -394,3 +406,17 @@ class AsyncEngine:
                                           scheduling_policy=scheduling_policy, priority_aging_s=priority_aging_s)
         if self.ready:
             await self._in.send(message)
+
+    async def kv_cache(self, action: str, path: str | None = None) -> m.KVCacheDone:
+        """Have the engine save its prefix cache to `path` ("save") or restore it from there ("load"); it does so
+        between steps. Raises EngineDeadError if the engine is not ready or dies meanwhile."""
+        if not self.check_engine():
+            raise EngineDeadError("the engine is not ready")
+        self._kv_op_ids += 1
+        op_id = self._kv_op_ids
+        fut = self._kv_ops[op_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self._in.send(m.encoder.encode(m.KVCacheOp(op_id, action, path)))
+            return await fut
+        finally:
+            self._kv_ops.pop(op_id, None)

@@ -46,7 +46,15 @@ class Ping(msgspec.Struct, tag="ping"):
     seq: int
 
 
-EngineInput = AddRequest | Abort | FinishSample | UpdateConfig | Shutdown | Ping
+class KVCacheOp(msgspec.Struct, tag="kv"):
+    """POST /admin/kv/save or /load: save the prefix cache to a file, or restore it from one."""
+
+    op_id: int
+    action: str  # "save" | "load"
+    path: str | None = None  # a file, or a directory holding one file per model (None: --kv-cache-persist)
+
+
+EngineInput = AddRequest | Abort | FinishSample | UpdateConfig | Shutdown | Ping | KVCacheOp
 
 
 class RequestError(msgspec.Struct):
@@ -84,7 +92,20 @@ class Pong(msgspec.Struct, tag="pong"):
     seq: int
 
 
-EngineOutput = Ready | StepOutputs | Starting | Fatal | Pong
+class KVCacheDone(msgspec.Struct, tag="kvdone"):
+    """The answer to a KVCacheOp: what it did, or why not (`error`: mismatch, corrupt, not_found, invalid)."""
+
+    op_id: int
+    error: str | None = None
+    message: str = ""
+    path: str = ""
+    num_blocks: int = 0
+    num_skipped: int = 0
+    size_bytes: int = 0
+    seconds: float = 0.0
+
+
+EngineOutput = Ready | StepOutputs | Starting | Fatal | Pong | KVCacheDone
 
 encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(EngineInput)

@@ -52,6 +52,12 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
         eos = loaded.eos_token_ids
         phase("warming up (one short request through every code path)")
         _warmup(core, eos)
+        from servelm.worker.kv_store import KVStore
+
+        kv_store = KVStore(core, loaded.source, config.kv_cache_persist)
+        if config.kv_cache_persist:
+            phase(f"restoring the prefix cache from {config.kv_cache_persist}")
+            kv_store.restore_at_start()
     except (ValueError, FileNotFoundError) as e:  # a model servelm cannot run: the message says it all
         out.send(m.encoder.encode(m.Fatal(str(e), input_error=True)))
         ctx.destroy(linger=5000)  # deliver it before exiting
@@ -72,7 +78,11 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
         while poller.poll(timeout):
             msg = m.input_decoder.decode(inp.recv())
             if isinstance(msg, m.Shutdown):
+                kv_store.save_at_shutdown()  # --kv-cache-persist: the cache outlives the process
                 return
+            if isinstance(msg, m.KVCacheOp):  # between steps: the cache's blocks are all computed
+                out.send(m.encoder.encode(kv_store.handle(msg)))
+                continue
             if isinstance(msg, m.Ping):  # answered between steps: a hung step goes unanswered
                 out.send(m.encoder.encode(m.Pong(msg.seq)))
                 continue
