@@ -139,9 +139,7 @@ def save(core: EngineCore, path: str | Path, digest: str) -> KVTransfer:
             caches = core.runner.kv_caches
             for i in range(0, len(blocks), _CHUNK):
                 chunk = blocks[i:i + _CHUNK]
-                idx = torch.tensor([b for b, _, _ in chunk], device=caches[0][0].device)
-                # [chunk, layers, 2, block_size, kv_heads, head_dim]: one block's payload is contiguous
-                data = torch.stack([torch.stack([k[idx], v[idx]], 1) for k, v in caches], 1).cpu().contiguous()
+                data = _gather(caches, [b for b, _, _ in chunk])
                 raw = data.view(torch.uint8).reshape(len(chunk), -1).numpy()
                 for j, (_, key, content) in enumerate(chunk):
                     w.write(key + struct.pack("<I", len(content)) + content)
@@ -155,6 +153,37 @@ def save(core: EngineCore, path: str | Path, digest: str) -> KVTransfer:
         Path(tmp).unlink(missing_ok=True)
         raise
     return KVTransfer(str(path), len(blocks), 0, size, time.perf_counter() - t0)
+
+
+def _gather(caches: list[tuple[torch.Tensor, torch.Tensor]], blocks: list[int]) -> torch.Tensor:
+    """[len(blocks), layers, 2, block_size, kv_heads, head_dim] on the CPU: one block's payload contiguous."""
+    k0 = caches[0][0]
+    if k0.device.type != "cpu":  # one gather per layer, then one copy to the host
+        idx = torch.tensor(blocks, device=k0.device)
+        return torch.stack([torch.stack([k[idx], v[idx]], 1) for k, v in caches], 1).cpu()
+    # on the CPU a plain copy per block and layer beats index_select/advanced indexing by 20x and more
+    out = torch.empty(len(blocks), len(caches), 2, *k0.shape[1:], dtype=k0.dtype)
+    for j, b in enumerate(blocks):
+        for layer, (k, v) in enumerate(caches):
+            out[j, layer, 0].copy_(k[b])
+            out[j, layer, 1].copy_(v[b])
+    return out
+
+
+def _scatter(caches: list[tuple[torch.Tensor, torch.Tensor]], blocks: list[int], data: torch.Tensor) -> None:
+    """The inverse of _gather: write data[j] into block blocks[j] of every layer."""
+    k0 = caches[0][0]
+    if k0.device.type != "cpu":
+        idx = torch.tensor(blocks, device=k0.device)
+        data = data.to(k0.device)
+        for layer, (k, v) in enumerate(caches):
+            k[idx] = data[:, layer, 0]
+            v[idx] = data[:, layer, 1]
+        return
+    for j, b in enumerate(blocks):
+        for layer, (k, v) in enumerate(caches):
+            k[b].copy_(data[j, layer, 0])
+            v[b].copy_(data[j, layer, 1])
 
 
 class _HashingReader:
@@ -233,11 +262,7 @@ def load(core: EngineCore, path: str | Path, digest: str) -> KVTransfer:
             if not staged:
                 return
             raw = bytearray(b"".join(p for _, p in staged))
-            data = torch.frombuffer(raw, dtype=dtype).reshape(len(staged), *shape)
-            idx = torch.tensor([b for b, _ in staged], device=caches[0][0].device)
-            for layer, (k, v) in enumerate(caches):
-                k[idx] = data[:, layer, 0].to(k.device)
-                v[idx] = data[:, layer, 1].to(v.device)
+            _scatter(caches, [b for b, _ in staged], torch.frombuffer(raw, dtype=dtype).reshape(len(staged), *shape))
             staged.clear()
 
         try:
