@@ -144,3 +144,32 @@ def test_restore_into_a_busy_pool_keeps_the_most_recent_blocks(saved, fresh, lla
         assert sorted(pool.cached) == sorted(result.keys[-4:])
     finally:
         pool.return_plain(busy)
+
+
+def test_start_restore_ignores_a_damaged_file_with_a_warning(saved, fresh, llama_dir, tmp_path, caplog):
+    """--kv-cache-persist at start: a damaged file is a warning, never a failed start; the next save
+    replaces it with a good one."""
+    from servelm.worker.kv_store import KVStore
+
+    path, _, result = saved
+    core = _empty(fresh).engine.core
+    store = KVStore(core, resolve_model(str(llama_dir)), str(tmp_path))
+    target = kv_persist.default_file(tmp_path, store.digest)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x80
+    target.write_bytes(bytes(data))
+    store.restore_at_start()
+    assert core.kv.pool.cached == {}
+    assert "damaged" in caplog.text
+    kv_persist.load(core, path, store.digest)  # now a good cache, saved at "shutdown" over the bad file
+    store.save_at_shutdown()
+    _empty(fresh)
+    store.restore_at_start()
+    assert len(core.kv.pool.cached) == result.num_blocks
+
+
+def test_persist_needs_prefix_caching():
+    from servelm.config.engine import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="kv_cache_persist"):
+        EngineConfig(kv_cache_persist="/tmp/kv", enable_prefix_caching=False)
