@@ -1,4 +1,4 @@
-"""One decoder-only transformer for the Llama, Mistral, Qwen2 and Qwen3 families.
+"""One decoder-only transformer for the Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 families.
 
 It runs a flattened batch of tokens from many sequences (no padding); attention goes through an
 `AttentionBackend` over the paged KV cache. Q/K/V and gate/up projections are fused into one matmul each.
@@ -13,7 +13,15 @@ import torch
 
 from servelm.model import memory
 from servelm.model.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention
-from servelm.model.layers import GateUpLinear, Linear, add_rms_norm, fused_kernels, rms_norm, rotary_
+from servelm.model.layers import (
+    GateUpLinear,
+    Linear,
+    add_rms_norm,
+    apply_rotary,
+    fused_kernels,
+    rms_norm,
+    rotary_,
+)
 from servelm.model.spec import ModelSpec
 
 
@@ -27,6 +35,8 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: GateUpLinear
     down: Linear
+    attn_out_norm: torch.Tensor | None = None  # sandwich norms (Gemma): on the attention output
+    mlp_out_norm: torch.Tensor | None = None  # and on the MLP output, before each residual add
 
 
 class DecoderLM:
@@ -38,16 +48,24 @@ class DecoderLM:
         self.dtype = dtype
         self.batch_invariant = False  # set by model.invariant.make_batch_invariant
         self.embed = weights.pop("model.embed_tokens.weight")
-        self.norm = weights.pop("model.norm.weight")
+        self.norm = self._norm_weight(weights.pop("model.norm.weight"))
         lm_head = weights.pop("lm_head.weight", None)
         self.lm_head = Linear(self.embed if lm_head is None or spec.tie_word_embeddings else lm_head)
         self.layers = [self._take_layer(weights, i) for i in range(spec.num_layers)]
         unused = [k for k in weights if not k.endswith("rotary_emb.inv_freq")]
         if unused:
             raise ValueError(f"checkpoint has tensors this model does not use: {unused[:5]}")
-        scale = spec.head_dim ** -0.5
+        scale = spec.attn_scale or spec.head_dim ** -0.5
         self.fused = fused_kernels(dtype, self.embed.device)
-        self.attn = backend(spec.num_heads, spec.num_kv_heads, spec.head_dim, scale)
+        if spec.attn_softcap:  # no kernel soft-caps scores: the PyTorch reference path, on every device
+            from servelm.model.attention.softcap import SoftcapPagedAttention
+
+            self.attn = SoftcapPagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, scale,
+                                              spec.attn_softcap)
+        else:
+            self.attn = backend(spec.num_heads, spec.num_kv_heads, spec.head_dim, scale)
+        # the embedding scale rounded to the model's dtype, as transformers applies it
+        self.embed_scale = None if spec.embed_scale is None else torch.tensor(spec.embed_scale, dtype=dtype)
         self._rope_cache(spec.max_position_embeddings)
         if self.embed.device.type == "cpu" and memory.WEIGHTS_IN_HUGE_PAGES:
             memory.move_to_huge_pages(self._streamed_tensors())
@@ -69,8 +87,8 @@ class DecoderLM:
         """The flat weight list of the C++ layer loop for pure-decode steps (`decode_layers`): where the
         fused kernels, the CPU attention kernel and a packed-weight linear kernel (AMX tiles or AVX512-BF16) take
         every layer."""
-        if self.fused is None or not isinstance(self.attn, CpuPagedAttention):
-            return None
+        if self.fused is None or not isinstance(self.attn, CpuPagedAttention) or self.spec.sandwich_norms:
+            return None  # the C++ loop runs the Llama layer shape only: Gemma stays on the Python loop
         flat = []
         none = torch.empty(0, dtype=self.dtype)
         for lw in self.layers:
@@ -80,6 +98,12 @@ class DecoderLM:
                      none if lw.o_proj.bias is None else lw.o_proj.bias, lw.post_norm, lw.gate_up.tiled,
                      lw.down.tiled, none if lw.q_norm is None else lw.q_norm, none if lw.k_norm is None else lw.k_norm]
         return flat
+
+    def _norm_weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
+        """Gemma applies RMSNorm weights as (1 + w): add the one once here, in float32."""
+        if w is None or not self.spec.norm_unit_offset:
+            return w
+        return (w.float() + 1.0).to(w.dtype)
 
     def _take_layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -96,30 +120,41 @@ class DecoderLM:
         if any(b is not None for b in biases):
             qkv_bias = torch.cat([b if b is not None else torch.zeros(t.shape[0], dtype=t.dtype, device=t.device)
                                   for b, t in zip(biases, (q, k, v), strict=True)])
+        sandwich = self.spec.sandwich_norms
+        norm = self._norm_weight
         return LayerWeights(
-            input_norm=take("input_layernorm.weight"),
+            input_norm=norm(take("input_layernorm.weight")),
             qkv=Linear(torch.cat([q, k, v]).contiguous(), qkv_bias),
             o_proj=Linear(take("self_attn.o_proj.weight"), take("self_attn.o_proj.bias", False)),
-            q_norm=take("self_attn.q_norm.weight", False),
-            k_norm=take("self_attn.k_norm.weight", False),
-            post_norm=take("post_attention_layernorm.weight"),
-            gate_up=GateUpLinear(take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")),
+            q_norm=norm(take("self_attn.q_norm.weight", False)),
+            k_norm=norm(take("self_attn.k_norm.weight", False)),
+            # the norm in front of the MLP: Llama names it post_attention_layernorm, Gemma pre_feedforward
+            post_norm=norm(take("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
+            gate_up=GateUpLinear(take("mlp.gate_proj.weight"), take("mlp.up_proj.weight"), self.spec.hidden_act),
             down=Linear(take("mlp.down_proj.weight")),
+            attn_out_norm=norm(take("post_attention_layernorm.weight")) if sandwich else None,
+            mlp_out_norm=norm(take("post_feedforward_layernorm.weight")) if sandwich else None,
         )
 
     def _rope_cache(self, max_pos: int) -> None:
+        self.cos, self.sin = self._rope_tables(self.spec.inv_freq, max_pos, self.spec.rope_attention_factor)
+        local = self.spec.local_inv_freq  # Gemma 3: the sliding-window layers' own RoPE base
+        self.cos_local, self.sin_local = (self.cos, self.sin) if local is None else self._rope_tables(local, max_pos, 1.0)
+
+    def _rope_tables(self, inv_freq: torch.Tensor, max_pos: int, f: float) -> tuple[torch.Tensor, torch.Tensor]:
         t = torch.arange(max_pos, dtype=torch.float32)
-        freqs = torch.outer(t, self.spec.inv_freq)
+        freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        f = self.spec.rope_attention_factor
-        self.cos = (emb.cos() * f).to(device=self.embed.device, dtype=self.dtype)
-        self.sin = (emb.sin() * f).to(device=self.embed.device, dtype=self.dtype)
+        return ((emb.cos() * f).to(device=self.embed.device, dtype=self.dtype),
+                (emb.sin() * f).to(device=self.embed.device, dtype=self.dtype))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
         s, fused, eps = self.spec, self.fused, self.spec.rms_norm_eps
+        if s.sandwich_norms:
+            return self._forward_sandwich(input_ids, positions, kv_caches, meta)
         h = self.embed[input_ids]  # the residual stream, updated in place
         if self.cpp_decode is not None and not meta.prefills:  # the same kernels, looped in C++
             lw = self.layers[0]
@@ -149,7 +184,40 @@ class DecoderLM:
             delta = lw.down(lw.gate_up(x, fused))
         return add_rms_norm(delta, h, self.norm, eps, fused)
 
+    def _forward_sandwich(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                          kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """Gemma's layer: a norm before and after each sublayer, GeGLU, scaled embeddings, per-layer-type
+        RoPE. Plain PyTorch ops (the fused elementwise kernels and the C++ loop implement the Llama shape)."""
+        s, eps = self.spec, self.spec.rms_norm_eps
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        h = self.embed[input_ids]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale.to(h.device)
+        tables = {False: (self.cos[positions], self.sin[positions])}
+        if self.cos_local is not self.cos:
+            tables[True] = (self.cos_local[positions], self.sin_local[positions])
+        for i, lw in enumerate(self.layers):
+            window = s.sliding_windows[i]
+            x = rms_norm(h, lw.input_norm, eps)
+            qkv = lw.qkv(x)
+            qk = qkv[:, :q_size + kv_size].reshape(-1, s.num_heads + s.num_kv_heads, s.head_dim)
+            v = qkv[:, q_size + kv_size:].reshape(-1, s.num_kv_heads, s.head_dim)
+            if lw.q_norm is not None:
+                qk = torch.cat([rms_norm(qk[:, :s.num_heads], lw.q_norm, eps),
+                                rms_norm(qk[:, s.num_heads:], lw.k_norm, eps)], dim=1)
+            cos, sin = tables[window is not None and True in tables]  # local layers: their own RoPE, if any
+            qk = apply_rotary(qk, cos, sin)
+            q, k = qk[:, :s.num_heads].contiguous(), qk[:, s.num_heads:].contiguous()
+            o = self.attn.forward(q, k, v.contiguous(), kv_caches[i], meta, window)
+            h = h + rms_norm(lw.o_proj(o.reshape(-1, q_size)), lw.attn_out_norm, eps)
+            x = rms_norm(h, lw.post_norm, eps)
+            h = h + rms_norm(lw.down(lw.gate_up(x)), lw.mlp_out_norm, eps)
+        return rms_norm(h, self.norm, eps)
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, vocab] in the model's dtype (the sampler widens what it must)."""
-        return self.lm_head(hidden)
+        """[N, vocab] in the model's dtype (the sampler widens what it must); soft-capped where the model
+        says (Gemma 2)."""
+        out = self.lm_head(hidden)
+        cap = self.spec.final_softcap
+        return out if not cap else (torch.tanh(out.float() / cap) * cap).to(out.dtype)

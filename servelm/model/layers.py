@@ -162,10 +162,11 @@ class GateUpLinear:
     token's bits independent of how it was batched (oneDNN for prefill chunks measured 1.02-1.35x faster
     at 512 tokens, but its sums change with the row count)."""
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor) -> None:
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> None:
         weight = torch.cat([gate, up]).contiguous()
         self.out_features = weight.shape[0]
-        whole = gate.shape[0] % 16 == 0  # the fused store takes whole 16-column gate and up groups
+        self.act = act  # silu, or gelu_tanh (GeGLU: Gemma), which the fused kernels do not implement
+        whole = gate.shape[0] % 16 == 0 and act == "silu"  # the fused store takes whole 16-column groups
         self.tiles = _tile_kernels(weight) if whole else None
         self.avx512 = _avx512_kernels(weight) if whole and self.tiles is None else None
         self.tiled = pack_weight_for_tiles(weight, gate_up=True) if (self.tiles or self.avx512) is not None else None
@@ -173,6 +174,9 @@ class GateUpLinear:
 
     def __call__(self, x: torch.Tensor, fused=None) -> torch.Tensor:
         if self.linear is not None:
+            if self.act == "gelu_tanh":
+                gate, up = self.linear(x).chunk(2, dim=-1)
+                return F.gelu(gate, approximate="tanh") * up
             return silu_mul(self.linear(x), fused)
         if self.tiles is not None:
             return self.tiles.amx_linear_silu_mul(x, self.tiled, self.out_features)

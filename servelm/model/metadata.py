@@ -18,9 +18,11 @@ from servelm.model.source import ModelSource, cache_dir, resolve_model, set_offl
 # config came from transformers' GGUF reader) are never read again.
 _GGUF_CACHE_VERSION = 2
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def architecture(config) -> str | None:

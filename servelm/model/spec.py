@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from servelm.model.gemma import GEMMA_ARCHITECTURES, gemma_options
 from servelm.model.metadata import SUPPORTED_ARCHITECTURES, architecture
 
 
@@ -25,6 +26,15 @@ class ModelSpec:
     sliding_windows: list[int | None]  # per layer
     inv_freq: torch.Tensor  # rotary inverse frequencies (float32), RoPE scaling already applied
     rope_attention_factor: float
+    # per-architecture choices (servelm/model/gemma.py); the defaults are the Llama family's
+    hidden_act: str = "silu"  # silu | gelu_tanh (the MLP's gate activation)
+    embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden_size))
+    norm_unit_offset: bool = False  # RMSNorm weights applied as (1 + w) (Gemma)
+    sandwich_norms: bool = False  # a norm before and after each sublayer (Gemma 2/3)
+    attn_scale: float | None = None  # attention score scale (default head_dim**-0.5)
+    attn_softcap: float | None = None  # scores soft-capped as cap * tanh(s / cap) (Gemma 2)
+    final_softcap: float | None = None  # logits soft-capped likewise (Gemma 2)
+    local_inv_freq: torch.Tensor | None = None  # RoPE of the sliding-window layers, if theirs differs (Gemma 3)
 
     @classmethod
     def from_hf_config(cls, config, sliding_window: int | None = None) -> ModelSpec:
@@ -32,11 +42,16 @@ class ModelSpec:
         arch = architecture(config)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        inv_freq, factor = _rope(config, head_dim)
+        if arch in GEMMA_ARCHITECTURES:
+            opts = gemma_options(config, arch, head_dim, _rope)
+        else:
+            act = getattr(config, "hidden_act", "silu")
+            if act != "silu":
+                raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+            opts = {}
+        if "inv_freq" not in opts:
+            opts["inv_freq"], opts["rope_attention_factor"] = _rope(config, head_dim)
         return cls(
             architecture=arch,
             vocab_size=config.vocab_size,
@@ -50,8 +65,7 @@ class ModelSpec:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_position_embeddings=config.max_position_embeddings,
             sliding_windows=[sliding_window] * config.num_hidden_layers if sliding_window else _sliding_windows(config),
-            inv_freq=inv_freq,
-            rope_attention_factor=factor,
+            **opts,
         )
 
 

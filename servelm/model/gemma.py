@@ -1,0 +1,51 @@
+"""Gemma 2 and Gemma 3 (text): their choices over the shared decoder, read from a transformers config.
+
+Both wrap each sublayer in a norm before and after it ("sandwich" norms: input, post-attention,
+pre-feedforward, post-feedforward), scale the embeddings by sqrt(hidden_size), use GeGLU (tanh GELU) in
+the MLP, RMSNorm weights applied as (1 + w), and an attention scale of query_pre_attn_scalar**-0.5.
+Gemma 2 soft-caps attention scores and final logits (cap * tanh(x / cap)) and alternates sliding-window
+and global layers. Gemma 3 drops the soft-caps, adds q/k norms, and gives local (sliding-window) and
+global layers their own RoPE bases.
+
+These models run on the decoder's Python layer loop (`DecoderLM._forward_sandwich`): the C++ decode loop
+(csrc/decode_layers.cpp) knows only the Llama layer shape and is not used for them.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+def gemma_options(config, arch: str, head_dim: int, rope) -> dict:
+    """ModelSpec fields for a Gemma config; `rope(config, head_dim)` is spec's RoPE initialiser."""
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu"):
+        raise ValueError(f"hidden_activation {act!r} is not supported for {arch} (only gelu_pytorch_tanh)")
+    opts = dict(
+        hidden_act="gelu_tanh",
+        embed_scale=float(config.hidden_size) ** 0.5,
+        norm_unit_offset=True,
+        sandwich_norms=True,
+        attn_scale=float(getattr(config, "query_pre_attn_scalar", None) or head_dim) ** -0.5,
+        attn_softcap=getattr(config, "attn_logit_softcapping", None),
+        final_softcap=getattr(config, "final_logit_softcapping", None),
+    )
+    params = getattr(config, "rope_parameters", None) or {}
+    if arch == "Gemma3ForCausalLM" and "full_attention" in params:  # one RoPE per layer type
+        glob = SimpleNamespace(**{**vars(config), "rope_parameters": params["full_attention"]})
+        opts["inv_freq"], opts["rope_attention_factor"] = rope(glob, head_dim)
+        local = params.get("sliding_attention")
+        if local is not None:
+            loc = SimpleNamespace(**{**vars(config), "rope_parameters": local})
+            inv, factor = rope(loc, head_dim)
+            if factor != 1.0:
+                raise ValueError("RoPE scaling with an attention factor on Gemma 3's local layers is not supported")
+            opts["local_inv_freq"] = inv
+    elif arch == "Gemma3ForCausalLM" and getattr(config, "rope_local_base_freq", None):  # transformers 4 naming
+        base = float(config.rope_local_base_freq)
+        import torch
+
+        opts["local_inv_freq"] = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    return opts

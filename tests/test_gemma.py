@@ -1,0 +1,75 @@
+"""Gemma 2 and Gemma 3 (text): tiny random-weight models match transformers' greedy outputs token for token,
+alone and batched with prefix caching and chunked prefill, across their sliding-window and global layers."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from conftest import COMMON, hf_greedy, random_prompts, run  # noqa: E402
+
+from servelm import LLM  # noqa: E402
+
+GEMMA = dict(COMMON, head_dim=16, num_hidden_layers=2, sliding_window=24, query_pre_attn_scalar=24,
+             tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention"])
+
+
+def _config(arch: str):
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    if arch == "gemma2":  # soft-caps as Gemma 2 ships them (attention 50, logits 30)
+        return Gemma2Config(**GEMMA, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    return Gemma3TextConfig(**GEMMA, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory, tokenizer_dir):
+    """{arch: (folder, transformers model)}; norm weights randomised (Gemma initialises them to zero, which
+    would hide whether (1 + w) is applied)."""
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for arch in ("gemma2", "gemma3"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.3)
+        folder = tmp_path_factory.mktemp(arch)
+        model.save_pretrained(folder)
+        for f in tokenizer_dir.iterdir():
+            (folder / f.name).write_bytes(f.read_bytes())
+        out[arch] = (folder, model)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_matches_transformers(arch, gemma):
+    from servelm import SamplingParams
+
+    folder, hf = gemma[arch]
+    # longer than the 24-token window, sharing a 32-token prefix, in 16-token prefill chunks
+    shared = random_prompts(1, 32, 32, seed=21)[0]
+    prompts = [shared + p[1:] for p in random_prompts(2, 5, 12, seed=22)] + random_prompts(1, 40, 40, seed=23)
+    refs = [hf_greedy(hf, p, 8) for p in prompts]
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert run(llm, prompts[:1], params) == refs[:1]  # alone
+    assert run(llm, prompts[1:], params) == refs[1:]  # batched, the shared prefix from the cache
+    assert llm.engine.get_stats().prefix_cache_hits >= 32
+    assert llm.engine.core.model.cpp_decode is None  # the Python layer loop (README: Models)
+
+
+def test_gemma3_local_layers_use_their_own_rope_base(gemma):
+    from servelm.model.metadata import load_config
+    from servelm.model.source import resolve_model
+    from servelm.model.spec import ModelSpec
+
+    spec = ModelSpec.from_hf_config(load_config(resolve_model(str(gemma["gemma3"][0]))))
+    assert spec.sliding_windows == [24, None] and spec.local_inv_freq is not None
+    assert not torch.equal(spec.local_inv_freq, spec.inv_freq)
+    assert spec.attn_softcap is None and spec.final_softcap is None and spec.embed_scale == 8.0
