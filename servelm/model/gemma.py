@@ -26,7 +26,8 @@ def gemma_options(config, arch: str, head_dim: int, rope) -> dict:
     opts = dict(
         hidden_act="gelu_tanh",
         embed_scale=float(config.hidden_size) ** 0.5,
-        norm_unit_offset=True,
+        # llama.cpp's converter stores Gemma's norm weights with the one already added
+        norm_unit_offset=not getattr(config, "gguf_norms_include_one", False),
         sandwich_norms=True,
         attn_scale=float(getattr(config, "query_pre_attn_scalar", None) or head_dim) ** -0.5,
         attn_softcap=getattr(config, "attn_logit_softcapping", None),

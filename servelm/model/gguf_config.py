@@ -15,7 +15,8 @@ from servelm.model.gguf_header import GGUFHeader, read_f32_tensor, read_gguf_fil
 
 # GGUF architecture -> (transformers model_type, architecture class).
 GGUF_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "mistral": ("mistral", "MistralForCausalLM"),
-                      "qwen2": ("qwen2", "Qwen2ForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+                      "qwen2": ("qwen2", "Qwen2ForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+                      "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
 # `{arch}.` keys this module reads (every other one is refused).
 _ARCH_KEYS = frozenset({
     "vocab_size", "context_length", "embedding_length", "feed_forward_length", "block_count",
@@ -30,6 +31,7 @@ _GLOBAL_TENSORS = frozenset({"token_embd.weight", "output_norm.weight", "output.
 _BLOCK_TENSORS = frozenset({f"{n}.{p}" for n in ("attn_q", "attn_k", "attn_v", "attn_output") for p in ("weight", "bias")}
                            | {f"{n}.weight" for n in ("attn_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")})
 _QK_NORMS = frozenset({"attn_q_norm.weight", "attn_k_norm.weight"})
+_SANDWICH_NORMS = frozenset({"post_attention_norm.weight", "post_ffw_norm.weight"})  # Gemma's norms after sublayers
 # Families whose Hugging Face configs can carry a sliding window that llama.cpp's converter does not write.
 _WINDOW_FAMILIES = ("mistral", "qwen2", "qwen3")
 
@@ -84,7 +86,9 @@ def read_gguf_config(path: Path) -> SimpleNamespace | object:
 
 def config_from_dict(d: dict) -> SimpleNamespace | object:
     """Plain attributes where the RoPE is unscaled, else transformers' class (its RoPE initialisers)."""
-    if d["rope_parameters"]["rope_type"] == "default":
+    params = d["rope_parameters"]
+    per_type = params.values() if "rope_type" not in params else [params]  # Gemma 3: one per layer type
+    if all(p["rope_type"] == "default" for p in per_type):
         return SimpleNamespace(**d)
     from transformers import AutoConfig  # its RoPE initialisers read the class's attributes
 
@@ -124,6 +128,7 @@ def gguf_config_dict(path: Path, head: GGUFHeader) -> dict:
         r.refuse("the token_embd.weight tensor is missing")
     d = {
         "architectures": [cls], "model_type": model_type, "hidden_act": "silu",
+        **(_gemma3(r, head_dim) if arch == "gemma3" else {}),
         "vocab_size": r.get("vocab_size", tensors["token_embd.weight"][1]),
         "hidden_size": hidden, "intermediate_size": r.get("feed_forward_length", required=True),
         "num_hidden_layers": n_layers, "num_attention_heads": n_head,
@@ -143,12 +148,26 @@ def gguf_config_dict(path: Path, head: GGUFHeader) -> dict:
             r.refuse(f"rope_freqs has {len(factors)} values, expected {head_dim // 2}")
         d["rope_freq_factors"] = factors
     d.update(_windows(r, n_layers))
+    if arch == "gemma3":  # llama.cpp gives local layers a fixed base of 10000 (not in the file)
+        d["rope_parameters"] = {"full_attention": d["rope_parameters"],
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     return d
+
+
+def _gemma3(r: _Reader, head_dim: int) -> dict:
+    """Gemma 3 as llama.cpp runs it: GeGLU, query scale head_dim**-0.5 (all but the 27B, whose file this
+    cannot tell apart: refused), norm weights already stored as (1 + w) by llama.cpp's converter."""
+    if r.get("embedding_length") == 5376:
+        r.refuse("Gemma 3 27B scales queries by hidden_size / num_heads, which the file does not state")
+    return {"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": head_dim, "final_logit_softcapping": None, "attn_logit_softcapping": None,
+            "gguf_norms_include_one": True}
 
 
 def _check_tensors(r: _Reader, n_layers: int) -> None:
     """Every tensor must be one the decoder uses: an unknown one would be skipped, a different model."""
-    allowed = _BLOCK_TENSORS | (_QK_NORMS if r.arch == "qwen3" else frozenset())
+    allowed = _BLOCK_TENSORS | (_QK_NORMS if r.arch in ("qwen3", "gemma3") else frozenset()) \
+        | (_SANDWICH_NORMS if r.arch == "gemma3" else frozenset())
     bad, norms = [], set()
     for name, *_ in r.head.tensors:
         if name in _GLOBAL_TENSORS:
@@ -163,8 +182,12 @@ def _check_tensors(r: _Reader, n_layers: int) -> None:
     if bad:
         r.refuse(f"tensor {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} is not part of a {r.arch} model "
                  "that servelm implements")
-    if r.arch == "qwen3" and len(norms) != 2 * n_layers:
-        r.refuse("a qwen3 model needs attn_q_norm and attn_k_norm in every block")
+    if r.arch in ("qwen3", "gemma3") and len(norms) != 2 * n_layers:
+        r.refuse(f"a {r.arch} model needs attn_q_norm and attn_k_norm in every block")
+    if r.arch == "gemma3":
+        names = {name for name, *_ in r.head.tensors}
+        if any(f"blk.{i}.{n}" not in names for i in range(n_layers) for n in _SANDWICH_NORMS):
+            r.refuse("a gemma3 model needs post_attention_norm and post_ffw_norm in every block")
 
 
 def _token_ids(f: dict) -> dict:
@@ -223,6 +246,8 @@ def _windows(r: _Reader, n_layers: int) -> dict:
     if window == 0:
         return {"sliding_window": None}
     pattern = r.head.fields.get(f"{r.arch}.attention.sliding_window_pattern")
+    if pattern is None and r.arch == "gemma3":
+        pattern = 6  # llama.cpp's fixed Gemma 3 pattern: five local layers, then one global
     if pattern is None:
         sliding = [True] * n_layers
     elif isinstance(pattern, list) and len(pattern) == n_layers:

@@ -28,6 +28,10 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma: ffn_norm is the norm in front of the MLP, and two more norms follow the sublayers.
+_SANDWICH_NAMES = {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                   "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_SANDWICH_ARCHS = {"gemma3"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -40,13 +44,14 @@ _CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
 _PERMUTED_ARCHS = {"llama", "mistral"}
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _SANDWICH_NAMES if arch in _SANDWICH_ARCHS else _BLOCK_NAMES
     m = _BLOCK_RE.match(gguf_name)
-    if m is None or m.group(2) not in _BLOCK_NAMES:
+    if m is None or m.group(2) not in names:
         return None
-    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
 def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -82,7 +87,7 @@ def iter_gguf_tensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, tor
         n_kv = head.fields.get(f"{arch}.attention.head_count_kv") or n_head
         for gname, shape, ttype, toff in progress(head.tensors, desc=f"Loading {path.name}", unit="tensor",
                                                   leave=False):
-            name = hf_name(gname)
+            name = hf_name(gname, arch)
             if name is None:
                 if gname in _CONFIG_TENSORS:
                     continue
