@@ -73,3 +73,36 @@ def test_gemma3_local_layers_use_their_own_rope_base(gemma):
     assert spec.sliding_windows == [24, None] and spec.local_inv_freq is not None
     assert not torch.equal(spec.local_inv_freq, spec.inv_freq)
     assert spec.attn_softcap is None and spec.final_softcap is None and spec.embed_scale == 8.0
+
+
+def test_gemma3_gguf_from_llama_cpp_converter(tmp_path_factory, tokenizer_dir, monkeypatch):
+    """A tiny Gemma 3 converted by llama.cpp's own converter (norms stored as 1 + w, its fixed five-local-one-
+    global pattern, local RoPE base 10000) runs as the folder it came from."""
+    from llama_cpp import ConverterUnavailable, convert
+    from transformers import AutoModelForCausalLM
+
+    from servelm import SamplingParams
+
+    monkeypatch.setenv("SERVELM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    cfg = dict(GEMMA, num_hidden_layers=6, query_pre_attn_scalar=16)
+    del cfg["layer_types"]  # transformers' default: five sliding-window layers, then a global one
+    from transformers import Gemma3TextConfig
+
+    torch.manual_seed(1)
+    hf = AutoModelForCausalLM.from_config(Gemma3TextConfig(**cfg), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    folder = tmp_path_factory.mktemp("gemma3_6")
+    hf.save_pretrained(folder)
+    for f in tokenizer_dir.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    try:
+        gguf = convert({"g": folder}, tmp_path_factory.mktemp("gguf"))["g"]
+    except ConverterUnavailable as e:
+        pytest.skip(str(e))
+    prompts = random_prompts(2, 30, 40, seed=24)  # past the 24-token window
+    llm = LLM(str(gguf), tokenizer=str(folder), dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert run(llm, prompts, params) == [hf_greedy(hf, p, 8) for p in prompts]

@@ -22,7 +22,7 @@ _ARCH_KEYS = frozenset({
     "vocab_size", "context_length", "embedding_length", "feed_forward_length", "block_count",
     "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
     "attention.layer_norm_rms_epsilon", "attention.sliding_window", "attention.sliding_window_pattern",
-    "rope.freq_base", "rope.dimension_count", "rope.scale_linear", "rope.scaling.type", "rope.scaling.factor",
+    "rope.freq_base", "rope.freq_base_swa", "rope.dimension_count", "rope.scale_linear", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length", "rope.scaling.finetuned", "rope.scaling.attn_factor",
     "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_beta_fast",
     "rope.scaling.yarn_beta_slow",
@@ -148,9 +148,12 @@ def gguf_config_dict(path: Path, head: GGUFHeader) -> dict:
             r.refuse(f"rope_freqs has {len(factors)} values, expected {head_dim // 2}")
         d["rope_freq_factors"] = factors
     d.update(_windows(r, n_layers))
-    if arch == "gemma3":  # llama.cpp gives local layers a fixed base of 10000 (not in the file)
+    swa_base = r.get("rope.freq_base_swa", None, kind=float)
+    if arch == "gemma3":  # the local layers' base: the file's, else llama.cpp's fixed 10000 (older files)
         d["rope_parameters"] = {"full_attention": d["rope_parameters"],
-                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+                                "sliding_attention": {"rope_type": "default", "rope_theta": swa_base or 10000.0}}
+    elif swa_base is not None and swa_base != d["rope_parameters"].get("rope_theta"):
+        r.refuse(f"{arch}.rope.freq_base_swa (a RoPE base of its own for sliding-window layers) is not supported")
     return d
 
 
