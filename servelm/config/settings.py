@@ -48,7 +48,7 @@ class ServerConfig:
                              "visible in the process list: prefer --api-key-file or SERVELM_API_KEY")
     api_key_file: str | None = _f(None, "file holding the one API key (instead of --api-key)")
     api_keys_file: str | None = _f(None, "YAML/JSON file of API keys: name, key or key_hash, rpm, tpm, "
-                                   "priority, models, allow_priority_raise, admin")
+                                   "priority, models, allow_priority_raise, admin, groups")
     admin_key: str | None = _f(None, "key that guards /admin routes (keys marked admin in the keys file also work); "
                                "prefer --admin-key-file or SERVELM_ADMIN_KEY")
     admin_key_file: str | None = _f(None, "file holding the admin key (instead of --admin-key)")

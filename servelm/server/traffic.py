@@ -147,12 +147,13 @@ class TrafficService:
     # -- the request path --------------------------------------------------------------------------
     def attrs(self, headers: Mapping[str, str], rec: RequestRecord, metadata: Mapping[str, str] | None = None
               ) -> RequestAttrs:
-        """What a policy may look at: the body's `user` and `metadata`, the headers, the API key's name, and
+        """What a policy may look at: the body's `user` and `metadata`, the headers, the API key's name and groups, and
         feature flags (the comma-separated x-servelm-flags header)."""
         key = rec.key_name if rec.api_key is not None else None
+        groups = frozenset(getattr(rec.api_key, "groups", ()) or ())
         flags = {f.strip() for f in headers.get("x-servelm-flags", "").split(",") if f.strip()}
-        return RequestAttrs(user=rec.user, key_name=key, headers=dict(headers), metadata=dict(metadata or {}),
-                            flags=flags)
+        return RequestAttrs(user=rec.user, key_name=key, key_groups=groups, headers=dict(headers),
+                            metadata=dict(metadata or {}), flags=flags)
 
     def wants_output(self, name: str) -> bool:
         """Whether the completion text is needed: a full prediction log."""
