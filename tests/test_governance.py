@@ -5,7 +5,10 @@ webhook, the OTLP prediction-log sink, and traffic state that survives a restart
 from __future__ import annotations
 
 import pytest
-from test_traffic_api import ADMIN, complete, platform, put_policy  # noqa: F401 (platform is a fixture)
+import test_traffic_api
+from test_traffic_api import ADMIN, complete, put_policy
+
+platform = test_traffic_api.platform  # the fixture: the in-process app with model m (v1..v4)
 
 
 def test_a_segment_rule_on_a_key_group_pins_that_groups_keys(platform, tmp_path):
@@ -41,3 +44,97 @@ def test_a_malformed_key_group_list_is_refused(tmp_path, groups):
     f.write_text(json.dumps([{"name": "k", "key": "sk-12345678", "groups": groups}]))
     with pytest.raises(ValueError, match="groups"):
         load_keys_file(str(f))
+
+
+class FakeEmbedder:
+    """Embeds a text as a fixed random unit vector of its own (the same text, the same vector); records the
+    thread nothing but the event loop may call it from."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def embed(self, texts):
+        import zlib
+
+        import numpy as np
+
+        self.calls += 1
+        out = []
+        for t in texts:
+            v = np.random.default_rng(zlib.crc32(t.encode())).normal(size=8) + (5.0 if t[0].isdigit() else 0.0)
+            out.append(v / np.linalg.norm(v))
+        return out, len(texts)
+
+
+def _speaking(dep, text: str, finish: str):
+    """Make a fake deployment answer `text` with `finish`."""
+    from servelm.outputs import CompletionOutput, RequestOutput
+
+    async def generate(rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None):
+        yield RequestOutput(rid, prompt, ids, [CompletionOutput(0, text, [5], finish_reason=finish)], True)
+    dep.generate = generate
+
+
+def test_concept_and_embedding_drift_over_http(platform):
+    """Per version: refusals, the finish-reason mix and lower feedback in the live window alert (the output is
+    classified even with a metadata-only log); prompt embeddings, sampled and embedded off the request path,
+    alert on a shifted prompt distribution by MMD computed in a worker thread, never in a /metrics scrape."""
+    import threading
+
+    from servelm.control import drift
+
+    client, state, deps = platform
+    svc = state.traffic
+    svc.log.set_mode("m", "metadata")  # no output text kept: concept drift reads the output's first characters
+    svc.watch.embedder, svc.watch.sample, svc.watch.max_inflight = FakeEmbedder(), 1.0, 10**6
+    english = ["the quick brown fox jumps over the lazy dog", "hello there how are you today my friend",
+               "a third sentence about the weather", "what time does the shop open"]
+
+    def serve(n: int, prompt, score: float, tag: str) -> None:
+        for j in range(n):
+            r = complete(client, prompt=prompt(j), headers={"x-request-id": f"{tag}{j}"})
+            assert r.status_code == 200, r.text
+            fb = {"request_id": f"{tag}{j}", "score": score + 0.2 * (j % 2)}  # varied: Welch needs a spread
+            assert client.post("/v1/feedback", json=fb).status_code == 200
+        client.portal.call(svc.watch.drain)
+
+    _speaking(deps[1], "Paris is the capital of France.", "stop")
+    serve(40, lambda j: english[j % 4], 0.8, "ref")
+    assert client.post("/admin/drift/m/reference", headers=ADMIN).json()["reference_requests"] == 40
+    serve(40, lambda j: english[(j + 1) % 4], 0.8, "same")
+    same = client.get("/admin/drift/m", headers=ADMIN).json()
+    assert same["features"]["embedding"]["evaluated"] and not same["features"]["embedding"]["alert"]
+    assert same["concept"]["v1"]["signals"]["refusal_rate"]["live_rate"] == 0.0
+    assert not same["alert"] and not same["concept_alert"]
+
+    loop_thread = client.portal.call(threading.get_ident)
+    threads: list[int] = []
+    real = drift.DriftMonitor.embedding_report
+
+    def spy(self):
+        threads.append(threading.get_ident())
+        return real(self)
+
+    drift.DriftMonitor.embedding_report = spy
+    try:
+        _speaking(deps[1], "I'm sorry, I can't help with that.", "length")
+        serve(40, lambda j: f"{j}0123 ++== 98765 4321 ?? !! {j}", 0.0, "shift")
+        metrics = client.get("/metrics").text  # the scrape reads the last MMD result: it computes none
+        assert threads == []
+        shifted = client.get("/admin/drift/m", headers=ADMIN).json()
+    finally:
+        drift.DriftMonitor.embedding_report = real
+    assert threads and loop_thread not in threads
+    assert shifted["features"]["embedding"]["alert"] and shifted["features"]["embedding"]["mmd_p"] < 0.01
+    signals = shifted["concept"]["v1"]["signals"]
+    assert {k for k, f in signals.items() if f["alert"]} == {"refusal_rate", "feedback", "finish_reasons"}
+    assert shifted["concept_alert"] and shifted["alert"]
+    metrics = client.get("/metrics").text
+    for line in ('servelm:concept_drift_alert{model_name="m",model_version="1",signal="refusal_rate"} 1.0',
+                 'servelm:concept_drift_alert{model_name="m",model_version="1",signal="empty_rate"} 0.0',
+                 'servelm:concept_drift_live{model_name="m",model_version="1",signal="refusal_rate"} 1.0',
+                 'servelm:concept_drift_alerts_total{model_name="m",model_version="1",signal="feedback"} 1.0',
+                 'servelm:drift_alert{feature="embedding",model_name="m"} 1.0',
+                 'servelm:drift_embeddings_total{model_name="m",outcome="embedded"} 120.0'):
+        assert line in metrics, line
+    assert 'servelm:drift_mmd2{model_name="m"}' in metrics

@@ -80,6 +80,10 @@ class ServerConfig:
     canary_interval_s: float = _f(1.0, "how often a running canary's step is evaluated")
     drift_window: int = _f(5000, "requests in each drift window (reference and live), per model")
     drift_min_samples: int = _f(50, "requests each drift window needs before a feature is judged")
+    drift_embedding_sample: float = _f(0.05, "share of prompts embedded (by the served embedding model, off the "
+                                       "request path) for prompt-embedding drift (MMD); 0 turns it off")
+    drift_check_interval_s: float = _f(60.0, "how often every model's drift (data, concept, embedding) is "
+                                       "evaluated in the background, so alerts fire unasked (0: only on request)")
     prefix_cache_isolation: str = _f("key", "key | none: with key, requests share prefix-cache blocks only "
                                      "with requests made with the same API key (one tenant cannot time-probe "
                                      "another's prompts); none shares them across all callers")
@@ -114,6 +118,8 @@ class ServerConfig:
         need(self.prediction_log_retention_days >= 0, "prediction_log_retention_days", ">= 0 (0: kept)")
         need(self.canary_interval_s > 0, "canary_interval_s", "> 0")
         need(self.drift_window >= 2 and self.drift_min_samples >= 2, "drift_window", ">= 2 (and min samples >= 2)")
+        need(0 <= self.drift_embedding_sample <= 1, "drift_embedding_sample", "in [0, 1]")
+        need(self.drift_check_interval_s >= 0, "drift_check_interval_s", ">= 0 (0: only on request)")
 
     def secret(self, name: str) -> str | None:
         """api_key or admin_key: as given, or read from its *_file (surrounding whitespace dropped)."""

@@ -21,13 +21,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from servelm.control.bandit_policy import BanditPolicy
-from servelm.control.drift import DriftMonitor, DriftThresholds
+from servelm.control.drift import DriftMonitor
 from servelm.control.experiments import Experiment
 from servelm.control.policies import PolicyStore
 from servelm.control.predictions import Prediction, PredictionLog
 from servelm.control.shadow import ShadowMirror, ShadowResult
 from servelm.control.traffic import RequestAttrs, TrafficPolicy
 from servelm.control.types import ControlError
+from servelm.server.drift_watch import DriftSnapshot, DriftWatch
 from servelm.server.protocol import APIError
 from servelm.server.telemetry import RequestRecord
 from servelm.server.traffic_metrics import TrafficMetrics
@@ -36,7 +37,6 @@ logger = logging.getLogger("servelm.traffic")
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/chat"})
 FAULT_LABEL = "servelm.fault"  # on a version: "error" or "latency:SECONDS" (honoured with SERVELM_ALLOW_FAULTS=1)
 REMEMBER = 100_000  # request ids kept for feedback attribution
-DRIFT_CHARS = 256  # characters of a prompt profiled for drift (a sample: profiling runs on the event loop)
 
 
 def parse_modes(spec: str) -> tuple[str, dict[str, str]]:
@@ -62,7 +62,7 @@ class TrafficService:
     """Per-model traffic state over the control plane `cp` (its registry's database and audit trail)."""
 
     def __init__(self, cp: Any, server_config: Any, metrics_registry: Any, models: Any,
-                 queue_timeout_s: float | None = 30.0) -> None:
+                 queue_timeout_s: float | None = 30.0, embedder: Any = None) -> None:
         self.cp, self.cfg, self.models = cp, server_config, models
         self.queue_timeout_s = queue_timeout_s  # a shadow request waits no longer than a primary one would
         reg = cp.registry
@@ -94,11 +94,11 @@ class TrafficService:
             self.experiments[name] = exp
         self.canaries: dict[str, Any] = {}  # model -> CanaryRun (control/canary_runner.py)
         self.mirrors: dict[str, ShadowMirror] = {}
-        self.drift: dict[str, DriftMonitor] = {}
         # request id -> [model, version, arm, key name, feedback given]: who may rate it, and only once
         self.served: OrderedDict[str, list] = OrderedDict()
-        self._alerting: dict[tuple[str, str], bool] = {}  # (model, feature) -> alerting at the last report
         self.metrics = TrafficMetrics(metrics_registry, self)
+        self.watch = DriftWatch(server_config, self.metrics, embedder, self.notify)
+        self.drift: dict[str, DriftMonitor] = self.watch.data
         self.allow_faults = os.environ.get("SERVELM_ALLOW_FAULTS") == "1"
         cp.deployments.policy_of = self.policies.get  # DeploymentManager.route asks this per request
 
@@ -110,6 +110,7 @@ class TrafficService:
         for name, rec in self.store.all("canary").items():
             if rec.get("status") == "running" and name not in self.canaries:
                 self.canaries[name] = CanaryRun.resume(self, rec, self.cfg.canary_interval_s)
+        self.watch.start(self.cfg.drift_check_interval_s)
         if self.log.default_retention_days is not None and self._retention is None:
             self._retention = asyncio.create_task(self._purge_every(3600.0))
         return [n for n, r in self.canaries.items() if r.controller.status == "running"]
@@ -124,9 +125,14 @@ class TrafficService:
                 logger.exception("prediction log retention failed")
             await asyncio.sleep(seconds)
 
+    def notify(self, event: dict) -> None:
+        """An event for the operator's webhook (none configured: only logged)."""
+        logger.warning("traffic event: %s", event)
+
     async def close(self) -> None:
         if self._retention is not None:
             self._retention.cancel()
+        await self.watch.close()
         for run in list(self.canaries.values()):
             await run.stop()
         for mirror in self.mirrors.values():
@@ -212,9 +218,9 @@ class TrafficService:
         if len(self.served) > REMEMBER:
             self.served.popitem(last=False)
         if rec.prompt_ids is not None and not error:
-            text = _text(rec.prompt_text)
-            self.monitor(name).observe(prompt=text[:DRIFT_CHARS] if text else None, prompt_tokens=rec.prompt_ids,
-                                       output_tokens=rec.completion_tokens)
+            output = rec.completion_text if rec.completion_text is not None else rec.output_head
+            self.watch.observe(name, version, text=_text(rec.prompt_text), prompt_ids=rec.prompt_ids,
+                               output_tokens=rec.completion_tokens, output=output, finish_reason=rec.finish_reason)
         decision = rec.decision
         shadow = getattr(decision, "shadow_version", None)
         if shadow is not None and rec.prompt_ids is not None and not error:
@@ -240,6 +246,7 @@ class TrafficService:
         run = self.canaries.get(name)
         if run is not None and version is not None:
             run.controller.feedback(version, score)
+        self.watch.feedback(name, version, score)
         policy = self.policies.get(name)
         if isinstance(policy, BanditPolicy) and version is not None:
             policy.reward(version, score)
@@ -316,25 +323,11 @@ class TrafficService:
         return ShadowResult(tokens=tokens, latency=time.monotonic() - t0)
 
     def monitor(self, name: str) -> DriftMonitor:
-        d = self.drift.get(name)
-        if d is None:
-            th = DriftThresholds(min_samples=self.cfg.drift_min_samples)
-            d = self.drift[name] = DriftMonitor(name, th, window=self.cfg.drift_window)
-        return d
+        return self.watch.monitor(name)
 
-    def drift_report(self, name: str, mon: DriftMonitor | None = None) -> dict:
-        """The model's drift report (404 when it has served nothing yet); a feature that starts alerting
-        counts in servelm:drift_alerts_total."""
-        mon = mon or self.drift.get(name)
-        if mon is None:
-            raise ControlError(404, f"no drift data for {name!r} yet; models with data: "
-                               f"{', '.join(self.drift) or 'none'}", code="not_found", param="model")
-        rep = mon.report()
-        for feature, f in rep["features"].items():
-            if f["alert"] and not self._alerting.get((name, feature), False):
-                self.metrics.drift_alerts.labels(name, feature).inc()
-            self._alerting[(name, feature)] = f["alert"]
-        return rep
+    def drift_report(self, name: str, snap: DriftSnapshot | DriftMonitor | None = None, fresh: bool = True) -> dict:
+        """The model's drift report (server/drift_watch.py; 404 when it has served nothing yet)."""
+        return self.watch.report(name, snap, fresh)
 
 
 def _text(prompt_json: str | None) -> str | None:
