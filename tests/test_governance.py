@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 import test_traffic_api
-from test_traffic_api import ADMIN, complete, put_policy
+from test_traffic_api import ADMIN, _wait_canary, complete, put_policy
+
+from servelm.control.types import State
 
 platform = test_traffic_api.platform  # the fixture: the in-process app with model m (v1..v4)
 
@@ -138,3 +140,124 @@ def test_concept_and_embedding_drift_over_http(platform):
                  'servelm:drift_embeddings_total{model_name="m",outcome="embedded"} 120.0'):
         assert line in metrics, line
     assert 'servelm:drift_mmd2{model_name="m"}' in metrics
+
+
+class Receiver:
+    """A real HTTP server on 127.0.0.1 (a thread) that records the JSON bodies POSTed to it. It answers 500
+    to the first `fail` requests; while `hold` is clear it keeps each request waiting."""
+
+    def __init__(self, fail: int = 0) -> None:
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.bodies: list = []
+        self.fail, self.hold, self.attempts = fail, threading.Event(), 0
+        self.hold.set()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                data = self.rfile.read(int(self.headers["content-length"]))
+                outer.hold.wait(30)
+                outer.attempts += 1
+                failing = outer.attempts <= outer.fail
+                if not failing:
+                    outer.bodies.append((self.path, self.headers.get("content-type"), data if outer.raw
+                                         else json.loads(data)))
+                self.send_response(500 if failing else 200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.raw = False
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.hold.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_the_webhook_gets_rollbacks_failed_promotions_and_drift_alerts_without_blocking(platform):
+    """A real receiver on 127.0.0.1: its first answer is a 500 (retried), and it holds the first rollback's
+    delivery while the abort has already answered (the canary path never waits on the webhook). A failed
+    promotion and a drift alert follow; a receiver that is gone counts a failure, nothing else."""
+    from servelm.config.settings import load
+    from servelm.server.webhook import Webhook
+
+    client, state, _ = platform
+    svc = state.traffic
+    rx = Receiver(fail=1)
+    try:
+        cfg = load({"webhook_url": rx.url + "/hook", "webhook_retries": 1}, env={}).server
+        svc.webhook = Webhook(cfg.webhook_url, svc.metrics, timeout_s=cfg.webhook_timeout_s,
+                              retries=cfg.webhook_retries, backoff_s=0.0)
+        client.portal.call(svc.webhook.start)
+        rx.hold.clear()
+        r = client.post("/admin/models/m/canary", headers=ADMIN, json={"version": 3, "steps": [50, 100],
+                                                                      "min_requests": 10**6, "min_seconds": 0})
+        assert r.status_code == 201, r.text
+        r = client.post("/admin/models/m/canary/abort", headers=ADMIN, json={"reason": "drill"})
+        assert r.status_code == 200 and r.json()["status"] == "rolled_back"  # answered while the receiver holds
+        assert rx.bodies == []
+        rx.hold.set()
+        client.portal.call(svc.webhook.flush)
+        assert rx.attempts == 2  # a 500, then the retry
+        (path, ctype, event), = rx.bodies
+        assert (path, ctype) == ("/hook", "application/json")
+        assert {k: event[k] for k in ("event", "model", "version", "production", "reason", "kind")} == {
+            "event": "canary.rollback", "model": "m", "version": 3, "production": 1, "reason": "drill",
+            "kind": "aborted"}
+
+        async def refuse(*args, **kw):
+            raise RuntimeError("registry unavailable")
+
+        state.control.registry.transition("m", 4, State.STAGING, "t")
+        state.control.registry.transition("m", 4, State.STAGING_TESTED, "t")
+        state.control.transition = refuse
+        assert client.post("/admin/models/m/canary", headers=ADMIN, json={
+            "version": 4, "steps": [50, 100], "min_requests": 1, "min_seconds": 0}).status_code == 201
+        i = iter(range(10**6))
+        _wait_canary(client, lambda: complete(client, user=f"u{next(i)}"), "failed", limit=300)
+        for _ in range(20):
+            complete(client, prompt="hello there")
+        client.post("/admin/drift/m/reference", headers=ADMIN)
+        for _ in range(20):
+            complete(client, prompt="0123456789 ++== 98765")
+        client.portal.call(svc.watch.check)  # what the background check does every drift_check_interval_s
+        client.portal.call(svc.webhook.flush)
+        events = [b[2] for b in rx.bodies]
+        assert [e["event"] for e in events[:2]] == ["canary.rollback", "canary.promotion_failed"]
+        assert "registry unavailable" in events[1]["reason"] and events[1]["version"] == 4
+        drift = [e for e in events[2:] if e["event"] == "drift.alert"]
+        assert drift and all(e["model"] == "m" and e["kind"] == "data" for e in drift)
+        assert {"char_classes", "prompt_len"} <= {e["feature"] for e in drift}
+        assert len(events) == 2 + len(drift)
+        n = len(events)
+        client.portal.call(svc.watch.check)  # still alerting: nothing new starts
+        client.portal.call(svc.webhook.flush)
+        assert len(rx.bodies) == n
+    finally:
+        rx.close()
+    svc.notify({"event": "drift.alert", "model": "m"})  # the receiver is gone: a failure, counted
+    client.portal.call(svc.webhook.flush)
+    metrics = client.get("/metrics").text
+    assert 'servelm:webhook_failures_total{event="drift.alert"} 1.0' in metrics
+    assert 'servelm:webhook_deliveries_total{event="canary.rollback"} 1.0' in metrics
+
+
+def test_webhook_settings_come_from_the_config_tree():
+    from servelm.config.engine import ConfigError
+    from servelm.config.settings import load
+
+    cfg = load({"webhook_timeout_s": 0.5}, env={"SERVELM_WEBHOOK_URL": "http://127.0.0.1:9/x"})
+    assert (cfg.server.webhook_url, cfg.server.webhook_timeout_s, cfg.sources["server.webhook_url"]) == \
+        ("http://127.0.0.1:9/x", 0.5, "env")
+    with pytest.raises(ConfigError, match="webhook_url"):
+        load({"webhook_url": "ftp://x"}, env={})

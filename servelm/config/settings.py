@@ -84,6 +84,10 @@ class ServerConfig:
                                        "request path) for prompt-embedding drift (MMD); 0 turns it off")
     drift_check_interval_s: float = _f(60.0, "how often every model's drift (data, concept, embedding) is "
                                        "evaluated in the background, so alerts fire unasked (0: only on request)")
+    webhook_url: str | None = _f(None, "with a registry: URL the server POSTs a JSON event to on a canary "
+                                 "rollback, a canary promotion that failed, and a drift alert that starts")
+    webhook_timeout_s: float = _f(2.0, "timeout of one webhook delivery attempt")
+    webhook_retries: int = _f(2, "webhook delivery attempts after the first, with exponential backoff")
     prefix_cache_isolation: str = _f("key", "key | none: with key, requests share prefix-cache blocks only "
                                      "with requests made with the same API key (one tenant cannot time-probe "
                                      "another's prompts); none shares them across all callers")
@@ -119,6 +123,10 @@ class ServerConfig:
         need(self.canary_interval_s > 0, "canary_interval_s", "> 0")
         need(self.drift_window >= 2 and self.drift_min_samples >= 2, "drift_window", ">= 2 (and min samples >= 2)")
         need(0 <= self.drift_embedding_sample <= 1, "drift_embedding_sample", "in [0, 1]")
+        need(self.webhook_url is None or self.webhook_url.startswith(("http://", "https://")), "webhook_url",
+             "an http:// or https:// URL")
+        need(self.webhook_timeout_s > 0 and self.webhook_retries >= 0, "webhook_timeout_s",
+             "> 0 (and webhook_retries >= 0)")
         need(self.drift_check_interval_s >= 0, "drift_check_interval_s", ">= 0 (0: only on request)")
 
     def secret(self, name: str) -> str | None:

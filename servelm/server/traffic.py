@@ -32,6 +32,7 @@ from servelm.server.drift_watch import DriftSnapshot, DriftWatch
 from servelm.server.protocol import APIError
 from servelm.server.telemetry import RequestRecord
 from servelm.server.traffic_metrics import TrafficMetrics
+from servelm.server.webhook import Webhook
 
 logger = logging.getLogger("servelm.traffic")
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/chat"})
@@ -98,6 +99,9 @@ class TrafficService:
         self.served: OrderedDict[str, list] = OrderedDict()
         self.metrics = TrafficMetrics(metrics_registry, self)
         self.watch = DriftWatch(server_config, self.metrics, embedder, self.notify)
+        url = getattr(server_config, "webhook_url", None)
+        self.webhook = Webhook(url, self.metrics, timeout_s=server_config.webhook_timeout_s,
+                               retries=server_config.webhook_retries) if url else None
         self.drift: dict[str, DriftMonitor] = self.watch.data
         self.allow_faults = os.environ.get("SERVELM_ALLOW_FAULTS") == "1"
         cp.deployments.policy_of = self.policies.get  # DeploymentManager.route asks this per request
@@ -111,6 +115,8 @@ class TrafficService:
             if rec.get("status") == "running" and name not in self.canaries:
                 self.canaries[name] = CanaryRun.resume(self, rec, self.cfg.canary_interval_s)
         self.watch.start(self.cfg.drift_check_interval_s)
+        if self.webhook is not None:
+            self.webhook.start()
         if self.log.default_retention_days is not None and self._retention is None:
             self._retention = asyncio.create_task(self._purge_every(3600.0))
         return [n for n, r in self.canaries.items() if r.controller.status == "running"]
@@ -126,13 +132,18 @@ class TrafficService:
             await asyncio.sleep(seconds)
 
     def notify(self, event: dict) -> None:
-        """An event for the operator's webhook (none configured: only logged)."""
+        """An event for the operator (canary rollback or failed promotion, drift alert): logged, and sent to
+        the webhook when one is configured (never waits; callable from any thread)."""
         logger.warning("traffic event: %s", event)
+        if self.webhook is not None:
+            self.webhook.send(event)
 
     async def close(self) -> None:
         if self._retention is not None:
             self._retention.cancel()
         await self.watch.close()
+        if self.webhook is not None:
+            await self.webhook.close()
         for run in list(self.canaries.values()):
             await run.stop()
         for mirror in self.mirrors.values():

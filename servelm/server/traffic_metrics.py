@@ -46,6 +46,10 @@ class TrafficMetrics:
         self.drift_embeddings = Counter("servelm:drift_embeddings", "Prompts sampled for embedding drift, by "
                                         "outcome (embedded, skipped: too many in flight, failed).",
                                         ["model_name", "outcome"], registry=r)
+        self.webhook_deliveries = Counter("servelm:webhook_deliveries", "Events delivered to the webhook.",
+                                          ["event"], registry=r)
+        self.webhook_failures = Counter("servelm:webhook_failures", "Webhook events not delivered (every attempt "
+                                        "failed, or the queue was full).", ["event"], registry=r)
         registry.register(_Collector(service))
 
     def request(self, name: str, version: int | None, arm: str, error: bool, latency: float,
