@@ -251,6 +251,18 @@ def test_the_webhook_gets_rollbacks_failed_promotions_and_drift_alerts_without_b
     assert 'servelm:webhook_failures_total{event="drift.alert"} 1.0' in metrics
     assert 'servelm:webhook_deliveries_total{event="canary.rollback"} 1.0' in metrics
 
+    # what a server builds from its settings: the webhook and the prediction log's OTLP sink
+    from prometheus_client import CollectorRegistry
+
+    from servelm.server.traffic import TrafficService
+
+    cfg = load({"webhook_url": "http://127.0.0.1:9/hook", "prediction_log_otlp_endpoint": "http://127.0.0.1:9/v1/logs",
+                "data_dir": svc.cfg.data_dir}, env={}).server
+    other = TrafficService(state.control, cfg, CollectorRegistry(), state.models)
+    assert (other.webhook.url, other.webhook.retries, other.log.otlp.endpoint) == \
+        ("http://127.0.0.1:9/hook", 2, "http://127.0.0.1:9/v1/logs")
+    client.portal.call(other.close)
+
 
 def test_webhook_settings_come_from_the_config_tree():
     from servelm.config.engine import ConfigError
@@ -261,3 +273,54 @@ def test_webhook_settings_come_from_the_config_tree():
         ("http://127.0.0.1:9/x", 0.5, "env")
     with pytest.raises(ConfigError, match="webhook_url"):
         load({"webhook_url": "ftp://x"}, env={})
+
+
+def test_prediction_log_entries_leave_as_otlp_log_records(tmp_path):
+    """The OTLP sink with opentelemetry-sdk's real OTLP/HTTP exporter, against a receiver on 127.0.0.1 that
+    decodes the protobuf ExportLogsServiceRequest: one record per entry, with the entry's fields."""
+    import asyncio
+
+    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+
+    from servelm.config.settings import load
+    from servelm.control.prediction_otlp import OtlpSink
+    from servelm.control.predictions import Prediction, PredictionLog
+
+    rx = Receiver()
+    rx.raw = True
+    try:
+        cfg = load({"prediction_log_otlp_endpoint": rx.url + "/v1/logs"}, env={}).server
+        log = PredictionLog(None, sink=tmp_path / "p.jsonl", modes={"m": "full"}, default_mode="metadata",
+                            otlp=OtlpSink(cfg.prediction_log_otlp_endpoint, "svc-test"))
+        asyncio.run(log.log(Prediction("r1", "m", version=2, arm="v2", key_name="k", user="alice",
+                                       prompt="mail a@example.com", output="ok", prompt_tokens=3,
+                                       completion_tokens=1, latency_s=0.5, finish_reason="stop", at=1700000000.25)))
+        log.write(Prediction("r2", "other", error="boom", at=1700000001.0))
+        assert log.otlp.flush()
+        log.close()
+    finally:
+        rx.close()
+    records = {}
+    for path, ctype, data in rx.bodies:
+        assert (path, ctype) == ("/v1/logs", "application/x-protobuf")
+        req = ExportLogsServiceRequest.FromString(data)
+        for rl in req.resource_logs:
+            res = {a.key: a.value.string_value for a in rl.resource.attributes}
+            assert res["service.name"] == "svc-test"
+            for sl in rl.scope_logs:
+                for lr in sl.log_records:
+                    attrs = {}
+                    for a in lr.attributes:
+                        v = a.value
+                        attrs[a.key] = getattr(v, v.WhichOneof("value"))
+                    body = {kv.key: kv.value.string_value for kv in lr.body.kvlist_value.values}
+                    records[attrs["servelm.request_id"]] = (lr.time_unix_nano, lr.event_name, attrs, body)
+    assert set(records) == {"r1", "r2"}
+    t, name, attrs, body = records["r1"]
+    assert (t, name) == (1700000000250000000, "servelm.prediction")
+    assert attrs == {"servelm.request_id": "r1", "servelm.model": "m", "servelm.model_version": 2,
+                     "servelm.arm": "v2", "servelm.key": "k", "enduser.id": "alice", "servelm.prompt_tokens": 3,
+                     "servelm.completion_tokens": 1, "servelm.latency_s": 0.5, "servelm.finish_reason": "stop"}
+    assert body == {"prompt": "mail [EMAIL]", "output": "ok"}  # redacted, as in the log
+    t, _, attrs, body = records["r2"]
+    assert attrs["servelm.error"] == "boom" and attrs["servelm.model"] == "other" and body == {}  # metadata mode

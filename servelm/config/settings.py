@@ -73,6 +73,9 @@ class ServerConfig:
     prediction_log: str = _f("off", "with a registry: the prediction log's mode, off | metadata | full (prompt and "
                              "output, redacted), for every model or per model: 'm=full,other=off,*=metadata'")
     prediction_log_file: str | None = _f(None, "also append prediction-log entries to this JSON-lines file")
+    prediction_log_otlp_endpoint: str | None = _f(None, "also export each prediction-log entry as an "
+                                                  "OpenTelemetry log record to this OTLP/HTTP endpoint, e.g. "
+                                                  "http://localhost:4318/v1/logs (asynchronous, batched)")
     prediction_log_retention_days: float = _f(0.0, "delete prediction-log entries older than this many days "
                                               "(hourly; 0: keep them)")
     shadow_queue: int = _f(64, "mirrored (shadow) requests waiting at most, per model; more are dropped and counted")
@@ -123,6 +126,9 @@ class ServerConfig:
         need(self.canary_interval_s > 0, "canary_interval_s", "> 0")
         need(self.drift_window >= 2 and self.drift_min_samples >= 2, "drift_window", ">= 2 (and min samples >= 2)")
         need(0 <= self.drift_embedding_sample <= 1, "drift_embedding_sample", "in [0, 1]")
+        need(self.prediction_log_otlp_endpoint is None
+             or self.prediction_log_otlp_endpoint.startswith(("http://", "https://")),
+             "prediction_log_otlp_endpoint", "an http:// or https:// URL")
         need(self.webhook_url is None or self.webhook_url.startswith(("http://", "https://")), "webhook_url",
              "an http:// or https:// URL")
         need(self.webhook_timeout_s > 0 and self.webhook_retries >= 0, "webhook_timeout_s",

@@ -71,7 +71,13 @@ class TrafficService:
         default, per = parse_modes(server_config.prediction_log)
         sink = server_config.prediction_log_file
         days = server_config.prediction_log_retention_days or None
-        self.log = PredictionLog(reg.engine, sink=sink, modes=per, default_mode=default, default_retention_days=days)
+        otlp = None
+        if getattr(server_config, "prediction_log_otlp_endpoint", None):
+            from servelm.control.prediction_otlp import OtlpSink
+
+            otlp = OtlpSink(server_config.prediction_log_otlp_endpoint, server_config.otlp_service_name)
+        self.log = PredictionLog(reg.engine, sink=sink, modes=per, default_mode=default, default_retention_days=days,
+                                 otlp=otlp)
         self._retention: asyncio.Task | None = None
         self.policies: dict[str, TrafficPolicy | BanditPolicy] = {}
         for name, rec in self.store.all("policy").items():
