@@ -324,3 +324,67 @@ def test_prediction_log_entries_leave_as_otlp_log_records(tmp_path):
     assert body == {"prompt": "mail [EMAIL]", "output": "ok"}  # redacted, as in the log
     t, _, attrs, body = records["r2"]
     assert attrs["servelm.error"] == "boom" and attrs["servelm.model"] == "other" and body == {}  # metadata mode
+
+
+def test_canary_experiment_bandit_and_log_mode_state_survive_a_restart(platform):
+    """After the periodic checkpoint, a new TrafficService over the same registry (what a restarted server
+    builds) has: the running canary's step windows, the bandit's learned posterior, the experiment's arm
+    statistics, and the prediction-log mode set over the admin API. (Before, all of these started again.)"""
+    client, state, _ = platform
+    old = state.traffic
+
+    def restart():
+        assert client.portal.call(old.checkpoint)  # what the periodic task does; then the process is gone
+        return client.portal.call(_restart, state, old)
+
+    assert client.put("/admin/models/m/prediction-log", headers=ADMIN, json={"mode": "off"}).status_code == 200
+    r = client.post("/admin/models/m/canary", headers=ADMIN, json={"version": 3, "steps": [50, 100],
+                                                                  "min_requests": 10**6, "min_seconds": 0})
+    assert r.status_code == 201, r.text
+    for j in range(30):
+        assert complete(client, user=f"u{j}").status_code == 200
+    windows = {v: w.to_dict() for v, w in old.canaries["m"].controller.windows.items()}
+    assert sum(w["requests"] for w in windows.values()) == 30
+    new = restart()
+    assert new.canaries["m"].controller.step == 0
+    assert {v: w.to_dict() for v, w in new.canaries["m"].controller.windows.items()} == windows
+    assert new.log.mode("m") == "off" and new.log.mode("other") == "full"
+    client.portal.call(new.canaries["m"].stop)
+    client.portal.call(new.close)
+
+    client.portal.call(old.canaries["m"].abort, "t", "next part")
+    old.clear_policy("m", "t")
+    assert client.put("/admin/models/m/bandit", headers=ADMIN, json={"versions": [1, 3]}).status_code == 200
+    for j in range(20):
+        complete(client, headers={"x-request-id": f"bd{j}"})
+        client.post("/v1/feedback", json={"request_id": f"bd{j}", "score": 1.0 if j % 3 else 0.0})
+    posterior = old.policies["m"].bandit.to_dict()
+    assert sum(posterior["alpha"].values()) > 2  # learned since it was set (the stored policy has the prior)
+    new = restart()
+    assert new.policies["m"].bandit.to_dict() == posterior
+    client.portal.call(new.close)
+
+    old.clear_policy("m", "t")
+    assert client.post("/admin/experiments", headers=ADMIN, json={
+        "name": "e1", "model": "m", "arms": [{"version": 1, "name": "a"}, {"version": 4, "name": "b"}]}
+    ).status_code == 201
+    for j in range(10):
+        assert complete(client, headers={"x-request-id": f"ex{j}"}).status_code == 200
+        client.post("/v1/feedback", json={"request_id": f"ex{j}", "score": j / 10})
+    arms = {k: a.to_dict() for k, a in old.experiments["e1"].arms.items()}
+    assert sum(a["requests"] for a in arms.values()) == 10
+    new = restart()
+    assert {k: a.to_dict() for k, a in new.experiments["e1"].arms.items()} == arms
+    assert not client.portal.call(old.checkpoint)  # nothing changed since: nothing written
+    client.portal.call(new.close)
+
+
+async def _restart(state, old):
+    from prometheus_client import CollectorRegistry
+
+    from servelm.server.traffic import TrafficService
+
+    svc = TrafficService(state.control, old.cfg, CollectorRegistry(), state.models)
+    svc.resume()
+    state.control.deployments.policy_of = old.policies.get  # the app in this test keeps routing with `old`
+    return svc

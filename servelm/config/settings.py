@@ -81,6 +81,10 @@ class ServerConfig:
     shadow_queue: int = _f(64, "mirrored (shadow) requests waiting at most, per model; more are dropped and counted")
     shadow_concurrency: int = _f(1, "shadow requests run at once, per model")
     canary_interval_s: float = _f(1.0, "how often a running canary's step is evaluated")
+    traffic_state_interval_s: float = _f(10.0, "how often running canary and experiment windows and bandit "
+                                         "posteriors are saved to the registry database (and at shutdown), so a "
+                                         "restart carries on from them; at most this much is lost in a crash "
+                                         "(0: only at shutdown)")
     drift_window: int = _f(5000, "requests in each drift window (reference and live), per model")
     drift_min_samples: int = _f(50, "requests each drift window needs before a feature is judged")
     drift_embedding_sample: float = _f(0.05, "share of prompts embedded (by the served embedding model, off the "
@@ -133,6 +137,7 @@ class ServerConfig:
              "an http:// or https:// URL")
         need(self.webhook_timeout_s > 0 and self.webhook_retries >= 0, "webhook_timeout_s",
              "> 0 (and webhook_retries >= 0)")
+        need(self.traffic_state_interval_s >= 0, "traffic_state_interval_s", ">= 0 (0: only at shutdown)")
         need(self.drift_check_interval_s >= 0, "drift_check_interval_s", ">= 0 (0: only on request)")
 
     def secret(self, name: str) -> str | None:

@@ -242,8 +242,5 @@ def add_traffic_routes(app: FastAPI, state) -> None:
 
     @app.put("/admin/models/{name}/prediction-log")
     async def set_mode(name: str, body: ModeBody, request: Request) -> dict:
-        before = svc.log.mode(name)
-        svc.log.set_mode(name, body.mode)
-        cp.registry.audit.record(actor(request), "predictions.mode", f"model:{name}", {"mode": before},
-                                 {"mode": body.mode})
+        svc.set_log_mode(name, body.mode, actor(request))
         return {"model": name, "mode": body.mode}

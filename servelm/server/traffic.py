@@ -22,7 +22,7 @@ from typing import Any
 
 from servelm.control.bandit_policy import BanditPolicy
 from servelm.control.drift import DriftMonitor
-from servelm.control.experiments import Experiment
+from servelm.control.experiments import Experiment, ThompsonBandit
 from servelm.control.policies import PolicyStore
 from servelm.control.predictions import Prediction, PredictionLog
 from servelm.control.shadow import ShadowMirror, ShadowResult
@@ -79,6 +79,8 @@ class TrafficService:
         self.log = PredictionLog(reg.engine, sink=sink, modes=per, default_mode=default, default_retention_days=days,
                                  otlp=otlp)
         self._retention: asyncio.Task | None = None
+        self._checkpoints: asyncio.Task | None = None
+        self._changes = self._saved_changes = 0  # statistics updates made / covered by the last checkpoint
         self.policies: dict[str, TrafficPolicy | BanditPolicy] = {}
         for name, rec in self.store.all("policy").items():
             try:
@@ -99,6 +101,13 @@ class TrafficService:
             else:
                 self.experiment_of[rec["policy"]["model"]] = name
             self.experiments[name] = exp
+        for name, rec in self.store.all("logmode").items():  # modes set over the admin API outlive a restart
+            try:
+                self.log.set_mode(name, rec["mode"])
+            except (ControlError, KeyError, TypeError) as e:
+                logger.warning("stored prediction-log mode of %s is invalid, ignored: %s", name, e)
+        self._state = self.store.load_state()
+        self._restore_state()
         self.canaries: dict[str, Any] = {}  # model -> CanaryRun (control/canary_runner.py)
         self.mirrors: dict[str, ShadowMirror] = {}
         # request id -> [model, version, arm, key name, feedback given]: who may rate it, and only once
@@ -119,7 +128,14 @@ class TrafficService:
 
         for name, rec in self.store.all("canary").items():
             if rec.get("status") == "running" and name not in self.canaries:
-                self.canaries[name] = CanaryRun.resume(self, rec, self.cfg.canary_interval_s)
+                run = self.canaries[name] = CanaryRun.resume(self, rec, self.cfg.canary_interval_s)
+                saved = self._state.get(f"canary:{name}")
+                if saved and run.controller.restore_windows(saved):
+                    logger.info("canary of %s resumed with its step's windows (%s)", name,
+                                {k: w.requests for k, w in run.controller.windows.items()})
+        interval = getattr(self.cfg, "traffic_state_interval_s", 10.0)
+        if interval > 0 and self._checkpoints is None:
+            self._checkpoints = asyncio.create_task(self._checkpoint_every(interval))
         self.watch.start(self.cfg.drift_check_interval_s)
         if self.webhook is not None:
             self.webhook.start()
@@ -144,7 +160,58 @@ class TrafficService:
         if self.webhook is not None:
             self.webhook.send(event)
 
+    # -- state across a restart --------------------------------------------------------------------
+    def _restore_state(self) -> None:
+        """Experiment windows and bandit posteriors from the last checkpoint (canary windows: `resume`)."""
+        for name, exp in self.experiments.items():
+            saved = self._state.get(f"experiment:{name}")
+            if saved:
+                exp.restore_windows(saved)
+        for name, policy in self.policies.items():
+            saved = self._state.get(f"bandit:{name}")
+            if isinstance(policy, BanditPolicy) and saved and saved.get("versions") == policy.bandit.versions:
+                policy.bandit = ThompsonBandit.from_dict(saved)
+
+    def state_records(self) -> dict[str, dict | None]:
+        """On the event loop: what the running canaries, experiments and bandits learned, as state records
+        (None removes the record of a canary that no longer runs)."""
+        out: dict[str, dict | None] = {}
+        for name, run in self.canaries.items():
+            running = run.controller.status == "running"
+            out[f"canary:{name}"] = run.controller.windows_state() if running else None
+        for name, exp in self.experiments.items():
+            out[f"experiment:{name}"] = exp.windows_state()
+        for name, policy in self.policies.items():
+            if isinstance(policy, BanditPolicy):
+                out[f"bandit:{name}"] = policy.bandit.to_dict()
+        return out
+
+    async def checkpoint(self) -> bool:
+        """Save the state records (the database write in a thread) when anything changed since the last
+        time; whether it wrote."""
+        changes = self._changes
+        if changes == self._saved_changes:
+            return False
+        await asyncio.to_thread(self.store.save_state, self.state_records())
+        self._saved_changes = changes
+        return True
+
+    async def _checkpoint_every(self, seconds: float) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await self.checkpoint()
+            except Exception:
+                logger.exception("saving the traffic state failed")
+
     async def close(self) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.cancel()
+        try:
+            self._changes += 1  # a last checkpoint in any case: a canary may have changed step meanwhile
+            await self.checkpoint()
+        except Exception:
+            logger.exception("saving the traffic state at shutdown failed")
         if self._retention is not None:
             self._retention.cancel()
         await self.watch.close()
@@ -161,6 +228,17 @@ class TrafficService:
         """Store (audited) and apply a model's policy."""
         self.store.put("policy", policy.model, policy.to_dict(), actor, action)
         self.policies[policy.model] = policy
+        if isinstance(policy, BanditPolicy):  # a new bandit starts from its own prior, not a saved posterior
+            self.store.save_state({f"bandit:{policy.model}": None})
+        self._changes += 1
+
+    def set_log_mode(self, name: str, mode: str, actor: str) -> str:
+        """Change a model's prediction-log mode at run time; stored (audited), so it outlives a restart.
+        Returns the mode before."""
+        before = self.log.mode(name)
+        self.log.set_mode(name, mode)  # 400 on an unknown mode, before anything is stored
+        self.store.put("logmode", name, {"mode": mode}, actor, "predictions.mode")
+        return before
 
     def clear_policy(self, name: str, actor: str) -> dict:
         before = self.store.delete("policy", name, actor)
@@ -225,6 +303,7 @@ class TrafficService:
         self.metrics.request(name, version, arm, error, latency, ttft)
         kw = dict(error=error, prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens,
                   ttft=ttft, tpot=tpot, latency=latency)
+        self._changes += 1
         run = self.canaries.get(name)
         if run is not None and version is not None:
             run.controller.record(version, **kw)
@@ -259,6 +338,7 @@ class TrafficService:
             raise APIError(409, f"request {request_id!r} already has feedback (one per request)", "request_id",
                            "feedback_exists")
         found[4] = True
+        self._changes += 1
         name, version, arm = found[:3]
         run = self.canaries.get(name)
         if run is not None and version is not None:
