@@ -101,9 +101,9 @@ def test_concept_and_embedding_drift_over_http(platform):
         client.portal.call(svc.watch.drain)
 
     _speaking(deps[1], "Paris is the capital of France.", "stop")
-    serve(40, lambda j: english[j % 4], 0.8, "ref")
-    assert client.post("/admin/drift/m/reference", headers=ADMIN).json()["reference_requests"] == 40
-    serve(40, lambda j: english[(j + 1) % 4], 0.8, "same")
+    serve(25, lambda j: english[j % 4], 0.8, "ref")
+    assert client.post("/admin/drift/m/reference", headers=ADMIN).json()["reference_requests"] == 25
+    serve(25, lambda j: english[(j + 1) % 4], 0.8, "same")
     same = client.get("/admin/drift/m", headers=ADMIN).json()
     assert same["features"]["embedding"]["evaluated"] and not same["features"]["embedding"]["alert"]
     assert same["concept"]["v1"]["signals"]["refusal_rate"]["live_rate"] == 0.0
@@ -120,7 +120,7 @@ def test_concept_and_embedding_drift_over_http(platform):
     drift.DriftMonitor.embedding_report = spy
     try:
         _speaking(deps[1], "I'm sorry, I can't help with that.", "length")
-        serve(40, lambda j: f"{j}0123 ++== 98765 4321 ?? !! {j}", 0.0, "shift")
+        serve(25, lambda j: f"{j}0123 ++== 98765 4321 ?? !! {j}", 0.0, "shift")
         metrics = client.get("/metrics").text  # the scrape reads the last MMD result: it computes none
         assert threads == []
         shifted = client.get("/admin/drift/m", headers=ADMIN).json()
@@ -134,10 +134,10 @@ def test_concept_and_embedding_drift_over_http(platform):
     metrics = client.get("/metrics").text
     for line in ('servelm:concept_drift_alert{model_name="m",model_version="1",signal="refusal_rate"} 1.0',
                  'servelm:concept_drift_alert{model_name="m",model_version="1",signal="empty_rate"} 0.0',
-                 'servelm:concept_drift_live{model_name="m",model_version="1",signal="refusal_rate"} 1.0',
+                 'servelm:concept_drift_live{model_name="m",model_version="1",signal="refusal_rate"} 0.625',  # 25 of the last 40
                  'servelm:concept_drift_alerts_total{model_name="m",model_version="1",signal="feedback"} 1.0',
                  'servelm:drift_alert{feature="embedding",model_name="m"} 1.0',
-                 'servelm:drift_embeddings_total{model_name="m",outcome="embedded"} 120.0'):
+                 'servelm:drift_embeddings_total{model_name="m",outcome="embedded"} 75.0'):
         assert line in metrics, line
     assert 'servelm:drift_mmd2{model_name="m"}' in metrics
 
