@@ -140,6 +140,11 @@ def test_concept_and_embedding_drift_over_http(platform):
                  'servelm:drift_embeddings_total{model_name="m",outcome="embedded"} 75.0'):
         assert line in metrics, line
     assert 'servelm:drift_mmd2{model_name="m"}' in metrics
+    svc.watch.max_inflight = 0  # the embedder is busy with drift samples: more are skipped, never queued
+    calls = svc.watch.embedder.calls
+    assert complete(client, prompt="one more").status_code == 200
+    assert svc.watch.embedder.calls == calls and not svc.watch._inflight
+    assert 'servelm:drift_embeddings_total{model_name="m",outcome="skipped"} 1.0' in client.get("/metrics").text
 
 
 class Receiver:
