@@ -44,7 +44,7 @@ def test_a_malformed_key_group_list_is_refused(tmp_path, groups):
 
     f = tmp_path / "keys.json"
     f.write_text(json.dumps([{"name": "k", "key": "sk-12345678", "groups": groups}]))
-    with pytest.raises(ValueError, match="groups"):
+    with pytest.raises(ValueError, match="groups must be a list of non-empty group names"):
         load_keys_file(str(f))
 
 
