@@ -65,6 +65,8 @@ def build_app(state: ServerState):
     for family in (models, completions, chat, tokenize, native, embeddings):
         family.add_routes(app, api)
     add_ops_routes(app, state)
+    from servelm.server.routes import ollama
+    ollama.add_routes(app, api)  # Ollama's /api/* routes
     if state.control is not None:
         from servelm.server.admin import add_admin_routes
 

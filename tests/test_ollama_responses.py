@@ -1,0 +1,124 @@
+"""Ollama's API (driven by the `ollama` client) and OpenAI's Responses API (driven by the `openai` SDK) against one
+real server with a tiny model and an API key: both go through the same auth, admission, metrics and aborts as the
+OpenAI routes, so their greedy output equals those routes' output."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import ollama
+import openai
+import pytest
+from serving import _wait, server_log_lines, start_server, stats, stop_server
+
+pytestmark = pytest.mark.server
+
+KEY = "sk-test-ollama-1"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour"}]
+
+
+@pytest.fixture(scope="module")
+def served(llama_dir):
+    proc, url = start_server(llama_dir, "--max-model-len", "1024", "--api-key", KEY)
+    yield proc, url
+    assert stop_server(proc) == 0
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    return served[1]
+
+
+@pytest.fixture(scope="module")
+def oc(url):
+    return ollama.Client(host=url, headers=AUTH)
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+
+
+# -- Ollama ----------------------------------------------------------------------------------------------------
+def test_ollama_chat_equals_openai_chat(oc, client):
+    ref = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=12, temperature=0)
+    res = oc.chat(model="tiny", messages=MSGS, options={"temperature": 0, "num_predict": 12})
+    assert res.message.role == "assistant" and res.message.content == ref.choices[0].message.content
+    assert res.done and res.done_reason == ("length" if ref.choices[0].finish_reason == "length" else "stop")
+    assert res.prompt_eval_count == ref.usage.prompt_tokens and res.eval_count == ref.usage.completion_tokens
+    assert res.total_duration >= res.eval_duration > 0
+    chunks = list(oc.chat(model="tiny:latest", messages=MSGS, stream=True,
+                          options={"temperature": 0, "num_predict": 12}))
+    assert len(chunks) > 2 and not any(c.done for c in chunks[:-1]) and chunks[-1].done
+    assert "".join(c.message.content for c in chunks) == ref.choices[0].message.content
+    assert chunks[-1].eval_count == ref.usage.completion_tokens and chunks[-1].model == "tiny:latest"
+
+
+def test_ollama_generate_templates_raw_and_context(oc, client):
+    opts = {"temperature": 0, "num_predict": 8}
+    # not raw: the prompt is a user turn through the chat template, as Ollama does
+    gen = oc.generate(model="tiny", prompt="Name a colour", system="Be brief.", options=opts)
+    assert gen.response == oc.chat(model="tiny", messages=MSGS, options=opts).message.content
+    # raw: the text as it is, like /v1/completions
+    raw = oc.generate(model="tiny", prompt="Once upon a time", raw=True, options=opts)
+    ref = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert raw.response == ref.choices[0].text
+    # context: the conversation's tokens so far, which the next request continues
+    assert len(raw.context) == ref.usage.prompt_tokens + ref.usage.completion_tokens
+    more = oc.generate(model="tiny", prompt=" and then", raw=True, context=raw.context, options=opts)
+    assert more.prompt_eval_count > len(raw.context) and more.context[:len(raw.context)] == raw.context
+    streamed = list(oc.generate(model="tiny", prompt="Once upon a time", raw=True, options=opts, stream=True))
+    assert "".join(c.response for c in streamed) == ref.choices[0].text and streamed[-1].done
+    # a request with no prompt only loads the model
+    assert oc.generate(model="tiny").done_reason == "load"
+
+
+def test_ollama_embed_tags_show_ps(oc, client):
+    texts = ["a red fox", "a blue whale"]
+    ref = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts)
+    emb = oc.embed(model="all-MiniLM-L6-v2", input=texts)
+    assert np.allclose(emb.embeddings, [d.embedding for d in ref.data], atol=1e-5)
+    assert emb.prompt_eval_count == ref.usage.prompt_tokens
+    assert np.allclose(oc.embeddings(model="all-MiniLM-L6-v2", prompt=texts[0]).embedding, emb.embeddings[0],
+                       atol=1e-5)
+    assert [m.model for m in oc.list().models] == ["tiny", "all-MiniLM-L6-v2"]
+    ps = oc.ps().models
+    assert ps[0].model == "tiny" and ps[0].context_length == 1024
+    shown = oc.show("tiny")
+    assert "completion" in shown.capabilities and "im_start" in shown.template
+    assert "embedding" in oc.show("all-MiniLM-L6-v2:latest").capabilities
+
+
+def test_ollama_errors_auth_and_limits(url, oc):
+    with pytest.raises(ollama.ResponseError) as e:
+        oc.chat(model="nope", messages=MSGS)
+    assert e.value.status_code == 404 and "nope" in e.value.error  # Ollama's shape: the error is a string
+    for bad in ({"options": {"no_such_option": 1}}, {"options": {"temperature": 9}},
+                {"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, {"format": "json"},
+                {"options": {"mirostat": 2}}):
+        r = httpx.post(url + "/api/chat", json={"model": "tiny", "messages": MSGS, **bad}, headers=AUTH)
+        assert r.status_code == 400 and isinstance(r.json()["error"], str), (bad, r.text)
+    r = httpx.post(url + "/api/chat", content=b"{not json", headers=AUTH)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]
+    with pytest.raises(ollama.ResponseError) as e:
+        ollama.Client(host=url).list()  # the same API key as every other route
+    assert e.value.status_code == 401
+    # admission's per-request cap applies as on the OpenAI routes
+    r = httpx.post(url + "/api/generate", json={"model": "tiny", "prompt": "x", "options": {"num_predict": 5000}},
+                   headers=AUTH)
+    assert r.status_code == 400 and "context length" in r.json()["error"]
+
+
+def test_ollama_stream_abort_on_disconnect(served, url):
+    proc, _ = served
+    body = {"model": "tiny", "prompt": "Once", "raw": True, "options": {"num_predict": 900}}
+    with httpx.stream("POST", url + "/api/generate", json=body, headers=AUTH, timeout=60) as r:
+        assert r.headers["content-type"] == "application/x-ndjson"
+        lines = r.iter_lines()
+        assert '"done":false' in next(lines)
+    # the client left after one line: the request is aborted in the engine, not run to 900 tokens
+    _wait(lambda: stats(url, AUTH)["engine"]["in_flight"] == 0, 60, "the request to be aborted")
+    line = _wait(lambda: [x for x in server_log_lines(proc) if x.get("path") == "/api/generate"
+                          and x.get("status") == 499], 30, "the request's log line")[-1]
+    assert line["completion_tokens"] < 900 and line["model"] == "tiny"
