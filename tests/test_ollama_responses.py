@@ -122,3 +122,69 @@ def test_ollama_stream_abort_on_disconnect(served, url):
     line = _wait(lambda: [x for x in server_log_lines(proc) if x.get("path") == "/api/generate"
                           and x.get("status") == 499], 30, "the request's log line")[-1]
     assert line["completion_tokens"] < 900 and line["model"] == "tiny"
+
+
+# -- OpenAI Responses --------------------------------------------------------------------------------------------
+def _chat(client, msgs, max_tokens):
+    return client.chat.completions.create(model="tiny", messages=msgs, max_tokens=max_tokens, temperature=0)
+
+
+def test_responses_create_and_stream_equal_chat(client):
+    ref = _chat(client, MSGS, 12)
+    res = client.responses.create(model="tiny", input="Name a colour", instructions="Be brief.",
+                                  max_output_tokens=12, temperature=0)
+    assert res.output_text == ref.choices[0].message.content and res.object == "response"
+    assert res.status == ("incomplete" if ref.choices[0].finish_reason == "length" else "completed")
+    assert res.usage.input_tokens == ref.usage.prompt_tokens
+    assert res.usage.output_tokens == ref.usage.completion_tokens
+    events = list(client.responses.create(model="tiny", input=[{"role": "user", "content": "Name a colour"}],
+                                          instructions="Be brief.", max_output_tokens=12, temperature=0,
+                                          stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{res.status}"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == res.output_text
+    assert events[-1].response.output_text == res.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_previous_response_id_and_store(client):
+    first = client.responses.create(model="tiny", input="Name a colour", max_output_tokens=6, temperature=0)
+    second = client.responses.create(model="tiny", input="Another one", previous_response_id=first.id,
+                                     max_output_tokens=6, temperature=0)
+    ref = _chat(client, [{"role": "user", "content": "Name a colour"},
+                         {"role": "assistant", "content": first.output_text},
+                         {"role": "user", "content": "Another one"}], 6)
+    assert second.output_text == ref.choices[0].message.content and second.previous_response_id == first.id
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    unstored = client.responses.create(model="tiny", input="x", max_output_tokens=2, store=False)
+    for missing in (unstored.id, "resp_nope"):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(missing)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model="tiny", input="x", previous_response_id="resp_nope")
+    assert e.value.body["param"] == "previous_response_id"
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="tiny", input="x", tools=[{"type": "function", "name": "f", "parameters": {}}])
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="tiny", input=[])
+
+
+def test_response_store_is_bounded_and_per_key():
+    from servelm.server.protocol import APIError
+    from servelm.server.routes.responses import ResponseStore, Stored
+
+    store = ResponseStore(2)
+    for i in range(3):
+        store.put(f"r{i}", Stored("alice", {"id": f"r{i}"}, []))
+    with pytest.raises(APIError):
+        store.get("r0", "alice")  # the oldest went
+    assert store.get("r2", "alice").response == {"id": "r2"}
+    with pytest.raises(APIError) as e:
+        store.get("r2", "bob")
+    assert e.value.status == 404
