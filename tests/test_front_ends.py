@@ -1,8 +1,13 @@
-"""Ollama's API (driven by the `ollama` client) and OpenAI's Responses API (driven by the `openai` SDK) against one
-real server with a tiny model and an API key: both go through the same auth, admission, metrics and aborts as the
+"""Ways into the server besides the OpenAI API, against one real server with a tiny model and an API key: the web
+chat page (in headless Chromium, driven by Selenium), Ollama's API (driven by the `ollama` client) and OpenAI's
+Responses API (driven by the `openai` SDK). All go through the same auth, admission, metrics and aborts as the
 OpenAI routes, so their greedy output equals those routes' output."""
 
 from __future__ import annotations
+
+import json
+import os
+import shutil
 
 import httpx
 import numpy as np
@@ -188,3 +193,155 @@ def test_response_store_is_bounded_and_per_key():
     with pytest.raises(APIError) as e:
         store.get("r2", "bob")
     assert e.value.status == 404
+
+
+# -- the web chat page -------------------------------------------------------------------------------------------
+def test_web_page_is_public_static_and_can_be_turned_off():
+    """In-process: the page and its files need no key (the API behind them does), carry a CSP that allows only
+    this server's scripts, name no other host, and `ui: none` leaves them out."""
+    import re
+
+    from fakes import IdleEngine
+    from starlette.testclient import TestClient
+
+    from servelm.config.settings import load
+    from servelm.server.api import build_app
+    from servelm.server.serve import build_state
+
+    for ui, expect in (("chat", 200), ("none", 404)):
+        state = build_state(load({"api_key": KEY, "ui": ui}, env={}), None, IdleEngine(), "tiny")
+        with TestClient(build_app(state)) as c:
+            page = c.get("/")
+            assert page.status_code == expect, ui
+            assert c.get("/v1/models").status_code == 401
+            if expect == 404:
+                continue
+            assert "script-src 'self'" in page.headers["content-security-policy"]
+            assert not re.search(r"https?://", page.text)
+            for asset in re.findall(r'(?:src|href)="([^"]+)"', page.text):
+                got = c.get(asset)
+                assert got.status_code == 200 and got.headers["content-security-policy"], asset
+            assert c.get("/ui/..%2Fapi.py").status_code == 404 and c.get("/ui/nope.js").status_code == 404
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """Headless Chromium with Selenium. A machine without Chromium fails this test loudly (the README's test
+    command installs it); SERVELM_SKIP_BROWSER=1 skips it, for a machine that cannot have it."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    binary = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    driver = shutil.which("chromedriver")
+    if not (binary and driver):
+        if os.environ.get("SERVELM_SKIP_BROWSER") == "1":
+            pytest.skip("SERVELM_SKIP_BROWSER=1: the web page is not tested in a browser")
+        pytest.fail("the web page test needs Chromium and its driver: apt-get install chromium chromium-driver "
+                    "(the README's test command does), or set SERVELM_SKIP_BROWSER=1 to skip it knowingly")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = binary
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1100,800", "--user-data-dir=" + str(tmp_path_factory.mktemp("chromium"))):
+        opts.add_argument(arg)
+    b = webdriver.Chrome(options=opts, service=Service(driver))
+    yield b
+    b.quit()
+
+
+def _stored(b) -> dict:
+    return b.execute_script("return JSON.parse(localStorage.getItem('servelm.chats.v1'))")
+
+
+def _reply(b) -> tuple:
+    """(state, shown text, stats line) of the page's last reply, read at one moment (the page redraws it)."""
+    return tuple(b.execute_script(
+        "const m = [...document.querySelectorAll('#messages .msg.assistant')].pop();"
+        "return m ? [m.dataset.state, m.querySelector('.body').innerText, m.querySelector('.stats').innerText]"
+        " : [null, '', ''];"))
+
+
+def test_web_page_chat_stream_stop_and_history(served, browser, client, tmp_path_factory):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    proc, url = served
+    b = browser
+    wait = WebDriverWait(b, 60, poll_frequency=0.05)
+    b.get(url + "/")
+    # the server needs a key: the page asks for it, then lists the generation models
+    wait.until(lambda d: d.find_element(By.ID, "key-form").is_displayed())
+    b.find_element(By.ID, "api-key").send_keys(KEY + "\n")
+    wait.until(lambda d: [o.text for o in d.find_elements(By.CSS_SELECTOR, "#model option")] == ["tiny"])
+    assert not b.find_element(By.ID, "key-form").is_displayed()
+    b.find_element(By.CSS_SELECTOR, "#settings summary").click()
+    for field, value in (("temperature", "0"), ("max-tokens", "8")):
+        box = b.find_element(By.ID, field)
+        box.clear()
+        box.send_keys(value)
+
+    # a short reply: the same text as the API gives, with its TTFT and rate shown
+    b.find_element(By.ID, "prompt").send_keys("Name a colour\n")
+    wait.until(lambda d: _reply(d)[0] == "done")
+    ref = _chat(client, [{"role": "user", "content": "Name a colour"}], 8)
+    chat = _stored(b)["chats"][0]
+    assert [m["role"] for m in chat["messages"]] == ["user", "assistant"]
+    assert chat["messages"][1]["content"] == ref.choices[0].message.content
+    shown = _reply(b)[2]
+    assert "TTFT" in shown and f"{ref.usage.completion_tokens} tokens" in shown
+
+    # a long reply: text grows while it streams; Stop ends it and the server aborts the request
+    box = b.find_element(By.ID, "max-tokens")
+    box.clear()
+    box.send_keys("900")
+    b.find_element(By.ID, "prompt").send_keys("Tell a long story\n")
+    seen = wait.until(lambda d: (r := _reply(d))[0] == "streaming" and r[1])
+    wait.until(lambda d: (r := _reply(d))[0] == "streaming" and len(r[1]) > len(seen))
+    b.find_element(By.ID, "stop").click()
+    wait.until(lambda d: _reply(d)[0] == "stopped")
+    assert not b.find_element(By.ID, "stop").is_displayed()
+    _wait(lambda: stats(url, AUTH)["engine"]["in_flight"] == 0, 60, "the stopped request to be aborted")
+    line = _wait(lambda: [x for x in server_log_lines(proc) if x.get("path") == "/v1/chat/completions"
+                          and x.get("status") == 499], 30, "the stopped request's log line")[-1]
+    assert 0 < line["completion_tokens"] < 900
+    before = _stored(b)
+
+    # reload: the conversation is still there, as it was
+    b.refresh()
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#messages .msg")) == 4)
+    assert _stored(b) == before and _reply(b)[0] == "stopped"
+    assert "stopped" in _reply(b)[2]
+    shot = tmp_path_factory.mktemp("webui") / "chat.png"
+    assert b.save_screenshot(str(shot)) and shot.stat().st_size > 1000
+    print(f"screenshot: {shot}")
+
+    # a new chat starts empty; the old one is a click away
+    b.find_element(By.ID, "new-chat").click()
+    wait.until(lambda d: not d.find_elements(By.CSS_SELECTOR, "#messages .msg"))
+    items = b.find_elements(By.CSS_SELECTOR, "#chats li")
+    assert [i.text for i in items] == ["New chat", "Name a colour"]
+    items[1].click()
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#messages .msg")) == 4)
+
+
+def test_web_page_renders_model_markdown_without_html(served, browser):
+    """Model text that holds HTML shows as text: no element, no script, no javascript: link comes of it."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    b = browser
+    evil = ('<img src=x onerror="window.pwned=1"> **bold** and `<b>code</b>`\n\n```html\n<script>window.pwned=2'
+            '</script>\n```\n- [click](javascript:window.pwned=3)\n- [docs](https://example.org/x)')
+    chat = {"id": "evil", "title": "evil", "messages": [{"role": "user", "content": "<i>hi</i>"},
+                                                         {"role": "assistant", "content": evil, "state": "done"}]}
+    b.execute_script("localStorage.setItem('servelm.chats.v1', arguments[0])",
+                     json.dumps({"current": "evil", "chats": [chat]}))
+    b.refresh()
+    WebDriverWait(b, 30).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#messages .msg")) == 2)
+    msgs = b.find_element(By.ID, "messages")
+    for tag in ("img", "script", "b", "i"):
+        assert not msgs.find_elements(By.TAG_NAME, tag), tag
+    assert b.execute_script("return window.pwned") is None
+    assert msgs.find_element(By.TAG_NAME, "strong").text == "bold"
+    assert "<script>window.pwned=2</script>" in msgs.find_element(By.CSS_SELECTOR, "pre code").text
+    assert [a.get_attribute("href") for a in msgs.find_elements(By.TAG_NAME, "a")] == ["https://example.org/x"]
+    assert "<img" in msgs.text and "<i>hi</i>" in msgs.text
