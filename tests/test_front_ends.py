@@ -222,6 +222,10 @@ def test_web_page_is_public_static_and_can_be_turned_off():
                 got = c.get(asset)
                 assert got.status_code == 200 and got.headers["content-security-policy"], asset
             assert c.get("/ui/..%2Fapi.py").status_code == 404 and c.get("/ui/nope.js").status_code == 404
+            paths = c.get("/openapi.json", headers=AUTH).json()["paths"]  # with its stream and statuses
+            assert "408" in paths["/v1/responses"]["post"]["responses"]
+            assert "text/event-stream" in paths["/v1/responses"]["post"]["responses"]["200"]["content"]
+            assert not any(p.startswith(("/api/", "/ui/")) or p == "/" for p in paths)
 
 
 @pytest.fixture(scope="module")

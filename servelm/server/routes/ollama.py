@@ -4,7 +4,8 @@ GET /api/tags, /api/ps, /api/version, so Ollama's clients and UIs work against s
 Generation goes through the same `Api` machinery as the OpenAI routes (model resolution, admission, metrics,
 client-disconnect aborts); only the request and response shapes are Ollama's. Errors are Ollama's shape,
 {"error": "message"}, with the same HTTP status as the OpenAI routes would give (a failure after the stream
-began is a last {"error": ...} line, as Ollama sends it).
+began is a last {"error": ...} line, as Ollama sends it). The routes stay out of /openapi.json, whose error
+schema is OpenAI's: Ollama's own API reference documents them.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def _details(m) -> dict:
 def add_routes(app: FastAPI, api: Api) -> None:
     state = api.state
 
-    @app.post("/api/generate")
+    @app.post("/api/generate", include_in_schema=False)
     @ollama_errors
     async def generate(request: Request):
         body = await _body(request, o.GenerateRequest)
@@ -159,7 +160,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         return await _run(api, m, request, body, ids, None, lambda t: {"response": t},
                           lambda out_ids: {"context": ids + out_ids})
 
-    @app.post("/api/chat")
+    @app.post("/api/chat", include_in_schema=False)
     @ollama_errors
     async def chat(request: Request):
         body = await _body(request, o.ChatRequest)
@@ -174,7 +175,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         return await _run(api, m, request, body, ids, None,
                           lambda t: {"message": {"role": "assistant", "content": t}}, lambda _: {})
 
-    @app.post("/api/embed")
+    @app.post("/api/embed", include_in_schema=False)
     @ollama_errors
     async def embed(request: Request):
         body = await _body(request, o.EmbedRequest)
@@ -185,7 +186,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         return {"model": body.model or name, "embeddings": [v.tolist() for v in vectors],
                 "total_duration": _ns(start, time.monotonic()), "load_duration": 0, "prompt_eval_count": tokens}
 
-    @app.post("/api/embeddings")
+    @app.post("/api/embeddings", include_in_schema=False)
     @ollama_errors
     async def embeddings(request: Request):
         body = await _body(request, o.LegacyEmbeddingsRequest)
@@ -210,22 +211,22 @@ def add_routes(app: FastAPI, api: Api) -> None:
         return {"name": name, "model": name, "modified_at": _now(), "size": 0,
                 "digest": uuid.uuid5(uuid.NAMESPACE_URL, "servelm:" + name).hex, "details": _details(m)}
 
-    @app.get("/api/tags")
+    @app.get("/api/tags", include_in_schema=False)
     async def tags():
         return {"models": [tag(n, m) for n, m, _ in entries()]}
 
-    @app.get("/api/ps")
+    @app.get("/api/ps", include_in_schema=False)
     async def ps():
         # servelm's models stay loaded for the server's life (on-demand ones until keep_alive_s idle)
         return {"models": [{**tag(n, m), "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0,
                             "context_length": getattr(m, "max_model_len", 0) if not emb else 0}
                            for n, m, emb in entries()]}
 
-    @app.get("/api/version")
+    @app.get("/api/version", include_in_schema=False)
     async def version():
         return {"version": servelm.__version__}
 
-    @app.post("/api/show")
+    @app.post("/api/show", include_in_schema=False)
     @ollama_errors
     async def show(request: Request):
         body = await _body(request, o.ShowRequest)
