@@ -57,6 +57,10 @@ class ServerConfig:
     header_timeout_s: float = _f(10.0, "close a connection whose request head (request line and headers) is not "
                                  "complete this long after it opened or after its last response (slow clients, "
                                  "slowloris); 0 turns it off")
+    ui: str = _f("chat", "the web chat page at / : chat (served, no login of its own: it asks for an API key when "
+                 "the server needs one) or none")
+    responses_store_size: int = _f(1000, "responses of /v1/responses kept in memory for previous_response_id and "
+                                   "GET /v1/responses/{id} (the oldest go first; 0: none kept)")
     log_requests: bool = _f(True, "one JSON log line per request at completion")
     log_prompts: bool = _f(False, "include prompt and completion text in the request log lines")
     otlp_endpoint: str | None = _f(None, "OTLP/HTTP collector, e.g. http://localhost:4318/v1/traces: turns "
@@ -119,6 +123,8 @@ class ServerConfig:
             if key is not None and (len(key) < 8 or any(c.isspace() for c in key)):
                 raise ConfigError(name, "<redacted>", "at least 8 characters, with no spaces or line breaks")
         need(self.api_keys_file is None or Path(self.api_keys_file).is_file(), "api_keys_file", "an existing file")
+        need(self.ui in ("chat", "none"), "ui", "chat or none")
+        need(self.responses_store_size >= 0, "responses_store_size", ">= 0")
         need(self.max_request_body_bytes >= 1024, "max_request_body_bytes", ">= 1024")
         need(self.prefix_cache_isolation in ("key", "none"), "prefix_cache_isolation", "key or none")
         need(self.keep_alive_s >= 0, "keep_alive_s", ">= 0 (0: kept loaded)")
