@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -65,7 +66,8 @@ def _start(args, data: Path) -> tuple[subprocess.Popen, str]:
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError("the server exited: " + (data / "server.log").read_text()[-3000:])
+            raise RuntimeError(f"the server exited (log: {data / 'server.log'}): "
+                               + (data / "server.log").read_text()[-3000:])
         try:
             if httpx.get(url + "/ready", timeout=2).status_code == 200:
                 return proc, url
@@ -147,6 +149,7 @@ async def main(args) -> dict:
             proc.wait(120)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(data, ignore_errors=True)  # the registry and its copy of the model
     out: dict = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "requests_per_phase":
                  args.requests, "rounds": args.rounds, "rate": args.rate, "max_tokens": args.max_tokens,
                  "prompt_len": args.prompt_len, "quick": args.quick, "failed": failed}
