@@ -74,7 +74,7 @@ class EngineCore:
         else:
             from servelm.engine.draft_model import DraftModelProposer
 
-            proposer = DraftModelProposer.from_config(config, self.model, max_len)
+            proposer = DraftModelProposer.from_config(config, self.model, max_len, self.kv.pool.num_blocks)
         return SpecDecoder(proposer, config.num_speculative_tokens, max_len, config.spec_fallback_threshold,
                            config.spec_fallback_window, config.spec_cooldown_steps)
 
@@ -240,5 +240,14 @@ class EngineCore:
             num_swaps=sch.num_swaps, num_evictions=kv.pool.num_evictions, num_steps=self.num_steps,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
             num_priority_preemptions=sch.num_priority_preemptions, waiting_by_priority=by_priority,
-            batch_size=self.last_batch_size,
+            batch_size=self.last_batch_size, **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        if self.spec is None:
+            return {}
+        st = self.spec.stats
+        return dict(spec_proposed_tokens=st.proposed, spec_accepted_tokens=st.accepted,
+                    spec_emitted_tokens=st.emitted, spec_verifications=st.verifications,
+                    spec_fallbacks=st.fallbacks, spec_proposed_by_position=list(st.proposed_by_position),
+                    spec_accepted_by_position=list(st.accepted_by_position))

@@ -73,9 +73,9 @@ class SpecDecoder:
             if k:
                 asked.append(seq)
                 ks.append(k)
-        if asked:
-            for seq, drafts in zip(asked, self.proposer.propose(asked, ks), strict=True):
-                seq.spec_token_ids = drafts
+        # asked even with none to ask: a draft model frees the cache of sequences that are no longer asked
+        for seq, drafts in zip(asked, self.proposer.propose(asked, ks), strict=True):
+            seq.spec_token_ids = drafts
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """A verification's outcome: counters, and seq's rolling acceptance (fall back when it is too low)."""
