@@ -73,7 +73,10 @@ class DraftModelProposer:
             req = seq.request
             sh = Request(req.request_id, req.prompt_token_ids, self._greedy)
             sh = self.shadows[seq.seq_id] = Sequence(sh, seq.index, [])
-        sh.num_computed_tokens = _common_prefix(sh.token_ids[:sh.num_computed_tokens], seq.token_ids)
+        # at least the last token is computed again: its logits give the first draft (the shadow may hold the
+        # KV of all of seq's tokens, when seq decoded without verifying and took the shadow's first draft)
+        sh.num_computed_tokens = min(_common_prefix(sh.token_ids[:sh.num_computed_tokens], seq.token_ids),
+                                     seq.num_tokens - 1)
         self.kv.roll_back(sh)
         sh.token_ids = list(seq.token_ids)
         return sh
