@@ -41,7 +41,8 @@ INSTRUCTION = "Repeat the following passage exactly, word for word, but write 'v
 def copy_prompt(tokenizer) -> list[int]:
     msgs = [{"role": "user", "content": INSTRUCTION + PASSAGE}]
     if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
     return list(tokenizer(INSTRUCTION + PASSAGE).input_ids)
 
 
