@@ -182,8 +182,9 @@ class Metrics:
             before = getattr(last, field) if last else []
             for pos, n in enumerate(getattr(stats, field)):
                 d = n - (before[pos] if pos < len(before) else 0)
+                child = counter.labels(self.model_name, str(pos))  # a position never accepted shows as 0
                 if d > 0:
-                    counter.labels(self.model_name, str(pos)).inc(d)
+                    child.inc(d)
         self._last = stats
         self.window.add(deltas.get("prompt_tokens", 0), deltas.get("generation_tokens", 0))
         if ran:
