@@ -87,10 +87,9 @@ def test_greedy_is_identical_to_plain_decoding_and_transformers(setting, small_d
     ref = [greedy_ref(small_hf, p) for p in ps]
     assert tokens(llm, ps[:3]) + tokens(llm, ps[3:]) == ref  # the later prompts find the first's blocks
     es = llm.engine.get_stats()
+    # transformers' tokens are plain decoding's too: test_parity.py holds it to them under every feature
     if setting == "batch_prefix_cache":
         assert es.prefix_cache_hits >= 2 * 32
-        # plain decoding agrees too (test_parity.py holds it to transformers under every feature)
-        assert tokens(LLM(str(small_dir), dtype="float32", **kw), ps) == ref
     else:
         assert es.num_preemptions > 0
     st = llm.engine.core.spec.stats
