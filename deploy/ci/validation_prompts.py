@@ -46,12 +46,19 @@ def main(argv: list[str] | None = None) -> int:
     cases = yaml.safe_load(Path(a.prompts).read_text())
     failures = 0
     with httpx.Client(base_url=a.url, headers=headers, timeout=a.timeout) as client:
-        ready = client.get("/ready")
+        try:
+            ready = client.get("/ready")
+        except httpx.HTTPError as e:
+            print(f"FAIL {a.url} cannot be reached: {e}")
+            return 1
         if ready.status_code != 200:
             print(f"FAIL /ready answered {ready.status_code}")
             return 1
         for i, case in enumerate(cases):
-            problem = check(client, a.model, case)
+            try:
+                problem = check(client, a.model, case)
+            except httpx.HTTPError as e:
+                problem = f"request failed: {e}"
             failures += problem is not None
             print(f"{'FAIL' if problem else 'ok  '} prompt {i}" + (f": {problem}" if problem else ""))
     print(f"{len(cases) - failures} passed, {failures} failed")
