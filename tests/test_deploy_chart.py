@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
 import re
 from pathlib import Path
 
@@ -24,7 +25,7 @@ K8S_VERSIONS = ("1.25.0", "1.37.0")  # the chart's kubeVersion floor, and the ne
 CRDS = {("keda.sh/v1alpha1", "ScaledObject"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
         ("ray.io/v1", "RayService")}
 
-EVERYTHING = {  # every option on at once (but ray.replaceDeployment, so the Deployment renders too)
+EVERYTHING = {  # every option on at once but Ray
     "kind": "StatefulSet",
     "args": ["/models/smol"],
     "config": {"engine": {"max_num_seqs": 32}, "server": {"drain_timeout": 20},
@@ -36,11 +37,11 @@ EVERYTHING = {  # every option on at once (but ray.replaceDeployment, so the Dep
     "gpu": {"count": 1},
     "autoscaling": {"keda": {"enabled": True, "kvCacheUsageThreshold": "0.9"}},
     "serviceMonitor": {"enabled": True},
-    "ray": {"enabled": True, "replaceDeployment": False, "model": "/models/smol"},
 }
 PROFILES = {
     "default": {},
     "everything": EVERYTHING,
+    "ray": {"ray": {"enabled": True, "model": "/models/smol"}, "models": {"existingClaim": "models"}},
     "hpa": {"autoscaling": {"hpa": {"enabled": True, "waitingRequestsPerPod": "8"}},
             "persistence": {"enabled": True}, "apiKeys": {"enabled": True, "existingSecret": "mine"}},
 }
@@ -91,7 +92,8 @@ def test_default_render_is_a_deployment_with_service_config_pdb(rendered):
     kinds = sorted(d["kind"] for d in rendered["default"])
     assert kinds == ["ConfigMap", "Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service", "ServiceAccount"]
     everything = {d["kind"] for d in rendered["everything"]}
-    assert {"StatefulSet", "Secret", "ScaledObject", "ServiceMonitor", "RayService"} <= everything
+    assert {"StatefulSet", "Secret", "ScaledObject", "ServiceMonitor"} <= everything
+    assert "RayService" in {d["kind"] for d in rendered["ray"]}
     assert "HorizontalPodAutoscaler" in {d["kind"] for d in rendered["hpa"]}
 
 
@@ -221,14 +223,21 @@ def test_keda_scales_on_metrics_the_server_exports(rendered):
     assert "replicas" not in by_kind(rendered["hpa"], "Deployment")[0]["spec"]
 
 
-def test_rayservice_runs_the_servelm_ray_app(rendered):
-    rs = by_kind(rendered["everything"], "RayService")[0]
+def test_rayservice_runs_the_replicas_and_the_pods_the_api_in_front(rendered):
+    docs = rendered["ray"]
+    rs = by_kind(docs, "RayService")[0]
     app = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]
     module, _, attr = app["import_path"].partition(":")
-    assert (module, attr) == ("servelm.ray.app", "app_builder")
-    assert app["args"]["model"] == "/models/smol" and app["args"]["max_replicas"] == 4
+    assert callable(getattr(importlib.import_module(module), attr))  # the app builder exists (import without Ray)
+    assert app["name"] == "servelm" and app["args"]["model"] == "/models/smol" and app["args"]["max_replicas"] == 4
     cluster = rs["spec"]["rayClusterConfig"]
     assert cluster["rayVersion"] and cluster["workerGroupSpecs"][0]["maxReplicas"] == 4
+    # the chart's pods run servelm's API process attached to that application through the head service
+    c = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"][-3:] == ["python", "-m", "servelm.ray"]
+    assert c["args"] == ["/models/smol", "--ray-attach", "--ray-app-name", app["name"], "--ray-address",
+                         f"ray://{rs['metadata']['name']}-head-svc:10001"]
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]  # its tokenizer
 
 
 @pytest.mark.parametrize(("values", "message"), [

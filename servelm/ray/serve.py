@@ -18,6 +18,9 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ray-address", default="auto",
                    help="the Ray cluster to join (default auto: RAY_ADDRESS or the local `ray start` head)")
     g.add_argument("--ray-app-name", default="servelm", help="the Ray Serve application's name")
+    g.add_argument("--ray-attach", action="store_true",
+                   help="serve an application already deployed under --ray-app-name (e.g. by a KubeRay "
+                        "RayService with servelm.ray.app:app_builder) instead of deploying one")
     g.add_argument("--replicas", type=int, default=1, help="engine replicas (the autoscaling floor with --max-replicas)")
     g.add_argument("--min-replicas", type=int, default=None,
                    help="autoscaling floor if not --replicas; 0 opts in to scale-to-zero")
@@ -51,6 +54,8 @@ def engine_factory(args):
 
             if not ray.is_initialized():
                 ray.init(address=args.ray_address, namespace="servelm", log_to_driver=False)
+            if args.ray_attach:
+                return serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=args.ray_app_name)
             serve.start(proxy_location="Disabled")  # servelm's own API process is the HTTP front
             app = build_app(config, opts, start_timeout)
             logger.info("deploying %s on Ray: %s", DEPLOYMENT_NAME, opts)
