@@ -24,7 +24,6 @@ class RayOptions:
     target_ongoing_requests: float = 8.0  # sequences per replica the policy aims at (running + waiting)
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 300.0
-    metrics_interval_s: float = 2.0
     look_back_period_s: float = 10.0
     num_cpus: float = 1.0
     num_gpus: float = 0.0
@@ -45,7 +44,7 @@ def autoscaling_config(opts: RayOptions) -> dict:
     return {"min_replicas": floor, "initial_replicas": max(floor, 1), "max_replicas": opts.max_replicas,
             "target_ongoing_requests": opts.target_ongoing_requests,
             "upscale_delay_s": opts.upscale_delay_s, "downscale_delay_s": opts.downscale_delay_s,
-            "metrics_interval_s": opts.metrics_interval_s, "look_back_period_s": opts.look_back_period_s,
+            "look_back_period_s": opts.look_back_period_s,
             "policy": {"policy_function": "servelm.ray.app:waiting_requests_policy"}}
 
 
