@@ -38,17 +38,24 @@ APP = "servelm-test"
 
 def stop_cluster(temp: str) -> None:
     """Stop this test's Ray processes only (`ray stop` would stop every Ray cluster on the machine): those whose
-    command line names its temp dir (GCS, raylet, monitors); its workers exit when their raylet is gone."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
+    command line names its temp dir (GCS, raylet, monitors) and their children (Ray's agents, the controller,
+    the replicas). SIGKILL: the GCS and raylet catch SIGTERM and stay up while their peers are gone."""
+    procs = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            procs[int(pid)] = (int(stat.rsplit(")", 1)[1].split()[1]), Path(f"/proc/{pid}/cmdline").read_bytes())
+        except (OSError, IndexError, ValueError):
             continue
-        if temp.encode() in cmdline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGTERM)
+    doomed = {pid for pid, (_, cmd) in procs.items() if temp.encode() in cmd and pid != os.getpid()}
+    grown = True
+    while grown:  # and every descendant of those
+        more = {pid for pid, (ppid, _) in procs.items() if ppid in doomed} - doomed
+        doomed |= more
+        grown = bool(more)
+    for pid in doomed:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
