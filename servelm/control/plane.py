@@ -188,13 +188,19 @@ class ControlPlane:
         return mv
 
     async def load_on_demand(self, model: str, kind: Kind, keep_alive_s: float | None) -> tuple[Any, float]:
-        """The deployment serving `model`, loaded now if it is registered but not deployed (audited)."""
-        dep, waited = await self.deployments.ensure(model, lambda m: self.find_version(m, kind),
-                                                    keep_alive_s=keep_alive_s)
+        """A request's lease (control/lease.py) on the deployment serving `model`, loaded now if it is
+        registered but not deployed (audited). The lease is taken before anything else is awaited, so the
+        deployment cannot be evicted or expire before the request uses it; the caller releases it."""
+        lease, waited = await self.deployments.ensure(model, lambda m: self.find_version(m, kind),
+                                                      keep_alive_s=keep_alive_s, pin=True)
         if waited > 0:
-            self.registry.audit.record(SYSTEM, "load_on_demand", dep.id, None,
-                                       {**_brief(dep.describe()), "wait_s": round(waited, 3)})
-        return dep, waited
+            try:
+                self.registry.audit.record(SYSTEM, "load_on_demand", lease.id, None,
+                                           {**_brief(lease.describe()), "wait_s": round(waited, 3)})
+            except BaseException:
+                lease.release()
+                raise
+        return lease, waited
 
     # -- internals ---------------------------------------------------------------------------------
     async def _swap_model_to(self, mv: ModelVersion, actor: str) -> None:

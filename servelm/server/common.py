@@ -82,6 +82,7 @@ class Api:
             rec.user = getattr(req, "user", None)
             attrs = traffic.attrs(request.headers, rec, getattr(req, "metadata", None))
         m, waited = await self.state.models.load(model, kind, attrs)
+        rec.leases.append(m)  # the gateway releases its pin on the model's generation when the request ends
         check_model(rec.api_key, m.served_name)  # the default model, when the request named none
         rec.model = m.served_name
         rec.model_version = m.version.ref if m.version is not None else None
