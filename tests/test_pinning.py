@@ -7,76 +7,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from types import SimpleNamespace
 
 import pytest
+from fakes import StubEngine, stub_deployment_workers
 
 from servelm import SamplingParams
 from servelm.config.engine import EngineConfig
-from servelm.control import deployment as deployment_module
 from servelm.control.budget import MemoryBudget, worker_footprint
 from servelm.control.deployments import DeploymentManager
 from servelm.control.types import ControlError, Kind, ModelVersion, State
-from servelm.outputs import CompletionOutput, RequestOutput
 from servelm.server.directory import ModelDirectory
-from servelm.worker.client import EngineDeadError
 from servelm.worker.handle import HealthSettings
 
 BASE = EngineConfig(dtype="float32", num_kv_blocks=None, kv_cache_memory_gb=0.01, max_model_len=256)
 QUIET = HealthSettings(interval_s=3600.0)  # no health pings: the stand-ins have no process to ping
 
 
-class StubEngine:
-    """AsyncEngine's surface without a process: answers every request with its model path (the artifact of the
-    version it serves) and remembers the prompt ids it was given."""
-
-    made: list[StubEngine] = []
-
-    def __init__(self, config: EngineConfig, tokenizer, start_timeout: float = 0.0) -> None:
-        self.config, self.tokenizer = config, tokenizer
-        self.ready, self.stopped, self.info, self.stats = False, False, None, None
-        self.max_model_len, self.restarts, self.engine_pid = 256, 0, None
-        self.on_ready = self.on_down = self.on_step = None
-        self.prompts: list[list[int]] = []
-        StubEngine.made.append(self)
-
-    def launch(self) -> None:
-        pass
-
-    async def wait_ready(self) -> None:
-        self.ready, self.info = True, SimpleNamespace(vocab_size=100)
-
-    async def shutdown(self) -> None:
-        self.ready, self.stopped = False, True
-
-    def num_in_flight(self) -> int:
-        return 0
-
-    def num_queued(self) -> int:
-        return 0
-
-    def live_counts(self) -> tuple[int, int]:
-        return 0, 0
-
-    def check_engine(self) -> bool:
-        return self.ready
-
-    async def abort(self, rid: str) -> None:
-        pass
-
-    async def generate(self, rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None):
-        if self.stopped:
-            raise EngineDeadError("this worker was shut down")
-        self.prompts.append(list(ids))
-        yield RequestOutput(rid, prompt, list(ids), [CompletionOutput(0, self.config.model, [1], finish_reason="length")],
-                            True)
-
-
 @pytest.fixture(autouse=True)
 def stub_engines(monkeypatch):
-    StubEngine.made = []
-    monkeypatch.setattr(deployment_module, "AsyncEngine", StubEngine)
-    monkeypatch.setattr(deployment_module, "load_tokenizer", lambda version, config: f"tokenizer-{version.ref}")
+    stub_deployment_workers(monkeypatch)
 
 
 def _version(name: str, version: int, state: State = State.PRODUCTION) -> ModelVersion:

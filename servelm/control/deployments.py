@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -30,9 +31,10 @@ Served = Deployment | EmbedDeployment  # what resolve() returns: generation (Asy
 class DeploymentManager:
     """Every deployment of the server.
 
-    `on_change(action, record)` is called after each change ("create", "scale", "swap", "unload", "evict",
-    "expire") and after a failed swap ("swap_failed", the record with `to` and `error`), with the deployment's
-    `describe()` record, so the caller can persist and audit it. `production_of(name)`
+    `on_change(action, record)` (a function, or a coroutine function: awaited) is called after each change
+    ("create", "scale", "swap", "unload", "evict", "expire") and after a failed swap ("swap_failed", the record
+    with `to` and `error`), with the deployment's `describe()` record, so the caller can persist and audit
+    it. `production_of(name)`
     names the PRODUCTION version of a model (the registry's view; default: the deployed versions' states);
     `policy_of(name)` its traffic policy, if any (see `route`).
     Deployments idle for their `keep_alive_s` are unloaded; under memory pressure idle ones are unloaded
@@ -188,7 +190,7 @@ class DeploymentManager:
         finally:
             self._creating.discard(d.id)
         self._start_reaper()
-        self._changed("create", d)
+        await self._changed("create", d)
         return d
 
     async def restore(self, records: list[dict], version_of: Callable[[str, int], ModelVersion]) -> list[Served]:
@@ -215,7 +217,7 @@ class DeploymentManager:
         finally:
             self._reserved -= extra
         if self._holds(d):  # unloaded meanwhile: nothing to persist
-            self._changed("scale", d)
+            await self._changed("scale", d)
         return d
 
     async def swap(self, deployment_id: str, version: ModelVersion, tokenizer=None) -> Served:
@@ -231,13 +233,13 @@ class DeploymentManager:
         except ControlError as e:
             logger.error("swap of %s to %s failed: %s", d.id, version.ref, e.message)
             if self._holds(d):
-                self._changed("swap_failed", d, to=version.ref, error=e.message)
+                await self._changed("swap_failed", d, to=version.ref, error=e.message)
             raise
         finally:
             self._reserved -= need
         if self._holds(d):  # unloaded meanwhile: its record must not come back
             self._footprints[d.id] = per_worker
-            self._changed("swap", d)
+            await self._changed("swap", d)
         return d
 
     def _holds(self, d: Served) -> bool:
@@ -249,7 +251,7 @@ class DeploymentManager:
         del self._deployments[deployment_id]
         self._footprints.pop(deployment_id, None)
         await d.close()
-        self._changed(action, d)
+        await self._changed(action, d)
 
     async def shutdown(self) -> None:
         if self._reaper is not None:
@@ -258,6 +260,22 @@ class DeploymentManager:
         await asyncio.gather(*(d.shutdown() for d in ds), return_exceptions=True)
 
     # -- memory ------------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def reserving(self, version: ModelVersion, config: EngineConfig | None, what: str):
+        """Count one worker of `version` that is not a deployment's (a validation run) in the budget while
+        the block runs: room is made as for a deploy, else ControlError(507). A version whose footprint cannot
+        be read from its artifact is not counted (the run itself then fails and says why)."""
+        try:
+            need = await asyncio.to_thread(self._footprint, version, config)
+        except ControlError as e:
+            logger.warning("%s: not counted in the memory budget: %s", what, e.message)
+            need = 0
+        await self._reserve(need, what, keep=None)
+        try:
+            yield
+        finally:
+            self._reserved -= need
+
     def _footprint(self, version: ModelVersion, config: EngineConfig | None) -> int:
         try:
             return worker_footprint(version, config).total
@@ -302,10 +320,12 @@ class DeploymentManager:
                     with contextlib.suppress(ControlError):
                         await self.unload(d.id, "expire")
 
-    def _changed(self, action: str, d: Served, **extra) -> None:
+    async def _changed(self, action: str, d: Served, **extra) -> None:
         if self.on_change is not None:
             try:
-                self.on_change(action, {**d.describe(), **extra})
+                done = self.on_change(action, {**d.describe(), **extra})
+                if inspect.isawaitable(done):  # e.g. the registry write, off the event loop
+                    await done
             except Exception:  # persistence failing must not undo a change that took effect
                 logger.exception("on_change(%s, %s) failed", action, d.id)
 
