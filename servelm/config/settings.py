@@ -67,6 +67,9 @@ class ServerConfig:
                               "models in the config file) turns on the registry and the /admin model routes")
     registry_url: str | None = _f(None, "SQLAlchemy URL of the model registry, e.g. postgresql://... to share "
                                   "one between servers (default: SQLite in the data directory)")
+    model_roots: str | None = _f(None, "directories (separated by ':') under which POST /admin/models may register "
+                                 "model folders and files, besides the folders of the models the server was "
+                                 "started with and the packaged defaults; any other path gets 403")
     load_on_demand: bool = _f(True, "with a registry: a request naming a registered version that no deployment "
                               "serves loads it first (the wait is in the x-servelm-load-wait-s header)")
     keep_alive_s: float = _f(300.0, "an on-demand loaded model is unloaded after this many idle seconds (0: kept)")

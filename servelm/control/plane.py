@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any
 
 from servelm.config.engine import EngineConfig
+from servelm.control.model_roots import allowed_roots, check_path
 from servelm.control.types import MAX_VERSION, ControlError, Kind, ModelVersion, State
 
 logger = logging.getLogger("servelm.control")
@@ -32,11 +34,13 @@ def parse_ref(model: str) -> tuple[str, int | None]:
 class ControlPlane:
     """Registry + DeploymentManager behind one object, with the server's engine settings as the base."""
 
-    def __init__(self, registry: Any, deployments: Any, engine_base: EngineConfig, start_timeout: float = 600.0):
+    def __init__(self, registry: Any, deployments: Any, engine_base: EngineConfig, start_timeout: float = 600.0,
+                 model_roots: list[Path] | None = None):
         self.registry = registry
         self.deployments = deployments
         self.engine_base = engine_base
         self.start_timeout = start_timeout
+        self.model_roots = model_roots  # where register may import from (control/model_roots.py); None: anywhere
 
     @classmethod
     def open(cls, config) -> ControlPlane:
@@ -46,7 +50,7 @@ class ControlPlane:
 
         srv = config.server
         registry = Registry(srv.registry_url, srv.data_path())
-        plane = cls(registry, None, config.engine, srv.engine_start_timeout_s)
+        plane = cls(registry, None, config.engine, srv.engine_start_timeout_s, allowed_roots(config))
         plane.deployments = DeploymentManager(engine_base=config.engine, on_change=plane._on_change,
                                               production_of=plane._production_of,
                                               start_timeout=srv.engine_start_timeout_s,
@@ -62,8 +66,12 @@ class ControlPlane:
                        golden_prompts: list[str] | None, actor: str, validate: bool = False) -> ModelVersion:
         """Import a model folder or .gguf file as the next version of `name` (copying it may take a while, so
         it runs off the event loop); with `validate`, validate it at once."""
-        mv = await asyncio.to_thread(self.registry.register, name, path, labels=labels, engine=engine,
-                                     golden_prompts=golden_prompts, actor=actor)
+        def register() -> ModelVersion:
+            if self.model_roots is not None:
+                check_path(path, self.model_roots)  # 403 before anything is read or copied
+            return self.registry.register(name, path, labels=labels, engine=engine, golden_prompts=golden_prompts,
+                                          actor=actor)
+        mv = await asyncio.to_thread(register)
         if validate:
             mv = await self.validate(name, mv.version, actor)
         return mv
