@@ -186,8 +186,9 @@ class Deployment:
         all_stats = [w.engine.stats for w in self._gen.workers if w.engine.stats is not None]
         if not all_stats:
             return None
+        lists = ("spec_proposed_by_position", "spec_accepted_by_position")
         total = {f.name: 0 for f in dataclasses.fields(EngineStats) if f.name not in ("kv_usage", "waiting_by_priority",
-                                                                                      "prefix_cache_hit_rate")}
+                                                                                      "prefix_cache_hit_rate", *lists)}
         for st in all_stats:
             for k in total:
                 total[k] += getattr(st, k)
@@ -195,7 +196,9 @@ class Deployment:
         queries = total["prefix_cache_queries"]
         return EngineStats(**total, kv_usage=(blocks - free) / blocks if blocks else 0.0,
                            prefix_cache_hit_rate=total["prefix_cache_hits"] / queries if queries else 0.0,
-                           waiting_by_priority=[sum(s.waiting_by_priority[i] for s in all_stats) for i in range(3)])
+                           waiting_by_priority=[sum(s.waiting_by_priority[i] for s in all_stats) for i in range(3)],
+                           **{k: [sum(c) for c in zip(*(getattr(s, k) for s in all_stats), strict=False)]
+                              for k in lists})
 
     async def update_config(self, max_num_seqs: int, scheduling_policy: str, priority_aging_s: float) -> None:
         """Change every worker's scheduler settings now, and those of workers started later."""

@@ -19,13 +19,13 @@ from datetime import datetime, timezone
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-import servelm
 from servelm.control.types import ControlError, Kind
 from servelm.server import protocol as p
 from servelm.server import protocol_ollama as o
 from servelm.server.common import Api, record
 from servelm.server.protocol import APIError
 from servelm.server.routes.embeddings import _embed, _embedder
+from servelm.version import __version__
 
 NDJSON = "application/x-ndjson"
 _ROLES = {"system": p.SystemMessage, "user": p.UserMessage, "assistant": p.AssistantMessage,
@@ -224,7 +224,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
 
     @app.get("/api/version", include_in_schema=False)
     async def version():
-        return {"version": servelm.__version__}
+        return {"version": __version__}
 
     @app.post("/api/show", include_in_schema=False)
     @ollama_errors
