@@ -6,7 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch only where a seeded sample needs a generator (keeps the API process light)
     import torch
@@ -53,6 +53,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     first_scheduled: float | None = None
     first_token_time: float | None = None
+    # structured output: the grammar's state after this sample's tokens (an xgrammar GrammarMatcher); it stays
+    # with the sequence through preemption, so a resumed sample goes on where it was
+    matcher: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -97,6 +100,7 @@ class Request:
     # params.prompt_logprobs: one entry per prompt position (the first is None), filled as chunks run
     prompt_logprobs: list[SampleResult | None] | None = None
     prompt_logprobs_done: bool = False  # all computed and reported: a recompute need not redo them
+    grammar: Any = None  # params.structured_outputs compiled (a Future until the engine has it)
 
     @property
     def needs_prompt_logprobs(self) -> bool:
