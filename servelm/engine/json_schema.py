@@ -54,3 +54,21 @@ def check_schema(schema: Any, path: str = "schema") -> None:
         elif key == "items" and isinstance(value, list):  # draft-7's tuple form
             for i, sub in enumerate(value):
                 check_schema(sub, f"{where}.{i}")
+
+
+def lengths_as_patterns(schema: Any) -> Any:
+    """The schema with each string's minLength/maxLength (where it has no pattern or format) rewritten as the
+    pattern `^.{min,max}$`. xgrammar 0.2.8 turns a length bound into a character class that lets raw control
+    characters through, which no JSON parser accepts; its pattern strings keep them out (and escapes, and line
+    breaks, with them: such strings hold printable characters only)."""
+    if isinstance(schema, list):
+        return [lengths_as_patterns(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: lengths_as_patterns(v) for k, v in schema.items()}
+    if out.get("type") == "string" and ("minLength" in out or "maxLength" in out) \
+            and "pattern" not in out and "format" not in out \
+            and all(isinstance(out.get(k, 0), int) for k in ("minLength", "maxLength")):
+        lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f"^.{{{lo},{hi}}}$"
+    return out

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from servelm.engine.json_schema import check_schema
+from servelm.engine.json_schema import check_schema, lengths_as_patterns
 from servelm.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -83,8 +83,9 @@ class GrammarCache:
         kind = spec.kind
         try:
             if kind == "json":
-                check_schema(json.loads(spec.json))
-                grammar = compiler.compile_json_schema(spec.json, **_JSON_OPTS)
+                schema = json.loads(spec.json)
+                check_schema(schema)
+                grammar = compiler.compile_json_schema(json.dumps(lengths_as_patterns(schema)), **_JSON_OPTS)
             elif kind == "json_object":
                 grammar = compiler.compile_json_schema('{"type": "object"}', **_JSON_OPTS)
             elif kind == "regex":
