@@ -72,7 +72,7 @@ def lone_surrogate(value: Any, path: tuple = ()) -> tuple | None:
 # (always also null). Any other value is a 400 naming the field rather than a result that silently ignores it.
 # Shrink the list as features land; a field a request model defines is implemented and never refused here.
 NOT_SUPPORTED_YET: dict[str, tuple] = {
-    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),
+    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),  # on completions (chat has them)
     "functions": ([],), "function_call": ("none",), "suffix": ("",), "best_of": (1,),
     "guided_decoding_backend": ("xgrammar", "auto"), "guided_whitespace_pattern": (), "logits_processors": (),
     "prompt_logprobs": (),
@@ -319,15 +319,55 @@ class ToolMessage(_Message):
     tool_call_id: str | None = None
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: Text
+    arguments: str  # JSON text, as the model wrote it
+
+
+class AssistantToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class AssistantMessage(_Message):
     role: Literal["assistant"]
     content: str | list[TextPart] | None = None  # only the assistant may leave it out (OpenAI: with tool calls)
+    tool_calls: list[AssistantToolCall] | None = None
 
 
 ROLES = ("system", "developer", "user", "tool", "assistant")
 ChatMessage = Annotated[SystemMessage | DeveloperMessage | UserMessage | ToolMessage | AssistantMessage,
                         Field(discriminator="role")]
 Messages = Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+
+
+class FunctionDef(_Body):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: FunctionName
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -338,6 +378,60 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if self.tool_choice not in (None, "none", "auto") and not names:
+            raise APIError(400, "tool_choice: needs tools", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise APIError(400, f"tool_choice: no tool is named {self.tool_choice.function.name!r}",
+                           "tool_choice.function.name")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none (no tools offered), auto, required or named."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def forced_tool_schema(self) -> dict | None:
+        """Under tool_choice required or a named function: the JSON schema the reply must follow (the
+        function's arguments, or an array of {name, arguments} calls), each function's parameters checked."""
+        mode = self.tool_mode
+        if mode not in ("required", "named"):
+            return None
+
+        def params_of(i: int, tool: Tool) -> dict:
+            schema = tool.function.parameters or {"type": "object"}
+            _schema_of(schema, f"tools.{i}.function.parameters")
+            return schema
+        if mode == "named":
+            name = self.tool_choice.function.name
+            return next(params_of(i, t) for i, t in enumerate(self.tools) if t.function.name == name)
+        options = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                    "properties": {"name": {"const": t.function.name}, "arguments": params_of(i, t)}}
+                   for i, t in enumerate(self.tools)]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": options}}
+        if self.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return schema
+
+    def structured(self) -> StructuredOutputsParams | None:
+        forced = self.forced_tool_schema()
+        own = super().structured()
+        if forced is None:
+            return own
+        if own is not None:
+            raise APIError(400, "tool_choice required or a named function already sets the output's format; it "
+                                "cannot be combined with response_format or guided_*", "tool_choice")
+        return StructuredOutputsParams(json=forced)
 
 
     def sampling_params(self, default_max: int) -> SamplingParams:
