@@ -125,8 +125,8 @@ def test_validation_gaps_are_400_naming_the_field(server, path, body, param):
 
 @pytest.mark.parametrize("path, body, param", [
     (CHAT, {"messages": MSGS, "prediction": {"type": "content", "content": "x"}}, "prediction"),
-    (CHAT, {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHAT, {"messages": MSGS, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/completions", {"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CHAT, {"messages": MSGS, "functions": [{"name": "f"}]}, "functions"),
     ("/v1/completions", {"prompt": "hi", "suffix": " end"}, "suffix"),
     ("/v1/completions", {"prompt": "hi", "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
     ("/v1/embeddings", {"input": "hi", "dimensions": 8}, "dimensions"),
