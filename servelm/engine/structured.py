@@ -117,14 +117,21 @@ def new_matcher(compiled) -> Any:
     return xgr.GrammarMatcher(compiled)
 
 
+_bitmask = None  # the sampler's bitmask buffer (the engine loop's thread only)
+
+
 def mask_logits(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
     """Set to -inf, in the listed rows only, every token their sequence's grammar does not allow next."""
     import torch
     import xgrammar as xgr
 
+    global _bitmask
     if logits.dtype != torch.float32:
         logits = logits.float()
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+    rows_needed, vocab = logits.shape
+    if _bitmask is None or _bitmask.shape[0] < rows_needed or _bitmask.shape[1] != (vocab + 31) // 32:
+        _bitmask = xgr.allocate_token_bitmask(max(rows_needed, 64), vocab)  # allocating costs ms: kept
+    bitmask = _bitmask[:rows_needed]  # rows without a grammar are never read (indices)
     for r in rows:
         seqs[r].matcher.fill_next_token_bitmask(bitmask, r)
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
