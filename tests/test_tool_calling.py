@@ -69,6 +69,15 @@ def test_parsers_whole_and_streamed_at_every_split(parser, text, content, calls)
                 assert sent.strip() == (content or "")
 
 
+def test_parser_chosen_by_flag_else_by_template():
+    from servelm.server.tools import choose_parser
+
+    assert choose_parser("auto", "{{ '[TOOL_CALLS]' }}") == "mistral"
+    assert choose_parser("auto", "<|start_header_id|>ipython<|end_header_id|>") == "llama3_json"
+    assert choose_parser("auto", TEMPLATE) == choose_parser("auto", None) == "hermes"
+    assert choose_parser("mistral", TEMPLATE) == "mistral"
+
+
 def test_forced_replies():
     assert [c.name for c in parse_forced('[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]',
                                          None)] == ["a", "b"]
