@@ -86,10 +86,16 @@ def test_forced_replies():
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir, tmp_path_factory):
+def tool_model(llama_dir, tmp_path_factory):
     model = tmp_path_factory.mktemp("tools") / "m"
     shutil.copytree(llama_dir, model)
     (model / "chat_template.jinja").write_text(TEMPLATE)
+    return model
+
+
+@pytest.fixture(scope="module")
+def server(tool_model):
+    model = tool_model
     proc, url = start_server(model, "--num-kv-blocks", "256", "--max-model-len", "1024", "--embedding-model", "none")
     yield url
     assert stop_server(proc) == 0
@@ -206,3 +212,12 @@ def test_bad_tool_requests_are_400(server, body, param):
     r = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 4, **body},
                    timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_offline_chat_passes_tools_to_the_template(tool_model):
+    from servelm import LLM, SamplingParams
+
+    llm = LLM(str(tool_model), dtype="float32", num_kv_blocks=32)
+    plain, offered = (llm.chat(MSGS, SamplingParams(max_tokens=1), use_tqdm=False, tools=t)[0] for t in (None, TOOLS))
+    text = llm.get_tokenizer().decode(offered.prompt_token_ids)
+    assert len(offered.prompt_token_ids) > len(plain.prompt_token_ids) and '"name": "get_time"' in text
