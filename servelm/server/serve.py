@@ -149,7 +149,7 @@ async def _serve(config, sock: socket.socket) -> int:
         from servelm.server.traffic import TrafficService
 
         state.traffic = TrafficService(state.control, srv, state.metrics.registry, state.models,
-                                       config.admission.queue_timeout_s)
+                                       config.admission.queue_timeout_s, embedder=state.embedder)
         resumed = state.traffic.resume()
         if resumed:
             logger.info("canary rollouts resumed: %s", ", ".join(resumed))
