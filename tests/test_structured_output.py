@@ -150,7 +150,8 @@ def test_bad_grammars_are_400_naming_the_problem(server, body, param, needle):
 
 def test_offline_api_preemption_and_only_grammar_rows_masked(llama_dir, monkeypatch):
     """SamplingParams(structured_outputs=...) offline; a KV cache so small that samples are preempted and
-    recomputed mid-grammar (each keeps its matcher); the mask touches only the rows that have a grammar."""
+    recomputed mid-grammar (each keeps its matcher); the mask touches only the rows that have a grammar; a
+    speculating neighbour changes nothing."""
     from servelm.engine import structured
 
     masked_rows = []
@@ -161,12 +162,15 @@ def test_offline_api_preemption_and_only_grammar_rows_masked(llama_dir, monkeypa
                            == [r in rows for r in range(len(seqs))])
         return real(logits, seqs, rows)
     monkeypatch.setattr(structured, "mask_logits", spy)
-    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=6, block_size=16, max_model_len=96, max_num_seqs=8)
+    # with n-gram speculation on: the free request speculates, the grammar's samples never do
+    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=6, block_size=16, max_model_len=96, max_num_seqs=8,
+              speculative_method="ngram", num_speculative_tokens=3)
     guided = SamplingParams(n=2, max_tokens=70, temperature=1.0, seed=11,
                             structured_outputs=StructuredOutputsParams(json=SCHEMA))
     free = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     outs = llm.generate([[1] + [50 + i] * 20 for i in range(2)], [guided, free], use_tqdm=False)
-    assert llm.engine.get_stats().num_preemptions > 0
+    stats = llm.engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.spec_proposed_tokens > 0
     for o in outs[:1]:
         for c in o.outputs:
             assert c.finish_reason == "stop"
