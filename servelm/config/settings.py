@@ -71,6 +71,9 @@ class ServerConfig:
                               "models in the config file) turns on the registry and the /admin model routes")
     registry_url: str | None = _f(None, "SQLAlchemy URL of the model registry, e.g. postgresql://... to share "
                                   "one between servers (default: SQLite in the data directory)")
+    model_roots: str | None = _f(None, "directories (separated by ':') under which POST /admin/models may register "
+                                 "model folders and files, besides the folders of the models the server was "
+                                 "started with and the packaged defaults; any other path gets 403")
     load_on_demand: bool = _f(True, "with a registry: a request naming a registered version that no deployment "
                               "serves loads it first (the wait is in the x-servelm-load-wait-s header)")
     keep_alive_s: float = _f(300.0, "an on-demand loaded model is unloaded after this many idle seconds (0: kept)")
@@ -103,6 +106,9 @@ class ServerConfig:
                                      "with requests made with the same API key (one tenant cannot time-probe "
                                      "another's prompts); none shares them across all callers")
 
+    tool_call_parser: str = _f("auto", "auto | hermes | llama3_json | mistral: how tool calls are read from a "
+                               "chat reply (auto: the format the model's chat template uses, else hermes)")
+
     def validate(self) -> None:
         def need(ok: bool, name: str, allowed: str) -> None:
             require(self, ok, name, allowed)
@@ -127,6 +133,8 @@ class ServerConfig:
         need(self.responses_store_size >= 0, "responses_store_size", ">= 0")
         need(self.max_request_body_bytes >= 1024, "max_request_body_bytes", ">= 1024")
         need(self.prefix_cache_isolation in ("key", "none"), "prefix_cache_isolation", "key or none")
+        need(self.tool_call_parser in ("auto", "hermes", "llama3_json", "mistral"), "tool_call_parser",
+             "auto, hermes, llama3_json or mistral")
         need(self.keep_alive_s >= 0, "keep_alive_s", ">= 0 (0: kept loaded)")
         need(all(m.rpartition("=")[2].strip() in ("off", "metadata", "full")
                  for m in self.prediction_log.split(",") if m.strip()), "prediction_log",

@@ -102,6 +102,8 @@ class Gateway:
                 rec.status = 500
             raise
         finally:
+            for served in rec.leases:  # the request is over: its pin on a deployment generation goes
+                served.release()
             if not body_done:
                 if response_started or rec.status == 200:
                     rec.status = 499  # the client went away before the response was complete

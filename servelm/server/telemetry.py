@@ -29,6 +29,7 @@ class RequestRecord:
     model: str | None = None
     model_version: str | None = None  # name:version of the registered version that served it
     load_wait_s: float | None = None  # seconds it waited for its model to load on demand
+    leases: list = field(default_factory=list)  # what serves it (ServedModel), released when the request ends
     priority: str | None = None
     status: int = 200
     stream: bool = False
