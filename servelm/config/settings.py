@@ -33,6 +33,8 @@ class ServerConfig:
 
     host: str = _f("127.0.0.1", "address to listen on")
     port: int = _f(8000, "port to listen on")
+    grpc_port: int | None = _f(None, "also serve gRPC on this port (servelm.v1.Llm, the Open Inference Protocol, "
+                               "health checking and reflection; needs the grpc extra); None: no gRPC")
     served_model_name: str | None = _f(None, "the model id clients use (default: derived from the model)")
     embedding_model: str = _f("default", "embedding model folder, 'default' (packaged all-MiniLM-L6-v2 if "
                               "installed) or 'none'")
@@ -89,6 +91,7 @@ class ServerConfig:
             require(self, ok, name, allowed)
 
         need(0 <= self.port <= 65535, "port", "in [0, 65535]")
+        need(self.grpc_port is None or 0 < self.grpc_port <= 65535, "grpc_port", "in [1, 65535] or None")
         need(self.embedding_batch_window_ms >= 0, "embedding_batch_window_ms", ">= 0")
         need(self.embedding_max_batch_size >= 1, "embedding_max_batch_size", ">= 1")
         need(self.drain_timeout >= 0, "drain_timeout", ">= 0")
