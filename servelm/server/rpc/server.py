@@ -37,9 +37,9 @@ class RpcServer:
         self.port = self.server.add_insecure_port(address)  # RuntimeError when it cannot bind
         self.health = None
 
-    async def start(self, gateway, oip=None) -> None:
-        """Add the services over the HTTP gateway's state and start serving. `oip`: the Open Inference
-        Protocol's model runtime (servelm.server.oip), when the server has non-LLM models."""
+    async def start(self, gateway) -> None:
+        """Add the services over the HTTP gateway's state (and its app's Open Inference Protocol runtime,
+        `app.state.oip`, shared with the /v2 routes) and start serving."""
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
         from grpc_reflection.v1alpha import reflection
 
@@ -50,6 +50,7 @@ class RpcServer:
         calls = Calls(gateway)
         pb_grpc.add_LlmServicer_to_server(LlmService(Api(gateway.state), calls), self.server)
         names = [SERVICE]
+        oip = getattr(gateway.app.state, "oip", None)
         if oip is not None:
             from servelm.server.rpc.oip_service import SERVICE as OIP
             from servelm.server.rpc.oip_service import add_oip_service
