@@ -4,8 +4,8 @@ Why on import and not at build time: a build hook would make grpcio-tools a buil
 install (with or without the `grpc` extra), and an editable install (`pip install -e .`) would keep stubs
 from whatever .proto was there at install time. Here the cache key is a hash of the .proto files and of the
 grpcio-tools and protobuf versions, so the stubs always match both the shipped protos and the runtime that
-imports them; generating takes ~0.1 s, once per key. The cache is `$SERVELM_CACHE_DIR/grpc-stubs` (default
-`$XDG_CACHE_HOME/servelm`, else ~/.cache/servelm), falling back to a temporary directory if unwritable.
+imports them; generating takes ~0.3 s, once per key. The cache is `$SERVELM_CACHE_DIR/grpc-stubs` (default
+~/.cache/servelm/grpc-stubs), falling back to a temporary directory if unwritable.
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ _loaded: dict[str, tuple[ModuleType, ModuleType]] = {}
 
 
 def cache_root() -> Path:
-    if os.environ.get("SERVELM_CACHE_DIR"):
-        return Path(os.environ["SERVELM_CACHE_DIR"])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "servelm"
+    from servelm.model.source import cache_dir  # servelm's one cache: $SERVELM_CACHE_DIR or ~/.cache/servelm
+
+    return cache_dir()
 
 
 def _key() -> str:
