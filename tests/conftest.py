@@ -157,3 +157,28 @@ def dot(request):
     yield request.param
     if before in ("bf16", "fma"):
         kernels.set_bf16_dot(before)
+
+
+RPC_KEYS = """keys:
+  - {name: alice, key: sk-alice-000001}
+  - {name: limited, key: sk-limited-0003, rpm: 2}
+  - {name: bronze, key: sk-bronze-000006, priority: low}
+  - {name: boxed, key: sk-boxed-000007, models: [another-model]}
+"""
+RPC_ADMIN = "sk-rpc-admin-01"
+
+
+@pytest.fixture(scope="session")
+def rpc_server(llama_dir, tmp_path_factory):
+    """One server with gRPC, keys, an admin key and a registry, shared by tests/test_grpc.py and
+    tests/test_oip.py (one start instead of two): (process, HTTP url, gRPC address)."""
+    from serving import _free_port, start_server, stop_server
+
+    d = tmp_path_factory.mktemp("rpc")
+    (d / "keys.yaml").write_text(RPC_KEYS)
+    port = _free_port()
+    proc, url = start_server(llama_dir, "--api-keys-file", str(d / "keys.yaml"), "--admin-key", RPC_ADMIN,
+                             "--data-dir", str(d / "data"), "--num-kv-blocks", "128", "--max-model-len", "512",
+                             env={"SERVELM_GRPC_PORT": str(port)})  # an env var: the config tree has it
+    yield proc, url, f"127.0.0.1:{port}"
+    assert stop_server(proc) == 0

@@ -11,21 +11,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from serving import _free_port, _wait, server_log_lines, start_server, stats, stop_server
+from serving import _wait, server_log_lines, stats
 
 from servelm.server.rpc.stubs import load
 
 pytestmark = pytest.mark.server
 pb, pb_grpc = load("servelm_llm_v1")
 
-ALICE = "sk-alice-000001"
+ALICE = "sk-alice-000001"  # the keys of conftest.RPC_KEYS
 HEAD = {"Authorization": f"Bearer {ALICE}"}
-KEYS = """keys:
-  - {name: alice, key: sk-alice-000001}
-  - {name: limited, key: sk-limited-0003, rpm: 2}
-  - {name: bronze, key: sk-bronze-000006, priority: low}
-  - {name: boxed, key: sk-boxed-000007, models: [another-model]}
-"""
 
 
 def auth(key: str) -> tuple:
@@ -33,16 +27,11 @@ def auth(key: str) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def srv(llama_dir, tmp_path_factory):
-    keys = tmp_path_factory.mktemp("grpc") / "keys.yaml"
-    keys.write_text(KEYS)
-    port = _free_port()
-    proc, url = start_server(llama_dir, "--api-keys-file", str(keys), "--num-kv-blocks", "128",
-                             "--max-model-len", "512", env={"SERVELM_GRPC_PORT": str(port)})  # env: the config tree
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+def srv(rpc_server):
+    proc, url, address = rpc_server
+    channel = grpc.insecure_channel(address)
     yield proc, url, channel
     channel.close()
-    assert stop_server(proc) == 0
 
 
 def test_health_reflection_and_models(srv):
@@ -62,13 +51,13 @@ def test_health_reflection_and_models(srv):
 def test_generate_and_chat_stream_what_http_returns(srv):
     _, url, channel = srv
     stub, head = pb_grpc.LlmStub(channel), {"Authorization": f"Bearer {ALICE}"}
-    opts = pb.SamplingOptions(max_tokens=12, temperature=0)
+    opts = pb.SamplingOptions(max_tokens=8, temperature=0)
     for rpc, req, path, body in [
             (stub.Generate, pb.GenerateRequest(prompt="The cat sat on", sampling=opts), "/generate",
              {"prompt": "The cat sat on"}),
             (stub.Chat, pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="Hi there")], sampling=opts),
              "/chat", {"messages": [{"role": "user", "content": "Hi there"}]})]:
-        want = httpx.post(url + path, json={**body, "max_tokens": 12, "temperature": 0}, headers=head).json()
+        want = httpx.post(url + path, json={**body, "max_tokens": 8, "temperature": 0}, headers=head).json()
         parts = list(rpc(req, metadata=auth(ALICE)))
         assert len(parts) > 1  # streamed, not one answer at the end
         assert "".join(x.text for x in parts) == want["text"]
@@ -77,7 +66,7 @@ def test_generate_and_chat_stream_what_http_returns(srv):
             (want["usage"]["prompt_tokens"], want["usage"]["completion_tokens"])
         assert [x.index for x in parts] == sorted(x.index for x in parts)
     log = [e for e in server_log_lines(srv[0]) if e["path"] == "/servelm.v1.Llm/Generate"]
-    assert log[-1]["key"] == "alice" and log[-1]["status"] == 200 and log[-1]["completion_tokens"] == 12
+    assert log[-1]["key"] == "alice" and log[-1]["status"] == 200 and log[-1]["completion_tokens"] == 8
 
 
 def test_embed_equals_http(srv):

@@ -11,14 +11,13 @@ import httpx
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serving import _free_port, start_server, stop_server
 
 pytestmark = pytest.mark.server
 grpcclient = pytest.importorskip("tritonclient.grpc")
 httpclient = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-KEY, ADMIN = "sk-oip-key-0001", "sk-oip-admin-01"
+KEY, ADMIN = "sk-alice-000001", "sk-rpc-admin-01"  # conftest.RPC_KEYS, RPC_ADMIN
 F = 20  # features
 
 
@@ -62,12 +61,10 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def srv(llama_dir, models, tmp_path_factory):
+def srv(rpc_server, models):
+    """The shared gRPC server (conftest.rpc_server) with the models registered: (HTTP url, gRPC address)."""
     d, _ = models
-    gport = _free_port()
-    proc, url = start_server(llama_dir, "--data-dir", str(tmp_path_factory.mktemp("data")), "--api-key", KEY,
-                             "--admin-key", ADMIN, "--grpc-port", str(gport), "--embedding-model", "none",
-                             "--num-kv-blocks", "32", "--max-model-len", "128")
+    _, url, address = rpc_server
     admin = {"x-api-key": ADMIN}
     for name, path, labels in [("iris", d / "sk1", None), ("iris", d / "sk2", None), ("gbt", d / "gbt.ubj", None),
                                ("linear", d / "linear.onnx", None),
@@ -76,8 +73,7 @@ def srv(llama_dir, models, tmp_path_factory):
         r = httpx.post(url + "/admin/models", json={"name": name, "path": str(path), "labels": labels,
                                                     "validate": True}, headers=admin, timeout=60)
         assert r.status_code == 201 and r.json()["state"] == "VALIDATED" and r.json()["kind"] == "predict", r.text
-    yield url, f"127.0.0.1:{gport}"
-    assert stop_server(proc) == 0
+    return url, address
 
 
 def _http(srv):
