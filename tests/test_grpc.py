@@ -119,8 +119,9 @@ def test_keys_rate_limits_and_priorities(srv):
     code, md = _code(lambda: list(stub.Generate(bad, metadata=auth(ALICE))))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     # rpm 2: the third call in the minute is refused, with the retry delay in the trailing metadata
-    for _ in range(2):
-        stub.ListModels(pb.ListModelsRequest(), metadata=auth("sk-limited-0003"))
+    for left in (1, 0):  # a success carries the key's rate-limit state, as the HTTP headers do
+        _, call = stub.ListModels.with_call(pb.ListModelsRequest(), metadata=auth("sk-limited-0003"))
+        assert dict(call.trailing_metadata())["x-ratelimit-remaining-requests"] == str(left)
     code, md = _code(lambda: stub.ListModels(pb.ListModelsRequest(), metadata=auth("sk-limited-0003")))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and md["x-servelm-error-code"] == "rate_limit_exceeded"
     assert int(md["retry-after"]) >= 1
@@ -142,3 +143,20 @@ def test_cancel_aborts_the_request_in_the_engine(srv):
     assert _counter(url, "servelm:generation_tokens") - generated < 400
     _wait(lambda: any(e["path"] == "/servelm.v1.Llm/Generate" and e["status"] == 499
                       for e in server_log_lines(srv[0])), 10, "the cancelled call's log line")
+
+
+def test_grpc_port_in_use_is_refused_before_anything_loads():
+    import asyncio
+    import socket
+    from types import SimpleNamespace
+
+    from servelm.server.serve import _bind_grpc
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        srv = SimpleNamespace(host="127.0.0.1", grpc_port=s.getsockname()[1])
+
+        async def bind():
+            return _bind_grpc(srv)
+        assert "cannot listen for gRPC on 127.0.0.1:" in asyncio.run(bind())

@@ -173,10 +173,8 @@ class OipModels:
         else:
             outputs = names[:1] if pred.runtime == "sklearn" else names
         check_inputs(pred, inputs)
-        rows = {len(a) for a in inputs.values()}
-        if len(rows) != 1:
+        if len({len(a) for a in inputs.values()}) != 1:
             raise APIError(400, "every input must have the same first (batch) dimension", "inputs")
-        rec.prompt_tokens = rows.pop()
         t0 = time.perf_counter()
         gauge = self.m_queue.labels(mv.ref)
         gauge.inc()

@@ -164,7 +164,7 @@ async def _serve(config, sock: socket.socket) -> int:
                                             timeout_graceful_shutdown=srv.drain_timeout, http=_http_protocol(srv)))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, server.begin_drain, sig)
+        loop.add_signal_handler(sig, _begin_drain, server, rpc, srv.drain_timeout, sig)
     try:
         if rpc is not None:
             await rpc.start(app)
@@ -183,6 +183,12 @@ async def _serve(config, sock: socket.socket) -> int:
             state.telemetry.tracing.shutdown()
     logger.info("shut down cleanly")
     return 0
+
+
+def _begin_drain(server, rpc, grace: float, sig) -> None:
+    server.begin_drain(sig)
+    if rpc is not None:  # gRPC drains alongside HTTP: new calls refused, in-flight ones given the same grace
+        rpc.begin_stop(grace)
 
 
 def _bind_grpc(srv):

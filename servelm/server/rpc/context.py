@@ -121,5 +121,11 @@ class Calls:
         except Exception as e:
             await self.fail(context, req, e)
         else:
-            context.set_trailing_metadata((("x-request-id", req.record.request_id),))
+            context.set_trailing_metadata(self.trailers(req))
             self.end(req, 200)
+
+    def trailers(self, req: RpcRequest) -> tuple:
+        """A successful call's trailing metadata: its request id and the key's rate-limit state, as the HTTP
+        response headers carry them."""
+        limits = self.state.admission.limit_headers(req.record)
+        return (("x-request-id", req.record.request_id), *((k.lower(), str(v)) for k, v in limits.items()))

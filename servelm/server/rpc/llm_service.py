@@ -80,6 +80,7 @@ class LlmService(pb_grpc.LlmServicer):
                     msg.finish_reason = _reason(c.finish_reason, c.stop_reason)
                     msg.usage.prompt_tokens, msg.usage.completion_tokens = len(ids), n_out
                 yield msg
+            context.set_trailing_metadata(calls.trailers(req))
             status, error = 200, None
         except asyncio.CancelledError:  # the client cancelled or its deadline passed: the stream's cleanup aborts
             raise

@@ -36,6 +36,7 @@ class RpcServer:
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self.port = self.server.add_insecure_port(address)  # RuntimeError when it cannot bind
         self.health = None
+        self._stopping = None
 
     async def start(self, gateway) -> None:
         """Add the services over the HTTP gateway's state (and its app's Open Inference Protocol runtime,
@@ -57,7 +58,7 @@ class RpcServer:
 
             add_oip_service(self.server, oip, calls)
             names.append(OIP)
-        self.health = health.aio.HealthServicer()
+        self.health = _Health(gateway.state, ("", *names))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         await self.server.start()
@@ -65,8 +66,35 @@ class RpcServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info("gRPC on port %d: %s", self.port, ", ".join(names))
 
+    def begin_stop(self, grace: float) -> None:
+        """Start stopping (on SIGTERM, beside HTTP's drain): refuse new calls, report NOT_SERVING, let in-flight
+        calls finish for up to `grace` seconds, then cancel the rest."""
+        import asyncio
+
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop(grace))
+
     async def stop(self, grace: float) -> None:
-        """Report NOT_SERVING, let in-flight calls finish for up to `grace` seconds, then cancel the rest."""
+        self.begin_stop(grace)
+        await self._stopping
+
+    async def _stop(self, grace: float) -> None:
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+
+
+def _Health(state, ours: tuple[str, ...]):
+    """The standard health service, where the server's own names answer NOT_SERVING while its engines are
+    not ready (as /ready does), not only while the gRPC server is down."""
+    from grpc_health.v1 import health, health_pb2
+
+    from servelm.server.routes.oip import server_ready
+
+    class Health(health.aio.HealthServicer):
+        async def Check(self, request, context):
+            if request.service in ours and not server_ready(state):
+                return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+            return await super().Check(request, context)
+
+    return Health()
