@@ -54,6 +54,7 @@ class LlmService(pb_grpc.LlmServicer):
         api, calls = self.api, self.calls
         req = RpcRequest(context, f"/{SERVICE}/{what}")
         status, error = 499, "client cancelled"
+        head = None
         try:
             calls.check(req)
             if what == "Chat":
@@ -88,6 +89,8 @@ class LlmService(pb_grpc.LlmServicer):
             status = None
             await calls.fail(context, req, e)
         finally:
+            if head is not None:  # a cancelled call aborts its request now (a traceback cycle could delay GC)
+                await head.aclose()
             if status is not None:
                 calls.end(req, status, error)
 
