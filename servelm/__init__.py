@@ -6,10 +6,9 @@ import importlib
 from typing import TYPE_CHECKING
 
 from servelm.model.source import set_offline_env
+from servelm.version import __version__
 
 set_offline_env()
-
-__version__ = "0.1.0"
 
 # Imported on first use: `import servelm` (and so `servelm serve`, which starts its engine process
 # before anything heavy) must not pay for torch, which LLM and LLMEngine pull in.

@@ -67,8 +67,11 @@ def test_admin_refusals(server, model_dirs):
     error(httpx.get(server + "/admin/models", headers={"x-api-key": USER_KEY}), 403)  # a key, not an admin one
     err = error(httpx.get(server + "/admin/models/nothing/versions/1", headers=ADMIN), 404)
     assert "nothing:1" in err["message"]
-    err = error(httpx.post(server + "/admin/models", headers=ADMIN, json={"name": "x", "path": "/no/such/dir"}), 400)
+    missing = str(model_dirs["llama"].parent / "no-such-dir")  # inside the served model's folder: a root
+    err = error(httpx.post(server + "/admin/models", headers=ADMIN, json={"name": "x", "path": missing}), 400)
     assert err["param"] == "path"
+    err = error(httpx.post(server + "/admin/models", headers=ADMIN, json={"name": "x", "path": "/no/such/dir"}), 403)
+    assert err["param"] == "path" and err["code"] == "path_not_allowed"  # outside: refused before it is looked at
     error(httpx.post(server + "/admin/models", headers=ADMIN, json={"name": "x", "path": "/m", "colour": 1}), 400)
     r = httpx.post(server + "/admin/models", headers=ADMIN, json={"name": "refused", "path": str(model_dirs["llama"])})
     assert r.status_code == 201 and r.json()["state"] == "REGISTERED"

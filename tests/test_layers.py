@@ -1,4 +1,5 @@
-"""The package's layers depend one way only: model <- engine <- worker <- control <- server <- entrypoints.
+"""The package's layers depend one way only: model <- engine <- worker <- control <- server <- entrypoints (and ray,
+servelm on a Ray cluster, beside entrypoints).
 
 Every `servelm.*` import in every module (top-level or inside a function) is checked against the layer of
 the module that makes it; an import from a higher layer fails the test with the file and line."""
@@ -13,9 +14,9 @@ import servelm
 ROOT = Path(servelm.__file__).parent
 # Lower number = lower layer. Shared leaf modules (config tree, params, outputs, progress) sit below all.
 LAYERS = {
-    "config": 0, "sampling_params": 0, "outputs": 0, "progress": 0,
+    "config": 0, "version": 0, "sampling_params": 0, "outputs": 0, "progress": 0,
     "model": 1, "engine": 2, "worker": 3, "control": 4, "server": 5,
-    "entrypoints": 6, "bench": 6, "__init__": 6, "__main__": 6,
+    "entrypoints": 6, "bench": 6, "ray": 6, "__init__": 6, "__main__": 6,
 }
 
 

@@ -27,7 +27,8 @@ def test_traffic_alerts_use_exported_metrics():
     rules = [r for g in yaml.safe_load((ROOT / "traffic-alerts.yaml").read_text())["groups"] for r in g["rules"]]
     alerts = {r["alert"] for r in rules if "alert" in r}
     assert {"ServelmCanaryRolledBack", "ServelmDriftDetected", "ServelmShadowDisagreement",
-            "ServelmArmErrorBudgetFastBurn", "ServelmArmErrorBudgetSlowBurn"} <= alerts
+            "ServelmArmErrorBudgetFastBurn", "ServelmArmErrorBudgetSlowBurn", "ServelmConceptDrift",
+            "ServelmEmbeddingDrift", "ServelmDriftEmbeddingsFailing"} <= alerts
     known = exported() | {r["record"] for r in rules if "record" in r}
     for r in rules:
         assert _balanced(r["expr"]), r
@@ -45,5 +46,5 @@ def test_traffic_dashboard_uses_exported_metrics():
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"]) >= 10
     assert used <= exported(), used - exported()
     for name in ("servelm:arm_requests_total", "servelm:canary_traffic_percent", "servelm:drift_psi",
-                 "servelm:shadow_dropped_total"):
+                 "servelm:shadow_dropped_total", "servelm:concept_drift_live", "servelm:drift_mmd2"):
         assert name in used

@@ -83,6 +83,18 @@ class EngineConfig:
                                 "(high, normal, low) with aging, or purely by arrival", runtime=True)
     priority_aging_s: float = _f(10.0, "seconds of waiting that lift a request one priority class, so "
                                  "low priority is never starved (0 disables aging)", runtime=True)
+    speculative_method: str | None = _f(None, "ngram | draft: speculative decoding by n-gram prompt lookup, or "
+                                        "by a draft model (--speculative-model, which implies draft); off when "
+                                        "omitted (README: Speculative decoding)")
+    speculative_model: str | None = _f(None, "a draft model (folder or .gguf) sharing the target's tokenizer, "
+                                       "or 'self:N' for the target's own first N layers")
+    num_speculative_tokens: int = _f(4, "draft tokens proposed per step and verified in one target forward")
+    ngram_lookup_max: int = _f(4, "longest suffix n-gram matched against earlier tokens (ngram method)")
+    ngram_lookup_min: int = _f(1, "shortest suffix n-gram tried before giving up (ngram method)")
+    spec_fallback_threshold: float = _f(0.5, "a request's rolling draft acceptance rate below which speculation "
+                                        "is switched off for it (0 never switches off)")
+    spec_fallback_window: int = _f(16, "draft tokens in the rolling acceptance window")
+    spec_cooldown_steps: int = _f(32, "decode steps a request runs without speculation after falling back")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -109,6 +121,16 @@ class EngineConfig:
              f"a list of this process's CPUs {sorted(os.sched_getaffinity(0))} like '0-3' or '0,2'")
         need(self.scheduling_policy in ("priority", "fcfs"), "scheduling_policy", "priority or fcfs")
         need(self.priority_aging_s >= 0, "priority_aging_s", ">= 0")
+        if self.speculative_model is not None and self.speculative_method is None:
+            self.speculative_method = "draft"
+        need(self.speculative_method in (None, "ngram", "draft"), "speculative_method", "ngram, draft or None")
+        need(self.speculative_method != "draft" or self.speculative_model is not None, "speculative_method",
+             "draft only together with --speculative-model")
+        need(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens", "in [1, 16]")
+        need(1 <= self.ngram_lookup_min <= self.ngram_lookup_max, "ngram_lookup_min", "in [1, ngram_lookup_max]")
+        need(0 <= self.spec_fallback_threshold <= 1, "spec_fallback_threshold", "in [0, 1]")
+        need(self.spec_fallback_window >= 1, "spec_fallback_window", ">= 1")
+        need(self.spec_cooldown_steps >= 0, "spec_cooldown_steps", ">= 0")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -56,7 +56,7 @@ class ServerConfig:
                              "visible in the process list: prefer --api-key-file or SERVELM_API_KEY")
     api_key_file: str | None = _f(None, "file holding the one API key (instead of --api-key)")
     api_keys_file: str | None = _f(None, "YAML/JSON file of API keys: name, key or key_hash, rpm, tpm, "
-                                   "priority, models, allow_priority_raise, admin")
+                                   "priority, models, allow_priority_raise, admin, groups")
     admin_key: str | None = _f(None, "key that guards /admin routes (keys marked admin in the keys file also work); "
                                "prefer --admin-key-file or SERVELM_ADMIN_KEY")
     admin_key_file: str | None = _f(None, "file holding the admin key (instead of --admin-key)")
@@ -65,6 +65,10 @@ class ServerConfig:
     header_timeout_s: float = _f(10.0, "close a connection whose request head (request line and headers) is not "
                                  "complete this long after it opened or after its last response (slow clients, "
                                  "slowloris); 0 turns it off")
+    ui: str = _f("chat", "the web chat page at / : chat (served, no login of its own: it asks for an API key when "
+                 "the server needs one) or none")
+    responses_store_size: int = _f(1000, "responses of /v1/responses kept in memory for previous_response_id and "
+                                   "GET /v1/responses/{id} (the oldest go first; 0: none kept)")
     log_requests: bool = _f(True, "one JSON log line per request at completion")
     log_prompts: bool = _f(False, "include prompt and completion text in the request log lines")
     otlp_endpoint: str | None = _f(None, "OTLP/HTTP collector, e.g. http://localhost:4318/v1/traces: turns "
@@ -75,19 +79,37 @@ class ServerConfig:
                               "models in the config file) turns on the registry and the /admin model routes")
     registry_url: str | None = _f(None, "SQLAlchemy URL of the model registry, e.g. postgresql://... to share "
                                   "one between servers (default: SQLite in the data directory)")
+    model_roots: str | None = _f(None, "directories (separated by ':') under which POST /admin/models may register "
+                                 "model folders and files, besides the folders of the models the server was "
+                                 "started with and the packaged defaults; any other path gets 403")
     load_on_demand: bool = _f(True, "with a registry: a request naming a registered version that no deployment "
                               "serves loads it first (the wait is in the x-servelm-load-wait-s header)")
     keep_alive_s: float = _f(300.0, "an on-demand loaded model is unloaded after this many idle seconds (0: kept)")
     prediction_log: str = _f("off", "with a registry: the prediction log's mode, off | metadata | full (prompt and "
                              "output, redacted), for every model or per model: 'm=full,other=off,*=metadata'")
     prediction_log_file: str | None = _f(None, "also append prediction-log entries to this JSON-lines file")
+    prediction_log_otlp_endpoint: str | None = _f(None, "also export each prediction-log entry as an "
+                                                  "OpenTelemetry log record to this OTLP/HTTP endpoint, e.g. "
+                                                  "http://localhost:4318/v1/logs (asynchronous, batched)")
     prediction_log_retention_days: float = _f(0.0, "delete prediction-log entries older than this many days "
                                               "(hourly; 0: keep them)")
     shadow_queue: int = _f(64, "mirrored (shadow) requests waiting at most, per model; more are dropped and counted")
     shadow_concurrency: int = _f(1, "shadow requests run at once, per model")
     canary_interval_s: float = _f(1.0, "how often a running canary's step is evaluated")
+    traffic_state_interval_s: float = _f(10.0, "how often running canary and experiment windows and bandit "
+                                         "posteriors are saved to the registry database (and at shutdown), so a "
+                                         "restart carries on from them; at most this much is lost in a crash "
+                                         "(0: only at shutdown)")
     drift_window: int = _f(5000, "requests in each drift window (reference and live), per model")
     drift_min_samples: int = _f(50, "requests each drift window needs before a feature is judged")
+    drift_embedding_sample: float = _f(0.05, "share of prompts embedded (by the served embedding model, off the "
+                                       "request path) for prompt-embedding drift (MMD); 0 turns it off")
+    drift_check_interval_s: float = _f(60.0, "how often every model's drift (data, concept, embedding) is "
+                                       "evaluated in the background, so alerts fire unasked (0: only on request)")
+    webhook_url: str | None = _f(None, "with a registry: URL the server POSTs a JSON event to on a canary "
+                                 "rollback, a canary promotion that failed, and a drift alert that starts")
+    webhook_timeout_s: float = _f(2.0, "timeout of one webhook delivery attempt")
+    webhook_retries: int = _f(2, "webhook delivery attempts after the first, with exponential backoff")
     prefix_cache_isolation: str = _f("key", "key | none: with key, requests share prefix-cache blocks only "
                                      "with requests made with the same API key (one tenant cannot time-probe "
                                      "another's prompts); none shares them across all callers")
@@ -116,6 +138,8 @@ class ServerConfig:
             if key is not None and (len(key) < 8 or any(c.isspace() for c in key)):
                 raise ConfigError(name, "<redacted>", "at least 8 characters, with no spaces or line breaks")
         need(self.api_keys_file is None or Path(self.api_keys_file).is_file(), "api_keys_file", "an existing file")
+        need(self.ui in ("chat", "none"), "ui", "chat or none")
+        need(self.responses_store_size >= 0, "responses_store_size", ">= 0")
         need(self.max_request_body_bytes >= 1024, "max_request_body_bytes", ">= 1024")
         need(self.prefix_cache_isolation in ("key", "none"), "prefix_cache_isolation", "key or none")
         need(self.keep_alive_s >= 0, "keep_alive_s", ">= 0 (0: kept loaded)")
@@ -126,6 +150,16 @@ class ServerConfig:
         need(self.prediction_log_retention_days >= 0, "prediction_log_retention_days", ">= 0 (0: kept)")
         need(self.canary_interval_s > 0, "canary_interval_s", "> 0")
         need(self.drift_window >= 2 and self.drift_min_samples >= 2, "drift_window", ">= 2 (and min samples >= 2)")
+        need(0 <= self.drift_embedding_sample <= 1, "drift_embedding_sample", "in [0, 1]")
+        need(self.prediction_log_otlp_endpoint is None
+             or self.prediction_log_otlp_endpoint.startswith(("http://", "https://")),
+             "prediction_log_otlp_endpoint", "an http:// or https:// URL")
+        need(self.webhook_url is None or self.webhook_url.startswith(("http://", "https://")), "webhook_url",
+             "an http:// or https:// URL")
+        need(self.webhook_timeout_s > 0 and self.webhook_retries >= 0, "webhook_timeout_s",
+             "> 0 (and webhook_retries >= 0)")
+        need(self.traffic_state_interval_s >= 0, "traffic_state_interval_s", ">= 0 (0: only at shutdown)")
+        need(self.drift_check_interval_s >= 0, "drift_check_interval_s", ">= 0 (0: only on request)")
 
     def secret(self, name: str) -> str | None:
         """api_key or admin_key: as given, or read from its *_file (surrounding whitespace dropped)."""

@@ -213,8 +213,25 @@ class CanaryController:
                               checks)
 
     def to_dict(self) -> dict:
-        """What to persist to resume after a restart (the windows start again)."""
+        """What to persist to resume after a restart (the windows: `windows_state`)."""
         return {"config": self.config.to_dict(), "step": self.step, "status": self.status}
+
+    def windows_state(self) -> dict:
+        """The current step's windows and how long the step has been held: saved so that a restart carries on
+        the step where it was instead of starting its windows again."""
+        return {"canary": self.config.canary, "step": self.step, "held_s": self.clock() - self.step_started,
+                "windows": {str(v): w.to_dict() for v, w in self.windows.items()}}
+
+    def restore_windows(self, d: dict) -> bool:
+        """Take back `windows_state()` when it is of this rollout's current step; whether it was."""
+        if d.get("canary") != self.config.canary or d.get("step") != self.step:
+            return False
+        windows = {int(v): ArmStats.from_dict(w) for v, w in d["windows"].items()}
+        if set(windows) != set(self.windows):
+            return False
+        self.windows = windows
+        self.step_started = self.clock() - float(d.get("held_s", 0.0))
+        return True
 
     @classmethod
     def from_dict(cls, d: dict, clock: Callable[[], float] = time.monotonic) -> CanaryController:

@@ -97,6 +97,7 @@ class CanaryRun:
                                      "percent": self.controller.percent, "reasons": [f"{type(e).__name__}: {e}"]})
                 self._save(actor, "canary.promote_failed")
                 self.svc.metrics.canary_failures.labels(cfg.model, str(cfg.canary)).inc()
+                self._notify("canary.promotion_failed", f"{type(e).__name__}: {e}", actor)
                 raise
             self.controller.promotion_applied(True)
             if cfg.model in self.svc.policies:
@@ -126,6 +127,15 @@ class CanaryRun:
         finally:
             self._save(actor, "canary.rollback")
             self.svc.metrics.rollbacks.labels(cfg.model, str(cfg.canary), kind).inc()
+            self._notify("canary.rollback", reason, actor, kind=kind)
+
+    def _notify(self, event: str, reason: str, actor: str, **more: Any) -> None:
+        """Tell the operator (the service's webhook); never waits."""
+        notify = getattr(self.svc, "notify", None)
+        if notify is not None:
+            c = self.controller
+            notify({"event": event, "model": self.name, "version": c.config.canary,
+                    "production": c.config.production, "step": c.step, "reason": reason, "actor": actor, **more})
 
     def _save(self, actor: str, action: str) -> None:
         self.svc.store.put("canary", self.name, {**self.controller.to_dict(), "history": self.history}, actor,

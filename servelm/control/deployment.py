@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from servelm.config.engine import EngineConfig, cpu_list
+from servelm.control.lease import Lease
 from servelm.control.router import RouteRequest, blocks_needed, make_strategy
 from servelm.control.types import ControlError, Kind, ModelVersion
 from servelm.engine.step_outputs import EngineStats
@@ -56,6 +57,19 @@ class Generation:
     tokenizer: object
     workers: list[Worker] = field(default_factory=list)  # routable unless draining
     active: int = 0  # requests inside generate() (a re-sent one is between workers for a moment)
+    held: int = 0  # leases of requests that resolved to it (they may not have reached generate() yet)
+
+    @property
+    def info(self):
+        return next((w.engine.info for w in self.workers if w.engine.info is not None), None)
+
+    @property
+    def max_model_len(self) -> int:
+        return min((w.engine.max_model_len for w in self.workers if w.engine.info), default=0)
+
+    def in_use(self) -> bool:
+        """Requests hold it or run on it: a drain of its workers waits for them."""
+        return bool(self.active or self.held)
 
 
 class Deployment:
@@ -88,6 +102,7 @@ class Deployment:
         self._starting: list[Worker] = []  # launched, not yet warm (shutdown() stops them too)
         self._health_task: asyncio.Task | None = None
         self._closing = False
+        self._unloading = False  # close() drains: requests that resolved before it still run on its workers
         self.last_used = time.monotonic()
         self.last_swap: dict[str, float] = {}
         self.on_ready = self.on_down = self.on_step = None  # as AsyncEngine's, for every worker
@@ -141,11 +156,11 @@ class Deployment:
 
     @property
     def info(self):
-        return next((w.engine.info for w in self._gen.workers if w.engine.info is not None), None)
+        return self._gen.info
 
     @property
     def max_model_len(self) -> int:
-        return min((w.engine.max_model_len for w in self._gen.workers if w.engine.info), default=0)
+        return self._gen.max_model_len
 
     @property
     def engine_pid(self) -> int | None:
@@ -171,8 +186,9 @@ class Deployment:
         all_stats = [w.engine.stats for w in self._gen.workers if w.engine.stats is not None]
         if not all_stats:
             return None
+        lists = ("spec_proposed_by_position", "spec_accepted_by_position")
         total = {f.name: 0 for f in dataclasses.fields(EngineStats) if f.name not in ("kv_usage", "waiting_by_priority",
-                                                                                      "prefix_cache_hit_rate")}
+                                                                                      "prefix_cache_hit_rate", *lists)}
         for st in all_stats:
             for k in total:
                 total[k] += getattr(st, k)
@@ -180,7 +196,9 @@ class Deployment:
         queries = total["prefix_cache_queries"]
         return EngineStats(**total, kv_usage=(blocks - free) / blocks if blocks else 0.0,
                            prefix_cache_hit_rate=total["prefix_cache_hits"] / queries if queries else 0.0,
-                           waiting_by_priority=[sum(s.waiting_by_priority[i] for s in all_stats) for i in range(3)])
+                           waiting_by_priority=[sum(s.waiting_by_priority[i] for s in all_stats) for i in range(3)],
+                           **{k: [sum(c) for c in zip(*(getattr(s, k) for s in all_stats), strict=False)]
+                              for k in lists})
 
     async def update_config(self, max_num_seqs: int, scheduling_policy: str, priority_aging_s: float) -> None:
         """Change every worker's scheduler settings now, and those of workers started later."""
@@ -190,6 +208,22 @@ class Deployment:
         for w in self._all_workers():
             await w.engine.update_config(max_num_seqs, scheduling_policy, priority_aging_s)
 
+    def pin(self) -> Lease:
+        """A request's lease on the current generation (see control/lease.py): it holds the tokenizer, version
+        and workers the request started with, and counts as in use until released."""
+        gen = self._gen
+        gen.held += 1
+        self.last_used = time.monotonic()
+
+        def release() -> None:
+            gen.held -= 1
+            self.last_used = time.monotonic()
+        return Lease(self, gen, release)
+
+    def pinned(self) -> int:
+        """Leases held on any of its generations (a deployment with some is not idle)."""
+        return self._gen.held + sum(g.held for g in self._old)
+
     async def abort(self, request_id: str) -> None:
         worker = self._where.get(request_id)
         if worker is not None:
@@ -197,10 +231,12 @@ class Deployment:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None, priority: int = 1, queue_timeout: float | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs from one worker of the current generation, each tagged with the version
-        (`model_version`); re-sent to another worker if its worker dies before any output."""
-        gen = self._gen
+                       cache_salt: str | None = None, *, generation: Generation | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs from one worker of the current generation (or of the one a request's lease
+        pinned, even if swapped out since), each tagged with the version (`model_version`); re-sent to another
+        worker of that generation if its worker dies before any output."""
+        gen = generation or self._gen
         self.last_used = time.monotonic()
         req = RouteRequest(prompt_token_ids, params.max_tokens or 0, cache_salt)
         need = blocks_needed(req, gen.config.block_size)
@@ -240,7 +276,7 @@ class Deployment:
             self.last_used = time.monotonic()
 
     def _candidates(self, gen: Generation) -> list[Worker]:
-        if gen is self._gen:
+        if gen is self._gen and not self._unloading:
             return [w for w in gen.workers if w.routable]
         # a swapped-out generation still serves (only) its own re-sent requests until it has drained
         return [w for w in gen.workers if w.engine.ready and not w.stopped]
@@ -342,7 +378,7 @@ class Deployment:
             w.draining = True
         deadline = time.monotonic() + self.drain_timeout_s
         while time.monotonic() < deadline and (any(w.engine.num_in_flight() for w in workers)
-                                               or (gen is not None and gen.active)):
+                                               or (gen is not None and gen.in_use())):
             await asyncio.sleep(_POLL_S)
         await self._stop_workers(workers)
         for w in workers:
@@ -423,6 +459,7 @@ class Deployment:
         """Unload gracefully: stop routing, let in-flight requests finish (up to drain_timeout_s), stop. A scale
         or swap under way completes first (under the same lock), so no worker it starts outlives the close."""
         async with self._lock:
+            self._unloading = True
             for w in self._gen.workers:
                 w.draining = True
             await self._drain(self._all_workers(), self._gen)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from servelm.config.engine import EngineConfig
 from servelm.control.budget import MemoryBudget, worker_footprint
 from servelm.control.deployment import Deployment, load_tokenizer
 from servelm.control.embed_deployment import EmbedDeployment
+from servelm.control.lease import Lease
 from servelm.control.traffic import Decision, RequestAttrs, TrafficPolicy
 from servelm.control.types import ControlError, Kind, ModelVersion, State
 from servelm.worker.handle import HealthSettings
@@ -29,9 +31,10 @@ Served = Deployment | EmbedDeployment  # what resolve() returns: generation (Asy
 class DeploymentManager:
     """Every deployment of the server.
 
-    `on_change(action, record)` is called after each change ("create", "scale", "swap", "unload", "evict",
-    "expire") and after a failed swap ("swap_failed", the record with `to` and `error`), with the deployment's
-    `describe()` record, so the caller can persist and audit it. `production_of(name)`
+    `on_change(action, record)` (a function, or a coroutine function: awaited) is called after each change
+    ("create", "scale", "swap", "unload", "evict", "expire") and after a failed swap ("swap_failed", the record
+    with `to` and `error`), with the deployment's `describe()` record, so the caller can persist and audit
+    it. `production_of(name)`
     names the PRODUCTION version of a model (the registry's view; default: the deployed versions' states);
     `policy_of(name)` its traffic policy, if any (see `route`).
     Deployments idle for their `keep_alive_s` are unloaded; under memory pressure idle ones are unloaded
@@ -121,25 +124,37 @@ class DeploymentManager:
         return found
 
     async def ensure(self, model: str, find: Callable[[str], ModelVersion | None], workers: int = 1,
-                     strategy: str = "least_loaded", keep_alive_s: float | None = 300.0) -> tuple[Served, float]:
+                     strategy: str = "least_loaded", keep_alive_s: float | None = 300.0, pin: bool = False
+                     ) -> tuple[Served | Lease, float]:
         """The deployment serving `model`, loading it first if there is none (on demand): `find(model)` names
         the version to load (the registry's PRODUCTION version of a name, or a pinned `name:version`; None: the
         404 stands). Returns it and the seconds this call waited for the load (0.0 if it was there); requests
-        arriving during one load share it. On-demand deployments unload after `keep_alive_s` idle."""
-        try:
-            return self.resolve(model), 0.0
-        except ControlError:
-            version = find(model)
-            if version is None:
-                raise
+        arriving during one load share it. On-demand deployments unload after `keep_alive_s` idle.
+        With `pin`, returns a request's lease on it instead, taken while the manager still holds it (a load
+        that finished can be evicted before its waiter resumes: then it is loaded again)."""
         t0 = time.monotonic()
-        task = self._loading.get(version.ref)
-        if task is None:
-            task = asyncio.ensure_future(self.create(version, workers, strategy, keep_alive_s=keep_alive_s))
-            self._loading[version.ref] = task
-            task.add_done_callback(lambda _: self._loading.pop(version.ref, None))
-        d = await asyncio.shield(task)  # a caller that leaves does not cancel the load for the others
-        return d, time.monotonic() - t0
+        for attempt in range(3):
+            try:
+                d = self.resolve(model)
+            except ControlError:
+                version = find(model)
+                if version is None:
+                    raise
+                task = self._loading.get(version.ref)
+                if task is None:
+                    task = asyncio.ensure_future(self.create(version, workers, strategy, keep_alive_s=keep_alive_s))
+                    self._loading[version.ref] = task
+                    task.add_done_callback(lambda _, ref=version.ref: self._loading.pop(ref, None))
+                d = await asyncio.shield(task)  # a caller that leaves does not cancel the load for the others
+                waited = time.monotonic() - t0
+            else:
+                waited = 0.0 if attempt == 0 else time.monotonic() - t0
+            if not pin:
+                return d, waited
+            if self._holds(d):  # no await between this check and the pin: eviction cannot come between
+                return d.pin(), waited
+        raise ControlError(503, f"{model} was unloaded again before its request could use it (memory pressure); "
+                           "retry", code="engine_unavailable", param="model")
 
     # -- changes -----------------------------------------------------------------------------------
     async def create(self, version: ModelVersion, workers: int = 1, strategy: str = "least_loaded",
@@ -178,7 +193,7 @@ class DeploymentManager:
         finally:
             self._creating.discard(d.id)
         self._start_reaper()
-        self._changed("create", d)
+        await self._changed("create", d)
         return d
 
     async def restore(self, records: list[dict], version_of: Callable[[str, int], ModelVersion]) -> list[Served]:
@@ -205,7 +220,7 @@ class DeploymentManager:
         finally:
             self._reserved -= extra
         if self._holds(d):  # unloaded meanwhile: nothing to persist
-            self._changed("scale", d)
+            await self._changed("scale", d)
         return d
 
     async def swap(self, deployment_id: str, version: ModelVersion, tokenizer=None) -> Served:
@@ -221,13 +236,13 @@ class DeploymentManager:
         except ControlError as e:
             logger.error("swap of %s to %s failed: %s", d.id, version.ref, e.message)
             if self._holds(d):
-                self._changed("swap_failed", d, to=version.ref, error=e.message)
+                await self._changed("swap_failed", d, to=version.ref, error=e.message)
             raise
         finally:
             self._reserved -= need
         if self._holds(d):  # unloaded meanwhile: its record must not come back
             self._footprints[d.id] = per_worker
-            self._changed("swap", d)
+            await self._changed("swap", d)
         return d
 
     def _holds(self, d: Served) -> bool:
@@ -239,7 +254,7 @@ class DeploymentManager:
         del self._deployments[deployment_id]
         self._footprints.pop(deployment_id, None)
         await d.close()
-        self._changed(action, d)
+        await self._changed(action, d)
 
     async def shutdown(self) -> None:
         if self._reaper is not None:
@@ -248,6 +263,22 @@ class DeploymentManager:
         await asyncio.gather(*(d.shutdown() for d in ds), return_exceptions=True)
 
     # -- memory ------------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def reserving(self, version: ModelVersion, config: EngineConfig | None, what: str):
+        """Count one worker of `version` that is not a deployment's (a validation run) in the budget while
+        the block runs: room is made as for a deploy, else ControlError(507). A version whose footprint cannot
+        be read from its artifact is not counted (the run itself then fails and says why)."""
+        try:
+            need = await asyncio.to_thread(self._footprint, version, config)
+        except ControlError as e:
+            logger.warning("%s: not counted in the memory budget: %s", what, e.message)
+            need = 0
+        await self._reserve(need, what, keep=None)
+        try:
+            yield
+        finally:
+            self._reserved -= need
+
     def _footprint(self, version: ModelVersion, config: EngineConfig | None) -> int:
         try:
             return worker_footprint(version, config).total
@@ -263,8 +294,7 @@ class DeploymentManager:
         """Make room for `need` bytes: unload idle deployments (least recently used first) until it fits, else
         raise ControlError(507) naming the numbers."""
         async with self._lock:
-            idle = sorted((d for d in self._deployments.values()
-                           if d is not keep and d.num_in_flight() == 0 and not d.busy()),
+            idle = sorted((d for d in self._deployments.values() if d is not keep and _idle(d)),
                           key=lambda d: d.last_used)
             freeable = sum(self._footprints[d.id] * d.num_processes() for d in idle)
             if self.in_use() - freeable + need <= self.budget.total:  # evict only where that makes it fit
@@ -286,16 +316,24 @@ class DeploymentManager:
             await asyncio.sleep(self.reap_every_s)
             now = time.monotonic()
             for d in list(self._deployments.values()):
-                if (d.keep_alive_s is not None and d.num_in_flight() == 0 and not d.busy()
-                        and now - d.last_used > d.keep_alive_s and self._holds(d)):
+                if (d.keep_alive_s is not None and _idle(d) and now - d.last_used > d.keep_alive_s
+                        and self._holds(d)):
                     logger.info("unloading %s: idle for %.0fs (keep_alive %gs)", d.id, now - d.last_used,
                                 d.keep_alive_s)
                     with contextlib.suppress(ControlError):
                         await self.unload(d.id, "expire")
 
-    def _changed(self, action: str, d: Served, **extra) -> None:
+    async def _changed(self, action: str, d: Served, **extra) -> None:
         if self.on_change is not None:
             try:
-                self.on_change(action, {**d.describe(), **extra})
+                done = self.on_change(action, {**d.describe(), **extra})
+                if inspect.isawaitable(done):  # e.g. the registry write, off the event loop
+                    await done
             except Exception:  # persistence failing must not undo a change that took effect
                 logger.exception("on_change(%s, %s) failed", action, d.id)
+
+
+def _idle(d: Served) -> bool:
+    """Nothing in flight, no request holding a lease on it (resolved, not yet in generate), no scale or swap under
+    way: what eviction and keep-alive expiry may unload."""
+    return d.num_in_flight() == 0 and d.pinned() == 0 and not d.busy()

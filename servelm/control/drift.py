@@ -183,23 +183,42 @@ class DriftMonitor:
         self.model, self.th, self.size = model, thresholds or DriftThresholds(), window
         self.reference = Window(window, self.th.token_buckets)
         self.live = Window(window, self.th.token_buckets)
+        self.embedding_epoch = 0  # changes whenever either embedding window does (a cached MMD is stale then)
 
     def observe(self, *, reference: bool = False, **features: Any) -> None:
         """Add one request's features (keyword arguments as `Window.add`)."""
         (self.reference if reference else self.live).add(**features)
+        if features.get("embedding") is not None:
+            self.embedding_epoch += 1
 
     def snapshot(self) -> DriftMonitor:
         """A copy of both windows, taken where they are fed (the event loop), to report on in a thread."""
         snap = DriftMonitor(self.model, self.th, window=0)
         snap.size, snap.reference, snap.live = self.size, self.reference.copy(), self.live.copy()
+        snap.embedding_epoch = self.embedding_epoch
         return snap
 
     def set_reference(self) -> None:
         """The live window becomes the reference; a new live window starts."""
         self.reference, self.live = self.live, Window(self.size, self.th.token_buckets)
+        self.embedding_epoch += 1
 
-    def report(self) -> dict[str, Any]:
-        """Per feature: statistics, sample counts and `alert`; `alert` overall when any feature alerts."""
+    def embedding_report(self) -> dict[str, Any]:
+        """The prompt-embedding feature alone: MMD^2 and its permutation p-value over the most recent
+        `mmd_points` of each window (the costly part of a report: O(points^2 x permutations))."""
+        th, ref, live = self.th, self.reference, self.live
+        f: dict[str, Any] = {"n_ref": len(ref.embeddings), "n_live": len(live.embeddings), "alert": False}
+        if min(len(ref.embeddings), len(live.embeddings)) >= th.min_samples:
+            x = np.stack(list(ref.embeddings)[-th.mmd_points:])
+            y = np.stack(list(live.embeddings)[-th.mmd_points:])
+            f["mmd2"], f["mmd_p"] = mmd(x, y, permutations=th.mmd_permutations)
+            f["alert"] = bool(f["mmd_p"] < th.mmd_p)
+        f["evaluated"] = "mmd2" in f
+        return f
+
+    def report(self, embedding: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Per feature: statistics, sample counts and `alert`; `alert` overall when any feature alerts.
+        `embedding`: the embedding feature's result computed before (`embedding_report`), else it is computed."""
         th, ref, live = self.th, self.reference, self.live
         out: dict[str, Any] = {}
         for name in ("prompt_len", "output_len"):
@@ -217,16 +236,10 @@ class DriftMonitor:
                 f["psi"] = psi(rt, lt)
                 f["alert"] = bool(f["psi"] > th.psi)
             out[name] = f
-        f = {"n_ref": len(ref.embeddings), "n_live": len(live.embeddings)}
-        if min(len(ref.embeddings), len(live.embeddings)) >= th.min_samples:
-            x = np.stack(list(ref.embeddings)[-th.mmd_points:])
-            y = np.stack(list(live.embeddings)[-th.mmd_points:])
-            f["mmd2"], f["mmd_p"] = mmd(x, y, permutations=th.mmd_permutations)
-            f["alert"] = bool(f["mmd_p"] < th.mmd_p)
-        out["embedding"] = f
         for f in out.values():
             f.setdefault("alert", False)
-            f["evaluated"] = "psi" in f or "mmd2" in f
+            f["evaluated"] = "psi" in f
+        out["embedding"] = dict(embedding) if embedding is not None else self.embedding_report()
         return {"model": self.model, "thresholds": asdict(th), "features": out,
                 "alert": any(f["alert"] for f in out.values())}
 
@@ -269,6 +282,15 @@ class ConceptMonitor:
 
     def set_reference(self) -> None:
         self.reference, self.live = self.live, _Outcomes(self.size)
+
+    def snapshot(self) -> ConceptMonitor:
+        """A copy of both windows (taken on the loop that feeds them) to report on in a thread."""
+        snap = ConceptMonitor(self.name, self.th, window=0)
+        snap.size = self.size
+        for src, dst in ((self.reference, snap.reference), (self.live, snap.live)):
+            for k in ("feedback", "refusal", "empty", "finish"):
+                setattr(dst, k, getattr(src, k).copy())
+        return snap
 
     def report(self) -> dict[str, Any]:
         th, ref, live = self.th, self.reference, self.live

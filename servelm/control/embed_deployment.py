@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from servelm.control.lease import Lease
 from servelm.control.types import ControlError, Kind, ModelVersion
 from servelm.worker.embedder import Embedder
 
@@ -33,6 +34,7 @@ class EmbedDeployment:
         self.num_workers = 1
         self.embedder: Embedder | None = None
         self._in_flight = 0
+        self._held = 0  # leases of requests that resolved to it
         self._processes = 0
         self.last_used = time.monotonic()
 
@@ -53,6 +55,19 @@ class EmbedDeployment:
 
     def num_in_flight(self) -> int:
         return self._in_flight
+
+    def pin(self) -> Lease:
+        """A request's lease: it counts as in use (not evicted, not expired) until released."""
+        self._held += 1
+        self.last_used = time.monotonic()
+
+        def release() -> None:
+            self._held -= 1
+            self.last_used = time.monotonic()
+        return Lease(self, None, release)
+
+    def pinned(self) -> int:
+        return self._held
 
     def busy(self) -> bool:
         """Never skipped by eviction or expiry (a swap here is one process started beside the other)."""

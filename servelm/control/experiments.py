@@ -45,6 +45,16 @@ class Reservoir:
     def quantile(self, q: float) -> float | None:
         return float(np.quantile(self.values, q)) if self.values else None
 
+    def to_dict(self) -> dict:
+        return {"size": self.size, "seen": self.seen, "values": list(self.values)}
+
+    @classmethod
+    def from_dict(cls, d: dict, seed: int = 0) -> Reservoir:
+        """Back from `to_dict` (the random source restarts from `seed` and the count seen: still uniform)."""
+        r = cls(int(d["size"]), seed=seed + int(d["seen"]))
+        r.seen, r.values = int(d["seen"]), [float(x) for x in d["values"]][:r.size]
+        return r
+
 
 @dataclass
 class Welford:
@@ -64,6 +74,9 @@ class Welford:
     def std(self) -> float:
         """Sample standard deviation (n - 1)."""
         return math.sqrt(self.m2 / (self.n - 1)) if self.n > 1 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"n": self.n, "mean": self.mean, "m2": self.m2}
 
 
 @dataclass
@@ -102,6 +115,22 @@ class ArmStats:
     @property
     def error_rate(self) -> float:
         return self.errors / self.requests if self.requests else 0.0
+
+    def to_dict(self) -> dict:
+        """Everything the arm knows (counts, feedback sums, latency samples): saved across a restart."""
+        return {"name": self.name, "reservoir_size": self.reservoir_size, "requests": self.requests,
+                "errors": self.errors, "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens, "feedback": self.feedback.to_dict(),
+                "samples": {k: r.to_dict() for k, r in self.samples.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ArmStats:
+        a = cls(d["name"], int(d.get("reservoir_size", 2048)), int(d["requests"]), int(d["errors"]),
+                int(d["prompt_tokens"]), int(d["completion_tokens"]), Welford(**d["feedback"]))
+        for i, k in enumerate(LATENCIES):
+            if k in d.get("samples", {}):
+                a.samples[k] = Reservoir.from_dict(d["samples"][k], seed=zlib.crc32(f"{a.name}/{i}".encode()))
+        return a
 
     def summary(self, confidence: float = 0.95) -> dict[str, Any]:
         """Counts, error rate with its Wilson interval, latency percentiles, feedback mean with its t
@@ -240,6 +269,15 @@ class Experiment:
 
     def stop(self, at: float) -> None:
         self.stopped_at = at
+
+    def windows_state(self) -> dict:
+        """The arms' statistics, saved across a restart."""
+        return {"arms": {k: a.to_dict() for k, a in self.arms.items()}}
+
+    def restore_windows(self, d: dict) -> None:
+        for k, a in d.get("arms", {}).items():
+            if k in self.arms:
+                self.arms[k] = ArmStats.from_dict(a)
 
     def report(self, *, alpha: float = 0.05, error_effect: float | None = 0.01,
                feedback_effect: float | None = None) -> dict[str, Any]:

@@ -5,15 +5,18 @@ What it adds over its two parts: a promotion to PRODUCTION (or a rollback) swaps
 that version with zero downtime before the registry records it, so a version that fails to start leaves the
 old one serving and the registry unchanged; every deploy, scale, swap and unload is persisted (a restarted
 server restores its deployments with `restore()`) and written to the audit trail with the admin key's name.
+Every registry write from here runs on the registry's writer thread (`registry.io`), never on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any
 
 from servelm.config.engine import EngineConfig
+from servelm.control.model_roots import allowed_roots, check_path
 from servelm.control.types import MAX_VERSION, ControlError, Kind, ModelVersion, State
 
 logger = logging.getLogger("servelm.control")
@@ -31,11 +34,13 @@ def parse_ref(model: str) -> tuple[str, int | None]:
 class ControlPlane:
     """Registry + DeploymentManager behind one object, with the server's engine settings as the base."""
 
-    def __init__(self, registry: Any, deployments: Any, engine_base: EngineConfig, start_timeout: float = 600.0):
+    def __init__(self, registry: Any, deployments: Any, engine_base: EngineConfig, start_timeout: float = 600.0,
+                 model_roots: list[Path] | None = None):
         self.registry = registry
         self.deployments = deployments
         self.engine_base = engine_base
         self.start_timeout = start_timeout
+        self.model_roots = model_roots  # where register may import from (control/model_roots.py); None: anywhere
 
     @classmethod
     def open(cls, config) -> ControlPlane:
@@ -45,7 +50,7 @@ class ControlPlane:
 
         srv = config.server
         registry = Registry(srv.registry_url, srv.data_path())
-        plane = cls(registry, None, config.engine, srv.engine_start_timeout_s)
+        plane = cls(registry, None, config.engine, srv.engine_start_timeout_s, allowed_roots(config))
         plane.deployments = DeploymentManager(engine_base=config.engine, on_change=plane._on_change,
                                               production_of=plane._production_of,
                                               start_timeout=srv.engine_start_timeout_s,
@@ -61,18 +66,27 @@ class ControlPlane:
                        golden_prompts: list[str] | None, actor: str, validate: bool = False) -> ModelVersion:
         """Import a model folder or .gguf file as the next version of `name` (copying it may take a while, so
         it runs off the event loop); with `validate`, validate it at once."""
-        mv = await asyncio.to_thread(self.registry.register, name, path, labels=labels, engine=engine,
-                                     golden_prompts=golden_prompts, actor=actor)
+        def register() -> ModelVersion:
+            if self.model_roots is not None:
+                check_path(path, self.model_roots)  # 403 before anything is read or copied
+            return self.registry.register(name, path, labels=labels, engine=engine, golden_prompts=golden_prompts,
+                                          actor=actor)
+        mv = await asyncio.to_thread(register)
         if validate:
             mv = await self.validate(name, mv.version, actor)
         return mv
 
     async def validate(self, name: str, version: int, actor: str) -> ModelVersion:
-        """REGISTERED -> VALIDATING -> VALIDATED | FAILED (with the reason); returns the version as it ends."""
+        """REGISTERED -> VALIDATING -> VALIDATED | FAILED (with the reason); returns the version as it ends.
+        Its worker counts in the memory budget while it runs (507 before anything changes if it does not fit,
+        after unloading idle deployments as a deploy would)."""
         from servelm.control.validation import validate
 
-        return await validate(self.registry, name, version, self.engine_base, actor,
-                              start_timeout=self.start_timeout)
+        mv = await self.registry.io(self.registry.get, name, version)
+        config = mv.engine_config(self.engine_base) if mv.kind == Kind.GENERATE else None
+        async with self.deployments.reserving(mv, config, f"validating {mv.ref}"):
+            return await validate(self.registry, name, version, self.engine_base, actor,
+                                  start_timeout=self.start_timeout)
 
     def version(self, name: str, version: int | None = None) -> ModelVersion:
         """A version; without a number, the PRODUCTION one, else the newest (404 when there is none)."""
@@ -96,26 +110,33 @@ class ControlPlane:
         except ValueError:
             raise ControlError(400, f"unknown state {to!r}; states: {', '.join(s.value for s in State)}",
                                code="invalid_state", param="state") from None
-        mv = self.registry.get(name, version)
+        mv = await self.registry.io(self.registry.get, name, version)
         lifecycle.check(mv.state, target, mv.ref)
         if target == State.PRODUCTION:
             await self._swap_model_to(mv, actor)
         if target == State.VALIDATING:  # validation runs the whole way, as POST .../validate
             return await self.validate(name, version, actor)
-        return await asyncio.to_thread(self.registry.transition, name, version, target, actor, reason)
+        return await self.registry.io(self.registry.transition, name, version, target, actor, reason)
 
     async def rollback(self, name: str, actor: str, reason: str | None = None) -> ModelVersion:
         """Put the previous PRODUCTION version back, swapping the model's deployment to it first."""
-        prev = self.registry.previous_production(name)
+        prev = await self.registry.io(self.registry.previous_production, name)
         if prev is None:
             cur = self.registry.production(name)
             raise ControlError(409, f"{cur.ref if cur else name} has no previous PRODUCTION version to roll back to",
                                code="nothing_to_roll_back")
         await self._swap_model_to(prev, actor)
-        return await asyncio.to_thread(self.registry.rollback, name, actor, reason)
+        return await self.registry.io(self.registry.rollback, name, actor, reason)
 
-    def delete(self, name: str, version: int, actor: str) -> None:
-        self.registry.delete(name, version, actor)
+    async def delete(self, name: str, version: int, actor: str) -> None:
+        await self.registry.io(self.registry.delete, name, version, actor)
+
+    async def gc(self, keep_last: int, actor: str) -> list[str]:
+        """Delete old unused versions and unreferenced artifacts (Registry.gc), off the event loop."""
+        return await self.registry.io(self.registry.gc, keep_last, actor)
+
+    async def _audit(self, actor: str, action: str, target: str, before: dict | None, after: dict | None) -> None:
+        await self.registry.io(self.registry.audit.record, actor, action, target, before, after)
 
     # -- deployments -------------------------------------------------------------------------------
     async def deploy(self, model: str, *, workers: int, strategy: str, actor: str, keep_alive_s: float | None = None,
@@ -127,14 +148,14 @@ class ControlPlane:
         d = await self.deployments.create(mv, workers, strategy, keep_alive_s=keep_alive_s,
                                           deployment_id=deployment_id)
         rec = d.describe()
-        self.registry.audit.record(actor, "deploy", d.id, None, _brief(rec))
+        await self._audit(actor, "deploy", d.id, None, _brief(rec))
         return rec
 
     async def scale(self, deployment_id: str, workers: int, actor: str) -> dict:
         before = _brief(self.deployments.get(deployment_id).describe())
         d = await self.deployments.scale(deployment_id, workers)
         rec = d.describe()
-        self.registry.audit.record(actor, "scale", deployment_id, before, _brief(rec))
+        await self._audit(actor, "scale", deployment_id, before, _brief(rec))
         return rec
 
     async def swap(self, deployment_id: str, model: str, actor: str) -> dict:
@@ -148,7 +169,7 @@ class ControlPlane:
     async def unload(self, deployment_id: str, actor: str) -> None:
         before = _brief(self.deployments.get(deployment_id).describe())
         await self.deployments.unload(deployment_id)
-        self.registry.audit.record(actor, "unload", deployment_id, before, None)
+        await self._audit(actor, "unload", deployment_id, before, None)
 
     def describe(self, deployment_id: str) -> dict:
         return self.deployments.get(deployment_id).describe()
@@ -159,15 +180,15 @@ class ControlPlane:
     async def restore(self) -> list[str]:
         """Bring back every persisted deployment (after a restart), whatever its version's state now; one that
         cannot start is logged and audited, and the rest still come back. Returns the ids restored."""
-        records = self.registry.deployments()
+        records = await self.registry.io(self.registry.deployments)
         started = await self.deployments.restore(records, self.registry.get)
         restored = [d.id for d in started]
         for rec in records:
             if rec.get("id") not in restored:
-                self.registry.audit.record(SYSTEM, "restore_failed", str(rec.get("id")), None,
-                                           {"reason": "it could not start (see the server log)"})
+                await self._audit(SYSTEM, "restore_failed", str(rec.get("id")), None,
+                                  {"reason": "it could not start (see the server log)"})
         if restored:
-            self.registry.audit.record(SYSTEM, "restore", "deployments", None, {"restored": restored})
+            await self._audit(SYSTEM, "restore", "deployments", None, {"restored": restored})
         return restored
 
     def find_version(self, model: str, kind: Kind | None = None) -> ModelVersion | None:
@@ -188,13 +209,19 @@ class ControlPlane:
         return mv
 
     async def load_on_demand(self, model: str, kind: Kind, keep_alive_s: float | None) -> tuple[Any, float]:
-        """The deployment serving `model`, loaded now if it is registered but not deployed (audited)."""
-        dep, waited = await self.deployments.ensure(model, lambda m: self.find_version(m, kind),
-                                                    keep_alive_s=keep_alive_s)
+        """A request's lease (control/lease.py) on the deployment serving `model`, loaded now if it is
+        registered but not deployed (audited). The lease is taken before anything else is awaited, so the
+        deployment cannot be evicted or expire before the request uses it; the caller releases it."""
+        lease, waited = await self.deployments.ensure(model, lambda m: self.find_version(m, kind),
+                                                      keep_alive_s=keep_alive_s, pin=True)
         if waited > 0:
-            self.registry.audit.record(SYSTEM, "load_on_demand", dep.id, None,
-                                       {**_brief(dep.describe()), "wait_s": round(waited, 3)})
-        return dep, waited
+            try:
+                await self._audit(SYSTEM, "load_on_demand", lease.id, None,
+                                  {**_brief(lease.describe()), "wait_s": round(waited, 3)})
+            except BaseException:
+                lease.release()
+                raise
+        return lease, waited
 
     # -- internals ---------------------------------------------------------------------------------
     async def _swap_model_to(self, mv: ModelVersion, actor: str) -> None:
@@ -215,19 +242,23 @@ class ControlPlane:
         try:
             await self.deployments.swap(d.id, mv)
         except ControlError as e:
-            self.registry.audit.record(actor, "swap_failed", d.id, before, {"to": mv.ref, "reason": e.message})
+            await self._audit(actor, "swap_failed", d.id, before, {"to": mv.ref, "reason": e.message})
             raise
         rec = d.describe()
-        self.registry.audit.record(actor, "swap", d.id, before, _brief(rec))
+        await self._audit(actor, "swap", d.id, before, _brief(rec))
         return rec
 
     def _production_of(self, name: str) -> int | None:
         mv = self.registry.production(name)
         return mv.version if mv is not None else None
 
-    def _on_change(self, action: str, rec: dict) -> None:
-        """Persist the manager's changes: a deployment that exists is saved (a restart brings it back), one
-        that is gone is forgotten; what the manager did by itself (evict, expire) is audited here."""
+    async def _on_change(self, action: str, rec: dict) -> None:
+        """Persist the manager's changes (on the registry's writer thread, in the order they happened)."""
+        await self.registry.io(self._persist, action, rec)
+
+    def _persist(self, action: str, rec: dict) -> None:
+        """A deployment that exists is saved (a restart brings it back), one that is gone is forgotten; what
+        the manager did by itself (evict, expire) is audited here."""
         if action in ("unload", "evict", "expire"):
             self.registry.delete_deployment(rec["id"])
         else:

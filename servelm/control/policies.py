@@ -3,7 +3,12 @@ registry's database, every change audited in the same transaction (so a change a
 together or not at all).
 
 Records are the dict forms of `TrafficPolicy`, `CanaryController` and experiment definitions, keyed by
-(kind, key): kind "policy" and "canary" use the model name as key, "experiment" the experiment's name.
+(kind, key): kind "policy", "canary" and "logmode" (a prediction-log mode set at run time) use the model name
+as key, "experiment" the experiment's name.
+
+Kind "state" holds what running things learned (canary and experiment windows, bandit posteriors), saved
+every few seconds and at shutdown so a restart carries on from it: `save_state`/`load_state`, not audited
+(it is statistics, not a change anyone made).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from servelm.control.audit import Audit
 from servelm.control.traffic import TrafficPolicy
 from servelm.control.types import ControlError
 
-KINDS = ("policy", "canary", "experiment")
+KINDS = ("policy", "canary", "experiment", "logmode")
 metadata = MetaData()
 records_table = Table(
     "traffic_records", metadata,
@@ -87,6 +92,26 @@ class PolicyStore:
                 return made
         secret = db.retrying(op)
         return "sha256:" + hashlib.sha256((secret + "\0" + value).encode()).hexdigest()
+
+    def save_state(self, records: dict[str, dict | None]) -> None:
+        """Write (or, for None, remove) state records in one transaction, unaudited."""
+        def op() -> None:
+            with db.write(self.engine) as conn:
+                for key, record in records.items():
+                    where = (records_table.c.kind == "state") & (records_table.c.key == key)
+                    conn.execute(records_table.delete().where(where))
+                    if record is not None:
+                        conn.execute(records_table.insert().values(kind="state", key=key, record=record,
+                                                                   updated_at=time.time(), updated_by="system"))
+        if records:
+            db.retrying(op)
+
+    def load_state(self) -> dict[str, dict]:
+        """Every state record, by key."""
+        with db.read(self.engine) as conn:
+            rows = conn.execute(select(records_table.c.key, records_table.c.record)
+                                .where(records_table.c.kind == "state"))
+            return {r.key: r.record for r in rows}
 
     def delete(self, kind: str, key: str, actor: str) -> dict:
         """Remove a record (404 when absent); audited. Returns what was removed."""

@@ -2,7 +2,7 @@
 
 Entries go to a `predictions` table in the registry's database (SQLite by default, in WAL mode with the
 default synchronous=FULL, so a committed entry survives a kill -9 and a power cut) and/or to a JSON-lines
-file. `log()` returns only after the entry is committed (and, for the file, flushed and fsynced): a caller
+file, and optionally also to an OTLP log exporter (prediction_otlp.py; asynchronous, not part of durability). `log()` returns only after the entry is committed (and, for the file, flushed and fsynced): a caller
 that awaits it before completing the response loses no answered request (RPO 0). Writes run on one writer
 thread (the event loop never waits on the disk) with group commit: entries that arrive while a commit is
 in progress go together in the next short transaction, so concurrent requests share one fsync.
@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import json
+import logging
 import os
 import queue
 import re
@@ -27,6 +28,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import (
     DDL,
@@ -47,6 +49,7 @@ from sqlalchemy import (
 from servelm.control import db
 from servelm.control.types import ControlError
 
+logger = logging.getLogger("servelm.traffic")
 MODES = ("off", "metadata", "full")
 DAY = 86400.0
 
@@ -154,10 +157,11 @@ class PredictionLog:
     def __init__(self, engine: Engine | None, *, sink: Path | None = None, modes: dict[str, str] | None = None,
                  default_mode: str = "metadata", redactor: Redactor | None = None,
                  retention_days: dict[str, float] | None = None, default_retention_days: float | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, otlp: Any = None) -> None:
         if engine is None and sink is None:
             raise ControlError(400, "a prediction log needs a database or a file", code="invalid_config")
         self.engine, self.sink, self.clock = engine, Path(sink) if sink else None, clock
+        self.otlp = otlp  # prediction_otlp.OtlpSink: each entry also exported as an OTLP log record
         self.modes: dict[str, str] = {}
         for model, mode in (modes or {}).items():
             self.set_mode(model, mode)
@@ -198,6 +202,11 @@ class PredictionLog:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
+        if self.otlp is not None:
+            try:
+                self.otlp.export(rows)  # queued for a background export: never delays the response
+            except Exception:
+                logger.exception("exporting prediction-log entries over OTLP failed")
 
     def write(self, p: Prediction) -> bool:
         """Record `p` now, in the calling thread, and return once it is durable; False when the model's mode
@@ -225,6 +234,8 @@ class PredictionLog:
             writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
+        if self.otlp is not None:
+            self.otlp.close()
 
     def entries(self, *, user: str | None = None, model: str | None = None, since: float | None = None,
                 limit: int | None = None) -> list[dict]:

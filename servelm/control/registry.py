@@ -7,10 +7,13 @@ several servers sharing one registry). Artifacts live in the content-addressed s
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -110,7 +113,13 @@ def _check_inputs(name: str, labels: dict | None, engine: dict | None) -> None:
 
 
 class Registry:
-    """Models, versions, lifecycle, deployment records and the audit trail (`self.audit`)."""
+    """Models, versions, lifecycle, deployment records and the audit trail (`self.audit`).
+
+    Its methods block on the database (and the artifact store): async code runs them with `await
+    registry.io(fn, ...)`, on the registry's one writer thread, so they never stall the event loop and
+    changes are applied in the order they were asked for. `production(name)` is answered from memory: every
+    lifecycle write made through this object refreshes it (a server resolves requests without a query).
+    """
 
     def __init__(self, url: str | None, data_dir: Path) -> None:
         self.data_dir = Path(data_dir).expanduser()
@@ -120,9 +129,42 @@ class Registry:
         db.create_tables(self.engine, metadata)
         self.audit = Audit(self.engine)
         self.store = ArtifactStore(self.data_dir / "artifacts")
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="servelm-registry")
+        self._prod_lock = threading.Lock()  # guards _prod (held for a dict access only)
+        self._refresh_lock = threading.Lock()  # one refresh at a time
+        self._prod: dict[str, ModelVersion] = {}  # name -> its PRODUCTION version (absent: none)
+        self._refresh_production()
 
     def close(self) -> None:
+        self._executor.shutdown(wait=True)
         self.engine.dispose()
+
+    async def io(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """`fn(*args, **kwargs)` (a registry or audit method) on the registry's writer thread, in call order."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    def _refresh_production(self, names: list[str] | None = None) -> None:
+        """Re-read the PRODUCTION versions of `names` (None: every model) after a write that committed. One
+        refresh at a time, so of two the later one (which read after both commits) is what stays; readers wait
+        only for the dict update, never for the query."""
+        with self._refresh_lock:
+            query = select(versions_table).where(versions_table.c.state == State.PRODUCTION.value)
+            if names is not None:
+                query = query.where(versions_table.c.name.in_(names))
+            with db.read(self.engine) as conn:
+                found = {mv.name: mv for mv in map(_to_version, conn.execute(query))}
+            self._install(found, names)
+
+    def _install(self, found: dict[str, ModelVersion], names: list[str] | None) -> None:
+        with self._prod_lock:
+            if names is None:
+                self._prod = found
+            else:
+                for n in names:
+                    if n in found:
+                        self._prod[n] = found[n]
+                    else:
+                        self._prod.pop(n, None)
 
     def _write(self, op: Callable[[Connection], T]) -> T:
         """Run `op` in one writing transaction, again if a concurrent writer took a unique key first."""
@@ -130,6 +172,14 @@ class Registry:
             with db.write(self.engine) as conn:
                 return op(conn)
         return db.retrying(attempt)
+
+    def _changing_states(self, op: Callable[[Connection], T], names: list[str] | None) -> T:
+        """A lifecycle write: `op` in one transaction, then the cached PRODUCTION versions of `names` (None:
+        all) refreshed, whether it succeeded or not (a failed commit may still have been applied elsewhere)."""
+        try:
+            return self._write(op)
+        finally:
+            self._refresh_production(names)
 
     # -- reading ----------------------------------------------------------------------------------
     def _find(self, conn: Connection, name: str, version: int) -> ModelVersion | None:
@@ -173,9 +223,11 @@ class Registry:
         return _to_version(row) if row else None
 
     def production(self, name: str) -> ModelVersion | None:
-        """The version `name` resolves to, if one is in PRODUCTION."""
-        with db.read(self.engine) as conn:
-            return self._production(conn, name)
+        """The version `name` resolves to, if one is in PRODUCTION: from memory, no query (this registry's
+        writes keep it current; another server's writes to a shared database show after a restart)."""
+        with self._prod_lock:
+            mv = self._prod.get(name)
+        return dataclasses.replace(mv) if mv is not None else None  # a copy: callers cannot edit the cache
 
     def _previous(self, conn: Connection, cur: ModelVersion | None) -> ModelVersion | None:
         if cur is None:
@@ -271,7 +323,7 @@ class Registry:
                 after["outputs"] = list(outputs)
             self.audit.append(conn, actor, "transition", mv.ref, {"state": mv.state.value}, after)
             return new
-        return self._write(op)
+        return self._changing_states(op, [name])
 
     def rollback(self, name: str, actor: str, reason: str | None = None) -> ModelVersion:
         """Put the previous PRODUCTION version back: the current one goes to DEPRECATED and the one it replaced
@@ -290,7 +342,7 @@ class Registry:
             self.audit.append(conn, actor, "rollback", name, {"production": cur.ref},
                               {"production": prev.ref, "reason": reason})
             return restored
-        return self._write(op)
+        return self._changing_states(op, [name])
 
     def _deployed(self, conn: Connection, name: str, version: int) -> list[str]:
         return list(conn.execute(select(deployments_table.c.id).where(
@@ -325,7 +377,7 @@ class Registry:
             self._drop(conn, mv)
             self.audit.append(conn, actor, "delete", mv.ref, mv.to_dict(), None)
             self._sweep(conn, {mv.sha256})
-        self._write(op)
+        self._changing_states(op, [name])
 
     def gc(self, keep_last: int, actor: str) -> list[str]:
         """Per model, keep the newest `keep_last` versions, and any older one that is active, deployed or the
@@ -354,7 +406,7 @@ class Registry:
                               {"keep_last": keep_last, "removed": removed, "artifacts_removed": unused})
             self._sweep(conn)
             return removed
-        return self._write(op)
+        return self._changing_states(op, None)
 
     # -- deployment records -------------------------------------------------------------------------
     def save_deployment(self, rec: dict) -> None:

@@ -35,7 +35,8 @@ class RequestAttrs:
 
     user: str | None = None  # the body's `user` field
     key_name: str | None = None  # the API key's name
-    key_group: str | None = None  # the API key's group (tenant)
+    key_group: str | None = None  # one group of the API key (tenant); `key_groups` holds them all
+    key_groups: frozenset[str] = frozenset()  # the API key's groups (from the keys file)
     headers: Mapping[str, str] = field(default_factory=dict)  # names in any case
     metadata: Mapping[str, Any] = field(default_factory=dict)  # the request's `metadata` object
     flags: frozenset[str] | set[str] = frozenset()  # feature flags on for this request
@@ -71,7 +72,7 @@ class SegmentRule:
         """True when every condition given holds for `a`."""
         if self.key_names and a.key_name not in self.key_names:
             return False
-        if self.key_groups and a.key_group not in self.key_groups:
+        if self.key_groups and not ({a.key_group, *a.key_groups} & set(self.key_groups)):
             return False
         for h, accepted in self.headers.items():
             if a.header(h) not in accepted:

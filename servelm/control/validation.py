@@ -56,7 +56,7 @@ async def validate(registry, name: str, version: int, base: EngineConfig, actor:
         else:
             outputs = await _run_generate(mv, base, prompts, max_tokens, start_timeout)
     except asyncio.CancelledError:
-        registry.transition(name, version, State.FAILED, actor, "validation was cancelled")
+        await asyncio.to_thread(registry.transition, name, version, State.FAILED, actor, "validation was cancelled")
         raise
     except Exception as e:  # noqa: BLE001 (whatever went wrong is the version's failure, reported as such)
         reason = e.message if isinstance(e, ControlError) else f"{type(e).__name__}: {e}"
@@ -70,7 +70,7 @@ async def validate(registry, name: str, version: int, base: EngineConfig, actor:
 async def _run_generate(mv: ModelVersion, base: EngineConfig, prompts: list[str], max_tokens: int,
                         start_timeout: float) -> list[str]:
     """Start one engine worker on the version's artifact and settings, run each prompt greedily, shut it down."""
-    from servelm.model.metadata import load_tokenizer, resolve_model
+    from servelm.control.deployment import load_tokenizer
     from servelm.sampling_params import SamplingParams
     from servelm.worker.client import AsyncEngine
 
@@ -78,7 +78,9 @@ async def _run_generate(mv: ModelVersion, base: EngineConfig, prompts: list[str]
     engine = AsyncEngine(config, start_timeout=start_timeout)
     engine.launch()  # the worker loads the weights while this process loads the tokenizer
     try:
-        tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(config.model), config.tokenizer)
+        # the deployments' loader: one tokenizer load at a time in this process (transformers' lazy imports are
+        # not thread-safe, and a deployment may be loading one now)
+        tokenizer = await asyncio.to_thread(load_tokenizer, mv, config)
         engine.set_tokenizer(tokenizer)
         await engine.wait_ready()
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)

@@ -12,8 +12,10 @@ from servelm.config.engine import DEFAULT_KV_CACHE_GB, EngineConfig
 from servelm.engine.cuda_graphs import capture_sizes
 from servelm.engine.kv_cache_manager import KVCacheManager
 from servelm.engine.model_runner import ModelRunner, kv_bytes_per_block
-from servelm.engine.scheduler import Scheduler
+from servelm.engine.proposers import NgramProposer
+from servelm.engine.scheduler import ScheduledSeq, Scheduler
 from servelm.engine.sequence import Request, Sequence
+from servelm.engine.spec_decode import SpecDecoder
 from servelm.engine.step_outputs import EngineStats, SampleResult, SeqOutput
 from servelm.model.decoder import DecoderLM
 
@@ -55,6 +57,7 @@ class EngineCore:
         graph_sizes = None if config.enforce_eager else capture_sizes(config.max_num_seqs)
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu_blocks, config.seed,
                                   graph_sizes, max_len)
+        self.spec = self._make_spec_decoder(config, max_len)
         self.requests: dict[str, Request] = {}
         self._order = 0
         self.num_steps = 0
@@ -62,6 +65,18 @@ class EngineCore:
         self.last_batch_size = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
+
+    def _make_spec_decoder(self, config: EngineConfig, max_len: int) -> SpecDecoder | None:
+        if config.speculative_method is None:
+            return None
+        if config.speculative_method == "ngram":
+            proposer = NgramProposer(config.ngram_lookup_max, config.ngram_lookup_min)
+        else:
+            from servelm.engine.draft_model import DraftModelProposer
+
+            proposer = DraftModelProposer.from_config(config, self.model, max_len, self.kv.pool.num_blocks)
+        return SpecDecoder(proposer, config.num_speculative_tokens, max_len, config.spec_fallback_threshold,
+                           config.spec_fallback_window, config.spec_cooldown_steps)
 
     # -- requests ----------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
@@ -143,6 +158,9 @@ class EngineCore:
         outputs: list[SeqOutput] = []
         for s in out.scheduled:
             seq = s.seq
+            if s.spec_token_ids:
+                outputs.append(self._apply_verification(s, next(results), now))
+                continue
             seq.num_computed_tokens += s.num_tokens
             self.kv.commit_computed(seq)
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
@@ -157,25 +175,48 @@ class EngineCore:
                 seq.request.forked = True
             for q in s.sample_seqs:
                 outputs.append(self._append(q, next(results), now))
+        if self.spec is not None:  # drafts for the next step, from the tokens as they are now
+            self.spec.propose(self.scheduler.running)
         return outputs
 
-    def _append(self, seq: Sequence, res: SampleResult, now: float) -> SeqOutput:
+    def _apply_verification(self, s: ScheduledSeq, res: list[SampleResult], now: float) -> SeqOutput:
+        """The accepted drafts' KV stays (with the verified token's), the rejected drafts' slots are given
+        back, and the accepted drafts and the token after them are appended (up to a stop)."""
+        seq = s.seq
+        accepted = len(res) - 1
+        seq.num_computed_tokens += 1 + accepted
+        self.kv.roll_back(seq)
+        self.spec.record(seq, len(s.spec_token_ids), accepted)
+        out = self._append(seq, res, now)
+        if not seq.finished:
+            self.kv.commit_computed(seq)
+        return out
+
+    def _append(self, seq: Sequence, results: list[SampleResult], now: float) -> SeqOutput:
+        """Append new tokens one by one, stopping at the first that ends the sample (the rest are dropped)."""
         p = seq.request.params
-        tok = res.token_id
-        seq.token_ids.append(tok)
-        self.generation_tokens += 1
+        reason, stop_reason = None, None
+        emitted: list[SampleResult] = []
+        for res in results:
+            tok = res.token_id
+            seq.token_ids.append(tok)
+            emitted.append(res)
+            self.generation_tokens += 1
+            n_out = seq.num_output_tokens
+            if n_out >= p.min_tokens and not p.ignore_eos and tok in p._eos_token_ids:
+                reason = "stop"
+            elif n_out >= p.min_tokens and tok in p.stop_token_ids:
+                reason, stop_reason = "stop", tok
+            elif (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                break
         if seq.first_token_time is None:
             seq.first_token_time = now
-        n_out = seq.num_output_tokens
-        reason, stop_reason = None, None
-        if n_out >= p.min_tokens and not p.ignore_eos and tok in p._eos_token_ids:
-            reason = "stop"
-        elif n_out >= p.min_tokens and tok in p.stop_token_ids:
-            reason, stop_reason = "stop", tok
-        elif (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        queue_time = seq.first_scheduled - seq.request.arrival_time if n_out == 1 else None
-        out = SeqOutput(seq.request.request_id, seq.index, [tok], [res] if res.logprob is not None else [],
+        first = seq.num_output_tokens == len(emitted)
+        queue_time = seq.first_scheduled - seq.request.arrival_time if first else None
+        out = SeqOutput(seq.request.request_id, seq.index, [r.token_id for r in emitted],
+                        emitted if emitted[0].logprob is not None else [],
                         reason, stop_reason, seq.num_cached_tokens, queue_time)
         req = seq.request
         if seq.index == 0 and req.needs_prompt_logprobs:  # the whole prompt has run: report its logprobs once
@@ -199,5 +240,14 @@ class EngineCore:
             num_swaps=sch.num_swaps, num_evictions=kv.pool.num_evictions, num_steps=self.num_steps,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
             num_priority_preemptions=sch.num_priority_preemptions, waiting_by_priority=by_priority,
-            batch_size=self.last_batch_size,
+            batch_size=self.last_batch_size, **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        if self.spec is None:
+            return {}
+        st = self.spec.stats
+        return dict(spec_proposed_tokens=st.proposed, spec_accepted_tokens=st.accepted,
+                    spec_emitted_tokens=st.emitted, spec_verifications=st.verifications,
+                    spec_fallbacks=st.fallbacks, spec_proposed_by_position=list(st.proposed_by_position),
+                    spec_accepted_by_position=list(st.accepted_by_position))

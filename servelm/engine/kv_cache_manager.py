@@ -143,6 +143,13 @@ class KVCacheManager:
             self._cpu_release_after_step.extend(seq.cpu_block_table)
             seq.cpu_block_table = []
 
+    def roll_back(self, seq: Sequence) -> None:
+        """Give back the blocks past seq's computed tokens: after a verification they hold only rejected draft
+        tokens' KV (slots of rejected drafts in a kept block are simply overwritten by the next step)."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            self.pool.release(seq.block_table.pop())
+
     def reset_for_recompute(self, seq: Sequence) -> None:
         self.free(seq)
         seq.num_computed_tokens = 0

@@ -8,6 +8,7 @@ import torch
 
 from servelm.engine.cuda_graphs import DecodeGraphs
 from servelm.engine.kv_cache_manager import BlockOps
+from servelm.engine.rejection import verify
 from servelm.engine.sampler import Sampler, SampleResult, prompt_logprob_results
 from servelm.engine.scheduler import SchedulerOutput
 from servelm.engine.sequence import Request
@@ -109,7 +110,8 @@ class ModelRunner:
                 decode_tables.append(table)
                 decode_lens.append(start + 1)
             else:
-                ids.extend(seq.token_ids[start:start + n])
+                # a verification's drafts follow the sequence's last token (they are not its tokens yet)
+                ids.extend(seq.token_ids[start:start + n] + s.spec_token_ids)
                 pos = np.arange(start, start + n)
                 arr = np.asarray(table, dtype=np.int64)
                 positions.extend(range(start, start + n))
@@ -122,7 +124,10 @@ class ModelRunner:
                     decode_tables.append(table)
                     decode_lens.append(p + 1)
             offset += n
-            if s.sample_seqs:
+            if s.spec_token_ids:  # a verification needs every row's logits: one per draft, plus the bonus
+                logits_idx.extend(range(offset - len(s.spec_token_ids) - 1, offset))
+                repeats.extend([1] * (len(s.spec_token_ids) + 1))
+            elif s.sample_seqs:
                 logits_idx.append(offset - 1)
                 repeats.append(len(s.sample_seqs))
         dev = self.device  # built on the host, copied once per step (no copy at all on the CPU)
@@ -151,8 +156,9 @@ class ModelRunner:
                 meta.to(dev), logits_dev, repeats_t, None, want_prompt)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[SampleResult]:
-        """Run one step; returns one result per sequence in the order of all `sample_seqs` lists."""
+    def execute(self, out: SchedulerOutput) -> list[list[SampleResult]]:
+        """Run one step; returns the new tokens of each sequence in the order of all `sample_seqs` lists: one
+        token, or for a verification the accepted drafts and the token after them."""
         self.apply_block_ops(out.ops)
         if not out.scheduled:
             return []
@@ -168,8 +174,33 @@ class ModelRunner:
         logits = logits[logits_idx] if graph_step is not None else self.model.logits(hidden[logits_idx])
         if bool((repeats > 1).any()):
             logits = logits.repeat_interleave(repeats.to(logits.device), dim=0)
-        seqs = [q for s in out.scheduled for q in s.sample_seqs]
-        return self.sampler.sample(logits, seqs)
+        if not any(s.spec_token_ids for s in out.scheduled):
+            return [[r] for r in self.sampler.sample(logits, [q for s in out.scheduled for q in s.sample_seqs])]
+        return self._sample_with_verifications(logits, out)
+
+    def _sample_with_verifications(self, logits: torch.Tensor, out: SchedulerOutput) -> list[list[SampleResult]]:
+        """Plain rows sampled as one batch; each verification's rows checked against its drafts."""
+        plain_rows, plain_seqs, spans, row = [], [], [], 0
+        for s in out.scheduled:
+            if s.spec_token_ids:
+                spans.append((row, row + len(s.spec_token_ids) + 1))
+                row = spans[-1][1]
+            else:
+                for q in s.sample_seqs:
+                    plain_rows.append(row)
+                    plain_seqs.append(q)
+                    row += 1
+        plain = iter(self.sampler.sample(logits[torch.tensor(plain_rows, device=logits.device)], plain_seqs)
+                     if plain_rows else [])
+        spans_it = iter(spans)
+        results: list[list[SampleResult]] = []
+        for s in out.scheduled:
+            if s.spec_token_ids:
+                a, b = next(spans_it)
+                results.append(verify(self.sampler, logits[a:b], s.seq, s.spec_token_ids))
+            else:
+                results += [[next(plain)] for _ in s.sample_seqs]
+        return results
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor):
         """Logprobs of prompt tokens for the requests that ask for them: the row of position p predicts the

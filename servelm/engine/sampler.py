@@ -117,17 +117,7 @@ class Sampler:
         if not rand_rows:
             return tokens
         rr = torch.tensor(rand_rows)
-        ps = [seqs[r].request.params for r in rand_rows]
-        x = logits[rr].float() / torch.tensor([p.temperature for p in ps])[:, None]
-        top_k = torch.tensor([p.effective_top_k for p in ps])
-        top_p = torch.tensor([p.top_p for p in ps])
-        if (top_k > 0).any() or (top_p < 1).any():
-            x = _top_k_top_p(x, top_k, top_p)
-        probs = torch.softmax(x, dim=-1)
-        min_p = torch.tensor([p.min_p for p in ps])
-        if (min_p > 0).any():
-            thresh = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-            probs = torch.where(probs < thresh, torch.zeros_like(probs), probs)
+        probs = self.probs(logits[rr], [seqs[r] for r in rand_rows])
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(rand_rows) if seqs[r].generator is None]
         if unseeded:
@@ -138,6 +128,23 @@ class Sampler:
                 noise[i].exponential_(generator=g)
         tokens[rr] = argmax_rows(probs / noise)
         return tokens
+
+    @staticmethod
+    def probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The distribution each (processed) row of a sampled request draws from: temperature, top-k, top-p
+        and min-p applied (min-p's survivors are left unnormalized; a draw does not need them normalized)."""
+        ps = [s.request.params for s in seqs]
+        x = logits.float() / torch.tensor([p.temperature for p in ps])[:, None]
+        top_k = torch.tensor([p.effective_top_k for p in ps])
+        top_p = torch.tensor([p.top_p for p in ps])
+        if (top_k > 0).any() or (top_p < 1).any():
+            x = _top_k_top_p(x, top_k, top_p)
+        probs = torch.softmax(x, dim=-1)
+        min_p = torch.tensor([p.min_p for p in ps])
+        if (min_p > 0).any():
+            thresh = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+            probs = torch.where(probs < thresh, torch.zeros_like(probs), probs)
+        return probs
 
     @staticmethod
     def _attach_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params, results: list[SampleResult]) -> None:

@@ -27,6 +27,9 @@ class ScheduledSeq:
     # Sequences to sample a next token for from this row's logits: empty for a partial prefill chunk,
     # [seq] normally, and [seq, *new_siblings] when an n>1 request forks after its prompt.
     sample_seqs: list[Sequence] = field(default_factory=list)
+    # Draft tokens verified this step (speculative decoding): they follow the sequence's last token, so
+    # num_tokens counts them too, and the step samples a token after each of them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -92,6 +95,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_to_compute, budget)
+            drafts = self._drafts_that_fit(seq, n, budget)
+            if drafts:
+                scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n + len(drafts), spec_token_ids=drafts))
+                budget -= n + len(drafts)
+                i += 1
+                continue
             if n < seq.num_to_compute and not self.enable_chunked_prefill:
                 i += 1
                 continue
@@ -132,9 +141,19 @@ class Scheduler:
             budget -= n
 
         for s in scheduled:
-            if s.start + s.num_tokens == s.seq.num_tokens:
+            if s.start + s.num_tokens - len(s.spec_token_ids) == s.seq.num_tokens:
                 s.sample_seqs = [s.seq]
         return SchedulerOutput(scheduled, self.kv.take_ops(), num_preempted)
+
+    def _drafts_that_fit(self, seq: Sequence, n: int, budget: int) -> list[int]:
+        """The draft tokens to verify with a decode of seq, as many as the budget allows, with their KV slots
+        allocated; none when seq is not decoding or blocks are short (drafts never preempt anyone)."""
+        if not seq.spec_token_ids or n != 1 or seq.num_to_compute != 1:
+            return []
+        drafts = seq.spec_token_ids[:budget - 1]
+        if drafts and self.kv.allocate(seq, 1 + len(drafts)):
+            return drafts
+        return []
 
     def _displace_for_priority(self) -> None:
         """Preempt running sequences of a worse class than the best waiting one while it does not fit.

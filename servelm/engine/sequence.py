@@ -33,6 +33,15 @@ class Priority(enum.IntEnum):
 _seq_ids = itertools.count()
 
 
+@dataclass
+class SpecState:
+    """Per-sample speculation state: recent draft outcomes (1 accepted, 0 rejected) and, after a fall-back,
+    how many more decode steps run without drafts."""
+
+    window: list[int] = field(default_factory=list)
+    cooldown: int = 0
+
+
 @dataclass(eq=False)
 class Sequence:
     """One sample of a request: its tokens, how many have KV computed, and its blocks."""
@@ -53,6 +62,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     first_scheduled: float | None = None
     first_token_time: float | None = None
+    # speculative decoding: draft tokens to verify next step, and the fall-back state
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec: SpecState = field(default_factory=lambda: SpecState())
 
     @property
     def num_tokens(self) -> int:

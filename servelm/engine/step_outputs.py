@@ -50,3 +50,11 @@ class EngineStats:
     num_priority_preemptions: int = 0
     waiting_by_priority: list[int] = field(default_factory=lambda: [0, 0, 0])  # high, normal, low
     batch_size: int = 0  # sequences in the last step
+    # speculative decoding, cumulative (all 0 when it is off)
+    spec_proposed_tokens: int = 0  # draft tokens verified
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0  # tokens the verifications produced (accepted + one each)
+    spec_verifications: int = 0
+    spec_fallbacks: int = 0  # times a request's speculation switched off for low acceptance
+    spec_proposed_by_position: list[int] = field(default_factory=list)
+    spec_accepted_by_position: list[int] = field(default_factory=list)

@@ -40,8 +40,10 @@ class LLM:
                  gguf_file: str | None = None, tokenizer: str | None = None, num_threads: int | None = None,
                  cpu_bind: str | None = None, device: str = "cpu", enforce_eager: bool = False,
                  sliding_window: int | None = None, batch_invariant: bool = False, **kwargs) -> None:
-        if kwargs:
-            raise TypeError(f"unknown LLM arguments: {', '.join(sorted(kwargs))}")
+        # any other EngineConfig field by keyword (speculative decoding's, for instance)
+        unknown = set(kwargs) - {f.name for f in dataclasses.fields(EngineConfig)}
+        if unknown:
+            raise TypeError(f"unknown LLM arguments: {', '.join(sorted(unknown))}")
         config = EngineConfig(
             model=model, gguf_file=gguf_file, tokenizer=tokenizer, dtype=dtype, block_size=block_size,
             num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb, max_num_seqs=max_num_seqs,
@@ -49,7 +51,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
             preemption_mode=preemption_mode, swap_space_gb=swap_space_gb, seed=seed, num_threads=num_threads,
             cpu_bind=cpu_bind, device=device, enforce_eager=enforce_eager, sliding_window=sliding_window,
-            batch_invariant=batch_invariant,
+            batch_invariant=batch_invariant, **kwargs,
         )
         self._setup(config)
 

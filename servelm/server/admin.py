@@ -162,7 +162,7 @@ def add_admin_routes(app: FastAPI, state) -> None:
 
     @app.delete("/admin/models/{name}/versions/{version}", status_code=204)
     async def delete_version(name: str, version: VersionNumber, request: Request):
-        cp.delete(name, version, actor(request))
+        await cp.delete(name, version, actor(request))
         return Response(status_code=204)
 
     @app.post("/admin/models/{name}/rollback", response_model=VersionOut)
@@ -199,10 +199,10 @@ def add_admin_routes(app: FastAPI, state) -> None:
     # -- audit and storage -------------------------------------------------------------------------
     @app.get("/admin/audit", response_model=AuditOut)
     async def audit(target: str | None = None, limit: Annotated[int, Field(ge=1, le=100000)] | None = None):
-        ok, bad = cp.registry.audit.verify()
-        entries = cp.registry.audit.entries(target=target)
+        ok, bad = await cp.registry.io(cp.registry.audit.verify)
+        entries = await cp.registry.io(cp.registry.audit.entries, target=target)
         return {"ok": ok, "first_bad_id": bad, "entries": entries[-limit:] if limit else entries}
 
     @app.post("/admin/gc")
     async def gc(body: GcBody, request: Request) -> dict:
-        return {"removed": cp.registry.gc(body.keep_last, actor(request))}
+        return {"removed": await cp.gc(body.keep_last, actor(request))}

@@ -218,16 +218,11 @@ def add_traffic_routes(app: FastAPI, state) -> None:
     async def drift(model: str) -> dict:
         # the windows are copied here, on the loop that appends to them: iterating the live deques in the
         # thread raced with requests finishing ("deque mutated during iteration", a 500)
-        mon = svc.drift.get(model)
-        return await asyncio.to_thread(svc.drift_report, model, mon.snapshot() if mon is not None else None)
+        return await asyncio.to_thread(svc.drift_report, model, svc.watch.snapshot(model))
 
     @app.post("/admin/drift/{model}/reference")
     async def drift_reference(model: str, request: Request) -> dict:
-        mon = svc.drift.get(model)
-        if mon is None:
-            raise ControlError(404, f"no drift data for {model!r} yet", code="not_found", param="model")
-        n = len(mon.live.prompt_len)
-        mon.set_reference()
+        n = svc.watch.set_reference(model)
         cp.registry.audit.record(actor(request), "drift.reference", f"model:{model}", None, {"requests": n})
         return {"model": model, "reference_requests": n}
 
@@ -247,8 +242,5 @@ def add_traffic_routes(app: FastAPI, state) -> None:
 
     @app.put("/admin/models/{name}/prediction-log")
     async def set_mode(name: str, body: ModeBody, request: Request) -> dict:
-        before = svc.log.mode(name)
-        svc.log.set_mode(name, body.mode)
-        cp.registry.audit.record(actor(request), "predictions.mode", f"model:{name}", {"mode": before},
-                                 {"mode": body.mode})
+        svc.set_log_mode(name, body.mode, actor(request))
         return {"model": name, "mode": body.mode}

@@ -1,7 +1,7 @@
 """API keys: who is calling, what they may do, and their limits.
 
 Keys come from `--api-key` (one key) or `--api-keys-file` (YAML or JSON). A file may store a key or only
-its hash (`key_hash: sha256:<hex>`); either way only SHA-256 digests are kept in memory, and a presented
+its hash (`key_hash: sha256:<hex>`) and may list the key's `groups` (what traffic segment rules match); either way only SHA-256 digests are kept in memory, and a presented
 key is compared against every digest with `hmac.compare_digest`, so timing reveals nothing. Keys are
 never logged; the key's `name` is what logs and metrics show.
 """
@@ -29,6 +29,7 @@ class ApiKey:
     models: frozenset[str] | None = None  # None: every model
     allow_priority_raise: bool = False
     admin: bool = False
+    groups: frozenset[str] = frozenset()  # the key's groups (tenants, cohorts): traffic segment rules match on them
 
 
 def digest(key: str) -> bytes:
@@ -92,7 +93,8 @@ def load_keys_file(path: str) -> list[ApiKey]:
     entries = data.get("keys") if isinstance(data, dict) else data
     if not isinstance(entries, list):
         raise ValueError(f"{path}: expected a list of keys (or a mapping with 'keys')")
-    allowed = {"name", "key", "key_hash", "rpm", "tpm", "priority", "models", "allow_priority_raise", "admin"}
+    allowed = {"name", "key", "key_hash", "rpm", "tpm", "priority", "models", "allow_priority_raise", "admin",
+               "groups"}
     keys = []
     for i, e in enumerate(entries):
         where = f"{path}: key #{i + 1}"
@@ -122,9 +124,13 @@ def load_keys_file(path: str) -> list[ApiKey]:
         models = e.get("models")
         if models is not None and not (isinstance(models, list) and all(isinstance(m, str) for m in models)):
             raise ValueError(f"{where}: models must be a list of model ids")
+        groups = e.get("groups")
+        if groups is not None and not (isinstance(groups, list) and all(isinstance(g, str) and g for g in groups)):
+            raise ValueError(f"{where}: groups must be a list of non-empty group names")
         keys.append(ApiKey(str(e["name"]), d, e.get("rpm"), e.get("tpm"), e.get("priority"),
                            frozenset(models) if models is not None else None,
-                           bool(e.get("allow_priority_raise", False)), bool(e.get("admin", False))))
+                           bool(e.get("allow_priority_raise", False)), bool(e.get("admin", False)),
+                           frozenset(groups or ())))
     return keys
 
 

@@ -23,7 +23,7 @@ from servelm.outputs import RequestOutput
 from servelm.server import protocol as p
 from servelm.server.admission import check_model
 from servelm.server.protocol import APIError
-from servelm.server.telemetry import RequestRecord
+from servelm.server.telemetry import OUTPUT_HEAD, RequestRecord
 from servelm.worker.client import EngineDeadError, QueueTimeout, RequestRejected
 
 Job = tuple  # (request id, prompt token ids, SamplingParams, prompt text | None, priority, cache salt | None)
@@ -82,6 +82,7 @@ class Api:
             rec.user = getattr(req, "user", None)
             attrs = traffic.attrs(request.headers, rec, getattr(req, "metadata", None))
         m, waited = await self.state.models.load(model, kind, attrs)
+        rec.leases.append(m)  # the gateway releases its pin on the model's generation when the request ends
         check_model(rec.api_key, m.served_name)  # the default model, when the request named none
         rec.model = m.served_name
         rec.model_version = m.version.ref if m.version is not None else None
@@ -205,6 +206,8 @@ class Api:
                     rec.output_ids.extend(t for c in out.outputs if c.index == 0 for t in c.token_ids)
                 if state.telemetry.log_prompts or rec.capture_output:
                     rec.completion_text = (rec.completion_text or "") + "".join(c.text for c in out.outputs)
+                elif rec.capture_text and len(rec.output_head) < OUTPUT_HEAD:
+                    rec.output_head += "".join(c.text for c in out.outputs if c.index == 0)
                 for c in out.outputs:
                     rec.finish_reason = rec.finish_reason or c.finish_reason
                 if out.finished:

@@ -21,13 +21,19 @@ class ServedModel:
     check_engine, num_queued, live_counts, stats, ...) are the engine's."""
 
     def __init__(self, engine: Any, tokenizer: Any, served_name: str, version: ModelVersion | None = None,
-                 metrics: Any = None) -> None:
-        self.engine = engine
+                 metrics: Any = None, lease: Any = None) -> None:
+        self.engine = engine  # a pinned deployment's lease (control/lease.py), or the engine itself
         self.tokenizer = tokenizer
         self.served_name = served_name  # what responses' `model` says: the name, or name:version
         self.version = version
         self.metrics = metrics  # this model's labelled metrics view, where the server keeps one
         self.decision: Any = None  # the traffic policy's decision that picked this version, if one did
+        self.lease = lease  # a request's pin on a deployment's generation, released when the request ends
+
+    def release(self) -> None:
+        """End the request's hold on what serves it (nothing for a fixed model); idempotent."""
+        if self.lease is not None:
+            self.lease.release()
 
     @property
     def name(self) -> str:
@@ -69,16 +75,20 @@ class ModelDirectory:
     def fixed(self) -> list[ServedModel]:
         return list(self._fixed.values())
 
-    def _wrap(self, dep: Any) -> ServedModel:
+    def _wrap(self, dep: Any, pin: bool = False) -> ServedModel:
         """A deployment as a ServedModel, as it is now (a swap changes its version and tokenizer), with the
-        metrics of its current version."""
-        version = dep.version
+        metrics of its current version. With `pin`, a request's lease on its current generation (taken in the
+        same step as the resolution): tokenizer, version and workers stay that generation's; `dep` may be a
+        lease already (an on-demand load takes it)."""
+        lease = dep if hasattr(dep, "release") else dep.pin() if pin and hasattr(dep, "pin") else None
+        target = lease if lease is not None else dep
+        version = target.version
         metrics = None
-        if self.metrics_for is not None and _kind(dep) == Kind.GENERATE:
+        if self.metrics_for is not None and _kind(target) == Kind.GENERATE:
             metrics = self._metrics.get(version.ref)
             if metrics is None:
                 metrics = self._metrics[version.ref] = self.metrics_for(version.ref)
-        return ServedModel(dep, getattr(dep, "tokenizer", None), version.ref, version, metrics)
+        return ServedModel(target, getattr(target, "tokenizer", None), version.ref, version, metrics, lease)
 
     def deployed(self, kind: Kind = Kind.GENERATE) -> list[ServedModel]:
         """The attached manager's deployments of one kind (generation, or embedding), wrapped."""
@@ -101,16 +111,18 @@ class ModelDirectory:
                     out.append(n)
         return out
 
-    def resolve(self, model: str | None, kind: Kind = Kind.GENERATE, attrs: Any = None) -> ServedModel:
+    def resolve(self, model: str | None, kind: Kind = Kind.GENERATE, attrs: Any = None,
+                pin: bool = False) -> ServedModel:
         """The model serving `model` (None: the default one); 404 in OpenAI's shape naming what exists. With
         the request's attributes (control.traffic.RequestAttrs), a bare name's traffic policy picks the
-        version (DeploymentManager.route); its decision is on the result."""
+        version (DeploymentManager.route); its decision is on the result. With `pin`, a deployment's result
+        holds a lease on the generation it resolved (the caller must `release()` it when the request ends)."""
         if model is None and kind == Kind.GENERATE:
             if self.default is not None:
                 return self.default
-            deployed = self.deployed()
+            deployed = [d for d in self.deployments.list() if _kind(d) == kind] if self.deployments is not None else []
             if len(deployed) == 1:
-                return deployed[0]
+                return self._wrap(deployed[0], pin)
             raise APIError(400, f"name a model: this server serves {self._listing(kind)}", "model",
                            "model_required")
         found = self._fixed.get(model) if kind == Kind.GENERATE else None
@@ -127,17 +139,18 @@ class ModelDirectory:
                     raise APIError(e.status, e.message, e.param or "model", e.code) from e
             else:
                 if _kind(dep) == kind:
-                    served = self._wrap(dep)
+                    served = self._wrap(dep, pin)
                     served.decision = decision
                     return served
         raise self._not_found(model, kind)
 
     async def load(self, model: str | None, kind: Kind = Kind.GENERATE, attrs: Any = None
                    ) -> tuple[ServedModel, float | None]:
-        """As `resolve`, but a registered version that no deployment serves yet is loaded first when on-demand
-        loading is on: returns the model and the seconds waited for its load (None: it was there)."""
+        """As `resolve` for a request (pinned: release the result when the request ends), but a registered
+        version that no deployment serves yet is loaded first when on-demand loading is on: returns the model
+        and the seconds waited for its load (None: it was there)."""
         try:
-            return self.resolve(model, kind, attrs), None
+            return self.resolve(model, kind, attrs, pin=True), None
         except APIError as e:
             if e.status != 404 or model is None or self.on_demand is None:
                 raise
@@ -148,8 +161,10 @@ class ModelDirectory:
                     raise e from None  # nothing registered either: the listing of what exists stands
                 raise APIError(ce.status, ce.message, ce.param or "model", ce.code) from ce
             if _kind(dep) != kind:
+                if hasattr(dep, "release"):
+                    dep.release()
                 raise e from None
-            return self._wrap(dep), waited
+            return self._wrap(dep, pin=True), waited
 
     def _not_found(self, model: str | None, kind: Kind) -> APIError:
         if kind == Kind.EMBED:

@@ -102,6 +102,8 @@ class Gateway:
                 rec.status = 500
             raise
         finally:
+            for served in rec.leases:  # the request is over: its pin on a deployment generation goes
+                served.release()
             if not body_done:
                 if response_started or rec.status == 200:
                     rec.status = 499  # the client went away before the response was complete
@@ -142,6 +144,8 @@ class Gateway:
             admin = keys.lookup(presented)  # a keys-file key marked admin is named in logs and the audit trail
             rec.key_name = admin.name if admin is not None and admin.admin else "admin"
             return None
+        if scope["method"] in ("GET", "HEAD") and (path == "/" or path.startswith("/ui/")):
+            return None  # the web chat page's static files: public, the page asks for a key itself
         if path in OPEN_PATHS and not (path == "/metrics" and st.config.server.metrics_require_key):
             return None
         if keys.enabled:

@@ -49,18 +49,21 @@ def fixed_models(config) -> list[Launch]:
     return out
 
 
-async def start_engines(launches: list[Launch], start_timeout: float) -> list[tuple[Any, Any, str]]:
+async def start_engines(launches: list[Launch], start_timeout: float,
+                        engine_factory=None) -> list[tuple[Any, Any, str]]:
     """Launch every engine, load each tokenizer meanwhile, wait until all are warm: [(engine, tokenizer,
-    name)]. If one fails to start, the others are shut down and the error raised."""
+    name)]. If one fails to start, the others are shut down and the error raised. `engine_factory(config,
+    start_timeout=...)` makes each single engine (default AsyncEngine; servelm.ray passes its Ray one)."""
     from servelm.model.metadata import load_tokenizer, resolve_model
     from servelm.worker.client import AsyncEngine  # light: no torch, no transformers
 
+    make = engine_factory or AsyncEngine
     engines: list = [None] * len(launches)
     tokenizers: list = []
     try:
         for i, launch in enumerate(launches):
             if not launch.pooled:
-                engines[i] = AsyncEngine(launch.engine, start_timeout=start_timeout)
+                engines[i] = make(launch.engine, start_timeout=start_timeout)
                 engines[i].launch()  # the engine process imports torch and loads the model meanwhile
         for i, launch in enumerate(launches):
             ec = launch.engine

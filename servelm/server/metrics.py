@@ -29,7 +29,33 @@ _ENGINE_COUNTERS = {
     "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "kv_cache_evictions": ("num_evictions", "Cached KV blocks evicted to make room."),
+    "spec_decode_num_draft_tokens": ("spec_proposed_tokens", "Speculative draft tokens verified."),
+    "spec_decode_num_accepted_tokens": ("spec_accepted_tokens", "Speculative draft tokens accepted."),
+    "spec_decode_num_emitted_tokens": ("spec_emitted_tokens", "Tokens produced by speculative verifications."),
+    "spec_decode_num_verifications": ("spec_verifications", "Speculative verifications (one per sequence step)."),
+    "spec_decode_num_fallbacks": ("spec_fallbacks", "Requests whose speculation switched off for low acceptance."),
 }
+# Per draft position (0 = the first draft token), cumulative lists in EngineStats.
+_SPEC_POSITION_COUNTERS = {
+    "spec_decode_num_draft_tokens_per_pos": ("spec_proposed_by_position", "Draft tokens verified, by position."),
+    "spec_decode_num_accepted_tokens_per_pos": ("spec_accepted_by_position", "Draft tokens accepted, by position."),
+}
+
+
+def spec_decode_summary(st: EngineStats) -> dict | None:
+    """Speculative decoding's figures for /server/stats (None when it never ran)."""
+    if not st.spec_verifications:
+        return None
+    by_pos = [a / p if p else None for a, p in zip(st.spec_accepted_by_position, st.spec_proposed_by_position,
+                                                    strict=False)]
+    return {"proposed_tokens": st.spec_proposed_tokens, "accepted_tokens": st.spec_accepted_tokens,
+            "emitted_tokens": st.spec_emitted_tokens, "verifications": st.spec_verifications,
+            "acceptance_rate": st.spec_accepted_tokens / st.spec_proposed_tokens if st.spec_proposed_tokens else 0.0,
+            "acceptance_rate_by_position": by_pos,
+            "mean_accepted_length": st.spec_accepted_tokens / st.spec_verifications,
+            # tokens per verification forward: the most a step could gain over one token per step
+            "tokens_per_verification": st.spec_emitted_tokens / st.spec_verifications,
+            "fallbacks": st.spec_fallbacks}
 
 
 class Metrics:
@@ -61,6 +87,8 @@ class Metrics:
         counter("engine_restarts", "Engine process restarts after a crash.")
         for name, (_, help_) in _ENGINE_COUNTERS.items():  # engine counters
             counter(name, help_)
+        for name, (_, help_) in _SPEC_POSITION_COUNTERS.items():
+            counter(name, help_, ("model_name", "position"))
         # per-step histograms (vLLM: iteration_tokens_total)
         hist("iteration_tokens_total", "Tokens computed per engine step.", _TOKENS)
         hist("batch_size", "Sequences per engine step.", _BATCH)
@@ -102,6 +130,7 @@ class Metrics:
         self.engine_up = f["engine_up"].labels(**m)
         self.engine_restarts = f["engine_restarts"].labels(**m)
         self._engine_counters = {field: f[name].labels(**m) for name, (field, _) in _ENGINE_COUNTERS.items()}
+        self._position_counters = {field: f[name] for name, (field, _) in _SPEC_POSITION_COUNTERS.items()}
         self._last: EngineStats | None = None
         self.iteration_tokens = f["iteration_tokens_total"].labels(**m)
         self.batch_size = f["batch_size"].labels(**m)
@@ -149,6 +178,13 @@ class Metrics:
             if d > 0:
                 counter.inc(d)
                 deltas[field] = d
+        for field, counter in self._position_counters.items():
+            before = getattr(last, field) if last else []
+            for pos, n in enumerate(getattr(stats, field)):
+                d = n - (before[pos] if pos < len(before) else 0)
+                child = counter.labels(self.model_name, str(pos))  # a position never accepted shows as 0
+                if d > 0:
+                    child.inc(d)
         self._last = stats
         self.window.add(deltas.get("prompt_tokens", 0), deltas.get("generation_tokens", 0))
         if ran:

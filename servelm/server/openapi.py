@@ -21,7 +21,7 @@ _WHY = {400: "invalid request", 401: "missing or invalid API key", 403: "the key
 # One server-sent event: its data line is a JSON chunk (or [DONE]).
 _SSE_EVENT = {"type": "object", "required": ["data"],
               "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
-_GENERATION = {"/v1/completions", "/v1/chat/completions", "/generate", "/chat"}
+_GENERATION = {"/v1/completions", "/v1/chat/completions", "/generate", "/chat", "/v1/responses"}
 
 
 def statuses(path: str, method: str) -> set[int]:

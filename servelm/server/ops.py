@@ -9,6 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from servelm.config.engine import ConfigError
 from servelm.config.settings import PRIORITIES
+from servelm.server.metrics import spec_decode_summary
 from servelm.server.protocol import APIError
 
 
@@ -90,5 +91,6 @@ def _engine_stats(state, engine, metrics) -> dict:
         if st else None,
         "prefix_cache": {"queries": st.prefix_cache_queries, "hits": st.prefix_cache_hits,
                          "hit_rate": st.prefix_cache_hit_rate, "evictions": st.num_evictions} if st else None,
+        "spec_decode": spec_decode_summary(st) if st else None,
         "scheduler": dataclasses.asdict(st) if st else None,
     }

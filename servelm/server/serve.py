@@ -113,7 +113,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(config, sock: socket.socket) -> int:
+async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
     from servelm.server.launch import fixed_models, start_engines
 
     t0 = time.perf_counter()
@@ -131,7 +131,7 @@ async def _serve(config, sock: socket.socket) -> int:
 
         from servelm.server.api import build_app
 
-        started = await start_engines(launches, srv.engine_start_timeout_s)
+        started = await start_engines(launches, srv.engine_start_timeout_s, engine_factory)
         if embedder is not None:
             await embedder.wait_ready()
     except BaseException:
@@ -153,7 +153,7 @@ async def _serve(config, sock: socket.socket) -> int:
         from servelm.server.traffic import TrafficService
 
         state.traffic = TrafficService(state.control, srv, state.metrics.registry, state.models,
-                                       config.admission.queue_timeout_s)
+                                       config.admission.queue_timeout_s, embedder=state.embedder)
         resumed = state.traffic.resume()
         if resumed:
             logger.info("canary rollouts resumed: %s", ", ".join(resumed))
@@ -256,7 +256,8 @@ class _DrainingServer:
         return Server(config)
 
 
-def cmd_serve(args) -> int:
+def cmd_serve(args, engine_factory=None) -> int:
+    """`servelm serve`; `engine_factory` makes the engines another way (servelm.ray: on a Ray cluster)."""
     import json
 
     from servelm.server.auth import KeyStore
@@ -288,7 +289,7 @@ def cmd_serve(args) -> int:
 
     with sock:
         try:
-            return asyncio.run(_serve(config, sock))
+            return asyncio.run(_serve(config, sock, engine_factory))
         except EngineStartError as e:
             print(f"servelm: error: the engine could not start: {e}", file=sys.stderr)
             return 2 if e.input_error else 1

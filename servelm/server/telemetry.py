@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 _request_logger = logging.getLogger("servelm.requests")
 
 
+OUTPUT_HEAD = 64  # characters of a completion kept when its text is not (concept drift classifies them)
+
 @dataclass
 class RequestRecord:
     request_id: str
@@ -27,6 +29,7 @@ class RequestRecord:
     model: str | None = None
     model_version: str | None = None  # name:version of the registered version that served it
     load_wait_s: float | None = None  # seconds it waited for its model to load on demand
+    leases: list = field(default_factory=list)  # what serves it (ServedModel), released when the request ends
     priority: str | None = None
     status: int = 200
     stream: bool = False
@@ -50,6 +53,7 @@ class RequestRecord:
     decision: object = None  # control.traffic.Decision, where a traffic policy chose the version
     capture_text: bool = False  # keep the prompt text (the prediction log, drift's character classes)
     capture_output: bool = False  # keep the completion text (a full prediction log)
+    output_head: str = ""  # else the completion's first characters (concept drift: refusal, empty output)
     prompt_ids: list | None = None  # the first prompt's token ids
     cache_salt: str | None = None  # its prefix-cache namespace (a shadow copy runs in the same one)
     params: object = None  # its SamplingParams

@@ -21,22 +21,23 @@ from collections.abc import Mapping
 from typing import Any
 
 from servelm.control.bandit_policy import BanditPolicy
-from servelm.control.drift import DriftMonitor, DriftThresholds
-from servelm.control.experiments import Experiment
+from servelm.control.drift import DriftMonitor
+from servelm.control.experiments import Experiment, ThompsonBandit
 from servelm.control.policies import PolicyStore
 from servelm.control.predictions import Prediction, PredictionLog
 from servelm.control.shadow import ShadowMirror, ShadowResult
 from servelm.control.traffic import RequestAttrs, TrafficPolicy
 from servelm.control.types import ControlError
+from servelm.server.drift_watch import DriftSnapshot, DriftWatch
 from servelm.server.protocol import APIError
 from servelm.server.telemetry import RequestRecord
 from servelm.server.traffic_metrics import TrafficMetrics
+from servelm.server.webhook import Webhook
 
 logger = logging.getLogger("servelm.traffic")
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/chat"})
 FAULT_LABEL = "servelm.fault"  # on a version: "error" or "latency:SECONDS" (honoured with SERVELM_ALLOW_FAULTS=1)
 REMEMBER = 100_000  # request ids kept for feedback attribution
-DRIFT_CHARS = 256  # characters of a prompt profiled for drift (a sample: profiling runs on the event loop)
 
 
 def parse_modes(spec: str) -> tuple[str, dict[str, str]]:
@@ -62,7 +63,7 @@ class TrafficService:
     """Per-model traffic state over the control plane `cp` (its registry's database and audit trail)."""
 
     def __init__(self, cp: Any, server_config: Any, metrics_registry: Any, models: Any,
-                 queue_timeout_s: float | None = 30.0) -> None:
+                 queue_timeout_s: float | None = 30.0, embedder: Any = None) -> None:
         self.cp, self.cfg, self.models = cp, server_config, models
         self.queue_timeout_s = queue_timeout_s  # a shadow request waits no longer than a primary one would
         reg = cp.registry
@@ -70,8 +71,16 @@ class TrafficService:
         default, per = parse_modes(server_config.prediction_log)
         sink = server_config.prediction_log_file
         days = server_config.prediction_log_retention_days or None
-        self.log = PredictionLog(reg.engine, sink=sink, modes=per, default_mode=default, default_retention_days=days)
+        otlp = None
+        if getattr(server_config, "prediction_log_otlp_endpoint", None):
+            from servelm.control.prediction_otlp import OtlpSink
+
+            otlp = OtlpSink(server_config.prediction_log_otlp_endpoint, server_config.otlp_service_name)
+        self.log = PredictionLog(reg.engine, sink=sink, modes=per, default_mode=default, default_retention_days=days,
+                                 otlp=otlp)
         self._retention: asyncio.Task | None = None
+        self._checkpoints: asyncio.Task | None = None
+        self._changes = self._saved_changes = 0  # statistics updates made / covered by the last checkpoint
         self.policies: dict[str, TrafficPolicy | BanditPolicy] = {}
         for name, rec in self.store.all("policy").items():
             try:
@@ -92,13 +101,23 @@ class TrafficService:
             else:
                 self.experiment_of[rec["policy"]["model"]] = name
             self.experiments[name] = exp
+        for name, rec in self.store.all("logmode").items():  # modes set over the admin API outlive a restart
+            try:
+                self.log.set_mode(name, rec["mode"])
+            except (ControlError, KeyError, TypeError) as e:
+                logger.warning("stored prediction-log mode of %s is invalid, ignored: %s", name, e)
+        self._state = self.store.load_state()
+        self._restore_state()
         self.canaries: dict[str, Any] = {}  # model -> CanaryRun (control/canary_runner.py)
         self.mirrors: dict[str, ShadowMirror] = {}
-        self.drift: dict[str, DriftMonitor] = {}
         # request id -> [model, version, arm, key name, feedback given]: who may rate it, and only once
         self.served: OrderedDict[str, list] = OrderedDict()
-        self._alerting: dict[tuple[str, str], bool] = {}  # (model, feature) -> alerting at the last report
         self.metrics = TrafficMetrics(metrics_registry, self)
+        self.watch = DriftWatch(server_config, self.metrics, embedder, self.notify)
+        url = getattr(server_config, "webhook_url", None)
+        self.webhook = Webhook(url, self.metrics, timeout_s=server_config.webhook_timeout_s,
+                               retries=server_config.webhook_retries) if url else None
+        self.drift: dict[str, DriftMonitor] = self.watch.data
         self.allow_faults = os.environ.get("SERVELM_ALLOW_FAULTS") == "1"
         cp.deployments.policy_of = self.policies.get  # DeploymentManager.route asks this per request
 
@@ -109,7 +128,17 @@ class TrafficService:
 
         for name, rec in self.store.all("canary").items():
             if rec.get("status") == "running" and name not in self.canaries:
-                self.canaries[name] = CanaryRun.resume(self, rec, self.cfg.canary_interval_s)
+                run = self.canaries[name] = CanaryRun.resume(self, rec, self.cfg.canary_interval_s)
+                saved = self._state.get(f"canary:{name}")
+                if saved and run.controller.restore_windows(saved):
+                    logger.info("canary of %s resumed with its step's windows (%s)", name,
+                                {k: w.requests for k, w in run.controller.windows.items()})
+        interval = getattr(self.cfg, "traffic_state_interval_s", 10.0)
+        if interval > 0 and self._checkpoints is None:
+            self._checkpoints = asyncio.create_task(self._checkpoint_every(interval))
+        self.watch.start(self.cfg.drift_check_interval_s)
+        if self.webhook is not None:
+            self.webhook.start()
         if self.log.default_retention_days is not None and self._retention is None:
             self._retention = asyncio.create_task(self._purge_every(3600.0))
         return [n for n, r in self.canaries.items() if r.controller.status == "running"]
@@ -124,9 +153,70 @@ class TrafficService:
                 logger.exception("prediction log retention failed")
             await asyncio.sleep(seconds)
 
+    def notify(self, event: dict) -> None:
+        """An event for the operator (canary rollback or failed promotion, drift alert): logged, and sent to
+        the webhook when one is configured (never waits; callable from any thread)."""
+        logger.warning("traffic event: %s", event)
+        if self.webhook is not None:
+            self.webhook.send(event)
+
+    # -- state across a restart --------------------------------------------------------------------
+    def _restore_state(self) -> None:
+        """Experiment windows and bandit posteriors from the last checkpoint (canary windows: `resume`)."""
+        for name, exp in self.experiments.items():
+            saved = self._state.get(f"experiment:{name}")
+            if saved:
+                exp.restore_windows(saved)
+        for name, policy in self.policies.items():
+            saved = self._state.get(f"bandit:{name}")
+            if isinstance(policy, BanditPolicy) and saved and saved.get("versions") == policy.bandit.versions:
+                policy.bandit = ThompsonBandit.from_dict(saved)
+
+    def state_records(self) -> dict[str, dict | None]:
+        """On the event loop: what the running canaries, experiments and bandits learned, as state records
+        (None removes the record of a canary that no longer runs)."""
+        out: dict[str, dict | None] = {}
+        for name, run in self.canaries.items():
+            running = run.controller.status == "running"
+            out[f"canary:{name}"] = run.controller.windows_state() if running else None
+        for name, exp in self.experiments.items():
+            out[f"experiment:{name}"] = exp.windows_state()
+        for name, policy in self.policies.items():
+            if isinstance(policy, BanditPolicy):
+                out[f"bandit:{name}"] = policy.bandit.to_dict()
+        return out
+
+    async def checkpoint(self) -> bool:
+        """Save the state records (the database write in a thread) when anything changed since the last
+        time; whether it wrote."""
+        changes = self._changes
+        if changes == self._saved_changes:
+            return False
+        await asyncio.to_thread(self.store.save_state, self.state_records())
+        self._saved_changes = changes
+        return True
+
+    async def _checkpoint_every(self, seconds: float) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await self.checkpoint()
+            except Exception:
+                logger.exception("saving the traffic state failed")
+
     async def close(self) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.cancel()
+        try:
+            self._changes += 1  # a last checkpoint in any case: a canary may have changed step meanwhile
+            await self.checkpoint()
+        except Exception:
+            logger.exception("saving the traffic state at shutdown failed")
         if self._retention is not None:
             self._retention.cancel()
+        await self.watch.close()
+        if self.webhook is not None:
+            await self.webhook.close()
         for run in list(self.canaries.values()):
             await run.stop()
         for mirror in self.mirrors.values():
@@ -138,6 +228,17 @@ class TrafficService:
         """Store (audited) and apply a model's policy."""
         self.store.put("policy", policy.model, policy.to_dict(), actor, action)
         self.policies[policy.model] = policy
+        if isinstance(policy, BanditPolicy):  # a new bandit starts from its own prior, not a saved posterior
+            self.store.save_state({f"bandit:{policy.model}": None})
+        self._changes += 1
+
+    def set_log_mode(self, name: str, mode: str, actor: str) -> str:
+        """Change a model's prediction-log mode at run time; stored (audited), so it outlives a restart.
+        Returns the mode before."""
+        before = self.log.mode(name)
+        self.log.set_mode(name, mode)  # 400 on an unknown mode, before anything is stored
+        self.store.put("logmode", name, {"mode": mode}, actor, "predictions.mode")
+        return before
 
     def clear_policy(self, name: str, actor: str) -> dict:
         before = self.store.delete("policy", name, actor)
@@ -147,12 +248,13 @@ class TrafficService:
     # -- the request path --------------------------------------------------------------------------
     def attrs(self, headers: Mapping[str, str], rec: RequestRecord, metadata: Mapping[str, str] | None = None
               ) -> RequestAttrs:
-        """What a policy may look at: the body's `user` and `metadata`, the headers, the API key's name, and
+        """What a policy may look at: the body's `user` and `metadata`, the headers, the API key's name and groups, and
         feature flags (the comma-separated x-servelm-flags header)."""
         key = rec.key_name if rec.api_key is not None else None
+        groups = frozenset(getattr(rec.api_key, "groups", ()) or ())
         flags = {f.strip() for f in headers.get("x-servelm-flags", "").split(",") if f.strip()}
-        return RequestAttrs(user=rec.user, key_name=key, headers=dict(headers), metadata=dict(metadata or {}),
-                            flags=flags)
+        return RequestAttrs(user=rec.user, key_name=key, key_groups=groups, headers=dict(headers),
+                            metadata=dict(metadata or {}), flags=flags)
 
     def wants_output(self, name: str) -> bool:
         """Whether the completion text is needed: a full prediction log."""
@@ -201,6 +303,7 @@ class TrafficService:
         self.metrics.request(name, version, arm, error, latency, ttft)
         kw = dict(error=error, prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens,
                   ttft=ttft, tpot=tpot, latency=latency)
+        self._changes += 1
         run = self.canaries.get(name)
         if run is not None and version is not None:
             run.controller.record(version, **kw)
@@ -211,9 +314,9 @@ class TrafficService:
         if len(self.served) > REMEMBER:
             self.served.popitem(last=False)
         if rec.prompt_ids is not None and not error:
-            text = _text(rec.prompt_text)
-            self.monitor(name).observe(prompt=text[:DRIFT_CHARS] if text else None, prompt_tokens=rec.prompt_ids,
-                                       output_tokens=rec.completion_tokens)
+            output = rec.completion_text if rec.completion_text is not None else rec.output_head
+            self.watch.observe(name, version, text=_text(rec.prompt_text), prompt_ids=rec.prompt_ids,
+                               output_tokens=rec.completion_tokens, output=output, finish_reason=rec.finish_reason)
         decision = rec.decision
         shadow = getattr(decision, "shadow_version", None)
         if shadow is not None and rec.prompt_ids is not None and not error:
@@ -235,10 +338,12 @@ class TrafficService:
             raise APIError(409, f"request {request_id!r} already has feedback (one per request)", "request_id",
                            "feedback_exists")
         found[4] = True
+        self._changes += 1
         name, version, arm = found[:3]
         run = self.canaries.get(name)
         if run is not None and version is not None:
             run.controller.feedback(version, score)
+        self.watch.feedback(name, version, score)
         policy = self.policies.get(name)
         if isinstance(policy, BanditPolicy) and version is not None:
             policy.reward(version, score)
@@ -315,25 +420,11 @@ class TrafficService:
         return ShadowResult(tokens=tokens, latency=time.monotonic() - t0)
 
     def monitor(self, name: str) -> DriftMonitor:
-        d = self.drift.get(name)
-        if d is None:
-            th = DriftThresholds(min_samples=self.cfg.drift_min_samples)
-            d = self.drift[name] = DriftMonitor(name, th, window=self.cfg.drift_window)
-        return d
+        return self.watch.monitor(name)
 
-    def drift_report(self, name: str, mon: DriftMonitor | None = None) -> dict:
-        """The model's drift report (404 when it has served nothing yet); a feature that starts alerting
-        counts in servelm:drift_alerts_total."""
-        mon = mon or self.drift.get(name)
-        if mon is None:
-            raise ControlError(404, f"no drift data for {name!r} yet; models with data: "
-                               f"{', '.join(self.drift) or 'none'}", code="not_found", param="model")
-        rep = mon.report()
-        for feature, f in rep["features"].items():
-            if f["alert"] and not self._alerting.get((name, feature), False):
-                self.metrics.drift_alerts.labels(name, feature).inc()
-            self._alerting[(name, feature)] = f["alert"]
-        return rep
+    def drift_report(self, name: str, snap: DriftSnapshot | DriftMonitor | None = None, fresh: bool = True) -> dict:
+        """The model's drift report (server/drift_watch.py; 404 when it has served nothing yet)."""
+        return self.watch.report(name, snap, fresh)
 
 
 def _text(prompt_json: str | None) -> str | None:

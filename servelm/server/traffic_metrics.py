@@ -40,6 +40,16 @@ class TrafficMetrics:
                                       "queue was full.", ["model_name", "model_version"], registry=r)
         self.drift_alerts = Counter("servelm:drift_alerts", "Drift reports that raised an alert (per feature).",
                                     ["model_name", "feature"], registry=r)
+        self.concept_alerts = Counter("servelm:concept_drift_alerts", "Concept-drift signals of a version that "
+                                      "started alerting (feedback, refusal_rate, empty_rate, finish_reasons).",
+                                      ["model_name", "model_version", "signal"], registry=r)
+        self.drift_embeddings = Counter("servelm:drift_embeddings", "Prompts sampled for embedding drift, by "
+                                        "outcome (embedded, skipped: too many in flight, failed).",
+                                        ["model_name", "outcome"], registry=r)
+        self.webhook_deliveries = Counter("servelm:webhook_deliveries", "Events delivered to the webhook.",
+                                          ["event"], registry=r)
+        self.webhook_failures = Counter("servelm:webhook_failures", "Webhook events not delivered (every attempt "
+                                        "failed, or the queue was full).", ["event"], registry=r)
         registry.register(_Collector(service))
 
     def request(self, name: str, version: int | None, arm: str, error: bool, latency: float,
@@ -81,12 +91,34 @@ class _Collector:
                                 "window.", labels=["model_name", "feature"])
         alert = GaugeMetricFamily("servelm:drift_alert", "1 while a feature's drift is over its threshold.",
                                   labels=["model_name", "feature"])
-        for name, mon in list(s.drift.items()):
-            rep = s.drift_report(name, mon.snapshot())  # a scrape may run off the loop that feeds it
+        mmd = GaugeMetricFamily("servelm:drift_mmd2", "MMD^2 between the reference and live windows of prompt "
+                                "embeddings (the last computed; a scrape never computes it).", labels=["model_name"])
+        c_alert = GaugeMetricFamily("servelm:concept_drift_alert", "1 while a version's concept-drift signal "
+                                    "(feedback, refusal_rate, empty_rate, finish_reasons) is over its threshold.",
+                                    labels=["model_name", "model_version", "signal"])
+        c_live = GaugeMetricFamily("servelm:concept_drift_live", "A version's live-window value of a concept "
+                                   "signal: the refusal or empty-output rate, the feedback mean.",
+                                   labels=["model_name", "model_version", "signal"])
+        watch = getattr(s, "watch", None)
+        for name in sorted(set(s.drift) | set(getattr(watch, "concept", {}))):
+            # a copy: a scrape may run off the loop that feeds the windows; fresh=False: no MMD here (the loop)
+            rep = s.drift_report(name, watch.snapshot(name), fresh=False)
             for feature, f in rep["features"].items():
                 if "psi" in f:
                     psi.add_metric([name, feature], f["psi"])
                 if f.get("evaluated"):
                     alert.add_metric([name, feature], 1.0 if f["alert"] else 0.0)
+            if "mmd2" in rep["features"]["embedding"]:
+                mmd.add_metric([name], rep["features"]["embedding"]["mmd2"])
+            for ver, c in rep.get("concept", {}).items():
+                for signal, f in c["signals"].items():
+                    live = f.get("live_rate", f.get("live_mean"))
+                    if live is not None:
+                        c_live.add_metric([name, ver.lstrip("v"), signal], live)
+                    if "p" in f or "live_mix" in f:
+                        c_alert.add_metric([name, ver.lstrip("v"), signal], 1.0 if f["alert"] else 0.0)
         yield psi
         yield alert
+        yield mmd
+        yield c_alert
+        yield c_live

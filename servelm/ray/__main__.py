@@ -1,0 +1,5 @@
+import sys
+
+from servelm.ray.serve import main
+
+sys.exit(main())

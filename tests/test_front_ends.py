@@ -1,0 +1,351 @@
+"""Ways into the server besides the OpenAI API, against one real server with a tiny model and an API key: the web
+chat page (in headless Chromium, driven by Selenium), Ollama's API (driven by the `ollama` client) and OpenAI's
+Responses API (driven by the `openai` SDK). All go through the same auth, admission, metrics and aborts as the
+OpenAI routes, so their greedy output equals those routes' output."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import httpx
+import numpy as np
+import ollama
+import openai
+import pytest
+from serving import _wait, server_log_lines, start_server, stats, stop_server
+
+pytestmark = pytest.mark.server
+
+KEY = "sk-test-ollama-1"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour"}]
+
+
+@pytest.fixture(scope="module")
+def served(llama_dir):
+    proc, url = start_server(llama_dir, "--max-model-len", "1024", "--api-key", KEY)
+    yield proc, url
+    assert stop_server(proc) == 0
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    return served[1]
+
+
+@pytest.fixture(scope="module")
+def oc(url):
+    return ollama.Client(host=url, headers=AUTH)
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+
+
+# -- Ollama ----------------------------------------------------------------------------------------------------
+def test_ollama_chat_equals_openai_chat(oc, client):
+    ref = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=12, temperature=0)
+    res = oc.chat(model="tiny", messages=MSGS, options={"temperature": 0, "num_predict": 12})
+    assert res.message.role == "assistant" and res.message.content == ref.choices[0].message.content
+    assert res.done and res.done_reason == ("length" if ref.choices[0].finish_reason == "length" else "stop")
+    assert res.prompt_eval_count == ref.usage.prompt_tokens and res.eval_count == ref.usage.completion_tokens
+    assert res.total_duration >= res.eval_duration > 0
+    chunks = list(oc.chat(model="tiny:latest", messages=MSGS, stream=True,
+                          options={"temperature": 0, "num_predict": 12}))
+    assert len(chunks) > 2 and not any(c.done for c in chunks[:-1]) and chunks[-1].done
+    assert "".join(c.message.content for c in chunks) == ref.choices[0].message.content
+    assert chunks[-1].eval_count == ref.usage.completion_tokens and chunks[-1].model == "tiny:latest"
+
+
+def test_ollama_generate_templates_raw_and_context(oc, client):
+    opts = {"temperature": 0, "num_predict": 8}
+    # not raw: the prompt is a user turn through the chat template, as Ollama does
+    gen = oc.generate(model="tiny", prompt="Name a colour", system="Be brief.", options=opts)
+    assert gen.response == oc.chat(model="tiny", messages=MSGS, options=opts).message.content
+    # raw: the text as it is, like /v1/completions
+    raw = oc.generate(model="tiny", prompt="Once upon a time", raw=True, options=opts)
+    ref = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert raw.response == ref.choices[0].text
+    # context: the conversation's tokens so far, which the next request continues
+    assert len(raw.context) == ref.usage.prompt_tokens + ref.usage.completion_tokens
+    more = oc.generate(model="tiny", prompt=" and then", raw=True, context=raw.context, options=opts)
+    assert more.prompt_eval_count > len(raw.context) and more.context[:len(raw.context)] == raw.context
+    streamed = list(oc.generate(model="tiny", prompt="Once upon a time", raw=True, options=opts, stream=True))
+    assert "".join(c.response for c in streamed) == ref.choices[0].text and streamed[-1].done
+    # a request with no prompt only loads the model
+    assert oc.generate(model="tiny").done_reason == "load"
+
+
+def test_ollama_embed_tags_show_ps(oc, client):
+    texts = ["a red fox", "a blue whale"]
+    ref = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts)
+    emb = oc.embed(model="all-MiniLM-L6-v2", input=texts)
+    assert np.allclose(emb.embeddings, [d.embedding for d in ref.data], atol=1e-5)
+    assert emb.prompt_eval_count == ref.usage.prompt_tokens
+    assert np.allclose(oc.embeddings(model="all-MiniLM-L6-v2", prompt=texts[0]).embedding, emb.embeddings[0],
+                       atol=1e-5)
+    assert [m.model for m in oc.list().models] == ["tiny", "all-MiniLM-L6-v2"]
+    ps = oc.ps().models
+    assert ps[0].model == "tiny" and ps[0].context_length == 1024
+    shown = oc.show("tiny")
+    assert "completion" in shown.capabilities and "im_start" in shown.template
+    assert "embedding" in oc.show("all-MiniLM-L6-v2:latest").capabilities
+
+
+def test_ollama_errors_auth_and_limits(url, oc):
+    with pytest.raises(ollama.ResponseError) as e:
+        oc.chat(model="nope", messages=MSGS)
+    assert e.value.status_code == 404 and "nope" in e.value.error  # Ollama's shape: the error is a string
+    for bad in ({"options": {"no_such_option": 1}}, {"options": {"temperature": 9}},
+                {"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, {"format": "json"},
+                {"options": {"mirostat": 2}}):
+        r = httpx.post(url + "/api/chat", json={"model": "tiny", "messages": MSGS, **bad}, headers=AUTH)
+        assert r.status_code == 400 and isinstance(r.json()["error"], str), (bad, r.text)
+    r = httpx.post(url + "/api/chat", content=b"{not json", headers=AUTH)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]
+    with pytest.raises(ollama.ResponseError) as e:
+        ollama.Client(host=url).list()  # the same API key as every other route
+    assert e.value.status_code == 401
+    # admission's per-request cap applies as on the OpenAI routes
+    r = httpx.post(url + "/api/generate", json={"model": "tiny", "prompt": "x", "options": {"num_predict": 5000}},
+                   headers=AUTH)
+    assert r.status_code == 400 and "context length" in r.json()["error"]
+
+
+def test_ollama_stream_abort_on_disconnect(served, url):
+    proc, _ = served
+    body = {"model": "tiny", "prompt": "Once", "raw": True, "options": {"num_predict": 900}}
+    with httpx.stream("POST", url + "/api/generate", json=body, headers=AUTH, timeout=60) as r:
+        assert r.headers["content-type"] == "application/x-ndjson"
+        lines = r.iter_lines()
+        assert '"done":false' in next(lines)
+    # the client left after one line: the request is aborted in the engine, not run to 900 tokens
+    _wait(lambda: stats(url, AUTH)["engine"]["in_flight"] == 0, 60, "the request to be aborted")
+    line = _wait(lambda: [x for x in server_log_lines(proc) if x.get("path") == "/api/generate"
+                          and x.get("status") == 499], 30, "the request's log line")[-1]
+    assert line["completion_tokens"] < 900 and line["model"] == "tiny"
+
+
+# -- OpenAI Responses --------------------------------------------------------------------------------------------
+def _chat(client, msgs, max_tokens):
+    return client.chat.completions.create(model="tiny", messages=msgs, max_tokens=max_tokens, temperature=0)
+
+
+def test_responses_create_and_stream_equal_chat(client):
+    ref = _chat(client, MSGS, 12)
+    res = client.responses.create(model="tiny", input="Name a colour", instructions="Be brief.",
+                                  max_output_tokens=12, temperature=0)
+    assert res.output_text == ref.choices[0].message.content and res.object == "response"
+    assert res.status == ("incomplete" if ref.choices[0].finish_reason == "length" else "completed")
+    assert res.usage.input_tokens == ref.usage.prompt_tokens
+    assert res.usage.output_tokens == ref.usage.completion_tokens
+    events = list(client.responses.create(model="tiny", input=[{"role": "user", "content": "Name a colour"}],
+                                          instructions="Be brief.", max_output_tokens=12, temperature=0,
+                                          stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{res.status}"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == res.output_text
+    assert events[-1].response.output_text == res.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_previous_response_id_and_store(client):
+    first = client.responses.create(model="tiny", input="Name a colour", max_output_tokens=6, temperature=0)
+    second = client.responses.create(model="tiny", input="Another one", previous_response_id=first.id,
+                                     max_output_tokens=6, temperature=0)
+    ref = _chat(client, [{"role": "user", "content": "Name a colour"},
+                         {"role": "assistant", "content": first.output_text},
+                         {"role": "user", "content": "Another one"}], 6)
+    assert second.output_text == ref.choices[0].message.content and second.previous_response_id == first.id
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    unstored = client.responses.create(model="tiny", input="x", max_output_tokens=2, store=False)
+    for missing in (unstored.id, "resp_nope"):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(missing)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model="tiny", input="x", previous_response_id="resp_nope")
+    assert e.value.body["param"] == "previous_response_id"
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="tiny", input="x", tools=[{"type": "function", "name": "f", "parameters": {}}])
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="tiny", input=[])
+
+
+def test_response_store_is_bounded_and_per_key():
+    from servelm.server.protocol import APIError
+    from servelm.server.routes.responses import ResponseStore, Stored
+
+    store = ResponseStore(2)
+    for i in range(3):
+        store.put(f"r{i}", Stored("alice", {"id": f"r{i}"}, []))
+    with pytest.raises(APIError):
+        store.get("r0", "alice")  # the oldest went
+    assert store.get("r2", "alice").response == {"id": "r2"}
+    with pytest.raises(APIError) as e:
+        store.get("r2", "bob")
+    assert e.value.status == 404
+
+
+# -- the web chat page -------------------------------------------------------------------------------------------
+def test_web_page_is_public_static_and_can_be_turned_off():
+    """In-process: the page and its files need no key (the API behind them does), carry a CSP that allows only
+    this server's scripts, name no other host, and `ui: none` leaves them out."""
+    import re
+
+    from fakes import IdleEngine
+    from starlette.testclient import TestClient
+
+    from servelm.config.settings import load
+    from servelm.server.api import build_app
+    from servelm.server.serve import build_state
+
+    for ui, expect in (("chat", 200), ("none", 404)):
+        state = build_state(load({"api_key": KEY, "ui": ui}, env={}), None, IdleEngine(), "tiny")
+        with TestClient(build_app(state)) as c:
+            page = c.get("/")
+            assert page.status_code == expect, ui
+            assert c.get("/v1/models").status_code == 401
+            if expect == 404:
+                continue
+            assert "script-src 'self'" in page.headers["content-security-policy"]
+            assert not re.search(r"https?://", page.text)
+            for asset in re.findall(r'(?:src|href)="([^"]+)"', page.text):
+                got = c.get(asset)
+                assert got.status_code == 200 and got.headers["content-security-policy"], asset
+            assert c.get("/ui/..%2Fapi.py").status_code == 404 and c.get("/ui/nope.js").status_code == 404
+            paths = c.get("/openapi.json", headers=AUTH).json()["paths"]  # with its stream and statuses
+            assert "408" in paths["/v1/responses"]["post"]["responses"]
+            assert "text/event-stream" in paths["/v1/responses"]["post"]["responses"]["200"]["content"]
+            assert not any(p.startswith(("/api/", "/ui/")) or p == "/" for p in paths)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """Headless Chromium with Selenium. A machine without Chromium fails this test loudly (the README's test
+    command installs it); SERVELM_SKIP_BROWSER=1 skips it, for a machine that cannot have it."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    binary = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    driver = shutil.which("chromedriver")
+    if not (binary and driver):
+        if os.environ.get("SERVELM_SKIP_BROWSER") == "1":
+            pytest.skip("SERVELM_SKIP_BROWSER=1: the web page is not tested in a browser")
+        pytest.fail("the web page test needs Chromium and its driver: apt-get install chromium chromium-driver "
+                    "(the README's test command does), or set SERVELM_SKIP_BROWSER=1 to skip it knowingly")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = binary
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1100,800", "--user-data-dir=" + str(tmp_path_factory.mktemp("chromium"))):
+        opts.add_argument(arg)
+    b = webdriver.Chrome(options=opts, service=Service(driver))
+    yield b
+    b.quit()
+
+
+def _stored(b) -> dict:
+    return b.execute_script("return JSON.parse(localStorage.getItem('servelm.chats.v1'))")
+
+
+def _reply(b) -> tuple:
+    """(state, shown text, stats line) of the page's last reply, read at one moment (the page redraws it)."""
+    return tuple(b.execute_script(
+        "const m = [...document.querySelectorAll('#messages .msg.assistant')].pop();"
+        "return m ? [m.dataset.state, m.querySelector('.body').innerText, m.querySelector('.stats').innerText]"
+        " : [null, '', ''];"))
+
+
+def test_web_page_chat_stream_stop_and_history(served, browser, client, tmp_path_factory):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    proc, url = served
+    b = browser
+    wait = WebDriverWait(b, 60, poll_frequency=0.05)
+    b.get(url + "/")
+    # the server needs a key: the page asks for it, then lists the generation models
+    wait.until(lambda d: d.find_element(By.ID, "key-form").is_displayed())
+    b.find_element(By.ID, "api-key").send_keys(KEY + "\n")
+    wait.until(lambda d: [o.text for o in d.find_elements(By.CSS_SELECTOR, "#model option")] == ["tiny"])
+    assert not b.find_element(By.ID, "key-form").is_displayed()
+    b.find_element(By.CSS_SELECTOR, "#settings summary").click()
+    for field, value in (("temperature", "0"), ("max-tokens", "8")):
+        box = b.find_element(By.ID, field)
+        box.clear()
+        box.send_keys(value)
+
+    # a short reply: the same text as the API gives, with its TTFT and rate shown
+    b.find_element(By.ID, "prompt").send_keys("Name a colour\n")
+    wait.until(lambda d: _reply(d)[0] == "done")
+    ref = _chat(client, [{"role": "user", "content": "Name a colour"}], 8)
+    chat = _stored(b)["chats"][0]
+    assert [m["role"] for m in chat["messages"]] == ["user", "assistant"]
+    assert chat["messages"][1]["content"] == ref.choices[0].message.content
+    shown = _reply(b)[2]
+    assert "TTFT" in shown and f"{ref.usage.completion_tokens} tokens" in shown
+
+    # a long reply: text grows while it streams; Stop ends it and the server aborts the request
+    box = b.find_element(By.ID, "max-tokens")
+    box.clear()
+    box.send_keys("900")
+    b.find_element(By.ID, "prompt").send_keys("Tell a long story\n")
+    seen = wait.until(lambda d: (r := _reply(d))[0] == "streaming" and r[1])
+    wait.until(lambda d: (r := _reply(d))[0] == "streaming" and len(r[1]) > len(seen))
+    b.find_element(By.ID, "stop").click()
+    wait.until(lambda d: _reply(d)[0] == "stopped")
+    assert not b.find_element(By.ID, "stop").is_displayed()
+    _wait(lambda: stats(url, AUTH)["engine"]["in_flight"] == 0, 60, "the stopped request to be aborted")
+    line = _wait(lambda: [x for x in server_log_lines(proc) if x.get("path") == "/v1/chat/completions"
+                          and x.get("status") == 499], 30, "the stopped request's log line")[-1]
+    assert 0 < line["completion_tokens"] < 900
+    before = _stored(b)
+
+    # reload: the conversation is still there, as it was
+    b.refresh()
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#messages .msg")) == 4)
+    assert _stored(b) == before and _reply(b)[0] == "stopped"
+    assert "stopped" in _reply(b)[2]
+    shot = tmp_path_factory.mktemp("webui") / "chat.png"
+    assert b.save_screenshot(str(shot)) and shot.stat().st_size > 1000
+    print(f"screenshot: {shot}")
+
+    # a new chat starts empty; the old one is a click away
+    b.find_element(By.ID, "new-chat").click()
+    wait.until(lambda d: not d.find_elements(By.CSS_SELECTOR, "#messages .msg"))
+    items = b.find_elements(By.CSS_SELECTOR, "#chats li")
+    assert [i.text for i in items] == ["New chat", "Name a colour"]
+    items[1].click()
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#messages .msg")) == 4)
+
+
+def test_web_page_renders_model_markdown_without_html(served, browser):
+    """Model text that holds HTML shows as text: no element, no script, no javascript: link comes of it."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    b = browser
+    evil = ('<img src=x onerror="window.pwned=1"> **bold** and `<b>code</b>`\n\n```html\n<script>window.pwned=2'
+            '</script>\n```\n- [click](javascript:window.pwned=3)\n- [docs](https://example.org/x)')
+    chat = {"id": "evil", "title": "evil", "messages": [{"role": "user", "content": "<i>hi</i>"},
+                                                         {"role": "assistant", "content": evil, "state": "done"}]}
+    b.execute_script("localStorage.setItem('servelm.chats.v1', arguments[0])",
+                     json.dumps({"current": "evil", "chats": [chat]}))
+    b.refresh()
+    WebDriverWait(b, 30).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#messages .msg")) == 2)
+    msgs = b.find_element(By.ID, "messages")
+    for tag in ("img", "script", "b", "i"):
+        assert not msgs.find_elements(By.TAG_NAME, tag), tag
+    assert b.execute_script("return window.pwned") is None
+    assert msgs.find_element(By.TAG_NAME, "strong").text == "bold"
+    assert "<script>window.pwned=2</script>" in msgs.find_element(By.CSS_SELECTOR, "pre code").text
+    assert [a.get_attribute("href") for a in msgs.find_elements(By.TAG_NAME, "a")] == ["https://example.org/x"]
+    assert "<img" in msgs.text and "<i>hi</i>" in msgs.text
