@@ -183,6 +183,7 @@ def rpc_server(llama_dir, tmp_path_factory):
     port = _free_port()
     proc, url = start_server(llama_dir, "--api-keys-file", str(d / "keys.yaml"), "--admin-key", RPC_ADMIN,
                              "--data-dir", str(d / "data"), "--num-kv-blocks", "128", "--max-model-len", "512",
+                             "--model-roots", str(tmp_path_factory.getbasetemp()),  # test_grpc_oip.py models
                              env={"SERVELM_GRPC_PORT": str(port)})  # an env var: the config tree has it
     _rpc["proc"] = proc
     yield proc, url, f"127.0.0.1:{port}"

@@ -78,7 +78,8 @@ class Calls:
 
     def check(self, req: RpcRequest) -> None:
         """Authenticate and count a call, as the gateway does for an HTTP request; raises APIError."""
-        err = self.gateway._check({"path": req.record.path, "client": (req.client, 0)}, req.headers, req.record)
+        scope = {"path": req.record.path, "method": "POST", "client": (req.client, 0)}  # as an HTTP request
+        err = self.gateway._check(scope, req.headers, req.record)
         if err is not None:
             raise err
 
