@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import hashlib
+import json
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -14,6 +16,47 @@ class OutputKind(enum.Enum):
     CUMULATIVE = "cumulative"  # the whole output so far
     DELTA = "delta"  # only what is new since the last report (streaming)
     FINAL_ONLY = "final_only"  # nothing until the request finishes (offline generate)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A grammar the output must follow (vLLM's `StructuredOutputsParams`): exactly one of a JSON schema
+    (`json`, a dict or its JSON text), any JSON object (`json_object`), a regular expression (`regex`), one of
+    fixed strings (`choice`) or an EBNF grammar (`grammar`, xgrammar's dialect of GBNF). The engine compiles
+    it with xgrammar and masks every token the grammar does not allow."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):  # as text (property order kept): equal schemas share one compiled grammar
+            self.json = json.dumps(self.json, ensure_ascii=False)
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar or json_object"
+                             f" (got {', '.join(given) or 'none'})")
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+        if self.json is not None:
+            try:
+                schema = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k))
+
+    def key(self) -> str:
+        """A hash of the grammar: what the engine's cache of compiled grammars is keyed by."""
+        spec = self.choice if self.kind == "choice" else getattr(self, self.kind)
+        return hashlib.sha256(json.dumps([self.kind, spec]).encode()).hexdigest()
 
 
 @dataclass
@@ -41,6 +84,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     output_kind: OutputKind = OutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the model's generation config; not a user field.
     _eos_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
 
@@ -51,6 +95,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

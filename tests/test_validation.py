@@ -124,12 +124,11 @@ def test_validation_gaps_are_400_naming_the_field(server, path, body, param):
 
 
 @pytest.mark.parametrize("path, body, param", [
-    (CHAT, {"messages": MSGS, "response_format": {"type": "json_object"}}, "response_format"),
-    (CHAT, {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHAT, {"messages": MSGS, "tool_choice": "required"}, "tool_choice"),
+    (CHAT, {"messages": MSGS, "prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ("/v1/completions", {"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CHAT, {"messages": MSGS, "functions": [{"name": "f"}]}, "functions"),
     ("/v1/completions", {"prompt": "hi", "suffix": " end"}, "suffix"),
-    ("/v1/completions", {"prompt": "hi", "guided_regex": "a+"}, "guided_regex"),
-    (CHAT, {"messages": MSGS, "guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"prompt": "hi", "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
     ("/v1/embeddings", {"input": "hi", "dimensions": 8}, "dimensions"),
 ])
 def test_fields_not_implemented_yet_are_400_naming_them(server, path, body, param):
@@ -171,8 +170,8 @@ def test_the_openai_sdk_still_works(server):
     assert text.choices[0].text.startswith("hi")
     assert len(client.embeddings.create(input=["a", "b"], model="all-MiniLM-L6-v2").data) == 2  # base64
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=MSGS, response_format={"type": "json_object"})
-    assert e.value.body["param"] == "response_format"
+        client.chat.completions.create(model="tiny", messages=MSGS, prediction={"type": "content", "content": "x"})
+    assert e.value.body["param"] == "prediction"
 
 
 def test_chat_message_has_refusal_null(server):

@@ -114,6 +114,9 @@ class ServerConfig:
                                      "with requests made with the same API key (one tenant cannot time-probe "
                                      "another's prompts); none shares them across all callers")
 
+    tool_call_parser: str = _f("auto", "auto | hermes | llama3_json | mistral: how tool calls are read from a "
+                               "chat reply (auto: the format the model's chat template uses, else hermes)")
+
     def validate(self) -> None:
         def need(ok: bool, name: str, allowed: str) -> None:
             require(self, ok, name, allowed)
@@ -142,6 +145,8 @@ class ServerConfig:
         need(self.responses_store_size >= 0, "responses_store_size", ">= 0")
         need(self.max_request_body_bytes >= 1024, "max_request_body_bytes", ">= 1024")
         need(self.prefix_cache_isolation in ("key", "none"), "prefix_cache_isolation", "key or none")
+        need(self.tool_call_parser in ("auto", "hermes", "llama3_json", "mistral"), "tool_call_parser",
+             "auto, hermes, llama3_json or mistral")
         need(self.keep_alive_s >= 0, "keep_alive_s", ">= 0 (0: kept loaded)")
         need(all(m.rpartition("=")[2].strip() in ("off", "metadata", "full")
                  for m in self.prediction_log.split(",") if m.strip()), "prediction_log",

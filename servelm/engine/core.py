@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
+from typing import Any
 
 from servelm.config.engine import DEFAULT_KV_CACHE_GB, EngineConfig
 from servelm.engine.cuda_graphs import capture_sizes
@@ -17,13 +21,25 @@ from servelm.engine.scheduler import ScheduledSeq, Scheduler
 from servelm.engine.sequence import Request, Sequence
 from servelm.engine.spec_decode import SpecDecoder
 from servelm.engine.step_outputs import EngineStats, SampleResult, SeqOutput
+from servelm.engine.structured import GrammarCache, new_matcher
 from servelm.model.decoder import DecoderLM
 
 logger = logging.getLogger(__name__)
 
 
+def _tokenizer_from_config(config: EngineConfig) -> Callable[[], Any]:
+    """Builds the model's tokenizer when first called: the engine process needs one only to compile grammars."""
+    def load():
+        from servelm.model.metadata import load_tokenizer
+        from servelm.model.source import resolve_model
+
+        return load_tokenizer(resolve_model(config.model, config.gguf_file), config.tokenizer)
+    return load
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: DecoderLM) -> None:
+    def __init__(self, config: EngineConfig, model: DecoderLM,
+                 tokenizer_loader: Callable[[], Any] | None = None) -> None:
         self.config = config
         self.model = model
         if config.batch_invariant:
@@ -59,6 +75,10 @@ class EngineCore:
                                   graph_sizes, max_len)
         self.spec = self._make_spec_decoder(config, max_len)
         self.requests: dict[str, Request] = {}
+        # structured output: requests whose grammar is still compiling wait here, outside the scheduler
+        self.grammars = GrammarCache(spec.vocab_size, tokenizer_loader or _tokenizer_from_config(config))
+        self.compiling: dict[str, Request] = {}
+        self.failed: list[tuple[str, str]] = []  # (request id, why) for requests refused after add_request
         self._order = 0
         self.num_steps = 0
         self.last_num_batched_tokens = 0
@@ -105,12 +125,38 @@ class EngineCore:
         seq = Sequence(req, 0, list(req.prompt_token_ids), generator=req.make_generator(0))
         req.seqs = [seq]
         self.requests[req.request_id] = req
+        if req.params.structured_outputs is not None:  # compiled off the loop; scheduled once it is ready
+            req.grammar = self.grammars.submit(req.params.structured_outputs, req.params._eos_token_ids)
+            self.compiling[req.request_id] = req
+            return
         self.scheduler.add(seq)
+
+    def _admit_compiled(self) -> None:
+        """Schedule the requests whose grammar has compiled; refuse those whose grammar failed."""
+        for rid, req in list(self.compiling.items()):
+            if not req.grammar.done():
+                continue
+            del self.compiling[rid]
+            if req.grammar.exception() is not None:
+                del self.requests[rid]
+                self.failed.append((rid, str(req.grammar.exception())))
+                continue
+            req.grammar = req.grammar.result()
+            req.seqs[0].matcher = new_matcher(req.grammar)
+            self.scheduler.add(req.seqs[0])
+
+    def take_errors(self) -> list[tuple[str, str]]:
+        """Requests refused since the last call (a grammar that did not compile), as (request id, message)."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def finish_seq(self, request_id: str, index: int | None, reason: str, stop_reason=None) -> None:
         """End one sample (index) or all samples (None) of a request, freeing their blocks."""
         req = self.requests.get(request_id)
         if req is None:
+            return
+        if self.compiling.pop(request_id, None) is not None:  # never scheduled: nothing to free
+            del self.requests[request_id]
             return
         for seq in req.seqs:
             if index is None or seq.index == index:
@@ -132,9 +178,13 @@ class EngineCore:
 
     # -- the loop ----------------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
+        if self.compiling:
+            self._admit_compiled()
         out = self.scheduler.schedule()
         if not out:
             self.kv.end_step()
+            if self.compiling:  # nothing else to run: wait a little for a grammar rather than spin
+                wait_futures([r.grammar for r in self.compiling.values()], 0.01, FIRST_COMPLETED)
             return []
         self.num_steps += 1
         self.last_num_batched_tokens = out.num_batched_tokens
@@ -146,7 +196,8 @@ class EngineCore:
         for s in out.scheduled:
             req = s.seq.request
             if s.sample_seqs and req.params.n > 1 and not req.forked:
-                s.sample_seqs += [Sequence(req, i, list(s.seq.token_ids), generator=req.make_generator(i))
+                s.sample_seqs += [Sequence(req, i, list(s.seq.token_ids), generator=req.make_generator(i),
+                                           matcher=new_matcher(req.grammar) if req.grammar is not None else None)
                                   for i in range(1, req.params.n)]
         results = iter(self.runner.execute(out))
         for req, first, lps in self.runner.prompt_logprobs:
@@ -209,6 +260,8 @@ class EngineCore:
                 reason, stop_reason = "stop", tok
             elif (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
                 reason = "length"
+            if seq.matcher is not None and reason != "length":
+                reason = self._advance_grammar(seq, tok) or reason
             if reason is not None:
                 break
         if seq.first_token_time is None:
@@ -225,6 +278,17 @@ class EngineCore:
         if reason is not None:
             self.finish_seq(seq.request.request_id, seq.index, reason, stop_reason)
         return out
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, tok: int) -> str | None:
+        """Feed the sampled token to the sample's grammar: "stop" once the grammar is complete (its stop token
+        accepted), or if the token breaks it (only a banned stop token under min_tokens can: the mask allowed
+        nothing else), else None."""
+        if not seq.matcher.accept_token(tok):
+            logger.warning("request %s: token %d does not fit its grammar; ending the sample",
+                           seq.request.request_id, tok)
+            return "stop"
+        return "stop" if seq.matcher.is_terminated() else None
 
     def stats(self) -> EngineStats:
         sch, kv = self.scheduler, self.kv

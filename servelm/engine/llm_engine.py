@@ -28,7 +28,7 @@ class LLMEngine:
                                            config.device, sliding_window=config.sliding_window)
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = self.loaded.eos_token_ids
-        self.core = EngineCore(config, self.loaded.model)
+        self.core = EngineCore(config, self.loaded.model, tokenizer_loader=lambda: self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @property
@@ -53,6 +53,8 @@ class LLMEngine:
             text, ids = prompt, self.tokenize(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
+        if params.structured_outputs is not None:  # compile now: a bad grammar raises ValueError here
+            self.core.grammars.compile(params.structured_outputs, params._eos_token_ids)
         req = Request(request_id, ids, params, arrival_time or time.monotonic(), priority, cache_salt=cache_salt)
         self.core.add_request(req)  # validates; raises ValueError before anything is recorded
         self.output_processor.add_request(request_id, text, ids, params)

@@ -1,9 +1,9 @@
 """Vectorized sampling over a batch of logits rows, each row with its own SamplingParams.
 
 Order: logprobs of the raw distribution; logit_bias; min_tokens masking; repetition, frequency and presence
-penalties; then greedy argmax, or temperature, top-k, top-p, min-p and a draw. Draws use the "exponential
-race" (argmax of p / Exp(1) noise), so a seeded row only consumes its own generator and its result does not
-depend on the rest of the batch.
+penalties; the grammar's mask (structured output, only in rows that have a grammar); then greedy argmax, or
+temperature, top-k, top-p, min-p and a draw. Draws use the "exponential race" (argmax of p / Exp(1) noise), so
+a seeded row only consumes its own generator and its result does not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Sampler:
         for s in seqs:
             p = s.request.params
             if not p.greedy or p.logprobs is not None or p.logit_bias or p.needs_penalties \
-                    or s.num_output_tokens < p.min_tokens:
+                    or s.num_output_tokens < p.min_tokens or s.matcher is not None:
                 return False
         return True
 
@@ -51,6 +51,11 @@ class Sampler:
         # exact, so the choice is the same), everything else widens first.
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(want_lp) else None
         logits = self._process(logits, seqs)
+        grammar_rows = [r for r, s in enumerate(seqs) if s.matcher is not None]
+        if grammar_rows:  # a batch without structured output never gets here
+            from servelm.engine.structured import mask_logits
+
+            logits = mask_logits(logits, seqs, grammar_rows)
         tokens = self._choose(logits, seqs)
         token_list = tokens.tolist()
         results = [SampleResult(t) for t in token_list]

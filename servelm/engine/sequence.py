@@ -6,7 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch only where a seeded sample needs a generator (keeps the API process light)
     import torch
@@ -65,6 +65,9 @@ class Sequence:
     # speculative decoding: draft tokens to verify next step, and the fall-back state
     spec_token_ids: list[int] = field(default_factory=list)
     spec: SpecState = field(default_factory=lambda: SpecState())
+    # structured output: the grammar's state after this sample's tokens (an xgrammar GrammarMatcher); it stays
+    # with the sequence through preemption, so a resumed sample goes on where it was
+    matcher: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -109,6 +112,7 @@ class Request:
     # params.prompt_logprobs: one entry per prompt position (the first is None), filled as chunks run
     prompt_logprobs: list[SampleResult | None] | None = None
     prompt_logprobs_done: bool = False  # all computed and reported: a recompute need not redo them
+    grammar: Any = None  # params.structured_outputs compiled (a Future until the engine has it)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

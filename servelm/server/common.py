@@ -24,6 +24,7 @@ from servelm.server import protocol as p
 from servelm.server.admission import check_model
 from servelm.server.protocol import APIError
 from servelm.server.telemetry import OUTPUT_HEAD, RequestRecord
+from servelm.server.tools import template_messages
 from servelm.worker.client import EngineDeadError, QueueTimeout, RequestRejected
 
 Job = tuple  # (request id, prompt token ids, SamplingParams, prompt text | None, priority, cache salt | None)
@@ -109,12 +110,15 @@ class Api:
         return m.tokenizer(text, **kw).input_ids
 
     async def chat_ids(self, m, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
-                       **kw) -> list[int]:
-        """The prompt token ids of a conversation, rendered with the model's chat template."""
+                       tools: list[dict] | None = None, **kw) -> list[int]:
+        """The prompt token ids of a conversation (with its tool calls and results, and the tools on offer),
+        rendered with the model's chat template."""
         tok = m.tokenizer
         if getattr(tok, "chat_template", None) is None:
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-        conv = [{"role": msg.role, "content": msg.text()} for msg in messages]
+        conv = template_messages(messages)
+        if tools:
+            kw["tools"] = tools
 
         def render() -> list[int]:
             try:

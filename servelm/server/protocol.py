@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from servelm.sampling_params import OutputKind, SamplingParams
+from servelm.engine.json_schema import check_schema
+from servelm.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -70,10 +72,10 @@ def lone_surrogate(value: Any, path: tuple = ()) -> tuple | None:
 # (always also null). Any other value is a 400 naming the field rather than a result that silently ignores it.
 # Shrink the list as features land; a field a request model defines is implemented and never refused here.
 NOT_SUPPORTED_YET: dict[str, tuple] = {
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),
+    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),  # on completions (chat has them)
     "functions": ([],), "function_call": ("none",), "suffix": ("",), "best_of": (1,),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
-    "guided_whitespace_pattern": (), "structured_outputs": (), "logits_processors": (), "prompt_logprobs": (),
+    "guided_decoding_backend": ("xgrammar", "auto"), "guided_whitespace_pattern": (), "logits_processors": (),
+    "prompt_logprobs": (),
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "verbosity": (),
     "web_search_options": (), "store": (False,), "metadata": (), "service_tier": ("auto", "default"),
     "dimensions": (),
@@ -122,6 +124,51 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+JSONSchema = dict[str, Any] | bool
+
+
+class JSONSchemaFormat(_Body):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
+    description: str | None = None
+    schema_: JSONSchema | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Body):
+    """vLLM's `structured_outputs` request field: exactly one of these."""
+
+    json_: JSONSchema | str | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: Texts | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+def _schema_of(value: JSONSchema | str, param: str) -> JSONSchema:
+    """A JSON schema given as an object or as JSON text, checked for keywords the grammar cannot enforce (400
+    naming the keyword)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise APIError(400, f"{param}: not valid JSON: {e}", param) from None
+    try:
+        check_schema(value)
+    except ValueError as e:
+        raise APIError(400, f"{param}: {e}", param, "unsupported_schema_feature") from None
+    return value
+
+
 class _SamplingFields(_Body):
     """Fields shared by completions and chat completions, with OpenAI's ranges plus vLLM's extensions."""
 
@@ -152,12 +199,54 @@ class _SamplingFields(_Body):
     # vLLM's field: requests share prefix-cache blocks only with requests of the same salt (and, under
     # --prefix-cache-isolation key, of the same API key)
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # structured output: OpenAI's response_format, and vLLM's extensions (at most one of them)
+    response_format: ResponseFormat | None = None
+    guided_json: JSONSchema | str | None = None
+    guided_regex: Text | None = None
+    guided_choice: Texts | None = None
+    guided_grammar: Text | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
         return self
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The grammar the request asks for (400 if it asks for more than one, or for what cannot be enforced)."""
+        given: list[tuple[str, dict]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise APIError(400, "response_format: json_schema is required with type json_schema",
+                               "response_format.json_schema")
+            schema = rf.json_schema.schema_
+            given.append(("response_format", {"json_object": True} if schema is None else
+                          {"json": _schema_of(schema, "response_format.json_schema.schema")}))
+        if self.guided_json is not None:
+            given.append(("guided_json", {"json": _schema_of(self.guided_json, "guided_json")}))
+        for name, key in (("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                given.append((name, {key: getattr(self, name)}))
+        so = self.structured_outputs
+        if so is not None:
+            kw = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                    ("grammar", so.grammar), ("json_object", so.json_object)) if v}
+            if "json" in kw:
+                kw["json"] = _schema_of(kw["json"], "structured_outputs.json")
+            given.append(("structured_outputs", kw))
+        if len(given) > 1:
+            raise APIError(400, f"only one kind of structured output per request; got {given[0][0]} and "
+                                f"{given[1][0]}", given[1][0])
+        if not given:
+            return None
+        try:
+            return StructuredOutputsParams(**given[0][1])
+        except ValueError as e:
+            raise APIError(400, f"{given[0][0]}: {e}", given[0][0]) from None
 
     def _params(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
         return SamplingParams(
@@ -169,6 +258,7 @@ class _SamplingFields(_Body):
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             include_stop_str_in_output=self.include_stop_str_in_output, output_kind=OutputKind.DELTA,
+            structured_outputs=self.structured(),
         )
 
 
@@ -229,15 +319,55 @@ class ToolMessage(_Message):
     tool_call_id: str | None = None
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: Text
+    arguments: str  # JSON text, as the model wrote it
+
+
+class AssistantToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class AssistantMessage(_Message):
     role: Literal["assistant"]
     content: str | list[TextPart] | None = None  # only the assistant may leave it out (OpenAI: with tool calls)
+    tool_calls: list[AssistantToolCall] | None = None
 
 
 ROLES = ("system", "developer", "user", "tool", "assistant")
 ChatMessage = Annotated[SystemMessage | DeveloperMessage | UserMessage | ToolMessage | AssistantMessage,
                         Field(discriminator="role")]
 Messages = Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+
+
+class FunctionDef(_Body):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: FunctionName
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -248,6 +378,60 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if self.tool_choice not in (None, "none", "auto") and not names:
+            raise APIError(400, "tool_choice: needs tools", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise APIError(400, f"tool_choice: no tool is named {self.tool_choice.function.name!r}",
+                           "tool_choice.function.name")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none (no tools offered), auto, required or named."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def forced_tool_schema(self) -> dict | None:
+        """Under tool_choice required or a named function: the JSON schema the reply must follow (the
+        function's arguments, or an array of {name, arguments} calls), each function's parameters checked."""
+        mode = self.tool_mode
+        if mode not in ("required", "named"):
+            return None
+
+        def params_of(i: int, tool: Tool) -> dict:
+            schema = tool.function.parameters or {"type": "object"}
+            _schema_of(schema, f"tools.{i}.function.parameters")
+            return schema
+        if mode == "named":
+            name = self.tool_choice.function.name
+            return next(params_of(i, t) for i, t in enumerate(self.tools) if t.function.name == name)
+        options = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                    "properties": {"name": {"const": t.function.name}, "arguments": params_of(i, t)}}
+                   for i, t in enumerate(self.tools)]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": options}}
+        if self.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return schema
+
+    def structured(self) -> StructuredOutputsParams | None:
+        forced = self.forced_tool_schema()
+        own = super().structured()
+        if forced is None:
+            return own
+        if own is not None:
+            raise APIError(400, "tool_choice required or a named function already sets the output's format; it "
+                                "cannot be combined with response_format or guided_*", "tool_choice")
+        return StructuredOutputsParams(json=forced)
 
 
     def sampling_params(self, default_max: int) -> SamplingParams:

@@ -13,14 +13,20 @@ from servelm.server import protocol as p
 from servelm.server.common import Api, record, sse, usage
 from servelm.server.logprobs import chat_logprobs
 from servelm.server.protocol import APIError
+from servelm.server.tools import ToolReply, choose_parser, template_tools
 
 
 def add_routes(app: FastAPI, api: Api) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: p.ChatCompletionRequest, request: Request):
         m = await api.resolve(request, req.model, req=req)
-        ids = await api.chat_ids(m, req.messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+        ids = await api.chat_ids(m, req.messages, req.add_generation_prompt, template_tools(req),
+                                 **(req.chat_template_kwargs or {}))
         params = api.params(m, req, len(ids))
+        tools = ToolReply(req, choose_parser(api.state.config.server.tool_call_parser,
+                                             getattr(m.tokenizer, "chat_template", None)))
+        if tools.active and tools.parser == "mistral":
+            params.skip_special_tokens = False  # [TOOL_CALLS] is a special token: the parser must see it
         prio = api.admit(m, request, req, [ids], [params])
         api.log_prompt(request, [msg.text() for msg in req.messages])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -34,6 +40,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
 
             async def events():
                 completion_tokens = 0
+                streams = {j: tools.stream() for j in range(req.n)} if tools.active else {}
                 try:
                     for j in range(req.n):
                         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -45,13 +52,20 @@ def add_routes(app: FastAPI, api: Api) -> None:
                             completion_tokens += len(c.token_ids)
                             if not (c.text or c.finish_reason):
                                 continue
-                            delta = {"content": c.text} if c.text else {}
-                            yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                       "model": model, "choices": [{
-                                           "index": c.index, "delta": delta,
-                                           "logprobs": chat_logprobs(c.token_ids, c.logprobs, k) if c.logprobs
-                                           else None,
-                                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                            lp = chat_logprobs(c.token_ids, c.logprobs, k) if c.logprobs else None
+                            if c.index in streams:  # tools on offer: calls become delta.tool_calls
+                                deltas, finish = streams[c.index].deltas(c.text, c.finish_reason)
+                            else:
+                                deltas, finish = [{"content": c.text} if c.text else {}], c.finish_reason
+                            if finish is not None and not deltas:
+                                deltas = [{}]
+                            for i, delta in enumerate(deltas):
+                                last = i == len(deltas) - 1
+                                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                           "model": model, "choices": [{
+                                               "index": c.index, "delta": delta, "logprobs": lp if last else None,
+                                               "finish_reason": finish if last else None,
+                                               "stop_reason": c.stop_reason if last else None}]})
                     if req.stream_options and req.stream_options.include_usage:
                         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                                    "choices": [], "usage": usage(len(ids), completion_tokens)})
@@ -67,8 +81,9 @@ def add_routes(app: FastAPI, api: Api) -> None:
         for j in sorted(final):
             acc = final[j]
             completion_tokens += len(acc["token_ids"])
-            choices.append({"index": j, "message": {"role": "assistant", "content": acc["text"], "refusal": None},
+            message, finish = tools.message(acc["text"], acc["finish"])
+            choices.append({"index": j, "message": message,
                             "logprobs": chat_logprobs(acc["token_ids"], acc["logprobs"], k) if req.logprobs else None,
-                            "finish_reason": acc["finish"], "stop_reason": acc["stop_reason"]})
+                            "finish_reason": finish, "stop_reason": acc["stop_reason"]})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
                 "usage": usage(len(ids), completion_tokens)}

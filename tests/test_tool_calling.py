@@ -1,0 +1,223 @@
+"""Tool calling: the parsers (whole replies and every way a stream can split them), and a real server driven by
+the openai SDK. The tiny random model never writes a call by itself, so the auto tests make it write one with a
+grammar (guided_choice): the server's parser then has to find it; required and named calls are grammars."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+from serving import start_server, stop_server
+
+from servelm.server.tool_parsers import ToolStream, parse, parse_forced
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}}}
+TIME = {"type": "object", "additionalProperties": False, "required": ["zone"],
+        "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
+
+# A Hermes-style template of our own: it shows the model the tools, earlier calls and their results.
+TEMPLATE = """{%- if tools %}<|im_start|>system
+Tools: {% for t in tools %}{{ t.function | tojson }}{% endfor %}<|im_end|>
+{% endif %}{%- for m in messages %}<|im_start|>{{ m.role }}
+{% if m.content %}{{ m.content }}{% endif %}{% for c in m.tool_calls or [] %}<tool_call>
+{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}
+</tool_call>{% endfor %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.mark.parametrize("parser, text, content, calls", [
+    ("hermes", "Sure. " + HERMES_CALL + HERMES_CALL.replace("Paris", "Rome"), "Sure.",
+     [("get_weather", {"city": "Paris", "unit": "C"}), ("get_weather", {"city": "Rome", "unit": "C"})]),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1}}', None, [("f", {"a": 1})]),  # unclosed at EOS
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": </tool_call>', None, []),  # broken: all content
+    ("hermes", "no calls at all", "no calls at all", []),
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"a": ";"}}; {"name": "g", "parameters": {}}', None,
+     [("f", {"a": ";"}), ("g", {})]),
+    ("llama3_json", '{"not": "a call"}', None, []),
+    ("mistral", 'ok[TOOL_CALLS][{"name": "f", "arguments": {"x": [1, 2]}}]', "ok", [("f", {"x": [1, 2]})]),
+    ("mistral", "[TOOL_CALLS][{", None, []),
+])
+def test_parsers_whole_and_streamed_at_every_split(parser, text, content, calls):
+    got_content, got = parse(parser, text)
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    assert got_content == (content if calls else text)
+    for cut in range(len(text) + 1):  # every two-piece split, and one character at a time
+        for pieces in ([text[:cut], text[cut:]], list(text)) if cut == 0 else ([text[:cut], text[cut:]],):
+            s = ToolStream(parser)
+            sent, streamed = "", []
+            for piece in pieces:
+                out, new = s.feed(piece)
+                sent, streamed = sent + out, streamed + new
+            out, new = s.finish()
+            sent, streamed = sent + out, streamed + new
+            assert [(c.name, json.loads(c.arguments)) for c in streamed] == calls
+            if not calls:
+                assert sent == text  # nothing lost, nothing invented
+            else:
+                assert sent.strip() == (content or "")
+
+
+def test_parser_chosen_by_flag_else_by_template():
+    from servelm.server.tools import choose_parser
+
+    assert choose_parser("auto", "{{ '[TOOL_CALLS]' }}") == "mistral"
+    assert choose_parser("auto", "<|start_header_id|>ipython<|end_header_id|>") == "llama3_json"
+    assert choose_parser("auto", TEMPLATE) == choose_parser("auto", None) == "hermes"
+    assert choose_parser("mistral", TEMPLATE) == "mistral"
+
+
+def test_forced_replies():
+    assert [c.name for c in parse_forced('[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]',
+                                         None)] == ["a", "b"]
+    assert json.loads(parse_forced('{"x": 1}', "f")[0].arguments) == {"x": 1}
+    assert parse_forced('{"x": ', "f") is None and parse_forced("[]", None) is None
+
+
+@pytest.fixture(scope="module")
+def tool_model(llama_dir, tmp_path_factory):
+    model = tmp_path_factory.mktemp("tools") / "m"
+    shutil.copytree(llama_dir, model)
+    (model / "chat_template.jinja").write_text(TEMPLATE)
+    return model
+
+
+@pytest.fixture(scope="module")
+def server(tool_model):
+    model = tool_model
+    proc, url = start_server(model, "--num-kv-blocks", "256", "--max-model-len", "1024", "--embedding-model", "none")
+    yield url
+    assert stop_server(proc) == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+
+
+def _check(call, names=SCHEMAS):
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+    jsonschema.validate(json.loads(call.function.arguments), names[call.function.name])
+
+
+def test_named_and_required_follow_the_parameter_schema(client):
+    r = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, max_tokens=80, temperature=1,
+                                       seed=3, n=2, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        assert [t.function.name for t in c.message.tool_calls] == ["get_time"]
+        _check(c.message.tool_calls[0])
+    r = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, max_tokens=120, temperature=1,
+                                       seed=4, tool_choice="required", parallel_tool_calls=False)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+    _check(c.message.tool_calls[0])
+
+
+def test_streamed_required_calls_assemble_from_deltas(client):
+    stream = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, max_tokens=160,
+                                            temperature=1, seed=9, tool_choice="required", stream=True)
+    calls, finish = {}, None
+    for chunk in stream:
+        d = chunk.choices[0].delta
+        for t in d.tool_calls or []:
+            if t.id:
+                assert t.index not in calls and t.function.name
+                calls[t.index] = {"id": t.id, "name": t.function.name, "arguments": ""}
+            calls[t.index]["arguments"] += t.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and calls and sorted(calls) == list(range(len(calls)))
+    for c in calls.values():
+        jsonschema.validate(json.loads(c["arguments"]), SCHEMAS[c["name"]])
+
+
+def test_sdk_parse_helper_gives_typed_arguments(client):
+    class GetTime(pydantic.BaseModel):
+        zone: int = pydantic.Field(ge=-12, le=12)
+
+    r = client.chat.completions.parse(model="tiny", messages=MSGS, max_tokens=40, temperature=0,
+                                      tools=[openai.pydantic_function_tool(GetTime, name="get_time")],
+                                      tool_choice={"type": "function", "function": {"name": "get_time"}})
+    call = r.choices[0].message.tool_calls[0]
+    assert isinstance(call.function.parsed_arguments, GetTime) and -12 <= call.function.parsed_arguments.zone <= 12
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_parses_what_the_model_wrote_and_keeps_broken_calls_as_text(client, stream):
+    def ask(reply: str):
+        kw = dict(model="tiny", messages=MSGS, tools=TOOLS, tool_choice="auto", max_tokens=80, temperature=0,
+                  extra_body={"guided_choice": [reply]})
+        if not stream:
+            c = client.chat.completions.create(**kw).choices[0]
+            return c.message.content, [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []], \
+                c.finish_reason
+        content, calls, finish = "", {}, None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            d = chunk.choices[0].delta
+            content += d.content or ""
+            for t in d.tool_calls or []:
+                calls.setdefault(t.index, [t.function.name, ""])[1] += t.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        return content or None, [tuple(v) for _, v in sorted(calls.items())], finish
+
+    content, calls, finish = ask("Let me check. " + HERMES_CALL)
+    assert content.strip() == "Let me check." and finish == "tool_calls"
+    assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Paris", "unit": "C"})]
+    broken = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+    assert ask(broken) == (broken, [], "stop")
+
+
+def test_history_with_calls_and_results_reaches_the_template(client, server):
+    import httpx
+
+    history = MSGS + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "C"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]
+
+    def prompt_tokens(**kw):
+        r = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "max_tokens": 1, **kw}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+    plain = prompt_tokens(messages=MSGS)
+    with_tools = prompt_tokens(messages=MSGS, tools=TOOLS)
+    assert prompt_tokens(messages=MSGS, tools=TOOLS, tool_choice="none") == plain  # not offered: not shown
+    with_history = prompt_tokens(messages=history, tools=TOOLS)
+    assert plain < with_tools < with_history
+    r = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": "x", "tools": TOOLS})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"  # completions have no tools
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}],
+      "tool_choice": "required"}, "tools.0.function.parameters"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
+])
+def test_bad_tool_requests_are_400(server, body, param):
+    import httpx
+
+    r = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 4, **body},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_offline_chat_passes_tools_to_the_template(tool_model):
+    from servelm import LLM, SamplingParams
+
+    llm = LLM(str(tool_model), dtype="float32", num_kv_blocks=32)
+    plain, offered = (llm.chat(MSGS, SamplingParams(max_tokens=1), use_tqdm=False, tools=t)[0] for t in (None, TOOLS))
+    text = llm.get_tokenizer().decode(offered.prompt_token_ids)
+    assert len(offered.prompt_token_ids) > len(plain.prompt_token_ids) and '"name": "get_time"' in text
