@@ -33,7 +33,15 @@ class ServerConfig:
 
     host: str = _f("127.0.0.1", "address to listen on")
     port: int = _f(8000, "port to listen on")
+    grpc_port: int | None = _f(None, "also serve gRPC on this port (servelm.v1.Llm, the Open Inference Protocol, "
+                               "health checking and reflection; needs the grpc extra); None: no gRPC")
     served_model_name: str | None = _f(None, "the model id clients use (default: derived from the model)")
+    oip_batch_window_ms: float = _f(2.0, "Open Inference Protocol models: how long a batch's first request waits "
+                                    "for others (0: no wait); a version's label batch_window_ms overrides it")
+    oip_max_batch_size: int = _f(64, "Open Inference Protocol models: most rows in one batch (label "
+                                 "max_batch_size overrides it)")
+    oip_max_queue: int = _f(256, "Open Inference Protocol models: most requests waiting per model; more get 503 "
+                            "(label max_queue overrides it)")
     embedding_model: str = _f("default", "embedding model folder, 'default' (packaged all-MiniLM-L6-v2 if "
                               "installed) or 'none'")
     embedding_batch_window_ms: float = _f(5.0, "how long the embedding batcher waits for more texts")
@@ -114,7 +122,11 @@ class ServerConfig:
             require(self, ok, name, allowed)
 
         need(0 <= self.port <= 65535, "port", "in [0, 65535]")
+        need(self.grpc_port is None or 0 < self.grpc_port <= 65535, "grpc_port", "in [1, 65535] or None")
         need(self.embedding_batch_window_ms >= 0, "embedding_batch_window_ms", ">= 0")
+        need(self.oip_batch_window_ms >= 0, "oip_batch_window_ms", ">= 0")
+        need(self.oip_max_batch_size >= 1 and self.oip_max_queue >= 1, "oip_max_batch_size", ">= 1 (and "
+             "oip_max_queue >= 1)")
         need(self.embedding_max_batch_size >= 1, "embedding_max_batch_size", ">= 1")
         need(self.drain_timeout >= 0, "drain_timeout", ">= 0")
         need(self.swap_drain_timeout_s >= 0, "swap_drain_timeout_s", ">= 0")

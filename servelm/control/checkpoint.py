@@ -31,6 +31,10 @@ class CheckpointInfo:
 def describe(path: Path) -> CheckpointInfo:
     """Inspect a model folder or .gguf file; ControlError(400) for one servelm cannot serve."""
     path = Path(path)
+    from servelm.worker.predictors import describe as describe_predictor
+
+    if (pred := describe_predictor(path)) is not None:  # a non-LLM model: its runtime, from the file name
+        return CheckpointInfo(Kind.PREDICT, pred["runtime"], None, None)
     config = hf_files.read_json(path / "config.json") if path.is_dir() else None
     if config is not None and (config.get("model_type") in ENCODER_MODEL_TYPES
                                or any(a == "BertModel" for a in config.get("architectures") or [])):

@@ -163,6 +163,9 @@ class DeploymentManager:
         """Deploy `version` with `workers` workers, started and warm when this returns (an embedding version:
         one embedding worker)."""
         d: Served
+        if version.kind == Kind.PREDICT:
+            raise ControlError(400, f"{version.ref} is a {version.architecture} model: it is served over the Open "
+                                    "Inference Protocol (/v2/models/...) without a deployment", code="not_deployable")
         if version.kind == Kind.EMBED:
             d, config = EmbedDeployment(version, deployment_id, keep_alive_s, self.drain_timeout_s), None
             workers = 1

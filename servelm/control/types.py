@@ -27,10 +27,12 @@ class State(str, Enum):
 
 
 class Kind(str, Enum):
-    """What a version's workers do: generate text (engine-core workers) or embed it (embedding workers)."""
+    """What a version's workers do: generate text (engine-core workers), embed it (embedding workers), or
+    predict (a scikit-learn, XGBoost or ONNX model, served over the Open Inference Protocol)."""
 
     GENERATE = "generate"
     EMBED = "embed"
+    PREDICT = "predict"
 
 
 MAX_VERSION = 2**31 - 1  # version numbers above this are refused: SQLite's integers (and sanity) end near there

@@ -46,7 +46,12 @@ async def validate(registry, name: str, version: int, base: EngineConfig, actor:
     prompts = list(mv.golden_prompts) or list(DEFAULT_PROMPTS)
     try:
         await asyncio.to_thread(registry.store.check, Path(mv.artifact), mv.sha256)
-        if mv.kind == Kind.EMBED:
+        if mv.kind == Kind.PREDICT:  # a non-LLM model has no golden prompts: it must load and describe itself
+            from servelm.worker.predictors import load_predictor
+
+            await asyncio.to_thread(load_predictor, mv.artifact)
+            outputs = []
+        elif mv.kind == Kind.EMBED:
             outputs = await _run_embed(mv, prompts, embedder_factory or ChildEncoder)
         else:
             outputs = await _run_generate(mv, base, prompts, max_tokens, start_timeout)

@@ -70,6 +70,9 @@ def build_app(state: ServerState):
     from servelm.server.routes import ollama, responses, webui
     for family in (ollama, responses, webui):  # Ollama's /api/*, OpenAI's /v1/responses, the chat page at /
         family.add_routes(app, api)
+    from servelm.server.routes import oip  # the Open Inference Protocol (non-LLM models); app.state.oip
+
+    oip.add_routes(app, state)
     if state.control is not None:
         from servelm.server.admin import add_admin_routes
 

@@ -244,9 +244,12 @@ class Api:
         head = first.result()
 
         async def rest():
-            yield head
-            async for out in gen:
-                yield out
+            try:
+                yield head
+                async for out in gen:
+                    yield out
+            finally:  # closed early (a client that left): abort now, not whenever the garbage collector runs
+                await gen.aclose()
         return rest()
 
     async def collect(self, m, request: Request, jobs: list[Job]) -> list[dict[int, dict]]:

@@ -22,8 +22,8 @@ from servelm.server.telemetry import RequestRecord
 
 logger = logging.getLogger("servelm.server")
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
-QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", "/server/stats"})  # not logged or traced
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready"})
+QUIET_PATHS = OPEN_PATHS | {"/server/stats"}  # not logged or traced
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
@@ -83,7 +83,7 @@ class Gateway:
             if error is None:
                 body, error = await _read_body(receive, headers, st.config.server.max_request_body_bytes)
             if error is not None:
-                await _send_error(send_wrapped, error)
+                await _send_error(send_wrapped, error, oip=path.startswith("/v2/"))
                 return
             await self.app(scope, _replay(body, receive), send_wrapped)
         except Exception:
@@ -235,10 +235,13 @@ def _replay(body: bytes, receive):
     return inner
 
 
-async def _send_error(send, err: APIError) -> None:
+async def _send_error(send, err: APIError, oip: bool = False) -> None:
+    """The error response; `oip`: in the Open Inference Protocol's shape, which its clients parse."""
     import json
 
-    body = json.dumps(err.body()).encode()  # ASCII: a message quoting the input always encodes
+    from servelm.server.oip_codec import error_body
+
+    body = json.dumps(error_body(err) if oip else err.body()).encode()  # ASCII: a message quoting the input encodes
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), str(v).encode()) for k, v in (err.headers or {}).items()]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})

@@ -118,6 +118,10 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
 
     t0 = time.perf_counter()
     srv = config.server
+    rpc = _bind_grpc(srv)  # a gRPC port in use fails here, before any model loads
+    if isinstance(rpc, str):
+        print(f"servelm: error: {rpc}", file=sys.stderr)
+        return 2
     launches = fixed_models(config)
     embedder = None
     started: list = []
@@ -160,10 +164,14 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
                                             timeout_graceful_shutdown=srv.drain_timeout, http=_http_protocol(srv)))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, server.begin_drain, sig)
+        loop.add_signal_handler(sig, _begin_drain, server, rpc, srv.drain_timeout, sig)
     try:
+        if rpc is not None:
+            await rpc.start(app)
         await server.serve(sockets=[sock])  # SIGTERM/SIGINT: stop accepting, drain in-flight requests, return
     finally:
+        if rpc is not None:
+            await rpc.stop(srv.drain_timeout)
         if embedder is not None:
             embedder.close()
         if state.traffic is not None:
@@ -175,6 +183,27 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
             state.telemetry.tracing.shutdown()
     logger.info("shut down cleanly")
     return 0
+
+
+def _begin_drain(server, rpc, grace: float, sig) -> None:
+    server.begin_drain(sig)
+    if rpc is not None:  # gRPC drains alongside HTTP: new calls refused, in-flight ones given the same grace
+        rpc.begin_stop(grace)
+
+
+def _bind_grpc(srv):
+    """The gRPC server (bound, not started) for --grpc-port, None without one, or why it cannot be."""
+    if srv.grpc_port is None:
+        return None
+    from servelm.server.rpc.server import RpcServer, missing_extra
+
+    if (missing := missing_extra()) is not None:
+        return missing
+    try:
+        return RpcServer(srv.host, srv.grpc_port)
+    except RuntimeError:
+        return (f"cannot listen for gRPC on {srv.host}:{srv.grpc_port}: the address is in use or not "
+                "available (choose another with --grpc-port)")
 
 
 async def _open_control_plane(config, state):

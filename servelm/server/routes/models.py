@@ -9,35 +9,39 @@ from servelm.server.common import Api
 from servelm.server.protocol import APIError
 
 
+def model_cards(state) -> list[dict]:
+    """One card per id a request may name: each generation model (and each deployed version, by name and
+    by name:version), then the embedding model."""
+    out, seen = [], set()
+    for m in state.models:
+        for mid in dict.fromkeys((m.name, m.served_name)):
+            if mid in seen:
+                continue
+            seen.add(mid)
+            card = {"id": mid, "object": "model", "created": state.created, "owned_by": "servelm",
+                    "max_model_len": m.max_model_len}
+            if m.version is not None:
+                card.update(version=m.version.version, state=m.version.state.value, root=m.version.ref)
+            out.append(card)
+    if state.embedder and state.embed_model_name not in seen:
+        seen.add(state.embed_model_name)
+        out.append({"id": state.embed_model_name, "object": "model", "created": state.created,
+                    "owned_by": "servelm"})
+    for m in state.models.deployed(Kind.EMBED):  # deployed embedding versions
+        for mid in dict.fromkeys((m.name, m.served_name)):
+            if mid not in seen:
+                seen.add(mid)
+                out.append({"id": mid, "object": "model", "created": state.created, "owned_by": "servelm",
+                            "version": m.version.version, "state": m.version.state.value,
+                            "root": m.version.ref})
+    return out
+
+
 def add_routes(app: FastAPI, api: Api) -> None:
     state = api.state
 
     def cards() -> list[dict]:
-        """One card per id a request may name: each generation model (and each deployed version, by name and
-        by name:version), then the embedding model."""
-        out, seen = [], set()
-        for m in state.models:
-            for mid in dict.fromkeys((m.name, m.served_name)):
-                if mid in seen:
-                    continue
-                seen.add(mid)
-                card = {"id": mid, "object": "model", "created": state.created, "owned_by": "servelm",
-                        "max_model_len": m.max_model_len}
-                if m.version is not None:
-                    card.update(version=m.version.version, state=m.version.state.value, root=m.version.ref)
-                out.append(card)
-        if state.embedder and state.embed_model_name not in seen:
-            seen.add(state.embed_model_name)
-            out.append({"id": state.embed_model_name, "object": "model", "created": state.created,
-                        "owned_by": "servelm"})
-        for m in state.models.deployed(Kind.EMBED):  # deployed embedding versions
-            for mid in dict.fromkeys((m.name, m.served_name)):
-                if mid not in seen:
-                    seen.add(mid)
-                    out.append({"id": mid, "object": "model", "created": state.created, "owned_by": "servelm",
-                                "version": m.version.version, "state": m.version.state.value,
-                                "root": m.version.ref})
-        return out
+        return model_cards(state)
 
     @app.get("/health")
     async def health():
