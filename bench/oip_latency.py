@@ -57,7 +57,8 @@ def train(path: Path, trees: int) -> None:
 def start_server(args, data: Path, http_port: int, grpc_port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "servelm.entrypoints.cli", "serve", *([args.model] if args.model else []),
            "--port", str(http_port), "--grpc-port", str(grpc_port), "--data-dir", str(data), "--admin-key", ADMIN,
-           "--embedding-model", "none", "--no-log-requests", "--max-model-len", "512"]
+           "--embedding-model", "none", "--no-log-requests", "--max-model-len", "512",
+           "--model-roots", str(data)]  # the trained model it registers lives there
     with open(data / "server.log", "w") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.monotonic() + 600

@@ -56,7 +56,8 @@ def _start(args, data: Path) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "servelm.entrypoints.cli", "serve", "--port", str(port), "--data-dir", str(data),
            "--embedding-model", "none", "--dtype", args.dtype, "--num-threads", str(args.threads),
-           "--max-model-len", str(args.max_model_len), "--no-log-requests"]
+           "--max-model-len", str(args.max_model_len), "--no-log-requests",
+           "--model-roots", str(Path(args.model).expanduser().resolve().parent)]  # it registers args.model
     if args.num_kv_blocks:
         cmd += ["--num-kv-blocks", str(args.num_kv_blocks)]
     log = open(data / "server.log", "w")  # noqa: SIM115 (the server writes to it while it runs)
