@@ -38,16 +38,12 @@ class TorchPagedAttention(AttentionBackend):
         b, nb = bt.shape
         kk = k_cache[bt].view(b, nb * meta.block_size, self.num_kv_heads, self.head_dim).transpose(1, 2)
         vv = v_cache[bt].view(b, nb * meta.block_size, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        pos = torch.arange(nb * meta.block_size)
+        pos = torch.arange(nb * meta.block_size, device=q.device)
         lens = meta.decode_seq_lens[:, None]
         mask = pos[None, :] < lens
         if sliding_window is not None:
             mask &= pos[None, :] > lens - 1 - sliding_window
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), kk, vv, attn_mask=mask[:, None, None, :], scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return o.squeeze(2)
+        return self._attend(q.unsqueeze(2), kk, vv, mask[:, None, None, :]).squeeze(2)
 
     def _prefill(self, q, k, v, kv_cache, span, block_size, sliding_window):
         if span.ctx_len == span.q_len:
@@ -59,16 +55,19 @@ class TorchPagedAttention(AttentionBackend):
             blocks = span.block_table[:nb]
             kk = k_cache[blocks].view(-1, self.num_kv_heads, self.head_dim)[: span.ctx_len]
             vv = v_cache[blocks].view(-1, self.num_kv_heads, self.head_dim)[: span.ctx_len]
-        gqa = self.num_heads != self.num_kv_heads
         # 4-D inputs: with 3-D ones SDPA on CPU falls back from its flash kernel to the slow math path.
         qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, kk, vv))
-        if span.ctx_len == span.q_len and sliding_window is None:
-            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=self.scale, enable_gqa=gqa)
-        else:
-            q_pos = torch.arange(span.ctx_len - span.q_len, span.ctx_len)
+        mask = None  # plain causal: SDPA's is_causal path, no mask to build
+        if span.ctx_len != span.q_len or sliding_window is not None:
+            q_pos = torch.arange(span.ctx_len - span.q_len, span.ctx_len, device=q.device)
             mask = _window_mask(q_pos, span.ctx_len, sliding_window)
-            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-        return o.squeeze(0).transpose(0, 1)
+        return self._attend(qt, kt, vt, mask).squeeze(0).transpose(0, 1)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [B, H, Q, D], k/v [B, KVH, K, D], mask broadcastable to [B, 1, Q, K] (True: attend) or None for
+        causal -> [B, H, Q, D]. The one place scores are computed, so a variant overrides only this."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                              enable_gqa=self.num_heads != self.num_kv_heads)
 
 
 class CpuPagedAttention(TorchPagedAttention):
