@@ -189,3 +189,27 @@ def test_errors_and_keys(srv):
     # a PREDICT version needs no deployment; deploying one is refused with the reason
     r = httpx.post(srv[0] + "/admin/deployments", json={"model": "iris:1"}, headers={"x-api-key": ADMIN})
     assert r.status_code == 400 and "Open Inference Protocol" in r.json()["error"]["message"]  # OpenAI shape
+
+
+def test_the_servers_embedding_model_over_both_protocols(srv):
+    """The embedding model /v1/embeddings serves is also an OIP model (version 1): texts in as BYTES, the same
+    vectors out, over REST and gRPC; other versions are 404 and a numeric input is 400."""
+    name = httpx.get(srv[0] + "/v1/models", headers=AUTH_HTTP).json()["data"][-1]["id"]
+    texts = ["the cat sat on the mat", "servelm serves models"]
+    ref = httpx.post(srv[0] + "/v1/embeddings", json={"model": name, "input": texts}, headers=AUTH_HTTP).json()
+    want = np.array([d["embedding"] for d in ref["data"]], dtype=np.float32)
+    for client, mod in ((_http(srv), httpclient), (_grpc(srv), grpcclient)):
+        inp = mod.InferInput("text", [len(texts)], "BYTES")
+        inp.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object))
+        headers = dict(AUTH_HTTP if mod is httpclient else AUTH_GRPC)
+        got = client.infer(name, [inp], headers=headers).as_numpy("embedding")
+        assert got.shape == want.shape and np.allclose(got, want, atol=1e-5)
+        meta = client.get_model_metadata(name, headers=headers)
+        versions = meta["versions"] if isinstance(meta, dict) else list(meta.versions)
+        assert versions == ["1"]
+    r = httpx.post(srv[0] + f"/v2/models/{name}/versions/2/infer", headers=AUTH_HTTP,
+                   json={"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["x"]}]})
+    assert r.status_code == 404
+    r = httpx.post(srv[0] + f"/v2/models/{name}/infer", headers=AUTH_HTTP,
+                   json={"inputs": [{"name": "text", "datatype": "FP32", "shape": [1], "data": [1.0]}]})
+    assert r.status_code == 400 and "BYTES" in r.json()["error"]

@@ -6,6 +6,9 @@ Models are the registry's versions of kind `predict` (scikit-learn, XGBoost, ONN
 onward, up to PRODUCTION); `name` with a version gets that version if it is deployable. A version is loaded
 on first use (in a thread, off the event loop) and stays loaded. Batching is per version: the version's
 labels `batch_window_ms`, `max_batch_size` and `max_queue` override the server's `oip_*` settings.
+
+The server's own embedding model (`/v1/embeddings`) is served here too, as version 1 of its name: one BYTES
+input of texts (shape [N]), one FP32 output `embedding` (shape [N, dim]), the same vectors as /v1/embeddings.
 """
 
 from __future__ import annotations
@@ -22,14 +25,37 @@ from servelm.config.settings import PRIORITIES
 from servelm.control.types import ControlError, Kind, ModelVersion, State
 from servelm.server.admission import check_model
 from servelm.server.protocol import APIError
+from servelm.worker.embedder import EmbedderDown
 from servelm.worker.predict_batcher import PredictBatcher, QueueFull
-from servelm.worker.predictors import Predictor, load_predictor
+from servelm.worker.predictors import Predictor, TensorSpec, load_predictor
 
 logger = logging.getLogger("servelm.server")
 SERVABLE = frozenset({State.VALIDATED, State.STAGING, State.STAGING_TESTED, State.CANARY, State.PRODUCTION})
 _RESOLVE_TTL_S = 1.0  # how long a name -> version answer is reused (a promotion is seen within a second)
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class EmbedderPredictor(Predictor):
+    """The server's embedding model as a predictor. `predict` runs on the batcher's thread and waits for the
+    embedder, which lives on the event loop (its own batching and process)."""
+
+    runtime = "embedding"
+
+    def __init__(self, embedder, loop: asyncio.AbstractEventLoop) -> None:
+        self.embedder, self.loop = embedder, loop
+        self.inputs = [TensorSpec("text", "BYTES", [-1])]
+        self.outputs = [TensorSpec("embedding", "FP32", [-1, -1])]
+
+    def predict(self, inputs, outputs):
+        texts = []
+        for x in self.single_input(inputs).reshape(-1):
+            text = x.decode("utf-8") if isinstance(x, bytes) else str(x)  # UnicodeDecodeError is a ValueError
+            if not text:
+                raise ValueError("every text must be non-empty")
+            texts.append(text)
+        vectors, _ = asyncio.run_coroutine_threadsafe(self.embedder.embed(texts), self.loop).result()
+        return {"embedding": np.asarray(vectors, dtype=np.float32)}
 
 
 @dataclass
@@ -90,6 +116,9 @@ class OipModels:
     async def resolve(self, name: str, version: str | None, key=None) -> ModelVersion:
         """The version a request names (404 otherwise); 403 if the caller's key may not use the model."""
         check_model(key, name)
+        served = self._served_embedder(name, version)
+        if served is not None:
+            return served
         now = time.monotonic()
         hit = self._resolved.get((name, version))
         if hit is not None and now - hit[0] < _RESOLVE_TTL_S:
@@ -97,6 +126,16 @@ class OipModels:
         mv = await asyncio.to_thread(self._lookup, name, version)  # a database read: off the event loop
         self._resolved[(name, version)] = (now, mv)
         return mv
+
+    def _served_embedder(self, name: str, version: str | None) -> ModelVersion | None:
+        """The server's embedding model when `name` is it (version 1, the only one), else None."""
+        st = self.state
+        if getattr(st, "embedder", None) is None or name != st.embed_model_name:
+            return None
+        if version not in (None, "1"):
+            raise APIError(404, f"model {name!r} has no version {version!r} (the server's embedding model is "
+                                "version 1)", "version", "model_not_found")
+        return ModelVersion(name, 1, State.PRODUCTION, Kind.EMBED, artifact="", sha256="", source="served")
 
     # -- loading --------------------------------------------------------------------------------------
     async def load(self, mv: ModelVersion) -> Loaded:
@@ -111,7 +150,10 @@ class OipModels:
 
     async def _load(self, mv: ModelVersion) -> Loaded:
         try:
-            pred = await asyncio.to_thread(load_predictor, mv.artifact)
+            if mv.kind == Kind.EMBED:
+                pred = EmbedderPredictor(self.state.embedder, asyncio.get_running_loop())
+            else:
+                pred = await asyncio.to_thread(load_predictor, mv.artifact)
         except (ImportError, ValueError, OSError) as e:
             raise APIError(503, f"{mv.ref} cannot be loaded: {e}", code="model_unavailable") from e
         window, max_batch, max_queue = self._batching(mv)
@@ -173,6 +215,10 @@ class OipModels:
         else:
             outputs = names[:1] if pred.runtime == "sklearn" else names
         check_inputs(pred, inputs)
+        cap = self.state.config.admission.max_embedding_inputs
+        if mv.kind == Kind.EMBED and next(iter(inputs.values())).size > cap:
+            raise APIError(400, f"over this server's limit of {cap} texts per request "
+                                "(admission.max_embedding_inputs)", "inputs", "limit_exceeded")
         if len({len(a) for a in inputs.values()}) != 1:
             raise APIError(400, "every input must have the same first (batch) dimension", "inputs")
         t0 = time.perf_counter()
@@ -185,14 +231,16 @@ class OipModels:
             raise APIError(503, f"{mv.ref}: {e}", code="overloaded", headers={"Retry-After": "1"}) from e
         except (ValueError, TypeError) as e:
             raise APIError(400, f"{mv.ref} could not run these inputs: {e}", "inputs") from e
+        except EmbedderDown as e:
+            raise APIError(503, str(e), code="embedder_unavailable") from e
         finally:
             gauge.dec()
         self.m_latency.labels(mv.ref).observe(time.perf_counter() - t0)
         return result
 
     def metadata(self, mv: ModelVersion, loaded: Loaded) -> dict:
-        versions = [str(v.version) for v in self._registry().versions(mv.name)
-                    if v.state in SERVABLE and v.kind == Kind.PREDICT]
+        versions = ["1"] if mv.kind == Kind.EMBED else [
+            str(v.version) for v in self._registry().versions(mv.name) if v.state in SERVABLE and v.kind == Kind.PREDICT]
         return {"name": mv.name, "versions": versions, "platform": loaded.predictor.runtime,
                 "inputs": [vars(t) for t in loaded.predictor.inputs],
                 "outputs": [vars(t) for t in loaded.predictor.outputs]}
@@ -219,5 +267,5 @@ def check_inputs(pred: Predictor, inputs: dict[str, np.ndarray]) -> None:
                                                                                strict=False)):
             raise APIError(400, f"input {spec.name!r} must have shape {spec.shape} (-1: any), got "
                                 f"{list(arr.shape)}", "inputs")
-        if arr.dtype == object:
-            raise APIError(400, f"input {spec.name!r} must be numeric ({spec.datatype})", "inputs")
+        if (arr.dtype == object) != (spec.datatype == "BYTES"):
+            raise APIError(400, f"input {spec.name!r} must be {spec.datatype}", "inputs")
