@@ -86,10 +86,12 @@ def _admin(url: str, method: str, path: str, body: dict | None = None) -> dict:
     return r.json() if r.content else {}
 
 
-def _setup(url: str, model: str) -> None:
-    """Register the model twice: v1 PRODUCTION, v2 STAGING_TESTED; deploy both."""
-    for states in (["STAGING", "STAGING_TESTED", "CANARY", "PRODUCTION"], ["STAGING", "STAGING_TESTED"]):
-        v = _admin(url, "POST", "/admin/models", {"name": "m", "path": model, "validate": True})
+def _setup(url: str, model: str, shadow_nice: int = 0) -> None:
+    """Register the model twice: v1 PRODUCTION, v2 STAGING_TESTED (its engine at niceness +shadow_nice);
+    deploy both."""
+    for states, engine in ((["STAGING", "STAGING_TESTED", "CANARY", "PRODUCTION"], {}),
+                           (["STAGING", "STAGING_TESTED"], {"cpu_nice": shadow_nice} if shadow_nice else {})):
+        v = _admin(url, "POST", "/admin/models", {"name": "m", "path": model, "validate": True, "engine": engine})
         for s in states:
             _admin(url, "POST", f"/admin/models/m/versions/{v['version']}/transition", {"state": s})
         _admin(url, "POST", "/admin/deployments", {"model": v["ref"]})
@@ -130,7 +132,7 @@ async def main(args) -> dict:
     t0 = time.perf_counter()
     proc, url = _start(args, data)
     try:
-        _setup(url, args.model)
+        _setup(url, args.model, args.shadow_nice)
         await _phase(url, args, 0)  # warm-up, not counted
         runs: dict[str, list[dict]] = {"off": [], "on": []}
         failed = {"off": 0, "on": 0}
@@ -151,7 +153,7 @@ async def main(args) -> dict:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         shutil.rmtree(data, ignore_errors=True)  # the registry and its copy of the model
-    out: dict = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "requests_per_phase":
+    out: dict = {"model": args.model, "shadow_nice": args.shadow_nice, "dtype": args.dtype, "threads": args.threads, "requests_per_phase":
                  args.requests, "rounds": args.rounds, "rate": args.rate, "max_tokens": args.max_tokens,
                  "prompt_len": args.prompt_len, "quick": args.quick, "failed": failed}
     for k in ("ttft", "total"):
@@ -174,6 +176,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="off/on pairs (the order alternates)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--shadow-nice", type=int, default=0,
+                   help="run the shadow version's engine at this much higher niceness (its `cpu_nice`)")
     p.add_argument("--quick", action="store_true", help="a tiny model, 6 requests per phase, 1 round")
     args = p.parse_args(argv)
     if args.model is None and not args.quick:

@@ -4,6 +4,7 @@ metric the earlier ones provoked has moved."""
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -42,10 +43,17 @@ def svc(llama_dir, tmp_path_factory):
     conf.write_text("engine:\n  max_num_seqs: 8\nadmission:\n  queue_timeout_s: 20\n")
     proc, url = start_server(llama_dir, "--config", str(conf), "--api-keys-file", str(keys), "--admin-key",
                              ADMIN["x-api-key"], "--max-request-body-bytes", "65536", "--num-kv-blocks", "80",
-                             "--max-model-len", "1024", "--embedding-model", "none",
+                             "--max-model-len", "1024", "--embedding-model", "none", "--cpu-nice", "1",
                              env={"SERVELM_MAX_NUM_SEQS": "4"})
     yield proc, url
     assert stop_server(proc) == 0
+
+
+def test_the_engine_process_runs_at_the_configured_niceness(svc):
+    """--cpu-nice 1: the engine process (and so its compute threads) one step below the API process."""
+    proc, url = svc
+    pid = stats(url, ALICE)["engine"]["pid"]
+    assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, proc.pid) + 1
 
 
 def patch(url: str, **changes) -> httpx.Response:

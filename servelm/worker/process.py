@@ -29,6 +29,8 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     """Entry point of the engine process."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     _exit_with_parent()
+    if config.cpu_nice:  # before torch starts its threads: they inherit it
+        os.nice(config.cpu_nice)
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     inp.connect(input_addr)
