@@ -195,6 +195,10 @@ def pytest_runtest_teardown(item, nextitem):
     proc = _rpc.get("proc")
     if proc is None or (nextitem is not None and "rpc_server" in nextitem.fixturenames):
         return
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Under xdist a worker runs files in the order the scheduler hands them out, not the collection
+        # order below, so "no later test needs it" cannot be known: the fixture stops it at the end.
+        return
     items = item.session.items
     if not any("rpc_server" in later.fixturenames for later in items[items.index(item) + 1:]):
         from serving import stop_server
