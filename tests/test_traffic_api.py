@@ -27,8 +27,16 @@ class FakeDep(IdleEngine):
         self.kind = version.kind
         self.gate: asyncio.Event | None = None
         self.served = 0
+        self.pins = 0  # leases held now (requests, shadow copies included, that a swap would wait for)
 
-    async def generate(self, rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None):
+    def pin(self):
+        from servelm.control.lease import Lease
+
+        self.pins += 1
+        return Lease(self, None, on_release=lambda: setattr(self, "pins", self.pins - 1))
+
+    async def generate(self, rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None,
+                       generation=None):
         if self.gate is not None:
             await self.gate.wait()
         self.served += 1
@@ -216,9 +224,12 @@ def test_shadow_overflow_is_counted_and_never_blocks(platform):
         assert r.status_code == 200 and r.headers["x-servelm-model-version"] == "m:1"
     stats = client.get("/admin/models/m/shadow", headers=ADMIN).json()["stats"]
     assert stats["dropped"] == 3
+    # the running shadow copy pins v3 as a request does (a swap of v3 waits for it); the callers' pins are gone
+    assert deps[3].pins == 1 and deps[1].pins == 0
     assert 'servelm:shadow_dropped_total{model_name="m",model_version="3"} 3.0' in client.get("/metrics").text
     client.portal.call(gate.set)
     client.portal.call(state.traffic.mirrors["m"].drain)
+    assert deps[3].pins == 0
     stats = client.get("/admin/models/m/shadow", headers=ADMIN).json()["stats"]
     assert stats["pairs"] == 2 and stats["exact_agreement"] == 0.0  # v3 answers other tokens than v1
 
@@ -558,9 +569,9 @@ def test_a_shadow_copy_keeps_the_primary_cache_salt_and_a_queue_timeout(platform
     seen: list[tuple] = []
     generate = deps[3].generate
 
-    def spy(rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None):
+    def spy(rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None, generation=None):
         seen.append((queue_timeout, cache_salt))
-        return generate(rid, ids, params, prompt, priority, queue_timeout, cache_salt)
+        return generate(rid, ids, params, prompt, priority, queue_timeout, cache_salt, generation)
 
     deps[3].generate = spy
     assert client.put("/admin/models/m/shadow", headers=ADMIN, json={"version": 3}).status_code == 200

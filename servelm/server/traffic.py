@@ -409,13 +409,17 @@ class TrafficService:
         """Run a mirrored request on the shadow version (its answer goes nowhere but the comparison)."""
         ref, ids, params, salt = job
         t0 = time.monotonic()
-        m = self.models.resolve(ref)
-        await self.fault(m)
+        # pinned like a primary request: a swap or an unload of the shadow version waits for this copy to end
+        m = self.models.resolve(ref, pin=True)
         tokens: list[int] = []
-        # the primary's cache salt keeps the shadow inside the same prefix-cache namespace (per-key isolation)
-        async for out in m.generate(f"shadow-{uuid.uuid4().hex}", list(ids), copy.deepcopy(params), None, 2,
-                                    self.queue_timeout_s, salt):
-            tokens.extend(t for c in out.outputs if c.index == 0 for t in c.token_ids)
+        try:
+            await self.fault(m)
+            # the primary's cache salt keeps the shadow inside the same prefix-cache namespace (per-key isolation)
+            async for out in m.generate(f"shadow-{uuid.uuid4().hex}", list(ids), copy.deepcopy(params), None, 2,
+                                        self.queue_timeout_s, salt):
+                tokens.extend(t for c in out.outputs if c.index == 0 for t in c.token_ids)
+        finally:
+            m.release()
         self.metrics.shadow_requests.labels(split_ref(ref)[0], str(split_ref(ref)[1])).inc()
         return ShadowResult(tokens=tokens, latency=time.monotonic() - t0)
 
