@@ -527,6 +527,21 @@ def test_feedback_is_bounded_once_per_request_and_only_from_its_key(platform):
     assert sum(f["n"] for f in fed) == 2 and all(math.isfinite(f["mean"]) for f in fed)
 
 
+def test_feedback_for_a_request_served_before_a_restart(platform):
+    """A restarted server remembers no request ids: feedback finds the request in the prediction log (its
+    version and arm), and the once-per-request rule holds across restarts (the database records it)."""
+    client, state, _ = platform
+    assert complete(client, headers={"x-request-id": "old-1"}).status_code == 200
+    state.traffic.served.clear()  # what a new process knows
+    r = client.post("/v1/feedback", json={"request_id": "old-1", "score": 1.0})
+    assert r.status_code == 200, r.text
+    assert (r.json()["model"], r.json()["version"], r.json()["arm"]) == ("m", 1, "v1")
+    state.traffic.served.clear()
+    assert _error(client.post("/v1/feedback", json={"request_id": "old-1", "score": 0.0}), 409)["code"] == \
+        "feedback_exists"
+    assert _error(client.post("/v1/feedback", json={"request_id": "never", "score": 0.0}), 404)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"arms": [{"version": 1, "name": "a"}, {"version": 3, "name": "b"}], "baseline": "nope"}, "baseline"),
     ({"arms": [{"version": 1, "name": "a"}, {"version": 3, "name": "a"}]}, "arms"),

@@ -326,18 +326,26 @@ class TrafficService:
                 self.metrics.shadow_dropped.labels(name, str(shadow)).inc()
 
     # -- feedback ----------------------------------------------------------------------------------
-    def feedback(self, request_id: str, score: float, key_name: str = "anonymous") -> dict:
+    async def feedback(self, request_id: str, score: float, key_name: str = "anonymous") -> dict:
         """Attach feedback to the arm (and canary window) that served `request_id`: 404 when unknown or made
-        with another API key than `key_name` (not revealing that it exists), 409 when it was already rated."""
+        with another API key than `key_name` (not revealing that it exists), 409 when it was already rated.
+        A request served before a restart is found in the prediction log (when its mode was not off)."""
         found = self.served.get(request_id)
+        if found is None:
+            entry = await asyncio.to_thread(self.log.find, request_id)
+            if entry is not None and entry.get("error") is None:
+                found = [entry["model"], entry["version"], entry["arm"] or "", entry["key_name"], entry["rated"]]
         if found is None or found[3] != key_name:
             raise APIError(404, f"no served request {request_id!r} is known (feedback must name the "
-                                "x-request-id of a recent generation request made with this API key)", "request_id",
+                                "x-request-id of a generation request made with this API key)", "request_id",
                            "not_found")
         if found[4]:
             raise APIError(409, f"request {request_id!r} already has feedback (one per request)", "request_id",
                            "feedback_exists")
-        found[4] = True
+        found[4] = True  # before the await: a concurrent second rating sees it
+        if not await asyncio.to_thread(self.log.record_feedback, request_id, score):
+            raise APIError(409, f"request {request_id!r} already has feedback (one per request)", "request_id",
+                           "feedback_exists")
         self._changes += 1
         name, version, arm = found[:3]
         run = self.canaries.get(name)
