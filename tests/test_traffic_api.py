@@ -367,8 +367,8 @@ def test_policies_canaries_and_experiments_come_back_after_a_restart(platform):
     assert resumed == ["m"] and new.canaries["m"].controller.percent == 20
     assert {a.version: a.weight for a in new.policies["m"].arms} == {1: 80, 3: 20}
     client.portal.call(new.canaries["m"].abort, "t", "test")
-    new.clear_policy("m", "t")
-    new.start_experiment("e2", split("m", {1: 1, 4: 1}), None, "t")
+    client.portal.call(new.clear_policy, "m", "t")
+    client.portal.call(new.start_experiment, "e2", split("m", {1: 1, 4: 1}), None, "t")
     third = TrafficService(state.control, old.cfg, CollectorRegistry(), state.models)
     assert third.experiment_of == {"m": "e2"} and set(third.experiments["e2"].arms) == {"v1", "v4"}
     client.portal.call(new.close)
@@ -525,6 +525,30 @@ def test_feedback_is_bounded_once_per_request_and_only_from_its_key(platform):
     assert rep.status_code == 200, rep.text
     fed = [arm["feedback"] for arm in rep.json()["arms"].values() if arm["feedback"]["n"]]
     assert sum(f["n"] for f in fed) == 2 and all(math.isfinite(f["mean"]) for f in fed)
+
+
+def test_policy_writes_run_off_the_event_loop_in_order(platform):
+    """A policy change's database write (audited) runs on the registry's writer thread, never on the event
+    loop that serves requests; two changes land in the order they were made, in memory and stored."""
+    import threading
+
+    client, state, _ = platform
+    svc = state.traffic
+    threads: list[str] = []
+    put = svc.store.put
+
+    def spy(*args, **kw):
+        threads.append(threading.current_thread().name)
+        return put(*args, **kw)
+
+    svc.store.put = spy
+    for weights in ([{"version": 1, "weight": 90}, {"version": 3, "weight": 10}], [{"version": 1, "weight": 50},
+                                                                                   {"version": 3, "weight": 50}]):
+        assert client.put("/admin/models/m/traffic", headers=ADMIN, json={"arms": weights}).status_code == 200
+    assert client.put("/admin/models/m/prediction-log", headers=ADMIN, json={"mode": "off"}).status_code == 200
+    assert len(threads) == 3 and all(t.startswith("servelm-registry") for t in threads), threads
+    assert {a.version: a.weight for a in svc.policies["m"].arms} == {1: 50, 3: 50}
+    assert svc.store.policy("m") == svc.policies["m"]
 
 
 def test_feedback_for_a_request_served_before_a_restart(platform):
