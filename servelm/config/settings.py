@@ -187,8 +187,10 @@ class ServerConfig:
 class AdmissionConfig:
     """What the API admits and when it sheds load; all of it can change at run time."""
 
-    queue_high_watermark: int = _f(1000, "queued requests at which new ones get 503", runtime=True)
-    queue_low_watermark: int = _f(500, "after shedding, admit again once the queue is below this", runtime=True)
+    # about capacity x queue_timeout_s: more queued requests than the server can start before the timeout only
+    # wait to get 408 (the default model on 2 cores: ~3.75 req/s x 30 s = ~110; raise it on bigger machines)
+    queue_high_watermark: int = _f(128, "queued requests at which new ones get 503", runtime=True)
+    queue_low_watermark: int = _f(64, "after shedding, admit again once the queue is below this", runtime=True)
     queue_timeout_s: float = _f(30.0, "a request with no first token after this long is removed (408)",
                                 runtime=True)
     rate_limit_rpm: int | None = _f(None, "requests per minute per key, for keys without their own limit",
