@@ -103,3 +103,18 @@ def test_smollm2_default_model_answers(smollm):
                        SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
     assert chat.text == "The capital of France is Paris."
     assert chat.finish_reason == "stop" and chat.stop_reason is None  # ended by EOS <|im_end|>
+
+
+def test_smollm2_q4_1_kept_quantized_matches_dequantized(smollm):
+    """quantization=gguf: the file's Q4_1 linears stay int4 in memory (the kernel dequantizes them exactly),
+    and greedy tokens are those of the dequantized float32 model."""
+    path = default_model_path()
+    kept = LLM(str(path.parent), gguf_file=path.name, dtype="float32", kv_cache_memory_gb=0.25, quantization="gguf")
+    model = kept.engine.core.model
+    lins = [lin for lw in model.layers for lin in (lw.qkv, lw.o_proj, lw.down, lw.gate_up.linear)]
+    assert all(lin.quant is not None and lin.quant.kind == "int4" and lin.weight is None for lin in lins)
+    tok = smollm.get_tokenizer()
+    prompts = [tok(p).input_ids for p in PROMPTS[:4]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want, got = (llm.generate(prompts, params, use_tqdm=False) for llm in (smollm, kept))
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
