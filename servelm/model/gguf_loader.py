@@ -123,7 +123,8 @@ def int4_blocks(raw: np.ndarray, qname: str) -> tuple[np.ndarray, np.ndarray, np
 def iter_gguf_tensors(path: Path, dtype: torch.dtype, keep_quantized: bool = False
                       ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
     """Yield (hf_name, tensor) for every tensor of a GGUF file, dequantized to `dtype`; with
-    `keep_quantized`, Q4_0/Q4_1/Q4_K linear weights come as int4 QuantWeights (float32 scales: exact)."""
+    `keep_quantized`, Q4_0/Q4_1/Q4_K linear weights come as int4 QuantWeights (codes exact; scales and zero
+    points float32 here, rounded to `dtype` when packed for the kernel)."""
     import gguf
 
     kept, dense = Counter(), Counter()

@@ -75,6 +75,10 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
     else:
         (src, hf_config, eos), tok = load_config_and_eos(model, gguf_file, tokenizer), None
     torch_dtype = resolve_dtype(dtype, device)
+    if quantization != "none" and torch_dtype != torch.bfloat16:
+        logger.warning("quantization %s with %s: PyTorch's int8/int4 CPU kernels are vectorized for bfloat16 only, "
+                       "so the quantized linears run a scalar loop (slow); use dtype bfloat16", quantization,
+                       torch_dtype)
     if quantization == "gguf" and src.kind != "gguf":
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's quantized types, and {src.name} is not a GGUF "
                          "file: use int8 or int4 to quantize it at load")

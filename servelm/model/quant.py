@@ -10,7 +10,10 @@ Two formats, both dequantized on the fly inside the matmul (activations stay in 
 
 A checkpoint's linears are quantized at load (`quantize_linears`), or a GGUF file's Q4_0, Q4_1 and Q4_K
 tensors are taken as they are (gguf_loader): each 32-weight block of those has one scale and one offset,
-which is exactly int4 with groups of 32.
+which is exactly int4 with groups of 32 (the codes exactly; the float16 scales as the model's dtype
+holds them: exactly in float32, rounded to 8 significant bits in bfloat16).
+
+The kernels read scales and activations in one dtype, and on x86 are vectorized for bfloat16 only.
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ def is_linear_weight(name: str) -> bool:
 class QuantWeight:
     """A linear's [N, K] weight as integer codes plus scales (and zero points); not yet packed for a kernel.
 
-    `scales.dtype` is the dtype the matmul runs in (the kernels need activations and scales in one dtype):
-    float32 for GGUF blocks, whose float16 scales bfloat16 would round; the model's dtype otherwise.
-    `dtype` is the model's dtype, that of the layer's input and output."""
+    `dtype` is the model's dtype: the kernels take activations, scales and zero points in one dtype, so the
+    scales (float32 as a GGUF file's blocks give them) are rounded to it when packed, and `dequantize`
+    rounds them likewise: it gives the weight the kernel computes with."""
 
     kind: str  # int8 | int4
     codes: torch.Tensor  # [N, K]: int8 in [-127, 127] (int8), uint8 in [0, 15] (int4)
@@ -58,19 +61,19 @@ class QuantWeight:
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The float weight the kernels compute with (float32 arithmetic, then `dtype`, default the model's)."""
+        scales = self.scales.to(self.dtype).float()
         if self.kind == "int8":
-            w = self.codes.float() * self.scales.float()[:, None]
+            w = self.codes.float() * scales[:, None]
         else:
             g = self.group_size
-            w = ((self.codes.float() - 8) * self.scales.float().repeat_interleave(g, 1)
-                 + self.zeros.float().repeat_interleave(g, 1))
+            w = ((self.codes.float() - 8) * scales.repeat_interleave(g, 1)
+                 + self.zeros.to(self.dtype).float().repeat_interleave(g, 1))
         return w.to(dtype or self.dtype)
 
 
-def _bf16_exact(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to bfloat16's precision, kept in float32: such a scale times a 4-bit code is exact in
-    float32, so the kernel's dequantized weight is the same whether it runs in bfloat16 or float32."""
-    return x.to(torch.bfloat16).float()
+def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to `dtype` (what the kernel will read), kept in float32 for the arithmetic around it."""
+    return x.to(dtype).float()
 
 
 def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> QuantWeight:
@@ -91,8 +94,8 @@ def quantize_int4(w: torch.Tensor, group_size: int, dtype: torch.dtype) -> Quant
                          f"(quantization_group_size must divide every linear's input width)")
     g = w.float().reshape(n, k // group_size, group_size)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    scales = _bf16_exact((hi - lo).clamp(min=1e-6) / 15)
-    zeros = _bf16_exact(lo + 8 * scales)
+    scales = _rounded((hi - lo).clamp(min=1e-6) / 15, dtype)
+    zeros = _rounded(lo + 8 * scales, dtype)
     codes = torch.round((g - (zeros - 8 * scales)[..., None]) / scales[..., None]).clamp_(0, 15)
     return QuantWeight("int4", codes.to(torch.uint8).reshape(n, k), scales.to(dtype), zeros.to(dtype), group_size,
                        dtype, "int4")
@@ -124,30 +127,30 @@ def fuse_rows(parts: list) -> torch.Tensor | QuantWeight:
 
 
 class QuantMatmul:
-    """x W^T for a QuantWeight, through PyTorch's packed int8/int4 CPU kernels."""
+    """x W^T for a QuantWeight, through PyTorch's packed int8/int4 CPU kernels. On x86 they are vectorized
+    (AVX512 or AVX2, accumulating in float32) for bfloat16 only; float32 and float16 take a scalar loop."""
 
     def __init__(self, w: QuantWeight) -> None:
         self.kind, self.group_size, self.dtype = w.kind, w.group_size, w.dtype
         self.out_features, self.in_features = w.shape
-        self.compute = w.scales.dtype
         if w.kind == "int8":
             self.codes = w.codes.contiguous()
-            self.scales = w.scales.contiguous()
+            self.scales = w.scales.to(w.dtype).contiguous()
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.codes.to(torch.int32).contiguous(),
                                                                              _INNER_K_TILES)
             # [K / group, N, 2]: (scale, zero) pairs, the kernels' layout
-            self.scales_zeros = torch.stack([w.scales, w.zeros], dim=-1).transpose(0, 1).contiguous()
+            self.scales_zeros = torch.stack([w.scales, w.zeros], dim=-1).to(w.dtype).transpose(0, 1).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:
             return x.new_empty(0, self.out_features)
-        xc = x.to(self.compute).contiguous()
+        x = x.to(self.dtype)
+        if not x.is_contiguous() or x.data_ptr() % 64:  # the int8 kernel's vector loads assume aligned rows
+            x = x.clone(memory_format=torch.contiguous_format)
         if self.kind == "int8":
-            y = torch.ops.aten._weight_int8pack_mm(xc, self.codes, self.scales)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xc, self.packed, self.group_size, self.scales_zeros)
-        return y.to(x.dtype)
+            return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros)
 
     def tensors(self) -> list[torch.Tensor]:
         """What it keeps in memory."""
@@ -160,9 +163,13 @@ class QuantMatmul:
 
 def quant_matmul(w: QuantWeight) -> QuantMatmul | None:
     """A kernel for w, or None (logged) where the kernels do not take it: the caller dequantizes then.
-    The int4 kernel needs N a multiple of 16; both run on the CPU only."""
+    The int4 kernel needs N a multiple of 16, the int8 kernel K a multiple of 32 (its vector loop has no
+    tail); both run on the CPU only."""
     if w.codes.device.type != "cpu":
         logger.info("quantized weight on %s: no kernel, dequantized", w.codes.device)
+        return None
+    if w.kind == "int8" and w.shape[1] % 32:
+        logger.info("int8 weight %s: inputs not a multiple of 32, dequantized", list(w.shape))
         return None
     try:
         mm = QuantMatmul(w)
