@@ -1,5 +1,6 @@
 """Weight formats side by side on the real SmolLM2-135M (its Q4_1 GGUF): weight memory, mean log-likelihood
-(and perplexity) of a fixed text, and batch-1 decode TPOT, one engine per format, one after another.
+(and perplexity) of a fixed text, batch-1 decode TPOT and the text's prefill time (one request, prefix
+caching off), one engine per format, one after another.
 Prints one JSON object.
 
   nice python bench/quantization.py --formats bf16,int8,int4,gguf --tokens 64 --threads 2
@@ -66,7 +67,8 @@ def measure(name: str, args) -> dict:
     path = default_model_path()
     t0 = time.perf_counter()
     llm = LLM(str(path.parent), gguf_file=path.name, dtype=dtype, quantization=quant,
-              quantization_group_size=args.group_size, kv_cache_memory_gb=0.25, num_threads=args.threads)
+              quantization_group_size=args.group_size, kv_cache_memory_gb=0.25, num_threads=args.threads,
+              enable_prefix_caching=False)  # every timed prompt runs its prefill
     load_s = time.perf_counter() - t0
     model = llm.engine.core.model
     ids = llm.get_tokenizer()(TEXT).input_ids
@@ -76,13 +78,16 @@ def measure(name: str, args) -> dict:
     prompt = llm.get_tokenizer()("Once upon a time").input_ids
     greedy = SamplingParams(temperature=0, max_tokens=args.tokens + 1, ignore_eos=True)
     llm.generate([prompt], greedy, use_tqdm=False)  # warm-up
-    t_first = _timed(llm, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    t_prefill = _timed(llm, ids, one)
+    t_first = _timed(llm, prompt, one)
     t_all = _timed(llm, prompt, greedy)
     text = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
     return {"format": name, "dtype": dtype, "quantization": quant, "load_s": round(load_s, 2),
             "weight_bytes": weight_bytes(model), "cpp_decode": model.cpp_decode is not None,
             "text_tokens": len(ids), "mean_loglik": round(mean_ll, 5), "perplexity": round(math.exp(-mean_ll), 4),
-            "tpot_ms": round((t_all - t_first) / args.tokens * 1e3, 3), "greedy_16": text}
+            "tpot_ms": round((t_all - t_first) / args.tokens * 1e3, 3),
+            "prefill_ms": round(t_prefill * 1e3, 1), "greedy_16": text}
 
 
 def _timed(llm, prompt, params) -> float:
