@@ -14,7 +14,7 @@ from servelm.model.cpu_features import cpu_has_bf16
 from servelm.model.decoder import DecoderLM
 from servelm.model.gguf_loader import iter_gguf_tensors
 from servelm.model.metadata import load_config_and_eos, load_config_and_tokenizer
-from servelm.model.quant import QUANTIZATIONS, quantize_linears
+from servelm.model.quant import QUANTIZATIONS, QuantWeight, quantize_linears
 from servelm.model.source import ModelSource
 from servelm.model.spec import ModelSpec
 from servelm.progress import progress
@@ -94,7 +94,8 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
                        "so every layer runs full attention; if the original model's config.json sets "
                        "sliding_window, pass it: LLM(..., sliding_window=N) or servelm serve --sliding-window N",
                        src.path.name)
-    weights = {name: t.to(device) for name, t in tensors}  # on the CPU, .to is a no-op
+    # on the CPU, .to is a no-op; quantized weights (CPU only) stay where they are
+    weights = {name: t if isinstance(t, QuantWeight) else t.to(device) for name, t in tensors}
     lm = DecoderLM(spec, weights, torch_dtype, get_backend(device))
     lm.quantization = f"int4/g{quantization_group_size}" if quantization == "int4" else quantization
     seconds = time.perf_counter() - t0
