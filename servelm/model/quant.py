@@ -65,9 +65,9 @@ class QuantWeight:
         if self.kind == "int8":
             w = self.codes.float() * scales[:, None]
         else:
-            g = self.group_size
-            w = ((self.codes.float() - 8) * scales.repeat_interleave(g, 1)
-                 + self.zeros.to(self.dtype).float().repeat_interleave(g, 1))
+            n, k = self.shape
+            grouped = self.codes.reshape(n, k // self.group_size, self.group_size).float() - 8
+            w = (grouped * scales[..., None] + self.zeros.to(self.dtype).float()[..., None]).reshape(n, k)
         return w.to(dtype or self.dtype)
 
 
