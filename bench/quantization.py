@@ -46,8 +46,9 @@ FORMATS = {  # name: (dtype, quantization)
 
 
 def weight_bytes(model) -> dict[str, int]:
-    """Bytes the model keeps for its weights: the linears in whatever layout their kernel reads, and the rest
-    (embedding, norms; a tied LM head shares the embedding)."""
+    """Bytes the model keeps for its weights: the linears in whatever layout their kernel reads, the embedding
+    and norms, and the LM head where it is not the embedding tensor itself (a tied head packed for a bf16
+    kernel is a second copy)."""
     def lin_bytes(lin) -> int:
         if getattr(lin, "quant", None) is not None:
             return lin.quant.nbytes + (0 if lin.bias is None else lin.bias.nbytes)
@@ -59,7 +60,7 @@ def weight_bytes(model) -> dict[str, int]:
     other = model.embed.nbytes + model.norm.nbytes + sum(
         t.nbytes for lw in model.layers for t in (lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm) if t is not None)
     head = 0 if model.lm_head.weight is model.embed else lin_bytes(model.lm_head)
-    return {"linears": linears, "embedding_norms": other, "lm_head_untied": head, "total": linears + other + head}
+    return {"linears": linears, "embedding_norms": other, "lm_head_copy": head, "total": linears + other + head}
 
 
 def measure(name: str, args) -> dict:
