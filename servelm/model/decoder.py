@@ -22,6 +22,7 @@ from servelm.model.layers import (
     rms_norm,
     rotary_,
 )
+from servelm.model.quant import fuse_rows
 from servelm.model.spec import ModelSpec
 
 
@@ -47,6 +48,7 @@ class DecoderLM:
         self.spec = spec
         self.dtype = dtype
         self.batch_invariant = False  # set by model.invariant.make_batch_invariant
+        self.quantization = "none"  # set by the loader (model/quant.py)
         self.embed = weights.pop("model.embed_tokens.weight")
         self.norm = self._norm_weight(weights.pop("model.norm.weight"))
         lm_head = weights.pop("lm_head.weight", None)
@@ -118,13 +120,14 @@ class DecoderLM:
         biases = [take(f"self_attn.{n}_proj.bias", False) for n in "qkv"]
         qkv_bias = None
         if any(b is not None for b in biases):
-            qkv_bias = torch.cat([b if b is not None else torch.zeros(t.shape[0], dtype=t.dtype, device=t.device)
+            ref = next(b for b in biases if b is not None)  # q/k/v may be quantized: no dtype of their own
+            qkv_bias = torch.cat([b if b is not None else torch.zeros(t.shape[0], dtype=ref.dtype, device=ref.device)
                                   for b, t in zip(biases, (q, k, v), strict=True)])
         sandwich = self.spec.sandwich_norms
         norm = self._norm_weight
         return LayerWeights(
             input_norm=norm(take("input_layernorm.weight")),
-            qkv=Linear(torch.cat([q, k, v]).contiguous(), qkv_bias),
+            qkv=Linear(fuse_rows([q, k, v]), qkv_bias),
             o_proj=Linear(take("self_attn.o_proj.weight"), take("self_attn.o_proj.bias", False)),
             q_norm=norm(take("self_attn.q_norm.weight", False)),
             k_norm=norm(take("self_attn.k_norm.weight", False)),
