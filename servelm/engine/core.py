@@ -190,13 +190,13 @@ class EngineCore:
         self.last_num_batched_tokens = out.num_batched_tokens
         self.last_batch_size = len(out.scheduled)
         start = time.monotonic()
-        for s in out.scheduled:
-            if s.seq.first_scheduled is None:
-                s.seq.first_scheduled = start
-        for s in out.scheduled:
-            req = s.seq.request
-            if s.sample_seqs and req.params.n > 1 and not req.forked:
-                s.sample_seqs += [Sequence(req, i, list(s.seq.token_ids), generator=req.make_generator(i),
+        for s in out.scheduled:  # one pass over the batch before the forward, one after it
+            seq = s.seq
+            if seq.first_scheduled is None:
+                seq.first_scheduled = start
+            req = seq.request
+            if req.params.n > 1 and s.sample_seqs and not req.forked:
+                s.sample_seqs += [Sequence(req, i, list(seq.token_ids), generator=req.make_generator(i),
                                            matcher=new_matcher(req.grammar) if req.grammar is not None else None)
                                   for i in range(1, req.params.n)]
         results = iter(self.runner.execute(out))
@@ -207,25 +207,27 @@ class EngineCore:
         self.kv.end_step()
         now = time.monotonic()
         outputs: list[SeqOutput] = []
+        commit, append = self.kv.commit_computed, self._append
         for s in out.scheduled:
             seq = s.seq
             if s.spec_token_ids:
                 outputs.append(self._apply_verification(s, next(results), now))
                 continue
             seq.num_computed_tokens += s.num_tokens
-            self.kv.commit_computed(seq)
-            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+            commit(seq)
+            if seq.num_computed_tokens <= len(seq.request.prompt_token_ids):
                 self.prompt_tokens += s.num_tokens
-            for child in s.sample_seqs[1:]:  # fork n>1 siblings onto the parent's blocks
-                child.num_computed_tokens = seq.num_computed_tokens
-                child.num_cached_tokens, child.first_scheduled = seq.num_cached_tokens, seq.first_scheduled
-                self.kv.fork(seq, child)
-                seq.request.seqs.append(child)
-                self.scheduler.add_running(child)
-            if len(s.sample_seqs) > 1:
+            samples = s.sample_seqs
+            if len(samples) > 1:
+                for child in samples[1:]:  # fork n>1 siblings onto the parent's blocks
+                    child.num_computed_tokens = seq.num_computed_tokens
+                    child.num_cached_tokens, child.first_scheduled = seq.num_cached_tokens, seq.first_scheduled
+                    self.kv.fork(seq, child)
+                    seq.request.seqs.append(child)
+                    self.scheduler.add_running(child)
                 seq.request.forked = True
-            for q in s.sample_seqs:
-                outputs.append(self._append(q, next(results), now))
+            for q in samples:
+                outputs.append(append(q, next(results), now))
         if self.spec is not None:  # drafts for the next step, from the tokens as they are now
             self.spec.propose(self.scheduler.running)
         return outputs
@@ -245,20 +247,23 @@ class EngineCore:
 
     def _append(self, seq: Sequence, results: list[SampleResult], now: float) -> SeqOutput:
         """Append new tokens one by one, stopping at the first that ends the sample (the rest are dropped)."""
-        p = seq.request.params
+        req = seq.request
+        p = req.params
+        tokens = seq.token_ids
+        num_prompt = len(req.prompt_token_ids)  # seq.num_output_tokens is len(tokens) - num_prompt
         reason, stop_reason = None, None
         emitted: list[SampleResult] = []
         for res in results:
             tok = res.token_id
-            seq.token_ids.append(tok)
+            tokens.append(tok)
             emitted.append(res)
             self.generation_tokens += 1
-            n_out = seq.num_output_tokens
+            n_out = len(tokens) - num_prompt
             if n_out >= p.min_tokens and not p.ignore_eos and tok in p._eos_token_ids:
                 reason = "stop"
             elif n_out >= p.min_tokens and tok in p.stop_token_ids:
                 reason, stop_reason = "stop", tok
-            elif (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            elif (p.max_tokens is not None and n_out >= p.max_tokens) or len(tokens) >= self.max_model_len:
                 reason = "length"
             if seq.matcher is not None and reason != "length":
                 reason = self._advance_grammar(seq, tok) or reason
@@ -266,13 +271,13 @@ class EngineCore:
                 break
         if seq.first_token_time is None:
             seq.first_token_time = now
-        first = seq.num_output_tokens == len(emitted)
-        queue_time = seq.first_scheduled - seq.request.arrival_time if first else None
-        out = SeqOutput(seq.request.request_id, seq.index, [r.token_id for r in emitted],
+        first = len(tokens) - num_prompt == len(emitted)
+        queue_time = seq.first_scheduled - req.arrival_time if first else None
+        out = SeqOutput(req.request_id, seq.index, [r.token_id for r in emitted],
                         emitted if emitted[0].logprob is not None else [],
                         reason, stop_reason, seq.num_cached_tokens, queue_time)
-        req = seq.request
-        if seq.index == 0 and req.needs_prompt_logprobs:  # the whole prompt has run: report its logprobs once
+        # the whole prompt has run: report its logprobs once
+        if p.prompt_logprobs is not None and seq.index == 0 and req.needs_prompt_logprobs:
             out.prompt_logprobs = req.prompt_logprobs or [None] * req.num_prompt_tokens
             req.prompt_logprobs, req.prompt_logprobs_done = None, True
         if reason is not None:
