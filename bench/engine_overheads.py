@@ -139,12 +139,12 @@ def bench_scheduler(running: int, waiting: int, iters: int, policy: str) -> dict
     model = fake_model(1, 1, 8, torch.bfloat16, 8192)  # the KV tensors are never touched: keep them small
     longest = max(len(p) for p in wl.prompts) + iters + 64
     core, fwd = make_core(running * (-(-longest // 16) + 1) + 64, running, model, scheduling_policy=policy)
-    for i in range(running):
-        add(core, f"run{i}", wl.prompts[i], 100_000)
+    for i in range(running):  # they never finish while timed: as many tokens as the context holds
+        add(core, f"run{i}", wl.prompts[i], core.max_model_len - len(wl.prompts[i]))
     while any(s.num_to_compute > 1 for s in core.scheduler.running) or core.scheduler.waiting:
         core.step()  # prefill all of them: from here on every running request decodes
     for i in range(running, running + waiting):
-        add(core, f"wait{i}", wl.prompts[i], 100_000)
+        add(core, f"wait{i}", wl.prompts[i], core.max_model_len - len(wl.prompts[i]))
     sch = core.scheduler
     schedule = sch.schedule
     sched_s = [0.0]

@@ -79,7 +79,8 @@ class KVCacheManager:
         if not cached_blocks:  # the common case, a running sequence's next tokens: often no new block at all
             computed, table = seq.num_computed_tokens, seq.block_table
             need = -(-(computed + num_new_tokens) // bs) - len(table)
-            cow = self._needs_cow(seq)
+            # _needs_cow, inlined: this runs for every running sequence at every step
+            cow = computed % bs != 0 and self.pool.ref_counts[table[computed // bs]] > 1
             if need <= 0 and not cow:
                 return True
             need = max(0, need)
