@@ -37,6 +37,7 @@ class Sim:
         self.kv = KVCacheManager(40, 4, enable_prefix_caching=True, num_cpu_blocks=24 if mode == "swap" else 0)
         self.sch = cls(self.kv, 6, 24, True, mode, policy, aging_s, lambda: self.now)
         self.order = 0
+        self.finished = 0
 
     def add(self, rid: str, prompt: list[int], out_tokens: int, priority: int, arrival: float, n: int) -> None:
         req = Request(rid, prompt, SamplingParams(max_tokens=out_tokens, n=n), arrival_time=arrival,
@@ -66,6 +67,7 @@ class Sim:
                 q.token_ids.append(5 + q.index)
                 if q.num_output_tokens >= req.params.max_tokens:
                     self.sch.finish(q, "length")
+                    self.finished += 1
         self.kv.end_step()
         return [(s.seq.request.request_id, s.seq.index, s.start, s.num_tokens, len(s.sample_seqs))
                 for s in out.scheduled]
@@ -84,7 +86,7 @@ def test_schedules_exactly_as_sorting_every_step(policy, aging_s, mode, seed):
     new, ref = Sim(Scheduler, policy, aging_s, mode), Sim(SortEveryStep, policy, aging_s, mode)
     prompts = [[1, 2, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5]]  # shared prefixes: prefix-cache hits
     for step in range(400):
-        for _ in range(rng.choice([0, 0, 0, 1, 1, 2, 4])):
+        for _ in range(rng.choice([0, 0, 0, 0, 0, 1, 1, 3])):
             rid = f"r{new.order}"
             prompt = list(rng.choice(prompts)) + [rng.randrange(10, 99) for _ in range(rng.randrange(0, 30))]
             # arrival on the clock, a little ahead of it, or a whole aging period and more ahead
@@ -103,7 +105,7 @@ def test_schedules_exactly_as_sorting_every_step(policy, aging_s, mode, seed):
         new.now += dt
         ref.now += dt
     assert new.sch.num_preemptions == ref.sch.num_preemptions > 0
-    assert len(new.sch.running) + len(new.sch.waiting) < 80  # requests finished throughout
+    assert new.finished == ref.finished > 100
 
 
 def test_steady_decode_does_not_recompute_keys():
