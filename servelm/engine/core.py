@@ -75,6 +75,8 @@ class EngineCore:
                                   graph_sizes, max_len)
         self.spec = self._make_spec_decoder(config, max_len)
         self.requests: dict[str, Request] = {}
+        # n > 1 requests whose samples have not forked yet: a step looks for forks only while there are some
+        self.unforked: set[str] = set()
         # structured output: requests whose grammar is still compiling wait here, outside the scheduler
         self.grammars = GrammarCache(spec.vocab_size, tokenizer_loader or _tokenizer_from_config(config))
         self.compiling: dict[str, Request] = {}
@@ -125,6 +127,8 @@ class EngineCore:
         seq = Sequence(req, 0, list(req.prompt_token_ids), generator=req.make_generator(0))
         req.seqs = [seq]
         self.requests[req.request_id] = req
+        if req.params.n > 1:
+            self.unforked.add(req.request_id)
         if req.params.structured_outputs is not None:  # compiled off the loop; scheduled once it is ready
             req.grammar = self.grammars.submit(req.params.structured_outputs, req.params._eos_token_ids)
             self.compiling[req.request_id] = req
@@ -139,6 +143,7 @@ class EngineCore:
             del self.compiling[rid]
             if req.grammar.exception() is not None:
                 del self.requests[rid]
+                self.unforked.discard(rid)
                 self.failed.append((rid, str(req.grammar.exception())))
                 continue
             req.grammar = req.grammar.result()
@@ -157,12 +162,14 @@ class EngineCore:
             return
         if self.compiling.pop(request_id, None) is not None:  # never scheduled: nothing to free
             del self.requests[request_id]
+            self.unforked.discard(request_id)
             return
         for seq in req.seqs:
             if index is None or seq.index == index:
                 self.scheduler.finish(seq, reason, stop_reason)
         if req.finished:
             del self.requests[request_id]
+            self.unforked.discard(request_id)
 
     def abort_request(self, request_id: str) -> None:
         self.finish_seq(request_id, None, "abort")
@@ -190,13 +197,14 @@ class EngineCore:
         self.last_num_batched_tokens = out.num_batched_tokens
         self.last_batch_size = len(out.scheduled)
         start = time.monotonic()
-        for s in out.scheduled:  # one pass over the batch before the forward, one after it
-            seq = s.seq
-            if seq.first_scheduled is None:
-                seq.first_scheduled = start
-            req = seq.request
-            if req.params.n > 1 and s.sample_seqs and not req.forked:
-                s.sample_seqs += [Sequence(req, i, list(seq.token_ids), generator=req.make_generator(i),
+        scheduled = out.scheduled
+        for s in scheduled[len(scheduled) - out.num_admitted:]:  # only admitted rows can be scheduled first
+            if s.seq.first_scheduled is None:
+                s.seq.first_scheduled = start
+        for s in scheduled if self.unforked else ():
+            req = s.seq.request
+            if s.sample_seqs and req.params.n > 1 and not req.forked:
+                s.sample_seqs += [Sequence(req, i, list(s.seq.token_ids), generator=req.make_generator(i),
                                            matcher=new_matcher(req.grammar) if req.grammar is not None else None)
                                   for i in range(1, req.params.n)]
         results = iter(self.runner.execute(out))
@@ -226,6 +234,7 @@ class EngineCore:
                     seq.request.seqs.append(child)
                     self.scheduler.add_running(child)
                 seq.request.forked = True
+                self.unforked.discard(seq.request.request_id)
             for q in samples:
                 outputs.append(append(q, next(results), now))
         if self.spec is not None:  # drafts for the next step, from the tokens as they are now
@@ -252,12 +261,10 @@ class EngineCore:
         tokens = seq.token_ids
         num_prompt = len(req.prompt_token_ids)  # seq.num_output_tokens is len(tokens) - num_prompt
         reason, stop_reason = None, None
-        emitted: list[SampleResult] = []
-        for res in results:
+        emitted = results
+        for k, res in enumerate(results):
             tok = res.token_id
             tokens.append(tok)
-            emitted.append(res)
-            self.generation_tokens += 1
             n_out = len(tokens) - num_prompt
             if n_out >= p.min_tokens and not p.ignore_eos and tok in p._eos_token_ids:
                 reason = "stop"
@@ -268,7 +275,9 @@ class EngineCore:
             if seq.matcher is not None and reason != "length":
                 reason = self._advance_grammar(seq, tok) or reason
             if reason is not None:
+                emitted = results[:k + 1]  # the tokens after a stop are dropped
                 break
+        self.generation_tokens += len(emitted)
         if seq.first_token_time is None:
             seq.first_token_time = now
         first = len(tokens) - num_prompt == len(emitted)

@@ -43,6 +43,7 @@ class SchedulerOutput:
     ops: BlockOps
     num_preempted: int = 0
     batched_tokens: int | None = None  # the scheduler's own count (None: summed over `scheduled` when asked)
+    num_admitted: int = 0  # the last rows of `scheduled` came from the waiting queue (the only ones new to a step)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -188,6 +189,7 @@ class Scheduler:
                 i += 1
 
         # Admit waiting sequences, unless this step already had to preempt (the pool is under pressure).
+        num_running = len(scheduled)
         while self.waiting and budget > 0 and len(running) < self.max_num_seqs and not num_preempted:
             seq = self.waiting[0]
             if seq.status == SeqStatus.SWAPPED:
@@ -213,7 +215,8 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, start, n, [seq] if start + n == seq.num_tokens else []))
             budget -= n
 
-        return SchedulerOutput(scheduled, kv.take_ops(), num_preempted, self.max_num_batched_tokens - budget)
+        return SchedulerOutput(scheduled, kv.take_ops(), num_preempted, self.max_num_batched_tokens - budget,
+                               len(scheduled) - num_running)
 
     def _drafts_that_fit(self, seq: Sequence, n: int, budget: int) -> list[int]:
         """The draft tokens to verify with a decode of seq, as many as the budget allows, with their KV slots
