@@ -201,7 +201,9 @@ class KVCacheManager:
 
     def end_step(self) -> None:
         """CPU blocks read by this step's swap-ins may be reused from the next step on."""
-        self.cpu_free.extend(self._cpu_release_after_step)
+        # pushed in reverse, so that the next swap-out pops them in ascending order: a sequence's CPU blocks stay one
+        # run, which the runner copies as one slice per layer
+        self.cpu_free.extend(reversed(self._cpu_release_after_step))
         self._cpu_release_after_step = []
 
     # -- stats -------------------------------------------------------------------------------------
