@@ -134,7 +134,7 @@ def bench_blocks(num_blocks: int, rounds: int) -> dict:
 
 
 # -- 2. scheduler overhead ----------------------------------------------------------------------------------
-def bench_scheduler(running: int, waiting: int, iters: int, policy: str) -> dict:
+def bench_scheduler(running: int, waiting: int, iters: int, policy: str, gc_freeze: bool = False) -> dict:
     wl = make_serving_workload(VOCAB, num_requests=running + waiting, seed=4)
     model = fake_model(1, 1, 8, torch.bfloat16, 8192)  # the KV tensors are never touched: keep them small
     longest = max(len(p) for p in wl.prompts) + iters + 64
@@ -158,7 +158,21 @@ def bench_scheduler(running: int, waiting: int, iters: int, policy: str) -> dict
     sch.schedule = timed_schedule
     for _ in range(10):
         core.step()
+    if gc_freeze:  # what the engine process could do once its state is built: older objects are never traversed
+        gc.freeze()
     totals, scheds, fwds = [], [], []
+    gc_time = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}  # generation -> [collections, seconds]
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            entry = gc_time[info["generation"]]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - gc_start[0]
+
+    gc.callbacks.append(on_gc)
     for _ in range(iters):
         sched_s[0], fwd.seconds = 0.0, 0.0
         t = time.perf_counter()
@@ -168,6 +182,9 @@ def bench_scheduler(running: int, waiting: int, iters: int, policy: str) -> dict
         totals.append(total - fwd.seconds)
         scheds.append(sched_s[0])
         fwds.append(fwd.seconds)
+    gc.callbacks.remove(on_gc)
+    if gc_freeze:
+        gc.unfreeze()
     us = [x * 1e6 for x in totals]
     med = statistics.median(us)
     return {
@@ -177,6 +194,11 @@ def bench_scheduler(running: int, waiting: int, iters: int, policy: str) -> dict
         "schedule_us_median": round(statistics.median(scheds) * 1e6, 1),
         "update_us_median": round(statistics.median(t - s for t, s in zip(totals, scheds, strict=True)) * 1e6, 1),
         "stand_in_forward_us_median": round(statistics.median(fwds) * 1e6, 1),
+        # the cyclic garbage collector's share (it runs inside whatever allocates): per generation, collections
+        # and milliseconds over all timed iterations, and the mean per iteration
+        "gc_freeze": gc_freeze, "gc_tracked_objects": len(gc.get_objects()),
+        "gc_collections_ms": {g: [n, round(t * 1e3, 1)] for g, (n, t) in gc_time.items()},
+        "gc_us_per_iteration_mean": round(sum(t for _, t in gc_time.values()) / iters * 1e6, 1),
         "target_us": 100.0, "meets_target": med < 100.0,
     }
 
@@ -293,6 +315,7 @@ def main() -> None:
     p.add_argument("--waiting", type=int, default=1000)
     p.add_argument("--iters", type=int, default=300, help="timed scheduler iterations")
     p.add_argument("--policy", default="priority", choices=["priority", "fcfs"])
+    p.add_argument("--gc-freeze", action="store_true", help="scheduler: gc.freeze() before the timed iterations")
     p.add_argument("--concurrency", default="64,256", help="fragmentation: requests in flight (comma-separated)")
     p.add_argument("--frag-steps", type=int, default=600)
     p.add_argument("--kv-gb", type=float, default=4.0, help="fragmentation: KV cache size (the engine default)")
@@ -309,7 +332,7 @@ def main() -> None:
     if "blocks" in only:
         result["block_allocation"] = bench_blocks(a.blocks, a.rounds)
     if "scheduler" in only:
-        result["scheduler"] = bench_scheduler(a.running, a.waiting, a.iters, a.policy)
+        result["scheduler"] = bench_scheduler(a.running, a.waiting, a.iters, a.policy, a.gc_freeze)
     if "fragmentation" in only:
         result["fragmentation"] = [bench_fragmentation(int(c), 300, a.frag_steps, model, a.kv_gb)
                                    for c in a.concurrency.split(",")]
