@@ -75,6 +75,8 @@ class EngineCore:
                                   graph_sizes, max_len)
         self.spec = self._make_spec_decoder(config, max_len)
         self.requests: dict[str, Request] = {}
+        # n > 1 requests whose samples have not forked yet: a step looks for forks only while there are some
+        self.unforked: set[str] = set()
         # structured output: requests whose grammar is still compiling wait here, outside the scheduler
         self.grammars = GrammarCache(spec.vocab_size, tokenizer_loader or _tokenizer_from_config(config))
         self.compiling: dict[str, Request] = {}
@@ -125,6 +127,8 @@ class EngineCore:
         seq = Sequence(req, 0, list(req.prompt_token_ids), generator=req.make_generator(0))
         req.seqs = [seq]
         self.requests[req.request_id] = req
+        if req.params.n > 1:
+            self.unforked.add(req.request_id)
         if req.params.structured_outputs is not None:  # compiled off the loop; scheduled once it is ready
             req.grammar = self.grammars.submit(req.params.structured_outputs, req.params._eos_token_ids)
             self.compiling[req.request_id] = req
@@ -139,6 +143,7 @@ class EngineCore:
             del self.compiling[rid]
             if req.grammar.exception() is not None:
                 del self.requests[rid]
+                self.unforked.discard(rid)
                 self.failed.append((rid, str(req.grammar.exception())))
                 continue
             req.grammar = req.grammar.result()
@@ -157,12 +162,14 @@ class EngineCore:
             return
         if self.compiling.pop(request_id, None) is not None:  # never scheduled: nothing to free
             del self.requests[request_id]
+            self.unforked.discard(request_id)
             return
         for seq in req.seqs:
             if index is None or seq.index == index:
                 self.scheduler.finish(seq, reason, stop_reason)
         if req.finished:
             del self.requests[request_id]
+            self.unforked.discard(request_id)
 
     def abort_request(self, request_id: str) -> None:
         self.finish_seq(request_id, None, "abort")
@@ -190,10 +197,11 @@ class EngineCore:
         self.last_num_batched_tokens = out.num_batched_tokens
         self.last_batch_size = len(out.scheduled)
         start = time.monotonic()
-        for s in out.scheduled:
+        scheduled = out.scheduled
+        for s in scheduled[len(scheduled) - out.num_admitted:]:  # only admitted rows can be scheduled first
             if s.seq.first_scheduled is None:
                 s.seq.first_scheduled = start
-        for s in out.scheduled:
+        for s in scheduled if self.unforked else ():
             req = s.seq.request
             if s.sample_seqs and req.params.n > 1 and not req.forked:
                 s.sample_seqs += [Sequence(req, i, list(s.seq.token_ids), generator=req.make_generator(i),
@@ -207,25 +215,28 @@ class EngineCore:
         self.kv.end_step()
         now = time.monotonic()
         outputs: list[SeqOutput] = []
+        commit, append = self.kv.commit_computed, self._append
         for s in out.scheduled:
             seq = s.seq
             if s.spec_token_ids:
                 outputs.append(self._apply_verification(s, next(results), now))
                 continue
             seq.num_computed_tokens += s.num_tokens
-            self.kv.commit_computed(seq)
-            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+            commit(seq)
+            if seq.num_computed_tokens <= len(seq.request.prompt_token_ids):
                 self.prompt_tokens += s.num_tokens
-            for child in s.sample_seqs[1:]:  # fork n>1 siblings onto the parent's blocks
-                child.num_computed_tokens = seq.num_computed_tokens
-                child.num_cached_tokens, child.first_scheduled = seq.num_cached_tokens, seq.first_scheduled
-                self.kv.fork(seq, child)
-                seq.request.seqs.append(child)
-                self.scheduler.add_running(child)
-            if len(s.sample_seqs) > 1:
+            samples = s.sample_seqs
+            if len(samples) > 1:
+                for child in samples[1:]:  # fork n>1 siblings onto the parent's blocks
+                    child.num_computed_tokens = seq.num_computed_tokens
+                    child.num_cached_tokens, child.first_scheduled = seq.num_cached_tokens, seq.first_scheduled
+                    self.kv.fork(seq, child)
+                    seq.request.seqs.append(child)
+                    self.scheduler.add_running(child)
                 seq.request.forked = True
-            for q in s.sample_seqs:
-                outputs.append(self._append(q, next(results), now))
+                self.unforked.discard(seq.request.request_id)
+            for q in samples:
+                outputs.append(append(q, next(results), now))
         if self.spec is not None:  # drafts for the next step, from the tokens as they are now
             self.spec.propose(self.scheduler.running)
         return outputs
@@ -245,34 +256,37 @@ class EngineCore:
 
     def _append(self, seq: Sequence, results: list[SampleResult], now: float) -> SeqOutput:
         """Append new tokens one by one, stopping at the first that ends the sample (the rest are dropped)."""
-        p = seq.request.params
+        req = seq.request
+        p = req.params
+        tokens = seq.token_ids
+        num_prompt = len(req.prompt_token_ids)  # seq.num_output_tokens is len(tokens) - num_prompt
         reason, stop_reason = None, None
-        emitted: list[SampleResult] = []
-        for res in results:
+        emitted = results
+        for k, res in enumerate(results):
             tok = res.token_id
-            seq.token_ids.append(tok)
-            emitted.append(res)
-            self.generation_tokens += 1
-            n_out = seq.num_output_tokens
+            tokens.append(tok)
+            n_out = len(tokens) - num_prompt
             if n_out >= p.min_tokens and not p.ignore_eos and tok in p._eos_token_ids:
                 reason = "stop"
             elif n_out >= p.min_tokens and tok in p.stop_token_ids:
                 reason, stop_reason = "stop", tok
-            elif (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            elif (p.max_tokens is not None and n_out >= p.max_tokens) or len(tokens) >= self.max_model_len:
                 reason = "length"
             if seq.matcher is not None and reason != "length":
                 reason = self._advance_grammar(seq, tok) or reason
             if reason is not None:
+                emitted = results[:k + 1]  # the tokens after a stop are dropped
                 break
+        self.generation_tokens += len(emitted)
         if seq.first_token_time is None:
             seq.first_token_time = now
-        first = seq.num_output_tokens == len(emitted)
-        queue_time = seq.first_scheduled - seq.request.arrival_time if first else None
-        out = SeqOutput(seq.request.request_id, seq.index, [r.token_id for r in emitted],
+        first = len(tokens) - num_prompt == len(emitted)
+        queue_time = seq.first_scheduled - req.arrival_time if first else None
+        out = SeqOutput(req.request_id, seq.index, [r.token_id for r in emitted],
                         emitted if emitted[0].logprob is not None else [],
                         reason, stop_reason, seq.num_cached_tokens, queue_time)
-        req = seq.request
-        if seq.index == 0 and req.needs_prompt_logprobs:  # the whole prompt has run: report its logprobs once
+        # the whole prompt has run: report its logprobs once
+        if p.prompt_logprobs is not None and seq.index == 0 and req.needs_prompt_logprobs:
             out.prompt_logprobs = req.prompt_logprobs or [None] * req.num_prompt_tokens
             req.prompt_logprobs, req.prompt_logprobs_done = None, True
         if reason is not None:

@@ -75,21 +75,32 @@ class KVCacheManager:
 
         `cached_blocks`, for a sequence being admitted, are prefix-cache hits that become its first blocks.
         """
-        cached_blocks = cached_blocks or []
         bs = self.block_size
+        if not cached_blocks:  # the common case, a running sequence's next tokens: often no new block at all
+            computed, table = seq.num_computed_tokens, seq.block_table
+            need = -(-(computed + num_new_tokens) // bs) - len(table)
+            # _needs_cow, inlined: this runs for every running sequence at every step
+            cow = computed % bs != 0 and self.pool.ref_counts[table[computed // bs]] > 1
+            if need <= 0 and not cow:
+                return True
+            need = max(0, need)
+            if need + int(cow) > self.pool.num_free:
+                return False
+            if cow:
+                self._copy_on_write(seq)
+            for _ in range(need):
+                table.append(self.pool.allocate())
+            return True
         num_computed = seq.num_computed_tokens + len(cached_blocks) * bs
         have = len(seq.block_table) + len(cached_blocks)
         need = max(0, -(-(num_computed + num_new_tokens) // bs) - have)
-        cow = self._needs_cow(seq) and not cached_blocks
-        if need + int(cow) + self.pool.num_taken_from_free(cached_blocks) > self.pool.num_free:
+        # the hits become an admitted sequence's first blocks: nothing of its own is shared, no copy-on-write
+        if need + self.pool.num_taken_from_free(cached_blocks) > self.pool.num_free:
             return False
-        if cached_blocks:
-            for b in cached_blocks:
-                self.pool.take(b)
-            seq.block_table.extend(cached_blocks)
-            seq.num_computed_tokens = num_computed
-        if cow:
-            self._copy_on_write(seq)
+        for b in cached_blocks:
+            self.pool.take(b)
+        seq.block_table.extend(cached_blocks)
+        seq.num_computed_tokens = num_computed
         for _ in range(need):
             seq.block_table.append(self.pool.allocate())
         return True
@@ -119,6 +130,8 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return
         full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_registered_blocks and full <= len(seq.block_hashes):
+            return  # no block became full (most decode steps): nothing to hash or register
         self._update_hashes(seq, full * self.block_size)
         for i in range(seq.num_registered_blocks, full):
             self.pool.cache(seq.block_table[i], seq.block_hashes[i], self._content(seq, i))
@@ -188,7 +201,9 @@ class KVCacheManager:
 
     def end_step(self) -> None:
         """CPU blocks read by this step's swap-ins may be reused from the next step on."""
-        self.cpu_free.extend(self._cpu_release_after_step)
+        # pushed in reverse, so that the next swap-out pops them in ascending order: a sequence's CPU blocks stay one
+        # run, which the runner copies as one slice per layer
+        self.cpu_free.extend(reversed(self._cpu_release_after_step))
         self._cpu_release_after_step = []
 
     # -- stats -------------------------------------------------------------------------------------

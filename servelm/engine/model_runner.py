@@ -19,6 +19,23 @@ from servelm.model.memory import lazy_zeros
 _PROMPT_LOGPROB_ROWS = 256  # rows of full-vocabulary logits at a time: [256, 49152] float32 is 48 MiB
 
 
+# Block copies as slices while the pairs form at most this many runs (a slice copy per run and layer is a Python
+# call; past a few runs one gather and one scatter per layer cost less)
+_MAX_SLICE_RUNS = 4
+
+
+def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(first source, first destination, length) of each run of pairs whose source and destination both go up by
+    one block at a time."""
+    runs: list[list[int]] = []
+    for src, dst in pairs:
+        if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([src, dst, 1])
+    return [(a, b, n) for a, b, n in runs]
+
+
 def kv_bytes_per_block(model: DecoderLM, block_size: int) -> int:
     s = model.spec
     return 2 * s.num_layers * block_size * s.num_kv_heads * s.head_dim * model.dtype.itemsize
@@ -79,6 +96,13 @@ class ModelRunner:
                 continue
             src_caches = src_caches or self.cpu_caches
             dst_caches = dst_caches or self.cpu_caches
+            runs = block_runs(pairs) if src_caches is not dst_caches else []  # (a swap: never overlapping)
+            if runs and len(runs) <= _MAX_SLICE_RUNS:  # one copy per run, no gather into a temporary then a scatter
+                for (sk, sv), (dk, dv) in zip(src_caches, dst_caches, strict=True):
+                    for s0, d0, n in runs:
+                        dk[d0:d0 + n].copy_(sk[s0:s0 + n])  # crosses devices on a GPU
+                        dv[d0:d0 + n].copy_(sv[s0:s0 + n])
+                continue
             src = torch.tensor([p[0] for p in pairs])
             dst = torch.tensor([p[1] for p in pairs])
             for (sk, sv), (dk, dv) in zip(src_caches, dst_caches, strict=True):

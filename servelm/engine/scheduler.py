@@ -7,10 +7,15 @@ order (lowest priority, newest) is preempted by recompute or by swapping its blo
 Under the "priority" policy the order is (effective class, arrival): a request's class improves by one for
 every `aging_s` it has existed, so low priority is never starved; a waiting request of a strictly better
 class displaces running ones of a worse class when there is no room for it. "fcfs" orders by arrival only.
+
+Host cost per step is O(1) per scheduled sequence: both queues stay sorted between steps and are re-sorted only
+when an order key can have changed (a sequence appended out of order, or a request aging into a better class;
+see `_order_queues`), never wholesale each step; a decode whose block has room allocates nothing.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,7 +24,7 @@ from servelm.engine.kv_cache_manager import BlockOps, KVCacheManager
 from servelm.engine.sequence import SeqStatus, Sequence
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     start: int  # first token position computed this step
@@ -37,9 +42,13 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     ops: BlockOps
     num_preempted: int = 0
+    batched_tokens: int | None = None  # the scheduler's own count (None: summed over `scheduled` when asked)
+    num_admitted: int = 0  # the last rows of `scheduled` came from the waiting queue (the only ones new to a step)
 
     @property
     def num_batched_tokens(self) -> int:
+        if self.batched_tokens is not None:
+            return self.batched_tokens
         return sum(s.num_tokens for s in self.scheduled)
 
     def __bool__(self) -> bool:
@@ -58,15 +67,31 @@ class Scheduler:
         self.policy = policy
         self.aging_s = aging_s
         self.clock = clock
-        self.waiting: list[Sequence] = []  # sorted by self._key at the start of each step
+        # Both queues are in self._key order from the start of each step on; change them only through this
+        # class's methods, which note when an append breaks the order (see _order_queues).
+        self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_priority_preemptions = 0
         self.num_swaps = 0
         self._now = clock()
+        self._waiting_sorted = self._running_sorted = True
+        # Every queued sequence keeps the class it has at self._now until at least this time: before it, keys
+        # computed at self._now are still the keys (-inf: sort at the next step).
+        self._order_until = -math.inf
+        self._order_params = (policy, aging_s)
 
     def add(self, seq: Sequence) -> None:
+        self._note_class_change(seq)
+        if self._waiting_sorted and self.waiting and self._key(seq) < self._key(self.waiting[-1]):
+            self._waiting_sorted = False
         self.waiting.append(seq)
+
+    def _append_running(self, seq: Sequence) -> None:
+        """seq, already queued (its class change is noted), joins the end of the running queue."""
+        if self._running_sorted and self.running and self._key(seq) < self._key(self.running[-1]):
+            self._running_sorted = False
+        self.running.append(seq)
 
     def effective_priority(self, seq: Sequence, now: float) -> int:
         if self.policy == "fcfs":
@@ -79,71 +104,119 @@ class Scheduler:
     def _key(self, seq: Sequence) -> tuple:
         return (self.effective_priority(seq, self._now), *seq.arrival_key())
 
+    def _class_change(self, seq: Sequence, t: float) -> float:
+        """A time at or before the first moment after t at which seq's effective class differs from the one it
+        has at t (inf: never). Early is harmless (a sort that changes nothing), late is not, so the boundary is
+        moved earlier by far more than float rounding in effective_priority can shift it."""
+        if self.policy == "fcfs" or self.aging_s <= 0:
+            return math.inf
+        req = seq.request
+        age = (t - req.arrival_time) / self.aging_s
+        steps = int(age)  # what effective_priority subtracts; it only grows with t (int() truncates toward 0)
+        if req.priority - steps <= 0:
+            return math.inf  # class 0 now, and forever
+        # int(age) next changes when age reaches steps + 1, or, for a negative age below -1, passes steps
+        boundary = steps + 1 if age >= 0 or steps == 0 else steps
+        at = req.arrival_time + self.aging_s * boundary
+        return at - 1e-9 * (abs(req.arrival_time) + abs(self.aging_s * boundary) + 1.0)
+
+    def _note_class_change(self, seq: Sequence) -> None:
+        until = self._class_change(seq, self._now)
+        if until < self._order_until:
+            self._order_until = until
+
+    def _order_queues(self) -> None:
+        """Put both queues in key order at the start of a step. A key changes over time only when its request
+        ages into a better class: while no queued sequence can have done so since the keys were last computed
+        (before self._order_until) and no append broke the order, the queues are already sorted and this costs
+        nothing. Otherwise each unsorted queue is sorted, exactly as a sort at every step would leave it (sorts
+        are stable and an in-order list is left as it is)."""
+        now = self.clock()
+        params = (self.policy, self.aging_s)
+        if not self._now <= now < self._order_until or params != self._order_params:
+            self._order_params = params
+            self._order_until = min((self._class_change(q, now) for q in (*self.running, *self.waiting)),
+                                    default=math.inf)
+            self._running_sorted = self._waiting_sorted = False
+        self._now = now
+        if not self._running_sorted:
+            self.running.sort(key=self._key)
+            self._running_sorted = True
+        self._sort_waiting()
+
+    def _sort_waiting(self) -> None:
+        if not self._waiting_sorted:
+            self.waiting.sort(key=self._key)
+            self._waiting_sorted = True
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
-        self._now = self.clock()
-        self.running.sort(key=self._key)
-        self.waiting.sort(key=self._key)
+        self._order_queues()
         num_preempted = 0
         if self.policy == "priority":
             self._displace_for_priority()
+        running, kv, chunked = self.running, self.kv, self.enable_chunked_prefill
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_to_compute, budget)
-            drafts = self._drafts_that_fit(seq, n, budget)
-            if drafts:
-                scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n + len(drafts), spec_token_ids=drafts))
-                budget -= n + len(drafts)
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            start = seq.num_computed_tokens
+            todo = len(seq.token_ids) - start
+            n = todo if todo < budget else budget
+            # a row samples (sample_seqs=[seq]) when it reaches the sequence's last token
+            if seq.spec_token_ids:
+                drafts = self._drafts_that_fit(seq, n, budget)
+                if drafts:
+                    scheduled.append(ScheduledSeq(seq, start, n + len(drafts), [seq] if n == todo else [], drafts))
+                    budget -= n + len(drafts)
+                    i += 1
+                    continue
+            if n < todo and not chunked:
                 i += 1
                 continue
-            if n < seq.num_to_compute and not self.enable_chunked_prefill:
-                i += 1
-                continue
-            while not self.kv.allocate(seq, n):
-                victim = self.running.pop()  # scheduled sequences sit before i, so never a victim
+            while not kv.allocate(seq, n):
+                victim = running.pop()  # scheduled sequences sit before i, so never a victim
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is seq:
                     break
             else:
-                scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+                scheduled.append(ScheduledSeq(seq, start, n, [seq] if n == todo else []))
                 budget -= n
                 i += 1
 
         # Admit waiting sequences, unless this step already had to preempt (the pool is under pressure).
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not num_preempted:
+        num_running = len(scheduled)
+        while self.waiting and budget > 0 and len(running) < self.max_num_seqs and not num_preempted:
             seq = self.waiting[0]
             if seq.status == SeqStatus.SWAPPED:
                 n = min(seq.num_to_compute, budget)
-                if not self.kv.swap_in(seq, n):
+                if not kv.swap_in(seq, n):
                     break
             else:
                 # prompt logprobs need every prompt position's logits: no cached prefix for those
-                cached = [] if seq.request.needs_prompt_logprobs else self.kv.find_cached_prefix(seq)
-                remaining = seq.num_tokens - len(cached) * self.kv.block_size
-                if remaining > budget and not self.enable_chunked_prefill:
+                cached = [] if seq.request.needs_prompt_logprobs else kv.find_cached_prefix(seq)
+                remaining = seq.num_tokens - len(cached) * kv.block_size
+                if remaining > budget and not chunked:
                     break
                 n = min(remaining, budget)
-                if not self.kv.allocate(seq, n, cached):
+                if not kv.allocate(seq, n, cached):
                     break
                 if seq.first_scheduled is None:
-                    seq.num_cached_tokens = len(cached) * self.kv.block_size
-                    self.kv.record_prefix_query(seq, seq.num_cached_tokens)
+                    seq.num_cached_tokens = len(cached) * kv.block_size
+                    kv.record_prefix_query(seq, seq.num_cached_tokens)
             self.waiting.pop(0)
             seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            self._append_running(seq)
+            start = seq.num_computed_tokens
+            scheduled.append(ScheduledSeq(seq, start, n, [seq] if start + n == seq.num_tokens else []))
             budget -= n
 
-        for s in scheduled:
-            if s.start + s.num_tokens - len(s.spec_token_ids) == s.seq.num_tokens:
-                s.sample_seqs = [s.seq]
-        return SchedulerOutput(scheduled, self.kv.take_ops(), num_preempted)
+        return SchedulerOutput(scheduled, kv.take_ops(), num_preempted, self.max_num_batched_tokens - budget,
+                               len(scheduled) - num_running)
 
     def _drafts_that_fit(self, seq: Sequence, n: int, budget: int) -> list[int]:
         """The draft tokens to verify with a decode of seq, as many as the budget allows, with their KV slots
@@ -170,7 +243,7 @@ class Scheduler:
             self.running.pop()
             self._preempt(worst)
             self.num_priority_preemptions += 1
-            self.waiting.sort(key=self._key)
+            self._sort_waiting()
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
@@ -186,7 +259,8 @@ class Scheduler:
     def add_running(self, seq: Sequence) -> None:
         """A sibling forked from a running sequence joins the batch directly."""
         seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        self._note_class_change(seq)
+        self._append_running(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Remove a sequence wherever it is and free its blocks."""

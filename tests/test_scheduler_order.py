@@ -1,0 +1,127 @@
+"""The scheduler sorts its queues only when an order key can have changed (an out-of-order append, a request
+aging into a better class, a policy change); every step must still schedule exactly what sorting both queues
+at every step schedules. Checked step by step against such a reference on random traffic with priorities,
+aging boundaries crossed at and between steps, arrival times ahead of the scheduler's clock, preemption by
+recompute and by swap, forks (n > 1) and run-time policy changes. No model: a step "computes" what was
+scheduled and appends a dummy token, on a fake clock.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from servelm.engine.kv_cache_manager import KVCacheManager
+from servelm.engine.scheduler import Scheduler
+from servelm.engine.sequence import Request, Sequence
+from servelm.sampling_params import SamplingParams
+
+
+class SortEveryStep(Scheduler):
+    """The reference: both queues sorted by their keys at the start of every step (and waiting again after
+    each priority displacement), whatever changed."""
+
+    def _order_queues(self) -> None:
+        self._now = self.clock()
+        self.running.sort(key=self._key)
+        self.waiting.sort(key=self._key)
+
+    def _sort_waiting(self) -> None:
+        self.waiting.sort(key=self._key)
+
+
+class Sim:
+    def __init__(self, cls: type[Scheduler], policy: str, aging_s: float, mode: str) -> None:
+        self.now = 0.0
+        self.kv = KVCacheManager(40, 4, enable_prefix_caching=True, num_cpu_blocks=24 if mode == "swap" else 0)
+        self.sch = cls(self.kv, 6, 24, True, mode, policy, aging_s, lambda: self.now)
+        self.order = 0
+        self.finished = 0
+
+    def add(self, rid: str, prompt: list[int], out_tokens: int, priority: int, arrival: float, n: int) -> None:
+        req = Request(rid, prompt, SamplingParams(max_tokens=out_tokens, n=n), arrival_time=arrival,
+                      priority=priority, order=self.order)
+        self.order += 1
+        req.seqs = [Sequence(req, 0, list(prompt))]
+        self.sch.add(req.seqs[0])
+
+    def step(self) -> list[tuple]:
+        out = self.sch.schedule()
+        self.kv.take_ops()
+        for s in out.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_tokens
+            self.kv.commit_computed(seq)
+            req = seq.request
+            samples = list(s.sample_seqs)
+            if samples and req.params.n > 1 and not req.forked:  # n > 1: siblings share the prompt's blocks
+                req.forked = True
+                for i in range(1, req.params.n):
+                    child = Sequence(req, i, list(seq.token_ids), num_computed_tokens=seq.num_computed_tokens)
+                    self.kv.fork(seq, child)
+                    req.seqs.append(child)
+                    self.sch.add_running(child)
+                    samples.append(child)
+            for q in samples:  # each sample's first token comes from this step, as in EngineCore
+                q.token_ids.append(5 + q.index)
+                if q.num_output_tokens >= req.params.max_tokens:
+                    self.sch.finish(q, "length")
+                    self.finished += 1
+        self.kv.end_step()
+        return [(s.seq.request.request_id, s.seq.index, s.start, s.num_tokens, len(s.sample_seqs))
+                for s in out.scheduled]
+
+    def queues(self) -> tuple[list, list]:
+        return ([(q.request.request_id, q.index) for q in self.sch.running],
+                [(q.request.request_id, q.index) for q in self.sch.waiting])
+
+
+@pytest.mark.parametrize("policy,aging_s,mode,seed", [
+    ("priority", 3.0, "recompute", 0), ("priority", 3.0, "swap", 1), ("priority", 0.7, "recompute", 2),
+    ("priority", 0.0, "recompute", 3), ("fcfs", 3.0, "swap", 4), ("priority", 2.0, "recompute", 5),
+])
+def test_schedules_exactly_as_sorting_every_step(policy, aging_s, mode, seed):
+    rng = random.Random(seed)
+    new, ref = Sim(Scheduler, policy, aging_s, mode), Sim(SortEveryStep, policy, aging_s, mode)
+    prompts = [[1, 2, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5]]  # shared prefixes: prefix-cache hits
+    for step in range(400):
+        for _ in range(rng.choice([0, 0, 0, 0, 0, 1, 1, 3])):
+            rid = f"r{new.order}"
+            prompt = list(rng.choice(prompts)) + [rng.randrange(10, 99) for _ in range(rng.randrange(0, 30))]
+            # arrival on the clock, a little ahead of it, or a whole aging period and more ahead
+            arrival = new.now + rng.choice([0.0, 0.0, 0.0, 0.4, 0.5 * aging_s, 1.5 * aging_s + 1.0])
+            args = (rid, prompt, rng.randrange(1, 12), rng.choice([0, 1, 1, 2, 5]), arrival,
+                    rng.choice([1, 1, 1, 2]))
+            new.add(*args)
+            ref.add(*args)
+        if step == 250:  # run-time changes (PATCH /admin/config) apply from the next step
+            for sim in (new, ref):
+                sim.sch.policy, sim.sch.aging_s = ("fcfs" if policy == "priority" else "priority"), 1.0
+        assert new.step() == ref.step(), f"step {step}"
+        assert new.queues() == ref.queues(), f"step {step}"
+        # steps land on aging boundaries exactly (whole seconds) and between them
+        dt = rng.choice([1.0, 1.0, 0.5, 0.25, 0.3])
+        new.now += dt
+        ref.now += dt
+    assert new.sch.num_preemptions == ref.sch.num_preemptions > 0
+    assert new.finished == ref.finished > 100
+
+
+def test_steady_decode_does_not_recompute_keys():
+    """The point of it all: with nothing appended and no aging due, a step computes no order key."""
+    sim = Sim(Scheduler, "priority", 10.0, "recompute")
+    for i in range(10):
+        sim.add(f"r{i}", [1, 2, 3, i], 50, 1, 0.0, 1)
+    for _ in range(3):
+        sim.step()
+    calls = []
+    key = sim.sch._key
+    sim.sch._key = lambda seq: calls.append(seq) or key(seq)
+    for _ in range(5):
+        sim.now += 1.0
+        sim.step()
+    assert calls == []
+    sim.now += 5.0  # every request is now 10 s old: class 1 -> 0, so the queues are sorted again
+    sim.step()
+    assert len(calls) >= 10
