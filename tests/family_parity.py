@@ -6,11 +6,41 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from conftest import hf_greedy, random_prompts, run
+from conftest import COMMON, hf_greedy, random_prompts, run
 
 from servelm import LLM, SamplingParams
 
 GREEDY8 = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+# Phi-4-mini's RoPE in small: head_dim 16, partial_rotary_factor 0.75 rotates 12 of it (6 frequencies), the
+# short factors apply up to 64 positions
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.3, 1.9, 2.6, 3.4, 4.0], "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+            "original_max_position_embeddings": 64}
+MOE_ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral"]
+
+
+def phi3_config(longrope: bool):
+    """A sliding window of 24 and full-head RoPE, or LongRoPE with partial RoPE (no window)."""
+    from transformers import Phi3Config
+
+    if longrope:
+        return Phi3Config(**COMMON, original_max_position_embeddings=64, rope_parameters=dict(LONGROPE))
+    return Phi3Config(**COMMON, sliding_window=24)
+
+
+def moe_config(arch: str, window: int | None = 24):
+    """Qwen3-MoE (q/k norms, norm_topk_prob), Qwen2-MoE (shared expert, q/k/v biases, layer 0 dense) or Mixtral
+    (4 experts, with `window`); top-2 routing."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    moe = dict(COMMON, num_experts_per_tok=2)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**moe, head_dim=16, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True)
+    if arch == "qwen2_moe":
+        return Qwen2MoeConfig(**moe, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                              norm_topk_prob=False, mlp_only_layers=[0])
+    return MixtralConfig(**{**moe, "intermediate_size": 32}, num_local_experts=4, sliding_window=window)
 
 
 def save_tiny(config, out: Path, tokenizer_dir: Path, seed: int = 0, **save_kwargs) -> Path:

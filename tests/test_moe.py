@@ -9,37 +9,29 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import COMMON, run  # noqa: E402
-from family_parity import GREEDY8, check_parity, mixed_prompts, references, save_tiny  # noqa: E402
+from conftest import run  # noqa: E402
+from family_parity import (  # noqa: E402
+    GREEDY8,
+    MOE_ARCHS,
+    check_parity,
+    mixed_prompts,
+    moe_config,
+    references,
+    save_tiny,
+)
 
 from servelm import LLM  # noqa: E402
 from servelm.model.invariant import make_batch_invariant  # noqa: E402
-
-MOE = dict(COMMON, num_experts_per_tok=2)
-
-
-def _config(arch: str):
-    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
-
-    if arch == "qwen3_moe":
-        return Qwen3MoeConfig(**MOE, head_dim=16, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True)
-    if arch == "qwen2_moe":
-        return Qwen2MoeConfig(**MOE, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=64,
-                              norm_topk_prob=False, mlp_only_layers=[0])
-    return MixtralConfig(**{**MOE, "intermediate_size": 32}, num_local_experts=4, sliding_window=24)
-
-
-ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral"]
 
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp("moe")
-    return {a: save_tiny(_config(a), root / a, tokenizer_dir) for a in ARCHS}
+    return {a: save_tiny(moe_config(a), root / a, tokenizer_dir) for a in MOE_ARCHS}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_moe_matches_transformers(moe, arch, dtype):
     llm = check_parity(moe[arch], dtype)
     model = llm.engine.core.model
@@ -54,7 +46,7 @@ def test_moe_matches_transformers(moe, arch, dtype):
 def test_moe_transformers5_layout(moe, tmp_path, tokenizer_dir):
     """save_pretrained(save_original_format=False) keeps transformers 5's fused experts.gate_up_proj /
     experts.down_proj tensors: the same model, the same tokens."""
-    folder = save_tiny(_config("qwen3_moe"), tmp_path / "fused", tokenizer_dir, save_original_format=False)
+    folder = save_tiny(moe_config("qwen3_moe"), tmp_path / "fused", tokenizer_dir, save_original_format=False)
     from safetensors import safe_open
 
     with safe_open(str(next(folder.glob("*.safetensors"))), framework="pt") as f:

@@ -8,26 +8,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import COMMON  # noqa: E402
-from family_parity import check_parity, save_tiny  # noqa: E402
+from family_parity import check_parity, phi3_config, save_tiny  # noqa: E402
 
 from servelm import LLM  # noqa: E402
 from servelm.model import cpu_kernels  # noqa: E402
 
-# head_dim 16; partial_rotary_factor 0.75 rotates 12 of it (6 frequencies); the short factors apply up to 64
-LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
-            "short_factor": [1.0, 1.3, 1.9, 2.6, 3.4, 4.0], "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
-            "original_max_position_embeddings": 64}
-
 
 @pytest.fixture(scope="module")
 def phi3(tmp_path_factory, tokenizer_dir):
-    from transformers import Phi3Config
-
     root = tmp_path_factory.mktemp("phi3")
-    return {"window": save_tiny(Phi3Config(**COMMON, sliding_window=24), root / "window", tokenizer_dir),
-            "longrope": save_tiny(Phi3Config(**COMMON, original_max_position_embeddings=64,
-                                             rope_parameters=LONGROPE), root / "longrope", tokenizer_dir)}
+    return {"window": save_tiny(phi3_config(longrope=False), root / "window", tokenizer_dir),
+            "longrope": save_tiny(phi3_config(longrope=True), root / "longrope", tokenizer_dir)}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -118,9 +118,9 @@ def take_sparse_moe(take: Callable[..., torch.Tensor | None], opts: MoeOptions) 
     """One layer's sparse MLP from the checkpoint; `take(name, required=True)` pops a tensor of the layer.
 
     Names: Qwen's `mlp.gate` and `mlp.experts.{e}.{gate,up,down}_proj`, Mixtral's `block_sparse_moe.gate` and
-    `block_sparse_moe.experts.{e}.{w1,w3,w2}`, or transformers 5's own layout (`mlp.experts.gate_up_proj`
+    `block_sparse_moe.experts.{e}.{w1,w3,w2}`, transformers 5's own layout (`mlp.experts.gate_up_proj`
     [E, 2I, H], gate first, and `mlp.experts.down_proj` [E, H, I]), which save_pretrained writes with
-    save_original_format=False."""
+    save_original_format=False, or a GGUF's stacked `mlp.experts.{gate,up,down}_proj` (gguf_loader's names)."""
     root = "mlp."
     router = take(root + "gate.weight", False)
     if router is None:
@@ -128,16 +128,19 @@ def take_sparse_moe(take: Callable[..., torch.Tensor | None], opts: MoeOptions) 
         router = take(root + "gate.weight")
     n, size = opts.num_experts, opts.expert_size
     gate_up = take(root + "experts.gate_up_proj", False)
-    if gate_up is not None:
+    gate = take(root + "experts.gate_proj", False) if gate_up is None else None
+    if gate_up is not None or gate is not None:  # every expert stacked in one tensor per projection
+        gate, up = (gate_up[:, :size], gate_up[:, size:]) if gate_up is not None else (gate, take(root + "experts.up_proj"))
         down = take(root + "experts.down_proj")
-        if gate_up.shape[0] != n or gate_up.shape[1] != 2 * size:
-            raise ValueError(f"experts.gate_up_proj has shape {tuple(gate_up.shape)}, expected ({n}, {2 * size}, ...)")
-        experts = [(gate_up[e, :size], gate_up[e, size:], down[e]) for e in range(n)]
+        if any(t.shape[0] != n for t in (gate, up, down)) or gate.shape[1] != size or up.shape[1] != size:
+            raise ValueError(f"stacked experts of shapes {tuple(gate.shape)}, {tuple(up.shape)}, {tuple(down.shape)}: "
+                             f"expected {n} experts of {size}")
+        experts = [(gate[e], up[e], down[e]) for e in range(n)]
     else:
         names = ("w1", "w3", "w2") if root == "block_sparse_moe." else ("gate_proj", "up_proj", "down_proj")
         experts = [tuple(take(f"{root}experts.{e}.{m}.weight") for m in names) for e in range(n)]
     shared = None
     if opts.shared_expert_size:
         shared = tuple(take(f"mlp.shared_expert.{m}.weight") for m in ("gate_proj", "up_proj", "down_proj"))
-        shared += (take("mlp.shared_expert_gate.weight"),)
+        shared += (take("mlp.shared_expert_gate.weight").reshape(1, -1),)  # [1, hidden] (a GGUF may store [hidden])
     return SparseMoe(router, experts, opts, shared)
