@@ -30,11 +30,14 @@ def converted(tmp_path_factory, tokenizer_dir):
                "mixtral": moe_config("mixtral", window=None)}  # llama.cpp's converter drops a llama-arch window
     folders = {n: save_tiny(c, root / n, tokenizer_dir, seed=1) for n, c in configs.items()}
     tc = folders["phi3"] / "tokenizer_config.json"  # the converter's Phi-3 path reads a BPE vocabulary only so
-    tc.write_text(json.dumps({**json.loads(tc.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
+    original = tc.read_text()
+    tc.write_text(json.dumps({**json.loads(original), "tokenizer_class": "GPT2Tokenizer"}))
     try:
         files = convert(folders, tmp_path_factory.mktemp("families_gguf"))
     except ConverterUnavailable as e:
         pytest.skip(str(e))
+    finally:
+        tc.write_text(original)
     return {n: (folders[n], files[n]) for n in NAMES}
 
 
