@@ -146,13 +146,13 @@ def test_unsupported_architecture_is_refused_before_the_tokenizer(tmp_path, priv
     conversion (seconds to a minute on real vocabularies), no cache folder left behind."""
     import transformers
 
-    bad = _tiny_gguf(tmp_path / "moe.gguf", arch="qwen3moe")
+    bad = _tiny_gguf(tmp_path / "phi2.gguf", arch="phi2")
 
     def no_tokenizer(*a, **k):
         raise AssertionError("the tokenizer was converted before the architecture was checked")
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_tokenizer)
-    with pytest.raises(ValueError, match="architecture 'qwen3moe' is not supported") as err:
+    with pytest.raises(ValueError, match="architecture 'phi2' is not supported") as err:
         load_config_and_tokenizer(str(bad))
     assert "\n" not in str(err.value)
     assert not private_cache.exists() or not any(private_cache.rglob("*"))

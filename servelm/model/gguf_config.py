@@ -228,11 +228,12 @@ def _experts(r: _Reader, n_layers: int, tensors: dict) -> dict:
         r.refuse(f"{r.arch}.expert_count: experts are not supported for {r.arch}")
     if r.get("expert_gating_func", _GATING_SOFTMAX) != _GATING_SOFTMAX:
         r.refuse(f"{r.arch}.expert_gating_func {r.get('expert_gating_func')} is not supported (only softmax)")
-    k = r.get("expert_used_count", required=True)
     dense = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    if r.arch == "llama" and dense:
+        r.refuse(f"llama.expert_count {n}, but block {dense[0]} has no ffn_gate_inp (router): a Mixtral model has "
+                 "experts in every block")
+    k = r.get("expert_used_count", required=True)
     if r.arch == "llama":
-        if dense:
-            r.refuse(f"block {dense[0]} has no ffn_gate_inp (router): a Mixtral model has experts in every block")
         return {"num_local_experts": n, "num_experts_per_tok": k}
     out = {"num_experts": n, "num_experts_per_tok": k, "norm_topk_prob": r.arch == "qwen3moe",
            "moe_intermediate_size": r.get("expert_feed_forward_length", required=True),
