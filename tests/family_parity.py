@@ -74,13 +74,32 @@ def references(folder: Path, dtype: str, prompts: list[list[int]]) -> list[list[
     return _refs[key]
 
 
+def assert_greedy_within_rounding(folder: Path, prompts: list[list[int]], outs: list[list[int]]) -> None:
+    """bfloat16: every generated token is transformers' argmax (its bfloat16 model, fed the same prefix), or
+    within 3 bf16 ulps of it. Exact ties to the bit cannot be asked of two sets of kernels: transformers' own
+    cached generate and its uncached forward pick different tokens where the top two logits are 0.06 apart."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    for p, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            rows = hf(torch.tensor([p + out])).logits[0, len(p) - 1:len(p) - 1 + len(out)].float()
+        for step, (tok, row) in enumerate(zip(out, rows, strict=True)):
+            top = row.max()
+            ulp = 2.0 ** (torch.floor(torch.log2(top.abs())) - 7)
+            assert row[tok] >= top - 3 * ulp, (p, step, tok, int(row.argmax()), float(top - row[tok]))
+
+
 def check_parity(folder: Path, dtype: str, **llm_kwargs) -> LLM:
     """The first prompt alone, then the rest batched (the shared prefix from the cache) in 16-token prefill
-    chunks: every token as transformers'. Returns the LLM for further checks."""
+    chunks: in float32 every token as transformers' greedy generate; in bfloat16 every token transformers'
+    choice up to rounding (`assert_greedy_within_rounding`). Returns the LLM for further checks."""
     prompts = mixed_prompts()
-    refs = references(folder, dtype, prompts)
     llm = LLM(str(folder), dtype=dtype, num_kv_blocks=64, max_num_batched_tokens=16, **llm_kwargs)
-    assert run(llm, prompts[:1], GREEDY8) == refs[:1]  # alone
-    assert run(llm, prompts[1:], GREEDY8) == refs[1:]  # batched, chunked, the shared prefix from the cache
-    assert llm.engine.get_stats().prefix_cache_hits >= 32
+    outs = run(llm, prompts[:1], GREEDY8) + run(llm, prompts[1:], GREEDY8)  # alone, then batched and chunked
+    assert llm.engine.get_stats().prefix_cache_hits >= 32  # the shared prefix came from the cache
+    if dtype == "float32":
+        assert outs == references(folder, dtype, prompts)
+    else:
+        assert_greedy_within_rounding(folder, prompts, outs)
     return llm

@@ -1,6 +1,7 @@
 """Phi-3: tiny random-weight models (fused qkv_proj and gate_up_proj in the checkpoint) match transformers'
-greedy outputs token for token, alone and batched with prefix caching and chunked prefill: one with a
-sliding window and full-head RoPE (float32 and bfloat16), one with LongRoPE and partial RoPE (Phi-4-mini's)."""
+greedy outputs token for token (bfloat16: up to rounding at near ties), alone and batched with prefix caching
+and chunked prefill: one with a sliding window and full-head RoPE (float32 and bfloat16), one with LongRoPE and
+partial RoPE (Phi-4-mini's)."""
 
 from __future__ import annotations
 
