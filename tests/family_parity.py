@@ -29,9 +29,9 @@ def phi3_config(longrope: bool):
     return Phi3Config(**COMMON, sliding_window=24)
 
 
-def moe_config(arch: str, window: int | None = 24):
-    """Qwen3-MoE (q/k norms, norm_topk_prob), Qwen2-MoE (shared expert, q/k/v biases, layer 0 dense) or Mixtral
-    (4 experts, with `window`); top-2 routing."""
+def moe_config(arch: str, window: int | None = 24, dense_layers: tuple[int, ...] = (0,)):
+    """Qwen3-MoE (q/k norms, norm_topk_prob), Qwen2-MoE (shared expert, q/k/v biases, `dense_layers` dense) or
+    Mixtral (4 experts, with `window`); top-2 routing."""
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     moe = dict(COMMON, num_experts_per_tok=2)
@@ -39,7 +39,7 @@ def moe_config(arch: str, window: int | None = 24):
         return Qwen3MoeConfig(**moe, head_dim=16, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True)
     if arch == "qwen2_moe":
         return Qwen2MoeConfig(**moe, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=64,
-                              norm_topk_prob=False, mlp_only_layers=[0])
+                              norm_topk_prob=False, mlp_only_layers=list(dense_layers))
     return MixtralConfig(**{**moe, "intermediate_size": 32}, num_local_experts=4, sliding_window=window)
 
 
