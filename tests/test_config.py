@@ -202,3 +202,20 @@ def test_cpu_bind_binds_the_engine_process_and_sets_one_thread_per_cpu():
     finally:
         os.sched_setaffinity(0, cpus)
         torch.set_num_threads(threads)
+
+
+def test_http_keep_alive_outlasts_clients_idle_expiry():
+    """uvicorn's own keep-alive (5 s) equals httpx's idle expiry, so a client could reuse a connection at the
+    moment the server closed it (a reset in a one-hour soak). The server's keep-alive is a setting, passed to
+    uvicorn, and by default longer than httpx's (the openai SDK's) expiry."""
+    import httpx
+
+    from servelm.config.settings import load
+    from servelm.server.serve import uvicorn_config
+
+    default = load({}, env={}).server
+    assert uvicorn_config(None, default).timeout_keep_alive == default.http_keep_alive_s
+    assert default.http_keep_alive_s > httpx.Limits().keepalive_expiry
+    assert uvicorn_config(None, load({"http_keep_alive_s": 12}, env={}).server).timeout_keep_alive == 12
+    with pytest.raises(Exception, match="http_keep_alive_s"):
+        load({"http_keep_alive_s": 0}, env={})

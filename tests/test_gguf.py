@@ -103,3 +103,25 @@ def test_smollm2_default_model_answers(smollm):
                        SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
     assert chat.text == "The capital of France is Paris."
     assert chat.finish_reason == "stop" and chat.stop_reason is None  # ended by EOS <|im_end|>
+
+
+def test_smollm2_q4_1_linears_kept_as_int4_exactly():
+    """quantization=gguf on the real file: every linear (Q4_1) comes as int4 codes whose float32 weight is the
+    dequantized tensor bit for bit (checked in the first and last layers; all 210 were, once) (llama.cpp's Q/K row permutation undone on codes, scales and zero points
+    alike); the rest (the Q8_0 embedding, float32 norms) is dequantized as before."""
+    from servelm.model.gguf_loader import iter_gguf_tensors
+    from servelm.model.quant import QuantWeight, is_linear_weight
+
+    path = default_model_path()
+    kept = iter_gguf_tensors(path, torch.float32, keep_quantized=True)
+    linears = 0
+    for (name, q), (same, dense) in zip(kept, iter_gguf_tensors(path, torch.float32), strict=True):
+        assert name == same
+        if is_linear_weight(name):
+            assert isinstance(q, QuantWeight) and q.source == "Q4_1", name
+            linears += 1
+            if name.startswith(("model.layers.0.", "model.layers.29.")):  # first and last layer: bit for bit
+                assert torch.equal(q.dequantize(), dense), name
+        else:
+            assert torch.equal(q, dense), name
+    assert linears == 210

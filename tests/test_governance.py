@@ -358,7 +358,7 @@ def test_canary_experiment_bandit_and_log_mode_state_survive_a_restart(platform)
     client.portal.call(new.close)
 
     client.portal.call(old.canaries["m"].abort, "t", "next part")
-    old.clear_policy("m", "t")
+    client.portal.call(old.clear_policy, "m", "t")
     assert client.put("/admin/models/m/bandit", headers=ADMIN, json={"versions": [1, 3]}).status_code == 200
     for j in range(20):
         complete(client, headers={"x-request-id": f"bd{j}"})
@@ -369,7 +369,7 @@ def test_canary_experiment_bandit_and_log_mode_state_survive_a_restart(platform)
     assert new.policies["m"].bandit.to_dict() == posterior
     client.portal.call(new.close)
 
-    old.clear_policy("m", "t")
+    client.portal.call(old.clear_policy, "m", "t")
     assert client.post("/admin/experiments", headers=ADMIN, json={
         "name": "e1", "model": "m", "arms": [{"version": 1, "name": "a"}, {"version": 4, "name": "b"}]}
     ).status_code == 201

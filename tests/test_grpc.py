@@ -160,3 +160,45 @@ def test_grpc_port_in_use_is_refused_before_anything_loads():
         async def bind():
             return _bind_grpc(srv)
         assert "cannot listen for gRPC on 127.0.0.1:" in asyncio.run(bind())
+
+
+def test_health_watch_follows_readiness():
+    """A Watch stream sees the server's own services go NOT_SERVING while the engines are not ready (an
+    engine died) and SERVING again once they are (a grpc.aio server with the standard health servicer,
+    driven by servelm's readiness follower and a switchable readiness)."""
+    import asyncio
+
+    from grpc_health.v1 import health
+
+    from servelm.server.rpc.server import follow_readiness
+
+    S, N = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def scenario() -> list[int]:
+        server = grpc.aio.server()
+        servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        ready = {"now": True}
+        follow = asyncio.ensure_future(follow_readiness(servicer, lambda: ready["now"], ("", "x"), every_s=0.01))
+        seen: list[int] = []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service="x"))
+            async for reply in stream:
+                if reply.status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
+                    continue  # the watch began before the follower's first update
+                seen.append(reply.status)
+                if seen == [S]:
+                    ready["now"] = False  # the engine went down
+                elif seen[-1] == N:
+                    ready["now"] = True  # and came back
+                else:
+                    break
+            stream.cancel()
+        follow.cancel()
+        await server.stop(0)
+        return seen
+
+    seen = asyncio.run(asyncio.wait_for(scenario(), 60))  # a guard: without the follower the stream never moves
+    assert seen == [S, N, S], seen

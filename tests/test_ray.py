@@ -3,10 +3,9 @@ model from Ray Serve replicas behind servelm's API process; a replica killed und
 no request hangs (those not yet started are re-sent, streamed ones end with an error event); servelm's
 autoscaling policy adds replicas under load and removes them when it ends.
 
-Needs `pip install servelm[ray]` (skipped without Ray). On the 2-core CI machine the module takes about a
-minute and a half (Ray's start-up and one engine process per replica), over the suite's budget, so Ray is not
-in the `test` extra: run it with `pip install -e ".[ray]" -c constraints.txt` then
-`python -m pytest tests/test_ray.py`.
+Ray is in the `test` extra, so CI runs this module (about a minute and a half on 2 cores: Ray's start-up and
+one engine process per replica, on one xdist worker beside the rest); elsewhere it is skipped without Ray
+(`pip install servelm[ray]`).
 """
 
 from __future__ import annotations

@@ -243,7 +243,7 @@ def test_backpressure_503_at_high_watermark_until_below_low(svc):
     _wait(lambda: stats(url, ALICE)["running"] == 0, 60, "the blocker to be aborted")
     assert complete(url, ALICE).status_code == 200  # admitted again
     assert stats(url, ALICE)["queue"]["shedding"] is False
-    assert patch(url, max_num_seqs=4, queue_high_watermark=1000, queue_low_watermark=500).status_code == 200
+    assert patch(url, max_num_seqs=4, queue_high_watermark=128, queue_low_watermark=64).status_code == 200
 
 
 def test_stats_json_shape(svc):

@@ -27,8 +27,16 @@ class FakeDep(IdleEngine):
         self.kind = version.kind
         self.gate: asyncio.Event | None = None
         self.served = 0
+        self.pins = 0  # leases held now (requests, shadow copies included, that a swap would wait for)
 
-    async def generate(self, rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None):
+    def pin(self):
+        from servelm.control.lease import Lease
+
+        self.pins += 1
+        return Lease(self, None, on_release=lambda: setattr(self, "pins", self.pins - 1))
+
+    async def generate(self, rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None,
+                       generation=None):
         if self.gate is not None:
             await self.gate.wait()
         self.served += 1
@@ -216,9 +224,12 @@ def test_shadow_overflow_is_counted_and_never_blocks(platform):
         assert r.status_code == 200 and r.headers["x-servelm-model-version"] == "m:1"
     stats = client.get("/admin/models/m/shadow", headers=ADMIN).json()["stats"]
     assert stats["dropped"] == 3
+    # the running shadow copy pins v3 as a request does (a swap of v3 waits for it); the callers' pins are gone
+    assert deps[3].pins == 1 and deps[1].pins == 0
     assert 'servelm:shadow_dropped_total{model_name="m",model_version="3"} 3.0' in client.get("/metrics").text
     client.portal.call(gate.set)
     client.portal.call(state.traffic.mirrors["m"].drain)
+    assert deps[3].pins == 0
     stats = client.get("/admin/models/m/shadow", headers=ADMIN).json()["stats"]
     assert stats["pairs"] == 2 and stats["exact_agreement"] == 0.0  # v3 answers other tokens than v1
 
@@ -356,8 +367,8 @@ def test_policies_canaries_and_experiments_come_back_after_a_restart(platform):
     assert resumed == ["m"] and new.canaries["m"].controller.percent == 20
     assert {a.version: a.weight for a in new.policies["m"].arms} == {1: 80, 3: 20}
     client.portal.call(new.canaries["m"].abort, "t", "test")
-    new.clear_policy("m", "t")
-    new.start_experiment("e2", split("m", {1: 1, 4: 1}), None, "t")
+    client.portal.call(new.clear_policy, "m", "t")
+    client.portal.call(new.start_experiment, "e2", split("m", {1: 1, 4: 1}), None, "t")
     third = TrafficService(state.control, old.cfg, CollectorRegistry(), state.models)
     assert third.experiment_of == {"m": "e2"} and set(third.experiments["e2"].arms) == {"v1", "v4"}
     client.portal.call(new.close)
@@ -516,6 +527,45 @@ def test_feedback_is_bounded_once_per_request_and_only_from_its_key(platform):
     assert sum(f["n"] for f in fed) == 2 and all(math.isfinite(f["mean"]) for f in fed)
 
 
+def test_policy_writes_run_off_the_event_loop_in_order(platform):
+    """A policy change's database write (audited) runs on the registry's writer thread, never on the event
+    loop that serves requests; two changes land in the order they were made, in memory and stored."""
+    import threading
+
+    client, state, _ = platform
+    svc = state.traffic
+    threads: list[str] = []
+    put = svc.store.put
+
+    def spy(*args, **kw):
+        threads.append(threading.current_thread().name)
+        return put(*args, **kw)
+
+    svc.store.put = spy
+    for weights in ([{"version": 1, "weight": 90}, {"version": 3, "weight": 10}], [{"version": 1, "weight": 50},
+                                                                                   {"version": 3, "weight": 50}]):
+        assert client.put("/admin/models/m/traffic", headers=ADMIN, json={"arms": weights}).status_code == 200
+    assert client.put("/admin/models/m/prediction-log", headers=ADMIN, json={"mode": "off"}).status_code == 200
+    assert len(threads) == 3 and all(t.startswith("servelm-registry") for t in threads), threads
+    assert {a.version: a.weight for a in svc.policies["m"].arms} == {1: 50, 3: 50}
+    assert svc.store.policy("m") == svc.policies["m"]
+
+
+def test_feedback_for_a_request_served_before_a_restart(platform):
+    """A restarted server remembers no request ids: feedback finds the request in the prediction log (its
+    version and arm), and the once-per-request rule holds across restarts (the database records it)."""
+    client, state, _ = platform
+    assert complete(client, headers={"x-request-id": "old-1"}).status_code == 200
+    state.traffic.served.clear()  # what a new process knows
+    r = client.post("/v1/feedback", json={"request_id": "old-1", "score": 1.0})
+    assert r.status_code == 200, r.text
+    assert (r.json()["model"], r.json()["version"], r.json()["arm"]) == ("m", 1, "v1")
+    state.traffic.served.clear()
+    assert _error(client.post("/v1/feedback", json={"request_id": "old-1", "score": 0.0}), 409)["code"] == \
+        "feedback_exists"
+    assert _error(client.post("/v1/feedback", json={"request_id": "never", "score": 0.0}), 404)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"arms": [{"version": 1, "name": "a"}, {"version": 3, "name": "b"}], "baseline": "nope"}, "baseline"),
     ({"arms": [{"version": 1, "name": "a"}, {"version": 3, "name": "a"}]}, "arms"),
@@ -558,9 +608,9 @@ def test_a_shadow_copy_keeps_the_primary_cache_salt_and_a_queue_timeout(platform
     seen: list[tuple] = []
     generate = deps[3].generate
 
-    def spy(rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None):
+    def spy(rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None, generation=None):
         seen.append((queue_timeout, cache_salt))
-        return generate(rid, ids, params, prompt, priority, queue_timeout, cache_salt)
+        return generate(rid, ids, params, prompt, priority, queue_timeout, cache_salt, generation)
 
     deps[3].generate = spy
     assert client.put("/admin/models/m/shadow", headers=ADMIN, json={"version": 3}).status_code == 200

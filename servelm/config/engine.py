@@ -52,6 +52,13 @@ class EngineConfig:
     tokenizer: str | None = _f(None, "a tokenizer folder to use instead of the model's own")
     dtype: str = _f("auto", "auto | float32 | bfloat16 | float16; auto picks bfloat16 where the CPU has "
                     "native bf16 (AVX512-BF16/AMX), else float32")
+    quantization: str = _f("none", "none | gguf | int8 | int4: linear weights kept quantized in memory and run by "
+                           "PyTorch's int8/int4 CPU kernels (CPU only; README: Quantization). gguf keeps a GGUF "
+                           "file's Q4_0/Q4_1/Q4_K linears as they are (exact) and dequantizes its other types; "
+                           "int8 (per output channel) and int4 (group-wise) quantize the linears at load; none "
+                           "dequantizes everything to --dtype")
+    quantization_group_size: int = _f(32, "int4: weights sharing one scale and zero point, 32, 64, 128 or 256; "
+                                      "it must divide every linear's input width (SmolLM2's 576: 32 or 64)")
     device: str = _f("cpu", "device to run on: cpu, or cuda (NVIDIA GPUs: Triton attention, CUDA graphs)")
     enforce_eager: bool = _f(False, "on CUDA, run decode steps eagerly instead of replaying CUDA graphs "
                              "captured per batch size (as vLLM's --enforce-eager)")
@@ -111,6 +118,12 @@ class EngineConfig:
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
              "one of auto, float32, bfloat16, float16")
         need(self.device == "cpu" or self.device.startswith("cuda"), "device", "cpu, cuda or cuda:N")
+        need(self.quantization in ("none", "gguf", "int8", "int4"), "quantization", "one of none, gguf, int8, int4")
+        need(self.quantization_group_size in (32, 64, 128, 256), "quantization_group_size", "32, 64, 128 or 256")
+        need(self.quantization == "none" or self.device == "cpu", "quantization", "none on a GPU (quantized "
+             "weights run on the CPU only)")
+        need(self.quantization == "none" or not self.batch_invariant, "quantization", "none with batch_invariant "
+             "(the quantized kernels are not batch invariant)")
         need(not self.batch_invariant or self.device == "cpu", "batch_invariant", "false on a GPU (CPU only)")
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", "a power of two in [1, 256]")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1 or None")

@@ -65,6 +65,9 @@ class ServerConfig:
     header_timeout_s: float = _f(10.0, "close a connection whose request head (request line and headers) is not "
                                  "complete this long after it opened or after its last response (slow clients, "
                                  "slowloris); 0 turns it off")
+    http_keep_alive_s: float = _f(75.0, "close a kept-alive connection idle this long (or header_timeout_s, when "
+                                  "smaller); keep it above clients' own idle expiry (5 s in httpx and the openai "
+                                  "SDK), or a client can reuse a connection the server is closing and get a reset")
     ui: str = _f("chat", "the web chat page at / : chat (served, no login of its own: it asks for an API key when "
                  "the server needs one) or none")
     responses_store_size: int = _f(1000, "responses of /v1/responses kept in memory for previous_response_id and "
@@ -131,6 +134,7 @@ class ServerConfig:
         need(self.drain_timeout >= 0, "drain_timeout", ">= 0")
         need(self.swap_drain_timeout_s >= 0, "swap_drain_timeout_s", ">= 0")
         need(self.header_timeout_s >= 0, "header_timeout_s", ">= 0")
+        need(self.http_keep_alive_s > 0, "http_keep_alive_s", "> 0")
         need(self.engine_start_timeout_s >= 0, "engine_start_timeout_s", ">= 0 (0: no limit)")
         for name in SECRETS:
             path = getattr(self, f"{name}_file")
@@ -183,8 +187,10 @@ class ServerConfig:
 class AdmissionConfig:
     """What the API admits and when it sheds load; all of it can change at run time."""
 
-    queue_high_watermark: int = _f(1000, "queued requests at which new ones get 503", runtime=True)
-    queue_low_watermark: int = _f(500, "after shedding, admit again once the queue is below this", runtime=True)
+    # about capacity x queue_timeout_s: more queued requests than the server can start before the timeout only
+    # wait to get 408 (the default model on 2 cores: ~3.75 req/s x 30 s = ~110; raise it on bigger machines)
+    queue_high_watermark: int = _f(128, "queued requests at which new ones get 503", runtime=True)
+    queue_low_watermark: int = _f(64, "after shedding, admit again once the queue is below this", runtime=True)
     queue_timeout_s: float = _f(30.0, "a request with no first token after this long is removed (408)",
                                 runtime=True)
     rate_limit_rpm: int | None = _f(None, "requests per minute per key, for keys without their own limit",

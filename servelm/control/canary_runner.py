@@ -48,9 +48,9 @@ class CanaryRun:
     def name(self) -> str:
         return self.controller.config.model
 
-    def start(self, actor: str) -> None:
-        self._save(actor, "canary.start")
-        self.svc.set_policy(self.controller.policy(), actor, "canary.traffic")
+    async def start(self, actor: str) -> None:
+        await self._save(actor, "canary.start")
+        await self.svc.set_policy(self.controller.policy(), actor, "canary.traffic")
         self.task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
@@ -83,8 +83,8 @@ class CanaryRun:
         cfg = self.controller.config
         logger.warning("canary %s:%d %s at step %d: %s", cfg.model, cfg.canary, d.action, d.step, "; ".join(d.reasons))
         if d.action == ADVANCE:
-            self.svc.set_policy(self.controller.policy(), actor, "canary.advance")
-            self._save(actor, "canary.advance")
+            await self.svc.set_policy(self.controller.policy(), actor, "canary.advance")
+            await self._save(actor, "canary.advance")
         elif d.action == ROLLBACK:
             await self._rollback(actor, "; ".join(d.reasons), "automatic" if actor == SYSTEM else "aborted")
         else:
@@ -95,14 +95,14 @@ class CanaryRun:
                 self.controller.promotion_applied(False)
                 self.history.append({"at": time.time(), "action": "promotion_failed", "step": d.step,
                                      "percent": self.controller.percent, "reasons": [f"{type(e).__name__}: {e}"]})
-                self._save(actor, "canary.promote_failed")
+                await self._save(actor, "canary.promote_failed")
                 self.svc.metrics.canary_failures.labels(cfg.model, str(cfg.canary)).inc()
                 self._notify("canary.promotion_failed", f"{type(e).__name__}: {e}", actor)
                 raise
             self.controller.promotion_applied(True)
             if cfg.model in self.svc.policies:
-                self.svc.clear_policy(cfg.model, actor)
-            self._save(actor, "canary.promote")
+                await self.svc.clear_policy(cfg.model, actor)
+            await self._save(actor, "canary.promote")
             self.svc.metrics.promotions.labels(cfg.model, str(cfg.canary)).inc()
 
     async def abort(self, actor: str, reason: str) -> None:
@@ -118,14 +118,16 @@ class CanaryRun:
 
     async def _rollback(self, actor: str, reason: str, kind: str) -> None:
         cfg = self.controller.config
-        self.svc.set_policy(self.controller.policy(), actor, "canary.rollback")  # canary traffic -> 0 first
+        policy = self.controller.policy()
+        self.svc.apply_policy(policy)  # canary traffic -> 0 at once, before anything is written
+        await self.svc.set_policy(policy, actor, "canary.rollback")
         reg = self.svc.cp.registry
         try:
             if reg.get(cfg.model, cfg.canary).state == State.CANARY:
                 await asyncio.to_thread(reg.transition, cfg.model, cfg.canary, State.ROLLBACK, actor,
                                         f"canary rolled back: {reason}")
         finally:
-            self._save(actor, "canary.rollback")
+            await self._save(actor, "canary.rollback")
             self.svc.metrics.rollbacks.labels(cfg.model, str(cfg.canary), kind).inc()
             self._notify("canary.rollback", reason, actor, kind=kind)
 
@@ -137,9 +139,9 @@ class CanaryRun:
             notify({"event": event, "model": self.name, "version": c.config.canary,
                     "production": c.config.production, "step": c.step, "reason": reason, "actor": actor, **more})
 
-    def _save(self, actor: str, action: str) -> None:
-        self.svc.store.put("canary", self.name, {**self.controller.to_dict(), "history": self.history}, actor,
-                           action)
+    async def _save(self, actor: str, action: str) -> None:
+        record = {**self.controller.to_dict(), "history": self.history}
+        await self.svc.write(self.svc.store.put, "canary", self.name, record, actor, action)
 
 
 async def start_canary(svc: Any, config: CanaryConfig, actor: str) -> CanaryRun:
@@ -167,5 +169,5 @@ async def start_canary(svc: Any, config: CanaryConfig, actor: str) -> CanaryRun:
     if old is not None:
         await old.stop()
     run = svc.canaries[name] = CanaryRun(svc, config, svc.cfg.canary_interval_s)
-    run.start(actor)
+    await run.start(actor)
     return run

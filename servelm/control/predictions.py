@@ -45,6 +45,7 @@ from sqlalchemy import (
     event,
     select,
 )
+from sqlalchemy.exc import IntegrityError
 
 from servelm.control import db
 from servelm.control.types import ControlError
@@ -74,6 +75,14 @@ predictions_table = Table(
     Column("error", Text),
 )
 Index("predictions_model_at", predictions_table.c.model, predictions_table.c.at)
+Index("predictions_request_id", predictions_table.c.request_id)
+# one row per rated request: feedback is accepted once per request, across restarts too
+feedback_table = Table(
+    "feedback", metadata,
+    Column("request_id", String(200), primary_key=True),
+    Column("at", Float, nullable=False),
+    Column("score", Float, nullable=False),
+)
 event.listen(predictions_table, "after_create", DDL(
     "CREATE TRIGGER IF NOT EXISTS predictions_append_only BEFORE UPDATE ON predictions "
     "BEGIN SELECT RAISE(ABORT, 'the prediction log is append-only'); END").execute_if(dialect="sqlite"))
@@ -174,6 +183,8 @@ class PredictionLog:
         self._writer_lock = threading.Lock()
         if engine is not None:
             db.create_tables(engine, metadata)
+            with db.write(engine) as conn:  # a database made before the index existed gets it too
+                conn.exec_driver_sql("CREATE INDEX IF NOT EXISTS predictions_request_id ON predictions (request_id)")
 
     def mode(self, model: str) -> str:
         return self.modes.get(model, self.default_mode)
@@ -256,6 +267,32 @@ class PredictionLog:
             q = q.limit(limit)
         with db.read(self.engine) as conn:
             return [dict(r._mapping) for r in conn.execute(q)]
+
+    def find(self, request_id: str) -> dict | None:
+        """The entry of `request_id` (None when the log has none: its mode was off, it was purged or erased),
+        with `rated`: whether feedback for it was recorded. From the database only (the file is not indexed)."""
+        if self.engine is None:
+            return None
+        with db.read(self.engine) as conn:
+            row = conn.execute(select(predictions_table).where(predictions_table.c.request_id == request_id)
+                               .limit(1)).first()
+            if row is None:
+                return None
+            rated = conn.execute(select(feedback_table.c.request_id)
+                                 .where(feedback_table.c.request_id == request_id)).first() is not None
+        return {**row._mapping, "rated": rated}
+
+    def record_feedback(self, request_id: str, score: float) -> bool:
+        """Mark `request_id` as rated; False when it already was (the database decides, so two servers
+        or a restart cannot both accept it). True without a database (the caller's memory decides)."""
+        if self.engine is None:
+            return True
+        try:
+            with db.write(self.engine) as conn:
+                conn.execute(feedback_table.insert(), {"request_id": request_id, "at": self.clock(), "score": score})
+        except IntegrityError:
+            return False
+        return True
 
     def erase_user(self, user: str) -> int:
         """GDPR erasure: remove every entry of `user` (database and file); the number removed (from the

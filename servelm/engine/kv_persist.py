@@ -70,11 +70,14 @@ class KVTransfer:
         return dataclasses.asdict(self)
 
 
-def model_hash(source: ModelSource, spec: ModelSpec) -> str:
+def model_hash(source: ModelSource, spec: ModelSpec, quantization: str = "none") -> str:
     """SHA-256 of what the cached keys and values depend on besides the tokens: the weight files' bytes and
-    the architecture as loaded (a --sliding-window override changes the values). Not the dtype: the header
-    names that on its own, so a mismatch says which it is. Reads every weight file once (about 1-2 GB/s)."""
+    the architecture as loaded (a --sliding-window override changes the values), and the weights'
+    quantization if any. Not the dtype: the header names that on its own, so a mismatch says which it is.
+    Reads every weight file once (about 1-2 GB/s)."""
     h = hashlib.sha256(b"servelm-kv-model\0")
+    if quantization != "none":  # quantized weights give other keys and values (none: the hash as before)
+        h.update(f"quantization={quantization}".encode())
     for f in dataclasses.fields(spec):
         v = getattr(spec, f.name)
         h.update(f.name.encode() + b"=")

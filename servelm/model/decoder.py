@@ -24,6 +24,7 @@ from servelm.model.layers import (
     rotary_,
 )
 from servelm.model.moe import SparseMoe, take_sparse_moe
+from servelm.model.quant import fuse_rows
 from servelm.model.spec import ModelSpec
 
 
@@ -50,6 +51,7 @@ class DecoderLM:
         self.spec = spec
         self.dtype = dtype
         self.batch_invariant = False  # set by model.invariant.make_batch_invariant
+        self.quantization = "none"  # set by the loader (model/quant.py)
         self.embed = weights.pop("model.embed_tokens.weight")
         self.norm = self._norm_weight(weights.pop("model.norm.weight"))
         lm_head = weights.pop("lm_head.weight", None)
@@ -122,11 +124,12 @@ class DecoderLM:
             qkv_weight, qkv_bias = take("self_attn.qkv_proj.weight"), take("self_attn.qkv_proj.bias", False)
         else:
             q, k, v = take("self_attn.q_proj.weight"), take("self_attn.k_proj.weight"), take("self_attn.v_proj.weight")
-            qkv_weight = torch.cat([q, k, v]).contiguous()
+            qkv_weight = fuse_rows([q, k, v])
             biases = [take(f"self_attn.{n}_proj.bias", False) for n in "qkv"]
             qkv_bias = None
             if any(b is not None for b in biases):
-                qkv_bias = torch.cat([b if b is not None else torch.zeros(t.shape[0], dtype=t.dtype, device=t.device)
+                ref = next(b for b in biases if b is not None)  # q/k/v may be quantized: no dtype of their own
+                qkv_bias = torch.cat([b if b is not None else torch.zeros(t.shape[0], dtype=ref.dtype, device=ref.device)
                                       for b, t in zip(biases, (q, k, v), strict=True)])
         moe, gate_up, down = None, None, None
         if self.spec.moe is not None and self.spec.moe.sparse_layers[i]:

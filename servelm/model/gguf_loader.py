@@ -1,10 +1,13 @@
-"""Native GGUF loading with the `gguf` package: metadata, dequantized tensors, HF-style names."""
+"""Native GGUF loading with the `gguf` package: metadata, dequantized (or kept quantized) tensors, HF-style
+names."""
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import re
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +15,10 @@ import numpy as np
 import torch
 
 from servelm.model.gguf_header import GGUFHeader, read_gguf_header  # noqa: F401 (re-exported)
+from servelm.model.quant import QuantWeight, is_linear_weight
 from servelm.progress import progress
+
+logger = logging.getLogger(__name__)
 
 # GGUF tensor name (per block) -> Hugging Face name suffix.
 _BLOCK_NAMES = {
@@ -91,10 +97,52 @@ def dequantize(raw: np.ndarray, qtype) -> np.ndarray:
     return blocks.reshape(*raw.shape[:-1], -1)
 
 
-def iter_gguf_tensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (hf_name, tensor) for every tensor of a GGUF file, dequantized to `dtype`."""
+# Block formats kept quantized (quantization=gguf): every 32 weights have one scale and one offset, exactly
+# the int4 kernel's groups of 32. Q8_0 (int8 codes, a scale per 32) fits neither the per-row int8 kernel nor
+# int4, and Q5_K/Q6_K codes have 5 and 6 bits: those are dequantized, as every type is with quantization=none.
+KEPT_INT4 = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes -> [...] float32 (a block's float16 field)."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def int4_blocks(raw: np.ndarray, qname: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_0 / Q4_1 / Q4_K tensor's rows [rows, row bytes] as int4 codes [rows, K] (uint8, 0..15) and float32
+    scales and zero points [rows, K / 32], such that (code - 8) * scale + zero is gguf's dequantized value:
+    Q4_0 d * (q - 8): scale d, zero 0. Q4_1 d * q + m: scale d, zero m + 8d. Q4_K, per 32-weight sub-block,
+    (d * sc) * q - dmin * mn: scale d * sc, zero 8 * scale - dmin * mn. The float16 fields times 4- and 6-bit
+    integers are exact in float32; the zero point's sum rounds only where its terms' exponents are more
+    than 13 apart (then one float32 ulp)."""
+    rows = raw.shape[0]
+    if qname == "Q4_K":
+        import gguf
+
+        blocks = raw.reshape(-1, 144)  # d, dmin (float16), 12 bytes of 6-bit sub-scales/mins, 128 bytes of codes
+        sc, mn = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+        scale = _f16(blocks[:, 0:2])[:, None] * sc.astype(np.float32)
+        zero = 8 * scale - _f16(blocks[:, 2:4])[:, None] * mn.astype(np.float32)
+        qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        codes = qs & np.uint8(0x0F)  # 32 bytes hold two sub-blocks: low nibbles first, then high
+    else:
+        size = 18 if qname == "Q4_0" else 20
+        blocks = raw.reshape(-1, size)
+        scale = _f16(blocks[:, 0:2])
+        zero = np.zeros_like(scale) if qname == "Q4_0" else _f16(blocks[:, 2:4]) + 8 * scale
+        qs = blocks[:, size - 16:]
+        codes = np.concatenate([qs & np.uint8(0x0F), qs >> 4], axis=-1)  # elements 0-15 low, 16-31 high
+    return codes.reshape(rows, -1), scale.reshape(rows, -1), zero.reshape(rows, -1)
+
+
+def iter_gguf_tensors(path: Path, dtype: torch.dtype, keep_quantized: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    """Yield (hf_name, tensor) for every tensor of a GGUF file, dequantized to `dtype`; with
+    `keep_quantized`, Q4_0/Q4_1/Q4_K linear weights come as int4 QuantWeights (codes exact; scales and zero
+    points float32 here, rounded to `dtype` when packed for the kernel)."""
     import gguf
 
+    kept, dense = Counter(), Counter()
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         head = read_gguf_header(buf)
         arch = head.fields.get("general.architecture")
@@ -111,8 +159,24 @@ def iter_gguf_tensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, tor
             block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
             rows, row_bytes = math.prod(shape[1:]), shape[0] // block * block_bytes
             raw = np.frombuffer(buf, np.uint8, rows * row_bytes, head.data_offset + toff).reshape(rows, row_bytes)
+            permuted = arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight"))
+            heads = n_head if "q_proj" in name else n_kv
+            if keep_quantized and qtype.name in KEPT_INT4 and is_linear_weight(name) and len(shape) == 2:
+                parts = int4_blocks(raw, qtype.name)
+                if permuted:  # rows move together with their scales and zero points
+                    parts = tuple(unpermute_rotary(p, heads) for p in parts)
+                codes, scales, zeros = (torch.from_numpy(np.ascontiguousarray(p)) for p in parts)
+                kept[qtype.name] += 1
+                yield name, QuantWeight("int4", codes, scales, zeros, 32, dtype, qtype.name)
+                del raw, parts
+                continue
+            if keep_quantized and is_linear_weight(name):
+                dense[qtype.name] += 1
             arr = dequantize(raw, qtype).reshape(tuple(reversed(shape)))
-            if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
-                arr = unpermute_rotary(arr, n_head if "q_proj" in name else n_kv)
+            if permuted:
+                arr = unpermute_rotary(arr, heads)
             yield name, torch.from_numpy(np.array(arr, dtype=np.float32)).to(dtype)
             del raw, arr  # no view may outlive the mapping
+    if keep_quantized:
+        logger.info("%s: linear weights kept quantized (int4, groups of 32): %s; dequantized to %s (no exact "
+                    "kernel for their type): %s", path.name, dict(kept) or "none", dtype, dict(dense) or "none")

@@ -95,6 +95,8 @@ def make_batch_invariant(model: DecoderLM) -> None:
         raise ValueError("batch_invariant needs PyTorch built with oneDNN (torch.backends.mkldnn)")
     if getattr(model, "batch_invariant", False):
         return
+    if any(getattr(lin, "quant", None) is not None for lw in model.layers for lin in (lw.qkv, lw.o_proj, lw.down)):
+        raise ValueError("batch_invariant is not supported with quantized weights (quantization must be none)")
     dt = model.dtype
     model.lm_head = _convert_linear(model.lm_head, dt)
     for lw in model.layers:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from servelm.model import cpu_kernels
+from servelm.model.quant import QuantMatmul, QuantWeight, fuse_rows, quant_matmul
 
 
 def fused_kernels(dtype: torch.dtype, device: torch.device | str = "cpu"):
@@ -128,9 +129,18 @@ class Linear:
     input, with the same property (on Zen 4, cold weights: 2.1x oneDNN at 1 row, 1.9x at 8, 1.16x at 64,
     1.02-1.04x at 256-2048; `bench/decode_linear.py`). Elsewhere in bf16 the weight is reordered once
     into oneDNN's blocked layout (1.2-1.6x faster than F.linear for 1 to 128 rows, identical results);
-    otherwise it is plain F.linear. Also the seam for quantized weight formats."""
+    otherwise it is plain F.linear. A `QuantWeight` (int8 or int4, model/quant.py) stays quantized and runs
+    through PyTorch's packed int8/int4 CPU kernels (`quant`), or is dequantized where they do not take it."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None) -> None:
+        self.quant: QuantMatmul | None = None
+        if isinstance(weight, QuantWeight):
+            self.quant = quant_matmul(weight)
+            if self.quant is not None:  # no float copy and no other kernel: tiles/avx512 None keep the
+                self.bias, self.out_features, self.weight = bias, weight.shape[0], None  # C++ loop off
+                self.tiles = self.avx512 = self.tiled = self.packed = None
+                return
+            weight = weight.dequantize()
         self.bias = bias
         self.out_features = weight.shape[0]
         self.weight: torch.Tensor | None = weight
@@ -145,6 +155,9 @@ class Linear:
             self.weight = None  # no row-major copy: oneDNN and the kernels read their own layouts
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            y = self.quant(x)
+            return y if self.bias is None else y + self.bias
         if self.tiles is not None:
             return self.tiles.amx_linear(x, self.tiled, self.out_features, self.bias)
         if self.avx512 is not None:
@@ -162,11 +175,12 @@ class GateUpLinear:
     token's bits independent of how it was batched (oneDNN for prefill chunks measured 1.02-1.35x faster
     at 512 tokens, but its sums change with the row count)."""
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> None:
-        weight = torch.cat([gate, up]).contiguous()
+    def __init__(self, gate: torch.Tensor | QuantWeight, up: torch.Tensor | QuantWeight, act: str = "silu") -> None:
+        weight = fuse_rows([gate, up])
         self.out_features = weight.shape[0]
         self.act = act  # silu, or gelu_tanh (GeGLU: Gemma), which the fused kernels do not implement
-        whole = gate.shape[0] % 16 == 0 and act == "silu"  # the fused store takes whole 16-column groups
+        # the fused store takes whole 16-column groups; quantized weights go through Linear's kernels
+        whole = gate.shape[0] % 16 == 0 and act == "silu" and isinstance(weight, torch.Tensor)
         self.tiles = _tile_kernels(weight) if whole else None
         self.avx512 = _avx512_kernels(weight) if whole and self.tiles is None else None
         self.tiled = pack_weight_for_tiles(weight, gate_up=True) if (self.tiles or self.avx512) is not None else None

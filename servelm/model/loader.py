@@ -14,6 +14,7 @@ from servelm.model.cpu_features import cpu_has_bf16
 from servelm.model.decoder import DecoderLM
 from servelm.model.gguf_loader import iter_gguf_tensors
 from servelm.model.metadata import load_config_and_eos, load_config_and_tokenizer
+from servelm.model.quant import QUANTIZATIONS, QuantWeight, quantize_linears
 from servelm.model.source import ModelSource
 from servelm.model.spec import ModelSpec
 from servelm.progress import progress
@@ -58,27 +59,46 @@ def _iter_safetensors(folder: Path, dtype: torch.dtype):
 
 def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str | None = None,
                dtype: str = "auto", device: str = "cpu", with_tokenizer: bool = True,
-               sliding_window: int | None = None) -> LoadedModel:
+               sliding_window: int | None = None, quantization: str = "none",
+               quantization_group_size: int = 32) -> LoadedModel:
     """Weights, config, EOS ids and (unless with_tokenizer is False, as in the engine process) tokenizer.
-    `sliding_window` puts that attention window on every layer (for GGUF files that lost the model's)."""
+    `sliding_window` puts that attention window on every layer (for GGUF files that lost the model's).
+    `quantization` (model/quant.py): none, gguf (a GGUF file's Q4 linears kept as they are), int8 or int4
+    (the linears quantized at load; int4 in groups of `quantization_group_size`)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if quantization != "none" and not device.startswith("cpu"):
+        raise ValueError(f"quantization {quantization!r} runs on the CPU only (the GPU has no quantized path yet)")
     t0 = time.perf_counter()
     if with_tokenizer:
         src, hf_config, tok, eos = load_config_and_tokenizer(model, gguf_file, tokenizer)
     else:
         (src, hf_config, eos), tok = load_config_and_eos(model, gguf_file, tokenizer), None
     torch_dtype = resolve_dtype(dtype, device)
+    if quantization != "none" and torch_dtype != torch.bfloat16:
+        logger.warning("quantization %s with %s: PyTorch's int8/int4 CPU kernels are vectorized for bfloat16 only, "
+                       "so the quantized linears run a scalar loop (slow); use dtype bfloat16", quantization,
+                       torch_dtype)
+    if quantization == "gguf" and src.kind != "gguf":
+        raise ValueError(f"quantization 'gguf' keeps a GGUF file's quantized types, and {src.name} is not a GGUF "
+                         "file: use int8 or int4 to quantize it at load")
     if src.kind == "gguf":
-        tensors = iter_gguf_tensors(src.path, torch_dtype)
+        tensors = iter_gguf_tensors(src.path, torch_dtype, keep_quantized=quantization == "gguf")
     else:
         tensors = _iter_safetensors(src.path, torch_dtype)
+    if quantization in ("int8", "int4"):  # from a GGUF file too: its tensors dequantized, then requantized
+        tensors = quantize_linears(tensors, quantization, quantization_group_size, torch_dtype)
     spec = ModelSpec.from_hf_config(hf_config, sliding_window)
     if getattr(hf_config, "gguf_sliding_window_unstated", False) and sliding_window is None:
         logger.warning("%s states no sliding window (llama.cpp's converter does not write Mistral's or Qwen's), "
                        "so every layer runs full attention; if the original model's config.json sets "
                        "sliding_window, pass it: LLM(..., sliding_window=N) or servelm serve --sliding-window N",
                        src.path.name)
-    weights = {name: t.to(device) for name, t in tensors}  # on the CPU, .to is a no-op
+    # on the CPU, .to is a no-op; quantized weights (CPU only) stay where they are
+    weights = {name: t if isinstance(t, QuantWeight) else t.to(device) for name, t in tensors}
     lm = DecoderLM(spec, weights, torch_dtype, get_backend(device))
+    lm.quantization = f"int4/g{quantization_group_size}" if quantization == "int4" else quantization
     seconds = time.perf_counter() - t0
-    logger.info("loaded %s (%s, %s) in %.1fs", src.name, spec.architecture, torch_dtype, seconds)
+    logger.info("loaded %s (%s, %s%s) in %.1fs", src.name, spec.architecture, torch_dtype,
+                "" if quantization == "none" else f", quantization {quantization}", seconds)
     return LoadedModel(lm, tok, hf_config, src, eos, seconds)

@@ -105,7 +105,7 @@ def add_traffic_routes(app: FastAPI, state) -> None:
     async def put_traffic(name: str, body: TrafficBody, request: Request) -> dict:
         svc._check_free(name)
         policy = policy_of(name, body)
-        svc.set_policy(policy, actor(request))
+        await svc.set_policy(policy, actor(request))
         return policy.to_dict()
 
     @app.get("/admin/models/{name}/traffic")
@@ -119,7 +119,7 @@ def add_traffic_routes(app: FastAPI, state) -> None:
     @app.delete("/admin/models/{name}/traffic", status_code=204)
     async def delete_traffic(name: str, request: Request):
         svc._check_free(name)
-        svc.clear_policy(name, actor(request))
+        await svc.clear_policy(name, actor(request))
         return Response(status_code=204)
 
     @app.put("/admin/models/{name}/bandit")
@@ -128,7 +128,7 @@ def add_traffic_routes(app: FastAPI, state) -> None:
         for v in body.versions:
             cp.registry.get(name, v)
         policy = BanditPolicy(name, ThompsonBandit(body.versions, min_share=body.min_share, lo=body.lo, hi=body.hi))
-        svc.set_policy(policy, actor(request), "bandit.set")
+        await svc.set_policy(policy, actor(request), "bandit.set")
         return policy.to_dict()
 
     # -- canary ------------------------------------------------------------------------------------
@@ -173,7 +173,7 @@ def add_traffic_routes(app: FastAPI, state) -> None:
         else:
             d = base.to_dict()
         policy = TrafficPolicy.from_dict({**d, "shadow": body.model_dump()})
-        svc.set_policy(policy, actor(request), "shadow.set")
+        await svc.set_policy(policy, actor(request), "shadow.set")
         return policy.to_dict()
 
     @app.get("/admin/models/{name}/shadow")
@@ -189,14 +189,14 @@ def add_traffic_routes(app: FastAPI, state) -> None:
         policy = svc.policies.get(name)
         if policy is None or policy.shadow is None:
             raise ControlError(404, f"{name} has no shadow", code="not_found", param="name")
-        svc.set_policy(TrafficPolicy.from_dict({**policy.to_dict(), "shadow": None}), actor(request), "shadow.delete")
+        await svc.set_policy(TrafficPolicy.from_dict({**policy.to_dict(), "shadow": None}), actor(request), "shadow.delete")
         return Response(status_code=204)
 
     # -- experiments -------------------------------------------------------------------------------
     @app.post("/admin/experiments", status_code=201)
     async def experiment_start(body: ExperimentBody, request: Request) -> dict:
         fields = body.model_dump(exclude={"name", "model", "baseline"})
-        exp = svc.start_experiment(body.name, policy_of(body.model, TrafficBody(**fields)), body.baseline,
+        exp = await svc.start_experiment(body.name, policy_of(body.model, TrafficBody(**fields)), body.baseline,
                                    actor(request))
         return exp.report()
 
@@ -211,7 +211,7 @@ def add_traffic_routes(app: FastAPI, state) -> None:
 
     @app.post("/admin/experiments/{exp_id}/stop")
     async def experiment_stop(exp_id: str, request: Request) -> dict:
-        return svc.stop_experiment(exp_id, actor(request)).report()
+        return (await svc.stop_experiment(exp_id, actor(request))).report()
 
     # -- drift -------------------------------------------------------------------------------------
     @app.get("/admin/drift/{model}")
@@ -242,5 +242,5 @@ def add_traffic_routes(app: FastAPI, state) -> None:
 
     @app.put("/admin/models/{name}/prediction-log")
     async def set_mode(name: str, body: ModeBody, request: Request) -> dict:
-        svc.set_log_mode(name, body.mode, actor(request))
+        await svc.set_log_mode(name, body.mode, actor(request))
         return {"model": name, "mode": body.mode}

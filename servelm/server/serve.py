@@ -127,7 +127,6 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
     started: list = []
     try:
         embedder, embed_name = _embedder(srv)  # its own process, loading alongside the engines
-        import uvicorn
 
         from servelm.server.api import build_app
 
@@ -160,8 +159,7 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
     app = build_app(state)
     logger.info("ready in %.1fs: serving %s on http://%s:%d (API keys: %s)", time.perf_counter() - t0,
                 ", ".join(state.models.names()), srv.host, sock.getsockname()[1], f"{len(state.keys.keys)}" if state.keys.enabled else "off")
-    server = _DrainingServer(uvicorn.Config(app, host=srv.host, port=srv.port, log_level="warning",
-                                            timeout_graceful_shutdown=srv.drain_timeout, http=_http_protocol(srv)))
+    server = _DrainingServer(uvicorn_config(app, srv))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _begin_drain, server, rpc, srv.drain_timeout, sig)
@@ -224,6 +222,16 @@ async def _open_control_plane(config, state):
     logger.info("model registry in %s: %d deployment(s) restored%s", plane.registry.data_dir, len(restored),
                 f" ({', '.join(restored)})" if restored else "")
     return plane
+
+
+def uvicorn_config(app, srv):
+    """uvicorn's settings from the server section. Its keep-alive default (5 s) equals httpx's idle expiry, so
+    a client could send on a connection the server was closing at that moment (a reset, seen in a soak)."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=srv.host, port=srv.port, log_level="warning",
+                          timeout_graceful_shutdown=srv.drain_timeout, timeout_keep_alive=srv.http_keep_alive_s,
+                          http=_http_protocol(srv))
 
 
 def _http_protocol(srv):

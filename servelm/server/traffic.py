@@ -224,24 +224,33 @@ class TrafficService:
         await asyncio.to_thread(self.log.close)
 
     # -- policies ----------------------------------------------------------------------------------
-    def set_policy(self, policy: TrafficPolicy | BanditPolicy, actor: str, action: str = "policy.set") -> None:
-        """Store (audited) and apply a model's policy."""
-        self.store.put("policy", policy.model, policy.to_dict(), actor, action)
+    async def write(self, fn: Any, *args: Any) -> Any:
+        """A policy-store write (`self.store.put`, ...) on the registry's one writer thread: the event loop
+        never waits on the disk, and writes commit, and their callers resume, in the order they were asked."""
+        return await self.cp.registry.io(fn, *args)
+
+    def apply_policy(self, policy: TrafficPolicy | BanditPolicy) -> None:
+        """Route by `policy` from now on, in this process (not stored: `set_policy` stores it)."""
         self.policies[policy.model] = policy
-        if isinstance(policy, BanditPolicy):  # a new bandit starts from its own prior, not a saved posterior
-            self.store.save_state({f"bandit:{policy.model}": None})
         self._changes += 1
 
-    def set_log_mode(self, name: str, mode: str, actor: str) -> str:
+    async def set_policy(self, policy: TrafficPolicy | BanditPolicy, actor: str, action: str = "policy.set") -> None:
+        """Store (audited), then apply a model's policy."""
+        await self.write(self.store.put, "policy", policy.model, policy.to_dict(), actor, action)
+        if isinstance(policy, BanditPolicy):  # a new bandit starts from its own prior, not a saved posterior
+            await self.write(self.store.save_state, {f"bandit:{policy.model}": None})
+        self.apply_policy(policy)
+
+    async def set_log_mode(self, name: str, mode: str, actor: str) -> str:
         """Change a model's prediction-log mode at run time; stored (audited), so it outlives a restart.
         Returns the mode before."""
         before = self.log.mode(name)
         self.log.set_mode(name, mode)  # 400 on an unknown mode, before anything is stored
-        self.store.put("logmode", name, {"mode": mode}, actor, "predictions.mode")
+        await self.write(self.store.put, "logmode", name, {"mode": mode}, actor, "predictions.mode")
         return before
 
-    def clear_policy(self, name: str, actor: str) -> dict:
-        before = self.store.delete("policy", name, actor)
+    async def clear_policy(self, name: str, actor: str) -> dict:
+        before = await self.write(self.store.delete, "policy", name, actor)
         self.policies.pop(name, None)
         return before
 
@@ -326,18 +335,26 @@ class TrafficService:
                 self.metrics.shadow_dropped.labels(name, str(shadow)).inc()
 
     # -- feedback ----------------------------------------------------------------------------------
-    def feedback(self, request_id: str, score: float, key_name: str = "anonymous") -> dict:
+    async def feedback(self, request_id: str, score: float, key_name: str = "anonymous") -> dict:
         """Attach feedback to the arm (and canary window) that served `request_id`: 404 when unknown or made
-        with another API key than `key_name` (not revealing that it exists), 409 when it was already rated."""
+        with another API key than `key_name` (not revealing that it exists), 409 when it was already rated.
+        A request served before a restart is found in the prediction log (when its mode was not off)."""
         found = self.served.get(request_id)
+        if found is None:
+            entry = await asyncio.to_thread(self.log.find, request_id)
+            if entry is not None and entry.get("error") is None:
+                found = [entry["model"], entry["version"], entry["arm"] or "", entry["key_name"], entry["rated"]]
         if found is None or found[3] != key_name:
             raise APIError(404, f"no served request {request_id!r} is known (feedback must name the "
-                                "x-request-id of a recent generation request made with this API key)", "request_id",
+                                "x-request-id of a generation request made with this API key)", "request_id",
                            "not_found")
         if found[4]:
             raise APIError(409, f"request {request_id!r} already has feedback (one per request)", "request_id",
                            "feedback_exists")
-        found[4] = True
+        found[4] = True  # before the await: a concurrent second rating sees it
+        if not await asyncio.to_thread(self.log.record_feedback, request_id, score):
+            raise APIError(409, f"request {request_id!r} already has feedback (one per request)", "request_id",
+                           "feedback_exists")
         self._changes += 1
         name, version, arm = found[:3]
         run = self.canaries.get(name)
@@ -354,31 +371,33 @@ class TrafficService:
                 "experiment": exp.name if attached else None}
 
     # -- experiments -------------------------------------------------------------------------------
-    def start_experiment(self, name: str, policy: TrafficPolicy, baseline: str | None, actor: str) -> Experiment:
+    async def start_experiment(self, name: str, policy: TrafficPolicy, baseline: str | None, actor: str
+                               ) -> Experiment:
         if name in self.experiments and self.experiments[name].stopped_at is None:
             raise ControlError(409, f"experiment {name!r} is running", code="experiment_running")
         self._check_free(policy.model)
         arms = [a.label for a in policy.arms] + [r.label for r in policy.segments]
         exp = Experiment(name, policy.to_dict(), arms, started_at=time.time(), baseline=baseline)
-        self.store.put("experiment", name, {"policy": policy.to_dict(), "arms": arms, "baseline": exp.baseline,
-                                            "started_at": exp.started_at, "stopped_at": None}, actor,
-                       "experiment.start")
-        self.set_policy(policy, actor)
+        await self.write(self.store.put, "experiment", name, {
+            "policy": policy.to_dict(), "arms": arms, "baseline": exp.baseline, "started_at": exp.started_at,
+            "stopped_at": None}, actor, "experiment.start")
+        await self.set_policy(policy, actor)
         self.experiments[name] = exp
         self.experiment_of[policy.model] = name
         return exp
 
-    def stop_experiment(self, name: str, actor: str) -> Experiment:
+    async def stop_experiment(self, name: str, actor: str) -> Experiment:
         exp = self.experiment(name)
         if exp.stopped_at is None:
             exp.stop(time.time())
             model = exp.policy["model"]
-            rec = self.store.get("experiment", name) or {}
-            self.store.put("experiment", name, {**rec, "stopped_at": exp.stopped_at}, actor, "experiment.stop")
+            rec = await self.write(self.store.get, "experiment", name) or {}
+            await self.write(self.store.put, "experiment", name, {**rec, "stopped_at": exp.stopped_at}, actor,
+                             "experiment.stop")
             if self.experiment_of.get(model) == name:
                 del self.experiment_of[model]
                 if model in self.policies:
-                    self.clear_policy(model, actor)
+                    await self.clear_policy(model, actor)
         return exp
 
     def experiment(self, name: str) -> Experiment:
@@ -409,13 +428,17 @@ class TrafficService:
         """Run a mirrored request on the shadow version (its answer goes nowhere but the comparison)."""
         ref, ids, params, salt = job
         t0 = time.monotonic()
-        m = self.models.resolve(ref)
-        await self.fault(m)
+        # pinned like a primary request: a swap or an unload of the shadow version waits for this copy to end
+        m = self.models.resolve(ref, pin=True)
         tokens: list[int] = []
-        # the primary's cache salt keeps the shadow inside the same prefix-cache namespace (per-key isolation)
-        async for out in m.generate(f"shadow-{uuid.uuid4().hex}", list(ids), copy.deepcopy(params), None, 2,
-                                    self.queue_timeout_s, salt):
-            tokens.extend(t for c in out.outputs if c.index == 0 for t in c.token_ids)
+        try:
+            await self.fault(m)
+            # the primary's cache salt keeps the shadow inside the same prefix-cache namespace (per-key isolation)
+            async for out in m.generate(f"shadow-{uuid.uuid4().hex}", list(ids), copy.deepcopy(params), None, 2,
+                                        self.queue_timeout_s, salt):
+                tokens.extend(t for c in out.outputs if c.index == 0 for t in c.token_ids)
+        finally:
+            m.release()
         self.metrics.shadow_requests.labels(split_ref(ref)[0], str(split_ref(ref)[1])).inc()
         return ShadowResult(tokens=tokens, latency=time.monotonic() - t0)
 

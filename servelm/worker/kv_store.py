@@ -27,7 +27,8 @@ class KVStore:
         if self._digest is None:
             from servelm.engine.kv_persist import model_hash
 
-            self._digest = model_hash(self.source, self.core.model.spec)
+            self._digest = model_hash(self.source, self.core.model.spec,
+                                      getattr(self.core.model, "quantization", "none"))
         return self._digest
 
     def _path(self, path: str | None) -> Path:

@@ -48,7 +48,9 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
         configure_threads(config)
         phase(f"loading the model {config.model or '(default)'}")
         loaded = load_model(config.model, config.gguf_file, config.tokenizer, config.dtype, config.device,
-                            with_tokenizer=False, sliding_window=config.sliding_window)  # the API process tokenizes
+                            with_tokenizer=False, sliding_window=config.sliding_window,  # the API process tokenizes
+                            quantization=config.quantization,
+                            quantization_group_size=config.quantization_group_size)
         phase("allocating the KV cache")
         core = EngineCore(config, loaded.model)
         eos = loaded.eos_token_ids

@@ -33,4 +33,4 @@ def add_routes(app: FastAPI, state) -> None:
         if body.label is not None and body.label.lower() not in LABELS:
             raise APIError(400, f"label must be one of {', '.join(LABELS)}", "label", "invalid_feedback")
         score = body.score if body.score is not None else LABELS[body.label.lower()]
-        return state.traffic.feedback(body.request_id, score, record(request).key_name)
+        return await state.traffic.feedback(body.request_id, score, record(request).key_name)

@@ -8,7 +8,9 @@ server has non-LLM models, grpc.health.v1.Health and server reflection.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 
 logger = logging.getLogger("servelm.server")
 
@@ -37,6 +39,7 @@ class RpcServer:
         self.port = self.server.add_insecure_port(address)  # RuntimeError when it cannot bind
         self.health = None
         self._stopping = None
+        self._follow = None
 
     async def start(self, gateway) -> None:
         """Add the services over the HTTP gateway's state (and its app's Open Inference Protocol runtime,
@@ -45,6 +48,7 @@ class RpcServer:
         from grpc_reflection.v1alpha import reflection
 
         from servelm.server.common import Api
+        from servelm.server.routes.oip import server_ready
         from servelm.server.rpc.context import Calls
         from servelm.server.rpc.llm_service import SERVICE, LlmService, pb_grpc
 
@@ -62,15 +66,15 @@ class RpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         await self.server.start()
-        for name in ("", *names):
+        for name in ("", *names):  # known at once (Check for an unset name is NOT_FOUND); the task corrects it
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._follow = asyncio.ensure_future(follow_readiness(self.health, lambda: server_ready(gateway.state),
+                                                              ("", *names)))
         logger.info("gRPC on port %d: %s", self.port, ", ".join(names))
 
     def begin_stop(self, grace: float) -> None:
         """Start stopping (on SIGTERM, beside HTTP's drain): refuse new calls, report NOT_SERVING, let in-flight
         calls finish for up to `grace` seconds, then cancel the rest."""
-        import asyncio
-
         if self._stopping is None:
             self._stopping = asyncio.ensure_future(self._stop(grace))
 
@@ -79,9 +83,28 @@ class RpcServer:
         await self._stopping
 
     async def _stop(self, grace: float) -> None:
+        if self._follow is not None:
+            self._follow.cancel()
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+
+
+async def follow_readiness(health, ready: Callable[[], bool], names: tuple[str, ...], every_s: float = 0.25) -> None:
+    """Keep the health service's status of `names` at SERVING while `ready()` holds and NOT_SERVING while it
+    does not, so that `Watch` streams see an engine go down and come back (`Check` also asks `ready()` itself,
+    so it never lags). Runs until cancelled; after a graceful shutdown began the servicer ignores updates."""
+    from grpc_health.v1 import health_pb2
+
+    last = None
+    while True:
+        now = ready()
+        if now != last:
+            status = health_pb2.HealthCheckResponse.SERVING if now else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in names:
+                await health.set(name, status)
+            last = now
+        await asyncio.sleep(every_s)  # a poll: readiness is a property of the engines, with no event to wait on
 
 
 def _Health(state, ours: tuple[str, ...]):
