@@ -31,10 +31,9 @@ def moe(tmp_path_factory, tokenizer_dir):
     return {a: save_tiny(moe_config(a), root / a, tokenizer_dir) for a in MOE_ARCHS}
 
 
-# bfloat16 for Qwen3-MoE (routing weights rounded to bf16) and Mixtral (kept in float32); Qwen2-MoE's bf16 path
-# is Qwen3-MoE's plus the shared expert (float32-tested)
-@pytest.mark.parametrize(("arch", "dtype"), [(a, "float32") for a in MOE_ARCHS]
-                         + [("qwen3_moe", "bfloat16"), ("mixtral", "bfloat16")])
+# bfloat16 (the CPU kernels' path) once, on Mixtral: the others' bf16 differs only in where the routing weights
+# are rounded, which a check up to rounding cannot see (suite time)
+@pytest.mark.parametrize(("arch", "dtype"), [(a, "float32") for a in MOE_ARCHS] + [("mixtral", "bfloat16")])
 def test_moe_matches_transformers(moe, arch, dtype):
     llm = check_parity(moe[arch], dtype)
     model = llm.engine.core.model
