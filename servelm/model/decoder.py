@@ -1,4 +1,5 @@
-"""One decoder-only transformer for the Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 families.
+"""One decoder-only transformer for the Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, Mixtral, Qwen2-MoE
+and Qwen3-MoE families.
 
 It runs a flattened batch of tokens from many sequences (no padding); attention goes through an
 `AttentionBackend` over the paged KV cache. Q/K/V and gate/up projections are fused into one matmul each.
@@ -22,6 +23,7 @@ from servelm.model.layers import (
     rms_norm,
     rotary_,
 )
+from servelm.model.moe import SparseMoe, take_sparse_moe
 from servelm.model.quant import fuse_rows
 from servelm.model.spec import ModelSpec
 
@@ -34,10 +36,11 @@ class LayerWeights:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: GateUpLinear
-    down: Linear
+    gate_up: GateUpLinear | None  # the dense MLP (None in a mixture-of-experts layer)
+    down: Linear | None
     attn_out_norm: torch.Tensor | None = None  # sandwich norms (Gemma): on the attention output
     mlp_out_norm: torch.Tensor | None = None  # and on the MLP output, before each residual add
+    moe: SparseMoe | None = None  # the sparse MLP of a mixture-of-experts layer (servelm/model/moe.py)
 
 
 class DecoderLM:
@@ -82,15 +85,16 @@ class DecoderLM:
         linears = [self.lm_head]
         for lw in self.layers:
             slots += [(lw, n) for n in ("input_norm", "post_norm", "q_norm", "k_norm")]
-            linears += [lw.qkv, lw.o_proj, lw.gate_up.linear or lw.gate_up, lw.down]
+            mlp = [lw.gate_up, lw.down] if lw.moe is None else lw.moe.linears()
+            linears += [lw.qkv, lw.o_proj] + [getattr(x, "linear", None) or x for x in mlp]
         return slots + [(lin, n) for lin in linears for n in ("tiled", "weight", "bias") if hasattr(lin, n)]
 
     def _cpp_decode_weights(self) -> list[torch.Tensor] | None:
         """The flat weight list of the C++ layer loop for pure-decode steps (`decode_layers`): where the
         fused kernels, the CPU attention kernel and a packed-weight linear kernel (AMX tiles or AVX512-BF16) take
         every layer."""
-        if self.fused is None or not isinstance(self.attn, CpuPagedAttention) or self.spec.sandwich_norms:
-            return None  # the C++ loop runs the Llama layer shape only: Gemma stays on the Python loop
+        if self.fused is None or not isinstance(self.attn, CpuPagedAttention) or not self.spec.llama_layers:
+            return None  # the C++ loop runs the Llama layer shape only: Gemma, MoE, partial RoPE stay on Python's
         flat = []
         none = torch.empty(0, dtype=self.dtype)
         for lw in self.layers:
@@ -116,27 +120,41 @@ class DecoderLM:
                 raise ValueError(f"checkpoint is missing {p + name}")
             return t
 
-        q, k, v = take("self_attn.q_proj.weight"), take("self_attn.k_proj.weight"), take("self_attn.v_proj.weight")
-        biases = [take(f"self_attn.{n}_proj.bias", False) for n in "qkv"]
-        qkv_bias = None
-        if any(b is not None for b in biases):
-            ref = next(b for b in biases if b is not None)  # q/k/v may be quantized: no dtype of their own
-            qkv_bias = torch.cat([b if b is not None else torch.zeros(t.shape[0], dtype=ref.dtype, device=ref.device)
-                                  for b, t in zip(biases, (q, k, v), strict=True)])
+        if self.spec.fused_checkpoint:  # Phi-3: Q, K, V in one matrix, gate and up in another
+            qkv_weight, qkv_bias = take("self_attn.qkv_proj.weight"), take("self_attn.qkv_proj.bias", False)
+        else:
+            q, k, v = take("self_attn.q_proj.weight"), take("self_attn.k_proj.weight"), take("self_attn.v_proj.weight")
+            qkv_weight = fuse_rows([q, k, v])
+            biases = [take(f"self_attn.{n}_proj.bias", False) for n in "qkv"]
+            qkv_bias = None
+            if any(b is not None for b in biases):
+                ref = next(b for b in biases if b is not None)  # q/k/v may be quantized: no dtype of their own
+                qkv_bias = torch.cat([b if b is not None else torch.zeros(t.shape[0], dtype=ref.dtype, device=ref.device)
+                                      for b, t in zip(biases, (q, k, v), strict=True)])
+        moe, gate_up, down = None, None, None
+        if self.spec.moe is not None and self.spec.moe.sparse_layers[i]:
+            moe = take_sparse_moe(take, self.spec.moe)
+        else:
+            if self.spec.fused_checkpoint:
+                gate, up = take("mlp.gate_up_proj.weight").chunk(2)
+            else:
+                gate, up = take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")
+            gate_up, down = GateUpLinear(gate, up, self.spec.hidden_act), Linear(take("mlp.down_proj.weight"))
         sandwich = self.spec.sandwich_norms
         norm = self._norm_weight
         return LayerWeights(
             input_norm=norm(take("input_layernorm.weight")),
-            qkv=Linear(fuse_rows([q, k, v]), qkv_bias),
+            qkv=Linear(qkv_weight, qkv_bias),
             o_proj=Linear(take("self_attn.o_proj.weight"), take("self_attn.o_proj.bias", False)),
             q_norm=norm(take("self_attn.q_norm.weight", False)),
             k_norm=norm(take("self_attn.k_norm.weight", False)),
             # the norm in front of the MLP: Llama names it post_attention_layernorm, Gemma pre_feedforward
             post_norm=norm(take("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
-            gate_up=GateUpLinear(take("mlp.gate_proj.weight"), take("mlp.up_proj.weight"), self.spec.hidden_act),
-            down=Linear(take("mlp.down_proj.weight")),
+            gate_up=gate_up,
+            down=down,
             attn_out_norm=norm(take("post_attention_layernorm.weight")) if sandwich else None,
             mlp_out_norm=norm(take("post_feedforward_layernorm.weight")) if sandwich else None,
+            moe=moe,
         )
 
     def _rope_cache(self, max_pos: int) -> None:
@@ -170,6 +188,7 @@ class DecoderLM:
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         # the fused kernel reads the rotary tables at the positions; the PyTorch path gathers them once here
         cos, sin, rope_pos = (self.cos, self.sin, positions) if fused else (self.cos[positions], self.sin[positions], None)
+        rot = s.rotary_dim  # partial RoPE: only the first `rot` of each head (no fused kernel for that)
         delta = None  # the last sublayer's output, not yet added to h
         for i, lw in enumerate(self.layers):
             x = rms_norm(h, lw.input_norm, eps, fused) if delta is None else add_rms_norm(delta, h, lw.input_norm, eps, fused)
@@ -180,11 +199,14 @@ class DecoderLM:
                 q_part, k_part = qk[:, :s.num_heads], qk[:, s.num_heads:]
                 rms_norm(q_part, lw.q_norm, eps, fused, out=q_part)
                 rms_norm(k_part, lw.k_norm, eps, fused, out=k_part)
-            rotary_(qk, cos, sin, rope_pos, fused)  # queries and keys rotated in one pass
+            if rot is None:
+                rotary_(qk, cos, sin, rope_pos, fused)  # queries and keys rotated in one pass
+            else:
+                rotary_(qk[..., :rot], cos, sin, rope_pos)
             q, k = qk[:, :s.num_heads].contiguous(), qk[:, s.num_heads:]
             o = self.attn.forward(q, k, v.contiguous(), kv_caches[i], meta, s.sliding_windows[i])
             x = add_rms_norm(lw.o_proj(o.reshape(-1, q_size)), h, lw.post_norm, eps, fused)
-            delta = lw.down(lw.gate_up(x, fused))
+            delta = lw.down(lw.gate_up(x, fused)) if lw.moe is None else lw.moe(x, fused)
         return add_rms_norm(delta, h, self.norm, eps, fused)
 
     def _forward_sandwich(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -14,9 +14,11 @@ from types import SimpleNamespace
 from servelm.model.gguf_header import GGUFHeader, read_f32_tensor, read_gguf_file_header
 
 # GGUF architecture -> (transformers model_type, architecture class).
+# A `llama` file with experts is Mixtral.
 GGUF_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "mistral": ("mistral", "MistralForCausalLM"),
                       "qwen2": ("qwen2", "Qwen2ForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-                      "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
+                      "phi3": ("phi3", "Phi3ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+                      "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"), "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
 # `{arch}.` keys this module reads (every other one is refused).
 _ARCH_KEYS = frozenset({
     "vocab_size", "context_length", "embedding_length", "feed_forward_length", "block_count",
@@ -26,14 +28,26 @@ _ARCH_KEYS = frozenset({
     "rope.scaling.original_context_length", "rope.scaling.finetuned", "rope.scaling.attn_factor",
     "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_beta_fast",
     "rope.scaling.yarn_beta_slow",
+    "expert_count", "expert_used_count", "expert_feed_forward_length", "expert_shared_feed_forward_length",
+    "expert_gating_func",
 })
+_MOE_ARCHS = ("llama", "qwen2moe", "qwen3moe")  # the ones whose files may hold experts
+_GATING_SOFTMAX = 1  # llama.cpp's expert_gating_func for a softmax router (its default)
 _GLOBAL_TENSORS = frozenset({"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"})
 _BLOCK_TENSORS = frozenset({f"{n}.{p}" for n in ("attn_q", "attn_k", "attn_v", "attn_output") for p in ("weight", "bias")}
                            | {f"{n}.weight" for n in ("attn_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")})
 _QK_NORMS = frozenset({"attn_q_norm.weight", "attn_k_norm.weight"})
+# Phi-3: fused Q/K/V; its ffn_up holds gate and up.
+_PHI3_TENSORS = frozenset({"attn_qkv.weight", "attn_output.weight", "attn_norm.weight", "ffn_norm.weight",
+                           "ffn_up.weight", "ffn_down.weight"})
+_PHI3_GLOBAL = frozenset({"rope_factors_long.weight", "rope_factors_short.weight"})
+_EXPERT_TENSORS = frozenset({f"{n}.weight" for n in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
+                                                       "ffn_gate_up_exps")})
+_SHARED_EXPERT_TENSORS = frozenset({f"{n}.weight" for n in ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp",
+                                                              "ffn_down_shexp")})
 _SANDWICH_NORMS = frozenset({"post_attention_norm.weight", "post_ffw_norm.weight"})  # Gemma's norms after sublayers
 # Families whose Hugging Face configs can carry a sliding window that llama.cpp's converter does not write.
-_WINDOW_FAMILIES = ("mistral", "qwen2", "qwen3")
+_WINDOW_FAMILIES = ("mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
 
 class GGUFUnsupported(ValueError):
@@ -119,10 +133,13 @@ def gguf_config_dict(path: Path, head: GGUFHeader) -> dict:
     if r.get("attention.value_length", head_dim) != head_dim:
         r.refuse(f"{arch}.attention.value_length {f[arch + '.attention.value_length']} differs from the key length "
                  f"{head_dim} (value heads of another size are not supported)")
-    if r.get("rope.dimension_count", head_dim) != head_dim:
-        r.refuse(f"{arch}.rope.dimension_count {f[arch + '.rope.dimension_count']} is not the head size {head_dim} "
-                 "(partial rotary embeddings are not supported)")
+    rope_dims = r.get("rope.dimension_count", head_dim)
+    if rope_dims != head_dim and (arch != "phi3" or not 0 < rope_dims < head_dim or rope_dims % 2):
+        r.refuse(f"{arch}.rope.dimension_count {rope_dims} is not the head size {head_dim} "
+                 "(partial rotary embeddings are supported for phi3 only)")
     model_type, cls = GGUF_ARCHITECTURES[arch]
+    if arch == "llama" and r.get("expert_count") is not None:
+        model_type, cls = "mixtral", "MixtralForCausalLM"
     tensors = {name: shape for name, shape, _, _ in head.tensors}
     if "token_embd.weight" not in tensors:
         r.refuse("the token_embd.weight tensor is missing")
@@ -138,7 +155,10 @@ def gguf_config_dict(path: Path, head: GGUFHeader) -> dict:
         "tie_word_embeddings": "output.weight" not in tensors,
         **_token_ids(f),
     }
-    d["rope_parameters"] = _rope_parameters(r)
+    d["rope_parameters"] = _phi3_rope(r, d, tensors) if arch == "phi3" else _rope_parameters(r)
+    if rope_dims != head_dim:  # Phi-4-mini: only the first rope_dims of each head rotate
+        d["rope_parameters"]["partial_rotary_factor"] = rope_dims / head_dim
+    d.update(_experts(r, n_layers, tensors))
     factors = read_f32_tensor(path, head, "rope_freqs.weight")
     if factors is not None:  # llama.cpp's form of Llama-3 scaling: per-dimension frequency divisors
         if d["rope_parameters"]["rope_type"] != "default":
@@ -169,11 +189,14 @@ def _gemma3(r: _Reader, head_dim: int) -> dict:
 
 def _check_tensors(r: _Reader, n_layers: int) -> None:
     """Every tensor must be one the decoder uses: an unknown one would be skipped, a different model."""
-    allowed = _BLOCK_TENSORS | (_QK_NORMS if r.arch in ("qwen3", "gemma3") else frozenset()) \
+    allowed = _PHI3_TENSORS if r.arch == "phi3" else _BLOCK_TENSORS
+    allowed = allowed | (_QK_NORMS if r.arch in ("qwen3", "qwen3moe", "gemma3") else frozenset()) \
         | (_SANDWICH_NORMS if r.arch == "gemma3" else frozenset())
+    if r.arch in _MOE_ARCHS and r.get("expert_count") is not None:
+        allowed = allowed | _EXPERT_TENSORS | (_SHARED_EXPERT_TENSORS if r.arch == "qwen2moe" else frozenset())
     bad, norms = [], set()
     for name, *_ in r.head.tensors:
-        if name in _GLOBAL_TENSORS:
+        if name in _GLOBAL_TENSORS or (r.arch == "phi3" and name in _PHI3_GLOBAL):
             continue
         parts = name.split(".", 2)
         if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layers \
@@ -185,12 +208,64 @@ def _check_tensors(r: _Reader, n_layers: int) -> None:
     if bad:
         r.refuse(f"tensor {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} is not part of a {r.arch} model "
                  "that servelm implements")
-    if r.arch in ("qwen3", "gemma3") and len(norms) != 2 * n_layers:
+    if r.arch in ("qwen3", "qwen3moe", "gemma3") and len(norms) != 2 * n_layers:
         r.refuse(f"a {r.arch} model needs attn_q_norm and attn_k_norm in every block")
     if r.arch == "gemma3":
         names = {name for name, *_ in r.head.tensors}
         if any(f"blk.{i}.{n}" not in names for i in range(n_layers) for n in _SANDWICH_NORMS):
             r.refuse("a gemma3 model needs post_attention_norm and post_ffw_norm in every block")
+
+
+def _experts(r: _Reader, n_layers: int, tensors: dict) -> dict:
+    """The config's MoE keys. llama.cpp states no norm_topk_prob: it renormalises Qwen3-MoE's top-k weights
+    (and Mixtral's), not Qwen2-MoE's, and so does servelm. A block without a router is a dense layer."""
+    n = r.get("expert_count", None)
+    if n is None:
+        if r.arch in ("qwen2moe", "qwen3moe"):
+            r.refuse(f"metadata key {r.arch}.expert_count is missing")
+        return {}
+    if r.arch not in _MOE_ARCHS:
+        r.refuse(f"{r.arch}.expert_count: experts are not supported for {r.arch}")
+    if r.get("expert_gating_func", _GATING_SOFTMAX) != _GATING_SOFTMAX:
+        r.refuse(f"{r.arch}.expert_gating_func {r.get('expert_gating_func')} is not supported (only softmax)")
+    dense = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    if r.arch == "llama" and dense:
+        r.refuse(f"llama.expert_count {n}, but block {dense[0]} has no ffn_gate_inp (router): a Mixtral model has "
+                 "experts in every block")
+    k = r.get("expert_used_count", required=True)
+    if r.arch == "llama":
+        return {"num_local_experts": n, "num_experts_per_tok": k}
+    out = {"num_experts": n, "num_experts_per_tok": k, "norm_topk_prob": r.arch == "qwen3moe",
+           "moe_intermediate_size": r.get("expert_feed_forward_length", required=True),
+           "mlp_only_layers": dense, "decoder_sparse_step": 1}
+    if r.arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = r.get("expert_shared_feed_forward_length", required=True)
+    return out
+
+
+def _phi3_rope(r: _Reader, d: dict, tensors: dict) -> dict:
+    """Phi-3's RoPE: default, or LongRoPE, which llama.cpp stores as rope_factors_long/short tensors, the
+    original context and the attention factor (transformers' Phi3Config reads the original context at the top
+    level, so it goes there too)."""
+    long, short = (read_f32_tensor(r.path, r.head, f"rope_factors_{n}.weight") for n in ("long", "short"))
+    kind = r.get("rope.scaling.type", None, kind=str)
+    if long is None and short is None:
+        if kind not in (None, "none"):
+            r.refuse(f"phi3.rope.scaling.type {kind!r} is not supported (only LongRoPE's factor tensors)")
+        if r.get("rope.scaling.attn_factor", 1.0, kind=float) != 1.0:
+            r.refuse(f"phi3.rope.scaling.attn_factor {r.get('rope.scaling.attn_factor', kind=float)} is given "
+                     "without LongRoPE factors")
+        return {"rope_type": "default", "rope_theta": r.get("rope.freq_base", 10000.0, kind=float)}
+    if long is None or short is None or len(long) != len(short):
+        r.refuse("LongRoPE needs rope_factors_long and rope_factors_short tensors of one length")
+    original = r.get("rope.scaling.original_context_length", required=True)
+    d["original_max_position_embeddings"] = original
+    params = {"rope_type": "longrope", "rope_theta": r.get("rope.freq_base", 10000.0, kind=float),
+              "long_factor": list(long), "short_factor": list(short), "original_max_position_embeddings": original}
+    attn = r.get("rope.scaling.attn_factor", None, kind=float)
+    if attn is not None:
+        params["attention_factor"] = attn
+    return params
 
 
 def _token_ids(f: dict) -> dict:

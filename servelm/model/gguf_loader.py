@@ -37,15 +37,25 @@ _BLOCK_NAMES = {
 # Gemma: ffn_norm is the norm in front of the MLP, and two more norms follow the sublayers.
 _SANDWICH_NAMES = {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-_SANDWICH_ARCHS = {"gemma3"}
+# Phi-3: Q/K/V in one tensor, and ffn_up holds gate and up (gate first), as the Hugging Face checkpoint does.
+_PHI3_NAMES = {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Mixture of experts (servelm/model/moe.py): the router, every expert's projection stacked in one 3-D tensor
+# (named without a .weight suffix, as transformers 5 names its stacked experts), Qwen2-MoE's shared expert.
+_EXPERT_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+                 "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+                 "ffn_gate_up_exps": "mlp.experts.gate_up_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                 "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                 "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+_ARCH_NAMES = {"gemma3": _SANDWICH_NAMES, "phi3": _PHI3_NAMES}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-# Tensors that go into the config rather than the weights (llama.cpp's Llama-3 RoPE frequency factors).
-_CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
+# Tensors that go into the config rather than the weights (llama.cpp's Llama-3 RoPE frequency factors, Phi-3's
+# LongRoPE factors).
+_CONFIG_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 # llama.cpp's converter permutes Q/K rows for rotary only for these architectures.
 _PERMUTED_ARCHS = {"llama", "mistral"}
 
@@ -53,11 +63,16 @@ _PERMUTED_ARCHS = {"llama", "mistral"}
 def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    names = _SANDWICH_NAMES if arch in _SANDWICH_ARCHS else _BLOCK_NAMES
+    names = _ARCH_NAMES.get(arch, _BLOCK_NAMES)
     m = _BLOCK_RE.match(gguf_name)
-    if m is None or m.group(2) not in names:
+    if m is None:
         return None
-    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+    name = names.get(m.group(2)) or _EXPERT_NAMES.get(m.group(2))
+    if name is None:
+        return None
+    if m.group(2).endswith("_exps"):  # stacked experts: no suffix
+        return f"model.layers.{m.group(1)}.{name}" if m.group(3) == "weight" else None
+    return f"model.layers.{m.group(1)}.{name}.{m.group(3)}"
 
 
 def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:

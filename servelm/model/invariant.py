@@ -86,7 +86,8 @@ def _convert_gate_up(gu: GateUpLinear, dtype: torch.dtype) -> GateUpLinear | Inv
 
 def make_batch_invariant(model: DecoderLM) -> None:
     """Switch `model` (in place, for good) to the batch-invariant mode. CPU only; needs oneDNN."""
-    if model.spec.sandwich_norms:  # Gemma's layer loop and soft-capped attention have no invariant variant
+    # Gemma's layer loop and soft-capped attention, and the experts' linears, have no invariant variant
+    if model.spec.sandwich_norms or model.spec.moe is not None:
         raise ValueError(f"batch_invariant is not supported for {model.spec.architecture}")
     if model.embed.device.type != "cpu":
         raise ValueError("batch_invariant runs on the CPU only")

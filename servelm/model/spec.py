@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from servelm.model.gemma import GEMMA_ARCHITECTURES, gemma_options
 from servelm.model.metadata import SUPPORTED_ARCHITECTURES, architecture
+from servelm.model.moe import MOE_ARCHITECTURES, MoeOptions, moe_options
+from servelm.model.phi3 import PHI3_ARCHITECTURES, phi3_options
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -26,7 +31,7 @@ class ModelSpec:
     sliding_windows: list[int | None]  # per layer
     inv_freq: torch.Tensor  # rotary inverse frequencies (float32), RoPE scaling already applied
     rope_attention_factor: float
-    # per-architecture choices (servelm/model/gemma.py); the defaults are the Llama family's
+    # per-architecture choices (servelm/model/gemma.py, phi3.py, moe.py); the defaults are the Llama family's
     hidden_act: str = "silu"  # silu | gelu_tanh (the MLP's gate activation)
     embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden_size))
     norm_unit_offset: bool = False  # RMSNorm weights applied as (1 + w) (Gemma)
@@ -35,6 +40,14 @@ class ModelSpec:
     attn_softcap: float | None = None  # scores soft-capped as cap * tanh(s / cap) (Gemma 2)
     final_softcap: float | None = None  # logits soft-capped likewise (Gemma 2)
     local_inv_freq: torch.Tensor | None = None  # RoPE of the sliding-window layers, if theirs differs (Gemma 3)
+    rotary_dim: int | None = None  # RoPE on the first rotary_dim of each head only (partial_rotary_factor < 1)
+    fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj already joined (Phi-3)
+    moe: MoeOptions | None = None  # mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE)
+
+    @property
+    def llama_layers(self) -> bool:
+        """Whether every layer has the Llama shape that the C++ decode loop (csrc/decode_layers.cpp) runs."""
+        return not (self.sandwich_norms or self.moe is not None or self.rotary_dim is not None)
 
     @classmethod
     def from_hf_config(cls, config, sliding_window: int | None = None) -> ModelSpec:
@@ -46,12 +59,16 @@ class ModelSpec:
         if arch in GEMMA_ARCHITECTURES:
             opts = gemma_options(config, arch, head_dim, _rope)
         else:
+            opts = phi3_options(config) if arch in PHI3_ARCHITECTURES else {}
+            if arch in MOE_ARCHITECTURES:
+                opts["moe"] = moe_options(config, arch)
             act = getattr(config, "hidden_act", "silu")
             if act != "silu":
                 raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
-            opts = {}
         if "inv_freq" not in opts:
             opts["inv_freq"], opts["rope_attention_factor"] = _rope(config, head_dim)
+            if 2 * len(opts["inv_freq"]) != head_dim:  # partial_rotary_factor: the rest of each head passes
+                opts["rotary_dim"] = 2 * len(opts["inv_freq"])
         return cls(
             architecture=arch,
             vocab_size=config.vocab_size,
@@ -63,7 +80,7 @@ class ModelSpec:
             intermediate_size=config.intermediate_size,
             rms_norm_eps=config.rms_norm_eps,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            max_position_embeddings=config.max_position_embeddings,
+            max_position_embeddings=_max_positions(config),
             sliding_windows=[sliding_window] * config.num_hidden_layers if sliding_window else _sliding_windows(config),
             **opts,
         )
@@ -78,13 +95,34 @@ def _sliding_windows(config) -> list[int | None]:
     return [window] * n  # Mistral: every layer
 
 
+def _max_positions(config) -> int:
+    """The longest sequence servelm runs as transformers does. LongRoPE (Phi-3) switches every position's
+    frequencies from its short to its long factors once a sequence passes original_max_position_embeddings
+    (transformers recomputes them per forward call, vLLM per batch): a paged KV cache of keys rotated once
+    cannot follow that switch, so servelm runs the short factors up to the original length and no further."""
+    n = config.max_position_embeddings
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type") == "longrope":
+        original = params.get("original_max_position_embeddings") or getattr(
+            config, "original_max_position_embeddings", None) or n
+        if original < n:
+            logger.warning("longrope RoPE scaling: context limited to original_max_position_embeddings=%d (of "
+                           "max_position_embeddings=%d); its long factors (past that length) are not supported",
+                           original, n)
+        return min(n, original)
+    return n
+
+
 def _rope(config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies via transformers' own RoPE initialisers, so every scaling type matches it."""
+    """Inverse frequencies via transformers' own RoPE initialisers, so every scaling type matches it. With a
+    partial_rotary_factor below 1 they cover only that fraction of each head (as transformers')."""
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+        dim = int(head_dim * factor)
+        inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         factors = getattr(config, "rope_freq_factors", None)  # a GGUF's rope_freqs (Llama-3 scaling)
         if factors is not None:  # divided as llama.cpp does: exactly the llama3 rule's frequencies
             inv = inv / torch.tensor(factors, dtype=torch.float32)
