@@ -29,6 +29,15 @@ def test_block_runs():
     assert block_runs([(5, 1), (4, 2)]) == [(5, 1, 1), (4, 2, 1)]
 
 
+def _assert_moved(caches, old_dst, src, pairs) -> None:
+    """Each layer of `caches` is its old contents with block d replaced by src's block s, for every (s, d)."""
+    for (k, v), (ok, ov), (sk, sv) in zip(caches, old_dst, src, strict=True):
+        want_k, want_v = ok.clone(), ov.clone()
+        for s, d in pairs:
+            want_k[d], want_v[d] = sk[s], sv[s]
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
 @pytest.mark.parametrize("pairs", [
     [(2, 5), (3, 6), (4, 7)],  # one run
     [(2, 5), (3, 6), (9, 0), (1, 12)],  # three runs
@@ -39,19 +48,11 @@ def test_swaps_and_copies_move_exactly_the_listed_blocks(pairs):
     dev = [(k.clone(), v.clone()) for k, v in r.kv_caches]
     cpu = [(k.clone(), v.clone()) for k, v in r.cpu_caches]
     r.apply_block_ops(BlockOps(swap_out=pairs))
-    for (k, v), (dk, dv), (ck, cv) in zip(r.cpu_caches, dev, cpu, strict=True):
-        want_k, want_v = ck.clone(), cv.clone()
-        for s, d in pairs:
-            want_k[d], want_v[d] = dk[s], dv[s]
-        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    _assert_moved(r.cpu_caches, cpu, dev, pairs)
     cpu = [(k.clone(), v.clone()) for k, v in r.cpu_caches]
     back = [(d, s) for s, d in pairs]
     r.apply_block_ops(BlockOps(swap_in=back))
-    for (k, v), (dk, dv), (ck, cv) in zip(r.kv_caches, dev, cpu, strict=True):
-        want_k, want_v = dk.clone(), dv.clone()
-        for c, d in back:
-            want_k[d], want_v[d] = ck[c], cv[c]
-        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    _assert_moved(r.kv_caches, dev, cpu, back)
     before = [(k.clone(), v.clone()) for k, v in r.kv_caches]
     r.apply_block_ops(BlockOps(copy=[(1, 10), (2, 11)]))  # copy-on-write within the device cache
     for (k, v), (bk, bv) in zip(r.kv_caches, before, strict=True):
