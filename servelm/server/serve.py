@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import errno
+import gc
 import logging
 import signal
 import socket
@@ -159,6 +160,10 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
     app = build_app(state)
     logger.info("ready in %.1fs: serving %s on http://%s:%d (API keys: %s)", time.perf_counter() - t0,
                 ", ".join(state.models.names()), srv.host, sock.getsockname()[1], f"{len(state.keys.keys)}" if state.keys.enabled else "off")
+    # the app, tokenizers and libraries live as long as the process: freeze them out of the collector's full
+    # passes, which otherwise walk them all between two streamed tokens
+    gc.collect()
+    gc.freeze()
     server = _DrainingServer(uvicorn_config(app, srv))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
