@@ -79,7 +79,7 @@ def test_ollama_generate_templates_raw_and_context(oc, client):
     assert oc.generate(model="tiny").done_reason == "load"
 
 
-def test_ollama_embed_tags_show_ps(oc, client):
+def test_ollama_embed_tags_show_ps(oc, client, llama_dir):
     texts = ["a red fox", "a blue whale"]
     ref = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts)
     emb = oc.embed(model="all-MiniLM-L6-v2", input=texts)
@@ -92,6 +92,13 @@ def test_ollama_embed_tags_show_ps(oc, client):
     assert ps[0].model == "tiny" and ps[0].context_length == 1024
     shown = oc.show("tiny")
     assert "completion" in shown.capabilities and "im_start" in shown.template
+    # the details the engine reported: the tiny Llama's family, parameter count and weight type
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    params = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(llama_dir)).num_parameters()
+    details = oc.list().models[0].details
+    assert (details.family, details.families, details.quantization_level) == ("llama", ["llama"], "F32")
+    assert details.parameter_size == f"{params / 1e6:.1f}M" and shown.details.family == "llama"
     assert "embedding" in oc.show("all-MiniLM-L6-v2:latest").capabilities
 
 

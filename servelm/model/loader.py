@@ -96,7 +96,9 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
                        src.path.name)
     # on the CPU, .to is a no-op; quantized weights (CPU only) stay where they are
     weights = {name: t if isinstance(t, QuantWeight) else t.to(device) for name, t in tensors}
+    num_params = sum(t.codes.numel() if isinstance(t, QuantWeight) else t.numel() for t in weights.values())
     lm = DecoderLM(spec, weights, torch_dtype, get_backend(device))
+    lm.num_params = num_params  # as the checkpoint stores them (a tied lm_head once)
     lm.quantization = f"int4/g{quantization_group_size}" if quantization == "int4" else quantization
     seconds = time.perf_counter() - t0
     logger.info("loaded %s (%s, %s%s) in %.1fs", src.name, spec.architecture, torch_dtype,

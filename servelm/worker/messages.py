@@ -67,6 +67,11 @@ class Ready(msgspec.Struct, tag="ready"):
     vocab_size: int
     pid: int
     stats: EngineStats  # so /server/stats has engine figures from the moment it is ready
+    # what the model is (Ollama's /api/tags and /api/show details)
+    architecture: str = ""
+    num_params: int = 0
+    dtype: str = ""
+    quantization: str = "none"
 
 
 class StepOutputs(msgspec.Struct, tag="step"):

@@ -77,7 +77,11 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     # middle of a step (bench/engine_overheads.py --gc-freeze: GC per scheduler iteration 843 -> 313 us).
     gc.collect()
     gc.freeze()
-    out.send(m.encoder.encode(m.Ready(core.max_model_len, core.model.spec.vocab_size, os.getpid(), core.stats())))
+    model = core.model
+    out.send(m.encoder.encode(m.Ready(core.max_model_len, model.spec.vocab_size, os.getpid(), core.stats(),
+                                      model.spec.architecture, getattr(model, "num_params", 0),
+                                      str(model.dtype).removeprefix("torch."),
+                                      getattr(model, "quantization", "none"))))
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     while True:

@@ -131,8 +131,20 @@ def _loaded(model: str | None) -> dict:
 
 
 def _details(m) -> dict:
-    return {"parent_model": "", "format": "servelm", "family": "", "families": None, "parameter_size": "",
-            "quantization_level": ""}
+    """Ollama's model details from what the engine reported when it became ready (empty for an embedding
+    model or an engine not ready yet)."""
+    info = getattr(m, "info", None)
+    arch = getattr(info, "architecture", "")
+    if not arch:
+        return {"parent_model": "", "format": "servelm", "family": "", "families": None, "parameter_size": "",
+                "quantization_level": ""}
+    family = arch.removesuffix("ForCausalLM").lower()  # LlamaForCausalLM -> llama, as Ollama names families
+    n = info.num_params
+    size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n else ""
+    quant = info.quantization if info.quantization not in ("", "none") else \
+        {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(info.dtype, info.dtype.upper())
+    return {"parent_model": "", "format": "servelm", "family": family, "families": [family],
+            "parameter_size": size, "quantization_level": quant.upper()}
 
 
 def add_routes(app: FastAPI, api: Api) -> None:
