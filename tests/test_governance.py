@@ -72,7 +72,8 @@ def _speaking(dep, text: str, finish: str):
     """Make a fake deployment answer `text` with `finish`."""
     from servelm.outputs import CompletionOutput, RequestOutput
 
-    async def generate(rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None):
+    async def generate(rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None,
+                       generation=None):
         yield RequestOutput(rid, prompt, ids, [CompletionOutput(0, text, [5], finish_reason=finish)], True)
     dep.generate = generate
 
