@@ -4,6 +4,11 @@ caching off), one engine per format, one after another.
 Prints one JSON object.
 
   nice python bench/quantization.py --formats bf16,int8,int4,gguf --tokens 64 --threads 2
+  nice python bench/quantization.py --formats bf16,gguf --gguf /tmp/smollm2-q8_0.gguf   # bench/gguf_requant.py
+
+Each row also gives the bytes a batch-1 decode step reads (the linears as their kernels keep them, plus the
+LM head) and the bandwidth bound of that step: those bytes over the plain read speed measured first (a
+512 MB buffer summed on --threads threads).
 
 Formats: bf16 (quantization none: the file dequantized to bfloat16, today's path), int8 / int4 (the
 linears of that bf16 model requantized at load; int4 in groups of --group-size), gguf (the file's Q4_1
@@ -51,7 +56,8 @@ def weight_bytes(model) -> dict[str, int]:
     kernel is a second copy)."""
     def lin_bytes(lin) -> int:
         if getattr(lin, "quant", None) is not None:
-            return lin.quant.nbytes + (0 if lin.bias is None else lin.bias.nbytes)
+            bias = getattr(lin, "bias", None)  # a fused gate/up has none
+            return lin.quant.nbytes + (0 if bias is None else bias.nbytes)
         ts = [getattr(lin, n, None) for n in ("tiled", "packed", "weight", "bias")]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
@@ -63,9 +69,22 @@ def weight_bytes(model) -> dict[str, int]:
     return {"linears": linears, "embedding_norms": other, "lm_head_copy": head, "total": linears + other + head}
 
 
+def read_gb_s(threads: int | None) -> float:
+    """Plain read speed: the best of 5 sums over a 512 MB buffer (float32, memory-bound)."""
+    if threads:
+        torch.set_num_threads(threads)
+    buf = torch.ones(128 << 20)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.numel() * 4 / best / 1e9
+
+
 def measure(name: str, args) -> dict:
     dtype, quant = FORMATS[name]
-    path = default_model_path()
+    path = args.gguf or default_model_path()
     t0 = time.perf_counter()
     llm = LLM(str(path.parent), gguf_file=path.name, dtype=dtype, quantization=quant,
               quantization_group_size=args.group_size, kv_cache_memory_gb=0.25, num_threads=args.threads,
@@ -84,8 +103,12 @@ def measure(name: str, args) -> dict:
     t_first = _timed(llm, prompt, one)
     t_all = _timed(llm, prompt, greedy)
     text = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
+    wb = weight_bytes(model)
+    step = wb["linears"] + (wb["lm_head_copy"] or model.embed.nbytes)  # what a batch-1 step streams
+    bound_ms = step / args.read_gb_s / 1e6
     return {"format": name, "dtype": dtype, "quantization": quant, "load_s": round(load_s, 2),
-            "weight_bytes": weight_bytes(model), "cpp_decode": model.cpp_decode is not None,
+            "weight_bytes": wb, "step_read_mb": round(step / 1e6, 1), "bandwidth_bound_ms": round(bound_ms, 3),
+            "cpp_decode": model.cpp_decode is not None,
             "text_tokens": len(ids), "mean_loglik": round(mean_ll, 5), "perplexity": round(math.exp(-mean_ll), 4),
             "tpot_ms": round((t_all - t_first) / args.tokens * 1e3, 3),
             "prefill_ms": round(t_prefill * 1e3, 1), "greedy_16": text}
@@ -103,10 +126,15 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=32)
     p.add_argument("--tokens", type=int, default=64, help="decode steps timed (batch 1)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--gguf", default=None, help="GGUF file (default: SmolLM2-135M's Q4_1)")
     args = p.parse_args()
+    args.read_gb_s = read_gb_s(args.threads)
     rows = [measure(f, args) for f in args.formats.split(",")]
-    print(json.dumps({"model": default_model_path().name, "torch": torch.__version__, "threads": args.threads
-                      or torch.get_num_threads(), "group_size": args.group_size, "results": rows}, indent=1))
+    for r in rows:
+        r["tpot_vs_bound"] = round(r["tpot_ms"] / r["bandwidth_bound_ms"], 2)
+    print(json.dumps({"model": str(args.gguf or default_model_path().name), "torch": torch.__version__,
+                      "threads": args.threads or torch.get_num_threads(), "group_size": args.group_size,
+                      "read_gb_s": round(args.read_gb_s, 1), "results": rows}, indent=1))
 
 
 if __name__ == "__main__":

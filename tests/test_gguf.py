@@ -106,11 +106,13 @@ def test_smollm2_default_model_answers(smollm):
 
 
 def test_smollm2_q4_1_linears_kept_as_int4_exactly():
-    """quantization=gguf on the real file: every linear (Q4_1) comes as int4 codes whose float32 weight is the
-    dequantized tensor bit for bit (checked in the first and last layers; all 210 were, once) (llama.cpp's Q/K row permutation undone on codes, scales and zero points
-    alike); the rest (the Q8_0 embedding, float32 norms) is dequantized as before."""
+    """quantization=gguf on the real file: every linear (Q4_1) comes as the file's blocks, whose float32 weight
+    is the dequantized tensor bit for bit, as is that of their int4 form (PyTorch's kernels' path) (checked in
+    the first and last layers; all 210 were, once) (llama.cpp's Q/K row permutation undone on whole rows of
+    blocks); the rest (the Q8_0 embedding, float32 norms) is dequantized as before."""
     from servelm.model.gguf_loader import iter_gguf_tensors
-    from servelm.model.quant import QuantWeight, is_linear_weight
+    from servelm.model.gguf_quant import GGUFBlocks
+    from servelm.model.quant import is_linear_weight
 
     path = default_model_path()
     kept = iter_gguf_tensors(path, torch.float32, keep_quantized=True)
@@ -118,10 +120,10 @@ def test_smollm2_q4_1_linears_kept_as_int4_exactly():
     for (name, q), (same, dense) in zip(kept, iter_gguf_tensors(path, torch.float32), strict=True):
         assert name == same
         if is_linear_weight(name):
-            assert isinstance(q, QuantWeight) and q.source == "Q4_1", name
+            assert isinstance(q, GGUFBlocks) and q.source == "Q4_1", name
             linears += 1
             if name.startswith(("model.layers.0.", "model.layers.29.")):  # first and last layer: bit for bit
-                assert torch.equal(q.dequantize(), dense), name
+                assert torch.equal(q.dequantize(), dense) and torch.equal(q.to_int4().dequantize(), dense), name
         else:
             assert torch.equal(q, dense), name
     assert linears == 210

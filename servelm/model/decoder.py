@@ -14,6 +14,7 @@ import torch
 
 from servelm.model import memory
 from servelm.model.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention
+from servelm.model.gguf_quant import GGUFMatmul
 from servelm.model.layers import (
     GateUpLinear,
     Linear,
@@ -87,22 +88,36 @@ class DecoderLM:
             slots += [(lw, n) for n in ("input_norm", "post_norm", "q_norm", "k_norm")]
             mlp = [lw.gate_up, lw.down] if lw.moe is None else lw.moe.linears()
             linears += [lw.qkv, lw.o_proj] + [getattr(x, "linear", None) or x for x in mlp]
-        return slots + [(lin, n) for lin in linears for n in ("tiled", "weight", "bias") if hasattr(lin, n)]
+        return slots + [(lin, n) for lin in linears for n in ("tiled", "weight", "bias") if hasattr(lin, n)] + [
+            (lin.quant, "packed") for lin in linears if isinstance(getattr(lin, "quant", None), GGUFMatmul)]
 
     def _cpp_decode_weights(self) -> list[torch.Tensor] | None:
         """The flat weight list of the C++ layer loop for pure-decode steps (`decode_layers`): where the
-        fused kernels, the CPU attention kernel and a packed-weight linear kernel (AMX tiles or AVX512-BF16) take
-        every layer."""
+        fused kernels, the CPU attention kernel and a packed-weight linear kernel (AMX tiles or AVX512-BF16, or
+        the GGUF block kernel for a weight kept quantized) take every layer."""
+        self.cpp_formats: list[int] | None = None  # the C++ loop's GGUF formats, where a linear has one
         if self.fused is None or not isinstance(self.attn, CpuPagedAttention) or not self.spec.llama_layers:
             return None  # the C++ loop runs the Llama layer shape only: Gemma, MoE, partial RoPE stay on Python's
-        flat = []
+        flat, formats = [], []
         none = torch.empty(0, dtype=self.dtype)
+
+        def packed(x) -> torch.Tensor | None:  # the weight as the loop's kernels read it, noting its format
+            if isinstance(getattr(x, "quant", None), GGUFMatmul) and (getattr(x, "bias", None) is None
+                                                                      or x.bias_inside):
+                formats.append(x.quant.fmt)  # a GGUF weight for quant_linear (bias, if any, added inside)
+                return x.quant.packed
+            formats.append(-1)
+            return x.tiled if (x.tiles or x.avx512) is not None else None
+
         for lw in self.layers:
-            if any((x.tiles or x.avx512) is None for x in (lw.qkv, lw.o_proj, lw.down, lw.gate_up)):
+            weights = [packed(x) for x in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
+            if any(w is None for w in weights):
                 return None
-            flat += [lw.input_norm, lw.qkv.tiled, none if lw.qkv.bias is None else lw.qkv.bias, lw.o_proj.tiled,
-                     none if lw.o_proj.bias is None else lw.o_proj.bias, lw.post_norm, lw.gate_up.tiled,
-                     lw.down.tiled, none if lw.q_norm is None else lw.q_norm, none if lw.k_norm is None else lw.k_norm]
+            qkv, o_proj, gate_up, down = weights
+            flat += [lw.input_norm, qkv, none if lw.qkv.bias is None else lw.qkv.bias, o_proj,
+                     none if lw.o_proj.bias is None else lw.o_proj.bias, lw.post_norm, gate_up,
+                     down, none if lw.q_norm is None else lw.q_norm, none if lw.k_norm is None else lw.k_norm]
+        self.cpp_formats = formats if any(f >= 0 for f in formats) else None
         return flat
 
     def _norm_weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
@@ -184,7 +199,7 @@ class DecoderLM:
                 meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens, self.norm,
                 [w or 0 for w in s.sliding_windows], [lw.qkv.out_features, lw.o_proj.out_features,
                                                       lw.gate_up.out_features, lw.down.out_features],
-                [s.num_heads, s.num_kv_heads, s.head_dim], eps, self.attn.scale)
+                [s.num_heads, s.num_kv_heads, s.head_dim], eps, self.attn.scale, self.cpp_formats)
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         # the fused kernel reads the rotary tables at the positions; the PyTorch path gathers them once here
         cos, sin, rope_pos = (self.cos, self.sin, positions) if fused else (self.cos[positions], self.sin[positions], None)

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from servelm.model.gguf_header import GGUFHeader, read_gguf_header  # noqa: F401 (re-exported)
-from servelm.model.quant import QuantWeight, is_linear_weight
+from servelm.model.gguf_quant import FORMATS, GGUFBlocks
+from servelm.model.quant import is_linear_weight
 from servelm.progress import progress
 
 logger = logging.getLogger(__name__)
@@ -97,10 +98,12 @@ def dequantize(raw: np.ndarray, qtype) -> np.ndarray:
     return blocks.reshape(*raw.shape[:-1], -1)
 
 
-# Block formats kept quantized (quantization=gguf): every 32 weights have one scale and one offset, exactly
-# the int4 kernel's groups of 32. Q8_0 (int8 codes, a scale per 32) fits neither the per-row int8 kernel nor
-# int4, and Q5_K/Q6_K codes have 5 and 6 bits: those are dequantized, as every type is with quantization=none.
+# Block formats kept quantized (quantization=gguf) as GGUFBlocks (model/gguf_quant.py, servelm's kernels):
+# Q8_0, Q4_0, Q4_1, Q4_K. The Q4 ones are also exactly PyTorch's int4 groups of 32 (KEPT_INT4, int4_blocks),
+# the path where servelm's kernels do not run. Q5_K/Q6_K (5- and 6-bit codes, scales per 16) are dequantized,
+# as every type is with quantization=none.
 KEPT_INT4 = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+KEPT = frozenset(FORMATS)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -136,10 +139,10 @@ def int4_blocks(raw: np.ndarray, qname: str) -> tuple[np.ndarray, np.ndarray, np
 
 
 def iter_gguf_tensors(path: Path, dtype: torch.dtype, keep_quantized: bool = False
-                      ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+                      ) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     """Yield (hf_name, tensor) for every tensor of a GGUF file, dequantized to `dtype`; with
-    `keep_quantized`, Q4_0/Q4_1/Q4_K linear weights come as int4 QuantWeights (codes exact; scales and zero
-    points float32 here, rounded to `dtype` when packed for the kernel)."""
+    `keep_quantized`, Q8_0/Q4_0/Q4_1/Q4_K linear weights come as GGUFBlocks (the file's blocks, rows in the
+    model's order)."""
     import gguf
 
     kept, dense = Counter(), Counter()
@@ -161,14 +164,11 @@ def iter_gguf_tensors(path: Path, dtype: torch.dtype, keep_quantized: bool = Fal
             raw = np.frombuffer(buf, np.uint8, rows * row_bytes, head.data_offset + toff).reshape(rows, row_bytes)
             permuted = arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight"))
             heads = n_head if "q_proj" in name else n_kv
-            if keep_quantized and qtype.name in KEPT_INT4 and is_linear_weight(name) and len(shape) == 2:
-                parts = int4_blocks(raw, qtype.name)
-                if permuted:  # rows move together with their scales and zero points
-                    parts = tuple(unpermute_rotary(p, heads) for p in parts)
-                codes, scales, zeros = (torch.from_numpy(np.ascontiguousarray(p)) for p in parts)
+            if keep_quantized and qtype.name in KEPT and is_linear_weight(name) and len(shape) == 2:
+                rows_raw = unpermute_rotary(raw, heads) if permuted else raw  # a row's blocks move with it
                 kept[qtype.name] += 1
-                yield name, QuantWeight("int4", codes, scales, zeros, 32, dtype, qtype.name)
-                del raw, parts
+                yield name, GGUFBlocks(qtype.name, torch.from_numpy(np.array(rows_raw)), shape[0], dtype)
+                del raw, rows_raw
                 continue
             if keep_quantized and is_linear_weight(name):
                 dense[qtype.name] += 1
@@ -178,5 +178,5 @@ def iter_gguf_tensors(path: Path, dtype: torch.dtype, keep_quantized: bool = Fal
             yield name, torch.from_numpy(np.array(arr, dtype=np.float32)).to(dtype)
             del raw, arr  # no view may outlive the mapping
     if keep_quantized:
-        logger.info("%s: linear weights kept quantized (int4, groups of 32): %s; dequantized to %s (no exact "
-                    "kernel for their type): %s", path.name, dict(kept) or "none", dtype, dict(dense) or "none")
+        logger.info("%s: linear weights kept quantized: %s; dequantized to %s (no kernel for their type): %s",
+                    path.name, dict(kept) or "none", dtype, dict(dense) or "none")

@@ -37,7 +37,11 @@ _SIGNATURES: dict[str, tuple] = {
     "servelm_write_kv": (_INT, (_P, _P, _I, _I, _P, _I, _P, _I, _P, _I)),
     "servelm_argmax_rows": (_INT, (_P, ctypes.c_int32, _I, _I, _P)),
     "servelm_decode_layers": (_INT, (_P, _P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _P, _P, _I, _P, _P, _P, _I, _P,
-                                     _P, _D, _D)),
+                                     _P, _D, _D, _P)),
+    # quant_linear.cpp: GGUF block-quantized weights
+    "servelm_quant_linear_supported": (_INT, (_INT, _I)),
+    "servelm_quant_linear": (_INT, (_P, _P, _I, _I, _I, _INT, _P, _I, _P, _INT, _I)),
+    "servelm_quant_unpack": (_INT, (_P, _INT, _P, _I, _I)),
 }
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -246,11 +250,12 @@ class CpuKernels:
     def decode_layers(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       weights: list[torch.Tensor], caches: list[torch.Tensor], slots: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, final_norm: torch.Tensor,
-                      windows: list[int], sizes: list[int], heads: list[int], eps: float, scale: float
-                      ) -> torch.Tensor:
+                      windows: list[int], sizes: list[int], heads: list[int], eps: float, scale: float,
+                      formats: list[int] | None = None) -> torch.Tensor:
         """Every decoder layer of a pure-decode step in one call (decode_layers.cpp); h [T, hidden] bf16 is the
         residual stream, updated in place; returns the final norm's output. weights: 10 per layer (absent
-        ones empty), caches: k, v per layer."""
+        ones empty), caches: k, v per layer. formats: None (bf16 linears), or 4 per layer (qkv, o_proj,
+        gate_up, down): -1 for a bf16 weight, else the GGUF format of a weight packed by gguf_quant."""
         L = len(windows)
         _require(len(weights) == 10 * L and len(caches) == 2 * L and len(sizes) == 4 and len(heads) == 3,
                  "decode_layers: 10 weights and 2 caches per layer")
@@ -267,13 +272,52 @@ class CpuKernels:
             w = (ctypes.c_void_p * len(weights))(*[t.data_ptr() if t.numel() else None for t in weights])
             c = (ctypes.c_void_p * len(caches))(*[t.data_ptr() for t in caches])
             ints = [(ctypes.c_int64 * len(a))(*a) for a in (windows, sizes, heads)]
-            cached = self._decode_pointers[id(weights)] = (weights, ends, w, c, *ints)
-        _, _, w, c, win, sz, hd = cached
+            fmts = None if formats is None else (ctypes.c_int32 * len(formats))(*formats)
+            cached = self._decode_pointers[id(weights)] = (weights, ends, w, c, *ints, fmts)
+        _, _, w, c, win, sz, hd, fmts = cached
+        _require(formats is None or len(formats) == 4 * L, "decode_layers: 4 formats per layer")
         nb, bs = caches[0].shape[:2]
         T, hidden = h.shape
         out = torch.empty_like(h)
         self._ok(self._decode_layers(
             out.data_ptr(), h.data_ptr(), T, hidden, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             cos.shape[0], w, c, nb, bs, slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-            seq_lens.data_ptr(), final_norm.data_ptr(), win, L, sz, hd, eps, scale))
+            seq_lens.data_ptr(), final_norm.data_ptr(), win, L, sz, hd, eps, scale, fmts))
+        return out
+
+    # --- GGUF block-quantized linears (quant_linear.cpp; weights packed by gguf_quant.pack_blocks) ----------
+
+    def quant_linear_supported(self, fmt: int, K: int) -> int:
+        """0: this build or CPU does not run format `fmt` for K inputs; 1: the int8-activation kernel only
+        (any number of rows); 2: that kernel for few rows and the bf16 tile path for many."""
+        return int(self._quant_linear_supported(fmt, K))
+
+    def quant_linear(self, x: torch.Tensor, packed: torch.Tensor, fmt: int, N: int, bias: torch.Tensor | None = None,
+                     silu_mul: bool = False, int_rows: int = 8) -> torch.Tensor:
+        """x [M, K] bf16 times a packed GGUF weight of N rows (+ bias; or SiLU(gate) * up for a gate/up weight
+        packed with gate_up=True): [M, N] or [M, N / 2] bf16. Up to `int_rows` rows take the int8-activation
+        kernel, more the bf16 tile path where the build has it."""
+        from servelm.model.gguf_quant import packed_bytes
+
+        _require(x.dim() == 2 and x.dtype == torch.bfloat16 and packed.dtype == torch.uint8 and packed.is_contiguous(),
+                 "quant_linear: bf16 [M, K] input and a packed uint8 weight")
+        M, K = x.shape
+        _require(packed.numel() == packed_bytes(fmt, N, K), f"quant_linear: not a weight packed for {N} x {K}")
+        _require(bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous() and bias.numel() == N),
+                 "quant_linear: bias must be bf16 [N]")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = x.new_empty(M, N // 2 if silu_mul else N)
+        self._ok(self._quant_linear(out.data_ptr(), x.data_ptr(), M, K, x.stride(0), fmt, packed.data_ptr(), N,
+                                    None if bias is None else bias.data_ptr(), silu_mul, int_rows))
+        return out
+
+    def quant_unpack(self, packed: torch.Tensor, fmt: int, N: int, K: int) -> torch.Tensor:
+        """The packed weight's float32 values [N, K] (gguf's dequantized tensor, bit for bit)."""
+        from servelm.model.gguf_quant import packed_bytes
+
+        _require(packed.dtype == torch.uint8 and packed.is_contiguous() and packed.numel() == packed_bytes(fmt, N, K),
+                 f"quant_unpack: not a weight packed for {N} x {K}")
+        out = torch.empty(N, K)
+        self._ok(self._quant_unpack(out.data_ptr(), fmt, packed.data_ptr(), N, K))
         return out

@@ -7,6 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from servelm.model import cpu_kernels
+from servelm.model.gguf_quant import (
+    GGUFBlocks,
+    GGUFMatmul,
+    ReferenceMatmul,
+    gguf_kernels,
+    gguf_matmul,
+    reference_selected,
+)
 from servelm.model.quant import QuantMatmul, QuantWeight, fuse_rows, quant_matmul
 
 
@@ -132,13 +140,18 @@ class Linear:
     otherwise it is plain F.linear. A `QuantWeight` (int8 or int4, model/quant.py) stays quantized and runs
     through PyTorch's packed int8/int4 CPU kernels (`quant`), or is dequantized where they do not take it."""
 
-    def __init__(self, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None) -> None:
-        self.quant: QuantMatmul | None = None
-        if isinstance(weight, QuantWeight):
-            self.quant = quant_matmul(weight)
+    def __init__(self, weight: torch.Tensor | QuantWeight | GGUFBlocks, bias: torch.Tensor | None = None) -> None:
+        self.quant: QuantMatmul | GGUFMatmul | ReferenceMatmul | None = None
+        if isinstance(weight, (QuantWeight, GGUFBlocks)):
+            self.quant = quant_matmul(weight) if isinstance(weight, QuantWeight) else gguf_matmul(weight)
             if self.quant is not None:  # no float copy and no other kernel: tiles/avx512 None keep the
                 self.bias, self.out_features, self.weight = bias, weight.shape[0], None  # C++ loop off
                 self.tiles = self.avx512 = self.tiled = self.packed = None
+                # the GGUF kernels add a bf16 bias in their store
+                self.bias_inside = isinstance(self.quant, (GGUFMatmul, ReferenceMatmul)) and (
+                    bias is None or bias.dtype == torch.bfloat16)
+                if self.bias_inside and bias is not None:
+                    self.bias = bias.contiguous()
                 return
             weight = weight.dequantize()
         self.bias = bias
@@ -156,6 +169,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
+            if self.bias_inside:
+                return self.quant(x, self.bias)
             y = self.quant(x)
             return y if self.bias is None else y + self.bias
         if self.tiles is not None:
@@ -175,10 +190,20 @@ class GateUpLinear:
     token's bits independent of how it was batched (oneDNN for prefill chunks measured 1.02-1.35x faster
     at 512 tokens, but its sums change with the row count)."""
 
-    def __init__(self, gate: torch.Tensor | QuantWeight, up: torch.Tensor | QuantWeight, act: str = "silu") -> None:
+    def __init__(self, gate: torch.Tensor | QuantWeight | GGUFBlocks, up: torch.Tensor | QuantWeight | GGUFBlocks,
+                 act: str = "silu") -> None:
         weight = fuse_rows([gate, up])
         self.out_features = weight.shape[0]
         self.act = act  # silu, or gelu_tanh (GeGLU: Gemma), which the fused kernels do not implement
+        # GGUF blocks in servelm's kernels: the SiLU-and-multiply fused into their store as well
+        self.quant = None
+        if isinstance(weight, GGUFBlocks) and act == "silu" and gate.shape[0] % 16 == 0:
+            k = None if reference_selected() else gguf_kernels(weight)
+            if k is not None:
+                self.quant = GGUFMatmul(weight, k, gate_up=True)
+        if self.quant is not None:
+            self.tiles = self.avx512 = self.tiled = self.linear = None
+            return
         # the fused store takes whole 16-column groups; quantized weights go through Linear's kernels
         whole = gate.shape[0] % 16 == 0 and act == "silu" and isinstance(weight, torch.Tensor)
         self.tiles = _tile_kernels(weight) if whole else None
@@ -187,6 +212,8 @@ class GateUpLinear:
         self.linear = Linear(weight) if self.tiled is None else None
 
     def __call__(self, x: torch.Tensor, fused=None) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant(x, None, silu_mul=True)
         if self.linear is not None:
             if self.act == "gelu_tanh":
                 gate, up = self.linear(x).chunk(2, dim=-1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from servelm.model.attention import get_backend
 from servelm.model.cpu_features import cpu_has_bf16
 from servelm.model.decoder import DecoderLM
 from servelm.model.gguf_loader import iter_gguf_tensors
+from servelm.model.gguf_quant import GGUFBlocks
 from servelm.model.metadata import load_config_and_eos, load_config_and_tokenizer
 from servelm.model.quant import QUANTIZATIONS, QuantWeight, quantize_linears
 from servelm.model.source import ModelSource
@@ -95,8 +97,8 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
                        "sliding_window, pass it: LLM(..., sliding_window=N) or servelm serve --sliding-window N",
                        src.path.name)
     # on the CPU, .to is a no-op; quantized weights (CPU only) stay where they are
-    weights = {name: t if isinstance(t, QuantWeight) else t.to(device) for name, t in tensors}
-    num_params = sum(t.codes.numel() if isinstance(t, QuantWeight) else t.numel() for t in weights.values())
+    weights = {name: t if isinstance(t, (QuantWeight, GGUFBlocks)) else t.to(device) for name, t in tensors}
+    num_params = sum(math.prod(t.shape) for t in weights.values())
     lm = DecoderLM(spec, weights, torch_dtype, get_backend(device))
     lm.num_params = num_params  # as the checkpoint stores them (a tied lm_head once)
     lm.quantization = f"int4/g{quantization_group_size}" if quantization == "int4" else quantization

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from servelm.model.gguf_quant import GGUFBlocks
+
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("none", "gguf", "int8", "int4")
@@ -110,20 +112,24 @@ def quantize_linears(tensors: Iterable[tuple[str, torch.Tensor]], kind: str, gro
         yield name, t
 
 
-def fuse_rows(parts: list) -> torch.Tensor | QuantWeight:
+def fuse_rows(parts: list) -> torch.Tensor | QuantWeight | GGUFBlocks:
     """Weights stacked along their output rows (fused Q/K/V, gate/up). Quantized parts stay quantized where
     all share one format; a mix (a GGUF whose V is Q6_K beside Q4_K Q and K) is dequantized."""
-    quant = [p for p in parts if isinstance(p, QuantWeight)]
+    blocks = [p for p in parts if isinstance(p, GGUFBlocks)]
+    if blocks and len(blocks) == len(parts) and len({(p.qtype, p.in_features) for p in blocks}) == 1:
+        return GGUFBlocks(blocks[0].qtype, torch.cat([p.raw for p in blocks]), blocks[0].in_features, blocks[0].dtype)
+    quant = [p for p in parts if isinstance(p, (QuantWeight, GGUFBlocks))]
     if not quant:
         return torch.cat(parts).contiguous()
     first = quant[0]
-    if len(quant) == len(parts) and all((p.kind, p.group_size, p.scales.dtype) == (first.kind, first.group_size,
-                                                                                   first.scales.dtype) for p in quant):
+    if len(quant) == len(parts) and all(isinstance(p, QuantWeight) and (p.kind, p.group_size, p.scales.dtype)
+                                        == (first.kind, first.group_size, first.scales.dtype) for p in quant):
         return QuantWeight(first.kind, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
                            None if first.zeros is None else torch.cat([p.zeros for p in parts]), first.group_size,
                            first.dtype, first.source)
     logger.debug("fused weight mixes formats (%s): dequantized", [getattr(p, "source", str(p.dtype)) for p in parts])
-    return torch.cat([p.dequantize(first.dtype) if isinstance(p, QuantWeight) else p for p in parts]).contiguous()
+    return torch.cat([p.dequantize(first.dtype) if isinstance(p, (QuantWeight, GGUFBlocks)) else p
+                      for p in parts]).contiguous()
 
 
 class QuantMatmul:

@@ -50,13 +50,15 @@ class Arena {
 // Per layer, kPerLayer weight pointers: input norm, packed qkv, qkv bias, packed o_proj, o_proj bias, post
 // norm, packed gate_up, packed down, q norm, k norm (biases and q/k norms null when absent). caches: k, v per
 // layer, each [num_blocks, bs, Hkv, D]. sizes = {qkv, o_proj, gate_up, down} out features; heads =
-// {num_heads, num_kv_heads, head_dim}; cos/sin [max_pos, D] rotary tables read at positions.
+// {num_heads, num_kv_heads, head_dim}; cos/sin [max_pos, D] rotary tables read at positions. formats: null
+// (every linear bf16, packed for the tile kernels), or per layer 4 ints for qkv, o_proj, gate_up, down: -1
+// for such a bf16 weight, else the GGUF block format of a weight packed for quant_linear.
 SERVELM_API int servelm_decode_layers(bf16* out, bf16* h, int64_t T, int64_t hidden, const int64_t* positions,
                                       const bf16* cos, const bf16* sin, int64_t max_pos, const bf16* const* weights,
                                       void* const* caches, int64_t num_blocks, int64_t bs, const int64_t* slots,
                                       const int64_t* block_tables, int64_t max_blocks, const int64_t* seq_lens,
                                       const bf16* final_norm, const int64_t* windows, int64_t L, const int64_t* sizes,
-                                      const int64_t* heads, double eps_d, double scale) {
+                                      const int64_t* heads, double eps_d, double scale, const int32_t* formats) {
   return servelm::guarded([&] {
     using servelm::Rows;
     const int64_t H = heads[0], Hkv = heads[1], D = heads[2];
@@ -72,18 +74,23 @@ SERVELM_API int servelm_decode_layers(bf16* out, bf16* h, int64_t T, int64_t hid
     bf16* delta = nullptr;  // the last sublayer's output, not yet added to h; reuses attn's room
     // the linear kernel the Python loop's Linear takes for these weights: AMX tiles where the CPU has them
     const bool tiles = servelm::amx_available();
-    auto linear = [tiles](bf16* o, const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const bf16* bias,
-                          bool silu_mul) {
-      if (tiles) servelm::amx_linear(o, x, M, K, K, w, N, bias, silu_mul);
+    int64_t layer = 0;
+    auto linear = [&](bf16* o, const bf16* x, int64_t M, int64_t K, const bf16* w, int64_t N, const bf16* bias,
+                      bool silu_mul, int which) {
+      const int fmt = formats != nullptr ? formats[4 * layer + which] : -1;
+      if (fmt >= 0) servelm::quant_linear(o, x, M, K, K, fmt, reinterpret_cast<const uint8_t*>(w), N, bias, silu_mul,
+                                          servelm::kQuantIntRows);
+      else if (tiles) servelm::amx_linear(o, x, M, K, K, w, N, bias, silu_mul);
       else servelm::avx512_linear(o, x, M, K, K, w, N, bias, silu_mul);
     };
     const Rows hidden_rows{T, 1, hidden, 0};
     const Rows q_rows{T, H, qkv_size, D}, k_rows{T, Hkv, qkv_size, D};
     for (int64_t i = 0; i < L; ++i) {
       const bf16* const* w = weights + kPerLayer * i;
+      layer = i;
       if (delta != nullptr) servelm::add_rms_norm(x, delta, h, w[0], T, hidden, eps);
       else servelm::rms_norm(x, hidden_rows, h, hidden_rows, w[0], hidden, eps);
-      linear(qkv, x, T, hidden, w[1], qkv_size, w[2], false);
+      linear(qkv, x, T, hidden, w[1], qkv_size, w[2], false, 0);
       if (w[8] != nullptr) {  // Qwen3's per-head norms of queries and keys, in place
         servelm::rms_norm(qkv, q_rows, qkv, q_rows, w[8], D, eps);
         servelm::rms_norm(qkv + q_size, k_rows, qkv + q_size, k_rows, w[9], D, eps);
@@ -97,10 +104,10 @@ SERVELM_API int servelm_decode_layers(bf16* out, bf16* h, int64_t T, int64_t hid
                         slots, T);
       servelm::paged_decode_attention(servelm::kBFloat16, o, q, T, H, servelm::Cache{kc, vc, num_blocks, bs, Hkv, D},
                                       block_tables, max_blocks, seq_lens, scale, windows[i]);
-      linear(attn, o, T, q_size, w[3], hidden, w[4], false);
+      linear(attn, o, T, q_size, w[3], hidden, w[4], false, 1);
       servelm::add_rms_norm(x, attn, h, w[5], T, hidden, eps);
-      linear(act, x, T, hidden, w[6], sizes[2], nullptr, true);
-      linear(attn, act, T, sizes[2] / 2, w[7], hidden, nullptr, false);
+      linear(act, x, T, hidden, w[6], sizes[2], nullptr, true, 2);
+      linear(attn, act, T, sizes[2] / 2, w[7], hidden, nullptr, false, 3);
       delta = attn;
     }
     servelm::add_rms_norm(out, delta, h, final_norm, T, hidden, eps);

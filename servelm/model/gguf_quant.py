@@ -1,0 +1,237 @@
+"""GGUF block-quantized linear weights kept as the file stores them (quantization=gguf), and run by servelm's
+own C++ kernels (csrc/quant_linear.cpp).
+
+Q8_0, Q4_0, Q4_1 and Q4_K tensors are repacked at load (`pack_blocks`: codes and scales exact, 16 output rows
+interleaved per group of 32 inputs, see quant_linear.cpp) and multiplied with bf16 activations:
+- up to `INT_ROWS` rows (decode): each row of x is rounded to int8 in blocks of 32 (scale max|x| / 127) and
+  the dot products are integer (AVX512-VNNI, or AVX2), one float32 scale per group: the exact product of
+  the dequantized weight with the int8-rounded x, up to float32 rounding (`ReferenceMatmul` computes it in
+  torch);
+- more rows (prefill), where the bf16 tile kernels exist (AMX, AVX512-BF16): the weight is dequantized
+  into a bf16 scratch copy in tile order, bit for bit the bf16 model's weight, and run by those kernels.
+
+Without the kernels (SERVELM_CPU_KERNELS=0, a CPU without AVX2, a float32 model) the Q4 types go to
+PyTorch's int4 kernels (model/quant.py) and the rest is dequantized.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Kernel format codes (quant_linear.cpp's Format) and their record bytes per 16 rows x 32 inputs.
+FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3}
+_STRIDES = {0: 512 + 32, 1: 256 + 32, 2: 256 + 64, 3: 256 + 128}
+_OFFSETS = {"Q8_0": 128, "Q4_0": 8}  # w = d * (u - o) for the formats without an offset field
+INT_ROWS = 8  # up to this many rows the int8-activation kernel; beyond, the bf16 tile path
+
+
+def packed_bytes(fmt: int, n: int, k: int) -> int:
+    """Bytes of a weight of n rows and k inputs packed for format `fmt` (rows padded to 32)."""
+    return (n + 31) // 32 * 2 * (k // 32) * _STRIDES[fmt]
+
+
+@dataclass
+class GGUFBlocks:
+    """A linear's [N, K] weight as a GGUF file's blocks ([N, row bytes] uint8, rows in the model's order)."""
+
+    qtype: str  # Q8_0, Q4_0, Q4_1, Q4_K
+    raw: torch.Tensor
+    in_features: int
+    dtype: torch.dtype  # the model's dtype
+
+    @property
+    def source(self) -> str:
+        return self.qtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.raw.shape[0], self.in_features
+
+    def chunk(self, parts: int) -> tuple[GGUFBlocks, ...]:
+        """Row slices, as torch.chunk (Phi-3's gate_up_proj holds gate and up)."""
+        return tuple(GGUFBlocks(self.qtype, r.contiguous(), self.in_features, self.dtype)
+                     for r in self.raw.chunk(parts))
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """gguf's float32 values, then `dtype` (default the model's)."""
+        import gguf
+
+        from servelm.model.gguf_loader import dequantize
+
+        arr = dequantize(self.raw.numpy(), gguf.GGMLQuantizationType[self.qtype])
+        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(dtype or self.dtype)
+
+    def to_int4(self):
+        """The same weight as model/quant.py's int4 QuantWeight (Q4 types only): PyTorch's int4 kernel path."""
+        from servelm.model.gguf_loader import int4_blocks
+        from servelm.model.quant import QuantWeight
+
+        parts = int4_blocks(self.raw.numpy(), self.qtype)
+        codes, scales, zeros = (torch.from_numpy(np.ascontiguousarray(p)) for p in parts)
+        return QuantWeight("int4", codes, scales, zeros, 32, self.dtype, self.qtype)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def block_fields(w: GGUFBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Codes u [N, K] uint8 and per-32 scales d and offsets m [N, K / 32] (float16, or float32 for Q4_K; m None
+    for Q8_0/Q4_0) such that w = d * u + m, or d * (u - o) without m (o: 128 for Q8_0, stored as q + 128, and 8
+    for Q4_0)."""
+    raw = w.raw.numpy()
+    n, k = w.shape
+    g = k // 32
+    if w.qtype == "Q8_0":
+        b = raw.reshape(n, g, 34)
+        u = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return u.reshape(n, k), _f16(b[..., 0:2]), None
+    if w.qtype in ("Q4_0", "Q4_1"):
+        size = 18 if w.qtype == "Q4_0" else 20
+        b = raw.reshape(n, g, size)
+        qs = b[..., size - 16:]
+        u = np.concatenate([qs & np.uint8(0x0F), qs >> 4], axis=-1)  # elements 0-15 low nibbles, 16-31 high
+        return u.reshape(n, k), _f16(b[..., 0:2]), (_f16(b[..., 2:4]) if w.qtype == "Q4_1" else None)
+    if w.qtype == "Q4_K":
+        import gguf
+
+        b = raw.reshape(-1, 144)  # d, dmin (float16), 12 bytes of 6-bit sub-scales and mins, 128 bytes of codes
+        sc, mn = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
+        d = _f16(b[:, 0:2]).astype(np.float32)[:, None] * sc.astype(np.float32)  # exact: 11 x 6 bits
+        m = -(_f16(b[:, 2:4]).astype(np.float32)[:, None] * mn.astype(np.float32))
+        qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        u = qs & np.uint8(0x0F)  # 32 bytes hold two sub-blocks: low nibbles first, then high
+        return u.reshape(n, k), d.reshape(n, g), m.reshape(n, g)
+    raise ValueError(f"no kernel format for {w.qtype}")
+
+
+def gate_up_order(n: int) -> np.ndarray:
+    """Row order of a [gate; up] weight for the fused SiLU-and-multiply: 16 gate rows, then the 16 matching up
+    rows, per block of 32 (pack_weight_for_tiles' gate_up order)."""
+    return np.arange(n).reshape(2, n // 32, 16).transpose(1, 0, 2).reshape(-1)
+
+
+def pack_blocks(w: GGUFBlocks, gate_up: bool = False) -> torch.Tensor:
+    """The kernel's layout (quant_linear.cpp): per run of 16 rows, per group of 32 inputs, a record of codes
+    (8 quads [16 rows][4]; 4-bit: quad t low nibbles, t + 4 high), then the 16 d, then the 16 m."""
+    u, d, m = block_fields(w)
+    n, k = u.shape
+    g = k // 32
+    if gate_up:
+        order = gate_up_order(n)
+        u, d, m = u[order], d[order], None if m is None else m[order]
+    pad = (n + 31) // 32 * 32 - n
+    if pad:
+        u, d = np.pad(u, ((0, pad), (0, 0))), np.pad(d, ((0, pad), (0, 0)))
+        m = None if m is None else np.pad(m, ((0, pad), (0, 0)))
+    runs = (n + pad) // 16
+    u = u.reshape(runs, 16, g, 32)
+    if w.qtype == "Q8_0":
+        codes = u.reshape(runs, 16, g, 8, 4).transpose(0, 2, 3, 1, 4).reshape(runs, g, 512)
+    else:
+        lo = u[..., :16].reshape(runs, 16, g, 4, 4).transpose(0, 2, 3, 1, 4)
+        hi = u[..., 16:].reshape(runs, 16, g, 4, 4).transpose(0, 2, 3, 1, 4)
+        codes = (lo | (hi << 4)).reshape(runs, g, 256)
+
+    def per_run(a: np.ndarray) -> np.ndarray:  # [rows, g] -> [runs, g, 16 values as bytes]
+        a = np.ascontiguousarray(a.reshape(runs, 16, g).transpose(0, 2, 1))
+        return a.view(np.uint8).reshape(runs, g, -1)
+
+    parts = [codes, per_run(d)] + ([] if m is None else [per_run(m)])
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(-1))
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] rounded as the kernel rounds it (float32): per block of 32, d = max|x| / 127 and
+    x ~ d * round(x / d), half to even, as float32 arithmetic gives it (x * (1 / d))."""
+    m, k = x.shape
+    g = x.float().reshape(m, k // 32, 32)
+    d = g.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(g * inv).clamp_(-127, 127) * d).reshape(m, k)
+
+
+class ReferenceMatmul:
+    """What the kernels compute, in torch: int8-rounded x times the dequantized weight (float32), bf16 out. The
+    reference for tests (SERVELM_QUANT_KERNEL=reference selects it); keeps a float32 copy of the weight."""
+
+    def __init__(self, w: GGUFBlocks) -> None:
+        from servelm.model import cpu_kernels
+
+        self.kind, self.dtype = w.qtype, w.dtype
+        self.out_features, self.in_features = w.shape
+        self.weight = w.dequantize(torch.float32)
+        k = cpu_kernels.load()
+        # where the kernels' build has the bf16 tile path, more than INT_ROWS rows take it
+        self.tiles = k is not None and k.quant_linear_supported(FORMATS[w.qtype], w.in_features) == 2
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.tiles and x.shape[0] > INT_ROWS:  # bf16 activations times the weight rounded to bf16
+            y = x.to(torch.bfloat16).float() @ self.weight.to(torch.bfloat16).float().T
+        else:
+            y = quantize_activations(x) @ self.weight.T
+        return (y if bias is None else y + bias.float()).to(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * 4
+
+
+class GGUFMatmul:
+    """x W^T for a GGUFBlocks weight through quant_linear.cpp (bf16 activations). With `gate_up` the weight is
+    [gate; up] and a call may fuse SiLU(gate) * up into the store."""
+
+    def __init__(self, w: GGUFBlocks, kernels, gate_up: bool = False) -> None:
+        self.kind, self.dtype, self.fmt, self.kernels = w.qtype, w.dtype, FORMATS[w.qtype], kernels
+        self.out_features, self.in_features = w.shape
+        self.packed = pack_blocks(w, gate_up)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:
+            x = x.to(torch.bfloat16)
+        return self.kernels.quant_linear(x, self.packed, self.fmt, self.out_features, bias, silu_mul, INT_ROWS)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+
+def gguf_kernels(w: GGUFBlocks):
+    """The C++ kernels when they run this weight (bf16 model, CPU, a format and build they take), else None."""
+    from servelm.model import cpu_kernels
+
+    if w.dtype != torch.bfloat16 or w.qtype not in FORMATS or w.in_features % 32:
+        return None
+    k = cpu_kernels.load()
+    return k if k is not None and k.quant_linear_supported(FORMATS[w.qtype], w.in_features) else None
+
+
+def reference_selected() -> bool:
+    """SERVELM_QUANT_KERNEL=reference: GGUF weights run ReferenceMatmul (tests, debugging)."""
+    return os.environ.get("SERVELM_QUANT_KERNEL", "").strip().lower() == "reference"
+
+
+def gguf_matmul(w: GGUFBlocks, gate_up: bool = False):
+    """The matmul for a kept GGUF weight: servelm's kernels (GGUFMatmul), the torch reference where
+    SERVELM_QUANT_KERNEL=reference, PyTorch's int4 kernels for Q4 types where ours do not apply, or None
+    (the caller dequantizes)."""
+    from servelm.model.quant import quant_matmul
+
+    if reference_selected() and w.qtype in FORMATS:
+        return ReferenceMatmul(w)
+    k = gguf_kernels(w)
+    if k is not None:
+        return GGUFMatmul(w, k, gate_up)
+    if w.qtype in ("Q4_0", "Q4_1", "Q4_K"):
+        return quant_matmul(w.to_int4())
+    return None

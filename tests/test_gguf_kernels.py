@@ -1,0 +1,192 @@
+"""servelm's GGUF block kernels (csrc/quant_linear.cpp, model/gguf_quant.py): the repacked codes against gguf's
+dequantization, the int8-activation kernel (AVX512-VNNI and AVX2 builds) and the bf16 tile path against
+dequantize-then-matmul references, and greedy parity of a model whose linears are GGUF blocks against the
+torch reference of the same arithmetic."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import random_prompts, run
+
+from servelm.model import cpu_kernels, kernel_build
+from servelm.model.cpu_features import cpu_flags
+from servelm.model.gguf_quant import (
+    FORMATS,
+    GGUFBlocks,
+    GGUFMatmul,
+    ReferenceMatmul,
+    pack_blocks,
+    quantize_activations,
+)
+from servelm.model.layers import pack_weight_for_tiles
+
+kernels = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels could not be compiled here")
+
+
+def _int_builds() -> list:
+    """Every built variant this CPU runs that has the int8-activation kernel (the AVX512 one and AVX2)."""
+    found = cpu_kernels.manifest() or {}
+    table = {v.name: v for v in kernel_build.variants()}
+    out = []
+    for name in ("amx", "avx512bf16", "avx2"):
+        if name in found.get("built", []) and set(table[name].requires) <= cpu_flags():
+            k = cpu_kernels.load_variant(name)
+            if k.quant_linear_supported(0, 64):
+                out.append(pytest.param(k, id=name))
+    return out
+
+
+INT_BUILDS = _int_builds()
+
+
+def _blocks(qtype: str, rows: int, cols: int, seed: int = 3) -> GGUFBlocks:
+    """Random blocks: gguf's quantizer over random weights, or (Q4_K, which it cannot quantize) random bytes
+    with sane float16 d and dmin."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    if qtype == "Q4_K":
+        raw = rng.integers(0, 256, (rows * cols // 256, 144), dtype=np.uint8)
+        raw[:, 0:4] = rng.uniform(0.01, 0.1, (len(raw), 2)).astype(np.float16).view(np.uint8)
+        raw = raw.reshape(rows, -1)
+    else:
+        raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
+                                   gguf.GGMLQuantizationType[qtype])
+    return GGUFBlocks(qtype, torch.from_numpy(np.ascontiguousarray(raw)), cols, torch.bfloat16)
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS))
+def test_packed_codes_and_scales_decode_to_gguf_values_bit_for_bit(qtype):
+    import gguf
+
+    w = _blocks(qtype, 40, 512)  # 40 rows: the packing pads to whole 32-row blocks
+    want = torch.from_numpy(gguf.quants.dequantize(w.raw.numpy(), gguf.GGMLQuantizationType[qtype]))
+    assert torch.equal(w.dequantize(torch.float32), want)
+    assert torch.equal(kernels.quant_unpack(pack_blocks(w), FORMATS[qtype], 40, 512), want)
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's int8 rounding times w in float64 (what the kernel computes, up to float32 sums), and the bound on its
+    distance from the unrounded product: per output, sum over blocks of (block scale / 2) * sum |w|."""
+    xq = quantize_activations(x).double()
+    y = xq @ w.double().T + (0 if bias is None else bias.double())
+    m, k = x.shape
+    half_step = (x.float().reshape(m, k // 32, 32).abs().amax(-1) / 127 / 2).double()  # [M, G]
+    bound = half_step @ w.double().abs().reshape(w.shape[0], k // 32, 32).sum(-1).T  # [M, N]
+    return y, bound
+
+
+@pytest.mark.parametrize("kern", INT_BUILDS)
+@pytest.mark.parametrize("qtype", list(FORMATS))
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_int8_activation_kernel_matches_dequantize_then_matmul(kern, qtype, m):
+    """The kernel against the dequantized weight times x rounded as the kernel rounds it: float32 sums and one
+    bf16 rounding apart (rtol 2^-8); and against unrounded x: within the int8 rounding's bound."""
+    n, k = 72, 512  # 72 rows: a partial 32-row block
+    w = _blocks(qtype, n, k, seed=m)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    dense = w.dequantize(torch.float32)
+    y = kern.quant_linear(x, pack_blocks(w), FORMATS[qtype], n, bias, int_rows=64).double()
+    want, bound = _reference(x, dense, bias)
+    scale = (quantize_activations(x).double().abs() @ dense.double().abs().T) + 1
+    assert ((y - want).abs() <= 2**-8 * want.abs() + 1e-5 * scale).all()
+    exact = x.double() @ dense.double().T + bias.double()
+    assert ((y - exact).abs() <= bound + 2**-8 * exact.abs() + 1e-5 * scale).all()
+    assert ((want - exact).abs() > 2**-7 * exact.abs()).any()  # the int8 rounding is visible: the test can tell
+
+
+@pytest.mark.parametrize("kern", INT_BUILDS)
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_gate_up_fused_silu_mul_in_the_int8_kernel(kern, qtype):
+    n, k, m = 128, 256, 2  # gate and up 64 rows each
+    w = _blocks(qtype, n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).bfloat16()
+    y = kern.quant_linear(x, pack_blocks(w, gate_up=True), FORMATS[qtype], n, None, silu_mul=True, int_rows=64)
+    proj, _ = _reference(x, w.dequantize(torch.float32), None)
+    gate, up = proj.to(torch.bfloat16).chunk(2, dim=-1)
+    want = (F.silu(gate.float()).bfloat16().float() * up.float())
+    torch.testing.assert_close(y.float(), want, rtol=2**-6, atol=1e-2 * want.abs().max().item())
+
+
+tile_path = pytest.mark.skipif(kernels is None or kernels.quant_linear_supported(0, 64) != 2,
+                               reason="needs the bf16 tile kernels (AMX or AVX512-BF16)")
+
+
+@tile_path
+@pytest.mark.parametrize("qtype", list(FORMATS))
+def test_many_rows_run_the_bf16_model_weight_bit_for_bit(qtype):
+    """Prefill-sized inputs: the weight dequantized to bf16 in tile order, then the bf16 tile kernel: the same
+    bits as the bf16 model (the file dequantized at load, packed for that kernel)."""
+    n, k, m = 96, 512, 40
+    w = _blocks(qtype, n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2)).bfloat16()
+    dense = pack_weight_for_tiles(w.dequantize(torch.bfloat16))
+    tiles = kernels.amx_linear if kernels.amx_linear_supported(k) else kernels.avx512_linear
+    y = kernels.quant_linear(x, pack_blocks(w), FORMATS[qtype], n, bias, int_rows=8)
+    assert torch.equal(y, tiles(x, dense, n, bias))
+    gu = kernels.quant_linear(x, pack_blocks(w, gate_up=True), FORMATS[qtype], n, None, silu_mul=True, int_rows=8)
+    fused = kernels.amx_linear_silu_mul if kernels.amx_linear_supported(k) else kernels.avx512_linear_silu_mul
+    assert torch.equal(gu, fused(x, pack_weight_for_tiles(w.dequantize(torch.bfloat16), gate_up=True), n))
+
+
+def test_bad_input_raises():
+    w = _blocks("Q4_0", 32, 64)
+    packed = pack_blocks(w)
+    with pytest.raises(RuntimeError, match="not a weight packed for 32 x 128"):
+        kernels.quant_linear(torch.zeros(1, 128, dtype=torch.bfloat16), packed, FORMATS["Q4_0"], 32)
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernels.quant_linear(torch.zeros(1, 64), packed, FORMATS["Q4_0"], 32)
+
+
+@pytest.fixture(scope="module")
+def gguf_llama(llama_dir):
+    """The tiny Llama's linear weights as GGUF blocks of one type: a function of the type and the kernel choice
+    that returns a loaded LLM (the loader's safetensors reader patched to quantize them with gguf)."""
+    import gguf
+
+    from servelm import LLM
+    from servelm.model import loader
+    from servelm.model.quant import is_linear_weight
+
+    def load(qtype: str, env: dict) -> LLM:
+        original = loader._iter_safetensors
+
+        def quantized(path, dtype):
+            for name, t in original(path, dtype):
+                if is_linear_weight(name):
+                    raw = gguf.quants.quantize(t.float().numpy(), gguf.GGMLQuantizationType[qtype])
+                    t = GGUFBlocks(qtype, torch.from_numpy(np.ascontiguousarray(raw)), t.shape[1], dtype)
+                yield name, t
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(loader, "_iter_safetensors", quantized)
+            for key, value in env.items():
+                mp.setenv(key, value)
+            return LLM(str(llama_dir), dtype="bfloat16", num_kv_blocks=32)
+
+    return load
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_greedy_parity_with_the_torch_reference_of_the_same_format(qtype, gguf_llama):
+    from servelm import SamplingParams
+
+    prompts = random_prompts(2, 5, 20, seed=7)  # prefill (the tile path) and decode (the int8 kernel)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = gguf_llama(qtype, {})
+    model = llm.engine.core.model
+    assert all(isinstance(lin.quant, GGUFMatmul) for lw in model.layers for lin in (lw.qkv, lw.o_proj, lw.down))
+    assert all(isinstance(lw.gate_up.quant, GGUFMatmul) for lw in model.layers)  # SiLU fused into the store
+    if kernels.avx512_bf16:  # decode steps run the C++ layer loop, the GGUF kernel inside it
+        assert model.cpp_decode is not None and model.cpp_formats == [FORMATS[qtype]] * 4 * len(model.layers)
+    got = run(llm, prompts, greedy)
+    ref = gguf_llama(qtype, {"SERVELM_QUANT_KERNEL": "reference"})
+    assert isinstance(ref.engine.core.model.layers[0].qkv.quant, ReferenceMatmul)
+    assert got == run(ref, prompts, greedy)
