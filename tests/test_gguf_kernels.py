@@ -44,14 +44,18 @@ INT_BUILDS = _int_builds()
 
 
 def _blocks(qtype: str, rows: int, cols: int, seed: int = 3) -> GGUFBlocks:
-    """Random blocks: gguf's quantizer over random weights, or (Q4_K, which it cannot quantize) random bytes
-    with sane float16 d and dmin."""
+    """Random blocks: gguf's quantizer over random weights, or (the K types, which it cannot quantize) random
+    bytes with sane float16 d (and dmin)."""
     import gguf
 
     rng = np.random.default_rng(seed)
     if qtype == "Q4_K":
         raw = rng.integers(0, 256, (rows * cols // 256, 144), dtype=np.uint8)
         raw[:, 0:4] = rng.uniform(0.01, 0.1, (len(raw), 2)).astype(np.float16).view(np.uint8)
+        raw = raw.reshape(rows, -1)
+    elif qtype == "Q6_K":  # codes and int8 sub-scales random, d sane
+        raw = rng.integers(0, 256, (rows * cols // 256, 210), dtype=np.uint8)
+        raw[:, 208:210] = rng.uniform(0.001, 0.01, (len(raw), 1)).astype(np.float16).view(np.uint8)
         raw = raw.reshape(rows, -1)
     else:
         raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),

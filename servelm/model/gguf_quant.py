@@ -1,7 +1,7 @@
 """GGUF block-quantized linear weights kept as the file stores them (quantization=gguf), and run by servelm's
 own C++ kernels (csrc/quant_linear.cpp).
 
-Q8_0, Q4_0, Q4_1 and Q4_K tensors are repacked at load (`pack_blocks`: codes and scales exact, 16 output rows
+Q8_0, Q4_0, Q4_1, Q4_K and Q6_K tensors are repacked at load (`pack_blocks`: codes and scales exact, 16 output rows
 interleaved per group of 32 inputs, see quant_linear.cpp) and multiplied with bf16 activations:
 - up to `INT_ROWS` rows (decode): each row of x is rounded to int8 in blocks of 32 (scale max|x| / 127) and
   the dot products are integer (AVX512-VNNI, or AVX2), one float32 scale per group: the exact product of
@@ -26,9 +26,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Kernel format codes (quant_linear.cpp's Format) and their record bytes per 16 rows x 32 inputs.
-FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3}
-_STRIDES = {0: 512 + 32, 1: 256 + 32, 2: 256 + 64, 3: 256 + 128}
-_OFFSETS = {"Q8_0": 128, "Q4_0": 8}  # w = d * (u - o) for the formats without an offset field
+FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4}
+_STRIDES = {0: 512 + 32, 1: 256 + 32, 2: 256 + 64, 3: 256 + 128, 4: 512 + 128}
 INT_ROWS = 8  # up to this many rows the int8-activation kernel; beyond, the bf16 tile path
 
 
@@ -41,7 +40,7 @@ def packed_bytes(fmt: int, n: int, k: int) -> int:
 class GGUFBlocks:
     """A linear's [N, K] weight as a GGUF file's blocks ([N, row bytes] uint8, rows in the model's order)."""
 
-    qtype: str  # Q8_0, Q4_0, Q4_1, Q4_K
+    qtype: str  # Q8_0, Q4_0, Q4_1, Q4_K, Q6_K
     raw: torch.Tensor
     in_features: int
     dtype: torch.dtype  # the model's dtype
@@ -85,7 +84,7 @@ def _f16(b: np.ndarray) -> np.ndarray:
 def block_fields(w: GGUFBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Codes u [N, K] uint8 and per-32 scales d and offsets m [N, K / 32] (float16, or float32 for Q4_K; m None
     for Q8_0/Q4_0) such that w = d * u + m, or d * (u - o) without m (o: 128 for Q8_0, stored as q + 128, and 8
-    for Q4_0)."""
+    for Q4_0). Q6_K: d per 16 inputs [N, K / 16] (float32 d * sc, exact), o = 32."""
     raw = w.raw.numpy()
     n, k = w.shape
     g = k // 32
@@ -109,6 +108,13 @@ def block_fields(w: GGUFBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray | No
         qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         u = qs & np.uint8(0x0F)  # 32 bytes hold two sub-blocks: low nibbles first, then high
         return u.reshape(n, k), d.reshape(n, g), m.reshape(n, g)
+    if w.qtype == "Q6_K":
+        b = raw.reshape(-1, 210)  # ql (128 bytes), qh (64), 16 int8 sub-scales, d (float16)
+        ql = b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        u = (ql & np.uint8(0x0F)).reshape(-1, 256) | ((qh & np.uint8(0x03)).reshape(-1, 256) << 4)
+        d = _f16(b[:, 208:210]).astype(np.float32)[:, None] * b[:, 192:208].view(np.int8).astype(np.float32)
+        return u.reshape(n, k), d.reshape(n, k // 16), None
     raise ValueError(f"no kernel format for {w.qtype}")
 
 
@@ -133,15 +139,16 @@ def pack_blocks(w: GGUFBlocks, gate_up: bool = False) -> torch.Tensor:
         m = None if m is None else np.pad(m, ((0, pad), (0, 0)))
     runs = (n + pad) // 16
     u = u.reshape(runs, 16, g, 32)
-    if w.qtype == "Q8_0":
+    if w.qtype in ("Q8_0", "Q6_K"):
         codes = u.reshape(runs, 16, g, 8, 4).transpose(0, 2, 3, 1, 4).reshape(runs, g, 512)
     else:
         lo = u[..., :16].reshape(runs, 16, g, 4, 4).transpose(0, 2, 3, 1, 4)
         hi = u[..., 16:].reshape(runs, 16, g, 4, 4).transpose(0, 2, 3, 1, 4)
         codes = (lo | (hi << 4)).reshape(runs, g, 256)
 
-    def per_run(a: np.ndarray) -> np.ndarray:  # [rows, g] -> [runs, g, 16 values as bytes]
-        a = np.ascontiguousarray(a.reshape(runs, 16, g).transpose(0, 2, 1))
+    def per_run(a: np.ndarray) -> np.ndarray:  # [rows, g * h] -> [runs, g, h sets of 16 values, as bytes]
+        h = a.shape[1] // g  # Q6_K: two scales per row and group (inputs 0-15, 16-31)
+        a = np.ascontiguousarray(a.reshape(runs, 16, g, h).transpose(0, 2, 3, 1))
         return a.view(np.uint8).reshape(runs, g, -1)
 
     parts = [codes, per_run(d)] + ([] if m is None else [per_run(m)])

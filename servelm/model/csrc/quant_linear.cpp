@@ -1,4 +1,4 @@
-// Linear layers over GGUF block-quantized weights that stay quantized in memory (Q8_0, Q4_0, Q4_1, Q4_K):
+// Linear layers over GGUF block-quantized weights that stay quantized in memory (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K):
 // y = x W^T for bf16 rows x, bf16 out, float32 sums.
 //
 // The weight is repacked once at load (servelm/model/gguf_quant.py, `pack_blocks`), codes and scales exact,
@@ -8,7 +8,9 @@
 //   d:     16 scales (float16 for the 32-block formats, float32 for Q4_K's d * sub-scale)
 //   m:     16 offsets where the format has them (Q4_1: float16 m, Q4_K: float32 -dmin * sub-min)
 // so that w = d * u + m (Q4_1, Q4_K) or w = d * (u - o) (Q4_0: o = 8, Q8_0 stored as q + 128: o = 128),
-// every value exactly what gguf's dequantization gives in float32. Blocks of 32 rows (two runs) pad N.
+// every value exactly what gguf's dequantization gives in float32. Q6_K (a scale per 16 inputs) keeps its
+// 6-bit codes as bytes (the 8-bit layout) and two sets of 16 float32 scales d * sc, for inputs 0-15 and
+// 16-31 of the group, o = 32. Blocks of 32 rows (two runs) pad N.
 //
 // Few rows (decode): llama.cpp's scheme. Each row of x is quantized once per call to int8 in blocks of 32
 // (scale = max|x| / 127, round to nearest even), and each group's dot products are integer (AVX512-VNNI
@@ -35,14 +37,15 @@ using servelm::bf16;
 
 namespace {
 
-enum Format : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3 };
+enum Format : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4 };
 
 struct Layout {
   int code_bytes;   // per 16 rows and 32 inputs
   int scale_bytes;  // of one of d, m (16 of them)
   bool has_min;
   int offset;  // o in d * (u - o) for the formats without m
-  int stride() const { return code_bytes + scale_bytes * (has_min ? 2 : 1); }
+  bool halves = false;  // Q6_K: a second set of d for inputs 16-31 where m would be
+  int stride() const { return code_bytes + scale_bytes * (has_min || halves ? 2 : 1); }
 };
 
 Layout layout(int fmt) {
@@ -51,6 +54,7 @@ Layout layout(int fmt) {
     case kQ4_0: return {256, 32, false, 8};
     case kQ4_1: return {256, 32, true, 0};
     case kQ4_K: return {256, 64, true, 0};
+    case kQ6_K: return {512, 64, false, 32, true};
     default: servelm::check(false, "quant_linear: unknown format ", fmt); return {};
   }
 }
@@ -61,10 +65,13 @@ float half_to_float(const uint8_t* p) {
   return float(h);
 }
 
-// The scale and offset of row c (0..15) in a record: w = d * u + m.
-void scale_min(const uint8_t* rec, const Layout& L, int c, float& d, float& m) {
+// The scale and offset of row c (0..15), input kk (0..31) in a record: w = d * u + m.
+void scale_min(const uint8_t* rec, const Layout& L, int c, int kk, float& d, float& m) {
   const uint8_t* s = rec + L.code_bytes;
-  if (L.scale_bytes == 32) {
+  if (L.halves) {
+    std::memcpy(&d, s + (kk < 16 ? 0 : 64) + 4 * c, 4);
+    m = -float(L.offset) * d;
+  } else if (L.scale_bytes == 32) {
     d = half_to_float(s + 2 * c);
     m = L.has_min ? half_to_float(s + 32 + 2 * c) : -float(L.offset) * d;
   } else {
@@ -81,11 +88,12 @@ int code_at(const uint8_t* rec, const Layout& L, int c, int kk) {
   return kk < 16 ? byte & 15 : byte >> 4;
 }
 
-// x rows quantized to int8 in blocks of 32: q [M][K], d [M][G] (x ~ d * q), s [M][G] (sum of each block's q).
+// x rows quantized to int8 in blocks of 32: q [M][K], d [M][G] (x ~ d * q), s [M][G] (sum of each block's q),
+// h [M][2G] (the sums of its two halves).
 struct QRows {
   std::vector<int8_t> q;
   std::vector<float> d;
-  std::vector<int32_t> s;
+  std::vector<int32_t> s, h;
   int64_t K = 0, G = 0;
   const int32_t* quads(int64_t r) const { return reinterpret_cast<const int32_t*>(q.data() + r * K); }
 };
@@ -93,7 +101,7 @@ struct QRows {
 #ifdef SERVELM_AVX512_BF16
 // One block of 32: the same arithmetic as the portable loop below (float32 max, d = amax / 127, x * (1 / d)
 // rounded to nearest even by the conversion), 16 lanes at a time.
-inline void quantize_block(const bf16* x, int8_t* q, float& d_out, int32_t& s_out) {
+inline void quantize_block(const bf16* x, int8_t* q, float& d_out, int32_t& s_out, int32_t* h_out) {
   const __m512 a = servelm::load_bf16(x), b = servelm::load_bf16(x + 16);
   const __m512 amax_v = _mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b));
   const float amax = _mm512_reduce_max_ps(amax_v);
@@ -104,17 +112,20 @@ inline void quantize_block(const bf16* x, int8_t* q, float& d_out, int32_t& s_ou
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
   d_out = d;
-  s_out = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  h_out[0] = _mm512_reduce_add_epi32(qa);
+  h_out[1] = _mm512_reduce_add_epi32(qb);
+  s_out = h_out[0] + h_out[1];
 }
 #endif
 
 void quantize_rows(QRows& out, const bf16* x, int64_t M, int64_t K, int64_t ldx) {
   out.K = K, out.G = K / 32;
-  out.q.resize(M * K), out.d.resize(M * out.G), out.s.resize(M * out.G);
+  out.q.resize(M * K), out.d.resize(M * out.G), out.s.resize(M * out.G), out.h.resize(2 * M * out.G);
 #ifdef SERVELM_AVX512_BF16
   for (int64_t r = 0; r < M; ++r)
     for (int64_t g = 0; g < out.G; ++g)
-      quantize_block(x + r * ldx + g * 32, out.q.data() + r * K + g * 32, out.d[r * out.G + g], out.s[r * out.G + g]);
+      quantize_block(x + r * ldx + g * 32, out.q.data() + r * K + g * 32, out.d[r * out.G + g], out.s[r * out.G + g],
+                     out.h.data() + 2 * (r * out.G + g));
   return;
 #endif
   for (int64_t r = 0; r < M; ++r)
@@ -125,14 +136,15 @@ void quantize_rows(QRows& out, const bf16* x, int64_t M, int64_t K, int64_t ldx)
         amax = std::max(amax, std::fabs(v[i]));
       }
       const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-      int32_t sum = 0;
+      int32_t half[2] = {0, 0};
       for (int i = 0; i < 32; ++i) {
         const int32_t q = int32_t(std::max(-127.f, std::min(127.f, std::nearbyint(v[i] * id))));
         out.q[r * K + g * 32 + i] = int8_t(q);
-        sum += q;
+        half[i / 16] += q;
       }
       out.d[r * out.G + g] = d;
-      out.s[r * out.G + g] = sum;
+      out.s[r * out.G + g] = half[0] + half[1];
+      out.h[2 * (r * out.G + g)] = half[0], out.h[2 * (r * out.G + g) + 1] = half[1];
     }
 }
 
@@ -163,9 +175,11 @@ void store_portable(const float* c, int64_t R, int64_t n0, bf16* out, const bf16
 // c[r * 32 + 0..15].
 template <int FMT, int R>
 void run16_vnni(const uint8_t* w, int64_t G, const QRows& xq, int64_t r0, float* c) {
-  constexpr bool kFour = FMT != kQ8_0, kMin = FMT == kQ4_1 || FMT == kQ4_K, kF32 = FMT == kQ4_K;
-  constexpr int kCodes = kFour ? 256 : 512, kScale = kF32 ? 64 : 32, kStride = kCodes + kScale * (kMin ? 2 : 1);
-  constexpr int kOffset = FMT == kQ8_0 ? 128 : 8;
+  constexpr bool kFour = FMT != kQ8_0 && FMT != kQ6_K, kMin = FMT == kQ4_1 || FMT == kQ4_K, kHalves = FMT == kQ6_K;
+  constexpr bool kF32 = FMT == kQ4_K || kHalves;
+  constexpr int kCodes = kFour ? 256 : 512, kScale = kF32 ? 64 : 32;
+  constexpr int kStride = kCodes + kScale * (kMin || kHalves ? 2 : 1);
+  constexpr int kOffset = FMT == kQ8_0 ? 128 : FMT == kQ6_K ? 32 : 8;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -189,6 +203,28 @@ void run16_vnni(const uint8_t* w, int64_t G, const QRows& xq, int64_t r0, float*
         }
       }
       for (int r = 0; r < R; ++r) s[r] = _mm512_add_epi32(s[r], s2[r]);
+    } else if constexpr (kHalves) {  // inputs 0-15 into s, 16-31 into s2: each half has its own scales
+      __m512i s2[R];
+      for (int r = 0; r < R; ++r) s2[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(p + 64 * j), v2 = _mm512_loadu_si512(p + 64 * (j + 4));
+        for (int r = 0; r < R; ++r) {
+          const int32_t* xr = xq.quads(r0 + r) + g * 8;
+          s[r] = _mm512_dpbusd_epi32(s[r], v, _mm512_set1_epi32(xr[j]));
+          s2[r] = _mm512_dpbusd_epi32(s2[r], v2, _mm512_set1_epi32(xr[j + 4]));
+        }
+      }
+      const __m512 da = _mm512_loadu_ps(p + kCodes), db = _mm512_loadu_ps(p + kCodes + 64);
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * xq.G + g;
+        const __m512 dx = _mm512_set1_ps(xq.d[i]);
+        const __m512i sa = _mm512_sub_epi32(s[r], _mm512_set1_epi32(kOffset * xq.h[2 * i]));
+        const __m512i sb = _mm512_sub_epi32(s2[r], _mm512_set1_epi32(kOffset * xq.h[2 * i + 1]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sa), _mm512_mul_ps(da, dx), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sb), _mm512_mul_ps(db, dx), acc[r]);
+      }
+      continue;
     } else {
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
@@ -234,10 +270,15 @@ void run16_rows_vnni(int64_t R, const uint8_t* w, int64_t G, const QRows& xq, in
 // [16 rows][input pair], pair p at dst + p * 32.
 template <int FMT>
 void dequantize_record(const uint8_t* p, bf16* dst) {
-  constexpr bool kFour = FMT != kQ8_0, kMin = FMT == kQ4_1 || FMT == kQ4_K, kF32 = FMT == kQ4_K;
-  constexpr int kCodes = kFour ? 256 : 512, kOffset = FMT == kQ8_0 ? 128 : 8;
-  __m512 d, m;
-  if constexpr (kF32) {
+  constexpr bool kFour = FMT != kQ8_0 && FMT != kQ6_K, kMin = FMT == kQ4_1 || FMT == kQ4_K, kF32 = FMT == kQ4_K;
+  constexpr int kCodes = kFour ? 256 : 512, kOffset = FMT == kQ8_0 ? 128 : FMT == kQ6_K ? 32 : 8;
+  __m512 d, m, d2 = _mm512_setzero_ps(), m2 = _mm512_setzero_ps();
+  if constexpr (FMT == kQ6_K) {  // the first half's scales, and the second's for quads 4-7
+    d = _mm512_loadu_ps(p + kCodes);
+    d2 = _mm512_loadu_ps(p + kCodes + 64);
+    m = _mm512_mul_ps(d, _mm512_set1_ps(-float(kOffset)));
+    m2 = _mm512_mul_ps(d2, _mm512_set1_ps(-float(kOffset)));
+  } else if constexpr (kF32) {
     d = _mm512_loadu_ps(p + kCodes);
     m = _mm512_loadu_ps(p + kCodes + 64);
   } else {
@@ -246,11 +287,13 @@ void dequantize_record(const uint8_t* p, bf16* dst) {
              : _mm512_mul_ps(d, _mm512_set1_ps(-float(kOffset)));  // exact: a float16 times a power of two
   }
   const __m512i byte = _mm512_set1_epi32(0xFF);
+  const __m512 d1 = d, m1 = m;
   auto value = [&](__m512i v, int i) {  // d * u + m, one rounding: gguf's float32 value (d * u is exact)
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * i), byte)), d, m);
   };
   auto bits = [](__m512 f) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f)); };
   for (int j = 0; j < 8; ++j) {
+    if constexpr (FMT == kQ6_K) d = j < 4 ? d1 : d2, m = j < 4 ? m1 : m2;
     __m512i v;
     if constexpr (kFour) {
       v = _mm512_loadu_si512(p + 64 * (j % 4));
@@ -288,8 +331,10 @@ inline __m256 cvt_scales(const uint8_t* p) {
 // As run16_vnni, 8 of the 16 rows per 256-bit half: maddubs (u8 x s8 pairs into int16) then madd into int32.
 template <int FMT, int R>
 void run16_avx2(const uint8_t* w, int64_t G, const QRows& xq, int64_t r0, float* c) {
-  constexpr bool kFour = FMT != kQ8_0, kMin = FMT == kQ4_1 || FMT == kQ4_K, kF32 = FMT == kQ4_K;
-  constexpr int kCodes = kFour ? 256 : 512, kScale = kF32 ? 64 : 32, kStride = kCodes + kScale * (kMin ? 2 : 1);
+  constexpr bool kFour = FMT != kQ8_0 && FMT != kQ6_K, kMin = FMT == kQ4_1 || FMT == kQ4_K, kHalves = FMT == kQ6_K;
+  constexpr bool kF32 = FMT == kQ4_K || kHalves;
+  constexpr int kCodes = kFour ? 256 : 512, kScale = kF32 ? 64 : 32;
+  constexpr int kStride = kCodes + kScale * (kMin || kHalves ? 2 : 1);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
@@ -311,6 +356,29 @@ void run16_avx2(const uint8_t* w, int64_t G, const QRows& xq, int64_t r0, float*
           }
         }
         for (int r = 0; r < R; ++r) s[r] = _mm256_madd_epi16(s16[r], ones);
+      } else if constexpr (kHalves) {  // 6-bit codes: u q pairs fit int16 as they are; a sum per half
+        __m256i s2[R];
+        for (int r = 0; r < R; ++r) s[r] = s2[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32 * h));
+          for (int r = 0; r < R; ++r) {
+            const __m256i prod = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(v, _mm256_set1_epi32(xq.quads(r0 + r)[g * 8 + j])), ones);
+            if (j < 4) s[r] = _mm256_add_epi32(s[r], prod);
+            else s2[r] = _mm256_add_epi32(s2[r], prod);
+          }
+        }
+        const __m256 da = _mm256_loadu_ps(reinterpret_cast<const float*>(p + kCodes) + 8 * h);
+        const __m256 db = _mm256_loadu_ps(reinterpret_cast<const float*>(p + kCodes + 64) + 8 * h);
+        for (int r = 0; r < R; ++r) {
+          const int64_t i = (r0 + r) * xq.G + g;
+          const __m256 dx = _mm256_set1_ps(xq.d[i]);
+          const __m256i sa = _mm256_sub_epi32(s[r], _mm256_set1_epi32(32 * xq.h[2 * i]));
+          const __m256i sb = _mm256_sub_epi32(s2[r], _mm256_set1_epi32(32 * xq.h[2 * i + 1]));
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sa), _mm256_mul_ps(da, dx), acc[r][h]);
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sb), _mm256_mul_ps(db, dx), acc[r][h]);
+        }
+        continue;
       } else {  // signed codes (u ^ 0x80 = u - 128) times q: |q| times q's sign on the codes, as llama.cpp
         for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
         for (int j = 0; j < 8; ++j) {
@@ -405,10 +473,10 @@ void int_matmul(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, con
 
 }  // namespace
 
-// Whether this build runs format `fmt` (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K) for inputs of K features:
+// Whether this build runs format `fmt` (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K) for inputs of K features:
 // 1 with the int8-activation kernel only, 2 with the bf16 tile path for many rows as well, 0 not at all.
 SERVELM_API int servelm_quant_linear_supported(int fmt, int64_t K) {
-  if (fmt < kQ8_0 || fmt > kQ4_K || K <= 0 || K % 32 != 0) return 0;
+  if (fmt < kQ8_0 || fmt > kQ6_K || K <= 0 || K % 32 != 0) return 0;
 #ifdef SERVELM_QUANT_INT
   if (!int_kernel_available()) return 0;
 #ifdef SERVELM_QUANT_VNNI
@@ -459,7 +527,8 @@ void servelm::quant_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64
         case kQ8_0: dequantize_tiles<kQ8_0>(packed, blocks, K / 32, stride, scratch.p); break;
         case kQ4_0: dequantize_tiles<kQ4_0>(packed, blocks, K / 32, stride, scratch.p); break;
         case kQ4_1: dequantize_tiles<kQ4_1>(packed, blocks, K / 32, stride, scratch.p); break;
-        default: dequantize_tiles<kQ4_K>(packed, blocks, K / 32, stride, scratch.p); break;
+        case kQ4_K: dequantize_tiles<kQ4_K>(packed, blocks, K / 32, stride, scratch.p); break;
+        default: dequantize_tiles<kQ6_K>(packed, blocks, K / 32, stride, scratch.p); break;
       }
       if (servelm::amx_available()) servelm::amx_linear(out, x, M, K, ldx, scratch.p, N, bias, silu_mul);
       else servelm::avx512_linear(out, x, M, K, ldx, scratch.p, N, bias, silu_mul);
@@ -471,7 +540,8 @@ void servelm::quant_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64
       case kQ8_0: return int_matmul<kQ8_0>(out, x, M, K, ldx, packed, N, bias, silu_mul);
       case kQ4_0: return int_matmul<kQ4_0>(out, x, M, K, ldx, packed, N, bias, silu_mul);
       case kQ4_1: return int_matmul<kQ4_1>(out, x, M, K, ldx, packed, N, bias, silu_mul);
-      default: return int_matmul<kQ4_K>(out, x, M, K, ldx, packed, N, bias, silu_mul);
+      case kQ4_K: return int_matmul<kQ4_K>(out, x, M, K, ldx, packed, N, bias, silu_mul);
+      default: return int_matmul<kQ6_K>(out, x, M, K, ldx, packed, N, bias, silu_mul);
     }
 #else
     (void)out, (void)x, (void)ldx, (void)packed, (void)bias, (void)int_rows;
@@ -488,9 +558,11 @@ SERVELM_API int servelm_quant_unpack(float* out, int fmt, const uint8_t* packed,
     for (int64_t n = 0; n < N; ++n)
       for (int64_t g = 0; g < G; ++g) {
         const uint8_t* rec = packed + ((n / 16) * G + g) * L.stride();
-        float d, m;
-        scale_min(rec, L, int(n % 16), d, m);
-        for (int kk = 0; kk < 32; ++kk) out[n * K + g * 32 + kk] = std::fma(float(code_at(rec, L, int(n % 16), kk)), d, m);
+        for (int kk = 0; kk < 32; ++kk) {
+          float d, m;
+          scale_min(rec, L, int(n % 16), kk, d, m);
+          out[n * K + g * 32 + kk] = std::fma(float(code_at(rec, L, int(n % 16), kk)), d, m);
+        }
       }
   });
 }
