@@ -6,7 +6,7 @@ per pass over all layers, weight bytes each system reads, and those bytes over t
 
   nice python bench/gguf_linear.py --formats Q4_1,Q8_0 --rows 1,4,8,16,32 --threads 2
 
-Weights are random blocks (gguf's own quantizer), which does not change a matmul's speed. A benchmark, not
+Weights are random blocks (random codes, sane scales), which does not change a matmul's speed. A benchmark, not
 a test: CI does not run it.
 """
 
@@ -27,6 +27,16 @@ from servelm.model.layers import pack_weight_for_tiles
 HIDDEN, INTER, LAYERS, Q, KV = 576, 1536, 30, 576, 192  # SmolLM2-135M
 
 
+def random_blocks(rng: np.random.Generator, qtype: str, n: int, k: int) -> np.ndarray:
+    """[n, row bytes] random blocks: random codes, float16 scales (and offsets) in a sane range."""
+    elems, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    raw = rng.integers(0, 256, (n * k // elems, size), dtype=np.uint8)
+    fields = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [size - 2]}[qtype]
+    for at in fields:
+        raw[:, at:at + 2] = rng.uniform(0.001, 0.01, (len(raw), 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--formats", default="Q4_1,Q8_0")
@@ -44,9 +54,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     weights = {}
     for name in args.formats.split(","):
-        blocks = [GGUFBlocks(name, torch.from_numpy(gguf.quants.quantize(
-            rng.standard_normal((n, kk)).astype(np.float32), gguf.GGMLQuantizationType[name])), kk, torch.bfloat16)
-            for n, kk in shapes]
+        blocks = [GGUFBlocks(name, torch.from_numpy(random_blocks(rng, name, n, kk)), kk, torch.bfloat16)
+                  for n, kk in shapes]
         weights[name] = [pack_blocks(b) for b in blocks]
         if tiles is not None and "bf16" not in weights:
             weights["bf16"] = [pack_weight_for_tiles(b.dequantize(torch.bfloat16)) for b in blocks]
