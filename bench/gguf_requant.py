@@ -41,7 +41,7 @@ def requantize(src: str, dst: str, qtype: str) -> dict[str, int]:
             writer.add_tensor(t.name, gguf.quants.quantize(dense, target), raw_dtype=target)
             counts[qtype] = counts.get(qtype, 0) + 1
         else:
-            writer.add_tensor(t.name, np.asarray(t.data), raw_shape=shape, raw_dtype=t.tensor_type)
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)  # its bytes as they are
             counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import time
+from pathlib import Path
 
 import torch
 
@@ -84,7 +85,7 @@ def read_gb_s(threads: int | None) -> float:
 
 def measure(name: str, args) -> dict:
     dtype, quant = FORMATS[name]
-    path = args.gguf or default_model_path()
+    path = Path(args.gguf) if args.gguf else default_model_path()
     t0 = time.perf_counter()
     llm = LLM(str(path.parent), gguf_file=path.name, dtype=dtype, quantization=quant,
               quantization_group_size=args.group_size, kv_cache_memory_gb=0.25, num_threads=args.threads,

@@ -194,3 +194,26 @@ def test_greedy_parity_with_the_torch_reference_of_the_same_format(qtype, gguf_l
     ref = gguf_llama(qtype, {"SERVELM_QUANT_KERNEL": "reference"})
     assert isinstance(ref.engine.core.model.layers[0].qkv.quant, ReferenceMatmul)
     assert got == run(ref, prompts, greedy)
+
+
+def test_auto_is_gguf_for_a_gguf_file_in_bf16_where_the_kernels_run_every_row_count():
+    from servelm.config.engine import EngineConfig
+    from servelm.model.gguf_quant import auto_quantization
+
+    full = kernels.quant_linear_supported(FORMATS["Q4_0"], 64) == 2
+    assert auto_quantization("gguf", "cpu", torch.bfloat16) == ("gguf" if full else "none")
+    assert auto_quantization("gguf", "cpu", torch.float32) == "none"  # the kernels take bf16 only
+    assert auto_quantization("safetensors", "cpu", torch.bfloat16) == "none"
+    assert auto_quantization("gguf", "cuda", torch.bfloat16) == "none"
+    assert EngineConfig().quantization == "auto" and EngineConfig().load_quantization() == "auto"
+    assert EngineConfig(batch_invariant=True).load_quantization() == "none"  # auto never refuses a setting
+
+
+@tile_path
+def test_the_default_model_loads_kept_quantized_by_default():
+    from servelm.model.loader import load_model
+    from servelm.model.source import default_model_path
+
+    path = default_model_path()
+    model = load_model(str(path.parent), path.name, dtype="bfloat16", with_tokenizer=False, quantization="auto").model
+    assert model.quantization == "gguf" and model.cpp_formats == [FORMATS["Q4_1"]] * 4 * 30

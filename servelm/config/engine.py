@@ -52,11 +52,12 @@ class EngineConfig:
     tokenizer: str | None = _f(None, "a tokenizer folder to use instead of the model's own")
     dtype: str = _f("auto", "auto | float32 | bfloat16 | float16; auto picks bfloat16 where the CPU has "
                     "native bf16 (AVX512-BF16/AMX), else float32")
-    quantization: str = _f("none", "none | gguf | int8 | int4: linear weights kept quantized in memory and run by "
-                           "PyTorch's int8/int4 CPU kernels (CPU only; README: Quantization). gguf keeps a GGUF "
-                           "file's Q4_0/Q4_1/Q4_K linears as they are (exact) and dequantizes its other types; "
-                           "int8 (per output channel) and int4 (group-wise) quantize the linears at load; none "
-                           "dequantizes everything to --dtype")
+    quantization: str = _f("auto", "auto | none | gguf | int8 | int4: linear weights kept quantized in memory and "
+                           "dequantized inside the matmul (CPU only; README: Quantization). gguf keeps a GGUF "
+                           "file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K linears as they are (servelm's kernels) and dequantizes "
+                           "its other types; int8 (per output channel) and int4 (group-wise) quantize the linears "
+                           "at load (PyTorch's kernels); none dequantizes everything to --dtype; auto (default) is "
+                           "gguf for a GGUF file in bfloat16 on a CPU that runs servelm's GGUF kernels, else none")
     quantization_group_size: int = _f(32, "int4: weights sharing one scale and zero point, 32, 64, 128 or 256; "
                                       "it must divide every linear's input width (SmolLM2's 576: 32 or 64)")
     device: str = _f("cpu", "device to run on: cpu, or cuda (NVIDIA GPUs: Triton attention, CUDA graphs)")
@@ -118,12 +119,13 @@ class EngineConfig:
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
              "one of auto, float32, bfloat16, float16")
         need(self.device == "cpu" or self.device.startswith("cuda"), "device", "cpu, cuda or cuda:N")
-        need(self.quantization in ("none", "gguf", "int8", "int4"), "quantization", "one of none, gguf, int8, int4")
+        need(self.quantization in ("auto", "none", "gguf", "int8", "int4"), "quantization",
+             "one of auto, none, gguf, int8, int4")
         need(self.quantization_group_size in (32, 64, 128, 256), "quantization_group_size", "32, 64, 128 or 256")
-        need(self.quantization == "none" or self.device == "cpu", "quantization", "none on a GPU (quantized "
+        need(self.quantization in ("auto", "none") or self.device == "cpu", "quantization", "none on a GPU (quantized "
              "weights run on the CPU only)")
-        need(self.quantization == "none" or not self.batch_invariant, "quantization", "none with batch_invariant "
-             "(the quantized kernels are not batch invariant)")
+        need(self.quantization in ("auto", "none") or not self.batch_invariant, "quantization",
+             "none with batch_invariant (the quantized kernels are not batch invariant)")
         need(not self.batch_invariant or self.device == "cpu", "batch_invariant", "false on a GPU (CPU only)")
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", "a power of two in [1, 256]")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1 or None")
@@ -155,4 +157,11 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def load_quantization(self) -> str:
+        """The quantization the loader is asked for: auto stays auto (the loader picks gguf or none by the
+        file, dtype and CPU) except where only none is allowed (a GPU, batch_invariant)."""
+        if self.quantization == "auto" and (self.batch_invariant or self.device != "cpu"):
+            return "none"
+        return self.quantization
 

@@ -26,7 +26,7 @@ class LLMEngine:
         configure_threads(config)
         self.loaded = loaded or load_model(config.model, config.gguf_file, config.tokenizer, config.dtype,
                                            config.device, sliding_window=config.sliding_window,
-                                           quantization=config.quantization,
+                                           quantization=config.load_quantization(),
                                            quantization_group_size=config.quantization_group_size)
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = self.loaded.eos_token_ids

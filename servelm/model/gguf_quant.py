@@ -223,6 +223,18 @@ def gguf_kernels(w: GGUFBlocks):
     return k if k is not None and k.quant_linear_supported(FORMATS[w.qtype], w.in_features) else None
 
 
+def auto_quantization(kind: str, device: str, dtype: torch.dtype) -> str:
+    """What quantization=auto means for a checkpoint of `kind` (gguf, safetensors): gguf for a GGUF file in
+    bfloat16 on a CPU whose kernel build runs the GGUF formats for every row count (the int8 kernel and the bf16
+    tile path), else none."""
+    from servelm.model import cpu_kernels
+
+    if kind != "gguf" or not device.startswith("cpu") or dtype != torch.bfloat16:
+        return "none"
+    k = cpu_kernels.load()
+    return "gguf" if k is not None and k.quant_linear_supported(FORMATS["Q4_0"], 64) == 2 else "none"
+
+
 def reference_selected() -> bool:
     """SERVELM_QUANT_KERNEL=reference: GGUF weights run ReferenceMatmul (tests, debugging)."""
     return os.environ.get("SERVELM_QUANT_KERNEL", "").strip().lower() == "reference"

@@ -14,7 +14,7 @@ from servelm.model.attention import get_backend
 from servelm.model.cpu_features import cpu_has_bf16
 from servelm.model.decoder import DecoderLM
 from servelm.model.gguf_loader import iter_gguf_tensors
-from servelm.model.gguf_quant import GGUFBlocks
+from servelm.model.gguf_quant import GGUFBlocks, auto_quantization
 from servelm.model.metadata import load_config_and_eos, load_config_and_tokenizer
 from servelm.model.quant import QUANTIZATIONS, QuantWeight, quantize_linears
 from servelm.model.source import ModelSource
@@ -65,11 +65,12 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
                quantization_group_size: int = 32) -> LoadedModel:
     """Weights, config, EOS ids and (unless with_tokenizer is False, as in the engine process) tokenizer.
     `sliding_window` puts that attention window on every layer (for GGUF files that lost the model's).
-    `quantization` (model/quant.py): none, gguf (a GGUF file's Q4 linears kept as they are), int8 or int4
-    (the linears quantized at load; int4 in groups of `quantization_group_size`)."""
+    `quantization` (model/quant.py, model/gguf_quant.py): none, gguf (a GGUF file's block-quantized linears kept
+    as they are), int8 or int4 (the linears quantized at load; int4 in groups of `quantization_group_size`), or
+    auto: gguf for a GGUF file in bfloat16 where servelm's GGUF kernels run (prefill path included), else none."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-    if quantization != "none" and not device.startswith("cpu"):
+    if quantization not in ("auto", "none") and not device.startswith("cpu"):
         raise ValueError(f"quantization {quantization!r} runs on the CPU only (the GPU has no quantized path yet)")
     t0 = time.perf_counter()
     if with_tokenizer:
@@ -77,9 +78,12 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
     else:
         (src, hf_config, eos), tok = load_config_and_eos(model, gguf_file, tokenizer), None
     torch_dtype = resolve_dtype(dtype, device)
+    if quantization == "auto":
+        quantization = auto_quantization(src.kind, device, torch_dtype)
     if quantization != "none" and torch_dtype != torch.bfloat16:
-        logger.warning("quantization %s with %s: PyTorch's int8/int4 CPU kernels are vectorized for bfloat16 only, "
-                       "so the quantized linears run a scalar loop (slow); use dtype bfloat16", quantization,
+        logger.warning("quantization %s with %s: servelm's GGUF kernels take bfloat16 only and PyTorch's int8/int4 "
+                       "CPU kernels are vectorized for bfloat16 only, so the quantized linears run a scalar loop "
+                       "(slow); use dtype bfloat16", quantization,
                        torch_dtype)
     if quantization == "gguf" and src.kind != "gguf":
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's quantized types, and {src.name} is not a GGUF "

@@ -28,7 +28,7 @@ from servelm.model.gguf_quant import GGUFBlocks
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("none", "gguf", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel takes
 # The linears that are quantized: attention and MLP projections. Embeddings and lm_head stay in the
 # model's dtype (the embedding is read a row at a time; a tied lm_head is the same tensor).

@@ -50,7 +50,7 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
         phase(f"loading the model {config.model or '(default)'}")
         loaded = load_model(config.model, config.gguf_file, config.tokenizer, config.dtype, config.device,
                             with_tokenizer=False, sliding_window=config.sliding_window,  # the API process tokenizes
-                            quantization=config.quantization,
+                            quantization=config.load_quantization(),
                             quantization_group_size=config.quantization_group_size)
         phase("allocating the KV cache")
         core = EngineCore(config, loaded.model)
