@@ -293,7 +293,7 @@ class CpuKernels:
         return int(self._quant_linear_supported(fmt, K))
 
     def quant_linear(self, x: torch.Tensor, packed: torch.Tensor, fmt: int, N: int, bias: torch.Tensor | None = None,
-                     silu_mul: bool = False, int_rows: int = 8) -> torch.Tensor:
+                     silu_mul: bool = False, int_rows: int = 16) -> torch.Tensor:
         """x [M, K] bf16 times a packed GGUF weight of N rows (+ bias; or SiLU(gate) * up for a gate/up weight
         packed with gate_up=True): [M, N] or [M, N / 2] bf16. Up to `int_rows` rows take the int8-activation
         kernel, more the bf16 tile path where the build has it."""
