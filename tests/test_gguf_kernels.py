@@ -86,7 +86,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
 
 @pytest.mark.parametrize("kern", INT_BUILDS)
 @pytest.mark.parametrize("qtype", list(FORMATS))
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 5])  # one row; a chunk of 4 and one of 1
 def test_int8_activation_kernel_matches_dequantize_then_matmul(kern, qtype, m):
     """The kernel against the dequantized weight times x rounded as the kernel rounds it: float32 sums and one
     bf16 rounding apart (rtol 2^-8); and against unrounded x: within the int8 rounding's bound."""
@@ -178,7 +178,7 @@ def gguf_llama(llama_dir):
     return load
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])  # 8-bit symmetric, 4-bit with offsets
 def test_greedy_parity_with_the_torch_reference_of_the_same_format(qtype, gguf_llama):
     from servelm import SamplingParams
 
