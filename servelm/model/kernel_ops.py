@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from servelm.model.gguf_quant import packed_bytes
+
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _D = ctypes.c_double
@@ -297,8 +299,6 @@ class CpuKernels:
         """x [M, K] bf16 times a packed GGUF weight of N rows (+ bias; or SiLU(gate) * up for a gate/up weight
         packed with gate_up=True): [M, N] or [M, N / 2] bf16. Up to `int_rows` rows take the int8-activation
         kernel, more the bf16 tile path where the build has it."""
-        from servelm.model.gguf_quant import packed_bytes
-
         _require(x.dim() == 2 and x.dtype == torch.bfloat16 and packed.dtype == torch.uint8 and packed.is_contiguous(),
                  "quant_linear: bf16 [M, K] input and a packed uint8 weight")
         M, K = x.shape
@@ -314,8 +314,6 @@ class CpuKernels:
 
     def quant_unpack(self, packed: torch.Tensor, fmt: int, N: int, K: int) -> torch.Tensor:
         """The packed weight's float32 values [N, K] (gguf's dequantized tensor, bit for bit)."""
-        from servelm.model.gguf_quant import packed_bytes
-
         _require(packed.dtype == torch.uint8 and packed.is_contiguous() and packed.numel() == packed_bytes(fmt, N, K),
                  f"quant_unpack: not a weight packed for {N} x {K}")
         out = torch.empty(N, K)
