@@ -60,6 +60,9 @@ class EngineConfig:
     quantization_group_size: int = _f(32, "int4: weights sharing one scale and zero point, 32, 64, 128 or 256; "
                                       "it must divide every linear's input width (SmolLM2's 576: 32 or 64)")
     device: str = _f("cpu", "device to run on: cpu, or cuda (NVIDIA GPUs: Triton attention, CUDA graphs)")
+    tensor_parallel_size: int = _f(1, "processes that split the model's attention heads and MLP columns, "
+                                   "all-reducing over gloo on the loopback (CPU only; README: Tensor "
+                                   "parallelism); it must divide the attention heads and the MLP size")
     enforce_eager: bool = _f(False, "on CUDA, run decode steps eagerly instead of replaying CUDA graphs "
                              "captured per batch size (as vLLM's --enforce-eager)")
     block_size: int = _f(16, "tokens per KV cache block")
@@ -125,6 +128,16 @@ class EngineConfig:
         need(self.quantization == "none" or not self.batch_invariant, "quantization", "none with batch_invariant "
              "(the quantized kernels are not batch invariant)")
         need(not self.batch_invariant or self.device == "cpu", "batch_invariant", "false on a GPU (CPU only)")
+        tp = self.tensor_parallel_size
+        need(tp >= 1, "tensor_parallel_size", ">= 1")
+        for ok, why in ((self.device == "cpu", "the CPU only (the GPU path is not sharded)"),
+                        (self.speculative_method is None and self.speculative_model is None,
+                         "no speculative decoding"),
+                        (not self.batch_invariant, "no batch_invariant"),
+                        (self.kv_cache_persist is None, "no kv_cache_persist (each rank holds part of every block)"),
+                        (self.quantization != "gguf", "quantization none, int8 or int4 (GGUF's quantized tensors "
+                         "are not split)")):
+            need(tp == 1 or ok, "tensor_parallel_size", f"1, or run with {why}")
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", "a power of two in [1, 256]")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1 or None")
         need(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0 or None")

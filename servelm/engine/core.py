@@ -74,6 +74,14 @@ class EngineCore:
         graph_sizes = None if config.enforce_eager or spec.moe is not None else capture_sizes(config.max_num_seqs)
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu_blocks, config.seed,
                                   graph_sizes, max_len)
+        tp_size = model.tp.size if model.tp is not None else 1
+        if tp_size != config.tensor_parallel_size:
+            raise ValueError(f"the model was loaded for tensor_parallel_size={tp_size}, the engine is configured "
+                             f"for {config.tensor_parallel_size}")
+        if tp_size > 1:  # ranks 1..N-1 in their own processes (this process is rank 0)
+            from servelm.engine.tp_workers import TPWorkers
+
+            self.runner.tp_workers = TPWorkers.start(config, model, num_blocks, num_cpu_blocks, max_len)
         self.spec = self._make_spec_decoder(config, max_len)
         self.requests: dict[str, Request] = {}
         # n > 1 requests whose samples have not forked yet: a step looks for forks only while there are some
@@ -177,6 +185,11 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (they also stop when this process exits)."""
+        if self.runner.tp_workers is not None:
+            self.runner.tp_workers.close()
 
     def update_config(self, max_num_seqs: int, scheduling_policy: str, priority_aging_s: float) -> None:
         """Run-time changes (PATCH /admin/config): they apply from the next step."""

@@ -14,6 +14,7 @@ from servelm.model.cpu_features import cpu_has_bf16
 from servelm.model.decoder import DecoderLM
 from servelm.model.gguf_loader import iter_gguf_tensors
 from servelm.model.metadata import load_config_and_eos, load_config_and_tokenizer
+from servelm.model.parallel import TensorParallel, check_shardable, local_spec, shard_tensors
 from servelm.model.quant import QUANTIZATIONS, QuantWeight, quantize_linears
 from servelm.model.source import ModelSource
 from servelm.model.spec import ModelSpec
@@ -60,11 +61,12 @@ def _iter_safetensors(folder: Path, dtype: torch.dtype):
 def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str | None = None,
                dtype: str = "auto", device: str = "cpu", with_tokenizer: bool = True,
                sliding_window: int | None = None, quantization: str = "none",
-               quantization_group_size: int = 32) -> LoadedModel:
+               quantization_group_size: int = 32, tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
     """Weights, config, EOS ids and (unless with_tokenizer is False, as in the engine process) tokenizer.
     `sliding_window` puts that attention window on every layer (for GGUF files that lost the model's).
     `quantization` (model/quant.py): none, gguf (a GGUF file's Q4 linears kept as they are), int8 or int4
-    (the linears quantized at load; int4 in groups of `quantization_group_size`)."""
+    (the linears quantized at load; int4 in groups of `quantization_group_size`). With `tp_size` > 1 only
+    rank `tp_rank`'s shard of the weights is kept (model/parallel.py); its group is connected later."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if quantization != "none" and not device.startswith("cpu"):
@@ -86,9 +88,12 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
         tensors = iter_gguf_tensors(src.path, torch_dtype, keep_quantized=quantization == "gguf")
     else:
         tensors = _iter_safetensors(src.path, torch_dtype)
+    spec = ModelSpec.from_hf_config(hf_config, sliding_window)
+    check_shardable(spec, tp_size)
+    if tp_size > 1:  # split before quantizing: each rank quantizes only its own slices
+        tensors = shard_tensors(tensors, spec, tp_rank, tp_size)
     if quantization in ("int8", "int4"):  # from a GGUF file too: its tensors dequantized, then requantized
         tensors = quantize_linears(tensors, quantization, quantization_group_size, torch_dtype)
-    spec = ModelSpec.from_hf_config(hf_config, sliding_window)
     if getattr(hf_config, "gguf_sliding_window_unstated", False) and sliding_window is None:
         logger.warning("%s states no sliding window (llama.cpp's converter does not write Mistral's or Qwen's), "
                        "so every layer runs full attention; if the original model's config.json sets "
@@ -97,7 +102,8 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
     # on the CPU, .to is a no-op; quantized weights (CPU only) stay where they are
     weights = {name: t if isinstance(t, QuantWeight) else t.to(device) for name, t in tensors}
     num_params = sum(t.codes.numel() if isinstance(t, QuantWeight) else t.numel() for t in weights.values())
-    lm = DecoderLM(spec, weights, torch_dtype, get_backend(device))
+    tp = TensorParallel(tp_rank, tp_size) if tp_size > 1 else None
+    lm = DecoderLM(local_spec(spec, tp_rank, tp_size), weights, torch_dtype, get_backend(device), tp)
     lm.num_params = num_params  # as the checkpoint stores them (a tied lm_head once)
     lm.quantization = f"int4/g{quantization_group_size}" if quantization == "int4" else quantization
     seconds = time.perf_counter() - t0
