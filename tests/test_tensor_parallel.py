@@ -63,14 +63,14 @@ def gqa1(tmp_path_factory, tokenizer_dir):
 
 
 def test_every_scheduling_feature_matches_tp1_and_transformers(model_dirs, hf_models):
-    """Swap preemption (a pool of 14 blocks for 6 requests), chunked prefill (16-token steps), prefix
+    """Swap preemption (a pool of 14 blocks for 4 requests), chunked prefill (16-token steps), prefix
     caching (a shared 24-token prefix, cached by the first request) and batching, all at once."""
     shared = random_prompts(1, 24, 24, seed=11)[0]
-    prompts = [shared + own for own in random_prompts(6, 6, 20, seed=12)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [shared + own for own in random_prompts(4, 6, 20, seed=12)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     kw = dict(dtype="float32", num_kv_blocks=14, block_size=8, max_num_batched_tokens=16,
               preemption_mode="swap", swap_space_gb=0.01)
-    refs = reference(hf_models, "llama", prompts, 24)
+    refs = reference(hf_models, "llama", prompts)
     tp1 = LLM(str(model_dirs["llama"]), **kw)
     assert run(tp1, prompts[:1], params) + run(tp1, prompts[1:], params) == refs
     llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **kw)
@@ -78,7 +78,7 @@ def test_every_scheduling_feature_matches_tp1_and_transformers(model_dirs, hf_mo
         assert llm.engine.core.model.spec.num_heads == 2  # this process holds half the heads
         assert run(llm, prompts[:1], params) + run(llm, prompts[1:], params) == refs
         stats = llm.engine.get_stats()
-        assert stats.prefix_cache_hits >= 5 * 24
+        assert stats.prefix_cache_hits >= 3 * 24
         assert stats.num_preemptions > 0 and stats.num_swaps > 0
         assert stats.num_free_blocks == stats.num_kv_blocks
     finally:
@@ -108,20 +108,30 @@ def test_replicated_kv_head_recompute_and_copy_on_write(gqa1):
             assert proc.wait(timeout=60) is not None
 
 
-def test_bfloat16_tp2_close_to_tp1_and_close_leaves_no_process(model_dirs):
+def _prompt_logprobs(llm, prompts) -> torch.Tensor:
+    """The logprob of every prompt token after the first (teacher forced: no greedy divergence to follow)."""
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    return torch.tensor([d[t].logprob for o, p in zip(outs, prompts, strict=True)
+                         for d, t in zip(o.prompt_logprobs[1:], p[1:], strict=True)])
+
+
+def test_bfloat16_tp2_as_close_to_float32_as_tp1_and_close_leaves_no_process(model_dirs):
+    """In bf16 the ranks' partial sums are rounded before the all-reduce adds them, so the bits differ from
+    one rank's single sum (and greedy picks between near-tied logits can differ): TP=2 must add no error
+    beyond bf16's own, measured against float32 on the prompt tokens' logprobs."""
     prompts = random_prompts(4, 10, 40, seed=14)
-    tp1 = run(LLM(str(model_dirs["qwen3"]), dtype="bfloat16", num_kv_blocks=64), prompts)
+    path = str(model_dirs["qwen3"])
+    exact = _prompt_logprobs(LLM(path, dtype="float32", num_kv_blocks=64), prompts)
+    tp1 = (_prompt_logprobs(LLM(path, dtype="bfloat16", num_kv_blocks=64), prompts) - exact).abs()
     before = _children()
-    llm = LLM(str(model_dirs["qwen3"]), dtype="bfloat16", tensor_parallel_size=2, num_kv_blocks=64)
+    llm = LLM(path, dtype="bfloat16", tensor_parallel_size=2, num_kv_blocks=64)
     pids = llm.engine.core.runner.tp_workers.pids
     assert len(pids) == 1 and all(_alive(p) for p in pids)
-    tp2 = run(llm, prompts)
+    tp2 = (_prompt_logprobs(llm, prompts) - exact).abs()
     llm.engine.close()
     assert not any(_alive(p) for p in pids)
     assert _children() <= before
-    # The ranks' partial sums are rounded to bf16 before the all-reduce adds them: the bits can differ from
-    # one rank's single sum. These wide-weight models keep the greedy choices well apart, so they match.
-    assert tp2 == tp1
+    assert tp1.mean() > 0 and tp2.mean() <= 1.5 * tp1.mean() and tp2.max() <= 1.5 * tp1.max()
 
 
 def _spec(**kw) -> ModelSpec:
@@ -132,8 +142,8 @@ def _spec(**kw) -> ModelSpec:
 
 @pytest.mark.parametrize("kw, size, why", [
     ({}, 3, "divide the model's 4 attention heads"),
-    ({"num_attention_heads": 12, "num_key_value_heads": 6, "head_dim": 8}, 4, "divide the model's 6 KV heads"),
-    ({"num_attention_heads": 12, "num_key_value_heads": 3, "head_dim": 8}, 4, "multiple of the model's 3 KV heads"),
+    ({"hidden_size": 96, "num_attention_heads": 12, "num_key_value_heads": 6}, 4, "divide the model's 6 KV heads"),
+    ({"hidden_size": 96, "num_attention_heads": 12, "num_key_value_heads": 3}, 4, "multiple of the model's 3 KV heads"),
     ({"intermediate_size": 130}, 4, "MLP intermediate size 130"),
 ])
 def test_unshardable_sizes_are_refused(kw, size, why):
