@@ -200,11 +200,23 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp rank {rank}: %(message)s")
     _exit_with_parent()
     conn = Connection(fd)
+    driver = os.getppid()
+    code = 0
     try:
         _serve(conn, rank)
-    except Exception:  # a failed step: exiting closes this rank's sockets, which fails the driver's collective
-        logger.error("rank %d failed:\n%s", rank, traceback.format_exc())
-        sys.exit(1)
+    except (EOFError, ConnectionError) as e:  # the driver went away mid-conversation (it exited or was killed)
+        logger.warning("rank %d: the engine process is gone (%s); exiting", rank, type(e).__name__)
+        code = 1
+    except Exception as e:  # a failed step: exiting closes this rank's sockets, which fails the driver's collective
+        if os.getppid() != driver:  # a collective failed because the driver died: not this rank's error
+            logger.warning("rank %d: the engine process is gone (%s); exiting", rank, e)
+        else:
+            logger.error("rank %d failed:\n%s", rank, traceback.format_exc())
+        code = 1
+    # At once, without the interpreter's teardown (seconds of module and gloo clean-up on a busy machine):
+    # the rank holds nothing that needs it, and the driver waits for this exit.
+    logging.shutdown()
+    os._exit(code)
 
 
 if __name__ == "__main__":
