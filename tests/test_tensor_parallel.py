@@ -76,6 +76,7 @@ def test_every_scheduling_feature_matches_tp1_and_transformers(model_dirs, hf_mo
     llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **kw)
     try:
         assert llm.engine.core.model.spec.num_heads == 2  # this process holds half the heads
+        assert llm.engine.core.model.num_params == tp1.engine.core.model.num_params  # reports the whole model
         assert run(llm, prompts[:1], params) + run(llm, prompts[1:], params) == refs
         stats = llm.engine.get_stats()
         assert stats.prefix_cache_hits >= 3 * 24

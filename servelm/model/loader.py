@@ -58,6 +58,13 @@ def _iter_safetensors(folder: Path, dtype: torch.dtype):
                 yield name, t.to(dtype, copy=True)
 
 
+def _counted(tensors, total: list[int]):
+    """The tensors, adding up their elements into total[0] as they pass."""
+    for name, t in tensors:
+        total[0] += t.numel()
+        yield name, t
+
+
 def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str | None = None,
                dtype: str = "auto", device: str = "cpu", with_tokenizer: bool = True,
                sliding_window: int | None = None, quantization: str = "none",
@@ -90,8 +97,9 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
         tensors = _iter_safetensors(src.path, torch_dtype)
     spec = ModelSpec.from_hf_config(hf_config, sliding_window)
     check_shardable(spec, tp_size)
+    whole = [0]  # the checkpoint's parameter count, before a tensor-parallel split
     if tp_size > 1:  # split before quantizing: each rank quantizes only its own slices
-        tensors = shard_tensors(tensors, spec, tp_rank, tp_size)
+        tensors = shard_tensors(_counted(tensors, whole), spec, tp_rank, tp_size)
     if quantization in ("int8", "int4"):  # from a GGUF file too: its tensors dequantized, then requantized
         tensors = quantize_linears(tensors, quantization, quantization_group_size, torch_dtype)
     if getattr(hf_config, "gguf_sliding_window_unstated", False) and sliding_window is None:
@@ -101,7 +109,7 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
                        src.path.name)
     # on the CPU, .to is a no-op; quantized weights (CPU only) stay where they are
     weights = {name: t if isinstance(t, QuantWeight) else t.to(device) for name, t in tensors}
-    num_params = sum(t.codes.numel() if isinstance(t, QuantWeight) else t.numel() for t in weights.values())
+    num_params = whole[0] or sum(t.codes.numel() if isinstance(t, QuantWeight) else t.numel() for t in weights.values())
     tp = TensorParallel(tp_rank, tp_size) if tp_size > 1 else None
     lm = DecoderLM(local_spec(spec, tp_rank, tp_size), weights, torch_dtype, get_backend(device), tp)
     lm.num_params = num_params  # as the checkpoint stores them (a tied lm_head once)
