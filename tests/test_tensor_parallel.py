@@ -181,3 +181,28 @@ def test_a_rank_that_cannot_load_fails_start_up_with_its_error(tmp_path):
     with pytest.raises(RuntimeError, match="tensor-parallel rank 1 failed to start: .*no-such-model"):
         TPWorkers.start(EngineConfig(model=missing, tensor_parallel_size=2), None, 8, 0, 64)
     assert _children() <= before
+
+
+def test_fused_checkpoint_tensors_split_like_their_parts():
+    """Phi-3 stores [q; k; v] and [gate; up] joined: each rank's slice equals its slices of the parts."""
+    from servelm.model.parallel import shard_tensor
+
+    spec = _spec(num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+    d, inter = spec.head_dim, spec.intermediate_size
+    q, k, v = torch.randn(8 * d, 64), torch.randn(2 * d, 64), torch.randn(2 * d, 64)
+    gate, up = torch.randn(inter, 64), torch.randn(inter, 64)
+    p = "model.layers.0."
+    for rank in range(4):
+        def part(name, t, r=rank):
+            return shard_tensor(p + name, t, spec, r, 4)
+
+        assert torch.equal(part("self_attn.qkv_proj.weight", torch.cat([q, k, v])),
+                           torch.cat([part("self_attn.q_proj.weight", q), part("self_attn.k_proj.weight", k),
+                                      part("self_attn.v_proj.weight", v)]))
+        assert torch.equal(part("mlp.gate_up_proj.weight", torch.cat([gate, up])),
+                           torch.cat([part("mlp.gate_proj.weight", gate), part("mlp.up_proj.weight", up)]))
+        assert torch.equal(part("self_attn.q_proj.weight", q), q[rank * 2 * d:(rank + 1) * 2 * d])
+        assert torch.equal(part("self_attn.k_proj.weight", k), k[rank // 2 * d:(rank // 2 + 1) * d])
+    o = torch.randn(64, 8 * d)
+    assert torch.equal(torch.cat([shard_tensor(p + "self_attn.o_proj.weight", o, spec, r, 4) for r in range(4)], 1), o)
+    assert shard_tensor(p + "self_attn.o_proj.bias", torch.ones(64), spec, 1, 4) is None  # added once, on rank 0
