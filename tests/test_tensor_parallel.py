@@ -48,14 +48,23 @@ def _children() -> set[int]:
 
 
 @pytest.fixture(scope="module")
-def gqa1(tmp_path_factory, tokenizer_dir):
-    """A Qwen2 (Q/K/V biases) with one KV head for four query heads: at TP=2 both ranks keep that head."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+def gemma3_kv1(tmp_path_factory, tokenizer_dir):
+    """A Gemma 3 of Gemma-3-270M's attention shape, four query heads over one KV head (at TP=2 both ranks keep
+    that head), with its sandwich norms, q/k norms and local/global layers; norm weights randomised."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
+    config = Gemma3TextConfig(**{**COMMON, "num_key_value_heads": 1, "tie_word_embeddings": True}, head_dim=16,
+                              sliding_window=24, query_pre_attn_scalar=24,
+                              layer_types=["sliding_attention", "full_attention"], rope_parameters={
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                  "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**{**COMMON, "num_key_value_heads": 1}),
-                                             dtype=torch.float32).eval()
-    out = tmp_path_factory.mktemp("gqa1")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    out = tmp_path_factory.mktemp("gemma3_kv1")
     model.save_pretrained(out)
     for f in tokenizer_dir.iterdir():
         (out / f.name).write_bytes(f.read_bytes())
@@ -63,17 +72,18 @@ def gqa1(tmp_path_factory, tokenizer_dir):
 
 
 def test_every_scheduling_feature_matches_tp1_and_transformers(model_dirs, hf_models):
-    """Swap preemption (a pool of 14 blocks for 4 requests), chunked prefill (16-token steps), prefix
-    caching (a shared 24-token prefix, cached by the first request) and batching, all at once."""
+    """Qwen2 (Q/K/V biases, a sliding-window layer): swap preemption (a pool of 14 blocks for 4 requests),
+    chunked prefill (16-token steps), prefix caching (a shared 24-token prefix, cached by the first request)
+    and batching, all at once."""
     shared = random_prompts(1, 24, 24, seed=11)[0]
     prompts = [shared + own for own in random_prompts(4, 6, 20, seed=12)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     kw = dict(dtype="float32", num_kv_blocks=14, block_size=8, max_num_batched_tokens=16,
               preemption_mode="swap", swap_space_gb=0.01)
-    refs = reference(hf_models, "llama", prompts)
-    tp1 = LLM(str(model_dirs["llama"]), **kw)
+    refs = reference(hf_models, "qwen2", prompts)
+    tp1 = LLM(str(model_dirs["qwen2"]), **kw)
     assert run(tp1, prompts[:1], params) + run(tp1, prompts[1:], params) == refs
-    llm = LLM(str(model_dirs["llama"]), tensor_parallel_size=2, **kw)
+    llm = LLM(str(model_dirs["qwen2"]), tensor_parallel_size=2, **kw)
     try:
         assert llm.engine.core.model.spec.num_heads == 2  # this process holds half the heads
         assert llm.engine.core.model.num_params == tp1.engine.core.model.num_params  # reports the whole model
@@ -86,11 +96,11 @@ def test_every_scheduling_feature_matches_tp1_and_transformers(model_dirs, hf_mo
         llm.engine.close()
 
 
-def test_replicated_kv_head_recompute_and_copy_on_write(gqa1):
-    """One KV head on two ranks; recompute preemption; n=2 samples share the prompt's blocks, then copy the
+def test_replicated_kv_head_recompute_and_copy_on_write(gemma3_kv1):
+    """Gemma 3 with one KV head on two ranks; recompute preemption; n=2 samples share the prompt's blocks, then copy the
     last one (the copy replayed on the worker rank). Afterwards the rank exits when the driver's end of the
     connection closes without a word, as when the driver dies."""
-    path, hf = gqa1
+    path, hf = gemma3_kv1
     prompts = random_prompts(4, 21, 29, seed=13)  # each ends mid-block: the shared last block is copied
     refs = [hf_greedy(hf, p, 16) for p in prompts]
     llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, num_kv_blocks=12, block_size=8)
