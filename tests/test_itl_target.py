@@ -45,9 +45,10 @@ def test_forgetting_follows_a_change_of_machine_speed():
     assert m.fit()[1] == pytest.approx(0.002, rel=0.05)
 
 
-def _scheduler(target_s: float, cost: StepCostModel, chunked: bool = True) -> Scheduler:
+def _scheduler(target_s: float, cost: StepCostModel, ttft_s: float = 0.0) -> Scheduler:
     kv = KVCacheManager(400, 16, enable_prefix_caching=False, num_cpu_blocks=0)
-    return Scheduler(kv, 64, 2048, chunked, "recompute", "fcfs", itl_target_s=target_s, step_cost=cost)
+    return Scheduler(kv, 64, 2048, True, "recompute", "fcfs", itl_target_s=target_s, step_cost=cost,
+                     ttft_target_s=ttft_s)
 
 
 def _add(sch: Scheduler, rid: str, prompt_len: int) -> Sequence:
@@ -102,6 +103,22 @@ def test_prompts_progress_when_decodes_fill_the_target():
     assert _prompt_chunk(sch, "long") == MIN_PREFILL_CHUNK
 
 
+def test_the_cut_never_starves_the_prompt_backlog():
+    """With a TTFT target the prompts waiting get at least their share of its steps: 1,500 + 900 tokens over
+    500 ms / 50 ms = 10 steps is 240 a step, more than the 70 that fit beside the decodes."""
+    cost = _trained(0.010, 0.0005)
+    sch = _scheduler(0.050, cost, ttft_s=0.5)
+    _run_prompts_to_decoding(sch, 6)
+    _add(sch, "long", 1500)
+    _add(sch, "next", 900)
+    out = sch.schedule()
+    assert [(s.seq.request.request_id, s.num_tokens) for s in out.scheduled if s.num_tokens > 1] == [("long", 240)]
+    sch = _scheduler(0.050, cost, ttft_s=0.5)  # a small backlog: the target's cut stands
+    _run_prompts_to_decoding(sch, 6)
+    _add(sch, "short", 300)
+    assert _prompt_chunk(sch, "short") == cost.tokens_within(0.050) - 6
+
+
 def test_a_running_prompt_and_new_ones_share_the_prefill_budget():
     cost = _trained(0.010, 0.0005)
     sch = _scheduler(0.050, cost)
@@ -123,6 +140,8 @@ def test_config_rejects_a_target_without_chunked_prefill():
         EngineConfig(itl_target_ms=50, enable_chunked_prefill=False)
     with pytest.raises(ConfigError, match="itl_target_ms"):
         EngineConfig(itl_target_ms=-1)
+    with pytest.raises(ConfigError, match="ttft_target_ms"):
+        EngineConfig(itl_target_ms=50, ttft_target_ms=-1)
 
 
 def test_greedy_outputs_match_transformers_under_the_target(model_dirs, hf_models):

@@ -81,6 +81,9 @@ class EngineConfig:
                               "predicts fits in this time beside the decodes (at least 32 tokens), so a long "
                               "prompt does not stall every stream; 0 fills max_num_batched_tokens (README: "
                               "Latency under load)")
+    ttft_target_ms: float = _f(500.0, "with --itl-target-ms: the time within which the prompt tokens waiting "
+                               "should still be computed; prompt chunks are never cut below the backlog's share "
+                               "of it, so the cut cannot grow the queue without bound (0: no floor)")
     preemption_mode: str = _f("recompute", "recompute | swap: what happens to a request preempted "
                               "when the KV cache is full")
     swap_space_gb: float = _f(4.0, "CPU swap space for preempted requests in GiB (swap mode)")
@@ -136,6 +139,7 @@ class EngineConfig:
         need(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1")
         need(self.itl_target_ms >= 0, "itl_target_ms", ">= 0 (0: off)")
+        need(self.ttft_target_ms >= 0, "ttft_target_ms", ">= 0 (0: no floor)")
         need(self.itl_target_ms == 0 or self.enable_chunked_prefill, "itl_target_ms", "0 without chunked prefill "
              "(the target works by cutting prompt chunks)")
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1 or None")

@@ -70,7 +70,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.preemption_mode,
                                    config.scheduling_policy, config.priority_aging_s,
-                                   itl_target_s=config.itl_target_ms / 1000)
+                                   itl_target_s=config.itl_target_ms / 1000,
+                                   ttft_target_s=config.ttft_target_ms / 1000)
         # MoE layers read their expert groups' sizes on the host: not capturable
         graph_sizes = None if config.enforce_eager or spec.moe is not None else capture_sizes(config.max_num_seqs)
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu_blocks, config.seed,

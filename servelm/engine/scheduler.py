@@ -62,7 +62,8 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool, preemption_mode: str, policy: str = "priority",
                  aging_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
-                 itl_target_s: float = 0.0, step_cost: StepCostModel | None = None) -> None:
+                 itl_target_s: float = 0.0, step_cost: StepCostModel | None = None,
+                 ttft_target_s: float = 0.5) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -87,6 +88,7 @@ class Scheduler:
         # Latency target for steps that carry decodes (0: off): prefill chunks are cut to what the step cost
         # model predicts fits beside them (see _prefill_budget).
         self.itl_target_s = itl_target_s
+        self.ttft_target_s = ttft_target_s
         self.step_cost = step_cost if step_cost is not None else StepCostModel()
 
     def add(self, seq: Sequence) -> None:
@@ -239,16 +241,28 @@ class Scheduler:
     def _prefill_budget(self) -> int:
         """Prompt tokens a step may compute: all of max_num_batched_tokens, unless a latency target is set and
         sequences are decoding; then what the step cost model predicts fits in the target beside the decodes
-        (at least MIN_PREFILL_CHUNK, so prompts always progress), or everything while it cannot predict yet."""
+        (at least MIN_PREFILL_CHUNK, so prompts always progress, and at least the prompt backlog's share of
+        ttft_target_s), or everything while it cannot predict yet."""
         if self.itl_target_s <= 0 or not self.enable_chunked_prefill:
             return self.max_num_batched_tokens
-        decodes = sum(1 for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1)
+        decodes = backlog = 0
+        for s in self.running:
+            todo = len(s.token_ids) - s.num_computed_tokens
+            if todo == 1:
+                decodes += 1
+            else:
+                backlog += todo
         if not decodes:
             return self.max_num_batched_tokens
         fits = self.step_cost.tokens_within(self.itl_target_s)
         if fits is None:
             return self.max_num_batched_tokens
-        return max(MIN_PREFILL_CHUNK, fits - decodes)
+        backlog += sum(len(s.token_ids) - s.num_computed_tokens for s in self.waiting)
+        # Steps of about itl_target_s each: the prompts waiting must still be done within ttft_target_s, so
+        # never give them less than their share of that many steps (a cut that starved them would trade
+        # smooth streams for a queue that only grows).
+        share = -(-backlog * self.itl_target_s // self.ttft_target_s) if self.ttft_target_s > 0 else 0
+        return max(MIN_PREFILL_CHUNK, fits - decodes, int(share))
 
     def _drafts_that_fit(self, seq: Sequence, n: int, budget: int) -> list[int]:
         """The draft tokens to verify with a decode of seq, as many as the budget allows, with their KV slots
