@@ -128,8 +128,8 @@ class EngineConfig:
         need(self.device == "cpu" or self.device.startswith("cuda"), "device", "cpu, cuda or cuda:N")
         need(self.quantization in ("none", "gguf", "int8", "int4"), "quantization", "one of none, gguf, int8, int4")
         need(self.quantization_group_size in (32, 64, 128, 256), "quantization_group_size", "32, 64, 128 or 256")
-        need(self.quantization == "none" or self.device == "cpu", "quantization", "none on a GPU (quantized "
-             "weights run on the CPU only)")
+        need(self.quantization != "gguf" or self.device == "cpu", "quantization", "none, int8 or int4 on a GPU "
+             "(gguf keeps a file's blocks for the CPU kernels; int8/int4 run Triton kernels on a GPU)")
         need(self.quantization == "none" or not self.batch_invariant, "quantization", "none with batch_invariant "
              "(the quantized kernels are not batch invariant)")
         need(not self.batch_invariant or self.device == "cpu", "batch_invariant", "false on a GPU (CPU only)")
