@@ -82,13 +82,13 @@ def rand_32k(tmp: Path) -> Path:
 
 def measure(model: str, lengths: list[int], budget: int | None, timers: Timers, bounds: dict, name: str) -> None:
     kw = {} if budget is None else {"max_num_batched_tokens": budget}
-    llm = LLM(model, dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory_gb=2.0,
-              max_model_len=max(lengths) + 8, **kw)
+    llm = LLM(model, dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory_gb=2.0, **kw)
     timers.wrap_attention(llm.engine.loaded.model)
     vocab = llm.engine.loaded.model.spec.vocab_size
     params = SamplingParams(temperature=0, max_tokens=1)
     g = torch.Generator().manual_seed(0)
     for n in lengths:
+        n = min(n, llm.engine.core.max_model_len - 1)  # the one output token must fit (an 8k model: 8191)
         prompt = torch.randint(10, vocab - 1, (n,), generator=g).tolist()
         llm.generate([prompt], params, use_tqdm=False)  # warm-up: page in, first-touch the KV blocks
         timers.reset()
