@@ -69,7 +69,9 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.preemption_mode,
-                                   config.scheduling_policy, config.priority_aging_s)
+                                   config.scheduling_policy, config.priority_aging_s,
+                                   itl_target_s=config.itl_target_ms / 1000,
+                                   ttft_target_s=config.ttft_target_ms / 1000)
         # MoE layers read their expert groups' sizes on the host: not capturable
         graph_sizes = None if config.enforce_eager or spec.moe is not None else capture_sizes(config.max_num_seqs)
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu_blocks, config.seed,
@@ -228,6 +230,7 @@ class EngineCore:
             req.prompt_logprobs[first:first + len(lps)] = lps  # a recomputed chunk overwrites, never appends
         self.kv.end_step()
         now = time.monotonic()
+        self.scheduler.step_cost.observe(out.num_batched_tokens, now - start)
         outputs: list[SeqOutput] = []
         commit, append = self.kv.commit_computed, self._append
         for s in out.scheduled:

@@ -76,15 +76,15 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
     rank `tp_rank`'s shard of the weights is kept (model/parallel.py); its group is connected later."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-    if quantization != "none" and not device.startswith("cpu"):
-        raise ValueError(f"quantization {quantization!r} runs on the CPU only (the GPU has no quantized path yet)")
+    if quantization == "gguf" and not device.startswith("cpu"):
+        raise ValueError("quantization 'gguf' runs on the CPU only; on a GPU use int8 or int4 (Triton kernels)")
     t0 = time.perf_counter()
     if with_tokenizer:
         src, hf_config, tok, eos = load_config_and_tokenizer(model, gguf_file, tokenizer)
     else:
         (src, hf_config, eos), tok = load_config_and_eos(model, gguf_file, tokenizer), None
     torch_dtype = resolve_dtype(dtype, device)
-    if quantization != "none" and torch_dtype != torch.bfloat16:
+    if quantization != "none" and torch_dtype != torch.bfloat16 and device.startswith("cpu"):
         logger.warning("quantization %s with %s: PyTorch's int8/int4 CPU kernels are vectorized for bfloat16 only, "
                        "so the quantized linears run a scalar loop (slow); use dtype bfloat16", quantization,
                        torch_dtype)
@@ -107,8 +107,8 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
                        "so every layer runs full attention; if the original model's config.json sets "
                        "sliding_window, pass it: LLM(..., sliding_window=N) or servelm serve --sliding-window N",
                        src.path.name)
-    # on the CPU, .to is a no-op; quantized weights (CPU only) stay where they are
-    weights = {name: t if isinstance(t, QuantWeight) else t.to(device) for name, t in tensors}
+    # on the CPU, .to is a no-op; on a GPU quantized weights go there as codes and scales (model/quant_triton.py)
+    weights = {name: t.to(device) for name, t in tensors}
     num_params = whole[0] or sum(t.codes.numel() if isinstance(t, QuantWeight) else t.numel() for t in weights.values())
     tp = TensorParallel(tp_rank, tp_size) if tp_size > 1 else None
     lm = DecoderLM(local_spec(spec, tp_rank, tp_size), weights, torch_dtype, get_backend(device), tp)
