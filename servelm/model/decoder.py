@@ -25,6 +25,7 @@ from servelm.model.layers import (
     rotary_,
 )
 from servelm.model.moe import SparseMoe, take_sparse_moe
+from servelm.model.parallel import TensorParallel
 from servelm.model.quant import fuse_rows
 from servelm.model.spec import ModelSpec
 
@@ -48,8 +49,11 @@ class DecoderLM:
     """Weights plus a forward pass; holds no per-request state."""
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 backend: Callable[..., AttentionBackend]) -> None:
+                 backend: Callable[..., AttentionBackend], tp: TensorParallel | None = None) -> None:
+        """With `tp`, `spec` and `weights` are that rank's shard (model/parallel.py): its heads and MLP columns,
+        and each layer's o_proj and down outputs are summed over the ranks."""
         self.spec = spec
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.dtype = dtype
         self.batch_invariant = False  # set by model.invariant.make_batch_invariant
         self.quantization = "none"  # set by the loader (model/quant.py)
@@ -75,7 +79,8 @@ class DecoderLM:
         self._rope_cache(spec.max_position_embeddings)
         if self.embed.device.type == "cpu" and memory.WEIGHTS_IN_HUGE_PAGES:
             memory.move_to_huge_pages(self._streamed_tensors())
-        self.cpp_decode = self._cpp_decode_weights()  # None where the C++ layer loop does not apply
+        # None where the C++ layer loop does not apply (with tensor parallelism: it cannot all-reduce mid-loop)
+        self.cpp_decode = self._cpp_decode_weights() if self.tp is None else None
 
     def _streamed_tensors(self) -> list[tuple[object, str]]:
         """(holder, attribute) of every tensor a decode step reads in full: the linears' weights in the
@@ -220,8 +225,8 @@ class DecoderLM:
                 rotary_(qk[..., :rot], cos, sin, rope_pos)
             q, k = qk[:, :s.num_heads].contiguous(), qk[:, s.num_heads:]
             o = self.attn.forward(q, k, v.contiguous(), kv_caches[i], meta, s.sliding_windows[i])
-            x = add_rms_norm(lw.o_proj(o.reshape(-1, q_size)), h, lw.post_norm, eps, fused)
-            delta = lw.down(lw.gate_up(x, fused)) if lw.moe is None else lw.moe(x, fused)
+            x = add_rms_norm(self._reduce(lw.o_proj(o.reshape(-1, q_size))), h, lw.post_norm, eps, fused)
+            delta = self._reduce(lw.down(lw.gate_up(x, fused))) if lw.moe is None else lw.moe(x, fused)
         return add_rms_norm(delta, h, self.norm, eps, fused)
 
     def _forward_sandwich(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -249,10 +254,14 @@ class DecoderLM:
             qk = apply_rotary(qk, cos, sin)
             q, k = qk[:, :s.num_heads].contiguous(), qk[:, s.num_heads:].contiguous()
             o = self.attn.forward(q, k, v.contiguous(), kv_caches[i], meta, window)
-            h = h + rms_norm(lw.o_proj(o.reshape(-1, q_size)), lw.attn_out_norm, eps)
+            h = h + rms_norm(self._reduce(lw.o_proj(o.reshape(-1, q_size))), lw.attn_out_norm, eps)
             x = rms_norm(h, lw.post_norm, eps)
-            h = h + rms_norm(lw.down(lw.gate_up(x)), lw.mlp_out_norm, eps)
+            h = h + rms_norm(self._reduce(lw.down(lw.gate_up(x))), lw.mlp_out_norm, eps)
         return rms_norm(h, self.norm, eps)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's output summed over the tensor-parallel ranks (x itself without them)."""
+        return x if self.tp is None else self.tp.all_reduce(x)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,12 @@ class GGUFBlocks:
     def shape(self) -> tuple[int, int]:
         return self.raw.shape[0], self.in_features
 
+    def to(self, device: torch.device | str) -> GGUFBlocks:
+        """Itself on the CPU; the GGUF kernels are CPU only (quantization gguf is refused on a GPU)."""
+        if torch.device(device).type != "cpu":
+            raise ValueError("GGUF blocks (quantization gguf) run on the CPU only")
+        return self
+
     def chunk(self, parts: int) -> tuple[GGUFBlocks, ...]:
         """Row slices, as torch.chunk (Phi-3's gate_up_proj holds gate and up)."""
         return tuple(GGUFBlocks(self.qtype, r.contiguous(), self.in_features, self.dtype)
