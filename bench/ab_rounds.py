@@ -26,10 +26,11 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
-def alternate(select: Callable[[str], object], sides: tuple[str, str], vocab: int, rounds: int,
+def alternate(select: Callable[[str], object], sides: tuple[str, ...], vocab: int, rounds: int,
               w1: bool) -> dict:
     """`select(side)` makes a side current and returns its `LLM`; `sides[0]` is the candidate, `sides[1]`
-    the baseline. Returns each side's rounds and, per figure, both medians and the candidate's speed-up."""
+    the baseline (any further sides are timed too, and the candidate's speed-up over each is given).
+    Returns each side's rounds and, per figure, the medians and the candidate's speed-up."""
     from servelm import SamplingParams
 
     w2_prompt, w1_prompts = prompts("W2", vocab)[0], prompts("W1", vocab)
@@ -50,9 +51,10 @@ def alternate(select: Callable[[str], object], sides: tuple[str, str], vocab: in
             if w1:
                 res[side]["w1_tok_s"].append(round(64 * 128 / gen(llm, w1_prompts, 128), 1))
     out: dict = {"rounds": res}
-    new, base = sides
+    new, base, *others = sides
     for key in ("tpot_ms", "w1_tok_s"):
         if res[new][key]:
-            a, b = statistics.median(res[new][key]), statistics.median(res[base][key])
-            out[key] = {new: a, base: b, "speedup": round(b / a if key == "tpot_ms" else a / b, 3)}
+            med = {side: statistics.median(res[side][key]) for side in sides}
+            ratio = {o: round(med[o] / med[new] if key == "tpot_ms" else med[new] / med[o], 3) for o in sides}
+            out[key] = {**med, "speedup": ratio[base], **{f"speedup_vs_{o}": ratio[o] for o in others}}
     return out

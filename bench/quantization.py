@@ -85,7 +85,7 @@ def measure(name: str, args) -> dict:
     t_all = _timed(llm, prompt, greedy)
     text = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
     return {"format": name, "dtype": dtype, "quantization": quant, "load_s": round(load_s, 2),
-            "weight_bytes": weight_bytes(model), "cpp_decode": model.cpp_decode is not None,
+            "weight_bytes": weight_bytes(model), "decode_tapes": model.tapes is not None and model.tapes.active,
             "text_tokens": len(ids), "mean_loglik": round(mean_ll, 5), "perplexity": round(math.exp(-mean_ll), 4),
             "tpot_ms": round((t_all - t_first) / args.tokens * 1e3, 3),
             "prefill_ms": round(t_prefill * 1e3, 1), "greedy_16": text}

@@ -1,5 +1,5 @@
-// The kernels' C++ interface inside the library (raw pointers and sizes): what decode_layers.cpp chains and
-// what the C entry points (`servelm_*`, called from servelm/model/kernel_ops.py) wrap. Every function
+// The kernels' C++ interface inside the library (raw pointers and sizes): what the C entry points
+// (`servelm_*`, called from servelm/model/kernel_ops.py and replayed from tapes, tape.h) wrap. Every function
 // exists in every build variant; one whose instructions a variant lacks raises when called, and the
 // `*_supported` entry points tell the caller beforehand.
 #pragma once
