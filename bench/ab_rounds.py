@@ -23,11 +23,14 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--w1", action="store_true", help="also time W1 (64 x 128 tokens) each round")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: the process's CPU time instead of wall time (steadier on a shared machine, "
+                        "blind to waits)")
     return p
 
 
 def alternate(select: Callable[[str], object], sides: tuple[str, ...], vocab: int, rounds: int,
-              w1: bool) -> dict:
+              w1: bool, clock: str = "wall") -> dict:
     """`select(side)` makes a side current and returns its `LLM`; `sides[0]` is the candidate, `sides[1]`
     the baseline (any further sides are timed too, and the candidate's speed-up over each is given).
     Returns each side's rounds and, per figure, the medians and the candidate's speed-up."""
@@ -35,10 +38,12 @@ def alternate(select: Callable[[str], object], sides: tuple[str, ...], vocab: in
 
     w2_prompt, w1_prompts = prompts("W2", vocab)[0], prompts("W1", vocab)
 
+    now = time.process_time if clock == "cpu" else time.perf_counter
+
     def gen(llm, batch, n: int) -> float:
-        t = time.perf_counter()
+        t = now()
         llm.generate(batch, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-        return time.perf_counter() - t
+        return now() - t
 
     res = {side: {"tpot_ms": [], "w1_tok_s": []} for side in sides}
     for side in sides:  # warm-up both

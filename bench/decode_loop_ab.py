@@ -92,7 +92,8 @@ def main() -> None:
         return llm
 
     sides = ("tape", "python") + (("old_cpp",) if old else ())
-    out = {"model": a.model, "threads": a.threads, **alternate(select, sides, model.spec.vocab_size, a.rounds, a.w1)}
+    out = {"model": a.model, "threads": a.threads, "clock": a.clock,
+           **alternate(select, sides, model.spec.vocab_size, a.rounds, a.w1, a.clock)}
     out["tapes"] = {"recorded": tapes.recorded, "replayed": tapes.replayed, "refused": tapes.refused}
     print(json.dumps(out, indent=1))
 
