@@ -54,7 +54,7 @@ TOKEN = 7  # what the stand-in forward "samples": never an EOS (requests ignore 
 
 def fake_model(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, max_len: int) -> SimpleNamespace:
     """What EngineCore and ModelRunner read of a model when nothing runs a forward: its KV geometry."""
-    spec = SimpleNamespace(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=VOCAB,
+    spec = SimpleNamespace(moe=None, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=VOCAB,
                            max_position_embeddings=max_len)
     return SimpleNamespace(spec=spec, dtype=dtype, embed=torch.empty(0, dtype=dtype))
 

@@ -14,7 +14,10 @@ except ImportError:  # the torch-free smoke subset (API side, config, scheduler)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if torch is not None:
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    # under pytest-xdist the workers share the cores: threads beyond a worker's share only contend (OpenMP
+    # threads spin at barriers), which made a transformers oracle 1.5x slower beside a busy worker
+    _share = (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, min(2, _share)))
 
 VOCAB = 49152  # the SmolLM2 tokenizer's
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

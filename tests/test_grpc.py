@@ -135,8 +135,7 @@ def test_cancel_aborts_the_request_in_the_engine(srv):
                                                                                           temperature=0))
     call = pb_grpc.LlmStub(channel).Generate(req, metadata=auth(ALICE))
     next(call)
-    assert stats(url, HEAD)["engine"]["in_flight"] == 1
-    call.cancel()
+    call.cancel()  # at once: a stats query first could outlast the tiny model's 400 tokens on a loaded machine
     _wait(lambda: (s := stats(url, HEAD))["engine"]["in_flight"] == 0 and s["scheduler"]["num_running"] == 0
           and s["scheduler"]["num_free_blocks"] == total, 60, "the cancelled request's blocks to come back")
     # aborted, not run to its end: the engine generated far fewer than the 400 tokens asked for

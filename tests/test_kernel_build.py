@@ -184,6 +184,23 @@ def test_a_machine_without_a_compiler_installs_and_runs_the_pytorch_path(monkeyp
     assert "no C++ compiler" in caplog.text and "PyTorch path" in caplog.text
 
 
+@needs_build
+def test_a_build_with_the_installed_key_copies_the_installed_libraries(tmp_path, monkeypatch):
+    """`pip wheel .` after `pip install -e .`: nothing to compile, the same libraries; a build whose key
+    differs (other sources, compiler or flags) compiles."""
+    if MANIFEST["failed"] or MANIFEST["key"] != kernel_build.build_key():
+        pytest.skip("the installed kernels are not a complete build of these sources")
+    monkeypatch.setattr(kernel_build, "_run", lambda cmd: pytest.fail(f"compiled: {cmd}"))
+    manifest = kernel_build.build(tmp_path / "a", log=lambda *_: None)
+    assert manifest["built"] == MANIFEST["built"] and manifest["reused"]
+    for name in manifest["built"]:
+        lib = kernel_build.library_name(name)
+        assert (tmp_path / "a" / lib).read_bytes() == (kernel_build.OUT_DIR / lib).read_bytes()
+    monkeypatch.setattr(kernel_build, "COMMON_FLAGS", [*kernel_build.COMMON_FLAGS, "-DSOMETHING"])
+    with pytest.raises(pytest.fail.Exception, match="compiled"):
+        kernel_build.build(tmp_path / "b", log=lambda *_: None)
+
+
 @pytest.mark.skipif(not X86 or kernel_build.compiler() is None, reason="needs an x86-64 C++ toolchain")
 def test_the_wheel_carries_every_variant_and_is_a_platform_wheel(tmp_path):
     """`pip wheel .` builds the kernels into the wheel (no compile left for the first start), tagged for the

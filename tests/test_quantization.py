@@ -29,8 +29,9 @@ def test_setting_is_validated_and_flows_from_cli_env_and_file(tmp_path):
         EngineConfig(quantization="int3")
     with pytest.raises(ConfigError, match="quantization_group_size must be 32, 64, 128 or 256, got 48"):
         EngineConfig(quantization="int4", quantization_group_size=48)
-    with pytest.raises(ConfigError, match="quantization must be none on a GPU"):
-        EngineConfig(quantization="int8", device="cuda")
+    with pytest.raises(ConfigError, match="quantization must be none, int8 or int4 on a GPU"):
+        EngineConfig(quantization="gguf", device="cuda")
+    assert EngineConfig(quantization="int8", device="cuda").quantization == "int8"  # Triton kernels there
     with pytest.raises(ConfigError, match="quantization must be none with batch_invariant"):
         EngineConfig(quantization="int8", batch_invariant=True)
     with pytest.raises(ConfigError, match=r"engine.quantization .*\(set by env SERVELM_QUANTIZATION\)"):

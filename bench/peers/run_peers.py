@@ -13,7 +13,9 @@ and each one converted to a bf16 GGUF for llama.cpp with llama.cpp's own convert
 
 This is a benchmark, not a test: CI does not run it. Example:
   python bench/peers/run_peers.py --models 60m --threads 1 --workloads W1,W2
-  python bench/peers/run_peers.py --serve-rate 2      # adds S1: `vllm serve` vs `servelm serve`
+  python bench/peers/run_peers.py --serve-rate 2      # adds S1: `vllm serve` vs `servelm serve` vs llama-server
+  python bench/peers/run_peers.py --models smollm2 --threads 2 --workloads "" --serve-rate 1,2,3,4
+                                                      # S1 only: each server's highest rate within the p95 SLOs
   python bench/peers/run_peers.py --models smollm2 --systems servelm,vllm --paired 5   # all loaded, alternating
 """
 
@@ -341,20 +343,48 @@ def hardware(threads: int) -> dict:
     return hardware_bounds()
 
 
-def serve_s1(cache: Path, model: Path, threads: int, rate: float) -> list[dict]:
-    """S1 at `rate` req/s against `vllm serve` and `servelm serve`, one after the other, same client."""
+def llama_server(cache: Path) -> Path:
+    """llama.cpp's own HTTP server (continuous batching over -np slots, what llama.cpp users serve with),
+    built once with CMake from the same llama.cpp sources as llama-cpp-python (about 10 minutes on 2 cores)."""
+    build = cache / "peers" / "llama-server"
+    exe = build / "bin" / "llama-server"
+    if not exe.exists():
+        src = llamacpp_source(cache)
+        sh(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+            "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"])
+        sh(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)])
+    return exe
+
+
+def s1_servers(cache: Path, paths: dict[str, Path], threads: int, systems: list[str],
+               servelm_args: list[str]) -> dict[str, list[str]]:
+    """The serving command of each system: `vllm serve`, `servelm serve` and llama.cpp's server with 64 slots
+    (continuous batching, 1,024 tokens of KV per slot), each with {port} to fill in."""
+    out = {}
+    if "vllm" in systems:
+        out["vllm serve"] = [str(cache / "peers" / "vllm" / "bin" / "python"), "-m",
+                             "vllm.entrypoints.openai.api_server", "--model", str(paths["hf"]), "--dtype", "bfloat16",
+                             "--port", "{port}", "--max-model-len", "1024", "--no-enable-prefix-caching"]
+    if "servelm" in systems:
+        out["servelm serve"] = [sys.executable, "-m", "servelm.entrypoints.cli", "serve", str(paths["hf"]), "--dtype",
+                                "bfloat16", "--port", "{port}", "--num-threads", str(threads), "--embedding-model",
+                                "none", "--no-enable-prefix-caching", "--kv-cache-memory-gb", "2",  # vLLM's default
+                                *servelm_args]
+    if "llamacpp" in systems:
+        out["llama.cpp server"] = [str(llama_server(cache)), "-m", str(paths["gguf"]), "--port", "{port}",
+                                   "--host", "127.0.0.1", "-np", "64", "-c", str(64 * 1024), "-t", str(threads),
+                                   "-tb", str(threads), "--no-webui"]
+    return out
+
+
+def serve_s1(cache: Path, paths: dict[str, Path], threads: int, rates: list[float], systems: list[str],
+             servelm_args: list[str], num_requests: int) -> list[dict]:
+    """S1 at each rate against each system's server, one after the other, same client; per system the highest
+    rate whose p95 TTFT and p95 TPOT met the SLOs (500 ms, 50 ms) with nothing failed."""
     import httpx
 
     rows = []
-    servers = {
-        "vllm serve": [str(cache / "peers" / "vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-                       "--model", str(model), "--dtype", "bfloat16", "--port", "{port}", "--max-model-len", "1024",
-                       "--no-enable-prefix-caching"],
-        "servelm serve": [sys.executable, "-m", "servelm.entrypoints.cli", "serve", str(model), "--dtype", "bfloat16",
-                          "--port", "{port}", "--num-threads", str(threads), "--embedding-model", "none",
-                          "--no-enable-prefix-caching", "--kv-cache-memory-gb", "2"],  # = VLLM_CPU_KVCACHE_SPACE
-    }
-    for label, cmd in servers.items():
+    for label, cmd in s1_servers(cache, paths, threads, systems, servelm_args).items():
         port = 8310 + len(rows)
         cmd = [c.replace("{port}", str(port)) for c in cmd]
         log(" ".join(cmd))
@@ -373,12 +403,17 @@ def serve_s1(cache: Path, model: Path, threads: int, rate: float) -> list[dict]:
                     raise RuntimeError(f"{label} did not start")
                 time.sleep(1)
             ready_s = time.perf_counter() - start
-            res = subprocess.run([sys.executable, "-m", "servelm.entrypoints.cli", "bench", "serve", "--base-url",
-                                  f"http://127.0.0.1:{port}", "--rate", str(rate), "--label", label],
-                                 capture_output=True, text=True, check=True)
-            row = json.loads(res.stdout.strip().splitlines()[-1])
-            rows.append({"system": label, "ready_s": round(ready_s, 1), "peak_rss_mb": round(peak.peak / 2**20),
-                         **row})
+            for rate in rates:
+                res = subprocess.run([sys.executable, "-m", "servelm.entrypoints.cli", "bench", "serve", "--base-url",
+                                      f"http://127.0.0.1:{port}", "--rate", str(rate), "--label", label,
+                                      "--num-requests", str(num_requests)],
+                                     capture_output=True, text=True, check=True)
+                row = json.loads(res.stdout.strip().splitlines()[-1])
+                row["meets_slo_p95"] = (not row["failed"] and row["ttft_ms"].get("p95", 1e9) <= 500
+                                        and row["tpot_ms"].get("p95", 1e9) <= 50)
+                rows.append({"system": label, "ready_s": round(ready_s, 1), "peak_rss_mb": round(peak.peak / 2**20),
+                             **row})
+                log(json.dumps(rows[-1]))
         except (RuntimeError, subprocess.CalledProcessError, ValueError) as e:
             log(f"{label}: {e}")
             rows.append({"system": label, "error": str(e)})
@@ -387,6 +422,15 @@ def serve_s1(cache: Path, model: Path, threads: int, rate: float) -> list[dict]:
             proc.terminate()
             proc.wait(60)
     return rows
+
+
+def slo_rates(rows: list[dict]) -> dict[str, float]:
+    """Per system, the highest S1 rate that met the p95 SLOs (0 if none did)."""
+    best: dict[str, float] = {}
+    for r in rows:
+        if "error" not in r:
+            best[r["system"]] = max(best.get(r["system"], 0.0), r["rate"] if r["meets_slo_p95"] else 0.0)
+    return best
 
 
 def table(rows: list[dict]) -> str:
@@ -435,7 +479,10 @@ def main() -> int:
     p.add_argument("--freeze-idle", action=argparse.BooleanOptionalAction, default=True,
                    help="with --paired, SIGSTOP the systems not being measured so their idle polling "
                         "does not compete for the measured one's CPUs (--no-freeze-idle: leave them running)")
-    p.add_argument("--serve-rate", type=float, default=None, help="also run S1 at this rate on both servers")
+    p.add_argument("--serve-rate", default=None, help="also run S1 at these rates (comma-separated req/s) on "
+                   "each system's server: vllm serve, servelm serve, llama.cpp's server (-np 64)")
+    p.add_argument("--serve-requests", type=int, default=200, help="S1 requests per rate")
+    p.add_argument("--servelm-args", default="", help="extra `servelm serve` arguments for S1, space-separated")
     p.add_argument("--setup-only", action="store_true", help="install the peers and build the models, then stop")
     p.add_argument("--output", type=Path, default=None, help="append every result row (JSON) to this file")
     a = p.parse_args()
@@ -452,7 +499,7 @@ def main() -> int:
             if a.paired:
                 rows += run_paired(a.cache, pythons, name, paths, systems, a.workloads.split(","), threads, a.paired,
                                    a.freeze_idle)
-            for workload in a.workloads.split(",") if not a.paired else []:
+            for workload in [w for w in a.workloads.split(",") if w] if not a.paired else []:
                 for s in systems:
                     _venv, script, extra = SYSTEMS[s]
                     model = paths["gguf"] if s == "llamacpp" else paths["hf"]
@@ -460,7 +507,9 @@ def main() -> int:
                     rows.append({"model": name, "system": s, "workload": workload, "threads": threads, **row})
                     log(json.dumps(rows[-1]))
             if a.serve_rate:
-                for r in serve_s1(a.cache, paths["hf"], threads, a.serve_rate):
+                rates = [float(x) for x in a.serve_rate.split(",")]
+                for r in serve_s1(a.cache, paths, threads, rates, systems, a.servelm_args.split(),
+                                  a.serve_requests):
                     rows.append({"model": name, "threads": threads, "workload": "S1", **r})
     if a.output:
         with a.output.open("a") as fh:
@@ -472,7 +521,8 @@ def main() -> int:
     print(table(offline))
     print(json.dumps({"hardware_bounds_by_threads": bounds, "ratios": ratios(offline),
                       **({"paired_round_ratios_min_median_max": spread} if a.paired else {}),
-                      "serving": [r for r in rows if r["workload"] == "S1"]}, indent=1))
+                      "serving": [r for r in rows if r["workload"] == "S1"],
+                      "s1_rate_meeting_p95_slos": slo_rates([r for r in rows if r["workload"] == "S1"])}, indent=1))
     return 0
 
 

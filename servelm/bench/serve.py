@@ -89,7 +89,8 @@ def _summary(xs: list[float]) -> dict:
         return {}
     a = np.asarray(xs) * 1000
     return {"mean": round(float(a.mean()), 2), "p50": round(float(np.percentile(a, 50)), 2),
-            "p90": round(float(np.percentile(a, 90)), 2), "p99": round(float(np.percentile(a, 99)), 2)}
+            "p90": round(float(np.percentile(a, 90)), 2), "p95": round(float(np.percentile(a, 95)), 2),
+            "p99": round(float(np.percentile(a, 99)), 2)}
 
 
 async def _run(args) -> dict:

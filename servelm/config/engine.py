@@ -60,6 +60,9 @@ class EngineConfig:
     quantization_group_size: int = _f(32, "int4: weights sharing one scale and zero point, 32, 64, 128 or 256; "
                                       "it must divide every linear's input width (SmolLM2's 576: 32 or 64)")
     device: str = _f("cpu", "device to run on: cpu, or cuda (NVIDIA GPUs: Triton attention, CUDA graphs)")
+    tensor_parallel_size: int = _f(1, "processes that split the model's attention heads and MLP columns, "
+                                   "all-reducing over gloo on the loopback (CPU only; README: Tensor "
+                                   "parallelism); it must divide the attention heads and the MLP size")
     enforce_eager: bool = _f(False, "on CUDA, run decode steps eagerly instead of replaying CUDA graphs "
                              "captured per batch size (as vLLM's --enforce-eager)")
     block_size: int = _f(16, "tokens per KV cache block")
@@ -76,6 +79,14 @@ class EngineConfig:
                                       "graceful shutdown and restores them from on start, so a restarted server "
                                       "keeps its prefix hits (one file per model; README: KV cache persistence)")
     enable_chunked_prefill: bool = _f(True, "split long prompts over several steps, mixed with decodes")
+    itl_target_ms: float = _f(0.0, "a target inter-token latency (ms) for streams that are decoding: while any "
+                              "request decodes, prompt chunks are cut to what an online model of step cost "
+                              "predicts fits in this time beside the decodes (at least 32 tokens), so a long "
+                              "prompt does not stall every stream; 0 fills max_num_batched_tokens (README: "
+                              "Latency under load)")
+    ttft_target_ms: float = _f(500.0, "with --itl-target-ms: the time within which the prompt tokens waiting "
+                               "should still be computed; prompt chunks are never cut below the backlog's share "
+                               "of it, so the cut cannot grow the queue without bound (0: no floor)")
     preemption_mode: str = _f("recompute", "recompute | swap: what happens to a request preempted "
                               "when the KV cache is full")
     swap_space_gb: float = _f(4.0, "CPU swap space for preempted requests in GiB (swap mode)")
@@ -120,16 +131,30 @@ class EngineConfig:
         need(self.device == "cpu" or self.device.startswith("cuda"), "device", "cpu, cuda or cuda:N")
         need(self.quantization in ("none", "gguf", "int8", "int4"), "quantization", "one of none, gguf, int8, int4")
         need(self.quantization_group_size in (32, 64, 128, 256), "quantization_group_size", "32, 64, 128 or 256")
-        need(self.quantization == "none" or self.device == "cpu", "quantization", "none on a GPU (quantized "
-             "weights run on the CPU only)")
+        need(self.quantization != "gguf" or self.device == "cpu", "quantization", "none, int8 or int4 on a GPU "
+             "(gguf keeps a file's blocks for the CPU kernels; int8/int4 run Triton kernels on a GPU)")
         need(self.quantization == "none" or not self.batch_invariant, "quantization", "none with batch_invariant "
              "(the quantized kernels are not batch invariant)")
         need(not self.batch_invariant or self.device == "cpu", "batch_invariant", "false on a GPU (CPU only)")
+        tp = self.tensor_parallel_size
+        need(tp >= 1, "tensor_parallel_size", ">= 1")
+        for ok, why in ((self.device == "cpu", "the CPU only (the GPU path is not sharded)"),
+                        (self.speculative_method is None and self.speculative_model is None,
+                         "no speculative decoding"),
+                        (not self.batch_invariant, "no batch_invariant"),
+                        (self.kv_cache_persist is None, "no kv_cache_persist (each rank holds part of every block)"),
+                        (self.quantization != "gguf", "quantization none, int8 or int4 (GGUF's quantized tensors "
+                         "are not split)")):
+            need(tp == 1 or ok, "tensor_parallel_size", f"1, or run with {why}")
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", "a power of two in [1, 256]")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1 or None")
         need(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0 or None")
         need(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1")
+        need(self.itl_target_ms >= 0, "itl_target_ms", ">= 0 (0: off)")
+        need(self.ttft_target_ms >= 0, "ttft_target_ms", ">= 0 (0: no floor)")
+        need(self.itl_target_ms == 0 or self.enable_chunked_prefill, "itl_target_ms", "0 without chunked prefill "
+             "(the target works by cutting prompt chunks)")
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1 or None")
         need(self.sliding_window is None or self.sliding_window >= 1, "sliding_window", ">= 1 or None")
         need(self.kv_cache_persist is None or (self.enable_prefix_caching and bool(self.kv_cache_persist)),

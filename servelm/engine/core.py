@@ -69,11 +69,21 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.preemption_mode,
-                                   config.scheduling_policy, config.priority_aging_s)
+                                   config.scheduling_policy, config.priority_aging_s,
+                                   itl_target_s=config.itl_target_ms / 1000,
+                                   ttft_target_s=config.ttft_target_ms / 1000)
         # MoE layers read their expert groups' sizes on the host: not capturable
         graph_sizes = None if config.enforce_eager or spec.moe is not None else capture_sizes(config.max_num_seqs)
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu_blocks, config.seed,
                                   graph_sizes, max_len)
+        tp_size = model.tp.size if model.tp is not None else 1
+        if tp_size != config.tensor_parallel_size:
+            raise ValueError(f"the model was loaded for tensor_parallel_size={tp_size}, the engine is configured "
+                             f"for {config.tensor_parallel_size}")
+        if tp_size > 1:  # ranks 1..N-1 in their own processes (this process is rank 0)
+            from servelm.engine.tp_workers import TPWorkers
+
+            self.runner.tp_workers = TPWorkers.start(config, model, num_blocks, num_cpu_blocks, max_len)
         self.spec = self._make_spec_decoder(config, max_len)
         self.requests: dict[str, Request] = {}
         # n > 1 requests whose samples have not forked yet: a step looks for forks only while there are some
@@ -178,6 +188,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (they also stop when this process exits)."""
+        if self.runner.tp_workers is not None:
+            self.runner.tp_workers.close()
+
     def update_config(self, max_num_seqs: int, scheduling_policy: str, priority_aging_s: float) -> None:
         """Run-time changes (PATCH /admin/config): they apply from the next step."""
         self.config.max_num_seqs = self.scheduler.max_num_seqs = max_num_seqs
@@ -215,6 +230,7 @@ class EngineCore:
             req.prompt_logprobs[first:first + len(lps)] = lps  # a recomputed chunk overwrites, never appends
         self.kv.end_step()
         now = time.monotonic()
+        self.scheduler.step_cost.observe(out.num_batched_tokens, now - start)
         outputs: list[SeqOutput] = []
         commit, append = self.kv.commit_computed, self._append
         for s in out.scheduled:

@@ -27,7 +27,8 @@ class LLMEngine:
         self.loaded = loaded or load_model(config.model, config.gguf_file, config.tokenizer, config.dtype,
                                            config.device, sliding_window=config.sliding_window,
                                            quantization=config.quantization,
-                                           quantization_group_size=config.quantization_group_size)
+                                           quantization_group_size=config.quantization_group_size,
+                                           tp_size=config.tensor_parallel_size)
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = self.loaded.eos_token_ids
         self.core = EngineCore(config, self.loaded.model, tokenizer_loader=lambda: self.tokenizer)
@@ -77,3 +78,7 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         return self.core.stats()
+
+    def close(self) -> None:
+        """Release what outlives the engine object: the tensor-parallel ranks' processes."""
+        self.core.close()

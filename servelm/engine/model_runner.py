@@ -69,6 +69,8 @@ class ModelRunner:
         self.prompt_logprobs: list[tuple[Request, int, list[SampleResult]]] = []
         if cuda_graph_sizes and self.device.type == "cuda":
             self.enable_decode_graphs(cuda_graph_sizes, capture=True)
+        # tensor parallelism (engine/tp_workers.py): the other ranks, sent each step's block ops and inputs
+        self.tp_workers = None
 
     def enable_decode_graphs(self, sizes: list[int], capture: bool) -> None:
         """Run pure-decode steps of up to max(sizes) sequences through padded static buffers, replaying a
@@ -185,8 +187,12 @@ class ModelRunner:
         token, or for a verification the accepted drafts and the token after them."""
         self.apply_block_ops(out.ops)
         if not out.scheduled:
+            if self.tp_workers is not None and out.ops:
+                self.tp_workers.step(out.ops, None)
             return []
         input_ids, positions, meta, logits_idx, repeats, graph_step, want_prompt = self._prepare(out)
+        if self.tp_workers is not None:  # the ranks replay the block ops and run their shards with ours
+            self.tp_workers.step(out.ops, (input_ids, positions, meta))
         if graph_step is not None:  # every row's logits, from the static buffers (a graph replay on a GPU)
             hidden, logits = None, self.graphs.run(*graph_step)
             self.num_graph_steps += 1

@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 
 from servelm.engine.kv_cache_manager import BlockOps, KVCacheManager
 from servelm.engine.sequence import SeqStatus, Sequence
+from servelm.engine.step_cost import StepCostModel
+
+MIN_PREFILL_CHUNK = 32  # prompt tokens a step computes even when decodes alone reach the latency target
 
 
 @dataclass(slots=True)
@@ -58,7 +61,9 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool, preemption_mode: str, policy: str = "priority",
-                 aging_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 aging_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 itl_target_s: float = 0.0, step_cost: StepCostModel | None = None,
+                 ttft_target_s: float = 0.5) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -80,6 +85,11 @@ class Scheduler:
         # computed at self._now are still the keys (-inf: sort at the next step).
         self._order_until = -math.inf
         self._order_params = (policy, aging_s)
+        # Latency target for steps that carry decodes (0: off): prefill chunks are cut to what the step cost
+        # model predicts fits beside them (see _prefill_budget).
+        self.itl_target_s = itl_target_s
+        self.ttft_target_s = ttft_target_s
+        self.step_cost = step_cost if step_cost is not None else StepCostModel()
 
     def add(self, seq: Sequence) -> None:
         self._note_class_change(seq)
@@ -160,12 +170,18 @@ class Scheduler:
         if self.policy == "priority":
             self._displace_for_priority()
         running, kv, chunked = self.running, self.kv, self.enable_chunked_prefill
+        prefill = self._prefill_budget()  # prompt tokens this step may compute beside its decodes
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             start = seq.num_computed_tokens
             todo = len(seq.token_ids) - start
             n = todo if todo < budget else budget
+            if n > 1 and not seq.spec_token_ids and n > prefill and chunked:  # a prompt chunk over the budget
+                if prefill <= 0:
+                    i += 1
+                    continue
+                n = prefill
             # a row samples (sample_seqs=[seq]) when it reaches the sequence's last token
             if seq.spec_token_ids:
                 drafts = self._drafts_that_fit(seq, n, budget)
@@ -186,14 +202,17 @@ class Scheduler:
             else:
                 scheduled.append(ScheduledSeq(seq, start, n, [seq] if n == todo else []))
                 budget -= n
+                if n > 1:
+                    prefill -= n
                 i += 1
 
         # Admit waiting sequences, unless this step already had to preempt (the pool is under pressure).
         num_running = len(scheduled)
-        while self.waiting and budget > 0 and len(running) < self.max_num_seqs and not num_preempted:
+        while (self.waiting and budget > 0 and prefill > 0 and len(running) < self.max_num_seqs
+               and not num_preempted):
             seq = self.waiting[0]
             if seq.status == SeqStatus.SWAPPED:
-                n = min(seq.num_to_compute, budget)
+                n = min(seq.num_to_compute, budget, max(1, prefill))
                 if not kv.swap_in(seq, n):
                     break
             else:
@@ -202,7 +221,7 @@ class Scheduler:
                 remaining = seq.num_tokens - len(cached) * kv.block_size
                 if remaining > budget and not chunked:
                     break
-                n = min(remaining, budget)
+                n = min(remaining, budget, prefill if chunked else budget)
                 if not kv.allocate(seq, n, cached):
                     break
                 if seq.first_scheduled is None:
@@ -214,9 +233,36 @@ class Scheduler:
             start = seq.num_computed_tokens
             scheduled.append(ScheduledSeq(seq, start, n, [seq] if start + n == seq.num_tokens else []))
             budget -= n
+            prefill -= n
 
         return SchedulerOutput(scheduled, kv.take_ops(), num_preempted, self.max_num_batched_tokens - budget,
                                len(scheduled) - num_running)
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens a step may compute: all of max_num_batched_tokens, unless a latency target is set and
+        sequences are decoding; then what the step cost model predicts fits in the target beside the decodes
+        (at least MIN_PREFILL_CHUNK, so prompts always progress, and at least the prompt backlog's share of
+        ttft_target_s), or everything while it cannot predict yet."""
+        if self.itl_target_s <= 0 or not self.enable_chunked_prefill:
+            return self.max_num_batched_tokens
+        decodes = backlog = 0
+        for s in self.running:
+            todo = len(s.token_ids) - s.num_computed_tokens
+            if todo == 1:
+                decodes += 1
+            else:
+                backlog += todo
+        if not decodes:
+            return self.max_num_batched_tokens
+        fits = self.step_cost.tokens_within(self.itl_target_s)
+        if fits is None:
+            return self.max_num_batched_tokens
+        backlog += sum(len(s.token_ids) - s.num_computed_tokens for s in self.waiting)
+        # Steps of about itl_target_s each: the prompts waiting must still be done within ttft_target_s, so
+        # never give them less than their share of that many steps (a cut that starved them would trade
+        # smooth streams for a queue that only grows).
+        share = -(-backlog * self.itl_target_s // self.ttft_target_s) if self.ttft_target_s > 0 else 0
+        return max(MIN_PREFILL_CHUNK, fits - decodes, int(share))
 
     def _drafts_that_fit(self, seq: Sequence, n: int, budget: int) -> list[int]:
         """The draft tokens to verify with a decode of seq, as many as the budget allows, with their KV slots

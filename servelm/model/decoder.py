@@ -26,6 +26,7 @@ from servelm.model.layers import (
     rotary_,
 )
 from servelm.model.moe import SparseMoe, take_sparse_moe
+from servelm.model.parallel import TensorParallel
 from servelm.model.quant import fuse_rows
 from servelm.model.spec import ModelSpec
 from servelm.model.tape import DecodeTapes
@@ -50,8 +51,11 @@ class DecoderLM:
     """Weights plus a forward pass; holds no per-request state."""
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 backend: Callable[..., AttentionBackend]) -> None:
+                 backend: Callable[..., AttentionBackend], tp: TensorParallel | None = None) -> None:
+        """With `tp`, `spec` and `weights` are that rank's shard (model/parallel.py): its heads and MLP columns,
+        and each layer's o_proj and down outputs are summed over the ranks."""
         self.spec = spec
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.dtype = dtype
         self.batch_invariant = False  # set by model.invariant.make_batch_invariant
         self.quantization = "none"  # set by the loader (model/quant.py)
@@ -77,8 +81,9 @@ class DecoderLM:
         self._rope_cache(spec.max_position_embeddings)
         if self.embed.device.type == "cpu" and memory.WEIGHTS_IN_HUGE_PAGES:
             memory.move_to_huge_pages(self._streamed_tensors())
-        # pure-decode steps replayed from kernel tapes where the fused kernels run the loop (model/tape.py)
-        self.tapes = DecodeTapes(self, self.fused) if self.fused is not None else None
+        # pure-decode steps replayed from kernel tapes where the fused kernels run the loop (model/tape.py); not
+        # with tensor parallelism, whose all-reduce between layers is no kernel of the tape's
+        self.tapes = DecodeTapes(self, self.fused) if self.fused is not None and self.tp is None else None
 
     def _streamed_tensors(self) -> list[tuple[object, str]]:
         """(holder, attribute) of every tensor a decode step reads in full: the linears' weights in the
@@ -206,11 +211,11 @@ class DecoderLM:
             rotary_(qk if rot is None else qk[..., :rot], cos, sin, rope_pos, fused)  # queries and keys at once
             q, k = contiguous_rows(qk[:, :s.num_heads], fused), qk[:, s.num_heads:]
             o = self.attn.forward(q, k, contiguous_rows(v, fused), kv_caches[i], meta, window)
-            delta = lw.o_proj(o.reshape(-1, q_size))
+            delta = self._reduce(lw.o_proj(o.reshape(-1, q_size)))
             if lw.attn_out_norm is not None:
                 delta = rms_norm(delta, lw.attn_out_norm, eps, nf)
             x = add_rms_norm(delta, h, lw.post_norm, eps, nf)
-            delta = lw.down(lw.gate_up(x, fused)) if lw.moe is None else lw.moe(x, fused)
+            delta = self._reduce(lw.down(lw.gate_up(x, fused))) if lw.moe is None else lw.moe(x, fused)
             if lw.mlp_out_norm is not None:
                 delta = rms_norm(delta, lw.mlp_out_norm, eps, nf)
         return add_rms_norm(delta, h, self.norm, eps, nf)
@@ -222,6 +227,10 @@ class DecoderLM:
         if self.fused is not None and rot is None:
             return cos, sin, positions
         return cos[positions], sin[positions], None
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's output summed over the tensor-parallel ranks (x itself without them)."""
+        return x if self.tp is None else self.tp.all_reduce(x)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

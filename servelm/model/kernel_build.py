@@ -119,6 +119,29 @@ def _link(variant: Variant, objs: list[Path], out_dir: Path, cxx: str) -> str | 
     return err
 
 
+def _reuse(out_dir: Path, manifest: dict) -> dict | None:
+    """A build with the key of the one already in the package folder (`pip wheel .` after `pip install -e .`)
+    copies its libraries instead of compiling them again: same sources, compiler and flags give the same
+    libraries. None when there is nothing to reuse."""
+    try:
+        if out_dir.resolve() == OUT_DIR.resolve():
+            return None
+        have = json.loads((OUT_DIR / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    libs = [OUT_DIR / library_name(n) for n in have.get("built", [])]
+    if (have.get("key"), have.get("machine")) != (manifest["key"], manifest["machine"]) or have.get("failed") \
+            or not libs or not all(f.is_file() for f in libs):
+        return None
+    for f in libs:
+        tmp = out_dir / f"{f.name}.{os.getpid()}.tmp"
+        shutil.copyfile(f, tmp)
+        os.replace(tmp, out_dir / f.name)
+    reused = {**manifest, "built": list(have["built"]), "seconds": 0.0, "reused": True}
+    (out_dir / MANIFEST).write_text(json.dumps(reused, indent=1))
+    return reused
+
+
 def build(out_dir: Path = OUT_DIR, src_dir: Path = SRC_DIR, names: list[str] | None = None,
           jobs: int | None = None, log=print, machine: str | None = None) -> dict:
     """Builds the variants (all of this architecture's, or `names`) into out_dir and writes its manifest:
@@ -130,6 +153,9 @@ def build(out_dir: Path = OUT_DIR, src_dir: Path = SRC_DIR, names: list[str] | N
     chosen = [v for v in variants(machine) if names is None or v.name in names]
     manifest: dict = {"key": build_key(src_dir), "sources": source_digest(src_dir), "machine": machine,
                       "built": [], "failed": {}}
+    if names is None and (reused := _reuse(out_dir, manifest)) is not None:
+        log(f"servelm kernels: reused {', '.join(reused['built'])} from {OUT_DIR} (same build key)")
+        return reused
     cxx = compiler()
     if cxx is None:
         manifest["failed"] = {v.name: "no C++ compiler (set CXX or install g++)" for v in chosen}

@@ -14,6 +14,7 @@ from servelm.model.cpu_features import cpu_has_bf16
 from servelm.model.decoder import DecoderLM
 from servelm.model.gguf_loader import iter_gguf_tensors
 from servelm.model.metadata import load_config_and_eos, load_config_and_tokenizer
+from servelm.model.parallel import TensorParallel, check_shardable, local_spec, shard_tensors
 from servelm.model.quant import QUANTIZATIONS, QuantWeight, quantize_linears
 from servelm.model.source import ModelSource
 from servelm.model.spec import ModelSpec
@@ -57,25 +58,33 @@ def _iter_safetensors(folder: Path, dtype: torch.dtype):
                 yield name, t.to(dtype, copy=True)
 
 
+def _counted(tensors, total: list[int]):
+    """The tensors, adding up their elements into total[0] as they pass."""
+    for name, t in tensors:
+        total[0] += t.numel()
+        yield name, t
+
+
 def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str | None = None,
                dtype: str = "auto", device: str = "cpu", with_tokenizer: bool = True,
                sliding_window: int | None = None, quantization: str = "none",
-               quantization_group_size: int = 32) -> LoadedModel:
+               quantization_group_size: int = 32, tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
     """Weights, config, EOS ids and (unless with_tokenizer is False, as in the engine process) tokenizer.
     `sliding_window` puts that attention window on every layer (for GGUF files that lost the model's).
     `quantization` (model/quant.py): none, gguf (a GGUF file's Q4 linears kept as they are), int8 or int4
-    (the linears quantized at load; int4 in groups of `quantization_group_size`)."""
+    (the linears quantized at load; int4 in groups of `quantization_group_size`). With `tp_size` > 1 only
+    rank `tp_rank`'s shard of the weights is kept (model/parallel.py); its group is connected later."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-    if quantization != "none" and not device.startswith("cpu"):
-        raise ValueError(f"quantization {quantization!r} runs on the CPU only (the GPU has no quantized path yet)")
+    if quantization == "gguf" and not device.startswith("cpu"):
+        raise ValueError("quantization 'gguf' runs on the CPU only; on a GPU use int8 or int4 (Triton kernels)")
     t0 = time.perf_counter()
     if with_tokenizer:
         src, hf_config, tok, eos = load_config_and_tokenizer(model, gguf_file, tokenizer)
     else:
         (src, hf_config, eos), tok = load_config_and_eos(model, gguf_file, tokenizer), None
     torch_dtype = resolve_dtype(dtype, device)
-    if quantization != "none" and torch_dtype != torch.bfloat16:
+    if quantization != "none" and torch_dtype != torch.bfloat16 and device.startswith("cpu"):
         logger.warning("quantization %s with %s: PyTorch's int8/int4 CPU kernels are vectorized for bfloat16 only, "
                        "so the quantized linears run a scalar loop (slow); use dtype bfloat16", quantization,
                        torch_dtype)
@@ -86,18 +95,23 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
         tensors = iter_gguf_tensors(src.path, torch_dtype, keep_quantized=quantization == "gguf")
     else:
         tensors = _iter_safetensors(src.path, torch_dtype)
+    spec = ModelSpec.from_hf_config(hf_config, sliding_window)
+    check_shardable(spec, tp_size)
+    whole = [0]  # the checkpoint's parameter count, before a tensor-parallel split
+    if tp_size > 1:  # split before quantizing: each rank quantizes only its own slices
+        tensors = shard_tensors(_counted(tensors, whole), spec, tp_rank, tp_size)
     if quantization in ("int8", "int4"):  # from a GGUF file too: its tensors dequantized, then requantized
         tensors = quantize_linears(tensors, quantization, quantization_group_size, torch_dtype)
-    spec = ModelSpec.from_hf_config(hf_config, sliding_window)
     if getattr(hf_config, "gguf_sliding_window_unstated", False) and sliding_window is None:
         logger.warning("%s states no sliding window (llama.cpp's converter does not write Mistral's or Qwen's), "
                        "so every layer runs full attention; if the original model's config.json sets "
                        "sliding_window, pass it: LLM(..., sliding_window=N) or servelm serve --sliding-window N",
                        src.path.name)
-    # on the CPU, .to is a no-op; quantized weights (CPU only) stay where they are
-    weights = {name: t if isinstance(t, QuantWeight) else t.to(device) for name, t in tensors}
-    num_params = sum(t.codes.numel() if isinstance(t, QuantWeight) else t.numel() for t in weights.values())
-    lm = DecoderLM(spec, weights, torch_dtype, get_backend(device))
+    # on the CPU, .to is a no-op; on a GPU quantized weights go there as codes and scales (model/quant_triton.py)
+    weights = {name: t.to(device) for name, t in tensors}
+    num_params = whole[0] or sum(t.codes.numel() if isinstance(t, QuantWeight) else t.numel() for t in weights.values())
+    tp = TensorParallel(tp_rank, tp_size) if tp_size > 1 else None
+    lm = DecoderLM(local_spec(spec, tp_rank, tp_size), weights, torch_dtype, get_backend(device), tp)
     lm.num_params = num_params  # as the checkpoint stores them (a tied lm_head once)
     lm.quantization = f"int4/g{quantization_group_size}" if quantization == "int4" else quantization
     seconds = time.perf_counter() - t0

@@ -59,6 +59,12 @@ class QuantWeight:
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
+    def to(self, device: torch.device | str) -> QuantWeight:
+        """The same weight with its codes, scales and zero points on `device` (a GPU: model/quant_triton.py)."""
+        return QuantWeight(self.kind, self.codes.to(device), self.scales.to(device),
+                           None if self.zeros is None else self.zeros.to(device), self.group_size, self.dtype,
+                           self.source)
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The float weight the kernels compute with (float32 arithmetic, then `dtype`, default the model's)."""
         scales = self.scales.to(self.dtype).float()
@@ -161,10 +167,15 @@ class QuantMatmul:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-def quant_matmul(w: QuantWeight) -> QuantMatmul | None:
+def quant_matmul(w: QuantWeight):
     """A kernel for w, or None (logged) where the kernels do not take it: the caller dequantizes then.
-    The int4 kernel needs N a multiple of 16, the int8 kernel K a multiple of 32 (its vector loop has no
-    tail); both run on the CPU only."""
+    On the CPU PyTorch's: the int4 kernel needs N a multiple of 16, the int8 kernel K a multiple of 32 (its
+    vector loop has no tail). On a GPU the Triton kernel (model/quant_triton.py), where Triton is installed."""
+    if w.codes.device.type == "cuda":
+        from servelm.model.quant_triton import HAS_TRITON, TritonQuantMatmul
+
+        if HAS_TRITON:
+            return TritonQuantMatmul(w, w.codes.device)
     if w.codes.device.type != "cpu":
         logger.info("quantized weight on %s: no kernel, dequantized", w.codes.device)
         return None

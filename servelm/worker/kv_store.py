@@ -48,6 +48,9 @@ class KVStore:
         try:
             if op.action not in ("save", "load"):
                 raise _Invalid(f"unknown action {op.action!r}")
+            if self.core.config.tensor_parallel_size > 1:
+                raise _Invalid("KV cache save and restore are not supported with tensor parallelism (each rank "
+                               "holds its own heads of every block)")
             if not self.core.kv.pool.enable_caching:
                 raise _Invalid("prefix caching is off in this engine: there is no cache to save or restore")
             path = self._path(op.path)

@@ -51,7 +51,8 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
         loaded = load_model(config.model, config.gguf_file, config.tokenizer, config.dtype, config.device,
                             with_tokenizer=False, sliding_window=config.sliding_window,  # the API process tokenizes
                             quantization=config.quantization,
-                            quantization_group_size=config.quantization_group_size)
+                            quantization_group_size=config.quantization_group_size,
+                            tp_size=config.tensor_parallel_size)
         phase("allocating the KV cache")
         core = EngineCore(config, loaded.model)
         eos = loaded.eos_token_ids
@@ -93,6 +94,7 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
             msg = m.input_decoder.decode(inp.recv())
             if isinstance(msg, m.Shutdown):
                 kv_store.save_at_shutdown()  # --kv-cache-persist: the cache outlives the process
+                core.close()
                 return
             if isinstance(msg, m.KVCacheOp):  # between steps: the cache's blocks are all computed
                 out.send(m.encoder.encode(kv_store.handle(msg)))

@@ -11,7 +11,8 @@ def main() -> None:
     from servelm import LLM, SamplingParams
 
     t = time.perf_counter()
-    llm = LLM(args.model, dtype="bfloat16", num_threads=args.threads, enable_prefix_caching=False)
+    llm = LLM(args.model, dtype="bfloat16", num_threads=args.threads, enable_prefix_caching=False,
+              quantization=args.quantization)
     load_s = time.perf_counter() - t
 
     def run(batch, n):
