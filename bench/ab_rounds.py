@@ -23,21 +23,27 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--w1", action="store_true", help="also time W1 (64 x 128 tokens) each round")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: the process's CPU time instead of wall time (steadier on a shared machine, "
+                        "blind to waits)")
     return p
 
 
-def alternate(select: Callable[[str], object], sides: tuple[str, str], vocab: int, rounds: int,
-              w1: bool) -> dict:
+def alternate(select: Callable[[str], object], sides: tuple[str, ...], vocab: int, rounds: int,
+              w1: bool, clock: str = "wall") -> dict:
     """`select(side)` makes a side current and returns its `LLM`; `sides[0]` is the candidate, `sides[1]`
-    the baseline. Returns each side's rounds and, per figure, both medians and the candidate's speed-up."""
+    the baseline (any further sides are timed too, and the candidate's speed-up over each is given).
+    Returns each side's rounds and, per figure, the medians and the candidate's speed-up."""
     from servelm import SamplingParams
 
     w2_prompt, w1_prompts = prompts("W2", vocab)[0], prompts("W1", vocab)
 
+    now = time.process_time if clock == "cpu" else time.perf_counter
+
     def gen(llm, batch, n: int) -> float:
-        t = time.perf_counter()
+        t = now()
         llm.generate(batch, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-        return time.perf_counter() - t
+        return now() - t
 
     res = {side: {"tpot_ms": [], "w1_tok_s": []} for side in sides}
     for side in sides:  # warm-up both
@@ -50,9 +56,10 @@ def alternate(select: Callable[[str], object], sides: tuple[str, str], vocab: in
             if w1:
                 res[side]["w1_tok_s"].append(round(64 * 128 / gen(llm, w1_prompts, 128), 1))
     out: dict = {"rounds": res}
-    new, base = sides
+    new, base, *others = sides
     for key in ("tpot_ms", "w1_tok_s"):
         if res[new][key]:
-            a, b = statistics.median(res[new][key]), statistics.median(res[base][key])
-            out[key] = {new: a, base: b, "speedup": round(b / a if key == "tpot_ms" else a / b, 3)}
+            med = {side: statistics.median(res[side][key]) for side in sides}
+            ratio = {o: round(med[o] / med[new] if key == "tpot_ms" else med[new] / med[o], 3) for o in sides}
+            out[key] = {**med, "speedup": ratio[base], **{f"speedup_vs_{o}": ratio[o] for o in others}}
     return out

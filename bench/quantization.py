@@ -109,7 +109,7 @@ def measure(name: str, args) -> dict:
     bound_ms = step / args.read_gb_s / 1e6
     return {"format": name, "dtype": dtype, "quantization": quant, "load_s": round(load_s, 2),
             "weight_bytes": wb, "step_read_mb": round(step / 1e6, 1), "bandwidth_bound_ms": round(bound_ms, 3),
-            "cpp_decode": model.cpp_decode is not None,
+            "decode_tapes": model.tapes is not None and model.tapes.active,
             "text_tokens": len(ids), "mean_loglik": round(mean_ll, 5), "perplexity": round(math.exp(-mean_ll), 4),
             "tpot_ms": round((t_all - t_first) / args.tokens * 1e3, 3),
             "prefill_ms": round(t_prefill * 1e3, 1), "greedy_16": text}

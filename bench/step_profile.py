@@ -70,7 +70,7 @@ def main() -> None:
     p.add_argument("--decode-rows", type=int, default=64, help="calls with at most this many rows count as decode")
     p.add_argument("--python-loop", action="store_true",
                    help="decode steps through the Python layer loop (the same kernels, each one timed) "
-                        "instead of the C++ one (decode_layers, timed as a whole)")
+                        "instead of replaying kernel tapes from C++ (run_tape, timed as a whole)")
     args = p.parse_args()
     module = cpu_kernels.load()
     if module is not None:  # every caller asks load(), so the wrapped module is what the model holds
@@ -82,7 +82,7 @@ def main() -> None:
 
     llm = LLM(args.model, dtype="bfloat16", num_threads=args.threads, enable_prefix_caching=False)
     if args.python_loop:
-        llm.engine.core.model.cpp_decode = None
+        llm.engine.core.model.tapes = None
     batch, out = prompts(args.workload), args.max_tokens or output_len(args.workload)
     sp = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
     for _ in range(args.warmups):  # whole runs first: the KV cache's pages are touched (faulted in) once

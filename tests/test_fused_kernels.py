@@ -77,31 +77,3 @@ def test_bf16_decoder_uses_the_fused_path(model_dirs):
 
     loaded = load_model(str(model_dirs["llama"]), None, None, "bfloat16", "cpu")
     assert isinstance(loaded.model, DecoderLM) and loaded.model.fused is not None
-
-
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_cpp_decode_layer_loop_matches_the_python_loop(arch, model_dirs):
-    """A pure-decode step through `decode_layers` (C++) gives the same bits as the Python layer loop, for a
-    batch of decodes at different context lengths (a sliding window, qkv biases, q/k norms included)."""
-    from servelm.model.attention import AttentionMetadata
-    from servelm.model.loader import load_model
-
-    model = load_model(str(model_dirs[arch]), None, None, "bfloat16", "cpu").model
-    assert model.cpp_decode is not None
-    s, bs = model.spec, 8
-    g = torch.Generator().manual_seed(0)
-    caches = [tuple(torch.randn(40, bs, s.num_kv_heads, s.head_dim, generator=g).bfloat16() for _ in "kv")
-              for _ in range(s.num_layers)]
-    lens = torch.tensor([1, 9, 30, 57])  # context lengths including the new token (57 > the window)
-    tables = torch.randperm(40, generator=g)[:32].view(4, 8)
-    slots = torch.tensor([int(tables[r, (n - 1) // bs]) * bs + (n - 1) % bs for r, n in enumerate(lens.tolist())])
-    meta = AttentionMetadata(slots, torch.arange(4), tables, lens, [], bs)
-    ids, positions = torch.randint(4, s.vocab_size, (4,), generator=g), lens - 1
-    fresh = lambda: [(k.clone(), v.clone()) for k, v in caches]  # noqa: E731
-    cpp_caches, py_caches = fresh(), fresh()
-    out_cpp = model.forward(ids, positions, cpp_caches, meta)
-    flat, model.cpp_decode = model.cpp_decode, None
-    out_py = model.forward(ids, positions, py_caches, meta)
-    model.cpp_decode = flat
-    assert torch.equal(out_cpp, out_py)
-    assert all(torch.equal(a, b) for ca, cb in zip(cpp_caches, py_caches, strict=True) for a, b in zip(ca, cb, strict=True))

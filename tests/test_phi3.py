@@ -29,13 +29,13 @@ def test_phi3_matches_transformers(phi3, dtype):
     assert model.spec.fused_checkpoint and model.spec.sliding_windows == [24, 24]
     kernels = cpu_kernels.load()
     if dtype == "bfloat16" and kernels is not None and kernels.avx512_linear_supported(64):
-        assert model.cpp_decode is not None  # a Phi-3 layer is the Llama layer: the C++ decode loop takes it
+        assert model.tapes.active  # a Phi-3 layer is the Llama layer: its decode steps replay kernel tapes
 
 
 def test_phi3_longrope_with_partial_rotary(phi3):
     llm = check_parity(phi3["longrope"], "float32")
     core = llm.engine.core
-    assert core.model.spec.rotary_dim == 12 and core.model.cpp_decode is None
+    assert core.model.spec.rotary_dim == 12 and (core.model.tapes is None or not core.model.tapes.active)
     # the short factors hold up to original_max_position_embeddings: the context stops there
     assert core.max_model_len == 64
     with pytest.raises(ValueError, match="max_position_embeddings=64"):

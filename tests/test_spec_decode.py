@@ -282,12 +282,12 @@ def test_speculative_settings_are_typed_and_validated():
             EngineConfig(**bad)
 
 
-def test_bf16_cpu_kernels_verify_in_the_cpp_decode_loop(small_dir):
-    """In bf16 the C++ layer loop takes pure-decode steps, verifications included: outputs and logprobs are
-    bit for bit those of plain decoding (Scheduling invariance)."""
+def test_bf16_cpu_kernels_verify_on_decode_tapes(small_dir):
+    """In bf16 pure-decode steps replay kernel tapes, verifications included: outputs and logprobs are bit
+    for bit those of plain decoding (Scheduling invariance)."""
     plain = LLM(str(small_dir), dtype="bfloat16", num_kv_blocks=256)
-    if plain.engine.core.model.cpp_decode is None:
-        pytest.skip("the C++ decode loop does not run here (no AVX512-BF16 or kernels not built)")
+    if plain.engine.core.model.tapes is None:
+        pytest.skip("decode tapes do not run here (no AVX512-BF16 or kernels not built)")
     ps = prompts(3, seed=9)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
     llm = LLM(str(small_dir), dtype="bfloat16", num_kv_blocks=256, speculative_method="ngram",
@@ -298,3 +298,4 @@ def test_bf16_cpu_kernels_verify_in_the_cpp_decode_loop(small_dir):
     assert [[lp[t].logprob for t, lp in zip(g.token_ids, g.logprobs, strict=True)] for g in got] == \
            [[lp[t].logprob for t, lp in zip(w.token_ids, w.logprobs, strict=True)] for w in want]
     assert llm.engine.core.spec.stats.accepted > 0
+    assert llm.engine.core.model.tapes.replayed > 0

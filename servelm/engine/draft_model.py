@@ -18,6 +18,7 @@ from servelm.engine.model_runner import ModelRunner
 from servelm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from servelm.engine.sequence import Request, Sequence
 from servelm.model.decoder import DecoderLM
+from servelm.model.tape import DecodeTapes
 from servelm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ def first_layers(model: DecoderLM, n: int) -> DecoderLM:
     draft = copy.copy(model)
     draft.layers = model.layers[:n]
     draft.spec = dataclasses.replace(model.spec, num_layers=n, sliding_windows=model.spec.sliding_windows[:n])
-    draft.cpp_decode = draft._cpp_decode_weights()
+    draft.tapes = DecodeTapes(draft, draft.fused) if model.tapes is not None else None  # its own, fewer layers
     return draft
 
 

@@ -3,6 +3,8 @@ and Qwen3-MoE families.
 
 It runs a flattened batch of tokens from many sequences (no padding); attention goes through an
 `AttentionBackend` over the paged KV cache. Q/K/V and gate/up projections are fused into one matmul each.
+`run_layers` is the one definition of the layer stack: where the fused CPU kernels run it, pure-decode
+steps replay its recorded kernel calls from C++ (model/tape.py) instead of running it in Python.
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from servelm.model import memory
-from servelm.model.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention
+from servelm.model.attention import AttentionBackend, AttentionMetadata
 from servelm.model.gguf_quant import GGUFMatmul
 from servelm.model.layers import (
     GateUpLinear,
     Linear,
     add_rms_norm,
-    apply_rotary,
+    contiguous_rows,
     fused_kernels,
     rms_norm,
     rotary_,
@@ -28,6 +30,7 @@ from servelm.model.moe import SparseMoe, take_sparse_moe
 from servelm.model.parallel import TensorParallel
 from servelm.model.quant import fuse_rows
 from servelm.model.spec import ModelSpec
+from servelm.model.tape import DecodeTapes
 
 
 @dataclass
@@ -79,8 +82,9 @@ class DecoderLM:
         self._rope_cache(spec.max_position_embeddings)
         if self.embed.device.type == "cpu" and memory.WEIGHTS_IN_HUGE_PAGES:
             memory.move_to_huge_pages(self._streamed_tensors())
-        # None where the C++ layer loop does not apply (with tensor parallelism: it cannot all-reduce mid-loop)
-        self.cpp_decode = self._cpp_decode_weights() if self.tp is None else None
+        # pure-decode steps replayed from kernel tapes where the fused kernels run the loop (model/tape.py); not
+        # with tensor parallelism, whose all-reduce between layers is no kernel of the tape's
+        self.tapes = DecodeTapes(self, self.fused) if self.fused is not None and self.tp is None else None
 
     def _streamed_tensors(self) -> list[tuple[object, str]]:
         """(holder, attribute) of every tensor a decode step reads in full: the linears' weights in the
@@ -95,35 +99,6 @@ class DecoderLM:
             linears += [lw.qkv, lw.o_proj] + [getattr(x, "linear", None) or x for x in mlp]
         return slots + [(lin, n) for lin in linears for n in ("tiled", "weight", "bias") if hasattr(lin, n)] + [
             (lin.quant, "packed") for lin in linears if isinstance(getattr(lin, "quant", None), GGUFMatmul)]
-
-    def _cpp_decode_weights(self) -> list[torch.Tensor] | None:
-        """The flat weight list of the C++ layer loop for pure-decode steps (`decode_layers`): where the
-        fused kernels, the CPU attention kernel and a packed-weight linear kernel (AMX tiles or AVX512-BF16, or
-        the GGUF block kernel for a weight kept quantized) take every layer."""
-        self.cpp_formats: list[int] | None = None  # the C++ loop's GGUF formats, where a linear has one
-        if self.fused is None or not isinstance(self.attn, CpuPagedAttention) or not self.spec.llama_layers:
-            return None  # the C++ loop runs the Llama layer shape only: Gemma, MoE, partial RoPE stay on Python's
-        flat, formats = [], []
-        none = torch.empty(0, dtype=self.dtype)
-
-        def packed(x) -> torch.Tensor | None:  # the weight as the loop's kernels read it, noting its format
-            if isinstance(getattr(x, "quant", None), GGUFMatmul) and (getattr(x, "bias", None) is None
-                                                                      or x.bias_inside):
-                formats.append(x.quant.fmt)  # a GGUF weight for quant_linear (bias, if any, added inside)
-                return x.quant.packed
-            formats.append(-1)
-            return x.tiled if (x.tiles or x.avx512) is not None else None
-
-        for lw in self.layers:
-            weights = [packed(x) for x in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
-            if any(w is None for w in weights):
-                return None
-            qkv, o_proj, gate_up, down = weights
-            flat += [lw.input_norm, qkv, none if lw.qkv.bias is None else lw.qkv.bias, o_proj,
-                     none if lw.o_proj.bias is None else lw.o_proj.bias, lw.post_norm, gate_up,
-                     down, none if lw.q_norm is None else lw.q_norm, none if lw.k_norm is None else lw.k_norm]
-        self.cpp_formats = formats if any(f >= 0 for f in formats) else None
-        return flat
 
     def _norm_weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
         """Gemma applies RMSNorm weights as (1 + w): add the one once here, in float32."""
@@ -192,72 +167,68 @@ class DecoderLM:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states after the final norm, [T, hidden]."""
+        """Hidden states after the final norm, [T, hidden]. A pure-decode step replays its kernel tape where
+        there is one (the same kernel calls as `run_layers`, from C++)."""
+        if self.tapes is not None and not meta.prefills:
+            hidden = self.tapes.forward(input_ids, positions, kv_caches, meta)
+            if hidden is not None:
+                return hidden
+        return self.run_layers(self.embed_tokens(input_ids), positions, kv_caches, meta)
+
+    def embed_tokens(self, input_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream's start: the tokens' embedding rows (into `out` when given), scaled where the
+        model says (Gemma)."""
+        h = self.embed[input_ids] if out is None else torch.index_select(self.embed, 0, input_ids, out=out)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale.to(h.device) if out is None else h.mul_(self.embed_scale.to(h.device))
+        return h
+
+    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                   meta: AttentionMetadata) -> torch.Tensor:
+        """The layer stack over the residual stream h [T, hidden] (updated in place), then the final norm. One
+        loop for every family; what differs is read from the spec and the layer's weights: sandwich norms
+        (Gemma: the sublayers' outputs are normed before each residual add), q/k norms, partial RoPE, a
+        local RoPE for sliding-window layers, MoE MLPs."""
         s, fused, eps = self.spec, self.fused, self.spec.rms_norm_eps
-        if s.sandwich_norms:
-            return self._forward_sandwich(input_ids, positions, kv_caches, meta)
-        h = self.embed[input_ids]  # the residual stream, updated in place
-        if self.cpp_decode is not None and not meta.prefills:  # the same kernels, looped in C++
-            lw = self.layers[0]
-            return fused.decode_layers(
-                h, positions, self.cos, self.sin, self.cpp_decode, [c for kv in kv_caches for c in kv],
-                meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens, self.norm,
-                [w or 0 for w in s.sliding_windows], [lw.qkv.out_features, lw.o_proj.out_features,
-                                                      lw.gate_up.out_features, lw.down.out_features],
-                [s.num_heads, s.num_kv_heads, s.head_dim], eps, self.attn.scale, self.cpp_formats)
+        # Gemma's RMSNorm scales by its weight in float32 and rounds once (as F.rms_norm does); the fused
+        # kernel rounds before the scaling, as Llama's does, so it serves the other families only
+        nf = None if s.norm_weight_in_float32 else fused
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        # the fused kernel reads the rotary tables at the positions; the PyTorch path gathers them once here
-        cos, sin, rope_pos = (self.cos, self.sin, positions) if fused else (self.cos[positions], self.sin[positions], None)
         rot = s.rotary_dim  # partial RoPE: only the first `rot` of each head (no fused kernel for that)
+        rope = {False: self._rope_at(self.cos, self.sin, positions, rot)}
+        if self.cos_local is not self.cos:  # Gemma 3's sliding-window layers: their own RoPE base
+            rope[True] = self._rope_at(self.cos_local, self.sin_local, positions, rot)
         delta = None  # the last sublayer's output, not yet added to h
         for i, lw in enumerate(self.layers):
-            x = rms_norm(h, lw.input_norm, eps, fused) if delta is None else add_rms_norm(delta, h, lw.input_norm, eps, fused)
+            window = s.sliding_windows[i]
+            x = rms_norm(h, lw.input_norm, eps, nf) if delta is None else add_rms_norm(delta, h, lw.input_norm, eps, nf)
             qkv = lw.qkv(x)
             qk = qkv[:, :q_size + kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
             v = qkv[:, q_size + kv_size:].view(-1, s.num_kv_heads, s.head_dim)
             if lw.q_norm is not None:
                 q_part, k_part = qk[:, :s.num_heads], qk[:, s.num_heads:]
-                rms_norm(q_part, lw.q_norm, eps, fused, out=q_part)
-                rms_norm(k_part, lw.k_norm, eps, fused, out=k_part)
-            if rot is None:
-                rotary_(qk, cos, sin, rope_pos, fused)  # queries and keys rotated in one pass
-            else:
-                rotary_(qk[..., :rot], cos, sin, rope_pos)
-            q, k = qk[:, :s.num_heads].contiguous(), qk[:, s.num_heads:]
-            o = self.attn.forward(q, k, v.contiguous(), kv_caches[i], meta, s.sliding_windows[i])
-            x = add_rms_norm(self._reduce(lw.o_proj(o.reshape(-1, q_size))), h, lw.post_norm, eps, fused)
+                rms_norm(q_part, lw.q_norm, eps, nf, out=q_part)
+                rms_norm(k_part, lw.k_norm, eps, nf, out=k_part)
+            cos, sin, rope_pos = rope[window is not None and True in rope]
+            rotary_(qk if rot is None else qk[..., :rot], cos, sin, rope_pos, fused)  # queries and keys at once
+            q, k = contiguous_rows(qk[:, :s.num_heads], fused), qk[:, s.num_heads:]
+            o = self.attn.forward(q, k, contiguous_rows(v, fused), kv_caches[i], meta, window)
+            delta = self._reduce(lw.o_proj(o.reshape(-1, q_size)))
+            if lw.attn_out_norm is not None:
+                delta = rms_norm(delta, lw.attn_out_norm, eps, nf)
+            x = add_rms_norm(delta, h, lw.post_norm, eps, nf)
             delta = self._reduce(lw.down(lw.gate_up(x, fused))) if lw.moe is None else lw.moe(x, fused)
-        return add_rms_norm(delta, h, self.norm, eps, fused)
+            if lw.mlp_out_norm is not None:
+                delta = rms_norm(delta, lw.mlp_out_norm, eps, nf)
+        return add_rms_norm(delta, h, self.norm, eps, nf)
 
-    def _forward_sandwich(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                          kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        """Gemma's layer: a norm before and after each sublayer, GeGLU, scaled embeddings, per-layer-type
-        RoPE. Plain PyTorch ops (the fused elementwise kernels and the C++ loop implement the Llama shape)."""
-        s, eps = self.spec, self.spec.rms_norm_eps
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        h = self.embed[input_ids]
-        if self.embed_scale is not None:
-            h = h * self.embed_scale.to(h.device)
-        tables = {False: (self.cos[positions], self.sin[positions])}
-        if self.cos_local is not self.cos:
-            tables[True] = (self.cos_local[positions], self.sin_local[positions])
-        for i, lw in enumerate(self.layers):
-            window = s.sliding_windows[i]
-            x = rms_norm(h, lw.input_norm, eps)
-            qkv = lw.qkv(x)
-            qk = qkv[:, :q_size + kv_size].reshape(-1, s.num_heads + s.num_kv_heads, s.head_dim)
-            v = qkv[:, q_size + kv_size:].reshape(-1, s.num_kv_heads, s.head_dim)
-            if lw.q_norm is not None:
-                qk = torch.cat([rms_norm(qk[:, :s.num_heads], lw.q_norm, eps),
-                                rms_norm(qk[:, s.num_heads:], lw.k_norm, eps)], dim=1)
-            cos, sin = tables[window is not None and True in tables]  # local layers: their own RoPE, if any
-            qk = apply_rotary(qk, cos, sin)
-            q, k = qk[:, :s.num_heads].contiguous(), qk[:, s.num_heads:].contiguous()
-            o = self.attn.forward(q, k, v.contiguous(), kv_caches[i], meta, window)
-            h = h + rms_norm(self._reduce(lw.o_proj(o.reshape(-1, q_size))), lw.attn_out_norm, eps)
-            x = rms_norm(h, lw.post_norm, eps)
-            h = h + rms_norm(self._reduce(lw.down(lw.gate_up(x))), lw.mlp_out_norm, eps)
-        return rms_norm(h, self.norm, eps)
+    def _rope_at(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, rot: int | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What `rotary_` takes: the fused kernel reads the whole tables at the positions; the PyTorch path
+        (and partial RoPE) gets the positions' rows, gathered once for all layers."""
+        if self.fused is not None and rot is None:
+            return cos, sin, positions
+        return cos[positions], sin[positions], None
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         """A row-parallel layer's output summed over the tensor-parallel ranks (x itself without them)."""

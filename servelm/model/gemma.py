@@ -7,8 +7,9 @@ Gemma 2 soft-caps attention scores and final logits (cap * tanh(x / cap)) and al
 and global layers. Gemma 3 drops the soft-caps, adds q/k norms, and gives local (sliding-window) and
 global layers their own RoPE bases.
 
-These models run on the decoder's Python layer loop (`DecoderLM._forward_sandwich`): the C++ decode loop
-(csrc/decode_layers.cpp) knows only the Llama layer shape and is not used for them.
+These choices are read by the shared layer loop (`DecoderLM.run_layers`). Gemma's norms (weight applied in
+float32) and GeGLU have no fused kernel and run PyTorch ops, so its decode steps are not replayed from
+kernel tapes (model/tape.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def gemma_options(config, arch: str, head_dim: int, rope) -> dict:
         embed_scale=float(config.hidden_size) ** 0.5,
         # llama.cpp's converter stores Gemma's norm weights with the one already added
         norm_unit_offset=not getattr(config, "gguf_norms_include_one", False),
+        norm_weight_in_float32=True,
         sandwich_norms=True,
         attn_scale=float(getattr(config, "query_pre_attn_scalar", None) or head_dim) ** -0.5,
         attn_softcap=getattr(config, "attn_logit_softcapping", None),

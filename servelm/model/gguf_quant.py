@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 # Kernel format codes (quant_linear.cpp's Format) and their record bytes per 16 rows x 32 inputs.
 FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4}
 _STRIDES = {0: 512 + 32, 1: 256 + 32, 2: 256 + 64, 3: 256 + 128, 4: 512 + 128}
-INT_ROWS = 16  # up to this many rows the int8-activation kernel; beyond, the bf16 tile path (csrc: kQuantIntRows)
+INT_ROWS = 16  # up to this many rows the int8-activation kernel; beyond, the bf16 tile path
 
 
 def packed_bytes(fmt: int, n: int, k: int) -> int:

@@ -110,5 +110,6 @@ def make_batch_invariant(model: DecoderLM) -> None:
         model.attn = InvariantCpuPagedAttention(*args, kernels=a.kernels)
     else:
         model.attn = InvariantPagedAttention(*args)
-    # model.cpp_decode (the C++ layer loop) exists only where kernels take every layer's linears: kept as is
+    if model.tapes is not None:  # recorded over the linears and attention just replaced
+        model.tapes.reset()
     model.batch_invariant = True

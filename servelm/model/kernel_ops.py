@@ -6,6 +6,8 @@ RuntimeError with the kernel's message."""
 from __future__ import annotations
 
 import ctypes
+import struct
+import threading
 from pathlib import Path
 
 import torch
@@ -38,19 +40,62 @@ _SIGNATURES: dict[str, tuple] = {
                                              _D, _I)),
     "servelm_write_kv": (_INT, (_P, _P, _I, _I, _P, _I, _P, _I, _P, _I)),
     "servelm_argmax_rows": (_INT, (_P, ctypes.c_int32, _I, _I, _P)),
-    "servelm_decode_layers": (_INT, (_P, _P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _P, _P, _I, _P, _P, _P, _I, _P,
-                                     _P, _D, _D, _P)),
+    "servelm_copy_rows": (_INT, (_P, _I, _P, _I, _I, _I)),
+    "servelm_run_tape": (_INT, (_P, _I)),
     # quant_linear.cpp: GGUF block-quantized weights
     "servelm_quant_linear_supported": (_INT, (_INT, _I)),
     "servelm_quant_linear": (_INT, (_P, _P, _I, _I, _I, _INT, _P, _I, _P, _INT, _I)),
     "servelm_quant_unpack": (_INT, (_P, _INT, _P, _I, _I)),
 }
+# entry points that compute nothing (queries and settings) or run a tape: never recorded on one
+_NOT_RECORDED = ("servelm_last_error", "servelm_avx512_bf16_compiled", "servelm_amx_linear_supported",
+                 "servelm_avx512_linear_supported", "servelm_bf16_dot", "servelm_set_bf16_dot",
+                 "servelm_prefill_attention_supported", "servelm_run_tape", "servelm_quant_linear_supported")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise RuntimeError(message)
+
+
+class _Recording(threading.local):
+    tape = None  # the recorder (model/tape.py) of this thread's calls, while it records
+
+
+class _Recordable:
+    """A computing C entry point that, on a thread recording a tape, also appends its call to the tape: the
+    address of its `_tape` twin (tape.h) and its arguments as int64 words, with which of them are pointers.
+    An entry without a twin makes the recorder refuse the tape (it would run without that call)."""
+
+    __slots__ = ("name", "fn", "twin", "kinds", "recording")
+
+    def __init__(self, lib: ctypes.CDLL, name: str, fn, argtypes: tuple, recording: _Recording) -> None:
+        self.name, self.fn, self.recording = name, fn, recording
+        self.kinds = tuple("p" if t is _P else "d" if t is _D else "i" for t in argtypes)
+        self.twin = None
+        if hasattr(lib, name + "_tape"):
+            arity = getattr(lib, name + "_tape_arity")
+            arity.restype, arity.argtypes = _I, ()
+            _require(arity() == len(argtypes), f"{name}: the library takes {arity()} arguments, kernel_ops.py "
+                     f"{len(argtypes)}")
+            self.twin = ctypes.cast(getattr(lib, name + "_tape"), ctypes.c_void_p).value
+
+    def __call__(self, *args):
+        tape = self.recording.tape
+        if tape is not None:
+            if self.twin is None:
+                tape.refuse(f"{self.name} has no tape entry")
+            else:
+                tape.append(self.twin, [_word(a, k) for a, k in zip(args, self.kinds, strict=True)], self.kinds)
+        return self.fn(*args)
+
+
+def _word(a, kind: str) -> int:
+    """An argument as the int64 word a tape entry reads (tape.h): pointers as addresses, doubles as bits."""
+    if kind == "d":
+        return struct.unpack("<q", struct.pack("<d", float(a)))[0]
+    return 0 if a is None else int(a)
 
 
 class CpuKernels:
@@ -60,12 +105,14 @@ class CpuKernels:
     def __init__(self, path: Path, variant: str) -> None:
         self.path, self.variant = Path(path), variant
         self._lib = ctypes.CDLL(str(path))
+        self._recording = _Recording()
         for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(self._lib, name)
             fn.restype, fn.argtypes = restype, argtypes
+            if name not in _NOT_RECORDED:
+                fn = _Recordable(self._lib, name, fn, argtypes, self._recording)
             setattr(self, "_" + name.removeprefix("servelm_"), fn)
         self.avx512_bf16 = bool(self._avx512_bf16_compiled())
-        self._decode_pointers: dict[int, tuple] = {}
 
     def __repr__(self) -> str:
         return f"CpuKernels({self.variant!r}, {str(self.path)!r})"
@@ -249,43 +296,15 @@ class CpuKernels:
                                    out.data_ptr()))
         return out
 
-    def decode_layers(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      weights: list[torch.Tensor], caches: list[torch.Tensor], slots: torch.Tensor,
-                      block_tables: torch.Tensor, seq_lens: torch.Tensor, final_norm: torch.Tensor,
-                      windows: list[int], sizes: list[int], heads: list[int], eps: float, scale: float,
-                      formats: list[int] | None = None) -> torch.Tensor:
-        """Every decoder layer of a pure-decode step in one call (decode_layers.cpp); h [T, hidden] bf16 is the
-        residual stream, updated in place; returns the final norm's output. weights: 10 per layer (absent
-        ones empty), caches: k, v per layer. formats: None (bf16 linears), or 4 per layer (qkv, o_proj,
-        gate_up, down): -1 for a bf16 weight, else the GGUF format of a weight packed by gguf_quant."""
-        L = len(windows)
-        _require(len(weights) == 10 * L and len(caches) == 2 * L and len(sizes) == 4 and len(heads) == 3,
-                 "decode_layers: 10 weights and 2 caches per layer")
-        _require(h.dtype == torch.bfloat16 and h.is_contiguous() and h.dim() == 2 and self.avx512_bf16,
-                 "decode_layers needs contiguous bf16 [T, hidden] and AVX512-BF16")
-        self._check_caches(caches[0], caches[1], "decode_layers")
-        _require(positions.dtype == slots.dtype == block_tables.dtype == seq_lens.dtype == torch.int64,
-                 "decode_layers: int64 positions, slots, block tables and lengths")
-        # The pointer arrays are built once: the model keeps its weight list, and the KV pool its tensors,
-        # for their lives (the caches list itself is made anew by each step, so its ends identify it).
-        ends = (len(caches), caches[0].data_ptr(), caches[-1].data_ptr())
-        cached = self._decode_pointers.get(id(weights))
-        if cached is None or cached[0] is not weights or cached[1] != ends:
-            w = (ctypes.c_void_p * len(weights))(*[t.data_ptr() if t.numel() else None for t in weights])
-            c = (ctypes.c_void_p * len(caches))(*[t.data_ptr() for t in caches])
-            ints = [(ctypes.c_int64 * len(a))(*a) for a in (windows, sizes, heads)]
-            fmts = None if formats is None else (ctypes.c_int32 * len(formats))(*formats)
-            cached = self._decode_pointers[id(weights)] = (weights, ends, w, c, *ints, fmts)
-        _, _, w, c, win, sz, hd, fmts = cached
-        _require(formats is None or len(formats) == 4 * L, "decode_layers: 4 formats per layer")
-        nb, bs = caches[0].shape[:2]
-        T, hidden = h.shape
-        out = torch.empty_like(h)
-        self._ok(self._decode_layers(
-            out.data_ptr(), h.data_ptr(), T, hidden, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            cos.shape[0], w, c, nb, bs, slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-            seq_lens.data_ptr(), final_norm.data_ptr(), win, L, sz, hd, eps, scale, fmts))
-        return out
+    def copy_rows(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """out [T, ...] (contiguous) = x, whose rows (first dimension) are each contiguous but may be apart (a
+        column slice of a fused projection)."""
+        _require(out.is_contiguous() and out.shape == x.shape and out.dtype == x.dtype and x.dim() >= 2
+                 and x.stride()[1:] == out.stride()[1:] and x.is_cpu and out.is_cpu,
+                 "copy_rows: rows laid out contiguously, into a contiguous tensor of the same shape")
+        size = x.element_size()
+        self._ok(self._copy_rows(out.data_ptr(), out.stride(0) * size, x.data_ptr(), x.stride(0) * size, x.shape[0],
+                                 out.stride(0) * size))
 
     # --- GGUF block-quantized linears (quant_linear.cpp; weights packed by gguf_quant.pack_blocks) ----------
 
@@ -319,3 +338,26 @@ class CpuKernels:
         out = torch.empty(N, K)
         self._ok(self._quant_unpack(out.data_ptr(), fmt, packed.data_ptr(), N, K))
         return out
+
+    # --- kernel tapes (model/tape.py) ------------------------------------------------------------------------
+
+    def recording(self, tape) -> _RecordingOn:
+        """A context in which this thread's kernel calls are also appended to `tape` (they still run)."""
+        return _RecordingOn(self._recording, tape)
+
+    def run_tape(self, words: torch.Tensor) -> None:
+        """Replays a recorded tape: int64 words, per call [entry, n, n argument words]."""
+        self._ok(self._run_tape(words.data_ptr(), words.numel()))
+
+
+class _RecordingOn:
+    def __init__(self, recording: _Recording, tape) -> None:
+        self.recording, self.tape = recording, tape
+
+    def __enter__(self):
+        _require(self.recording.tape is None, "already recording a tape on this thread")
+        self.recording.tape = self.tape
+        return self.tape
+
+    def __exit__(self, *exc) -> None:
+        self.recording.tape = None

@@ -69,6 +69,20 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: to
     x.copy_(apply_rotary(x, cos, sin))
 
 
+def contiguous_rows(x: torch.Tensor, fused=None) -> torch.Tensor:
+    """x as a contiguous tensor. A column slice of a fused projection (each row laid out contiguously) is
+    copied by a kernel where the fused kernels apply, so that a decode step's kernel tape holds the copy
+    (model/tape.py); the same bytes as x.contiguous()."""
+    if x.is_contiguous():
+        return x
+    if fused is not None and x.dim() >= 2 and x.is_cpu:
+        out = torch.empty(x.shape, dtype=x.dtype)
+        if x.stride()[1:] == out.stride()[1:]:
+            fused.copy_rows(out, x)
+            return out
+    return x.contiguous()
+
+
 def silu_mul(x: torch.Tensor, fused=None) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up] along the last dim."""
     if fused is not None:

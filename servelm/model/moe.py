@@ -14,8 +14,8 @@ the order transformers' default `grouped_mm` path sums in (float32 accumulation 
 rounded once), so bfloat16 results round where transformers' do. Qwen rounds the routing weights to the
 model dtype before they scale the rows; Mixtral keeps them in float32 (so its weighted rows are float32).
 
-These layers run on the decoder's Python layer loop (the C++ decode loop implements the dense Llama
-layer only), and, since the groups' sizes are read on the host, not under CUDA graphs.
+These layers run on the decoder's Python layer loop (their routing is PyTorch ops, which keeps their decode
+steps off kernel tapes, model/tape.py), and, since the groups' sizes are read on the host, not under CUDA graphs.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ Its layer is the Llama layer; what differs is how the checkpoint stores it and i
   decoder for every family (`ModelSpec.rotary_dim`), on its Python layer loop.
 - A `sliding_window` (Phi-3-mini-4k: 2047) applies to every layer, as Mistral's.
 
-With full-head RoPE a Phi-3 layer is exactly the Llama layer once loaded, so it also runs on the C++
-decode loop (`DecoderLM.cpp_decode`); with partial RoPE it stays on the Python loop.
+With full-head RoPE a Phi-3 layer is exactly the Llama layer once loaded, so its decode steps are also
+replayed from kernel tapes (model/tape.py); partial RoPE runs PyTorch ops, which keeps it on the Python loop.
 """
 
 from __future__ import annotations

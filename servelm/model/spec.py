@@ -35,6 +35,7 @@ class ModelSpec:
     hidden_act: str = "silu"  # silu | gelu_tanh (the MLP's gate activation)
     embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden_size))
     norm_unit_offset: bool = False  # RMSNorm weights applied as (1 + w) (Gemma)
+    norm_weight_in_float32: bool = False  # RMSNorm scales by its weight before rounding (Gemma), not after
     sandwich_norms: bool = False  # a norm before and after each sublayer (Gemma 2/3)
     attn_scale: float | None = None  # attention score scale (default head_dim**-0.5)
     attn_softcap: float | None = None  # scores soft-capped as cap * tanh(s / cap) (Gemma 2)
@@ -43,11 +44,6 @@ class ModelSpec:
     rotary_dim: int | None = None  # RoPE on the first rotary_dim of each head only (partial_rotary_factor < 1)
     fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj already joined (Phi-3)
     moe: MoeOptions | None = None  # mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE)
-
-    @property
-    def llama_layers(self) -> bool:
-        """Whether every layer has the Llama shape that the C++ decode loop (csrc/decode_layers.cpp) runs."""
-        return not (self.sandwich_norms or self.moe is not None or self.rotary_dim is not None)
 
     @classmethod
     def from_hf_config(cls, config, sliding_window: int | None = None) -> ModelSpec:

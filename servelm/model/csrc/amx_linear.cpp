@@ -16,6 +16,7 @@
 #include "amx.h"
 #include "kernels.h"
 #include "linear_epilogue.h"
+#include "tape.h"
 
 using servelm::bf16;
 
@@ -206,3 +207,4 @@ SERVELM_API int servelm_amx_linear(bf16* out, const bf16* x, int64_t M, int64_t 
                                    int64_t N, const bf16* bias, int silu_mul) {
   return servelm::guarded([&] { servelm::amx_linear(out, x, M, K, ldx, packed, N, bias, silu_mul != 0); });
 }
+SERVELM_TAPE_ENTRY(servelm_amx_linear)

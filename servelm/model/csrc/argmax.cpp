@@ -8,6 +8,7 @@
 
 #include "kernels.h"
 #include "vec.h"
+#include "tape.h"
 
 namespace {
 template <typename T>
@@ -67,3 +68,4 @@ SERVELM_API int servelm_argmax_rows(const void* logits, int32_t dtype, int64_t B
     else argmax_kernel(static_cast<const servelm::bf16*>(logits), out, B, V);
   });
 }
+SERVELM_TAPE_ENTRY(servelm_argmax_rows)

@@ -20,6 +20,7 @@
 
 #include "kernels.h"
 #include "linear_epilogue.h"
+#include "tape.h"
 
 using servelm::bf16;
 
@@ -347,3 +348,4 @@ SERVELM_API int servelm_avx512_linear(bf16* out, const bf16* x, int64_t M, int64
                                       const bf16* packed, int64_t N, const bf16* bias, int silu_mul) {
   return servelm::guarded([&] { servelm::avx512_linear(out, x, M, K, ldx, packed, N, bias, silu_mul != 0); });
 }
+SERVELM_TAPE_ENTRY(servelm_avx512_linear)

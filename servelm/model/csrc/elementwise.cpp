@@ -8,6 +8,7 @@
 
 #include "kernels.h"
 #include "vec.h"
+#include "tape.h"
 
 namespace {
 
@@ -147,17 +148,21 @@ SERVELM_API int servelm_rms_norm(bf16* out, int64_t o_outer, int64_t o_inner, in
                       float(eps));
   });
 }
+SERVELM_TAPE_ENTRY(servelm_rms_norm)
 
 SERVELM_API int servelm_add_rms_norm(bf16* out, const bf16* delta, bf16* residual, const bf16* w, int64_t T,
                                      int64_t D, double eps) {
   return guarded([&] { servelm::add_rms_norm(out, delta, residual, w, T, D, float(eps)); });
 }
+SERVELM_TAPE_ENTRY(servelm_add_rms_norm)
 
 SERVELM_API int servelm_rotary(bf16* x, int64_t T, int64_t H, int64_t D, int64_t st, int64_t sh, const int64_t* pos,
                                const bf16* cos, const bf16* sin, int64_t max_pos) {
   return guarded([&] { servelm::rotary(x, T, H, D, st, sh, pos, cos, sin, max_pos); });
 }
+SERVELM_TAPE_ENTRY(servelm_rotary)
 
 SERVELM_API int servelm_silu_mul(bf16* out, const bf16* x, int64_t T, int64_t I) {
   return guarded([&] { servelm::silu_mul(out, x, T, I); });
 }
+SERVELM_TAPE_ENTRY(servelm_silu_mul)

@@ -1,5 +1,5 @@
-// The kernels' C++ interface inside the library (raw pointers and sizes): what decode_layers.cpp chains and
-// what the C entry points (`servelm_*`, called from servelm/model/kernel_ops.py) wrap. Every function
+// The kernels' C++ interface inside the library (raw pointers and sizes): what the C entry points
+// (`servelm_*`, called from servelm/model/kernel_ops.py and replayed from tapes, tape.h) wrap. Every function
 // exists in every build variant; one whose instructions a variant lacks raises when called, and the
 // `*_supported` entry points tell the caller beforehand.
 #pragma once
@@ -39,7 +39,6 @@ void amx_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, con
 
 // The same over a GGUF block-quantized weight packed by gguf_quant.pack_blocks (quant_linear.cpp): format
 // fmt (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K); up to int_rows rows the int8-activation kernel.
-constexpr int64_t kQuantIntRows = 16;  // what the decode loop passes as int_rows: gguf_quant.INT_ROWS
 void quant_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, int fmt, const uint8_t* packed,
                   int64_t N, const bf16* bias, bool silu_mul, int64_t int_rows);
 

@@ -10,6 +10,7 @@
 
 #include "kernels.h"
 #include "vec.h"
+#include "tape.h"
 
 namespace {
 
@@ -409,8 +410,10 @@ SERVELM_API int servelm_paged_decode_attention(int32_t dtype, void* out, const v
                                     lens, scale, window);
   });
 }
+SERVELM_TAPE_ENTRY(servelm_paged_decode_attention)
 
 SERVELM_API int servelm_write_kv(void* k_cache, void* v_cache, int64_t num_slots, int64_t row_bytes, const void* k,
                                  int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots, int64_t T) {
   return servelm::guarded([&] { servelm::write_kv(k_cache, v_cache, num_slots, row_bytes, k, k_stride, v, v_stride, slots, T); });
 }
+SERVELM_TAPE_ENTRY(servelm_write_kv)

@@ -17,6 +17,7 @@
 
 #include "amx.h"
 #include "kernels.h"
+#include "tape.h"
 
 using servelm::bf16;
 
@@ -419,3 +420,4 @@ SERVELM_API int servelm_paged_prefill_attention(bf16* out, int64_t o_s0, int64_t
 #endif
   });
 }
+SERVELM_TAPE_ENTRY(servelm_paged_prefill_attention)

@@ -28,6 +28,7 @@
 
 #include "kernels.h"
 #include "linear_epilogue.h"
+#include "tape.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -501,6 +502,7 @@ SERVELM_API int servelm_quant_linear(bf16* out, const bf16* x, int64_t M, int64_
                                      int64_t int_rows) {
   return servelm::guarded([&] { servelm::quant_linear(out, x, M, K, ldx, fmt, packed, N, bias, silu_mul != 0, int_rows); });
 }
+SERVELM_TAPE_ENTRY(servelm_quant_linear)
 
 void servelm::quant_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, int fmt,
                            const uint8_t* packed, int64_t N, const bf16* bias, bool silu_mul, int64_t int_rows) {
