@@ -71,6 +71,23 @@ def tokenizer(tokenizer_dir):
     return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
+def build_gemma(config, out: Path, tokenizer_dir: Path, seed: int = 0):
+    """A random Gemma from a transformers config, saved with the test tokenizer: (folder, model). Its norm
+    weights are randomised: Gemma initialises them to zero, which would hide whether (1 + w) is applied."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(out)
+    for f in tokenizer_dir.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    return out, model
+
+
 def build_model(arch: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     from transformers import AutoModelForCausalLM
 

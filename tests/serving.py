@@ -16,6 +16,15 @@ from urllib.parse import urlparse
 import httpx
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether pid runs (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import COMMON, hf_greedy, random_prompts, run  # noqa: E402
+from conftest import COMMON, build_gemma, hf_greedy, random_prompts, run  # noqa: E402
 
 from servelm import LLM  # noqa: E402
 
@@ -29,22 +29,8 @@ def _config(arch: str):
 def gemma(tmp_path_factory, tokenizer_dir):
     """{arch: (folder, transformers model)}; norm weights randomised (Gemma initialises them to zero, which
     would hide whether (1 + w) is applied)."""
-    from transformers import AutoModelForCausalLM
-
-    out = {}
-    for arch in ("gemma2", "gemma3"):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32).eval()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.normal_(0.0, 0.3)
-        folder = tmp_path_factory.mktemp(arch)
-        model.save_pretrained(folder)
-        for f in tokenizer_dir.iterdir():
-            (folder / f.name).write_bytes(f.read_bytes())
-        out[arch] = (folder, model)
-    return out
+    return {arch: build_gemma(_config(arch), tmp_path_factory.mktemp(arch), tokenizer_dir)
+            for arch in ("gemma2", "gemma3")}
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
@@ -80,25 +66,14 @@ def test_gemma3_gguf_from_llama_cpp_converter(tmp_path_factory, tokenizer_dir, m
     """A tiny Gemma 3 converted by llama.cpp's own converter (norms stored as 1 + w, its fixed five-local-one-
     global pattern, local RoPE base 10000) runs as the folder it came from."""
     from llama_cpp import ConverterUnavailable, convert
-    from transformers import AutoModelForCausalLM
+    from transformers import Gemma3TextConfig
 
     from servelm import SamplingParams
 
     monkeypatch.setenv("SERVELM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     cfg = dict(GEMMA, num_hidden_layers=6, query_pre_attn_scalar=16)
     del cfg["layer_types"]  # transformers' default: five sliding-window layers, then a global one
-    from transformers import Gemma3TextConfig
-
-    torch.manual_seed(1)
-    hf = AutoModelForCausalLM.from_config(Gemma3TextConfig(**cfg), dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 0.3)
-    folder = tmp_path_factory.mktemp("gemma3_6")
-    hf.save_pretrained(folder)
-    for f in tokenizer_dir.iterdir():
-        (folder / f.name).write_bytes(f.read_bytes())
+    folder, hf = build_gemma(Gemma3TextConfig(**cfg), tmp_path_factory.mktemp("gemma3_6"), tokenizer_dir, seed=1)
     try:
         gguf = convert({"g": folder}, tmp_path_factory.mktemp("gguf"))["g"]
     except ConverterUnavailable as e:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+from serving import pid_alive
+
 
 def test_api_side_imports_stay_light():
     code = ("import sys, servelm, servelm.entrypoints.cli, servelm.server.serve, servelm.worker.client; "
@@ -55,25 +57,16 @@ def test_engine_process_exits_when_its_parent_is_killed(tmp_path):
         pid, started = parent.stdout.readline().split()
         child = int(pid)
         assert started == "True", "the child did not start"
-        assert _alive(child)
+        assert pid_alive(child)
         parent.kill()
         parent.wait()
         deadline = time.monotonic() + 30
-        while _alive(child) and time.monotonic() < deadline:
+        while pid_alive(child) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(child)
+        assert not pid_alive(child)
     finally:
         if parent.poll() is None:
             parent.kill()
-
-
-def _alive(pid: int) -> bool:
-    """Running, not a zombie waiting for a reaper."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _modules_after(code: str) -> str:

@@ -8,7 +8,8 @@ import os
 
 import pytest
 import torch
-from conftest import COMMON, hf_greedy, random_prompts, reference, run
+from conftest import COMMON, build_gemma, hf_greedy, random_prompts, reference, run
+from serving import pid_alive
 
 from servelm import LLM, SamplingParams
 from servelm.config.engine import EngineConfig
@@ -24,15 +25,6 @@ def _keep_threads():
     torch.set_num_threads(n)
 
 
-def _alive(pid: int) -> bool:
-    """Whether pid runs (a zombie, exited but not yet reaped, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _children() -> set[int]:
     me = os.getpid()
     out = set()
@@ -40,7 +32,7 @@ def _children() -> set[int]:
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me and _alive(int(d)):
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me and pid_alive(int(d)):
                         out.add(int(d))
             except (FileNotFoundError, ProcessLookupError):
                 pass
@@ -51,24 +43,14 @@ def _children() -> set[int]:
 def gemma3_kv1(tmp_path_factory, tokenizer_dir):
     """A Gemma 3 of Gemma-3-270M's attention shape, four query heads over one KV head (at TP=2 both ranks keep
     that head), with its sandwich norms, q/k norms and local/global layers; norm weights randomised."""
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+    from transformers import Gemma3TextConfig
 
     config = Gemma3TextConfig(**{**COMMON, "num_key_value_heads": 1, "tie_word_embeddings": True}, head_dim=16,
                               sliding_window=24, query_pre_attn_scalar=24,
                               layer_types=["sliding_attention", "full_attention"], rope_parameters={
                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                   "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 0.3)
-    out = tmp_path_factory.mktemp("gemma3_kv1")
-    model.save_pretrained(out)
-    for f in tokenizer_dir.iterdir():
-        (out / f.name).write_bytes(f.read_bytes())
-    return out, model
+    return build_gemma(config, tmp_path_factory.mktemp("gemma3_kv1"), tokenizer_dir)
 
 
 def test_every_scheduling_feature_matches_tp1_and_transformers(model_dirs, hf_models):
@@ -137,10 +119,10 @@ def test_bfloat16_tp2_as_close_to_float32_as_tp1_and_close_leaves_no_process(mod
     before = _children()
     llm = LLM(path, dtype="bfloat16", tensor_parallel_size=2, num_kv_blocks=64)
     pids = llm.engine.core.runner.tp_workers.pids
-    assert len(pids) == 1 and all(_alive(p) for p in pids)
+    assert len(pids) == 1 and all(pid_alive(p) for p in pids)
     tp2 = (_prompt_logprobs(llm, prompts) - exact).abs()
     llm.engine.close()
-    assert not any(_alive(p) for p in pids)
+    assert not any(pid_alive(p) for p in pids)
     assert _children() <= before
     assert tp1.mean() > 0 and tp2.mean() <= 1.5 * tp1.mean() and tp2.max() <= 1.5 * tp1.max()
 
