@@ -405,52 +405,71 @@ def s1_servers(cache: Path, paths: dict[str, Path], threads: int, systems: list[
     return out
 
 
+@contextlib.contextmanager
+def running_server(label: str, cmd: list[str], threads: int):
+    """Starts one server command (its {port} filled in), waits until /v1/models answers, and yields
+    (base URL, seconds to ready, its TreePeak); stops it on exit."""
+    import httpx
+
+    port = free_port()
+    cmd = [c.replace("{port}", str(port)) for c in cmd]
+    log(" ".join(cmd))
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env={**os.environ, **thread_env(threads)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    peak = TreePeak(proc.pid)
+    try:
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.perf_counter() - start > 600:
+                raise RuntimeError(f"{label} did not start (exit code {proc.poll()})")
+            time.sleep(1)  # polling for readiness
+        yield f"http://127.0.0.1:{port}", time.perf_counter() - start, peak
+    finally:
+        peak.done.set()
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def serve_s1(cache: Path, paths: dict[str, Path], threads: int, rates: list[float | str], systems: list[str],
              servelm_args: list[str], num_requests: int, vocab: int) -> list[dict]:
     """S1 at each rate against each system's server, one after the other, same client; per system the highest
     rate whose p95 TTFT and p95 TPOT met the SLOs (500 ms, 50 ms) with nothing failed. A rate "W1" sends
     W1's 64 requests at once instead: the server's batch throughput."""
-    import httpx
-
     rows = []
     for label, cmd in s1_servers(cache, paths, threads, systems, servelm_args).items():
-        port = 8310 + len(rows)
-        cmd = [c.replace("{port}", str(port)) for c in cmd]
-        log(" ".join(cmd))
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, env={**os.environ, **thread_env(threads)}, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        peak = TreePeak(proc.pid)
         try:
-            while True:
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None or time.perf_counter() - start > 600:
-                    raise RuntimeError(f"{label} did not start")
-                time.sleep(1)
-            ready_s = time.perf_counter() - start
-            for rate in rates:
-                load = ["--workload", "W1", "--rate", "inf"] if rate == "W1" else ["--rate", str(rate)]
-                res = subprocess.run([sys.executable, "-m", "servelm.entrypoints.cli", "bench", "serve", "--base-url",
-                                      f"http://127.0.0.1:{port}", *load, "--label", label, "--num-requests",
-                                      str(num_requests), "--vocab-size", str(vocab)],
-                                     capture_output=True, text=True, check=True)
-                row = json.loads(res.stdout.strip().splitlines()[-1])
-                row["meets_slo_p95"] = (not row["failed"] and row["ttft_ms"].get("p95", 1e9) <= 500
-                                        and row["tpot_ms"].get("p95", 1e9) <= 50)
-                rows.append({"system": label, "ready_s": round(ready_s, 1), "peak_rss_mb": round(peak.peak / 2**20),
-                             **row})
-                log(json.dumps(rows[-1]))
+            with running_server(label, cmd, threads) as (url, ready_s, peak):
+                for rate in rates:
+                    load = ["--workload", "W1", "--rate", "inf"] if rate == "W1" else ["--rate", str(rate)]
+                    res = subprocess.run([sys.executable, "-m", "servelm.entrypoints.cli", "bench", "serve",
+                                          "--base-url", url, *load, "--label", label, "--num-requests",
+                                          str(num_requests), "--vocab-size", str(vocab)],
+                                         capture_output=True, text=True, check=True)
+                    row = json.loads(res.stdout.strip().splitlines()[-1])
+                    row["meets_slo_p95"] = (not row["failed"] and row["ttft_ms"].get("p95", 1e9) <= 500
+                                            and row["tpot_ms"].get("p95", 1e9) <= 50)
+                    rows.append({"system": label, "ready_s": round(ready_s, 1),
+                                 "peak_rss_mb": round(peak.peak / 2**20), **row})
+                    log(json.dumps(rows[-1]))
         except (RuntimeError, subprocess.CalledProcessError, ValueError) as e:
             log(f"{label}: {e}")
             rows.append({"system": label, "workload": "S1", "error": str(e)})
-        finally:
-            peak.done.set()
-            proc.terminate()
-            proc.wait(60)
     return rows
 
 
