@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_peers import ensure_models, ensure_venv, llama_server, log, running_server  # noqa: E402
+from run_peers import ensure_models, ensure_venv, llama_server, llama_server_cpu_args, log, running_server  # noqa: E402
 
 
 def commands(cache: Path, paths: dict[str, Path], threads: int, ctx: int, systems: list[str]) -> dict:
@@ -39,7 +39,7 @@ def commands(cache: Path, paths: dict[str, Path], threads: int, ctx: int, system
     if "llamacpp" in systems:
         out["llamacpp"] = [str(llama_server(cache)), "-m", str(paths["gguf"]), "--port", "{port}", "--host",
                            "127.0.0.1", "-np", "1", "-c", str(ctx), "-t", str(threads), "-tb", str(threads),
-                           "--no-webui"]
+                           "--no-webui", *llama_server_cpu_args()]
     return out
 
 

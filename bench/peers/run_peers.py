@@ -401,8 +401,14 @@ def s1_servers(cache: Path, paths: dict[str, Path], threads: int, systems: list[
     if "llamacpp" in systems:
         out["llama.cpp server"] = [str(llama_server(cache)), "-m", str(paths["gguf"]), "--port", "{port}",
                                    "--host", "127.0.0.1", "-np", "64", "-c", str(64 * 1024), "-t", str(threads),
-                                   "-tb", str(threads), "--no-webui"]
+                                   "-tb", str(threads), "--no-webui", *llama_server_cpu_args()]
     return out
+
+
+def llama_server_cpu_args() -> list[str]:
+    """On AMX CPUs, --no-repack: llama.cpp's AMX matmul died of SIGILL here (workers/llamacpp_offline.py)."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return ["--no-repack"] if " amx_int8" in flags else []
 
 
 @contextlib.contextmanager
