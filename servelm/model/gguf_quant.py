@@ -1,8 +1,9 @@
 """GGUF block-quantized linear weights kept as the file stores them (quantization=gguf), and run by servelm's
 own C++ kernels (csrc/quant_linear.cpp).
 
-Q8_0, Q4_0, Q4_1, Q4_K and Q6_K tensors are repacked at load (`pack_blocks`: codes and scales exact, 16 output rows
-interleaved per group of 32 inputs, see quant_linear.cpp) and multiplied with bf16 activations:
+Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K and Q6_K tensors are repacked at load (`pack_blocks`: codes and scales
+exact, 16 output rows interleaved per group of 32 inputs, see quant_linear.cpp; the Q5 types as 4-bit nibbles and
+a plane of fifth bits, 5 bits a weight as in the file) and multiplied with bf16 activations:
 - up to `INT_ROWS` rows (decode): each row of x is rounded to int8 in blocks of 32 (scale max|x| / 127) and
   the dot products are integer (AVX512-VNNI, or AVX2), one float32 scale per group: the exact product of
   the dequantized weight with the int8-rounded x, up to float32 rounding (`ReferenceMatmul` computes it in
@@ -11,7 +12,7 @@ interleaved per group of 32 inputs, see quant_linear.cpp) and multiplied with bf
   into a bf16 scratch copy in tile order, bit for bit the bf16 model's weight, and run by those kernels.
 
 Without the kernels (SERVELM_CPU_KERNELS=0, a CPU without AVX2, a float32 model) the Q4 types go to
-PyTorch's int4 kernels (model/quant.py) and the rest is dequantized.
+PyTorch's int4 kernels (model/quant.py) and the rest (Q8_0, Q5_*, Q6_K) is dequantized.
 """
 
 from __future__ import annotations
