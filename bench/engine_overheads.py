@@ -56,7 +56,7 @@ def fake_model(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, ma
     """What EngineCore and ModelRunner read of a model when nothing runs a forward: its KV geometry."""
     spec = SimpleNamespace(moe=None, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=VOCAB,
                            max_position_embeddings=max_len)
-    return SimpleNamespace(spec=spec, dtype=dtype, embed=torch.empty(0, dtype=dtype))
+    return SimpleNamespace(spec=spec, dtype=dtype, embed=torch.empty(0, dtype=dtype), tp=None)
 
 
 class StandInForward:
