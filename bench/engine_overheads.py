@@ -134,7 +134,8 @@ def bench_blocks(num_blocks: int, rounds: int) -> dict:
 
 
 # -- 2. scheduler overhead ----------------------------------------------------------------------------------
-def bench_scheduler(running: int, waiting: int, iters: int, policy: str, gc_freeze: bool = False) -> dict:
+def bench_scheduler(running: int, waiting: int, iters: int, policy: str, gc_freeze: bool = False,
+                    gc_threshold: int = 0) -> dict:
     wl = make_serving_workload(VOCAB, num_requests=running + waiting, seed=4)
     model = fake_model(1, 1, 8, torch.bfloat16, 8192)  # the KV tensors are never touched: keep them small
     longest = max(len(p) for p in wl.prompts) + iters + 64
@@ -158,8 +159,11 @@ def bench_scheduler(running: int, waiting: int, iters: int, policy: str, gc_free
     sch.schedule = timed_schedule
     for _ in range(10):
         core.step()
-    if gc_freeze:  # what the engine process could do once its state is built: older objects are never traversed
+    if gc_freeze:  # what the engine process does once its state is built: older objects are never traversed
         gc.freeze()
+    thresholds = gc.get_threshold()
+    if gc_threshold:  # what the engine process's gc_young_threshold sets
+        gc.set_threshold(gc_threshold, *thresholds[1:])
     totals, scheds, fwds = [], [], []
     gc_time = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}  # generation -> [collections, seconds]
     gc_start = [0.0]
@@ -185,6 +189,7 @@ def bench_scheduler(running: int, waiting: int, iters: int, policy: str, gc_free
     gc.callbacks.remove(on_gc)
     if gc_freeze:
         gc.unfreeze()
+    gc.set_threshold(*thresholds)
     us = [x * 1e6 for x in totals]
     med = statistics.median(us)
     return {
@@ -196,7 +201,7 @@ def bench_scheduler(running: int, waiting: int, iters: int, policy: str, gc_free
         "stand_in_forward_us_median": round(statistics.median(fwds) * 1e6, 1),
         # the cyclic garbage collector's share (it runs inside whatever allocates): per generation, collections
         # and milliseconds over all timed iterations, and the mean per iteration
-        "gc_freeze": gc_freeze, "gc_tracked_objects": len(gc.get_objects()),
+        "gc_freeze": gc_freeze, "gc_threshold0": gc_threshold or thresholds[0], "gc_tracked_objects": len(gc.get_objects()),
         "gc_collections_ms": {g: [n, round(t * 1e3, 1)] for g, (n, t) in gc_time.items()},
         "gc_us_per_iteration_mean": round(sum(t for _, t in gc_time.values()) / iters * 1e6, 1),
         "target_us": 100.0, "meets_target": med < 100.0,
@@ -316,6 +321,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=300, help="timed scheduler iterations")
     p.add_argument("--policy", default="priority", choices=["priority", "fcfs"])
     p.add_argument("--gc-freeze", action="store_true", help="scheduler: gc.freeze() before the timed iterations")
+    p.add_argument("--gc-threshold", type=int, default=0,
+                   help="scheduler: the young generation's collection threshold while timed (0: Python's)")
     p.add_argument("--concurrency", default="64,256", help="fragmentation: requests in flight (comma-separated)")
     p.add_argument("--frag-steps", type=int, default=600)
     p.add_argument("--kv-gb", type=float, default=4.0, help="fragmentation: KV cache size (the engine default)")
@@ -332,7 +339,7 @@ def main() -> None:
     if "blocks" in only:
         result["block_allocation"] = bench_blocks(a.blocks, a.rounds)
     if "scheduler" in only:
-        result["scheduler"] = bench_scheduler(a.running, a.waiting, a.iters, a.policy, a.gc_freeze)
+        result["scheduler"] = bench_scheduler(a.running, a.waiting, a.iters, a.policy, a.gc_freeze, a.gc_threshold)
     if "fragmentation" in only:
         result["fragmentation"] = [bench_fragmentation(int(c), 300, a.frag_steps, model, a.kv_gb)
                                    for c in a.concurrency.split(",")]
