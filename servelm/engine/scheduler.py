@@ -176,9 +176,11 @@ class Scheduler:
         running, kv, chunked = self.running, self.kv, self.enable_chunked_prefill
         bs, ref_counts = kv.block_size, kv.ref_counts
         prefill = self._prefill_budget()  # prompt tokens this step may compute beside its decodes
-        i = 0
-        while i < len(running) and budget > 0:
-            seq = running[i]
+        # A for loop over a list that preemption shortens from the end: scheduled sequences sit before the current
+        # one, so a victim is always after it (or is it, the last one, which ends the loop).
+        for seq in running:
+            if budget <= 0:
+                break
             start = seq.num_computed_tokens
             todo = len(seq.token_ids) - start
             # The common row, a decode whose token lands in a partly filled block of its own: what the general
@@ -186,12 +188,10 @@ class Scheduler:
             if todo == 1 and start % bs and not seq.spec_token_ids and ref_counts[seq.block_table[start // bs]] == 1:
                 scheduled.append(ScheduledSeq(seq, start, 1, [seq]))
                 budget -= 1
-                i += 1
                 continue
             n = todo if todo < budget else budget
             if n > 1 and not seq.spec_token_ids and n > prefill and chunked:  # a prompt chunk over the budget
                 if prefill <= 0:
-                    i += 1
                     continue
                 n = prefill
             # a row samples (sample_seqs=[seq]) when it reaches the sequence's last token
@@ -200,13 +200,11 @@ class Scheduler:
                 if drafts:
                     scheduled.append(ScheduledSeq(seq, start, n + len(drafts), [seq] if n == todo else [], drafts))
                     budget -= n + len(drafts)
-                    i += 1
                     continue
             if n < todo and not chunked:
-                i += 1
                 continue
             while not kv.allocate(seq, n):
-                victim = running.pop()  # scheduled sequences sit before i, so never a victim
+                victim = running.pop()
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is seq:
@@ -216,7 +214,6 @@ class Scheduler:
                 budget -= n
                 if n > 1:
                     prefill -= n
-                i += 1
 
         # Admit waiting sequences, unless this step already had to preempt (the pool is under pressure).
         num_running = len(scheduled)
