@@ -357,10 +357,8 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         sch, kv = self.scheduler, self.kv
-        swapped = sum(1 for s in sch.waiting if s.cpu_block_table)
-        by_priority = [0, 0, 0]
-        for s in sch.waiting:
-            by_priority[min(max(int(s.request.priority), 0), 2)] += 1
+        swapped = sch.num_waiting_swapped  # counted as the queue changes: no pass over a long waiting queue
+        by_priority = list(sch.waiting_by_priority)
         return EngineStats(
             num_running=len(sch.running), num_waiting=len(sch.waiting) - swapped, num_swapped=swapped,
             kv_usage=kv.usage, num_kv_blocks=kv.pool.num_blocks, num_free_blocks=kv.num_free_blocks,

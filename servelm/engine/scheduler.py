@@ -80,6 +80,10 @@ class Scheduler:
         # class's methods, which note when an append breaks the order (see _order_queues).
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        # what the waiting queue holds, kept as it changes (stats are read every step; the queue can be long):
+        # swapped sequences, and sequences by priority class (high, normal, low)
+        self.num_waiting_swapped = 0
+        self.waiting_by_priority = [0, 0, 0]
         self.num_preemptions = 0
         self.num_priority_preemptions = 0
         self.num_swaps = 0
@@ -100,6 +104,13 @@ class Scheduler:
         if self._waiting_sorted and self.waiting and self._key(seq) < self._key(self.waiting[-1]):
             self._waiting_sorted = False
         self.waiting.append(seq)
+        self._count_waiting(seq, 1)
+
+    def _count_waiting(self, seq: Sequence, d: int) -> None:
+        """seq joins (d=1) or leaves (d=-1) the waiting queue (its status and priority stay while it waits)."""
+        if seq.status == SeqStatus.SWAPPED:
+            self.num_waiting_swapped += d
+        self.waiting_by_priority[min(max(int(seq.request.priority), 0), 2)] += d
 
     def _append_running(self, seq: Sequence) -> None:
         """seq, already queued (its class change is noted), joins the end of the running queue."""
@@ -237,6 +248,7 @@ class Scheduler:
                     seq.num_cached_tokens = len(cached) * kv.block_size
                     kv.record_prefix_query(seq, seq.num_cached_tokens)
             self.waiting.pop(0)
+            self._count_waiting(seq, -1)
             seq.status = SeqStatus.RUNNING
             self._append_running(seq)
             start = seq.num_computed_tokens
@@ -325,6 +337,7 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
+            self._count_waiting(seq, -1)
         self.kv.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
