@@ -9,7 +9,8 @@ sequence, and the runner's own block copies for swapping. Prints one JSON object
   every free block still holds a cached prefix (each allocation evicts one);
 - `scheduler`: host time per engine iteration with 256 running (decoding) and 1,000 waiting requests,
   `Scheduler.schedule()` plus the update from the output (token appends, prefix-cache commits, outputs),
-  the stand-in forward excluded (target < 100 us);
+  the stand-in forward excluded (target < 100 us); also the engine process's other per-step work, its stats and
+  the encoding of the step's outputs (`stats_us_median`, `encode_outputs_us_median`, not in the target's time);
 - `fragmentation`: KV slots allocated but holding no token / slots allocated, averaged over steady-state
   steps of an S1 mix (prompts 64..512, outputs 32..256, a new request whenever one ends) at a fixed
   concurrency (target < 5%);
@@ -18,6 +19,7 @@ sequence, and the runner's own block copies for swapping. Prints one JSON object
 
     python bench/engine_overheads.py                    # everything, SmolLM2's KV geometry
     python bench/engine_overheads.py --only scheduler --iters 100
+    python bench/engine_overheads.py --only scheduler --gc-freeze --gc-threshold 10000   # the engine process's GC
 
 A benchmark, not a test: CI does not run it. Times are wall clock on a shared machine: compare runs taken one
 after the other (a 'before' checkout with PYTHONPATH pointing at it runs this same file).
@@ -47,6 +49,7 @@ from servelm.engine.scheduler import SchedulerOutput
 from servelm.engine.sequence import Request, Sequence
 from servelm.engine.step_outputs import SampleResult
 from servelm.sampling_params import SamplingParams
+from servelm.worker import messages
 
 VOCAB = 49152
 TOKEN = 7  # what the stand-in forward "samples": never an EOS (requests ignore EOS anyway)
@@ -164,7 +167,7 @@ def bench_scheduler(running: int, waiting: int, iters: int, policy: str, gc_free
     thresholds = gc.get_threshold()
     if gc_threshold:  # what the engine process's gc_young_threshold sets
         gc.set_threshold(gc_threshold, *thresholds[1:])
-    totals, scheds, fwds = [], [], []
+    totals, scheds, fwds, stats_s, encode_s = [], [], [], [], []
     gc_time = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}  # generation -> [collections, seconds]
     gc_start = [0.0]
 
@@ -186,6 +189,13 @@ def bench_scheduler(running: int, waiting: int, iters: int, policy: str, gc_free
         totals.append(total - fwd.seconds)
         scheds.append(sched_s[0])
         fwds.append(fwd.seconds)
+        # what the engine process does next with every step (worker/process.py), outside the iteration's time
+        t = time.perf_counter()
+        stats = core.stats()
+        t1 = time.perf_counter()
+        messages.encoder.encode(messages.StepOutputs(outs, [], stats, 0.0, 0))
+        stats_s.append(t1 - t)
+        encode_s.append(time.perf_counter() - t1)
     gc.callbacks.remove(on_gc)
     if gc_freeze:
         gc.unfreeze()
@@ -199,6 +209,10 @@ def bench_scheduler(running: int, waiting: int, iters: int, policy: str, gc_free
         "schedule_us_median": round(statistics.median(scheds) * 1e6, 1),
         "update_us_median": round(statistics.median(t - s for t, s in zip(totals, scheds, strict=True)) * 1e6, 1),
         "stand_in_forward_us_median": round(statistics.median(fwds) * 1e6, 1),
+        # the engine process's other per-step host work, not in the times above: EngineCore.stats() and encoding
+        # the step's outputs for the API process
+        "stats_us_median": round(statistics.median(stats_s) * 1e6, 1),
+        "encode_outputs_us_median": round(statistics.median(encode_s) * 1e6, 1),
         # the cyclic garbage collector's share (it runs inside whatever allocates): per generation, collections
         # and milliseconds over all timed iterations, and the mean per iteration
         "gc_freeze": gc_freeze, "gc_threshold0": gc_threshold or thresholds[0], "gc_tracked_objects": len(gc.get_objects()),
