@@ -9,7 +9,8 @@ sequence, and the runner's own block copies for swapping. Prints one JSON object
   every free block still holds a cached prefix (each allocation evicts one);
 - `scheduler`: host time per engine iteration with 256 running (decoding) and 1,000 waiting requests,
   `Scheduler.schedule()` plus the update from the output (token appends, prefix-cache commits, outputs),
-  the stand-in forward excluded (target < 100 us);
+  the stand-in forward excluded (target < 100 us); also the engine process's other per-step work, its stats and
+  the encoding of the step's outputs (`stats_us_median`, `encode_outputs_us_median`, not in the target's time);
 - `fragmentation`: KV slots allocated but holding no token / slots allocated, averaged over steady-state
   steps of an S1 mix (prompts 64..512, outputs 32..256, a new request whenever one ends) at a fixed
   concurrency (target < 5%);
@@ -18,6 +19,7 @@ sequence, and the runner's own block copies for swapping. Prints one JSON object
 
     python bench/engine_overheads.py                    # everything, SmolLM2's KV geometry
     python bench/engine_overheads.py --only scheduler --iters 100
+    python bench/engine_overheads.py --only scheduler --gc-freeze --gc-threshold 10000   # the engine process's GC
 
 A benchmark, not a test: CI does not run it. Times are wall clock on a shared machine: compare runs taken one
 after the other (a 'before' checkout with PYTHONPATH pointing at it runs this same file).
@@ -47,6 +49,7 @@ from servelm.engine.scheduler import SchedulerOutput
 from servelm.engine.sequence import Request, Sequence
 from servelm.engine.step_outputs import SampleResult
 from servelm.sampling_params import SamplingParams
+from servelm.worker import messages
 
 VOCAB = 49152
 TOKEN = 7  # what the stand-in forward "samples": never an EOS (requests ignore EOS anyway)
@@ -56,7 +59,7 @@ def fake_model(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, ma
     """What EngineCore and ModelRunner read of a model when nothing runs a forward: its KV geometry."""
     spec = SimpleNamespace(moe=None, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=VOCAB,
                            max_position_embeddings=max_len)
-    return SimpleNamespace(spec=spec, dtype=dtype, embed=torch.empty(0, dtype=dtype))
+    return SimpleNamespace(spec=spec, dtype=dtype, embed=torch.empty(0, dtype=dtype), tp=None)
 
 
 class StandInForward:
@@ -134,7 +137,8 @@ def bench_blocks(num_blocks: int, rounds: int) -> dict:
 
 
 # -- 2. scheduler overhead ----------------------------------------------------------------------------------
-def bench_scheduler(running: int, waiting: int, iters: int, policy: str, gc_freeze: bool = False) -> dict:
+def bench_scheduler(running: int, waiting: int, iters: int, policy: str, gc_freeze: bool = False,
+                    gc_threshold: int = 0) -> dict:
     wl = make_serving_workload(VOCAB, num_requests=running + waiting, seed=4)
     model = fake_model(1, 1, 8, torch.bfloat16, 8192)  # the KV tensors are never touched: keep them small
     longest = max(len(p) for p in wl.prompts) + iters + 64
@@ -158,9 +162,12 @@ def bench_scheduler(running: int, waiting: int, iters: int, policy: str, gc_free
     sch.schedule = timed_schedule
     for _ in range(10):
         core.step()
-    if gc_freeze:  # what the engine process could do once its state is built: older objects are never traversed
+    if gc_freeze:  # what the engine process does once its state is built: older objects are never traversed
         gc.freeze()
-    totals, scheds, fwds = [], [], []
+    thresholds = gc.get_threshold()
+    if gc_threshold:  # what the engine process's gc_young_threshold sets
+        gc.set_threshold(gc_threshold, *thresholds[1:])
+    totals, scheds, fwds, stats_s, encode_s = [], [], [], [], []
     gc_time = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}  # generation -> [collections, seconds]
     gc_start = [0.0]
 
@@ -182,9 +189,17 @@ def bench_scheduler(running: int, waiting: int, iters: int, policy: str, gc_free
         totals.append(total - fwd.seconds)
         scheds.append(sched_s[0])
         fwds.append(fwd.seconds)
+        # what the engine process does next with every step (worker/process.py), outside the iteration's time
+        t = time.perf_counter()
+        stats = core.stats()
+        t1 = time.perf_counter()
+        messages.encoder.encode(messages.StepOutputs(outs, [], stats, 0.0, 0))
+        stats_s.append(t1 - t)
+        encode_s.append(time.perf_counter() - t1)
     gc.callbacks.remove(on_gc)
     if gc_freeze:
         gc.unfreeze()
+    gc.set_threshold(*thresholds)
     us = [x * 1e6 for x in totals]
     med = statistics.median(us)
     return {
@@ -194,9 +209,13 @@ def bench_scheduler(running: int, waiting: int, iters: int, policy: str, gc_free
         "schedule_us_median": round(statistics.median(scheds) * 1e6, 1),
         "update_us_median": round(statistics.median(t - s for t, s in zip(totals, scheds, strict=True)) * 1e6, 1),
         "stand_in_forward_us_median": round(statistics.median(fwds) * 1e6, 1),
+        # the engine process's other per-step host work, not in the times above: EngineCore.stats() and encoding
+        # the step's outputs for the API process
+        "stats_us_median": round(statistics.median(stats_s) * 1e6, 1),
+        "encode_outputs_us_median": round(statistics.median(encode_s) * 1e6, 1),
         # the cyclic garbage collector's share (it runs inside whatever allocates): per generation, collections
         # and milliseconds over all timed iterations, and the mean per iteration
-        "gc_freeze": gc_freeze, "gc_tracked_objects": len(gc.get_objects()),
+        "gc_freeze": gc_freeze, "gc_threshold0": gc_threshold or thresholds[0], "gc_tracked_objects": len(gc.get_objects()),
         "gc_collections_ms": {g: [n, round(t * 1e3, 1)] for g, (n, t) in gc_time.items()},
         "gc_us_per_iteration_mean": round(sum(t for _, t in gc_time.values()) / iters * 1e6, 1),
         "target_us": 100.0, "meets_target": med < 100.0,
@@ -316,6 +335,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=300, help="timed scheduler iterations")
     p.add_argument("--policy", default="priority", choices=["priority", "fcfs"])
     p.add_argument("--gc-freeze", action="store_true", help="scheduler: gc.freeze() before the timed iterations")
+    p.add_argument("--gc-threshold", type=int, default=0,
+                   help="scheduler: the young generation's collection threshold while timed (0: Python's)")
     p.add_argument("--concurrency", default="64,256", help="fragmentation: requests in flight (comma-separated)")
     p.add_argument("--frag-steps", type=int, default=600)
     p.add_argument("--kv-gb", type=float, default=4.0, help="fragmentation: KV cache size (the engine default)")
@@ -332,7 +353,7 @@ def main() -> None:
     if "blocks" in only:
         result["block_allocation"] = bench_blocks(a.blocks, a.rounds)
     if "scheduler" in only:
-        result["scheduler"] = bench_scheduler(a.running, a.waiting, a.iters, a.policy, a.gc_freeze)
+        result["scheduler"] = bench_scheduler(a.running, a.waiting, a.iters, a.policy, a.gc_freeze, a.gc_threshold)
     if "fragmentation" in only:
         result["fragmentation"] = [bench_fragmentation(int(c), 300, a.frag_steps, model, a.kv_gb)
                                    for c in a.concurrency.split(",")]

@@ -47,6 +47,7 @@ def test_toml_and_json_files_and_config_env_var(tmp_path):
     ({}, "engine:\n  dtype: float8\n", r"engine\.dtype must be one of auto.*\(set by file\), got 'float8'"),
     ({}, "engine:\n  max_num_sequences: 3\n", r"engine\.max_num_sequences must be a known key"),
     ({"SERVELM_DEVICE": "tpu"}, None, r"engine\.device must be cpu, cuda or cuda:N \(set by env SERVELM_DEVICE\)"),
+    ({"SERVELM_GC_YOUNG_THRESHOLD": "0"}, None, r"engine\.gc_young_threshold must be >= 1 \(set by env"),
     ({"SERVELM_SLIDING_WINDOW": "0"}, None, r"engine\.sliding_window must be >= 1 or None \(set by env"),
     ({}, "scheduler:\n  x: 1\n", r"section 'scheduler'"),
     ({}, "admission:\n  queue_low_watermark: 2000\n", r"queue_low_watermark must be in \[0, queue_high_watermark"),
@@ -219,3 +220,19 @@ def test_http_keep_alive_outlasts_clients_idle_expiry():
     assert uvicorn_config(None, load({"http_keep_alive_s": 12}, env={}).server).timeout_keep_alive == 12
     with pytest.raises(Exception, match="http_keep_alive_s"):
         load({"http_keep_alive_s": 0}, env={})
+
+
+def test_engine_process_freezes_its_heap_and_sets_the_young_gc_threshold():
+    import gc
+
+    from servelm.config.engine import EngineConfig
+    from servelm.worker.process import settle_heap
+
+    before = gc.get_threshold()
+    assert EngineConfig().gc_young_threshold > before[0]  # the default is larger than Python's
+    try:
+        settle_heap(12345)
+        assert gc.get_threshold() == (12345, *before[1:]) and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

@@ -100,6 +100,11 @@ def test_schedules_exactly_as_sorting_every_step(policy, aging_s, mode, seed):
                 sim.sch.policy, sim.sch.aging_s = ("fcfs" if policy == "priority" else "priority"), 1.0
         assert new.step() == ref.step(), f"step {step}"
         assert new.queues() == ref.queues(), f"step {step}"
+        # the waiting queue's counts (engine stats, read every step) are kept as it changes: they are a recount
+        waiting = new.sch.waiting
+        assert new.sch.num_waiting_swapped == sum(1 for q in waiting if q.cpu_block_table), f"step {step}"
+        assert new.sch.waiting_by_priority == [sum(1 for q in waiting if min(q.request.priority, 2) == c)
+                                               for c in range(3)], f"step {step}"
         # steps land on aging boundaries exactly (whole seconds) and between them
         dt = rng.choice([1.0, 1.0, 0.5, 0.25, 0.3])
         new.now += dt

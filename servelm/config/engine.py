@@ -103,6 +103,10 @@ class EngineConfig:
                               "vLLM's VLLM_CPU_OMP_THREADS_BIND); default: wherever the OS schedules them")
     cpu_nice: int = _f(0, "raise the engine process's niceness by this much (0-19): a lower CPU priority, so "
                        "a shadow or batch deployment takes only CPU the others leave idle")
+    gc_young_threshold: int = _f(10000, "the engine process's young-generation garbage collection threshold "
+                                 "(Python's default is 700): a step with hundreds of sequences allocates more "
+                                 "than 700 objects, so the default collects in nearly every step (README: "
+                                 "Configuration); the offline LLM(...) leaves its own process's collector alone")
     scheduling_policy: str = _f("priority", "priority | fcfs: admit and preempt by priority class "
                                 "(high, normal, low) with aging, or purely by arrival", runtime=True)
     priority_aging_s: float = _f(10.0, "seconds of waiting that lift a request one priority class, so "
@@ -164,6 +168,7 @@ class EngineConfig:
         need(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "recompute or swap")
         need(self.swap_space_gb >= 0, "swap_space_gb", ">= 0")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1 or None")
+        need(self.gc_young_threshold >= 1, "gc_young_threshold", ">= 1")
         need(0 <= self.cpu_nice <= 19, "cpu_nice", "0 to 19 (only lowering the priority needs no privilege)")
         need(self.cpu_bind is None or cpu_list(self.cpu_bind) is not None, "cpu_bind",
              f"a list of this process's CPUs {sorted(os.sched_getaffinity(0))} like '0-3' or '0,2'")

@@ -17,7 +17,7 @@ from servelm.engine.cuda_graphs import capture_sizes
 from servelm.engine.kv_cache_manager import KVCacheManager
 from servelm.engine.model_runner import ModelRunner, kv_bytes_per_block
 from servelm.engine.proposers import NgramProposer
-from servelm.engine.scheduler import ScheduledSeq, Scheduler
+from servelm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from servelm.engine.sequence import Request, Sequence
 from servelm.engine.spec_decode import SpecDecoder
 from servelm.engine.step_outputs import EngineStats, SampleResult, SeqOutput
@@ -135,6 +135,11 @@ class EngineCore:
         req.params.check_vocab(self.model.spec.vocab_size)
         req.order = self._order
         self._order += 1
+        p = req.params
+        req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(p._eos_token_ids))
+        if p.prompt_logprobs is None and p.structured_outputs is None:
+            limit = len(req.prompt_token_ids) + p.max_tokens if p.max_tokens is not None else self.max_model_len
+            req.plain_below = min(limit, self.max_model_len)
         seq = Sequence(req, 0, list(req.prompt_token_ids), generator=req.make_generator(0))
         req.seqs = [seq]
         self.requests[req.request_id] = req
@@ -223,7 +228,7 @@ class EngineCore:
                 s.sample_seqs += [Sequence(req, i, list(s.seq.token_ids), generator=req.make_generator(i),
                                            matcher=new_matcher(req.grammar) if req.grammar is not None else None)
                                   for i in range(1, req.params.n)]
-        results = iter(self.runner.execute(out))
+        results = self.runner.execute(out)
         for req, first, lps in self.runner.prompt_logprobs:
             if req.prompt_logprobs is None:
                 req.prompt_logprobs = [None] * req.num_prompt_tokens
@@ -231,31 +236,60 @@ class EngineCore:
         self.kv.end_step()
         now = time.monotonic()
         self.scheduler.step_cost.observe(out.num_batched_tokens, now - start)
+        outputs = self._update_from_output(out, results, now)
+        if self.spec is not None:  # drafts for the next step, from the tokens as they are now
+            self.spec.propose(self.scheduler.running)
+        return outputs
+
+    def _update_from_output(self, out: SchedulerOutput, step_results: list[list[SampleResult]],
+                            now: float) -> list[SeqOutput]:
+        """Every per-sequence change a step makes once its forward has run: computed tokens, prefix-cache
+        commits, forks of n > 1 samples, the sampled tokens appended (up to a stop), and what each sample
+        gained. A decode that does not end its sample, the common row, is handled inline (see plain_below)."""
         outputs: list[SeqOutput] = []
-        commit, append = self.kv.commit_computed, self._append
+        results = iter(step_results)
+        kv, append = self.kv, self._append
+        commit, caching, bs = kv.commit_computed, kv.pool.enable_caching, kv.block_size
+        generated = 0
         for s in out.scheduled:
             seq = s.seq
             if s.spec_token_ids:
                 outputs.append(self._apply_verification(s, next(results), now))
                 continue
-            seq.num_computed_tokens += s.num_tokens
-            commit(seq)
-            if seq.num_computed_tokens <= len(seq.request.prompt_token_ids):
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + s.num_tokens
+            full = computed // bs
+            if caching and (full > seq.num_registered_blocks or full > len(seq.block_hashes)):
+                commit(seq)  # a block became full (else commit_computed has nothing to do)
+            req = seq.request
+            if computed <= len(req.prompt_token_ids):
                 self.prompt_tokens += s.num_tokens
             samples = s.sample_seqs
+            if len(samples) == 1:
+                res = next(results)
+                tok = res[0].token_id
+                tokens = seq.token_ids
+                if (len(tokens) + 1 < req.plain_below and tok not in req.stop_ids
+                        and seq.first_token_time is not None):
+                    tokens.append(tok)  # what _append does for a token that neither ends nor starts the sample
+                    generated += 1
+                    outputs.append(SeqOutput(req.request_id, seq.index, [tok],
+                                             res if res[0].logprob is not None else [], None, None,
+                                             seq.num_cached_tokens))
+                else:
+                    outputs.append(append(seq, res, now))
+                continue
             if len(samples) > 1:
                 for child in samples[1:]:  # fork n>1 siblings onto the parent's blocks
                     child.num_computed_tokens = seq.num_computed_tokens
                     child.num_cached_tokens, child.first_scheduled = seq.num_cached_tokens, seq.first_scheduled
-                    self.kv.fork(seq, child)
-                    seq.request.seqs.append(child)
+                    kv.fork(seq, child)
+                    req.seqs.append(child)
                     self.scheduler.add_running(child)
-                seq.request.forked = True
-                self.unforked.discard(seq.request.request_id)
+                req.forked = True
+                self.unforked.discard(req.request_id)
             for q in samples:
                 outputs.append(append(q, next(results), now))
-        if self.spec is not None:  # drafts for the next step, from the tokens as they are now
-            self.spec.propose(self.scheduler.running)
+        self.generation_tokens += generated
         return outputs
 
     def _apply_verification(self, s: ScheduledSeq, res: list[SampleResult], now: float) -> SeqOutput:
@@ -323,10 +357,8 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         sch, kv = self.scheduler, self.kv
-        swapped = sum(1 for s in sch.waiting if s.cpu_block_table)
-        by_priority = [0, 0, 0]
-        for s in sch.waiting:
-            by_priority[min(max(int(s.request.priority), 0), 2)] += 1
+        swapped = sch.num_waiting_swapped  # counted as the queue changes: no pass over a long waiting queue
+        by_priority = list(sch.waiting_by_priority)
         return EngineStats(
             num_running=len(sch.running), num_waiting=len(sch.waiting) - swapped, num_swapped=swapped,
             kv_usage=kv.usage, num_kv_blocks=kv.pool.num_blocks, num_free_blocks=kv.num_free_blocks,

@@ -28,6 +28,9 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_cpu_blocks: int) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        # the pool's reference counts, read-only outside this class: the scheduler's per-decode check reads them
+        # directly (a decode whose partly filled last block is its own needs no block and no copy)
+        self.ref_counts = self.pool.ref_counts
         self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self._cpu_release_after_step: list[int] = []
         self.ops = BlockOps()

@@ -5,23 +5,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 
-@dataclass
-class SampleResult:
+
+class SampleResult(msgspec.Struct, gc=False):
+    """One sampled token. A struct the garbage collector does not track (it holds no cycles): the engine makes
+    one per sequence per step, and tracked objects are what trigger young collections mid-step."""
+
     token_id: int
     logprob: float | None = None  # of the chosen token under the raw model distribution
     rank: int | None = None  # 1 = the most likely token
     top_logprobs: list[tuple[int, float]] | None = None
 
 
-@dataclass
-class SeqOutput:
-    """What one sample gained in one step."""
+class SeqOutput(msgspec.Struct, gc=False):
+    """What one sample gained in one step (untracked by the garbage collector, like SampleResult: one per
+    sequence per step; it holds lists of ints and SampleResults, never a cycle)."""
 
     request_id: str
     index: int
     new_token_ids: list[int]
-    new_logprobs: list[SampleResult] = field(default_factory=list)
+    new_logprobs: list[SampleResult] = []  # a fresh list per instance
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0

@@ -73,11 +73,7 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
         out.send(m.encoder.encode(m.Fatal(f"{type(e).__name__}: {e}")))
         ctx.destroy(linger=5000)
         return
-    # Everything built so far (modules, model, KV manager, warm-up leftovers) lives as long as the process: a
-    # frozen heap is never traversed again, where a full collection walked ~190k objects (0.1-0.2 s) in the
-    # middle of a step (bench/engine_overheads.py --gc-freeze: GC per scheduler iteration 843 -> 313 us).
-    gc.collect()
-    gc.freeze()
+    settle_heap(config.gc_young_threshold)
     model = core.model
     out.send(m.encoder.encode(m.Ready(core.max_model_len, model.spec.vocab_size, os.getpid(), core.stats(),
                                       model.spec.architecture, getattr(model, "num_params", 0),
@@ -118,6 +114,22 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
         errors += [m.RequestError(rid, why) for rid, why in core.take_errors()]
         out.send(m.encoder.encode(m.StepOutputs(outputs, errors, core.stats(), 1000 * (time.perf_counter() - t),
                                                 core.last_num_batched_tokens)))
+
+
+def settle_heap(young_threshold: int) -> None:
+    """Tune the garbage collector for the serving loop, once the engine is built.
+
+    Everything built so far (modules, model, KV manager, warm-up leftovers) lives as long as the process: a
+    frozen heap is never traversed again, where a full collection walked ~190k objects (0.1-0.2 s) in the
+    middle of a step (bench/engine_overheads.py --gc-freeze: GC per scheduler iteration 843 -> 313 us). A young
+    collection runs whenever tracked objects outnumber freed ones by the threshold: with Python's 700 a step of
+    256 decodes crossed it about once a step (~40 us on an idle core), though what a step allocates is freed by
+    reference counting when it ends; a larger threshold leaves collections to the garbage that needs them
+    (finished requests' reference cycles).
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(young_threshold, *gc.get_threshold()[1:])
 
 
 def _exit_with_parent(poll_s: float = 1.0) -> None:
