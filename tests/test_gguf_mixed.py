@@ -139,3 +139,16 @@ def test_mixed_gguf_llama_keeps_every_part_quantized_and_matches_the_reference(m
     assert (mine - dense).abs().max() < 0.05 * dense.abs().mean()
     if kernels.quant_linear_supported(FORMATS["Q4_0"], 64) == 2:
         assert torch.equal(prompt_logprobs(llm, True), prompt_logprobs(none, True))
+
+
+def test_the_loader_keeps_only_what_runs_quantized(monkeypatch):
+    """The load log counts what runs: a type is kept where a kernel takes it (servelm's in bf16, PyTorch's int4
+    for the Q4 types in float32 too, the torch reference for every kernel format), else read dequantized."""
+    from servelm.model.gguf_quant import kept_at_load
+
+    assert kept_at_load("Q6_K", 256, torch.bfloat16) and kept_at_load("Q8_0", 64, torch.bfloat16)
+    assert kept_at_load("Q4_K", 256, torch.float32)  # PyTorch's int4 kernel
+    assert not kept_at_load("Q6_K", 256, torch.float32) and not kept_at_load("Q8_0", 64, torch.float32)
+    assert not kept_at_load("F16", 256, torch.bfloat16)
+    monkeypatch.setenv("SERVELM_QUANT_KERNEL", "reference")
+    assert kept_at_load("Q6_K", 256, torch.float32)
