@@ -56,6 +56,8 @@ def weight_bytes(model) -> dict[str, int]:
     and norms, and the LM head where it is not the embedding tensor itself (a tied head packed for a bf16
     kernel is a second copy)."""
     def lin_bytes(lin) -> int:
+        if hasattr(lin, "parts"):  # a fused weight whose parts keep different formats (layers.PartsLinear)
+            return sum(lin_bytes(p) for p in lin.parts)
         if getattr(lin, "quant", None) is not None:
             bias = getattr(lin, "bias", None)  # a fused gate/up has none
             return lin.quant.nbytes + (0 if bias is None else bias.nbytes)

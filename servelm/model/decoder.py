@@ -20,9 +20,11 @@ from servelm.model.gguf_quant import GGUFMatmul
 from servelm.model.layers import (
     GateUpLinear,
     Linear,
+    PartsLinear,
     add_rms_norm,
     contiguous_rows,
     fused_kernels,
+    linear_for,
     rms_norm,
     rotary_,
 )
@@ -36,7 +38,7 @@ from servelm.model.tape import DecodeTapes
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: Linear
+    qkv: Linear | PartsLinear
     o_proj: Linear
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
@@ -97,6 +99,7 @@ class DecoderLM:
             slots += [(lw, n) for n in ("input_norm", "post_norm", "q_norm", "k_norm")]
             mlp = [lw.gate_up, lw.down] if lw.moe is None else lw.moe.linears()
             linears += [lw.qkv, lw.o_proj] + [getattr(x, "linear", None) or x for x in mlp]
+        linears = [p for lin in linears for p in (lin.parts if isinstance(lin, PartsLinear) else [lin])]
         return slots + [(lin, n) for lin in linears for n in ("tiled", "weight", "bias") if hasattr(lin, n)] + [
             (lin.quant, "packed") for lin in linears if isinstance(getattr(lin, "quant", None), GGUFMatmul)]
 
@@ -139,7 +142,7 @@ class DecoderLM:
         norm = self._norm_weight
         return LayerWeights(
             input_norm=norm(take("input_layernorm.weight")),
-            qkv=Linear(qkv_weight, qkv_bias),
+            qkv=linear_for(qkv_weight, qkv_bias),
             o_proj=Linear(take("self_attn.o_proj.weight"), take("self_attn.o_proj.bias", False)),
             q_norm=norm(take("self_attn.q_norm.weight", False)),
             k_norm=norm(take("self_attn.k_norm.weight", False)),

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from servelm.model.gguf_header import GGUFHeader, read_gguf_header  # noqa: F401 (re-exported)
-from servelm.model.gguf_quant import FORMATS, GGUFBlocks
+from servelm.model.gguf_quant import FORMATS, GGUFBlocks, kept_at_load
 from servelm.model.quant import is_linear_weight
 from servelm.progress import progress
 
@@ -164,7 +164,8 @@ def iter_gguf_tensors(path: Path, dtype: torch.dtype, keep_quantized: bool = Fal
             raw = np.frombuffer(buf, np.uint8, rows * row_bytes, head.data_offset + toff).reshape(rows, row_bytes)
             permuted = arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight"))
             heads = n_head if "q_proj" in name else n_kv
-            if keep_quantized and qtype.name in KEPT and is_linear_weight(name) and len(shape) == 2:
+            if (keep_quantized and qtype.name in KEPT and is_linear_weight(name) and len(shape) == 2
+                    and kept_at_load(qtype.name, shape[0], dtype)):
                 rows_raw = unpermute_rotary(raw, heads) if permuted else raw  # a row's blocks move with it
                 kept[qtype.name] += 1
                 yield name, GGUFBlocks(qtype.name, torch.from_numpy(np.array(rows_raw)), shape[0], dtype)
@@ -178,5 +179,5 @@ def iter_gguf_tensors(path: Path, dtype: torch.dtype, keep_quantized: bool = Fal
             yield name, torch.from_numpy(np.array(arr, dtype=np.float32)).to(dtype)
             del raw, arr  # no view may outlive the mapping
     if keep_quantized:
-        logger.info("%s: linear weights kept quantized: %s; dequantized to %s (no kernel for their type): %s",
+        logger.info("%s: linear weights kept quantized: %s; dequantized to %s (no kernel for their type here): %s",
                     path.name, dict(kept) or "none", dtype, dict(dense) or "none")

@@ -281,3 +281,14 @@ def gguf_matmul(w: GGUFBlocks, gate_up: bool = False):
     if w.qtype in ("Q4_0", "Q4_1", "Q4_K"):
         return quant_matmul(w.to_int4())
     return None
+
+
+def kept_at_load(qtype: str, in_features: int, dtype: torch.dtype) -> bool:
+    """Whether `gguf_matmul` keeps a linear weight of this GGUF type, inputs and model dtype quantized (servelm's
+    kernels, the torch reference, or PyTorch's int4 kernel for the Q4 types, whose shape checks may still refuse
+    one and say so). The loader dequantizes the rest as it reads them, so its counts are what runs."""
+    if qtype not in FORMATS:
+        return False
+    if reference_selected() or qtype in ("Q4_0", "Q4_1", "Q4_K"):
+        return True
+    return gguf_kernels(GGUFBlocks(qtype, torch.empty(0, dtype=torch.uint8), in_features, dtype)) is not None

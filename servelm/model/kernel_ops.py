@@ -306,6 +306,16 @@ class CpuKernels:
         self._ok(self._copy_rows(out.data_ptr(), out.stride(0) * size, x.data_ptr(), x.stride(0) * size, x.shape[0],
                                  out.stride(0) * size))
 
+    def copy_into_rows(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """out [T, C] = x [T, C], each with contiguous rows that may be apart (out: a column slice of a fused
+        projection's output, which one part's linear fills)."""
+        _require(out.shape == x.shape and out.dtype == x.dtype and x.dim() == 2 and x.stride(1) == 1
+                 and out.stride(1) == 1 and x.is_cpu and out.is_cpu,
+                 "copy_into_rows: [T, C] tensors of one dtype with contiguous rows")
+        size = x.element_size()
+        self._ok(self._copy_rows(out.data_ptr(), out.stride(0) * size, x.data_ptr(), x.stride(0) * size, x.shape[0],
+                                 x.shape[1] * size))
+
     # --- GGUF block-quantized linears (quant_linear.cpp; weights packed by gguf_quant.pack_blocks) ----------
 
     def quant_linear_supported(self, fmt: int, K: int) -> int:

@@ -15,7 +15,7 @@ from servelm.model.gguf_quant import (
     gguf_matmul,
     reference_selected,
 )
-from servelm.model.quant import QuantMatmul, QuantWeight, fuse_rows, quant_matmul
+from servelm.model.quant import QuantMatmul, QuantWeight, RowParts, fuse_rows, quant_matmul
 
 
 def fused_kernels(dtype: torch.dtype, device: torch.device | str = "cpu"):
@@ -196,6 +196,49 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
+class PartsLinear:
+    """y = x W^T + b for a fused weight whose row blocks keep different formats (model/quant.py RowParts: a
+    Q4_K_M file's Q6_K V beside Q4_K Q and K). Each part is a `Linear` of its own (its kernel, its slice of the
+    bias) and its output is copied into its columns of the one [M, N] output by the C++ row copy, so a decode
+    step's kernel tape holds only kernel calls (model/tape.py); torch.cat where the kernels are not built.
+    The copy is M x N activations, small beside the weights a decode step reads."""
+
+    def __init__(self, weight: RowParts, bias: torch.Tensor | None = None) -> None:
+        self.out_features = weight.shape[0]
+        self.bias = bias
+        self.parts: list[Linear] = []
+        self.columns: list[tuple[int, int]] = []
+        # each part's format as it runs: a GGUF type or int8/int4 where kept, else the dtype it was dequantized to
+        self.formats: list[str] = []
+        n0 = 0
+        for p in weight.parts:
+            n1 = n0 + p.shape[0]
+            lin = Linear(p, None if bias is None else bias[n0:n1])
+            self.parts.append(lin)
+            self.columns.append((n0, n1))
+            self.formats.append(lin.quant.kind if lin.quant is not None else str(p.dtype).removeprefix("torch."))
+            n0 = n1
+        # what it keeps quantized, per part (None where nothing is: every part dense)
+        self.quant = [lin.quant for lin in self.parts if lin.quant is not None] or None
+        self.weight = self.tiles = self.avx512 = self.tiled = self.packed = None
+        self.kernels = cpu_kernels.load()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ys = [lin(x) for lin in self.parts]
+        if self.kernels is None or not x.is_cpu or len({y.dtype for y in ys}) > 1:
+            return torch.cat(ys, dim=-1)
+        out = ys[0].new_empty(x.shape[0], self.out_features)
+        for y, (n0, n1) in zip(ys, self.columns, strict=True):
+            self.kernels.copy_into_rows(out[:, n0:n1], y)
+        return out
+
+
+def linear_for(weight: torch.Tensor | QuantWeight | GGUFBlocks | RowParts, bias: torch.Tensor | None = None
+               ) -> Linear | PartsLinear:
+    """The linear layer for a (possibly fused) weight: a PartsLinear where its parts keep different formats."""
+    return PartsLinear(weight, bias) if isinstance(weight, RowParts) else Linear(weight, bias)
+
+
 class GateUpLinear:
     """silu(x Wg^T) * (x Wu^T), the input half of a gated MLP. Where a C++ kernel takes the weight (the AMX
     tile matmul, else the AVX512-BF16 kernel; any number of rows), it runs with the SiLU-and-multiply in
@@ -223,7 +266,7 @@ class GateUpLinear:
         self.tiles = _tile_kernels(weight) if whole else None
         self.avx512 = _avx512_kernels(weight) if whole and self.tiles is None else None
         self.tiled = pack_weight_for_tiles(weight, gate_up=True) if (self.tiles or self.avx512) is not None else None
-        self.linear = Linear(weight) if self.tiled is None else None
+        self.linear = linear_for(weight) if self.tiled is None else None
 
     def __call__(self, x: torch.Tensor, fused=None) -> torch.Tensor:
         if self.quant is not None:

@@ -118,24 +118,74 @@ def quantize_linears(tensors: Iterable[tuple[str, torch.Tensor]], kind: str, gro
         yield name, t
 
 
-def fuse_rows(parts: list) -> torch.Tensor | QuantWeight | GGUFBlocks:
-    """Weights stacked along their output rows (fused Q/K/V, gate/up). Quantized parts stay quantized where
-    all share one format; a mix (a GGUF whose V is Q6_K beside Q4_K Q and K) is dequantized."""
-    blocks = [p for p in parts if isinstance(p, GGUFBlocks)]
-    if blocks and len(blocks) == len(parts) and len({(p.qtype, p.in_features) for p in blocks}) == 1:
-        return GGUFBlocks(blocks[0].qtype, torch.cat([p.raw for p in blocks]), blocks[0].in_features, blocks[0].dtype)
-    quant = [p for p in parts if isinstance(p, (QuantWeight, GGUFBlocks))]
-    if not quant:
-        return torch.cat(parts).contiguous()
-    first = quant[0]
-    if len(quant) == len(parts) and all(isinstance(p, QuantWeight) and (p.kind, p.group_size, p.scales.dtype)
-                                        == (first.kind, first.group_size, first.scales.dtype) for p in quant):
+@dataclass
+class RowParts:
+    """A fused weight (Q/K/V, gate/up) whose row blocks keep different formats: a GGUF file's Q6_K V beside
+    Q4_K Q and K, or a kept part beside one dequantized for want of a kernel. Each part keeps its own format
+    and runs its own kernel into its columns of the one output (layers.PartsLinear); neighbours in one format
+    are fused into one part (one kernel call)."""
+
+    parts: list  # torch.Tensor | QuantWeight | GGUFBlocks, in row order
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def source(self) -> str:
+        return "+".join(_format(p) for p in self.parts)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole weight in `dtype` (default the model's): each part dequantized as it would be alone."""
+        ref = next(p for p in self.parts if not isinstance(p, torch.Tensor))
+        dtype = dtype or ref.dtype
+        return torch.cat([p.to(dtype) if isinstance(p, torch.Tensor) else p.dequantize(dtype)
+                          for p in self.parts]).contiguous()
+
+
+def _format(p) -> str:
+    """What a part is stored as: a GGUF type, int8/int4, or the float dtype of a dense tensor."""
+    return str(p.dtype).removeprefix("torch.") if isinstance(p, torch.Tensor) else p.source
+
+
+def _same_format(a, b) -> bool:
+    """Whether two row blocks can be stacked into one weight of their common format."""
+    if isinstance(a, GGUFBlocks) and isinstance(b, GGUFBlocks):
+        return (a.qtype, a.in_features) == (b.qtype, b.in_features)
+    if isinstance(a, QuantWeight) and isinstance(b, QuantWeight):
+        return (a.kind, a.group_size, a.scales.dtype) == (b.kind, b.group_size, b.scales.dtype)
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+
+
+def _stack(parts: list) -> torch.Tensor | QuantWeight | GGUFBlocks:
+    """Row blocks of one format as one weight of it."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if isinstance(first, GGUFBlocks):
+        return GGUFBlocks(first.qtype, torch.cat([p.raw for p in parts]), first.in_features, first.dtype)
+    if isinstance(first, QuantWeight):
         return QuantWeight(first.kind, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
                            None if first.zeros is None else torch.cat([p.zeros for p in parts]), first.group_size,
                            first.dtype, first.source)
-    logger.debug("fused weight mixes formats (%s): dequantized", [getattr(p, "source", str(p.dtype)) for p in parts])
-    return torch.cat([p.dequantize(first.dtype) if isinstance(p, (QuantWeight, GGUFBlocks)) else p
-                      for p in parts]).contiguous()
+    return torch.cat(parts).contiguous()
+
+
+def fuse_rows(parts: list) -> torch.Tensor | QuantWeight | GGUFBlocks | RowParts:
+    """Weights stacked along their output rows (fused Q/K/V, gate/up): one weight where all parts share one
+    format (dense tensors, as always with quantization none), else a RowParts of the runs of neighbours in one
+    format, each kept in its own (a Q4_K_M file's Q6_K V beside Q4_K Q and K)."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts).contiguous()
+    runs: list[list] = []
+    for p in parts:
+        if runs and _same_format(runs[-1][-1], p):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    if len(runs) == 1:
+        return _stack(runs[0])
+    return RowParts([_stack(r) for r in runs])
 
 
 class QuantMatmul:

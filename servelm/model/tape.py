@@ -248,7 +248,9 @@ class DecodeTapes:
             out = m.run_layers(tape.h, tape.positions, kv_caches, step)
         why = rec.refused or (watch.computed and f"the layer loop runs {watch.computed}")
         if why is None:
-            known = _Ranges([*_tensors(m, 6, set()), *(t for kv in kv_caches for t in kv), *tape.buffers()])
+            # depth 8: model, layers, a layer, its gate/up, a fused weight's parts (layers.PartsLinear), a part,
+            # its kernel, the packed weight
+            known = _Ranges([*_tensors(m, 8, set()), *(t for kv in kv_caches for t in kv), *tape.buffers()])
             laid = _layout(rec, watch.allocated, out, known)
             if isinstance(laid, str):
                 why = laid
