@@ -42,7 +42,7 @@ void pack_head(const bf16* k_cache, const bf16* v_cache, const int64_t* table, i
     }
     for (int64_t j = n; j < kK; ++j) std::memset(static_cast<void*>(stage[j]), 0, D * sizeof(bf16));
     for (int64_t d = 0; d < D; ++d) {
-      bf16* dst = VT + d * len_pad + t0;
+      bf16* dst = VT + t0 * D + d * kK;
       for (int64_t j = 0; j < kK; ++j) dst[j] = stage[j][d];
     }
   }
@@ -199,7 +199,7 @@ void attend_block_avx512(const uint32_t* QP, const bf16* K, const bf16* VT, cons
           __m512 pe, po;
           servelm::split_pairs(st.PB[jp], pe, po);
           for (int u = 0; u < 16; ++u) {
-            const float* vr = VTf + (d0 + u) * len_pad + kb + 2 * jp;
+            const float* vr = VTf + kb * D + (d0 + u) * kK + 2 * jp;
             o[u] = _mm512_fmadd_ps(pe, _mm512_set1_ps(vr[0]), _mm512_fmadd_ps(po, _mm512_set1_ps(vr[1]), o[u]));
           }
         }
@@ -207,7 +207,7 @@ void attend_block_avx512(const uint32_t* QP, const bf16* K, const bf16* VT, cons
         for (int64_t jp = 0; jp < kK / 2; ++jp) {
           const __m512bh pv = (__m512bh)_mm512_load_si512(st.PB[jp]);
           for (int u = 0; u < 16; ++u) {
-            const int32_t vpair = *reinterpret_cast<const int32_t*>(VT + (d0 + u) * len_pad + kb + 2 * jp);
+            const int32_t vpair = *reinterpret_cast<const int32_t*>(VT + kb * D + (d0 + u) * kK + 2 * jp);
             o[u] = _mm512_dpbf16_ps(o[u], pv, (__m512bh)_mm512_set1_epi32(vpair));
           }
         }
@@ -286,13 +286,13 @@ void attend_block(const uint32_t* QP, const bf16* K, const bf16* VT, int64_t len
     });
     _tile_loadd(T_P, st.PB, 64);
     if constexpr (kResident) {  // O^T += V^T . P^T in tiles 4-7
-      _tile_loadd(T_K, VT + kb, len_pad * 2);
+      _tile_loadd(T_K, VT + kb * D, kK * 2);
       _tile_dpbf16ps(4, T_K, T_P);
-      _tile_loadd(T_K, VT + 16 * len_pad + kb, len_pad * 2);
+      _tile_loadd(T_K, VT + kb * D + 16 * kK, kK * 2);
       _tile_dpbf16ps(5, T_K, T_P);
-      _tile_loadd(T_K, VT + 32 * len_pad + kb, len_pad * 2);
+      _tile_loadd(T_K, VT + kb * D + 32 * kK, kK * 2);
       _tile_dpbf16ps(6, T_K, T_P);
-      _tile_loadd(T_K, VT + 48 * len_pad + kb, len_pad * 2);
+      _tile_loadd(T_K, VT + kb * D + 48 * kK, kK * 2);
       _tile_dpbf16ps(7, T_K, T_P);
       continue;
     }
@@ -301,9 +301,9 @@ void attend_block(const uint32_t* QP, const bf16* K, const bf16* VT, int64_t len
       float* o0 = O + dg * 256;
       float* o1 = o0 + 256;
       _tile_loadd(T_O0, o0, 64);
-      _tile_loadd(T_V0, VT + dg * 16 * len_pad + kb, len_pad * 2);
+      _tile_loadd(T_V0, VT + kb * D + dg * 16 * kK, kK * 2);
       _tile_loadd(T_O1, o1, 64);
-      _tile_loadd(T_V1, VT + (dg + 1) * 16 * len_pad + kb, len_pad * 2);
+      _tile_loadd(T_V1, VT + kb * D + (dg + 1) * 16 * kK, kK * 2);
       _tile_dpbf16ps(T_O0, T_V0, T_P);
       _tile_dpbf16ps(T_O1, T_V1, T_P);
       _tile_stored(T_O0, o0, 64);
