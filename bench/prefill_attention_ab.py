@@ -100,7 +100,7 @@ def main() -> None:
         res[f"prompt={prompt} chunk={a.chunk}"] = {
             "base_ms": round(sa * 1e3, 1), "new_ms": round(sb * 1e3, 1), "new_speedup": round(sa / sb, 3),
             "base_gflop_s": round(flop / sa / 1e9, 1), "new_gflop_s": round(flop / sb / 1e9, 1),
-            "max_abs_diff": diff}
+            "base_min_ms": round(min(ta) * 1e3, 1), "new_min_ms": round(min(tb) * 1e3, 1), "max_abs_diff": diff}
     print(json.dumps(res, indent=1))
 
 
