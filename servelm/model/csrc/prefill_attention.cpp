@@ -73,13 +73,13 @@ struct SoftmaxState {
   alignas(64) uint32_t PB[kK / 2][16];
   int64_t pos0, last, window;
   __m512i pos;  // each lane's query position (padding lanes copy the last query's)
-  __m512 scale, m, l;
+  __m512 scale, m, l;  // scale: the softmax scale times log2(e); m: the running max in those units
   SoftmaxState() = default;
   SoftmaxState(int64_t pos0_, int64_t n, int64_t window_, float s) : pos0(pos0_), last(pos0_ + n - 1), window(window_) {
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     // padding lanes copy the last query's position: harmless, and they never see an all-masked row
     pos = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32(int(pos0)), lane), _mm512_set1_epi32(int(last)));
-    scale = _mm512_set1_ps(s);
+    scale = _mm512_set1_ps(s * 1.44269504088896341f);
     m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     l = _mm512_setzero_ps();
   }
@@ -96,42 +96,46 @@ struct Lane {
   bf16* out;
 };
 
-// exp(x) for x in [-inf, 89] as servelm::exp512 computes it, less its clamp: below -104 (where the clamp
-// would give 2^-150 rounded to 0) this gives 0 or the smallest denormal, which neither a bf16 probability
-// (the conversion flushes denormals) nor a running sum of at least e^-8 can tell apart.
-inline __m512 exp512_unclamped(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+// 2^x as 2^n * 2^r, x = n + r with n an integer and r in [-1/2, 1/2], 2^r by its Taylor polynomial of
+// degree 5: relative error under 3e-6, far below the bf16 rounding of the probabilities it makes.
+// kClamp: x may be -inf (a running max not yet set), which the clamp turns into 2^-150 -> 0. Unclamped,
+// x below -150 gives 0 or the smallest denormal, which neither a bf16 probability (the conversion
+// flushes denormals) nor a running sum of at least 2^-12 can tell apart from 0.
+template <bool kClamp>
+inline __m512 exp2_512(__m512 x) {
+  if constexpr (kClamp) x = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558146e-3f);  // ln(2)^k / k!
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108665e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650696e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718056e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
 
-// One key block's softmax: S's scores in, scaled and masked in place; the running max moved when
-// needed (rescale(alpha) then scales the output accumulators); P^T out in PB as bf16 key pairs (the
-// layout both engines' P^T . V^T products take), its sums added to the running sum.
-// kEdge: the block crosses the diagonal or the window's edge, so some scores are masked. Elsewhere every
-// score counts, the running max is finite after the max step, and exponents are at most 8 (the lazy
-// rescale's slack): the masks and the exponential's clamp are no-ops there, and that path skips them
-// (the same bits, a fifth fewer vector instructions).
+// One key block's softmax, in base 2: scores s in S (left as they are), each query's running max m of
+// s * scale * log2(e) moved when needed (rescale(alpha) then scales the output accumulators), p =
+// 2^(s * scale * log2(e) - m) (one FMA and exp2_512: exp(s * scale - max) up to rounding) out in PB as
+// bf16 key pairs (the layout both engines' P^T . V^T products take), its sums added to the running sum.
+// kEdge: the block crosses the diagonal or the window's edge, so some scores are masked; elsewhere
+// every score counts and the masks are skipped. Both compute a query's unmasked p the same way, so a
+// query's result does not depend on which of its blocks are edges for the others in its block.
 template <bool kEdge, class Rescale>
 inline void softmax_block_impl(SoftmaxState& st, int64_t kb, Rescale&& rescale, float (*S)[16], uint32_t (*PB)[16]) {
   // word 2q <- p0[q] (word q), word 2q + 1 <- p1[q] (word 16 + q)
   alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
                                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512 slack = _mm512_set1_ps(8.f);
+  // Lazy rescaling: exponents taken against a max up to 2^11.5 (e^8) below the true one still fit
+  // float32 and bf16 comfortably, so the running max (and with it the accumulators) moves only when a
+  // score exceeds it by more: a few times per query, not every block.
+  const __m512 slack = _mm512_set1_ps(11.5f);
   __mmask16 valid[kK];
   __m512 mbs[4] = {neg_inf, neg_inf, neg_inf, neg_inf};  // four chains: a max is 4 cycles of latency
   for (int64_t j = 0; j < kK; ++j) {
-    __m512 sj = _mm512_mul_ps(_mm512_load_ps(S[j]), st.scale);
+    __m512 sj = _mm512_load_ps(S[j]);
     if constexpr (kEdge) {
       const __m512i key = _mm512_set1_epi32(int(kb + j));
       __mmask16 ok = _mm512_cmple_epi32_mask(key, st.pos);
@@ -139,17 +143,14 @@ inline void softmax_block_impl(SoftmaxState& st, int64_t kb, Rescale&& rescale, 
       valid[j] = ok;
       sj = _mm512_mask_mov_ps(neg_inf, ok, sj);
     }
-    _mm512_store_ps(S[j], sj);
     mbs[j % 4] = _mm512_max_ps(mbs[j % 4], sj);
   }
-  const __m512 mb = _mm512_max_ps(_mm512_max_ps(mbs[0], mbs[1]), _mm512_max_ps(mbs[2], mbs[3]));
-  // Lazy rescaling: exponents taken against a max up to e^8 below the true one still fit float32 and
-  // bf16 comfortably, so the running max (and with it the accumulators) moves only when a score
-  // exceeds it by more: a few times per query, not every block.
+  // scaling by a positive factor keeps the order: the max of the scaled scores is the scaled max
+  const __m512 mb = _mm512_mul_ps(_mm512_max_ps(_mm512_max_ps(mbs[0], mbs[1]), _mm512_max_ps(mbs[2], mbs[3])), st.scale);
   const __mmask16 grow = _mm512_cmp_ps_mask(mb, _mm512_add_ps(st.m, slack), _CMP_GT_OQ);
   if (grow) {
     const __m512 m_new = _mm512_mask_max_ps(st.m, grow, st.m, mb);
-    const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), grow, servelm::exp512(_mm512_sub_ps(st.m, m_new)));
+    const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), grow, exp2_512<true>(_mm512_sub_ps(st.m, m_new)));
     st.l = _mm512_mul_ps(st.l, alpha);
     rescale(alpha);
     st.m = m_new;
@@ -160,13 +161,11 @@ inline void softmax_block_impl(SoftmaxState& st, int64_t kb, Rescale&& rescale, 
   const __m512i interleave = _mm512_load_si512(kInterleave);
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   for (int64_t j = 0; j < kK; j += 2) {
-    __m512 p0, p1;
+    __m512 p0 = exp2_512<false>(_mm512_fmsub_ps(_mm512_load_ps(S[j]), st.scale, m_use));
+    __m512 p1 = exp2_512<false>(_mm512_fmsub_ps(_mm512_load_ps(S[j + 1]), st.scale, m_use));
     if constexpr (kEdge) {
-      p0 = _mm512_maskz_mov_ps(valid[j], servelm::exp512(_mm512_sub_ps(_mm512_load_ps(S[j]), m_use)));
-      p1 = _mm512_maskz_mov_ps(valid[j + 1], servelm::exp512(_mm512_sub_ps(_mm512_load_ps(S[j + 1]), m_use)));
-    } else {
-      p0 = exp512_unclamped(_mm512_sub_ps(_mm512_load_ps(S[j]), m_use));
-      p1 = exp512_unclamped(_mm512_sub_ps(_mm512_load_ps(S[j + 1]), m_use));
+      p0 = _mm512_maskz_mov_ps(valid[j], p0);
+      p1 = _mm512_maskz_mov_ps(valid[j + 1], p1);
     }
     sum0 = _mm512_add_ps(sum0, p0);
     sum1 = _mm512_add_ps(sum1, p1);
