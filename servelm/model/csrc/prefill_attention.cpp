@@ -35,20 +35,23 @@ constexpr int64_t kK = 32;  // keys per block (two tiles of S^T, one bf16 K-step
 constexpr int64_t kSuper = 128;  // keys per super-block: a group's lanes take turns over them (see attend_group)
 constexpr int64_t kMaxLanes = 6;  // lanes (heads x query blocks) per work item that share a kv head
 
-// Copies one kv head's first `len` keys into K[len_pad][D] and values into VT[D][len_pad], zero padded.
-// Values go through a 32-row staging block so that each VT row receives one whole cache line at a time.
-void pack_head(const bf16* k_cache, const bf16* v_cache, const int64_t* table, int64_t bs, int64_t row_stride,
-               int64_t head_off, int64_t len, int64_t len_pad, int64_t D, bf16* K, bf16* VT) {
-  std::memset(static_cast<void*>(K + len * D), 0, (len_pad - len) * D * sizeof(bf16));
+// Copies keys [t_begin, t_end) (multiples of kK) of one kv head, of its first `len`, into K[len_pad][D] and
+// the values into VT[len_pad / kK][D][kK], zero padded past `len`. Values go through a 32-row staging
+// block so that each VT row receives one whole cache line at a time.
+void pack_keys(const bf16* k_cache, const bf16* v_cache, const int64_t* table, int64_t bs, int64_t row_stride,
+               int64_t head_off, int64_t len, int64_t t_begin, int64_t t_end, int64_t D, bf16* K, bf16* VT) {
   alignas(64) bf16 stage[kK][256];
-  for (int64_t t0 = 0; t0 < len_pad; t0 += kK) {
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kK) {
     const int64_t n = std::min(kK, std::max<int64_t>(0, len - t0));
     for (int64_t j = 0; j < n; ++j) {
       const int64_t t = t0 + j, off = (table[t / bs] * bs + t % bs) * row_stride + head_off;
       std::memcpy(K + t * D, k_cache + off, D * sizeof(bf16));
       std::memcpy(stage[j], v_cache + off, D * sizeof(bf16));
     }
-    for (int64_t j = n; j < kK; ++j) std::memset(static_cast<void*>(stage[j]), 0, D * sizeof(bf16));
+    for (int64_t j = n; j < kK; ++j) {
+      std::memset(static_cast<void*>(K + (t0 + j) * D), 0, D * sizeof(bf16));
+      std::memset(static_cast<void*>(stage[j]), 0, D * sizeof(bf16));
+    }
     for (int64_t d = 0; d < D; ++d) {
       bf16* dst = VT + t0 * D + d * kK;
       for (int64_t j = 0; j < kK; ++j) dst[j] = stage[j][d];
@@ -96,8 +99,9 @@ struct Lane {
   bf16* out;
 };
 
-// 2^x as 2^n * 2^r, x = n + r with n an integer and r in [-1/2, 1/2], 2^r by its Taylor polynomial of
-// degree 5: relative error under 3e-6, far below the bf16 rounding of the probabilities it makes.
+// 2^x as 2^n * 2^r, x = n + r with n an integer and r in [-1/2, 1/2], 2^r by a degree-4 polynomial:
+// relative error under 3e-6, far below the bf16 rounding of the probabilities it makes. (The FMAs share
+// a port with the tile unit's products, so each one saved counts.)
 // kClamp: x may be -inf (a running max not yet set), which the clamp turns into 2^-150 -> 0. Unclamped,
 // x below -150 gives 0 or the smallest denormal, which neither a bf16 probability (the conversion
 // flushes denormals) nor a running sum of at least 2^-12 can tell apart from 0.
@@ -106,12 +110,11 @@ inline __m512 exp2_512(__m512 x) {
   if constexpr (kClamp) x = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.3333558146e-3f);  // ln(2)^k / k!
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108665e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650696e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718056e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(9.560510516e-3f);  // least squares on Chebyshev nodes, relative error
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.591703951e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402498126e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931219697e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.999991655e-1f));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -434,11 +437,15 @@ SERVELM_API int servelm_paged_prefill_attention(bf16* out, int64_t o_s0, int64_t
     const bool fma = servelm::fma_dot();
     const int64_t per_head = len_pad * D;
     Scratch<float> kf(fma ? KV * per_head : 0), vf(fma ? KV * per_head : 0);
-    servelm::parallel_for(0, KV, 1, [&](int64_t b, int64_t e) {
-      for (int64_t h = b; h < e; ++h) {
-        pack_head(k_cache, v_cache, table, bs, KV * D, h * D, ctx_len, len_pad, D, K + h * per_head, VT + h * per_head);
+    // in pieces of kPack keys, so that a few kv heads still split evenly across the threads
+    constexpr int64_t kPack = 512;
+    const int64_t pieces = (len_pad + kPack - 1) / kPack;
+    servelm::parallel_for(0, KV * pieces, 1, [&](int64_t b, int64_t e) {
+      for (int64_t item = b; item < e; ++item) {
+        const int64_t h = item / pieces, t0 = item % pieces * kPack, t1 = std::min(len_pad, t0 + kPack);
+        pack_keys(k_cache, v_cache, table, bs, KV * D, h * D, ctx_len, t0, t1, D, K + h * per_head, VT + h * per_head);
         if (!fma) continue;
-        for (int64_t i = h * per_head; i < (h + 1) * per_head; ++i) {  // exact: bf16 is a float32's top half
+        for (int64_t i = h * per_head + t0 * D; i < h * per_head + t1 * D; ++i) {  // exact: bf16 is a float32's top half
           kf.p[i] = K[i];
           vf.p[i] = VT[i];
         }
