@@ -102,6 +102,20 @@ def test_kernel_prefill_matches_naive_attention(d, window, q_len, ctx_len, bs, d
 
 
 @needs_prefill_kernel
+# the kernel's work items group a kv head's query heads (up to six, more split) and, where fewer, several
+# query blocks of each: one head per kv head, a group that splits, a group of one
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (16, 2), (7, 1)])
+def test_kernel_prefill_matches_naive_attention_for_any_group_size(hq, hkv):
+    d, q_len, ctx_len, bs = 64, 83, 211, 16
+    cache, table, k, v = _paged(ctx_len, bs, hkv, d, seed=hq)
+    q = torch.randn(q_len, hq, d).bfloat16()
+    be = CpuPagedAttention(hq, hkv, d, d**-0.5, kernels=kernels)
+    out = be._prefill(q, k[-q_len:], v[-q_len:], cache, PrefillSpan(0, q_len, ctx_len, table), bs, None)
+    ref = _naive(q, k, v, torch.arange(ctx_len - q_len, ctx_len), None)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@needs_prefill_kernel
 def test_kernel_prefill_is_the_same_whatever_the_chunking_and_threads(dot):
     """Each query's result depends only on its own keys: chunked prefill over a cached prefix, any thread
     count, and interleaving with oneDNN's and PyTorch's own AMX kernels all give the same bits."""
