@@ -124,10 +124,12 @@ tile_path = pytest.mark.skipif(kernels is None or kernels.quant_linear_supported
 
 @tile_path
 @pytest.mark.parametrize("qtype", list(FORMATS))
-def test_many_rows_run_the_bf16_model_weight_bit_for_bit(qtype):
-    """Prefill-sized inputs: the weight dequantized to bf16 in tile order, then the bf16 tile kernel: the same
-    bits as the bf16 model (the file dequantized at load, packed for that kernel)."""
-    n, k, m = 96, 512, 40
+@pytest.mark.parametrize(("n", "k", "m"), [(96, 512, 40), (160, 256, 300)])
+def test_many_rows_run_the_bf16_model_weight_bit_for_bit(qtype, n, k, m):
+    """Batches and prefill-sized inputs: the weight dequantized to bf16 in tile order a block at a time as the
+    bf16 tile kernel reaches it (each thread dequantizing its next block during this one's products; more
+    than 256 rows in two passes over the blocks): the same bits as the bf16 model (the file dequantized at
+    load, packed for that kernel)."""
     w = _blocks(qtype, n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).bfloat16()
     bias = torch.randn(n, generator=torch.Generator().manual_seed(2)).bfloat16()
