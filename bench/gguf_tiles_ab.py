@@ -52,7 +52,9 @@ def make_systems(k, base, wanted: list[str], x: torch.Tensor, n: int, f: int, ga
     for lib, prefix in ((k, ""), (base, "base_")):
         if lib is None:
             continue
-        dense_fn = lib.amx_linear_silu_mul if gate_up else lib.amx_linear
+        amx = lib.amx_linear_supported(64)
+        dense_fn = ((lib.amx_linear_silu_mul if gate_up else lib.amx_linear) if amx
+                    else lib.avx512_linear_silu_mul if gate_up else lib.avx512_linear)
         if "bf16" in wanted:
             systems[prefix + "bf16"] = lambda fn=dense_fn: timed(lambda w: fn(x, w, n), dense)
         if "tiles" in wanted:
@@ -73,10 +75,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--copies", type=int, default=30)
+    p.add_argument("--variant", help="this checkout's build to run (default: the one servelm loads), e.g. avx512bf16")
     p.add_argument("--baseline", help="another build of the kernel library to run beside this one")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    k = cpu_kernels.load()
+    k = cpu_kernels.load_variant(args.variant) if args.variant else cpu_kernels.load()
     base = CpuKernels(args.baseline, "baseline") if args.baseline else None
     wanted = args.systems.split(",")
     rng = np.random.default_rng(0)

@@ -142,6 +142,38 @@ def test_many_rows_run_the_bf16_model_weight_bit_for_bit(qtype, n, k, m):
     assert torch.equal(gu, fused(x, pack_weight_for_tiles(w.dequantize(torch.bfloat16), gate_up=True), n))
 
 
+def _avx512_build():
+    """The AVX512-BF16 build (tile path on avx512_linear) where this CPU runs it, else None."""
+    found = cpu_kernels.manifest() or {}
+    table = {v.name: v for v in kernel_build.variants()}
+    if "avx512bf16" not in found.get("built", []) or not set(table["avx512bf16"].requires) <= cpu_flags():
+        return None
+    return cpu_kernels.load_variant("avx512bf16")
+
+
+@pytest.mark.skipif(_avx512_build() is None, reason="needs the AVX512-BF16 build and a CPU that runs it")
+@pytest.mark.parametrize("mode", ["bf16", "fma"])
+def test_many_rows_without_amx_run_the_bf16_model_weight_bit_for_bit(mode):
+    """CPUs with AVX512-BF16 but no AMX: each block dequantized as avx512_linear reaches it, in both of its
+    ways to multiply bf16 pairs: the same bits as avx512_linear over the bf16 model's packed weight."""
+    k = _avx512_build()
+    before = k.bf16_dot()
+    k.set_bf16_dot(mode)
+    try:
+        for qtype in FORMATS:
+            for n, kk, m in [(96, 512, 40), (160, 256, 300)]:
+                w = _blocks(qtype, n, kk)
+                x = torch.randn(m, kk, generator=torch.Generator().manual_seed(1)).bfloat16()
+                bias = torch.randn(n, generator=torch.Generator().manual_seed(2)).bfloat16()
+                y = k.quant_linear(x, pack_blocks(w), FORMATS[qtype], n, bias, int_rows=8)
+                assert torch.equal(y, k.avx512_linear(x, pack_weight_for_tiles(w.dequantize(torch.bfloat16)), n, bias))
+                gu = k.quant_linear(x, pack_blocks(w, gate_up=True), FORMATS[qtype], n, None, silu_mul=True, int_rows=8)
+                dense = pack_weight_for_tiles(w.dequantize(torch.bfloat16), gate_up=True)
+                assert torch.equal(gu, k.avx512_linear_silu_mul(x, dense, n)), (qtype, n, kk, m)
+    finally:
+        k.set_bf16_dot(before)
+
+
 def test_bad_input_raises():
     w = _blocks("Q4_0", 32, 64)
     packed = pack_blocks(w)

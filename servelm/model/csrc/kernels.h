@@ -53,6 +53,9 @@ DequantizeRecord record_dequantizer(int fmt);
 // amx_linear over the dequantized, packed weight.
 void amx_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const QuantWeight& w, int64_t N,
                 const bf16* bias, bool silu_mul);
+// The same with avx512_linear (CPUs with AVX512-BF16 but no AMX).
+void avx512_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const QuantWeight& w, int64_t N,
+                   const bf16* bias, bool silu_mul);
 
 // The same over a GGUF block-quantized weight packed by gguf_quant.pack_blocks (quant_linear.cpp): format
 // fmt (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K); up to int_rows rows the int8-activation kernel.

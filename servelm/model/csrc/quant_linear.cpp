@@ -531,30 +531,8 @@ void servelm::quant_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64
 #ifdef SERVELM_QUANT_VNNI
     if (M > int_rows) {
       const QuantWeight w{fmt, packed, layout(fmt).stride()};
-      if (servelm::amx_available()) return servelm::amx_linear(out, x, M, K, ldx, w, N, bias, silu_mul);
-      // AVX512-BF16 without AMX: the whole weight dequantized into a per-thread scratch copy
-      struct Scratch {
-        bf16* p = nullptr;
-        int64_t n = 0;
-        ~Scratch() { std::free(p); }
-      };
-      thread_local Scratch scratch;
-      const int64_t blocks = (N + 31) / 32, need = blocks * 32 * K;
-      if (scratch.n < need) {
-        std::free(scratch.p);
-        scratch.p = static_cast<bf16*>(std::aligned_alloc(64, need * sizeof(bf16)));  // K % 32: whole lines
-        scratch.n = scratch.p ? need : 0;
-        servelm::check(scratch.p != nullptr, "quant_linear: out of memory for a dequantized weight");
-      }
-      bf16* dst = scratch.p;
-      const servelm::DequantizeRecord record = servelm::record_dequantizer(fmt);
-      const int64_t G = K / 32;
-      servelm::parallel_for(0, blocks, 2, [&](int64_t b, int64_t e) {
-        for (int64_t nb = b; nb < e; ++nb)
-          for (int h = 0; h < 2; ++h)
-            for (int64_t g = 0; g < G; ++g) record(w.run(nb, h, K) + g * w.stride, dst + ((nb * G + g) * 2 + h) * 512);
-      });
-      servelm::avx512_linear(out, x, M, K, ldx, scratch.p, N, bias, silu_mul);
+      if (servelm::amx_available()) servelm::amx_linear(out, x, M, K, ldx, w, N, bias, silu_mul);
+      else servelm::avx512_linear(out, x, M, K, ldx, w, N, bias, silu_mul);
       return;
     }
 #endif
