@@ -7,8 +7,9 @@ interleaved per group of 32 inputs, see quant_linear.cpp) and multiplied with bf
   the dot products are integer (AVX512-VNNI, or AVX2), one float32 scale per group: the exact product of
   the dequantized weight with the int8-rounded x, up to float32 rounding (`ReferenceMatmul` computes it in
   torch);
-- more rows (prefill), where the bf16 tile kernels exist (AMX, AVX512-BF16): the weight is dequantized
-  into a bf16 scratch copy in tile order, bit for bit the bf16 model's weight, and run by those kernels.
+- more rows (batches, prefill), where the bf16 tile kernels exist (AMX, AVX512-BF16): those kernels run
+  over the weight's 32-column blocks, each dequantized to bf16 (bit for bit the bf16 model's block) into a
+  small per-thread buffer as their loop reaches it, so the results are the bf16 model's.
 
 Without the kernels (SERVELM_CPU_KERNELS=0, a CPU without AVX2, a float32 model) the Q4 types go to
 PyTorch's int4 kernels (model/quant.py) and the rest is dequantized.
@@ -28,7 +29,9 @@ logger = logging.getLogger(__name__)
 # Kernel format codes (quant_linear.cpp's Format) and their record bytes per 16 rows x 32 inputs.
 FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4}
 _STRIDES = {0: 512 + 32, 1: 256 + 32, 2: 256 + 64, 3: 256 + 128, 4: 512 + 128}
-INT_ROWS = 16  # up to this many rows the int8-activation kernel; beyond, the bf16 tile path
+# Up to this many rows the int8-activation kernel; beyond, the bf16 tile path. Per SmolLM2 layer shape (2 threads,
+# bench/gguf_tiles_ab.py) the int8 kernel wins at 8 and 12 rows, the two are level at 16, the tiles win from 24.
+INT_ROWS = 16
 
 
 def packed_bytes(fmt: int, n: int, k: int) -> int:

@@ -16,9 +16,11 @@
 // (scale = max|x| / 127, round to nearest even), and each group's dot products are integer (AVX512-VNNI
 // vpdpbusd, 16 rows in the lanes; AVX2 maddubs), scaled once per group in float32. The result is the exact
 // product of the dequantized weight with the int8-rounded x, up to float32 rounding of the per-group sums.
-// Many rows (prefill), where a bf16 tile kernel exists (AMX, AVX512-BF16): the weight is dequantized into a
-// bf16 copy in `pack_weight_for_tiles` order (the bf16 model's packed weight, bit for bit) in a per-thread
-// scratch buffer, and the bf16 linear kernel runs on it.
+// Many rows (batches over int_rows, prefill), where a bf16 tile kernel exists (AMX, AVX512-BF16): that kernel
+// (amx_linear.cpp, avx512_linear.cpp) runs over the weight's 32-column blocks, each dequantized when its loop
+// reaches it into a small per-thread buffer in `pack_weight_for_tiles` order (the bf16 model's packed block,
+// bit for bit; `record_dequantizer`), so the bf16 values never go through memory (the AMX loop dequantizes
+// the next block between this one's tile ops). The results are the bf16 model's.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
