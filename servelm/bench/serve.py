@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from servelm.bench.workloads import make_serving_workload
+from servelm.bench.workloads import make_serving_workload, make_workload
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -23,7 +23,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model id (default: the first one /v1/models lists)")
     p.add_argument("--rate", type=float, default=2.0, help="Poisson arrival rate in requests/s (inf: all at once)")
     p.add_argument("--concurrency", type=int, default=None, help="fixed concurrency instead of a rate")
-    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--num-requests", type=int, default=200, help="S1's request count (the W workloads have theirs)")
+    p.add_argument("--workload", default="S1", choices=["S1", "W1", "W2", "W3", "W4"],
+                   help="S1 (default), or an offline workload sent to the server: W1 with --rate inf is a "
+                        "server's batch throughput")
     p.add_argument("--seed", type=int, default=4)
     p.add_argument("--vocab-size", type=int, default=32000, help="prompt ids are drawn from [4, vocab-size)")
     p.add_argument("--slo-ttft-ms", type=float, default=500.0)
@@ -99,7 +102,9 @@ async def _run(args) -> dict:
     url = args.base_url.rstrip("/")
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=None)) as client:
         model = args.model or (await client.get(url + "/v1/models")).json()["data"][0]["id"]
-        wl = make_serving_workload(args.vocab_size, args.num_requests, args.seed)
+        name = getattr(args, "workload", "S1")  # bench/capacity.py and concurrency.py send S1
+        wl = (make_serving_workload(args.vocab_size, args.num_requests, args.seed) if name == "S1"
+              else make_workload(name, args.vocab_size))
         rng = np.random.Generator(np.random.PCG64(args.seed))
         gaps = rng.exponential(1.0 / args.rate, wl.num_requests) if args.rate != float("inf") else \
             np.zeros(wl.num_requests)
@@ -122,7 +127,7 @@ async def _run(args) -> dict:
     ok = [r for r in results if r.ok]
     good = [r for r in ok if r.ttft * 1000 <= args.slo_ttft_ms and (r.tpot or 0) * 1000 <= args.slo_tpot_ms]
     return {
-        "bench": "serve", "system": args.label, "workload": "S1", "model": model, "requests": wl.num_requests,
+        "bench": "serve", "system": args.label, "workload": name, "model": model, "requests": wl.num_requests,
         "rate": args.rate if not args.concurrency else None, "concurrency": args.concurrency,
         "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:5], "duration_s": round(wall, 2),

@@ -54,7 +54,7 @@ class EngineConfig:
                     "native bf16 (AVX512-BF16/AMX), else float32")
     quantization: str = _f("auto", "auto | none | gguf | int8 | int4: linear weights kept quantized in memory and "
                            "dequantized inside the matmul (CPU only; README: Quantization). gguf keeps a GGUF "
-                           "file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K linears as they are (servelm's kernels) and dequantizes "
+                           "file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K linears as they are (servelm's kernels) and dequantizes "
                            "its other types; int8 (per output channel) and int4 (group-wise) quantize the linears "
                            "at load (PyTorch's kernels); none dequantizes everything to --dtype; auto (default) is "
                            "gguf for a GGUF file in bfloat16 on a CPU that runs servelm's GGUF kernels, else none")

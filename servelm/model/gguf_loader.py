@@ -99,9 +99,9 @@ def dequantize(raw: np.ndarray, qtype) -> np.ndarray:
 
 
 # Block formats kept quantized (quantization=gguf) as GGUFBlocks (model/gguf_quant.py, servelm's kernels):
-# Q8_0, Q4_0, Q4_1, Q4_K, Q6_K. The Q4 ones are also exactly PyTorch's int4 groups of 32 (KEPT_INT4,
-# int4_blocks), the path where servelm's kernels do not run. Q5_0/Q5_1/Q5_K and the rest are dequantized, as
-# every type is with quantization=none.
+# Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K. The Q4 ones are also exactly PyTorch's int4 groups of 32
+# (KEPT_INT4, int4_blocks), the path where servelm's kernels do not run. The rest (float types, IQ and Q2/Q3
+# types) are dequantized, as every type is with quantization=none.
 KEPT_INT4 = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 KEPT = frozenset(FORMATS)
 
@@ -141,8 +141,8 @@ def int4_blocks(raw: np.ndarray, qname: str) -> tuple[np.ndarray, np.ndarray, np
 def iter_gguf_tensors(path: Path, dtype: torch.dtype, keep_quantized: bool = False
                       ) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     """Yield (hf_name, tensor) for every tensor of a GGUF file, dequantized to `dtype`; with
-    `keep_quantized`, Q8_0/Q4_0/Q4_1/Q4_K/Q6_K linear weights come as GGUFBlocks (the file's blocks, rows in the
-    model's order)."""
+    `keep_quantized`, linear weights of a KEPT type (Q8_0, Q4_*, Q5_*, Q6_K) come as GGUFBlocks (the file's
+    blocks, rows in the model's order)."""
     import gguf
 
     kept, dense = Counter(), Counter()

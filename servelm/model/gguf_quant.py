@@ -1,8 +1,9 @@
 """GGUF block-quantized linear weights kept as the file stores them (quantization=gguf), and run by servelm's
 own C++ kernels (csrc/quant_linear.cpp).
 
-Q8_0, Q4_0, Q4_1, Q4_K and Q6_K tensors are repacked at load (`pack_blocks`: codes and scales exact, 16 output rows
-interleaved per group of 32 inputs, see quant_linear.cpp) and multiplied with bf16 activations:
+Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K and Q6_K tensors are repacked at load (`pack_blocks`: codes and scales
+exact, 16 output rows interleaved per group of 32 inputs, see quant_linear.cpp; the Q5 types as 4-bit nibbles and
+a plane of fifth bits, 5 bits a weight as in the file) and multiplied with bf16 activations:
 - up to `INT_ROWS` rows (decode): each row of x is rounded to int8 in blocks of 32 (scale max|x| / 127) and
   the dot products are integer (AVX512-VNNI, or AVX2), one float32 scale per group: the exact product of
   the dequantized weight with the int8-rounded x, up to float32 rounding (`ReferenceMatmul` computes it in
@@ -12,7 +13,7 @@ interleaved per group of 32 inputs, see quant_linear.cpp) and multiplied with bf
   small per-thread buffer as their loop reaches it, so the results are the bf16 model's.
 
 Without the kernels (SERVELM_CPU_KERNELS=0, a CPU without AVX2, a float32 model) the Q4 types go to
-PyTorch's int4 kernels (model/quant.py) and the rest is dequantized.
+PyTorch's int4 kernels (model/quant.py) and the rest (Q8_0, Q5_*, Q6_K) is dequantized.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Kernel format codes (quant_linear.cpp's Format) and their record bytes per 16 rows x 32 inputs.
-FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4}
-_STRIDES = {0: 512 + 32, 1: 256 + 32, 2: 256 + 64, 3: 256 + 128, 4: 512 + 128}
+FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "Q5_0": 5, "Q5_1": 6, "Q5_K": 7}
+_STRIDES = {0: 512 + 32, 1: 256 + 32, 2: 256 + 64, 3: 256 + 128, 4: 512 + 128,
+            5: 320 + 32, 6: 320 + 64, 7: 320 + 128}  # Q5: 4-bit nibbles (256) and a plane of high bits (64)
+_FIVE_BIT = ("Q5_0", "Q5_1", "Q5_K")
 # Up to this many rows the int8-activation kernel; beyond, the bf16 tile path. Per SmolLM2 layer shape (2 threads,
 # bench/gguf_tiles_ab.py) the int8 kernel wins at 8 and 12 rows, the two are level at 16, the tiles win from 24.
 INT_ROWS = 16
@@ -43,7 +46,7 @@ def packed_bytes(fmt: int, n: int, k: int) -> int:
 class GGUFBlocks:
     """A linear's [N, K] weight as a GGUF file's blocks ([N, row bytes] uint8, rows in the model's order)."""
 
-    qtype: str  # Q8_0, Q4_0, Q4_1, Q4_K, Q6_K
+    qtype: str  # a FORMATS key
     raw: torch.Tensor
     in_features: int
     dtype: torch.dtype  # the model's dtype
@@ -91,9 +94,9 @@ def _f16(b: np.ndarray) -> np.ndarray:
 
 
 def block_fields(w: GGUFBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Codes u [N, K] uint8 and per-32 scales d and offsets m [N, K / 32] (float16, or float32 for Q4_K; m None
-    for Q8_0/Q4_0) such that w = d * u + m, or d * (u - o) without m (o: 128 for Q8_0, stored as q + 128, and 8
-    for Q4_0). Q6_K: d per 16 inputs [N, K / 16] (float32 d * sc, exact), o = 32."""
+    """Codes u [N, K] uint8 and per-32 scales d and offsets m [N, K / 32] (float16, or float32 for Q4_K/Q5_K; m
+    None for Q8_0/Q4_0/Q5_0) such that w = d * u + m, or d * (u - o) without m (o: 128 for Q8_0, stored as
+    q + 128, 8 for Q4_0, 16 for Q5_0). Q6_K: d per 16 inputs [N, K / 16] (float32 d * sc, exact), o = 32."""
     raw = w.raw.numpy()
     n, k = w.shape
     g = k // 32
@@ -107,15 +110,28 @@ def block_fields(w: GGUFBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray | No
         qs = b[..., size - 16:]
         u = np.concatenate([qs & np.uint8(0x0F), qs >> 4], axis=-1)  # elements 0-15 low nibbles, 16-31 high
         return u.reshape(n, k), _f16(b[..., 0:2]), (_f16(b[..., 2:4]) if w.qtype == "Q4_1" else None)
-    if w.qtype == "Q4_K":
+    if w.qtype in ("Q5_0", "Q5_1"):
+        size = 22 if w.qtype == "Q5_0" else 24
+        b = raw.reshape(n, g, size)  # d (float16), [m (float16)], qh (32 high bits), qs (16 bytes of nibbles)
+        qs = b[..., size - 16:]
+        qh = np.ascontiguousarray(b[..., size - 20:size - 16]).view("<u4")  # bit j: element j's fifth bit
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8)
+        u = np.concatenate([qs & np.uint8(0x0F), qs >> 4], axis=-1) | (high << 4)
+        return u.reshape(n, k), _f16(b[..., 0:2]), (_f16(b[..., 2:4]) if w.qtype == "Q5_1" else None)
+    if w.qtype in ("Q4_K", "Q5_K"):
         import gguf
 
-        b = raw.reshape(-1, 144)  # d, dmin (float16), 12 bytes of 6-bit sub-scales and mins, 128 bytes of codes
+        five = w.qtype == "Q5_K"
+        b = raw.reshape(-1, 176 if five else 144)  # d, dmin, 12 bytes of sub-scales and mins, [qh,] codes
+
         sc, mn = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
         d = _f16(b[:, 0:2]).astype(np.float32)[:, None] * sc.astype(np.float32)  # exact: 11 x 6 bits
         m = -(_f16(b[:, 2:4]).astype(np.float32)[:, None] * mn.astype(np.float32))
-        qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        qs = b[:, -128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         u = qs & np.uint8(0x0F)  # 32 bytes hold two sub-blocks: low nibbles first, then high
+        if five:  # Q5_K: 32 bytes qh, bit i of byte l the fifth bit of sub-block i's element l
+            qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+            u = u.reshape(-1, 8, 32) | ((qh & np.uint8(1)) << 4)
         return u.reshape(n, k), d.reshape(n, g), m.reshape(n, g)
     if w.qtype == "Q6_K":
         b = raw.reshape(-1, 210)  # ql (128 bytes), qh (64), 16 int8 sub-scales, d (float16)
@@ -135,7 +151,8 @@ def gate_up_order(n: int) -> np.ndarray:
 
 def pack_blocks(w: GGUFBlocks, gate_up: bool = False) -> torch.Tensor:
     """The kernel's layout (quant_linear.cpp): per run of 16 rows, per group of 32 inputs, a record of codes
-    (8 quads [16 rows][4]; 4-bit: quad t low nibbles, t + 4 high), then the 16 d, then the 16 m."""
+    (8 quads [16 rows][4]; 4-bit: quad t low nibbles, t + 4 high; 5-bit: the 4-bit layout of the low bits,
+    then per quad the 64 high bits, bit i of byte i of the quad), then the 16 d, then the 16 m."""
     u, d, m = block_fields(w)
     n, k = u.shape
     g = k // 32
@@ -151,9 +168,13 @@ def pack_blocks(w: GGUFBlocks, gate_up: bool = False) -> torch.Tensor:
     if w.qtype in ("Q8_0", "Q6_K"):
         codes = u.reshape(runs, 16, g, 8, 4).transpose(0, 2, 3, 1, 4).reshape(runs, g, 512)
     else:
-        lo = u[..., :16].reshape(runs, 16, g, 4, 4).transpose(0, 2, 3, 1, 4)
-        hi = u[..., 16:].reshape(runs, 16, g, 4, 4).transpose(0, 2, 3, 1, 4)
+        lo = u[..., :16].reshape(runs, 16, g, 4, 4).transpose(0, 2, 3, 1, 4) & np.uint8(0x0F)
+        hi = u[..., 16:].reshape(runs, 16, g, 4, 4).transpose(0, 2, 3, 1, 4) & np.uint8(0x0F)
         codes = (lo | (hi << 4)).reshape(runs, g, 256)
+        if w.qtype in _FIVE_BIT:  # [runs, g, 8 quads, 64 bytes] -> 8 little-endian 64-bit words of fifth bits
+            quads = u.reshape(runs, 16, g, 8, 4).transpose(0, 2, 3, 1, 4).reshape(runs, g, 8, 64) >> 4
+            plane = np.packbits(quads, axis=-1, bitorder="little").reshape(runs, g, 64)
+            codes = np.concatenate([codes, plane], axis=-1)
 
     def per_run(a: np.ndarray) -> np.ndarray:  # [rows, g * h] -> [runs, g, h sets of 16 values, as bytes]
         h = a.shape[1] // g  # Q6_K: two scales per row and group (inputs 0-15, 16-31)

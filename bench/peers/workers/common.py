@@ -31,8 +31,8 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--max-requests", type=int, default=None,
                    help="time only this many W1 requests (for systems that run one request at a time)")
-    p.add_argument("--quantization", default="none", help="servelm only: its --quantization (gguf: a GGUF file's "
-                   "quantized blocks kept, as llama.cpp reads the same file)")
+    p.add_argument("--quantization", default="auto", help="servelm only: its --quantization (auto, servelm's "
+                   "default: gguf for a GGUF file, whose quantized blocks are kept as llama.cpp reads them)")
     p.add_argument("--paired", action="store_true",
                    help="stay loaded: print READY, then measure each workload named on stdin (one line each)")
     return p

@@ -1,16 +1,18 @@
-// Linear layers over GGUF block-quantized weights that stay quantized in memory (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K):
-// y = x W^T for bf16 rows x, bf16 out, float32 sums.
+// Linear layers over GGUF block-quantized weights that stay quantized in memory (Q8_0, Q4_0, Q4_1, Q4_K, Q5_0,
+// Q5_1, Q5_K, Q6_K): y = x W^T for bf16 rows x, bf16 out, float32 sums.
 //
 // The weight is repacked once at load (servelm/model/gguf_quant.py, `pack_blocks`), codes and scales exact,
 // into runs of 16 output rows: per 16 rows and per group of 32 inputs, one record of
 //   codes: 8 quads of inputs (4k .. 4k+3), each [16 rows][4 codes] = 64 bytes (8-bit formats: 512 bytes);
-//          4-bit formats hold quad t in the low nibbles and quad t + 4 in the high nibbles of 4 x 64 bytes
-//   d:     16 scales (float16 for the 32-block formats, float32 for Q4_K's d * sub-scale)
-//   m:     16 offsets where the format has them (Q4_1: float16 m, Q4_K: float32 -dmin * sub-min)
-// so that w = d * u + m (Q4_1, Q4_K) or w = d * (u - o) (Q4_0: o = 8, Q8_0 stored as q + 128: o = 128),
-// every value exactly what gguf's dequantization gives in float32. Q6_K (a scale per 16 inputs) keeps its
-// 6-bit codes as bytes (the 8-bit layout) and two sets of 16 float32 scales d * sc, for inputs 0-15 and
-// 16-31 of the group, o = 32. Blocks of 32 rows (two runs) pad N.
+//          4-bit formats hold quad t in the low nibbles and quad t + 4 in the high nibbles of 4 x 64 bytes;
+//          5-bit formats (Q5_*) the 4-bit layout of their low 4 bits, then 8 words of 64 fifth bits, word j
+//          bit i for byte i of quad j (320 bytes: 5 bits a weight, as the file)
+//   d:     16 scales (float16 for the 32-block formats, float32 for Q4_K's and Q5_K's d * sub-scale)
+//   m:     16 offsets where the format has them (Q4_1, Q5_1: float16 m; Q4_K, Q5_K: float32 -dmin * sub-min)
+// so that w = d * u + m (Q4_1, Q4_K, Q5_1, Q5_K) or w = d * (u - o) (Q4_0: o = 8, Q5_0: o = 16, Q8_0 stored as
+// q + 128: o = 128), every value exactly what gguf's dequantization gives in float32. Q6_K (a scale per 16
+// inputs) keeps its 6-bit codes as bytes (the 8-bit layout) and two sets of 16 float32 scales d * sc, for
+// inputs 0-15 and 16-31 of the group, o = 32. Blocks of 32 rows (two runs) pad N.
 //
 // Few rows (decode): llama.cpp's scheme. Each row of x is quantized once per call to int8 in blocks of 32
 // (scale = max|x| / 127, round to nearest even), and each group's dot products are integer (AVX512-VNNI
@@ -40,7 +42,7 @@ using servelm::bf16;
 
 namespace {
 
-enum Format : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4 };
+enum Format : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kQ5_0 = 5, kQ5_1 = 6, kQ5_K = 7 };
 
 struct Layout {
   int code_bytes;   // per 16 rows and 32 inputs
@@ -48,7 +50,21 @@ struct Layout {
   bool has_min;
   int offset;  // o in d * (u - o) for the formats without m
   bool halves = false;  // Q6_K: a second set of d for inputs 16-31 where m would be
+  bool five = false;    // Q5: the 4-bit layout, then 8 words of 64 fifth bits (one per quad, bit i: byte i)
   int stride() const { return code_bytes + scale_bytes * (has_min || halves ? 2 : 1); }
+};
+
+// The same facts at compile time, for the kernels' templates.
+template <int FMT>
+struct Traits {
+  static constexpr bool kFive = FMT == kQ5_0 || FMT == kQ5_1 || FMT == kQ5_K;
+  static constexpr bool kFour = FMT != kQ8_0 && FMT != kQ6_K;  // nibbles (Q5: plus the plane of fifth bits)
+  static constexpr bool kMin = FMT == kQ4_1 || FMT == kQ4_K || FMT == kQ5_1 || FMT == kQ5_K;
+  static constexpr bool kHalves = FMT == kQ6_K;
+  static constexpr bool kF32 = FMT == kQ4_K || FMT == kQ5_K || kHalves;  // float32 scales (else float16)
+  static constexpr int kCodes = kFive ? 320 : kFour ? 256 : 512, kScale = kF32 ? 64 : 32;
+  static constexpr int kStride = kCodes + kScale * (kMin || kHalves ? 2 : 1);
+  static constexpr int kOffset = FMT == kQ8_0 ? 128 : FMT == kQ6_K ? 32 : FMT == kQ5_0 ? 16 : 8;
 };
 
 Layout layout(int fmt) {
@@ -58,6 +74,9 @@ Layout layout(int fmt) {
     case kQ4_1: return {256, 32, true, 0};
     case kQ4_K: return {256, 64, true, 0};
     case kQ6_K: return {512, 64, false, 32, true};
+    case kQ5_0: return {320, 32, false, 16, false, true};
+    case kQ5_1: return {320, 32, true, 0, false, true};
+    case kQ5_K: return {320, 64, true, 0, false, true};
     default: servelm::check(false, "quant_linear: unknown format ", fmt); return {};
   }
 }
@@ -88,7 +107,10 @@ void scale_min(const uint8_t* rec, const Layout& L, int c, int kk, float& d, flo
 int code_at(const uint8_t* rec, const Layout& L, int c, int kk) {
   if (L.code_bytes == 512) return rec[64 * (kk / 4) + 4 * c + kk % 4];
   const int byte = rec[64 * ((kk % 16) / 4) + 4 * c + kk % 4];
-  return kk < 16 ? byte & 15 : byte >> 4;
+  const int u = kk < 16 ? byte & 15 : byte >> 4;
+  if (!L.five) return u;
+  const int i = 4 * c + kk % 4;  // the code's byte in its quad's 64
+  return u | ((rec[256 + 8 * (kk / 4) + i / 8] >> (i % 8)) & 1) << 4;
 }
 
 // x rows quantized to int8 in blocks of 32: q [M][K], d [M][G] (x ~ d * q), s [M][G] (sum of each block's q),
@@ -178,16 +200,21 @@ void store_portable(const float* c, int64_t R, int64_t n0, bf16* out, const bf16
 // c[r * 32 + 0..15].
 constexpr int kAhead = 12;  // records prefetched ahead (3.5-7.7 KB)
 
+// A Q5 quad's 64 fifth bits (bit i: byte i of the quad's 64 code bytes) as a byte mask.
+inline __mmask64 fifth_bits(const uint8_t* p) {
+  uint64_t bits;
+  std::memcpy(&bits, p, 8);
+  return _cvtu64_mask64(bits);
+}
+
 template <int FMT, int R>
 void run16_vnni(const uint8_t* w, int64_t G, const QRows& xq, int64_t r0, float* c) {
-  constexpr bool kFour = FMT != kQ8_0 && FMT != kQ6_K, kMin = FMT == kQ4_1 || FMT == kQ4_K, kHalves = FMT == kQ6_K;
-  constexpr bool kF32 = FMT == kQ4_K || kHalves;
-  constexpr int kCodes = kFour ? 256 : 512, kScale = kF32 ? 64 : 32;
-  constexpr int kStride = kCodes + kScale * (kMin || kHalves ? 2 : 1);
-  constexpr int kOffset = FMT == kQ8_0 ? 128 : FMT == kQ6_K ? 32 : 8;
+  using T = Traits<FMT>;
+  constexpr bool kFour = T::kFour, kMin = T::kMin, kHalves = T::kHalves, kF32 = T::kF32;
+  constexpr int kCodes = T::kCodes, kStride = T::kStride, kOffset = T::kOffset;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* p = w + g * kStride;
     // the record kAhead groups on, every line of it (the hardware prefetcher alone left the stream at ~80%
@@ -202,7 +229,11 @@ void run16_vnni(const uint8_t* w, int64_t G, const QRows& xq, int64_t r0, float*
 #pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) {
         const __m512i v = _mm512_loadu_si512(p + 64 * t);
-        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if constexpr (T::kFive) {  // + 16 where the fifth bit is set
+          lo = _mm512_mask_add_epi8(lo, fifth_bits(p + 256 + 8 * t), lo, sixteen);
+          hi = _mm512_mask_add_epi8(hi, fifth_bits(p + 256 + 8 * (t + 4)), hi, sixteen);
+        }
         for (int r = 0; r < R; ++r) {
           const int32_t* xr = xq.quads(r0 + r) + g * 8;
           s[r] = _mm512_dpbusd_epi32(s[r], lo, _mm512_set1_epi32(xr[t]));
@@ -277,8 +308,9 @@ void run16_rows_vnni(int64_t R, const uint8_t* w, int64_t G, const QRows& xq, in
 // [16 rows][input pair], pair p at dst + p * 32.
 template <int FMT>
 void dequantize_record(const uint8_t* p, bf16* dst) {
-  constexpr bool kFour = FMT != kQ8_0 && FMT != kQ6_K, kMin = FMT == kQ4_1 || FMT == kQ4_K, kF32 = FMT == kQ4_K;
-  constexpr int kCodes = kFour ? 256 : 512, kOffset = FMT == kQ8_0 ? 128 : FMT == kQ6_K ? 32 : 8;
+  using T = Traits<FMT>;
+  constexpr bool kFour = T::kFour, kMin = T::kMin, kF32 = T::kF32 && !T::kHalves;
+  constexpr int kCodes = T::kCodes, kOffset = T::kOffset;
   __m512 d, m, d2 = _mm512_setzero_ps(), m2 = _mm512_setzero_ps();
   if constexpr (FMT == kQ6_K) {  // the first half's scales, and the second's for quads 4-7
     d = _mm512_loadu_ps(p + kCodes);
@@ -314,6 +346,7 @@ void dequantize_record(const uint8_t* p, bf16* dst) {
     if constexpr (kFour) {
       v = _mm512_loadu_si512(p + 64 * (j % 4));
       v = _mm512_and_si512(j < 4 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+      if constexpr (T::kFive) v = _mm512_mask_add_epi8(v, fifth_bits(p + 256 + 8 * j), v, _mm512_set1_epi8(16));
     } else {
       v = _mm512_loadu_si512(p + 64 * j);
     }
@@ -335,6 +368,9 @@ servelm::DequantizeRecord servelm::record_dequantizer(int fmt) {
     case kQ4_1: return dequantize_record<kQ4_1>;
     case kQ4_K: return dequantize_record<kQ4_K>;
     case kQ6_K: return dequantize_record<kQ6_K>;
+    case kQ5_0: return dequantize_record<kQ5_0>;
+    case kQ5_1: return dequantize_record<kQ5_1>;
+    case kQ5_K: return dequantize_record<kQ5_K>;
   }
 #endif
   check(false, "quant_linear: no bf16 dequantization of format ", fmt, " in this build");
@@ -350,13 +386,22 @@ inline __m256 cvt_scales(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// 32 of a Q5 quad's fifth bits (bit b: byte b of the half) as bytes of 16 or 0.
+inline __m256i fifth_bytes(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(  // byte b: the bits' byte b / 8
+      _mm256_set1_epi32(int(bits)), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));  // byte b: bit b % 8
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
 // As run16_vnni, 8 of the 16 rows per 256-bit half: maddubs (u8 x s8 pairs into int16) then madd into int32.
 template <int FMT, int R>
 void run16_avx2(const uint8_t* w, int64_t G, const QRows& xq, int64_t r0, float* c) {
-  constexpr bool kFour = FMT != kQ8_0 && FMT != kQ6_K, kMin = FMT == kQ4_1 || FMT == kQ4_K, kHalves = FMT == kQ6_K;
-  constexpr bool kF32 = FMT == kQ4_K || kHalves;
-  constexpr int kCodes = kFour ? 256 : 512, kScale = kF32 ? 64 : 32;
-  constexpr int kStride = kCodes + kScale * (kMin || kHalves ? 2 : 1);
+  using T = Traits<FMT>;
+  constexpr bool kFour = T::kFour, kMin = T::kMin, kHalves = T::kHalves, kF32 = T::kF32;
+  constexpr int kCodes = T::kCodes, kStride = T::kStride;
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
@@ -365,19 +410,27 @@ void run16_avx2(const uint8_t* w, int64_t G, const QRows& xq, int64_t r0, float*
     _mm_prefetch(reinterpret_cast<const char*>(p + 8 * kStride), _MM_HINT_T0);
     for (int h = 0; h < 2; ++h) {
       __m256i s[R];
-      if constexpr (kFour) {  // |u q| <= 15 * 127: 8 pair sums stay within int16
+      if constexpr (kFour) {  // |u q| <= 15 * 127: 8 pair sums stay within int16 (Q5, 31 * 127: 4 of them)
         __m256i s16[R];
-        for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+        for (int r = 0; r < R; ++r) s16[r] = s[r] = _mm256_setzero_si256();
         for (int t = 0; t < 4; ++t) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * t + 32 * h));
-          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          if constexpr (T::kFive) {
+            lo = _mm256_or_si256(lo, fifth_bytes(p + 256 + 8 * t + 4 * h));
+            hi = _mm256_or_si256(hi, fifth_bytes(p + 256 + 8 * (t + 4) + 4 * h));
+          }
           for (int r = 0; r < R; ++r) {
             const int32_t* xr = xq.quads(r0 + r) + g * 8;
             s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xr[t])));
             s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xr[t + 4])));
           }
+          if (!T::kFive ? t == 3 : t % 2 == 1)
+            for (int r = 0; r < R; ++r) {
+              s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(s16[r], ones));
+              s16[r] = _mm256_setzero_si256();
+            }
         }
-        for (int r = 0; r < R; ++r) s[r] = _mm256_madd_epi16(s16[r], ones);
       } else if constexpr (kHalves) {  // 6-bit codes: u q pairs fit int16 as they are; a sum per half
         __m256i s2[R];
         for (int r = 0; r < R; ++r) s[r] = s2[r] = _mm256_setzero_si256();
@@ -425,7 +478,7 @@ void run16_avx2(const uint8_t* w, int64_t G, const QRows& xq, int64_t r0, float*
         const int64_t i = (r0 + r) * xq.G + g;
         const float dx = xq.d[i];
         __m256i si = s[r];
-        if constexpr (FMT == kQ4_0) si = _mm256_sub_epi32(si, _mm256_set1_epi32(8 * xq.s[i]));
+        if constexpr (kFour && !kMin) si = _mm256_sub_epi32(si, _mm256_set1_epi32(T::kOffset * xq.s[i]));
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r][h]);
         if constexpr (kMin) acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(dx * float(xq.s[i])), acc[r][h]);
       }
@@ -495,10 +548,11 @@ void int_matmul(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, con
 
 }  // namespace
 
-// Whether this build runs format `fmt` (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K) for inputs of K features:
+// Whether this build runs format `fmt` (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K, 5 Q5_0, 6 Q5_1, 7 Q5_K) for inputs
+// of K features:
 // 1 with the int8-activation kernel only, 2 with the bf16 tile path for many rows as well, 0 not at all.
 SERVELM_API int servelm_quant_linear_supported(int fmt, int64_t K) {
-  if (fmt < kQ8_0 || fmt > kQ6_K || K <= 0 || K % 32 != 0) return 0;
+  if (fmt < kQ8_0 || fmt > kQ5_K || K <= 0 || K % 32 != 0) return 0;
 #ifdef SERVELM_QUANT_INT
   if (!int_kernel_available()) return 0;
 #ifdef SERVELM_QUANT_VNNI
@@ -544,6 +598,9 @@ void servelm::quant_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64
       case kQ4_0: return int_matmul<kQ4_0>(out, x, M, K, ldx, packed, N, bias, silu_mul);
       case kQ4_1: return int_matmul<kQ4_1>(out, x, M, K, ldx, packed, N, bias, silu_mul);
       case kQ4_K: return int_matmul<kQ4_K>(out, x, M, K, ldx, packed, N, bias, silu_mul);
+      case kQ5_0: return int_matmul<kQ5_0>(out, x, M, K, ldx, packed, N, bias, silu_mul);
+      case kQ5_1: return int_matmul<kQ5_1>(out, x, M, K, ldx, packed, N, bias, silu_mul);
+      case kQ5_K: return int_matmul<kQ5_K>(out, x, M, K, ldx, packed, N, bias, silu_mul);
       default: return int_matmul<kQ6_K>(out, x, M, K, ldx, packed, N, bias, silu_mul);
     }
 #else
