@@ -124,10 +124,12 @@ tile_path = pytest.mark.skipif(kernels is None or kernels.quant_linear_supported
 
 @tile_path
 @pytest.mark.parametrize("qtype", list(FORMATS))
-def test_many_rows_run_the_bf16_model_weight_bit_for_bit(qtype):
-    """Prefill-sized inputs: the weight dequantized to bf16 in tile order, then the bf16 tile kernel: the same
-    bits as the bf16 model (the file dequantized at load, packed for that kernel)."""
-    n, k, m = 96, 512, 40
+@pytest.mark.parametrize(("n", "k", "m"), [(96, 512, 40), (160, 256, 300)])
+def test_many_rows_run_the_bf16_model_weight_bit_for_bit(qtype, n, k, m):
+    """Batches and prefill-sized inputs: the weight dequantized to bf16 in tile order a block at a time as the
+    bf16 tile kernel reaches it (each thread dequantizing its next block during this one's products; more
+    than 256 rows in two passes over the blocks): the same bits as the bf16 model (the file dequantized at
+    load, packed for that kernel)."""
     w = _blocks(qtype, n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).bfloat16()
     bias = torch.randn(n, generator=torch.Generator().manual_seed(2)).bfloat16()
@@ -138,6 +140,38 @@ def test_many_rows_run_the_bf16_model_weight_bit_for_bit(qtype):
     gu = kernels.quant_linear(x, pack_blocks(w, gate_up=True), FORMATS[qtype], n, None, silu_mul=True, int_rows=8)
     fused = kernels.amx_linear_silu_mul if kernels.amx_linear_supported(k) else kernels.avx512_linear_silu_mul
     assert torch.equal(gu, fused(x, pack_weight_for_tiles(w.dequantize(torch.bfloat16), gate_up=True), n))
+
+
+def _avx512_build():
+    """The AVX512-BF16 build (tile path on avx512_linear) where this CPU runs it, else None."""
+    found = cpu_kernels.manifest() or {}
+    table = {v.name: v for v in kernel_build.variants()}
+    if "avx512bf16" not in found.get("built", []) or not set(table["avx512bf16"].requires) <= cpu_flags():
+        return None
+    return cpu_kernels.load_variant("avx512bf16")
+
+
+@pytest.mark.skipif(_avx512_build() is None, reason="needs the AVX512-BF16 build and a CPU that runs it")
+@pytest.mark.parametrize("mode", ["bf16", "fma"])
+def test_many_rows_without_amx_run_the_bf16_model_weight_bit_for_bit(mode):
+    """CPUs with AVX512-BF16 but no AMX: each block dequantized as avx512_linear reaches it, in both of its
+    ways to multiply bf16 pairs: the same bits as avx512_linear over the bf16 model's packed weight."""
+    k = _avx512_build()
+    before = k.bf16_dot()
+    k.set_bf16_dot(mode)
+    try:
+        for qtype in FORMATS:
+            for n, kk, m in [(96, 512, 40), (160, 256, 300)]:
+                w = _blocks(qtype, n, kk)
+                x = torch.randn(m, kk, generator=torch.Generator().manual_seed(1)).bfloat16()
+                bias = torch.randn(n, generator=torch.Generator().manual_seed(2)).bfloat16()
+                y = k.quant_linear(x, pack_blocks(w), FORMATS[qtype], n, bias, int_rows=8)
+                assert torch.equal(y, k.avx512_linear(x, pack_weight_for_tiles(w.dequantize(torch.bfloat16)), n, bias))
+                gu = k.quant_linear(x, pack_blocks(w, gate_up=True), FORMATS[qtype], n, None, silu_mul=True, int_rows=8)
+                dense = pack_weight_for_tiles(w.dequantize(torch.bfloat16), gate_up=True)
+                assert torch.equal(gu, k.avx512_linear_silu_mul(x, dense, n)), (qtype, n, kk, m)
+    finally:
+        k.set_bf16_dot(before)
 
 
 def test_bad_input_raises():

@@ -8,8 +8,9 @@ a plane of fifth bits, 5 bits a weight as in the file) and multiplied with bf16 
   the dot products are integer (AVX512-VNNI, or AVX2), one float32 scale per group: the exact product of
   the dequantized weight with the int8-rounded x, up to float32 rounding (`ReferenceMatmul` computes it in
   torch);
-- more rows (prefill), where the bf16 tile kernels exist (AMX, AVX512-BF16): the weight is dequantized
-  into a bf16 scratch copy in tile order, bit for bit the bf16 model's weight, and run by those kernels.
+- more rows (batches, prefill), where the bf16 tile kernels exist (AMX, AVX512-BF16): those kernels run
+  over the weight's 32-column blocks, each dequantized to bf16 (bit for bit the bf16 model's block) into a
+  small per-thread buffer as their loop reaches it, so the results are the bf16 model's.
 
 Without the kernels (SERVELM_CPU_KERNELS=0, a CPU without AVX2, a float32 model) the Q4 types go to
 PyTorch's int4 kernels (model/quant.py) and the rest (Q8_0, Q5_*, Q6_K) is dequantized.
@@ -31,7 +32,9 @@ FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "Q5_0": 5, "Q5
 _STRIDES = {0: 512 + 32, 1: 256 + 32, 2: 256 + 64, 3: 256 + 128, 4: 512 + 128,
             5: 320 + 32, 6: 320 + 64, 7: 320 + 128}  # Q5: 4-bit nibbles (256) and a plane of high bits (64)
 _FIVE_BIT = ("Q5_0", "Q5_1", "Q5_K")
-INT_ROWS = 16  # up to this many rows the int8-activation kernel; beyond, the bf16 tile path
+# Up to this many rows the int8-activation kernel; beyond, the bf16 tile path. Per SmolLM2 layer shape (2 threads,
+# bench/gguf_tiles_ab.py) the int8 kernel wins at 8 and 12 rows, the two are level at 16, the tiles win from 24.
+INT_ROWS = 16
 
 
 def packed_bytes(fmt: int, n: int, k: int) -> int:

@@ -219,22 +219,68 @@ void few_times_block(int64_t rows, const typename Line<X>::In* x, int64_t ldx, c
   }
 }
 
+// Where packed_matmul gets each 32-column block (32 x K bf16 in pack_weight_for_tiles order), per thread
+// (`cursor`), and the next block to prefetch while this one computes (null: none). A bf16 model's weight is
+// already packed: a block is an address.
+struct Bf16Blocks {
+  const bf16* w;
+  int64_t K;
+  Bf16Blocks cursor() const { return *this; }
+  const bf16* block(int64_t nb) const { return w + nb * kBlockCols * K; }
+  const bf16* ahead(int64_t nb) const { return block(nb); }
+};
+
+// A GGUF weight: each block dequantized when the loop reaches it into a per-thread buffer that stays in L2
+// (32 x K bf16) while the row groups run over it, instead of the whole weight into memory first and read
+// back. Nothing to prefetch: the vector units that would run ahead are the ones doing the products.
+struct QuantBlocks {
+  const servelm::QuantWeight& w;
+  int64_t K;
+  servelm::DequantizeRecord record;
+  bf16* buf = nullptr;
+  QuantBlocks cursor() const {
+    struct Buffer {  // this thread's, 64-byte aligned
+      bf16* p = nullptr;
+      int64_t n = 0;
+      ~Buffer() { std::free(p); }
+    };
+    thread_local Buffer b;
+    if (b.n < kBlockCols * K) {
+      std::free(b.p);
+      b.p = static_cast<bf16*>(std::aligned_alloc(64, kBlockCols * K * sizeof(bf16)));  // a multiple of 64 bytes
+      b.n = b.p ? kBlockCols * K : 0;
+      servelm::check(b.p != nullptr, "avx512_linear: out of memory for a dequantized weight block");
+    }
+    return {w, K, record, b.p};
+  }
+  const bf16* block(int64_t nb) const {
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* run = w.run(nb, h, K);
+      for (int64_t g = 0; g < K / 32; ++g) record(run + g * w.stride, buf + (2 * g + h) * 512);
+    }
+    return buf;
+  }
+  const bf16* ahead(int64_t) const { return nullptr; }
+};
+
 // Up to 4 rows the weight streams once at memory speed (one row: 26 GB/s, the plain-read bandwidth).
 // Beyond, each 32-column block is reused from cache by groups of 12 rows while the groups fetch the
 // next block into L2 (without: 160 instead of ~205 GFLOP/s at 64 rows; all of it by the first group:
 // 1.6% slower than spread; with a few rows prefetching measured slower, the loads keep memory busy).
 // Prefill-sized inputs pass over the blocks in chunks of 192 rows, whose inputs stay in L2.
 // X: the pair-product form; the FMA form takes up to 4 rows as WidenedBf16, more as float.
-template <typename X>
-void packed_matmul(const typename Line<X>::In* x, int64_t M, int64_t ldx, const bf16* w, int64_t K,
+// `src` gives each thread's blocks (Bf16Blocks, QuantBlocks).
+template <typename X, typename Source>
+void packed_matmul(const typename Line<X>::In* x, int64_t M, int64_t ldx, const Source& src, int64_t K,
                    const servelm::Epilogue& ep, bf16* out) {
   const int64_t blocks = (ep.N + kBlockCols - 1) / kBlockCols, ldo = ep.silu_mul ? ep.N / 2 : ep.N;
   servelm::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
     alignas(64) float c[kRowGroup * kBlockCols];
+    auto cursor = src.cursor();
     if constexpr (!std::is_same_v<X, float>) {
       if (M <= 4) {
         for (int64_t nb = begin; nb < end; ++nb) {
-          few_times_block<X>(M, x, ldx, w + nb * kBlockCols * K, K, c);
+          few_times_block<X>(M, x, ldx, cursor.block(nb), K, c);
           servelm::store_rows(servelm::Pending{c, M, nb * kBlockCols, out}, ep);
         }
         return;
@@ -248,10 +294,10 @@ void packed_matmul(const typename Line<X>::In* x, int64_t M, int64_t ldx, const 
         float* split = nullptr;
         if constexpr (std::is_same_v<X, float>) split = groups >= 3 ? split_buffer(K) : nullptr;
         for (int64_t nb = begin; nb < end; ++nb) {
-          const bf16* b = w + nb * kBlockCols * K;
+          const bf16* b = cursor.block(nb);
           for (int64_t r = m0; r < m1; r += kRowGroup) {
             const int64_t rows = std::min<int64_t>(kRowGroup, m1 - r);
-            const Ahead ahead{nb + 1 < end ? b + kBlockCols * K : nullptr, groups, (r - m0) / kRowGroup};
+            const Ahead ahead{nb + 1 < end ? cursor.ahead(nb + 1) : nullptr, groups, (r - m0) / kRowGroup};
             if (split == nullptr || r == m0) {
               group_times_block<X>(rows, x + r * ldx, ldx, b, K, c, ahead, split);
             } else if constexpr (std::is_same_v<X, float>) {
@@ -283,16 +329,17 @@ void servelm::check_packed_linear(const char* name, int64_t M, int64_t K, int64_
   check(!silu_mul || (N % 32 == 0 && !bias), name, "_silu_mul: gate and up widths must be multiples of 16, no bias");
 }
 
-void servelm::avx512_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const bf16* packed,
-                            int64_t N, const bf16* bias, bool silu_mul) {
-  check_packed_linear("avx512_linear", M, K, N, bias != nullptr, silu_mul);
 #ifdef SERVELM_AVX512_BF16
-  if (M == 0) return;
+namespace {
+template <typename Source>
+void avx512_matmul(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const Source& src, int64_t N,
+                   const bf16* bias, bool silu_mul) {
+  using namespace servelm;
   const Epilogue ep{bias, N, silu_mul};
   if (!fma_dot()) {
-    packed_matmul<bf16>(x, M, ldx, packed, K, ep, out);
+    packed_matmul<bf16>(x, M, ldx, src, K, ep, out);
   } else if (M <= 4) {  // widened as broadcast: a float copy per call cost 1.6% of a batch-1 step
-    packed_matmul<WidenedBf16>(x, M, ldx, packed, K, ep, out);
+    packed_matmul<WidenedBf16>(x, M, ldx, src, K, ep, out);
   } else {  // widened once: M * K, against M * K * N multiplies
     float* xf = static_cast<float*>(std::aligned_alloc(64, (M * K * sizeof(float) + 63) / 64 * 64));
     check(xf != nullptr, "avx512_linear: out of memory");
@@ -301,15 +348,37 @@ void servelm::avx512_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int6
         for (int64_t k = 0; k < K; ++k) xf[r * K + k] = x[r * ldx + k];
     });
     try {
-      packed_matmul<float>(xf, M, K, packed, K, ep, out);
+      packed_matmul<float>(xf, M, K, src, K, ep, out);
     } catch (...) {
       std::free(xf);
       throw;
     }
     std::free(xf);
   }
+}
+}  // namespace
+#endif
+
+void servelm::avx512_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const bf16* packed,
+                            int64_t N, const bf16* bias, bool silu_mul) {
+  check_packed_linear("avx512_linear", M, K, N, bias != nullptr, silu_mul);
+#ifdef SERVELM_AVX512_BF16
+  if (M == 0) return;
+  avx512_matmul(out, x, M, K, ldx, Bf16Blocks{packed, K}, N, bias, silu_mul);
 #else
   (void)out, (void)x, (void)ldx, (void)packed;
+  check(false, "avx512_linear needs AVX512-BF16");
+#endif
+}
+
+void servelm::avx512_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const QuantWeight& w,
+                            int64_t N, const bf16* bias, bool silu_mul) {
+  check_packed_linear("avx512_linear", M, K, N, bias != nullptr, silu_mul);
+#ifdef SERVELM_AVX512_BF16
+  if (M == 0) return;
+  avx512_matmul(out, x, M, K, ldx, QuantBlocks{w, K, record_dequantizer(w.fmt)}, N, bias, silu_mul);
+#else
+  (void)out, (void)x, (void)ldx, (void)w;
   check(false, "avx512_linear needs AVX512-BF16");
 #endif
 }

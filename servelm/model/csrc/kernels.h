@@ -37,6 +37,26 @@ void avx512_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, 
 void amx_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const bf16* packed, int64_t N,
                 const bf16* bias, bool silu_mul);
 
+// A GGUF weight packed by gguf_quant.pack_blocks (quant_linear.cpp): format fmt, records of `stride` bytes
+// (16 rows x 32 inputs); a 32-column block is two runs of K / 32 records, contiguous.
+struct QuantWeight {
+  int fmt = 0;
+  const uint8_t* packed = nullptr;
+  int64_t stride = 0;
+  const uint8_t* run(int64_t nb, int h, int64_t K) const { return packed + (2 * nb + h) * (K / 32) * stride; }
+};
+// One record dequantized into its place in the bf16 tile order (16 lines of [16 rows][input pair], 1 KB):
+// the bf16 model's weight bit for bit. The AVX512-BF16 one of format fmt (null in other builds).
+using DequantizeRecord = void (*)(const uint8_t* record, bf16* dst);
+DequantizeRecord record_dequantizer(int fmt);
+// amx_linear over a GGUF weight, each block dequantized as the tile loop reaches it: the same results as
+// amx_linear over the dequantized, packed weight.
+void amx_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const QuantWeight& w, int64_t N,
+                const bf16* bias, bool silu_mul);
+// The same with avx512_linear (CPUs with AVX512-BF16 but no AMX).
+void avx512_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const QuantWeight& w, int64_t N,
+                   const bf16* bias, bool silu_mul);
+
 // The same over a GGUF block-quantized weight packed by gguf_quant.pack_blocks (quant_linear.cpp): format
 // fmt (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K); up to int_rows rows the int8-activation kernel.
 void quant_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, int fmt, const uint8_t* packed,

@@ -18,9 +18,11 @@
 // (scale = max|x| / 127, round to nearest even), and each group's dot products are integer (AVX512-VNNI
 // vpdpbusd, 16 rows in the lanes; AVX2 maddubs), scaled once per group in float32. The result is the exact
 // product of the dequantized weight with the int8-rounded x, up to float32 rounding of the per-group sums.
-// Many rows (prefill), where a bf16 tile kernel exists (AMX, AVX512-BF16): the weight is dequantized into a
-// bf16 copy in `pack_weight_for_tiles` order (the bf16 model's packed weight, bit for bit) in a per-thread
-// scratch buffer, and the bf16 linear kernel runs on it.
+// Many rows (batches over int_rows, prefill), where a bf16 tile kernel exists (AMX, AVX512-BF16): that kernel
+// (amx_linear.cpp, avx512_linear.cpp) runs over the weight's 32-column blocks, each dequantized when its loop
+// reaches it into a small per-thread buffer in `pack_weight_for_tiles` order (the bf16 model's packed block,
+// bit for bit; `record_dequantizer`), so the bf16 values never go through memory (the AMX loop dequantizes
+// the next block between this one's tile ops). The results are the bf16 model's.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -326,9 +328,18 @@ void dequantize_record(const uint8_t* p, bf16* dst) {
   const __m512i byte = _mm512_set1_epi32(0xFF);
   const __m512 d1 = d, m1 = m;
   auto value = [&](__m512i v, int i) {  // d * u + m, one rounding: gguf's float32 value (d * u is exact)
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * i), byte)), d, m);
+    const __m512i u = i == 3 ? _mm512_srli_epi32(v, 24) : _mm512_and_si512(_mm512_srli_epi32(v, 8 * i), byte);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), d, m);
   };
-  auto bits = [](__m512 f) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f)); };
+  // Rows 0-15 of inputs 2p (lo) and 2p + 1 (hi) as one line of [16 rows][pair] bf16: both rounded by one
+  // instruction (the same rounding as one at a time), then interleaved; a third fewer vector ops per
+  // record than widening each and shifting one into place, which made the dequantization the tile path's
+  // bottleneck.
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  auto line = [&](__m512 lo, __m512 hi) {
+    return _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  };
   for (int j = 0; j < 8; ++j) {
     if constexpr (FMT == kQ6_K) d = j < 4 ? d1 : d2, m = j < 4 ? m1 : m2;
     __m512i v;
@@ -339,25 +350,34 @@ void dequantize_record(const uint8_t* p, bf16* dst) {
     } else {
       v = _mm512_loadu_si512(p + 64 * j);
     }
-    _mm512_storeu_si512(dst + 2 * j * 32, _mm512_or_si512(bits(value(v, 0)), _mm512_slli_epi32(bits(value(v, 1)), 16)));
-    _mm512_storeu_si512(dst + (2 * j + 1) * 32,
-                        _mm512_or_si512(bits(value(v, 2)), _mm512_slli_epi32(bits(value(v, 3)), 16)));
+    _mm512_storeu_si512(dst + 2 * j * 32, line(value(v, 0), value(v, 1)));
+    _mm512_storeu_si512(dst + (2 * j + 1) * 32, line(value(v, 2), value(v, 3)));
   }
 }
 
-// The whole weight in pack_weight_for_tiles order ([N/32][K/32][2][16][32] bf16) into dst.
-template <int FMT>
-void dequantize_tiles(const uint8_t* packed, int64_t blocks, int64_t G, int stride, bf16* dst) {
-  servelm::parallel_for(0, blocks, 2, [&](int64_t b, int64_t e) {
-    for (int64_t nb = b; nb < e; ++nb)
-      for (int h = 0; h < 2; ++h) {
-        const uint8_t* run = packed + (2 * nb + h) * G * stride;
-        for (int64_t g = 0; g < G; ++g) dequantize_record<FMT>(run + g * stride, dst + ((nb * G + g) * 2 + h) * 512);
-      }
-  });
-}
 #pragma GCC pop_options
 #endif  // SERVELM_AVX512_BF16
+
+}  // namespace
+
+servelm::DequantizeRecord servelm::record_dequantizer(int fmt) {
+#ifdef SERVELM_QUANT_VNNI
+  switch (fmt) {
+    case kQ8_0: return dequantize_record<kQ8_0>;
+    case kQ4_0: return dequantize_record<kQ4_0>;
+    case kQ4_1: return dequantize_record<kQ4_1>;
+    case kQ4_K: return dequantize_record<kQ4_K>;
+    case kQ6_K: return dequantize_record<kQ6_K>;
+    case kQ5_0: return dequantize_record<kQ5_0>;
+    case kQ5_1: return dequantize_record<kQ5_1>;
+    case kQ5_K: return dequantize_record<kQ5_K>;
+  }
+#endif
+  check(false, "quant_linear: no bf16 dequantization of format ", fmt, " in this build");
+  return nullptr;
+}
+
+namespace {
 
 #if defined(__AVX2__) && !defined(SERVELM_AVX512_BF16)
 #define SERVELM_QUANT_AVX2 1
@@ -566,32 +586,9 @@ void servelm::quant_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64
 #ifdef SERVELM_QUANT_INT
 #ifdef SERVELM_QUANT_VNNI
     if (M > int_rows) {
-      struct Scratch {
-        bf16* p = nullptr;
-        int64_t n = 0;
-        ~Scratch() { std::free(p); }
-      };
-      thread_local Scratch scratch;
-      const int64_t blocks = (N + 31) / 32, need = blocks * 32 * K;
-      if (scratch.n < need) {
-        std::free(scratch.p);
-        scratch.p = static_cast<bf16*>(std::aligned_alloc(64, need * sizeof(bf16)));  // K % 32: whole lines
-        scratch.n = scratch.p ? need : 0;
-        servelm::check(scratch.p != nullptr, "quant_linear: out of memory for a dequantized weight");
-      }
-      const int stride = layout(fmt).stride();
-      switch (fmt) {
-        case kQ8_0: dequantize_tiles<kQ8_0>(packed, blocks, K / 32, stride, scratch.p); break;
-        case kQ4_0: dequantize_tiles<kQ4_0>(packed, blocks, K / 32, stride, scratch.p); break;
-        case kQ4_1: dequantize_tiles<kQ4_1>(packed, blocks, K / 32, stride, scratch.p); break;
-        case kQ4_K: dequantize_tiles<kQ4_K>(packed, blocks, K / 32, stride, scratch.p); break;
-        case kQ5_0: dequantize_tiles<kQ5_0>(packed, blocks, K / 32, stride, scratch.p); break;
-        case kQ5_1: dequantize_tiles<kQ5_1>(packed, blocks, K / 32, stride, scratch.p); break;
-        case kQ5_K: dequantize_tiles<kQ5_K>(packed, blocks, K / 32, stride, scratch.p); break;
-        default: dequantize_tiles<kQ6_K>(packed, blocks, K / 32, stride, scratch.p); break;
-      }
-      if (servelm::amx_available()) servelm::amx_linear(out, x, M, K, ldx, scratch.p, N, bias, silu_mul);
-      else servelm::avx512_linear(out, x, M, K, ldx, scratch.p, N, bias, silu_mul);
+      const QuantWeight w{fmt, packed, layout(fmt).stride()};
+      if (servelm::amx_available()) servelm::amx_linear(out, x, M, K, ldx, w, N, bias, silu_mul);
+      else servelm::avx512_linear(out, x, M, K, ldx, w, N, bias, silu_mul);
       return;
     }
 #endif
