@@ -66,7 +66,7 @@ def main() -> int:
     systems = [s for s in a.systems.split(",") if s]
     paths = ensure_models(a.cache, ["smollm2"], "llamacpp" in systems)["smollm2"]
     lengths = [int(x) for x in a.lengths.split(",")]
-    ctx = max(lengths) + 64
+    ctx = max(lengths) + 1  # prompt plus the one output token (SmolLM2 allows 8,192)
     rng = np.random.Generator(np.random.PCG64(5))
     rows: dict[str, dict[int, float]] = {}
     for name, cmd in commands(a.cache, paths, a.threads, ctx, systems).items():
