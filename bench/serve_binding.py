@@ -22,12 +22,12 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
 from servelm.model.source import default_model_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+from run_peers import running_server  # noqa: E402  (the peers harness's server start, readiness and stop)
 
 
 def variants(cpus: list[int]) -> dict[str, tuple[list[str], list[int] | None]]:
@@ -44,30 +44,16 @@ def pin_tree_threads(pid: int, cpus: list[int]) -> None:
         os.sched_setaffinity(int(tid), cpus)
 
 
-def run_one(model: str, extra: list[str], api_cpus: list[int] | None, rate: float, n: int, port: int) -> dict:
-    cmd = [sys.executable, "-m", "servelm.entrypoints.cli", "serve", model, "--port", str(port), "--embedding-model",
+def run_one(model: str, extra: list[str], api_cpus: list[int] | None, rate: float, n: int, threads: int) -> dict:
+    cmd = [sys.executable, "-m", "servelm.entrypoints.cli", "serve", model, "--port", "{port}", "--embedding-model",
            "none", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"servelm serve {' '.join(extra)} did not start")
-            time.sleep(0.5)  # polling for readiness, not timing anything
+    with running_server("servelm serve " + " ".join(extra), cmd, threads) as (url, _ready_s, peak):
         if api_cpus:
-            pin_tree_threads(proc.pid, api_cpus)
-        res = subprocess.run([sys.executable, "-m", "servelm.entrypoints.cli", "bench", "serve", "--base-url",
-                              f"http://127.0.0.1:{port}", "--rate", str(rate), "--num-requests", str(n),
-                              "--vocab-size", "49152"], capture_output=True, text=True, check=True)
+            pin_tree_threads(peak.proc.pid, api_cpus)
+        res = subprocess.run([sys.executable, "-m", "servelm.entrypoints.cli", "bench", "serve", "--base-url", url,
+                              "--rate", str(rate), "--num-requests", str(n), "--vocab-size", "49152"],
+                             capture_output=True, text=True, check=True)
         return json.loads(res.stdout.strip().splitlines()[-1])
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 def main() -> int:
@@ -88,7 +74,7 @@ def main() -> int:
         for name in names if rnd % 2 == 0 else names[::-1]:
             extra, api = table[name]
             row = {"variant": name, "round": rnd, **run_one(str(model), extra, api, a.rate, a.num_requests,
-                                                            8390 + rnd)}
+                                                            len(cpus))}
             runs[name].append(row)
             print(json.dumps(row), flush=True)
             if a.output:
