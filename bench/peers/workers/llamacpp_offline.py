@@ -6,35 +6,9 @@ import time
 from common import Timer, median, output_len, parser, prompts, serve
 
 
-def amx_cpu() -> bool:
-    try:
-        return " amx_int8" in open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-
-
-def without_extra_buffer_types() -> None:
-    """llama.cpp's AMX matmul (an "extra buffer type") died of SIGILL at its first `tilezero` on the AMX
-    machine these benchmarks ran on (ggml_backend_amx_mul_mat, one thread or two; the tile configuration it
-    loads once per thread is gone by then). On AMX CPUs the extra buffer types are turned off, as
-    `llama-server --no-repack` does: llama.cpp then runs its AVX512/VNNI kernels."""
-    import llama_cpp.llama_cpp as c
-
-    default = c.llama_model_default_params
-
-    def params():
-        p = default()
-        p.use_extra_bufts = False
-        return p
-
-    c.llama_model_default_params = params
-
-
 def main() -> None:
     args = parser(__doc__).parse_args()
-    if amx_cpu():
-        without_extra_buffer_types()
-    import llama_cpp
+    import llama_cpp  # built by run_peers.py with its AMX fix: the extra buffer types (AMX, repack) stay on
 
     t = time.perf_counter()
     llm = llama_cpp.Llama(model_path=args.model, n_ctx=1024, n_batch=512, n_threads=args.threads,
