@@ -68,6 +68,7 @@ class Sequence:
     # structured output: the grammar's state after this sample's tokens (an xgrammar GrammarMatcher); it stays
     # with the sequence through preemption, so a resumed sample goes on where it was
     matcher: Any = None
+    batch_row: int = -1  # its row in the scheduler's DecodeBatch while a member, else -1
 
     @property
     def num_tokens(self) -> int:
@@ -118,6 +119,7 @@ class Request:
     # takes the full check, as for prompt logprobs and grammars).
     plain_below: int = 0
     stop_ids: frozenset[int] = frozenset()
+    batchable: bool = False  # its decodes can be rows of the decode batch (decode_batch.batchable)
 
     @property
     def needs_prompt_logprobs(self) -> bool:
