@@ -256,7 +256,7 @@ class EngineCore:
         sample (its length or a stop token) takes the full check (_append), which may finish it."""
         seqs, batch = out.decode_seqs, out.batch
         n = len(seqs)
-        check, filled = batch.advance(n, tokens)
+        check = batch.advance(n, tokens)
         if len(check):
             checked = set(check.tolist())
             rids, toks = [], []
@@ -272,9 +272,6 @@ class EngineCore:
                 seq.num_computed_tokens += 1
                 seq.token_ids.append(tok)
         self.generation_tokens += len(toks)
-        if self.kv.pool.enable_caching:
-            for i in filled.tolist():
-                self.kv.commit_computed(seqs[i])  # a block became full
         for i in check.tolist():  # last: a finished sample leaves the batch, which moves another row
             outputs.append(self._append(seqs[i], [SampleResult(tokens[i])], now))
         return DecodeOutputs(rids, toks)
@@ -283,39 +280,24 @@ class EngineCore:
                             outputs: list[SeqOutput], now: float) -> None:
         """Every per-sequence change a step makes once its forward has run: computed tokens, prefix-cache
         commits, forks of n > 1 samples, the sampled tokens appended (up to a stop), and what each sample
-        gained. A decode that does not end its sample, the common row, is handled inline (see plain_below);
-        a sample left decoding joins the decode batch, whose rows _update_decodes takes."""
+        gained. A sample left decoding joins the decode batch, whose rows _update_decodes takes."""
         results = iter(step_results)
         kv, append = self.kv, self._append
-        commit, caching, bs = kv.commit_computed, kv.pool.enable_caching, kv.block_size
+        commit = kv.commit_computed
         batch = self.scheduler.batch
-        generated = 0
         for s in out.scheduled:
             seq = s.seq
             if s.spec_token_ids:
                 outputs.append(self._apply_verification(s, next(results), now))
                 continue
             computed = seq.num_computed_tokens = seq.num_computed_tokens + s.num_tokens
-            full = computed // bs
-            if caching and (full > seq.num_registered_blocks or full > len(seq.block_hashes)):
-                commit(seq)  # a block became full (else commit_computed has nothing to do)
+            commit(seq)  # the prompt's blocks this row filled, if any
             req = seq.request
             if computed <= len(req.prompt_token_ids):
                 self.prompt_tokens += s.num_tokens
             samples = s.sample_seqs
             if len(samples) == 1:
-                res = next(results)
-                tok = res[0].token_id
-                tokens = seq.token_ids
-                if (len(tokens) + 1 < req.plain_below and tok not in req.stop_ids
-                        and seq.first_token_time is not None):
-                    tokens.append(tok)  # what _append does for a token that neither ends nor starts the sample
-                    generated += 1
-                    outputs.append(SeqOutput(req.request_id, seq.index, [tok],
-                                             res if res[0].logprob is not None else [], None, None,
-                                             seq.num_cached_tokens))
-                else:
-                    outputs.append(append(seq, res, now))
+                outputs.append(append(seq, next(results), now))
                 if req.batchable and batch is not None and batch.can_join(seq):
                     batch.add(seq)
                 continue
@@ -330,7 +312,6 @@ class EngineCore:
                 self.unforked.discard(req.request_id)
             for q in samples:
                 outputs.append(append(q, next(results), now))
-        self.generation_tokens += generated
 
     def _apply_verification(self, s: ScheduledSeq, res: list[SampleResult], now: float) -> SeqOutput:
         """The accepted drafts' KV stays (with the verified token's), the rejected drafts' slots are given

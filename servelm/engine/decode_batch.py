@@ -108,13 +108,12 @@ class DecodeBatch:
         blocks = self.tables[np.arange(n), pos // bs]
         return self.last[:n].copy(), pos.copy(), blocks * bs + pos % bs, pos + 1, int(self.num_blocks[:n].max())
 
-    def advance(self, n: int, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def advance(self, n: int, tokens: list[int]) -> np.ndarray:
         """Record one computed and one new token for each of the first n rows (the arrays only). Returns the
-        rows whose token may end their sample (length or a stop token: the full check decides) and the rows
-        whose last block just became full."""
+        rows whose token may end their sample (length or a stop token: the full check decides). A block that
+        fills holds generated tokens: it is registered only if the sample is preempted (commit_computed)."""
         tok = np.asarray(tokens, dtype=np.int64)
         pos = self.pos[:n]
         pos += 1
         self.last[:n] = tok
-        check = (pos + 1 >= self.stop_at[:n]) | (self.stop_count[tok] > 0)
-        return np.flatnonzero(check), np.flatnonzero(pos % self.block_size == 0)
+        return np.flatnonzero((pos + 1 >= self.stop_at[:n]) | (self.stop_count[tok] > 0))

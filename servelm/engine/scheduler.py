@@ -191,7 +191,6 @@ class Scheduler:
         if self.policy == "priority":
             self._displace_for_priority()
         running, kv, chunked = self.running, self.kv, self.enable_chunked_prefill
-        bs, ref_counts = kv.block_size, kv.ref_counts
         prefill = self._prefill_budget()  # prompt tokens this step may compute beside its decodes
         batch = self.batch
         if batch is not None and batch.seqs:  # its decodes first, each with room for its token, or none of them
@@ -208,12 +207,6 @@ class Scheduler:
                 continue
             start = seq.num_computed_tokens
             todo = len(seq.token_ids) - start
-            # The common row, a decode whose token lands in a partly filled block of its own: what the general
-            # path below does for it (kv.allocate finds nothing to allocate or copy), without the calls.
-            if todo == 1 and start % bs and not seq.spec_token_ids and ref_counts[seq.block_table[start // bs]] == 1:
-                scheduled.append(ScheduledSeq(seq, start, 1, [seq]))
-                budget -= 1
-                continue
             n = todo if todo < budget else budget
             if n > 1 and not seq.spec_token_ids and n > prefill and chunked:  # a prompt chunk over the budget
                 if prefill <= 0:

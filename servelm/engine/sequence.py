@@ -114,7 +114,7 @@ class Request:
     prompt_logprobs: list[SampleResult | None] | None = None
     prompt_logprobs_done: bool = False  # all computed and reported: a recompute need not redo them
     grammar: Any = None  # params.structured_outputs compiled (a Future until the engine has it)
-    # Set by EngineCore.add_request for its per-token update: a sample whose next token is not in stop_ids and
+    # Set by EngineCore.add_request for the decode batch: a sample whose next token is not in stop_ids and
     # leaves it shorter than plain_below tokens goes on with nothing to report but that token (0: every token
     # takes the full check, as for prompt logprobs and grammars).
     plain_below: int = 0
