@@ -70,12 +70,13 @@ class StandInForward:
         self.runner = runner
         self.seconds = 0.0
 
-    def __call__(self, out: SchedulerOutput) -> list[list[SampleResult]]:
+    def __call__(self, out: SchedulerOutput) -> tuple[list[int], list[list[SampleResult]]]:
         t = time.perf_counter()
         self.runner.apply_block_ops(out.ops)
         res = [[SampleResult(TOKEN)] for s in out.scheduled for _ in s.sample_seqs]
+        decodes = [TOKEN] * len(out.decode_seqs)  # what the sampler returns for the decode batch's rows
         self.seconds += time.perf_counter() - t
-        return res
+        return decodes, res
 
 
 def make_core(num_blocks: int, max_num_seqs: int, model: SimpleNamespace, **kw) -> tuple[EngineCore, StandInForward]:
@@ -183,9 +184,9 @@ def bench_scheduler(running: int, waiting: int, iters: int, policy: str, gc_free
     for _ in range(iters):
         sched_s[0], fwd.seconds = 0.0, 0.0
         t = time.perf_counter()
-        outs = core.step()
+        outs, decodes = core.step()
         total = time.perf_counter() - t
-        assert len(outs) == running and len(sch.running) == running and len(sch.waiting) == waiting
+        assert len(outs) + len(decodes) == running and len(sch.running) == running and len(sch.waiting) == waiting
         totals.append(total - fwd.seconds)
         scheds.append(sched_s[0])
         fwds.append(fwd.seconds)
@@ -193,7 +194,7 @@ def bench_scheduler(running: int, waiting: int, iters: int, policy: str, gc_free
         t = time.perf_counter()
         stats = core.stats()
         t1 = time.perf_counter()
-        messages.encoder.encode(messages.StepOutputs(outs, [], stats, 0.0, 0))
+        messages.encoder.encode(messages.StepOutputs(outs, [], stats, 0.0, 0, decodes))
         stats_s.append(t1 - t)
         encode_s.append(time.perf_counter() - t1)
     gc.callbacks.remove(on_gc)

@@ -72,7 +72,7 @@ def test_forced_hash_collision_is_not_served(monkeypatch):
     """Every block key the same: a lookup must still only return a block holding exactly these tokens."""
     import servelm.engine.kv_cache_manager as kvm
 
-    monkeypatch.setattr(kvm, "hash_block", lambda parent, ids, *role: b"\0" * 32)
+    monkeypatch.setattr(kvm, "block_key", lambda preimage: b"\0" * 32)
     kv = KVCacheManager(16, 4, enable_prefix_caching=True, num_cpu_blocks=0)
     computed(kv, [5, 6, 7, 8, 9])
     assert kv.find_cached_prefix(make_seq([1, 2, 3, 4, 9])) == []  # same key, other tokens: a miss

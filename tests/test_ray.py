@@ -180,8 +180,10 @@ def test_scales_up_under_load_and_back_down(server):
         results: list = []
         stop = asyncio.Event()
 
-        async def client_loop(client):  # one client sending request after request, at most 400 in all
-            while not stop.is_set() and len(results) < 400:
+        # one client sending request after request until the third replica is up; 2,000 is only a bound (the
+        # autoscaler looks back 10 s, and a fast engine had finished an earlier bound of 400 before it scaled)
+        async def client_loop(client):
+            while not stop.is_set() and len(results) < 2000:
                 results.append(await stream(client, 64))
 
         async with httpx.AsyncClient(base_url=server, timeout=None) as client:

@@ -294,6 +294,9 @@ def _total(samples: dict, name: str, **labels) -> float:
 
 def test_every_metric_is_exported_and_moved(svc):
     _, url = svc
+    # three distinct 600-token prompts: their cached blocks overflow the 80-block pool, so the third evicts
+    for k in range(3):
+        assert complete(url, ALICE, prompt=[100 + k] + list(range(1000, 1599)), max_tokens=1).status_code == 200
     s = _samples(url)
     moved = ["servelm:prompt_tokens_total", "servelm:generation_tokens_total", "servelm:num_preemptions_total",
              "servelm:num_priority_preemptions_total", "servelm:prefix_cache_queries_total",

@@ -33,7 +33,12 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], num_prompt: 
     SHA-256, not Python's hash(): blocks are shared between requests, so a key must not collide, by chance
     or by a crafted prompt (hash() of a tuple of ints is 64 bits and easy to collide on purpose).
     """
-    return hashlib.sha256(block_preimage(parent_hash, token_ids, num_prompt)).digest()
+    return block_key(block_preimage(parent_hash, token_ids, num_prompt))
+
+
+def block_key(preimage: bytes) -> bytes:
+    """The key of a block whose block_preimage is given."""
+    return hashlib.sha256(preimage).digest()
 
 
 class BlockPool:

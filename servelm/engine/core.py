@@ -14,13 +14,14 @@ from typing import Any
 
 from servelm.config.engine import DEFAULT_KV_CACHE_GB, EngineConfig
 from servelm.engine.cuda_graphs import capture_sizes
+from servelm.engine.decode_batch import DecodeBatch, batchable
 from servelm.engine.kv_cache_manager import KVCacheManager
 from servelm.engine.model_runner import ModelRunner, kv_bytes_per_block
 from servelm.engine.proposers import NgramProposer
 from servelm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from servelm.engine.sequence import Request, Sequence
 from servelm.engine.spec_decode import SpecDecoder
-from servelm.engine.step_outputs import EngineStats, SampleResult, SeqOutput
+from servelm.engine.step_outputs import DecodeOutputs, EngineStats, SampleResult, SeqOutput
 from servelm.engine.structured import GrammarCache, new_matcher
 from servelm.model.decoder import DecoderLM
 
@@ -85,6 +86,9 @@ class EngineCore:
 
             self.runner.tp_workers = TPWorkers.start(config, model, num_blocks, num_cpu_blocks, max_len)
         self.spec = self._make_spec_decoder(config, max_len)
+        if self.spec is None:  # (a verification is not a plain decode: with drafts every row takes the loop)
+            self.scheduler.batch = DecodeBatch(config.max_num_seqs, -(-max_len // config.block_size),
+                                               config.block_size, spec.vocab_size)
         self.requests: dict[str, Request] = {}
         # n > 1 requests whose samples have not forked yet: a step looks for forks only while there are some
         self.unforked: set[str] = set()
@@ -140,6 +144,7 @@ class EngineCore:
         if p.prompt_logprobs is None and p.structured_outputs is None:
             limit = len(req.prompt_token_ids) + p.max_tokens if p.max_tokens is not None else self.max_model_len
             req.plain_below = min(limit, self.max_model_len)
+        req.batchable = batchable(req)
         seq = Sequence(req, 0, list(req.prompt_token_ids), generator=req.make_generator(0))
         req.seqs = [seq]
         self.requests[req.request_id] = req
@@ -205,7 +210,9 @@ class EngineCore:
         self.config.priority_aging_s = self.scheduler.aging_s = priority_aging_s
 
     # -- the loop ----------------------------------------------------------------------------------
-    def step(self) -> list[SeqOutput]:
+    def step(self) -> tuple[list[SeqOutput], DecodeOutputs]:
+        """One engine step: what each sample gained, as SeqOutputs and, for the decode batch's plain rows,
+        as columns."""
         if self.compiling:
             self._admit_compiled()
         out = self.scheduler.schedule()
@@ -213,10 +220,10 @@ class EngineCore:
             self.kv.end_step()
             if self.compiling:  # nothing else to run: wait a little for a grammar rather than spin
                 wait_futures([r.grammar for r in self.compiling.values()], 0.01, FIRST_COMPLETED)
-            return []
+            return [], DecodeOutputs()
         self.num_steps += 1
         self.last_num_batched_tokens = out.num_batched_tokens
-        self.last_batch_size = len(out.scheduled)
+        self.last_batch_size = len(out.scheduled) + len(out.decode_seqs)
         start = time.monotonic()
         scheduled = out.scheduled
         for s in scheduled[len(scheduled) - out.num_admitted:]:  # only admitted rows can be scheduled first
@@ -228,7 +235,7 @@ class EngineCore:
                 s.sample_seqs += [Sequence(req, i, list(s.seq.token_ids), generator=req.make_generator(i),
                                            matcher=new_matcher(req.grammar) if req.grammar is not None else None)
                                   for i in range(1, req.params.n)]
-        results = self.runner.execute(out)
+        decode_tokens, results = self.runner.execute(out)
         for req, first, lps in self.runner.prompt_logprobs:
             if req.prompt_logprobs is None:
                 req.prompt_logprobs = [None] * req.num_prompt_tokens
@@ -236,47 +243,63 @@ class EngineCore:
         self.kv.end_step()
         now = time.monotonic()
         self.scheduler.step_cost.observe(out.num_batched_tokens, now - start)
-        outputs = self._update_from_output(out, results, now)
+        outputs: list[SeqOutput] = []
+        decodes = self._update_decodes(out, decode_tokens, outputs, now) if out.decode_seqs else DecodeOutputs()
+        self._update_from_output(out, results, outputs, now)
         if self.spec is not None:  # drafts for the next step, from the tokens as they are now
             self.spec.propose(self.scheduler.running)
-        return outputs
+        return outputs, decodes
+
+    def _update_decodes(self, out: SchedulerOutput, tokens: list[int], outputs: list[SeqOutput],
+                        now: float) -> DecodeOutputs:
+        """The decode batch's rows: arrays first, then each token appended; a row whose token may end its
+        sample (its length or a stop token) takes the full check (_append), which may finish it."""
+        seqs, batch = out.decode_seqs, out.batch
+        n = len(seqs)
+        check = batch.advance(n, tokens)
+        if len(check):
+            checked = set(check.tolist())
+            rids, toks = [], []
+            for i, (seq, tok) in enumerate(zip(seqs, tokens, strict=True)):
+                seq.num_computed_tokens += 1
+                if i not in checked:
+                    seq.token_ids.append(tok)
+                    rids.append(batch.request_ids[i])
+                    toks.append(tok)
+        else:
+            rids, toks = batch.request_ids[:n], tokens
+            for seq, tok in zip(seqs, tokens, strict=True):
+                seq.num_computed_tokens += 1
+                seq.token_ids.append(tok)
+        self.generation_tokens += len(toks)
+        for i in check.tolist():  # last: a finished sample leaves the batch, which moves another row
+            outputs.append(self._append(seqs[i], [SampleResult(tokens[i])], now))
+        return DecodeOutputs(rids, toks)
 
     def _update_from_output(self, out: SchedulerOutput, step_results: list[list[SampleResult]],
-                            now: float) -> list[SeqOutput]:
+                            outputs: list[SeqOutput], now: float) -> None:
         """Every per-sequence change a step makes once its forward has run: computed tokens, prefix-cache
         commits, forks of n > 1 samples, the sampled tokens appended (up to a stop), and what each sample
-        gained. A decode that does not end its sample, the common row, is handled inline (see plain_below)."""
-        outputs: list[SeqOutput] = []
+        gained. A sample left decoding joins the decode batch, whose rows _update_decodes takes."""
         results = iter(step_results)
         kv, append = self.kv, self._append
-        commit, caching, bs = kv.commit_computed, kv.pool.enable_caching, kv.block_size
-        generated = 0
+        commit = kv.commit_computed
+        batch = self.scheduler.batch
         for s in out.scheduled:
             seq = s.seq
             if s.spec_token_ids:
                 outputs.append(self._apply_verification(s, next(results), now))
                 continue
             computed = seq.num_computed_tokens = seq.num_computed_tokens + s.num_tokens
-            full = computed // bs
-            if caching and (full > seq.num_registered_blocks or full > len(seq.block_hashes)):
-                commit(seq)  # a block became full (else commit_computed has nothing to do)
+            commit(seq)  # the prompt's blocks this row filled, if any
             req = seq.request
             if computed <= len(req.prompt_token_ids):
                 self.prompt_tokens += s.num_tokens
             samples = s.sample_seqs
             if len(samples) == 1:
-                res = next(results)
-                tok = res[0].token_id
-                tokens = seq.token_ids
-                if (len(tokens) + 1 < req.plain_below and tok not in req.stop_ids
-                        and seq.first_token_time is not None):
-                    tokens.append(tok)  # what _append does for a token that neither ends nor starts the sample
-                    generated += 1
-                    outputs.append(SeqOutput(req.request_id, seq.index, [tok],
-                                             res if res[0].logprob is not None else [], None, None,
-                                             seq.num_cached_tokens))
-                else:
-                    outputs.append(append(seq, res, now))
+                outputs.append(append(seq, next(results), now))
+                if req.batchable and batch is not None and batch.can_join(seq):
+                    batch.add(seq)
                 continue
             if len(samples) > 1:
                 for child in samples[1:]:  # fork n>1 siblings onto the parent's blocks
@@ -289,8 +312,6 @@ class EngineCore:
                 self.unforked.discard(req.request_id)
             for q in samples:
                 outputs.append(append(q, next(results), now))
-        self.generation_tokens += generated
-        return outputs
 
     def _apply_verification(self, s: ScheduledSeq, res: list[SampleResult], now: float) -> SeqOutput:
         """The accepted drafts' KV stays (with the verified token's), the rejected drafts' slots are given

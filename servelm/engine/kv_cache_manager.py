@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from servelm.engine.block_pool import BlockPool, block_preimage, hash_block, root_hash
+from servelm.engine.block_pool import BlockPool, block_key, block_preimage, root_hash
 from servelm.engine.sequence import Sequence
 
 
@@ -28,9 +28,6 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_cpu_blocks: int) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
-        # the pool's reference counts, read-only outside this class: the scheduler's per-decode check reads them
-        # directly (a decode whose partly filled last block is its own needs no block and no copy)
-        self.ref_counts = self.pool.ref_counts
         self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self._cpu_release_after_step: list[int] = []
         self.ops = BlockOps()
@@ -57,7 +54,7 @@ class KVCacheManager:
         bs = self.block_size
         hashes = seq.block_hashes
         for i in range(len(hashes), upto_tokens // bs):
-            hashes.append(hash_block(self._parent(seq, i), seq.token_ids[i * bs:(i + 1) * bs], self._num_prompt(seq, i)))
+            hashes.append(block_key(self._content(seq, i)))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached prefix of seq (no side effects). At least one token is left
@@ -108,6 +105,12 @@ class KVCacheManager:
             seq.block_table.append(self.pool.allocate())
         return True
 
+    def append_block(self, seq: Sequence) -> int:
+        """One more block at the end of seq's table (the caller checked num_free_blocks); returns it."""
+        block = self.pool.allocate()
+        seq.block_table.append(block)
+        return block
+
     def record_prefix_query(self, seq: Sequence, num_hit_tokens: int) -> None:
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += num_hit_tokens
@@ -129,16 +132,26 @@ class KVCacheManager:
         seq.block_table[idx] = dst
 
     def commit_computed(self, seq: Sequence) -> None:
-        """After a forward pass: register the blocks that are now full in the prefix cache."""
+        """After a forward pass: register the prompt's blocks that are now full in the prefix cache.
+
+        A block holding generated tokens is keyed apart from any prompt's (see block_preimage): only the same
+        history computed again, a sample resuming after preemption by recompute, can hit it. So it is registered
+        then (reset_for_recompute), not each time a decode fills one, which was most of a decode step's upkeep.
+        """
+        self._register(seq, min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.block_size)
+
+    def _register(self, seq: Sequence, full: int) -> None:
+        """Enter seq's first `full` blocks in the prefix cache (each block's preimage built once: it is both
+        what its key hashes and what a hit must match)."""
         if not self.pool.enable_caching:
             return
-        full = seq.num_computed_tokens // self.block_size
-        if full <= seq.num_registered_blocks and full <= len(seq.block_hashes):
-            return  # no block became full (most decode steps): nothing to hash or register
-        self._update_hashes(seq, full * self.block_size)
-        for i in range(seq.num_registered_blocks, full):
-            self.pool.cache(seq.block_table[i], seq.block_hashes[i], self._content(seq, i))
-        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+        first, hashes = seq.num_registered_blocks, seq.block_hashes
+        for i in range(first, full):
+            content = self._content(seq, i)
+            if i == len(hashes):
+                hashes.append(block_key(content))
+            self.pool.cache(seq.block_table[i], hashes[i], content)
+        seq.num_registered_blocks = max(first, full)
 
     # -- sharing and release -----------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -167,6 +180,8 @@ class KVCacheManager:
             self.pool.release(seq.block_table.pop())
 
     def reset_for_recompute(self, seq: Sequence) -> None:
+        """Free seq's blocks, its computed ones registered first: its resumed prefill finds them cached."""
+        self._register(seq, seq.num_computed_tokens // self.block_size)
         self.free(seq)
         seq.num_computed_tokens = 0
 

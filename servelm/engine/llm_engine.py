@@ -67,8 +67,8 @@ class LLMEngine:
         return self.output_processor.abort(request_id)
 
     def step(self) -> list[RequestOutput]:
-        seq_outputs = self.core.step()
-        outputs, stopped = self.output_processor.process(seq_outputs)
+        seq_outputs, decodes = self.core.step()
+        outputs, stopped = self.output_processor.process(seq_outputs, decodes)
         for request_id, index, stop in stopped:
             self.core.finish_seq(request_id, index, "stop", stop)
         return outputs

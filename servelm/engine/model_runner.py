@@ -119,7 +119,7 @@ class ModelRunner:
         ids, positions, slots = [], [], []
         decode_idx, decode_tables, decode_lens, prefills = [], [], [], []
         logits_idx, repeats = [], []
-        offset = 0
+        offset = n_dec = len(out.decode_seqs)  # the batch's steady decodes come first, as columns
         for s in out.scheduled:
             seq, start, n = s.seq, s.start, s.num_tokens
             table = seq.block_table
@@ -159,16 +159,29 @@ class ModelRunner:
         dev = self.device  # built on the host, copied once per step (no copy at all on the CPU)
 
         def tensor(x) -> torch.Tensor:
-            return torch.from_numpy(x) if isinstance(x, np.ndarray) else torch.tensor(x, dtype=torch.long)
+            return torch.from_numpy(np.asarray(x, dtype=np.int64)) if isinstance(x, np.ndarray) \
+                else torch.tensor(x, dtype=torch.long)
 
+        max_blocks = max((len(t) for t in decode_tables), default=1)
+        if n_dec:
+            b_ids, b_pos, b_slots, b_lens, b_blocks = out.batch.inputs(n_dec)
+            max_blocks = max(max_blocks, b_blocks)
+            ids, positions = np.concatenate([b_ids, ids]), np.concatenate([b_pos, positions])
+            slots = np.concatenate([b_slots, slots])
+            decode_idx = np.concatenate([np.arange(n_dec), decode_idx])
+            decode_lens = np.concatenate([b_lens, decode_lens])
+            logits_idx = np.concatenate([np.arange(n_dec), logits_idx])
+            repeats = [1] * n_dec + repeats
         logits_dev = tensor(logits_idx).to(dev)
         repeats_t = torch.tensor(repeats, dtype=torch.long)
-        max_blocks = max((len(t) for t in decode_tables), default=1)
-        if not prefills and self.graphs is not None and self.graphs.can_run(len(ids), max_blocks):
-            return None, None, None, logits_dev, repeats_t, (ids, positions, slots, decode_tables, decode_lens), False
-        tables = np.zeros((len(decode_tables), max_blocks), dtype=np.int64)
-        for r, t in enumerate(decode_tables):
+        tables = np.zeros((n_dec + len(decode_tables), max_blocks), dtype=np.int64)
+        if n_dec:
+            tables[:n_dec] = out.batch.tables[:n_dec, :max_blocks]
+        for r, t in enumerate(decode_tables, n_dec):
             tables[r, : len(t)] = t
+        if not prefills and self.graphs is not None and self.graphs.can_run(len(ids), max_blocks):
+            graph_inputs = (list(ids), list(positions), list(slots), list(tables), list(decode_lens))
+            return None, None, None, logits_dev, repeats_t, graph_inputs, False
         meta = AttentionMetadata(
             slot_mapping=tensor(slots),
             decode_idx=tensor(decode_idx),
@@ -182,14 +195,15 @@ class ModelRunner:
                 meta.to(dev), logits_dev, repeats_t, None, want_prompt)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[list[SampleResult]]:
-        """Run one step; returns the new tokens of each sequence in the order of all `sample_seqs` lists: one
-        token, or for a verification the accepted drafts and the token after them."""
+    def execute(self, out: SchedulerOutput) -> tuple[list[int], list[list[SampleResult]]]:
+        """Run one step; returns the token of each of the batch's decodes (`out.decode_seqs`), then the new
+        tokens of each sequence in the order of all `sample_seqs` lists: one token, or for a verification the
+        accepted drafts and the token after them."""
         self.apply_block_ops(out.ops)
-        if not out.scheduled:
+        if not out:
             if self.tp_workers is not None and out.ops:
                 self.tp_workers.step(out.ops, None)
-            return []
+            return [], []
         input_ids, positions, meta, logits_idx, repeats, graph_step, want_prompt = self._prepare(out)
         if self.tp_workers is not None:  # the ranks replay the block ops and run their shards with ours
             self.tp_workers.step(out.ops, (input_ids, positions, meta))
@@ -200,13 +214,17 @@ class ModelRunner:
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         self.prompt_logprobs = self._prompt_logprobs(out, hidden) if want_prompt else []
         if logits_idx.numel() == 0:  # a step of prompt chunks that sample nothing yet
-            return []
+            return [], []
         logits = logits[logits_idx] if graph_step is not None else self.model.logits(hidden[logits_idx])
         if bool((repeats > 1).any()):
             logits = logits.repeat_interleave(repeats.to(logits.device), dim=0)
         if not any(s.spec_token_ids for s in out.scheduled):
-            return [[r] for r in self.sampler.sample(logits, [q for s in out.scheduled for q in s.sample_seqs])]
-        return self._sample_with_verifications(logits, out)
+            n_dec = len(out.decode_seqs)
+            seqs = out.decode_seqs + [q for s in out.scheduled for q in s.sample_seqs]
+            tokens, results = self.sampler.sample(logits, seqs, n_dec)
+            return tokens, [[r] for r in results]
+        assert not out.decode_seqs, "speculative decoding runs without a decode batch"
+        return [], self._sample_with_verifications(logits, out)
 
     def _sample_with_verifications(self, logits: torch.Tensor, out: SchedulerOutput) -> list[list[SampleResult]]:
         """Plain rows sampled as one batch; each verification's rows checked against its drafts."""
@@ -220,7 +238,7 @@ class ModelRunner:
                     plain_rows.append(row)
                     plain_seqs.append(q)
                     row += 1
-        plain = iter(self.sampler.sample(logits[torch.tensor(plain_rows, device=logits.device)], plain_seqs)
+        plain = iter(self.sampler.sample(logits[torch.tensor(plain_rows, device=logits.device)], plain_seqs)[1]
                      if plain_rows else [])
         spans_it = iter(spans)
         results: list[list[SampleResult]] = []
@@ -237,7 +255,7 @@ class ModelRunner:
         prompt token at p + 1. Only those rows get logits (the rest of the batch pays nothing), a few hundred
         at a time so a long prefill chunk never holds [chunk, vocab] at once."""
         found = []
-        offset = 0
+        offset = len(out.decode_seqs)
         for s in out.scheduled:
             req = s.seq.request
             lo, hi = s.start, min(s.start + s.num_tokens, req.num_prompt_tokens - 1)

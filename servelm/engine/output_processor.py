@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from servelm.engine.detokenizer import IncrementalDetokenizer
-from servelm.engine.step_outputs import SeqOutput
+from servelm.engine.step_outputs import DecodeOutputs, SeqOutput
 from servelm.outputs import CompletionOutput, Logprob, RequestOutput
 from servelm.sampling_params import OutputKind, SamplingParams
 
@@ -78,42 +78,18 @@ class OutputProcessor:
             text = self._token_text[tok] = self.tokenizer.decode([tok])
         return text
 
-    def process(self, outputs: list[SeqOutput]) -> tuple[list[RequestOutput], list[tuple[str, int, str]]]:
-        """Returns the outputs to report, and the samples that hit a stop string (the engine must end them)."""
+    def process(self, outputs: list[SeqOutput], decodes: DecodeOutputs | None = None
+                ) -> tuple[list[RequestOutput], list[tuple[str, int, str]]]:
+        """Returns the outputs to report, and the samples that hit a stop string (the engine must end them).
+        `decodes` are the decode batch's plain rows: one token each for sample 0, nothing else."""
         touched: dict[str, _RequestState] = {}
         stopped: list[tuple[str, int, str]] = []
         now = time.monotonic()
         for o in outputs:
-            st = self.states.get(o.request_id)
-            if st is None:
-                continue
-            s = st.samples.get(o.index)
-            if s is None:
-                s = st.samples[o.index] = self._new_sample(st, o.index)
-            if s.finish_reason is not None:
-                continue  # already ended by a stop string; tokens still in flight are dropped
-            st.num_cached_tokens = o.num_cached_tokens
-            if o.prompt_logprobs is not None:
-                st.prompt_logprobs = [None if r is None else self._logprob_entry(r) for r in o.prompt_logprobs]
-            st.first_token_time = st.first_token_time or now
-            if st.queue_time is None and o.queue_time is not None:
-                st.queue_time = o.queue_time
-            p = st.params
-            for k, tok in enumerate(o.new_token_ids):
-                s.token_ids.append(tok)
-                can_stop = len(s.token_ids) >= p.min_tokens
-                hit = s.detok.add_token(tok, check_stop=can_stop)
-                if s.logprobs is not None and k < len(o.new_logprobs):
-                    self._add_logprobs(s, o.new_logprobs[k])
-                if hit is not None:
-                    s.finish_reason, s.stop_reason = "stop", hit
-                    if o.finish_reason is None:
-                        stopped.append((o.request_id, o.index, hit))
-                    break
-            else:
-                if o.finish_reason is not None:
-                    s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
-            touched[o.request_id] = st
+            self._take(o.request_id, o.index, o.new_token_ids, o, touched, stopped, now)
+        if decodes is not None:
+            for rid, tok in zip(decodes.request_ids, decodes.token_ids, strict=True):
+                self._take(rid, 0, (tok,), None, touched, stopped, now)
         results = []
         for st in touched.values():
             out = self._make_output(st)
@@ -122,6 +98,41 @@ class OutputProcessor:
             if st.finished:
                 del self.states[st.request_id]
         return results, stopped
+
+    def _take(self, request_id: str, index: int, tokens, o: SeqOutput | None, touched: dict[str, _RequestState],
+              stopped: list[tuple[str, int, str]], now: float) -> None:
+        """One sample's new tokens (and, with `o`, what else the engine reported for it)."""
+        st = self.states.get(request_id)
+        if st is None:
+            return
+        s = st.samples.get(index)
+        if s is None:
+            s = st.samples[index] = self._new_sample(st, index)
+        if s.finish_reason is not None:
+            return  # already ended by a stop string; tokens still in flight are dropped
+        if o is not None:
+            st.num_cached_tokens = o.num_cached_tokens
+            if o.prompt_logprobs is not None:
+                st.prompt_logprobs = [None if r is None else self._logprob_entry(r) for r in o.prompt_logprobs]
+            if st.queue_time is None and o.queue_time is not None:
+                st.queue_time = o.queue_time
+        st.first_token_time = st.first_token_time or now
+        p = st.params
+        for k, tok in enumerate(tokens):
+            s.token_ids.append(tok)
+            can_stop = len(s.token_ids) >= p.min_tokens
+            hit = s.detok.add_token(tok, check_stop=can_stop)
+            if s.logprobs is not None and o is not None and k < len(o.new_logprobs):
+                self._add_logprobs(s, o.new_logprobs[k])
+            if hit is not None:
+                s.finish_reason, s.stop_reason = "stop", hit
+                if o is None or o.finish_reason is None:
+                    stopped.append((request_id, index, hit))
+                break
+        else:
+            if o is not None and o.finish_reason is not None:
+                s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
+        touched[request_id] = st
 
     def _logprob_entry(self, res) -> dict[int, Logprob]:
         """The top alternatives and the token itself (which may be outside them), by token id."""

@@ -37,7 +37,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, seq: Sequence, drafts: list[i
     rows = [seq] * len(logits)
     params = seq.request.params
     if params.greedy:  # the sampler's own choice per row: the same code path as a plain decode
-        results = sampler.sample(logits, rows)
+        _, results = sampler.sample(logits, rows)
         return results[:num_accepted(drafts, [r.token_id for r in results]) + 1]
     logits = logits.cpu()
     raw = torch.log_softmax(logits.float(), dim=-1) if params.logprobs is not None else None

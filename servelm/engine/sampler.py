@@ -38,12 +38,15 @@ class Sampler:
         return True
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-        """Tokens for each row. Logits on a GPU stay there for a plain greedy batch (only the chosen ids
-        cross to the host); anything else runs here on the host (seeded generators, penalties, logprobs)."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], num_bare: int = 0
+               ) -> tuple[list[int], list[SampleResult]]:
+        """Tokens for each row: the first `num_bare` rows (which want no logprobs) as bare token ids, the rest
+        as SampleResults. Logits on a GPU stay there for a plain greedy batch (only the chosen ids cross to the
+        host); anything else runs here on the host (seeded generators, penalties, logprobs)."""
         if logits.device.type != "cpu":
             if self.plain_greedy(seqs):
-                return [SampleResult(t) for t in logits.argmax(dim=-1).tolist()]
+                token_list = logits.argmax(dim=-1).tolist()
+                return token_list[:num_bare], [SampleResult(t) for t in token_list[num_bare:]]
             logits = logits.cpu()
         params = [s.request.params for s in seqs]
         want_lp = [p.logprobs is not None for p in params]
@@ -58,10 +61,10 @@ class Sampler:
             logits = mask_logits(logits, seqs, grammar_rows)
         tokens = self._choose(logits, seqs)
         token_list = tokens.tolist()
-        results = [SampleResult(t) for t in token_list]
+        results = [SampleResult(t) for t in token_list[num_bare:]]
         if raw_logprobs is not None:
-            self._attach_logprobs(raw_logprobs, tokens, params, results)
-        return results
+            self._attach_logprobs(raw_logprobs[num_bare:], tokens[num_bare:], params[num_bare:], results)
+        return token_list[:num_bare], results
 
     def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         vocab = logits.shape[-1]

@@ -18,10 +18,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
+from servelm.engine.decode_batch import DecodeBatch
 from servelm.engine.kv_cache_manager import BlockOps, KVCacheManager
 from servelm.engine.sequence import SeqStatus, Sequence
 from servelm.engine.step_cost import StepCostModel
@@ -51,15 +52,18 @@ class SchedulerOutput:
     num_preempted: int = 0
     batched_tokens: int | None = None  # the scheduler's own count (None: summed over `scheduled` when asked)
     num_admitted: int = 0  # the last rows of `scheduled` came from the waiting queue (the only ones new to a step)
+    # the steady decodes, the batch's rows 0..len-1, run before the rows of `scheduled` (see decode_batch.py)
+    decode_seqs: list[Sequence] = field(default_factory=list)
+    batch: DecodeBatch | None = None
 
     @property
     def num_batched_tokens(self) -> int:
         if self.batched_tokens is not None:
             return self.batched_tokens
-        return sum(s.num_tokens for s in self.scheduled)
+        return sum(s.num_tokens for s in self.scheduled) + len(self.decode_seqs)
 
     def __bool__(self) -> bool:
-        return bool(self.scheduled)
+        return bool(self.scheduled or self.decode_seqs)
 
 
 class Scheduler:
@@ -98,6 +102,8 @@ class Scheduler:
         self.itl_target_s = itl_target_s
         self.ttft_target_s = ttft_target_s
         self.step_cost = step_cost if step_cost is not None else StepCostModel()
+        # the steady decodes as columns (EngineCore sets one up; without it every row takes the loop below)
+        self.batch: DecodeBatch | None = None
 
     def add(self, seq: Sequence) -> None:
         self._note_class_change(seq)
@@ -185,21 +191,22 @@ class Scheduler:
         if self.policy == "priority":
             self._displace_for_priority()
         running, kv, chunked = self.running, self.kv, self.enable_chunked_prefill
-        bs, ref_counts = kv.block_size, kv.ref_counts
         prefill = self._prefill_budget()  # prompt tokens this step may compute beside its decodes
+        batch = self.batch
+        if batch is not None and batch.seqs:  # its decodes first, each with room for its token, or none of them
+            if len(batch) <= budget and batch.reserve(kv):
+                budget -= len(batch)
+            else:
+                batch.clear()  # the loop below takes them, preempting if it must
         # A for loop over a list that preemption shortens from the end: scheduled sequences sit before the current
         # one, so a victim is always after it (or is it, the last one, which ends the loop).
         for seq in running:
             if budget <= 0:
                 break
+            if seq.batch_row >= 0:
+                continue
             start = seq.num_computed_tokens
             todo = len(seq.token_ids) - start
-            # The common row, a decode whose token lands in a partly filled block of its own: what the general
-            # path below does for it (kv.allocate finds nothing to allocate or copy), without the calls.
-            if todo == 1 and start % bs and not seq.spec_token_ids and ref_counts[seq.block_table[start // bs]] == 1:
-                scheduled.append(ScheduledSeq(seq, start, 1, [seq]))
-                budget -= 1
-                continue
             n = todo if todo < budget else budget
             if n > 1 and not seq.spec_token_ids and n > prefill and chunked:  # a prompt chunk over the budget
                 if prefill <= 0:
@@ -216,6 +223,8 @@ class Scheduler:
                 continue
             while not kv.allocate(seq, n):
                 victim = running.pop()
+                if victim.batch_row >= 0:
+                    budget += 1  # its decode was counted above
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is seq:
@@ -256,8 +265,9 @@ class Scheduler:
             budget -= n
             prefill -= n
 
+        decodes = batch.seqs[:] if batch is not None else []
         return SchedulerOutput(scheduled, kv.take_ops(), num_preempted, self.max_num_batched_tokens - budget,
-                               len(scheduled) - num_running)
+                               len(scheduled) - num_running, decodes, batch)
 
     def _prefill_budget(self) -> int:
         """Prompt tokens a step may compute: all of max_num_batched_tokens, unless a latency target is set and
@@ -314,6 +324,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
+        if seq.batch_row >= 0:
+            self.batch.remove(seq)
         if self.preemption_mode == "swap" and self.kv.can_swap_out(seq):
             self.kv.swap_out(seq)
             seq.status = SeqStatus.SWAPPED
@@ -333,6 +345,8 @@ class Scheduler:
         """Remove a sequence wherever it is and free its blocks."""
         if seq.status == SeqStatus.FINISHED:
             return
+        if seq.batch_row >= 0:
+            self.batch.remove(seq)
         if seq.status == SeqStatus.RUNNING:
             self.running.remove(seq)
         else:

@@ -34,6 +34,21 @@ class SeqOutput(msgspec.Struct, gc=False):
     prompt_logprobs: list[SampleResult | None] | None = None
 
 
+class DecodeOutputs(msgspec.Struct, gc=False):
+    """One token for each of many samples in one step, as two columns: the decode batch's rows that neither
+    ended nor started their sample (sample index 0, nothing else to report; see engine/decode_batch.py)."""
+
+    request_ids: list[str] = []
+    token_ids: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def as_seq_outputs(self) -> list[SeqOutput]:
+        """The same, one SeqOutput per sample."""
+        return [SeqOutput(rid, 0, [t]) for rid, t in zip(self.request_ids, self.token_ids, strict=True)]
+
+
 @dataclass
 class EngineStats:
     num_running: int

@@ -302,10 +302,14 @@ class AsyncEngine:
             if stream is not None:
                 stream.queue.put_nowait(RequestRejected(err.message))
         all_outputs = []
-        for k in range(0, len(msg.outputs), DETOKENIZE_SLICE):
+        rows, dec = msg.outputs, msg.decodes
+        for k in range(0, len(rows) + len(dec), DETOKENIZE_SLICE):
             if k:
                 await asyncio.sleep(0)  # let the loop serve others between slices
-            outputs, stopped = self.output_processor.process(msg.outputs[k:k + DETOKENIZE_SLICE])
+            # a slice of the SeqOutputs, then of the decode batch's columns
+            a, b = max(0, k - len(rows)), max(0, k + DETOKENIZE_SLICE - len(rows))
+            cols = m.DecodeOutputs(dec.request_ids[a:b], dec.token_ids[a:b]) if b > 0 else None
+            outputs, stopped = self.output_processor.process(rows[k:k + DETOKENIZE_SLICE], cols)
             for rid, index, stop in stopped:
                 await self._in.send(m.encoder.encode(m.FinishSample(rid, index, stop)))
             for out in outputs:

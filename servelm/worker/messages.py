@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from servelm.engine.step_outputs import EngineStats, SeqOutput
+from servelm.engine.step_outputs import DecodeOutputs, EngineStats, SeqOutput
 from servelm.sampling_params import SamplingParams
 
 
@@ -80,6 +80,7 @@ class StepOutputs(msgspec.Struct, tag="step"):
     stats: EngineStats
     step_ms: float = 0.0
     num_batched_tokens: int = 0
+    decodes: DecodeOutputs = msgspec.field(default_factory=DecodeOutputs)  # the decode batch's plain rows
 
 
 class Starting(msgspec.Struct, tag="starting"):

@@ -107,13 +107,13 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
             continue
         t = time.perf_counter()
         try:
-            outputs = core.step()
+            outputs, decodes = core.step()
         except Exception:
             logger.error("engine step failed:\n%s", traceback.format_exc())
             raise
         errors += [m.RequestError(rid, why) for rid, why in core.take_errors()]
         out.send(m.encoder.encode(m.StepOutputs(outputs, errors, core.stats(), 1000 * (time.perf_counter() - t),
-                                                core.last_num_batched_tokens)))
+                                                core.last_num_batched_tokens, decodes)))
 
 
 def settle_heap(young_threshold: int) -> None:
