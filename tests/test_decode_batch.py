@@ -20,7 +20,7 @@ from servelm.config.engine import EngineConfig
 from servelm.engine.core import EngineCore
 from servelm.engine.scheduler import SchedulerOutput
 from servelm.engine.sequence import Request
-from servelm.engine.step_outputs import SampleResult
+from servelm.engine.step_outputs import SampleResult, SeqOutput
 
 VOCAB = 50
 EOS = 3
@@ -108,7 +108,8 @@ def _drive(core: EngineCore, traffic: list[tuple[int, Request]]) -> dict:
             p = req.params
             core.add_request(Request(req.request_id, list(req.prompt_token_ids), p))
         outputs, decodes = core.step()
-        for o in [*outputs, *decodes.as_seq_outputs()]:
+        columns = [SeqOutput(rid, 0, [t]) for rid, t in zip(decodes.request_ids, decodes.token_ids, strict=True)]
+        for o in [*outputs, *columns]:
             entry = got.setdefault((o.request_id, o.index), [[], None, 0])
             entry[0] += o.new_token_ids
             entry[1] = o.finish_reason or entry[1]

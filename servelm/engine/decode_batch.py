@@ -93,10 +93,8 @@ class DecodeBatch:
         rows = np.flatnonzero(self.pos[:n] // self.block_size >= self.num_blocks[:n])
         if len(rows) > kv.num_free_blocks:
             return False
-        for i in rows.tolist():
+        for i in rows.tolist():  # (max_model_len bounds a sequence's blocks by the tables' width)
             k = int(self.num_blocks[i])
-            if k >= self.tables.shape[1]:
-                return False  # cannot happen (max_model_len bounds a sequence); the general path raises
             self.tables[i, k] = kv.append_block(self.seqs[i])
             self.num_blocks[i] = k + 1
         return True

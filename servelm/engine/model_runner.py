@@ -159,18 +159,18 @@ class ModelRunner:
         dev = self.device  # built on the host, copied once per step (no copy at all on the CPU)
 
         def tensor(x) -> torch.Tensor:
-            return torch.from_numpy(np.asarray(x, dtype=np.int64)) if isinstance(x, np.ndarray) \
-                else torch.tensor(x, dtype=torch.long)
+            return torch.from_numpy(x) if isinstance(x, np.ndarray) else torch.tensor(x, dtype=torch.long)
+
+        def cat(columns: np.ndarray, rest: list[int]) -> np.ndarray:  # int64 also when `rest` is empty
+            return np.concatenate([columns, np.asarray(rest, dtype=np.int64)])
 
         max_blocks = max((len(t) for t in decode_tables), default=1)
         if n_dec:
             b_ids, b_pos, b_slots, b_lens, b_blocks = out.batch.inputs(n_dec)
             max_blocks = max(max_blocks, b_blocks)
-            ids, positions = np.concatenate([b_ids, ids]), np.concatenate([b_pos, positions])
-            slots = np.concatenate([b_slots, slots])
-            decode_idx = np.concatenate([np.arange(n_dec), decode_idx])
-            decode_lens = np.concatenate([b_lens, decode_lens])
-            logits_idx = np.concatenate([np.arange(n_dec), logits_idx])
+            ids, positions, slots = cat(b_ids, ids), cat(b_pos, positions), cat(b_slots, slots)
+            decode_idx, decode_lens = cat(np.arange(n_dec), decode_idx), cat(b_lens, decode_lens)
+            logits_idx = cat(np.arange(n_dec), logits_idx)
             repeats = [1] * n_dec + repeats
         logits_dev = tensor(logits_idx).to(dev)
         repeats_t = torch.tensor(repeats, dtype=torch.long)
@@ -180,7 +180,8 @@ class ModelRunner:
         for r, t in enumerate(decode_tables, n_dec):
             tables[r, : len(t)] = t
         if not prefills and self.graphs is not None and self.graphs.can_run(len(ids), max_blocks):
-            graph_inputs = (list(ids), list(positions), list(slots), list(tables), list(decode_lens))
+            graph_inputs = (list(map(int, ids)), list(map(int, positions)), list(map(int, slots)), list(tables),
+                            list(map(int, decode_lens)))
             return None, None, None, logits_dev, repeats_t, graph_inputs, False
         meta = AttentionMetadata(
             slot_mapping=tensor(slots),

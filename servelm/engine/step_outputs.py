@@ -44,10 +44,6 @@ class DecodeOutputs(msgspec.Struct, gc=False):
     def __len__(self) -> int:
         return len(self.request_ids)
 
-    def as_seq_outputs(self) -> list[SeqOutput]:
-        """The same, one SeqOutput per sample."""
-        return [SeqOutput(rid, 0, [t]) for rid, t in zip(self.request_ids, self.token_ids, strict=True)]
-
 
 @dataclass
 class EngineStats:
