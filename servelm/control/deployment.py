@@ -167,6 +167,11 @@ class Deployment:
         return next((w.pid for w in self._gen.workers if w.engine.ready), None)
 
     @property
+    def up_since(self) -> float | None:
+        """Wall-clock time since which some worker has been ready: the earliest of the ready ones (None: none)."""
+        return min((w.engine.up_since for w in self._gen.workers if w.engine.ready), default=None)
+
+    @property
     def restarts(self) -> int:
         return sum(w.engine.restarts for w in self._gen.workers)
 

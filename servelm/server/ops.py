@@ -77,7 +77,7 @@ def _engine_stats(state, engine, metrics) -> dict:
     by_prio = st.waiting_by_priority if st else [0, 0, 0]
     return {
         "engine": {"ready": engine.ready, "pid": getattr(engine, "engine_pid", None),
-                   "restarts": getattr(engine, "restarts", 0),
+                   "restarts": getattr(engine, "restarts", 0), "up_since": getattr(engine, "up_since", None),
                    "status": "up" if engine.ready else "down", "in_flight": engine.num_in_flight(),
                    "max_model_len": engine.max_model_len},
         "queue": {"depth": engine.num_queued(), "by_priority": dict(zip(PRIORITIES, by_prio, strict=True)),

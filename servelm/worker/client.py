@@ -79,6 +79,7 @@ class AsyncEngine:
         self.info: m.Ready | None = None
         self.stats: EngineStats | None = None
         self.restarts = 0
+        self.up_since: float | None = None  # wall-clock time the current engine became ready (None: down)
         self.last_heard = 0.0  # monotonic time of the engine's last message (health checks read it)
         self._ping_seq = 0
         self._proc: multiprocessing.Process | None = None
@@ -247,7 +248,7 @@ class AsyncEngine:
         was_ready = self.ready
         logger.error("engine process %s exited with code %s; failing %d in-flight requests and restarting",
                      proc.pid, proc.exitcode, len(self.streams))
-        self.ready = False
+        self.ready, self.up_since = False, None
         self.stats = None  # its figures describe a process that is gone
         if self.on_down is not None:
             self.on_down()
@@ -277,6 +278,7 @@ class AsyncEngine:
                 continue
             if isinstance(msg, m.Ready):
                 self.info, self.stats, self.ready, self._fatal = msg, msg.stats, True, None
+                self.up_since = time.time()
                 self._ready_event.set()
                 if self.on_ready is not None:
                     self.on_ready(msg, self.restarts > 0)
