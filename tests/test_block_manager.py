@@ -191,3 +191,40 @@ def test_plain_free_blocks_go_before_cached_prefixes():
     assert {pool.allocate(), pool.allocate()} == {plain, 2}  # the cached prefix survives
     assert pool.lookup(7) == cached and pool.num_evictions == 0
     assert pool.allocate() == cached and pool.lookup(7) is None and pool.num_evictions == 1
+
+
+def _pool_state(pool: BlockPool) -> tuple:
+    return (list(pool.ref_counts), list(pool.block_hash), list(pool.free_plain), list(pool.free_cached),
+            dict(pool.cached), pool.num_evictions)
+
+
+def test_many_at_once_is_the_same_as_one_by_one():
+    """allocate_many / release_many (a prompt's blocks in one call) leave the pool exactly as single calls do:
+    the same blocks in the same order, the same evictions, the same free queues."""
+    import random
+
+    rng = random.Random(0)
+    pools = [BlockPool(24, enable_caching=True) for _ in range(2)]
+    held: list[list[int]] = [[], []]
+    for step in range(300):
+        n = rng.randint(1, 6)
+        if rng.random() < 0.55 and pools[0].num_free >= n:
+            got = [[pools[0].allocate() for _ in range(n)], pools[1].allocate_many(n)]
+            assert got[0] == got[1]
+            for h in held:
+                h.extend(got[0])
+        elif held[0]:
+            drop = held[0][-n:]
+            for b in drop:
+                pools[0].release(b)
+            pools[1].release_many(drop)
+            for h in held:
+                del h[-len(drop):]
+        for b in held[0][-2:]:  # some become cached prefixes (each under a key of its own), freed later
+            if rng.random() < 0.5:
+                for p in pools:
+                    p.cache(b, bytes([step % 256, b]) * 16)
+        assert _pool_state(pools[0]) == _pool_state(pools[1])
+    assert pools[0].num_evictions > 0  # allocation did evict cached prefixes
+    with pytest.raises(RuntimeError):
+        pools[1].allocate_many(pools[1].num_free + 1)

@@ -88,8 +88,8 @@ class KVCacheManager:
                 return False
             if cow:
                 self._copy_on_write(seq)
-            for _ in range(need):
-                table.append(self.pool.allocate())
+            if need:
+                table += self.pool.allocate_many(need)
             return True
         num_computed = seq.num_computed_tokens + len(cached_blocks) * bs
         have = len(seq.block_table) + len(cached_blocks)
@@ -101,8 +101,8 @@ class KVCacheManager:
             self.pool.take(b)
         seq.block_table.extend(cached_blocks)
         seq.num_computed_tokens = num_computed
-        for _ in range(need):
-            seq.block_table.append(self.pool.allocate())
+        if need:
+            seq.block_table += self.pool.allocate_many(need)
         return True
 
     def append_block(self, seq: Sequence) -> int:
@@ -164,8 +164,7 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         # Tail first, so that the blocks least likely to be shared are evicted first.
-        for b in reversed(seq.block_table):
-            self.pool.release(b)
+        self.pool.release_many(reversed(seq.block_table))
         seq.block_table = []
         seq.num_registered_blocks = 0
         if seq.cpu_block_table:
@@ -192,8 +191,7 @@ class KVCacheManager:
     def swap_out(self, seq: Sequence) -> None:
         cpu = [self.cpu_free.pop() for _ in seq.block_table]
         self.ops.swap_out.extend(zip(seq.block_table, cpu, strict=True))
-        for b in reversed(seq.block_table):
-            self.pool.release(b)
+        self.pool.release_many(reversed(seq.block_table))
         seq.block_table, seq.cpu_block_table = [], cpu
 
     def swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -201,7 +199,7 @@ class KVCacheManager:
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         if total > self.pool.num_free:
             return False
-        dev = [self.pool.allocate() for _ in range(total)]
+        dev = self.pool.allocate_many(total)
         self.ops.swap_in.extend(zip(seq.cpu_block_table, dev, strict=False))
         self._cpu_release_after_step.extend(seq.cpu_block_table)
         seq.block_table, seq.cpu_block_table = dev, []
