@@ -1,5 +1,6 @@
 """Long-prompt TTFT through each system's server: `servelm serve`, `vllm serve` and llama.cpp's `llama-server`
-on the same model (SmolLM2-135M bf16; llama.cpp reads the same weights as a bf16 GGUF), one after the other
+on the same model (SmolLM2-135M bf16, llama.cpp reading the same weights as a bf16 GGUF; or, with `--model
+smollm2-q8_0`, one Q8_0 GGUF file for servelm and llama.cpp, which runs it on its AMX int8 kernels), one after the other
 with the same thread count. Each prompt is random token ids (a fresh draw per request, so no prefix cache
 can help), sent as a /v1/completions request with max_tokens 1: its wall time is the TTFT. Per length one
 warm-up request, then --reps timed ones; prints one JSON line per (system, length) and a summary with
@@ -23,7 +24,15 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_peers import ensure_models, ensure_venv, llama_server, llama_server_cpu_args, log, running_server  # noqa: E402
+from run_peers import (  # noqa: E402
+    GGUF_FILE_MODELS,
+    ensure_models,
+    ensure_venv,
+    llama_server,
+    llama_server_cpu_args,
+    log,
+    running_server,
+)
 
 
 def commands(cache: Path, paths: dict[str, Path], threads: int, ctx: int, systems: list[str]) -> dict:
@@ -57,6 +66,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache", type=Path, default=Path("~/.cache/servelm-bench").expanduser())
     p.add_argument("--systems", default="servelm,vllm,llamacpp")
+    p.add_argument("--model", default="smollm2", choices=["smollm2", *GGUF_FILE_MODELS],
+                   help="smollm2 (bf16; llama.cpp reads it as a bf16 GGUF) or a GGUF file every system but vLLM "
+                        "reads (smollm2-q8_0: llama.cpp's AMX int8 path)")
     p.add_argument("--lengths", default="2048,8191", help="prompt tokens, comma-separated")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
@@ -64,7 +76,10 @@ def main() -> int:
     import httpx
 
     systems = [s for s in a.systems.split(",") if s]
-    paths = ensure_models(a.cache, ["smollm2"], "llamacpp" in systems)["smollm2"]
+    if a.model in GGUF_FILE_MODELS and "vllm" in systems:
+        log(f"{a.model} is a GGUF file, which vLLM cannot read: left out for it")
+        systems.remove("vllm")
+    paths = ensure_models(a.cache, [a.model], "llamacpp" in systems)[a.model]
     lengths = [int(x) for x in a.lengths.split(",")]
     ctx = max(lengths) + 1  # prompt plus the one output token (SmolLM2 allows 8,192)
     rng = np.random.Generator(np.random.PCG64(5))

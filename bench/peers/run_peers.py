@@ -447,7 +447,7 @@ def llama_server(cache: Path) -> Path:
 
 
 def s1_servers(cache: Path, paths: dict[str, Path], threads: int, systems: list[str],
-               servelm_args: list[str]) -> dict[str, list[str]]:
+               servelm_args: list[str], llamacpp_args: list[str] = ()) -> dict[str, list[str]]:
     """The serving command of each system: `vllm serve`, `servelm serve` and llama.cpp's server with 64 slots
     (continuous batching, 1,024 tokens of KV per slot), each with {port} to fill in."""
     out = {}
@@ -463,9 +463,11 @@ def s1_servers(cache: Path, paths: dict[str, Path], threads: int, systems: list[
                           "--no-enable-prefix-caching", "--kv-cache-memory-gb", "2", *quant,  # 2: vLLM's default
                           *servelm_args]
     if "llamacpp" in systems:
-        out["llama.cpp server"] = [str(llama_server(cache)), "-m", str(paths["gguf"]), "--port", "{port}",
-                                   "--host", "127.0.0.1", "-np", "64", "-c", str(64 * 1024), "-t", str(threads),
-                                   "-tb", str(threads), "--no-webui", *llama_server_cpu_args()]
+        # extra arguments come last and override the defaults (llama.cpp keeps an option's last value)
+        label = " ".join(["llama.cpp server", *llamacpp_args])
+        out[label] = [str(llama_server(cache)), "-m", str(paths["gguf"]), "--port", "{port}",
+                      "--host", "127.0.0.1", "-np", "64", "-c", str(64 * 1024), "-t", str(threads),
+                      "-tb", str(threads), "--no-webui", *llama_server_cpu_args(), *llamacpp_args]
     return out
 
 
@@ -517,12 +519,12 @@ def free_port() -> int:
 
 
 def serve_s1(cache: Path, paths: dict[str, Path], threads: int, rates: list[float | str], systems: list[str],
-             servelm_args: list[str], num_requests: int, vocab: int) -> list[dict]:
+             servelm_args: list[str], num_requests: int, vocab: int, llamacpp_args: list[str] = ()) -> list[dict]:
     """S1 at each rate against each system's server, one after the other, same client; per system the highest
     rate whose p95 TTFT and p95 TPOT met the SLOs (500 ms, 50 ms) with nothing failed. A rate "W1" sends
     W1's 64 requests at once instead: the server's batch throughput."""
     rows = []
-    for label, cmd in s1_servers(cache, paths, threads, systems, servelm_args).items():
+    for label, cmd in s1_servers(cache, paths, threads, systems, servelm_args, llamacpp_args).items():
         try:
             with running_server(label, cmd, threads) as (url, ready_s, peak):
                 for rate in rates:
@@ -606,6 +608,8 @@ def main() -> int:
                    "W1 in the list sends W1 all at once to each server (batch throughput through the server)")
     p.add_argument("--serve-requests", type=int, default=200, help="S1 requests per rate")
     p.add_argument("--servelm-args", default="", help="extra `servelm serve` arguments for S1, space-separated")
+    p.add_argument("--llamacpp-args", default="", help="extra llama-server arguments for S1, space-separated, "
+                   "after the defaults so they override them (e.g. \"-t 1 -tb 2\": one decode thread)")
     p.add_argument("--setup-only", action="store_true", help="install the peers and build the models, then stop")
     p.add_argument("--output", type=Path, default=None, help="append every result row (JSON) to this file")
     a = p.parse_args()
@@ -638,7 +642,7 @@ def main() -> int:
                 rates = [x if x == "W1" else float(x) for x in a.serve_rate.split(",")]
                 vocab = 32000 if name == "60m" else 49152
                 for r in serve_s1(a.cache, paths, threads, rates, systems, a.servelm_args.split(),
-                                  a.serve_requests, vocab):
+                                  a.serve_requests, vocab, a.llamacpp_args.split()):
                     rows.append({"model": name, "threads": threads, "via": "server", **r})
     if a.output:
         with a.output.open("a") as fh:
