@@ -199,8 +199,9 @@ class Scheduler:
             else:
                 batch.clear()  # the loop below takes them, preempting if it must
         # A for loop over a list that preemption shortens from the end: scheduled sequences sit before the current
-        # one, so a victim is always after it (or is it, the last one, which ends the loop).
-        for seq in running:
+        # one, so a victim is always after it (or is it, the last one, which ends the loop). When every running
+        # sequence is in the batch (steady decode) the loop has nothing to do: skipped, not walked.
+        for seq in running if batch is None or len(batch.seqs) < len(running) else ():
             if budget <= 0:
                 break
             if seq.batch_row >= 0:
