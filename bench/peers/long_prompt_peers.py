@@ -26,6 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_peers import (  # noqa: E402
     GGUF_FILE_MODELS,
+    GGUF_READERS,
     ensure_models,
     ensure_venv,
     llama_server,
@@ -76,9 +77,9 @@ def main() -> int:
     import httpx
 
     systems = [s for s in a.systems.split(",") if s]
-    if a.model in GGUF_FILE_MODELS and "vllm" in systems:
-        log(f"{a.model} is a GGUF file, which vLLM cannot read: left out for it")
-        systems.remove("vllm")
+    if a.model in GGUF_FILE_MODELS and (skipped := [s for s in systems if s not in GGUF_READERS]):
+        log(f"{a.model} is a GGUF file, which {', '.join(skipped)} cannot read: left out for it")
+        systems = [s for s in systems if s in GGUF_READERS]
     paths = ensure_models(a.cache, [a.model], "llamacpp" in systems)[a.model]
     lengths = [int(x) for x in a.lengths.split(",")]
     ctx = max(lengths) + 1  # prompt plus the one output token (SmolLM2 allows 8,192)

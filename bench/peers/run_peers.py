@@ -592,7 +592,8 @@ def main() -> int:
     p.add_argument("--models", default="60m,smollm2", help="comma-separated: 60m, smollm2 (bf16 HF folders, a "
                    "bf16 GGUF for llama.cpp), smollm2-q8_0 (smollm2 converted to Q8_0 by llama.cpp's converter) and "
                    "smollm2-q4_1 (the packaged Q4_1 file): one GGUF file for every system that reads GGUF "
-                   "(servelm, servelm-none, llamacpp, llama-server; vllm and transformers are left out)")
+                   "(servelm, servelm-none, llamacpp: llama-cpp-python and llama-server; vllm and transformers are "
+                   "left out)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated from {list(SYSTEMS)}")
     p.add_argument("--workloads", default="W1,W2")
     p.add_argument("--threads", default="1", help="comma-separated thread counts, e.g. 1,2")
