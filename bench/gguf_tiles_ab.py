@@ -77,10 +77,15 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=30)
     p.add_argument("--variant", help="this checkout's build to run (default: the one servelm loads), e.g. avx512bf16")
     p.add_argument("--baseline", help="another build of the kernel library to run beside this one")
+    p.add_argument("--bf16-dot", choices=["bf16", "fma"],
+                   help="the AVX512 kernels' bf16 pair product (default: the CPU's; bf16 is AMD's, fma Intel's)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     k = cpu_kernels.load_variant(args.variant) if args.variant else cpu_kernels.load()
     base = CpuKernels(args.baseline, "baseline") if args.baseline else None
+    for lib in (k, base) if args.bf16_dot else ():
+        if lib is not None:
+            lib.set_bf16_dot(args.bf16_dot)
     wanted = args.systems.split(",")
     rng = np.random.default_rng(0)
     out = []

@@ -3,6 +3,7 @@ the linear layers and in attention, with the linears' rate against the machine's
 
     python bench/long_prompt.py                          # SmolLM2-135M: 2k and 8k
     python bench/long_prompt.py --rand-32k               # also a random-weight Llama (llama-rand-60m) at 32k
+    python bench/long_prompt.py --quantization none gguf # the GGUF file dequantized to bf16, and kept as stored
 
 Each length is one request of max_tokens=1, timed end to end (TTFT), after a warm-up request of the same
 length. The model's linears (QKV, output, gate/up, down) and its attention calls are wrapped with timers
@@ -80,8 +81,10 @@ def rand_32k(tmp: Path) -> Path:
     return out
 
 
-def measure(model: str, lengths: list[int], budget: int | None, timers: Timers, bounds: dict, name: str) -> None:
+def measure(model: str, lengths: list[int], budget: int | None, timers: Timers, bounds: dict, name: str,
+            quantization: str = "auto") -> None:
     kw = {} if budget is None else {"max_num_batched_tokens": budget}
+    kw["quantization"] = quantization
     llm = LLM(model, dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory_gb=2.0, **kw)
     timers.wrap_attention(llm.engine.loaded.model)
     vocab = llm.engine.loaded.model.spec.vocab_size
@@ -99,7 +102,7 @@ def measure(model: str, lengths: list[int], budget: int | None, timers: Timers, 
         timers.on = False
         rate = timers.linear_flop / timers.linear_s / 1e9
         print(json.dumps({
-            "bench": "long_prompt", "model": name, "prompt_tokens": n,
+            "bench": "long_prompt", "model": name, "quantization": quantization, "prompt_tokens": n,
             "max_num_batched_tokens": budget or llm.engine.config.max_num_batched_tokens,
             "threads": torch.get_num_threads(), "ttft_s": round(ttft, 3), "prefill_tok_per_s": round(n / ttft, 1),
             "linear_s": round(timers.linear_s, 3), "attention_s": round(timers.attn_s, 3),
@@ -118,6 +121,8 @@ def main() -> None:
                    help="max_num_batched_tokens values to run (0: the engine's default)")
     p.add_argument("--rand-32k", action="store_true", help="also llama-rand-60m at 2k, 8k and 32k")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quantization", nargs="+", default=["auto"],
+                   help="quantization values to run side by side (e.g. none gguf: a GGUF file dequantized, and kept)")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -128,7 +133,8 @@ def main() -> None:
     bounds = hardware_bounds()
     model = a.model or str(default_model_path())
     for b in a.budgets:
-        measure(model, a.lengths, b or None, timers, bounds, Path(model).name)
+        for q in a.quantization:
+            measure(model, a.lengths, b or None, timers, bounds, Path(model).name, q)
     if a.rand_32k:
         with tempfile.TemporaryDirectory() as tmp:
             folder = str(rand_32k(Path(tmp)))
