@@ -84,8 +84,8 @@ def rand_32k(tmp: Path) -> Path:
 def measure(model: str, lengths: list[int], budget: int | None, timers: Timers, bounds: dict, name: str,
             quantization: str = "auto") -> None:
     kw = {} if budget is None else {"max_num_batched_tokens": budget}
-    kw["quantization"] = quantization
-    llm = LLM(model, dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory_gb=2.0, **kw)
+    llm = LLM(model, dtype="bfloat16", quantization=quantization, enable_prefix_caching=False, kv_cache_memory_gb=2.0,
+              **kw)
     timers.wrap_attention(llm.engine.loaded.model)
     vocab = llm.engine.loaded.model.spec.vocab_size
     params = SamplingParams(temperature=0, max_tokens=1)
