@@ -96,7 +96,7 @@ def server(ray_cluster, tmp_path_factory, tokenizer_dir):
     cmd = [sys.executable, "-m", "servelm.ray", str(model), "--served-model-name", "tiny", "--port", str(port),
            "--dtype", "float32", "--embedding-model", "none", "--ray-address", ray_cluster,
            "--ray-app-name", APP, "--replicas", "2", "--max-replicas", "3", "--target-ongoing-requests", "2",
-           "--upscale-delay-s", "0", "--downscale-delay-s", "1", "--replica-cpus", "1",
+           "--upscale-delay-s", "0", "--downscale-delay-s", "1", "--look-back-period-s", "12", "--replica-cpus", "1",
            "--max-num-seqs", "4", "--num-threads", "1", "--queue-timeout-s", "600"]
     log = tmp_path_factory.mktemp("ray-log") / "server.log"
     with open(log, "w") as f:

@@ -42,3 +42,27 @@ def test_autoscaling_config_names_the_policy_and_bounds():
     assert cfg["target_ongoing_requests"] == 8 and cfg["upscale_delay_s"] == 0
     zero = autoscaling_config(RayOptions(replicas=1, min_replicas=0, max_replicas=3))
     assert (zero["min_replicas"], zero["initial_replicas"]) == (0, 1)  # scale-to-zero opts in, starts with one
+
+
+def test_look_back_window_is_one_ray_serve_accepts():
+    """Ray Serve averages over look_back_period_s and warns (a future release refuses) when it is not longer than
+    its metrics interval: servelm's default must pass its validation cleanly, and a bad value is refused at start-up
+    by name, from Python and from the command line."""
+    config = pytest.importorskip("ray.serve.config")
+    import argparse
+    import warnings
+
+    from servelm.ray.serve import add_ray_args
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = config.AutoscalingConfig(**autoscaling_config(RayOptions(replicas=2, max_replicas=4)))
+    assert cfg.look_back_period_s == RayOptions().look_back_period_s
+    assert not [w for w in caught if "look_back_period_s" in str(w.message)]
+    with pytest.raises(ValueError, match="look_back_period_s must be greater"):
+        RayOptions(look_back_period_s=10)
+    p = argparse.ArgumentParser()
+    add_ray_args(p)
+    assert p.parse_args(["--look-back-period-s", "12"]).look_back_period_s == 12
+    with pytest.raises(SystemExit):
+        p.parse_args(["--look-back-period-s", "10"])

@@ -12,6 +12,17 @@ from servelm.ray.replica import EngineReplica
 
 DEPLOYMENT_NAME = "servelm-engine"
 KV_CACHE_HIGH = 0.9  # mean KV cache usage over which the policy adds a replica while requests wait
+# Ray Serve's AutoscalingConfig.metrics_interval_s default: the averaging window must be longer (Ray warns
+# at equal and says a future release will refuse it)
+RAY_METRICS_INTERVAL_S = 10.0
+
+
+def check_look_back(seconds: float) -> float:
+    """look_back_period_s as Ray Serve accepts it: longer than its metrics interval."""
+    if not seconds > RAY_METRICS_INTERVAL_S:
+        raise ValueError(f"look_back_period_s must be greater than Ray Serve's metrics interval "
+                         f"({RAY_METRICS_INTERVAL_S:g} s), not {seconds:g}")
+    return seconds
 
 
 @dataclass
@@ -24,13 +35,16 @@ class RayOptions:
     target_ongoing_requests: float = 8.0  # sequences per replica the policy aims at (running + waiting)
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 300.0
-    look_back_period_s: float = 10.0
+    look_back_period_s: float = 30.0  # the window Ray Serve averages the replicas' figures over (its default)
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     memory_gb: float | None = None
     max_ongoing_requests: int = 256  # per replica; above it Ray Serve holds requests in the API process
     health_check_period_s: float = 2.0
     health_check_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        check_look_back(self.look_back_period_s)
 
     @property
     def autoscaled(self) -> bool:
@@ -92,5 +106,6 @@ def app_builder(args: dict):
     opts = RayOptions(replicas=int(args.get("min_replicas", 1)), min_replicas=int(args.get("min_replicas", 1)),
                       max_replicas=int(args.get("max_replicas", 1)),
                       target_ongoing_requests=float(args.get("target_ongoing_requests", 8)),
+                      look_back_period_s=float(args.get("look_back_period_s", RayOptions.look_back_period_s)),
                       num_cpus=float(args.get("num_cpus", 1)), num_gpus=float(args.get("num_gpus", 0)))
     return build_app(config, opts)

@@ -8,7 +8,7 @@ import argparse
 import logging
 import sys
 
-from servelm.ray.app import DEPLOYMENT_NAME, RayOptions, build_app
+from servelm.ray.app import DEPLOYMENT_NAME, RayOptions, build_app, check_look_back
 
 logger = logging.getLogger("servelm.ray")
 
@@ -29,16 +29,26 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
                    help="running + waiting sequences per replica the autoscaler aims at")
     g.add_argument("--upscale-delay-s", type=float, default=30.0)
     g.add_argument("--downscale-delay-s", type=float, default=300.0)
+    g.add_argument("--look-back-period-s", type=_look_back, default=RayOptions.look_back_period_s,
+                   help="seconds over which Ray Serve averages the replicas' load figures for the autoscaler "
+                        "(longer than Ray's 10 s metrics interval)")
     g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica")
     g.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs Ray reserves for each replica")
     g.add_argument("--replica-memory-gb", type=float, default=None, help="memory Ray reserves for each replica")
 
 
+def _look_back(value: str) -> float:
+    try:
+        return check_look_back(float(value))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def options(args) -> RayOptions:
     return RayOptions(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                       target_ongoing_requests=args.target_ongoing_requests, upscale_delay_s=args.upscale_delay_s,
-                      downscale_delay_s=args.downscale_delay_s, num_cpus=args.replica_cpus,
-                      num_gpus=args.replica_gpus, memory_gb=args.replica_memory_gb)
+                      downscale_delay_s=args.downscale_delay_s, look_back_period_s=args.look_back_period_s,
+                      num_cpus=args.replica_cpus, num_gpus=args.replica_gpus, memory_gb=args.replica_memory_gb)
 
 
 def engine_factory(args):
