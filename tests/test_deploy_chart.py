@@ -18,6 +18,7 @@ helm = pytest.importorskip("helm_python", reason="helm-python-sdk (the test extr
 kv = pytest.importorskip("kubernetes_validate.utils", reason="kubernetes-validate (the test extra)")
 
 from servelm.config.settings import load as load_settings  # noqa: E402
+from servelm.ray.app import RayOptions, check_look_back  # noqa: E402
 from tests.test_observability_files import METRIC, exported_names  # noqa: E402
 
 CHART = Path(__file__).resolve().parent.parent / "deploy" / "helm" / "servelm"
@@ -230,8 +231,12 @@ def test_rayservice_runs_the_replicas_and_the_pods_the_api_in_front(rendered):
     module, _, attr = app["import_path"].partition(":")
     assert callable(getattr(importlib.import_module(module), attr))  # the app builder exists (import without Ray)
     assert app["name"] == "servelm" and app["args"]["model"] == "/models/smol" and app["args"]["max_replicas"] == 4
+    # the window the app builder passes to Ray Serve is one it accepts (longer than its metrics interval)
+    assert check_look_back(app["args"]["look_back_period_s"]) == RayOptions.look_back_period_s
     cluster = rs["spec"]["rayClusterConfig"]
-    assert cluster["rayVersion"] and cluster["workerGroupSpecs"][0]["maxReplicas"] == 4
+    pin = re.search(r'"ray\[serve\]==([^"]+)"', (CHART.parents[2] / "pyproject.toml").read_text()).group(1)
+    assert cluster["rayVersion"] == pin  # KubeRay's rayVersion is the Ray the image has (servelm[ray]'s pin)
+    assert cluster["workerGroupSpecs"][0]["maxReplicas"] == 4
     # the chart's pods run servelm's API process attached to that application through the head service
     c = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
     assert c["command"][-3:] == ["python", "-m", "servelm.ray"]
