@@ -31,7 +31,7 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--downscale-delay-s", type=float, default=300.0)
     g.add_argument("--look-back-period-s", type=_look_back, default=RayOptions.look_back_period_s,
                    help="seconds over which Ray Serve averages the replicas' load figures for the autoscaler "
-                        "(longer than Ray's 10 s metrics interval)")
+                        "(default 30, Ray's own; longer than Ray's 10 s metrics interval)")
     g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica")
     g.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs Ray reserves for each replica")
     g.add_argument("--replica-memory-gb", type=float, default=None, help="memory Ray reserves for each replica")
