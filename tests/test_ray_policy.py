@@ -52,8 +52,10 @@ def test_look_back_window_is_one_ray_serve_accepts():
     import argparse
     import warnings
 
+    from servelm.ray.app import RAY_METRICS_INTERVAL_S
     from servelm.ray.serve import add_ray_args
 
+    assert config.AutoscalingConfig().metrics_interval_s == RAY_METRICS_INTERVAL_S  # servelm's copy of Ray's default
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cfg = config.AutoscalingConfig(**autoscaling_config(RayOptions(replicas=2, max_replicas=4)))

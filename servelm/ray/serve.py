@@ -8,7 +8,7 @@ import argparse
 import logging
 import sys
 
-from servelm.ray.app import DEPLOYMENT_NAME, RayOptions, build_app, check_look_back
+from servelm.ray.app import DEPLOYMENT_NAME, RAY_METRICS_INTERVAL_S, RayOptions, build_app, check_look_back
 
 logger = logging.getLogger("servelm.ray")
 
@@ -31,7 +31,8 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--downscale-delay-s", type=float, default=300.0)
     g.add_argument("--look-back-period-s", type=_look_back, default=RayOptions.look_back_period_s,
                    help="seconds over which Ray Serve averages the replicas' load figures for the autoscaler "
-                        "(default 30, Ray's own; longer than Ray's 10 s metrics interval)")
+                        f"(default {RayOptions.look_back_period_s:g}, Ray's own; longer than Ray's "
+                        f"{RAY_METRICS_INTERVAL_S:g} s metrics interval)")
     g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica")
     g.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs Ray reserves for each replica")
     g.add_argument("--replica-memory-gb", type=float, default=None, help="memory Ray reserves for each replica")
