@@ -1,9 +1,10 @@
-"""GGUF tile path (csrc/quant_linear.cpp, more than INT_ROWS rows) per SmolLM2-135M layer shape, alternating
+"""GGUF tile path (csrc/quant_linear.cpp's bf16 path for many rows, which the engine does not use: its bits
+differ from the int8 kernel's) per SmolLM2-135M layer shape, alternating
 systems round by round and keeping each one's best:
 
 - `bf16`: the bf16 tile kernel over the weight dequantized and packed (what `--quantization none` runs);
 - `tiles`: quant_linear's bf16 tile path (int_rows=0);
-- `int8`: quant_linear's int8-activation kernel for any number of rows (int_rows large), to place INT_ROWS;
+- `int8`: quant_linear's int8-activation kernel for any number of rows (int_rows large), what the engine runs;
 - with `--baseline LIB` (another build of the kernel library, e.g. main's libservelm_amx.so), `base_bf16` and
   `base_tiles`: the same two from that build, for an A/B of a kernel change in one run.
 

@@ -22,7 +22,7 @@ from family_parity import (  # noqa: E402
 )
 
 from servelm import LLM  # noqa: E402
-from servelm.model.invariant import make_batch_invariant  # noqa: E402
+from servelm.model.invariant import check_batch_invariant  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_moe_matches_transformers(moe, arch, dtype):
     assert sparse == ([False, True] if arch == "qwen2_moe" else [True, True])
     if dtype == "float32":
         with pytest.raises(ValueError, match="batch_invariant"):
-            make_batch_invariant(model)
+            check_batch_invariant(model)
 
 
 def test_moe_transformers5_layout(moe, tmp_path, tokenizer_dir):

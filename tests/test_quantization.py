@@ -32,8 +32,9 @@ def test_setting_is_validated_and_flows_from_cli_env_and_file(tmp_path):
     with pytest.raises(ConfigError, match="quantization must be none, int8 or int4 on a GPU"):
         EngineConfig(quantization="gguf", device="cuda")
     assert EngineConfig(quantization="int8", device="cuda").quantization == "int8"  # Triton kernels there
-    with pytest.raises(ConfigError, match="quantization must be none with batch_invariant"):
+    with pytest.raises(ConfigError, match="quantization must be auto, none or gguf with batch_invariant"):
         EngineConfig(quantization="int8", batch_invariant=True)
+    assert EngineConfig(quantization="gguf", batch_invariant=True).load_quantization() == "gguf"
     with pytest.raises(ConfigError, match=r"engine.quantization .*\(set by env SERVELM_QUANTIZATION\)"):
         load(env={"SERVELM_QUANTIZATION": "fp8"})
     f = tmp_path / "c.json"

@@ -92,11 +92,10 @@ class EngineConfig:
                               "when the KV cache is full")
     swap_space_gb: float = _f(4.0, "CPU swap space for preempted requests in GiB (swap mode)")
     seed: int = _f(0, "seed of the sampler's random generator for unseeded requests")
-    batch_invariant: bool = _f(False, "CPU only: a request's tokens and logprobs are the same bits whatever it is "
-                               "batched with, however its prompt is chunked, cached or preempted, in float32 "
-                               "and on the PyTorch paths too (linears in float32 through oneDNN, prompt "
-                               "attention over fixed key blocks); costs some speed, and memory in bf16 without "
-                               "the C++ kernels (README: Scheduling invariance)")
+    batch_invariant: bool = _f(False, "CPU only: refuse to start unless every token gets the same bits whatever "
+                               "it is batched with, however its prompt is chunked, cached or preempted. servelm's "
+                               "C++ CPU kernels give that on every CPU by default; this refuses what they do not "
+                               "run (kernels off, int8/int4, float16, Gemma, MoE) instead of serving with it")
     num_threads: int | None = _f(None, "torch compute threads (default: torch's choice, or one per "
                                  "--cpu-bind CPU)")
     cpu_bind: str | None = _f(None, "CPUs the engine's compute threads run on, e.g. '0-3' or '0,2' (like "
@@ -139,8 +138,8 @@ class EngineConfig:
         need(self.quantization_group_size in (32, 64, 128, 256), "quantization_group_size", "32, 64, 128 or 256")
         need(self.quantization != "gguf" or self.device == "cpu", "quantization", "none, int8 or int4 on a GPU "
              "(gguf keeps a file's blocks for the CPU kernels; int8/int4 run Triton kernels on a GPU)")
-        need(self.quantization in ("auto", "none") or not self.batch_invariant, "quantization",
-             "none with batch_invariant (the quantized kernels are not batch invariant)")
+        need(self.quantization in ("auto", "none", "gguf") or not self.batch_invariant, "quantization",
+             "auto, none or gguf with batch_invariant (PyTorch's int8/int4 kernels promise no fixed order)")
         need(not self.batch_invariant or self.device == "cpu", "batch_invariant", "false on a GPU (CPU only)")
         tp = self.tensor_parallel_size
         need(tp >= 1, "tensor_parallel_size", ">= 1")
@@ -190,9 +189,8 @@ class EngineConfig:
 
     def load_quantization(self) -> str:
         """The quantization the loader is asked for: auto stays auto (the loader picks gguf or none by the
-        file, dtype and CPU) except where gguf is not allowed (a GPU, batch_invariant, tensor parallelism)."""
-        if self.quantization == "auto" and (self.batch_invariant or self.device != "cpu"
-                                            or self.tensor_parallel_size > 1):
+        file, dtype and CPU) except where gguf is not allowed (a GPU, tensor parallelism)."""
+        if self.quantization == "auto" and (self.device != "cpu" or self.tensor_parallel_size > 1):
             return "none"
         return self.quantization
 

@@ -44,9 +44,9 @@ class EngineCore:
         self.config = config
         self.model = model
         if config.batch_invariant:
-            from servelm.model.invariant import make_batch_invariant
+            from servelm.model.invariant import check_batch_invariant
 
-            make_batch_invariant(model)
+            check_batch_invariant(model)
         spec = model.spec
         block_bytes = kv_bytes_per_block(model, config.block_size)
         if config.num_kv_blocks is not None:

@@ -60,7 +60,7 @@ class DecoderLM:
         self.spec = spec
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.dtype = dtype
-        self.batch_invariant = False  # set by model.invariant.make_batch_invariant
+        self.batch_invariant = False  # set by model.invariant.check_batch_invariant
         self.quantization = "none"  # set by the loader (model/quant.py)
         self.embed = weights.pop("model.embed_tokens.weight")
         self.norm = self._norm_weight(weights.pop("model.norm.weight"))
@@ -100,7 +100,7 @@ class DecoderLM:
             mlp = [lw.gate_up, lw.down] if lw.moe is None else lw.moe.linears()
             linears += [lw.qkv, lw.o_proj] + [getattr(x, "linear", None) or x for x in mlp]
         linears = [p for lin in linears for p in (lin.parts if isinstance(lin, PartsLinear) else [lin])]
-        return slots + [(lin, n) for lin in linears for n in ("tiled", "weight", "bias") if hasattr(lin, n)] + [
+        return slots + [(lin, n) for lin in linears for n in ("tiled", "panels", "weight", "bias") if hasattr(lin, n)] + [
             (lin.quant, "packed") for lin in linears if isinstance(getattr(lin, "quant", None), GGUFMatmul)]
 
     def _norm_weight(self, w: torch.Tensor | None) -> torch.Tensor | None:

@@ -3,14 +3,17 @@ own C++ kernels (csrc/quant_linear.cpp).
 
 Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K and Q6_K tensors are repacked at load (`pack_blocks`: codes and scales
 exact, 16 output rows interleaved per group of 32 inputs, see quant_linear.cpp; the Q5 types as 4-bit nibbles and
-a plane of fifth bits, 5 bits a weight as in the file) and multiplied with bf16 activations:
-- up to `INT_ROWS` rows (decode): each row of x is rounded to int8 in blocks of 32 (scale max|x| / 127) and
-  the dot products are integer (AVX512-VNNI, or AVX2), one float32 scale per group: the exact product of
-  the dequantized weight with the int8-rounded x, up to float32 rounding (`ReferenceMatmul` computes it in
-  torch);
-- more rows (batches, prefill), where the bf16 tile kernels exist (AMX, AVX512-BF16): those kernels run
-  over the weight's 32-column blocks, each dequantized to bf16 (bit for bit the bf16 model's block) into a
-  small per-thread buffer as their loop reaches it, so the results are the bf16 model's.
+a plane of fifth bits, 5 bits a weight as in the file) and multiplied with bf16 activations by one kernel for every
+number of rows, llama.cpp's scheme: each row of x is rounded to int8 in blocks of 32 (scale max|x| / 127) and the
+dot products are integer (AVX512-VNNI, or AVX2), one float32 scale per group: the exact product of the dequantized
+weight with the int8-rounded x, up to float32 rounding (`ReferenceMatmul` computes it in torch). Each row is
+rounded and summed by itself in one fixed order, so a token gets the same bits in a decode batch of any size and
+in a prompt chunk of any length.
+
+The kernel library also has a bf16 tile path for many rows (AMX, AVX512-BF16: the weight's blocks dequantized to
+bf16 as the tile loop reaches them). The engine does not use it: its sums are the bf16 model's, not the int8
+kernel's, so a token would get other bits in a batch of more than a few rows than in a small one, and a
+request's output would depend on what it was batched with. `bench/gguf_tiles_ab.py` measures the two.
 
 Without the kernels (SERVELM_CPU_KERNELS=0, a CPU without AVX2, a float32 model) the Q4 types go to
 PyTorch's int4 kernels (model/quant.py) and the rest (Q8_0, Q5_*, Q6_K) is dequantized.
@@ -32,9 +35,6 @@ FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "Q5_0": 5, "Q5
 _STRIDES = {0: 512 + 32, 1: 256 + 32, 2: 256 + 64, 3: 256 + 128, 4: 512 + 128,
             5: 320 + 32, 6: 320 + 64, 7: 320 + 128}  # Q5: 4-bit nibbles (256) and a plane of high bits (64)
 _FIVE_BIT = ("Q5_0", "Q5_1", "Q5_K")
-# Up to this many rows the int8-activation kernel; beyond, the bf16 tile path. Per SmolLM2 layer shape (2 threads,
-# bench/gguf_tiles_ab.py) the int8 kernel wins at 8 and 12 rows, the two are level at 16, the tiles win from 24.
-INT_ROWS = 16
 
 
 def packed_bytes(fmt: int, n: int, k: int) -> int:
@@ -200,20 +200,12 @@ class ReferenceMatmul:
     reference for tests (SERVELM_QUANT_KERNEL=reference selects it); keeps a float32 copy of the weight."""
 
     def __init__(self, w: GGUFBlocks) -> None:
-        from servelm.model import cpu_kernels
-
         self.kind, self.dtype = w.qtype, w.dtype
         self.out_features, self.in_features = w.shape
         self.weight = w.dequantize(torch.float32)
-        k = cpu_kernels.load()
-        # where the kernels' build has the bf16 tile path, more than INT_ROWS rows take it
-        self.tiles = k is not None and k.quant_linear_supported(FORMATS[w.qtype], w.in_features) == 2
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.tiles and x.shape[0] > INT_ROWS:  # bf16 activations times the weight rounded to bf16
-            y = x.to(torch.bfloat16).float() @ self.weight.to(torch.bfloat16).float().T
-        else:
-            y = quantize_activations(x) @ self.weight.T
+        y = quantize_activations(x) @ self.weight.T
         return (y if bias is None else y + bias.float()).to(self.dtype)
 
     @property
@@ -233,7 +225,8 @@ class GGUFMatmul:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             x = x.to(torch.bfloat16)
-        return self.kernels.quant_linear(x, self.packed, self.fmt, self.out_features, bias, silu_mul, INT_ROWS)
+        # every row count through the int8-activation kernel: one summation order for a token
+        return self.kernels.quant_linear(x, self.packed, self.fmt, self.out_features, bias, silu_mul)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.packed]
@@ -255,14 +248,14 @@ def gguf_kernels(w: GGUFBlocks):
 
 def auto_quantization(kind: str, device: str, dtype: torch.dtype) -> str:
     """What quantization=auto means for a checkpoint of `kind` (gguf, safetensors): gguf for a GGUF file in
-    bfloat16 on a CPU whose kernel build runs the GGUF formats for every row count (the int8 kernel and the bf16
-    tile path), else none."""
+    bfloat16 on a CPU whose kernel build runs the GGUF formats (the int8-activation kernel: AVX512-VNNI or AVX2),
+    else none."""
     from servelm.model import cpu_kernels
 
     if kind != "gguf" or not device.startswith("cpu") or dtype != torch.bfloat16:
         return "none"
     k = cpu_kernels.load()
-    return "gguf" if k is not None and k.quant_linear_supported(FORMATS["Q4_0"], 64) == 2 else "none"
+    return "gguf" if k is not None and k.quant_linear_supported(FORMATS["Q4_0"], 64) >= 1 else "none"
 
 
 def reference_selected() -> bool:

@@ -31,6 +31,7 @@ _SIGNATURES: dict[str, tuple] = {
     "servelm_amx_linear": (_INT, (_P, _P, _I, _I, _I, _P, _I, _P, _INT)),
     "servelm_avx512_linear_supported": (_INT, (_I,)),
     "servelm_avx512_linear": (_INT, (_P, _P, _I, _I, _I, _P, _I, _P, _INT)),
+    "servelm_dense_linear": (_INT, (ctypes.c_int32, _P, _P, _I, _I, _I, _P, _I, _P, _INT)),
     "servelm_bf16_dot": (_INT, ()),
     "servelm_set_bf16_dot": (None, (_INT,)),
     "servelm_prefill_attention_supported": (_INT, (_I,)),
@@ -212,6 +213,25 @@ class CpuKernels:
     def avx512_linear_silu_mul(self, x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.Tensor:
         return self._packed_linear(self._avx512_linear, "avx512_linear", x, packed, N, None, True)
 
+    def dense_linear(self, x: torch.Tensor, packed: torch.Tensor, N: int, bias: torch.Tensor | None = None,
+                     silu_mul: bool = False) -> torch.Tensor:
+        """x [M, K] @ w.T (+ bias), or silu(gate) * up for a gate/up weight, w packed by `pack_dense_weight`
+        (float32 or bf16, the dtype of x): every output summed over K in order, whatever M (dense_linear.cpp)."""
+        _require(x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16) and packed.dtype == x.dtype,
+                 "dense_linear: float32 or bf16 [M, K] input and a packed weight of its dtype")
+        M, K = x.shape
+        _require(packed.is_contiguous() and packed.numel() == (N + 31) // 32 * 32 * K,
+                 f"dense_linear: not a weight packed for {N} x {K}")
+        _require(bias is None or (bias.dtype == x.dtype and bias.is_contiguous() and bias.numel() == N),
+                 "dense_linear: bias must be [N] in the input's dtype")
+        _require(not silu_mul or (N % 32 == 0 and bias is None), "dense_linear: silu_mul needs N % 32 == 0, no bias")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = x.new_empty(M, N // 2 if silu_mul else N)
+        self._ok(self._dense_linear(_DTYPES[x.dtype], out.data_ptr(), x.data_ptr(), M, K, x.stride(0),
+                                    packed.data_ptr(), N, None if bias is None else bias.data_ptr(), silu_mul))
+        return out
+
     def bf16_dot(self) -> str:
         """How avx512_linear and paged_prefill_attention multiply bf16 pairs: 'bf16' or 'fma' ('none')."""
         return {1: "fma", 0: "bf16"}.get(self._bf16_dot(), "none")
@@ -324,10 +344,10 @@ class CpuKernels:
         return int(self._quant_linear_supported(fmt, K))
 
     def quant_linear(self, x: torch.Tensor, packed: torch.Tensor, fmt: int, N: int, bias: torch.Tensor | None = None,
-                     silu_mul: bool = False, int_rows: int = 16) -> torch.Tensor:
+                     silu_mul: bool = False, int_rows: int | None = None) -> torch.Tensor:
         """x [M, K] bf16 times a packed GGUF weight of N rows (+ bias; or SiLU(gate) * up for a gate/up weight
-        packed with gate_up=True): [M, N] or [M, N / 2] bf16. Up to `int_rows` rows take the int8-activation
-        kernel, more the bf16 tile path where the build has it."""
+        packed with gate_up=True): [M, N] or [M, N / 2] bf16. Up to `int_rows` rows (default: any number) take
+        the int8-activation kernel, more the bf16 tile path where the build has it."""
         _require(x.dim() == 2 and x.dtype == torch.bfloat16 and packed.dtype == torch.uint8 and packed.is_contiguous(),
                  "quant_linear: bf16 [M, K] input and a packed uint8 weight")
         M, K = x.shape
@@ -338,7 +358,8 @@ class CpuKernels:
             x = x.contiguous()
         out = x.new_empty(M, N // 2 if silu_mul else N)
         self._ok(self._quant_linear(out.data_ptr(), x.data_ptr(), M, K, x.stride(0), fmt, packed.data_ptr(), N,
-                                    None if bias is None else bias.data_ptr(), silu_mul, int_rows))
+                                    None if bias is None else bias.data_ptr(), silu_mul,
+                                    M if int_rows is None else int_rows))
         return out
 
     def quant_unpack(self, packed: torch.Tensor, fmt: int, N: int, K: int) -> torch.Tensor:

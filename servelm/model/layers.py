@@ -140,6 +140,27 @@ def _avx512_kernels(w: torch.Tensor):
     return k if k is not None and k.avx512_linear_supported(w.shape[1]) else None
 
 
+def _dense_kernels(w: torch.Tensor):
+    """The C++ kernels when their fixed-order dense linear (csrc/dense_linear.cpp) takes this weight (float32
+    or bf16 on the CPU, any build variant), else None."""
+    if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return cpu_kernels.load()
+
+
+def pack_dense_weight(w: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
+    """[N, K] -> the dense kernel's panels of 16 output columns, [N_pad / 16, K, 16] (N zero padded to a
+    multiple of 32). With `gate_up`, w is [gate; up] (halves of a multiple of 16 rows) and its rows are first
+    put in gate_up order (16 gate rows, then the matching 16 up rows), as `pack_weight_for_tiles` does."""
+    if gate_up:
+        w = w.reshape(2, w.shape[0] // 32, 16, w.shape[1]).transpose(0, 1).reshape(w.shape)
+    n, k = w.shape
+    n_pad = (n + 31) // 32 * 32
+    if n_pad != n:
+        w = torch.cat([w, w.new_zeros(n_pad - n, k)])
+    return w.reshape(n_pad // 16, 16, k).transpose(1, 2).contiguous()
+
+
 class Linear:
     """y = x W^T + b. On CPU in bf16, where the CPU has AMX, every input goes to the C++ AMX tile matmul over
     the weight packed by `pack_weight_for_tiles` (1.2-1.8x faster than oneDNN for 1-32 rows, within
@@ -149,9 +170,13 @@ class Linear:
     rows that differed in a few elements from 65 rows on, which made outputs depend on scheduling. With
     AVX512-BF16 but no AMX (AMD Zen 4/5) the C++ AVX512 kernel over the same packed weight takes every
     input, with the same property (on Zen 4, cold weights: 2.1x oneDNN at 1 row, 1.9x at 8, 1.16x at 64,
-    1.02-1.04x at 256-2048; `bench/decode_linear.py`). Elsewhere in bf16 the weight is reordered once
-    into oneDNN's blocked layout (1.2-1.6x faster than F.linear for 1 to 128 rows, identical results);
-    otherwise it is plain F.linear. A `QuantWeight` (int8 or int4, model/quant.py) stays quantized and runs
+    1.02-1.04x at 256-2048; `bench/decode_linear.py`).
+    Where neither tile kernel takes the weight (float32 models on any CPU; bf16 on CPUs without AVX512-BF16),
+    the C++ dense kernel does, over panels packed by `pack_dense_weight`: each output summed over the inputs in
+    order, so again a token's bits never depend on its batch (oneDNN's and MKL's matmuls change their sums with
+    the row count, differently on each CPU). Without the C++ kernels (SERVELM_CPU_KERNELS=0, another device),
+    bf16 weights are reordered once into oneDNN's blocked layout where the CPU has it, and the rest is plain
+    F.linear; those paths give no such promise. A `QuantWeight` (int8 or int4, model/quant.py) stays quantized and runs
     through PyTorch's packed int8/int4 CPU kernels (`quant`), or is dequantized where they do not take it."""
 
     def __init__(self, weight: torch.Tensor | QuantWeight | GGUFBlocks, bias: torch.Tensor | None = None) -> None:
@@ -160,7 +185,7 @@ class Linear:
             self.quant = quant_matmul(weight) if isinstance(weight, QuantWeight) else gguf_matmul(weight)
             if self.quant is not None:  # no float copy and no other kernel: tiles/avx512 None keep the
                 self.bias, self.out_features, self.weight = bias, weight.shape[0], None  # C++ loop off
-                self.tiles = self.avx512 = self.tiled = self.packed = None
+                self.tiles = self.avx512 = self.tiled = self.packed = self.dense = self.panels = None
                 # the GGUF kernels add a bf16 bias in their store
                 self.bias_inside = isinstance(self.quant, (GGUFMatmul, ReferenceMatmul)) and (
                     bias is None or bias.dtype == torch.bfloat16)
@@ -177,8 +202,12 @@ class Linear:
         if bias is not None and (self.tiles or self.avx512) is not None:
             self.bias = bias.contiguous()
         self.tiled = pack_weight_for_tiles(weight) if (self.tiles or self.avx512) is not None else None
-        self.packed = _onednn_packed(weight) if self.tiled is None else None
-        if self.packed is not None or self.tiled is not None:
+        self.dense = _dense_kernels(weight) if same and self.tiled is None else None
+        self.panels = pack_dense_weight(weight) if self.dense is not None else None
+        if self.dense is not None and bias is not None:
+            self.bias = bias.contiguous()
+        self.packed = _onednn_packed(weight) if self.tiled is None and self.dense is None else None
+        if self.packed is not None or self.tiled is not None or self.dense is not None:
             self.weight = None  # no row-major copy: oneDNN and the kernels read their own layouts
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -191,6 +220,8 @@ class Linear:
             return self.tiles.amx_linear(x, self.tiled, self.out_features, self.bias)
         if self.avx512 is not None:
             return self.avx512.avx512_linear(x, self.tiled, self.out_features, self.bias)
+        if self.dense is not None:
+            return self.dense.dense_linear(x, self.panels, self.out_features, self.bias)
         if self.packed is not None:
             return _onednn_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -220,7 +251,7 @@ class PartsLinear:
             n0 = n1
         # what it keeps quantized, per part (None where nothing is: every part dense)
         self.quant = [lin.quant for lin in self.parts if lin.quant is not None] or None
-        self.weight = self.tiles = self.avx512 = self.tiled = self.packed = None
+        self.weight = self.tiles = self.avx512 = self.tiled = self.packed = self.dense = self.panels = None
         self.kernels = cpu_kernels.load()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -241,9 +272,9 @@ def linear_for(weight: torch.Tensor | QuantWeight | GGUFBlocks | RowParts, bias:
 
 class GateUpLinear:
     """silu(x Wg^T) * (x Wu^T), the input half of a gated MLP. Where a C++ kernel takes the weight (the AMX
-    tile matmul, else the AVX512-BF16 kernel; any number of rows), it runs with the SiLU-and-multiply in
-    its store of each finished block, so the [T, 2I] projection never makes a round trip through memory,
-    and rounds where the unfused chain does. Like `Linear`, one kernel for every row count keeps a
+    tile matmul, else the AVX512-BF16 kernel, else the dense kernel; any number of rows), it runs with the
+    SiLU-and-multiply in its store of each finished block, so the [T, 2I] projection never makes a round
+    trip through memory, and rounds where the unfused chain does. Like `Linear`, one kernel for every row count keeps a
     token's bits independent of how it was batched (oneDNN for prefill chunks measured 1.02-1.35x faster
     at 512 tokens, but its sums change with the row count)."""
 
@@ -259,14 +290,17 @@ class GateUpLinear:
             if k is not None:
                 self.quant = GGUFMatmul(weight, k, gate_up=True)
         if self.quant is not None:
-            self.tiles = self.avx512 = self.tiled = self.linear = None
+            self.tiles = self.avx512 = self.tiled = self.linear = self.dense = self.panels = None
             return
         # the fused store takes whole 16-column groups; quantized weights go through Linear's kernels
         whole = gate.shape[0] % 16 == 0 and act == "silu" and isinstance(weight, torch.Tensor)
         self.tiles = _tile_kernels(weight) if whole else None
         self.avx512 = _avx512_kernels(weight) if whole and self.tiles is None else None
         self.tiled = pack_weight_for_tiles(weight, gate_up=True) if (self.tiles or self.avx512) is not None else None
-        self.linear = linear_for(weight) if self.tiled is None else None
+        # no tile kernel: the dense kernel, with the SiLU-and-multiply in its store as well
+        self.dense = _dense_kernels(weight) if whole and self.tiled is None else None
+        self.panels = pack_dense_weight(weight, gate_up=True) if self.dense is not None else None
+        self.linear = linear_for(weight) if self.tiled is None and self.dense is None else None
 
     def __call__(self, x: torch.Tensor, fused=None) -> torch.Tensor:
         if self.quant is not None:
@@ -278,4 +312,6 @@ class GateUpLinear:
             return silu_mul(self.linear(x), fused)
         if self.tiles is not None:
             return self.tiles.amx_linear_silu_mul(x, self.tiled, self.out_features)
+        if self.dense is not None:
+            return self.dense.dense_linear(x, self.panels, self.out_features, silu_mul=True)
         return self.avx512.avx512_linear_silu_mul(x, self.tiled, self.out_features)

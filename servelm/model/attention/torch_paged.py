@@ -71,23 +71,33 @@ class TorchPagedAttention(AttentionBackend):
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """Decodes run in a C++ kernel that reads keys and values in place through the block tables; new keys and
-    values are copied into their slots row by row. bf16 prefill chunks (a cached prefix and sliding windows
-    included) run in a kernel over the paged cache (AMX tiles where present, else AVX512-BF16, 3.4x PyTorch's
-    flash attention on Zen 4); elsewhere they use SDPA."""
+    """Attention in the C++ kernels, every query summed in an order of its own, whatever else is in the step
+    (a token's bits never depend on its batch, its prompt's chunking, the prefix cache or preemption).
+    Decodes run in a kernel that reads keys and values in place through the block tables; new keys and values
+    are copied into their slots row by row. bf16 prompt chunks with a head size the AVX512-BF16 decode kernel
+    takes (32, 64, 128, 256) run in a prefill kernel over the paged cache (AMX tiles where present, else
+    AVX512-BF16; 3.4x PyTorch's flash attention on Zen 4) that gives each query the decode kernel's bits.
+    Every other prompt chunk (float32, CPUs without AVX512-BF16, other head sizes) goes through the decode
+    kernel itself, one query per row at its own context length: SDPA would sum a query in an order that
+    depends on the chunk it came in."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, kernels) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.kernels = kernels
         probe = torch.empty(1, num_heads, head_dim, dtype=torch.bfloat16)
-        self.kernel_prefill = kernels.prefill_attention_supported(probe)
+        self.kernel_prefill = kernels.prefill_attention_supported(probe) and head_dim in (32, 64, 128, 256)
 
     def _prefill(self, q, k, v, kv_cache, span, block_size, sliding_window):
-        if not self.kernel_prefill or q.dtype != torch.bfloat16:
-            return super()._prefill(q, k, v, kv_cache, span, block_size, sliding_window)
         out = torch.empty_like(q)
-        self.kernels.paged_prefill_attention(out, q, kv_cache[0], kv_cache[1], span.block_table, span.ctx_len,
-                                             self.scale, sliding_window or 0)
+        if self.kernel_prefill and q.dtype == torch.bfloat16:
+            self.kernels.paged_prefill_attention(out, q, kv_cache[0], kv_cache[1], span.block_table, span.ctx_len,
+                                                 self.scale, sliding_window or 0)
+            return out
+        # each query a decode: its own row of the block table and its context up to and including itself
+        tables = span.block_table[None].expand(span.q_len, -1).contiguous()
+        lens = torch.arange(span.ctx_len - span.q_len + 1, span.ctx_len + 1, dtype=torch.int64)
+        self.kernels.paged_decode_attention(out, q.contiguous(), kv_cache[0], kv_cache[1], tables, lens, self.scale,
+                                            sliding_window or 0)
         return out
 
     def write_kv(self, k, v, kv_cache, slot_mapping) -> None:
