@@ -1,4 +1,4 @@
-"""W2 (TTFT, TPOT) and W1 (throughput) of the default model in bf16 for two or more checkouts, each run in a
+"""W2 (TTFT, TPOT) and W1 (throughput) of the default model (bf16, or `--dtype`) for two or more checkouts, each run in a
 process of its own with that checkout first on PYTHONPATH, alternating checkouts every round so that a noisy
 minute hits all alike. For changes one process cannot hold both sides of (a new build system, a changed
 Python dispatch). Prints one JSON object: per checkout the rounds, the medians and the ratio to the first.
@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 
 
-def worker(threads: int) -> None:
+def worker(threads: int, dtype: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent / "peers" / "workers"))
     from common import prompts
 
     from servelm import LLM, SamplingParams
 
-    llm = LLM(dtype="bfloat16", num_threads=threads, enable_prefix_caching=False)
+    llm = LLM(dtype=dtype, num_threads=threads, enable_prefix_caching=False)
     vocab = llm.engine.core.model.spec.vocab_size
     w2, w1 = prompts("W2", vocab)[0], prompts("W1", vocab)
 
@@ -47,18 +47,20 @@ def main() -> None:
     p.add_argument("--src", action="append", required=True, help="a checkout (repeatable; the first is the base)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32 or auto")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        return worker(a.threads)
+        return worker(a.threads, a.dtype)
     runs: dict[str, list[dict]] = {s: [] for s in a.src}
     for r in range(a.rounds):
         for src in a.src if r % 2 == 0 else a.src[::-1]:
             env = {**os.environ, "PYTHONPATH": str(Path(src).resolve())}
-            out = subprocess.run([sys.executable, __file__, "--worker", "--src", src, "--threads", str(a.threads)],
+            out = subprocess.run([sys.executable, __file__, "--worker", "--src", src, "--threads", str(a.threads),
+                                  "--dtype", a.dtype],
                                  env=env, cwd="/", capture_output=True, text=True, check=True).stdout
             runs[src].append(json.loads(out.strip().splitlines()[-1]))
-    res: dict = {"threads": a.threads, "rounds": runs, "median": {}}
+    res: dict = {"threads": a.threads, "dtype": a.dtype, "rounds": runs, "median": {}}
     for src, rs in runs.items():
         res["median"][src] = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
     base = res["median"][a.src[0]]

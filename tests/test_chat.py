@@ -34,7 +34,9 @@ def _chat(model) -> pexpect.spawn:
     args = ["-m", "servelm.entrypoints.cli", "chat", "--model", str(model), "--dtype", "float32",
             "--temperature", "0", "--max-tokens", "60000", "--ignore-eos"]
     env = {**os.environ, "SERVELM_CPU_KERNELS": "0"}
-    child = pexpect.spawn(sys.executable, args, env=env, encoding="utf-8", timeout=180, dimensions=(40, 200))
+    # every expect waits for an event that comes (the prompt, the echo, the reply, the exit); the timeout only
+    # ends a hang, so it sits far beyond how slow a loaded 2-core machine can be
+    child = pexpect.spawn(sys.executable, args, env=env, encoding="utf-8", timeout=900, dimensions=(40, 200))
     child.expect_exact("> ")  # loaded, at the prompt
     return child
 

@@ -92,18 +92,21 @@ class CanaryRun:
                 await self.svc.cp.transition(cfg.model, cfg.canary, State.PRODUCTION.value, actor,
                                              f"canary promoted: {'; '.join(d.reasons)}")
             except Exception as e:  # the status must not claim a promotion that did not happen; alert on it
-                self.controller.promotion_applied(False)
+                # counted and recorded before the status says so: whoever reads "failed" finds both
+                self.svc.metrics.canary_failures.labels(cfg.model, str(cfg.canary)).inc()
                 self.history.append({"at": time.time(), "action": "promotion_failed", "step": d.step,
                                      "percent": self.controller.percent, "reasons": [f"{type(e).__name__}: {e}"]})
+                self.controller.promotion_applied(False)
                 await self._save(actor, "canary.promote_failed")
-                self.svc.metrics.canary_failures.labels(cfg.model, str(cfg.canary)).inc()
                 self._notify("canary.promotion_failed", f"{type(e).__name__}: {e}", actor)
                 raise
-            self.controller.promotion_applied(True)
+            # the policy cleared and the promotion counted before the status says so: whoever reads
+            # "promoted" finds the new version serving alone and the metric counted
             if cfg.model in self.svc.policies:
                 await self.svc.clear_policy(cfg.model, actor)
-            await self._save(actor, "canary.promote")
             self.svc.metrics.promotions.labels(cfg.model, str(cfg.canary)).inc()
+            self.controller.promotion_applied(True)
+            await self._save(actor, "canary.promote")
 
     async def abort(self, actor: str, reason: str) -> None:
         """An operator's rollback: as an automatic one, with their name and reason."""
