@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import os
 import re
 import sys
 from pathlib import Path
@@ -26,7 +25,6 @@ from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "servelm"
-WIDTH = "100"  # argparse wraps help to $COLUMNS; fixed so that the pages are the same on every machine
 
 _defined: dict[str, str] = {}
 
@@ -141,7 +139,6 @@ def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, str]]:
 
 
 def cli_reference() -> str:
-    os.environ["COLUMNS"] = WIDTH
     parsers = _parsers()
     lines = [
         "# Command-line reference",
