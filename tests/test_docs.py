@@ -52,7 +52,7 @@ def test_mkdocs_build_strict(tmp_path):
                  "reference/metrics/index.html", "python-api/reference/index.html", "benchmarks/index.html"):
         assert (site / page).is_file(), page
     api = (site / "python-api/reference/index.html").read_text()
-    assert "servelm.entrypoints.llm.LLM.generate" in api and "SamplingParams" in api
+    assert "servelm.LLM.generate" in api and "Generate completions" in api and "SamplingParams" in api
 
 
 def test_references_list_every_serve_flag():
