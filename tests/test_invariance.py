@@ -190,8 +190,12 @@ def test_the_same_outputs_alone_or_among_31_others(make, path):
         assert outputs(llm, mixed, [noise] * (len(mixed) - 1) + [s])[-1] == ref[i], i
 
 
-# every path with the process's bf16 pair product; the default ones with each of the two explicitly as well
-MIXED = [(p, "default") for p in PATHS] + [(p, d) for p in DEFAULT_PATHS if p != "auto" for d in ("bf16", "fma")]
+# every path with the process's bf16 pair product; the default ones with each of the two explicitly as well. The
+# default paths, float32 and one format of each kernel family (4-bit, 5-bit, 6-bit codes; PyTorch's int4) are
+# rerun on every other kernel variant this CPU executes (test_kernel_build.py)
+_EVERY_VARIANT = {*DEFAULT_PATHS, "float32", "gguf-Q5_K", "gguf-Q6_K", "int4"}
+MIXED = [pytest.param(p, "default", marks=[pytest.mark.every_variant] if p in _EVERY_VARIANT else [])
+         for p in PATHS] + [(p, d) for p in DEFAULT_PATHS if p != "auto" for d in ("bf16", "fma")]
 
 
 @pytest.mark.parametrize(("path", "dot"), MIXED, indirect=["dot"])

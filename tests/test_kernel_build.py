@@ -141,18 +141,20 @@ def test_lower_variants_hold_no_instructions_beyond_their_level():
 
 @needs_build
 def test_each_variant_passes_the_kernel_tests():
-    """The kernel test files, once per variant this CPU can execute other than the default one (which the
-    rest of the suite runs): the AVX512-without-AMX paths get tested on AMX machines too."""
+    """The kernel test files, and the mixed-schedule invariance test on the default paths and one format of
+    each kernel family (tests marked every_variant), once per variant this CPU can execute other than the
+    default one (which the rest of the suite runs): the AVX512-without-AMX (AMD Zen 4/5) and AVX2 paths get
+    tested on AMX machines too."""
     default, _ = cpu_kernels.choose_variant(MANIFEST["built"], FLAGS)
     others = [v for v in MANIFEST["built"] if v != default and cpu_kernels.choose_variant([v], FLAGS, v)[0]]
     if not others:
         pytest.skip("this CPU runs only the default variant")
     tests = [str(Path(__file__).parent / f) for f in ("test_cpu_kernels.py", "test_fused_kernels.py",
-                                                      "test_attention.py")]
+                                                      "test_attention.py", "test_invariance.py")]
     for name in others:
         env = {**os.environ, "SERVELM_CPU_KERNELS": name}
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests,
-                               "-k", "not without_kernels"],
+                               "-k", "not without_kernels and (not test_invariance or every_variant)"],
                               env=env, capture_output=True, text=True)
         assert proc.returncode == 0, f"variant {name}:\n{proc.stdout[-3000:]}"
         assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]

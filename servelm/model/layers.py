@@ -123,13 +123,20 @@ def pack_weight_for_tiles(w: torch.Tensor, gate_up: bool = False) -> torch.Tenso
     [16 input pairs][16 outputs][2] ([N/32, K/32, 2, 16, 32]). With `gate_up`, w is [gate; up] (halves of
     a multiple of 16 rows) and the halves are first interleaved 16 rows at a time, so that each block of
     32 holds matching gate and up outputs for the kernel's fused SiLU-and-multiply."""
+    w = _rows_in_blocks_of_32(w, gate_up)
+    n_pad, k = w.shape
+    return w.reshape(n_pad // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+
+
+def _rows_in_blocks_of_32(w: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    """w's rows zero padded to a multiple of 32, after (with `gate_up`: w is [gate; up], halves of a multiple of
+    16 rows) interleaving its halves 16 rows at a time, so that each block of 32 rows holds 16 gate rows and the
+    matching 16 up rows: the order the kernels' fused SiLU-and-multiply stores read."""
     if gate_up:
         w = w.reshape(2, w.shape[0] // 32, 16, w.shape[1]).transpose(0, 1).reshape(w.shape)
     n, k = w.shape
     n_pad = (n + 31) // 32 * 32
-    if n_pad != n:
-        w = torch.cat([w, w.new_zeros(n_pad - n, k)])
-    return w.reshape(n_pad // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+    return torch.cat([w, w.new_zeros(n_pad - n, k)]) if n_pad != n else w
 
 
 def _avx512_kernels(w: torch.Tensor):
@@ -150,14 +157,9 @@ def _dense_kernels(w: torch.Tensor):
 
 def pack_dense_weight(w: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
     """[N, K] -> the dense kernel's panels of 16 output columns, [N_pad / 16, K, 16] (N zero padded to a
-    multiple of 32). With `gate_up`, w is [gate; up] (halves of a multiple of 16 rows) and its rows are first
-    put in gate_up order (16 gate rows, then the matching 16 up rows), as `pack_weight_for_tiles` does."""
-    if gate_up:
-        w = w.reshape(2, w.shape[0] // 32, 16, w.shape[1]).transpose(0, 1).reshape(w.shape)
-    n, k = w.shape
-    n_pad = (n + 31) // 32 * 32
-    if n_pad != n:
-        w = torch.cat([w, w.new_zeros(n_pad - n, k)])
+    multiple of 32), in the gate/up order of `pack_weight_for_tiles` with `gate_up`."""
+    w = _rows_in_blocks_of_32(w, gate_up)
+    n_pad, k = w.shape
     return w.reshape(n_pad // 16, 16, k).transpose(1, 2).contiguous()
 
 
@@ -176,8 +178,9 @@ class Linear:
     order, so again a token's bits never depend on its batch (oneDNN's and MKL's matmuls change their sums with
     the row count, differently on each CPU). Without the C++ kernels (SERVELM_CPU_KERNELS=0, another device),
     bf16 weights are reordered once into oneDNN's blocked layout where the CPU has it, and the rest is plain
-    F.linear; those paths give no such promise. A `QuantWeight` (int8 or int4, model/quant.py) stays quantized and runs
-    through PyTorch's packed int8/int4 CPU kernels (`quant`), or is dequantized where they do not take it."""
+    F.linear; those paths give no such promise. A `QuantWeight` (int8 or int4, model/quant.py) stays quantized
+    and runs through PyTorch's packed int8/int4 CPU kernels (`quant`), or is dequantized where they do not take
+    it."""
 
     def __init__(self, weight: torch.Tensor | QuantWeight | GGUFBlocks, bias: torch.Tensor | None = None) -> None:
         self.quant: QuantMatmul | GGUFMatmul | ReferenceMatmul | None = None
@@ -274,9 +277,9 @@ class GateUpLinear:
     """silu(x Wg^T) * (x Wu^T), the input half of a gated MLP. Where a C++ kernel takes the weight (the AMX
     tile matmul, else the AVX512-BF16 kernel, else the dense kernel; any number of rows), it runs with the
     SiLU-and-multiply in its store of each finished block, so the [T, 2I] projection never makes a round
-    trip through memory, and rounds where the unfused chain does. Like `Linear`, one kernel for every row count keeps a
-    token's bits independent of how it was batched (oneDNN for prefill chunks measured 1.02-1.35x faster
-    at 512 tokens, but its sums change with the row count)."""
+    trip through memory, and rounds where the unfused chain does. Like `Linear`, one kernel for every row count
+    keeps a token's bits independent of how it was batched (oneDNN for prefill chunks measured 1.02-1.35x
+    faster at 512 tokens, but its sums change with the row count)."""
 
     def __init__(self, gate: torch.Tensor | QuantWeight | GGUFBlocks, up: torch.Tensor | QuantWeight | GGUFBlocks,
                  act: str = "silu") -> None:
