@@ -24,6 +24,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+# Ray's single-machine mode, in which every component (GCS, raylet, agents, the client server) binds 127.0.0.1;
+# otherwise Ray swaps a loopback --node-ip-address for the machine's routable address and binds its servers there
+# and on 0.0.0.0. Ray reads it when it is imported (here, and in the server this module starts).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install servelm[ray]")
 serve = pytest.importorskip("ray.serve")
 
@@ -136,6 +140,26 @@ async def stream(client: httpx.AsyncClient, max_tokens: int) -> tuple[int, str]:
             elif line.startswith("data: ") and "error" in json.loads(line[6:]):
                 ended = "error"
         return 200, ended
+
+
+def test_every_component_listens_on_loopback_only(server):
+    """The cluster, its replicas and servelm's server accept connections from this machine only."""
+    import ipaddress
+
+    import psutil
+
+    session = ray.get_runtime_context().gcs_address  # any Ray process of this cluster names its GCS port
+    port = session.rsplit(":", 1)[1]
+    ours = set()
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        line = " ".join(p.info["cmdline"] or [])
+        if f":{port}" in line or f"={port}" in line or "servelm.ray" in line:
+            ours.add(p.info["pid"])
+    listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in ours]
+    assert listening, "found none of the cluster's listening sockets"
+    exposed = [(c.laddr.ip, c.laddr.port) for c in listening
+               if not ipaddress.ip_address(c.laddr.ip.removeprefix("::ffff:")).is_loopback]
+    assert not exposed, exposed
 
 
 def test_serves_from_two_replicas(server):
