@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from servelm.config.engine import EngineConfig
+from servelm.config.engine import EngineConfig, token_count
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = (),
@@ -28,11 +28,24 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str, skip
         default = argparse.SUPPRESS if suppress_defaults else f.default
         tp = hints[f.name]
         base = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+        helptext = helptext.replace("%", "%%")
         if base is bool:
-            group.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
-                               help=helptext.replace("%", "%%"))
+            group.add_argument(flag, default=default, action=argparse.BooleanOptionalAction, help=helptext)
+        elif f.metadata.get("token_count"):
+            group.add_argument(flag, type=_token_count_arg(type(None) in typing.get_args(tp)), default=default,
+                               metavar=f.name.upper(), help=helptext)
         else:
-            group.add_argument(flag, type=base, default=default, help=helptext.replace("%", "%%"))
+            group.add_argument(flag, type=base, default=default, help=helptext)
+
+
+def _token_count_arg(auto: bool):
+    """argparse's type for a token-count field: 32k, 32K, 32000 (and auto or -1 for None where allowed)."""
+    def token_count_value(text: str) -> int | None:
+        try:
+            return token_count(text, auto)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return token_count_value
 
 
 def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:

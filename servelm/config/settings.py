@@ -20,7 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, published as tomli before it joined the standard library
     import tomli as tomllib
 
-from servelm.config.engine import ConfigError, EngineConfig, _f, require
+from servelm.config.engine import ConfigError, EngineConfig, _f, require, token_count
 from servelm.config.models import ModelSpec, parse_models
 
 PRIORITIES = ("high", "normal", "low")  # index = the engine's Priority value
@@ -226,6 +226,9 @@ class AdmissionConfig:
 
 
 SECTIONS: dict[str, type] = {"engine": EngineConfig, "server": ServerConfig, "admission": AdmissionConfig}
+# integer fields that also take vLLM's 32k / 32K forms, in files and env vars as on the command line
+TOKEN_COUNTS = frozenset(f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)
+                         if f.metadata.get("token_count"))
 
 
 @dataclass
@@ -393,10 +396,16 @@ def _coerce(key: str, value, tp, source: str = "runtime"):
     args = typing.get_args(tp)
     optional = type(None) in args
     base = next((a for a in args if a is not type(None)), tp) if args else tp
+    name = key.rpartition(".")[2]
     if value is None or (optional and isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
         if optional:
             return None
         raise ConfigError(key, value, f"{_TYPE_NAMES[base]} (from {source})")
+    if base is int and name in TOKEN_COUNTS and isinstance(value, str):
+        try:
+            return token_count(value, auto=optional)
+        except ValueError as e:
+            raise ConfigError(key, value, f"an integer like 32000, 32k or 32K ({e}; from {source})") from None
     try:
         if base is bool:
             if isinstance(value, bool):

@@ -286,6 +286,8 @@ def cmd_serve(args, engine_factory=None) -> int:
     if args.print_config:
         print(json.dumps(config.describe(), indent=2))
         return 0
+    for note in config.engine.unused_vllm_settings():
+        logger.info("%s", note)
     from servelm.model.metadata import check_model
     from servelm.server.launch import fixed_models
 

@@ -1,0 +1,92 @@
+"""`vllm serve` command lines run unchanged: the flags vLLM users paste are accepted with vLLM's meaning
+(--trust-remote-code, --dtype half, --max-model-len 32k, --gpu-memory-utilization)."""
+
+from __future__ import annotations
+
+import pytest
+
+from servelm.config.engine import ConfigError, EngineConfig, token_count
+from servelm.config.settings import load
+
+
+def _serve_args(*argv: str):
+    from servelm.entrypoints.cli import build_parser
+
+    return build_parser().parse_args(["serve", *argv])
+
+
+def _config(*argv: str):
+    """The serve config from a command line, as `servelm serve` builds it (no SERVELM_* env vars)."""
+    import os
+    from unittest import mock
+
+    from servelm.server import serve
+
+    args = _serve_args(*argv)
+    with mock.patch.dict(os.environ, {k: v for k, v in os.environ.items() if not k.startswith("SERVELM_")},
+                         clear=True):
+        return serve.load_config(args)
+
+
+# -- --max-model-len 32k and the other token counts ------------------------------------------------------------
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("32k", 32000), ("32K", 32768), ("25.6k", 25600), ("1m", 1_000_000), ("1M", 2**20), ("2g", 2 * 10**9),
+    ("4096", 4096), (" 8k ", 8000)])
+def test_token_counts_read_as_vllm_reads_them(text, value):
+    assert token_count(text) == value
+    assert _config("--max-model-len", text).engine.max_model_len == value
+    assert _config("--max-num-batched-tokens", text).engine.max_num_batched_tokens == value
+    assert load({}, env={"SERVELM_MAX_MODEL_LEN": text}).engine.max_model_len == value
+
+
+def test_max_model_len_auto_is_the_default_and_bad_counts_are_refused(capsys):
+    for auto in ("auto", "-1"):
+        assert _config("--max-model-len", auto).engine.max_model_len is None
+        assert load({}, env={"SERVELM_MAX_MODEL_LEN": auto}).engine.max_model_len is None
+    with pytest.raises(SystemExit):
+        _serve_args("--max-model-len", "1.5K")  # vLLM: no decimals with a binary suffix
+    assert "did you mean 1.5k" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _serve_args("--max-num-batched-tokens", "auto")  # auto only where the setting can be derived
+    with pytest.raises(ConfigError, match="SERVELM_MAX_NUM_BATCHED_TOKENS"):
+        load({}, env={"SERVELM_MAX_NUM_BATCHED_TOKENS": "lots"})
+
+
+# -- --dtype half, float, bf16 ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("given", "dtype"), [("half", "float16"), ("float", "float32"), ("bf16", "bfloat16"),
+                                             ("float16", "float16"), ("auto", "auto")])
+def test_vllm_dtype_spellings_name_servelm_dtypes(given, dtype):
+    assert EngineConfig(dtype=given).dtype == dtype
+    assert _config("--dtype", given).engine.dtype == dtype
+    assert load({}, env={"SERVELM_DTYPE": given}).engine.dtype == dtype
+
+
+def test_an_unknown_dtype_is_still_refused():
+    with pytest.raises(ConfigError, match="half"):
+        EngineConfig(dtype="double")
+
+
+# -- --trust-remote-code, --gpu-memory-utilization -----------------------------------------------------------
+
+def test_trust_remote_code_and_gpu_memory_utilization_are_accepted_and_said_to_be_unused():
+    config = _config("--trust-remote-code", "--gpu-memory-utilization", "0.9")
+    assert config.engine.trust_remote_code is True and config.engine.gpu_memory_utilization == 0.9
+    notes = config.engine.unused_vllm_settings()
+    assert any("--trust-remote-code is not needed" in n and "built-in architectures" in n for n in notes)
+    assert any("--gpu-memory-utilization 0.9 is not used" in n and "--kv-cache-memory-gb" in n for n in notes)
+    assert _config().engine.unused_vllm_settings() == []
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        _config("--gpu-memory-utilization", "1.5")
+
+
+def test_unused_vllm_settings_are_logged_at_start(tmp_path, caplog):
+    """`serve` says so before anything loads (here it stops at the model check: the folder is empty)."""
+    import logging
+
+    from servelm.server.serve import cmd_serve
+
+    with caplog.at_level(logging.INFO, logger="servelm.server"), pytest.raises((ValueError, OSError)):
+        cmd_serve(_serve_args(str(tmp_path), "--trust-remote-code", "--embedding-model", "none"))
+    assert "--trust-remote-code is not needed" in caplog.text
