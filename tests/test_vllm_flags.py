@@ -1,12 +1,18 @@
 """`vllm serve` command lines run unchanged: the flags vLLM users paste are accepted with vLLM's meaning
-(--trust-remote-code, --dtype half, --max-model-len 32k, --gpu-memory-utilization)."""
+(--chat-template, --trust-remote-code, --dtype half, --max-model-len 32k, --gpu-memory-utilization).
+In-process with stub engines."""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
 
-from servelm.config.engine import ConfigError, EngineConfig, token_count
+import pytest
+from fakes import StubEngine
+
+from servelm.config.engine import ConfigError, EngineConfig, read_chat_template, token_count
 from servelm.config.settings import load
+
+TEMPLATE = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
 
 
 def _serve_args(*argv: str):
@@ -90,3 +96,51 @@ def test_unused_vllm_settings_are_logged_at_start(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="servelm.server"), pytest.raises((ValueError, OSError)):
         cmd_serve(_serve_args(str(tmp_path), "--trust-remote-code", "--embedding-model", "none"))
     assert "--trust-remote-code is not needed" in caplog.text
+
+
+# -- --chat-template -------------------------------------------------------------------------------------------
+
+def test_chat_template_is_a_file_or_the_template_inline(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    assert read_chat_template(str(path)) == TEMPLATE
+    assert read_chat_template(TEMPLATE) == TEMPLATE  # names no file, holds Jinja: the template itself
+    assert read_chat_template(None) is None
+    with pytest.raises(ConfigError, match="looks like a file path"):  # caught before anything loads
+        _config("--chat-template", str(tmp_path / "missing.jinja"))
+    assert _config("--chat-template", str(path)).engine.chat_template == str(path)
+
+
+def _start(config):
+    """The models `servelm serve` would start, with stub engines: (state's arguments) as build_state takes."""
+    from servelm.server.launch import fixed_models, start_engines
+
+    started = asyncio.run(start_engines(fixed_models(config), 10, StubEngine))
+    (engine, tok, name), more = started[0], started[1:]
+    return engine, tok, name, more
+
+
+def _app(config, engine, tok, name, more=()):
+    from starlette.testclient import TestClient
+
+    from servelm.server.api import build_app
+    from servelm.server.serve import build_state
+
+    return TestClient(build_app(build_state(config, tok, engine, name, more=list(more))))
+
+
+def test_chat_template_replaces_the_tokenizers_for_the_model_given_only(tmp_path, llama_dir):
+    """MODEL's chat requests render with --chat-template; a model of the config file's list keeps its own."""
+    import yaml
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(yaml.safe_dump({"models": [{"name": "other", "path": str(llama_dir)}]}))
+    config = _config(str(llama_dir), "--served-model-name", "tiny", "--chat-template", TEMPLATE, "--config",
+                     str(cfg), "--embedding-model", "none", "--no-log-requests")
+    engine, tok, name, more = _start(config)
+    assert tok.chat_template == TEMPLATE and more[0][1].chat_template != TEMPLATE
+    with _app(config, engine, tok, name, more) as client:
+        r = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 1,
+                                                       "messages": [{"role": "user", "content": "hello"}]})
+        assert r.status_code == 200, r.text
+        assert tok.decode(engine.prompts[-1]) == "<<hello>>"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 DEFAULT_KV_CACHE_GB = 1.0
 
@@ -55,6 +56,20 @@ def token_count(value: str, auto: bool = False) -> int | None:
     return int(number) * _BINARY[suffix]
 
 
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template as vLLM reads it: the contents of the file it names, else the value itself as an inline
+    Jinja template when it holds '{', '}' or a line break. Raises ValueError for a value that looks like a
+    path (none of those characters) but cannot be read."""
+    if value is None:
+        return None
+    try:
+        return Path(value).read_text()
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the "path"
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(f"chat template {value!r} looks like a file path, but it cannot be read ({e})") from e
+        return value
+
+
 def cpu_list(spec: str) -> list[int] | None:
     """'0-3,6' -> [0, 1, 2, 3, 6]; None unless every CPU named is one this process may run on."""
     cpus: set[int] = set()
@@ -84,6 +99,10 @@ class EngineConfig:
                            "SmolLM2-135M-Instruct")
     gguf_file: str | None = _f(None, "a GGUF file name inside the MODEL folder")
     tokenizer: str | None = _f(None, "a tokenizer folder to use instead of the model's own")
+    chat_template: str | None = _f(None, "a Jinja chat template to use instead of the tokenizer's: a file, or the "
+                                   "template itself inline (as vLLM's --chat-template: a value holding '{', '}' "
+                                   "or a line break that names no file is the template); default: the "
+                                   "tokenizer's own")
     trust_remote_code: bool = _f(False, "accepted for vLLM command lines and changes nothing: servelm runs only "
                                  "its built-in architectures and never executes code from a model folder")
     dtype: str = _f("auto", "auto | float32 | bfloat16 | float16 (vLLM's half and float, and bf16, name the same "
@@ -176,6 +195,12 @@ class EngineConfig:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         need(self.dtype in DTYPES, "dtype", "one of auto, float32, bfloat16, float16 (or vLLM's half, float, "
              "and bf16)")
+        if self.chat_template is not None:
+            try:
+                read_chat_template(self.chat_template)
+            except ValueError as e:
+                raise ConfigError("chat_template", self.chat_template, "a readable file or an inline Jinja "
+                                  f"template ({e})") from None
         need(self.device == "cpu" or self.device.startswith("cuda"), "device", "cpu, cuda or cuda:N")
         need(self.quantization in ("auto", "none", "gguf", "int8", "int4"), "quantization",
              "one of auto, none, gguf, int8, int4")

@@ -33,7 +33,8 @@ class Launch:
 
 def fixed_models(config) -> list[Launch]:
     """What to start: MODEL (given as an argument, flag or env, or nothing else is declared) under
-    served_model_name, then each `models:` entry under its name."""
+    served_model_name, then each `models:` entry under its name. The entries take the engine
+    section's settings but not MODEL's tokenizer or chat template."""
     from servelm.model.metadata import resolve_model
 
     out: list[Launch] = []
@@ -41,7 +42,8 @@ def fixed_models(config) -> list[Launch]:
     if not config.models or config.sources.get("engine.model") != "default":
         out.append(Launch(srv.served_model_name or resolve_model(ec.model, ec.gguf_file).name, ec))
     for spec in config.models:
-        out.append(Launch(spec.name, spec.engine_config(dataclasses.replace(ec, tokenizer=None)), spec))
+        base = dataclasses.replace(ec, tokenizer=None, chat_template=None)
+        out.append(Launch(spec.name, spec.engine_config(base), spec))
     names = [launch.name for launch in out]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
@@ -67,7 +69,7 @@ async def start_engines(launches: list[Launch], start_timeout: float,
                 engines[i].launch()  # the engine process imports torch and loads the model meanwhile
         for i, launch in enumerate(launches):
             ec = launch.engine
-            tok = load_tokenizer(resolve_model(ec.model, ec.gguf_file), ec.tokenizer)
+            tok = load_tokenizer(resolve_model(ec.model, ec.gguf_file), ec.tokenizer, ec.chat_template)
             tokenizers.append(tok)
             if launch.pooled:
                 engines[i] = _deployment(launch, tok, start_timeout)
