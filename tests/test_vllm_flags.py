@@ -1,10 +1,11 @@
 """`vllm serve` command lines run unchanged: the flags vLLM users paste are accepted with vLLM's meaning
-(--chat-template, --trust-remote-code, --dtype half, --max-model-len 32k, --gpu-memory-utilization).
-In-process with stub engines."""
+(--chat-template, --trust-remote-code, --dtype half, --max-model-len 32k, several --served-model-name,
+--gpu-memory-utilization). In-process with stub engines."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from fakes import StubEngine
@@ -144,3 +145,67 @@ def test_chat_template_replaces_the_tokenizers_for_the_model_given_only(tmp_path
                                                        "messages": [{"role": "user", "content": "hello"}]})
         assert r.status_code == 200, r.text
         assert tok.decode(engine.prompts[-1]) == "<<hello>>"
+
+
+# -- --served-model-name a b c ---------------------------------------------------------------------------------
+
+def test_several_served_model_names_from_the_command_line_env_and_file(tmp_path):
+    assert _config("--served-model-name", "a", "b", "c").server.served_model_name == ("a", "b", "c")
+    assert load({}, env={"SERVELM_SERVED_MODEL_NAME": "a,b"}).server.served_model_name == ("a", "b")
+    assert load({}, env={"SERVELM_SERVED_MODEL_NAME": '["a", "b"]'}).server.served_model_name == ("a", "b")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("server: {served_model_name: [a, b]}\n")
+    assert load({}, env={}, file=str(cfg)).server.served_model_name == ("a", "b")
+    assert load({"served_model_name": "one"}, env={}).server.served_model_name == ("one",)
+    with pytest.raises(ConfigError, match="each given once"):
+        _config("--served-model-name", "a", "a")
+
+
+def test_served_model_names_before_model_cannot_swallow_it(tmp_path):
+    """nargs: `serve --served-model-name a ./model` would take ./model as a name and serve the default model;
+    it is refused, saying to give MODEL first."""
+    with pytest.raises(ConfigError, match="give MODEL first"):
+        _config("--served-model-name", "a", str(tmp_path))
+    assert _config(str(tmp_path), "--served-model-name", "a", "b").server.served_model_name == ("a", "b")
+
+
+def test_every_served_model_name_selects_the_model_and_responses_carry_the_first(llama_dir):
+    config = _config(str(llama_dir), "--served-model-name", "main", "alias-1", "alias-2", "--embedding-model",
+                     "none", "--no-log-requests")
+    engine, tok, name, _ = _start(config)
+    assert name == "main"
+    with _app(config, engine, tok, name) as client:
+        for model in ("main", "alias-1", "alias-2", None):
+            body = {"prompt": [1, 2, 3], "max_tokens": 1} | ({"model": model} if model else {})
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200 and r.json()["model"] == "main", r.text
+        cards = client.get("/v1/models").json()["data"]
+        assert [c["id"] for c in cards] == ["main", "alias-1", "alias-2"]  # as vLLM lists them, the first first
+        assert {c.get("root") for c in cards[1:]} == {"main"} and "root" not in cards[0]
+        assert client.get("/v1/models/alias-2").json()["root"] == "main"
+        err = client.post("/v1/completions", json={"model": "nope", "prompt": "x", "max_tokens": 1}).json()["error"]
+        assert "'main', 'alias-1', 'alias-2'" in err["message"]
+        metrics = client.get("/metrics").text
+        assert 'model_name="alias-1"' not in metrics  # one model: its figures stay under its id
+
+
+def test_a_key_limited_to_a_model_may_use_its_aliases(tmp_path, llama_dir):
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("- {name: k, key: main-only-key-1, models: [main]}\n")
+    config = _config(str(llama_dir), "--served-model-name", "main", "alias", "--api-keys-file", str(keys),
+                     "--embedding-model", "none", "--no-log-requests")
+    engine, tok, name, _ = _start(config)
+    with _app(config, engine, tok, name) as client:
+        r = client.post("/v1/completions", json={"model": "alias", "prompt": [1, 2], "max_tokens": 1},
+                        headers={"Authorization": "Bearer main-only-key-1"})
+        assert r.status_code == 200, r.text
+
+
+def test_an_alias_may_not_repeat_a_models_list_name(tmp_path, llama_dir):
+    from servelm.server.launch import fixed_models
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(json.dumps({"models": [{"name": "b", "path": str(llama_dir)}]}))
+    config = _config(str(llama_dir), "--served-model-name", "a", "b", "--config", str(cfg))
+    with pytest.raises(ConfigError, match="differs"):
+        fixed_models(config)

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,10 @@ class ServerConfig:
     port: int = _f(8000, "port to listen on")
     grpc_port: int | None = _f(None, "also serve gRPC on this port (servelm.v1.Llm, the Open Inference Protocol, "
                                "health checking and reflection; needs the grpc extra); None: no gRPC")
-    served_model_name: str | None = _f(None, "the model id clients use (default: derived from the model)")
+    served_model_name: tuple[str, ...] | None = _f(None, "the model id clients use, or several (as vLLM's: "
+                                                   "--served-model-name a b): the first is the id /v1/models "
+                                                   "lists first and responses carry, the others are aliases a "
+                                                   "request may name too (default: derived from the model)")
     oip_batch_window_ms: float = _f(2.0, "Open Inference Protocol models: how long a batch's first request waits "
                                     "for others (0: no wait); a version's label batch_window_ms overrides it")
     oip_max_batch_size: int = _f(64, "Open Inference Protocol models: most rows in one batch (label "
@@ -124,6 +128,11 @@ class ServerConfig:
         def need(ok: bool, name: str, allowed: str) -> None:
             require(self, ok, name, allowed)
 
+        if self.served_model_name is not None:
+            self.served_model_name = strings("served_model_name", self.served_model_name) or None
+        names = self.served_model_name or ()
+        need(all(n and not any(c.isspace() for c in n) for n in names) and len(set(names)) == len(names),
+             "served_model_name", "names with no spaces, each given once")
         need(0 <= self.port <= 65535, "port", "in [0, 65535]")
         need(self.grpc_port is None or 0 < self.grpc_port <= 65535, "grpc_port", "in [1, 65535] or None")
         need(self.embedding_batch_window_ms >= 0, "embedding_batch_window_ms", ">= 0")
@@ -323,7 +332,7 @@ def load(cli: dict | None = None, env: dict | None = None, file: str | None = No
             sources[f"{sec}.{f.name}"] = "env"
     for name, value in cli.items():
         sec = _section_of(name)
-        values[sec][name] = value
+        values[sec][name] = value  # typed by argparse already; several values are normalized by validate()
         sources[f"{sec}.{name}"] = "cli"
     built = {sec: _build(sec, cls, values[sec], sources) for sec, cls in SECTIONS.items()}
     return ServeConfig(sources=sources, models=models, **built)
@@ -391,16 +400,40 @@ def _hints(sec: str) -> dict:
     return typing.get_type_hints(SECTIONS[sec])
 
 
+def strings(key: str, value) -> tuple[str, ...]:
+    """A field of several strings from a list, a JSON list ('["a", "b"]', as vLLM takes some of its lists), or
+    a string of comma-separated values; a list's items may be either kind of string (--flag a,b c)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                items = json.loads(text)
+            except ValueError:
+                raise ConfigError(key, value, "a JSON list of strings, or values separated by commas") from None
+            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+                raise ConfigError(key, value, "a JSON list of strings, or values separated by commas")
+            return tuple(i.strip() for i in items if i.strip())
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+    if isinstance(value, (list, tuple)) and all(isinstance(i, str) for i in value):
+        return tuple(x for i in value for x in strings(key, i))
+    raise ConfigError(key, value, "a list of strings, or a string of values separated by commas")
+
+
 def _coerce(key: str, value, tp, source: str = "runtime"):
     """Turn a file/env/JSON value into the field's type, or raise ConfigError."""
-    args = typing.get_args(tp)
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ()
     optional = type(None) in args
     base = next((a for a in args if a is not type(None)), tp) if args else tp
     name = key.rpartition(".")[2]
     if value is None or (optional and isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
         if optional:
             return None
-        raise ConfigError(key, value, f"{_TYPE_NAMES[base]} (from {source})")
+        raise ConfigError(key, value, f"{_TYPE_NAMES.get(base, 'a list of strings')} (from {source})")
+    if typing.get_origin(base) is tuple:
+        try:
+            return strings(key, value)
+        except ConfigError as e:
+            raise ConfigError(key, value, f"{e.allowed} (from {source})") from None
     if base is int and name in TOKEN_COUNTS and isinstance(value, str):
         try:
             return token_count(value, auto=optional)

@@ -76,6 +76,7 @@ class Api:
         load's wait go on the record, from which the gateway sets the x-servelm-model-version, x-servelm-arm
         and x-servelm-load-wait-s headers."""
         rec = record(request)
+        model = self.state.models.canonical(model)  # an alias (--served-model-name's further names) is its model
         check_model(rec.api_key, model)  # before anything loads: a key must not bring up a model it may not use
         traffic = getattr(self.state, "traffic", None)
         attrs = None
