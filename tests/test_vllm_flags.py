@@ -1,14 +1,17 @@
 """`vllm serve` command lines run unchanged: the flags vLLM users paste are accepted with vLLM's meaning
-(--chat-template, --trust-remote-code, --dtype half, --max-model-len 32k, several --served-model-name,
---gpu-memory-utilization). In-process with stub engines."""
+(--chat-template, --trust-remote-code, --dtype half, --max-model-len 32k, several --served-model-name, the CORS
+flags, --gpu-memory-utilization). In-process with stub engines, except one real server started with a pasted
+vLLM command line."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
+import httpx
 import pytest
 from fakes import StubEngine
+from serving import start_server, stop_server
 
 from servelm.config.engine import ConfigError, EngineConfig, read_chat_template, token_count
 from servelm.config.settings import load
@@ -209,3 +212,95 @@ def test_an_alias_may_not_repeat_a_models_list_name(tmp_path, llama_dir):
     config = _config(str(llama_dir), "--served-model-name", "a", "b", "--config", str(cfg))
     with pytest.raises(ConfigError, match="differs"):
         fixed_models(config)
+
+
+# -- CORS: --allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials ---------------------------
+
+ORIGIN = "http://localhost:3000"
+PREFLIGHT = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type"}
+
+
+def test_cors_lists_from_the_command_line_env_and_file(tmp_path):
+    srv = _config("--allowed-origins", f'["{ORIGIN}", "https://app.example"]').server  # vLLM's JSON form
+    assert srv.allowed_origins == (ORIGIN, "https://app.example")
+    assert srv.allowed_methods == ("*",) and srv.allowed_headers == ("*",) and srv.allow_credentials is False
+    assert _config("--allowed-origins", ORIGIN, "https://b.example").server.allowed_origins == (ORIGIN,
+                                                                                            "https://b.example")
+    assert load({}, env={"SERVELM_ALLOWED_ORIGINS": "*"}).server.allowed_origins == ("*",)
+    assert _config("--allowed-methods", '["GET", "POST"]').server.allowed_methods == ("GET", "POST")
+    assert _config().server.allowed_origins == ()  # none by default
+    with pytest.raises(ConfigError, match="allowed_origins"):
+        _config("--allowed-origins", "localhost:3000")  # an origin has a scheme
+
+
+def _cors_app(llama_dir, *flags: str):
+    config = _config(str(llama_dir), "--served-model-name", "tiny", "--api-key", "cors-test-key-1",
+                     "--embedding-model", "none", "--no-log-requests", *flags)
+    engine, tok, name, _ = _start(config)
+    return _app(config, engine, tok, name)
+
+
+def test_preflight_is_answered_for_an_allowed_origin_before_keys_are_asked_for(llama_dir):
+    with _cors_app(llama_dir, "--allowed-origins", f'["{ORIGIN}"]') as client:
+        r = client.options("/v1/chat/completions", headers=PREFLIGHT)
+        assert r.status_code == 200, r.text
+        assert r.headers["access-control-allow-origin"] == ORIGIN
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        other = client.options("/v1/chat/completions", headers={**PREFLIGHT, "Origin": "http://evil.example"})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        # the request itself, and an error a browser page must be able to read, carry the header
+        body = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+        ok = client.post("/v1/chat/completions", json=body,
+                         headers={"Origin": ORIGIN, "Authorization": "Bearer cors-test-key-1"})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == ORIGIN
+        denied = client.post("/v1/chat/completions", json=body, headers={"Origin": ORIGIN})
+        assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_cors_methods_headers_and_credentials_are_as_configured(llama_dir):
+    with _cors_app(llama_dir, "--allowed-origins", ORIGIN, "--allowed-methods", "POST", "--allowed-headers",
+                   "content-type", "--allow-credentials") as client:
+        r = client.options("/v1/chat/completions", headers={**PREFLIGHT, "Access-Control-Request-Headers":
+                                                            "content-type"})
+        assert r.status_code == 200 and r.headers["access-control-allow-credentials"] == "true"
+        assert client.options("/v1/chat/completions", headers=PREFLIGHT).status_code == 400  # authorization
+        put = client.options("/v1/chat/completions", headers={**PREFLIGHT, "Access-Control-Request-Method": "PUT",
+                                                              "Access-Control-Request-Headers": "content-type"})
+        assert put.status_code == 400
+
+
+def test_without_allowed_origins_there_is_no_cross_origin_access(llama_dir):
+    with _cors_app(llama_dir) as client:
+        r = client.options("/v1/chat/completions", headers=PREFLIGHT)
+        assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+
+
+# -- a vLLM command line, pasted ---------------------------------------------------------------------------------
+
+@pytest.mark.server
+def test_a_pasted_vllm_serve_command_line_runs(llama_dir, tmp_path, tokenizer):
+    """`vllm serve MODEL` with the flags vLLM users paste: the server starts and each flag does what it does in
+    vLLM (the KV cache is given as blocks: servelm does not size it from --gpu-memory-utilization)."""
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE)
+    proc, url = start_server(llama_dir, "--served-model-name", "tiny", "tiny-chat", "--max-model-len", "0.5k",
+                             "--dtype", "float", "--trust-remote-code", "--chat-template", str(template),
+                             "--allowed-origins", f'["{ORIGIN}"]', "--gpu-memory-utilization", "0.9",
+                             "--max-num-batched-tokens", "1k", "--num-kv-blocks", "64", "--embedding-model", "none")
+    try:
+        cards = httpx.get(url + "/v1/models").json()["data"]
+        assert [c["id"] for c in cards] == ["tiny", "tiny-chat"] and cards[0]["max_model_len"] == 500
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny-chat", "max_tokens": 2, "messages": [
+            {"role": "user", "content": "hello"}]}, headers={"Origin": ORIGIN})
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "tiny" and r.headers["access-control-allow-origin"] == ORIGIN
+        assert r.json()["usage"]["prompt_tokens"] == len(tokenizer("<<hello>>", add_special_tokens=False).input_ids)
+        pre = httpx.options(url + "/v1/chat/completions", headers=PREFLIGHT)
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == ORIGIN
+    finally:
+        assert stop_server(proc) == 0
+    with open(proc.log_path) as f:
+        log = f.read()
+    assert "--trust-remote-code is not needed" in log and "--gpu-memory-utilization 0.9 is not used" in log

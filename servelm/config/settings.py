@@ -72,6 +72,15 @@ class ServerConfig:
     http_keep_alive_s: float = _f(75.0, "close a kept-alive connection idle this long (or header_timeout_s, when "
                                   "smaller); keep it above clients' own idle expiry (5 s in httpx and the openai "
                                   "SDK), or a client can reuse a connection the server is closing and get a reset")
+    allowed_origins: tuple[str, ...] = _f((), "origins (scheme://host[:port]) whose web pages may call this server "
+                                          "from a browser (CORS), '*' for any; several as --allowed-origins a b, "
+                                          "or vLLM's JSON list '[\"a\", \"b\"]' (default: none; vLLM's is any)")
+    allowed_methods: tuple[str, ...] = _f(("*",), "with --allowed-origins: the HTTP methods cross-origin requests "
+                                          "may use ('*': any, as vLLM's default)")
+    allowed_headers: tuple[str, ...] = _f(("*",), "with --allowed-origins: the request headers cross-origin "
+                                          "requests may send ('*': any, as vLLM's default)")
+    allow_credentials: bool = _f(False, "with --allowed-origins: let browsers send cookies and HTTP "
+                                 "authentication with cross-origin requests (as vLLM's --allow-credentials)")
     ui: str = _f("chat", "the web chat page at / : chat (served, no login of its own: it asks for an API key when "
                  "the server needs one) or none")
     responses_store_size: int = _f(1000, "responses of /v1/responses kept in memory for previous_response_id and "
@@ -128,11 +137,17 @@ class ServerConfig:
         def need(ok: bool, name: str, allowed: str) -> None:
             require(self, ok, name, allowed)
 
-        if self.served_model_name is not None:
-            self.served_model_name = strings("served_model_name", self.served_model_name) or None
+        for name in ("served_model_name", "allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, strings(name, value))
+        if not self.served_model_name:
+            self.served_model_name = None
         names = self.served_model_name or ()
         need(all(n and not any(c.isspace() for c in n) for n in names) and len(set(names)) == len(names),
              "served_model_name", "names with no spaces, each given once")
+        need(all(o == "*" or o.startswith(("http://", "https://")) for o in self.allowed_origins),
+             "allowed_origins", "origins like http://localhost:3000, or '*'")
         need(0 <= self.port <= 65535, "port", "in [0, 65535]")
         need(self.grpc_port is None or 0 < self.grpc_port <= 65535, "grpc_port", "in [1, 65535] or None")
         need(self.embedding_batch_window_ms >= 0, "embedding_batch_window_ms", ">= 0")
@@ -401,7 +416,7 @@ def _hints(sec: str) -> dict:
 
 
 def strings(key: str, value) -> tuple[str, ...]:
-    """A field of several strings from a list, a JSON list ('["a", "b"]', as vLLM takes some of its lists), or
+    """A field of several strings from a list, a JSON list ('["a", "b"]', as vLLM's --allowed-origins takes), or
     a string of comma-separated values; a list's items may be either kind of string (--flag a,b c)."""
     if isinstance(value, str):
         text = value.strip()
