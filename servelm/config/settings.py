@@ -224,9 +224,11 @@ class AdmissionConfig:
     default_priority: str = _f("normal", "priority of requests whose key sets none: high | normal | low",
                                runtime=True)
     max_n: int = _f(16, "most samples (n) one generation request may ask for (400 above)", runtime=True)
-    max_request_tokens: int = _f(32768, "most tokens one generation request may ask for: its prompt tokens plus "
-                                 "n x max_tokens, over all its prompts (400 above); a request that omits "
-                                 "max_tokens gets a default that fits", runtime=True)
+    max_request_tokens: int | None = _f(None, "most tokens one generation request may ask for: its prompt tokens "
+                                        "plus n x max_tokens, over all its prompts (400 above); a request that "
+                                        "omits max_tokens gets a default that fits (default: the model's "
+                                        "max_model_len x max_n, which admits every single-prompt request whose "
+                                        "samples fit the context)", runtime=True)
     auth_failures_per_minute: int | None = _f(10, "failed authentications (a wrong API key) allowed per client "
                                               "address per minute; beyond, that address gets 429 (None: no limit)",
                                               runtime=True)
@@ -245,8 +247,14 @@ class AdmissionConfig:
         need(self.default_priority in PRIORITIES, "default_priority", "one of high, normal, low")
         need(self.auth_failures_per_minute is None or self.auth_failures_per_minute >= 1,
              "auth_failures_per_minute", ">= 1 or None")
-        for cap in ("max_n", "max_request_tokens", "max_embedding_inputs"):
+        for cap in ("max_n", "max_embedding_inputs"):
             need(getattr(self, cap) >= 1, cap, ">= 1")
+        need(self.max_request_tokens is None or self.max_request_tokens >= 1, "max_request_tokens",
+             ">= 1 or None (the model's max_model_len x max_n)")
+
+    def request_token_cap(self, max_model_len: int) -> int:
+        """max_request_tokens for a model with this context length: as set, else max_model_len x max_n."""
+        return self.max_request_tokens if self.max_request_tokens is not None else max_model_len * self.max_n
 
 
 SECTIONS: dict[str, type] = {"engine": EngineConfig, "server": ServerConfig, "admission": AdmissionConfig}
