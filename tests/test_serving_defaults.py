@@ -1,8 +1,10 @@
 """Defaults that must not get in the way: the per-request token cap follows the model's context length and
-max_n (a fixed 32768 refused long-context requests). In-process, with stub engines."""
+max_n (a fixed 32768 refused long-context requests), and an embedding request naming an unknown model is told
+which embedding model is served. In-process, with stub engines."""
 
 from __future__ import annotations
 
+import pytest
 from fakes import IdleEngine
 
 from servelm.config.settings import load
@@ -78,3 +80,27 @@ def test_the_cap_can_be_set_and_unset_at_run_time():
     config.patch({"max_request_tokens": None})
     assert config.admission.request_token_cap(65536) == 65536 * 16
 
+
+class FakeEmbedder:
+    async def embed(self, texts):
+        import numpy as np
+
+        return [np.zeros(4, dtype=np.float32) for _ in texts], len(texts)
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/embeddings"])
+def test_an_unknown_embedding_model_is_404_naming_the_served_one(tokenizer, path):
+    from starlette.testclient import TestClient
+
+    from servelm.server.api import build_app
+    from servelm.server.serve import build_state
+
+    config = load({"embedding_model": "none", "log_requests": False}, env={})
+    state = build_state(config, tokenizer, IdleEngine(), "long", embedder=FakeEmbedder(),
+                        embed_name="all-MiniLM-L6-v2")
+    with TestClient(build_app(state)) as client:
+        assert client.post(path, json={"model": "all-MiniLM-L6-v2", "input": "hi"}).status_code == 200
+        r = client.post(path, json={"model": "text-embedding-3-small", "input": "hi"})
+        assert r.status_code == 404, r.text
+        message = r.json()["error"]["message"]
+        assert "embedding models: 'all-MiniLM-L6-v2'" in message and "no models yet" not in message

@@ -53,6 +53,7 @@ class ModelDirectory:
     def __init__(self, metrics_for: Callable[[str], Any] | None = None) -> None:
         self._fixed: dict[str, ServedModel] = {}
         self._aliases: dict[str, str] = {}  # another name a request may use -> the fixed model's name
+        self.embedding_name: str | None = None  # the server's own embedding model (served beside the directory)
         self.deployments: Any = None  # control.deployments.DeploymentManager, when the server has one
         # model -> (deployment, seconds waited): load a registered version no deployment serves yet, on its
         # first request (None: off)
@@ -114,9 +115,12 @@ class ModelDirectory:
         yield from self.deployed()
 
     def names(self, kind: Kind = Kind.GENERATE) -> list[str]:
-        """Every id a request may put in `model`: fixed names and their aliases (generation), and each deployed
-        version's name and name:version."""
-        out = [n for name in self._fixed for n in (name, *self.aliases(name))] if kind == Kind.GENERATE else []
+        """Every id a request may put in `model`: fixed names and their aliases (generation; embedding: the
+        server's own embedding model), and each deployed version's name and name:version."""
+        if kind == Kind.GENERATE:
+            out = [n for name in self._fixed for n in (name, *self.aliases(name))]
+        else:
+            out = [self.embedding_name] if self.embedding_name is not None else []
         for d in self.deployed(kind):
             for n in (d.name, d.served_name):
                 if n not in out:
