@@ -140,3 +140,24 @@ def test_serve_model_the_engine_refuses_is_one_error_line_exit_2(tmp_path, token
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("servelm: error: the engine could not start:") and "hidden_act 'gelu'" in last
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_models_options_go_before_or_after_the_subcommand(where):
+    """`servelm models --url X list` and `servelm models list --url X` are the same call: the one here reaches
+    for X (a port nothing listens on) and says so, exit 1; not argparse's 'unrecognized arguments', exit 2."""
+    url = f"http://127.0.0.1:{_free_port()}"
+    opts = ["--url", url, "--timeout", "5"]
+    r = _cli("models", *opts, "list") if where == "before" else _cli("models", "list", *opts)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith("servelm: error: cannot reach") and url in r.stderr, r.stderr
+
+
+def test_models_options_after_the_subcommand_win_and_left_out_ones_keep_their_value():
+    from servelm.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    a = parser.parse_args(["models", "--url", "http://a:1", "--json", "deployments", "--url", "http://b:2"])
+    assert (a.url, a.json, a.timeout) == ("http://b:2", True, 600.0)
+    a = parser.parse_args(["models", "--timeout", "7", "canary", "status", "m", "--json"])
+    assert (a.timeout, a.json) == (7.0, True)

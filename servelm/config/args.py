@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from servelm.config.engine import EngineConfig
+from servelm.config.engine import EngineConfig, token_count
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = (),
@@ -27,12 +27,36 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str, skip
             helptext += f" (default: {f.default})"
         default = argparse.SUPPRESS if suppress_defaults else f.default
         tp = hints[f.name]
-        base = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+        optional = _is_union(tp) and type(None) in typing.get_args(tp)
+        base = next((a for a in typing.get_args(tp) if a is not type(None)), tp) if _is_union(tp) else tp
+        helptext = helptext.replace("%", "%%")
         if base is bool:
-            group.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
-                               help=helptext.replace("%", "%%"))
+            group.add_argument(flag, default=default, action=argparse.BooleanOptionalAction, help=helptext)
+        elif typing.get_origin(base) is tuple:  # several values: --flag a b (see settings.py's _coerce)
+            group.add_argument(flag, nargs="+", default=default, metavar=f.name.upper(), help=helptext)
+        elif f.metadata.get("token_count"):
+            group.add_argument(flag, type=_token_count_arg(optional), default=default,
+                               metavar=f.name.upper(), help=helptext)
         else:
-            group.add_argument(flag, type=base, default=default, help=helptext.replace("%", "%%"))
+            group.add_argument(flag, type=base, default=default, help=helptext)
+
+
+def _is_union(tp) -> bool:
+    """X | Y (or Optional[X]), as opposed to a generic such as tuple[str, ...]."""
+    import types
+    import typing
+
+    return typing.get_origin(tp) in (typing.Union, types.UnionType)
+
+
+def _token_count_arg(auto: bool):
+    """argparse's type for a token-count field: 32k, 32K, 32000 (and auto or -1 for None where allowed)."""
+    def token_count_value(text: str) -> int | None:
+        try:
+            return token_count(text, auto)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return token_count_value
 
 
 def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:

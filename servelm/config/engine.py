@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 DEFAULT_KV_CACHE_GB = 1.0
 
@@ -16,9 +18,56 @@ class ConfigError(ValueError):
         super().__init__(f"{key} must be {allowed}, got {value!r}")
 
 
-def _f(default, help: str, runtime: bool = False):
-    """A config field; `runtime` marks it changeable while serving (PATCH /admin/config)."""
-    return field(default=default, metadata={"help": help, "runtime": runtime})
+def _f(default, help: str, runtime: bool = False, token_count: bool = False):
+    """A config field; `runtime` marks it changeable while serving (PATCH /admin/config); `token_count` marks an
+    integer that also takes vLLM's human-readable forms (32k, 1K, 2.5m: see `token_count`)."""
+    return field(default=default, metadata={"help": help, "runtime": runtime, "token_count": token_count})
+
+
+# vLLM's --dtype spellings that name one of servelm's dtypes (vLLM: half = float16, float = float32)
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16"}
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+_TOKEN_COUNT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def token_count(value: str, auto: bool = False) -> int | None:
+    """An integer as vLLM's --max-model-len and --max-num-batched-tokens read it: plain digits, or a number
+    with a suffix, lower case decimal (1k = 1000, 25.6k = 25600, m, g, t) and upper case binary (1K = 1024,
+    M, G, T; whole numbers only). With `auto`, 'auto' and -1 stand for None (derive it), as in vLLM's
+    --max-model-len. Raises ValueError."""
+    text = str(value).strip()
+    if auto and (text == "-1" or text.lower() == "auto"):
+        return None
+    m = _TOKEN_COUNT.fullmatch(text)
+    if m is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not an integer (nor one like 32k = 32000 or 32K = 32768)") from None
+    number, suffix = m.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if not number.isdigit():
+        raise ValueError(f"{text!r}: no decimals with a binary suffix like {suffix}; did you mean "
+                         f"{number}{suffix.lower()}?")
+    return int(number) * _BINARY[suffix]
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template as vLLM reads it: the contents of the file it names, else the value itself as an inline
+    Jinja template when it holds '{', '}' or a line break. Raises ValueError for a value that looks like a
+    path (none of those characters) but cannot be read."""
+    if value is None:
+        return None
+    try:
+        return Path(value).read_text()
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the "path"
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(f"chat template {value!r} looks like a file path, but it cannot be read ({e})") from e
+        return value
 
 
 def cpu_list(spec: str) -> list[int] | None:
@@ -50,8 +99,14 @@ class EngineConfig:
                            "SmolLM2-135M-Instruct")
     gguf_file: str | None = _f(None, "a GGUF file name inside the MODEL folder")
     tokenizer: str | None = _f(None, "a tokenizer folder to use instead of the model's own")
-    dtype: str = _f("auto", "auto | float32 | bfloat16 | float16; auto picks bfloat16 where the CPU has "
-                    "native bf16 (AVX512-BF16/AMX), else float32")
+    chat_template: str | None = _f(None, "a Jinja chat template to use instead of the tokenizer's: a file, or the "
+                                   "template itself inline (as vLLM's --chat-template: a value holding '{', '}' "
+                                   "or a line break that names no file is the template); default: the "
+                                   "tokenizer's own")
+    trust_remote_code: bool = _f(False, "accepted for vLLM command lines and changes nothing: servelm runs only "
+                                 "its built-in architectures and never executes code from a model folder")
+    dtype: str = _f("auto", "auto | float32 | bfloat16 | float16 (vLLM's half and float, and bf16, name the same "
+                    "types); auto picks bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX), else float32")
     quantization: str = _f("auto", "auto | none | gguf | int8 | int4: linear weights kept quantized in memory and "
                            "dequantized inside the matmul (CPU only; README: Quantization). gguf keeps a GGUF "
                            "file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K linears as they are (servelm's kernels) and dequantizes "
@@ -69,9 +124,15 @@ class EngineConfig:
     block_size: int = _f(16, "tokens per KV cache block")
     num_kv_blocks: int | None = _f(None, "KV cache blocks; overrides --kv-cache-memory-gb")
     kv_cache_memory_gb: float | None = _f(None, f"KV cache budget in GiB (default {DEFAULT_KV_CACHE_GB})")
+    gpu_memory_utilization: float | None = _f(None, "CUDA only, ignored on the CPU: vLLM's share of GPU memory for "
+                                              "weights and KV cache, in (0, 1]; accepted so vLLM command lines run, "
+                                              "but the KV cache is sized by --kv-cache-memory-gb or "
+                                              "--num-kv-blocks, not by this")
     max_num_seqs: int = _f(256, "most sequences in one batch", runtime=True)
-    max_num_batched_tokens: int = _f(2048, "token budget of one engine step (prefill chunks + decodes)")
-    max_model_len: int | None = _f(None, "context length; default: the model's, capped by the KV cache")
+    max_num_batched_tokens: int = _f(2048, "token budget of one engine step (prefill chunks + decodes); as vLLM's, "
+                                     "it takes 8k (8000) or 8K (8192)", token_count=True)
+    max_model_len: int | None = _f(None, "context length; as vLLM's it takes 32k (32000), 32K (32768) and auto or "
+                                   "-1 (the default: the model's, capped by the KV cache)", token_count=True)
     sliding_window: int | None = _f(None, "an attention window (tokens) for every layer, overriding the model's: "
                                     "for GGUF files that do not state the window the model was trained with "
                                     "(llama.cpp's converter drops Mistral's and Qwen's)")
@@ -130,8 +191,15 @@ class EngineConfig:
         def need(ok: bool, name: str, allowed: str) -> None:
             require(self, ok, name, allowed)
 
-        need(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
-             "one of auto, float32, bfloat16, float16")
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        need(self.dtype in DTYPES, "dtype", "one of auto, float32, bfloat16, float16 (or vLLM's half, float, "
+             "and bf16)")
+        if self.chat_template is not None:
+            try:
+                read_chat_template(self.chat_template)
+            except ValueError as e:
+                raise ConfigError("chat_template", self.chat_template, "a readable file or an inline Jinja "
+                                  f"template ({e})") from None
         need(self.device == "cpu" or self.device.startswith("cuda"), "device", "cpu, cuda or cuda:N")
         need(self.quantization in ("auto", "none", "gguf", "int8", "int4"), "quantization",
              "one of auto, none, gguf, int8, int4")
@@ -154,6 +222,8 @@ class EngineConfig:
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", "a power of two in [1, 256]")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1 or None")
         need(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0 or None")
+        need(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+             "in (0, 1] or None")
         need(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1")
         need(self.itl_target_ms >= 0, "itl_target_ms", ">= 0 (0: off)")
@@ -186,6 +256,18 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def unused_vllm_settings(self) -> list[str]:
+        """What to tell a user about vLLM settings given here that servelm accepts but does not use."""
+        notes = []
+        if self.trust_remote_code:
+            notes.append("--trust-remote-code is not needed: servelm runs only its built-in architectures and "
+                         "never executes code from a model folder")
+        if self.gpu_memory_utilization is not None:
+            notes.append(f"--gpu-memory-utilization {self.gpu_memory_utilization:g} is not used: the KV cache is "
+                         "sized by --kv-cache-memory-gb or --num-kv-blocks"
+                         + (" (and the CPU has no GPU memory)" if self.device == "cpu" else ""))
+        return notes
 
     def load_quantization(self) -> str:
         """The quantization the loader is asked for: auto stays auto (the loader picks gguf or none by the

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, published as tomli before it joined the standard library
     import tomli as tomllib
 
-from servelm.config.engine import ConfigError, EngineConfig, _f, require
+from servelm.config.engine import ConfigError, EngineConfig, _f, require, token_count
 from servelm.config.models import ModelSpec, parse_models
 
 PRIORITIES = ("high", "normal", "low")  # index = the engine's Priority value
@@ -35,7 +36,10 @@ class ServerConfig:
     port: int = _f(8000, "port to listen on")
     grpc_port: int | None = _f(None, "also serve gRPC on this port (servelm.v1.Llm, the Open Inference Protocol, "
                                "health checking and reflection; needs the grpc extra); None: no gRPC")
-    served_model_name: str | None = _f(None, "the model id clients use (default: derived from the model)")
+    served_model_name: tuple[str, ...] | None = _f(None, "the model id clients use, or several (as vLLM's: "
+                                                   "--served-model-name a b): the first is the id /v1/models "
+                                                   "lists first and responses carry, the others are aliases a "
+                                                   "request may name too (default: derived from the model)")
     oip_batch_window_ms: float = _f(2.0, "Open Inference Protocol models: how long a batch's first request waits "
                                     "for others (0: no wait); a version's label batch_window_ms overrides it")
     oip_max_batch_size: int = _f(64, "Open Inference Protocol models: most rows in one batch (label "
@@ -68,6 +72,15 @@ class ServerConfig:
     http_keep_alive_s: float = _f(75.0, "close a kept-alive connection idle this long (or header_timeout_s, when "
                                   "smaller); keep it above clients' own idle expiry (5 s in httpx and the openai "
                                   "SDK), or a client can reuse a connection the server is closing and get a reset")
+    allowed_origins: tuple[str, ...] = _f((), "origins (scheme://host[:port]) whose web pages may call this server "
+                                          "from a browser (CORS), '*' for any; several as --allowed-origins a b, "
+                                          "or vLLM's JSON list '[\"a\", \"b\"]' (default: none; vLLM's is any)")
+    allowed_methods: tuple[str, ...] = _f(("*",), "with --allowed-origins: the HTTP methods cross-origin requests "
+                                          "may use ('*': any, as vLLM's default)")
+    allowed_headers: tuple[str, ...] = _f(("*",), "with --allowed-origins: the request headers cross-origin "
+                                          "requests may send ('*': any, as vLLM's default)")
+    allow_credentials: bool = _f(False, "with --allowed-origins: let browsers send cookies and HTTP "
+                                 "authentication with cross-origin requests (as vLLM's --allow-credentials)")
     ui: str = _f("chat", "the web chat page at / : chat (served, no login of its own: it asks for an API key when "
                  "the server needs one) or none")
     responses_store_size: int = _f(1000, "responses of /v1/responses kept in memory for previous_response_id and "
@@ -124,6 +137,17 @@ class ServerConfig:
         def need(ok: bool, name: str, allowed: str) -> None:
             require(self, ok, name, allowed)
 
+        for name in ("served_model_name", "allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, strings(name, value))
+        if not self.served_model_name:
+            self.served_model_name = None
+        names = self.served_model_name or ()
+        need(all(n and not any(c.isspace() for c in n) for n in names) and len(set(names)) == len(names),
+             "served_model_name", "names with no spaces, each given once")
+        need(all(o == "*" or o.startswith(("http://", "https://")) for o in self.allowed_origins),
+             "allowed_origins", "origins like http://localhost:3000, or '*'")
         need(0 <= self.port <= 65535, "port", "in [0, 65535]")
         need(self.grpc_port is None or 0 < self.grpc_port <= 65535, "grpc_port", "in [1, 65535] or None")
         need(self.embedding_batch_window_ms >= 0, "embedding_batch_window_ms", ">= 0")
@@ -200,9 +224,11 @@ class AdmissionConfig:
     default_priority: str = _f("normal", "priority of requests whose key sets none: high | normal | low",
                                runtime=True)
     max_n: int = _f(16, "most samples (n) one generation request may ask for (400 above)", runtime=True)
-    max_request_tokens: int = _f(32768, "most tokens one generation request may ask for: its prompt tokens plus "
-                                 "n x max_tokens, over all its prompts (400 above); a request that omits "
-                                 "max_tokens gets a default that fits", runtime=True)
+    max_request_tokens: int | None = _f(None, "most tokens one generation request may ask for: its prompt tokens "
+                                        "plus n x max_tokens, over all its prompts (400 above); a request that "
+                                        "omits max_tokens gets a default that fits (default: the model's "
+                                        "max_model_len x max_n, which admits every single-prompt request whose "
+                                        "samples fit the context)", runtime=True)
     auth_failures_per_minute: int | None = _f(10, "failed authentications (a wrong API key) allowed per client "
                                               "address per minute; beyond, that address gets 429 (None: no limit)",
                                               runtime=True)
@@ -221,11 +247,20 @@ class AdmissionConfig:
         need(self.default_priority in PRIORITIES, "default_priority", "one of high, normal, low")
         need(self.auth_failures_per_minute is None or self.auth_failures_per_minute >= 1,
              "auth_failures_per_minute", ">= 1 or None")
-        for cap in ("max_n", "max_request_tokens", "max_embedding_inputs"):
+        for cap in ("max_n", "max_embedding_inputs"):
             need(getattr(self, cap) >= 1, cap, ">= 1")
+        need(self.max_request_tokens is None or self.max_request_tokens >= 1, "max_request_tokens",
+             ">= 1 or None (the model's max_model_len x max_n)")
+
+    def request_token_cap(self, max_model_len: int) -> int:
+        """max_request_tokens for a model with this context length: as set, else max_model_len x max_n."""
+        return self.max_request_tokens if self.max_request_tokens is not None else max_model_len * self.max_n
 
 
 SECTIONS: dict[str, type] = {"engine": EngineConfig, "server": ServerConfig, "admission": AdmissionConfig}
+# integer fields that also take vLLM's 32k / 32K forms, in files and env vars as on the command line
+TOKEN_COUNTS = frozenset(f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)
+                         if f.metadata.get("token_count"))
 
 
 @dataclass
@@ -320,7 +355,7 @@ def load(cli: dict | None = None, env: dict | None = None, file: str | None = No
             sources[f"{sec}.{f.name}"] = "env"
     for name, value in cli.items():
         sec = _section_of(name)
-        values[sec][name] = value
+        values[sec][name] = value  # typed by argparse already; several values are normalized by validate()
         sources[f"{sec}.{name}"] = "cli"
     built = {sec: _build(sec, cls, values[sec], sources) for sec, cls in SECTIONS.items()}
     return ServeConfig(sources=sources, models=models, **built)
@@ -388,15 +423,45 @@ def _hints(sec: str) -> dict:
     return typing.get_type_hints(SECTIONS[sec])
 
 
+def strings(key: str, value) -> tuple[str, ...]:
+    """A field of several strings from a list, a JSON list ('["a", "b"]', as vLLM's --allowed-origins takes), or
+    a string of comma-separated values; a list's items may be either kind of string (--flag a,b c)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                items = json.loads(text)
+            except ValueError:
+                raise ConfigError(key, value, "a JSON list of strings, or values separated by commas") from None
+            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+                raise ConfigError(key, value, "a JSON list of strings, or values separated by commas")
+            return tuple(i.strip() for i in items if i.strip())
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+    if isinstance(value, (list, tuple)) and all(isinstance(i, str) for i in value):
+        return tuple(x for i in value for x in strings(key, i))
+    raise ConfigError(key, value, "a list of strings, or a string of values separated by commas")
+
+
 def _coerce(key: str, value, tp, source: str = "runtime"):
     """Turn a file/env/JSON value into the field's type, or raise ConfigError."""
-    args = typing.get_args(tp)
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ()
     optional = type(None) in args
     base = next((a for a in args if a is not type(None)), tp) if args else tp
+    name = key.rpartition(".")[2]
     if value is None or (optional and isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
         if optional:
             return None
-        raise ConfigError(key, value, f"{_TYPE_NAMES[base]} (from {source})")
+        raise ConfigError(key, value, f"{_TYPE_NAMES.get(base, 'a list of strings')} (from {source})")
+    if typing.get_origin(base) is tuple:
+        try:
+            return strings(key, value)
+        except ConfigError as e:
+            raise ConfigError(key, value, f"{e.allowed} (from {source})") from None
+    if base is int and name in TOKEN_COUNTS and isinstance(value, str):
+        try:
+            return token_count(value, auto=optional)
+        except ValueError as e:
+            raise ConfigError(key, value, f"an integer like 32000, 32k or 32K ({e}; from {source})") from None
     try:
         if base is bool:
             if isinstance(value, bool):

@@ -45,7 +45,7 @@ def load_tokenizer(version: ModelVersion, config: EngineConfig):
     from servelm.model.metadata import resolve_model
 
     with _TOKENIZER_LOCK:
-        return load(resolve_model(config.model, config.gguf_file), config.tokenizer)
+        return load(resolve_model(config.model, config.gguf_file), config.tokenizer, config.chat_template)
 
 
 @dataclass

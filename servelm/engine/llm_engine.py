@@ -30,6 +30,10 @@ class LLMEngine:
                                            quantization_group_size=config.quantization_group_size,
                                            tp_size=config.tensor_parallel_size)
         self.tokenizer = self.loaded.tokenizer
+        if config.chat_template is not None and self.tokenizer is not None:
+            from servelm.config.engine import read_chat_template
+
+            self.tokenizer.chat_template = read_chat_template(config.chat_template)
         self.eos_token_ids = self.loaded.eos_token_ids
         self.core = EngineCore(config, self.loaded.model, tokenizer_loader=lambda: self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Sequence
 
 from servelm.config.engine import EngineConfig
@@ -11,6 +12,8 @@ from servelm.engine.llm_engine import LLMEngine
 from servelm.outputs import RequestOutput
 from servelm.progress import progress
 from servelm.sampling_params import OutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # A prompt: text, token ids, or vLLM's TextPrompt / TokensPrompt dicts ({"prompt": ...} / {"prompt_token_ids": ...}).
 Prompt = str | list[int] | dict
@@ -62,6 +65,8 @@ class LLM:
         return llm
 
     def _setup(self, config: EngineConfig) -> None:
+        for note in config.unused_vllm_settings():
+            logger.info("%s", note)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

@@ -20,12 +20,25 @@ class CliError(Exception):
     """The server refused, or could not be reached: printed as one line, exit 1."""
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=os.environ.get("SERVELM_URL", "http://127.0.0.1:8000"),
+def _add_shared(p: argparse.ArgumentParser, defaults: bool) -> None:
+    """The options of every `servelm models` command. They go on `models` itself with their defaults, and on
+    each subcommand with none (SUPPRESS), so `models --url X list` and `models list --url X` both work: a value
+    given after the subcommand wins, and one left out there does not overwrite the one given before it."""
+    def default(value):
+        return value if defaults else argparse.SUPPRESS
+
+    p.add_argument("--url", default=default(os.environ.get("SERVELM_URL", "http://127.0.0.1:8000")),
                    help="the server's base URL (default: $SERVELM_URL or http://127.0.0.1:8000)")
-    p.add_argument("--admin-key-file", default=None, help="file holding the admin key (else $SERVELM_ADMIN_KEY)")
-    p.add_argument("--json", action="store_true", help="print the server's JSON instead of a table")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one call (loading is slow)")
+    p.add_argument("--admin-key-file", default=default(None),
+                   help="file holding the admin key (else $SERVELM_ADMIN_KEY)")
+    p.add_argument("--json", action="store_true", default=default(False),
+                   help="print the server's JSON instead of a table")
+    p.add_argument("--timeout", type=float, default=default(600.0),
+                   help="seconds to wait for one call (loading is slow)")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    _add_shared(p, defaults=True)
     sub = p.add_subparsers(dest="models_command", required=True)
 
     reg = sub.add_parser("register", help="import a model folder or .gguf file as the next version of NAME")
@@ -81,6 +94,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     gc = sub.add_parser("gc", help="delete old versions beyond the newest N per model (kept: active, deployed)")
     gc.add_argument("--keep-last", type=int, required=True)
     traffic_cli.add_args(sub)
+    for command in sub.choices.values():
+        _add_shared(command, defaults=False)
     p.set_defaults(func=cmd_models)
 
 

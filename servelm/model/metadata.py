@@ -135,13 +135,17 @@ def _tokenizer_folder(src: ModelSource, tokenizer: str | None) -> Path | None:
     return Path(tokenizer).expanduser() if tokenizer is not None else _json_folder(src)
 
 
-def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
-    """The model's tokenizer (or the one in the folder `tokenizer`), as AutoTokenizer would build it."""
+def load_tokenizer(src: ModelSource, tokenizer: str | None = None, chat_template: str | None = None):
+    """The model's tokenizer (or the one in the folder `tokenizer`), as AutoTokenizer would build it; with
+    `chat_template` (a file or an inline template, as --chat-template), that template instead of its own."""
+    from servelm.config.engine import read_chat_template
+
     set_offline_env()
     folder = _tokenizer_folder(src, tokenizer)
-    if folder is None:
-        return load_gguf_config_and_tokenizer(src.path)[1]
-    return hf_files.tokenizer_from_folder(folder)
+    tok = load_gguf_config_and_tokenizer(src.path)[1] if folder is None else hf_files.tokenizer_from_folder(folder)
+    if chat_template is not None:
+        tok.chat_template = read_chat_template(chat_template)
+    return tok
 
 
 def eos_ids(src: ModelSource, hf_config, tokenizer_eos: int | None) -> frozenset[int]:

@@ -45,23 +45,28 @@ class Admission:
                            "priority_not_allowed")
         return want
 
-    def default_max_tokens(self, prompt_tokens: int, n: int, context_left: int) -> int:
+    def default_max_tokens(self, prompt_tokens: int, n: int, context_left: int, max_model_len: int) -> int:
         """max_tokens for a request that gives none: the rest of the context, but no more than lets the request
-        fit max_request_tokens (so n=128 without max_tokens cannot ask for 128 whole contexts)."""
-        fits = (self.config.admission.max_request_tokens - prompt_tokens) // max(1, n)
+        fit max_request_tokens (when it is set lower than the model's max_model_len x max_n, n=16 without
+        max_tokens does not ask for 16 whole contexts)."""
+        fits = (self.config.admission.request_token_cap(max_model_len) - prompt_tokens) // max(1, n)
         return max(1, min(context_left, fits))
 
-    def check_work(self, n: int, prompt_tokens: int, cost: int) -> None:
-        """Refuse (400) a request over the per-request caps: n, and prompt + n x max_tokens over its prompts."""
+    def check_work(self, n: int, prompt_tokens: int, cost: int, max_model_len: int) -> None:
+        """Refuse (400) a request over the per-request caps: n, and prompt + n x max_tokens over its prompts
+        (max_request_tokens, by default the model's max_model_len x max_n)."""
         a = self.config.admission
         if n > a.max_n:
             raise APIError(400, f"n={n} is over this server's limit of {a.max_n} samples per request "
                                 "(admission.max_n)", "n", "limit_exceeded")
-        if cost > a.max_request_tokens:
+        cap = a.request_token_cap(max_model_len)
+        if cost > cap:
+            why = "admission.max_request_tokens" if a.max_request_tokens is not None else \
+                f"admission.max_request_tokens, by default max_model_len {max_model_len} x max_n {a.max_n}"
             raise APIError(400, f"this request asks for up to {cost} tokens ({prompt_tokens} prompt tokens plus "
                                 f"n x max_tokens = {cost - prompt_tokens}), over this server's limit of "
-                                f"{a.max_request_tokens} tokens per request (admission.max_request_tokens); "
-                                "lower max_tokens or n", "max_tokens", "limit_exceeded")
+                                f"{cap} tokens per request ({why}); lower max_tokens or n", "max_tokens",
+                           "limit_exceeded")
 
     def admit(self, rec: RequestRecord, model: str, tokens: int, requested_priority: str | int | None,
               queue_depth=None, metrics=None) -> int:

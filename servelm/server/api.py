@@ -42,6 +42,8 @@ class ServerState:
         if self.models is None:
             self.models = ModelDirectory()
             self.models.add(ServedModel(self.engine, self.tokenizer, self.model_name, metrics=self.metrics))
+        if self.embedder is not None and self.embed_model_name is not None:
+            self.models.embedding_name = self.embed_model_name  # named in the embedding routes' 404
 
 
 def build_app(state: ServerState):

@@ -76,6 +76,7 @@ class Api:
         load's wait go on the record, from which the gateway sets the x-servelm-model-version, x-servelm-arm
         and x-servelm-load-wait-s headers."""
         rec = record(request)
+        model = self.state.models.canonical(model)  # an alias (--served-model-name's further names) is its model
         check_model(rec.api_key, model)  # before anything loads: a key must not bring up a model it may not use
         traffic = getattr(self.state, "traffic", None)
         attrs = None
@@ -134,7 +135,8 @@ class Api:
         """The request's SamplingParams, checked against the model's vocabulary and context (400)."""
         try:
             default_max = self.state.admission.default_max_tokens(prompt_len, getattr(req, "n", 1),
-                                                                  max(1, m.max_model_len - prompt_len))
+                                                                  max(1, m.max_model_len - prompt_len),
+                                                                  m.max_model_len)
             params = req.sampling_params(default_max)
             params.check_vocab(m.info.vocab_size if m.info else 1 << 31)
         except ValueError as e:
@@ -152,7 +154,7 @@ class Api:
         rec.prompt_tokens = sum(len(ids) for ids in prompts)
         cost = rec.prompt_tokens + sum((sp.max_tokens or 0) * sp.n for sp in params)
         admission = self.state.admission
-        admission.check_work(max(sp.n for sp in params), rec.prompt_tokens, cost)
+        admission.check_work(max(sp.n for sp in params), rec.prompt_tokens, cost, m.max_model_len)
         return admission.admit(rec, m.served_name, cost, getattr(req, "priority", None), m.num_queued,
                                self.metrics_of(m))
 

@@ -52,6 +52,8 @@ class ModelDirectory:
 
     def __init__(self, metrics_for: Callable[[str], Any] | None = None) -> None:
         self._fixed: dict[str, ServedModel] = {}
+        self._aliases: dict[str, str] = {}  # another name a request may use -> the fixed model's name
+        self.embedding_name: str | None = None  # the server's own embedding model (served beside the directory)
         self.deployments: Any = None  # control.deployments.DeploymentManager, when the server has one
         # model -> (deployment, seconds waited): load a registered version no deployment serves yet, on its
         # first request (None: off)
@@ -61,11 +63,22 @@ class ModelDirectory:
         self.metrics_for = metrics_for
         self._metrics: dict[str, Any] = {}  # served name -> metrics of deployed versions
 
-    def add(self, served: ServedModel) -> None:
-        """A model served for the server's whole life under its name."""
-        if served.served_name in self._fixed:
-            raise ValueError(f"two models are named {served.served_name!r}")
+    def add(self, served: ServedModel, aliases: tuple[str, ...] = ()) -> None:
+        """A model served for the server's whole life under its name, and under `aliases` (--served-model-name's
+        further names: a request may name any, responses carry the first)."""
+        for name in (served.served_name, *aliases):
+            if name in self._fixed or name in self._aliases:
+                raise ValueError(f"two models are named {name!r}")
         self._fixed[served.served_name] = served
+        self._aliases.update(dict.fromkeys(aliases, served.served_name))
+
+    def aliases(self, name: str) -> list[str]:
+        """The other names a fixed model answers to."""
+        return [a for a, target in self._aliases.items() if target == name]
+
+    def canonical(self, model: str | None) -> str | None:
+        """The name a fixed model's alias stands for; any other name as it is."""
+        return self._aliases.get(model, model) if model is not None else None
 
     @property
     def default(self) -> ServedModel | None:
@@ -102,9 +115,12 @@ class ModelDirectory:
         yield from self.deployed()
 
     def names(self, kind: Kind = Kind.GENERATE) -> list[str]:
-        """Every id a request may put in `model`: fixed names (generation), and each deployed version's name
-        and name:version."""
-        out = list(self._fixed) if kind == Kind.GENERATE else []
+        """Every id a request may put in `model`: fixed names and their aliases (generation; embedding: the
+        server's own embedding model), and each deployed version's name and name:version."""
+        if kind == Kind.GENERATE:
+            out = [n for name in self._fixed for n in (name, *self.aliases(name))]
+        else:
+            out = [self.embedding_name] if self.embedding_name is not None else []
         for d in self.deployed(kind):
             for n in (d.name, d.served_name):
                 if n not in out:
@@ -125,7 +141,7 @@ class ModelDirectory:
                 return self._wrap(deployed[0], pin)
             raise APIError(400, f"name a model: this server serves {self._listing(kind)}", "model",
                            "model_required")
-        found = self._fixed.get(model) if kind == Kind.GENERATE else None
+        found = self._fixed.get(self.canonical(model)) if kind == Kind.GENERATE else None
         if found is not None:
             return found
         if self.deployments is not None and model is not None:

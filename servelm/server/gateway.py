@@ -32,8 +32,12 @@ class Gateway:
         self.app = app
         self.state = state  # ServerState: config, keys, limiter, telemetry
         self.auth_failures = FailureLimiter()  # per client address
+        self._entry = cors(state.config.server, self._handle)
 
     async def __call__(self, scope, receive, send):
+        await self._entry(scope, receive, send)
+
+    async def _handle(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         st = self.state
@@ -194,6 +198,19 @@ class Gateway:
             return
         self.state.admission.settle(rec)
         self.state.telemetry.finish(rec, quiet=rec.path in QUIET_PATHS)
+
+
+def cors(srv, app):
+    """`app` behind Starlette's CORS middleware when --allowed-origins names any (as vLLM's flags): it answers
+    a browser's preflight (OPTIONS with Origin and Access-Control-Request-Method) before keys are asked for,
+    since browsers send no credentials there, and adds the Access-Control-Allow-* headers to every response to
+    an allowed origin, errors included. Without allowed origins, `app` itself: no cross-origin access."""
+    if not srv.allowed_origins:
+        return app
+    from starlette.middleware.cors import CORSMiddleware
+
+    return CORSMiddleware(app, allow_origins=list(srv.allowed_origins), allow_methods=list(srv.allowed_methods),
+                          allow_headers=list(srv.allowed_headers), allow_credentials=srv.allow_credentials)
 
 
 def _is_done(message) -> bool:

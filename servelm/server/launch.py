@@ -31,18 +31,32 @@ class Launch:
         return self.spec is not None and (self.spec.workers > 1 or self.spec.strategy != "round_robin")
 
 
+def _serves_cli_model(config) -> bool:
+    """Whether MODEL is served: given as an argument, flag or env, or nothing else is declared."""
+    return not config.models or config.sources.get("engine.model") != "default"
+
+
+def cli_aliases(config) -> tuple[str, ...]:
+    """The further names --served-model-name gives MODEL (after the first, its id), when MODEL is served."""
+    names = config.server.served_model_name or ()
+    return tuple(names[1:]) if _serves_cli_model(config) else ()
+
+
 def fixed_models(config) -> list[Launch]:
     """What to start: MODEL (given as an argument, flag or env, or nothing else is declared) under
-    served_model_name, then each `models:` entry under its name."""
+    served_model_name's first name, then each `models:` entry under its name. The entries take the engine
+    section's settings but not MODEL's tokenizer or chat template."""
     from servelm.model.metadata import resolve_model
 
     out: list[Launch] = []
     ec, srv = config.engine, config.server
-    if not config.models or config.sources.get("engine.model") != "default":
-        out.append(Launch(srv.served_model_name or resolve_model(ec.model, ec.gguf_file).name, ec))
+    if _serves_cli_model(config):
+        name = srv.served_model_name[0] if srv.served_model_name else resolve_model(ec.model, ec.gguf_file).name
+        out.append(Launch(name, ec))
     for spec in config.models:
-        out.append(Launch(spec.name, spec.engine_config(dataclasses.replace(ec, tokenizer=None)), spec))
-    names = [launch.name for launch in out]
+        base = dataclasses.replace(ec, tokenizer=None, chat_template=None)
+        out.append(Launch(spec.name, spec.engine_config(base), spec))
+    names = [launch.name for launch in out] + list(cli_aliases(config))
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
         raise ConfigError("models.name", dup, "a name that differs from served_model_name and every other model")
@@ -67,7 +81,7 @@ async def start_engines(launches: list[Launch], start_timeout: float,
                 engines[i].launch()  # the engine process imports torch and loads the model meanwhile
         for i, launch in enumerate(launches):
             ec = launch.engine
-            tok = load_tokenizer(resolve_model(ec.model, ec.gguf_file), ec.tokenizer)
+            tok = load_tokenizer(resolve_model(ec.model, ec.gguf_file), ec.tokenizer, ec.chat_template)
             tokenizers.append(tok)
             if launch.pooled:
                 engines[i] = _deployment(launch, tok, start_timeout)

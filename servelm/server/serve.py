@@ -34,11 +34,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def load_config(args):
     """The serve config tree from file < env < these CLI args."""
+    from servelm.config.engine import ConfigError
     from servelm.config.settings import all_fields, load
 
     cli = {f.name: getattr(args, f.name) for _, f in all_fields() if hasattr(args, f.name)}
     if args.model_pos is not None:
         cli["model"] = args.model_pos
+    for name, value in cli.items():  # `serve --served-model-name a ./model`: the flag took MODEL as a name
+        if args.model_pos is None and isinstance(value, list) and len(value) > 1 and Path(value[-1]).exists():
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(name, value, f"no path ({value[-1]!r} is a file or folder: give MODEL first, as in "
+                              f"servelm serve MODEL {flag} ...)")
     return load(cli, file=args.config)
 
 
@@ -67,6 +73,7 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
     from servelm.server.api import ServerState
     from servelm.server.auth import KeyStore
     from servelm.server.directory import ModelDirectory, ServedModel
+    from servelm.server.launch import cli_aliases
     from servelm.server.metrics import Metrics
     from servelm.server.telemetry import Telemetry
 
@@ -74,11 +81,13 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
     keys = KeyStore.from_config(srv.secret("api_key"), srv.api_keys_file, srv.secret("admin_key"))
     metrics = Metrics(model_name)
     directory = ModelDirectory(metrics.for_model)
+    aliases = cli_aliases(config)
     for eng, tok, name in [(engine, tokenizer, model_name), *(more or [])]:
         m = metrics if name == model_name else metrics.for_model(name)
         if getattr(eng, "workers", None) is None:  # one engine; a deployment's workers' counters cannot share
             wire_metrics(eng, m)
-        directory.add(ServedModel(eng, tok, name, metrics=m))
+        directory.add(ServedModel(eng, tok, name, metrics=m),
+                      aliases if srv.served_model_name and name == srv.served_model_name[0] else ())
     if tracing is None and srv.otlp_endpoint:
         from servelm.server.telemetry import Tracing
 
@@ -286,6 +295,8 @@ def cmd_serve(args, engine_factory=None) -> int:
     if args.print_config:
         print(json.dumps(config.describe(), indent=2))
         return 0
+    for note in config.engine.unused_vllm_settings():
+        logger.info("%s", note)
     from servelm.model.metadata import check_model
     from servelm.server.launch import fixed_models
 

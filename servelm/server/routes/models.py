@@ -10,8 +10,9 @@ from servelm.server.protocol import APIError
 
 
 def model_cards(state) -> list[dict]:
-    """One card per id a request may name: each generation model (and each deployed version, by name and
-    by name:version), then the embedding model."""
+    """One card per id a request may name: each generation model (then its aliases, as vLLM lists every
+    --served-model-name, each with `root` naming the model's id), each deployed version by name and by
+    name:version, then the embedding model."""
     out, seen = [], set()
     for m in state.models:
         for mid in dict.fromkeys((m.name, m.served_name)):
@@ -23,6 +24,10 @@ def model_cards(state) -> list[dict]:
             if m.version is not None:
                 card.update(version=m.version.version, state=m.version.state.value, root=m.version.ref)
             out.append(card)
+            if m.version is None:
+                for alias in state.models.aliases(mid):
+                    seen.add(alias)
+                    out.append({**card, "id": alias, "root": mid})
     if state.embedder and state.embed_model_name not in seen:
         seen.add(state.embed_model_name)
         out.append({"id": state.embed_model_name, "object": "model", "created": state.created,
