@@ -10,7 +10,14 @@ import torch.nn.functional as F
 from conftest import cpu_vendor
 
 from servelm.model import cpu_kernels
-from servelm.model.layers import GateUpLinear, Linear, fused_kernels, pack_weight_for_tiles, silu_mul
+from servelm.model.layers import (
+    GateUpLinear,
+    Linear,
+    fused_kernels,
+    pack_dense_weight,
+    pack_weight_for_tiles,
+    silu_mul,
+)
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels could not be compiled here")
@@ -189,6 +196,51 @@ def test_gate_up_of_odd_width_falls_back_to_projection_then_silu_mul():
     assert torch.equal(mlp_in(x, fused), silu_mul(Linear(torch.cat([gate, up]))(x), fused))
 
 
-def test_float32_linear_keeps_plain_matmul():
-    lin = Linear(torch.randn(8, 64))
-    assert lin.avx512 is None and lin.packed is None
+def test_float32_linear_takes_the_fixed_order_dense_kernel():
+    w, x = torch.randn(8, 64), torch.randn(5, 64)
+    lin = Linear(w)
+    assert lin.avx512 is None and lin.tiles is None and lin.packed is None and lin.weight is None
+    assert lin.dense is not None and lin.panels.shape == (2, 64, 16)  # 8 outputs padded to one block of 32
+    torch.testing.assert_close(lin(x), x @ w.T)
+    assert torch.equal(lin(x[2:3]), lin(x)[2:3])  # a row alone or among others: the same bits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(40, 64), (96, 77), (32, 1)])  # N padded to a block of 32; any K
+def test_dense_kernel_matches_a_float64_reference_and_every_row_is_batch_invariant(dtype, n, k):
+    """csrc/dense_linear.cpp: x @ w.T + b summed input after input, each row the same bits whatever the rows
+    beside it (1 to 200 rows, so both the 6-row micro-kernel and its tails, and several 64-row passes)."""
+    torch.manual_seed(n + k)
+    w, b, x = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype), torch.randn(200, k).to(dtype)
+    panels = pack_dense_weight(w)
+    y = kernels.dense_linear(x, panels, n, b)
+    want = x.double() @ w.double().T + b.double()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert y.dtype == dtype and y.shape == (200, n)
+    torch.testing.assert_close(y.double(), want, atol=tol * (k ** 0.5), rtol=tol)
+    for m in (1, 2, 5, 6, 7, 63, 64, 65, 199):
+        assert torch.equal(kernels.dense_linear(x[:m], panels, n, b), y[:m]), m
+        assert torch.equal(kernels.dense_linear(x[m:m + 1], panels, n, b), y[m:m + 1]), m
+    assert torch.equal(kernels.dense_linear(x[:, :k][::3], panels, n, b), y[::3])  # a strided input
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_kernel_fused_silu_mul_rounds_as_the_op_chain(dtype):
+    torch.manual_seed(1)
+    gate, up, x = torch.randn(48, 64).to(dtype), torch.randn(48, 64).to(dtype), torch.randn(9, 64).to(dtype)
+    got = kernels.dense_linear(x, pack_dense_weight(torch.cat([gate, up]), gate_up=True), 96, silu_mul=True)
+    g = kernels.dense_linear(x, pack_dense_weight(gate), 48)
+    u = kernels.dense_linear(x, pack_dense_weight(up), 48)
+    act = (g.float() / (1 + torch.exp(-g.float()))).to(dtype)  # SiLU as the kernel computes it, then rounded
+    torch.testing.assert_close(got, (act.float() * u.float()).to(dtype))  # up to torch's exp against libm's
+    torch.testing.assert_close(got.float(), (F.silu(g.float()) * u.float()), atol=1e-2, rtol=1e-2)
+
+
+def test_dense_kernel_refuses_bad_input():
+    panels = pack_dense_weight(torch.randn(32, 64))
+    with pytest.raises(RuntimeError, match="not a weight packed for 32 x 128"):
+        kernels.dense_linear(torch.zeros(1, 128), panels, 32)
+    with pytest.raises(RuntimeError, match="packed weight of its dtype"):
+        kernels.dense_linear(torch.zeros(1, 64, dtype=torch.bfloat16), panels, 32)
+    with pytest.raises(RuntimeError, match="silu_mul needs N % 32 == 0"):
+        kernels.dense_linear(torch.zeros(1, 64), panels, 32, torch.zeros(32), silu_mul=True)
