@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import errno
+import functools
 import gc
 import logging
 import signal
@@ -219,6 +220,8 @@ async def _open_control_plane(config, state):
         logger.warning("no model registry in this build (%s): serving the declared models only", e)
         return None
     state.models.deployments = plane.deployments
+    for served in state.models.fixed():  # their replaced workers are audited as the deployments' are
+        served.engine.on_replaced = functools.partial(plane.worker_replaced, served.served_name)
     srv = config.server
     if srv.load_on_demand:
         keep = srv.keep_alive_s or None
