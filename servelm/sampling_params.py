@@ -42,12 +42,16 @@ class StructuredOutputsParams:
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of strings")
         if self.json is not None:
+            if not isinstance(self.json, str):  # a boolean schema too: true constrains nothing, false allows nothing
+                raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text), got "
+                                 f"{type(self.json).__name__}")
             try:
                 schema = json.loads(self.json)
             except ValueError as e:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
-            if not isinstance(schema, (dict, bool)):
-                raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+            if not isinstance(schema, dict):
+                raise ValueError("structured_outputs.json must be a JSON schema (an object), got "
+                                 f"{type(schema).__name__}")
 
     @property
     def kind(self) -> str:

@@ -243,6 +243,8 @@ def test_a_dead_or_hung_worker_is_replaced_and_its_queued_requests_served_by_the
         base = dataclasses.replace(BASE, max_num_seqs=2)  # a third request waits in the worker's queue
         dep = _deployment(_version(llama_dir), 2, "round_robin", base=base,
                           health=HealthSettings(interval_s=0.2, timeout_s=1.5, kill_after_s=4.0))
+        replaced = []  # what the deployment reports for the audit trail
+        dep.on_replaced = lambda before, after: replaced.append((before, after))
         await dep.start()
         try:
             victim, other = dep.workers
@@ -262,6 +264,9 @@ def test_a_dead_or_hung_worker_is_replaced_and_its_queued_requests_served_by_the
             assert other.routed == routed_before + len(queued)  # the queued ones were re-sent to the other
             await _until(lambda: victim.engine.ready and victim.engine.restarts == 1, "the victim to come back")
             assert victim.pid != pid and not _alive(pid)
+            assert replaced == [({"worker": victim.id, "pid": pid, "exit_code": -signal.SIGKILL,
+                                  "cause": "died" if how == "sigkill" else "hung"},
+                                 {"worker": victim.id, "pid": victim.pid, "restarts": 1})]
             before = victim.routed
             await asyncio.gather(*(_run(dep, f"after{i}", [1, 2], 2) for i in range(2)))
             assert victim.routed == before + 1  # back in rotation

@@ -178,7 +178,9 @@ def test_errors_and_keys(srv):
         _infer(g, grpcclient, "iris", np.zeros((1, F)), headers={"authorization": "Bearer sk-wrong-key"})
     r = httpx.post(srv[0] + "/v2/models/iris/infer", json={"inputs": [{"name": "a", "datatype": "FP64",
                                                                         "shape": [1, F], "data": [0] * F}]})
-    assert r.status_code == 401
+    assert r.status_code == 401 and isinstance(r.json()["error"], str)  # the protocol's error shape
+    r = httpx.get(srv[0] + "/v2")  # the server metadata route too (it had OpenAI's shape)
+    assert r.status_code == 401 and isinstance(r.json()["error"], str)
     r = httpx.post(srv[0] + "/v2/models/iris/versions/3/infer", headers=AUTH_HTTP,
                    json={"inputs": [{"name": "a", "datatype": "FP64", "shape": [1, F], "data": [0] * F}]})
     assert r.status_code == 404 and r.json()["code"] == "model_not_found"  # the protocol's error shape

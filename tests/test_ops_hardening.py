@@ -30,7 +30,8 @@ def ops(llama_dir, tmp_path_factory):
     proc, url = start_server(llama_dir, "--num-kv-blocks", "256", "--max-model-len", "1024",
                              "--max-embedding-inputs", "8", "--api-key-file", str(d / "api.key"),
                              "--admin-key-file", str(d / "admin.key"), "--header-timeout-s", "1",
-                             "--auth-failures-per-minute", "5", env={"SERVELM_MAX_REQUEST_TOKENS": "120"})
+                             "--auth-failures-per-minute", "5", "--data-dir", str(d / "data"),  # an audit trail
+                             env={"SERVELM_MAX_REQUEST_TOKENS": "120"})
     yield proc, url
     assert stop_server(proc) == 0
 
@@ -212,3 +213,12 @@ def test_engine_kill_is_reported_at_once_with_no_ghost_requests(ops):
             for gauge in ("servelm:engine_up", "servelm:num_requests_running", "servelm:num_requests_waiting"):
                 assert f'{gauge}{{model_name="tiny"}} 0.0' in metrics, gauge
         assert (st["running"], st["waiting"], st["engine"]["in_flight"], st["queue"]["depth"]) == (0, 0, 0, 0)
+    # the replacement is in the audit trail, once it is ready
+    new = _wait(lambda: (e := httpx.get(url + "/server/stats", headers=AUTH).json()["engine"])["ready"] and e["pid"],
+                120, "the replacement engine to be ready")
+    entries = _wait(lambda: [e for e in httpx.get(url + "/admin/audit", params={"target": "tiny"},
+                                                  headers=ADMIN).json()["entries"] if e["action"] == "replace_worker"],
+                    30, "the replaced worker's audit entry")
+    assert [(e["actor"], e["before"], e["after"]) for e in entries] == [
+        ("system", {"pid": pid, "exit_code": -signal.SIGKILL, "cause": "died"}, {"pid": new, "restarts": 1})]
+    assert httpx.get(url + "/admin/audit", headers=ADMIN).json()["ok"] is True

@@ -16,6 +16,9 @@ from servelm import LLM, EngineConfig, SamplingParams
     ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     ({"logprobs": 21}, "logprobs"), ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"logit_bias": {3: 200}}, "logit_bias"),
+    ({"structured_outputs": {"json": True}}, "structured_outputs.json"),  # was a TypeError from json.loads
+    ({"structured_outputs": {"json": False}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json": "true"}}, "structured_outputs.json"),
 ])
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):

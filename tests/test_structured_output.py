@@ -133,6 +133,14 @@ def test_stop_string_and_max_tokens_end_a_grammar_early(client):
         "type": "object", "properties": {"a": {"type": "integer", "not": {"const": 3}}}}}}},
      "response_format.json_schema.schema", "'not'"),
     ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "'uniqueItems'"),
+    # a whole schema is an object: booleans (a 500 once) and their JSON text are 400s naming the field
+    ({"guided_json": False}, "guided_json", "guided_json"),
+    ({"guided_json": True}, "guided_json", "guided_json"),
+    ({"guided_json": "false"}, "guided_json", "must be a JSON schema (an object)"),
+    ({"structured_outputs": {"json": True}}, "structured_outputs.json", "structured_outputs.json"),
+    ({"structured_outputs": {"json": False}}, "structured_outputs.json", "structured_outputs.json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
+     "response_format.json_schema.schema", "response_format.json_schema.schema"),
     ({"guided_regex": "a(b"}, None, "regex"),  # found by the engine's compiler
     ({"guided_grammar": "root ::= undefined_rule"}, None, "undefined_rule"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "only one"),

@@ -218,6 +218,23 @@ def test_openapi_lists_real_statuses_and_bounds(server):
     assert patch["properties"]["max_num_seqs"]["minimum"] == 1 and not patch["additionalProperties"]
 
 
+@pytest.mark.parametrize("method, path, route, body", [
+    ("GET", "/v2/models/nope", "/v2/models/{name}", None),
+    ("GET", "/v2/models/nope/versions/1/ready", "/v2/models/{name}/versions/{version}/ready", None),
+    ("POST", "/v2/models/nope/infer", "/v2/models/{name}/infer", {"inputs": []}),
+    ("POST", "/v1/completions", "/v1/completions", {"model": "nope", "prompt": "hi"}),  # OpenAI's shape
+])
+def test_404_bodies_match_the_openapi_document(server, method, path, route, body):
+    """/v2's errors are the Open Inference Protocol's {"error": "<message>"}, and the document says so."""
+    import jsonschema
+
+    doc = httpx.get(server + "/openapi.json").json()
+    r = httpx.request(method, server + path, json=body)
+    assert r.status_code == 404, r.text
+    schema = doc["paths"][route][method.lower()]["responses"]["404"]["content"]["application/json"]["schema"]
+    jsonschema.validate(r.json(), {**schema, "components": doc["components"]})
+
+
 def test_native_default_max_tokens_fits_the_context(server):
     """/generate's default of 128 new tokens is capped by what the context holds (512 - 500 here)."""
     r = httpx.post(server + "/generate", json={"prompt": "hi " * 500, "temperature": 0})

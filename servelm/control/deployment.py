@@ -106,6 +106,7 @@ class Deployment:
         self.last_used = time.monotonic()
         self.last_swap: dict[str, float] = {}
         self.on_ready = self.on_down = self.on_step = None  # as AsyncEngine's, for every worker
+        self.on_replaced = None  # as AsyncEngine's, for every worker, with the worker's id in before and after
 
     @staticmethod
     def _strategy(name: str, config: EngineConfig):
@@ -339,11 +340,13 @@ class Deployment:
 
     def _new_worker(self, gen: Generation, slot: int) -> Worker:
         engine = AsyncEngine(self._worker_config(gen.config, slot), gen.tokenizer, start_timeout=self.start_timeout)
+        worker = Worker(next(self._ids), engine)
+        worker.slot = slot
         engine.on_ready = lambda msg, restarted: self.on_ready and self.on_ready(msg, restarted)
         engine.on_down = lambda: self.on_down and self.on_down()
         engine.on_step = lambda msg, outs: self.on_step and self.on_step(msg, outs)
-        worker = Worker(next(self._ids), engine)
-        worker.slot = slot
+        engine.on_replaced = lambda before, after: self.on_replaced and self.on_replaced(
+            {"worker": worker.id, **before}, {"worker": worker.id, **after})
         return worker
 
     async def _start_workers(self, gen: Generation, n: int) -> list[Worker]:

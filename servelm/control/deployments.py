@@ -36,7 +36,9 @@ class DeploymentManager:
     with `to` and `error`), with the deployment's `describe()` record, so the caller can persist and audit
     it. `production_of(name)`
     names the PRODUCTION version of a model (the registry's view; default: the deployed versions' states);
-    `policy_of(name)` its traffic policy, if any (see `route`).
+    `policy_of(name)` its traffic policy, if any (see `route`). `on_replaced(deployment_id, before, after)` is
+    called when a deployment's worker process died (or was killed as hung) and its replacement is ready (see
+    AsyncEngine.on_replaced), for the audit trail.
     Deployments idle for their `keep_alive_s` are unloaded; under memory pressure idle ones are unloaded
     least recently used first.
     """
@@ -46,10 +48,12 @@ class DeploymentManager:
                  production_of: Callable[[str], int | None] | None = None, start_timeout: float = 600.0,
                  health: HealthSettings | None = None, reap_every_s: float = 5.0,
                  policy_of: Callable[[str], TrafficPolicy | None] | None = None,
-                 drain_timeout_s: float = 600.0) -> None:
+                 drain_timeout_s: float = 600.0,
+                 on_replaced: Callable[[str, dict, dict], None] | None = None) -> None:
         self.engine_base = engine_base or EngineConfig()
         self.budget = budget or MemoryBudget(device=self.engine_base.device)
         self.on_change, self.production_of, self.policy_of = on_change, production_of, policy_of
+        self.on_replaced = on_replaced
         self.start_timeout, self.health = start_timeout, health
         self.reap_every_s = reap_every_s
         self.drain_timeout_s = drain_timeout_s  # how long a swap, scale-down or unload lets requests finish
@@ -174,6 +178,8 @@ class DeploymentManager:
                            self.start_timeout, self.health, drain_timeout_s=self.drain_timeout_s,
                            keep_alive_s=keep_alive_s)
             config = d.config
+            if self.on_replaced is not None:
+                d.on_replaced = lambda before, after, i=d.id: self.on_replaced(i, before, after)
         if d.id in self._deployments or d.id in self._creating:
             raise ControlError(409, f"deployment {d.id!r} exists already", code="deployment_exists")
         # Claimed before the first await: a concurrent create of the same id (two admin calls, or an admin

@@ -41,6 +41,8 @@ class ControlPlane:
         self.engine_base = engine_base
         self.start_timeout = start_timeout
         self.model_roots = model_roots  # where register may import from (control/model_roots.py); None: anywhere
+        self._audits: set[asyncio.Task] = set()  # replaced workers' audit entries being written
+        self._closed = False
 
     @classmethod
     def open(cls, config) -> ControlPlane:
@@ -54,12 +56,33 @@ class ControlPlane:
         plane.deployments = DeploymentManager(engine_base=config.engine, on_change=plane._on_change,
                                               production_of=plane._production_of,
                                               start_timeout=srv.engine_start_timeout_s,
-                                              drain_timeout_s=srv.swap_drain_timeout_s)
+                                              drain_timeout_s=srv.swap_drain_timeout_s,
+                                              on_replaced=plane.worker_replaced)
         return plane
 
     async def close(self) -> None:
+        self._closed = True
         await self.deployments.shutdown()
+        await asyncio.gather(*self._audits, return_exceptions=True)  # replacements still being written
         self.registry.close()
+
+    def worker_replaced(self, target: str, before: dict, after: dict) -> None:
+        """Audit a replaced worker: its engine process died (or was killed as hung), was restarted, and
+        the new one is ready. `target` is the deployment's id or the fixed model's name; before and after are
+        AsyncEngine.on_replaced's. Called on the event loop; the write runs on the registry's writer thread."""
+        if self._closed:  # a fixed model's engine outlives the registry at shutdown
+            logger.warning("%s: worker replaced after the registry closed, not audited: %s -> %s", target, before,
+                           after)
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._audit(SYSTEM, "replace_worker", target, before, after))
+        self._audits.add(task)
+        task.add_done_callback(self._audited)
+
+    def _audited(self, task: asyncio.Task) -> None:
+        self._audits.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("could not audit a replaced worker: %s", task.exception())
 
     # -- versions ----------------------------------------------------------------------------------
     async def register(self, name: str, path: str, *, labels: dict | None, engine: dict | None,

@@ -16,6 +16,7 @@ from starlette.datastructures import Headers
 from starlette.routing import Match
 
 from servelm.server.auth import KeyStore, presented_key
+from servelm.server.openapi import is_oip_path
 from servelm.server.protocol import APIError
 from servelm.server.ratelimit import FailureLimiter
 from servelm.server.telemetry import RequestRecord
@@ -87,7 +88,7 @@ class Gateway:
             if error is None:
                 body, error = await _read_body(receive, headers, st.config.server.max_request_body_bytes)
             if error is not None:
-                await _send_error(send_wrapped, error, oip=path.startswith("/v2/"))
+                await _send_error(send_wrapped, error, oip=is_oip_path(path))
                 return
             await self.app(scope, _replay(body, receive), send_wrapped)
         except Exception:

@@ -14,6 +14,12 @@ ERROR_SCHEMA = {
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
 }
+# The Open Inference Protocol's error shape, which every /v2 route answers (servelm.server.oip_codec.error_body).
+OIP_ERROR_SCHEMA = {
+    "type": "object", "required": ["error", "code", "param"], "additionalProperties": False,
+    "properties": {"error": {"type": "string"}, "code": {"type": ["string", "null"]},
+                   "param": {"type": ["string", "null"]}},
+}
 _WHY = {400: "invalid request", 401: "missing or invalid API key", 403: "the key may not do this",
         404: "unknown model or route", 408: "queue timeout", 413: "request body too large",
         409: "the state forbids it (lifecycle, deployment in use)", 429: "rate limit",
@@ -26,9 +32,9 @@ _GENERATION = {"/v1/completions", "/v1/chat/completions", "/generate", "/chat", 
 
 def statuses(path: str, method: str) -> set[int]:
     """The error statuses a route can answer (gateway: body limit, keys, rate limits; then the route's own)."""
-    if path == "/health":
+    if path in ("/health", "/v2/health/live"):
         return {413}
-    if path == "/ready":
+    if path in ("/ready", "/v2/health/ready"):
         return {413, 503}
     if path == "/metrics":
         return {401, 413}  # 401 with --metrics-require-key
@@ -43,7 +49,14 @@ def statuses(path: str, method: str) -> set[int]:
         out.add(408)
     if "{" in path:
         out.add(404)
+    if path.startswith("/v2/models/"):
+        out.add(503)  # the version cannot be loaded
     return out
+
+
+def is_oip_path(path: str) -> bool:
+    """Whether a path is the Open Inference Protocol's (/v2), whose errors have that protocol's shape."""
+    return path == "/v2" or path.startswith("/v2/")
 
 
 def _bound_token_ids(node, vocab: int) -> None:
@@ -112,13 +125,15 @@ def install_openapi(app: FastAPI, vocab_size, max_model_len) -> None:
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)
         schemas["Error"] = ERROR_SCHEMA
+        schemas["OipError"] = OIP_ERROR_SCHEMA
         for path, ops in doc.get("paths", {}).items():
+            ref = "#/components/schemas/" + ("OipError" if is_oip_path(path) else "Error")
             for method, op in ops.items():
                 responses = op.setdefault("responses", {})
                 responses.pop("422", None)
                 for status in sorted(statuses(path, method)):
                     responses[str(status)] = {"description": _WHY[status], "content": {
-                        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+                        "application/json": {"schema": {"$ref": ref}}}}
         paths = doc.get("paths", {})
         if "/metrics" in paths:  # Prometheus text, not JSON
             paths["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}

@@ -124,7 +124,8 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-JSONSchema = dict[str, Any] | bool
+# a whole JSON schema is an object (booleans are schemas only inside one)
+SchemaObject = dict[str, Any]
 
 
 class JSONSchemaFormat(_Body):
@@ -133,7 +134,7 @@ class JSONSchemaFormat(_Body):
     model_config = ConfigDict(populate_by_name=True)
     name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
     description: str | None = None
-    schema_: JSONSchema | None = Field(None, alias="schema")
+    schema_: SchemaObject | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
@@ -145,7 +146,7 @@ class ResponseFormat(_Body):
 class StructuredOutputsField(_Body):
     """vLLM's `structured_outputs` request field: exactly one of these."""
 
-    json_: JSONSchema | str | None = Field(None, alias="json")
+    json_: SchemaObject | str | None = Field(None, alias="json")
     regex: Text | None = None
     choice: Texts | None = None
     grammar: Text | None = None
@@ -154,7 +155,7 @@ class StructuredOutputsField(_Body):
     model_config = ConfigDict(populate_by_name=True)
 
 
-def _schema_of(value: JSONSchema | str, param: str) -> JSONSchema:
+def _schema_of(value: SchemaObject | str, param: str) -> SchemaObject:
     """A JSON schema given as an object or as JSON text, checked for keywords the grammar cannot enforce (400
     naming the keyword)."""
     if isinstance(value, str):
@@ -162,6 +163,9 @@ def _schema_of(value: JSONSchema | str, param: str) -> JSONSchema:
             value = json.loads(value)
         except ValueError as e:
             raise APIError(400, f"{param}: not valid JSON: {e}", param) from None
+    if not isinstance(value, dict):  # a boolean is a schema only inside another here: as the whole schema, true
+        # would constrain nothing and false allow nothing
+        raise APIError(400, f"{param}: must be a JSON schema (an object), got {json.dumps(value)[:40]}", param)
     try:
         check_schema(value)
     except ValueError as e:
@@ -201,7 +205,7 @@ class _SamplingFields(_Body):
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     # structured output: OpenAI's response_format, and vLLM's extensions (at most one of them)
     response_format: ResponseFormat | None = None
-    guided_json: JSONSchema | str | None = None
+    guided_json: SchemaObject | str | None = None
     guided_regex: Text | None = None
     guided_choice: Texts | None = None
     guided_grammar: Text | None = None
@@ -234,7 +238,8 @@ class _SamplingFields(_Body):
         so = self.structured_outputs
         if so is not None:
             kw = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                                    ("grammar", so.grammar), ("json_object", so.json_object)) if v}
+                                    ("grammar", so.grammar), ("json_object", so.json_object))
+                  if v or (k == "json" and v is not None)}
             if "json" in kw:
                 kw["json"] = _schema_of(kw["json"], "structured_outputs.json")
             given.append(("structured_outputs", kw))

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import errno
+import functools
 import gc
 import logging
 import signal
@@ -228,6 +229,8 @@ async def _open_control_plane(config, state):
         logger.warning("no model registry in this build (%s): serving the declared models only", e)
         return None
     state.models.deployments = plane.deployments
+    for served in state.models.fixed():  # their replaced workers are audited as the deployments' are
+        served.engine.on_replaced = functools.partial(plane.worker_replaced, served.served_name)
     srv = config.server
     if srv.load_on_demand:
         keep = srv.keep_alive_s or None
@@ -249,14 +252,17 @@ def uvicorn_config(app, srv):
 
 
 def _http_protocol(srv):
-    """uvicorn's HTTP protocol (httptools if installed, else h11), with the request-head timeout."""
-    if srv.header_timeout_s <= 0:
-        return "auto"
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    """uvicorn's h11 protocol, with the request-head timeout. h11 whether or not httptools is installed (Ray
+    brings it, and uvicorn's "auto" would pick it): uvicorn's httptools protocol answers an HTTP/1.0 client's
+    stream chunked, which that client cannot read (so `data: [DONE]` is not the last thing it reads), and
+    accepts request heads of any size, where h11 answers a head over its 16 KiB limit with 400."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
+    if srv.header_timeout_s <= 0:
+        return H11Protocol
     from servelm.server.header_timeout import with_header_timeout
 
-    return with_header_timeout(AutoHTTPProtocol, srv.header_timeout_s)
+    return with_header_timeout(H11Protocol, srv.header_timeout_s)
 
 
 class _DrainingServer:

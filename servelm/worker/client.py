@@ -85,6 +85,8 @@ class AsyncEngine:
         self._proc: multiprocessing.Process | None = None
         self._stopping = False
         self._handled: multiprocessing.Process | None = None  # the dead engine process already dealt with
+        self._killed: multiprocessing.Process | None = None  # the process kill() was asked to end (hung)
+        self._replacing: dict | None = None  # the dead process a restart replaces, until the new one is ready
         self._tasks: list[asyncio.Task] = []
         base = os.path.join(tempfile.gettempdir(), f"servelm-{uuid.uuid4().hex[:12]}")
         self._in_addr, self._out_addr = f"ipc://{base}-in", f"ipc://{base}-out"
@@ -101,6 +103,10 @@ class AsyncEngine:
         self.on_step = None  # optional callback(StepOutputs, outputs) for metrics
         self.on_ready = None  # optional callback(Ready, restarted: bool)
         self.on_down = None  # optional callback() when the engine process dies
+        # optional callback(before, after) once an engine process that died (or was killed as hung) has been
+        # replaced and the new one is ready: before {"pid", "exit_code", "cause": "died" | "hung"}, after
+        # {"pid", "restarts"}
+        self.on_replaced = None
 
     def set_tokenizer(self, tokenizer) -> None:
         """The tokenizer may come after launch(): no request is accepted before it is set."""
@@ -222,6 +228,7 @@ class AsyncEngine:
     def kill(self) -> None:
         """Kill the engine process (a hung one): its death is handled as any other, and it is restarted."""
         if self._proc is not None and self._proc.is_alive():
+            self._killed = self._proc
             self._proc.kill()
 
     @property
@@ -257,6 +264,9 @@ class AsyncEngine:
             self._ready_event.set()
             return
         self.restarts += 1
+        if was_ready:  # a replacement that dies while starting leaves this the process being replaced
+            self._replacing = {"pid": proc.pid, "exit_code": proc.exitcode,
+                               "cause": "hung" if proc is self._killed else "died"}
         self._spawn()
 
     def _fail_all(self, err: Exception) -> None:
@@ -282,6 +292,12 @@ class AsyncEngine:
                 self._ready_event.set()
                 if self.on_ready is not None:
                     self.on_ready(msg, self.restarts > 0)
+                replaced, self._replacing = self._replacing, None
+                if replaced is not None and self.on_replaced is not None:
+                    try:
+                        self.on_replaced(replaced, {"pid": msg.pid, "restarts": self.restarts})
+                    except Exception:  # reporting it must never stop the engine's outputs being read
+                        logger.exception("on_replaced failed")
                 logger.info("engine ready (pid %s, max_model_len %d)", msg.pid, msg.max_model_len)
             elif isinstance(msg, m.KVCacheDone):
                 fut = self._kv_ops.pop(msg.op_id, None)
