@@ -90,7 +90,7 @@ def test_validation_counts_in_the_budget_and_loads_its_tokenizer_under_the_lock(
     seen: dict = {}
     plane = _plane(tmp_path)
 
-    def load_tokenizer(path, tokenizer=None):
+    def load_tokenizer(path, tokenizer=None, chat_template=None):
         seen.update(locked=deployment._TOKENIZER_LOCK.locked(), in_use=plane.deployments.in_use())
         return lambda text: SimpleNamespace(input_ids=[1, 2, 3])
     monkeypatch.setattr(metadata, "load_tokenizer", load_tokenizer)
