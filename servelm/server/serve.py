@@ -252,17 +252,14 @@ def uvicorn_config(app, srv):
 
 
 def _http_protocol(srv):
-    """uvicorn's h11 protocol, with the request-head timeout. h11 whether or not httptools is installed (Ray
-    brings it, and uvicorn's "auto" would pick it): uvicorn's httptools protocol answers an HTTP/1.0 client's
-    stream chunked, which that client cannot read (so `data: [DONE]` is not the last thing it reads), and
-    accepts request heads of any size, where h11 answers a head over its 16 KiB limit with 400."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
+    """uvicorn's HTTP protocol (httptools if installed, else h11), with the request-head timeout."""
     if srv.header_timeout_s <= 0:
-        return H11Protocol
+        return "auto"
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
     from servelm.server.header_timeout import with_header_timeout
 
-    return with_header_timeout(H11Protocol, srv.header_timeout_s)
+    return with_header_timeout(AutoHTTPProtocol, srv.header_timeout_s)
 
 
 class _DrainingServer:
