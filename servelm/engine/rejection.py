@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from servelm.engine.sampler import Sampler
+from servelm.engine.sampler import Sampler, draw
 from servelm.engine.sequence import Sequence
 from servelm.engine.step_outputs import SampleResult
 
@@ -39,14 +39,15 @@ def verify(sampler: Sampler, logits: torch.Tensor, seq: Sequence, drafts: list[i
     if params.greedy:  # the sampler's own choice per row: the same code path as a plain decode
         _, results = sampler.sample(logits, rows)
         return results[:num_accepted(drafts, [r.token_id for r in results]) + 1]
-    logits = logits.cpu()
     raw = torch.log_softmax(logits.float(), dim=-1) if params.logprobs is not None else None
-    probs = sampler.probs(sampler._process(logits, rows), rows)
+    probs = sampler.weights(sampler._process(logits, rows), rows)
     probs = probs / probs.sum(dim=-1, keepdim=True)
     gen = seq.generator or sampler.generator
+    p_drafts = probs[torch.arange(len(drafts), device=probs.device),
+                     torch.tensor(drafts, dtype=torch.long, device=probs.device)].tolist()  # one copy to the host
     tokens: list[int] = []
     for j, d in enumerate(drafts):
-        if float(torch.rand((), generator=gen)) < float(probs[j, d]):
+        if float(torch.rand((), generator=gen)) < p_drafts[j]:
             tokens.append(d)
             continue
         residual = probs[j].clone()
@@ -57,11 +58,11 @@ def verify(sampler: Sampler, logits: torch.Tensor, seq: Sequence, drafts: list[i
         tokens.append(_draw(probs[len(drafts)], gen))
     results = [SampleResult(t) for t in tokens]
     if raw is not None:
-        sampler._attach_logprobs(raw[:len(tokens)], torch.tensor(tokens), [params] * len(tokens), results)
+        sampler._attach_logprobs(raw[:len(tokens)], torch.tensor(tokens, device=raw.device), [params] * len(tokens),
+                                 results)
     return results
 
 
 def _draw(p: torch.Tensor, gen: torch.Generator) -> int:
-    """One token from the (unnormalized) distribution p: the exponential race, as the sampler draws."""
-    noise = torch.empty_like(p).exponential_(generator=gen)
-    return int((p / noise).argmax())
+    """One token from the (unnormalized) distribution p, drawn as the sampler draws (one uniform number)."""
+    return int(draw(p[None], torch.rand(1, generator=gen).to(p.device))[0])

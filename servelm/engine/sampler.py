@@ -1,9 +1,10 @@
-"""Vectorized sampling over a batch of logits rows, each row with its own SamplingParams.
+"""Vectorized sampling over a batch of logits rows, each row with its own SamplingParams, on the logits' device:
+only the chosen ids and the requested logprobs cross to the host.
 
 Order: logprobs of the raw distribution; logit_bias; min_tokens masking; repetition, frequency and presence
 penalties; the grammar's mask (structured output, only in rows that have a grammar); then greedy argmax, or
-temperature, top-k, top-p, min-p and a draw. Draws use the "exponential race" (argmax of p / Exp(1) noise), so
-a seeded row only consumes its own generator and its result does not depend on the rest of the batch.
+temperature, top-k, top-p and min-p and a draw with one uniform number per row (`kept_weights`, `draw`). A
+seeded row draws its number from its own generator, so its tokens do not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -14,12 +15,67 @@ from servelm.engine.sequence import Sequence
 from servelm.engine.step_outputs import SampleResult
 from servelm.model import cpu_kernels
 
+_TINY = torch.finfo(torch.float32).tiny  # the smallest weight that stays: a weight of 0 never does
+
+
+def _cpu_kernels(x: torch.Tensor):
+    return cpu_kernels.load() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
+
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """First argmax of each row; the C++ kernel on CPU (torch's reduction there is scalar and was 6% of a
     batch-64 step), torch elsewhere. Both return the first of tied maxima."""
-    kernels = cpu_kernels.load() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
+    kernels = _cpu_kernels(x)
     return kernels.argmax_rows(x) if kernels is not None else x.argmax(dim=-1)
+
+
+def kept_weights(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor) -> torch.Tensor:
+    """Each row's distribution after temperature, top-k, top-p and min-p, as weights e = exp((x - max) / T) (1 for
+    the most likely token) with 0 where a token was dropped; unnormalized, which a draw does not need.
+
+    Top-k keeps the weights at least the k-th largest; top-p the tokens for which the kept weight of strictly more
+    likely tokens is below p times all kept weight (the smallest nucleus reaching p); min-p the weights at least
+    min_p. Ties at a cut all stay, so the result does not depend on how a sort orders equal values. The C++ kernel
+    (model/csrc/sample.cpp) computes the same cuts without sorting a whole row."""
+    x = logits.float()
+    vocab = x.shape[-1]
+    e = torch.exp((x - x.max(dim=-1, keepdim=True).values) / temperature[:, None])
+    lo = torch.full_like(e[:, :1], _TINY)
+    cut_k = (top_k > 0) & (top_k < vocab)
+    cut_p = top_p < 1
+    if bool((cut_k | cut_p).any()):
+        s = e.sort(dim=-1, descending=True).values
+        kth = s.gather(1, (torch.where(cut_k, top_k, vocab) - 1)[:, None])
+        lo = torch.where(cut_k[:, None], kth.clamp(min=_TINY), lo)
+        s = torch.where(s >= lo, s, 0.0)
+        before = s.cumsum(dim=-1) - s  # kept weight of the more likely tokens (the first of ties: strictly more)
+        inside = (before < top_p[:, None] * s.sum(dim=-1, keepdim=True)).sum(dim=-1, keepdim=True).clamp(min=1)
+        lo = torch.where(cut_p[:, None], torch.maximum(lo, s.gather(1, inside - 1)), lo)
+    lo = torch.maximum(lo, min_p[:, None].to(lo.dtype))
+    return torch.where(e >= lo, e, 0.0)
+
+
+def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of unnormalized weights: the first, in vocabulary order, at which the running sum passes
+    u times the row's total (u uniform in [0, 1))."""
+    cum = weights.cumsum(dim=-1)
+    tokens = (cum <= u[:, None].to(cum) * cum[:, -1:]).sum(dim=-1)
+    past = tokens >= weights.shape[-1]  # rounding put the target at the very end: the last kept token
+    if bool(past.any()):
+        last = weights.shape[-1] - 1 - (weights > 0).flip(-1).int().argmax(dim=-1)
+        tokens = torch.where(past, last, tokens)
+    return tokens
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of `kept_weights`, drawn with u: the C++ kernel on CPU (a sort and a full-vocabulary
+    draw per row cost more than a decode step there), torch elsewhere."""
+    kernels = _cpu_kernels(logits)
+    if kernels is not None:
+        return kernels.sample_rows(logits, temperature, top_k, top_p, min_p, u)
+    return draw(kept_weights(logits, temperature, top_k, top_p, min_p), u)
 
 
 class Sampler:
@@ -41,18 +97,15 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], num_bare: int = 0
                ) -> tuple[list[int], list[SampleResult]]:
         """Tokens for each row: the first `num_bare` rows (which want no logprobs) as bare token ids, the rest
-        as SampleResults. Logits on a GPU stay there for a plain greedy batch (only the chosen ids cross to the
-        host); anything else runs here on the host (seeded generators, penalties, logprobs)."""
-        if logits.device.type != "cpu":
-            if self.plain_greedy(seqs):
-                token_list = logits.argmax(dim=-1).tolist()
-                return token_list[:num_bare], [SampleResult(t) for t in token_list[num_bare:]]
-            logits = logits.cpu()
+        as SampleResults. Everything runs where the logits are; the ids and logprobs come back in one copy each."""
+        if self.plain_greedy(seqs):
+            token_list = argmax_rows(logits).tolist()
+            return token_list[:num_bare], [SampleResult(t) for t in token_list[num_bare:]]
         params = [s.request.params for s in seqs]
-        want_lp = [p.logprobs is not None for p in params]
         # logits arrive in the model's dtype: a greedy row takes its argmax there (widening to float32 is
         # exact, so the choice is the same), everything else widens first.
-        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(want_lp) else None
+        want_lp = any(p.logprobs is not None for p in params[num_bare:])
+        raw_logprobs = torch.log_softmax(logits[num_bare:].float(), dim=-1) if want_lp else None
         logits = self._process(logits, seqs)
         grammar_rows = [r for r, s in enumerate(seqs) if s.matcher is not None]
         if grammar_rows:  # a batch without structured output never gets here
@@ -63,11 +116,10 @@ class Sampler:
         token_list = tokens.tolist()
         results = [SampleResult(t) for t in token_list[num_bare:]]
         if raw_logprobs is not None:
-            self._attach_logprobs(raw_logprobs[num_bare:], tokens[num_bare:], params[num_bare:], results)
+            self._attach_logprobs(raw_logprobs, tokens[num_bare:], params[num_bare:], results)
         return token_list[:num_bare], results
 
     def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        vocab = logits.shape[-1]
         rows, cols, vals = [], [], []
         banned_rows, banned_cols = [], []
         penalty_rows = []
@@ -85,88 +137,91 @@ class Sampler:
                 penalty_rows.append(r)
         if not (rows or banned_rows or penalty_rows):
             return logits
+        dev = logits.device
         logits = logits.to(torch.float32, copy=True)
         if rows:
-            logits.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(vals), accumulate=True)
+            logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                              torch.tensor(vals, device=dev), accumulate=True)
         if banned_rows:
-            logits[torch.tensor(banned_rows), torch.tensor(banned_cols)] = float("-inf")
+            logits[torch.tensor(banned_rows, device=dev), torch.tensor(banned_cols, device=dev)] = float("-inf")
         if penalty_rows:
-            idx = torch.tensor(penalty_rows)
-            logits[idx] = self._penalize(logits[idx], [seqs[r] for r in penalty_rows], vocab)
+            idx = torch.tensor(penalty_rows, device=dev)
+            logits[idx] = self._penalize(logits[idx], [seqs[r] for r in penalty_rows])
         return logits
 
     @staticmethod
-    def _penalize(logits: torch.Tensor, seqs: list[Sequence], vocab: int) -> torch.Tensor:
-        n = len(seqs)
-        out_counts = torch.zeros(n, vocab + 1)
-        seen = torch.zeros(n, vocab + 1, dtype=torch.bool)
-        max_out = max(s.num_output_tokens for s in seqs)
-        if max_out:
-            ids = torch.full((n, max_out), vocab, dtype=torch.long)  # padding lands in the spare column
-            for r, s in enumerate(seqs):
-                out = s.output_token_ids
-                ids[r, : len(out)] = torch.tensor(out, dtype=torch.long)
-            out_counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-        for r, s in enumerate(seqs):
-            seen[r, torch.tensor(s.request.prompt_token_ids, dtype=torch.long)] = True
-        out_counts, seen = out_counts[:, :vocab], (seen[:, :vocab] | (out_counts[:, :vocab] > 0))
-        rep = torch.tensor([s.request.params.repetition_penalty for s in seqs])[:, None]
-        freq = torch.tensor([s.request.params.frequency_penalty for s in seqs])[:, None]
-        pres = torch.tensor([s.request.params.presence_penalty for s in seqs])[:, None]
-        # Repetition penalty (transformers/CTRL style) over prompt and output tokens.
+    def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Repetition penalty (transformers/CTRL style) over prompt and output tokens; OpenAI frequency and
+        presence penalties over output tokens. The token ids of all rows travel as one ragged array."""
+        n, vocab = logits.shape
+        dev = logits.device
+        outs = [s.output_token_ids for s in seqs]
+        prompts = [s.request.prompt_token_ids for s in seqs]
+        out_counts = torch.zeros(n, vocab, device=dev)
+        if any(outs):
+            ids = torch.tensor([t for o in outs for t in o], dtype=torch.long, device=dev)
+            owner = torch.repeat_interleave(torch.arange(n), torch.tensor([len(o) for o in outs])).to(dev)
+            out_counts.index_put_((owner, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+        seen = out_counts > 0
+        ids = torch.tensor([t for pr in prompts for t in pr], dtype=torch.long, device=dev)
+        owner = torch.repeat_interleave(torch.arange(n), torch.tensor([len(pr) for pr in prompts])).to(dev)
+        seen[owner, ids] = True
+        ps = [s.request.params for s in seqs]
+        rep, freq, pres = (torch.tensor([getattr(p, f) for p in ps], device=dev)[:, None]
+                           for f in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalized, logits)
-        # OpenAI frequency/presence penalties over output tokens only.
         return logits - freq * out_counts - pres * (out_counts > 0).float()
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        tokens = argmax_rows(logits)
         rand_rows = [r for r, s in enumerate(seqs) if not s.request.params.greedy]
         if not rand_rows:
-            return tokens
-        rr = torch.tensor(rand_rows)
-        probs = self.probs(logits[rr], [seqs[r] for r in rand_rows])
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(rand_rows) if seqs[r].generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
-        for i, r in enumerate(rand_rows):
-            g = seqs[r].generator
-            if g is not None:
-                noise[i].exponential_(generator=g)
-        tokens[rr] = argmax_rows(probs / noise)
+            return argmax_rows(logits)
+        rand_seqs = [seqs[r] for r in rand_rows]
+        temperature, top_k, top_p, min_p = self._filters(rand_seqs, logits.device)
+        u = self._uniforms(rand_seqs).to(logits.device)
+        if len(rand_rows) == len(seqs):
+            return sample_rows(logits, temperature, top_k, top_p, min_p, u)
+        tokens = argmax_rows(logits)
+        rr = torch.tensor(rand_rows, device=logits.device)
+        tokens[rr] = sample_rows(logits[rr], temperature, top_k, top_p, min_p, u)
         return tokens
 
     @staticmethod
-    def probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The distribution each (processed) row of a sampled request draws from: temperature, top-k, top-p
-        and min-p applied (min-p's survivors are left unnormalized; a draw does not need them normalized)."""
+    def _filters(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Each row's temperature, top-k (0: off), top-p and min-p as tensors on `device`."""
         ps = [s.request.params for s in seqs]
-        x = logits.float() / torch.tensor([p.temperature for p in ps])[:, None]
-        top_k = torch.tensor([p.effective_top_k for p in ps])
-        top_p = torch.tensor([p.top_p for p in ps])
-        if (top_k > 0).any() or (top_p < 1).any():
-            x = _top_k_top_p(x, top_k, top_p)
-        probs = torch.softmax(x, dim=-1)
-        min_p = torch.tensor([p.min_p for p in ps])
-        if (min_p > 0).any():
-            thresh = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-            probs = torch.where(probs < thresh, torch.zeros_like(probs), probs)
-        return probs
+        return (torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=device),
+                torch.tensor([p.effective_top_k for p in ps], dtype=torch.int64, device=device),
+                torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device),
+                torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device))
+
+    def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One uniform number per row: from the row's own generator when its request has a seed."""
+        u = torch.rand(len(seqs), generator=self.generator)
+        for i, s in enumerate(seqs):
+            if s.generator is not None:
+                u[i] = torch.rand((), generator=s.generator)
+        return u
+
+    def weights(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The distribution each (processed) row of a sampled request draws from, as `kept_weights`."""
+        return kept_weights(logits, *self._filters(seqs, logits.device))
 
     @staticmethod
     def _attach_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params, results: list[SampleResult]) -> None:
         chosen = raw.gather(1, tokens[:, None]).squeeze(1)
         ranks = (raw > chosen[:, None]).sum(dim=-1) + 1
         k_max = max((p.logprobs or 0) for p in params)
-        top_v, top_i = raw.topk(k_max, dim=-1) if k_max else (None, None)
+        top_v, top_i = raw.topk(k_max, dim=-1) if k_max else (raw[:, :0], tokens[:, None][:, :0])
+        chosen, ranks, top_v, top_i = chosen.tolist(), ranks.tolist(), top_v.tolist(), top_i.tolist()
         for r, (p, res) in enumerate(zip(params, results, strict=True)):
             if p.logprobs is None:
                 continue
-            res.logprob = float(chosen[r])
-            res.rank = int(ranks[r])
+            res.logprob = chosen[r]
+            res.rank = ranks[r]
             k = p.logprobs
-            res.top_logprobs = list(zip(top_i[r, :k].tolist(), top_v[r, :k].tolist(), strict=True)) if k else []
+            res.top_logprobs = list(zip(top_i[r][:k], top_v[r][:k], strict=True))
 
 
 def prompt_logprob_results(logits: torch.Tensor, targets: list[int], k: int) -> list[SampleResult]:
@@ -179,18 +234,3 @@ def prompt_logprob_results(logits: torch.Tensor, targets: list[int], k: int) -> 
     tops = list(zip(top_i.tolist(), top_v.tolist(), strict=True)) if k else None
     return [SampleResult(t, lp, r, list(zip(*tops[i], strict=True)) if k else [])
             for i, (t, lp, r) in enumerate(zip(targets, chosen.tolist(), ranks, strict=True))]
-
-
-def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask logits outside each row's top-k and nucleus (top-p); at least one token always survives."""
-    sorted_x, order = x.sort(dim=-1, descending=True)
-    vocab = x.shape[-1]
-    ranks = torch.arange(vocab)[None, :]
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
-    drop = ranks >= k[:, None]
-    probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-    drop |= (before >= top_p[:, None]) & (top_p[:, None] < 1)
-    drop[:, 0] = False
-    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-    return torch.empty_like(x).scatter_(1, order, sorted_x)

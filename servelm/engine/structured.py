@@ -134,5 +134,6 @@ def mask_logits(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> 
     bitmask = _bitmask[:rows_needed]  # rows without a grammar are never read (indices)
     for r in rows:
         seqs[r].matcher.fill_next_token_bitmask(bitmask, r)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+    # the bitmask is filled on the host; a GPU's logits take it there (a few KB), never the other way round
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
     return logits

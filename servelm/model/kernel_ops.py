@@ -41,6 +41,7 @@ _SIGNATURES: dict[str, tuple] = {
                                              _D, _I)),
     "servelm_write_kv": (_INT, (_P, _P, _I, _I, _P, _I, _P, _I, _P, _I)),
     "servelm_argmax_rows": (_INT, (_P, ctypes.c_int32, _I, _I, _P)),
+    "servelm_sample_rows": (_INT, (_P, ctypes.c_int32, _I, _I, _P, _P, _P, _P, _P, _P)),
     "servelm_copy_rows": (_INT, (_P, _I, _P, _I, _I, _I)),
     "servelm_run_tape": (_INT, (_P, _I)),
     # quant_linear.cpp: GGUF block-quantized weights
@@ -314,6 +315,24 @@ class CpuKernels:
         out = torch.empty(logits.shape[0], dtype=torch.int64)
         self._ok(self._argmax_rows(logits.data_ptr(), _DTYPES[logits.dtype], logits.shape[0], logits.shape[1],
                                    out.data_ptr()))
+        return out
+
+    def sample_rows(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """One token per row of float32 or bf16 [B, V] logits from its temperature (> 0), top-k (0: off), top-p
+        (1: off) and min-p (0: off) distribution, drawn with the row's uniform number u in [0, 1): sample.cpp
+        defines the distribution and the draw (engine/sampler.py's torch path is the same definition)."""
+        _require(logits.dtype in (torch.float32, torch.bfloat16) and logits.dim() == 2 and logits.is_cpu,
+                 "sample_rows needs float32 or bf16 [B, V] on the CPU")
+        B = logits.shape[0]
+        cols = [t.to(dtype).contiguous() for t, dtype in ((temperature, torch.float32), (top_k, torch.int64),
+                                                           (top_p, torch.float32), (min_p, torch.float32),
+                                                           (u, torch.float32))]
+        _require(all(c.shape == (B,) for c in cols), "sample_rows: one temperature, top_k, top_p, min_p and u per row")
+        logits = logits.contiguous()
+        out = torch.empty(B, dtype=torch.int64)
+        self._ok(self._sample_rows(logits.data_ptr(), _DTYPES[logits.dtype], B, logits.shape[1],
+                                   *(c.data_ptr() for c in cols), out.data_ptr()))
         return out
 
     def copy_rows(self, out: torch.Tensor, x: torch.Tensor) -> None:

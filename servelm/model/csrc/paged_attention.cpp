@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "fast_exp.h"
 #include "vec.h"
 #include "tape.h"
 
@@ -98,29 +99,6 @@ __attribute__((always_inline)) inline void for_each_row(const scalar_t* cache, c
   }
 }
 
-// exp(x) for x <= 0 (a softmax's x - max): 2^n * p(r), r = x - n ln2, the degree-6 polynomial of vec.h's
-// exp512 (~1 ulp), 0 below -87 (where expf is denormal or 0: nothing a softmax can see). Plain float arithmetic,
-// so that the loops below vectorize it under `omp simd`; the C library's expf is one call per element and was
-// most of a prompt chunk's attention time on AVX2 CPUs. The same code for every query of a build: a query's
-// probabilities do not depend on its chunk or batch.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693145751953125f;
-  r = r - n * 1.428606765330187045e-06f;
-  float p = 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 0]
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return x > -87.f ? p * two_n : 0.f;
-}
-
 // A cache row as float32: the row itself for a float32 cache, else widened into `buf`.
 template <typename scalar_t>
 inline const float* float_row(const scalar_t* src, float* buf, int64_t n) {
@@ -172,7 +150,7 @@ void decode_kernel(scalar_t* op, const scalar_t* qp, int64_t B, int64_t Hq, cons
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < L; ++j) {
-          sg[j] = exp_nonpositive(sg[j] - m);
+          sg[j] = servelm::exp_nonpositive(sg[j] - m);
           sum += sg[j];
         }
         const float inv = 1.f / sum;
