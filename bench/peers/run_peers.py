@@ -21,6 +21,8 @@ the transformers worker loads a folder, so both are left out for them:
 
 This is a benchmark, not a test: CI does not run it. Example:
   python bench/peers/run_peers.py --models 60m --threads 1 --workloads W1,W2
+  python bench/peers/run_peers.py --models smollm2 --systems servelm,vllm --threads 2 --workloads W1,W1-sampled \
+      --paired 2                                      # greedy and sampled W1 side by side, alternating
   python bench/peers/run_peers.py --serve-rate 2      # adds S1: `vllm serve` vs `servelm serve` vs llama-server
   python bench/peers/run_peers.py --models smollm2 --threads 2 --workloads "" --serve-rate 1,2,3,4
                                                       # S1 only: each server's highest rate within the p95 SLOs
@@ -285,7 +287,8 @@ def start_worker(py: Path, script: str, args: list[str], threads: int, **popen) 
     """A worker process with the thread environment and CPU binding every system gets."""
     cmd = [str(py), str(WORKERS / script), "--threads", str(threads), *args]
     log(" ".join(cmd))
-    return subprocess.Popen(cmd, env={**os.environ, **thread_env(threads), "PYTHONPATH": str(WORKERS)}, text=True,
+    path = os.pathsep.join(filter(None, [str(WORKERS), os.environ.get("PYTHONPATH")]))  # servelm from a checkout too
+    return subprocess.Popen(cmd, env={**os.environ, **thread_env(threads), "PYTHONPATH": path}, text=True,
                             preexec_fn=pin_like_vllm(script, threads), **popen)
 
 
@@ -364,7 +367,8 @@ class PairedWorker:
 
 
 def run_paired(cache: Path, pythons: dict[str, Path], model: str, paths: dict[str, Path], systems: list[str],
-               workloads: list[str], threads: int, rounds: int, freeze_idle: bool = True) -> list[dict]:
+               workloads: list[str], threads: int, rounds: int, freeze_idle: bool = True,
+               dtype: str = "bfloat16") -> list[dict]:
     """Every system loaded at once, one repeat of each workload on each in turn per round (the order reversed
     every other round), so the machine's drift falls on all of them alike; the idle ones are stopped
     (SIGSTOP) unless `freeze_idle` is off. Returns one row per repeat."""
@@ -372,7 +376,7 @@ def run_paired(cache: Path, pythons: dict[str, Path], model: str, paths: dict[st
     try:
         for s in systems:  # loaded one after the other, so load times are not contended
             _venv, script, extra = SYSTEMS[s]
-            workers[s] = PairedWorker(pythons[s], script, extra, paths["gguf"] if s == "llamacpp" else paths["hf"],
+            workers[s] = PairedWorker(pythons[s], script, [*extra, "--dtype", dtype], paths["gguf"] if s == "llamacpp" else paths["hf"],
                                       threads, cache / "peers" / "logs" / f"{s}-{model}-{threads}t.log")
         rows = []
         for rnd in range(rounds):
@@ -447,19 +451,19 @@ def llama_server(cache: Path) -> Path:
 
 
 def s1_servers(cache: Path, paths: dict[str, Path], threads: int, systems: list[str],
-               servelm_args: list[str], llamacpp_args: list[str] = ()) -> dict[str, list[str]]:
+               servelm_args: list[str], llamacpp_args: list[str] = (), dtype: str = "bfloat16") -> dict[str, list[str]]:
     """The serving command of each system: `vllm serve`, `servelm serve` and llama.cpp's server with 64 slots
     (continuous batching, 1,024 tokens of KV per slot), each with {port} to fill in."""
     out = {}
     if "vllm" in systems:
         out["vllm serve"] = [str(cache / "peers" / "vllm" / "bin" / "python"), "-m",
-                             "vllm.entrypoints.openai.api_server", "--model", str(paths["hf"]), "--dtype", "bfloat16",
+                             "vllm.entrypoints.openai.api_server", "--model", str(paths["hf"]), "--dtype", dtype,
                              "--port", "{port}", "--max-model-len", "1024", "--no-enable-prefix-caching"]
     for system, label, quant in (("servelm", "servelm serve", []),
                                  ("servelm-none", "servelm serve --quantization none", ["--quantization", "none"])):
         if system in systems:
             out[label] = [sys.executable, "-m", "servelm.entrypoints.cli", "serve", str(paths["hf"]), "--dtype",
-                          "bfloat16", "--port", "{port}", "--num-threads", str(threads), "--embedding-model", "none",
+                          dtype, "--port", "{port}", "--num-threads", str(threads), "--embedding-model", "none",
                           "--no-enable-prefix-caching", "--kv-cache-memory-gb", "2", *quant,  # 2: vLLM's default
                           *servelm_args]
     if "llamacpp" in systems:
@@ -519,18 +523,20 @@ def free_port() -> int:
 
 
 def serve_s1(cache: Path, paths: dict[str, Path], threads: int, rates: list[float | str], systems: list[str],
-             servelm_args: list[str], num_requests: int, vocab: int, llamacpp_args: list[str] = ()) -> list[dict]:
+             servelm_args: list[str], num_requests: int, vocab: int, llamacpp_args: list[str] = (),
+             dtype: str = "bfloat16", sampled: bool = False) -> list[dict]:
     """S1 at each rate against each system's server, one after the other, same client; per system the highest
     rate whose p95 TTFT and p95 TPOT met the SLOs (500 ms, 50 ms) with nothing failed. A rate "W1" sends
     W1's 64 requests at once instead: the server's batch throughput."""
     rows = []
-    for label, cmd in s1_servers(cache, paths, threads, systems, servelm_args, llamacpp_args).items():
+    sampling = ["--temperature", "0.8", "--top-p", "0.95"] if sampled else []
+    for label, cmd in s1_servers(cache, paths, threads, systems, servelm_args, llamacpp_args, dtype).items():
         try:
             with running_server(label, cmd, threads) as (url, ready_s, peak):
                 for rate in rates:
                     load = ["--workload", "W1", "--rate", "inf"] if rate == "W1" else ["--rate", str(rate)]
                     res = subprocess.run([sys.executable, "-m", "servelm.entrypoints.cli", "bench", "serve",
-                                          "--base-url", url, *load, "--label", label, "--num-requests",
+                                          "--base-url", url, *load, *sampling, "--label", label, "--num-requests",
                                           str(num_requests), "--vocab-size", str(vocab)],
                                          capture_output=True, text=True, check=True)
                     row = json.loads(res.stdout.strip().splitlines()[-1])
@@ -555,14 +561,18 @@ def slo_rates(rows: list[dict]) -> dict[str, float]:
 
 
 def table(rows: list[dict]) -> str:
-    head = "| model | threads | system | W1 tok/s | W2 TTFT ms | W2 TPOT ms | peak RSS MB (W1) | load s |"
-    lines = [head, "|" + " --- |" * 8]
+    head = ("| model | threads | system | W1 tok/s | W1-sampled tok/s | sampled / greedy | W2 TTFT ms | W2 TPOT ms "
+            "| peak RSS MB (W1) | load s |")
+    lines = [head, "|" + " --- |" * 10]
     keyed: dict[tuple, dict] = {}
     for r in rows:
         keyed.setdefault((r["model"], r["threads"], r["system"]), {})[r["workload"]] = r
     for (model, threads, system), w in keyed.items():
-        w1, w2 = w.get("W1", {}), w.get("W2", {})
+        w1, w1s, w2 = w.get("W1", {}), w.get("W1-sampled", {}), w.get("W2", {})
+        share = (round(w1s["output_tok_per_s"] / w1["output_tok_per_s"], 2)
+                 if "output_tok_per_s" in w1 and "output_tok_per_s" in w1s else "-")
         lines.append(f"| {model} | {threads} | {system} | {w1.get('output_tok_per_s', '-')} | "
+                     f"{w1s.get('output_tok_per_s', '-')} | {share} | "
                      f"{w2.get('ttft_ms', '-')} | {w2.get('tpot_ms', '-')} | {w1.get('peak_rss_mb', '-')} | "
                      f"{w1.get('load_s', w2.get('load_s', '-'))} |")
     return "\n".join(lines)
@@ -577,9 +587,10 @@ def ratios(rows: list[dict]) -> dict:
         if r["system"] == "servelm" or not s or "error" in r or "error" in s:
             continue
         key = f"{r['model']} {r['threads']}t {r['workload']} servelm vs {r['system']}"
-        if r["workload"] == "W1":
+        if r["workload"] in ("W1", "W1-sampled"):
             out[key + " tok/s"] = round(s["output_tok_per_s"] / r["output_tok_per_s"], 2)
-            out[key + " RSS"] = round(r["peak_rss_mb"] / s["peak_rss_mb"], 2)
+            if "peak_rss_mb" in r and "peak_rss_mb" in s:
+                out[key + " RSS"] = round(r["peak_rss_mb"] / s["peak_rss_mb"], 2)
         else:
             out[key + " TTFT"] = round(r["ttft_ms"] / s["ttft_ms"], 2)
             out[key + " TPOT"] = round(r["tpot_ms"] / s["tpot_ms"], 2)
@@ -595,7 +606,11 @@ def main() -> int:
                    "(servelm, servelm-none, llamacpp: llama-cpp-python and llama-server; vllm and transformers are "
                    "left out)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated from {list(SYSTEMS)}")
-    p.add_argument("--workloads", default="W1,W2")
+    p.add_argument("--workloads", default="W1,W1-sampled,W2",
+                   help="comma-separated: W1, W1-sampled (W1 at temperature 0.8, top_p 0.95) and W2")
+    p.add_argument("--dtype", default="bfloat16", help="every system's compute dtype (bfloat16, float32)")
+    p.add_argument("--serve-sampled", action="store_true",
+                   help="S1 requests sample (temperature 0.8, top_p 0.95) instead of decoding greedily")
     p.add_argument("--threads", default="1", help="comma-separated thread counts, e.g. 1,2")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
@@ -631,24 +646,25 @@ def main() -> int:
             bounds[threads] = hardware(threads)
             if a.paired:
                 rows += run_paired(a.cache, pythons, name, paths, systems, a.workloads.split(","), threads, a.paired,
-                                   a.freeze_idle)
+                                   a.freeze_idle, a.dtype)
             for workload in [w for w in a.workloads.split(",") if w] if not a.paired else []:
                 for s in systems:
                     _venv, script, extra = SYSTEMS[s]
                     model = paths["gguf"] if s == "llamacpp" else paths["hf"]
-                    row = run_worker(pythons[s], script, extra, model, workload, threads, a.reps)
+                    row = run_worker(pythons[s], script, [*extra, "--dtype", a.dtype], model, workload, threads,
+                                     a.reps)
                     rows.append({"model": name, "system": s, "workload": workload, "threads": threads, **row})
                     log(json.dumps(rows[-1]))
             if a.serve_rate:
                 rates = [x if x == "W1" else float(x) for x in a.serve_rate.split(",")]
                 vocab = 32000 if name == "60m" else 49152
                 for r in serve_s1(a.cache, paths, threads, rates, systems, a.servelm_args.split(),
-                                  a.serve_requests, vocab, a.llamacpp_args.split()):
+                                  a.serve_requests, vocab, a.llamacpp_args.split(), a.dtype, a.serve_sampled):
                     rows.append({"model": name, "threads": threads, "via": "server", **r})
     if a.output:
         with a.output.open("a") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in rows)
-    offline = [r for r in rows if r["workload"] in ("W1", "W2") and "error" not in r and "via" not in r]
+    offline = [r for r in rows if r["workload"] in ("W1", "W1-sampled", "W2") and "error" not in r and "via" not in r]
     spread = {}
     if a.paired:
         offline, spread = paired_summary(offline)

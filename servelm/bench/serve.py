@@ -28,6 +28,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="S1 (default), or an offline workload sent to the server: W1 with --rate inf is a "
                         "server's batch throughput")
     p.add_argument("--seed", type=int, default=4)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (0: greedy; the sampled variant uses 0.8)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus of every request (the sampled variant: 0.95)")
     p.add_argument("--vocab-size", type=int, default=32000, help="prompt ids are drawn from [4, vocab-size)")
     p.add_argument("--slo-ttft-ms", type=float, default=500.0)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
@@ -51,10 +54,10 @@ class Result:
         return (self.e2e - self.ttft) / (self.tokens - 1) if self.tokens > 1 else None
 
 
-async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int) -> Result:
+async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int, sampling: dict) -> Result:
     import httpx
 
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, **sampling, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     r = Result(start=time.perf_counter())
     last = None
@@ -109,12 +112,13 @@ async def _run(args) -> dict:
         gaps = rng.exponential(1.0 / args.rate, wl.num_requests) if args.rate != float("inf") else \
             np.zeros(wl.num_requests)
         sem = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+        sampling = {"temperature": getattr(args, "temperature", 0.0), "top_p": getattr(args, "top_p", 1.0)}
 
         async def gated(p, n):
             if sem is None:
-                return await _one(client, url, model, p, n)
+                return await _one(client, url, model, p, n, sampling)
             async with sem:
-                return await _one(client, url, model, p, n)
+                return await _one(client, url, model, p, n, sampling)
 
         t0 = time.perf_counter()
         tasks = []
@@ -129,6 +133,7 @@ async def _run(args) -> dict:
     return {
         "bench": "serve", "system": args.label, "workload": name, "model": model, "requests": wl.num_requests,
         "rate": args.rate if not args.concurrency else None, "concurrency": args.concurrency,
+        "temperature": getattr(args, "temperature", 0.0), "top_p": getattr(args, "top_p", 1.0),
         "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:5], "duration_s": round(wall, 2),
         "request_throughput": round(len(ok) / wall, 3),

@@ -10,7 +10,14 @@ import time
 
 import numpy as np
 
-WORKLOADS = {"W1": dict(n=64, prompt=128, out=128, seed=0), "W2": dict(n=1, prompt=512, out=128, seed=1)}
+WORKLOADS = {"W1": dict(n=64, prompt=128, out=128, seed=0), "W2": dict(n=1, prompt=512, out=128, seed=1),
+             "W1-sampled": dict(n=64, prompt=128, out=128, seed=0, sampled=True)}
+# The sampled variant's settings (../shared/workloads.md): what chat traffic sends, where greedy decoding is rare.
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}
+
+
+def sampled(workload: str) -> bool:
+    return WORKLOADS[workload].get("sampled", False)
 
 
 def prompts(workload: str, vocab: int = 32000, bos: int = 1) -> list[list[int]]:
@@ -31,6 +38,7 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--max-requests", type=int, default=None,
                    help="time only this many W1 requests (for systems that run one request at a time)")
+    p.add_argument("--dtype", default="bfloat16", help="the model's compute dtype (bfloat16, float32)")
     p.add_argument("--quantization", default="auto", help="servelm only: its --quantization (auto, servelm's "
                    "default: gguf for a GGUF file, whose quantized blocks are kept as llama.cpp reads them)")
     p.add_argument("--paired", action="store_true",
@@ -79,11 +87,12 @@ def throughput(run_batch, batch: list[list[int]], out: int, reps: int) -> dict:
 
 
 def measure(args: argparse.Namespace, run_batch) -> dict:
-    """W1 through `throughput`, W2 through `latency`; run_batch(prompts, max_tokens) generates greedily."""
-    ps, out = prompts(args.workload), output_len(args.workload)
+    """W1 through `throughput`, W2 through `latency`; run_batch(prompts, max_tokens, sampled) generates greedily,
+    or with SAMPLED's settings when `sampled`."""
+    ps, out, s = prompts(args.workload), output_len(args.workload), sampled(args.workload)
     if len(ps) > 1:
-        return throughput(run_batch, ps, out, args.reps)
-    return latency(lambda p, n: run_batch([p], n), ps[0], out, args.reps)
+        return throughput(lambda b, n: run_batch(b, n, s), ps, out, args.reps)
+    return latency(lambda p, n: run_batch([p], n, s), ps[0], out, args.reps)
 
 
 def report(system: str, version: str, args: argparse.Namespace, load_s: float, figures: dict) -> None:

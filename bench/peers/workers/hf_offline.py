@@ -2,7 +2,7 @@
 
 import time
 
-from common import measure, parser, serve
+from common import SAMPLED, measure, parser, serve
 
 
 def main() -> None:
@@ -13,11 +13,12 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     t = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
     load_s = time.perf_counter() - t
 
-    def run(batch, n):
-        gen = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    def run(batch, n, sampled):
+        how = {"do_sample": True, **SAMPLED, "top_k": 0} if sampled else {"do_sample": False}
+        gen = GenerationConfig(**how, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
         with torch.no_grad():
             model.generate(torch.tensor(batch), attention_mask=torch.ones(len(batch), len(batch[0]), dtype=torch.long),
                            generation_config=gen)

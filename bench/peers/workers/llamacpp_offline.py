@@ -3,7 +3,7 @@ requests): W2's TTFT and TPOT, and W1's rate over the first --max-requests reque
 
 import time
 
-from common import Timer, median, output_len, parser, prompts, serve
+from common import SAMPLED, Timer, median, output_len, parser, prompts, sampled, serve
 
 
 def main() -> None:
@@ -15,12 +15,13 @@ def main() -> None:
                           n_threads_batch=args.threads, verbose=False)
     load_s = time.perf_counter() - t
 
-    def one(prompt, n):
-        """Greedy generation of n tokens from a cleared cache; returns (ttft, e2e) in seconds."""
+    def one(prompt, n, sample=False):
+        """Generation of n tokens (greedy, or SAMPLED's settings) from a cleared cache; returns (ttft, e2e)."""
         llm.reset()
         start = time.perf_counter()
         first = None
-        for i, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True)):
+        how = dict(top_k=0, temp=SAMPLED["temperature"], top_p=SAMPLED["top_p"]) if sample else dict(top_k=1, temp=0.0)
+        for i, _ in enumerate(llm.generate(prompt, **how, reset=True)):
             if first is None:
                 first = time.perf_counter() - start
             if i + 1 >= n:
@@ -38,7 +39,7 @@ def main() -> None:
         batch = ps[: a.max_requests or len(ps)]
         with Timer() as tm:
             for p in batch:
-                one(p, out)
+                one(p, out, sampled(a.workload))
         return {"output_tok_per_s": round(len(batch) * out / tm.s, 1), "requests_timed": len(batch)}
 
     serve("llama.cpp (llama-cpp-python, sequential)", llama_cpp.__version__, args, load_s, measure_one)

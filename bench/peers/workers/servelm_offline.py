@@ -2,7 +2,7 @@
 
 import time
 
-from common import measure, parser, serve
+from common import SAMPLED, measure, parser, serve
 
 
 def main() -> None:
@@ -11,12 +11,12 @@ def main() -> None:
     from servelm import LLM, SamplingParams
 
     t = time.perf_counter()
-    llm = LLM(args.model, dtype="bfloat16", num_threads=args.threads, enable_prefix_caching=False,
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False,
               quantization=args.quantization)
     load_s = time.perf_counter() - t
 
-    def run(batch, n):
-        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    def run(batch, n, sampled):
+        sp = SamplingParams(**(SAMPLED if sampled else {"temperature": 0}), max_tokens=n, ignore_eos=True)
         llm.generate(batch, sp, use_tqdm=False)
 
     serve("servelm", servelm.__version__, args, load_s, lambda a: measure(a, run))
