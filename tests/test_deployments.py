@@ -128,13 +128,33 @@ def test_footprint_kv_pool_is_what_the_engine_allocates(llama_dir):
     assert worker_footprint(v, dataclasses.replace(cfg, num_kv_blocks=None, kv_cache_memory_gb=0.5)).kv_pool == 2**29
 
 
-def test_default_budget_is_80_percent_of_ram_or_of_the_gpu(monkeypatch):
+def test_default_budget_is_80_percent_of_ram_or_the_whole_gpu(monkeypatch):
     from servelm.control import budget as b
 
     assert MemoryBudget().total == int(0.8 * b.ram_bytes())
     monkeypatch.setattr(b, "gpu_bytes", lambda device: 80 * 2**30 if device == "cuda:1" else None)
-    assert MemoryBudget(device="cuda:1").total == int(0.8 * 80 * 2**30)
+    assert MemoryBudget(device="cuda:1").total == 80 * 2**30  # each worker takes its utilization's share
     assert MemoryBudget(device="cuda:0").total == int(0.8 * b.ram_bytes())  # unreadable: RAM
+
+
+def test_a_gpu_worker_sized_by_utilization_takes_its_share_of_the_device(llama_dir, monkeypatch):
+    """As the engine sizes itself on a GPU (engine/kv_sizing.py): gpu_memory_utilization of the device, weights
+    included; two default workers (0.9 each) cannot share one GPU, two at 0.45 can."""
+    from servelm.control import budget as b
+
+    monkeypatch.setattr(b, "gpu_bytes", lambda device: 80 * 2**30)
+    v = dataclasses.replace(_version(llama_dir), num_params=2**30)
+    cfg = EngineConfig(model=str(llama_dir), dtype="bfloat16", device="cuda")
+    fp = worker_footprint(v, cfg)
+    assert fp.total == int(0.9 * 80 * 2**30) and fp.weights == 2**31
+    half = worker_footprint(v, dataclasses.replace(cfg, gpu_memory_utilization=0.45))
+    budget = MemoryBudget(device="cuda")
+    with pytest.raises(ControlError):
+        budget.check(fp.total, fp.total, "a second default worker")
+    budget.check(half.total, half.total, "a second worker at 0.45")
+    # a KV cache sized by hand is sized as on the CPU
+    fixed = worker_footprint(v, dataclasses.replace(cfg, kv_cache_memory_gb=2))
+    assert fixed.kv_pool == 2 * 2**30
 
 
 def test_budget_refusal_is_507_naming_the_numbers():

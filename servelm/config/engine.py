@@ -7,7 +7,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-DEFAULT_KV_CACHE_GB = 1.0
+DEFAULT_KV_CACHE_GB = 1.0  # the KV cache on the CPU unless sized
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's: the share of a GPU's memory an engine sizes itself to
 
 
 class ConfigError(ValueError):
@@ -122,12 +123,14 @@ class EngineConfig:
     enforce_eager: bool = _f(False, "on CUDA, run decode steps eagerly instead of replaying CUDA graphs "
                              "captured per batch size (as vLLM's --enforce-eager)")
     block_size: int = _f(16, "tokens per KV cache block")
-    num_kv_blocks: int | None = _f(None, "KV cache blocks; overrides --kv-cache-memory-gb")
-    kv_cache_memory_gb: float | None = _f(None, f"KV cache budget in GiB (default {DEFAULT_KV_CACHE_GB})")
-    gpu_memory_utilization: float | None = _f(None, "CUDA only, ignored on the CPU: vLLM's share of GPU memory for "
-                                              "weights and KV cache, in (0, 1]; accepted so vLLM command lines run, "
-                                              "but the KV cache is sized by --kv-cache-memory-gb or "
-                                              "--num-kv-blocks, not by this")
+    num_kv_blocks: int | None = _f(None, "KV cache blocks; overrides --kv-cache-memory-gb and "
+                                   "--gpu-memory-utilization")
+    kv_cache_memory_gb: float | None = _f(None, f"KV cache budget in GiB (default on the CPU {DEFAULT_KV_CACHE_GB}; "
+                                          "on a GPU it overrides --gpu-memory-utilization)")
+    gpu_memory_utilization: float | None = _f(None, "CUDA: the share of the GPU's memory this engine may use for "
+                                              "weights, activations and KV cache, in (0, 1] (default 0.9, as "
+                                              "vLLM); the KV cache gets what a profile run of the largest step "
+                                              "leaves. Not used on the CPU")
     max_num_seqs: int = _f(256, "most sequences in one batch", runtime=True)
     max_num_batched_tokens: int = _f(2048, "token budget of one engine step (prefill chunks + decodes); as vLLM's, "
                                      "it takes 8k (8000) or 8K (8192)", token_count=True)
@@ -263,10 +266,12 @@ class EngineConfig:
         if self.trust_remote_code:
             notes.append("--trust-remote-code is not needed: servelm runs only its built-in architectures and "
                          "never executes code from a model folder")
-        if self.gpu_memory_utilization is not None:
-            notes.append(f"--gpu-memory-utilization {self.gpu_memory_utilization:g} is not used: the KV cache is "
-                         "sized by --kv-cache-memory-gb or --num-kv-blocks"
-                         + (" (and the CPU has no GPU memory)" if self.device == "cpu" else ""))
+        sized = self.num_kv_blocks is not None or self.kv_cache_memory_gb is not None
+        if self.gpu_memory_utilization is not None and (self.device == "cpu" or sized):
+            notes.append(f"--gpu-memory-utilization {self.gpu_memory_utilization:g} is not used: "
+                         + ("the CPU has no GPU memory; its KV cache is sized by --kv-cache-memory-gb or "
+                            "--num-kv-blocks" if self.device == "cpu" else
+                            "--kv-cache-memory-gb or --num-kv-blocks sizes the KV cache"))
         return notes
 
     def load_quantization(self) -> str:

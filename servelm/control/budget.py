@@ -2,7 +2,9 @@
 
 A worker's footprint is its weights (parameters x the dtype it runs in), its KV pool (from the engine
 settings, exactly as the engine sizes it) and a fixed allowance for the process itself (the Python and torch
-runtime). Read from the checkpoint's config without importing torch.
+runtime). Read from the checkpoint's config without importing torch. On a GPU whose engine sizes its KV cache
+from the device's memory (engine/kv_sizing.py), the worker takes its `gpu_memory_utilization` share of the
+device, weights included, and the budget is the device's whole memory.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from servelm.config.engine import DEFAULT_KV_CACHE_GB, EngineConfig
+from servelm.config.engine import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_GB, EngineConfig
 from servelm.control.types import ControlError, Kind, ModelVersion
 from servelm.model.cpu_features import cpu_has_bf16
 
@@ -90,6 +92,11 @@ def worker_footprint(version: ModelVersion, config: EngineConfig | None) -> Foot
         weights = version.num_params * size
     else:  # unknown parameter count: what the files hold
         weights = version.size_bytes or _files_size(Path(version.artifact))
+    device_memory = (gpu_bytes(config.device) if config.device.startswith("cuda") and config.num_kv_blocks is None
+                     and config.kv_cache_memory_gb is None else None)
+    if device_memory:  # the engine takes its share of the device and fills what the weights leave with KV blocks
+        share = int((config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION) * device_memory)
+        return Footprint(weights, max(0, share - weights), runtime=0)
     if config.num_kv_blocks is not None:
         hf_config = load_config(resolve_model(config.model, config.gguf_file))
         kv = config.num_kv_blocks * kv_bytes_per_block(hf_config, config.block_size, size)
@@ -99,13 +106,13 @@ def worker_footprint(version: ModelVersion, config: EngineConfig | None) -> Foot
 
 
 class MemoryBudget:
-    """How many bytes all workers together may take (default: 80% of RAM, or of the GPU's memory for a CUDA
-    device: where the weights and KV pools live)."""
+    """How many bytes all workers together may take (default: 80% of RAM; for a CUDA device its whole memory,
+    of which each worker takes its own gpu_memory_utilization share)."""
 
     def __init__(self, total_bytes: int | None = None, device: str = "cpu") -> None:
         if total_bytes is None:
             memory = gpu_bytes(device) if device.startswith("cuda") else None
-            total_bytes = int(DEFAULT_FRACTION * (memory or ram_bytes()))
+            total_bytes = memory or int(DEFAULT_FRACTION * ram_bytes())
         self.total = total_bytes
 
     def check(self, need: int, in_use: int, what: str) -> None:

@@ -12,11 +12,12 @@ from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
-from servelm.config.engine import DEFAULT_KV_CACHE_GB, EngineConfig
+from servelm.config.engine import EngineConfig
 from servelm.engine.cuda_graphs import capture_sizes
 from servelm.engine.decode_batch import DecodeBatch, batchable
 from servelm.engine.kv_cache_manager import KVCacheManager
-from servelm.engine.model_runner import ModelRunner, kv_bytes_per_block
+from servelm.engine.kv_sizing import CudaMemory, DeviceMemory, check_model_len, plan_kv_blocks
+from servelm.engine.model_runner import ModelRunner, kv_bytes_per_block, profile_largest_step
 from servelm.engine.proposers import NgramProposer
 from servelm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from servelm.engine.sequence import Request, Sequence
@@ -40,7 +41,9 @@ def _tokenizer_from_config(config: EngineConfig) -> Callable[[], Any]:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model: DecoderLM,
-                 tokenizer_loader: Callable[[], Any] | None = None) -> None:
+                 tokenizer_loader: Callable[[], Any] | None = None, memory: DeviceMemory | None = None) -> None:
+        """`memory`: the device's memory counters, from which the KV cache is sized when the config gives no
+        size (a GPU's own by default; engine/kv_sizing.py)."""
         self.config = config
         self.model = model
         if config.batch_invariant:
@@ -49,22 +52,14 @@ class EngineCore:
             check_batch_invariant(model)
         spec = model.spec
         block_bytes = kv_bytes_per_block(model, config.block_size)
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        else:
-            gb = config.kv_cache_memory_gb or DEFAULT_KV_CACHE_GB
-            num_blocks = max(1, int(gb * 2**30) // block_bytes)
-        capacity = num_blocks * config.block_size
-        if config.max_model_len is not None and config.max_model_len > spec.max_position_embeddings:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={spec.max_position_embeddings}")
-        max_len = config.max_model_len or spec.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > capacity:
-            raise ValueError(f"max_model_len={config.max_model_len} does not fit the KV cache: {num_blocks} "
-                             f"blocks x {config.block_size} = {capacity} tokens; add blocks or lower max_model_len")
-        if config.max_model_len is None and capacity < max_len:
-            logger.warning("max_model_len lowered from %d to the KV cache capacity %d", max_len, capacity)
-            max_len = capacity
+        if memory is None and model.embed.device.type == "cuda":
+            memory = CudaMemory(model.embed.device)
+        tokens = config.max_num_batched_tokens
+        plan = plan_kv_blocks(config, block_bytes, memory, lambda: profile_largest_step(
+            model, config.block_size, tokens, min(config.max_num_seqs, tokens)))
+        num_blocks = plan.num_blocks
+        self.kv_plan = plan
+        max_len = check_model_len(plan, config.block_size, config.max_model_len, spec.max_position_embeddings)
         self.max_model_len = max_len
         num_cpu_blocks = int(config.swap_space_gb * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks)

@@ -9,7 +9,7 @@ import torch
 from servelm.engine.cuda_graphs import DecodeGraphs
 from servelm.engine.kv_cache_manager import BlockOps
 from servelm.engine.rejection import verify
-from servelm.engine.sampler import Sampler, SampleResult, prompt_logprob_results
+from servelm.engine.sampler import Sampler, SampleResult, draw, kept_weights, prompt_logprob_results
 from servelm.engine.scheduler import SchedulerOutput
 from servelm.engine.sequence import Request
 from servelm.model.attention import AttentionMetadata, PrefillSpan
@@ -270,3 +270,32 @@ class ModelRunner:
                 found.append((req, lo + 1, results))
             offset += s.num_tokens
         return found
+
+
+@torch.inference_mode()
+def profile_largest_step(model: DecoderLM, block_size: int, num_tokens: int, num_rows: int) -> None:
+    """Runs the largest step the scheduler can form, so that the device's peak memory can be read after it: one
+    prompt chunk of `num_tokens` tokens through every layer (into a KV pool just large enough), then the logits
+    of `num_rows` rows and what sampling them takes (logprobs, a top-p sort, a draw). Its outputs are dropped."""
+    dev = model.embed.device
+    num_blocks = -(-num_tokens // block_size)
+    runner = ModelRunner(model, num_blocks, block_size, 0, seed=0)
+    table = torch.arange(num_blocks, dtype=torch.long)
+    meta = AttentionMetadata(slot_mapping=torch.arange(num_tokens, dtype=torch.long),
+                             decode_idx=torch.zeros(0, dtype=torch.long),
+                             decode_block_tables=torch.zeros(0, 1, dtype=torch.long),
+                             decode_seq_lens=torch.zeros(0, dtype=torch.long),
+                             prefills=[PrefillSpan(0, num_tokens, num_tokens, table)], block_size=block_size)
+    meta.derived = model.attn.derive(meta)
+    ids = torch.zeros(num_tokens, dtype=torch.long)
+    positions = torch.arange(num_tokens, dtype=torch.long) % model.spec.max_position_embeddings
+    hidden = model.forward(ids.to(dev), positions.to(dev), runner.kv_caches, meta.to(dev))
+    rows = torch.arange(num_rows, device=dev) % num_tokens
+    logits = model.logits(hidden[rows])
+    del hidden
+    n = logits.shape[0]
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    ones = torch.ones(n, device=dev)
+    weights = kept_weights(logits, ones, torch.zeros(n, dtype=torch.long, device=dev), ones * 0.95, ones * 0)
+    draw(weights, ones * 0.5)
+    del raw, weights, logits, runner
