@@ -40,7 +40,9 @@ def test_static_padded_decode_matches_transformers(arch, model_dirs, hf_models):
 
 
 def test_static_padded_decode_on_the_triton_backend(model_dirs, hf_models, monkeypatch):
-    """The GPU path's attention (interpreted here) reading the graphs' padded buffers and derived rows."""
+    """The GPU path's attention reading the graphs' padded buffers and derived rows, without capture: on a
+    GPU the compiled kernel over a model on the GPU (eager, so that the runner captures nothing of its own),
+    on the CPU the interpreted kernel over a CPU model."""
     from servelm.model import loader
     from servelm.model.attention import triton_paged
 
@@ -48,8 +50,11 @@ def test_static_padded_decode_on_the_triton_backend(model_dirs, hf_models, monke
         pytest.skip("triton is not installed")
     monkeypatch.setattr(loader, "get_backend", lambda device: triton_paged.TritonPagedAttention)
     prompts = random_prompts(3, 10, 40, seed=12)
-    llm = LLM(str(model_dirs["llama"]), dtype="float32", num_kv_blocks=64, block_size=16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(str(model_dirs["llama"]), dtype="float32", device=device, enforce_eager=True, num_kv_blocks=64,
+              block_size=16)
     runner = llm.engine.core.runner
+    assert runner.graphs is None and isinstance(llm.engine.loaded.model.attn, triton_paged.TritonPagedAttention)
     runner.enable_decode_graphs([2, 4], capture=False)
     assert run(llm, prompts) == reference(hf_models, "llama", prompts)
     assert runner.num_graph_steps > 0

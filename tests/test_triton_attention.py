@@ -1,7 +1,10 @@
 """The Triton paged-attention kernel against the PyTorch reference, run by Triton's CPU interpreter.
 
 A mixed step (decodes, a prompt chunk after a cached prefix, a fresh prompt) with GQA, with and without a
-sliding window; on a GPU machine the same test runs the compiled kernel (see BENCHMARKS.md).
+sliding window; on a GPU machine the same tests run the compiled kernel (see BENCHMARKS.md). Inputs are drawn
+on the host and the reference computed there; the kernel gets every tensor, the step's metadata included,
+on DEVICE (the GPU where there is one, else the CPU under the interpreter), and the engine tests run the
+model on DEVICE.
 """
 
 from __future__ import annotations
@@ -45,6 +48,23 @@ def _step(hkv: int, d: int, bs: int, nb: int, dtype):
     return kc, vc, meta, t
 
 
+def _on_device(meta: AttentionMetadata) -> AttentionMetadata:
+    """The step's metadata with every tensor on DEVICE, the prefills' block tables included."""
+    m = meta.to(DEVICE)
+    spans = [PrefillSpan(s.start, s.q_len, s.ctx_len, s.block_table.to(DEVICE)) for s in meta.prefills]
+    return AttentionMetadata(m.slot_mapping, m.decode_idx, m.decode_block_tables, m.decode_seq_lens, spans,
+                             m.block_size)
+
+
+def _triton(hq: int, hkv: int, d: int, q, k, v, kc, vc, meta, window):
+    """The kernel on DEVICE: (output on the host, the key and value caches it wrote, on the host)."""
+    kc2, vc2 = kc.to(DEVICE), vc.to(DEVICE)
+    out = triton_paged.TritonPagedAttention(hq, hkv, d, d**-0.5).forward(
+        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), (kc2, vc2), _on_device(meta), window)
+    assert out.device.type == torch.device(DEVICE).type
+    return out.cpu(), kc2.cpu(), vc2.cpu()
+
+
 # numpy, under the interpreter, has no bfloat16: it is checked where the kernel really compiles (a GPU)
 HALF = [(torch.bfloat16, 3e-2)] if torch.cuda.is_available() else []
 
@@ -59,14 +79,13 @@ def test_triton_matches_torch_reference(window, dtype, tol):
     k = torch.randn(t, hkv, d, generator=g).to(dtype)
     v = torch.randn(t, hkv, d, generator=g).to(dtype)
     ref = TorchPagedAttention(hq, hkv, d, d**-0.5).forward(q, k, v, (kc.clone(), vc.clone()), meta, window)
-    dev = lambda x: x.to(DEVICE)  # noqa: E731
-    kc2, vc2 = dev(kc), dev(vc)
-    out = triton_paged.TritonPagedAttention(hq, hkv, d, d**-0.5).forward(
-        dev(q), dev(k), dev(v), (kc2, vc2), meta, window)
-    torch.testing.assert_close(out.cpu().float(), ref.float(), atol=tol, rtol=tol)
-    ref_k = kc.clone()
+    out, kc2, vc2 = _triton(hq, hkv, d, q, k, v, kc, vc, meta, window)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    ref_k, ref_v = kc.clone(), vc.clone()
     ref_k.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-    torch.testing.assert_close(kc2.cpu(), ref_k)  # the new keys were written where the slots say
+    ref_v.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+    torch.testing.assert_close(kc2, ref_k)  # the new keys and values were written where the slots say
+    torch.testing.assert_close(vc2, ref_v)
 
 
 def test_head_dim_not_a_power_of_two():
@@ -74,22 +93,22 @@ def test_head_dim_not_a_power_of_two():
     kc, vc, meta, t = _step(hkv, d, bs, nb, torch.float32)
     q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
     ref = TorchPagedAttention(hq, hkv, d, d**-0.5).forward(q, k, v, (kc.clone(), vc.clone()), meta, None)
-    out = triton_paged.TritonPagedAttention(hq, hkv, d, d**-0.5).forward(
-        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), (kc.to(DEVICE), vc.to(DEVICE)), meta, None)
-    torch.testing.assert_close(out.cpu(), ref, atol=2e-5, rtol=2e-5)
+    out, _, _ = _triton(hq, hkv, d, q, k, v, kc, vc, meta, None)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_engine_on_the_triton_backend_matches_transformers(arch, model_dirs, hf_models, monkeypatch):
-    """The whole engine on the Triton backend (the GPU path's attention, here interpreted on the CPU):
-    batching, a shared prefix from the prefix cache, chunked prefill and, for Mistral, a sliding window."""
+    """The whole engine on the Triton backend (the GPU path's attention: compiled on a GPU, interpreted on
+    the CPU): batching, a shared prefix from the prefix cache, chunked prefill and, for Mistral, a sliding
+    window. The model runs on DEVICE: the compiled kernel cannot read a CPU model's tensors."""
     from conftest import hf_greedy, random_prompts
 
     from servelm import LLM, SamplingParams
     from servelm.model import loader
 
     monkeypatch.setattr(loader, "get_backend", lambda device: triton_paged.TritonPagedAttention)
-    llm = LLM(str(model_dirs[arch]), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=24)
+    llm = LLM(str(model_dirs[arch]), dtype="float32", device=DEVICE, num_kv_blocks=128, max_num_batched_tokens=24)
     assert isinstance(llm.engine.loaded.model.attn, triton_paged.TritonPagedAttention)
     shared = random_prompts(1, 20, 20, seed=7)[0]
     prompts = [shared + own for own in random_prompts(4, 3, 15, seed=8)] + random_prompts(2, 30, 40, seed=9)
@@ -124,6 +143,5 @@ def test_query_groups_and_block_sizes(hq, hkv, bs):
     meta = AttentionMetadata(torch.tensor(slots), torch.arange(3), tables, dec_lens, spans, bs)
     q, k, v = torch.randn(t, hq, d, generator=g), torch.randn(t, hkv, d, generator=g), torch.randn(t, hkv, d, generator=g)
     ref = TorchPagedAttention(hq, hkv, d, d**-0.5).forward(q, k, v, (kc.clone(), vc.clone()), meta, None)
-    out = triton_paged.TritonPagedAttention(hq, hkv, d, d**-0.5).forward(
-        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), (kc.to(DEVICE), vc.to(DEVICE)), meta, None)
-    torch.testing.assert_close(out.cpu(), ref, atol=2e-5, rtol=2e-5)
+    out, _, _ = _triton(hq, hkv, d, q, k, v, kc, vc, meta, None)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)

@@ -4,7 +4,10 @@ The same formats as the CPU kernels (model/quant.py), from the same codes: int8 
 row (w = code * scale), and int4 in groups along the inputs with a scale and a zero point each
 (w = (code - 8) * scale + zero), which also holds a GGUF file's Q4_0, Q4_1 and Q4_K blocks. int4 codes are
 packed two to a byte (the even input in the low nibble), so a decode step reads half a byte per weight.
-Each program computes a [BLOCK_M, BLOCK_N] tile of x W^T, accumulating in float32.
+Each program computes a [BLOCK_M, BLOCK_N] tile of x W^T, accumulating in float32. A tile of weights is
+dequantized in float32, then rounded to the activations' dtype: bf16 and fp16 tiles multiply on the tensor
+cores in that dtype, float32 ones in IEEE float32 (`input_precision="ieee"`; Triton's default for float32
+dots is TF32, whose 10-bit mantissa costs about 1e-3 relative error per product).
 
 Without a GPU the kernel runs under Triton's interpreter (`TRITON_INTERPRET=1`), which is how CI checks it
 against dequantize-then-matmul. This module imports without Triton; `HAS_TRITON` says if it can run.
@@ -29,7 +32,8 @@ if HAS_TRITON:
     @triton.jit
     def _quant_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
                          GROUP: tl.constexpr, INT4: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PRECISION: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -38,7 +42,7 @@ if HAS_TRITON:
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
-                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0).to(tl.float32)
+                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)  # in x's own dtype
             wmask = (rn[None, :] < N) & (rk[:, None] < K)
             if INT4:
                 byte = tl.load(q_ptr + rn[None, :] * stride_qn + rk[:, None] // 2, mask=wmask, other=0)
@@ -51,9 +55,15 @@ if HAS_TRITON:
                 code = tl.load(q_ptr + rn[None, :] * stride_qn + rk[:, None], mask=wmask, other=0).to(tl.float32)
                 scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
                 w = code * scale[None, :]
-            acc += tl.dot(x, w)
+            acc = tl.dot(x, w.to(x.dtype), acc, input_precision=PRECISION)
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """The kernel's `tl.dot` input precision for activations of `dtype`: IEEE float32 for float32 (Triton's
+    default there is TF32), and for bf16/fp16, whose dots multiply in that dtype anyway, Triton's default."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -85,7 +95,8 @@ class TritonQuantMatmul:
         _quant_mm_kernel[grid](x, self.codes, self.scales, self.zeros, y, m, self.out_features, self.in_features,
                                x.stride(0), self.codes.stride(0), self.scales.stride(0) if self.scales.dim() > 1 else 1,
                                y.stride(0), GROUP=self.group_size, INT4=self.kind == "int4",
-                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                               PRECISION=dot_precision(x.dtype))
         return y
 
     def tensors(self) -> list[torch.Tensor]:

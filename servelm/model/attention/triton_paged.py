@@ -116,7 +116,7 @@ class TritonPagedAttention(AttentionBackend):
             starts.append(torch.tensor([span.start]))
             lens.append(torch.tensor([span.q_len]))
             ctx.append(torch.tensor([span.ctx_len]))
-            tables.append(span.block_table[None])
+            tables.append(span.block_table[None].cpu())  # (the runner's are on the host; a caller's may not be)
         bt = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables]).to(torch.int32)
         return {"triton_rows": (*(torch.cat(x).to(torch.int32) for x in (starts, lens, ctx)), bt)}
 
