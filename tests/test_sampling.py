@@ -7,6 +7,7 @@ import torch
 from conftest import random_prompts
 
 from servelm import LLM, SamplingParams
+from servelm.engine import sampler as sampler_mod
 from servelm.engine.sampler import Sampler
 from servelm.engine.sequence import Request, Sequence
 
@@ -16,11 +17,19 @@ def llm(llama_dir):
     return LLM(str(llama_dir), dtype="float32", num_kv_blocks=256)
 
 
+@pytest.fixture(params=["cpu-kernel", "torch"])
+def sampler_path(request, monkeypatch):
+    """The sampler's two implementations: the C++ kernel CPU logits take, and the torch code a GPU runs."""
+    if request.param == "torch":
+        monkeypatch.setattr(sampler_mod, "_cpu_kernels", lambda x: None)
+    return request.param
+
+
 def tokens(llm, prompts, params):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_seeded_request_is_independent_of_batch(llm):
+def test_seeded_request_is_independent_of_batch(llm, sampler_path):
     target = random_prompts(1, 12, 12, seed=10)
     seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
     others = SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True)
@@ -32,14 +41,14 @@ def test_seeded_request_is_independent_of_batch(llm):
     assert tokens(llm, target, SamplingParams(temperature=1.0, seed=99, max_tokens=12, ignore_eos=True))[0] != alone
 
 
-def test_top_k_1_and_tiny_top_p_equal_greedy(llm):
+def test_top_k_1_and_tiny_top_p_equal_greedy(llm, sampler_path):
     prompts = random_prompts(4, 5, 25, seed=11)
     greedy = tokens(llm, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     assert tokens(llm, prompts, SamplingParams(temperature=0.9, top_k=1, max_tokens=10, ignore_eos=True)) == greedy
     assert tokens(llm, prompts, SamplingParams(temperature=0.9, top_p=1e-6, max_tokens=10, ignore_eos=True)) == greedy
 
 
-def test_unseeded_sampling_varies(llm):
+def test_unseeded_sampling_varies(llm, sampler_path):
     prompts = random_prompts(1, 10, 10, seed=12) * 4
     outs = tokens(llm, prompts, SamplingParams(temperature=1.5, max_tokens=8, ignore_eos=True))
     assert len({tuple(o) for o in outs}) > 1
