@@ -20,9 +20,11 @@ class LongContextEngine(IdleEngine):
 
     def __init__(self) -> None:
         self.max_tokens: list[int] = []
+        self.queue_timeouts: list[float | None] = []
 
     async def generate(self, rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None):
         self.max_tokens.append(params.max_tokens)
+        self.queue_timeouts.append(queue_timeout)
         yield RequestOutput(rid, prompt, ids, [CompletionOutput(0, "x", [5], finish_reason="length")], True)
 
 
@@ -34,6 +36,19 @@ def _client(tokenizer, engine, **cli):
 
     config = load({"embedding_model": "none", "log_requests": False, **cli}, env={})
     return TestClient(build_app(build_state(config, tokenizer, engine, "long")))
+
+
+def test_no_queue_timeout_by_default_and_the_configured_one_otherwise(tokenizer):
+    """A request that waits is one the server will serve (a client that gives up disconnects, which aborts it):
+    by default the engine is given no queue timeout, as vLLM; --queue-timeout-s sets one, and 0 is none."""
+    assert load({}, env={}).admission.queue_timeout_s == 0
+    for cli, want in (({}, None), ({"queue_timeout_s": 12.5}, 12.5), ({"queue_timeout_s": 0}, None)):
+        engine = LongContextEngine()
+        with _client(tokenizer, engine, **cli) as client:
+            assert client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3}).status_code == 200
+        assert engine.queue_timeouts == [want]
+    with pytest.raises(ValueError, match="queue_timeout_s"):
+        load({"queue_timeout_s": -1}, env={})
 
 
 def test_the_default_token_cap_is_max_model_len_times_max_n(tokenizer):

@@ -211,12 +211,13 @@ class ServerConfig:
 class AdmissionConfig:
     """What the API admits and when it sheds load; all of it can change at run time."""
 
-    # about capacity x queue_timeout_s: more queued requests than the server can start before the timeout only
-    # wait to get 408 (the default model on 2 cores: ~3.75 req/s x 30 s = ~110; raise it on bigger machines)
+    # with a queue timeout, about capacity x queue_timeout_s: more queued requests than the server can start before
+    # the timeout only wait to get 408 (the default model on 2 cores: ~3.75 req/s x 30 s = ~110)
     queue_high_watermark: int = _f(128, "queued requests at which new ones get 503", runtime=True)
     queue_low_watermark: int = _f(64, "after shedding, admit again once the queue is below this", runtime=True)
-    queue_timeout_s: float = _f(30.0, "a request with no first token after this long is removed (408)",
-                                runtime=True)
+    queue_timeout_s: float = _f(0.0, "a request with no first token after this long is removed (408); 0 (the "
+                                "default, as vLLM): none, since a request that waits is one the server will "
+                                "serve, and a client that gives up disconnects, which aborts it", runtime=True)
     rate_limit_rpm: int | None = _f(None, "requests per minute per key, for keys without their own limit",
                                     runtime=True)
     rate_limit_tpm: int | None = _f(None, "tokens (prompt + max_tokens) per minute per key, for keys without "
@@ -241,7 +242,7 @@ class AdmissionConfig:
         need(self.queue_high_watermark >= 1, "queue_high_watermark", ">= 1")
         need(0 <= self.queue_low_watermark <= self.queue_high_watermark, "queue_low_watermark",
              f"in [0, queue_high_watermark={self.queue_high_watermark}]")
-        need(self.queue_timeout_s > 0, "queue_timeout_s", "> 0")
+        need(self.queue_timeout_s >= 0, "queue_timeout_s", ">= 0 (0: none)")
         need(self.rate_limit_rpm is None or self.rate_limit_rpm >= 1, "rate_limit_rpm", ">= 1 or None")
         need(self.rate_limit_tpm is None or self.rate_limit_tpm >= 1, "rate_limit_tpm", ">= 1 or None")
         need(self.default_priority in PRIORITIES, "default_priority", "one of high, normal, low")

@@ -89,7 +89,7 @@ def _bound_lengths(node, max_model_len: int) -> None:
 _TYPES = {int: "integer", float: "number", str: "string", bool: "boolean"}
 _RANGES = {"max_num_seqs": {"minimum": 1}, "priority_aging_s": {"minimum": 0},
            "scheduling_policy": {"enum": ["priority", "fcfs"]}, "queue_high_watermark": {"minimum": 1},
-           "queue_low_watermark": {"minimum": 0}, "queue_timeout_s": {"exclusiveMinimum": 0},
+           "queue_low_watermark": {"minimum": 0}, "queue_timeout_s": {"minimum": 0},
            "rate_limit_rpm": {"minimum": 1}, "rate_limit_tpm": {"minimum": 1},
            "default_priority": {"enum": ["high", "normal", "low"]}, "auth_failures_per_minute": {"minimum": 1},
            "max_n": {"minimum": 1}, "max_request_tokens": {"minimum": 1}, "max_embedding_inputs": {"minimum": 1}}

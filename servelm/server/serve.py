@@ -163,7 +163,7 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
         from servelm.server.traffic import TrafficService
 
         state.traffic = TrafficService(state.control, srv, state.metrics.registry, state.models,
-                                       config.admission.queue_timeout_s, embedder=state.embedder)
+                                       config.admission.queue_timeout_s or None, embedder=state.embedder)
         resumed = state.traffic.resume()
         if resumed:
             logger.info("canary rollouts resumed: %s", ", ".join(resumed))

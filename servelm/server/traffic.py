@@ -63,7 +63,7 @@ class TrafficService:
     """Per-model traffic state over the control plane `cp` (its registry's database and audit trail)."""
 
     def __init__(self, cp: Any, server_config: Any, metrics_registry: Any, models: Any,
-                 queue_timeout_s: float | None = 30.0, embedder: Any = None) -> None:
+                 queue_timeout_s: float | None = None, embedder: Any = None) -> None:
         self.cp, self.cfg, self.models = cp, server_config, models
         self.queue_timeout_s = queue_timeout_s  # a shadow request waits no longer than a primary one would
         reg = cp.registry
