@@ -17,6 +17,7 @@ EXAMPLES = """examples:
   servelm serve --port 8000               # then: curl localhost:8000/v1/models
   servelm bench throughput --workload W1 --baselines hf-static
   servelm bench serve --base-url http://127.0.0.1:8000 --rate 2
+  servelm bench serve --dataset-name sharegpt --dataset-path sharegpt.json --num-prompts 200
   servelm models register smol ./SmolLM2 --validate && servelm models promote smol:1 && servelm models deploy smol
 """
 
@@ -157,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(thr)
     from servelm.bench.serve import add_args as add_serve_bench_args
 
-    sv = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server with workload S1, as JSON")
+    sv = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server with workload S1 or a dataset "
+                              "(JSONL, ShareGPT), as JSON")
     add_serve_bench_args(sv)
     return parser
 
