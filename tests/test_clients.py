@@ -1,17 +1,22 @@
-"""Clients of a running server: `servelm bench serve` with a dataset file (JSONL or ShareGPT, sent as text
-prompts), against one real server with a tiny model and an API key; and the dataset readers and option names on
-their own."""
+"""Clients of a running server: `servelm chat --url` (a terminal chat over the OpenAI chat API, driven in a pty)
+and `servelm bench serve` with a dataset file (JSONL or ShareGPT, sent as text prompts), against one real server
+with a tiny model and an API key; and the dataset readers and option names on their own."""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 
 from servelm.bench.workloads import dataset_name_for, load_jsonl, load_sharegpt
+from servelm.entrypoints.chat import base_url, request_fields
 from servelm.entrypoints.cli import build_parser, main
+from servelm.sampling_params import SamplingParams
 
 KEY = "sk-test-clients-1"
+PROMPT = "\r\n> "
 
 
 # -- the dataset readers -----------------------------------------------------------------------------------------
@@ -95,14 +100,110 @@ def test_bench_serve_takes_vllm_option_names():
     assert (b.num_requests, b.rate, b.concurrency, b.dataset_path) == (7, float("inf"), 3, None)
 
 
+def test_chat_client_options():
+    a = build_parser().parse_args(["chat", "--url", "http://h:1/v1", "--api-key", "k", "--model", "m"])
+    assert (a.url, a.api_key, a.model) == ("http://h:1/v1", "k", "m")
+    assert base_url("http://h:1/v1/") == base_url("http://h:1/") == "http://h:1"
+    # only what differs from the defaults, so a server without vLLM's extensions gets none of them
+    assert request_fields(SamplingParams(max_tokens=9, temperature=0.5)) == {"max_tokens": 9, "temperature": 0.5}
+    assert request_fields(SamplingParams(top_k=5, stop=["x"], ignore_eos=True)) == {
+        "max_tokens": 16, "temperature": 1.0, "top_k": 5, "stop": ["x"], "ignore_eos": True}
+
+
 # -- against a real server -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def served(llama_dir):
     from serving import start_server, stop_server
 
-    proc, url = start_server(llama_dir, "--max-model-len", "1024", "--api-key", KEY, "--embedding-model", "none")
+    proc, url = start_server(llama_dir, "--max-model-len", "1024", "--api-key", KEY, "--log-prompts",
+                             "--embedding-model", "none")
     yield proc, url
     assert stop_server(proc) == 0
+
+
+def _chat_lines(proc) -> list[dict]:
+    from serving import server_log_lines
+
+    return [x for x in server_log_lines(proc) if x.get("path") == "/v1/chat/completions"]
+
+
+def _chat(url: str, *extra: str, key: str = KEY):
+    pexpect = pytest.importorskip("pexpect")
+    args = ["-m", "servelm.entrypoints.cli", "chat", "--url", url, "--temperature", "0", "--ignore-eos", *extra]
+    env = {k: v for k, v in os.environ.items() if k != "SERVELM_API_KEY"} | {"OPENAI_API_KEY": key}
+    # the timeout only ends a hang: every expect waits for an event that comes
+    return pexpect.spawn(sys.executable, args, env=env, encoding="utf-8", timeout=300, dimensions=(40, 200))
+
+
+@pytest.mark.server
+def test_chat_url_streams_replies_and_sends_the_history(served):
+    import pexpect
+    from serving import _wait
+
+    proc, url = served
+    child = _chat(url + "/v1", "--max-tokens", "8", "--system", "Be brief.")
+    try:
+        child.expect_exact(f"servelm chat: tiny at {url}")  # the first model /v1/models lists
+        child.expect_exact("> ")
+        child.sendline("hello there")
+        child.expect_exact("hello there\r\n")
+        child.expect_exact(PROMPT)
+        assert child.before.strip()  # the reply, printed
+        first = _wait(lambda: _chat_lines(proc), 30, "the first reply's log line")[-1]
+        assert first["status"] == 200 and first["stream"] and first["completion_tokens"] == 8 and first["completion"]
+
+        child.sendline("and again")
+        child.expect_exact("and again\r\n")
+        child.expect_exact(PROMPT)
+        second = _wait(lambda: (x := _chat_lines(proc))[1:] and x, 30, "the second reply's log line")[-1]
+        prompt = json.loads(second["prompt"])  # the rendered conversation: system, both turns, the first reply
+        at = [prompt.index(s) for s in ("Be brief.", "hello there", first["completion"], "and again")]
+        assert at == sorted(at) and second["prompt_tokens"] > first["prompt_tokens"] + first["completion_tokens"]
+        child.sendeof()
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 0 and "Traceback" not in child.before
+    finally:
+        child.close(force=True)
+
+
+@pytest.mark.server
+def test_chat_url_ctrl_c_stops_a_reply(served):
+    import pexpect
+    from serving import _wait, stats
+
+    proc, url = served
+    child = _chat(url, "--max-tokens", "900")
+    try:
+        child.expect_exact("> ")
+        child.sendline("tell a long story")
+        child.expect_exact("tell a long story\r\n")
+        child.expect(r"\S{5}")  # the reply is streaming
+        child.sendintr()
+        child.expect_exact(PROMPT)  # back at the prompt, the reply cut short and the request aborted
+        _wait(lambda: stats(url, {"Authorization": f"Bearer {KEY}"})["engine"]["in_flight"] == 0, 60,
+              "the stopped request to be aborted")
+        line = _wait(lambda: [x for x in _chat_lines(proc) if x.get("status") == 499], 30, "the abort's log line")
+        assert 0 < line[-1]["completion_tokens"] < 900
+        child.sendintr()  # at the prompt: quit
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 0 and "Traceback" not in child.before
+    finally:
+        child.close(force=True)
+
+
+@pytest.mark.server
+def test_chat_url_with_a_wrong_key_is_one_line(served):
+    import pexpect
+
+    child = _chat(served[1], key="sk-wrong-key-000")
+    try:
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 1 and "HTTP 401" in child.before and "Traceback" not in child.before
+    finally:
+        child.close(force=True)
 
 
 def _bench(capsys, url: str, *argv: str) -> dict:
