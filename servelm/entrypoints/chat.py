@@ -1,5 +1,8 @@
 """`servelm chat`: an interactive chat in the terminal, with replies streamed as they are generated.
 
+It runs the model in this process, or, with `--url`, talks to a running server's OpenAI chat API
+(`/v1/chat/completions`, streamed), as `vllm chat` does: the whole conversation is sent with each message.
+
 Ctrl-C works as in Ollama: during a reply it stops the reply and returns to the prompt; at the prompt it
 quits, as does Ctrl-D.
 """
@@ -8,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import os
 import signal
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from servelm.sampling_params import OutputKind, SamplingParams
 
@@ -55,6 +60,12 @@ def _reply(llm, history: list[dict], params: SamplingParams) -> tuple[str, bool]
 
 def run_chat(llm, params: SamplingParams, system: str | None) -> int:
     params = dataclasses.replace(params, n=1, output_kind=OutputKind.DELTA)
+    return _loop(lambda history: _reply(llm, history, params)[0], system)
+
+
+def _loop(reply: Callable[[list[dict]], str | None], system: str | None) -> int:
+    """The conversation: read a message, stream the reply, keep both. `reply` returns None when the turn
+    failed (a server's error, already printed): the message is dropped, so the turns still alternate."""
     history = [{"role": "system", "content": system}] if system else []
     print(HELLO, file=sys.stderr)
     while True:
@@ -71,6 +82,127 @@ def run_chat(llm, params: SamplingParams, system: str | None) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        text, _ = _reply(llm, history, params)
+        text = reply(history)
+        if text is None:
+            history.pop()
+            continue
         # An interrupted reply stays in the conversation as far as it got, so the turns still alternate.
         history.append({"role": "assistant", "content": text})
+
+
+# -- a running server ---------------------------------------------------------------------------------------
+
+class RemoteError(Exception):
+    """The server could not be reached, or refused before the chat began: one line, exit 1."""
+
+
+def api_key_from_env() -> str | None:
+    """The key a client sends when --api-key is not given: $SERVELM_API_KEY (what `servelm serve` reads), else
+    $OPENAI_API_KEY (what OpenAI's clients and `vllm chat` read)."""
+    return os.environ.get("SERVELM_API_KEY") or os.environ.get("OPENAI_API_KEY") or None
+
+
+def base_url(url: str) -> str:
+    """The server's root: `http://host:8000`, `http://host:8000/` and `http://host:8000/v1` are the same server."""
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+def request_fields(params: SamplingParams) -> dict:
+    """The chat request's sampling fields: max_tokens and temperature always (the command's own defaults), the
+    others only where they differ from the defaults, so that a server without vLLM's extensions (top_k, min_p,
+    repetition_penalty, ...) is sent none of them unless asked."""
+    body = {"max_tokens": params.max_tokens, "temperature": params.temperature}
+    defaults = SamplingParams()
+    for name in ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                 "stop", "min_tokens", "ignore_eos"):
+        value = getattr(params, name)
+        if value != getattr(defaults, name):
+            body[name] = value
+    return body
+
+
+def _error_message(raw: bytes | str) -> str:
+    try:
+        err = json.loads(raw)
+        err = err.get("error", err)
+        return str(err.get("message", err)) if isinstance(err, dict) else str(err)
+    except (ValueError, AttributeError):
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+        return text.strip()[:300]
+
+
+class RemoteChat:
+    """One conversation with a server's `/v1/chat/completions`, each reply streamed to stdout."""
+
+    def __init__(self, url: str, model: str | None, api_key: str | None, fields: dict) -> None:
+        import httpx
+
+        self.url = base_url(url)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # a reply may wait in the server's queue, or for its model to load: no limit between chunks but this one
+        self.client = httpx.Client(headers=headers, timeout=httpx.Timeout(600.0, connect=10.0))
+        self.fields = fields
+        self.model = model or self._first_model()
+
+    def _first_model(self) -> str:
+        import httpx
+
+        try:
+            resp = self.client.get(self.url + "/v1/models")
+        except httpx.HTTPError as e:
+            raise RemoteError(f"cannot reach {self.url}: {e}") from None
+        if resp.status_code != 200:
+            raise RemoteError(f"{self.url}/v1/models: HTTP {resp.status_code}: {_error_message(resp.content)}")
+        models = resp.json().get("data") or []
+        if not models:
+            raise RemoteError(f"{self.url} serves no model")
+        return models[0]["id"]
+
+    def reply(self, history: list[dict]) -> str | None:
+        """Stream one reply to stdout; its text (as far as it got when Ctrl-C stopped it), or None on an error.
+        Ctrl-C closes the connection, and the server aborts the request."""
+        import httpx
+
+        body = {"model": self.model, "messages": history, "stream": True, **self.fields}
+        parts: list[str] = []
+        try:
+            with self.client.stream("POST", self.url + "/v1/chat/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    print(f"error: HTTP {resp.status_code}: {_error_message(resp.read())}", file=sys.stderr)
+                    return None
+                for line in resp.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        print(f"\nerror: {_error_message(data)}", file=sys.stderr)
+                        break
+                    for choice in chunk.get("choices") or []:
+                        delta = (choice.get("delta") or {}).get("content") or ""
+                        parts.append(delta)
+                        print(delta, end="", flush=True)
+        except KeyboardInterrupt:
+            pass
+        except httpx.HTTPError as e:
+            print(f"\nerror: {type(e).__name__}: {e}", file=sys.stderr)
+            if not parts:
+                return None
+        print()
+        return "".join(parts)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def run_remote_chat(url: str, model: str | None, api_key: str | None, params: SamplingParams,
+                    system: str | None) -> int:
+    chat = RemoteChat(url, model, api_key, request_fields(params))
+    try:
+        print(f"servelm chat: {chat.model} at {chat.url}", file=sys.stderr)
+        return _loop(chat.reply, system)
+    finally:
+        chat.close()

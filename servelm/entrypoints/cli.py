@@ -14,9 +14,11 @@ EXAMPLES = """examples:
   servelm generate "Tell me a joke" --chat --temperature 0.7 --seed 1
   servelm generate "def fib(n):" --model ./my-llama --stop "\\n\\n" --json
   servelm chat --system "You are terse."
+  servelm chat --url http://127.0.0.1:8000   # a running server's chat API, streamed
   servelm serve --port 8000               # then: curl localhost:8000/v1/models
   servelm bench throughput --workload W1 --baselines hf-static
   servelm bench serve --base-url http://127.0.0.1:8000 --rate 2
+  servelm bench serve --dataset-name sharegpt --dataset-path sharegpt.json --num-prompts 200
   servelm models register smol ./SmolLM2 --validate && servelm models promote smol:1 && servelm models deploy smol
 """
 
@@ -94,6 +96,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    if args.url:
+        from servelm.entrypoints.chat import RemoteError, api_key_from_env, run_remote_chat
+
+        try:
+            return run_remote_chat(args.url, args.model, args.api_key or api_key_from_env(),
+                                   sampling_params_from_args(args), args.system)
+        except RemoteError as e:
+            print(f"servelm chat: {e}", file=sys.stderr)
+            return 1
     from servelm.entrypoints.chat import run_chat
 
     return run_chat(_load_llm(args), sampling_params_from_args(args), args.system)
@@ -126,8 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen, GENERATE_DEFAULTS)
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="an interactive chat in the terminal with streamed replies")
+    chat = sub.add_parser("chat", help="an interactive chat in the terminal with streamed replies",
+                          description="An interactive chat in the terminal with streamed replies: the model runs "
+                          "in this process, or, with --url, on a running server (its OpenAI chat API; --model then "
+                          "names a model the server serves, by default the first one /v1/models lists, and the "
+                          "engine flags are not used).")
     chat.add_argument("--system", default=None, help="a system prompt")
+    client = chat.add_argument_group("client of a running server")
+    client.add_argument("--url", default=None,
+                        help="a running server's root, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)")
+    client.add_argument("--api-key", default=None,
+                        help="the server's API key (default: $SERVELM_API_KEY, else $OPENAI_API_KEY; the env vars "
+                        "keep the key out of the process list)")
     add_engine_args(chat)
     add_sampling_args(chat, CHAT_DEFAULTS)
     chat.set_defaults(func=cmd_chat)
@@ -157,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(thr)
     from servelm.bench.serve import add_args as add_serve_bench_args
 
-    sv = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server with workload S1, as JSON")
+    sv = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server with workload S1 or a dataset "
+                              "(JSONL, ShareGPT), as JSON")
     add_serve_bench_args(sv)
     return parser
 
