@@ -3,7 +3,12 @@
 Every API call counts against the key's requests per minute (`take_request`, from the gateway). A
 generation request then passes, in order: the key may use the model (403), the requested priority is
 allowed (403), the queue is not over its watermark (503, with hysteresis between the high and low
-watermarks), and the key's tokens per minute have room for prompt + max_tokens (429). Every check reads the live config, so PATCH /admin/config applies to the next request.
+watermarks), and the key's tokens per minute have room for prompt + max_tokens (429). Every check reads the live
+config, so PATCH /admin/config applies to the next request.
+
+The queue a watermark is held against counts every admitted request that has no output yet, from the moment
+`admit` returns: a burst's requests are counted one by one as they pass, not once they reach the engine (which
+is after an await, by when a thousand of them could have passed a check that saw an empty queue).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ class Admission:
         self.queue_depth = queue_depth  # () -> requests in the engine with no output yet (the default model's)
         self.store = store or InMemoryRateLimitStore()
         self._shedding: dict[str | None, bool] = {}  # per model: each has its own queue and watermarks' state
+        self._waiting: dict[str, int] = {}  # per model: admitted requests with no output yet
 
     @property
     def shedding(self) -> bool:
@@ -79,7 +85,7 @@ class Admission:
         prio = self.priority(key, requested_priority)
         rec.priority = PRIORITIES[prio]
         a = self.config.admission
-        depth = (queue_depth or self.queue_depth)()
+        depth = max((queue_depth or self.queue_depth)(), self._waiting.get(model, 0))
         shedding = self._shedding.get(model, False)
         if shedding and depth < a.queue_low_watermark:
             shedding = False
@@ -94,7 +100,19 @@ class Admission:
         if limits.tpm is not None:
             self._take(rec, limits, 0, tokens)
             rec.reserved_tokens = tokens
+        self._waiting[model] = self._waiting.get(model, 0) + 1  # no await since the check: the count is exact
+        rec.waiting_for = model
         return prio
+
+    def started(self, rec: RequestRecord) -> None:
+        """The request has its first output, or has ended without one: it no longer counts as queued."""
+        if rec.waiting_for is not None:
+            model, rec.waiting_for = rec.waiting_for, None
+            self._waiting[model] -= 1
+
+    def num_waiting(self, model: str) -> int:
+        """Admitted requests for `model` with no output yet."""
+        return self._waiting.get(model, 0)
 
     def take_request(self, rec: RequestRecord) -> None:
         """Count one API call against the caller's requests-per-minute (429 when over)."""
@@ -112,7 +130,9 @@ class Admission:
                                 f"{d.retry_after:.1f}s", code="rate_limit_exceeded", headers=d.headers())
 
     def settle(self, rec: RequestRecord) -> None:
-        """Give the key back the tokens it reserved but did not use."""
+        """At the end of a request: it no longer counts as queued, and the key gets back the tokens it reserved
+        but did not use."""
+        self.started(rec)
         if rec.reserved_tokens:
             used = rec.prompt_tokens + rec.completion_tokens
             self.store.settle(rec.key_name, self.limits(rec.api_key), rec.reserved_tokens - used)

@@ -198,6 +198,7 @@ class Api:
                 if served_by is not None and m.version is not None and rec.model_version != served_by:
                     rec.model = rec.model_version = served_by
                 new = sum(len(c.token_ids) for c in out.outputs)
+                state.admission.started(rec)
                 if new:
                     if last is not None:
                         metrics.itl.observe(now - last)
@@ -227,6 +228,8 @@ class Api:
             raise APIError(400, str(e)) from e
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_unavailable") from e
+        finally:
+            state.admission.started(rec)  # ended without an output: no longer queued either
 
     async def open(self, m, request: Request, job: Job) -> AsyncIterator[RequestOutput]:
         """Start a request and wait for its first output before any response bytes, so queue timeouts,

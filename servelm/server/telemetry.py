@@ -36,6 +36,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     reserved_tokens: int = 0  # taken from the key's token bucket at admission
+    waiting_for: str | None = None  # the model whose admission queue counts it until its first output
     submitted: float | None = None  # handed to the engine
     queue_time: float | None = None  # engine: arrival to first scheduled
     first_token: float | None = None
