@@ -363,12 +363,18 @@ def test_pull_downloads_what_servelm_needs_then_is_up_to_date(stub_hub, tiny, tm
     stub_hub.downloads.clear()
     r = _cli("pull", f"{GGUF_REPO}:Q8_0", env=env)
     assert r.returncode == 0 and stub_hub.downloads == [f"{GGUF_REPO}/Tiny-Q8_0.gguf"], r.stderr
+    stub_hub.downloads.clear()
+    r = _cli("pull", f"{GGUF_REPO}:Q4_K_M", env=env)  # another file of a repo already cached
+    assert r.returncode == 0 and stub_hub.downloads == [f"{GGUF_REPO}/Tiny-Q4_K_M.gguf"], r.stderr
+    r = _cli("pull", f"{GGUF_REPO}:Q5_K_M", env=env)
+    assert r.returncode == 1 and "no .gguf file matches 'Q5_K_M' at main" in r.stderr
     r = _cli("pull", "nobody/nothing", env=env)
     assert r.returncode == 1 and "no model 'nobody/nothing' on the Hugging Face Hub" in r.stderr
 
     use_cache(monkeypatch, tmp_path / "hf")  # offline from here on (conftest), all of it found in the cache
     assert resolve_model(REPO).kind == "hf" and resolve_model("tiny-org/sharded").kind == "hf"
-    assert resolve_model(GGUF_REPO).path.name == "Tiny-Q8_0.gguf"
+    assert resolve_model(GGUF_REPO).path.name == "Tiny-Q4_K_M.gguf"  # two cached now: Ollama's default
+    assert resolve_model(f"{GGUF_REPO}:Q8_0").path.name == "Tiny-Q8_0.gguf"
 
 
 def test_generate_downloads_a_missing_model_first(stub_hub, tmp_path):

@@ -321,10 +321,17 @@ def fetch_model(model: str | None, gguf_file: str | None = None) -> None:
     network), else downloaded unless HF_HUB_OFFLINE is set. Local paths and the default model pass through.
     Raises HubError (a FileNotFoundError) with what to do."""
     ref = hub_ref(model)
-    if ref is None or find_cached(ref, gguf_file) is not None:
+    if ref is None:
         return
-    if offline():
-        raise HubError(f"{not_cached_message(ref)} (HF_HUB_OFFLINE is set, so servelm will not download it)")
+    try:
+        if find_cached(ref, gguf_file) is not None:
+            return
+    except HubError:  # cached, but without what was asked for (another .gguf file, weights cut short)
+        if offline():
+            raise
+    else:
+        if offline():
+            raise HubError(f"{not_cached_message(ref)} (HF_HUB_OFFLINE is set, so servelm will not download it)")
     download(ref, gguf_file)
 
 
@@ -341,7 +348,12 @@ def pull(model: str, gguf_file: str | None = None) -> Pulled:
     ref = parse_ref(model)
     if ref is None:
         raise HubError(f"{model!r} is not a Hugging Face repo id; pull takes {HUB_HELP}")
-    before = find_cached(ref, gguf_file)
+    try:
+        before = find_cached(ref, gguf_file)
+    except HubError:
+        if offline():
+            raise
+        before = None  # cached without what was asked for: the Hub says what there is
     if offline():
         if before is None:
             raise HubError(f"model {str(ref)!r} is not in the Hugging Face cache ({cache_dir()}), and "
