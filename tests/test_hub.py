@@ -104,7 +104,7 @@ def test_a_cached_repo_id_resolves_offline_under_its_repo_id(cache, tiny, tmp_pa
     assert resolve_model(REPO).kind == "gguf"
 
 
-def test_revisions_branch_tag_and_commit(cache, tiny):
+def test_revisions_branch_tag_and_commit(cache, tiny, monkeypatch):
     main = add_folder(cache, REPO, tiny)
     tagged = add_snapshot(cache, REPO, {**{p.name: p for p in tiny.iterdir()}, "extra.txt": b"v2"}, ref="v2")
     detached = add_snapshot(cache, REPO, {**{p.name: p for p in tiny.iterdir()}, "extra.txt": b"old"},
@@ -122,6 +122,16 @@ def test_revisions_branch_tag_and_commit(cache, tiny):
     assert EngineConfig(model=str(tiny), revision="v2").model == str(tiny)  # a local folder has no revisions
     with pytest.raises(ConfigError, match="revision"):
         EngineConfig(model=f"{REPO}@main", revision="v2")
+    # vLLM's command line: `serve MODEL --revision R` serves MODEL at R, named MODEL
+    from servelm.entrypoints.cli import build_parser
+    from servelm.server import serve
+    from servelm.server.launch import fixed_models
+
+    for var in [v for v in os.environ if v.startswith("SERVELM_")]:
+        monkeypatch.delenv(var)
+    config = serve.load_config(build_parser().parse_args(["serve", REPO, "--revision", "v2"]))
+    assert config.engine.model == f"{REPO}@v2" and [x.name for x in fixed_models(config)] == [REPO]
+    assert resolve_model(config.engine.model).path == tagged
 
 
 def test_gguf_files_in_a_repo_by_file_name_quantization_tag_or_default(cache):

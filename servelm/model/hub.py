@@ -308,7 +308,7 @@ def download(ref: HubRef, gguf_file: str | None = None) -> ModelSource:
         raise
     except Exception as e:  # huggingface_hub's and its HTTP library's errors: one line naming the cause
         raise _hub_error(ref, e) from e
-    src = find_cached(HubRef(ref.repo_id, ref.revision or commit, ref.file), gguf_file)
+    src = find_cached(HubRef(ref.repo_id, ref.revision, ref.file), gguf_file)
     if src is None:  # the ref file could not be written (a read-only cache?): the commit names it
         src = find_cached(HubRef(ref.repo_id, commit, ref.file), gguf_file)
     if src is None:
