@@ -5,10 +5,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from servelm.model.source import set_offline_env
+from servelm.model.source import set_hf_env
 from servelm.version import __version__
 
-set_offline_env()
+set_hf_env()
 
 # Imported on first use: `import servelm` (and so `servelm serve`, which starts its engine process
 # before anything heavy) must not pay for torch, which LLM and LLMEngine pull in.

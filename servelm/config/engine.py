@@ -96,9 +96,13 @@ def require(obj, ok: bool, name: str, allowed: str) -> None:
 class EngineConfig:
     """Everything `LLM(...)` and `servelm serve` accept about the engine. `None` means "derive it"."""
 
-    model: str | None = _f(None, "a Hugging Face folder, a .gguf file, or omitted for the default "
+    model: str | None = _f(None, "a Hugging Face folder, a .gguf file, a Hugging Face repo id (ORG/NAME, "
+                           "ORG/NAME@REVISION, ORG/NAME:FILE.gguf or ORG/NAME:QUANT: from the Hugging Face cache, "
+                           "downloaded first if missing unless HF_HUB_OFFLINE is set), or omitted for the default "
                            "SmolLM2-135M-Instruct")
-    gguf_file: str | None = _f(None, "a GGUF file name inside the MODEL folder")
+    gguf_file: str | None = _f(None, "a GGUF file name inside the MODEL folder or repo")
+    revision: str | None = _f(None, "the branch, tag or commit of a Hugging Face repo id MODEL (as vLLM's "
+                              "--revision; the same as MODEL@REVISION); default: main")
     tokenizer: str | None = _f(None, "a tokenizer folder to use instead of the model's own")
     chat_template: str | None = _f(None, "a Jinja chat template to use instead of the tokenizer's: a file, or the "
                                    "template itself inline (as vLLM's --chat-template: a value holding '{', '}' "
@@ -195,6 +199,13 @@ class EngineConfig:
             require(self, ok, name, allowed)
 
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if self.revision is not None:  # folded into the model string every process resolves
+            from servelm.model.hub import with_revision
+
+            try:
+                self.model = with_revision(self.model, self.revision)
+            except ValueError as e:
+                raise ConfigError("revision", self.revision, f"the revision MODEL names ({e})") from None
         need(self.dtype in DTYPES, "dtype", "one of auto, float32, bfloat16, float16 (or vLLM's half, float, "
              "and bf16)")
         if self.chat_template is not None:

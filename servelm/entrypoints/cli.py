@@ -1,4 +1,4 @@
-"""The `servelm` command line: generate, chat, bench."""
+"""The `servelm` command line: generate, chat, serve, the model commands (pull, list, ps, rm, models), bench."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ EXAMPLES = """examples:
   servelm chat --system "You are terse."
   servelm chat --url http://127.0.0.1:8000   # a running server's chat API, streamed
   servelm serve --port 8000               # then: curl localhost:8000/v1/models
+  servelm serve Qwen/Qwen3-0.6B           # a Hugging Face repo id: from the HF cache, else downloaded first
+  servelm pull bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M && servelm list && servelm ps
   servelm bench throughput --workload W1 --baselines hf-static
   servelm bench serve --base-url http://127.0.0.1:8000 --rate 2
   servelm bench serve --dataset-name sharegpt --dataset-path sharegpt.json --num-prompts 200
@@ -66,9 +68,11 @@ def sampling_params_from_args(args: argparse.Namespace):
 
 def _load_llm(args: argparse.Namespace):
     """The LLM for generate and chat; a missing or unsupported model is one line (exit 2) before any load."""
+    from servelm.model.hub import fetch_models
     from servelm.model.metadata import check_model
 
     config = engine_config_from_args(args)
+    fetch_models(config)  # a Hub model not yet in the Hugging Face cache: downloaded now
     check_model(config.model, config.gguf_file)
     from servelm.entrypoints.llm import LLM
 
@@ -124,7 +128,8 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="servelm", description="servelm: a fast LLM inference engine. Runs offline on local models only.",
+        prog="servelm", description="servelm: a fast LLM inference engine. Serves local folders and .gguf files, "
+        "and Hugging Face repo ids from the Hugging Face cache (downloaded into it first unless HF_HUB_OFFLINE=1).",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"servelm {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -162,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_args(serve)
 
+    from servelm.entrypoints.hub_cli import add_args as add_hub_args
+
+    add_hub_args(sub)  # pull, list, ps, rm
+
     from servelm.entrypoints.models_cli import add_args as add_models_args
 
     models = sub.add_parser("models", help="manage a running server's models and deployments (admin API)",
@@ -188,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("httpx", "httpx2", "httpcore"):  # one INFO line per HTTP request (the Hub's, the admin API's)
+        logging.getLogger(name).setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

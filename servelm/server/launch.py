@@ -45,16 +45,16 @@ def cli_aliases(config) -> tuple[str, ...]:
 def fixed_models(config) -> list[Launch]:
     """What to start: MODEL (given as an argument, flag or env, or nothing else is declared) under
     served_model_name's first name, then each `models:` entry under its name. The entries take the engine
-    section's settings but not MODEL's tokenizer or chat template."""
-    from servelm.model.metadata import resolve_model
+    section's settings but not MODEL's tokenizer, chat template or revision."""
+    from servelm.model.hub import served_name
 
     out: list[Launch] = []
     ec, srv = config.engine, config.server
     if _serves_cli_model(config):
-        name = srv.served_model_name[0] if srv.served_model_name else resolve_model(ec.model, ec.gguf_file).name
+        name = srv.served_model_name[0] if srv.served_model_name else served_name(ec.model, ec.gguf_file)
         out.append(Launch(name, ec))
     for spec in config.models:
-        base = dataclasses.replace(ec, tokenizer=None, chat_template=None)
+        base = dataclasses.replace(ec, tokenizer=None, chat_template=None, revision=None)
         out.append(Launch(spec.name, spec.engine_config(base), spec))
     names = [launch.name for launch in out] + list(cli_aliases(config))
     dup = next((n for n in names if names.count(n) > 1), None)

@@ -23,7 +23,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     from servelm.config.settings import SECTIONS
 
     p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
-                   help="model folder or .gguf file (default: the packaged SmolLM2-135M-Instruct)")
+                   help="model folder, .gguf file or Hugging Face repo id such as Qwen/Qwen3-0.6B (from the "
+                   "Hugging Face cache, downloaded first if missing unless HF_HUB_OFFLINE is set; default: the "
+                   "packaged SmolLM2-135M-Instruct)")
     p.add_argument("--config", default=None, metavar="FILE",
                    help="config file (YAML, TOML or JSON; also SERVELM_CONFIG)")
     p.add_argument("--print-config", action="store_true",
@@ -300,10 +302,12 @@ def cmd_serve(args, engine_factory=None) -> int:
         return 0
     for note in config.engine.unused_vllm_settings():
         logger.info("%s", note)
+    from servelm.model.hub import fetch_models
     from servelm.model.metadata import check_model
     from servelm.server.launch import fixed_models
 
     for launch in fixed_models(config):  # one line and exit 2 before anything loads
+        fetch_models(launch.engine)  # a Hub model not yet in the Hugging Face cache: downloaded now
         check_model(launch.engine.model, launch.engine.gguf_file)
     try:
         sock = bind_socket(srv.host, srv.port)
