@@ -226,6 +226,13 @@ def build_model(name: str, work: Path, tokenizer: Path) -> tuple[Path, float]:
         shutil.rmtree(scratch, ignore_errors=True)
         gpu_bench.make_model(name, scratch, tokenizer).rename(out)
         shutil.rmtree(scratch, ignore_errors=True)
+        import gc
+
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the made model's memory, before the engine loads the checkpoint
     return out, time.perf_counter() - t
 
 
@@ -290,7 +297,6 @@ def child_shape(spec: dict) -> None:
     from servelm.bench.workloads import make_workload
 
     name, dev, work = spec["shape"], spec["device"], Path(spec["work"])
-    deadline = spec["deadline"]
     on_gpu = dev.startswith("cuda")
     shape = shape_of(name)
     h, n_layers, heads, kv, inter, vocab, tied = shape
@@ -365,10 +371,23 @@ def child_shape(spec: dict) -> None:
            greedy_tok_s=round(n_req * n_out / g, 1), sampled_tok_s=round(n_req * n_out / sm, 1),
            sampled_over_greedy=round(g / sm, 3))
 
-    # W1-big: 1,024 prompts of uniform 64..1024 tokens, 128 out, once
+    w1_big(spec, gen, params, shape, pf / len(p2k), g / (len(ws) * spec["sampled"][1]), tflop_s)
+    if on_gpu:
+        result("memory", peak_gpu_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+
+
+def w1_big(spec: dict, gen, params, shape: tuple, prefill_s_per_token: float, decode_s_per_token: float,
+           tflop_s: float | None) -> None:
+    """W1-big: 1,024 prompts of uniform 64..1024 tokens, 128 out, once, where the time left covers it."""
+    import numpy as np
+
+    sys.path.insert(0, str(BENCH))
+    from gpu_bench import timed
+
     n_req, n_out = spec["big"]
+    vocab = shape[5]
     if not spec["big_on"]:
-        result("w1_big", status="skipped", reason=f"not run on {name} (--big-on)")
+        result("w1_big", status="skipped", reason=f"not run on {spec['shape']} (--big-on)")
         return
     rng = np.random.Generator(np.random.PCG64(0))
     big = []
@@ -377,8 +396,8 @@ def child_shape(spec: dict) -> None:
         big.append([1] + [int(i) for i in rng.integers(4, vocab, size=plen - 1)])
     prompt_tokens = sum(map(len, big))
     # the prompts at the 2k prefill's rate, then waves of greedy decoding at the 256-row batch's rate
-    estimate = prompt_tokens * pf / len(p2k) + n_req * n_out * g / (len(ws) * spec["sampled"][1])
-    left = deadline - time.time()
+    estimate = prompt_tokens * prefill_s_per_token + n_req * n_out * decode_s_per_token
+    left = spec["deadline"] - time.time()
     if estimate * 1.5 + 5 > left:
         result("w1_big", status="skipped", reason=f"about {estimate:.0f} s needed, {left:.0f} s left")
         return
@@ -391,8 +410,6 @@ def child_shape(spec: dict) -> None:
            compute_bound_s=round(bound, 3) if bound else None,
            total_tok_s_bound=round(total / bound, 1) if bound else None,
            of_bound=round(bound / s, 3) if bound else None)
-    if on_gpu:
-        result("memory", peak_gpu_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2))
 
 
 def child_build(spec: dict) -> None:
@@ -477,23 +494,29 @@ class Run:
                 emit({"section": section, "figure": key, **fig})
 
         status = self.stream(proc, cap, on_line)
+        stop(proc)  # anything it left in its process group (GPU memory, before the next section)
         if status == "failed":
             figs["error"] = tail(log)
         return status, figs
 
 
 def stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """End a child's whole process group: SIGTERM, then SIGKILL after `grace` seconds."""
-    if proc.poll() is not None:
-        return
+    """End a child's whole process group (an engine process beside it too, which holds GPU memory): SIGTERM,
+    then SIGKILL to whatever of the group is left after `grace` seconds."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
+    end = time.monotonic() + grace
+    while time.monotonic() < end:
+        proc.poll()
+        try:
+            os.killpg(proc.pid, 0)  # any of the group still there?
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    proc.wait()
 
 
 def tail(path: Path, chars: int = 1500) -> str:
@@ -617,6 +640,7 @@ def section_tests(run: Run, cap: float) -> dict:
         t = time.perf_counter()
         proc = run.popen(cmd, log, stdout=subprocess.PIPE)
         status = run.stream(proc, cap, on_line)
+        stop(proc)
     for k in counts:
         counts[k] = max(counts[k], summary.get(k, 0))
     if status == "failed" and not counts["failed"] and not counts["errors"]:
