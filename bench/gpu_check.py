@@ -797,6 +797,8 @@ def section_s1(run: Run, cap: float) -> dict:
                    "client_itl_ms": client_itl, "server_itl_ms": server_itl,
                    "client_over_server_mean": round(client_itl["mean"] / server_itl["mean"], 3)
                    if client_itl.get("mean") and server_itl.get("mean") else None,
+                   "client_over_server_p99": round(client_itl["p99"] / server_itl["p99"], 3)
+                   if client_itl.get("p99") and server_itl.get("p99") else None,
                    "goodput_req_s": rep.get("goodput_req_per_s"), "errors": rep.get("errors")}
             out["rates"].append(row)
             emit({"section": "s1", "figure": f"rate {rate:g}", **row})
