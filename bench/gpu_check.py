@@ -501,21 +501,25 @@ class Run:
 
 
 def stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """End a child's whole process group (an engine process beside it too, which holds GPU memory): SIGTERM,
-    then SIGKILL to whatever of the group is left after `grace` seconds."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    end = time.monotonic() + grace
-    while time.monotonic() < end:
-        proc.poll()
+    """End a child and then whatever is left of its process group (an engine process, which holds GPU memory):
+    SIGTERM to the child first (a server shuts its engine down itself), then to the group, then SIGKILL."""
+    if proc.poll() is None:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace)
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
         try:
-            os.killpg(proc.pid, 0)  # any of the group still there?
+            os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            break  # the group is gone
+        end = time.monotonic() + wait
+        while time.monotonic() < end:
+            proc.poll()
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
     proc.wait()
 
 
@@ -751,6 +755,8 @@ def section_s1(run: Run, cap: float) -> dict:
            "--dtype", "bfloat16" if gpu else "auto", "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", f"llama-{name}", "--embedding-model", "none", "--data-dir",
            str(run.work / "data"), "--kv-cache-memory-gb", str(kv_gb)]
+    if not gpu:
+        cmd += ["--num-threads", "1"]  # a tiny model: the API process and the client keep the other core
     log = run.log("server.log")
     t = time.perf_counter()
     server = run.popen(cmd, log, stdout=subprocess.DEVNULL)
