@@ -3,10 +3,10 @@ device's own ceilings (copy bandwidth, bf16 matmul rate) measured in the same ru
 
   python bench/gpu_bench.py --tokenizer DIR --models 60m,smollm2,1b --modes graphs,eager --peers hf
 
-Models are random-weight checkpoints with the shapes of llama-rand-60m, SmolLM2-135M and Llama-3.2-1B,
-written once under --work (speed does not depend on the weights' values). W1: 64 prompts of 128 tokens,
-128 greedy output tokens each, output tok/s; W2: one 512-token prompt, TTFT from a one-token request and
-TPOT from a 128-token one (medians of --reps). TPOT is set against the bandwidth bound (the weights and
+Models are random-weight checkpoints with the shapes of llama-rand-60m, SmolLM2-135M, Llama-3.2-1B and
+Llama-3-8B, written once under --work (speed does not depend on the weights' values). W1: 64 prompts of
+128 tokens, 128 greedy output tokens each, output tok/s; W2: one 512-token prompt, TTFT from a one-token
+request and TPOT from a 128-token one (medians of --reps). TPOT is set against the bandwidth bound (the weights and
 the context's KV read once per step at the measured copy rate). Prints one JSON line per measurement and
 a table last. A benchmark, not a test: CI has no GPU.
 """
@@ -31,6 +31,7 @@ SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab, tied embeddi
     "60m": (512, 8, 8, 4, 1408, 32000, False),
     "smollm2": (576, 30, 9, 3, 1536, 49152, True),
     "1b": (2048, 16, 32, 8, 8192, 128256, True),
+    "8b": (4096, 32, 32, 8, 14336, 128256, False),
 }
 
 
@@ -38,7 +39,7 @@ def make_model(name: str, work: Path, tokenizer: Path) -> Path:
     out = work / name
     if (out / "config.json").exists():
         return out
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     h, n, heads, kv, inter, vocab, tied = SHAPES[name]
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=h, num_hidden_layers=n, num_attention_heads=heads,
@@ -46,8 +47,9 @@ def make_model(name: str, work: Path, tokenizer: Path) -> Path:
                       max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)  # made in bf16: no float32 copy of 8b
     model.save_pretrained(out)
+    del model
     for f in tokenizer.iterdir():
         shutil.copy(f, out / f.name)
     return out

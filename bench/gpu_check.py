@@ -1,0 +1,961 @@
+"""One check of a GPU machine: every GPU test, the device's ceilings, the GPU workloads on three Llama shapes
+and S1 through `servelm serve`, under one time budget, printed as JSON.
+
+  python bench/gpu_check.py                          # on an NVIDIA GPU: about 9 minutes at most
+  python bench/gpu_check.py --device cpu --quick     # the same steps on tiny shapes: a smoke test (CI)
+  python bench/gpu_check.py --download-wheels .whl   # where pip works: the serving packages, for a machine without
+
+Sections, in order, each under its own cap inside the global --budget-s (a section that no longer fits is
+reported as skipped, with the reason, and the JSON is printed all the same):
+
+  setup     wheels from --wheels installed where their package is missing; tokenizers made for the shapes
+  ceilings  device copy bandwidth (GB/s, bytes read + written) and a large bf16 matmul's TFLOP/s
+  tests     pytest over the GPU test files: passed / failed / skipped counts and the failing test ids
+  60m, 1b   random-weight bf16 Llama shapes (bench/gpu_bench.py): W1 output tok/s; batch-1 TPOT against the
+            bandwidth bound (the weights and the context's KV read once per step at the measured copy rate);
+            a 2k-token prefill's TFLOP/s; W1-sampled (temperature 0.8, top_p 0.95; 256 x 128/128) against
+            greedy on the same prompts; W1-big (1,024 prompts of 64..1024 tokens, 128 out) output and total
+            tok/s against the compute bound, where the time left allows
+  s1        S1 through `servelm serve` on 127.0.0.1 at three rates: `servelm bench serve`'s client-side ITL
+            beside the server's own, from the servelm:inter_token_latency_seconds histogram of /metrics
+  8b        as 60m and 1b, last (the largest), where the GPU's memory and the time left allow it
+
+Each measurement runs in a child process (a crash or a hang costs its section, not the run); every figure is
+printed as a JSON line as it comes, and one JSON object ends the run (also written to --out-dir). Models get
+a tokenizer of exactly their vocabulary size whose every id decodes to text (a byte-level BPE vocabulary
+padded with `<xN>` tokens), so that every generated token is a streamed chunk. A check, not a test: CI runs
+only the `--device cpu --quick` smoke (tests/test_gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+
+# The GPU test files (the Triton kernels, the CUDA-graph path and the engine on CUDA against transformers).
+GPU_TESTS = ["tests/test_gpu.py", "tests/test_triton_attention.py", "tests/test_quant_triton.py",
+             "tests/test_cuda_graphs.py"]
+# Without CUDA: test_gpu.py skips itself; one quick test of the graph path shows that pytest ran.
+CPU_TESTS = ["tests/test_gpu.py", "tests/test_cuda_graphs.py::test_capture_sizes_cover_every_batch_up_to_the_limit"]
+TEST_VOCAB = 49152  # tests/conftest.py's VOCAB
+
+TINY = (128, 2, 4, 2, 256, 1024, False)  # hidden, layers, heads, kv heads, intermediate, vocab, tied: CPU smoke
+
+# What `servelm serve`, `servelm bench serve` and the GPU tests import beyond torch, triton, transformers and
+# what those need (numpy, tokenizers, safetensors, huggingface-hub, pyyaml, jinja2, tqdm ...): distributions
+# whose wheels --download-wheels fetches, and whose modules the setup section checks. (module, distribution)
+SERVE_PACKAGES = [
+    ("fastapi", "fastapi"), ("fastapi_offline", "fastapi-offline"), ("starlette", "starlette"),
+    ("uvicorn", "uvicorn"), ("pydantic", "pydantic"), ("pydantic_core", "pydantic-core"),
+    ("annotated_types", "annotated-types"), ("typing_inspection", "typing-inspection"),
+    ("annotated_doc", "annotated-doc"), ("zmq", "pyzmq"), ("msgspec", "msgspec"), ("gguf", "gguf"),
+    ("httpx", "httpx"), ("httpcore", "httpcore"), ("h11", "h11"), ("anyio", "anyio"), ("sniffio", "sniffio"),
+    ("prometheus_client", "prometheus-client"), ("sqlalchemy", "sqlalchemy"), ("greenlet", "greenlet"),
+    ("opentelemetry.sdk", "opentelemetry-sdk"), ("opentelemetry", "opentelemetry-api"),
+    ("opentelemetry.semconv", "opentelemetry-semantic-conventions"),
+    ("opentelemetry.exporter.otlp.proto.http", "opentelemetry-exporter-otlp-proto-http"),
+    ("opentelemetry.exporter.otlp.proto.common", "opentelemetry-exporter-otlp-proto-common"),
+    ("opentelemetry.proto", "opentelemetry-proto"), ("google.protobuf", "protobuf"),
+    ("google.rpc", "googleapis-common-protos"), ("typing_extensions", "typing-extensions"), ("scipy", "scipy"),
+    ("pytest", "pytest"), ("pluggy", "pluggy"), ("iniconfig", "iniconfig"),
+]
+# Installed from the wheels also where an older version is there (newer versions only add): pydantic and
+# fastapi need a recent typing-extensions.
+UPGRADE = {"typing-extensions"}
+# Never carried (too large, or bound to the machine's own torch build): the check reports them missing instead.
+NOT_CARRIED = {"scipy", "numpy", "torch", "triton", "transformers", "tokenizers", "safetensors"}
+SERVER_MODULES = ["fastapi", "uvicorn", "pydantic", "zmq", "msgspec", "httpx", "prometheus_client", "sqlalchemy"]
+
+
+def profile(device: str, quick: bool) -> dict:
+    """Sizes and caps. On a GPU the workloads as specified; on the CPU (or --quick) the same steps, small."""
+    gpu = device.startswith("cuda")
+    small = quick or not gpu
+    return {
+        "shapes": ["tiny"] if not gpu else (["60m"] if quick else ["60m", "1b", "8b"]),
+        "s1_shape": "tiny" if not gpu else ("60m" if quick else "1b"),
+        "w1": (8, 16) if small else (64, 128),  # requests, output tokens (128-token prompts)
+        "sampled": (16, 16) if small else (256, 128),
+        "big": (8, 16) if small else (1024, 128),  # requests (prompts uniform 64..1024), output tokens
+        "big_on": ["tiny", "60m"] if small else ["1b", "8b"],
+        "tpot": (64, 32) if small else (512, 128),  # prompt tokens (W2's, cut), output tokens
+        "reps": 1 if small else 3,
+        "s1_rates": [8.0, 16.0, 32.0] if small else [4.0, 16.0, 64.0],
+        "s1_requests": 4 if small else 100,
+        "s1_warmup": 2 if small else 16,
+        "budget_s": 240 if small else 510,
+        # section caps (s); a section also stops at the global deadline, and the last one takes what is left
+        "caps": {"setup": 60, "ceilings": 40, "tests": 60 if small else 170, "shape": 120 if small else 90,
+                 "shape:60m": 60, "s1": 150 if small else 110},
+        "min_s": {"ceilings": 5, "tests": 10, "shape": 15 if small else 25, "s1": 20 if small else 35},
+    }
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def emit(obj: dict) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def shape_of(name: str) -> tuple:
+    if name == "tiny":
+        return TINY
+    sys.path.insert(0, str(BENCH))
+    from gpu_bench import SHAPES
+
+    return SHAPES[name]
+
+
+# ------------------------------------------------------------------------------------------- tokenizers
+
+
+def write_tokenizer(out: Path, vocab: int, base: Path | None = None) -> Path:
+    """A tokenizer folder of exactly `vocab` ids (or the base's own, where larger) in which every id decodes to
+    text: `base`'s tokenizer.json (a BPE or word-level vocabulary) or byte-level BPE without merges, its unused
+    ids filled with `<xN>` tokens that decode to themselves."""
+    if (out / "tokenizer.json").exists():
+        return out
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    spec = None
+    if base is not None and (base / "tokenizer.json").exists():
+        spec = json.loads((base / "tokenizer.json").read_text())
+        if not isinstance(spec.get("model", {}).get("vocab"), dict):
+            spec = None  # a unigram list: not padded, the synthetic vocabulary instead
+    from_base = spec is not None and (base / "tokenizer_config.json").exists()
+    if spec is None:
+        alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+        ids = {t: i for i, t in enumerate(specials + alphabet)}
+        tok = Tokenizer(models.BPE(vocab=ids, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        spec = json.loads(tok.to_str())
+    table = spec["model"]["vocab"]
+    used = set(table.values()) | {a["id"] for a in spec.get("added_tokens") or []}
+    for i in range(vocab):
+        if i not in used and f"<x{i}>" not in table:
+            table[f"<x{i}>"] = i
+    tok = Tokenizer.from_str(json.dumps(spec))
+    out.mkdir(parents=True, exist_ok=True)
+    if from_base:
+        for f in base.iterdir():
+            if f.is_file() and f.name != "tokenizer.json":
+                shutil.copy(f, out / f.name)
+        (out / "tokenizer.json").write_text(tok.to_str())
+    else:
+        tok.add_special_tokens(specials)
+        PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                pad_token="<pad>", model_max_length=8192).save_pretrained(out)
+    return out
+
+
+# ------------------------------------------------------------------------------------ the figures' bounds
+
+
+def linear_params(shape: tuple) -> tuple[int, int]:
+    """(the decoder layers' linear weights, the LM head's) in parameters."""
+    h, n, heads, kv, inter, vocab, _ = shape
+    hd = h // heads
+    per_layer = h * (heads * hd) + 2 * h * (kv * hd) + (heads * hd) * h + 3 * h * inter
+    return n * per_layer, h * vocab
+
+
+def kv_bytes_per_token(shape: tuple) -> int:
+    h, n, heads, kv, *_ = shape
+    return 2 * n * kv * (h // heads) * 2  # K and V, bf16
+
+
+def attention_flops(shape: tuple, ctx_from: int, ctx_to: int) -> float:
+    """Attention FLOPs (QK^T and PV) of the tokens at positions ctx_from+1 .. ctx_to, each over its context."""
+    h, n, heads, *_ = shape
+    tokens_ctx = (ctx_to * (ctx_to + 1) - ctx_from * (ctx_from + 1)) / 2  # sum of the contexts
+    return 4.0 * n * heads * (h // heads) * tokens_ctx
+
+
+def request_flops(shape: tuple, prompt: int, out: int) -> float:
+    """A request's FLOPs: every prompt and output token through the layers, the LM head for each output token
+    (a prompt's last position makes the first), attention over each token's context."""
+    layers, head = linear_params(shape)
+    return 2.0 * layers * (prompt + out - 1) + 2.0 * head * out + attention_flops(shape, 0, prompt + out - 1)
+
+
+# ---------------------------------------------------------------------------------------------- children
+
+
+def result(key: str, **fig) -> None:
+    print("RESULT " + json.dumps({"key": key, **fig}), flush=True)
+
+
+def model_dir(work: Path, name: str) -> Path:
+    return work / name
+
+
+def build_model(name: str, work: Path, tokenizer: Path) -> tuple[Path, float]:
+    """bench/gpu_bench.py's random-weight bf16 checkpoint, made in a scratch folder then moved into place (a
+    build cut short leaves nothing that looks finished)."""
+    out = model_dir(work, name)
+    t = time.perf_counter()
+    if not (out / "config.json").exists():
+        sys.path.insert(0, str(BENCH))
+        import gpu_bench
+
+        gpu_bench.SHAPES.setdefault("tiny", TINY)
+        scratch = work / ".building"
+        shutil.rmtree(scratch, ignore_errors=True)
+        gpu_bench.make_model(name, scratch, tokenizer).rename(out)
+        shutil.rmtree(scratch, ignore_errors=True)
+        import gc
+
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the made model's memory, before the engine loads the checkpoint
+    return out, time.perf_counter() - t
+
+
+def kv_cache_gb(shape: tuple, device: str, weight_bytes: int, max_seqs: int, max_len: int) -> float:
+    """Room for max_seqs sequences of max_len tokens, within 90% of the GPU's memory less the weights and
+    6 GiB for activations and CUDA graphs; 0.25 GiB on the CPU."""
+    if not device.startswith("cuda"):
+        return 0.25
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    need = kv_bytes_per_token(shape) * max_seqs * max_len * 1.1
+    room = 0.9 * total - weight_bytes - 6 * 2**30
+    return round(max(1.0, min(need, room) / 2**30), 1)
+
+
+def child_ceilings(spec: dict) -> None:
+    import torch
+
+    dev = spec["device"]
+    if dev.startswith("cuda"):
+        sys.path.insert(0, str(BENCH))
+        from gpu_bench import ceilings
+
+        props = torch.cuda.get_device_properties(torch.device(dev))
+        result("device", gpu=props.name, memory_gb=round(props.total_memory / 2**30, 1),
+               multiprocessors=props.multi_processor_count, torch=torch.__version__,
+               cuda=torch.version.cuda)
+        result("ceilings", **ceilings())
+        return
+    # the CPU: the same two figures, small and quick (PyTorch's bf16 matmul is slow on some CPUs)
+    x = torch.randn(2**24)  # 64 MiB
+    y = torch.empty_like(x)
+    y.copy_(x)
+    copy = statistics.median(_wall(lambda: y.copy_(x)) for _ in range(5))
+    n = 256
+    rates = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b
+        rates[dtype] = round(2 * n**3 / statistics.median(_wall(lambda a=a, b=b: a @ b) for _ in range(3)) / 1e12, 4)
+    result("device", gpu=None, cpu_threads=torch.get_num_threads(), torch=torch.__version__)
+    result("ceilings", copy_gb_s=round(2 * x.numel() * 4 / copy / 1e9, 1), bf16_tflop_s=rates[torch.bfloat16],
+           fp32_tflop_s=rates[torch.float32])
+
+
+def _wall(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def child_shape(spec: dict) -> None:
+    """One shape's workloads, each printed when done; W1-big only where the time left allows it."""
+    import numpy as np
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    from gpu_bench import timed
+
+    from servelm import LLM, SamplingParams
+    from servelm.bench.workloads import make_workload
+
+    name, dev, work = spec["shape"], spec["device"], Path(spec["work"])
+    on_gpu = dev.startswith("cuda")
+    shape = shape_of(name)
+    h, n_layers, heads, kv, inter, vocab, tied = shape
+    layers_p, head_p = linear_params(shape)
+    read_bytes = 2 * (layers_p + head_p)  # what a decode step reads besides the KV (the embedding: a few rows)
+    reps = spec["reps"]
+    copy_gb_s, tflop_s = spec.get("copy_gb_s"), spec.get("bf16_tflop_s")
+
+    path, build_s = build_model(name, work, Path(spec["tokenizer"]))
+    params_b = (layers_p + head_p + (0 if tied else h * vocab)) / 1e9
+    result("build", s=round(build_s, 2), params_b=round(params_b, 3), path=str(path))
+    max_seqs = 256
+    kv_gb = kv_cache_gb(shape, dev, read_bytes, max_seqs, 1024 + 128 + 16)
+    t = time.perf_counter()
+    llm = LLM(str(path), dtype="bfloat16" if on_gpu else "auto", device=dev, kv_cache_memory_gb=kv_gb,
+              max_num_seqs=max_seqs, enable_prefix_caching=False)
+    result("load", s=round(time.perf_counter() - t, 2), kv_cache_gb=kv_gb)
+
+    def params(n: int, sampled: bool = False) -> SamplingParams:
+        if sampled:
+            return SamplingParams(temperature=0.8, top_p=0.95, max_tokens=n, ignore_eos=True)
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    def gen(prompts, p) -> None:
+        llm.generate(prompts, p, use_tqdm=False)
+
+    # W1: 64 x 128/128 greedy (compilation, graph replay and the allocator warmed first)
+    n_req, n_out = spec["w1"]
+    w1 = make_workload("W1", vocab).prompts[:n_req]
+    gen(w1[:2], params(4))
+    gen(w1, params(8))
+    s = timed(lambda: gen(w1, params(n_out)), reps)
+    result("w1", requests=n_req, prompt_tokens=len(w1[0]), output_tokens=n_out,
+           output_tok_s=round(n_req * n_out / s, 1), s=round(s, 3))
+
+    # batch-1 TPOT (W2's 512-token prompt) against the bandwidth bound
+    n_prompt, n_out = spec["tpot"]
+    w2 = make_workload("W2", vocab).prompts[0][:n_prompt]
+    gen([w2], params(2))
+    ttft = timed(lambda: gen([w2], params(1)), max(3, reps))
+    e2e = timed(lambda: gen([w2], params(n_out)), max(3, reps))
+    tpot = (e2e - ttft) / (n_out - 1)
+    step_bytes = read_bytes + kv_bytes_per_token(shape) * (len(w2) + n_out // 2)
+    bound = step_bytes / (copy_gb_s * 1e9) if copy_gb_s else None
+    result("tpot_b1", prompt_tokens=len(w2), output_tokens=n_out, ttft_ms=round(ttft * 1e3, 2),
+           tpot_ms=round(tpot * 1e3, 3), bytes_per_step_gb=round(step_bytes / 1e9, 3),
+           bound_ms=round(bound * 1e3, 3) if bound else None,
+           tpot_over_bound=round(tpot / bound, 2) if bound else None)
+
+    # prefill of a 2k-token prompt: TFLOP/s against the matmul rate
+    rng = np.random.Generator(np.random.PCG64(5))
+    p2k = [1] + [int(i) for i in rng.integers(4, vocab, size=2047)]
+    gen([p2k], params(1))
+    pf = timed(lambda: gen([p2k], params(1)), reps)
+    flops = request_flops(shape, len(p2k), 1)
+    achieved = flops / pf / 1e12
+    result("prefill_2k", prompt_tokens=len(p2k), ms=round(pf * 1e3, 2), tflop=round(flops / 1e12, 3),
+           tflop_s=round(achieved, 3 if not on_gpu else 1),
+           of_peak=round(achieved / tflop_s, 3) if tflop_s else None)
+
+    # W1-sampled: temperature 0.8, top_p 0.95 against greedy on the same prompts, alternating
+    n_req, n_out = spec["sampled"]
+    ws = make_workload("W1", vocab, scale=n_req / 64).prompts[:n_req]
+    gen(ws, params(8, sampled=True))
+    gen(ws, params(8))
+    greedy_s, sampled_s = [], []
+    for _ in range(max(1, reps - 1)):
+        greedy_s.append(timed(lambda: gen(ws, params(n_out)), 1))
+        sampled_s.append(timed(lambda: gen(ws, params(n_out, sampled=True)), 1))
+    g, sm = statistics.median(greedy_s), statistics.median(sampled_s)
+    result("w1_sampled", requests=n_req, output_tokens=n_out, temperature=0.8, top_p=0.95,
+           greedy_tok_s=round(n_req * n_out / g, 1), sampled_tok_s=round(n_req * n_out / sm, 1),
+           sampled_over_greedy=round(g / sm, 3))
+
+    w1_big(spec, gen, params, shape, pf / len(p2k), g / (len(ws) * spec["sampled"][1]), tflop_s)
+    if on_gpu:
+        result("memory", peak_gpu_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+
+
+def w1_big(spec: dict, gen, params, shape: tuple, prefill_s_per_token: float, decode_s_per_token: float,
+           tflop_s: float | None) -> None:
+    """W1-big: 1,024 prompts of uniform 64..1024 tokens, 128 out, once, where the time left covers it."""
+    import numpy as np
+
+    sys.path.insert(0, str(BENCH))
+    from gpu_bench import timed
+
+    n_req, n_out = spec["big"]
+    vocab = shape[5]
+    if not spec["big_on"]:
+        result("w1_big", status="skipped", reason=f"not run on {spec['shape']} (--big-on)")
+        return
+    rng = np.random.Generator(np.random.PCG64(0))
+    big = []
+    for _ in range(n_req):
+        plen = int(rng.integers(64, 1025))
+        big.append([1] + [int(i) for i in rng.integers(4, vocab, size=plen - 1)])
+    prompt_tokens = sum(map(len, big))
+    # the prompts at the 2k prefill's rate, then waves of greedy decoding at the 256-row batch's rate
+    estimate = prompt_tokens * prefill_s_per_token + n_req * n_out * decode_s_per_token
+    left = spec["deadline"] - time.time()
+    if estimate * 1.5 + 5 > left:
+        result("w1_big", status="skipped", reason=f"about {estimate:.0f} s needed, {left:.0f} s left")
+        return
+    s = timed(lambda: gen(big, params(n_out)), 1)
+    flops = sum(request_flops(shape, len(p), n_out) for p in big)
+    bound = flops / (tflop_s * 1e12) if tflop_s else None
+    total = prompt_tokens + n_req * n_out
+    result("w1_big", requests=n_req, prompt_tokens=prompt_tokens, output_tokens=n_req * n_out, s=round(s, 2),
+           output_tok_s=round(n_req * n_out / s, 1), total_tok_s=round(total / s, 1),
+           compute_bound_s=round(bound, 3) if bound else None,
+           total_tok_s_bound=round(total / bound, 1) if bound else None,
+           of_bound=round(bound / s, 3) if bound else None)
+
+
+def child_build(spec: dict) -> None:
+    path, s = build_model(spec["shape"], Path(spec["work"]), Path(spec["tokenizer"]))
+    result("build", s=round(s, 2), path=str(path))
+
+
+CHILDREN = {"ceilings": child_ceilings, "shape": child_shape, "build": child_build}
+
+
+# ------------------------------------------------------------------------------------------ orchestrator
+
+
+class Run:
+    """The global budget, the child processes and the logs."""
+
+    def __init__(self, args, prof: dict) -> None:
+        self.args, self.prof = args, prof
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + args.budget_s
+        self.work = args.work
+        self.logs = args.out_dir or args.work
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                    "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        self.sections: dict[str, dict] = {}
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def log(self, name: str) -> Path:
+        return self.logs / name
+
+    def popen(self, cmd: list[str], log: Path, **kw) -> subprocess.Popen:
+        with open(log, "a") as fh:
+            fh.write(f"\n$ {' '.join(cmd)}\n")
+            fh.flush()
+            return subprocess.Popen(cmd, cwd=ROOT, env=self.env, stderr=fh, start_new_session=True, text=True,
+                                    **kw)
+
+    def stream(self, proc: subprocess.Popen, cap: float, on_line) -> str:
+        """Feed proc's stdout lines to on_line until it exits ('ok' or 'failed') or cap passes ('timeout':
+        its process group is ended)."""
+        lines: queue.Queue = queue.Queue()
+
+        def reader() -> None:
+            for line in proc.stdout or ():
+                lines.put(line)
+            if proc.stdout is None:
+                proc.wait()
+            lines.put(None)
+
+        threading.Thread(target=reader, daemon=True).start()
+        end = time.monotonic() + cap
+        while True:
+            try:
+                line = lines.get(timeout=max(0.05, min(1.0, end - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() >= end:
+                    stop(proc)
+                    return "timeout"
+                continue
+            if line is None:
+                break
+            on_line(line.rstrip("\n"))
+        proc.wait()
+        return "ok" if proc.returncode == 0 else "failed"
+
+    def child(self, kind: str, spec: dict, cap: float, section: str) -> tuple[str, dict]:
+        """A child of this script; its RESULT lines are printed as they come and returned by key."""
+        figs: dict = {}
+        spec = {**spec, "device": self.args.device, "work": str(self.work), "deadline": time.time() + cap}
+        log = self.log("children.log")
+        proc = self.popen([sys.executable, str(Path(__file__).resolve()), "--child", kind, "--spec",
+                           json.dumps(spec)], log, stdout=subprocess.PIPE)
+
+        def on_line(line: str) -> None:
+            if line.startswith("RESULT "):
+                fig = json.loads(line[7:])
+                key = fig.pop("key")
+                figs[key] = fig
+                emit({"section": section, "figure": key, **fig})
+
+        status = self.stream(proc, cap, on_line)
+        stop(proc)  # anything it left in its process group (GPU memory, before the next section)
+        if status == "failed":
+            figs["error"] = tail(log)
+        return status, figs
+
+
+def stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """End a child and then whatever is left of its process group (an engine process, which holds GPU memory):
+    SIGTERM to the child first (a server shuts its engine down itself), then to the group, then SIGKILL."""
+    if proc.poll() is None:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace)
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break  # the group is gone
+        end = time.monotonic() + wait
+        while time.monotonic() < end:
+            proc.poll()
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+    proc.wait()
+
+
+def tail(path: Path, chars: int = 1500) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def dist_name(wheel: Path) -> str:
+    return re.sub(r"[-_.]+", "-", wheel.name.split("-")[0]).lower()
+
+
+def installed(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def older(have: str, wheel: str) -> bool:
+    try:
+        from packaging.version import Version
+
+        return Version(have) < Version(wheel)
+    except Exception:  # an unparsable version: leave the machine's
+        return False
+
+
+def section_setup(run: Run, cap: float) -> dict:
+    out: dict = {"python": sys.version.split()[0]}
+    for dist in ("torch", "triton", "transformers", "tokenizers"):
+        out[dist] = installed(dist)
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                       text=True, timeout=10).stdout.strip() or None
+    wheels = run.args.wheels
+    if wheels is None and (ROOT / ".whl").is_dir():
+        wheels = ROOT / ".whl"
+    if wheels is not None:
+        todo = [w for w in sorted(wheels.glob("*.whl")) if installed(dist_name(w)) is None
+                or (dist_name(w) in UPGRADE and older(installed(dist_name(w)), w.name.split("-")[1]))]
+        site = run.work / "site"
+        if todo:
+            cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                   "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, todo)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(5.0, cap - 10))
+            out["wheels_installed"] = [dist_name(w) for w in todo] if proc.returncode == 0 else []
+            if proc.returncode:
+                out["wheels_error"] = proc.stderr[-1500:]
+        else:
+            out["wheels_installed"] = []
+        if site.is_dir():
+            sys.path.insert(0, str(site))
+            run.env["PYTHONPATH"] += os.pathsep + str(site)
+            importlib.invalidate_caches()
+    missing = []
+    for module, dist in SERVE_PACKAGES:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(dist)
+    out["missing_packages"] = missing
+    out["kernels_built"] = any((ROOT / "servelm" / "model" / "_kernels").glob("*.so"))
+    t = time.perf_counter()
+    base = run.args.tokenizer
+    vocabs = {TEST_VOCAB} | {shape_of(n)[5] for n in run.prof["shapes"] + [run.prof["s1_shape"]]}
+    run.tokenizers = {v: write_tokenizer(run.work / f"tokenizer-{v}", v, base) for v in sorted(vocabs)}
+    out["tokenizers"] = {str(v): str(p) for v, p in run.tokenizers.items()}
+    out["tokenizer_base"] = str(base) if base else "byte-level, no merges, padded with <xN> tokens"
+    out["tokenizer_s"] = round(time.perf_counter() - t, 2)
+    return out
+
+
+def section_ceilings(run: Run, cap: float) -> dict:
+    status, figs = run.child("ceilings", {}, cap, "ceilings")
+    out = {**figs.get("device", {}), **figs.get("ceilings", {})}
+    if "error" in figs:
+        out["error"] = figs["error"]
+    run.ceilings = figs.get("ceilings", {})
+    run.device_info = figs.get("device", {})
+    return {"status": status, **out}
+
+
+_PYTEST_LINE = re.compile(r"^(\S+::\S+?)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+_PYTEST_SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
+
+
+def section_tests(run: Run, cap: float) -> dict:
+    gpu = run.args.device.startswith("cuda")
+    files = GPU_TESTS if gpu else CPU_TESTS
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "-o", "addopts=", *files]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        cmd[4:4] = ["--timeout", str(int(min(120, cap)))]
+    run.env["SERVELM_TEST_TOKENIZER"] = str(run.tokenizers[TEST_VOCAB])
+    log = run.log("pytest.log")
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failing: list[str] = []
+    summary: dict[str, int] = {}
+    key = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped",
+           "XFAIL": "skipped"}
+
+    with open(log, "a") as fh:
+        def on_line(line: str) -> None:
+            fh.write(line + "\n")
+            m = _PYTEST_LINE.match(line)
+            if m:
+                counts[key[m.group(2)]] += 1
+                if m.group(2) in ("FAILED", "ERROR"):
+                    failing.append(m.group(1))
+                emit({"section": "tests", "test": m.group(1), "outcome": m.group(2)})
+            elif line.startswith("=") and (" passed" in line or " failed" in line or " skipped" in line
+                                           or " error" in line):
+                for n, what in _PYTEST_SUMMARY.findall(line):
+                    summary["errors" if what.startswith("error") else what] = int(n)
+            elif line.startswith("ERROR ") and "::" not in line:  # a file that failed to collect
+                failing.append(line[6:].split(" ")[0])
+
+        t = time.perf_counter()
+        proc = run.popen(cmd, log, stdout=subprocess.PIPE)
+        status = run.stream(proc, cap, on_line)
+        stop(proc)
+    for k in counts:
+        counts[k] = max(counts[k], summary.get(k, 0))
+    if status == "failed" and not counts["failed"] and not counts["errors"]:
+        counts["errors"] = 1
+    out = {"status": "timeout" if status == "timeout" else ("failed" if counts["failed"] or counts["errors"]
+                                                               else "ok"),
+           "files": files, **counts, "failing": failing[:50], "s": round(time.perf_counter() - t, 1),
+           "returncode": proc.returncode}
+    if status == "timeout":
+        out["reason"] = f"stopped at the section's cap ({cap:.0f} s); counts are of the tests that finished"
+    return out
+
+
+SHAPE_KEYS = ["build", "load", "w1", "tpot_b1", "prefill_2k", "w1_sampled", "w1_big"]
+
+
+def section_shape(run: Run, cap: float, name: str) -> dict:
+    prof = run.prof
+    shape = shape_of(name)
+    gpu = run.args.device.startswith("cuda")
+    if gpu and run.device_info.get("memory_gb"):
+        need = 2 * sum(linear_params(shape)) / 2**30 + (0 if shape[6] else 2 * shape[0] * shape[5] / 2**30) + 10
+        if run.device_info["memory_gb"] < need:
+            return {"status": "skipped", "reason": f"needs about {need:.0f} GiB, the GPU has "
+                                                  f"{run.device_info['memory_gb']} GiB"}
+    spec = {"shape": name, "tokenizer": str(run.tokenizers[shape[5]]), "reps": prof["reps"],
+            "w1": prof["w1"], "sampled": prof["sampled"], "big": prof["big"], "tpot": prof["tpot"],
+            "big_on": name in prof["big_on"], **{k: run.ceilings.get(k) for k in ("copy_gb_s", "bf16_tflop_s")}}
+    status, figs = run.child("shape", spec, cap, name)
+    out: dict = {"status": status}
+    for k in SHAPE_KEYS:
+        if k in figs:
+            out[k] = figs[k]
+        else:
+            why = {"timeout": f"the section's cap ({cap:.0f} s) was reached first",
+                   "failed": "the child process failed (see error)"}.get(status, "not measured")
+            out[k] = {"status": "skipped", "reason": why}
+    for k in ("memory", "error"):
+        if k in figs:
+            out[k] = figs[k]
+    if name != prof["s1_shape"] and model_dir(run.work, name).exists() and not run.args.keep_models:
+        shutil.rmtree(model_dir(run.work, name), ignore_errors=True)  # the disk, for the next shape
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def _itl_histogram(text: str) -> tuple[dict[float, float], float, float]:
+    """The servelm:inter_token_latency_seconds histogram of a /metrics scrape: cumulative bucket counts by
+    upper bound, the sum and the count, over every label set."""
+    sys.path.insert(0, str(BENCH))
+    from concurrency import _buckets
+
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith("servelm:inter_token_latency_seconds_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("servelm:inter_token_latency_seconds_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    return _buckets(text), total, count
+
+
+def _server_itl(before: str, after: str) -> dict:
+    from concurrency import _quantile
+
+    b0, s0, c0 = _itl_histogram(before)
+    b1, s1, c1 = _itl_histogram(after)
+    n = c1 - c0
+    return {"count": int(n), "mean": round((s1 - s0) / n * 1e3, 2) if n > 0 else None,
+            **{f"p{q}": _quantile(b0, b1, q / 100) for q in (50, 90, 99)}}
+
+
+def section_s1(run: Run, cap: float) -> dict:
+    prof = run.prof
+    end = time.monotonic() + cap
+    missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        return {"status": "skipped", "reason": f"missing packages: {', '.join(missing)} (carry their wheels: "
+                                               "--download-wheels, then --wheels)"}
+    name = prof["s1_shape"]
+    shape = shape_of(name)
+    path = model_dir(run.work, name)
+    out: dict = {"status": "ok", "shape": name, "rates": []}
+    if not (path / "config.json").exists():
+        status, figs = run.child("build", {"shape": name, "tokenizer": str(run.tokenizers[shape[5]])},
+                                 end - time.monotonic(), "s1")
+        if status != "ok":
+            return {"status": status, "shape": name, "reason": "building the model failed", **figs}
+    gpu = run.args.device.startswith("cuda")
+    kv_gb = 4.0 if gpu else 0.25
+    if gpu and run.device_info.get("memory_gb"):
+        kv_gb = round(min(16.0, 0.5 * run.device_info["memory_gb"]), 1)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "servelm.entrypoints.cli", "serve", str(path), "--device", run.args.device,
+           "--dtype", "bfloat16" if gpu else "auto", "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", f"llama-{name}", "--embedding-model", "none", "--data-dir",
+           str(run.work / "data"), "--kv-cache-memory-gb", str(kv_gb)]
+    if not gpu:
+        cmd += ["--num-threads", "1"]  # a tiny model: the API process and the client keep the other core
+    log = run.log("server.log")
+    t = time.perf_counter()
+    server = run.popen(cmd, log, stdout=subprocess.DEVNULL)
+    try:
+        while _get(url + "/ready", 2)[0] != 200:
+            if server.poll() is not None:
+                return {**out, "status": "failed", "reason": "the server exited", "error": tail(log)}
+            if time.monotonic() > end - 10:
+                return {**out, "status": "timeout", "reason": "the server was not ready within the cap",
+                        "error": tail(log)}
+            time.sleep(0.5)
+        out["ready_s"] = round(time.perf_counter() - t, 1)
+        emit({"section": "s1", "figure": "ready", "s": out["ready_s"]})
+        bench = [sys.executable, "-m", "servelm.entrypoints.cli", "bench", "serve", "--base-url", url,
+                 "--vocab-size", str(shape[5]), "--label", f"servelm-{name}"]
+        warm = run.popen(bench + ["--rate", "inf", "--num-requests", str(prof["s1_warmup"]), "--seed", "99"],
+                         run.log("children.log"), stdout=subprocess.DEVNULL)
+        if run.stream(warm, max(1.0, end - time.monotonic()), lambda line: None) == "timeout":
+            return {**out, "status": "timeout", "reason": "the warm-up outlasted the cap"}
+        for rate in prof["s1_rates"]:
+            if time.monotonic() > end - 5:
+                out["rates"].append({"rate": rate, "status": "skipped", "reason": "the section's cap was reached"})
+                continue
+            before = _get(url + "/metrics")[1]
+            reports: list[dict] = []
+
+            def on_line(line: str, reports=reports) -> None:
+                if line.startswith("{"):
+                    reports.append(json.loads(line))
+
+            client = run.popen(bench + ["--rate", str(rate), "--num-requests", str(prof["s1_requests"])],
+                               run.log("children.log"), stdout=subprocess.PIPE)
+            status = run.stream(client, max(1.0, end - time.monotonic()), on_line)
+            after = _get(url + "/metrics")[1]
+            if not reports:
+                out["rates"].append({"rate": rate, "status": status, "reason": "no report from the client"})
+                continue
+            rep = reports[-1]
+            server_itl = _server_itl(before, after)
+            client_itl = rep.get("itl_ms", {})
+            row = {"rate": rate, "status": "ok", "requests": rep["requests"], "completed": rep["completed"],
+                   "failed": rep["failed"], "output_tok_s": rep["output_tok_per_s"],
+                   "ttft_ms": rep.get("ttft_ms"), "tpot_ms": rep.get("tpot_ms"),
+                   "client_itl_ms": client_itl, "server_itl_ms": server_itl,
+                   "client_over_server_mean": round(client_itl["mean"] / server_itl["mean"], 3)
+                   if client_itl.get("mean") and server_itl.get("mean") else None,
+                   "client_over_server_p99": round(client_itl["p99"] / server_itl["p99"], 3)
+                   if client_itl.get("p99") and server_itl.get("p99") else None,
+                   "goodput_req_s": rep.get("goodput_req_per_s"), "errors": rep.get("errors")}
+            out["rates"].append(row)
+            emit({"section": "s1", "figure": f"rate {rate:g}", **row})
+    finally:
+        stop(server, grace=20)
+    if any(r.get("status") != "ok" for r in out["rates"]):
+        out["status"] = "partial"
+    return out
+
+
+def main_check(args) -> int:
+    prof = profile(args.device, args.quick)
+    if args.budget_s is None:
+        args.budget_s = prof["budget_s"]
+    if args.shapes:
+        prof["shapes"] = args.shapes.split(",")
+    if args.s1_shape:
+        prof["s1_shape"] = args.s1_shape
+    if args.big_on is not None:
+        prof["big_on"] = [s for s in args.big_on.split(",") if s]
+    if args.s1_rates:
+        prof["s1_rates"] = [float(r) for r in args.s1_rates.split(",")]
+    if args.s1_requests:
+        prof["s1_requests"] = args.s1_requests
+    if args.work is None:
+        shm = Path("/dev/shm")
+        big = args.device.startswith("cuda") and shm.is_dir() and shutil.disk_usage(shm).free > 48 * 2**30
+        args.work = Path(tempfile_dir(shm if big else None))
+    args.work.mkdir(parents=True, exist_ok=True)
+    run = Run(args, prof)
+    run.tokenizers, run.ceilings, run.device_info = {}, {}, {}
+    skip = set(filter(None, args.skip.split(",")))
+    caps, mins = prof["caps"], prof["min_s"]
+    plan: list[tuple[str, str, object]] = [("setup", "setup", section_setup), ("ceilings", "ceilings",
+                                                                               section_ceilings),
+                                           ("tests", "tests", section_tests)]
+    shapes = prof["shapes"]
+    for s in shapes:
+        if s == "8b":
+            continue
+        plan.append((s, "shape", lambda r, c, s=s: section_shape(r, c, s)))
+    plan.append(("s1", "s1", section_s1))
+    if "8b" in shapes:
+        plan.append(("8b", "shape", lambda r, c: section_shape(r, c, "8b")))
+    emit({"check": "gpu_check", "device": args.device, "quick": args.quick, "budget_s": args.budget_s,
+          "work": str(args.work), "sections": [p[0] for p in plan]})
+    for name, kind, fn in plan:
+        left = run.left() - 3
+        cap = min(caps.get(f"{kind}:{name}", caps[kind]), left)
+        if name == plan[-1][0]:
+            cap = left  # the last section takes what is left
+        if name == "setup":
+            cap = caps["setup"]  # always: the other sections need it
+        if name in skip:
+            res = {"status": "skipped", "reason": "--skip"}
+        elif name != "setup" and not run.tokenizers:
+            res = {"status": "skipped", "reason": "setup failed"}
+        elif cap < mins.get(kind, 0):
+            res = {"status": "skipped", "reason": f"time budget: {max(0, left):.0f} s left of {args.budget_s} s, "
+                                                  f"the section needs at least {mins.get(kind, 0)} s"}
+        else:
+            t = time.perf_counter()
+            try:
+                res = fn(run, cap)
+            except Exception as e:  # one section's failure is reported, the others still run
+                res = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+            res.setdefault("status", "ok")
+            res["wall_s"] = round(time.perf_counter() - t, 1)
+            res["cap_s"] = round(cap, 1)
+        run.sections[name] = res
+        emit({"section": name, "done": True, "status": res["status"], "wall_s": res.get("wall_s")})
+    final = {"check": "gpu_check", "device": args.device, "gpu": run.device_info.get("gpu"),
+             "quick": args.quick, "budget_s": args.budget_s, "wall_s": round(time.monotonic() - run.t0, 1),
+             "ok": all(s["status"] in ("ok", "skipped") for s in run.sections.values()),
+             "complete": all(s["status"] == "ok" for s in run.sections.values()),
+             "sections": run.sections}
+    text = json.dumps(final)
+    (run.logs / "gpu_check.json").write_text(text + "\n")
+    print(text, flush=True)
+    if not args.keep_models and args.work_is_temp:
+        shutil.rmtree(args.work, ignore_errors=True)
+    return 0
+
+
+def tempfile_dir(parent: Path | None) -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="servelm-gpu-check-", dir=parent)
+
+
+def download_wheels(dest: Path, python: str) -> int:
+    """pip download the serving packages' wheels (the versions installed here, where installed) for Linux
+    x86-64 and the given CPython version; the check installs those its machine lacks."""
+    dest.mkdir(parents=True, exist_ok=True)
+    reqs = []
+    for _, dist in SERVE_PACKAGES:
+        if dist in NOT_CARRIED or dist in ("pytest", "pluggy", "iniconfig"):  # the GPU image has pytest
+            continue
+        version = installed(dist)
+        reqs.append(f"{dist}=={version}" if version else dist)
+    platforms = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35, 39)]
+    platforms += ["manylinux2014_x86_64", "manylinux1_x86_64"]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
+           python, "--implementation", "cp", "-d", str(dest)]
+    for p in platforms:
+        cmd += ["--platform", p]
+    print("$ " + " ".join(cmd + reqs), file=sys.stderr)
+    rc = subprocess.call(cmd + reqs)
+    size = sum(f.stat().st_size for f in dest.glob("*.whl"))
+    print(json.dumps({"wheels": sorted(f.name for f in dest.glob("*.whl")), "mib": round(size / 2**20, 1)}))
+    return rc
+
+
+def main() -> int:
+    sys.path[:0] = [str(ROOT), str(BENCH)]  # servelm from this checkout, and the bench modules reused here
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda (or cuda:N); cpu runs the same steps on tiny shapes")
+    p.add_argument("--quick", action="store_true", help="small workloads and few requests (a smoke run)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="the whole run's time budget (default: 510 on a GPU, 240 with --quick or on the CPU)")
+    p.add_argument("--shapes", default=None, help="comma-separated: 60m, smollm2, 1b, 8b (tiny on the CPU)")
+    p.add_argument("--big-on", default=None, help="the shapes W1-big runs on (default: 1b,8b)")
+    p.add_argument("--s1-shape", default=None, help="the model `servelm serve` runs for S1 (default: 1b)")
+    p.add_argument("--s1-rates", default=None, help="S1's three request rates, req/s (default: 4,16,64)")
+    p.add_argument("--s1-requests", type=int, default=None, help="S1 requests per rate (default: 100)")
+    p.add_argument("--skip", default="", help="sections to leave out: setup is always run; ceilings, tests, "
+                                              "the shape names, s1")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="a tokenizer folder to pad to each model's vocabulary (default: a synthetic byte-level one)")
+    p.add_argument("--wheels", type=Path, default=None,
+                   help="a folder of wheels (--download-wheels) installed, where their package is missing, into "
+                        "the work folder (default: .whl in the checkout, if there)")
+    p.add_argument("--work", type=Path, default=None, help="models, tokenizers and the server's data (default: a "
+                                                           "temporary folder, removed at the end)")
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help="where gpu_check.json and the logs go (pytest.log, server.log, children.log)")
+    p.add_argument("--keep-models", action="store_true", help="keep the work folder and every model")
+    p.add_argument("--download-wheels", type=Path, default=None, metavar="DIR",
+                   help="only download the serving packages' wheels into DIR (needs pip and an index)")
+    p.add_argument("--python-version", default="3.12", help="with --download-wheels: the GPU machine's Python")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        CHILDREN[args.child](json.loads(args.spec))
+        return 0
+    if args.download_wheels:
+        return download_wheels(args.download_wheels, args.python_version)
+    args.work_is_temp = args.work is None
+    return main_check(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
