@@ -205,6 +205,7 @@ def test_base_install_without_xgrammar(llama_dir, monkeypatch):
     from servelm.engine import structured
 
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` raises ImportError
+    monkeypatch.setattr(structured, "_xgr_apply", None)  # (an earlier test may have loaded xgrammar's kernel)
     assert not structured.installed("xgrammar") and structured.resolve_backend("auto") == "llguidance"
     with pytest.raises(ConfigError, match=r"servelm\[structured\]"):
         EngineConfig(structured_output_backend="xgrammar")
@@ -218,6 +219,7 @@ def test_base_install_without_xgrammar(llama_dir, monkeypatch):
     out = llm.generate("x", SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(
         grammar='start: "yes" | "no"')), use_tqdm=False)[0].outputs[0]  # Lark, which only llguidance reads
     assert out.text in ("yes", "no") and out.finish_reason == "stop"
+    assert structured._xgr_apply is None  # the mask applied without xgrammar
 
 
 @pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 3], [2]])
@@ -237,14 +239,16 @@ def test_apply_bitmask_matches_the_bits(rows):
         for t in range(vocab):
             if not (int(bitmask[r, t // 32]) >> (t % 32)) & 1:
                 want[r, t] = float("-inf")
-    on_gpu = logits.clone()
-    apply_bitmask(logits, bitmask, rows)
-    assert torch.equal(logits, want)
-    # the path for logits on a GPU (here run on the CPU): the bitmask rows unpacked with torch
-    from servelm.engine.structured import _apply_unpacked
+    from servelm.engine.structured import _apply_numpy, _apply_unpacked
 
-    _apply_unpacked(on_gpu, bitmask[rows], rows, rows == [0, 1, 2, 3])
-    assert torch.equal(on_gpu, want)
+    # the path in use (xgrammar's kernel where it is installed), the numpy one (the base install), and the one for
+    # logits on a GPU (here run on the CPU: the bitmask rows unpacked with torch)
+    for apply in (lambda x: apply_bitmask(x, bitmask, rows),
+                  lambda x: _apply_numpy(x, bitmask[rows], rows, rows == [0, 1, 2, 3]),
+                  lambda x: _apply_unpacked(x, bitmask[rows], rows, rows == [0, 1, 2, 3])):
+        out = logits.clone()
+        apply(out)
+        assert torch.equal(out, want)
 
 
 def test_schema_for_llguidance():
