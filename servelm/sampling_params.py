@@ -22,8 +22,9 @@ class OutputKind(enum.Enum):
 class StructuredOutputsParams:
     """A grammar the output must follow (vLLM's `StructuredOutputsParams`): exactly one of a JSON schema
     (`json`, a dict or its JSON text), any JSON object (`json_object`), a regular expression (`regex`), one of
-    fixed strings (`choice`) or an EBNF grammar (`grammar`, xgrammar's dialect of GBNF). The engine compiles
-    it with xgrammar and masks every token the grammar does not allow."""
+    fixed strings (`choice`) or a grammar (`grammar`: GBNF, the EBNF dialect of llama.cpp and xgrammar, or with
+    the llguidance backend also Lark). The engine compiles it with its structured output backend (llguidance
+    or xgrammar) and masks every token the grammar does not allow."""
 
     json: str | dict | None = None
     regex: str | None = None

@@ -25,6 +25,18 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def grammar_backends() -> list:
+    """The structured output backends, as pytest params of a fixture (xgrammar skipped where it is not
+    installed: the `structured` extra; CI's test extra has it)."""
+    import importlib.util
+
+    import pytest
+
+    missing = importlib.util.find_spec("xgrammar") is None
+    return ["llguidance", pytest.param("xgrammar", marks=pytest.mark.skipif(missing, reason="xgrammar is not "
+                                                                                       "installed"))]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

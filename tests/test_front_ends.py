@@ -1,7 +1,7 @@
 """Ways into the server besides the OpenAI API, against one real server with a tiny model and an API key: the web
-chat page (in headless Chromium, driven by Selenium), Ollama's API (driven by the `ollama` client) and OpenAI's
-Responses API (driven by the `openai` SDK). All go through the same auth, admission, metrics and aborts as the
-OpenAI routes, so their greedy output equals those routes' output."""
+chat page (in headless Chromium, driven by Selenium), Ollama's API (driven by the `ollama` client: chat, generate,
+JSON `format`, `tools`, errors) and OpenAI's Responses API (driven by the `openai` SDK). All go through the same
+auth, admission, metrics and aborts as the OpenAI routes, so their greedy output equals those routes' output."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import shutil
 
 import httpx
+import jsonschema
 import numpy as np
 import ollama
 import openai
@@ -21,11 +22,23 @@ pytestmark = pytest.mark.server
 KEY = "sk-test-ollama-1"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour"}]
+# Bounded: every string and number has a maximum length, so a complete object fits well within num_predict.
+PET = {"type": "object", "additionalProperties": False, "required": ["name", "age", "kind"],
+       "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 30},
+                      "kind": {"enum": ["cat", "dog"]}}}
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER}}]
 
 
 @pytest.fixture(scope="module")
 def served(llama_dir):
-    proc, url = start_server(llama_dir, "--max-model-len", "1024", "--api-key", KEY)
+    # llama3_json: a tool call is a reply that is a JSON object, which Ollama's `format` can make the random
+    # model write (its chat template says nothing of tools, so the parser would be hermes)
+    proc, url = start_server(llama_dir, "--max-model-len", "1024", "--api-key", KEY, "--tool-call-parser",
+                             "llama3_json")
     yield proc, url
     assert stop_server(proc) == 0
 
@@ -106,20 +119,80 @@ def test_ollama_errors_auth_and_limits(url, oc):
     with pytest.raises(ollama.ResponseError) as e:
         oc.chat(model="nope", messages=MSGS)
     assert e.value.status_code == 404 and "nope" in e.value.error  # Ollama's shape: the error is a string
-    for bad in ({"options": {"no_such_option": 1}}, {"options": {"temperature": 9}},
-                {"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, {"format": "json"},
-                {"options": {"mirostat": 2}}):
+    for bad, needle in (({"options": {"no_such_option": 1}}, "no_such_option"),
+                        ({"options": {"temperature": 9}}, "temperature"),
+                        ({"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, "images"),
+                        ({"options": {"mirostat": 2}}, "mirostat"), ({"format": "yaml"}, "format"),
+                        ({"format": {"type": "object", "not": {}}}, "'not'"),  # a keyword no grammar enforces
+                        ({"format": {"type": "string", "pattern": "(a"}}, "invalid structured output"),
+                        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name"),
+                        ({"think": True}, "think")):
         r = httpx.post(url + "/api/chat", json={"model": "tiny", "messages": MSGS, **bad}, headers=AUTH)
-        assert r.status_code == 400 and isinstance(r.json()["error"], str), (bad, r.text)
+        assert r.status_code == 400 and isinstance(r.json()["error"], str) and needle in r.json()["error"], \
+            (bad, r.text)
+    with pytest.raises(ollama.ResponseError) as e:
+        oc.generate(model="tiny", prompt="x", format={"type": "array", "uniqueItems": True})
+    assert e.value.status_code == 400 and "'uniqueItems'" in e.value.error
     r = httpx.post(url + "/api/chat", content=b"{not json", headers=AUTH)
     assert r.status_code == 400 and "JSON" in r.json()["error"]
     with pytest.raises(ollama.ResponseError) as e:
         ollama.Client(host=url).list()  # the same API key as every other route
-    assert e.value.status_code == 401
+    assert e.value.status_code == 401 and isinstance(e.value.error, str) and "API key" in e.value.error
+    # the gateway's and the router's refusals are Ollama's shape on Ollama's routes too
+    for method, path, status in (("POST", "/api/chat", 401), ("GET", "/api/chat", 405), ("GET", "/api/nope", 404)):
+        r = httpx.request(method, url + path, headers=AUTH if status != 401 else {})
+        assert r.status_code == status and isinstance(r.json()["error"], str), (path, r.text)
     # admission's per-request cap applies as on the OpenAI routes
     r = httpx.post(url + "/api/generate", json={"model": "tiny", "prompt": "x", "options": {"num_predict": 5000}},
                    headers=AUTH)
     assert r.status_code == 400 and "context length" in r.json()["error"]
+
+
+def test_ollama_format_json_and_schema(oc):
+    """format "json" (any JSON object) and a JSON schema, on chat and generate, whole and streamed: whatever the
+    random model writes parses, and validates."""
+    opts = {"temperature": 1.0, "seed": 3, "num_predict": 120}
+    res = oc.chat(model="tiny", messages=MSGS, format=PET, options=opts)
+    assert res.done_reason == "stop", res.message.content
+    jsonschema.validate(json.loads(res.message.content), PET)
+    gen = oc.generate(model="tiny", prompt="A pet as JSON:", format=PET, options={**opts, "seed": 4})
+    assert gen.done_reason == "stop"
+    jsonschema.validate(json.loads(gen.response), PET)
+    chunks = list(oc.chat(model="tiny", messages=MSGS, format=PET, stream=True, options={**opts, "seed": 5}))
+    assert chunks[-1].done and chunks[-1].done_reason == "stop"
+    jsonschema.validate(json.loads("".join(c.message.content for c in chunks)), PET)
+    res = oc.chat(model="tiny", messages=MSGS, format="json", options={**opts, "num_predict": 40})
+    if res.done_reason == "stop":  # a free-form object may run to num_predict
+        assert isinstance(json.loads(res.message.content), dict)
+    assert res.message.content.startswith("{")
+
+
+def test_ollama_tools_calls_in_ollamas_shape(oc):
+    """A reply the tool-call parser reads as a call (here llama3_json's, which `format` makes the model write)
+    comes back as message.tool_calls with the arguments as an object, whole and streamed; the conversation
+    then goes on with the call and its result in the history."""
+    call = {"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+            "properties": {"name": {"const": "get_weather"}, "parameters": WEATHER}}
+    opts = {"temperature": 1.0, "seed": 7, "num_predict": 120}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    res = oc.chat(model="tiny", messages=ask, tools=TOOLS, format=call, options=opts)
+    assert res.done_reason == "stop" and res.message.content == ""
+    [tc] = res.message.tool_calls
+    assert tc.function.name == "get_weather"
+    jsonschema.validate(dict(tc.function.arguments), WEATHER)
+    streamed = [c for c in oc.chat(model="tiny", messages=ask, tools=TOOLS, format=call, options=opts, stream=True)]
+    calls = [t for c in streamed for t in c.message.tool_calls or []]
+    assert [(t.function.name, dict(t.function.arguments)) for t in calls] == \
+        [(tc.function.name, dict(tc.function.arguments))]  # the same seed: the same call
+    assert "".join(c.message.content for c in streamed) == "" and streamed[-1].done
+    # without a call in the reply: plain content, no tool_calls
+    plain = oc.chat(model="tiny", messages=ask, tools=TOOLS, options={"temperature": 0, "num_predict": 8})
+    assert not plain.message.tool_calls and plain.message.content
+    history = ask + [{"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}}]},
+        {"role": "tool", "content": "21 degrees and sunny", "tool_name": "get_weather"}]
+    more = oc.chat(model="tiny", messages=history, tools=TOOLS, options={"temperature": 0, "num_predict": 4})
+    assert more.done and more.prompt_eval_count > plain.prompt_eval_count  # the result reached the template
 
 
 def test_ollama_stream_abort_on_disconnect(served, url):

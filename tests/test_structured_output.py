@@ -1,6 +1,6 @@
-"""Structured output (xgrammar): response_format, vLLM's guided_* and structured_outputs, on a real server and
-offline. The tiny random-weight model emits garbage, which is what makes these tests meaningful: whatever it
-emits must still parse and validate."""
+"""Structured output: response_format, vLLM's guided_* and structured_outputs, on a real server and offline, with
+each grammar backend (llguidance, xgrammar). The tiny random-weight model emits garbage, which is what makes
+these tests meaningful: whatever it emits must still parse and validate."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from serving import _wait, start_server, stats, stop_server
+from serving import _wait, grammar_backends, start_server, stats, stop_server
 
 from servelm import LLM, SamplingParams
 from servelm.sampling_params import StructuredOutputsParams
@@ -29,10 +29,15 @@ REGEX = r"[a-z]{2,4}-[0-9]{3}"
 MSGS = [{"role": "user", "content": "Describe a pet as JSON."}]
 
 
+@pytest.fixture(scope="module", params=grammar_backends())
+def backend(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def server(llama_dir):
+def server(llama_dir, backend):
     proc, url = start_server(llama_dir, "--num-kv-blocks", "256", "--max-model-len", "512",
-                             "--embedding-model", "none")
+                             "--embedding-model", "none", "--structured-output-backend", backend)
     yield url
     assert stop_server(proc) == 0
 
@@ -159,7 +164,7 @@ def test_bad_grammars_are_400_naming_the_problem(server, body, param, needle):
           what="the engine to be idle")
 
 
-def test_offline_api_preemption_and_only_grammar_rows_masked(llama_dir, monkeypatch):
+def test_offline_api_preemption_and_only_grammar_rows_masked(llama_dir, backend, monkeypatch):
     """SamplingParams(structured_outputs=...) offline; a KV cache so small that samples are preempted and
     recomputed mid-grammar (each keeps its matcher); the mask touches only the rows that have a grammar; a
     speculating neighbour changes nothing."""
@@ -175,7 +180,7 @@ def test_offline_api_preemption_and_only_grammar_rows_masked(llama_dir, monkeypa
     monkeypatch.setattr(structured, "mask_logits", spy)
     # with n-gram speculation on: the free request speculates, the grammar's samples never do
     llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=6, block_size=16, max_model_len=96, max_num_seqs=8,
-              speculative_method="ngram", num_speculative_tokens=3)
+              speculative_method="ngram", num_speculative_tokens=3, structured_output_backend=backend)
     guided = SamplingParams(n=2, max_tokens=70, temperature=1.0, seed=11,
                             structured_outputs=StructuredOutputsParams(json=SCHEMA))
     free = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -189,3 +194,69 @@ def test_offline_api_preemption_and_only_grammar_rows_masked(llama_dir, monkeypa
     assert masked_rows and all(masked_rows)
     with pytest.raises(ValueError, match="'if'"):
         llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(json={"if": {}})))
+
+
+def test_base_install_without_xgrammar(llama_dir, monkeypatch):
+    """Without the structured extra (xgrammar cannot be imported): auto is llguidance and grammars work offline;
+    asking for xgrammar is a configuration error that says how to install it."""
+    import sys
+
+    from servelm.config.engine import ConfigError, EngineConfig
+    from servelm.engine import structured
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` raises ImportError
+    monkeypatch.setattr(structured, "_xgr_apply", None)  # (an earlier test may have loaded xgrammar's kernel)
+    assert not structured.installed("xgrammar") and structured.resolve_backend("auto") == "llguidance"
+    with pytest.raises(ConfigError, match=r"servelm\[structured\]"):
+        EngineConfig(structured_output_backend="xgrammar")
+    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=32, max_model_len=256)
+    assert llm.engine.core.grammars.backend == "llguidance"
+    params = SamplingParams(n=2, max_tokens=120, temperature=1.0, seed=3,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    for c in llm.generate("A pet:", params, use_tqdm=False)[0].outputs:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    out = llm.generate("x", SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(
+        grammar='start: "yes" | "no"')), use_tqdm=False)[0].outputs[0]  # Lark, which only llguidance reads
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+    assert structured._xgr_apply is None  # the mask applied without xgrammar
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 3], [2]])
+def test_apply_bitmask_matches_the_bits(rows):
+    """The mask sets exactly the cleared bits' logits to -inf, in the listed rows only, with a vocabulary that
+    is not a multiple of 32."""
+    import torch
+
+    from servelm.engine.structured import apply_bitmask
+
+    vocab = 1000
+    g = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, (vocab + 31) // 32), dtype=torch.int32, generator=g)
+    logits = torch.randn(4, vocab, generator=g)
+    want = logits.clone()
+    for r in rows:
+        for t in range(vocab):
+            if not (int(bitmask[r, t // 32]) >> (t % 32)) & 1:
+                want[r, t] = float("-inf")
+    from servelm.engine.structured import _apply_numpy, _apply_unpacked
+
+    # the path in use (xgrammar's kernel where it is installed), the numpy one (the base install), and the one for
+    # logits on a GPU (here run on the CPU: the bitmask rows unpacked with torch)
+    for apply in (lambda x: apply_bitmask(x, bitmask, rows),
+                  lambda x: _apply_numpy(x, bitmask[rows], rows, rows == [0, 1, 2, 3]),
+                  lambda x: _apply_unpacked(x, bitmask[rows], rows, rows == [0, 1, 2, 3])):
+        out = logits.clone()
+        apply(out)
+        assert torch.equal(out, want)
+
+
+def test_schema_for_llguidance():
+    from servelm.engine.json_schema import for_llguidance
+
+    schema = {"type": "object", "unevaluatedProperties": False, "properties": {
+        "format": {"type": "string", "format": "uri-reference"}, "when": {"type": "string", "format": "date"},
+        "either": {"anyOf": [{"type": "object", "unevaluatedProperties": False}], "unevaluatedProperties": False}}}
+    assert for_llguidance(schema) == {"type": "object", "additionalProperties": False, "properties": {
+        "format": {"type": "string"}, "when": {"type": "string", "format": "date"},
+        "either": {"anyOf": [{"type": "object", "additionalProperties": False}], "unevaluatedProperties": False}}}

@@ -1,6 +1,7 @@
 """Tool calling: the parsers (whole replies and every way a stream can split them), and a real server driven by
 the openai SDK. The tiny random model never writes a call by itself, so the auto tests make it write one with a
-grammar (guided_choice): the server's parser then has to find it; required and named calls are grammars."""
+grammar (guided_choice): the server's parser then has to find it; required and named calls are grammars (the
+server tests run with each structured output backend)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from serving import start_server, stop_server
+from serving import grammar_backends, start_server, stop_server
 
 from servelm.server.tool_parsers import ToolStream, parse, parse_forced
 
@@ -93,10 +94,11 @@ def tool_model(llama_dir, tmp_path_factory):
     return model
 
 
-@pytest.fixture(scope="module")
-def server(tool_model):
+@pytest.fixture(scope="module", params=grammar_backends())
+def server(tool_model, request):
     model = tool_model
-    proc, url = start_server(model, "--num-kv-blocks", "256", "--max-model-len", "1024", "--embedding-model", "none")
+    proc, url = start_server(model, "--num-kv-blocks", "256", "--max-model-len", "1024", "--embedding-model", "none",
+                             "--structured-output-backend", request.param)
     yield url
     assert stop_server(proc) == 0
 

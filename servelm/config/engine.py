@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -178,6 +179,9 @@ class EngineConfig:
                                 "(high, normal, low) with aging, or purely by arrival", runtime=True)
     priority_aging_s: float = _f(10.0, "seconds of waiting that lift a request one priority class, so "
                                  "low priority is never starved (0 disables aging)", runtime=True)
+    structured_output_backend: str = _f("auto", "auto | llguidance | xgrammar: the grammar engine of structured "
+                                        "output and tool calling (vLLM's --structured-outputs-config.backend); "
+                                        "auto is llguidance, xgrammar needs the structured extra")
     speculative_method: str | None = _f(None, "ngram | draft: speculative decoding by n-gram prompt lookup, or "
                                         "by a draft model (--speculative-model, which implies draft); off when "
                                         "omitted (README: Speculative decoding)")
@@ -257,6 +261,11 @@ class EngineConfig:
              f"a list of this process's CPUs {sorted(os.sched_getaffinity(0))} like '0-3' or '0,2'")
         need(self.scheduling_policy in ("priority", "fcfs"), "scheduling_policy", "priority or fcfs")
         need(self.priority_aging_s >= 0, "priority_aging_s", ">= 0")
+        need(self.structured_output_backend in ("auto", "llguidance", "xgrammar"), "structured_output_backend",
+             "auto, llguidance or xgrammar")
+        need(self.structured_output_backend != "xgrammar" or importlib.util.find_spec("xgrammar") is not None,
+             "structured_output_backend", "auto or llguidance unless xgrammar is installed (pip install "
+             "'servelm[structured]')")
         if self.speculative_model is not None and self.speculative_method is None:
             self.speculative_method = "draft"
         need(self.speculative_method in (None, "ngram", "draft"), "speculative_method", "ngram, draft or None")

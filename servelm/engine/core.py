@@ -88,7 +88,8 @@ class EngineCore:
         # n > 1 requests whose samples have not forked yet: a step looks for forks only while there are some
         self.unforked: set[str] = set()
         # structured output: requests whose grammar is still compiling wait here, outside the scheduler
-        self.grammars = GrammarCache(spec.vocab_size, tokenizer_loader or _tokenizer_from_config(config))
+        self.grammars = GrammarCache(spec.vocab_size, tokenizer_loader or _tokenizer_from_config(config),
+                                     config.structured_output_backend)
         self.compiling: dict[str, Request] = {}
         self.failed: list[tuple[str, str]] = []  # (request id, why) for requests refused after add_request
         self._order = 0

@@ -72,3 +72,36 @@ def lengths_as_patterns(schema: Any) -> Any:
         lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
         out["pattern"] = f"^.{{{lo},{hi}}}$"
     return out
+
+
+# The string formats llguidance enforces; it refuses a schema with any other, which JSON Schema makes an
+# annotation by default (and xgrammar ignores): those are dropped for it.
+LLGUIDANCE_FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6",
+                                "uri", "uuid"})
+_APPLICATORS = ("allOf", "anyOf", "oneOf", "$ref")
+
+
+def for_llguidance(schema: Any) -> Any:
+    """The schema as llguidance takes it: formats it does not know dropped, and `unevaluatedProperties`
+    (which it does not implement) as the `additionalProperties` it equals in a schema that combines no others
+    (with allOf, anyOf, oneOf or $ref it stays, and llguidance refuses it)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("format"), str) and out["format"] not in LLGUIDANCE_FORMATS:
+        del out["format"]
+    if "unevaluatedProperties" in out and "additionalProperties" not in out \
+            and not any(k in out for k in _APPLICATORS):
+        out["additionalProperties"] = out.pop("unevaluatedProperties")
+    for key in _MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: for_llguidance(sub) for name, sub in out[key].items()}
+    for key in _LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [for_llguidance(sub) for sub in out[key]]
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = for_llguidance(out[key])
+    if isinstance(out.get("items"), list):
+        out["items"] = [for_llguidance(sub) for sub in out["items"]]
+    return out

@@ -65,7 +65,7 @@ class Sequence:
     # speculative decoding: draft tokens to verify next step, and the fall-back state
     spec_token_ids: list[int] = field(default_factory=list)
     spec: SpecState = field(default_factory=lambda: SpecState())
-    # structured output: the grammar's state after this sample's tokens (an xgrammar GrammarMatcher); it stays
+    # structured output: the grammar's state after this sample's tokens (structured.new_matcher's); it stays
     # with the sequence through preemption, so a resumed sample goes on where it was
     matcher: Any = None
     batch_row: int = -1  # its row in the scheduler's DecodeBatch while a member, else -1

@@ -26,8 +26,12 @@ class ErrorResponse(JSONResponse):
         return json.dumps(content, separators=(",", ":")).encode()
 
 
-def error_response(err: APIError) -> JSONResponse:
-    return ErrorResponse(err.body(), status_code=err.status, headers=err.headers)
+def error_response(err: APIError, path: str = "") -> JSONResponse:
+    """OpenAI's error object; on Ollama's routes (/api/...), Ollama's {"error": "message"}."""
+    from servelm.server.openapi import is_ollama_path
+
+    body = {"error": err.message} if is_ollama_path(path) else err.body()
+    return ErrorResponse(body, status_code=err.status, headers=err.headers)
 
 
 _UNION_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|[a-z]+-[a-z\-]+)(\[.*\])?$|^[a-z]+\[.*\]$")
@@ -97,9 +101,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(400, message, param or None))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
+    async def _http_error(request: Request, exc: StarletteHTTPException):
         message = {404: "not found", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
-        return error_response(APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
+        return error_response(APIError(exc.status_code, message, headers=getattr(exc, "headers", None)),
+                              request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
@@ -108,4 +113,4 @@ def install_error_handlers(app: FastAPI) -> None:
         rid = request.state.record.request_id if hasattr(request.state, "record") else None
         logger.error("unhandled %s in %s %s (request %s)", type(exc).__name__, request.method, request.url.path,
                      rid, exc_info=exc)
-        return error_response(APIError(500, "internal server error", code="internal_error"))
+        return error_response(APIError(500, "internal server error", code="internal_error"), request.url.path)

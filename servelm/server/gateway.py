@@ -16,7 +16,7 @@ from starlette.datastructures import Headers
 from starlette.routing import Match
 
 from servelm.server.auth import KeyStore, presented_key
-from servelm.server.openapi import is_oip_path
+from servelm.server.openapi import is_oip_path, is_ollama_path
 from servelm.server.protocol import APIError
 from servelm.server.ratelimit import FailureLimiter
 from servelm.server.telemetry import RequestRecord
@@ -88,7 +88,7 @@ class Gateway:
             if error is None:
                 body, error = await _read_body(receive, headers, st.config.server.max_request_body_bytes)
             if error is not None:
-                await _send_error(send_wrapped, error, oip=is_oip_path(path))
+                await _send_error(send_wrapped, error, oip=is_oip_path(path), ollama=is_ollama_path(path))
                 return
             await self.app(scope, _replay(body, receive), send_wrapped)
         except Exception:
@@ -99,7 +99,8 @@ class Gateway:
                 return
             if not response_started:
                 logger.exception("unhandled error in %s %s (request %s)", scope["method"], path, rid)
-                await _send_error(send_wrapped, APIError(500, "internal server error", code="internal_error"))
+                await _send_error(send_wrapped, APIError(500, "internal server error", code="internal_error"),
+                                  ollama=is_ollama_path(path))
                 return
             raise
         except BaseException:
@@ -253,13 +254,15 @@ def _replay(body: bytes, receive):
     return inner
 
 
-async def _send_error(send, err: APIError, oip: bool = False) -> None:
-    """The error response; `oip`: in the Open Inference Protocol's shape, which its clients parse."""
+async def _send_error(send, err: APIError, oip: bool = False, ollama: bool = False) -> None:
+    """The error response; `oip`, `ollama`: in the Open Inference Protocol's or Ollama's shape, which their
+    clients parse."""
     import json
 
     from servelm.server.oip_codec import error_body
 
-    body = json.dumps(error_body(err) if oip else err.body()).encode()  # ASCII: a message quoting the input encodes
+    content = error_body(err) if oip else {"error": err.message} if ollama else err.body()
+    body = json.dumps(content).encode()  # ASCII: a message quoting the input encodes
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), str(v).encode()) for k, v in (err.headers or {}).items()]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})

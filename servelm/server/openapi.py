@@ -59,6 +59,11 @@ def is_oip_path(path: str) -> bool:
     return path == "/v2" or path.startswith("/v2/")
 
 
+def is_ollama_path(path: str) -> bool:
+    """Whether a path is Ollama's API (/api/...), whose errors have Ollama's shape: {"error": "message"}."""
+    return path.startswith("/api/")
+
+
 def _bound_token_ids(node, vocab: int) -> None:
     """Every integer array item named a token id in the schemas gets the vocabulary as its range."""
     if isinstance(node, dict):

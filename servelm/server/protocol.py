@@ -74,7 +74,9 @@ def lone_surrogate(value: Any, path: tuple = ()) -> tuple | None:
 NOT_SUPPORTED_YET: dict[str, tuple] = {
     "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),  # on completions (chat has them)
     "functions": ([],), "function_call": ("none",), "suffix": ("",), "best_of": (1,),
-    "guided_decoding_backend": ("xgrammar", "auto"), "guided_whitespace_pattern": (), "logits_processors": (),
+    # either backend enforces the same grammar: the engine's structured_output_backend setting picks which
+    "guided_decoding_backend": ("auto", "xgrammar", "guidance", "llguidance"),
+    "guided_whitespace_pattern": (), "logits_processors": (),
     "prompt_logprobs": (),
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "verbosity": (),
     "web_search_options": (), "store": (False,), "metadata": (), "service_tier": ("auto", "default"),

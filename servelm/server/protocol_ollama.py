@@ -1,17 +1,20 @@
 """Ollama's request bodies (/api/generate, /api/chat, /api/embed, /api/show) and their `options`.
 
 Ollama's own server ignores top-level fields it does not know, and so do these models, so that clients of newer
-Ollama versions keep working. Fields whose meaning servelm does not implement (images, tools, format, custom
-templates, ...) are refused with 400 when they ask for something, rather than silently ignored.
+Ollama versions keep working. Fields whose meaning servelm does not implement (images, custom templates,
+thinking, ...) are refused with 400 when they ask for something, rather than silently ignored. `format` (JSON
+output) and `tools` take the OpenAI routes' paths: the same grammars and the same tool-call parsers.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from servelm.sampling_params import OutputKind, SamplingParams
+from servelm.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams
+from servelm.server import protocol as p
 from servelm.server.protocol import INT32_MAX, APIError
 
 # Options that set up a model's runtime in Ollama (context size, threads, GPU layers, memory mapping): servelm's
@@ -74,13 +77,23 @@ class _Request(BaseModel):
     options: dict[str, Any] | None = None
     stream: bool = True  # Ollama streams unless told not to
     keep_alive: str | int | float | None = None  # servelm keeps its models loaded: accepted without effect
-    format: Any = None
+    format: Any = None  # "json" or a JSON schema
     think: Any = None
 
+    def structured(self) -> StructuredOutputsParams | None:
+        """The grammar `format` asks for: any JSON object ("json"), or a JSON schema (400 if it is neither, or
+        uses a keyword the grammar cannot enforce)."""
+        if self.format in (None, ""):
+            return None
+        if self.format == "json":
+            return StructuredOutputsParams(json_object=True)
+        if not isinstance(self.format, dict):
+            raise APIError(400, f"format must be \"json\" or a JSON schema (an object), got "
+                                f"{json.dumps(self.format)[:40]}", "format")
+        return StructuredOutputsParams(json=p._schema_of(self.format, "format"))
+
     def refuse_unsupported(self) -> None:
-        if self.format not in (None, ""):
-            raise APIError(400, "'format' (JSON output) is not supported by this server yet", "format",
-                           "unsupported_parameter")
+        self.structured()
         if self.think not in (None, False):
             raise APIError(400, "'think' is not supported by this server", "think", "unsupported_parameter")
 
@@ -103,29 +116,73 @@ class GenerateRequest(_Request):
             raise APIError(400, "this model takes no images", "images", "unsupported_parameter")
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: Annotated[str, Field(min_length=1)]
+    arguments: dict[str, Any] | str = {}  # Ollama's are an object; JSON text is taken too
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message: `{"function": {"name": ..., "arguments": {...}}}`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    function: CalledFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     images: list[str] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_name: str | None = None  # a tool result's: the function that produced it
+
+    def to_chat(self, index: int) -> p.ChatMessage:
+        """The message as the OpenAI routes hold it (what the chat template renders)."""
+        if self.role == "assistant":
+            calls = [p.AssistantToolCall(id=f"call_{index}_{k}", function=p.CalledFunction(
+                name=c.function.name, arguments=c.function.arguments if isinstance(c.function.arguments, str)
+                else json.dumps(c.function.arguments, ensure_ascii=False))) for k, c in enumerate(self.tool_calls or [])]
+            return p.AssistantMessage(role="assistant", content=self.content, tool_calls=calls or None)
+        if self.role == "tool":
+            return p.ToolMessage(role="tool", content=self.content, name=self.tool_name)
+        return (p.SystemMessage if self.role == "system" else p.UserMessage)(role=self.role, content=self.content)
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: p.FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+
+
+class Tool(BaseModel):
+    """A tool on offer, as OpenAI's: `{"type": "function", "function": {"name", "description", "parameters"}}`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"] = "function"
+    function: Function
 
 
 class ChatRequest(_Request):
     messages: list[Message] = []
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.tools:
-            raise APIError(400, "'tools' is not supported by this server yet", "tools", "unsupported_parameter")
         for i, m in enumerate(self.messages):
             if m.images:
                 raise APIError(400, "this model takes no images", f"messages.{i}.images", "unsupported_parameter")
-            if m.tool_calls:
-                raise APIError(400, "tool calls are not supported by this server yet", f"messages.{i}.tool_calls",
-                               "unsupported_parameter")
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools for the chat template, as the OpenAI route gives them (the model picks whether to call
+        one: Ollama has no tool_choice)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class EmbedRequest(BaseModel):

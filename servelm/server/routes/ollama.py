@@ -2,7 +2,9 @@
 GET /api/tags, /api/ps, /api/version, so Ollama's clients and UIs work against servelm unchanged.
 
 Generation goes through the same `Api` machinery as the OpenAI routes (model resolution, admission, metrics,
-client-disconnect aborts); only the request and response shapes are Ollama's. Errors are Ollama's shape,
+client-disconnect aborts), `format` through the same grammars as response_format, and `tools` through the same
+chat template arguments and tool-call parsers as tool_choice auto; only the request and response shapes are
+Ollama's (a tool call: `message.tool_calls: [{"function": {"name": ..., "arguments": {...}}}]`). Errors are Ollama's shape,
 {"error": "message"}, with the same HTTP status as the OpenAI routes would give (a failure after the stream
 began is a last {"error": ...} line, as Ollama sends it). The routes stay out of /openapi.json, whose error
 schema is OpenAI's: Ollama's own API reference documents them.
@@ -25,11 +27,11 @@ from servelm.server import protocol_ollama as o
 from servelm.server.common import Api, record
 from servelm.server.protocol import APIError
 from servelm.server.routes.embeddings import _embed, _embedder
+from servelm.server.tool_parsers import ToolCall, ToolStream, parse
+from servelm.server.tools import choose_parser
 from servelm.version import __version__
 
 NDJSON = "application/x-ndjson"
-_ROLES = {"system": p.SystemMessage, "user": p.UserMessage, "assistant": p.AssistantMessage,
-          "tool": p.ToolMessage}
 
 
 def _now() -> str:
@@ -80,10 +82,67 @@ def _done_reason(finish: str | None) -> str:
     return "length" if finish == "length" else "stop"
 
 
-async def _run(api: Api, m, request: Request, body, ids: list[int], prompt: str | None, piece, extra_final):
-    """Run one generation; `piece(text)` is a chunk's payload, `extra_final(output_ids)` the final line's."""
+class _Reply:
+    """How a generation's text becomes Ollama's payloads: {"response": text} (generate) or {"message": {...}}
+    (chat)."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+
+    def payload(self, text: str, calls: list[ToolCall] | None = None) -> dict:
+        if not self.chat:
+            return {"response": text}
+        message = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = [{"function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                                     for c in calls]
+        return {"message": message}
+
+    def chunks(self, text: str, finish: str | None) -> list[dict]:
+        """The payloads of the streamed lines for new text (and, with finish, the end), before the last line."""
+        return [self.payload(text)] if text else []
+
+    def whole(self, text: str, finish: str | None) -> dict:
+        return self.payload(text)
+
+
+class _ToolReply(_Reply):
+    """Chat with tools on offer: calls in the reply (in the format `parser` reads) become message.tool_calls,
+    streamed as soon as each is complete; a reply cut short by num_predict stays text."""
+
+    def __init__(self, parser: str) -> None:
+        super().__init__(chat=True)
+        self.parser, self.stream = parser, ToolStream(parser)
+
+    def chunks(self, text: str, finish: str | None) -> list[dict]:
+        out = []
+        content, calls = self.stream.feed(text) if text else ("", [])
+        if content or calls:
+            out.append(self.payload(content, calls))
+        if finish is not None:
+            if finish == "length":
+                content, calls, self.stream.pending = self.stream.pending, [], ""
+            else:
+                content, calls = self.stream.finish()
+            if content or calls:
+                out.append(self.payload(content, calls))
+        return out
+
+    def whole(self, text: str, finish: str | None) -> dict:
+        if finish == "length":
+            return self.payload(text)
+        content, calls = parse(self.parser, text)
+        return self.payload(content or "" if calls else text, calls)
+
+
+async def _run(api: Api, m, request: Request, body, ids: list[int], prompt: str | None, reply: _Reply,
+               extra_final):
+    """Run one generation; `reply` shapes its text, `extra_final(output_ids)` adds to the final line."""
     opts = o.Options.parse(body.options)
     params = api.params(m, opts, len(ids))
+    params.structured_outputs = body.structured()
+    if isinstance(reply, _ToolReply) and reply.parser == "mistral":
+        params.skip_special_tokens = False  # [TOOL_CALLS] is a special token: the parser must see it
     prio = api.admit(m, request, body, [ids], [params])
     api.log_prompt(request, [prompt if prompt is not None else ids])
     rec = record(request)
@@ -92,7 +151,8 @@ async def _run(api: Api, m, request: Request, body, ids: list[int], prompt: str 
 
     def final(finish, out_ids: list[int]) -> dict:
         end = time.monotonic()
-        return {"model": model, "created_at": _now(), **piece(""), "done": True, "done_reason": _done_reason(finish),
+        return {"model": model, "created_at": _now(), **reply.payload(""), "done": True,
+                "done_reason": _done_reason(finish),
                 **extra_final(out_ids), "total_duration": _ns(rec.start, end),
                 "load_duration": int((rec.load_wait_s or 0) * 1e9), "prompt_eval_count": len(ids),
                 "prompt_eval_duration": _ns(rec.submitted, rec.first_token), "eval_count": len(out_ids),
@@ -109,8 +169,8 @@ async def _run(api: Api, m, request: Request, body, ids: list[int], prompt: str 
                     c = out.outputs[0]
                     out_ids += c.token_ids
                     finish = c.finish_reason or finish
-                    if c.text:
-                        yield _line({"model": model, "created_at": _now(), **piece(c.text), "done": False})
+                    for payload in reply.chunks(c.text, c.finish_reason):
+                        yield _line({"model": model, "created_at": _now(), **payload, "done": False})
                 yield _line(final(finish, out_ids))
             except APIError as e:
                 rec.error = e.message
@@ -118,7 +178,7 @@ async def _run(api: Api, m, request: Request, body, ids: list[int], prompt: str 
         return StreamingResponse(lines(), media_type=NDJSON)
     [res] = await api.collect(m, request, [job])
     acc = res[0]
-    return {**final(acc["finish"], acc["token_ids"]), **piece(acc["text"])}
+    return {**final(acc["finish"], acc["token_ids"]), **reply.whole(acc["text"], acc["finish"])}
 
 
 def _line(obj: dict) -> bytes:
@@ -169,7 +229,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         ids = list(body.context or []) + ids
         if not ids:
             raise APIError(400, "the prompt is empty", "prompt")
-        return await _run(api, m, request, body, ids, None, lambda t: {"response": t},
+        return await _run(api, m, request, body, ids, None, _Reply(chat=False),
                           lambda out_ids: {"context": ids + out_ids})
 
     @app.post("/api/chat", include_in_schema=False)
@@ -182,10 +242,12 @@ def add_routes(app: FastAPI, api: Api) -> None:
             done = _loaded(body.model or m.served_name)
             del done["response"]
             return {**done, "message": {"role": "assistant", "content": ""}}
-        msgs = [_ROLES[x.role](role=x.role, content=x.content) for x in body.messages]
-        ids = await api.chat_ids(m, msgs)
-        return await _run(api, m, request, body, ids, None,
-                          lambda t: {"message": {"role": "assistant", "content": t}}, lambda _: {})
+        msgs = [x.to_chat(i) for i, x in enumerate(body.messages)]
+        tools = body.template_tools()
+        ids = await api.chat_ids(m, msgs, tools=tools)
+        reply = _ToolReply(choose_parser(api.state.config.server.tool_call_parser,
+                                         getattr(m.tokenizer, "chat_template", None))) if tools else _Reply(chat=True)
+        return await _run(api, m, request, body, ids, None, reply, lambda _: {})
 
     @app.post("/api/embed", include_in_schema=False)
     @ollama_errors
