@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from servelm.sampling_params import OutputKind, SamplingParams
 
 HELLO = "servelm chat: type a message; Ctrl-C stops a reply, Ctrl-C or Ctrl-D (or /exit) quits, /reset forgets."
+STOPPED = "[stopped]"  # the line after a reply Ctrl-C cut short (a reply's text may itself hold "> ")
 
 
 @contextlib.contextmanager
@@ -54,7 +55,7 @@ def _reply(llm, history: list[dict], params: SamplingParams) -> tuple[str, bool]
                 delta = out.outputs[0].text if out.outputs else ""
                 parts.append(delta)
                 print(delta, end="", flush=True)
-    print()
+    print(f"\n{STOPPED}" if interrupted[0] else "")
     return "".join(parts), interrupted[0]
 
 
@@ -166,6 +167,7 @@ class RemoteChat:
 
         body = {"model": self.model, "messages": history, "stream": True, **self.fields}
         parts: list[str] = []
+        stopped = False
         try:
             with self.client.stream("POST", self.url + "/v1/chat/completions", json=body) as resp:
                 if resp.status_code != 200:
@@ -186,12 +188,12 @@ class RemoteChat:
                         parts.append(delta)
                         print(delta, end="", flush=True)
         except KeyboardInterrupt:
-            pass
+            stopped = True
         except httpx.HTTPError as e:
             print(f"\nerror: {type(e).__name__}: {e}", file=sys.stderr)
             if not parts:
                 return None
-        print()
+        print(f"\n{STOPPED}" if stopped else "")
         return "".join(parts)
 
     def close(self) -> None:
