@@ -74,5 +74,5 @@ def test_vllm_prompt_dicts_are_accepted(llama_dir):
 
 
 def test_missing_model_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="never downloads"):
+    with pytest.raises(FileNotFoundError, match="not found: pass a local Hugging Face folder.*repo id"):
         LLM(str(tmp_path / "nope"))

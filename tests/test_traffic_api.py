@@ -603,7 +603,8 @@ def test_a_drift_report_reads_a_copy_of_the_windows_the_loop_feeds(platform):
 
 def test_a_shadow_copy_keeps_the_primary_cache_salt_and_a_queue_timeout(platform):
     """The mirrored request runs in the primary's prefix-cache namespace (per-key isolation) and with a queue
-    timeout; the comparison covers a bounded prefix of each output (difflib is quadratic)."""
+    timeout, the primaries' or, when they have none (the default), a bounded one of its own; the comparison covers
+    a bounded prefix of each output (difflib is quadratic)."""
     client, state, deps = platform
     seen: list[tuple] = []
     generate = deps[3].generate
@@ -617,7 +618,10 @@ def test_a_shadow_copy_keeps_the_primary_cache_salt_and_a_queue_timeout(platform
     r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1, "cache_salt": "s1"})
     assert r.status_code == 200 and r.headers["x-servelm-model-version"] == "m:1"
     client.portal.call(state.traffic.mirrors["m"].drain)
-    assert seen == [(state.config.admission.queue_timeout_s, "salt:s1")]
+    from servelm.server.traffic import SHADOW_QUEUE_TIMEOUT_S
+
+    assert state.config.admission.queue_timeout_s == 0
+    assert seen == [(SHADOW_QUEUE_TIMEOUT_S, "salt:s1")]
     from servelm.control.shadow import MAX_COMPARED, similarity
 
     same = list(range(MAX_COMPARED))

@@ -204,7 +204,7 @@ class EngineConfig:
 
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.revision is not None:  # folded into the model string every process resolves
-            from servelm.model.hub import with_revision
+            from servelm.config.model_ref import with_revision
 
             try:
                 self.model = with_revision(self.model, self.revision)

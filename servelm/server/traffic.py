@@ -59,13 +59,17 @@ def split_ref(ref: str) -> tuple[str, int | None]:
     return (name, int(ver)) if sep and ver.isdigit() else (ref, None)
 
 
+SHADOW_QUEUE_TIMEOUT_S = 30.0  # a shadow copy's queue timeout when primaries have none
+
+
 class TrafficService:
     """Per-model traffic state over the control plane `cp` (its registry's database and audit trail)."""
 
     def __init__(self, cp: Any, server_config: Any, metrics_registry: Any, models: Any,
                  queue_timeout_s: float | None = None, embedder: Any = None) -> None:
         self.cp, self.cfg, self.models = cp, server_config, models
-        self.queue_timeout_s = queue_timeout_s  # a shadow request waits no longer than a primary one would
+        # a shadow copy is best effort: it waits no longer than a primary would, and never unbounded
+        self.queue_timeout_s = queue_timeout_s or SHADOW_QUEUE_TIMEOUT_S
         reg = cp.registry
         self.store = PolicyStore(reg.engine, reg.audit)
         default, per = parse_modes(server_config.prediction_log)
