@@ -57,7 +57,8 @@ def error(r: httpx.Response, status: int) -> dict:
 
 
 def complete(url: str, model: str) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", headers={"x-api-key": USER_KEY}, timeout=300,  # ends a hang only: an on-demand load starts an engine
+    # the timeout only ends a hang: an on-demand load starts an engine first
+    return httpx.post(url + "/v1/completions", headers={"x-api-key": USER_KEY}, timeout=300,
                       json={"model": model, "prompt": [1, 500, 600, 700], "max_tokens": 6, "temperature": 0,
                             "ignore_eos": True})
 
