@@ -150,7 +150,8 @@ def test_each_variant_passes_the_kernel_tests():
     if not others:
         pytest.skip("this CPU runs only the default variant")
     tests = [str(Path(__file__).parent / f) for f in ("test_cpu_kernels.py", "test_fused_kernels.py",
-                                                      "test_attention.py", "test_invariance.py")]
+                                                      "test_attention.py", "test_invariance.py",
+                                                      "test_sampler_distribution.py")]
     for name in others:
         env = {**os.environ, "SERVELM_CPU_KERNELS": name}
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests,
