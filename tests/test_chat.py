@@ -4,6 +4,7 @@ Ollama does; Ctrl-C or Ctrl-D at the prompt quits with exit code 0 and no traceb
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import pytest
@@ -31,13 +32,16 @@ def long_model(tmp_path_factory, tokenizer_dir):
     return out
 
 
-def _chat(model) -> pexpect.spawn:
+def _chat(model, sigint_ignored: bool = False) -> pexpect.spawn:
     args = ["-m", "servelm.entrypoints.cli", "chat", "--model", str(model), "--dtype", "float32",
             "--temperature", "0", "--max-tokens", "60000", "--ignore-eos"]
     env = {**os.environ, "SERVELM_CPU_KERNELS": "0"}
     # every expect waits for an event that comes (the prompt, the echo, the reply, the exit); the timeout only
     # ends a hang, so it sits far beyond how slow a loaded 2-core machine can be
-    child = pexpect.spawn(sys.executable, args, env=env, encoding="utf-8", timeout=900, dimensions=(40, 200))
+    # started with SIGINT ignored, as a shell starts a background job (and as some test runners' workers are)
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+    child = pexpect.spawn(sys.executable, args, env=env, encoding="utf-8", timeout=900, dimensions=(40, 200),
+                          preexec_fn=ignore)
     child.expect_exact("> ")  # loaded, at the prompt
     return child
 
@@ -48,8 +52,9 @@ def _reply_started(child, message: str) -> None:
     child.expect(r"\S{5}")  # the reply is streaming
 
 
-def test_ctrl_c_stops_a_reply_and_ctrl_c_at_the_prompt_quits(long_model):
-    child = _chat(long_model)
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["sigint-default", "sigint-ignored-at-start"])
+def test_ctrl_c_stops_a_reply_and_ctrl_c_at_the_prompt_quits(long_model, sigint_ignored):
+    child = _chat(long_model, sigint_ignored)
     try:
         _reply_started(child, "hello")
         child.sendintr()

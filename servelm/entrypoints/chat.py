@@ -68,6 +68,9 @@ def _loop(reply: Callable[[list[dict]], str | None], system: str | None) -> int:
     """The conversation: read a message, stream the reply, keep both. `reply` returns None when the turn
     failed (a server's error, already printed): the message is dropped, so the turns still alternate."""
     history = [{"role": "system", "content": system}] if system else []
+    # Ctrl-C must reach the prompt even when this process was started with SIGINT ignored (as a shell does for
+    # a background job, and as some process runners do): an ignored disposition is inherited across exec.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print(HELLO, file=sys.stderr)
     while True:
         try:
