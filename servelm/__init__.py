@@ -18,6 +18,7 @@ _LAZY = {
     "LLM": "servelm.entrypoints.llm",
     "CompletionOutput": "servelm.outputs",
     "Logprob": "servelm.outputs",
+    "LoRARequest": "servelm.lora",
     "RequestOutput": "servelm.outputs",
     "OutputKind": "servelm.sampling_params",
     "SamplingParams": "servelm.sampling_params",
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from servelm.config.engine import EngineConfig
     from servelm.engine.llm_engine import LLMEngine
     from servelm.entrypoints.llm import LLM
+    from servelm.lora import LoRARequest
     from servelm.outputs import CompletionOutput, Logprob, RequestOutput
     from servelm.sampling_params import OutputKind, SamplingParams
 
@@ -37,5 +39,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'servelm' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "OutputKind", "RequestOutput",
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "LoRARequest", "OutputKind", "RequestOutput",
            "SamplingParams", "__version__"]

@@ -12,6 +12,26 @@ DEFAULT_KV_CACHE_GB = 1.0  # the KV cache on the CPU unless sized
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's: the share of a GPU's memory an engine sizes itself to
 
 
+def parse_lora_module(text: str) -> tuple[str, str, str | None]:
+    """(name, path, base model name or None) from vLLM's --lora-modules forms: NAME=PATH, or a JSON object
+    {"name": ..., "path": ..., "base_model_name": ...}. Raises ValueError."""
+    text = text.strip()
+    if text.startswith("{"):
+        import json
+
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not valid JSON: {e}") from None
+        if not isinstance(d, dict) or not d.get("name") or not d.get("path"):
+            raise ValueError("the JSON form needs 'name' and 'path'")
+        return str(d["name"]), str(d["path"]), d.get("base_model_name")
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise ValueError("expected NAME=PATH")
+    return name.strip(), path.strip(), None
+
+
 class ConfigError(ValueError):
     """An invalid configuration value: names the key, the value and what is allowed."""
 
@@ -194,6 +214,16 @@ class EngineConfig:
                                         "is switched off for it (0 never switches off)")
     spec_fallback_window: int = _f(16, "draft tokens in the rolling acceptance window")
     spec_cooldown_steps: int = _f(32, "decode steps a request runs without speculation after falling back")
+    enable_lora: bool = _f(False, "serve LoRA adapters beside the base model (implied by --lora-modules)")
+    lora_modules: tuple[str, ...] = _f((), "LoRA adapters loaded at start, as NAME=PATH (a PEFT adapter folder) or "
+                                       "vLLM's JSON form '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; "
+                                       "clients select one by sending its NAME as the model")
+    max_lora_rank: int = _f(64, "the largest adapter rank accepted (adapters are stored at their own rank, so "
+                                "this bounds nothing else)")
+    max_loras: int = _f(8, "most distinct adapters in one batch; a request for one more waits for a slot")
+    max_cpu_loras: int | None = _f(None, "most adapters held loaded (least recently used ones are unloaded and "
+                                   "read again from their path when next needed; default: max(max_loras, 32)); "
+                                   "on a GPU the ones not in a batch wait in CPU memory")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -276,6 +306,19 @@ class EngineConfig:
         need(0 <= self.spec_fallback_threshold <= 1, "spec_fallback_threshold", "in [0, 1]")
         need(self.spec_fallback_window >= 1, "spec_fallback_window", ">= 1")
         need(self.spec_cooldown_steps >= 0, "spec_cooldown_steps", ">= 0")
+        if self.lora_modules:
+            self.lora_modules = tuple(self.lora_modules)
+            self.enable_lora = True
+            for m in self.lora_modules:
+                try:
+                    parse_lora_module(m)
+                except ValueError as e:
+                    raise ConfigError("lora_modules", m, f"NAME=PATH or a JSON object with name and path ({e})") from None
+        need(1 <= self.max_lora_rank <= 1024, "max_lora_rank", "in [1, 1024]")
+        need(self.max_loras >= 1, "max_loras", ">= 1")
+        need(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
+             f">= max_loras ({self.max_loras}) or None")
+        need(tp == 1 or not self.enable_lora, "tensor_parallel_size", "1 with LoRA adapters (they are not sharded)")
 
     def to_dict(self) -> dict:
         return asdict(self)

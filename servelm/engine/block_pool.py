@@ -10,12 +10,16 @@ from collections.abc import Sequence
 _NO_SALT = bytes(32)  # the parent of an unsalted prompt's first block
 
 
-def root_hash(cache_salt: str | None) -> bytes:
+def root_hash(cache_salt: str | None, adapter_key: str | None = None) -> bytes:
     """The "parent" of a prompt's first block: a cache salt (one per tenant) starts a separate chain, so
-    blocks are never shared across salts."""
-    if not cache_salt:
+    blocks are never shared across salts; so does a LoRA adapter (its digest), whose keys and values differ
+    from the base model's for the same tokens."""
+    if not cache_salt and not adapter_key:
         return _NO_SALT
-    return hashlib.sha256(b"servelm-cache-salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+    salt = (cache_salt or "").encode("utf-8", "surrogatepass")
+    if adapter_key:
+        salt += b"\0servelm-lora\0" + adapter_key.encode()
+    return hashlib.sha256(b"servelm-cache-salt\0" + salt).digest()
 
 
 def block_preimage(parent_hash: bytes | None, token_ids: Sequence[int], num_prompt: int | None = None) -> bytes:

@@ -17,6 +17,7 @@ from servelm.engine.cuda_graphs import capture_sizes
 from servelm.engine.decode_batch import DecodeBatch, batchable
 from servelm.engine.kv_cache_manager import KVCacheManager
 from servelm.engine.kv_sizing import CudaMemory, DeviceMemory, check_model_len, plan_kv_blocks
+from servelm.engine.lora_manager import LoraManager
 from servelm.engine.model_runner import ModelRunner, kv_bytes_per_block, profile_largest_step
 from servelm.engine.proposers import NgramProposer
 from servelm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -84,6 +85,8 @@ class EngineCore:
         if self.spec is None:  # (a verification is not a plain decode: with drafts every row takes the loop)
             self.scheduler.batch = DecodeBatch(config.max_num_seqs, -(-max_len // config.block_size),
                                                config.block_size, spec.vocab_size)
+        self.loras = self._make_lora_manager(config)
+        self.runner.loras = self.scheduler.loras = self.loras
         self.requests: dict[str, Request] = {}
         # n > 1 requests whose samples have not forked yet: a step looks for forks only while there are some
         self.unforked: set[str] = set()
@@ -111,6 +114,18 @@ class EngineCore:
         return SpecDecoder(proposer, config.num_speculative_tokens, max_len, config.spec_fallback_threshold,
                            config.spec_fallback_window, config.spec_cooldown_steps)
 
+    def _make_lora_manager(self, config: EngineConfig) -> LoraManager | None:
+        if not config.enable_lora:
+            return None
+        from servelm.config.engine import parse_lora_module
+        from servelm.lora import LoRARequest
+
+        loras = LoraManager(self.model, config.max_lora_rank, config.max_loras, config.max_cpu_loras)
+        for i, module in enumerate(config.lora_modules, 1):
+            name, path, base = parse_lora_module(module)
+            loras.add(LoRARequest(name, i, path, base))
+        return loras
+
     # -- requests ----------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
         """Raise ValueError if a request can never be served (before it is queued)."""
@@ -133,6 +148,11 @@ class EngineCore:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.check_request(req.prompt_token_ids, req.params.max_tokens)
         req.params.check_vocab(self.model.spec.vocab_size)
+        if req.lora is not None:  # last check: from here the request holds its adapter until it finishes
+            if self.loras is None:
+                raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora or "
+                                 "--lora-modules)")
+            req.lora_key = self.loras.acquire(req.lora)
         req.order = self._order
         self._order += 1
         p = req.params
@@ -159,7 +179,7 @@ class EngineCore:
                 continue
             del self.compiling[rid]
             if req.grammar.exception() is not None:
-                del self.requests[rid]
+                self._forget(req)
                 self.unforked.discard(rid)
                 self.failed.append((rid, str(req.grammar.exception())))
                 continue
@@ -178,15 +198,20 @@ class EngineCore:
         if req is None:
             return
         if self.compiling.pop(request_id, None) is not None:  # never scheduled: nothing to free
-            del self.requests[request_id]
-            self.unforked.discard(request_id)
+            self._forget(req)
             return
         for seq in req.seqs:
             if index is None or seq.index == index:
                 self.scheduler.finish(seq, reason, stop_reason)
         if req.finished:
-            del self.requests[request_id]
-            self.unforked.discard(request_id)
+            self._forget(req)
+
+    def _forget(self, req: Request) -> None:
+        """The request leaves the engine: what it held beside its blocks is given back."""
+        del self.requests[req.request_id]
+        self.unforked.discard(req.request_id)
+        if req.lora is not None:
+            self.loras.release(req.lora.lora_name)
 
     def abort_request(self, request_id: str) -> None:
         self.finish_seq(request_id, None, "abort")

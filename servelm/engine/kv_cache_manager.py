@@ -37,7 +37,7 @@ class KVCacheManager:
 
     # -- admission ---------------------------------------------------------------------------------
     def _parent(self, seq: Sequence, i: int) -> bytes:
-        return seq.block_hashes[i - 1] if i else root_hash(seq.request.cache_salt)
+        return seq.block_hashes[i - 1] if i else root_hash(seq.request.cache_salt, seq.request.lora_key)
 
     def _num_prompt(self, seq: Sequence, i: int) -> int | None:
         """None where block i lies wholly in seq's prompt, else how many of its tokens do (see block_preimage)."""

@@ -11,6 +11,7 @@ from servelm.engine.core import EngineCore, EngineStats
 from servelm.engine.output_processor import OutputProcessor
 from servelm.engine.sequence import Priority, Request
 from servelm.engine.threads import configure_threads
+from servelm.lora import LoRARequest
 from servelm.model.loader import LoadedModel, load_model
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
@@ -53,8 +54,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = Priority.NORMAL, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> None:
-        """`cache_salt`: requests share prefix-cache blocks only with requests of the same salt."""
+                    cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> None:
+        """`cache_salt`: requests share prefix-cache blocks only with requests of the same salt. `lora_request`:
+        the LoRA adapter to run it with (the engine needs enable_lora)."""
         params = self.prepare_params(params or SamplingParams())
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenize(prompt)
@@ -62,7 +64,8 @@ class LLMEngine:
             text, ids = None, [int(t) for t in prompt]
         if params.structured_outputs is not None:  # compile now: a bad grammar raises ValueError here
             self.core.grammars.compile(params.structured_outputs, params._eos_token_ids)
-        req = Request(request_id, ids, params, arrival_time or time.monotonic(), priority, cache_salt=cache_salt)
+        req = Request(request_id, ids, params, arrival_time or time.monotonic(), priority, cache_salt=cache_salt,
+                      lora=lora_request)
         self.core.add_request(req)  # validates; raises ValueError before anything is recorded
         self.output_processor.add_request(request_id, text, ids, params)
 
@@ -79,6 +82,20 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter ahead of its requests (vLLM's add_lora); raises ValueError if it does not fit the base
+        model. True once it is loaded."""
+        if self.core.loras is None:
+            raise ValueError("LoRA is not enabled (LLM(..., enable_lora=True))")
+        return self.core.loras.add(lora_request).loaded
+
+    def remove_lora(self, name: str) -> bool:
+        """Forget an adapter (False if unknown); ValueError while requests use it."""
+        return self.core.loras is not None and self.core.loras.remove(name)
+
+    def list_loras(self) -> list[str]:
+        return [] if self.core.loras is None else [a.name for a in self.core.loras.adapters()]
 
     def get_stats(self) -> EngineStats:
         return self.core.stats()

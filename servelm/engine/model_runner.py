@@ -71,6 +71,7 @@ class ModelRunner:
             self.enable_decode_graphs(cuda_graph_sizes, capture=True)
         # tensor parallelism (engine/tp_workers.py): the other ranks, sent each step's block ops and inputs
         self.tp_workers = None
+        self.loras = None  # the engine's LoRA adapters (engine/lora_manager.py), where enabled
 
     def enable_decode_graphs(self, sizes: list[int], capture: bool) -> None:
         """Run pure-decode steps of up to max(sizes) sequences through padded static buffers, replaying a
@@ -179,10 +180,11 @@ class ModelRunner:
             tables[:n_dec] = out.batch.tables[:n_dec, :max_blocks]
         for r, t in enumerate(decode_tables, n_dec):
             tables[r, : len(t)] = t
-        if not prefills and self.graphs is not None and self.graphs.can_run(len(ids), max_blocks):
+        lora = self._lora_batch(out) if self.loras is not None and self.loras.active else None
+        if not prefills and lora is None and self.graphs is not None and self.graphs.can_run(len(ids), max_blocks):
             graph_inputs = (list(map(int, ids)), list(map(int, positions)), list(map(int, slots)), list(tables),
                             list(map(int, decode_lens)))
-            return None, None, None, logits_dev, repeats_t, graph_inputs, False
+            return None, None, None, logits_dev, repeats_t, graph_inputs, False, None
         meta = AttentionMetadata(
             slot_mapping=tensor(slots),
             decode_idx=tensor(decode_idx),
@@ -193,7 +195,16 @@ class ModelRunner:
         )
         meta.derived = self.model.attn.derive(meta)
         return (tensor(ids).to(dev, non_blocking=True), tensor(positions).to(dev, non_blocking=True),
-                meta.to(dev), logits_dev, repeats_t, None, want_prompt)
+                meta.to(dev), logits_dev, repeats_t, None, want_prompt, lora)
+
+    def _lora_batch(self, out: SchedulerOutput):
+        """The step's adapters and their rows (None where every row runs the base model): the decode batch's rows
+        first, then each scheduled sequence's tokens, as `_prepare` lays them out."""
+        names = [s.request.lora.lora_name if s.request.lora is not None else None for s in out.decode_seqs]
+        for s in out.scheduled:
+            lora = s.seq.request.lora
+            names += [lora.lora_name if lora is not None else None] * s.num_tokens
+        return self.loras.batch(names)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[int], list[list[SampleResult]]]:
@@ -205,14 +216,14 @@ class ModelRunner:
             if self.tp_workers is not None and out.ops:
                 self.tp_workers.step(out.ops, None)
             return [], []
-        input_ids, positions, meta, logits_idx, repeats, graph_step, want_prompt = self._prepare(out)
+        input_ids, positions, meta, logits_idx, repeats, graph_step, want_prompt, lora = self._prepare(out)
         if self.tp_workers is not None:  # the ranks replay the block ops and run their shards with ours
             self.tp_workers.step(out.ops, (input_ids, positions, meta))
         if graph_step is not None:  # every row's logits, from the static buffers (a graph replay on a GPU)
             hidden, logits = None, self.graphs.run(*graph_step)
             self.num_graph_steps += 1
         else:
-            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
+            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, lora)
         self.prompt_logprobs = self._prompt_logprobs(out, hidden) if want_prompt else []
         if logits_idx.numel() == 0:  # a step of prompt chunks that sample nothing yet
             return [], []

@@ -104,6 +104,8 @@ class Scheduler:
         self.step_cost = step_cost if step_cost is not None else StepCostModel()
         # the steady decodes as columns (EngineCore sets one up; without it every row takes the loop below)
         self.batch: DecodeBatch | None = None
+        # LoRA adapters (EngineCore sets them where enabled): a step holds at most loras.max_loras of them
+        self.loras = None
 
     def add(self, seq: Sequence) -> None:
         self._note_class_change(seq)
@@ -241,6 +243,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and prefill > 0 and len(running) < self.max_num_seqs
                and not num_preempted):
             seq = self.waiting[0]
+            if seq.request.lora is not None and not self._adapter_fits(seq):  # waits, in order, for a slot
+                break
             if seq.status == SeqStatus.SWAPPED:
                 n = min(seq.num_to_compute, budget, max(1, prefill))
                 if not kv.swap_in(seq, n):
@@ -269,6 +273,11 @@ class Scheduler:
         decodes = batch.seqs[:] if batch is not None else []
         return SchedulerOutput(scheduled, kv.take_ops(), num_preempted, self.max_num_batched_tokens - budget,
                                len(scheduled) - num_running, decodes, batch)
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """seq's adapter is one the running sequences already use, or one more stays within max_loras."""
+        names = {s.request.lora.lora_name for s in self.running if s.request.lora is not None}
+        return seq.request.lora.lora_name in names or len(names) < self.loras.max_loras
 
     def _prefill_budget(self) -> int:
         """Prompt tokens a step may compute: all of max_num_batched_tokens, unless a latency target is set and

@@ -12,6 +12,7 @@ if TYPE_CHECKING:  # torch only where a seeded sample needs a generator (keeps t
     import torch
 
 from servelm.engine.step_outputs import SampleResult
+from servelm.lora import LoRARequest
 from servelm.sampling_params import SamplingParams
 
 
@@ -110,6 +111,8 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False  # True once the n samples exist (after the prompt's first token)
     cache_salt: str | None = None  # prefix-cache namespace: requests share cached blocks only within one salt
+    lora: LoRARequest | None = None  # the LoRA adapter its rows run with (None: the base model)
+    lora_key: str | None = None  # the adapter's digest, set by EngineCore.add_request: its prefix-cache namespace
     # params.prompt_logprobs: one entry per prompt position (the first is None), filled as chunks run
     prompt_logprobs: list[SampleResult | None] | None = None
     prompt_logprobs_done: bool = False  # all computed and reported: a recompute need not redo them

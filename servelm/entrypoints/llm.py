@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from servelm.config.engine import EngineConfig
 from servelm.engine.llm_engine import LLMEngine
+from servelm.lora import LoRARequest
 from servelm.outputs import RequestOutput
 from servelm.progress import progress
 from servelm.sampling_params import OutputKind, SamplingParams
@@ -81,8 +82,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate completions; outputs come back in the order of `prompts`."""
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate completions; outputs come back in the order of `prompts`. `lora_request`: a LoRA adapter for
+        every prompt, or a list with one (or None, the base model) per prompt; needs `enable_lora=True`."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -92,12 +95,18 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
         ids = []
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
+            for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
                 rid = str(next(self._ids))
                 params = dataclasses.replace(params, output_kind=OutputKind.FINAL_ONLY)
-                self.engine.add_request(rid, _unwrap(prompt), params)
+                self.engine.add_request(rid, _unwrap(prompt), params, lora_request=lora)
                 ids.append(rid)
         except Exception:
             for rid in ids:
@@ -107,14 +116,15 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate. `tools` (OpenAI
         tool definitions) go to the template as `tools=`; the reply's calls are left to the caller to parse
         (`servelm.server.tool_parsers.parse`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         prompts = [self.apply_chat_template(c, add_generation_prompt, **kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             **kwargs) -> list[int]:

@@ -28,6 +28,7 @@ from servelm.model.layers import (
     rms_norm,
     rotary_,
 )
+from servelm.model.lora import LoraBatch, add_lora
 from servelm.model.moe import SparseMoe, take_sparse_moe
 from servelm.model.parallel import TensorParallel
 from servelm.model.quant import fuse_rows
@@ -169,14 +170,15 @@ class DecoderLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                lora: LoraBatch | None = None) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]. A pure-decode step replays its kernel tape where
-        there is one (the same kernel calls as `run_layers`, from C++)."""
-        if self.tapes is not None and not meta.prefills:
+        there is one (the same kernel calls as `run_layers`, from C++); a step with LoRA rows runs the layers."""
+        if self.tapes is not None and not meta.prefills and lora is None:
             hidden = self.tapes.forward(input_ids, positions, kv_caches, meta)
             if hidden is not None:
                 return hidden
-        return self.run_layers(self.embed_tokens(input_ids), positions, kv_caches, meta)
+        return self.run_layers(self.embed_tokens(input_ids), positions, kv_caches, meta, lora)
 
     def embed_tokens(self, input_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The residual stream's start: the tokens' embedding rows (into `out` when given), scaled where the
@@ -187,11 +189,12 @@ class DecoderLM:
         return h
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                   meta: AttentionMetadata) -> torch.Tensor:
+                   meta: AttentionMetadata, lora: LoraBatch | None = None) -> torch.Tensor:
         """The layer stack over the residual stream h [T, hidden] (updated in place), then the final norm. One
         loop for every family; what differs is read from the spec and the layer's weights: sandwich norms
         (Gemma: the sublayers' outputs are normed before each residual add), q/k norms, partial RoPE, a
-        local RoPE for sliding-window layers, MoE MLPs."""
+        local RoPE for sliding-window layers, MoE MLPs. `lora`: the step's adapters, added to the rows that use
+        them (model/lora.py)."""
         s, fused, eps = self.spec, self.fused, self.spec.rms_norm_eps
         # Gemma's RMSNorm scales by its weight in float32 and rounds once (as F.rms_norm does); the fused
         # kernel rounds before the scaling, as Llama's does, so it serves the other families only
@@ -205,7 +208,7 @@ class DecoderLM:
         for i, lw in enumerate(self.layers):
             window = s.sliding_windows[i]
             x = rms_norm(h, lw.input_norm, eps, nf) if delta is None else add_rms_norm(delta, h, lw.input_norm, eps, nf)
-            qkv = lw.qkv(x)
+            qkv = add_lora(lw.qkv(x), x, lora, i, "qkv")
             qk = qkv[:, :q_size + kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
             v = qkv[:, q_size + kv_size:].view(-1, s.num_kv_heads, s.head_dim)
             if lw.q_norm is not None:
@@ -216,11 +219,19 @@ class DecoderLM:
             rotary_(qk if rot is None else qk[..., :rot], cos, sin, rope_pos, fused)  # queries and keys at once
             q, k = contiguous_rows(qk[:, :s.num_heads], fused), qk[:, s.num_heads:]
             o = self.attn.forward(q, k, contiguous_rows(v, fused), kv_caches[i], meta, window)
-            delta = self._reduce(lw.o_proj(o.reshape(-1, q_size)))
+            o = o.reshape(-1, q_size)
+            delta = self._reduce(add_lora(lw.o_proj(o), o, lora, i, "o"))
             if lw.attn_out_norm is not None:
                 delta = rms_norm(delta, lw.attn_out_norm, eps, nf)
             x = add_rms_norm(delta, h, lw.post_norm, eps, nf)
-            delta = self._reduce(lw.down(lw.gate_up(x, fused))) if lw.moe is None else lw.moe(x, fused)
+            if lw.moe is not None:
+                delta = lw.moe(x, fused)
+            else:
+                if lora is not None and lora.any(i, "gate_up"):  # the update goes in before the activation
+                    act = lw.gate_up.activate(add_lora(lw.gate_up.preactivation(x), x, lora, i, "gate_up"), fused)
+                else:
+                    act = lw.gate_up(x, fused)
+                delta = self._reduce(add_lora(lw.down(act), act, lora, i, "down"))
             if lw.mlp_out_norm is not None:
                 delta = rms_norm(delta, lw.mlp_out_norm, eps, nf)
         return add_rms_norm(delta, h, self.norm, eps, nf)

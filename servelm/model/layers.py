@@ -305,6 +305,30 @@ class GateUpLinear:
         self.panels = pack_dense_weight(weight, gate_up=True) if self.dense is not None else None
         self.linear = linear_for(weight) if self.tiled is None and self.dense is None else None
 
+    def preactivation(self, x: torch.Tensor) -> torch.Tensor:
+        """x [Wg; Wu]^T before the activation, as [T, 2I] = [gate | up] (what a LoRA update is added to). The
+        kernels that fuse the activation store their outputs with gate and up interleaved 16 columns at a time
+        (`pack_weight_for_tiles`' gate_up order); that order is undone here, one activation-sized copy."""
+        if self.linear is not None:
+            return self.linear(x)
+        if self.quant is not None:
+            pre = self.quant(x, None)
+        elif self.tiles is not None:
+            pre = self.tiles.amx_linear(x, self.tiled, self.out_features)
+        elif self.dense is not None:
+            pre = self.dense.dense_linear(x, self.panels, self.out_features)
+        else:
+            pre = self.avx512.avx512_linear(x, self.tiled, self.out_features)
+        t = pre.shape[0]
+        return pre.view(t, -1, 2, 16).transpose(1, 2).reshape(t, self.out_features)
+
+    def activate(self, pre: torch.Tensor, fused=None) -> torch.Tensor:
+        """act(gate) * up of a [gate | up] pre-activation (`preactivation`'s layout)."""
+        if self.act == "gelu_tanh":
+            gate, up = pre.chunk(2, dim=-1)
+            return F.gelu(gate, approximate="tanh") * up
+        return silu_mul(pre, fused)
+
     def __call__(self, x: torch.Tensor, fused=None) -> torch.Tensor:
         if self.quant is not None:
             return self.quant(x, None, silu_mul=True)
