@@ -237,8 +237,8 @@ class Deployment:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None, priority: int = 1, queue_timeout: float | None = None,
-                       cache_salt: str | None = None, *, generation: Generation | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, *, generation: Generation | None = None,
+                       lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs from one worker of the current generation (or of the one a request's lease
         pinned, even if swapped out since), each tagged with the version (`model_version`); re-sent to another
         worker of that generation if its worker dies before any output."""
@@ -259,7 +259,8 @@ class Deployment:
                 try:
                     # aclosing: a caller that leaves early closes the worker's stream now, which aborts the request
                     async with contextlib.aclosing(worker.engine.generate(
-                            request_id, prompt_token_ids, params, prompt, priority, queue_timeout, cache_salt)) as stream:
+                            request_id, prompt_token_ids, params, prompt, priority, queue_timeout, cache_salt,
+                            **({"lora": lora} if lora is not None else {}))) as stream:
                         async for out in stream:
                             if not started:
                                 started = True

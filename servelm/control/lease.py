@@ -48,10 +48,11 @@ class Lease:
         return self.generation.max_model_len if self.generation is not None else self.deployment.max_model_len
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params, prompt: str | None = None,
-                 priority: int = 1, queue_timeout: float | None = None, cache_salt: str | None = None):
+                 priority: int = 1, queue_timeout: float | None = None, cache_salt: str | None = None,
+                 lora: str | None = None):
         """The deployment's generate, on the workers of the pinned generation."""
         return self.deployment.generate(request_id, prompt_token_ids, params, prompt, priority, queue_timeout,
-                                        cache_salt, generation=self.generation)
+                                        cache_salt, generation=self.generation, lora=lora)
 
     def release(self) -> None:
         if not self.released:

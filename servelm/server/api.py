@@ -49,6 +49,7 @@ class ServerState:
 def build_app(state: ServerState):
     """The FastAPI app wrapped in the gateway (request ids, body limit, keys, telemetry)."""
     from servelm.server.admin_kv import add_kv_routes
+    from servelm.server.admin_lora import add_lora_routes
     from servelm.server.common import Api
     from servelm.server.docs import add_docs_routes
     from servelm.server.errors import install_error_handlers
@@ -69,6 +70,7 @@ def build_app(state: ServerState):
         family.add_routes(app, api)
     add_ops_routes(app, state)
     add_kv_routes(app, state)
+    add_lora_routes(app, state)
     from servelm.server.routes import ollama, responses, webui
     for family in (ollama, responses, webui):  # Ollama's /api/*, OpenAI's /v1/responses, the chat page at /
         family.add_routes(app, api)

@@ -191,7 +191,9 @@ class Api:
         try:
             if traffic is not None:
                 await traffic.fault(m)  # a test hook: a version labelled servelm.fault fails or is slow
-            gen = m.generate(rid, ids, params, prompt, priority, state.config.admission.queue_timeout_s or None, salt)
+            lora = {"lora": m.lora} if getattr(m, "lora", None) else {}  # a LoRA adapter of the base's engine
+            gen = m.generate(rid, ids, params, prompt, priority, state.config.admission.queue_timeout_s or None, salt,
+                             **lora)
             async for out in gen:
                 now = time.monotonic()
                 served_by = getattr(out, "model_version", None)  # a deployment tags the version that served it

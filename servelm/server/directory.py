@@ -29,6 +29,8 @@ class ServedModel:
         self.metrics = metrics  # this model's labelled metrics view, where the server keeps one
         self.decision: Any = None  # the traffic policy's decision that picked this version, if one did
         self.lease = lease  # a request's pin on a deployment's generation, released when the request ends
+        self.lora: str | None = None  # a LoRA adapter's name: requests run with it on the base's engine
+        self.base: str | None = None  # with `lora`: the served name of the base model
 
     def release(self) -> None:
         """End the request's hold on what serves it (nothing for a fixed model); idempotent."""
@@ -62,6 +64,9 @@ class ModelDirectory:
         # figures do not (several workers' cumulative counters cannot feed one series).
         self.metrics_for = metrics_for
         self._metrics: dict[str, Any] = {}  # served name -> metrics of deployed versions
+        # LoRA adapter name -> (the base model's name, the adapter's path): a request naming the adapter runs on
+        # the base's engine with it (the engine holds it: --lora-modules, or loaded through the admin API)
+        self.adapters: dict[str, tuple[str, str]] = {}
 
     def add(self, served: ServedModel, aliases: tuple[str, ...] = ()) -> None:
         """A model served for the server's whole life under its name, and under `aliases` (--served-model-name's
@@ -71,6 +76,11 @@ class ModelDirectory:
                 raise ValueError(f"two models are named {name!r}")
         self._fixed[served.served_name] = served
         self._aliases.update(dict.fromkeys(aliases, served.served_name))
+
+    def add_adapter(self, name: str, base: str, path: str) -> None:
+        if name in self._fixed or name in self._aliases:
+            raise ValueError(f"adapter {name!r} has the name of a model")
+        self.adapters[name] = (base, path)
 
     def aliases(self, name: str) -> list[str]:
         """The other names a fixed model answers to."""
@@ -118,7 +128,7 @@ class ModelDirectory:
         """Every id a request may put in `model`: fixed names and their aliases (generation; embedding: the
         server's own embedding model), and each deployed version's name and name:version."""
         if kind == Kind.GENERATE:
-            out = [n for name in self._fixed for n in (name, *self.aliases(name))]
+            out = [n for name in self._fixed for n in (name, *self.aliases(name))] + list(self.adapters)
         else:
             out = [self.embedding_name] if self.embedding_name is not None else []
         for d in self.deployed(kind):
@@ -144,6 +154,11 @@ class ModelDirectory:
         found = self._fixed.get(self.canonical(model)) if kind == Kind.GENERATE else None
         if found is not None:
             return found
+        if kind == Kind.GENERATE and model in self.adapters:
+            base = self.resolve(self.adapters[model][0], kind, attrs, pin)
+            served = ServedModel(base.engine, base.tokenizer, model, base.version, base.metrics, base.lease)
+            served.lora, served.base = model, base.served_name
+            return served
         if self.deployments is not None and model is not None:
             try:
                 if attrs is not None and kind == Kind.GENERATE:

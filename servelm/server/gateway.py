@@ -24,6 +24,8 @@ from servelm.server.telemetry import RequestRecord
 logger = logging.getLogger("servelm.server")
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready"})
+# vLLM's adapter routes live under /v1 but change the server: they take the admin key like /admin
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 QUIET_PATHS = OPEN_PATHS | {"/server/stats"}  # not logged or traced
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
@@ -135,7 +137,7 @@ class Gateway:
         keys: KeyStore = st.keys
         presented = presented_key(headers)
         address = (scope.get("client") or ("unknown",))[0]
-        if path.startswith("/admin"):
+        if path.startswith("/admin") or path in ADMIN_PATHS:
             if keys.admin_digest is None and not any(k.admin for k in keys.keys):
                 return APIError(403, "admin routes are disabled: start the server with --admin-key", code="forbidden")
             if (blocked := self._auth_blocked(address)) is not None:

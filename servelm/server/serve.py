@@ -91,6 +91,11 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
             wire_metrics(eng, m)
         directory.add(ServedModel(eng, tok, name, metrics=m),
                       aliases if srv.served_model_name and name == srv.served_model_name[0] else ())
+    from servelm.config.engine import parse_lora_module
+
+    for module in getattr(config.engine, "lora_modules", ()):  # --lora-modules: adapters of the default model
+        name, path, _ = parse_lora_module(module)
+        directory.add_adapter(name, model_name, path)
     if tracing is None and srv.otlp_endpoint:
         from servelm.server.telemetry import Tracing
 

@@ -97,7 +97,8 @@ class AsyncEngine:
         self._out = self._ctx.socket(zmq.PULL)
         self._out.bind(self._out_addr)
         self._ready_event = asyncio.Event()
-        self._kv_ops: dict[int, asyncio.Future] = {}  # KV cache save/load requests awaiting the engine's answer
+        # KV cache save/load and LoRA load/unload requests awaiting the engine's answer, by op id
+        self._kv_ops: dict[int, asyncio.Future] = {}
         self._kv_op_ids = 0
         self._fatal: m.Fatal | None = None  # why the engine failed to start, if it did
         self.on_step = None  # optional callback(StepOutputs, outputs) for metrics
@@ -299,7 +300,7 @@ class AsyncEngine:
                     except Exception:  # reporting it must never stop the engine's outputs being read
                         logger.exception("on_replaced failed")
                 logger.info("engine ready (pid %s, max_model_len %d)", msg.pid, msg.max_model_len)
-            elif isinstance(msg, m.KVCacheDone):
+            elif isinstance(msg, (m.KVCacheDone, m.LoraDone)):
                 fut = self._kv_ops.pop(msg.op_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
@@ -348,18 +349,20 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None, priority: int = 1,
                        queue_timeout: float | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; closing the iterator early aborts it in the engine.
 
         With queue_timeout, a request with no output after that many seconds is aborted (QueueTimeout).
-        `cache_salt`: the request shares prefix-cache blocks only with requests of the same salt.
+        `cache_salt`: the request shares prefix-cache blocks only with requests of the same salt. `lora`: the
+        name of a LoRA adapter the engine holds, to run the request with.
         """
         if not self.check_engine():
             raise EngineDeadError("the engine is not ready")
         if request_id in self.streams:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         try:  # encode before registering: a value the wire cannot carry is the caller's input, and leaks nothing
-            message = m.encoder.encode(m.AddRequest(request_id, prompt_token_ids, params, priority, cache_salt))
+            message = m.encoder.encode(m.AddRequest(request_id, prompt_token_ids, params, priority, cache_salt,
+                                                       lora))
         except (OverflowError, TypeError, ValueError) as e:
             raise RequestRejected(f"the request holds a value out of range: {e}") from e
         stream = _Stream(asyncio.Queue(), samples=params.n)
@@ -428,6 +431,28 @@ class AsyncEngine:
                                           scheduling_policy=scheduling_policy, priority_aging_s=priority_aging_s)
         if self.ready:
             await self._in.send(message)
+
+    async def lora_adapter(self, action: str, name: str, path: str = "") -> m.LoraDone:
+        """Load (`action` "load", from the PEFT folder `path`) or unload a LoRA adapter between steps. A loaded
+        adapter is also loaded by an engine restarted later. Raises EngineDeadError if the engine is not ready."""
+        from servelm.config.engine import parse_lora_module
+
+        if not self.check_engine():
+            raise EngineDeadError("the engine is not ready")
+        self._kv_op_ids += 1
+        op_id = self._kv_op_ids
+        fut = self._kv_ops[op_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self._in.send(m.encoder.encode(m.LoraOp(op_id, action, name, path)))
+            done = await fut
+        finally:
+            self._kv_ops.pop(op_id, None)
+        if done.error is None:
+            kept = tuple(x for x in self.config.lora_modules if parse_lora_module(x)[0] != name)
+            if action == "load":
+                kept += (f"{name}={path}",)
+            self.config = dataclasses.replace(self.config, lora_modules=kept, enable_lora=True)
+        return done
 
     async def kv_cache(self, action: str, path: str | None = None) -> m.KVCacheDone:
         """Have the engine save its prefix cache to `path` ("save") or restore it from there ("load"); it does so

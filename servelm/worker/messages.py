@@ -14,6 +14,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     params: SamplingParams
     priority: int = 1
     cache_salt: str | None = None
+    lora_name: str | None = None  # a LoRA adapter the engine holds (None: the base model)
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -54,7 +55,16 @@ class KVCacheOp(msgspec.Struct, tag="kv"):
     path: str | None = None  # a file, or a directory holding one file per model (None: --kv-cache-persist)
 
 
-EngineInput = AddRequest | Abort | FinishSample | UpdateConfig | Shutdown | Ping | KVCacheOp
+class LoraOp(msgspec.Struct, tag="lora"):
+    """Load a LoRA adapter (from a PEFT folder) or unload one, between steps."""
+
+    op_id: int
+    action: str  # "load" | "unload"
+    name: str
+    path: str = ""
+
+
+EngineInput = AddRequest | Abort | FinishSample | UpdateConfig | Shutdown | Ping | KVCacheOp | LoraOp
 
 
 class RequestError(msgspec.Struct):
@@ -111,7 +121,16 @@ class KVCacheDone(msgspec.Struct, tag="kvdone"):
     seconds: float = 0.0
 
 
-EngineOutput = Ready | StepOutputs | Starting | Fatal | Pong | KVCacheDone
+class LoraDone(msgspec.Struct, tag="loradone"):
+    """The answer to a LoraOp: `error` says why it failed (None: done); `adapters` what the engine holds now,
+    each {name, path, rank, nbytes, load_s}."""
+
+    op_id: int
+    error: str | None = None
+    adapters: list[dict] = msgspec.field(default_factory=list)
+
+
+EngineOutput = Ready | StepOutputs | Starting | Fatal | Pong | KVCacheDone | LoraDone
 
 encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(EngineInput)

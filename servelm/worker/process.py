@@ -18,6 +18,7 @@ import zmq
 
 from servelm.config.engine import EngineConfig
 from servelm.engine.sequence import Request
+from servelm.lora import LoRARequest
 from servelm.worker import messages as m
 
 if TYPE_CHECKING:  # the API process imports this module; torch is loaded in the engine process only
@@ -95,6 +96,9 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
             if isinstance(msg, m.KVCacheOp):  # between steps: the cache's blocks are all computed
                 out.send(m.encoder.encode(kv_store.handle(msg)))
                 continue
+            if isinstance(msg, m.LoraOp):
+                out.send(m.encoder.encode(_lora_op(core, msg)))
+                continue
             if isinstance(msg, m.Ping):  # answered between steps: a hung step goes unanswered
                 out.send(m.encoder.encode(m.Pong(msg.seq)))
                 continue
@@ -152,8 +156,9 @@ def _handle(core: EngineCore, msg, eos: frozenset[int], errors: list[m.RequestEr
         params = msg.params
         params._eos_token_ids = eos
         try:
+            lora = None if msg.lora_name is None else LoRARequest(msg.lora_name, 1)  # one the engine holds
             core.add_request(Request(msg.request_id, msg.prompt_token_ids, params, priority=msg.priority,
-                                     cache_salt=msg.cache_salt))
+                                     cache_salt=msg.cache_salt, lora=lora))
         except ValueError as e:
             errors.append(m.RequestError(msg.request_id, str(e)))
     elif isinstance(msg, m.Abort):
@@ -165,6 +170,29 @@ def _handle(core: EngineCore, msg, eos: frozenset[int], errors: list[m.RequestEr
         core.update_config(msg.max_num_seqs, msg.scheduling_policy, msg.priority_aging_s)
         logger.info("scheduler settings changed: max_num_seqs=%d policy=%s aging=%.1fs", msg.max_num_seqs,
                     msg.scheduling_policy, msg.priority_aging_s)
+
+
+def _lora_op(core: EngineCore, msg: m.LoraOp) -> m.LoraDone:
+    """Load or unload an adapter; what went wrong is the answer's error, never the engine's end."""
+    if core.loras is None:
+        return m.LoraDone(msg.op_id, "this engine serves no LoRA adapters (start it with --enable-lora)")
+    try:
+        if msg.action == "load":
+            core.loras.add(LoRARequest(msg.name, 1, msg.path))
+        elif not core.loras.remove(msg.name):
+            return m.LoraDone(msg.op_id, f"no adapter named {msg.name!r} is loaded", adapters(core))
+    except ValueError as e:  # LoraError: a bad adapter, or one in use
+        return m.LoraDone(msg.op_id, str(e), adapters(core))
+    except OSError as e:
+        return m.LoraDone(msg.op_id, f"cannot read {msg.path}: {e}", adapters(core))
+    return m.LoraDone(msg.op_id, None, adapters(core))
+
+
+def adapters(core: EngineCore) -> list[dict]:
+    if core.loras is None:
+        return []
+    return [{"name": a.name, "path": a.path, "rank": a.rank, "nbytes": a.nbytes, "load_s": a.load_s}
+            for a in core.loras.adapters()]
 
 
 def _warmup(core: EngineCore, eos: frozenset[int]) -> None:

@@ -28,6 +28,11 @@ def model_cards(state) -> list[dict]:
                 for alias in state.models.aliases(mid):
                     seen.add(alias)
                     out.append({**card, "id": alias, "root": mid})
+    for name, (base, path) in state.models.adapters.items():  # LoRA adapters, with their base as vLLM lists them
+        if name not in seen:
+            seen.add(name)
+            out.append({"id": name, "object": "model", "created": state.created, "owned_by": "servelm",
+                        "root": path, "parent": base})
     if state.embedder and state.embed_model_name not in seen:
         seen.add(state.embed_model_name)
         out.append({"id": state.embed_model_name, "object": "model", "created": state.created,
