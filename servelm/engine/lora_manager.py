@@ -15,7 +15,7 @@ import torch
 
 from servelm.lora import LoRARequest
 from servelm.model.decoder import DecoderLM
-from servelm.model.lora import LoraBatch, LoraError, LoraWeights, load_lora
+from servelm.model.lora import LoraBatch, LoraError, LoraLinears, LoraWeights, load_lora
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,10 @@ class LoraManager:
         self.max_loras = max_loras
         self.max_cpu_loras = max(max_loras, 32) if max_cpu_loras is None else max_cpu_loras
         self.known: dict[str, LoRARequest] = {}
-        self.loaded: OrderedDict[str, LoraWeights] = OrderedDict()  # least recently used first
-        self.on_device: OrderedDict[str, LoraWeights] = OrderedDict()  # GPU copies (a GPU only)
+        # least recently used first. On the CPU an adapter is held as the linears a step runs (its matrices packed
+        # for the C++ kernels); on a GPU as CPU tensors, and the ones a step uses as linears on the device
+        self.loaded: OrderedDict[str, LoraLinears | LoraWeights] = OrderedDict()
+        self.on_device: OrderedDict[str, LoraLinears] = OrderedDict()
         self.load_s: dict[str, float] = {}
         self.refs: dict[str, int] = {}  # unfinished requests per adapter
         # prefix-cache namespace per adapter: a digest of its files, so blocks cached for an adapter's old weights
@@ -149,12 +151,14 @@ class LoraManager:
         return LoraBatch(groups)
 
     # -- memory ------------------------------------------------------------------------------------
-    def _read(self, name: str, path: str) -> tuple[LoraWeights, float]:
+    def _read(self, name: str, path: str) -> tuple[LoraLinears | LoraWeights, float]:
         t0 = time.perf_counter()
         w = load_lora(name, path, self.model.spec, self.model.dtype, self.max_rank)
+        if self.device.type == "cpu":
+            w = w.on(self.device)
         return w, time.perf_counter() - t0
 
-    def _load(self, name: str) -> LoraWeights:
+    def _load(self, name: str) -> LoraLinears | LoraWeights:
         w = self.loaded.get(name)
         if w is None:  # evicted: read again from its path
             w, self.load_s[name] = self._read(name, self.known[name].lora_path)
@@ -163,13 +167,13 @@ class LoraManager:
         self.loaded.move_to_end(name)
         return w
 
-    def _weights_on_device(self, name: str) -> LoraWeights:
+    def _weights_on_device(self, name: str) -> LoraLinears:
         w = self._load(name)
-        if self.device.type == "cpu":
+        if isinstance(w, LoraLinears):
             return w
         d = self.on_device.get(name)
         if d is None:
-            d = self.on_device[name] = w.to(self.device)
+            d = self.on_device[name] = w.on(self.device)
             while len(self.on_device) > self.max_loras:  # the scheduler keeps a step's adapters within max_loras
                 self.on_device.popitem(last=False)
         self.on_device.move_to_end(name)

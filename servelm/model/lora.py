@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from servelm.model.layers import Linear
 from servelm.model.spec import ModelSpec
 
 # PEFT module names -> (servelm's fused target, the part's index within it)
@@ -38,27 +39,32 @@ class LoraError(ValueError):
 
 @dataclass
 class LoraWeights:
-    """One adapter, laid out for one base model: per layer, per fused target, (A [K, R], B [R, N]) with the
-    scaling folded into B. `rank` is the largest rank of any module; `nbytes` what its tensors take."""
+    """One adapter, laid out for one base model, on the CPU: per layer, per fused target, (A [R, K], B [N, R])
+    with the scaling folded into B. `rank` is the largest rank of any module; `nbytes` what its tensors take."""
 
     name: str
     rank: int
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
     targets: tuple[str, ...]
-    _on: dict[str, LoraWeights] = field(default_factory=dict, repr=False)
 
     @property
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
                    for layer in self.layers for a, b in layer.values())
 
-    def to(self, device: torch.device) -> LoraWeights:
-        """This adapter's tensors on `device` (itself where they already are)."""
-        first = next((a for layer in self.layers for a, _ in layer.values()), None)
-        if first is None or first.device == device:
-            return self
-        return LoraWeights(self.name, self.rank, [{t: (a.to(device), b.to(device)) for t, (a, b) in layer.items()}
-                                                  for layer in self.layers], self.targets)
+    def on(self, device: torch.device) -> LoraLinears:
+        return LoraLinears(self, device)
+
+
+class LoraLinears:
+    """An adapter's matrices as linear layers on one device, per layer and target: the shrink x -> x A^T
+    (R wide) and the expand -> (x A^T) B^T, each on the kernel the base model's linears run on there (on the CPU
+    servelm's C++ kernels, with their threads and their fixed summation order; PyTorch's matmul elsewhere)."""
+
+    def __init__(self, w: LoraWeights, device: torch.device) -> None:
+        self.name, self.rank, self.targets, self.nbytes = w.name, w.rank, w.targets, w.nbytes
+        self.layers: list[dict[str, tuple[Linear, Linear]]] = [
+            {t: (Linear(a.to(device)), Linear(b.to(device))) for t, (a, b) in layer.items()} for layer in w.layers]
 
 
 def read_adapter_config(path: str | Path) -> dict:
@@ -178,7 +184,7 @@ def load_lora(name: str, path: str | Path, spec: ModelSpec, dtype: torch.dtype, 
                         b[col:col + n, row:row + bi.shape[1]] = bi
                         row += bi.shape[1]
                     col += n
-            fused[target] = (a.t().contiguous().to(dtype), b.t().contiguous().to(dtype))
+            fused[target] = (a.contiguous().to(dtype), b.contiguous().to(dtype))
         layers.append(fused)
     targets = tuple(t for t in TARGETS if any(t in layer for layer in layers))
     return LoraWeights(name, max_seen, layers, targets)
@@ -189,14 +195,14 @@ class LoraBatch:
     """A step's adapters: for each adapter in it, its weights (on the model's device) and the rows that use it
     (None: every row of the step)."""
 
-    groups: list[tuple[LoraWeights, torch.Tensor | None]]
+    groups: list[tuple[LoraLinears, torch.Tensor | None]]
 
     def targets(self, layer: int, target: str):
-        """(A, B, rows) of each adapter of this step with a matrix for `target` in `layer`."""
+        """(shrink, expand, rows) of each adapter of this step with matrices for `target` in `layer`."""
         for w, rows in self.groups:
-            ab = w.layers[layer].get(target)
-            if ab is not None:
-                yield ab[0], ab[1], rows
+            pair = w.layers[layer].get(target)
+            if pair is not None:
+                yield pair[0], pair[1], rows
 
     def any(self, layer: int, target: str) -> bool:
         return any(target in w.layers[layer] for w, _ in self.groups)
@@ -206,9 +212,9 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, batch: LoraBatch | None, layer: i
     """y += s (x A^T) B^T for the rows of each adapter of the step (in place; y returned)."""
     if batch is None:
         return y
-    for a, b, rows in batch.targets(layer, target):
+    for shrink, expand, rows in batch.targets(layer, target):
         if rows is None:
-            y.addmm_(x @ a, b)
+            y.add_(expand(shrink(x)))
         else:
-            y.index_add_(0, rows, (x.index_select(0, rows) @ a) @ b)
+            y.index_add_(0, rows, expand(shrink(x.index_select(0, rows))))
     return y
