@@ -71,3 +71,30 @@ def test_n2_copy_on_write_and_sampled_rows_on_gpu(model_dirs, hf_models):
     alone = run(llm, prompts[:1], sampled)
     mixed = llm.generate(prompts, [sampled, *[SamplingParams(temperature=0.0, max_tokens=12)] * 2], use_tqdm=False)
     assert mixed[0].outputs[0].token_ids == alone[0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lora_adapters_batched_with_base_rows_on_gpu(mode, model_dirs, hf_models, tmp_path):
+    """Base rows and two adapters in one batch on the GPU: each row's greedy tokens equal transformers with that
+    adapter merged by PEFT; steps with adapter rows run eagerly beside graph replays of base-only steps."""
+    pytest.importorskip("peft")
+    from conftest import hf_greedy
+    from test_lora import make_adapter
+
+    from servelm import LoRARequest
+
+    merged = {"small": make_adapter(model_dirs["llama"], tmp_path / "small", 8, 16, False, ["q_proj", "v_proj"], 41),
+              "big": make_adapter(model_dirs["llama"], tmp_path / "big", 32, 32, True,
+                                  ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 42)}
+    prompts = random_prompts(3, 10, 40, seed=7)
+    loras = [None, LoRARequest("small", 1, str(tmp_path / "small")), LoRARequest("big", 2, str(tmp_path / "big"))]
+    llm = gpu_llm(model_dirs["llama"], mode, num_kv_blocks=256, enable_lora=True)
+    batch = [p for p in prompts for _ in loras]
+    per_row = [lr for _ in prompts for lr in loras]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False, lora_request=per_row)]
+    want = []
+    for p in prompts:
+        want += [hf_greedy(hf_models["llama"], p, 12), hf_greedy(merged["small"], p, 12), hf_greedy(merged["big"], p, 12)]
+    assert got == want
+    assert run(llm, prompts) == reference(hf_models, "llama", prompts)  # base-only steps after them
