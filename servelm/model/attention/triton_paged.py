@@ -104,10 +104,10 @@ if HAS_TRITON:
     @triton.jit
     def _paged_decode_split_kernel(
         m_ptr, l_ptr, acc_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, q_starts_ptr, ctx_lens_ptr,
-        scale, window,
+        scale, window, num_splits,
         stride_qt, stride_qh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-        NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        NUM_HEADS: tl.constexpr,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
     ):
@@ -120,9 +120,9 @@ if HAS_TRITON:
         lo = ctx_len * 0
         if window > 0:
             lo = tl.maximum(ctx_len - window, 0)
-        # NUM_SPLITS shares of whole KV tiles (tiles never straddle two splits); a short context leaves the
+        # num_splits shares of whole KV tiles (tiles never straddle two splits); a short context leaves the
         # last splits empty, and their loop below runs no iteration
-        per = ((ctx_len - lo + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        per = ((ctx_len - lo + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         start = lo + split * per
         end = tl.minimum(start + per, ctx_len)
         # the tile's M rows are the GROUP query heads of this KV head (padded to the tile)
@@ -156,26 +156,26 @@ if HAS_TRITON:
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
             m_i = m_new
-        # scratch [rows, NUM_HEADS, NUM_SPLITS] (m, l) and [rows, NUM_HEADS, NUM_SPLITS, HEAD_DIM] (acc); an
+        # scratch [rows, NUM_HEADS, num_splits] (m, l) and [rows, NUM_HEADS, num_splits, HEAD_DIM] (acc); an
         # empty split stores m = -inf, l = 0, acc = 0
-        state = (row * NUM_HEADS + head) * NUM_SPLITS + split
+        state = (row * NUM_HEADS + head) * num_splits + split
         tl.store(m_ptr + state, m_i, mask=m_ok)
         tl.store(l_ptr + state, l_i, mask=m_ok)
         tl.store(acc_ptr + state[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=m_ok[:, None] & d_ok[None, :])
 
     @triton.jit
     def _combine_splits_kernel(
-        out_ptr, m_ptr, l_ptr, acc_ptr, q_starts_ptr, stride_ot, stride_oh,
-        NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        out_ptr, m_ptr, l_ptr, acc_ptr, q_starts_ptr, stride_ot, stride_oh, num_splits,
+        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         row = tl.program_id(0)
         head = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
-        s_ok = offs_s < NUM_SPLITS
+        s_ok = offs_s < num_splits
         d_ok = offs_d < HEAD_DIM
-        state = (row * NUM_HEADS + head) * NUM_SPLITS + offs_s
+        state = (row * NUM_HEADS + head) * num_splits + offs_s
         m = tl.load(m_ptr + state, mask=s_ok, other=float("-inf"))
         l_s = tl.load(l_ptr + state, mask=s_ok, other=0.0)
         acc = tl.load(acc_ptr + state[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
@@ -314,17 +314,19 @@ class TritonPagedAttention(AttentionBackend):
         block_d = self._block_d()
         _paged_decode_split_kernel[(n, self.num_kv_heads, splits)](
             m, l_sum, acc, q, k_cache, v_cache, bt, q_starts, ctx_lens,
-            self.scale, sliding_window or 0,
+            self.scale, sliding_window or 0, splits,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
-            NUM_HEADS=self.num_heads, NUM_SPLITS=splits,
+            NUM_HEADS=self.num_heads,
             GROUP=group, HEAD_DIM=self.head_dim, BLOCK_D=block_d,
             BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=self.BLOCK_N, BLOCK_SIZE=block_size,
             PRECISION=self._precision(q),
         )
+        # the split count is a run-time argument and the merge reads a fixed tile of MAX_SPLITS: one compiled
+        # variant of each kernel serves every batch size the engine captures
         _combine_splits_kernel[(n, self.num_heads)](
-            out, m, l_sum, acc, q_starts, out.stride(0), out.stride(1),
-            NUM_HEADS=self.num_heads, NUM_SPLITS=splits, HEAD_DIM=self.head_dim,
-            BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+            out, m, l_sum, acc, q_starts, out.stride(0), out.stride(1), splits,
+            NUM_HEADS=self.num_heads, HEAD_DIM=self.head_dim,
+            BLOCK_S=max(self.MAX_SPLITS, triton.next_power_of_2(splits)), BLOCK_D=block_d,
         )
