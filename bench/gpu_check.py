@@ -14,7 +14,8 @@ reported as skipped, with the reason, and the JSON is printed all the same):
   60m, 1b   random-weight bf16 Llama shapes (bench/gpu_bench.py): W1 output tok/s; batch-1 TPOT against the
             bandwidth bound (the weights and the context's KV read once per step at the measured copy rate);
             a 2k-token prefill's TFLOP/s; W1-sampled (temperature 0.8, top_p 0.95; 256 x 128/128) against
-            greedy on the same prompts; W1-big (1,024 prompts of 64..1024 tokens, 128 out) output and total
+            greedy on the same prompts; the decode attention kernel alone at the shape's heads, single-pass
+            against split-KV (batch 1 and 64, contexts 512 and 4096); W1-big (1,024 prompts of 64..1024 tokens, 128 out) output and total
             tok/s against the compute bound, where the time left allows
   s1        S1 through `servelm serve` on 127.0.0.1 at three rates: `servelm bench serve`'s client-side ITL
             beside the server's own, from the servelm:inter_token_latency_seconds histogram of /metrics
@@ -52,8 +53,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 
 # The GPU test files (the Triton kernels, the CUDA-graph path and the engine on CUDA against transformers).
-GPU_TESTS = ["tests/test_gpu.py", "tests/test_triton_attention.py", "tests/test_quant_triton.py",
-             "tests/test_cuda_graphs.py"]
+GPU_TESTS = ["tests/test_gpu.py", "tests/test_triton_attention.py", "tests/test_triton_elementwise.py",
+             "tests/test_quant_triton.py", "tests/test_cuda_graphs.py"]
 # Without CUDA: test_gpu.py skips itself; one quick test of the graph path shows that pytest ran.
 CPU_TESTS = ["tests/test_gpu.py", "tests/test_cuda_graphs.py::test_capture_sizes_cover_every_batch_up_to_the_limit"]
 TEST_VOCAB = 49152  # tests/conftest.py's VOCAB
@@ -287,6 +288,8 @@ def _wall(fn) -> float:
 
 def child_shape(spec: dict) -> None:
     """One shape's workloads, each printed when done; W1-big only where the time left allows it."""
+    if not spec["device"].startswith("cuda"):  # the decode attention figure's kernels, interpreted: set
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything defines a Triton kernel
     import numpy as np
     import torch
 
@@ -371,9 +374,104 @@ def child_shape(spec: dict) -> None:
            greedy_tok_s=round(n_req * n_out / g, 1), sampled_tok_s=round(n_req * n_out / sm, 1),
            sampled_over_greedy=round(g / sm, 3))
 
+    try:
+        result("decode_attention", **decode_attention(shape, on_gpu))
+    except Exception as e:  # a kernel that fails to compile costs this figure, not the shape's others
+        result("decode_attention", status="failed", error=f"{type(e).__name__}: {e}"[-1500:])
+        if on_gpu:
+            torch.cuda.empty_cache()
+
     w1_big(spec, gen, params, shape, pf / len(p2k), g / (len(ws) * spec["sampled"][1]), tflop_s)
     if on_gpu:
         result("memory", peak_gpu_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+
+
+DECODE_ATTENTION_FLUSH_BYTES = 192 * 2**20  # more KV than an H100's or H200's L2 (50, 60 MB) holds
+
+
+def decode_attention(shape: tuple, on_gpu: bool) -> dict:
+    """The decode attention kernel alone (model/attention/triton_paged.py) at the shape's heads: the single-pass
+    kernel against split-KV with the split count the engine would choose, batch 1 and 64 at contexts 512 and
+    4096, bf16, block size 16, each sequence's blocks scattered over the pool. Milliseconds per call are
+    CUDA-event times of replays of a captured graph of calls (as the engine replays decode steps, so that
+    launch costs are not what is measured), each call reading its own copy of the KV so that the L2 cache
+    holds none of it; medians of 5 replays. On the CPU, under Triton's interpreter, batch 1 and 2 at context 64
+    in float32, one call each: a smoke of the same code, not a measurement."""
+    import torch
+
+    from servelm.model.attention import AttentionMetadata, triton_paged
+
+    if not triton_paged.HAS_TRITON:
+        return {"status": "skipped", "reason": "triton is not installed"}
+    h, _, heads, kv, *_ = shape
+    d = h // heads
+    dev = "cuda" if on_gpu else "cpu"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    batches, contexts = ((1, 64), (512, 4096)) if on_gpu else ((1, 2), (64,))
+    bs = 16
+    reps = 5 if on_gpu else 1
+    g = torch.Generator(device=dev).manual_seed(0)
+    variants = {"single": triton_paged.TritonPagedAttention(heads, kv, d, d**-0.5, split_kv=False),
+                "split": triton_paged.TritonPagedAttention(heads, kv, d, d**-0.5)}
+    runs = []
+    for batch in batches:
+        for ctx in contexts:
+            per_seq = -(-ctx // bs)
+            per_copy = batch * per_seq
+            copy_bytes = 2 * per_copy * bs * kv * d * dtype.itemsize
+            copies = min(512, -(-DECODE_ATTENTION_FLUSH_BYTES // copy_bytes)) if on_gpu else 1
+            n_blocks = copies * per_copy
+            kc = torch.randn(n_blocks, bs, kv, d, generator=g, device=dev, dtype=dtype)
+            vc = torch.randn(n_blocks, bs, kv, d, generator=g, device=dev, dtype=dtype)
+            q = torch.randn(batch, heads, d, generator=g, device=dev, dtype=dtype)
+            order = torch.randperm(n_blocks, generator=g, device=dev).cpu()
+            metas = []
+            for c in range(copies):
+                tables = order[c * per_copy:(c + 1) * per_copy].view(batch, per_seq)
+                meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), torch.arange(batch), tables,
+                                         torch.full((batch,), ctx, dtype=torch.int64), [], bs)
+                meta.derived = variants["single"].derive(meta)
+                metas.append(meta.to(dev))
+            row = {"batch": batch, "context": ctx, "calls_per_replay": copies}
+            for name, attn in variants.items():
+                row[f"{name}_ms"] = round(_attention_ms(attn, q, (kc, vc), metas, on_gpu, reps), 4)
+            row["splits"] = variants["split"].splits_for(batch, per_seq * bs, dev)
+            row["single_over_split"] = round(row["single_ms"] / row["split_ms"], 3)
+            runs.append(row)
+            del kc, vc, metas
+            if on_gpu:
+                torch.cuda.empty_cache()
+    return {"dtype": str(dtype).removeprefix("torch."), "block_size": bs, "heads": heads, "kv_heads": kv,
+            "head_dim": d, "runs": runs}
+
+
+def _attention_ms(attn, q, kv_cache, metas: list, on_gpu: bool, reps: int) -> float:
+    """Median milliseconds per `attend` call over `metas` (one call each, in turn)."""
+    import torch
+
+    def calls() -> None:
+        for m in metas:
+            attn.attend(q, kv_cache, m, None)
+
+    if not on_gpu:  # interpreted: nothing to compile or warm
+        return statistics.median(_wall(calls) for _ in range(reps)) * 1e3 / len(metas)
+    attn.attend(q, kv_cache, metas[0], None)  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(metas))
+    del graph
+    return statistics.median(times)
 
 
 def w1_big(spec: dict, gen, params, shape: tuple, prefill_s_per_token: float, decode_s_per_token: float,
@@ -658,7 +756,7 @@ def section_tests(run: Run, cap: float) -> dict:
     return out
 
 
-SHAPE_KEYS = ["build", "load", "w1", "tpot_b1", "prefill_2k", "w1_sampled", "w1_big"]
+SHAPE_KEYS = ["build", "load", "w1", "tpot_b1", "prefill_2k", "w1_sampled", "decode_attention", "w1_big"]
 
 
 def section_shape(run: Run, cap: float, name: str) -> dict:

@@ -72,6 +72,11 @@ def test_figures_are_positive_numbers(smoke):
     sampled = shape["w1_sampled"]
     assert (sampled["temperature"], sampled["top_p"]) == (0.8, 0.95)
     assert _positive(sampled["greedy_tok_s"], sampled["sampled_tok_s"], sampled["sampled_over_greedy"])
+    attention = shape["decode_attention"]  # the decode attention kernels, interpreted: a smoke of the figure
+    assert [(r["batch"], r["context"]) for r in attention["runs"]] == [(1, 64), (2, 64)]
+    for r in attention["runs"]:
+        assert _positive(r["single_ms"], r["split_ms"], r["single_over_split"], r["splits"])
+    assert attention["runs"][0]["splits"] > 1  # one row of two KV heads: the split-KV path ran
     big = shape["w1_big"]
     assert _positive(big["output_tok_s"], big["total_tok_s"], big["compute_bound_s"], big["of_bound"])
     assert big["total_tok_s"] > big["output_tok_s"]  # the prompts' tokens count in the total
@@ -94,7 +99,8 @@ def test_figures_stream_as_json_lines_before_the_final_object(smoke):
     final, lines = smoke
     assert lines[0]["sections"] == list(final["sections"])
     figures = {(line["section"], line["figure"]) for line in lines if "figure" in line}
-    assert {("ceilings", "ceilings"), ("tiny", "w1"), ("tiny", "w1_big"), ("s1", "rate 8")} <= figures
+    assert {("ceilings", "ceilings"), ("tiny", "w1"), ("tiny", "decode_attention"), ("tiny", "w1_big"),
+            ("s1", "rate 8")} <= figures
     done = [line["section"] for line in lines if line.get("done")]
     assert done == list(final["sections"])
     assert any(line.get("section") == "tests" and line.get("outcome") == "PASSED" for line in lines)

@@ -1,7 +1,9 @@
-"""The Triton paged-attention kernel against the PyTorch reference, run by Triton's CPU interpreter.
+"""The Triton paged-attention kernels against the PyTorch reference, run by Triton's CPU interpreter.
 
 A mixed step (decodes, a prompt chunk after a cached prefix, a fresh prompt) with GQA, with and without a
-sliding window; on a GPU machine the same tests run the compiled kernel (see BENCHMARKS.md). Inputs are drawn
+sliding window, on the single-pass kernel and with the decodes split over the context (split-KV); decode
+batches whose contexts end inside, at and past the splits' boundaries; on a GPU machine the same tests run the
+compiled kernels (see BENCHMARKS.md), and a captured CUDA graph of the split-KV path is replayed. Inputs are drawn
 on the host and the reference computed there; the kernel gets every tensor, the step's metadata included,
 on DEVICE (the GPU where there is one, else the CPU under the interpreter), and the engine tests run the
 model on DEVICE.
@@ -56,10 +58,12 @@ def _on_device(meta: AttentionMetadata) -> AttentionMetadata:
                              m.block_size)
 
 
-def _triton(hq: int, hkv: int, d: int, q, k, v, kc, vc, meta, window):
-    """The kernel on DEVICE: (output on the host, the key and value caches it wrote, on the host)."""
+def _triton(hq: int, hkv: int, d: int, q, k, v, kc, vc, meta, window, splits: int | None = None):
+    """The kernel on DEVICE: (output on the host, the key and value caches it wrote, on the host). `splits`:
+    the decodes in that many splits; None: every row on the single-pass kernel."""
     kc2, vc2 = kc.to(DEVICE), vc.to(DEVICE)
-    out = triton_paged.TritonPagedAttention(hq, hkv, d, d**-0.5).forward(
+    attn = triton_paged.TritonPagedAttention(hq, hkv, d, d**-0.5, split_kv=splits is not None, num_splits=splits)
+    out = attn.forward(
         q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), (kc2, vc2), _on_device(meta), window)
     assert out.device.type == torch.device(DEVICE).type
     return out.cpu(), kc2.cpu(), vc2.cpu()
@@ -69,9 +73,10 @@ def _triton(hq: int, hkv: int, d: int, q, k, v, kc, vc, meta, window):
 HALF = [(torch.bfloat16, 3e-2)] if torch.cuda.is_available() else []
 
 
+@pytest.mark.parametrize("splits", [None, 3])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.float16, 5e-3), *HALF])
 @pytest.mark.parametrize("window", [None, 7])
-def test_triton_matches_torch_reference(window, dtype, tol):
+def test_triton_matches_torch_reference(window, dtype, tol, splits):
     hq, hkv, d, bs, nb = 4, 2, 16, 8, 24
     kc, vc, meta, t = _step(hkv, d, bs, nb, dtype)
     g = torch.Generator().manual_seed(1)
@@ -79,7 +84,7 @@ def test_triton_matches_torch_reference(window, dtype, tol):
     k = torch.randn(t, hkv, d, generator=g).to(dtype)
     v = torch.randn(t, hkv, d, generator=g).to(dtype)
     ref = TorchPagedAttention(hq, hkv, d, d**-0.5).forward(q, k, v, (kc.clone(), vc.clone()), meta, window)
-    out, kc2, vc2 = _triton(hq, hkv, d, q, k, v, kc, vc, meta, window)
+    out, kc2, vc2 = _triton(hq, hkv, d, q, k, v, kc, vc, meta, window, splits)
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     ref_k, ref_v = kc.clone(), vc.clone()
     ref_k.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
@@ -88,12 +93,13 @@ def test_triton_matches_torch_reference(window, dtype, tol):
     torch.testing.assert_close(vc2, ref_v)
 
 
-def test_head_dim_not_a_power_of_two():
+@pytest.mark.parametrize("splits", [None, 2])
+def test_head_dim_not_a_power_of_two(splits):
     hq, hkv, d, bs, nb = 2, 1, 24, 8, 24
     kc, vc, meta, t = _step(hkv, d, bs, nb, torch.float32)
     q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
     ref = TorchPagedAttention(hq, hkv, d, d**-0.5).forward(q, k, v, (kc.clone(), vc.clone()), meta, None)
-    out, _, _ = _triton(hq, hkv, d, q, k, v, kc, vc, meta, None)
+    out, _, _ = _triton(hq, hkv, d, q, k, v, kc, vc, meta, None, splits)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
@@ -118,9 +124,10 @@ def test_engine_on_the_triton_backend_matches_transformers(arch, model_dirs, hf_
     assert llm.engine.get_stats().prefix_cache_hits > 0  # the shared prefix came from the cache
 
 
+@pytest.mark.parametrize("splits", [None, 2])
 @pytest.mark.parametrize("hq, hkv", [(3, 1), (8, 2)])
 @pytest.mark.parametrize("bs", [4, 32])
-def test_query_groups_and_block_sizes(hq, hkv, bs):
+def test_query_groups_and_block_sizes(hq, hkv, bs, splits):
     """Query heads packed per KV head (groups of 3 straddle the 16-row tiles) over caches whose block
     size is smaller or larger than the kernel's 32-position KV tile."""
     d, nb = 16, 64
@@ -143,5 +150,134 @@ def test_query_groups_and_block_sizes(hq, hkv, bs):
     meta = AttentionMetadata(torch.tensor(slots), torch.arange(3), tables, dec_lens, spans, bs)
     q, k, v = torch.randn(t, hq, d, generator=g), torch.randn(t, hkv, d, generator=g), torch.randn(t, hkv, d, generator=g)
     ref = TorchPagedAttention(hq, hkv, d, d**-0.5).forward(q, k, v, (kc.clone(), vc.clone()), meta, None)
-    out, _, _ = _triton(hq, hkv, d, q, k, v, kc, vc, meta, None)
+    out, _, _ = _triton(hq, hkv, d, q, k, v, kc, vc, meta, None, splits)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+# Decode contexts against 4 splits of 32-position tiles: one position; shorter than one split; exactly one
+# split; one past it; exactly four (each split ends on a boundary); one past four (a share of two tiles, the
+# third split holds one position and the fourth none); long (two tiles a split, the last one partial).
+DECODE_LENS = [1, 20, 32, 33, 128, 129, 200]
+
+
+def _decode_batch(hkv: int, d: int, bs: int, lens: list[int], dtype, width: int | None = None):
+    """A pure decode step over a random cache: each row's blocks scattered, tables `width` blocks wide (the
+    longest context's by default; wider, as a captured graph's are, padded with block 0)."""
+    g = torch.Generator().manual_seed(3)
+    per = -(-max(lens) // bs)
+    width = width or per
+    nb = len(lens) * per + 1
+    kc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
+    vc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
+    tables = torch.zeros(len(lens), width, dtype=torch.int64)
+    tables[:, :per] = torch.randperm(nb, generator=g)[: len(lens) * per].view(len(lens), per)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), torch.arange(len(lens)), tables,
+                             torch.tensor(lens), [], bs)
+    return kc, vc, meta
+
+
+def _decode_reference(hq, hkv, d, q, kc, vc, meta, window):
+    return TorchPagedAttention(hq, hkv, d, d**-0.5)._decode(q, (kc, vc), meta, window)
+
+
+def _split_attend(hq, hkv, d, q, kc, vc, meta, window, **kw):
+    attn = triton_paged.TritonPagedAttention(hq, hkv, d, d**-0.5, **kw)
+    return attn.attend(q.to(DEVICE), (kc.to(DEVICE), vc.to(DEVICE)), _on_device(meta), window).cpu()
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.float16, 5e-3), *HALF])
+@pytest.mark.parametrize("window", [None, 7, 50])
+@pytest.mark.parametrize("splits", [4, 7])
+def test_split_kv_decode_matches_torch_reference(splits, window, dtype, tol):
+    """Every context length of DECODE_LENS, split 4 ways (shares of whole tiles) and 7 (not a power of two:
+    the merge reads a masked tile of splits), whole, and within windows shorter than a tile and longer than
+    one split."""
+    hq, hkv, d, bs = 2, 1, 16, 8
+    kc, vc, meta = _decode_batch(hkv, d, bs, DECODE_LENS, dtype)
+    q = torch.randn(len(DECODE_LENS), hq, d, generator=torch.Generator().manual_seed(4)).to(dtype)
+    ref = _decode_reference(hq, hkv, d, q, kc, vc, meta, window)
+    out = _split_attend(hq, hkv, d, q, kc, vc, meta, window, num_splits=splits)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("hq, hkv", [(2, 2), (6, 2), (8, 1)])
+@pytest.mark.parametrize("bs", [4, 64])
+def test_split_kv_query_groups_and_block_sizes(hq, hkv, bs):
+    """Groups of 1, 3 and 8 query heads per KV head (a KV head's heads padded to the 16-row tile), over
+    blocks smaller and larger than the 32-position KV tile; tables twice as wide as the longest context, as
+    a captured graph's are."""
+    d = 32
+    lens = [1, 33, 129, 200]
+    kc, vc, meta = _decode_batch(hkv, d, bs, lens, torch.float32, width=2 * -(-200 // bs))
+    q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(5))
+    ref = _decode_reference(hq, hkv, d, q, kc, vc, meta, None)
+    out = _split_attend(hq, hkv, d, q, kc, vc, meta, None, num_splits=4)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_the_default_split_count_follows_the_batch_not_the_contexts():
+    """Small batches split (enough programs to fill the device), large ones run the single-pass kernel, and
+    the count is bounded by MAX_SPLITS and by the tables' width in tiles; contexts play no part, so a
+    captured graph's count holds for every replay. With split_kv=False nothing splits."""
+    attn = triton_paged.TritonPagedAttention(32, 8, 128, 128**-0.5)
+    attn._target[torch.device("cpu")] = 4 * 132  # an H100/H200's SMs, 4 programs each
+    assert attn.splits_for(1, 4096, "cpu") == attn.MAX_SPLITS == 32
+    assert attn.splits_for(4, 4096, "cpu") == 17
+    assert attn.splits_for(64, 4096, "cpu") == 2
+    assert attn.splits_for(256, 4096, "cpu") == 1
+    assert attn.splits_for(1, 64, "cpu") == 2  # a 64-position table: two tiles, two splits at most
+    assert attn.splits_for(0, 4096, "cpu") == 1
+    assert triton_paged.TritonPagedAttention(32, 8, 128, 1.0, split_kv=False).splits_for(1, 4096, "cpu") == 1
+    assert triton_paged.TritonPagedAttention(32, 8, 128, 1.0, num_splits=5).splits_for(256, 32, "cpu") == 5
+
+
+def test_the_default_choice_splits_a_small_decode_batch_and_matches_the_reference(monkeypatch):
+    """The backend as the engine builds it: a 2-row decode batch is split (the merge kernel runs) and the
+    output matches the reference; with split_kv=False the merge never runs."""
+    hq, hkv, d, bs = 4, 2, 16, 8
+    lens = [45, 300]
+    kc, vc, meta = _decode_batch(hkv, d, bs, lens, torch.float32)
+    q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(6))
+    ref = _decode_reference(hq, hkv, d, q, kc, vc, meta, None)
+    merges = []
+    real = triton_paged._combine_splits_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            merges.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(triton_paged, "_combine_splits_kernel", Spy())
+    torch.testing.assert_close(_split_attend(hq, hkv, d, q, kc, vc, meta, None), ref, atol=2e-5, rtol=2e-5)
+    assert len(merges) == 1
+    out = _split_attend(hq, hkv, d, q, kc, vc, meta, None, split_kv=False)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    assert len(merges) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture needs a CUDA device")
+@pytest.mark.parametrize("window", [None, 50])
+def test_split_kv_replays_in_a_cuda_graph(window):
+    """The split-KV path captured once (its scratch allocated inside the capture) and replayed after the
+    contexts and tables change in place, as the engine's decode graphs are."""
+    hq, hkv, d, bs = 8, 2, 64, 16
+    attn = triton_paged.TritonPagedAttention(hq, hkv, d, d**-0.5, num_splits=8)
+    kc, vc, meta = _decode_batch(hkv, d, bs, [300, 300, 300], torch.bfloat16)
+    q = torch.randn(3, hq, d, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    kc_d, vc_d, q_d = kc.cuda(), vc.cuda(), q.cuda()
+    static = _on_device(meta)
+    static.derived = {"triton_rows": tuple(t.cuda() for t in attn.derive(meta)["triton_rows"])}
+    attn.attend(q_d, (kc_d, vc_d), static, window)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attn.attend(q_d, (kc_d, vc_d), static, window)
+    for lens in ([300, 300, 300], [1, 129, 33], [64, 2, 299]):
+        step = AttentionMetadata(meta.slot_mapping, meta.decode_idx, meta.decode_block_tables.flip(0),
+                                 torch.tensor(lens), [], bs)
+        for dst, src in zip(static.derived["triton_rows"], attn.derive(step)["triton_rows"], strict=True):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = _decode_reference(hq, hkv, d, q, kc, vc, step, window)
+        torch.testing.assert_close(out.cpu().float(), ref.float(), atol=3e-2, rtol=3e-2)

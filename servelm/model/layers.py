@@ -1,5 +1,6 @@
 """Building blocks of the decoder: RMSNorm, rotary embedding, SiLU-and-multiply (fused C++ kernels for bf16 on
-CPU, PyTorch elsewhere), and a linear layer with prepacked weights."""
+CPU, fused Triton kernels for the norms and SiLU-and-multiply on CUDA, PyTorch elsewhere), and a linear layer
+with prepacked weights."""
 
 from __future__ import annotations
 
@@ -26,26 +27,43 @@ def fused_kernels(dtype: torch.dtype, device: torch.device | str = "cpu"):
     return k if k is not None and k.fused_elementwise_supported(torch.empty(1, dtype=dtype)) else None
 
 
+def _gpu_kernels(x: torch.Tensor):
+    """model/triton_elementwise.py for a CUDA tensor where Triton is installed, else None (imported on first
+    use: a CPU process never imports Triton for these)."""
+    if not x.is_cuda:
+        return None
+    from servelm.model import triton_elementwise
+
+    return triton_elementwise if triton_elementwise.HAS_TRITON else None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused=None, out: torch.Tensor | None = None
              ) -> torch.Tensor:
     """RMSNorm over the last dim (into `out` when given; it may be x). The fused kernel rounds to bf16 where
     transformers does; torch's own kernel (elsewhere) rounds once where transformers rounds twice, a
-    difference of at most one bf16 ulp."""
+    difference of at most one bf16 ulp. On CUDA one Triton kernel, rounding as torch's."""
     if fused is not None:
         out = torch.empty_like(x) if out is None else out
         fused.rms_norm_bf16(out, x, weight, eps)
         return out
+    gpu = _gpu_kernels(x)
+    if gpu is not None and gpu.norm_applies(x, weight, out):
+        return gpu.rms_norm(x, weight, eps, out)
     y = F.rms_norm(x, (x.shape[-1],), weight, eps)
     return y if out is None else out.copy_(y)
 
 
 def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, fused=None
                  ) -> torch.Tensor:
-    """residual += delta (in place), then RMSNorm(residual): a sublayer's residual add fused with the next norm."""
+    """residual += delta (in place), then RMSNorm(residual): a sublayer's residual add fused with the next norm
+    (one kernel on the CPU in bf16 and on CUDA)."""
     if fused is not None:
         out = torch.empty_like(residual)
         fused.add_rms_norm_bf16(out, delta, residual, weight, eps)
         return out
+    gpu = _gpu_kernels(residual)
+    if gpu is not None and gpu.norm_applies(residual, weight, delta):
+        return gpu.add_rms_norm(delta, residual, weight, eps)
     residual.add_(delta)
     return rms_norm(residual, weight, eps)
 
@@ -84,9 +102,12 @@ def contiguous_rows(x: torch.Tensor, fused=None) -> torch.Tensor:
 
 
 def silu_mul(x: torch.Tensor, fused=None) -> torch.Tensor:
-    """silu(gate) * up for x = [gate | up] along the last dim."""
+    """silu(gate) * up for x = [gate | up] along the last dim (one kernel on the CPU in bf16 and on CUDA)."""
     if fused is not None:
         return fused.silu_mul_bf16(x)
+    gpu = _gpu_kernels(x)
+    if gpu is not None and gpu.silu_mul_applies(x):
+        return gpu.silu_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -1,10 +1,20 @@
-"""Paged attention in Triton for NVIDIA GPUs: one kernel for decodes and prefill chunks over a cached prefix.
+"""Paged attention in Triton for NVIDIA GPUs: one kernel for decodes and prefill chunks over a cached prefix,
+and a split-KV (flash-decoding) pair of kernels for decodes.
 
 Every sequence in the batch is a row (query start, query length, context length, block table); a decode is
 a row with one query. A program handles one (row, KV head, tile of query x query-head pairs), so the query
 heads that share a KV head read its keys and values once, and walks the row's context in tiles of positions
 through its block table (any block size) with an online softmax: no contiguous copy of the context is
 made. Causal and sliding-window masks are computed from positions.
+
+A small decode batch gives that kernel few programs (batch 1 of an 8-KV-head model: 8 thread blocks on a GPU
+of 132 SMs), each walking the whole context alone. With split-KV the decode rows run instead as programs of
+(row, KV head, split): each split walks its share of the row's visible context and writes a partial softmax
+state (running max, sum of exponentials, unnormalised weighted sum of values) to a float32 scratch buffer,
+and a second kernel merges a row's splits into its output. The number of splits comes from the batch's row
+count, the number of KV heads and the block table's width (shapes, fixed for a captured CUDA graph), never
+from the context lengths: each row divides its own context among the splits at run time, and splits past
+its end write an empty state that the merge weighs zero. Prefill rows stay on the single-pass kernel.
 
 Without a GPU the kernel runs under Triton's interpreter (`TRITON_INTERPRET=1`), which is how CI checks
 it against the PyTorch reference. This module imports without Triton; `HAS_TRITON` says if it can run.
@@ -91,19 +101,120 @@ if HAS_TRITON:
                      acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
+    @triton.jit
+    def _paged_decode_split_kernel(
+        m_ptr, l_ptr, acc_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, q_starts_ptr, ctx_lens_ptr,
+        scale, window, num_splits,
+        stride_qt, stride_qh,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+        NUM_HEADS: tl.constexpr,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        q_start = tl.load(q_starts_ptr + row)
+        ctx_len = tl.load(ctx_lens_ptr + row)
+        # a decode sees positions [lo, ctx_len): all of them, or the last `window`
+        lo = ctx_len * 0
+        if window > 0:
+            lo = tl.maximum(ctx_len - window, 0)
+        # num_splits shares of whole KV tiles (tiles never straddle two splits); a short context leaves the
+        # last splits empty, and their loop below runs no iteration
+        per = ((ctx_len - lo + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        start = lo + split * per
+        end = tl.minimum(start + per, ctx_len)
+        # the tile's M rows are the GROUP query heads of this KV head (padded to the tile)
+        offs_m = tl.arange(0, BLOCK_M)
+        head = kv_head * GROUP + offs_m
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        m_ok = offs_m < GROUP
+        d_ok = offs_d < HEAD_DIM
+        q = tl.load(q_ptr + q_start * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for tile_start in range(start, end, BLOCK_N):
+            kv_pos = tile_start + offs_n
+            n_ok = kv_pos < end
+            block = tl.load(block_tables_ptr + row * stride_bt + kv_pos // BLOCK_SIZE, mask=n_ok, other=0)
+            slot = kv_pos % BLOCK_SIZE
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks
+                        + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
+                        + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            # every tile holds at least its first position, so each row's maximum is finite from here on
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+            m_i = m_new
+        # scratch [rows, NUM_HEADS, num_splits] (m, l) and [rows, NUM_HEADS, num_splits, HEAD_DIM] (acc); an
+        # empty split stores m = -inf, l = 0, acc = 0
+        state = (row * NUM_HEADS + head) * num_splits + split
+        tl.store(m_ptr + state, m_i, mask=m_ok)
+        tl.store(l_ptr + state, l_i, mask=m_ok)
+        tl.store(acc_ptr + state[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=m_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _combine_splits_kernel(
+        out_ptr, m_ptr, l_ptr, acc_ptr, q_starts_ptr, stride_ot, stride_oh, num_splits,
+        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_ok = offs_s < num_splits
+        d_ok = offs_d < HEAD_DIM
+        state = (row * NUM_HEADS + head) * num_splits + offs_s
+        m = tl.load(m_ptr + state, mask=s_ok, other=float("-inf"))
+        l_s = tl.load(l_ptr + state, mask=s_ok, other=0.0)
+        acc = tl.load(acc_ptr + state[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                      other=0.0)
+        # the first split always holds the last position, so the maximum is finite; empty splits weigh zero
+        m_max = tl.max(m, 0)
+        w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
+        total = tl.sum(l_s * w, 0)
+        o = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+        q_start = tl.load(q_starts_ptr + row)
+        tl.store(out_ptr + q_start * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+                 mask=d_ok)
+
+
 class TritonPagedAttention(AttentionBackend):
-    """All sequences of a step (decodes and prefill chunks) in one kernel launch per layer."""
+    """All sequences of a step in one kernel launch per layer; with `split_kv` (the default) the decode rows
+    instead in two (the splits, then their merge) wherever the batch leaves the GPU short of programs.
+    `num_splits` fixes the split count (tests, benchmarks) instead of choosing it from the batch."""
 
     BLOCK_N = 32  # KV positions per tile (tl.dot needs 16 or more, whatever the cache's block size)
+    MAX_SPLITS = 32
+    # programs per SM the split count aims for (a memory-bound kernel of 4 warps: several resident per SM)
+    PROGRAMS_PER_SM = 4
+    # without a GPU (the interpreter): a nominal machine, small enough that a few decode rows still split
+    CPU_TARGET_PROGRAMS = 8
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, split_kv: bool = True,
+                 num_splits: int | None = None) -> None:
         if not HAS_TRITON:
             raise RuntimeError("the Triton attention backend needs the triton package")
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.split_kv = split_kv
+        self.num_splits = num_splits
+        self._target: dict[torch.device, int] = {}
 
     def derive(self, meta: AttentionMetadata) -> dict:
         """Per-row query start, query length, context length and a block table, as int32 tensors on the
-        host (the runner moves them with the rest of the step's metadata: one copy each per step)."""
+        host (the runner moves them with the rest of the step's metadata: one copy each per step). Decode
+        rows come first, in the order of `meta.decode_idx`."""
         starts, lens, ctx, tables = [], [], [], []
         width = max([meta.decode_block_tables.shape[1] if meta.num_decodes else 0]
                     + [int(s.block_table.numel()) for s in meta.prefills])
@@ -120,13 +231,60 @@ class TritonPagedAttention(AttentionBackend):
         bt = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables]).to(torch.int32)
         return {"triton_rows": (*(torch.cat(x).to(torch.int32) for x in (starts, lens, ctx)), bt)}
 
+    def splits_for(self, rows: int, capacity: int, device: torch.device | str) -> int:
+        """How many splits `rows` decode rows get, whose block tables hold `capacity` positions: enough
+        (row, KV head, split) programs to fill the device, at most MAX_SPLITS and one KV tile of the table
+        each; 1 (the single-pass kernel) where the rows alone fill it. Only shapes go in, so a captured
+        graph's choice holds for every replay."""
+        if not self.split_kv or rows == 0:
+            return 1
+        if self.num_splits is not None:
+            return self.num_splits
+        programs = rows * self.num_kv_heads
+        want = -(-self._target_programs(device) // programs)
+        return max(1, min(want, self.MAX_SPLITS, -(-capacity // self.BLOCK_N)))
+
+    def _target_programs(self, device: torch.device | str) -> int:
+        device = torch.device(device)
+        if device not in self._target:
+            if device.type == "cuda":
+                sms = torch.cuda.get_device_properties(device).multi_processor_count
+                self._target[device] = self.PROGRAMS_PER_SM * sms
+            else:
+                self._target[device] = self.CPU_TARGET_PROGRAMS
+        return self._target[device]
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, sliding_window):
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
-        k_cache, v_cache = kv_cache
+        return self.attend(q, kv_cache, meta, sliding_window)
+
+    def attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+               sliding_window: int | None) -> torch.Tensor:
+        """Attention of the step's queries over the cache (the new keys and values already in it)."""
         out = torch.empty_like(q)
         rows = meta.derived.get("triton_rows")
         if rows is None:  # metadata built without the runner (tests): derive here, once for all layers
             rows = meta.derived["triton_rows"] = tuple(t.to(q.device) for t in self.derive(meta)["triton_rows"])
+        n_dec = meta.num_decodes
+        splits = self.splits_for(n_dec, rows[3].shape[1] * meta.block_size, q.device)
+        if splits == 1:
+            self._single_pass(out, q, kv_cache, rows, meta, sliding_window)
+            return out
+        self._split_decode(out, q, kv_cache, tuple(t[:n_dec] for t in rows), meta.block_size, sliding_window,
+                           splits)
+        if meta.prefills:
+            self._single_pass(out, q, kv_cache, tuple(t[n_dec:] for t in rows), meta, sliding_window)
+        return out
+
+    def _block_d(self) -> int:
+        return max(16, triton.next_power_of_2(self.head_dim))
+
+    @staticmethod
+    def _precision(q: torch.Tensor) -> str:
+        return "ieee" if q.dtype == torch.float32 else "tf32"  # exact float32 dots keep greedy parity
+
+    def _single_pass(self, out, q, kv_cache, rows, meta: AttentionMetadata, sliding_window) -> None:
+        k_cache, v_cache = kv_cache
         q_starts, q_lens, ctx_lens, bt = rows
         group = self.num_heads // self.num_kv_heads
         max_q = max([1] + [s.q_len for s in meta.prefills])
@@ -138,8 +296,37 @@ class TritonPagedAttention(AttentionBackend):
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
-            GROUP=group, HEAD_DIM=self.head_dim, BLOCK_D=max(16, triton.next_power_of_2(self.head_dim)),
-            BLOCK_M=block_m, BLOCK_N=self.BLOCK_N, BLOCK_SIZE=meta.block_size,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # exact float32 dots keep greedy parity
+            GROUP=group, HEAD_DIM=self.head_dim, BLOCK_D=self._block_d(),
+            BLOCK_M=block_m, BLOCK_N=self.BLOCK_N, BLOCK_SIZE=meta.block_size, PRECISION=self._precision(q),
         )
-        return out
+
+    def _split_decode(self, out, q, kv_cache, rows, block_size: int, sliding_window, splits: int) -> None:
+        """The decode rows `rows` (one query each) in `splits` splits, then their merge into `out`. The
+        scratch is allocated here, in the step's stream: inside a captured graph it comes from the graph's
+        pool, at the same addresses on every replay."""
+        k_cache, v_cache = kv_cache
+        q_starts, _, ctx_lens, bt = rows
+        n = bt.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        m = torch.empty(n, self.num_heads, splits, dtype=torch.float32, device=q.device)
+        l_sum = torch.empty_like(m)
+        acc = torch.empty(n, self.num_heads, splits, self.head_dim, dtype=torch.float32, device=q.device)
+        block_d = self._block_d()
+        _paged_decode_split_kernel[(n, self.num_kv_heads, splits)](
+            m, l_sum, acc, q, k_cache, v_cache, bt, q_starts, ctx_lens,
+            self.scale, sliding_window or 0, splits,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
+            NUM_HEADS=self.num_heads,
+            GROUP=group, HEAD_DIM=self.head_dim, BLOCK_D=block_d,
+            BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=self.BLOCK_N, BLOCK_SIZE=block_size,
+            PRECISION=self._precision(q),
+        )
+        # the split count is a run-time argument and the merge reads a fixed tile of MAX_SPLITS: one compiled
+        # variant of each kernel serves every batch size the engine captures
+        _combine_splits_kernel[(n, self.num_heads)](
+            out, m, l_sum, acc, q_starts, out.stride(0), out.stride(1), splits,
+            NUM_HEADS=self.num_heads, HEAD_DIM=self.head_dim,
+            BLOCK_S=max(self.MAX_SPLITS, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+        )
