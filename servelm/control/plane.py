@@ -46,12 +46,12 @@ class ControlPlane:
 
     @classmethod
     def open(cls, config) -> ControlPlane:
-        """The registry in the server's data dir (or at registry_url) and an empty deployment manager."""
+        """The registry in the server's data dir (or at database_url) and an empty deployment manager."""
         from servelm.control.deployments import DeploymentManager
         from servelm.control.registry import Registry
 
         srv = config.server
-        registry = Registry(srv.registry_url, srv.data_path())
+        registry = Registry(srv.database(), srv.data_path(), migrate=srv.database_auto_upgrade)
         plane = cls(registry, None, config.engine, srv.engine_start_timeout_s, allowed_roots(config))
         plane.deployments = DeploymentManager(engine_base=config.engine, on_change=plane._on_change,
                                               production_of=plane._production_of,
