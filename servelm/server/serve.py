@@ -96,7 +96,9 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
 
         tracing = Tracing(endpoint=srv.otlp_endpoint, service_name=srv.otlp_service_name)
     telemetry = Telemetry(metrics, srv.log_requests, srv.log_prompts, tracing)
-    admission = Admission(config, metrics, engine.num_queued)
+    from servelm.server.ratelimit import store_for
+
+    admission = Admission(config, metrics, engine.num_queued, store=store_for(srv))
     return ServerState(engine, model_name, tokenizer, config, keys, metrics, admission, telemetry, embedder,
                        embed_name, created=int(time.time()), models=directory)
 
