@@ -100,6 +100,9 @@ class ServerConfig:
                                   "postgresql+psycopg://USER:PASSWORD@HOST/DB to share one between servers (the "
                                   "postgres extra); default: SQLite in the data directory")
     registry_url: str | None = _f(None, "the older name of database_url (same meaning; give one of the two)")
+    registry_refresh_s: float = _f(5.0, "how often each model's PRODUCTION version is re-read from the database, "
+                                   "so a promotion or rollback made by another server sharing it is followed "
+                                   "(0: only this server's own changes)")
     database_auto_upgrade: bool = _f(True, "at start, migrate the database's schema to this version's (as "
                                      "`servelm db upgrade`); with --no-database-auto-upgrade a server facing an "
                                      "older schema refuses to start, naming that command")
@@ -211,6 +214,7 @@ class ServerConfig:
         need(self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
              "redis_url", "a redis://, rediss:// or unix:// URL")
         need(self.redis_timeout_s > 0, "redis_timeout_s", "> 0")
+        need(self.registry_refresh_s >= 0, "registry_refresh_s", ">= 0 (0: only this server's own changes)")
 
     def database(self) -> str | None:
         """The control-plane database's URL: database_url, else its older name registry_url (None: SQLite in

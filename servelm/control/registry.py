@@ -159,6 +159,11 @@ class Registry:
                 found = {mv.name: mv for mv in map(_to_version, conn.execute(query))}
             self._install(found, names)
 
+    def refresh(self) -> None:
+        """Re-read every model's PRODUCTION version: what other servers sharing the database promoted or rolled
+        back (the server calls it every registry_refresh_s)."""
+        self._refresh_production(None)
+
     def _install(self, found: dict[str, ModelVersion], names: list[str] | None) -> None:
         with self._prod_lock:
             if names is None:
@@ -228,7 +233,7 @@ class Registry:
 
     def production(self, name: str) -> ModelVersion | None:
         """The version `name` resolves to, if one is in PRODUCTION: from memory, no query (this registry's
-        writes keep it current; another server's writes to a shared database show after a restart)."""
+        writes keep it current; another server's writes to a shared database show at the next `refresh`)."""
         with self._prod_lock:
             mv = self._prod.get(name)
         return dataclasses.replace(mv) if mv is not None else None  # a copy: callers cannot edit the cache

@@ -240,6 +240,7 @@ async def _open_control_plane(config, state):
         keep = srv.keep_alive_s or None
         state.models.on_demand = lambda model, kind: plane.load_on_demand(model, kind, keep)
     restored = await plane.restore()
+    plane.follow()
     from servelm.config.settings import redact_url
 
     logger.info("model registry in %s (database %s): %d deployment(s) restored%s", plane.registry.data_dir,
