@@ -87,7 +87,8 @@ def _admission(store, fail_open: bool):
     from servelm.server.telemetry import RequestRecord
 
     config = SimpleNamespace(admission=SimpleNamespace(rate_limit_rpm=5, rate_limit_tpm=1000,
-                                                       rate_limit_fail_open=fail_open))
+                                                       rate_limit_fail_open=fail_open, default_priority="normal",
+                                                       queue_high_watermark=100, queue_low_watermark=50))
     metrics = SimpleNamespace(rate_limited=SimpleNamespace(labels=lambda *a: SimpleNamespace(inc=lambda: None)))
     rec = RequestRecord(request_id="r", method="POST", path="/v1/completions")
     rec.api_key, rec.key_name = None, "anon"
@@ -122,3 +123,8 @@ def test_fail_open_admits_unlimited_and_warns(redis_server, caplog):
             adm.take_request(rec)
     warnings = [r for r in caplog.records if "without rate limits" in r.getMessage()]
     assert len(warnings) == 1  # once, not once per request
+    adm.admit(rec, "m", 100, None)  # tokens too: admitted, and none counted as taken
+    assert rec.reserved_tokens == 0
+    redis_server.start()
+    adm.settle(rec)  # so nothing is given back that was never taken
+    assert adm.limit_headers(rec)["x-ratelimit-remaining-tokens"] == "1000"

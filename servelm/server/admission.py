@@ -105,9 +105,8 @@ class Admission:
             raise APIError(503, f"the server is overloaded ({depth} requests queued); retry later", code="overloaded",
                            headers={"Retry-After": "1"})
         limits = self.limits(key)
-        if limits.tpm is not None:
-            self._take(rec, limits, 0, tokens)
-            rec.reserved_tokens = tokens
+        if limits.tpm is not None and self._take(rec, limits, 0, tokens):
+            rec.reserved_tokens = tokens  # given back in part at the end (not when none was taken: fail-open)
         self._waiting[model] = self._waiting.get(model, 0) + 1  # no await since the check: the count is exact
         rec.waiting_for = model
         return prio
@@ -128,18 +127,21 @@ class Admission:
         if limits.rpm is not None:
             self._take(rec, limits, 1, 0)
 
-    def _take(self, rec: RequestRecord, limits: Limits, requests: int, tokens: int) -> None:
+    def _take(self, rec: RequestRecord, limits: Limits, requests: int, tokens: int) -> bool:
+        """Take from the key's buckets (429 when they lack room); False when nothing could be taken because
+        the store is down and rate_limit_fail_open admits the request anyway."""
         try:
             d = self.store.acquire(rec.key_name, limits, requests, tokens)
         except RateLimitUnavailable as e:
             self._unavailable(e)
-            return
+            return False
         if not d.allowed:
             self.metrics.rate_limited.labels(rec.key_name, d.reason).inc()
             what, limit = ("requests", limits.rpm) if d.reason == "requests" else ("tokens", limits.tpm)
             extra = f"; this request needs {tokens} tokens" if d.reason == "tokens" else ""
             raise APIError(429, f"rate limit reached for {what} per minute (limit {limit}{extra}); retry in "
                                 f"{d.retry_after:.1f}s", code="rate_limit_exceeded", headers=d.headers())
+        return True
 
     def _unavailable(self, e: RateLimitUnavailable) -> None:
         """The shared store is down: refuse (503, the default: no key can exceed its limit meanwhile), or with
