@@ -225,3 +225,64 @@ def pytest_runtest_teardown(item, nextitem):
 
         del _rpc["proc"]
         assert stop_server(proc) == 0
+
+
+# -- real PostgreSQL and Redis (tests/services.py) -------------------------------------------------
+def _need(reason: str | None) -> None:
+    """Skip when a service cannot run here, saying why; CI installs both, so there a missing one fails."""
+    if reason is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason} (the README's test command installs it)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """One PostgreSQL per test process (xdist worker); tests take a database of their own from it."""
+    from services import Postgres, missing_postgres
+
+    _need(missing_postgres())
+    pg = Postgres()
+    try:
+        pg.start()
+        yield pg
+    finally:
+        pg.close()
+
+
+@pytest.fixture
+def postgres_url(postgres_server) -> str:
+    """The SQLAlchemy URL of a new, empty PostgreSQL database."""
+    return postgres_server.create_database()
+
+
+def new_database(request, tmp_path, kind: str) -> str:
+    """A new, empty control-plane database of `kind` (sqlite | postgresql): its URL."""
+    if kind == "sqlite":
+        return f"sqlite:///{tmp_path / 'control.db'}"
+    return request.getfixturevalue("postgres_url")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request, tmp_path) -> str:
+    """Each control-plane database servelm supports, new and empty: a SQLite file, a PostgreSQL database."""
+    return new_database(request, tmp_path, request.param)
+
+
+# for a module whose `database_url` is SQLite unless a test asks for both (its heavier fixtures)
+both_databases = pytest.mark.parametrize("database_url", ["sqlite", "postgresql"], indirect=True)
+
+
+@pytest.fixture
+def redis_server():
+    """A redis-server of this test's own (a test may stop and restart it)."""
+    from services import Redis, missing_redis
+
+    _need(missing_redis())
+    r = Redis()
+    try:
+        r.start()
+        yield r
+    finally:
+        r.close()

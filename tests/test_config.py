@@ -236,3 +236,21 @@ def test_engine_process_freezes_its_heap_and_sets_the_young_gc_threshold():
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_shared_state_urls_precedence_and_masked_passwords():
+    """database_url and redis_url come from CLI > env > file like every setting; their passwords never show
+    in the described config; registry_url is database_url's older name, and the two may not disagree."""
+    env = {"SERVELM_DATABASE_URL": "postgresql+psycopg://svc:env-secret@db/servelm",
+           "SERVELM_REDIS_URL": "redis://:redis-secret@cache:6379/0"}
+    cfg = load({"database_url": "postgresql://svc:cli-secret@db2/servelm"}, env=env)
+    assert cfg.server.database() == "postgresql://svc:cli-secret@db2/servelm" and cfg.control_plane
+    shown = json.dumps(cfg.describe())
+    assert "secret" not in shown and "postgresql://svc:***@db2/servelm" in shown and "redis://:***@cache:6379/0" in shown
+    assert load({}, env=env).server.database_url == env["SERVELM_DATABASE_URL"]
+    assert load({}, env={"SERVELM_REGISTRY_URL": "sqlite:////x.db"}).server.database() == "sqlite:////x.db"
+    with pytest.raises(ConfigError, match="registry_url"):
+        load({"registry_url": "sqlite:////a.db", "database_url": "sqlite:////b.db"}, env={})
+    with pytest.raises(ConfigError, match="redis_url"):
+        load({"redis_url": "http://cache"}, env={})
+    assert load({"rate_limit_fail_open": True}, env={}).admission.rate_limit_fail_open is True

@@ -45,6 +45,8 @@ PROFILES = {
     "ray": {"ray": {"enabled": True, "model": "/models/smol"}, "models": {"existingClaim": "models"}},
     "hpa": {"autoscaling": {"hpa": {"enabled": True, "waitingRequestsPerPod": "8"}},
             "persistence": {"enabled": True}, "apiKeys": {"enabled": True, "existingSecret": "mine"}},
+    # shared state bundled in the release: PostgreSQL and Redis beside the replicas
+    "shared": {"database": {"bundled": {"enabled": True, "password": "p@ss/word"}}, "redis": {"bundled": {"enabled": True}}},
 }
 
 
@@ -245,7 +247,56 @@ def test_rayservice_runs_the_replicas_and_the_pods_the_api_in_front(rendered):
     assert {"name": "models", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]  # its tokenizer
 
 
+def _env(container: dict) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_bundled_postgresql_and_redis_are_wired_to_every_replica(rendered):
+    import base64
+    from urllib.parse import unquote, urlsplit
+
+    docs = rendered["shared"]
+    server_dep = next(d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == "llm-servelm")
+    env = _env(server_dep["spec"]["template"]["spec"]["containers"][0])
+    secret = next(d for d in by_kind(docs, "Secret") if d["metadata"]["name"] == "llm-servelm-postgresql")
+    assert env["SERVELM_DATABASE_URL"] == {"secretKeyRef": {"name": "llm-servelm-postgresql", "key": "url"}}
+    url = urlsplit(secret["stringData"]["url"] if "stringData" in secret else
+                   base64.b64decode(secret["data"]["url"]).decode())
+    assert (url.scheme, url.hostname, url.port, url.path) == ("postgresql+psycopg", "llm-servelm-postgresql", 5432,
+                                                              "/servelm")
+    assert unquote(url.password) == "p@ss/word"  # quoted inside the URL, whole again once parsed
+    assert env["SERVELM_REDIS_URL"] == "redis://llm-servelm-redis:6379/0"
+    assert "SERVELM_DATABASE_AUTO_UPGRADE" not in env  # replicas migrate at start by default
+    names = {d["metadata"]["name"] for d in by_kind(docs, "Service")}
+    assert {"llm-servelm-postgresql", "llm-servelm-redis"} <= names
+    # the server's Service selects the server's pods only, never the bundled ones
+    server = next(d for d in by_kind(docs, "Service") if d["metadata"]["name"] == "llm-servelm")
+    for kind in ("StatefulSet", "Deployment"):
+        for d in by_kind(docs, kind):
+            labels = d["spec"]["template"]["metadata"]["labels"]
+            selected = all(labels.get(k) == v for k, v in server["spec"]["selector"].items())
+            assert selected == (d["metadata"]["name"] == "llm-servelm"), d["metadata"]["name"]
+
+
+def test_external_shared_state_reaches_the_server_as_it_reads_it(tmp_path):
+    docs = render({"database": {"existingSecret": "db", "autoUpgrade": False},
+                   "redis": {"url": "redis://cache:6379/1", "failOpen": True}})
+    env = _env(by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0])
+    assert env["SERVELM_DATABASE_URL"] == {"secretKeyRef": {"name": "db", "key": "url"}}
+    plain = {k: v for k, v in env.items() if isinstance(v, str)}
+    plain.update(SERVELM_CONFIG=str(tmp_path / "none.yaml"), SERVELM_DATA_DIR=str(tmp_path),
+                 SERVELM_DATABASE_URL="postgresql://u@db/servelm")
+    (tmp_path / "none.yaml").write_text("{}\n")
+    cfg = load_settings(env=plain)  # the chart's env values are ones the server accepts
+    assert cfg.server.redis_url == "redis://cache:6379/1" and cfg.admission.rate_limit_fail_open is True
+    assert cfg.server.database_auto_upgrade is False
+
+
 @pytest.mark.parametrize(("values", "message"), [
+    ({"database": {"url": "postgresql://a/b", "bundled": {"enabled": True, "password": "x"}}},
+     "one control database"),
+    ({"database": {"bundled": {"enabled": True}}}, "database.bundled.password"),
+    ({"redis": {"url": "redis://a", "existingSecret": "r"}}, "one Redis"),
     ({"autoscaling": {"hpa": {"enabled": True}, "keda": {"enabled": True}}}, "exclusive"),
     ({"kind": "DaemonSet"}, "kind must be Deployment or StatefulSet"),
     ({"ray": {"enabled": True}}, "ray.model"),

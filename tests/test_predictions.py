@@ -23,6 +23,10 @@ def open_log(tmp_path, **kw) -> PredictionLog:
     return PredictionLog(db.open_engine(db.default_url(tmp_path)), **kw)
 
 
+def open_log_at(url: str, **kw) -> PredictionLog:
+    return PredictionLog(db.open_engine(url), **kw)
+
+
 WRITER = textwrap.dedent("""
     import asyncio, os, signal, sys, time
     from pathlib import Path
@@ -101,17 +105,17 @@ def test_custom_redaction_rules_and_bad_ones(tmp_path):
     assert (e["prompt"], e["error"]) == ("[TICKET]", "bad [TICKET]")
 
 
-def test_log_is_append_only(tmp_path):
-    log = open_log(tmp_path)
+def test_log_is_append_only(tmp_path, database_url):
+    log = open_log_at(database_url)
     log.write(Prediction(request_id="r", model="m"))
     with pytest.raises(DatabaseError, match="append-only"), db.write(log.engine) as conn:
         conn.execute(text("UPDATE predictions SET model = 'x'"))
     assert log.entries()[0]["model"] == "m"
 
 
-def test_erasure_removes_exactly_one_users_entries_also_from_the_file(tmp_path):
+def test_erasure_removes_exactly_one_users_entries_also_from_the_file(tmp_path, database_url):
     sink = tmp_path / "predictions.jsonl"
-    log = open_log(tmp_path, sink=sink, default_mode="full")
+    log = open_log_at(database_url, sink=sink, default_mode="full")
     for i in range(30):
         log.write(Prediction(request_id=f"r{i}", model="m", user=["alice", "bob", "carol"][i % 3], prompt=f"p{i}"))
     log.write(Prediction(request_id="anon", model="m"))
@@ -124,9 +128,9 @@ def test_erasure_removes_exactly_one_users_entries_also_from_the_file(tmp_path):
     assert log.erase_user("bob") == 0
 
 
-def test_retention_per_model_and_default(tmp_path):
+def test_retention_per_model_and_default(tmp_path, database_url):
     now = 1_000_000_000.0
-    log = open_log(tmp_path, retention_days={"short": 1}, default_retention_days=30, clock=lambda: now)
+    log = open_log_at(database_url, retention_days={"short": 1}, default_retention_days=30, clock=lambda: now)
     for model in ("short", "other"):
         for age_days in (0.5, 2, 40):
             log.write(Prediction(request_id=f"{model}-{age_days}", model=model, at=now - age_days * DAY))
@@ -174,8 +178,8 @@ def test_group_commit_batches_waiting_entries_and_reports_failures():
     w.close()
 
 
-def test_concurrent_logs_are_all_written(tmp_path):
-    log = open_log(tmp_path)
+def test_concurrent_logs_are_all_written(database_url):
+    log = open_log_at(database_url)
 
     async def many():
         return await asyncio.gather(*(log.log(Prediction(request_id=f"r{i}", model="m")) for i in range(100)))

@@ -45,10 +45,15 @@ def fake_model(folder: Path, seed: int = 0, arch: str = "LlamaForCausalLM") -> P
 
 
 @pytest.fixture
-def reg(tmp_path):
-    r = Registry(None, tmp_path / "data")
+def reg(tmp_path, database_url):
+    """A registry on each database servelm supports (SQLite, PostgreSQL): the same tests hold on both."""
+    r = Registry(database_url, tmp_path / "data")
     yield r
     r.close()
+
+
+# the validation tests start real workers: what they check does not depend on the database
+sqlite_only = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 
 
 def walk(reg: Registry, name: str, version: int, states, actor: str = "ops"):
@@ -210,9 +215,10 @@ def test_the_database_refuses_a_fork_of_the_chain_and_writers_retry(reg):
     assert len(tries) == db.RETRIES
 
 
-def test_concurrent_writers_get_distinct_versions_and_one_unbroken_chain(tmp_path):
-    """Threads with their own Registry on one SQLite file: each register is one transaction, so version
-    numbers never collide and the audit chain never forks."""
+def test_concurrent_writers_get_distinct_versions_and_one_unbroken_chain(tmp_path, database_url):
+    """Threads with their own Registry on one database: each register is one transaction, so version
+    numbers never collide and the audit chain never forks (SQLite serializes the writers; on PostgreSQL the
+    loser of a race on a unique key runs again)."""
     data = tmp_path / "data"
     src = fake_model(tmp_path / "m")
     regs: list[Registry] = []
@@ -220,7 +226,7 @@ def test_concurrent_writers_get_distinct_versions_and_one_unbroken_chain(tmp_pat
 
     def work(k: int) -> None:
         try:
-            r = Registry(None, data)  # all four create the (new) database at once too
+            r = Registry(database_url, data)  # all four create (migrate) the new database at once too
             regs.append(r)
             for _ in range(5):
                 mv = r.register("m", src, actor=f"w{k}")
@@ -360,6 +366,7 @@ def test_register_reads_gguf_and_encoder_checkpoints(reg, tmp_path):
     (dict(golden_prompts=[""]), "golden_prompts"),
 ])
 def test_register_refuses_bad_input_and_records_nothing(reg, tmp_path, kwargs, param):
+    kwargs = dict(kwargs)  # the parameter's dict is shared by its runs on each database
     src = fake_model(tmp_path / "m", arch=kwargs.pop("arch", "LlamaForCausalLM"))
     args = dict(name="m", path=src) | kwargs
     with pytest.raises(ControlError) as e:
@@ -409,6 +416,7 @@ def _validate(reg: Registry, name: str, version: int, **kw):
     return asyncio.run(validate(reg, name, version, EngineConfig(**BASE), "validator", **kw))
 
 
+@sqlite_only
 def test_validation_runs_golden_prompts_in_a_worker_and_records_greedy_outputs(reg, tiny_dir, tokenizer):
     import multiprocessing
 
@@ -429,6 +437,7 @@ def test_validation_runs_golden_prompts_in_a_worker_and_records_greedy_outputs(r
     assert reg.audit.entries()[-1]["after"]["outputs"] == mv.golden_outputs
 
 
+@sqlite_only
 def test_validation_fails_a_changed_artifact_before_starting_a_worker(reg, tmp_path, tiny_dir):
     reg.register("tiny", shutil.copytree(tiny_dir, tmp_path / "copy"), actor="a")
     cfg = Path(reg.get("tiny", 1).artifact) / "config.json"
@@ -439,6 +448,7 @@ def test_validation_fails_a_changed_artifact_before_starting_a_worker(reg, tmp_p
     assert reg.audit.entries()[-1]["after"] == {"state": "FAILED", "reason": mv.failure}
 
 
+@sqlite_only
 def test_validation_fails_with_the_reason_when_the_worker_cannot_load(reg, tmp_path, tiny_dir):
     import multiprocessing
 
@@ -453,6 +463,7 @@ def test_validation_fails_with_the_reason_when_the_worker_cannot_load(reg, tmp_p
     assert reg.transition("broken", 1, S.REGISTERED, "a").state == S.REGISTERED  # FAILED -> REGISTERED, retry
 
 
+@sqlite_only
 def test_validation_of_an_embedding_version_runs_the_encoder(reg, tmp_path):
     from servelm.worker.embedder import default_embedding_path
 
@@ -466,6 +477,7 @@ def test_validation_of_an_embedding_version_runs_the_encoder(reg, tmp_path):
     assert [r["dim"] for r in rec] == [384, 384] and rec[0]["head"] != rec[1]["head"]
 
 
+@sqlite_only
 def test_validation_uses_the_embedder_it_is_given(reg, tmp_path):
     """The server's seam: its own embedding worker is used, and one that fails makes the version FAILED."""
     from servelm.worker.embedder import default_embedding_path

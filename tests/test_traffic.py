@@ -142,11 +142,11 @@ def test_invalid_policies_are_400(body, param):
     assert (e.value.status, e.value.code, e.value.param) == (400, "invalid_policy", param)
 
 
-def test_policies_are_stored_and_every_change_audited(tmp_path):
+def test_policies_are_stored_and_every_change_audited(database_url):
     from servelm.control import db
     from servelm.control.audit import Audit
     from servelm.control.policies import PolicyStore
-    engine = db.open_engine(db.default_url(tmp_path))
+    engine = db.open_engine(database_url)
     audit = Audit(engine)
     store = PolicyStore(engine, audit)
     p1, p2 = split("m", {1: 90, 2: 10}, sticky=True), split("m", {1: 50, 2: 50})
@@ -154,7 +154,7 @@ def test_policies_are_stored_and_every_change_audited(tmp_path):
     store.set_policy(p2, actor="bob")
     store.put("canary", "m", {"step": 1}, actor="system", action="canary.advance")
     # a new store over the same database (a restarted server) sees the same policy
-    again = PolicyStore(db.open_engine(db.default_url(tmp_path)), Audit(engine))
+    again = PolicyStore(db.open_engine(database_url), Audit(engine))
     assert again.policy("m") == p2 and again.all("canary") == {"m": {"step": 1}} and again.policy("x") is None
     assert again.delete("policy", "m", actor="carol") == p2.to_dict() and again.policy("m") is None
     entries = [(e["actor"], e["action"], e["target"], e["before"], e["after"]) for e in audit.entries()]

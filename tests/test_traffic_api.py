@@ -10,6 +10,7 @@ import math
 import re
 
 import pytest
+from conftest import both_databases, new_database
 from fakes import IdleEngine
 
 from servelm.control.types import State
@@ -46,7 +47,14 @@ class FakeDep(IdleEngine):
 
 
 @pytest.fixture
-def platform(tokenizer, llama_dir, tmp_path, monkeypatch):
+def database_url(request, tmp_path) -> str:
+    """SQLite, or each database for the tests marked both_databases (a representative set: canary rollback
+    and promotion, audit, restart, prediction log, feedback)."""
+    return new_database(request, tmp_path, getattr(request, "param", "sqlite"))
+
+
+@pytest.fixture
+def platform(tokenizer, llama_dir, tmp_path, monkeypatch, database_url):
     """An app with model `m`: v1 PRODUCTION, v2 and v3 STAGING_TESTED, v4 VALIDATED; v2 fails every request
     (fault label), all four deployed (fake)."""
     from starlette.testclient import TestClient
@@ -64,7 +72,7 @@ def platform(tokenizer, llama_dir, tmp_path, monkeypatch):
     config = load({"embedding_model": "none", "log_requests": False, "data_dir": str(tmp_path / "data"),
                    "admin_key": ADMIN["x-api-key"], "canary_interval_s": 0.01, "prediction_log": "full",
                    "drift_min_samples": 20, "drift_window": 40, "shadow_queue": 1}, env={})
-    reg = Registry(None, tmp_path / "data")
+    reg = Registry(database_url, tmp_path / "data")
     path = [State.VALIDATING, State.VALIDATED, State.STAGING, State.STAGING_TESTED]
     for v, labels, to in ((1, None, [*path, State.CANARY, State.PRODUCTION]), (2, {FAULT_LABEL: "error"}, path),
                           (3, None, path), (4, None, path[:2])):
@@ -145,6 +153,7 @@ def test_metadata_and_flag_segments(platform):
     assert r.status_code == 400  # metadata values are strings, as OpenAI's
 
 
+@both_databases
 def test_policy_refusals_and_audit(platform):
     client, state, _ = platform
     assert client.get("/admin/models/m/traffic", headers=ADMIN).status_code == 404
@@ -173,6 +182,7 @@ def _wait_canary(client, send, want: str, limit: int = 3000) -> list:
     raise AssertionError(f"the canary never became {want}")
 
 
+@both_databases
 def test_a_faulty_canary_is_rolled_back_and_no_request_fails_because_of_it(platform):
     client, state, _ = platform
     r = client.post("/admin/models/m/canary", headers=ADMIN, json={
@@ -199,6 +209,7 @@ def test_a_faulty_canary_is_rolled_back_and_no_request_fails_because_of_it(platf
                      metrics)
 
 
+@both_databases
 def test_a_healthy_canary_is_promoted(platform):
     client, state, _ = platform
     r = client.post("/admin/models/m/canary", headers=ADMIN, json={
@@ -275,6 +286,7 @@ def test_drift_flags_a_shifted_prompt_distribution_only(platform):
     assert 'servelm:drift_alert{feature="char_classes",model_name="m"} 1.0' in metrics
 
 
+@both_databases
 def test_prediction_log_and_erasure_of_one_user(platform):
     client, state, _ = platform
     for j in range(6):
@@ -345,6 +357,7 @@ def test_cli_traffic_and_canary_commands(platform, capsys):
     assert code == 1 and "HTTP 409" in err
 
 
+@both_databases
 def test_policies_canaries_and_experiments_come_back_after_a_restart(platform):
     """A new TrafficService over the same registry (what a restarted server builds) has the stored policy,
     carries on the running canary at its step, and knows the running experiment."""
@@ -500,6 +513,7 @@ def test_a_key_limited_to_some_models_cannot_load_or_use_others(platform):
     assert state.control.find_version("m:1").version == 1 and state.control.find_version("m").version == 1
 
 
+@both_databases
 def test_feedback_is_bounded_once_per_request_and_only_from_its_key(platform):
     """A score past +-1e6 is refused (1e308 then a normal score overflowed the experiment's statistics to
     inf/NaN: its report answered 500); a request takes one feedback, and only from the key that made it."""

@@ -26,6 +26,8 @@ from servelm.config.models import ModelSpec, parse_models
 
 PRIORITIES = ("high", "normal", "low")  # index = the engine's Priority value
 SECRETS = frozenset({"api_key", "admin_key"})  # never printed, logged or returned
+# URLs that may carry a password (postgresql://user:PASSWORD@host/db): printed with the password masked
+URL_SECRETS = frozenset({"database_url", "registry_url", "redis_url"})
 
 
 @dataclass
@@ -93,8 +95,22 @@ class ServerConfig:
     data_dir: str | None = _f(None, "directory holding the model registry and its artifact store (default: "
                               "$XDG_DATA_HOME/servelm or ~/.local/share/servelm); setting it (or declaring "
                               "models in the config file) turns on the registry and the /admin model routes")
-    registry_url: str | None = _f(None, "SQLAlchemy URL of the model registry, e.g. postgresql://... to share "
-                                  "one between servers (default: SQLite in the data directory)")
+    database_url: str | None = _f(None, "SQLAlchemy URL of the control-plane database (model registry, audit "
+                                  "trail, traffic policies, canary and experiment state, prediction log), e.g. "
+                                  "postgresql+psycopg://USER:PASSWORD@HOST/DB to share one between servers (the "
+                                  "postgres extra); default: SQLite in the data directory")
+    registry_url: str | None = _f(None, "the older name of database_url (same meaning; give one of the two)")
+    registry_refresh_s: float = _f(5.0, "how often each model's PRODUCTION version is re-read from the database, "
+                                   "so a promotion or rollback made by another server sharing it is followed "
+                                   "(0: only this server's own changes)")
+    database_auto_upgrade: bool = _f(True, "at start, migrate the database's schema to this version's (as "
+                                     "`servelm db upgrade`); with --no-database-auto-upgrade a server facing an "
+                                     "older schema refuses to start, naming that command")
+    redis_url: str | None = _f(None, "Redis URL, e.g. redis://HOST:6379/0: per-key rate limits and token quotas "
+                               "are kept there, shared by every server using it, so a key gets its limit once "
+                               "across replicas (the redis extra); default: in this process's memory")
+    redis_timeout_s: float = _f(0.5, "with redis_url: how long one rate-limit call may wait for Redis before it "
+                                "counts as down (connect and reply)")
     model_roots: str | None = _f(None, "directories (separated by ':') under which POST /admin/models may register "
                                  "model folders and files, besides the folders of the models the server was "
                                  "started with and the packaged defaults; any other path gets 403")
@@ -193,6 +209,17 @@ class ServerConfig:
              "> 0 (and webhook_retries >= 0)")
         need(self.traffic_state_interval_s >= 0, "traffic_state_interval_s", ">= 0 (0: only at shutdown)")
         need(self.drift_check_interval_s >= 0, "drift_check_interval_s", ">= 0 (0: only on request)")
+        need(self.database_url is None or self.registry_url is None or self.database_url == self.registry_url,
+             "registry_url", "unset when database_url is set (registry_url is its older name)")
+        need(self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
+             "redis_url", "a redis://, rediss:// or unix:// URL")
+        need(self.redis_timeout_s > 0, "redis_timeout_s", "> 0")
+        need(self.registry_refresh_s >= 0, "registry_refresh_s", ">= 0 (0: only this server's own changes)")
+
+    def database(self) -> str | None:
+        """The control-plane database's URL: database_url, else its older name registry_url (None: SQLite in
+        the data directory)."""
+        return self.database_url or self.registry_url
 
     def secret(self, name: str) -> str | None:
         """api_key or admin_key: as given, or read from its *_file (surrounding whitespace dropped)."""
@@ -230,6 +257,9 @@ class AdmissionConfig:
                                         "omits max_tokens gets a default that fits (default: the model's "
                                         "max_model_len x max_n, which admits every single-prompt request whose "
                                         "samples fit the context)", runtime=True)
+    rate_limit_fail_open: bool = _f(False, "while the rate-limit store (Redis) cannot be reached: false refuses "
+                                    "requests that a limit applies to with 503 (no key can go over its limit); "
+                                    "true admits them unlimited and logs a warning", runtime=True)
     auth_failures_per_minute: int | None = _f(10, "failed authentications (a wrong API key) allowed per client "
                                               "address per minute; beyond, that address gets 429 (None: no limit)",
                                               runtime=True)
@@ -277,14 +307,15 @@ class ServeConfig:
         """Whether the server keeps a model registry: models declared in the file, or a data dir or registry
         URL given. Without, `servelm serve MODEL` runs as it always has, writing nothing."""
         return bool(self.models) or self.sources["server.data_dir"] != "default" or \
-            self.server.registry_url is not None
+            self.server.database() is not None
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
     def describe(self) -> dict:
         """The effective config, each value with where it came from (and the declared models, if any)."""
-        out = {sec: {k: {"value": "<redacted>" if k in SECRETS and v is not None else v,
+        out = {sec: {k: {"value": "<redacted>" if k in SECRETS and v is not None else
+                          redact_url(v) if k in URL_SECRETS else v,
                           "source": self.sources[f"{sec}.{k}"],
                           "runtime": _field(sec, k).metadata.get("runtime", False)}
                       for k, v in vals.items()} for sec, vals in self.to_dict().items()}
@@ -324,6 +355,20 @@ class ServeConfig:
                 self.sources[f"{sec}.{name}"] = "runtime"
                 applied[f"{sec}.{name}"] = getattr(getattr(self, sec), name)
         return applied
+
+
+def redact_url(url: str | None) -> str | None:
+    """`url` with its password (if any) replaced by ***: what may be printed or logged."""
+    if not url:
+        return url
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def env_var(name: str) -> str:

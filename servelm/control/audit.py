@@ -14,7 +14,7 @@ import time
 
 from sqlalchemy import JSON, Column, Connection, Engine, Float, Integer, MetaData, String, Table, Text, select
 
-from servelm.control import db
+from servelm.control import db, schema
 
 GENESIS = "0" * 64
 metadata = MetaData()
@@ -48,7 +48,7 @@ class Audit:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        db.create_tables(engine, metadata)
+        schema.ensure(engine)
 
     def append(self, conn: Connection, actor: str, action: str, target: str, before=None, after=None) -> dict:
         """Add an entry inside the caller's transaction (so the change and its record commit together)."""

@@ -43,16 +43,18 @@ class ControlPlane:
         self.model_roots = model_roots  # where register may import from (control/model_roots.py); None: anywhere
         self._audits: set[asyncio.Task] = set()  # replaced workers' audit entries being written
         self._closed = False
+        self._follow: asyncio.Task | None = None
 
     @classmethod
     def open(cls, config) -> ControlPlane:
-        """The registry in the server's data dir (or at registry_url) and an empty deployment manager."""
+        """The registry in the server's data dir (or at database_url) and an empty deployment manager."""
         from servelm.control.deployments import DeploymentManager
         from servelm.control.registry import Registry
 
         srv = config.server
-        registry = Registry(srv.registry_url, srv.data_path())
+        registry = Registry(srv.database(), srv.data_path(), migrate=srv.database_auto_upgrade)
         plane = cls(registry, None, config.engine, srv.engine_start_timeout_s, allowed_roots(config))
+        plane.refresh_s = srv.registry_refresh_s
         plane.deployments = DeploymentManager(engine_base=config.engine, on_change=plane._on_change,
                                               production_of=plane._production_of,
                                               start_timeout=srv.engine_start_timeout_s,
@@ -60,8 +62,34 @@ class ControlPlane:
                                               on_replaced=plane.worker_replaced)
         return plane
 
+    refresh_s = 0.0  # see follow()
+
+    def follow(self) -> None:
+        """In the running event loop: re-read the PRODUCTION versions every `refresh_s` seconds, so promotions
+        and rollbacks made by other servers sharing the database are followed (0: only this server's own)."""
+        if self.refresh_s > 0 and self._follow is None:
+            self._follow = asyncio.get_running_loop().create_task(self._follow_every(self.refresh_s))
+
+    async def _follow_every(self, seconds: float) -> None:
+        failing = False
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await self.registry.io(self.registry.refresh)
+                if failing:
+                    logger.info("the registry is readable again: PRODUCTION versions are followed again")
+                failing = False
+            except Exception as e:  # the database down: keep the versions known, say so once
+                if not failing:
+                    logger.warning("cannot re-read the PRODUCTION versions (%s: %s); serving the ones known",
+                                   type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                failing = True
+
     async def close(self) -> None:
         self._closed = True
+        if self._follow is not None:
+            self._follow.cancel()
+            await asyncio.gather(self._follow, return_exceptions=True)
         await self.deployments.shutdown()
         await asyncio.gather(*self._audits, return_exceptions=True)  # replacements still being written
         self.registry.close()

@@ -19,7 +19,7 @@ import time
 
 from sqlalchemy import JSON, Column, Engine, Float, MetaData, String, Table, select
 
-from servelm.control import db
+from servelm.control import db, schema
 from servelm.control.audit import Audit
 from servelm.control.traffic import TrafficPolicy
 from servelm.control.types import ControlError
@@ -41,7 +41,7 @@ class PolicyStore:
 
     def __init__(self, engine: Engine, audit: Audit) -> None:
         self.engine, self.audit = engine, audit
-        db.create_tables(engine, metadata)
+        schema.ensure(engine)
 
     def get(self, kind: str, key: str) -> dict | None:
         _check(kind)

@@ -8,9 +8,9 @@ thread (the event loop never waits on the disk) with group commit: entries that 
 in progress go together in the next short transaction, so concurrent requests share one fsync.
 
 Per model the mode is off, metadata (no prompt/output) or full. Redaction rules (e-mail, phone, card numbers
-with a Luhn check, custom regexes) run before anything is written. The log is append-only (on SQLite a
-trigger refuses UPDATE); rows leave it only through retention (`purge*`) and GDPR erasure (`erase_user`),
-whose caller writes the audit entry (without the erased content).
+with a Luhn check, custom regexes) run before anything is written. The log is append-only (a trigger refuses
+UPDATE, on SQLite and PostgreSQL); rows leave it only through retention (`purge*`) and GDPR erasure
+(`erase_user`), whose caller writes the audit entry (without the erased content).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
-    DDL,
     Column,
     Engine,
     Float,
@@ -42,12 +41,11 @@ from sqlalchemy import (
     Table,
     Text,
     delete,
-    event,
     select,
 )
 from sqlalchemy.exc import IntegrityError
 
-from servelm.control import db
+from servelm.control import db, schema
 from servelm.control.types import ControlError
 
 logger = logging.getLogger("servelm.traffic")
@@ -83,9 +81,7 @@ feedback_table = Table(
     Column("at", Float, nullable=False),
     Column("score", Float, nullable=False),
 )
-event.listen(predictions_table, "after_create", DDL(
-    "CREATE TRIGGER IF NOT EXISTS predictions_append_only BEFORE UPDATE ON predictions "
-    "BEGIN SELECT RAISE(ABORT, 'the prediction log is append-only'); END").execute_if(dialect="sqlite"))
+# UPDATE is refused by a trigger the first migration creates (SQLite and PostgreSQL)
 
 
 @dataclass
@@ -182,9 +178,7 @@ class PredictionLog:
         self._writer: _GroupWriter | None = None
         self._writer_lock = threading.Lock()
         if engine is not None:
-            db.create_tables(engine, metadata)
-            with db.write(engine) as conn:  # a database made before the index existed gets it too
-                conn.exec_driver_sql("CREATE INDEX IF NOT EXISTS predictions_request_id ON predictions (request_id)")
+            schema.ensure(engine)
 
     def mode(self, model: str) -> str:
         return self.modes.get(model, self.default_mode)
@@ -205,7 +199,7 @@ class PredictionLog:
     def _flush(self, rows: list[dict]) -> None:
         """Make `rows` durable: one transaction, then one fsync of the file."""
         if self.engine is not None:
-            with db.write(self.engine) as conn:
+            with db.write(self.engine, exclusive=False) as conn:
                 conn.execute(predictions_table.insert(), rows)
         if self.sink is not None:
             text = "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in rows)
@@ -288,7 +282,7 @@ class PredictionLog:
         if self.engine is None:
             return True
         try:
-            with db.write(self.engine) as conn:
+            with db.write(self.engine, exclusive=False) as conn:
                 conn.execute(feedback_table.insert(), {"request_id": request_id, "at": self.clock(), "score": score})
         except IntegrityError:
             return False
@@ -299,7 +293,7 @@ class PredictionLog:
         database when there is one). Audit it with the user id and the count, never the content."""
         removed = self._sink_rewrite(lambda r: r.get("user") == user)
         if self.engine is not None:
-            with db.write(self.engine) as conn:
+            with db.write(self.engine, exclusive=False) as conn:
                 removed = conn.execute(delete(predictions_table).where(predictions_table.c.user == user)).rowcount
         return removed
 
@@ -330,7 +324,7 @@ class PredictionLog:
         if models is not None:
             col = predictions_table.c.model
             stmt = stmt.where(col.not_in(models) if exclude else col.in_(models))
-        with db.write(self.engine) as conn:
+        with db.write(self.engine, exclusive=False) as conn:
             return conn.execute(stmt).rowcount
 
     def _sink_rows(self) -> list[dict]:

@@ -32,7 +32,7 @@ from sqlalchemy import (
 )
 
 from servelm.config.engine import ConfigError, EngineConfig
-from servelm.control import checkpoint, db, lifecycle
+from servelm.control import checkpoint, db, lifecycle, schema
 from servelm.control.audit import Audit
 from servelm.control.store import ArtifactStore, size_bytes
 from servelm.control.types import MAX_VERSION, ControlError, Kind, ModelVersion, State
@@ -121,12 +121,16 @@ class Registry:
     lifecycle write made through this object refreshes it (a server resolves requests without a query).
     """
 
-    def __init__(self, url: str | None, data_dir: Path) -> None:
+    def __init__(self, url: str | None, data_dir: Path, *, migrate: bool = True) -> None:
         self.data_dir = Path(data_dir).expanduser()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.url = url or db.default_url(self.data_dir)
         self.engine = db.open_engine(self.url)
-        db.create_tables(self.engine, metadata)
+        try:
+            schema.ensure(self.engine, migrate=migrate)  # SchemaError when it is not current and may not migrate
+        except BaseException:
+            self.engine.dispose()
+            raise
         self.audit = Audit(self.engine)
         self.store = ArtifactStore(self.data_dir / "artifacts")
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="servelm-registry")
@@ -154,6 +158,11 @@ class Registry:
             with db.read(self.engine) as conn:
                 found = {mv.name: mv for mv in map(_to_version, conn.execute(query))}
             self._install(found, names)
+
+    def refresh(self) -> None:
+        """Re-read every model's PRODUCTION version: what other servers sharing the database promoted or rolled
+        back (the server calls it every registry_refresh_s)."""
+        self._refresh_production(None)
 
     def _install(self, found: dict[str, ModelVersion], names: list[str] | None) -> None:
         with self._prod_lock:
@@ -224,7 +233,7 @@ class Registry:
 
     def production(self, name: str) -> ModelVersion | None:
         """The version `name` resolves to, if one is in PRODUCTION: from memory, no query (this registry's
-        writes keep it current; another server's writes to a shared database show after a restart)."""
+        writes keep it current; another server's writes to a shared database show at the next `refresh`)."""
         with self._prod_lock:
             mv = self._prod.get(name)
         return dataclasses.replace(mv) if mv is not None else None  # a copy: callers cannot edit the cache

@@ -1,4 +1,5 @@
-"""The `servelm` command line: generate, chat, serve, the model commands (pull, list, ps, rm, models), bench."""
+"""The `servelm` command line: generate, chat, serve, the model commands (pull, list, ps, rm, models), the
+control database's migrations (db), bench."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ EXAMPLES = """examples:
   servelm bench serve --base-url http://127.0.0.1:8000 --rate 2
   servelm bench serve --dataset-name sharegpt --dataset-path sharegpt.json --num-prompts 200
   servelm models register smol ./SmolLM2 --validate && servelm models promote smol:1 && servelm models deploy smol
+  servelm db upgrade --database-url postgresql+psycopg://servelm@db/servelm && servelm db current
 """
 
 
@@ -178,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "them back, deploy and scale them, read the audit trail.")
     add_models_args(models)
 
+    from servelm.entrypoints.db_cli import add_args as add_db_args
+
+    add_db_args(sub)  # db upgrade, db current
+
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from servelm.bench.throughput import add_args as add_throughput_args
@@ -198,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name in ("httpx", "httpx2", "httpcore"):  # one INFO line per HTTP request (the Hub's, the admin API's)
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # Alembic's INFO lines name its plugins and each step; servelm logs what a migration did in one line
+    for name in ("alembic.runtime.plugins", "alembic.runtime.migration"):
         logging.getLogger(name).setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     try:

@@ -67,7 +67,7 @@ def add_args(sub) -> None:
                             "that servelm can run (a safetensors repo of a supported architecture, or each "
                             "supported .gguf file of a repo), named as `servelm serve` and `servelm rm` take it, "
                             "with its size and when it was last modified; then the model registry's versions, "
-                            "where a registry exists (the data directory's registry.db, or --registry-url). "
+                            "where a registry exists (the data directory's registry.db, or --database-url). "
                             "To see what a running server serves, use `servelm ps`.\n\n" + CACHE_NOTE))
     ls.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ls.add_argument("--all", action="store_true", help="also list cached model repos servelm cannot serve, "
@@ -75,9 +75,10 @@ def add_args(sub) -> None:
     ls.add_argument("--data-dir", default=os.environ.get("SERVELM_DATA_DIR"),
                     help="the server's data directory, where the registry lives (default: $SERVELM_DATA_DIR, "
                     "else $XDG_DATA_HOME/servelm or ~/.local/share/servelm)")
-    ls.add_argument("--registry-url", default=os.environ.get("SERVELM_REGISTRY_URL"),
-                    help="the registry's SQLAlchemy URL, where it is not the data directory's SQLite file "
-                    "(default: $SERVELM_REGISTRY_URL)")
+    ls.add_argument("--database-url", "--registry-url", dest="registry_url",
+                    default=os.environ.get("SERVELM_DATABASE_URL") or os.environ.get("SERVELM_REGISTRY_URL"),
+                    help="the control database's SQLAlchemy URL, where it is not the data directory's SQLite file "
+                    "(default: $SERVELM_DATABASE_URL, or its older name $SERVELM_REGISTRY_URL)")
     ls.set_defaults(func=cmd_list)
 
     from servelm.entrypoints.models_cli import _add_shared

@@ -12,7 +12,7 @@ from fastapi import FastAPI, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from servelm.control.bandit_policy import BanditPolicy
-from servelm.control.canary import CanaryConfig
+from servelm.control.canary import CanaryConfig, CanaryController
 from servelm.control.canary_runner import start_canary
 from servelm.control.experiments import ThompsonBandit
 from servelm.control.traffic import TrafficPolicy
@@ -149,7 +149,18 @@ def add_traffic_routes(app: FastAPI, state) -> None:
 
     @app.get("/admin/models/{name}/canary")
     async def canary_status(name: str) -> dict:
-        return canary(name).status()
+        """The rollout this server runs, else the one stored in the database (run, or decided, by another server
+        sharing it): its status, step and decision history as last saved."""
+        run = svc.canaries.get(name)
+        if run is not None:
+            return run.status()
+        rec = await svc.write(svc.store.get, "canary", name)
+        if rec is None:
+            raise ControlError(404, f"{name} has no canary", code="not_found", param="name")
+        c = CanaryController.from_dict(rec)
+        return {"model": name, "status": c.status, "step": c.step, "percent": c.percent,
+                "config": c.config.to_dict(), "windows": {}, "last_decision": None,
+                "history": rec.get("history", []), "stored": True}
 
     @app.post("/admin/models/{name}/canary/abort")
     async def canary_abort(name: str, request: Request, body: AbortBody | None = None) -> dict:

@@ -13,11 +13,18 @@ is after an await, by when a thousand of them could have passed a check that saw
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
+
 from servelm.config.settings import PRIORITIES, ServeConfig
 from servelm.server.auth import ApiKey
 from servelm.server.protocol import APIError
-from servelm.server.ratelimit import InMemoryRateLimitStore, Limits, RateLimitStore
+from servelm.server.ratelimit import InMemoryRateLimitStore, Limits, RateLimitStore, RateLimitUnavailable
 from servelm.server.telemetry import RequestRecord
+
+logger = logging.getLogger("servelm.server")
+FAIL_OPEN_WARN_S = 10.0  # with rate_limit_fail_open: one warning per this long while the store is down
 
 
 class Admission:
@@ -28,6 +35,7 @@ class Admission:
         self.store = store or InMemoryRateLimitStore()
         self._shedding: dict[str | None, bool] = {}  # per model: each has its own queue and watermarks' state
         self._waiting: dict[str, int] = {}  # per model: admitted requests with no output yet
+        self._warned_open = 0.0  # when the last fail-open warning was logged
 
     @property
     def shedding(self) -> bool:
@@ -97,9 +105,8 @@ class Admission:
             raise APIError(503, f"the server is overloaded ({depth} requests queued); retry later", code="overloaded",
                            headers={"Retry-After": "1"})
         limits = self.limits(key)
-        if limits.tpm is not None:
-            self._take(rec, limits, 0, tokens)
-            rec.reserved_tokens = tokens
+        if limits.tpm is not None and self._take(rec, limits, 0, tokens):
+            rec.reserved_tokens = tokens  # given back in part at the end (not when none was taken: fail-open)
         self._waiting[model] = self._waiting.get(model, 0) + 1  # no await since the check: the count is exact
         rec.waiting_for = model
         return prio
@@ -120,14 +127,32 @@ class Admission:
         if limits.rpm is not None:
             self._take(rec, limits, 1, 0)
 
-    def _take(self, rec: RequestRecord, limits: Limits, requests: int, tokens: int) -> None:
-        d = self.store.acquire(rec.key_name, limits, requests, tokens)
+    def _take(self, rec: RequestRecord, limits: Limits, requests: int, tokens: int) -> bool:
+        """Take from the key's buckets (429 when they lack room); False when nothing could be taken because
+        the store is down and rate_limit_fail_open admits the request anyway."""
+        try:
+            d = self.store.acquire(rec.key_name, limits, requests, tokens)
+        except RateLimitUnavailable as e:
+            self._unavailable(e)
+            return False
         if not d.allowed:
             self.metrics.rate_limited.labels(rec.key_name, d.reason).inc()
             what, limit = ("requests", limits.rpm) if d.reason == "requests" else ("tokens", limits.tpm)
             extra = f"; this request needs {tokens} tokens" if d.reason == "tokens" else ""
             raise APIError(429, f"rate limit reached for {what} per minute (limit {limit}{extra}); retry in "
                                 f"{d.retry_after:.1f}s", code="rate_limit_exceeded", headers=d.headers())
+        return True
+
+    def _unavailable(self, e: RateLimitUnavailable) -> None:
+        """The shared store is down: refuse (503, the default: no key can exceed its limit meanwhile), or with
+        rate_limit_fail_open admit the request unlimited, saying so in the log."""
+        if not self.config.admission.rate_limit_fail_open:
+            raise APIError(503, f"rate limits cannot be checked now: {e}; retry later", code="rate_limit_unavailable",
+                           headers={"Retry-After": "1"})
+        now = time.monotonic()
+        if now - self._warned_open >= FAIL_OPEN_WARN_S:
+            self._warned_open = now
+            logger.warning("admitting requests without rate limits (admission.rate_limit_fail_open): %s", e)
 
     def settle(self, rec: RequestRecord) -> None:
         """At the end of a request: it no longer counts as queued, and the key gets back the tokens it reserved
@@ -135,14 +160,19 @@ class Admission:
         self.started(rec)
         if rec.reserved_tokens:
             used = rec.prompt_tokens + rec.completion_tokens
-            self.store.settle(rec.key_name, self.limits(rec.api_key), rec.reserved_tokens - used)
+            # with the store down the tokens stay taken: they refill within the minute (the store logged it)
+            with contextlib.suppress(RateLimitUnavailable):
+                self.store.settle(rec.key_name, self.limits(rec.api_key), rec.reserved_tokens - used)
             rec.reserved_tokens = 0
 
     def limit_headers(self, rec: RequestRecord) -> dict[str, str]:
         limits = self.limits(rec.api_key)
         if limits.rpm is None and limits.tpm is None:
             return {}
-        return self.store.peek(rec.key_name, limits).headers()
+        try:
+            return self.store.peek(rec.key_name, limits).headers()
+        except RateLimitUnavailable:
+            return {}  # the response itself was admitted; it goes out without the x-ratelimit-* headers
 
 
 def check_model(key, model: str | None) -> None:

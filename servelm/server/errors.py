@@ -90,6 +90,22 @@ def install_error_handlers(app: FastAPI) -> None:
         """A control operation refused (unknown version, illegal transition, no room, ...): its own status."""
         return error_response(APIError(exc.status, exc.message, exc.param, exc.code))
 
+    from sqlalchemy.exc import DBAPIError
+
+    @app.exception_handler(DBAPIError)
+    async def _database_error(request: Request, exc: DBAPIError):
+        """The control database down or restarting is the service's state, not a bug: 503 saying so (the pool
+        reconnects once it is back); any other database error is a bug like any other."""
+        from servelm.control import db
+
+        if not db.unavailable(exc):
+            return await _unexpected(request, exc)
+        logger.warning("%s %s: the control database cannot be reached: %s", request.method, request.url.path,
+                       str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__)
+        return error_response(APIError(503, "the control database cannot be reached (down or restarting); retry "
+                                            "later", code="database_unavailable", headers={"Retry-After": "1"}),
+                              request.url.path)
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):
         errors = list(exc.errors())

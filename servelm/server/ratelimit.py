@@ -1,18 +1,23 @@
 """Per-key rate limits as token buckets: requests per minute and tokens per minute.
 
 Every authenticated API call takes one request; a generation request also takes its worst-case token
-count (prompt + max_tokens) at admission, and the unused part is given back when it ends (`settle`). The buckets live behind `RateLimitStore`, so a
-shared store (e.g. Redis with an atomic script doing the same arithmetic) can serve several API
-replicas; `InMemoryRateLimitStore` is the single-process one. `FailureLimiter` counts failed authentications per
-client address, so keys cannot be guessed at network speed.
+count (prompt + max_tokens) at admission, and the unused part is given back when it ends (`settle`). The
+buckets live behind `RateLimitStore`: `InMemoryRateLimitStore` is one process's (with N replicas a key gets N
+times its limit), `RedisRateLimitStore` keeps them in Redis, where one Lua script does the same arithmetic
+atomically, so every replica using that Redis draws from the same buckets. `FailureLimiter` counts failed
+authentications per client address, so keys cannot be guessed at network speed (per process: it slows a
+guesser down, it is no quota).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Protocol
+
+logger = logging.getLogger("servelm.server")
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,10 @@ class Decision:
         if not self.allowed:
             h["retry-after"] = str(max(1, int(self.retry_after + 0.999)))
         return h
+
+
+class RateLimitUnavailable(Exception):
+    """The shared store cannot be reached: no decision could be made."""
 
 
 class RateLimitStore(Protocol):
@@ -123,6 +132,168 @@ class InMemoryRateLimitStore:
 
 def _floor(b: _Bucket | None) -> int | None:
     return None if b is None else int(b.level)
+
+
+# One bucket per (key, kind) as a hash {level, stamp}; times are the Redis server's, so replicas whose clocks
+# differ still refill alike. ARGV: mode (acquire | settle | peek), rpm, tpm (-1: no limit), requests, tokens.
+# Returns {allowed, requests level, tokens level, wait seconds, reason} (numbers as strings: a Lua number
+# becomes a truncated integer in a reply). A bucket idle for a minute is full again, so it may expire then.
+_BUCKET_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local mode = ARGV[1]
+local caps = {tonumber(ARGV[2]), tonumber(ARGV[3])}
+local want = {tonumber(ARGV[4]), tonumber(ARGV[5])}
+local levels = {}
+for i = 1, 2 do
+  if caps[i] >= 0 then
+    local b = redis.call('HMGET', KEYS[i], 'level', 'stamp')
+    local level, stamp = tonumber(b[1]), tonumber(b[2])
+    if level == nil or stamp == nil then
+      level, stamp = caps[i], now
+    end
+    levels[i] = math.min(caps[i], level + math.max(0, now - stamp) * caps[i] / 60.0)
+  end
+end
+local allowed, wait, reason = 1, 0, ''
+if mode == 'acquire' then
+  for i = 1, 2 do
+    if caps[i] >= 0 and want[i] > 0 and levels[i] < want[i] then
+      local w
+      if i == 2 and want[i] > caps[i] then
+        w = 60.0
+      else
+        w = (want[i] - levels[i]) * 60.0 / caps[i]
+      end
+      if allowed == 1 or w > wait then
+        wait = w
+        reason = (i == 1) and 'requests' or 'tokens'
+      end
+      allowed = 0
+    end
+  end
+  if allowed == 1 then
+    for i = 1, 2 do
+      if caps[i] >= 0 then levels[i] = levels[i] - want[i] end
+    end
+  end
+elseif mode == 'settle' and caps[2] >= 0 then
+  levels[2] = math.min(caps[2], levels[2] + want[2])
+end
+for i = 1, 2 do
+  if caps[i] >= 0 then
+    redis.call('HSET', KEYS[i], 'level', tostring(levels[i]), 'stamp', tostring(now))
+    redis.call('EXPIRE', KEYS[i], 120)
+  end
+end
+return {allowed, tostring(levels[1] or -1), tostring(levels[2] or -1), tostring(wait), reason}
+"""
+
+
+class RedisRateLimitStore:
+    """The buckets in Redis (`url`), shared by every server using it. A call that cannot reach Redis within
+    `timeout_s` raises RateLimitUnavailable; for `retry_s` after a failure calls fail at once without trying
+    (a down Redis costs one timeout per `retry_s`, not one per request), then the next call tries again, so
+    limits apply again as soon as Redis is back."""
+
+    def __init__(self, url: str, timeout_s: float = 0.5, retry_s: float = 1.0, prefix: str = "servelm:rl:",
+                 clock=time.monotonic) -> None:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self._errors = (redis.RedisError, OSError)
+        # no client-side retries: the caller answers now, and the next request tries again anyway
+        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                           retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self._script = self._redis.register_script(_BUCKET_LUA)  # EVALSHA, loaded again after a Redis restart
+        self.where = _host_of(url)
+        self.prefix, self.retry_s, self.clock = prefix, retry_s, clock
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._down_since: float | None = None
+        self._why = ""
+
+    def _keys(self, key: str) -> list[str]:
+        # one hash tag for both buckets: in a Redis Cluster they live on one node, as the script needs
+        return [f"{self.prefix}{{{key}}}:requests", f"{self.prefix}{{{key}}}:tokens"]
+
+    def _run(self, mode: str, key: str, limits: Limits, requests: int, tokens: int) -> list:
+        now = self.clock()
+        with self._lock:
+            if now < self._down_until:
+                raise RateLimitUnavailable(self._why)
+        args = [mode, -1 if limits.rpm is None else limits.rpm, -1 if limits.tpm is None else limits.tpm,
+                requests, tokens]
+        try:
+            out = self._script(keys=self._keys(key), args=args)
+        except self._errors as e:
+            with self._lock:
+                first = self._down_since is None
+                if first:
+                    self._down_since = now
+                self._down_until = self.clock() + self.retry_s
+                self._why = f"the rate-limit store (Redis at {self.where}) cannot be reached: {e}"
+            if first:
+                logger.error("%s", self._why)
+            raise RateLimitUnavailable(self._why) from e
+        with self._lock:
+            was_down, self._down_since = self._down_since, None
+        if was_down is not None:
+            logger.warning("the rate-limit store (Redis at %s) is reachable again after %.1fs", self.where,
+                           self.clock() - was_down)
+        return out
+
+    def _decision(self, limits: Limits, out: list) -> Decision:
+        allowed, req, tok, wait, reason = out
+        req_level, tok_level = float(req), float(tok)
+        return Decision(bool(int(allowed)), limits, None if limits.rpm is None else int(req_level),
+                        None if limits.tpm is None else int(tok_level), float(wait),
+                        reason.decode() if isinstance(reason, bytes) else str(reason))
+
+    def acquire(self, key: str, limits: Limits, requests: int, tokens: int) -> Decision:
+        return self._decision(limits, self._run("acquire", key, limits, requests, tokens))
+
+    def settle(self, key: str, limits: Limits, unused_tokens: int) -> None:
+        if limits.tpm is None or unused_tokens <= 0:
+            return
+        self._run("settle", key, limits, 0, unused_tokens)
+
+    def peek(self, key: str, limits: Limits) -> Decision:
+        return self._decision(limits, self._run("peek", key, limits, 0, 0))
+
+    def ping(self) -> bool:
+        """Whether Redis answers now (for a start-up warning; never raises)."""
+        try:
+            return bool(self._redis.ping())
+        except self._errors:
+            return False
+
+    def close(self) -> None:
+        self._redis.close()
+
+
+def _host_of(url: str) -> str:
+    """host:port of a Redis URL, without credentials (what logs and errors may show)."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    return u.path if u.scheme == "unix" else f"{u.hostname}:{u.port or 6379}"
+
+
+def store_for(server_config) -> RateLimitStore:
+    """The server's rate-limit store: Redis when redis_url is set, else this process's memory."""
+    url = getattr(server_config, "redis_url", None)
+    if not url:
+        return InMemoryRateLimitStore()
+    store = RedisRateLimitStore(url, timeout_s=server_config.redis_timeout_s)
+    if store.ping():
+        logger.info("rate limits and token quotas are kept in Redis at %s", store.where)
+    else:
+        logger.warning("rate limits and token quotas are kept in Redis at %s, which does not answer yet: "
+                       "limited requests are refused (or, with admission.rate_limit_fail_open, admitted "
+                       "unlimited) until it does", store.where)
+    return store
 
 
 class FailureLimiter:

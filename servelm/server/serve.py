@@ -101,7 +101,9 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
 
         tracing = Tracing(endpoint=srv.otlp_endpoint, service_name=srv.otlp_service_name)
     telemetry = Telemetry(metrics, srv.log_requests, srv.log_prompts, tracing)
-    admission = Admission(config, metrics, engine.num_queued)
+    from servelm.server.ratelimit import store_for
+
+    admission = Admission(config, metrics, engine.num_queued, store=store_for(srv))
     return ServerState(engine, model_name, tokenizer, config, keys, metrics, admission, telemetry, embedder,
                        embed_name, created=int(time.time()), models=directory)
 
@@ -243,7 +245,11 @@ async def _open_control_plane(config, state):
         keep = srv.keep_alive_s or None
         state.models.on_demand = lambda model, kind: plane.load_on_demand(model, kind, keep)
     restored = await plane.restore()
-    logger.info("model registry in %s: %d deployment(s) restored%s", plane.registry.data_dir, len(restored),
+    plane.follow()
+    from servelm.config.settings import redact_url
+
+    logger.info("model registry in %s (database %s): %d deployment(s) restored%s", plane.registry.data_dir,
+                redact_url(plane.registry.url), len(restored),
                 f" ({', '.join(restored)})" if restored else "")
     return plane
 
@@ -288,6 +294,38 @@ class _DrainingServer:
         return Server(config)
 
 
+def prepare_database(srv) -> str | None:
+    """Bring the control database's schema to this version's (with database_auto_upgrade, the default: servers
+    starting together migrate it once, under a lock), or check that it is; why it cannot be used, else None."""
+    from sqlalchemy.exc import DBAPIError
+
+    from servelm.config.settings import redact_url
+    from servelm.control import db, schema
+
+    url = srv.database()
+    if url is None:
+        srv.data_path().mkdir(parents=True, exist_ok=True)
+        url = db.default_url(srv.data_path())
+    try:
+        engine = db.open_engine(url)
+    except ImportError as e:
+        return f"cannot open the control database {redact_url(url)}: {e} (pip install 'servelm[postgres]')"
+    try:
+        before = schema.status(engine)
+        schema.ensure(engine, migrate=srv.database_auto_upgrade)
+        if before["state"] != "current":
+            logger.info("control database %s: migrated from %s to revision %s", redact_url(url),
+                        before["revision"] or f"no revision ({before['state']})", schema.HEAD)
+    except schema.SchemaError as e:
+        return str(e)
+    except DBAPIError as e:
+        first = str(e.orig).strip().splitlines()[0] if e.orig else str(e)
+        return f"cannot use the control database {redact_url(url)}: {first}"
+    finally:
+        engine.dispose()
+    return None
+
+
 def cmd_serve(args, engine_factory=None) -> int:
     """`servelm serve`; `engine_factory` makes the engines another way (servelm.ray: on a Ray cluster)."""
     import json
@@ -311,6 +349,11 @@ def cmd_serve(args, engine_factory=None) -> int:
     from servelm.model.metadata import check_model
     from servelm.server.launch import fixed_models
 
+    if config.control_plane:  # a database that cannot be used stops start-up before any model loads
+        problem = prepare_database(srv)
+        if problem is not None:
+            print(f"servelm: error: {problem}", file=sys.stderr)
+            return 2
     for launch in fixed_models(config):  # one line and exit 2 before anything loads
         fetch_models(launch.engine)  # a Hub model not yet in the Hugging Face cache: downloaded now
         check_model(launch.engine.model, launch.engine.gguf_file)

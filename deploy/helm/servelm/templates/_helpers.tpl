@@ -54,6 +54,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and (eq .Values.kind "StatefulSet") .Values.persistence.existingClaim -}}
 {{- fail "persistence.existingClaim is for a Deployment: a StatefulSet claims one volume per pod" -}}
 {{- end -}}
+{{- if gt (len (compact (list .Values.database.url .Values.database.existingSecret .Values.registry.url (ternary "bundled" "" .Values.database.bundled.enabled)))) 1 -}}
+{{- fail "give one control database: database.url, database.existingSecret, registry.url (its older name) or database.bundled.enabled" -}}
+{{- end -}}
+{{- if and .Values.database.bundled.enabled (not .Values.database.bundled.password) -}}
+{{- fail "database.bundled.enabled needs database.bundled.password" -}}
+{{- end -}}
+{{- if gt (len (compact (list .Values.redis.url .Values.redis.existingSecret (ternary "bundled" "" .Values.redis.bundled.enabled)))) 1 -}}
+{{- fail "give one Redis: redis.url, redis.existingSecret or redis.bundled.enabled" -}}
+{{- end -}}
 {{- if and .Values.ray.enabled (not .Values.ray.model) -}}
 {{- fail "ray.enabled needs ray.model (the model path the Ray Serve replicas serve)" -}}
 {{- end -}}
@@ -67,4 +76,23 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := set $res.limits "nvidia.com/gpu" (int .Values.gpu.count) -}}
 {{- end -}}
 {{- toYaml $res -}}
+{{- end -}}
+
+{{/* A bundled service's name and labels: its own app name, so the server's Service, PDB and NetworkPolicy
+(which select servelm's name and instance) never select it. */}}
+{{- define "servelm.serviceName" -}}
+{{- printf "%s-%s" (include "servelm.fullname" .root) .service | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "servelm.serviceSelector" -}}
+app.kubernetes.io/name: {{ printf "%s-%s" (include "servelm.name" .root) .service }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+{{- end -}}
+
+{{- define "servelm.serviceLabels" -}}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
+{{ include "servelm.serviceSelector" . }}
+app.kubernetes.io/component: {{ .service }}
+app.kubernetes.io/part-of: {{ include "servelm.name" .root }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end -}}
