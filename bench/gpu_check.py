@@ -77,7 +77,7 @@ SERVE_PACKAGES = [
     ("opentelemetry.exporter.otlp.proto.common", "opentelemetry-exporter-otlp-proto-common"),
     ("opentelemetry.proto", "opentelemetry-proto"), ("google.protobuf", "protobuf"),
     ("google.rpc", "googleapis-common-protos"), ("typing_extensions", "typing-extensions"), ("scipy", "scipy"),
-    ("pytest", "pytest"), ("pluggy", "pluggy"), ("iniconfig", "iniconfig"),
+    ("pytest", "pytest"), ("pluggy", "pluggy"), ("iniconfig", "iniconfig"), ("alembic", "alembic"), ("mako", "Mako"),
 ]
 # Installed from the wheels also where an older version is there (newer versions only add): pydantic and
 # fastapi need a recent typing-extensions.
