@@ -220,10 +220,11 @@ def test_the_default_split_count_follows_the_batch_not_the_contexts():
     the count is bounded by MAX_SPLITS and by the tables' width in tiles; contexts play no part, so a
     captured graph's count holds for every replay. With split_kv=False nothing splits."""
     attn = triton_paged.TritonPagedAttention(32, 8, 128, 128**-0.5)
-    attn._target[torch.device("cpu")] = 4 * 132  # an H100/H200's SMs, 4 programs each
+    attn._target[torch.device("cpu")] = attn.PROGRAMS_PER_SM * 132  # an H100/H200's SMs
     assert attn.splits_for(1, 4096, "cpu") == attn.MAX_SPLITS == 32
-    assert attn.splits_for(4, 4096, "cpu") == 17
-    assert attn.splits_for(64, 4096, "cpu") == 2
+    assert attn.splits_for(4, 4096, "cpu") == 9
+    assert attn.splits_for(32, 4096, "cpu") == 2
+    assert attn.splits_for(64, 4096, "cpu") == 1
     assert attn.splits_for(256, 4096, "cpu") == 1
     assert attn.splits_for(1, 64, "cpu") == 2  # a 64-position table: two tiles, two splits at most
     assert attn.splits_for(0, 4096, "cpu") == 1

@@ -197,8 +197,11 @@ class TritonPagedAttention(AttentionBackend):
 
     BLOCK_N = 32  # KV positions per tile (tl.dot needs 16 or more, whatever the cache's block size)
     MAX_SPLITS = 32
-    # programs per SM the split count aims for (a memory-bound kernel of 4 warps: several resident per SM)
-    PROGRAMS_PER_SM = 4
+    # programs per SM the split count aims for. Measured on an H200 (bench/gpu_check.py's decode_attention, bf16,
+    # 8 KV heads): at batch 64, 512 programs with 2 splits ran 0.78-0.91x the single pass at head size 128 and
+    # 1.03-1.26x at 64, while 256 programs (4 KV heads) gained 1.4-1.9x from splitting; 2 per SM splits the
+    # latter and leaves the former single-pass
+    PROGRAMS_PER_SM = 2
     # without a GPU (the interpreter): a nominal machine, small enough that a few decode rows still split
     CPU_TARGET_PROGRAMS = 8
 
