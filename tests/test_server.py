@@ -89,6 +89,56 @@ def test_raw_sse_framing(server):
     assert lines[-1] == "data: [DONE]"
 
 
+def _raw_until_closed(url: str, request: bytes) -> bytes:
+    """Send `request` on a new connection (in a thread, so that a server refusing it part-way cannot block
+    the send) and return all the server sends until it closes the connection."""
+    import contextlib
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    with socket.create_connection((u.hostname, u.port), timeout=60) as sock:
+        def send():
+            with contextlib.suppress(OSError):  # the server closed (or reset) the connection part-way
+                sock.sendall(request)
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        data = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(65536):
+                data += chunk
+        sender.join(60)
+    return data
+
+
+def test_http10_stream_has_no_chunked_framing_and_ends_with_done(server):
+    """An HTTP/1.0 client cannot read chunked encoding: its stream comes whole with a Content-Length, the bare
+    events ending with `data: [DONE]`, and the connection closes (with httptools it came chunked)."""
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True, "stream": True}).encode()
+    request = (b"POST /v1/completions HTTP/1.0\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    head, _, payload = _raw_until_closed(server, request).partition(b"\r\n\r\n")
+    status, *header_lines = head.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip().lower() for k, v in (line.split(":", 1) for line in header_lines)}
+    assert status.split()[1] == "200" and headers["content-type"].startswith("text/event-stream"), head
+    assert "transfer-encoding" not in headers and int(headers["content-length"]) == len(payload), headers
+    assert payload.endswith(b"data: [DONE]\n\n"), payload[-200:]
+    events = payload.decode().split("\n\n")[:-1]
+    assert all(e.startswith("data: ") for e in events)
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]  # chunk sizes in the body would not parse
+    assert "".join(c["choices"][0]["text"] for c in chunks) and chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_oversized_request_head_is_refused(server):
+    """A 2 MB header is refused with 431 and the server serves on."""
+    request = b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * (2 << 20) + b"\r\n\r\n"
+    reply = _raw_until_closed(server, request)
+    assert reply.split(b"\r\n", 1)[0].split()[1] == b"431", reply[:200]
+    assert httpx.get(server + "/health").status_code == 200
+
+
 def test_n2_stop_seed_logprobs(client, offline):
     p = random_prompts(1, 10, 10, seed=41)[0]
     res = client.completions.create(model="tiny", prompt=p, max_tokens=8, n=2, temperature=1.0, seed=7,

@@ -43,6 +43,8 @@ class Gateway:
     async def _handle(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope.get("http_version") == "1.0":
+            send = _whole_body(send)
         st = self.state
         headers = Headers(scope=scope)
         incoming = headers.get("x-request-id")
@@ -85,7 +87,7 @@ class Gateway:
                 self._finish(rec)
 
         try:
-            error = self._method_not_allowed(scope) or self._check(scope, headers, rec)
+            error = _oversized_head(scope) or self._method_not_allowed(scope) or self._check(scope, headers, rec)
             body = b""
             if error is None:
                 body, error = await _read_body(receive, headers, st.config.server.max_request_body_bytes)
@@ -254,6 +256,47 @@ def _replay(body: bytes, receive):
         return await receive()
 
     return inner
+
+
+MAX_HEAD_BYTES = 16 * 1024  # h11's limit on a request's head (the request line and headers)
+
+
+def _oversized_head(scope) -> APIError | None:
+    """431 for request headers over MAX_HEAD_BYTES: httptools (uvicorn's parser where installed) has no limit,
+    and a server should not carry megabytes of headers into every layer."""
+    size = sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
+    if size > MAX_HEAD_BYTES:
+        return APIError(431, f"request headers of {size} bytes; at most {MAX_HEAD_BYTES} are accepted",
+                        code="request_header_fields_too_large")
+    return None
+
+
+def _whole_body(send):
+    """`send` for an HTTP/1.0 client, which cannot read chunked encoding: the response is held until its last
+    body message and sent with a Content-Length and Connection: close. uvicorn's httptools protocol chunks any
+    response without a length whatever the request's version, so a stream would reach such a client as chunk
+    sizes mixed into the events and `data: [DONE]` would not be the last thing it reads; held whole, it is."""
+    start: dict | None = None
+    parts: list[bytes] = []
+
+    async def send_whole(message):
+        nonlocal start
+        if message["type"] == "http.response.start":
+            start = message
+            return
+        if message["type"] != "http.response.body" or start is None:
+            return await send(message)
+        parts.append(message.get("body", b""))
+        if message.get("more_body", False):
+            return
+        body = b"".join(parts)
+        headers = [(k, v) for k, v in start.get("headers", [])
+                   if k.lower() not in (b"content-length", b"transfer-encoding", b"connection")]
+        headers += [(b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+        await send({**start, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    return send_whole
 
 
 async def _send_error(send, err: APIError, oip: bool = False, ollama: bool = False) -> None:
