@@ -73,7 +73,7 @@ class Generation:
 
 
 class Deployment:
-    """One ModelVersion with N workers; the AsyncEngine surface plus `version`, `workers`, `strategy`."""
+    """One ModelVersion with N workers; an EngineClient (worker/engine_client.py) plus `version`, `workers`, `strategy`."""
 
     kind = Kind.GENERATE
 
