@@ -16,7 +16,7 @@ class IdleEngine:
 
     ready, stats, info, max_model_len = True, None, None, 256
     on_ready = on_down = on_step = None
-    settings: tuple | None = None  # (max_num_seqs, scheduling_policy, priority_aging_s) from update_config
+    settings = None  # the RuntimeSettings of the last update_config
 
     async def generate(self, rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None, *,
                        lora=None):
@@ -24,8 +24,8 @@ class IdleEngine:
             raise RequestRejected(f"no LoRA adapter named {lora!r}")
         yield RequestOutput(rid, prompt, list(ids), [CompletionOutput(0, "", [], finish_reason="length")], True)
 
-    async def update_config(self, max_num_seqs, scheduling_policy, priority_aging_s) -> None:
-        self.settings = (max_num_seqs, scheduling_policy, priority_aging_s)
+    async def update_config(self, settings) -> None:
+        self.settings = settings
 
     def num_queued(self) -> int:
         return 0

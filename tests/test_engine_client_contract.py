@@ -23,7 +23,7 @@ import pytest
 from fakes import IdleEngine
 
 from servelm import SamplingParams
-from servelm.config.engine import EngineConfig
+from servelm.config.engine import EngineConfig, RuntimeSettings
 from servelm.control.types import Kind, ModelVersion, State
 from servelm.sampling_params import OutputKind
 from servelm.worker.client import RequestRejected
@@ -147,7 +147,7 @@ def test_num_queued_counts_a_request_without_output_and_update_config_takes_effe
 
     async def main():
         # one sequence at a time: a second request stays queued while the first runs
-        await engine.update_config(1, config.scheduling_policy, config.priority_aging_s)
+        await engine.update_config(dataclasses.replace(RuntimeSettings.of(config), max_num_seqs=1))
         try:
             first = engine.generate("a", PROMPT, SamplingParams(max_tokens=200, **GREEDY))
             await _next(first)
@@ -157,20 +157,20 @@ def test_num_queued_counts_a_request_without_output_and_update_config_takes_effe
                 await _next(first)
                 assert not waiting.done()
             assert engine.num_queued() == 1
-            await engine.update_config(256, config.scheduling_policy, config.priority_aging_s)
+            await engine.update_config(dataclasses.replace(RuntimeSettings.of(config), max_num_seqs=256))
             out = await asyncio.wait_for(waiting, STEP_S)  # room again: it runs beside "a"
             assert out.request_id == "b" and engine.num_queued() == 0
             await first.aclose()
             await second.aclose()
         finally:
-            await engine.update_config(BASE.max_num_seqs, config.scheduling_policy, config.priority_aging_s)
+            await engine.update_config(RuntimeSettings.of(BASE))
     impl.run(main())
 
 
 def test_update_config_is_accepted(impl):
     async def main():
-        await impl.engine.update_config(8, "priority", 5.0)
-        await impl.engine.update_config(BASE.max_num_seqs, BASE.scheduling_policy, BASE.priority_aging_s)
+        await impl.engine.update_config(RuntimeSettings(8, "fcfs", 5.0))
+        await impl.engine.update_config(RuntimeSettings.of(BASE))
     impl.run(main())
 
 

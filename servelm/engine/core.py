@@ -5,6 +5,7 @@ It is what runs in the engine process behind the server; `LLMEngine` pairs it wi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
-from servelm.config.engine import EngineConfig
+from servelm.config.engine import EngineConfig, RuntimeSettings
 from servelm.engine.cuda_graphs import capture_sizes
 from servelm.engine.decode_batch import DecodeBatch, batchable
 from servelm.engine.kv_cache_manager import KVCacheManager
@@ -224,11 +225,11 @@ class EngineCore:
         if self.runner.tp_workers is not None:
             self.runner.tp_workers.close()
 
-    def update_config(self, max_num_seqs: int, scheduling_policy: str, priority_aging_s: float) -> None:
+    def update_config(self, settings: RuntimeSettings) -> None:
         """Run-time changes (PATCH /admin/config): they apply from the next step."""
-        self.config.max_num_seqs = self.scheduler.max_num_seqs = max_num_seqs
-        self.config.scheduling_policy = self.scheduler.policy = scheduling_policy
-        self.config.priority_aging_s = self.scheduler.aging_s = priority_aging_s
+        for name, value in dataclasses.asdict(settings).items():
+            setattr(self.config, name, value)
+        self.scheduler.apply_settings(settings)
 
     # -- the loop ----------------------------------------------------------------------------------
     def step(self) -> tuple[list[SeqOutput], DecodeOutputs]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from servelm.config.engine import RuntimeSettings
 from servelm.engine.decode_batch import DecodeBatch
 from servelm.engine.kv_cache_manager import BlockOps, KVCacheManager
 from servelm.engine.sequence import SeqStatus, Sequence
@@ -106,6 +107,13 @@ class Scheduler:
         self.batch: DecodeBatch | None = None
         # LoRA adapters (EngineCore sets them where enabled): a step holds at most loras.max_loras of them
         self.loras = None
+
+    def apply_settings(self, settings: RuntimeSettings) -> None:
+        """Take the run-time settings from the next step on; a changed policy
+        or ageing re-sorts the queues then (_order_queues compares them with the last sort's)."""
+        self.max_num_seqs = settings.max_num_seqs
+        self.policy = settings.scheduling_policy
+        self.aging_s = settings.priority_aging_s
 
     def add(self, seq: Sequence) -> None:
         self._note_class_change(seq)

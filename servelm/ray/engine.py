@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
-from servelm.config.engine import EngineConfig
+from servelm.config.engine import EngineConfig, RuntimeSettings
 from servelm.engine.step_outputs import EngineStats
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
@@ -114,7 +114,7 @@ class RayServeEngine:
         queued = self.num_queued()
         return len(self._streams) - queued, queued
 
-    async def update_config(self, max_num_seqs: int, scheduling_policy: str, priority_aging_s: float) -> None:
+    async def update_config(self, settings: RuntimeSettings) -> None:
         from servelm.control.types import ControlError
 
         raise ControlError(409, "scheduler settings of Ray replicas are set when the application is deployed",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from servelm.config.engine import EngineConfig
+from servelm.config.engine import EngineConfig, RuntimeSettings
 from servelm.engine.output_processor import OutputProcessor
 from servelm.engine.step_outputs import EngineStats
 from servelm.outputs import RequestOutput
@@ -436,12 +436,11 @@ class AsyncEngine:
         """Requests sent to the engine that have no output yet."""
         return sum(1 for s in self.streams.values() if not s.started)
 
-    async def update_config(self, max_num_seqs: int, scheduling_policy: str, priority_aging_s: float) -> None:
+    async def update_config(self, settings: RuntimeSettings) -> None:
         """Change scheduler settings now, and for any engine restarted later (nothing changes if they cannot be
         sent)."""
-        message = m.encoder.encode(m.UpdateConfig(max_num_seqs, scheduling_policy, priority_aging_s))
-        self.config = dataclasses.replace(self.config, max_num_seqs=max_num_seqs,
-                                          scheduling_policy=scheduling_policy, priority_aging_s=priority_aging_s)
+        message = m.encoder.encode(m.UpdateConfig(settings))
+        self.config = settings.apply(self.config)
         if self.ready:
             await self._in.send(message)
 

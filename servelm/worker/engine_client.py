@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, runtime_checkable
 
+from servelm.config.engine import RuntimeSettings
 from servelm.engine.step_outputs import EngineStats
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
@@ -71,5 +72,5 @@ class EngineClient(Protocol):
     def live_counts(self) -> tuple[int, int]:
         """(running, waiting) sequences now, from what is in flight rather than the last step's figures."""
 
-    async def update_config(self, max_num_seqs: int, scheduling_policy: str, priority_aging_s: float) -> None:
+    async def update_config(self, settings: RuntimeSettings) -> None:
         """Change the scheduler's run-time settings now and for engines started later (PATCH /admin/config)."""
