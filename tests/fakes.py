@@ -6,14 +6,26 @@ from types import SimpleNamespace
 
 from servelm.config.engine import EngineConfig
 from servelm.outputs import CompletionOutput, RequestOutput
-from servelm.worker.client import EngineDeadError
+from servelm.worker.client import EngineDeadError, RequestRejected
 
 
 class IdleEngine:
-    """Always ready, nothing queued or running; subclasses add `generate`."""
+    """An EngineClient that is always ready with nothing queued or running: it answers every request at once with
+    one finished, empty output (subclasses replace `generate` with what their test needs) and keeps the
+    scheduler settings it was given."""
 
     ready, stats, info, max_model_len = True, None, None, 256
     on_ready = on_down = on_step = None
+    settings = None  # the RuntimeSettings of the last update_config
+
+    async def generate(self, rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None, *,
+                       lora=None):
+        if lora is not None:
+            raise RequestRejected(f"no LoRA adapter named {lora!r}")
+        yield RequestOutput(rid, prompt, list(ids), [CompletionOutput(0, "", [], finish_reason="length")], True)
+
+    async def update_config(self, settings) -> None:
+        self.settings = settings
 
     def num_queued(self) -> int:
         return 0

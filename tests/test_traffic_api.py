@@ -37,7 +37,7 @@ class FakeDep(IdleEngine):
         return Lease(self, None, on_release=lambda: setattr(self, "pins", self.pins - 1))
 
     async def generate(self, rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None,
-                       generation=None):
+                       generation=None, lora=None):
         if self.gate is not None:
             await self.gate.wait()
         self.served += 1
@@ -623,9 +623,10 @@ def test_a_shadow_copy_keeps_the_primary_cache_salt_and_a_queue_timeout(platform
     seen: list[tuple] = []
     generate = deps[3].generate
 
-    def spy(rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None, generation=None):
+    def spy(rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None, generation=None,
+            lora=None):
         seen.append((queue_timeout, cache_salt))
-        return generate(rid, ids, params, prompt, priority, queue_timeout, cache_salt, generation)
+        return generate(rid, ids, params, prompt, priority, queue_timeout, cache_salt, generation, lora=lora)
 
     deps[3].generate = spy
     assert client.put("/admin/models/m/shadow", headers=ADMIN, json={"version": 3}).status_code == 200

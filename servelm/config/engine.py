@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 DEFAULT_KV_CACHE_GB = 1.0  # the KV cache on the CPU unless sized
@@ -344,3 +344,31 @@ class EngineConfig:
             return "none"
         return self.quantization
 
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """The EngineConfig fields marked `runtime=True`, which a serving engine takes while it runs (PATCH
+    /admin/config). It is what every layer passes on, from the server to the engine process, so a new runtime
+    field is added here and in EngineConfig, and nowhere between; the check below this class refuses to import
+    when the two disagree."""
+
+    max_num_seqs: int
+    scheduling_policy: str
+    priority_aging_s: float
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> RuntimeSettings:
+        """The runtime settings `config` holds."""
+        return cls(**{name: getattr(config, name) for name in RUNTIME_FIELDS})
+
+    def apply(self, config: EngineConfig) -> EngineConfig:
+        """`config` with these settings (a new EngineConfig; `config` is left as it is)."""
+        import dataclasses
+
+        return dataclasses.replace(config, **asdict(self))
+
+
+RUNTIME_FIELDS = tuple(f.name for f in fields(EngineConfig) if f.metadata.get("runtime"))
+if tuple(f.name for f in fields(RuntimeSettings)) != RUNTIME_FIELDS:
+    raise TypeError(f"RuntimeSettings must hold EngineConfig's runtime fields, in their order: {RUNTIME_FIELDS}")

@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from servelm.config.engine import EngineConfig, cpu_list
+from servelm.config.engine import EngineConfig, RuntimeSettings, cpu_list
 from servelm.control.lease import Lease
 from servelm.control.router import RouteRequest, blocks_needed, make_strategy
 from servelm.control.types import ControlError, Kind, ModelVersion
@@ -73,7 +73,7 @@ class Generation:
 
 
 class Deployment:
-    """One ModelVersion with N workers; the AsyncEngine surface plus `version`, `workers`, `strategy`."""
+    """One ModelVersion with N workers; an EngineClient (worker/engine_client.py) plus `version`, `workers`, `strategy`."""
 
     kind = Kind.GENERATE
 
@@ -206,13 +206,12 @@ class Deployment:
                            **{k: [sum(c) for c in zip(*(getattr(s, k) for s in all_stats), strict=False)]
                               for k in lists})
 
-    async def update_config(self, max_num_seqs: int, scheduling_policy: str, priority_aging_s: float) -> None:
+    async def update_config(self, settings: RuntimeSettings) -> None:
         """Change every worker's scheduler settings now, and those of workers started later."""
-        self.base = dataclasses.replace(self.base, max_num_seqs=max_num_seqs, scheduling_policy=scheduling_policy,
-                                        priority_aging_s=priority_aging_s)
+        self.base = settings.apply(self.base)
         self._gen.config = self._gen.version.engine_config(self.base)
         for w in self._all_workers():
-            await w.engine.update_config(max_num_seqs, scheduling_policy, priority_aging_s)
+            await w.engine.update_config(settings)
 
     def pin(self) -> Lease:
         """A request's lease on the current generation (see control/lease.py): it holds the tokenizer, version

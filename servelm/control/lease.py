@@ -15,7 +15,7 @@ from typing import Any
 
 
 class Lease:
-    """One request's pin on a deployment's generation (`generation` None: the deployment as it is, for
+    """An EngineClient (worker/engine_client.py): one request's pin on a deployment's generation (`generation` None: the deployment as it is, for
     deployments without generations, such as an embedding one). Attributes it does not define (abort,
     num_queued, stats, id, describe, ...) are the deployment's. `release()` is idempotent."""
 
@@ -48,7 +48,7 @@ class Lease:
         return self.generation.max_model_len if self.generation is not None else self.deployment.max_model_len
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params, prompt: str | None = None,
-                 priority: int = 1, queue_timeout: float | None = None, cache_salt: str | None = None,
+                 priority: int = 1, queue_timeout: float | None = None, cache_salt: str | None = None, *,
                  lora: str | None = None):
         """The deployment's generate, on the workers of the pinned generation."""
         return self.deployment.generate(request_id, prompt_token_ids, params, prompt, priority, queue_timeout,

@@ -5,6 +5,7 @@ It is what runs in the engine process behind the server; `LLMEngine` pairs it wi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
-from servelm.config.engine import EngineConfig
+from servelm.config.engine import EngineConfig, RuntimeSettings
 from servelm.engine.cuda_graphs import capture_sizes
 from servelm.engine.decode_batch import DecodeBatch, batchable
 from servelm.engine.kv_cache_manager import KVCacheManager
@@ -20,10 +21,10 @@ from servelm.engine.kv_sizing import CudaMemory, DeviceMemory, check_model_len, 
 from servelm.engine.lora_manager import LoraManager
 from servelm.engine.model_runner import ModelRunner, kv_bytes_per_block, profile_largest_step
 from servelm.engine.proposers import NgramProposer
-from servelm.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from servelm.engine.scheduler import Scheduler, SchedulerOutput
 from servelm.engine.sequence import Request, Sequence
 from servelm.engine.spec_decode import SpecDecoder
-from servelm.engine.step_outputs import DecodeOutputs, EngineStats, SampleResult, SeqOutput
+from servelm.engine.step_outputs import DecodeOutputs, EngineStats, RunnerOutput, SeqOutput
 from servelm.engine.structured import GrammarCache, new_matcher
 from servelm.model.decoder import DecoderLM
 
@@ -88,8 +89,11 @@ class EngineCore:
         self.loras = self._make_lora_manager(config)
         self.runner.loras = self.scheduler.loras = self.loras
         self.requests: dict[str, Request] = {}
-        # n > 1 requests whose samples have not forked yet: a step looks for forks only while there are some
-        self.unforked: set[str] = set()
+        # n > 1 requests whose samples have not forked yet: a step looks for forks only while there are some (the
+        # scheduler's update forks them and takes them off)
+        self.unforked: set[str] = self.scheduler.unforked
+        sch = self.scheduler
+        sch.spec, sch.max_model_len, sch.on_request_finished = self.spec, max_len, self._forget
         # structured output: requests whose grammar is still compiling wait here, outside the scheduler
         self.grammars = GrammarCache(spec.vocab_size, tokenizer_loader or _tokenizer_from_config(config),
                                      config.structured_output_backend)
@@ -99,8 +103,6 @@ class EngineCore:
         self.num_steps = 0
         self.last_num_batched_tokens = 0
         self.last_batch_size = 0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
 
     def _make_spec_decoder(self, config: EngineConfig, max_len: int) -> SpecDecoder | None:
         if config.speculative_method is None:
@@ -224,11 +226,11 @@ class EngineCore:
         if self.runner.tp_workers is not None:
             self.runner.tp_workers.close()
 
-    def update_config(self, max_num_seqs: int, scheduling_policy: str, priority_aging_s: float) -> None:
+    def update_config(self, settings: RuntimeSettings) -> None:
         """Run-time changes (PATCH /admin/config): they apply from the next step."""
-        self.config.max_num_seqs = self.scheduler.max_num_seqs = max_num_seqs
-        self.config.scheduling_policy = self.scheduler.policy = scheduling_policy
-        self.config.priority_aging_s = self.scheduler.aging_s = priority_aging_s
+        for name, value in dataclasses.asdict(settings).items():
+            setattr(self.config, name, value)
+        self.scheduler.apply_settings(settings)
 
     # -- the loop ----------------------------------------------------------------------------------
     def step(self) -> tuple[list[SeqOutput], DecodeOutputs]:
@@ -238,10 +240,29 @@ class EngineCore:
             self._admit_compiled()
         out = self.scheduler.schedule()
         if not out:
-            self.kv.end_step()
-            if self.compiling:  # nothing else to run: wait a little for a grammar rather than spin
-                wait_futures([r.grammar for r in self.compiling.values()], 0.01, FIRST_COMPLETED)
-            return [], DecodeOutputs()
+            return self._idle()
+        start = self._begin(out)
+        ran = self.runner.execute(out)
+        if not isinstance(ran, RunnerOutput):  # a stand-in runner's (decode tokens, results) pair
+            ran = RunnerOutput(*ran)
+        self.kv.end_step()
+        now = time.monotonic()
+        self.scheduler.step_cost.observe(out.num_batched_tokens, now - start)
+        outputs, decodes = self.scheduler.update_from_output(out, ran, now)
+        if self.spec is not None:  # drafts for the next step, from the tokens as they are now
+            self.spec.propose(self.scheduler.running)
+        return outputs, decodes
+
+    def _idle(self) -> tuple[list[SeqOutput], DecodeOutputs]:
+        """A step with nothing scheduled."""
+        self.kv.end_step()
+        if self.compiling:  # nothing else to run: wait a little for a grammar rather than spin
+            wait_futures([r.grammar for r in self.compiling.values()], 0.01, FIRST_COMPLETED)
+        return [], DecodeOutputs()
+
+    def _begin(self, out: SchedulerOutput) -> float:
+        """Before the forward: the step's figures, first-scheduled times, and the n > 1 samples to fork (as
+        `sample_seqs`, which the update forks once the prompt has run); returns the step's start time."""
         self.num_steps += 1
         self.last_num_batched_tokens = out.num_batched_tokens
         self.last_batch_size = len(out.scheduled) + len(out.decode_seqs)
@@ -256,146 +277,7 @@ class EngineCore:
                 s.sample_seqs += [Sequence(req, i, list(s.seq.token_ids), generator=req.make_generator(i),
                                            matcher=new_matcher(req.grammar) if req.grammar is not None else None)
                                   for i in range(1, req.params.n)]
-        decode_tokens, results = self.runner.execute(out)
-        for req, first, lps in self.runner.prompt_logprobs:
-            if req.prompt_logprobs is None:
-                req.prompt_logprobs = [None] * req.num_prompt_tokens
-            req.prompt_logprobs[first:first + len(lps)] = lps  # a recomputed chunk overwrites, never appends
-        self.kv.end_step()
-        now = time.monotonic()
-        self.scheduler.step_cost.observe(out.num_batched_tokens, now - start)
-        outputs: list[SeqOutput] = []
-        decodes = self._update_decodes(out, decode_tokens, outputs, now) if out.decode_seqs else DecodeOutputs()
-        self._update_from_output(out, results, outputs, now)
-        if self.spec is not None:  # drafts for the next step, from the tokens as they are now
-            self.spec.propose(self.scheduler.running)
-        return outputs, decodes
-
-    def _update_decodes(self, out: SchedulerOutput, tokens: list[int], outputs: list[SeqOutput],
-                        now: float) -> DecodeOutputs:
-        """The decode batch's rows: arrays first, then each token appended; a row whose token may end its
-        sample (its length or a stop token) takes the full check (_append), which may finish it."""
-        seqs, batch = out.decode_seqs, out.batch
-        n = len(seqs)
-        check = batch.advance(n, tokens)
-        if len(check):
-            checked = set(check.tolist())
-            rids, toks = [], []
-            for i, (seq, tok) in enumerate(zip(seqs, tokens, strict=True)):
-                seq.num_computed_tokens += 1
-                if i not in checked:
-                    seq.token_ids.append(tok)
-                    rids.append(batch.request_ids[i])
-                    toks.append(tok)
-        else:
-            rids, toks = batch.request_ids[:n], tokens
-            for seq, tok in zip(seqs, tokens, strict=True):
-                seq.num_computed_tokens += 1
-                seq.token_ids.append(tok)
-        self.generation_tokens += len(toks)
-        for i in check.tolist():  # last: a finished sample leaves the batch, which moves another row
-            outputs.append(self._append(seqs[i], [SampleResult(tokens[i])], now))
-        return DecodeOutputs(rids, toks)
-
-    def _update_from_output(self, out: SchedulerOutput, step_results: list[list[SampleResult]],
-                            outputs: list[SeqOutput], now: float) -> None:
-        """Every per-sequence change a step makes once its forward has run: computed tokens, prefix-cache
-        commits, forks of n > 1 samples, the sampled tokens appended (up to a stop), and what each sample
-        gained. A sample left decoding joins the decode batch, whose rows _update_decodes takes."""
-        results = iter(step_results)
-        kv, append = self.kv, self._append
-        commit = kv.commit_computed
-        batch = self.scheduler.batch
-        for s in out.scheduled:
-            seq = s.seq
-            if s.spec_token_ids:
-                outputs.append(self._apply_verification(s, next(results), now))
-                continue
-            computed = seq.num_computed_tokens = seq.num_computed_tokens + s.num_tokens
-            commit(seq)  # the prompt's blocks this row filled, if any
-            req = seq.request
-            if computed <= len(req.prompt_token_ids):
-                self.prompt_tokens += s.num_tokens
-            samples = s.sample_seqs
-            if len(samples) == 1:
-                outputs.append(append(seq, next(results), now))
-                if req.batchable and batch is not None and batch.can_join(seq):
-                    batch.add(seq)
-                continue
-            if len(samples) > 1:
-                for child in samples[1:]:  # fork n>1 siblings onto the parent's blocks
-                    child.num_computed_tokens = seq.num_computed_tokens
-                    child.num_cached_tokens, child.first_scheduled = seq.num_cached_tokens, seq.first_scheduled
-                    kv.fork(seq, child)
-                    req.seqs.append(child)
-                    self.scheduler.add_running(child)
-                req.forked = True
-                self.unforked.discard(req.request_id)
-            for q in samples:
-                outputs.append(append(q, next(results), now))
-
-    def _apply_verification(self, s: ScheduledSeq, res: list[SampleResult], now: float) -> SeqOutput:
-        """The accepted drafts' KV stays (with the verified token's), the rejected drafts' slots are given
-        back, and the accepted drafts and the token after them are appended (up to a stop)."""
-        seq = s.seq
-        accepted = len(res) - 1
-        seq.num_computed_tokens += 1 + accepted
-        self.kv.roll_back(seq)
-        self.spec.record(seq, len(s.spec_token_ids), accepted)
-        out = self._append(seq, res, now)
-        if not seq.finished:
-            self.kv.commit_computed(seq)
-        return out
-
-    def _append(self, seq: Sequence, results: list[SampleResult], now: float) -> SeqOutput:
-        """Append new tokens one by one, stopping at the first that ends the sample (the rest are dropped)."""
-        req = seq.request
-        p = req.params
-        tokens = seq.token_ids
-        num_prompt = len(req.prompt_token_ids)  # seq.num_output_tokens is len(tokens) - num_prompt
-        reason, stop_reason = None, None
-        emitted = results
-        for k, res in enumerate(results):
-            tok = res.token_id
-            tokens.append(tok)
-            n_out = len(tokens) - num_prompt
-            if n_out >= p.min_tokens and not p.ignore_eos and tok in p._eos_token_ids:
-                reason = "stop"
-            elif n_out >= p.min_tokens and tok in p.stop_token_ids:
-                reason, stop_reason = "stop", tok
-            elif (p.max_tokens is not None and n_out >= p.max_tokens) or len(tokens) >= self.max_model_len:
-                reason = "length"
-            if seq.matcher is not None and reason != "length":
-                reason = self._advance_grammar(seq, tok) or reason
-            if reason is not None:
-                emitted = results[:k + 1]  # the tokens after a stop are dropped
-                break
-        self.generation_tokens += len(emitted)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        first = len(tokens) - num_prompt == len(emitted)
-        queue_time = seq.first_scheduled - req.arrival_time if first else None
-        out = SeqOutput(req.request_id, seq.index, [r.token_id for r in emitted],
-                        emitted if emitted[0].logprob is not None else [],
-                        reason, stop_reason, seq.num_cached_tokens, queue_time)
-        # the whole prompt has run: report its logprobs once
-        if p.prompt_logprobs is not None and seq.index == 0 and req.needs_prompt_logprobs:
-            out.prompt_logprobs = req.prompt_logprobs or [None] * req.num_prompt_tokens
-            req.prompt_logprobs, req.prompt_logprobs_done = None, True
-        if reason is not None:
-            self.finish_seq(seq.request.request_id, seq.index, reason, stop_reason)
-        return out
-
-    @staticmethod
-    def _advance_grammar(seq: Sequence, tok: int) -> str | None:
-        """Feed the sampled token to the sample's grammar: "stop" once the grammar is complete (its stop token
-        accepted), or if the token breaks it (only a banned stop token under min_tokens can: the mask allowed
-        nothing else), else None."""
-        if not seq.matcher.accept_token(tok):
-            logger.warning("request %s: token %d does not fit its grammar; ending the sample",
-                           seq.request.request_id, tok)
-            return "stop"
-        return "stop" if seq.matcher.is_terminated() else None
+        return start
 
     def stats(self) -> EngineStats:
         sch, kv = self.scheduler, self.kv
@@ -407,7 +289,7 @@ class EngineCore:
             prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
             prefix_cache_hit_rate=kv.prefix_hit_rate, num_preemptions=sch.num_preemptions,
             num_swaps=sch.num_swaps, num_evictions=kv.pool.num_evictions, num_steps=self.num_steps,
-            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+            prompt_tokens=sch.prompt_tokens, generation_tokens=sch.generation_tokens,
             num_priority_preemptions=sch.num_priority_preemptions, waiting_by_priority=by_priority,
             batch_size=self.last_batch_size, **self._spec_stats(),
         )

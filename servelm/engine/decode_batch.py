@@ -7,7 +7,7 @@ operations and one short Python loop (the token appended to each sequence), not 
 
 The `Sequence` objects stay the source of truth (their tokens, computed count and block table are updated as
 before): the arrays mirror them while they are members, so dropping a member, or all of them, is always safe.
-A sample joins after a step leaves it decoding (`EngineCore._update_from_output`) and leaves when it finishes,
+A sample joins after a step leaves it decoding (`Scheduler.update_from_output`, engine/step_update.py) and leaves when it finishes,
 is preempted, or needs anything the general path does (a token that may end it, `Scheduler.schedule`).
 """
 

@@ -98,7 +98,7 @@ class DraftModelProposer:
                     rows.append(i)
             if not scheduled:
                 break
-            _, results = self.runner.execute(SchedulerOutput(scheduled, self.kv.take_ops()))
+            results = self.runner.execute(SchedulerOutput(scheduled, self.kv.take_ops())).results
             for s, i, res in zip(scheduled, rows, results, strict=True):
                 s.seq.num_computed_tokens += s.num_tokens
                 s.seq.token_ids.append(res[0].token_id)

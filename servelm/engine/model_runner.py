@@ -11,7 +11,7 @@ from servelm.engine.kv_cache_manager import BlockOps
 from servelm.engine.rejection import verify
 from servelm.engine.sampler import Sampler, SampleResult, draw, kept_weights, prompt_logprob_results
 from servelm.engine.scheduler import SchedulerOutput
-from servelm.engine.sequence import Request
+from servelm.engine.step_outputs import RunnerOutput
 from servelm.model.attention import AttentionMetadata, PrefillSpan
 from servelm.model.decoder import DecoderLM
 from servelm.model.memory import lazy_zeros
@@ -66,7 +66,6 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0  # decode steps run through the static buffers (replays on a GPU)
         # filled by execute(): (request, first prompt position, results) for prompt-logprob requests
-        self.prompt_logprobs: list[tuple[Request, int, list[SampleResult]]] = []
         if cuda_graph_sizes and self.device.type == "cuda":
             self.enable_decode_graphs(cuda_graph_sizes, capture=True)
         # tensor parallelism (engine/tp_workers.py): the other ranks, sent each step's block ops and inputs
@@ -207,15 +206,15 @@ class ModelRunner:
         return self.loras.batch(names)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[int], list[list[SampleResult]]]:
-        """Run one step; returns the token of each of the batch's decodes (`out.decode_seqs`), then the new
-        tokens of each sequence in the order of all `sample_seqs` lists: one token, or for a verification the
-        accepted drafts and the token after them."""
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one step: the token of each of the batch's decodes (`out.decode_seqs`), the new tokens of each
+        sequence in the order of all `sample_seqs` lists (one token, or for a verification the accepted drafts
+        and the token after them), and the prompt logprobs the step's prompt chunks asked for."""
         self.apply_block_ops(out.ops)
         if not out:
             if self.tp_workers is not None and out.ops:
                 self.tp_workers.step(out.ops, None)
-            return [], []
+            return RunnerOutput()
         input_ids, positions, meta, logits_idx, repeats, graph_step, want_prompt, lora = self._prepare(out)
         if self.tp_workers is not None:  # the ranks replay the block ops and run their shards with ours
             self.tp_workers.step(out.ops, (input_ids, positions, meta))
@@ -224,9 +223,9 @@ class ModelRunner:
             self.num_graph_steps += 1
         else:
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, lora)
-        self.prompt_logprobs = self._prompt_logprobs(out, hidden) if want_prompt else []
+        prompt_lps = self._prompt_logprobs(out, hidden) if want_prompt else ()
         if logits_idx.numel() == 0:  # a step of prompt chunks that sample nothing yet
-            return [], []
+            return RunnerOutput((), (), prompt_lps)
         logits = logits[logits_idx] if graph_step is not None else self.model.logits(hidden[logits_idx])
         if bool((repeats > 1).any()):
             logits = logits.repeat_interleave(repeats.to(logits.device), dim=0)
@@ -234,9 +233,9 @@ class ModelRunner:
             n_dec = len(out.decode_seqs)
             seqs = out.decode_seqs + [q for s in out.scheduled for q in s.sample_seqs]
             tokens, results = self.sampler.sample(logits, seqs, n_dec)
-            return tokens, [[r] for r in results]
+            return RunnerOutput(tokens, [[r] for r in results], prompt_lps)
         assert not out.decode_seqs, "speculative decoding runs without a decode batch"
-        return [], self._sample_with_verifications(logits, out)
+        return RunnerOutput((), self._sample_with_verifications(logits, out), prompt_lps)
 
     def _sample_with_verifications(self, logits: torch.Tensor, out: SchedulerOutput) -> list[list[SampleResult]]:
         """Plain rows sampled as one batch; each verification's rows checked against its drafts."""

@@ -22,10 +22,13 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from servelm.config.engine import RuntimeSettings
 from servelm.engine.decode_batch import DecodeBatch
 from servelm.engine.kv_cache_manager import BlockOps, KVCacheManager
+from servelm.engine.queue_order import QueueOrder
 from servelm.engine.sequence import SeqStatus, Sequence
 from servelm.engine.step_cost import StepCostModel
+from servelm.engine.step_update import StepUpdate
 
 MIN_PREFILL_CHUNK = 32  # prompt tokens a step computes even when decodes alone reach the latency target
 
@@ -66,7 +69,10 @@ class SchedulerOutput:
         return bool(self.scheduled or self.decode_seqs)
 
 
-class Scheduler:
+class Scheduler(QueueOrder, StepUpdate):
+    """Which sequences run each step (`schedule`), and what a step's results change in them
+    (`update_from_output`, in engine/step_update.py); the queues' order is engine/queue_order.py's."""
+
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool, preemption_mode: str, policy: str = "priority",
                  aging_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
@@ -106,6 +112,14 @@ class Scheduler:
         self.batch: DecodeBatch | None = None
         # LoRA adapters (EngineCore sets them where enabled): a step holds at most loras.max_loras of them
         self.loras = None
+        self._init_step_update()
+
+    def apply_settings(self, settings: RuntimeSettings) -> None:
+        """Take the run-time settings from the next step on; a changed policy
+        or ageing re-sorts the queues then (_order_queues compares them with the last sort's)."""
+        self.max_num_seqs = settings.max_num_seqs
+        self.policy = settings.scheduling_policy
+        self.aging_s = settings.priority_aging_s
 
     def add(self, seq: Sequence) -> None:
         self._note_class_change(seq)
@@ -125,62 +139,6 @@ class Scheduler:
         if self._running_sorted and self.running and self._key(seq) < self._key(self.running[-1]):
             self._running_sorted = False
         self.running.append(seq)
-
-    def effective_priority(self, seq: Sequence, now: float) -> int:
-        if self.policy == "fcfs":
-            return 0
-        p = seq.request.priority
-        if self.aging_s > 0:
-            p -= int((now - seq.request.arrival_time) / self.aging_s)
-        return max(0, p)
-
-    def _key(self, seq: Sequence) -> tuple:
-        return (self.effective_priority(seq, self._now), *seq.arrival_key())
-
-    def _class_change(self, seq: Sequence, t: float) -> float:
-        """A time at or before the first moment after t at which seq's effective class differs from the one it
-        has at t (inf: never). Early is harmless (a sort that changes nothing), late is not, so the boundary is
-        moved earlier by far more than float rounding in effective_priority can shift it."""
-        if self.policy == "fcfs" or self.aging_s <= 0:
-            return math.inf
-        req = seq.request
-        age = (t - req.arrival_time) / self.aging_s
-        steps = int(age)  # what effective_priority subtracts; it only grows with t (int() truncates toward 0)
-        if req.priority - steps <= 0:
-            return math.inf  # class 0 now, and forever
-        # int(age) next changes when age reaches steps + 1, or, for a negative age below -1, passes steps
-        boundary = steps + 1 if age >= 0 or steps == 0 else steps
-        at = req.arrival_time + self.aging_s * boundary
-        return at - 1e-9 * (abs(req.arrival_time) + abs(self.aging_s * boundary) + 1.0)
-
-    def _note_class_change(self, seq: Sequence) -> None:
-        until = self._class_change(seq, self._now)
-        if until < self._order_until:
-            self._order_until = until
-
-    def _order_queues(self) -> None:
-        """Put both queues in key order at the start of a step. A key changes over time only when its request
-        ages into a better class: while no queued sequence can have done so since the keys were last computed
-        (before self._order_until) and no append broke the order, the queues are already sorted and this costs
-        nothing. Otherwise each unsorted queue is sorted, exactly as a sort at every step would leave it (sorts
-        are stable and an in-order list is left as it is)."""
-        now = self.clock()
-        params = (self.policy, self.aging_s)
-        if not self._now <= now < self._order_until or params != self._order_params:
-            self._order_params = params
-            self._order_until = min((self._class_change(q, now) for q in (*self.running, *self.waiting)),
-                                    default=math.inf)
-            self._running_sorted = self._waiting_sorted = False
-        self._now = now
-        if not self._running_sorted:
-            self.running.sort(key=self._key)
-            self._running_sorted = True
-        self._sort_waiting()
-
-    def _sort_waiting(self) -> None:
-        if not self._waiting_sorted:
-            self.waiting.sort(key=self._key)
-            self._waiting_sorted = True
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

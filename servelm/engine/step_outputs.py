@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -16,6 +17,21 @@ class SampleResult(msgspec.Struct, gc=False):
     logprob: float | None = None  # of the chosen token under the raw model distribution
     rank: int | None = None  # 1 = the most likely token
     top_logprobs: list[tuple[int, float]] | None = None
+
+
+class RunnerOutput(NamedTuple):
+    """What a step's forward pass gives back (ModelRunner.execute), for Scheduler.update_from_output.
+
+    decode_tokens: the token of each of the decode batch's rows (`SchedulerOutput.decode_seqs`), in order.
+    results: the new tokens of each sequence, in the order of all `sample_seqs` lists of
+    `SchedulerOutput.scheduled`: one token, or for a verification the accepted drafts and the token after them.
+    prompt_logprobs: (request, first prompt position, the logprobs from there) for each prompt chunk whose logprobs
+    were asked for.
+    """
+
+    decode_tokens: list[int] = ()
+    results: list[list[SampleResult]] = ()
+    prompt_logprobs: list[tuple[Any, int, list[SampleResult]]] = ()
 
 
 class SeqOutput(msgspec.Struct, gc=False):

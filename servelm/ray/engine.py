@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
-from servelm.config.engine import EngineConfig
+from servelm.config.engine import EngineConfig, RuntimeSettings
 from servelm.engine.step_outputs import EngineStats
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
@@ -30,7 +30,7 @@ def _replica_lost(e: BaseException) -> bool:
 
 
 class RayServeEngine:
-    """The engine of one served model, whose workers are the replicas of a Ray Serve deployment. `deploy` is a
+    """The EngineClient (worker/engine_client.py) of one served model, whose workers are the replicas of a Ray Serve deployment. `deploy` is a
     callable that (blocking) deploys the application and returns its DeploymentHandle."""
 
     def __init__(self, config: EngineConfig, deploy, start_timeout: float = 600.0, max_resends: int = 3) -> None:
@@ -114,7 +114,7 @@ class RayServeEngine:
         queued = self.num_queued()
         return len(self._streams) - queued, queued
 
-    async def update_config(self, max_num_seqs: int, scheduling_policy: str, priority_aging_s: float) -> None:
+    async def update_config(self, settings: RuntimeSettings) -> None:
         from servelm.control.types import ControlError
 
         raise ControlError(409, "scheduler settings of Ray replicas are set when the application is deployed",
@@ -123,12 +123,14 @@ class RayServeEngine:
     # -- requests ----------------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None, priority: int = 1, queue_timeout: float | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, *, lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request from a replica. A replica lost before the request's first output: the request is
         re-sent (Ray Serve routes it to a live replica, a replacement included); lost after: EngineDeadError,
         which the HTTP layer turns into a 503 or an error event. Nothing waits on a dead replica."""
         if not self.ready:
             raise EngineDeadError("the engine is not ready")
+        if lora is not None:  # a replica's generate takes no adapter: refused, not run on the base
+            raise RequestRejected(f"LoRA adapter {lora!r} is not served by Ray replicas")
         if request_id in self._streams:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         self._streams[request_id] = False

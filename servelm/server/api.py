@@ -16,6 +16,7 @@ from servelm.server.auth import KeyStore
 from servelm.server.directory import ModelDirectory, ServedModel
 from servelm.server.metrics import Metrics
 from servelm.server.telemetry import Telemetry
+from servelm.worker.engine_client import EngineClient
 
 
 @dataclass
@@ -23,7 +24,7 @@ class ServerState:
     """Everything the routes share. `engine`, `tokenizer` and `model_name` are the default model's;
     `models` resolves any request's model (built from those three when not given)."""
 
-    engine: object
+    engine: EngineClient
     model_name: str
     tokenizer: object
     config: ServeConfig

@@ -14,13 +14,14 @@ from typing import Any
 
 from servelm.control.types import ControlError, Kind, ModelVersion
 from servelm.server.protocol import APIError
+from servelm.worker.engine_client import EngineClient
 
 
 class ServedModel:
     """One servable target. Attributes it does not have itself (generate, abort, max_model_len, info,
     check_engine, num_queued, live_counts, stats, ...) are the engine's."""
 
-    def __init__(self, engine: Any, tokenizer: Any, served_name: str, version: ModelVersion | None = None,
+    def __init__(self, engine: EngineClient, tokenizer: Any, served_name: str, version: ModelVersion | None = None,
                  metrics: Any = None, lease: Any = None) -> None:
         self.engine = engine  # a pinned deployment's lease (control/lease.py), or the engine itself
         self.tokenizer = tokenizer

@@ -7,7 +7,7 @@ import dataclasses
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from servelm.config.engine import ConfigError
+from servelm.config.engine import ConfigError, RuntimeSettings
 from servelm.config.settings import PRIORITIES
 from servelm.server.metrics import spec_decode_summary
 from servelm.server.protocol import APIError
@@ -58,10 +58,10 @@ def add_ops_routes(app: FastAPI, state) -> None:
         except ConfigError as e:
             raise APIError(400, str(e), e.key, "invalid_config") from e
         if any(k.startswith("engine.") for k in applied):
-            e = state.config.engine
+            settings = RuntimeSettings.of(state.config.engine)
             try:
                 for m in state.models:
-                    await m.update_config(e.max_num_seqs, e.scheduling_policy, e.priority_aging_s)
+                    await m.update_config(settings)
             except Exception:  # all or nothing: what GET shows is what the engine runs with
                 state.config.engine, state.config.admission, state.config.sources = before
                 raise

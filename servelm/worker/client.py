@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from servelm.config.engine import EngineConfig
+from servelm.config.engine import EngineConfig, RuntimeSettings
 from servelm.engine.output_processor import OutputProcessor
 from servelm.engine.step_outputs import EngineStats
 from servelm.outputs import RequestOutput
@@ -57,6 +57,11 @@ class QueueTimeout(TimeoutError):
     """The request got no first token within the queue timeout; it was removed from the engine."""
 
 
+# Put on an aborted request's queue: its stream ends (no further output) rather than wait for outputs that
+# the engine will never send.
+_ABORTED = object()
+
+
 @dataclass
 class _Stream:
     queue: asyncio.Queue
@@ -67,6 +72,8 @@ class _Stream:
 
 
 class AsyncEngine:
+    """One engine process behind the EngineClient surface (worker/engine_client.py)."""
+
     def __init__(self, config: EngineConfig, tokenizer=None, start_timeout: float = 600.0,
                  progress_every_s: float = 15.0) -> None:
         self.config = config
@@ -349,7 +356,7 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None, priority: int = 1,
                        queue_timeout: float | None = None,
-                       cache_salt: str | None = None, lora: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, *, lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; closing the iterator early aborts it in the engine.
 
         With queue_timeout, a request with no output after that many seconds is aborted (QueueTimeout).
@@ -382,6 +389,8 @@ class AsyncEngine:
                     except asyncio.TimeoutError:
                         raise QueueTimeout(f"the request waited {queue_timeout:g}s in the queue without being "
                                            "served; try again later") from None
+                if item is _ABORTED:
+                    return
                 if isinstance(item, Exception):
                     stream.finished = True
                     raise item
@@ -393,8 +402,12 @@ class AsyncEngine:
                 await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
-        if self.streams.pop(request_id, None) is None:
+        """End a request in flight: the engine frees it, and its stream ends after what it already holds."""
+        stream = self.streams.pop(request_id, None)
+        if stream is None:
             return
+        stream.finished = True
+        stream.queue.put_nowait(_ABORTED)
         try:
             self.output_processor.abort(request_id)
         except Exception:  # its detokenizer state may be what failed; the slot is free either way
@@ -423,12 +436,11 @@ class AsyncEngine:
         """Requests sent to the engine that have no output yet."""
         return sum(1 for s in self.streams.values() if not s.started)
 
-    async def update_config(self, max_num_seqs: int, scheduling_policy: str, priority_aging_s: float) -> None:
+    async def update_config(self, settings: RuntimeSettings) -> None:
         """Change scheduler settings now, and for any engine restarted later (nothing changes if they cannot be
         sent)."""
-        message = m.encoder.encode(m.UpdateConfig(max_num_seqs, scheduling_policy, priority_aging_s))
-        self.config = dataclasses.replace(self.config, max_num_seqs=max_num_seqs,
-                                          scheduling_policy=scheduling_policy, priority_aging_s=priority_aging_s)
+        message = m.encoder.encode(m.UpdateConfig(settings))
+        self.config = settings.apply(self.config)
         if self.ready:
             await self._in.send(message)
 

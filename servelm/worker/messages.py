@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from servelm.config.engine import RuntimeSettings
 from servelm.engine.step_outputs import DecodeOutputs, EngineStats, SeqOutput
 from servelm.sampling_params import SamplingParams
 
@@ -32,9 +33,7 @@ class FinishSample(msgspec.Struct, tag="finish"):
 class UpdateConfig(msgspec.Struct, tag="update"):
     """Run-time scheduler settings (PATCH /admin/config)."""
 
-    max_num_seqs: int
-    scheduling_policy: str
-    priority_aging_s: float
+    settings: RuntimeSettings
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):

@@ -167,9 +167,8 @@ def _handle(core: EngineCore, msg, eos: frozenset[int], errors: list[m.RequestEr
     elif isinstance(msg, m.FinishSample):
         core.finish_seq(msg.request_id, msg.index, "stop", msg.stop)
     elif isinstance(msg, m.UpdateConfig):
-        core.update_config(msg.max_num_seqs, msg.scheduling_policy, msg.priority_aging_s)
-        logger.info("scheduler settings changed: max_num_seqs=%d policy=%s aging=%.1fs", msg.max_num_seqs,
-                    msg.scheduling_policy, msg.priority_aging_s)
+        core.update_config(msg.settings)
+        logger.info("scheduler settings changed: %s", msg.settings)
 
 
 def _lora_op(core: EngineCore, msg: m.LoraOp) -> m.LoraDone:
