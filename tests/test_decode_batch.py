@@ -20,7 +20,7 @@ from servelm.config.engine import EngineConfig
 from servelm.engine.core import EngineCore
 from servelm.engine.scheduler import SchedulerOutput
 from servelm.engine.sequence import Request
-from servelm.engine.step_outputs import SampleResult, SeqOutput
+from servelm.engine.step_outputs import RunnerOutput, SampleResult, SeqOutput
 
 VOCAB = 50
 EOS = 3
@@ -66,7 +66,7 @@ class StandIn:
                 tok = _next_token(q)
                 want = q.request.params.logprobs is not None
                 rows.append([SampleResult(tok, -0.5 if want else None, 1 if want else None, [] if want else None)])
-        return [_next_token(q) for q in out.decode_seqs], rows
+        return RunnerOutput([_next_token(q) for q in out.decode_seqs], rows)
 
 
 def _core(batch: bool, num_blocks: int, mode: str, caching: bool) -> tuple[EngineCore, StandIn]:

@@ -24,7 +24,7 @@ from servelm.engine.proposers import NgramProposer
 from servelm.engine.scheduler import Scheduler, SchedulerOutput
 from servelm.engine.sequence import Request, Sequence
 from servelm.engine.spec_decode import SpecDecoder
-from servelm.engine.step_outputs import DecodeOutputs, EngineStats, RunnerOutput, SeqOutput
+from servelm.engine.step_outputs import DecodeOutputs, EngineStats, SeqOutput
 from servelm.engine.structured import GrammarCache, new_matcher
 from servelm.model.decoder import DecoderLM
 
@@ -243,8 +243,6 @@ class EngineCore:
             return self._idle()
         start = self._begin(out)
         ran = self.runner.execute(out)
-        if not isinstance(ran, RunnerOutput):  # a stand-in runner's (decode tokens, results) pair
-            ran = RunnerOutput(*ran)
         self.kv.end_step()
         now = time.monotonic()
         self.scheduler.step_cost.observe(out.num_batched_tokens, now - start)
