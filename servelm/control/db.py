@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-from sqlalchemy import Connection, Engine, MetaData, create_engine, event
+from sqlalchemy import Connection, Engine, MetaData, Table, create_engine, event, inspect
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
 T = TypeVar("T")
@@ -76,6 +76,33 @@ def create_tables(engine: Engine, metadata: MetaData) -> None:
         except (OperationalError, ProgrammingError, IntegrityError):
             if attempt:
                 raise
+
+
+def add_missing_columns(engine: Engine, table: Table) -> list[str]:
+    """Add the nullable columns of `table` that a database created by an older servelm lacks (create_all makes
+    missing tables only), so an existing registry opens as it is; its rows read NULL there. Returns the columns
+    added. A concurrent server adding the same column first is fine: it is looked for again."""
+    added = []
+    for attempt in range(2):
+        have = {c["name"] for c in inspect(engine).get_columns(table.name)}
+        missing = [c for c in table.columns if c.name not in have]
+        if not missing:
+            return added
+        for col in missing:
+            if not col.nullable or col.primary_key:
+                raise RuntimeError(f"the {table.name} table lacks column {col.name}, which cannot be added to "
+                                   "existing rows")
+        try:
+            with write(engine) as conn:
+                for col in missing:
+                    kind = col.type.compile(dialect=engine.dialect)
+                    conn.exec_driver_sql(f'ALTER TABLE {table.name} ADD COLUMN {col.name} {kind}')
+                    added.append(col.name)
+        except (OperationalError, ProgrammingError):
+            added.clear()
+            if attempt:
+                raise
+    return added
 
 
 def retrying(op: Callable[[], T]) -> T:
