@@ -12,6 +12,7 @@ requests for others). The last test runs real engine workers of a tiny random mo
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 
 import pytest
@@ -404,3 +405,57 @@ def test_validation_and_serving_with_real_workers_match_the_offline_adapter(llam
     # greedy with max_tokens 16 in validation: its first tokens are the 8 asked for here
     assert done.golden_outputs[0].startswith(want), (done.golden_outputs, want)
     assert texts == {"ad": (want, "ad:1"), "base": (want_base, "base:1")}
+
+
+def test_a_production_adapter_loads_on_demand_onto_its_deployed_base(platform, adapters):
+    client, state = platform
+    cp = state.control
+    state.models.on_demand = lambda model, kind: cp.load_on_demand(model, kind, 300.0)
+    register_adapter(client, "ad", adapters / "a1")
+    _move(cp.registry, "ad", 1, TO_PRODUCTION)
+    r = complete(client, "ad")
+    assert r.status_code == 409 and "base:1" in r.json()["error"]["message"]  # no base deployment to run on
+    call(client, "POST", "/admin/deployments", {"model": "base:1", "enable_lora": True}, 201)
+    r = complete(client, "ad")
+    assert r.status_code == 200 and r.headers["x-servelm-model-version"] == "ad:1", r.text
+    assert call(client, "GET", "/admin/deployments/ad-v1")["keep_alive_s"] == 300.0
+    assert any(e["action"] == "load_on_demand" for e in call(client, "GET", "/admin/audit?target=ad-v1")["entries"])
+
+
+def test_the_cli_registers_an_adapter_with_its_base_and_deploys_it(platform, adapters, capsys):
+    """`servelm models register --base` and `deploy --enable-lora` over the admin API (the CLI's HTTP client
+    swapped for the in-process one)."""
+    import argparse
+
+    from servelm.entrypoints import models_cli
+
+    client, state = platform
+    parser = argparse.ArgumentParser()
+    models_cli.add_args(parser)
+
+    class Client(models_cli._Client):
+        def __init__(self, args) -> None:
+            self.json = args.json
+
+        def call(self, method, path, body=None, params=None):
+            r = client.request(method, path, json=body, params=params, headers=ADMIN)
+            if r.status_code >= 400:
+                raise models_cli.CliError(f"{r.json()['error']['message']} (HTTP {r.status_code})")
+            return r.json() if r.content else None
+
+    def run(*argv: str) -> tuple[int, str]:
+        orig, models_cli._Client = models_cli._Client, Client
+        try:
+            code = models_cli.cmd_models(parser.parse_args(list(argv)))
+        finally:
+            models_cli._Client = orig
+        return code, capsys.readouterr().out
+
+    code, out = run("--json", "register", "ad", str(adapters / "a1"), "--base", "base:1")
+    assert code == 0 and (json.loads(out)["kind"], json.loads(out)["base"]) == ("lora", "base:1")
+    _move(state.control.registry, "ad", 1, TO_TESTED[:2])
+    assert run("deploy", "base:1", "--enable-lora")[0] == 0
+    code, out = run("deploy", "ad:1")
+    assert code == 0 and "base-v1" in out.splitlines()[1]  # the BASE_DEPLOYMENT column
+    code, out = run("show", "ad")
+    assert code == 0 and "lora" in out and "base:1" in out

@@ -1,5 +1,6 @@
 """The model platform's admin API under /admin (the gateway requires the admin key): models and versions
-(register, list, show, validate, transition, delete, rollback), deployments (create, scale, swap, unload),
+(register, list, show, validate, transition, delete, rollback; a LoRA adapter registers with its `base` version
+and deploys into the workers of its base's deployment), deployments (create, scale, swap, unload),
 the audit trail (GET verifies its hash chain) and artifact gc. Mounted when the server has a control plane
 (`--data-dir`, `--registry-url`, or models declared in the config file). A refused operation is a
 ControlError, answered in OpenAI's error shape with its status (400, 404, 409, 507)."""
