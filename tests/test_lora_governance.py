@@ -165,6 +165,15 @@ def test_deploying_an_adapter_loads_it_into_every_worker_of_its_base_and_starts_
     engines = worker_engines(state, "base-v1")
     assert len(engines) == 3 and all("ad:1" in e.loras for e in engines)
     assert all(any(m.startswith("ad:1=") for m in e.config.lora_modules) for e in engines)
+    # a process that restarted without it (launched just before the adapter was added) loads it once ready
+    d = state.control.deployments.get("base-v1")
+    d.workers[0].engine.loras.clear()
+
+    async def restarted():
+        d._ready(d.workers[0], None, True)
+        await asyncio.gather(*d._reloads)
+    client.portal.call(restarted)
+    assert "ad:1" in d.workers[0].engine.loras
 
     # the base stays as it is while the adapter runs on it
     err = call(client, "DELETE", "/admin/deployments/base-v1", status=409)["error"]

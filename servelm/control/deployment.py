@@ -120,6 +120,7 @@ class Deployment:
         self.on_ready = self.on_down = self.on_step = None  # as AsyncEngine's, for every worker
         self.on_replaced = None  # as AsyncEngine's, for every worker, with the worker's id in before and after
         self.adapters: dict[str, str] = {}  # LoRA adapters its workers hold for adapter deployments: name -> path
+        self._reloads: set[asyncio.Task] = set()  # restarted workers loading the adapters
 
     @staticmethod
     def _strategy(name: str, config: EngineConfig):
@@ -359,12 +360,30 @@ class Deployment:
         engine = AsyncEngine(self._worker_config(gen.config, slot), gen.tokenizer, start_timeout=self.start_timeout)
         worker = Worker(next(self._ids), engine)
         worker.slot = slot
-        engine.on_ready = lambda msg, restarted: self.on_ready and self.on_ready(msg, restarted)
+        engine.on_ready = lambda msg, restarted: self._ready(worker, msg, restarted)
         engine.on_down = lambda: self.on_down and self.on_down()
         engine.on_step = lambda msg, outs: self.on_step and self.on_step(msg, outs)
         engine.on_replaced = lambda before, after: self.on_replaced and self.on_replaced(
             {"worker": worker.id, **before}, {"worker": worker.id, **after})
         return worker
+
+    def _ready(self, worker: Worker, msg, restarted: bool) -> None:
+        if restarted and self.adapters and not worker.stopped:
+            # a process launched just before an adapter was added started without it: load what it may lack
+            # (a no-op in an engine that loaded it at start)
+            task = asyncio.get_running_loop().create_task(self._reload_adapters(worker))
+            self._reloads.add(task)
+            task.add_done_callback(self._reloads.discard)
+        if self.on_ready is not None:
+            self.on_ready(msg, restarted)
+
+    async def _reload_adapters(self, worker: Worker) -> None:
+        for name, path in list(self.adapters.items()):
+            try:
+                await self._adapter_op(worker, "load", name, path)
+            except ControlError as e:
+                logger.error("%s: restarted worker %d could not load adapter %s: %s", self.id, worker.id, name,
+                             e.message)
 
     async def _start_workers(self, gen: Generation, n: int) -> list[Worker]:
         """Start n workers of `gen` at once and add them to it once all are warm; on any failure stop them and
