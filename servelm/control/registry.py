@@ -340,11 +340,6 @@ class Registry:
                 out.append(f"{a.ref} ({a.state.value})")
         return out
 
-    def adapters_of(self, name: str, version: int) -> list[ModelVersion]:
-        """The adapter versions registered on `name:version`."""
-        with db.read(self.engine) as conn:
-            return self._adapters_of(conn, f"{name}:{version}")
-
     def _set_state(self, conn: Connection, mv: ModelVersion, to: State, **changes) -> ModelVersion:
         """Compare-and-set the state (a concurrent writer that moved it first makes this a 409)."""
         res = conn.execute(versions_table.update().where(

@@ -5,9 +5,9 @@ FAILED with the reason.
 Generation versions run in one engine-core worker (`AsyncEngine`), as a deployment would run them. A LoRA
 adapter version runs in one worker of its base version with the adapter loaded (as an adapter deployment runs it
 on its base's workers): its golden prompts are answered by the adapter, and the base's artifact is checked too.
-Embedding
-versions run in an embedding worker made by `embedder_factory` (the server passes its `Embedder`); without
-one, a one-process pool runs the encoder (mean pooling, L2 normalisation, as the server's embedder does).
+Embedding versions run in an embedding worker made by `embedder_factory` (the server passes its `Embedder`);
+without one, a one-process pool runs the encoder (mean pooling, L2 normalisation, as the server's embedder
+does).
 """
 
 from __future__ import annotations
