@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 from servelm.config.engine import EngineConfig
@@ -45,7 +46,9 @@ class IdleEngine:
 
 class StubEngine:
     """AsyncEngine's surface without a process: answers every request with its model path (the artifact of the
-    version it serves) and remembers the prompt ids it was given."""
+    version it serves; "+NAME" with LoRA adapter NAME) and remembers the prompt ids and adapter of each request.
+    It holds the adapters its config loads at start and those loaded since, as the engine does, and refuses a
+    request for one it does not hold."""
 
     made: list[StubEngine] = []
 
@@ -55,6 +58,8 @@ class StubEngine:
         self.max_model_len, self.restarts, self.engine_pid = 256, 0, None
         self.on_ready = self.on_down = self.on_step = None
         self.prompts: list[list[int]] = []
+        self.used: list[str | None] = []  # each request's adapter
+        self.loras: dict[str, str] = {}  # the adapters it holds: name -> path
         StubEngine.made.append(self)
 
     def launch(self) -> None:
@@ -64,7 +69,32 @@ class StubEngine:
         self.tokenizer = tokenizer
 
     async def wait_ready(self) -> None:
+        from servelm.config.engine import parse_lora_module
+
         self.ready, self.info = True, SimpleNamespace(vocab_size=100)
+        self.loras = dict(parse_lora_module(m)[:2] for m in self.config.lora_modules) if self.config.enable_lora \
+            else {}
+
+    async def lora_adapter(self, action: str, name: str, path: str = ""):
+        import dataclasses
+
+        from servelm.config.engine import parse_lora_module
+        from servelm.worker import messages as m
+
+        if not self.ready:
+            raise EngineDeadError("the engine is not ready")
+        if not self.config.enable_lora:
+            return m.LoraDone(0, "this engine serves no LoRA adapters (start it with --enable-lora)")
+        if action == "load":
+            if not (Path(path) / "adapter_config.json").is_file():
+                return m.LoraDone(0, f"{path} is not a PEFT LoRA adapter folder (no adapter_config.json)")
+            self.loras[name] = path
+        elif self.loras.pop(name, None) is None:
+            return m.LoraDone(0, f"no adapter named {name!r} is loaded")
+        kept = tuple(x for x in self.config.lora_modules if parse_lora_module(x)[0] != name)
+        kept += (f"{name}={path}",) if action == "load" else ()
+        self.config = dataclasses.replace(self.config, lora_modules=kept, enable_lora=True)
+        return m.LoraDone(0, None, [{"name": n, "path": p} for n, p in self.loras.items()])
 
     async def shutdown(self) -> None:
         self.ready, self.stopped = False, True
@@ -84,12 +114,16 @@ class StubEngine:
     async def abort(self, rid: str) -> None:
         pass
 
-    async def generate(self, rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None):
+    async def generate(self, rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None,
+                       lora=None):
         if self.stopped:
             raise EngineDeadError("this worker was shut down")
+        if lora is not None and lora not in self.loras:
+            raise ValueError(f"adapter {lora!r} is not loaded in this engine")
         self.prompts.append(list(ids))
-        yield RequestOutput(rid, prompt, list(ids), [CompletionOutput(0, self.config.model, [1], finish_reason="length")],
-                            True)
+        self.used.append(lora)
+        text = self.config.model + (f"+{lora}" if lora else "")
+        yield RequestOutput(rid, prompt, list(ids), [CompletionOutput(0, text, [1], finish_reason="length")], True)
 
 
 def stub_deployment_workers(monkeypatch) -> None:

@@ -48,6 +48,26 @@ def describe(path: Path) -> CheckpointInfo:
     return _describe_folder(src.path, config or {}, Kind.GENERATE)
 
 
+def describe_adapter(path: Path) -> CheckpointInfo:
+    """Inspect a PEFT LoRA adapter folder (adapter_config.json, its weights); ControlError(400) for one the
+    engine cannot serve. Its architecture reads "LoRA r=R" (the base's is the base version's)."""
+    from servelm.model.lora_config import LoraError, read_adapter_config
+
+    path = Path(path)
+    try:
+        if not path.is_dir():
+            raise LoraError(f"{path} is not a PEFT LoRA adapter folder")
+        cfg = read_adapter_config(path)
+        if not any((path / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+            raise LoraError(f"{path} has no adapter_model.safetensors (or adapter_model.bin)")
+    except LoraError as e:
+        raise ControlError(400, f"cannot register {str(path)!r} as a LoRA adapter: {e}", code="invalid_adapter",
+                           param="path") from e
+    info = _describe_folder(path, {}, Kind.LORA)
+    info.architecture = f"LoRA r={cfg.get('r', 8)}"
+    return info
+
+
 def _describe_folder(folder: Path, config: dict, kind: Kind) -> CheckpointInfo:
     dtypes: Counter[str] = Counter()
     params = 0

@@ -7,6 +7,10 @@ response. A request whose worker dies before it produced output is re-sent to an
 one that already streamed ends with the engine's clean error. `scale(n)` adds warmed-up workers or drains
 some away; `swap(version)` starts and warms the new version's workers beside the old, switches new requests
 over in one assignment, then drains the old workers and shuts them down.
+
+A deployment whose workers run with `enable_lora` also serves LoRA adapter versions of its version
+(control/adapter_deployment.py): `add_adapter` loads one into every worker and adds it to the generation's
+settings, so a worker started later (scale-up) or restarted after a crash loads it at start as well.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from servelm.config.engine import EngineConfig, RuntimeSettings, cpu_list
+from servelm.config.engine import EngineConfig, RuntimeSettings, cpu_list, parse_lora_module
 from servelm.control.lease import Lease
 from servelm.control.router import RouteRequest, blocks_needed, make_strategy
 from servelm.control.types import ControlError, Kind, ModelVersion
@@ -46,6 +50,14 @@ def load_tokenizer(version: ModelVersion, config: EngineConfig):
 
     with _TOKENIZER_LOCK:
         return load(resolve_model(config.model, config.gguf_file), config.tokenizer, config.chat_template)
+
+
+def with_adapter(config: EngineConfig, name: str, path: str | None) -> EngineConfig:
+    """`config` with the LoRA adapter `name` loaded at start from `path` (None: without it)."""
+    kept = tuple(m for m in config.lora_modules if parse_lora_module(m)[0] != name)
+    if path is not None:
+        kept += (f"{name}={path}",)
+    return dataclasses.replace(config, lora_modules=kept, enable_lora=config.enable_lora or path is not None)
 
 
 @dataclass
@@ -107,6 +119,8 @@ class Deployment:
         self.last_swap: dict[str, float] = {}
         self.on_ready = self.on_down = self.on_step = None  # as AsyncEngine's, for every worker
         self.on_replaced = None  # as AsyncEngine's, for every worker, with the worker's id in before and after
+        self.adapters: dict[str, str] = {}  # LoRA adapters its workers hold for adapter deployments: name -> path
+        self._reloads: set[asyncio.Task] = set()  # restarted workers loading the adapters
 
     @staticmethod
     def _strategy(name: str, config: EngineConfig):
@@ -209,7 +223,10 @@ class Deployment:
     async def update_config(self, settings: RuntimeSettings) -> None:
         """Change every worker's scheduler settings now, and those of workers started later."""
         self.base = settings.apply(self.base)
-        self._gen.config = self._gen.version.engine_config(self.base)
+        config = self._gen.version.engine_config(self.base)
+        for name, path in self.adapters.items():  # the adapters stay in what later workers start with
+            config = with_adapter(config, name, path)
+        self._gen.config = config
         for w in self._all_workers():
             await w.engine.update_config(settings)
 
@@ -342,12 +359,30 @@ class Deployment:
         engine = AsyncEngine(self._worker_config(gen.config, slot), gen.tokenizer, start_timeout=self.start_timeout)
         worker = Worker(next(self._ids), engine)
         worker.slot = slot
-        engine.on_ready = lambda msg, restarted: self.on_ready and self.on_ready(msg, restarted)
+        engine.on_ready = lambda msg, restarted: self._ready(worker, msg, restarted)
         engine.on_down = lambda: self.on_down and self.on_down()
         engine.on_step = lambda msg, outs: self.on_step and self.on_step(msg, outs)
         engine.on_replaced = lambda before, after: self.on_replaced and self.on_replaced(
             {"worker": worker.id, **before}, {"worker": worker.id, **after})
         return worker
+
+    def _ready(self, worker: Worker, msg, restarted: bool) -> None:
+        if restarted and self.adapters and not worker.stopped:
+            # a process launched just before an adapter was added started without it: load what it may lack
+            # (a no-op in an engine that loaded it at start)
+            task = asyncio.get_running_loop().create_task(self._reload_adapters(worker))
+            self._reloads.add(task)
+            task.add_done_callback(self._reloads.discard)
+        if self.on_ready is not None:
+            self.on_ready(msg, restarted)
+
+    async def _reload_adapters(self, worker: Worker) -> None:
+        for name, path in list(self.adapters.items()):
+            try:
+                await self._adapter_op(worker, "load", name, path)
+            except ControlError as e:
+                logger.error("%s: restarted worker %d could not load adapter %s: %s", self.id, worker.id, name,
+                             e.message)
 
     async def _start_workers(self, gen: Generation, n: int) -> list[Worker]:
         """Start n workers of `gen` at once and add them to it once all are warm; on any failure stop them and
@@ -427,6 +462,10 @@ class Deployment:
             raise ControlError(400, f"{version.ref} is an embedding model; deploy generation models only",
                                code="wrong_kind")
         async with self._lock:
+            if self.adapters:  # an adapter fits the weights it was trained on, not another version's
+                raise ControlError(409, f"{self.id} serves LoRA adapter(s) {', '.join(sorted(self.adapters))} of "
+                                   f"{self.version.ref}: unload their deployments before swapping it to "
+                                   f"{version.ref}", code="base_in_use")
             t0 = time.monotonic()
             config = version.engine_config(self.base)
             new = Generation(version, config, tokenizer)
@@ -447,6 +486,67 @@ class Deployment:
             self.last_swap = {"start_s": switched - t0, "drain_s": time.monotonic() - switched}
             logger.info("%s swapped %s -> %s (new workers warm after %.2fs)", self.id, old.version.ref,
                         version.ref, switched - t0)
+
+    # -- LoRA adapters -----------------------------------------------------------------------------
+    async def add_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT adapter at `path` as `name` into every worker, and have workers started later (a
+        scale-up, a restarted process) load it at start. 409 when the workers run without LoRA; a worker that
+        cannot load it (e.g. an adapter of another base shape) undoes the load everywhere and says why."""
+        async with self._lock:  # not during a scale: the workers it is starting are in the list once it is done
+            if self._closing or self._unloading:
+                raise ControlError(409, f"{self.id} is being unloaded", code="not_deployed")
+            if not self._gen.config.enable_lora:
+                raise ControlError(409, f"deployment {self.id} of {self.version.ref} runs without LoRA: deploy the "
+                                   "base with enable_lora (POST /admin/deployments {\"enable_lora\": true}, "
+                                   "`servelm models deploy --enable-lora`), register it with engine "
+                                   "{\"enable_lora\": true}, or start the server with --enable-lora",
+                                   code="lora_disabled")
+            if name in self.adapters:  # one adapter deployment per name: unloading one must not strip another
+                raise ControlError(409, f"{self.id} serves adapter {name} already", code="deployment_exists")
+            self.adapters[name] = path
+            self._gen.config = with_adapter(self._gen.config, name, path)
+            try:
+                for w in list(self._gen.workers):
+                    await self._adapter_op(w, "load", name, path)
+            except BaseException:  # all or none: no worker keeps an adapter its deployment was refused
+                self.adapters.pop(name, None)
+                self._gen.config = with_adapter(self._gen.config, name, None)
+                for w in list(self._gen.workers):
+                    with contextlib.suppress(Exception):
+                        await self._adapter_op(w, "unload", name, None)
+                raise
+
+    async def remove_adapter(self, name: str) -> None:
+        """Unload the adapter `name` from every worker (waiting, up to the drain timeout, for requests that use
+        it to finish), and from what later workers load."""
+        async with self._lock:
+            self.adapters.pop(name, None)
+            self._gen.config = with_adapter(self._gen.config, name, None)
+            for w in self._all_workers():
+                try:
+                    await self._adapter_op(w, "unload", name, None)
+                except ControlError as e:  # the adapter goes with the worker's next restart in any case
+                    logger.warning("%s: worker %d kept adapter %s: %s", self.id, w.id, name, e.message)
+
+    async def _adapter_op(self, w: Worker, action: str, name: str, path: str | None) -> None:
+        """Load or unload an adapter in one worker. Its engine's settings change first: a worker restarting
+        from here on has it (or not) from its start; one that is down now gets it that way."""
+        engine = w.engine
+        engine.config = with_adapter(engine.config, name, path if action == "load" else None)
+        deadline = time.monotonic() + self.drain_timeout_s
+        while not w.stopped and engine.check_engine():
+            try:
+                done = await engine.lora_adapter(action, name, path or "")
+            except EngineDeadError:
+                return  # it restarts with the settings above
+            if done.error is None or (action == "unload" and "no adapter named" in done.error):
+                return
+            if action == "unload" and "in use" in done.error and time.monotonic() < deadline:
+                await asyncio.sleep(_POLL_S)  # requests with it are finishing
+                continue
+            raise ControlError(400 if action == "load" else 409,
+                               f"worker {w.id} of {self.id} could not {action} adapter {name}: {done.error}",
+                               code="invalid_adapter" if action == "load" else "adapter_in_use")
 
     async def _watch(self) -> None:
         """Health checks: dead workers are noticed, hung ones killed (the client restarts both), and a
@@ -486,4 +586,5 @@ class Deployment:
         return {"id": self.id, "name": self.version.name, "version": self.version.version, "ref": self.version.ref,
                 "kind": Kind.GENERATE.value, "workers": self.num_workers, "strategy": self.strategy_name, "keep_alive_s": self.keep_alive_s,
                 "ready": self.ready, "in_flight": self.num_in_flight(),
+                "enable_lora": self.config.enable_lora, "adapters": sorted(self.adapters),
                 "worker_status": [w.describe() for w in self._all_workers()]}

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import logging
 import time
 from collections.abc import Callable
 
 from servelm.config.engine import EngineConfig
+from servelm.control.adapter_deployment import AdapterDeployment
 from servelm.control.budget import MemoryBudget, worker_footprint
 from servelm.control.deployment import Deployment, load_tokenizer
 from servelm.control.embed_deployment import EmbedDeployment
@@ -23,9 +25,11 @@ from servelm.control.traffic import Decision, RequestAttrs, TrafficPolicy
 from servelm.control.types import ControlError, Kind, ModelVersion, State
 from servelm.worker.handle import HealthSettings
 
-__all__ = ["Deployment", "DeploymentManager", "EmbedDeployment", "Served", "load_tokenizer"]
+__all__ = ["AdapterDeployment", "Deployment", "DeploymentManager", "EmbedDeployment", "Served", "load_tokenizer"]
 logger = logging.getLogger("servelm.deployments")
-Served = Deployment | EmbedDeployment  # what resolve() returns: generation (AsyncEngine surface) or embeddings
+# what resolve() returns: generation (AsyncEngine surface: a version's workers, or a LoRA adapter on a base
+# deployment's workers) or embeddings
+Served = Deployment | AdapterDeployment | EmbedDeployment
 
 
 class DeploymentManager:
@@ -163,18 +167,28 @@ class DeploymentManager:
     # -- changes -----------------------------------------------------------------------------------
     async def create(self, version: ModelVersion, workers: int = 1, strategy: str = "least_loaded",
                      engine_base: EngineConfig | None = None, tokenizer=None, keep_alive_s: float | None = None,
-                     deployment_id: str | None = None) -> Served:
+                     deployment_id: str | None = None, enable_lora: bool = False) -> Served:
         """Deploy `version` with `workers` workers, started and warm when this returns (an embedding version:
-        one embedding worker)."""
+        one embedding worker). With `enable_lora`, its workers run with LoRA enabled, so adapter versions of it
+        can deploy into them. A LoRA adapter version starts no worker: it is loaded into the workers of the
+        deployment serving its base version (the oldest, where several do; 409 where none does, or where that
+        one runs without LoRA), and `workers` and `strategy` are the base deployment's."""
         d: Served
         if version.kind == Kind.PREDICT:
             raise ControlError(400, f"{version.ref} is a {version.architecture} model: it is served over the Open "
                                     "Inference Protocol (/v2/models/...) without a deployment", code="not_deployable")
-        if version.kind == Kind.EMBED:
+        if version.kind == Kind.LORA:
+            d, config = AdapterDeployment(version, self._base_for(version), deployment_id, keep_alive_s,
+                                          self.drain_timeout_s), None
+            workers = 0  # nothing to count in the budget: it runs in its base's workers
+        elif version.kind == Kind.EMBED:
             d, config = EmbedDeployment(version, deployment_id, keep_alive_s, self.drain_timeout_s), None
             workers = 1
         else:
-            d = Deployment(version, engine_base or self.engine_base, workers, strategy, tokenizer, deployment_id,
+            base = engine_base or self.engine_base
+            if enable_lora and not base.enable_lora:
+                base = dataclasses.replace(base, enable_lora=True)
+            d = Deployment(version, base, workers, strategy, tokenizer, deployment_id,
                            self.start_timeout, self.health, drain_timeout_s=self.drain_timeout_s,
                            keep_alive_s=keep_alive_s)
             config = d.config
@@ -186,7 +200,7 @@ class DeploymentManager:
         # deploy racing an on-demand load) is refused rather than started and then overwritten, leaking workers.
         self._creating.add(d.id)
         try:
-            per_worker = await asyncio.to_thread(self._footprint, version, config)
+            per_worker = 0 if workers == 0 else await asyncio.to_thread(self._footprint, version, config)
             await self._reserve(per_worker * workers, f"deploying {version.ref} with {workers} worker(s)", keep=None)
             try:
                 await d.start()
@@ -212,13 +226,17 @@ class DeploymentManager:
                 version = version_of(rec["name"], int(rec["version"]))
                 started.append(await self.create(version, int(rec.get("workers", 1)),
                                                   rec.get("strategy") or "least_loaded",
-                                                  keep_alive_s=rec.get("keep_alive_s"), deployment_id=rec["id"]))
+                                                  keep_alive_s=rec.get("keep_alive_s"), deployment_id=rec["id"],
+                                                  enable_lora=bool(rec.get("enable_lora"))))
             except (ControlError, KeyError, ValueError, TypeError) as e:
                 logger.error("could not restore deployment %s: %s", rec.get("id"), getattr(e, "message", e))
         return started
 
     async def scale(self, deployment_id: str, n: int) -> Served:
         d = self.get(deployment_id)
+        if isinstance(d, AdapterDeployment):
+            raise ControlError(400, f"{d.id} is LoRA adapter {d.version.ref}: it runs on the workers of deployment "
+                               f"{d.base.id}; scale that one", code="not_scalable", param="workers")
         extra = max(0, n - d.num_workers) * self._footprints[d.id]
         await self._reserve(extra, f"scaling {d.id} to {n} workers", keep=d)
         try:
@@ -233,6 +251,8 @@ class DeploymentManager:
         """Serve `version` on this deployment with zero downtime (its workers run beside the old ones for a
         while, so both must fit the budget)."""
         d = self.get(deployment_id)
+        if isinstance(d, AdapterDeployment):
+            return await self._swap_adapter(d, version)
         config = version.engine_config(d.base) if isinstance(d, Deployment) else None
         per_worker = await asyncio.to_thread(self._footprint, version, config)
         need = per_worker * d.num_workers
@@ -251,12 +271,49 @@ class DeploymentManager:
             await self._changed("swap", d)
         return d
 
+    async def _swap_adapter(self, d: AdapterDeployment, version: ModelVersion) -> AdapterDeployment:
+        """An adapter deployment to another adapter version (on the deployment of that one's base)."""
+        if version.kind != Kind.LORA:
+            raise ControlError(400, f"{d.id} serves LoRA adapter {d.version.ref}; {version.ref} is not an adapter",
+                               code="wrong_kind")
+        try:
+            await d.swap(version, self._base_for(version))
+        except ControlError as e:
+            logger.error("swap of %s to %s failed: %s", d.id, version.ref, e.message)
+            if self._holds(d):
+                await self._changed("swap_failed", d, to=version.ref, error=e.message)
+            raise
+        if self._holds(d):
+            await self._changed("swap", d)
+        return d
+
+    def _base_for(self, version: ModelVersion) -> Deployment:
+        """The deployment an adapter version runs on: the oldest one serving its base version (409 if none)."""
+        for d in self._deployments.values():
+            if isinstance(d, AdapterDeployment) and d.version.ref == version.ref:
+                raise ControlError(409, f"{version.ref} is deployed already, as {d.id}", code="deployment_exists")
+        bases = [d for d in self._deployments.values() if isinstance(d, Deployment) and d.version.ref == version.base]
+        if not bases:
+            raise ControlError(409, f"{version.ref} is a LoRA adapter of {version.base}, which is not deployed: "
+                               f"deploy {version.base} (with enable_lora) first", code="base_not_deployed",
+                               param="model")
+        return bases[0]
+
+    def adapters_on(self, d: Served) -> list[AdapterDeployment]:
+        """The adapter deployments running on deployment `d`'s workers."""
+        return [a for a in self._deployments.values() if isinstance(a, AdapterDeployment) and a.base is d]
+
     def _holds(self, d: Served) -> bool:
         return self._deployments.get(d.id) is d
 
     async def unload(self, deployment_id: str, action: str = "unload") -> None:
-        """Stop taking requests for it, let in-flight ones finish (up to its drain timeout), stop its workers."""
+        """Stop taking requests for it, let in-flight ones finish (up to its drain timeout), stop its workers.
+        A base deployment is refused (409) while adapter deployments run on it."""
         d = self.get(deployment_id)
+        adapters = self.adapters_on(d)
+        if adapters:
+            raise ControlError(409, f"deployment {d.id} runs LoRA adapter deployment(s) "
+                               f"{', '.join(a.id for a in adapters)}: unload those first", code="base_in_use")
         del self._deployments[deployment_id]
         self._footprints.pop(deployment_id, None)
         await d.close()
@@ -341,5 +398,5 @@ class DeploymentManager:
 
 def _idle(d: Served) -> bool:
     """Nothing in flight, no request holding a lease on it (resolved, not yet in generate), no scale or swap under
-    way: what eviction and keep-alive expiry may unload."""
-    return d.num_in_flight() == 0 and d.pinned() == 0 and not d.busy()
+    way, no adapter running on its workers: what eviction and keep-alive expiry may unload."""
+    return d.num_in_flight() == 0 and d.pinned() == 0 and not d.busy() and not getattr(d, "adapters", None)

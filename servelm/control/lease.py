@@ -50,9 +50,11 @@ class Lease:
     def generate(self, request_id: str, prompt_token_ids: list[int], params, prompt: str | None = None,
                  priority: int = 1, queue_timeout: float | None = None, cache_salt: str | None = None, *,
                  lora: str | None = None):
-        """The deployment's generate, on the workers of the pinned generation."""
+        """The deployment's generate, on the workers of the pinned generation (`lora` passed on only when a
+        request names an adapter: not every deployment's generate takes one)."""
         return self.deployment.generate(request_id, prompt_token_ids, params, prompt, priority, queue_timeout,
-                                        cache_salt, generation=self.generation, lora=lora)
+                                        cache_salt, generation=self.generation,
+                                        **({"lora": lora} if lora is not None else {}))
 
     def release(self) -> None:
         if not self.released:

@@ -114,14 +114,16 @@ class ControlPlane:
 
     # -- versions ----------------------------------------------------------------------------------
     async def register(self, name: str, path: str, *, labels: dict | None, engine: dict | None,
-                       golden_prompts: list[str] | None, actor: str, validate: bool = False) -> ModelVersion:
+                       golden_prompts: list[str] | None, actor: str, validate: bool = False,
+                       base: str | None = None) -> ModelVersion:
         """Import a model folder or .gguf file as the next version of `name` (copying it may take a while, so
-        it runs off the event loop); with `validate`, validate it at once."""
+        it runs off the event loop); with `validate`, validate it at once. With `base` (NAME:VERSION), `path` is
+        a PEFT LoRA adapter of that version (Registry.register)."""
         def register() -> ModelVersion:
             if self.model_roots is not None:
                 check_path(path, self.model_roots)  # 403 before anything is read or copied
             return self.registry.register(name, path, labels=labels, engine=engine, golden_prompts=golden_prompts,
-                                          actor=actor)
+                                          actor=actor, base=base)
         mv = await asyncio.to_thread(register)
         if validate:
             mv = await self.validate(name, mv.version, actor)
@@ -134,8 +136,11 @@ class ControlPlane:
         from servelm.control.validation import validate
 
         mv = await self.registry.io(self.registry.get, name, version)
-        config = mv.engine_config(self.engine_base) if mv.kind == Kind.GENERATE else None
-        async with self.deployments.reserving(mv, config, f"validating {mv.ref}"):
+        sized, config = mv, mv.engine_config(self.engine_base) if mv.kind == Kind.GENERATE else None
+        if mv.kind == Kind.LORA:  # its validation worker is one of its base, with the adapter loaded
+            sized = await self.registry.io(self.registry.get, *mv.base_ref)
+            config = sized.engine_config(self.engine_base)
+        async with self.deployments.reserving(sized, config, f"validating {mv.ref}"):
             return await validate(self.registry, name, version, self.engine_base, actor,
                                   start_timeout=self.start_timeout)
 
@@ -191,13 +196,15 @@ class ControlPlane:
 
     # -- deployments -------------------------------------------------------------------------------
     async def deploy(self, model: str, *, workers: int, strategy: str, actor: str, keep_alive_s: float | None = None,
-                     deployment_id: str | None = None) -> dict:
-        """Serve a version (`name:version`, or `name` for its PRODUCTION/newest one) with N workers."""
+                     deployment_id: str | None = None, enable_lora: bool = False) -> dict:
+        """Serve a version (`name:version`, or `name` for its PRODUCTION/newest one) with N workers; with
+        `enable_lora`, workers that LoRA adapter versions of it can deploy into. A LoRA adapter version starts
+        no worker: it is loaded into the workers of its base version's deployment (DeploymentManager.create)."""
         name, number = parse_ref(model)
         mv = self.version(name, number)
         _check_deployable(mv)
         d = await self.deployments.create(mv, workers, strategy, keep_alive_s=keep_alive_s,
-                                          deployment_id=deployment_id)
+                                          deployment_id=deployment_id, enable_lora=enable_lora)
         rec = d.describe()
         await self._audit(actor, "deploy", d.id, None, _brief(rec))
         return rec
@@ -251,7 +258,7 @@ class ControlPlane:
             mv = self.registry.get(name, number) if number is not None else self.registry.production(name)
         except ControlError:
             return None
-        if mv is None or mv.state not in DEPLOYABLE or (kind is not None and mv.kind != kind):
+        if mv is None or mv.state not in DEPLOYABLE or (kind is not None and mv.kind.serves != kind):
             return None
         if mv.state != State.PRODUCTION:
             raise ControlError(409, f"{mv.ref} is {mv.state.value}, not PRODUCTION: only a PRODUCTION version loads "
@@ -325,7 +332,8 @@ def _check_deployable(mv: ModelVersion, promoting: bool = False) -> None:
                            code="not_deployable")
 
 
-_KEEP = ("id", "name", "version", "ref", "workers", "strategy", "keep_alive_s")
+# an adapter deployment's record names the deployment it runs on; a base's, whether its workers take adapters
+_KEEP = ("id", "name", "version", "ref", "workers", "strategy", "keep_alive_s", "enable_lora", "base_deployment")
 
 
 def _persisted(rec: dict) -> dict:

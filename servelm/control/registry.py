@@ -69,6 +69,8 @@ versions_table = Table(
     Column("failure", Text),
     Column("replaces", Integer),  # the PRODUCTION version this one replaced when promoted (rollback target)
     Column("state_since", Float, nullable=False),
+    # a LoRA adapter's base version (name:version); migration 0002 adds it to older databases, their rows NULL
+    Column("base", String(300)),
 )
 deployments_table = Table(
     "deployments", metadata,
@@ -255,8 +257,10 @@ class Registry:
     # -- changing -----------------------------------------------------------------------------------
     def register(self, name: str, path: str | Path, *, labels: dict[str, str] | None = None,
                  engine: dict | None = None, golden_prompts: list[str] | None = None,
-                 actor: str) -> ModelVersion:
-        """Import a model folder or .gguf file as the next version of `name` (REGISTERED)."""
+                 actor: str, base: str | None = None) -> ModelVersion:
+        """Import a model folder or .gguf file as the next version of `name` (REGISTERED). With `base`
+        (`name:version` of a GENERATE version that is not ARCHIVED), `path` is a PEFT LoRA adapter folder and the
+        version is of kind `lora`, recorded with its base; an adapter folder without `base` is refused."""
         _check_inputs(name, labels, engine)
         if golden_prompts is not None and not (isinstance(golden_prompts, list)
                                                and all(isinstance(p, str) and p for p in golden_prompts)):
@@ -265,7 +269,18 @@ class Registry:
         src = Path(path).expanduser()
         if not src.exists():
             raise ControlError(400, f"path {str(path)!r} does not exist", code="invalid_path", param="path")
-        info = checkpoint.describe(src)  # refuse what cannot be served before copying anything
+        if base is None and (src / "adapter_config.json").is_file():
+            raise ControlError(400, f"{str(path)!r} is a LoRA adapter: register it with its base version "
+                               "(base: NAME:VERSION of the generation model it adapts)", code="invalid_base",
+                               param="base")
+        if base is not None:
+            if engine:  # its requests run in the base's workers, with the base's settings
+                raise ControlError(400, "a LoRA adapter runs in its base version's workers: give engine settings "
+                                   "to the base, not the adapter", code="invalid_engine", param="engine")
+            self._check_base(base)  # a clear refusal before anything is copied (checked again when written)
+            info = checkpoint.describe_adapter(src)
+        else:
+            info = checkpoint.describe(src)  # refuse what cannot be served before copying anything
         sha, stored = self.store.put(src)
 
         def op() -> ModelVersion:
@@ -274,6 +289,8 @@ class Registry:
             with db.write(self.engine) as conn:
                 if not stored.exists():  # a delete or gc removed the shared copy meanwhile: import it again
                     _, stored = self.store.put(src)
+                if base is not None:  # in the transaction: a base deleted or archived meanwhile is not recorded
+                    self._base(conn, base)
                 row = conn.execute(select(models_table.c.next_version).where(models_table.c.name == name)).first()
                 number = row.next_version if row else 1
                 if row:
@@ -283,11 +300,52 @@ class Registry:
                     conn.execute(models_table.insert().values(name=name, next_version=2, created_at=now))
                 mv = ModelVersion(name, number, State.REGISTERED, info.kind, str(stored), sha, str(src.resolve()),
                                   info.architecture, info.dtype, size_bytes(stored), info.num_params, actor, now,
-                                  dict(labels or {}), dict(engine or {}), list(golden_prompts or []))
+                                  dict(labels or {}), dict(engine or {}), list(golden_prompts or []), base=base)
                 conn.execute(versions_table.insert().values(**_row(mv), replaces=None, state_since=now))
                 self.audit.append(conn, actor, "register", mv.ref, None, mv.to_dict())
                 return mv
         return db.retrying(op)
+
+    def _check_base(self, base: str) -> ModelVersion:
+        with db.read(self.engine) as conn:
+            return self._base(conn, base)
+
+    def _base(self, conn: Connection, base: str) -> ModelVersion:
+        """The GENERATE version an adapter names as its base; 400 for a malformed ref or another kind, 404 when
+        it does not exist, 409 when it is ARCHIVED."""
+        name, sep, number = base.rpartition(":") if isinstance(base, str) else ("", "", "")
+        if not (sep and NAME_RE.match(name) and number.isdigit() and 0 < int(number) <= MAX_VERSION):
+            raise ControlError(400, f"base must be NAME:VERSION of a registered generation model, got {base!r}",
+                               code="invalid_base", param="base")
+        mv = self._find(conn, name, int(number))
+        if mv is None:
+            raise ControlError(404, f"the base version {base} is not registered", code="model_not_found",
+                               param="base")
+        if mv.kind != Kind.GENERATE:
+            raise ControlError(400, f"the base {base} is a {mv.kind.value} model; a LoRA adapter adapts a generation "
+                               "model", code="invalid_base", param="base")
+        if mv.state == State.ARCHIVED:
+            raise ControlError(409, f"the base {base} is ARCHIVED", code="invalid_base", param="base")
+        return mv
+
+    def _adapters_of(self, conn: Connection, ref: str) -> list[ModelVersion]:
+        """The adapter versions that name `ref` as their base."""
+        rows = conn.execute(select(versions_table).where(versions_table.c.kind == Kind.LORA.value,
+                                                         versions_table.c.base == ref)
+                            .order_by(versions_table.c.name, versions_table.c.version))
+        return [_to_version(r) for r in rows]
+
+    def _needed_by(self, conn: Connection, mv: ModelVersion, deployed_only: bool) -> list[str]:
+        """The adapters of `mv` (only deployed ones, with `deployed_only`), each as "ref (deployed as id)" or
+        "ref (STATE)": what a refusal to archive or delete the base names."""
+        out = []
+        for a in self._adapters_of(conn, mv.ref):
+            ids = self._deployed(conn, a.name, a.version)
+            if ids:
+                out.append(f"{a.ref} (deployed as {', '.join(ids)})")
+            elif not deployed_only:
+                out.append(f"{a.ref} ({a.state.value})")
+        return out
 
     def _set_state(self, conn: Connection, mv: ModelVersion, to: State, **changes) -> ModelVersion:
         """Compare-and-set the state (a concurrent writer that moved it first makes this a 409)."""
@@ -302,7 +360,8 @@ class Registry:
                    outputs: list[str] | None = None) -> ModelVersion:
         """Move a version to `to` if the lifecycle allows it (else 409 naming the current and allowed states).
         Entering PRODUCTION demotes the current PRODUCTION version to DEPRECATED in the same transaction and
-        remembers it as the rollback target. FAILED records `reason` as the failure; VALIDATED records
+        remembers it as the rollback target. ARCHIVED is refused (409 naming the adapter) while a deployed
+        adapter runs on the version. FAILED records `reason` as the failure; VALIDATED records
         `outputs` (the golden prompts' outputs)."""
         try:
             to = State(to)
@@ -312,6 +371,9 @@ class Registry:
         def op(conn: Connection) -> ModelVersion:
             mv = self._get(conn, name, version)
             lifecycle.check(mv.state, to, mv.ref)
+            if to == State.ARCHIVED and (needed := self._needed_by(conn, mv, deployed_only=True)):
+                raise ControlError(409, f"cannot archive {mv.ref}: adapter {'; '.join(needed)} runs on it; unload "
+                                   "the adapter's deployment first", code="base_in_use")
             changes: dict = {}
             if to == State.VALIDATING:
                 changes.update(failure=None, golden_outputs=[])
@@ -374,7 +436,7 @@ class Registry:
 
     def delete(self, name: str, version: int, actor: str) -> None:
         """Remove a version (and its artifact, if no other version shares it). 409 while it is active
-        (VALIDATING, STAGING, STAGING_TESTED, CANARY, PRODUCTION) or deployed."""
+        (VALIDATING, STAGING, STAGING_TESTED, CANARY, PRODUCTION), deployed, or the base of an adapter version."""
         def op(conn: Connection) -> None:
             mv = self._get(conn, name, version)
             if mv.state in lifecycle.ACTIVE:
@@ -383,14 +445,19 @@ class Registry:
             if deployed:
                 raise ControlError(409, f"cannot delete {mv.ref}: deployed as {', '.join(deployed)}",
                                    code="version_in_use")
+            # an adapter cannot run without its base: it goes first (the base may be archived meanwhile)
+            needed = self._needed_by(conn, mv, deployed_only=False)
+            if needed:
+                raise ControlError(409, f"cannot delete {mv.ref}: it is the base of adapter {', '.join(needed)}; "
+                                   "delete those first", code="base_in_use")
             self._drop(conn, mv)
             self.audit.append(conn, actor, "delete", mv.ref, mv.to_dict(), None)
             self._sweep(conn, {mv.sha256})
         self._changing_states(op, [name])
 
     def gc(self, keep_last: int, actor: str) -> list[str]:
-        """Per model, keep the newest `keep_last` versions, and any older one that is active, deployed or the
-        rollback target; delete the rest and every artifact no kept version references. Returns the refs
+        """Per model, keep the newest `keep_last` versions, and any older one that is active, deployed, the
+        rollback target or an adapter's base; delete the rest and every artifact no kept version references. Returns the refs
         removed."""
         if not isinstance(keep_last, int) or keep_last < 1:
             raise ControlError(400, f"keep_last must be an integer >= 1, got {keep_last!r}", code="invalid_keep",
@@ -398,6 +465,8 @@ class Registry:
         def op(conn: Connection) -> list[str]:
             removed: list[str] = []
             names = conn.execute(select(versions_table.c.name).distinct()).scalars().all()
+            bases = set(conn.execute(select(versions_table.c.base).where(versions_table.c.base.is_not(None)))
+                        .scalars())  # what an adapter needs is kept as long as the adapter is
             for name in names:
                 rows = conn.execute(select(versions_table).where(versions_table.c.name == name)
                                     .order_by(versions_table.c.version.desc())).all()
@@ -405,7 +474,7 @@ class Registry:
                 for r in rows[keep_last:]:
                     mv = _to_version(r)
                     if (mv.state in lifecycle.ACTIVE or self._deployed(conn, name, mv.version)
-                            or (prev is not None and prev.version == mv.version)):
+                            or (prev is not None and prev.version == mv.version) or mv.ref in bases):
                         continue
                     self._drop(conn, mv)
                     removed.append(mv.ref)

@@ -28,11 +28,19 @@ class State(str, Enum):
 
 class Kind(str, Enum):
     """What a version's workers do: generate text (engine-core workers), embed it (embedding workers), or
-    predict (a scikit-learn, XGBoost or ONNX model, served over the Open Inference Protocol)."""
+    predict (a scikit-learn, XGBoost or ONNX model, served over the Open Inference Protocol). A `lora` version
+    is a PEFT LoRA adapter of one GENERATE version (its `base`): it has no workers of its own, it runs in the
+    workers of a deployment of its base, and requests see it as a generation model."""
 
     GENERATE = "generate"
     EMBED = "embed"
     PREDICT = "predict"
+    LORA = "lora"
+
+    @property
+    def serves(self) -> Kind:
+        """The kind of requests it answers: an adapter answers generation requests."""
+        return Kind.GENERATE if self is Kind.LORA else self
 
 
 MAX_VERSION = 2**31 - 1  # version numbers above this are refused: SQLite's integers (and sanity) end near there
@@ -69,6 +77,15 @@ class ModelVersion:
     golden_prompts: list[str] = field(default_factory=list)
     golden_outputs: list[str] = field(default_factory=list)  # recorded by validation (greedy)
     failure: str | None = None  # why validation failed
+    base: str | None = None  # a LORA version: the `name:version` of the GENERATE version it adapts
+
+    @property
+    def base_ref(self) -> tuple[str, int] | None:
+        """(name, version) of a LORA version's base; None for other kinds."""
+        if self.base is None:
+            return None
+        name, _, version = self.base.rpartition(":")
+        return name, int(version)
 
     @property
     def ref(self) -> str:

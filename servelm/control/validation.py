@@ -2,9 +2,12 @@
 golden prompts (or a default smoke set) run greedily; the outputs are recorded. Any failure leaves the version
 FAILED with the reason.
 
-Generation versions run in one engine-core worker (`AsyncEngine`), as a deployment would run them. Embedding
-versions run in an embedding worker made by `embedder_factory` (the server passes its `Embedder`); without
-one, a one-process pool runs the encoder (mean pooling, L2 normalisation, as the server's embedder does).
+Generation versions run in one engine-core worker (`AsyncEngine`), as a deployment would run them. A LoRA
+adapter version runs in one worker of its base version with the adapter loaded (as an adapter deployment runs it
+on its base's workers): its golden prompts are answered by the adapter, and the base's artifact is checked too.
+Embedding versions run in an embedding worker made by `embedder_factory` (the server passes its `Embedder`);
+without one, a one-process pool runs the encoder (mean pooling, L2 normalisation, as the server's embedder
+does).
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ async def validate(registry, name: str, version: int, base: EngineConfig, actor:
             outputs = []
         elif mv.kind == Kind.EMBED:
             outputs = await _run_embed(mv, prompts, embedder_factory or ChildEncoder)
+        elif mv.kind == Kind.LORA:
+            base_mv = await asyncio.to_thread(registry.get, *mv.base_ref)
+            await asyncio.to_thread(registry.store.check, Path(base_mv.artifact), base_mv.sha256)
+            outputs = await _run_generate(base_mv, base, prompts, max_tokens, start_timeout, adapter=mv)
         else:
             outputs = await _run_generate(mv, base, prompts, max_tokens, start_timeout)
     except asyncio.CancelledError:
@@ -68,13 +75,18 @@ async def validate(registry, name: str, version: int, base: EngineConfig, actor:
 
 
 async def _run_generate(mv: ModelVersion, base: EngineConfig, prompts: list[str], max_tokens: int,
-                        start_timeout: float) -> list[str]:
-    """Start one engine worker on the version's artifact and settings, run each prompt greedily, shut it down."""
-    from servelm.control.deployment import load_tokenizer
+                        start_timeout: float, adapter: ModelVersion | None = None) -> list[str]:
+    """Start one engine worker on the version's artifact and settings, run each prompt greedily, shut it down.
+    With `adapter` (a LoRA version of `mv`), the worker loads it at start and every prompt runs with it."""
+    from servelm.control.deployment import load_tokenizer, with_adapter
     from servelm.sampling_params import SamplingParams
     from servelm.worker.client import AsyncEngine
 
     config = mv.engine_config(base)
+    lora = {}
+    if adapter is not None:  # named as its deployments name it in their workers
+        config = with_adapter(config, adapter.ref, adapter.artifact)
+        lora = {"lora": adapter.ref}
     engine = AsyncEngine(config, start_timeout=start_timeout)
     engine.launch()  # the worker loads the weights while this process loads the tokenizer
     try:
@@ -88,7 +100,8 @@ async def _run_generate(mv: ModelVersion, base: EngineConfig, prompts: list[str]
         for i, prompt in enumerate(prompts):
             ids = tokenizer(prompt).input_ids
             final = None
-            async for out in engine.generate(f"validate-{mv.ref}-{i}-{uuid.uuid4().hex[:8]}", ids, params, prompt):
+            rid = f"validate-{(adapter or mv).ref}-{i}-{uuid.uuid4().hex[:8]}"
+            async for out in engine.generate(rid, ids, params, prompt, **lora):
                 final = out
             if final is None or not final.finished:
                 raise RuntimeError(f"golden prompt {i} produced no finished output")

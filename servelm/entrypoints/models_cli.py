@@ -50,6 +50,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     reg.add_argument("--golden", action="append", default=None, metavar="PROMPT",
                      help="a golden prompt run by validation (repeatable; default: a smoke set)")
     reg.add_argument("--validate", action="store_true", help="validate it right away")
+    reg.add_argument("--base", default=None, metavar="BASE:VERSION",
+                     help="PATH is a PEFT LoRA adapter of this generation model version: registered as a version "
+                          "of kind lora, deployed into its base's workers")
 
     sub.add_parser("list", help="every model, its PRODUCTION version and its versions")
     show = sub.add_parser("show", help="a model's versions, or one version (NAME:VERSION) in full")
@@ -78,6 +81,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                      choices=["round_robin", "least_loaded", "memory_aware", "prefix_aware"])
     dep.add_argument("--keep-alive", type=float, default=None, help="unload after this many idle seconds")
     dep.add_argument("--id", default=None, help="the deployment's id (default: NAME-vVERSION)")
+    dep.add_argument("--enable-lora", action="store_true",
+                     help="its workers take LoRA adapters: adapter versions of this version deploy into them")
     sub.add_parser("deployments", help="every deployment and its workers")
     sc = sub.add_parser("scale", help="change a deployment's number of workers (scaling down drains)")
     sc.add_argument("id")
@@ -165,8 +170,8 @@ def table(rows: list[dict], cols: list[str]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-_VERSION_COLS = ["ref", "state", "kind", "architecture", "dtype", "size_bytes", "created_by", "failure"]
-_DEPLOY_COLS = ["id", "ref", "workers", "strategy", "ready", "in_flight"]
+_VERSION_COLS = ["ref", "state", "kind", "base", "architecture", "dtype", "size_bytes", "created_by", "failure"]
+_DEPLOY_COLS = ["id", "ref", "workers", "strategy", "ready", "in_flight", "base_deployment"]
 
 
 def _version_table(v: dict) -> str:
@@ -176,6 +181,8 @@ def _version_table(v: dict) -> str:
 def _register(c: _Client, a) -> int:
     body = {"name": a.name, "path": str(Path(a.path).expanduser().resolve()), "labels": _pairs(a.label, "--label"),
             "engine": _pairs(a.engine, "--engine"), "golden_prompts": a.golden, "validate": a.validate}
+    if a.base is not None:
+        body["base"] = a.base
     c.out(c.call("POST", "/admin/models", body), _version_table)
     return 0
 
@@ -242,6 +249,8 @@ def _delete(c: _Client, a) -> int:
 
 def _deploy(c: _Client, a) -> int:
     body = {"model": a.model, "workers": a.workers, "strategy": a.strategy, "keep_alive_s": a.keep_alive, "id": a.id}
+    if a.enable_lora:
+        body["enable_lora"] = True
     c.out(c.call("POST", "/admin/deployments", body), lambda d: table([d], _DEPLOY_COLS))
     return 0
 

@@ -11,7 +11,6 @@ share one pass over them (the Punica / S-LoRA arrangement, in PyTorch ops that r
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from servelm.model.layers import Linear
+from servelm.model.lora_config import LoraError, read_adapter_config
 from servelm.model.spec import ModelSpec
 
 # PEFT module names -> (servelm's fused target, the part's index within it)
@@ -31,10 +31,6 @@ _PARTS = {
 }
 TARGETS = ("qkv", "o", "gate_up", "down")
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
-
-
-class LoraError(ValueError):
-    """An adapter that cannot be used with this base model (the message says why)."""
 
 
 @dataclass
@@ -65,26 +61,6 @@ class LoraLinears:
         self.name, self.rank, self.targets, self.nbytes = w.name, w.rank, w.targets, w.nbytes
         self.layers: list[dict[str, tuple[Linear, Linear]]] = [
             {t: (Linear(a.to(device)), Linear(b.to(device))) for t, (a, b) in layer.items()} for layer in w.layers]
-
-
-def read_adapter_config(path: str | Path) -> dict:
-    p = Path(path)
-    cfg_file = p / "adapter_config.json"
-    if not cfg_file.is_file():
-        raise LoraError(f"{p} is not a PEFT LoRA adapter folder (no adapter_config.json)")
-    cfg = json.loads(cfg_file.read_text())
-    kind = str(cfg.get("peft_type", "LORA")).upper()
-    if kind != "LORA":
-        raise LoraError(f"{p}: peft_type {kind} is not LoRA")
-    for key, bad, why in (("use_dora", True, "DoRA adapters are not supported"),
-                          ("bias", None, "adapters that train biases are not supported"),
-                          ("modules_to_save", None, "adapters with modules_to_save (full copies of base modules) "
-                                                    "are not supported"),
-                          ("fan_in_fan_out", True, "fan_in_fan_out adapters (GPT-2 style Conv1D) are not supported")):
-        v = cfg.get(key)
-        if (bad is True and v is True) or (bad is None and v not in (None, "none", [], False)):
-            raise LoraError(f"{p}: {why}")
-    return cfg
 
 
 def _pattern_value(patterns: dict, module: str, default):

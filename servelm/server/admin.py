@@ -1,5 +1,6 @@
 """The model platform's admin API under /admin (the gateway requires the admin key): models and versions
-(register, list, show, validate, transition, delete, rollback), deployments (create, scale, swap, unload),
+(register, list, show, validate, transition, delete, rollback; a LoRA adapter registers with its `base` version
+and deploys into the workers of its base's deployment), deployments (create, scale, swap, unload),
 the audit trail (GET verifies its hash chain) and artifact gc. Mounted when the server has a control plane
 (`--data-dir`, `--registry-url`, or models declared in the config file). A refused operation is a
 ControlError, answered in OpenAI's error shape with its status (400, 404, 409, 507)."""
@@ -28,6 +29,9 @@ class RegisterBody(_In):
     engine: dict[str, Any] | None = Field(None, description="engine settings for this version's workers")
     golden_prompts: list[Annotated[str, Field(min_length=1)]] | None = None
     validate_now: bool = Field(False, alias="validate", description="validate it before answering")
+    base: Annotated[str, Field(min_length=3, max_length=300)] | None = Field(
+        None, description="NAME:VERSION of the generation model a LoRA adapter adapts: `path` is then a PEFT "
+                          "adapter folder, registered as a version of kind lora")
 
 
 class TransitionBody(_In):
@@ -45,6 +49,8 @@ class DeployBody(_In):
     strategy: str = Field("least_loaded", description="round_robin | least_loaded | memory_aware | prefix_aware")
     keep_alive_s: Annotated[float, Field(ge=0)] | None = None
     id: Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:\-]+$")] | None = None
+    enable_lora: bool = Field(False, description="run its workers with LoRA enabled, so that adapter versions of "
+                                                 "this version can be deployed into them")
 
 
 class ScaleBody(_In):
@@ -79,6 +85,7 @@ class VersionOut(BaseModel):
     golden_prompts: list[str] = []
     golden_outputs: list[str] = []
     failure: str | None = None
+    base: str | None = None
 
 
 class ModelOut(BaseModel):
@@ -97,6 +104,11 @@ class DeploymentOut(BaseModel):
     keep_alive_s: float | None = None
     ready: bool = False
     in_flight: int = 0
+    kind: str = "generate"
+    enable_lora: bool = Field(False, description="its workers take LoRA adapters")
+    adapters: list[str] = Field([], description="the adapter versions running on its workers")
+    base: str | None = Field(None, description="an adapter deployment: the base version it adapts")
+    base_deployment: str | None = Field(None, description="an adapter deployment: the deployment it runs on")
     worker_status: list[dict[str, Any]] = []
 
 
@@ -141,7 +153,8 @@ def add_admin_routes(app: FastAPI, state) -> None:
     @app.post("/admin/models", response_model=VersionOut, status_code=201)
     async def register(body: RegisterBody, request: Request):
         mv = await cp.register(body.name, body.path, labels=body.labels, engine=body.engine,
-                               golden_prompts=body.golden_prompts, actor=actor(request), validate=body.validate_now)
+                               golden_prompts=body.golden_prompts, actor=actor(request), validate=body.validate_now,
+                               base=body.base)
         return mv.to_dict()
 
     @app.get("/admin/models/{name}", response_model=ModelOut)
@@ -177,7 +190,7 @@ def add_admin_routes(app: FastAPI, state) -> None:
     @app.post("/admin/deployments", response_model=DeploymentOut, status_code=201)
     async def deploy(body: DeployBody, request: Request):
         return await cp.deploy(body.model, workers=body.workers, strategy=body.strategy, actor=actor(request),
-                               keep_alive_s=body.keep_alive_s, deployment_id=body.id)
+                               keep_alive_s=body.keep_alive_s, deployment_id=body.id, enable_lora=body.enable_lora)
 
     @app.get("/admin/deployments/{deployment_id}", response_model=DeploymentOut)
     async def show_deployment(deployment_id: str):

@@ -211,4 +211,5 @@ class ModelDirectory:
 
 
 def _kind(dep: Any) -> Kind:
-    return getattr(dep.version, "kind", Kind.GENERATE)
+    """The kind of requests a deployment answers (a LoRA adapter's: generation)."""
+    return getattr(dep.version, "kind", Kind.GENERATE).serves

@@ -23,6 +23,8 @@ def model_cards(state) -> list[dict]:
                     "max_model_len": m.max_model_len}
             if m.version is not None:
                 card.update(version=m.version.version, state=m.version.state.value, root=m.version.ref)
+                if m.version.base is not None:  # a LoRA adapter version: its base, as vLLM lists adapters
+                    card["parent"] = m.version.base
             out.append(card)
             if m.version is None:
                 for alias in state.models.aliases(mid):
