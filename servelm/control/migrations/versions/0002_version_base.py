@@ -16,6 +16,10 @@ depends_on = None
 
 
 def upgrade() -> None:
+    # only where it is missing: a database this revision's code created before it had migrations (brought to
+    # 0001 by creating what it lacked) may have the column already
+    if "base" in {c["name"] for c in sa.inspect(op.get_bind()).get_columns("versions")}:
+        return
     with op.batch_alter_table("versions") as batch:  # SQLite alters a table by copying it
         batch.add_column(sa.Column("base", sa.String(300), nullable=True))
 
