@@ -215,7 +215,7 @@ class EngineConfig:
     spec_fallback_window: int = _f(16, "draft tokens in the rolling acceptance window")
     spec_cooldown_steps: int = _f(32, "decode steps a request runs without speculation after falling back")
     enable_lora: bool = _f(False, "serve LoRA adapters beside the base model (implied by --lora-modules)")
-    lora_modules: tuple[str, ...] = _f((), "LoRA adapters loaded at start, as NAME=PATH (a PEFT adapter folder) or "
+    lora_modules: tuple[str, ...] | None = _f(None, "LoRA adapters loaded at start, as NAME=PATH (a PEFT adapter folder) or "
                                        "vLLM's JSON form '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; "
                                        "clients select one by sending its NAME as the model")
     max_lora_rank: int = _f(64, "the largest adapter rank accepted (adapters are stored at their own rank, so "
@@ -306,8 +306,8 @@ class EngineConfig:
         need(0 <= self.spec_fallback_threshold <= 1, "spec_fallback_threshold", "in [0, 1]")
         need(self.spec_fallback_window >= 1, "spec_fallback_window", ">= 1")
         need(self.spec_cooldown_steps >= 0, "spec_cooldown_steps", ">= 0")
+        self.lora_modules = tuple(self.lora_modules or ())  # None (the flag's default) is none
         if self.lora_modules:
-            self.lora_modules = tuple(self.lora_modules)
             self.enable_lora = True
             for m in self.lora_modules:
                 try:
