@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +27,7 @@ from servelm.bench.workloads import (
     make_serving_workload,
     make_workload,
 )
+from servelm.config import env
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -133,7 +133,7 @@ def _summary(xs: list[float]) -> dict:
 
 def auth_headers() -> dict:
     """An Authorization header from $SERVELM_API_KEY or $OPENAI_API_KEY (what vLLM's benchmark reads), if set."""
-    key = os.environ.get("SERVELM_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    key = env.client_api_key()
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import sys
 import types
 import typing
@@ -21,6 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, published as tomli before it joined the standard library
     import tomli as tomllib
 
+from servelm.config import env as env_vars
 from servelm.config.engine import ConfigError, EngineConfig, _f, require, token_count
 from servelm.config.models import ModelSpec, parse_models
 
@@ -230,7 +230,7 @@ class ServerConfig:
         """The data directory: data_dir, else $XDG_DATA_HOME/servelm, else ~/.local/share/servelm."""
         if self.data_dir:
             return Path(self.data_dir).expanduser()
-        xdg = os.environ.get("XDG_DATA_HOME")
+        xdg = env_vars.xdg_data_home()
         return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "servelm"
 
 
@@ -381,7 +381,7 @@ def all_fields() -> list[tuple[str, dataclasses.Field]]:
 
 def load(cli: dict | None = None, env: dict | None = None, file: str | None = None) -> ServeConfig:
     """Merge defaults < file < env < cli; validate; raise ConfigError naming key, value and source."""
-    env = os.environ if env is None else env
+    env = env_vars.settings_values() if env is None else env
     cli = cli or {}
     file = file or env.get("SERVELM_CONFIG")
     values: dict[str, dict] = {sec: {} for sec in SECTIONS}

@@ -12,12 +12,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import signal
 import sys
 import uuid
 from collections.abc import Callable, Iterator
 
+from servelm.config import env
 from servelm.sampling_params import OutputKind, SamplingParams
 
 HELLO = "servelm chat: type a message; Ctrl-C stops a reply, Ctrl-C or Ctrl-D (or /exit) quits, /reset forgets."
@@ -103,7 +103,7 @@ class RemoteError(Exception):
 def api_key_from_env() -> str | None:
     """The key a client sends when --api-key is not given: $SERVELM_API_KEY (what `servelm serve` reads), else
     $OPENAI_API_KEY (what OpenAI's clients and `vllm chat` read)."""
-    return os.environ.get("SERVELM_API_KEY") or os.environ.get("OPENAI_API_KEY") or None
+    return env.client_api_key()
 
 
 def base_url(url: str) -> str:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
+from servelm.config import env
 from servelm.model import hub
 
 CACHE_NOTE = ("The Hugging Face cache is HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub; "
@@ -72,11 +72,11 @@ def add_args(sub) -> None:
     ls.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ls.add_argument("--all", action="store_true", help="also list cached model repos servelm cannot serve, "
                     "with the reason")
-    ls.add_argument("--data-dir", default=os.environ.get("SERVELM_DATA_DIR"),
+    ls.add_argument("--data-dir", default=env.data_dir(),
                     help="the server's data directory, where the registry lives (default: $SERVELM_DATA_DIR, "
                     "else $XDG_DATA_HOME/servelm or ~/.local/share/servelm)")
     ls.add_argument("--database-url", "--registry-url", dest="registry_url",
-                    default=os.environ.get("SERVELM_DATABASE_URL") or os.environ.get("SERVELM_REGISTRY_URL"),
+                    default=env.database_url(),
                     help="the control database's SQLAlchemy URL, where it is not the data directory's SQLite file "
                     "(default: $SERVELM_DATABASE_URL, or its older name $SERVELM_REGISTRY_URL)")
     ls.set_defaults(func=cmd_list)
@@ -307,11 +307,11 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_ps(args: argparse.Namespace) -> int:
     import httpx
 
-    def key(file: str | None, env: str) -> str | None:
-        return Path(file).expanduser().read_text().strip() if file else os.environ.get(env)
+    def key(file: str | None, from_env) -> str | None:
+        return Path(file).expanduser().read_text().strip() if file else from_env()
 
-    api_key = key(args.api_key_file, "SERVELM_API_KEY")
-    admin_key = key(args.admin_key_file, "SERVELM_ADMIN_KEY")
+    api_key = key(args.api_key_file, env.api_key)
+    admin_key = key(args.admin_key_file, env.admin_key)
     base = args.url.rstrip("/")
     try:
         with httpx.Client(base_url=base, timeout=args.timeout) as http:

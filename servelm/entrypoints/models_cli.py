@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
+from servelm.config import env
 from servelm.entrypoints import traffic_cli
 
 PROMOTION_PATH = ("VALIDATED", "STAGING", "STAGING_TESTED", "CANARY", "PRODUCTION")
@@ -27,7 +27,7 @@ def _add_shared(p: argparse.ArgumentParser, defaults: bool) -> None:
     def default(value):
         return value if defaults else argparse.SUPPRESS
 
-    p.add_argument("--url", default=default(os.environ.get("SERVELM_URL", "http://127.0.0.1:8000")),
+    p.add_argument("--url", default=default(env.server_url()),
                    help="the server's base URL (default: $SERVELM_URL or http://127.0.0.1:8000)")
     p.add_argument("--admin-key-file", default=default(None),
                    help="file holding the admin key (else $SERVELM_ADMIN_KEY)")
@@ -117,7 +117,7 @@ class _Client:
         import httpx
 
         key = Path(args.admin_key_file).read_text().strip() if args.admin_key_file else \
-            os.environ.get("SERVELM_ADMIN_KEY")
+            env.admin_key()
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.http = httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=args.timeout)
         self.json = args.json

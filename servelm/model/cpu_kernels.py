@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
+from servelm.config import env
 from servelm.model import kernel_build
 from servelm.model.cpu_features import cpu_flags
 from servelm.model.kernel_ops import CpuKernels
@@ -26,7 +26,7 @@ _tried = False
 
 
 def enabled() -> bool:
-    return os.environ.get("SERVELM_CPU_KERNELS", "auto").strip().lower() not in ("0", "off", "false", "none")
+    return env.cpu_kernels() not in ("0", "off", "false", "none")
 
 
 def choose_variant(built: list[str], flags: frozenset[str], wanted: str = "auto", machine: str | None = None
@@ -82,7 +82,7 @@ def load() -> CpuKernels | None:
         logger.warning("servelm CPU kernels in %s were built from other sources than these: using the PyTorch "
                        "path; rebuild with `python -m servelm.model.kernel_build`", kernel_build.OUT_DIR)
         return None
-    wanted = os.environ.get("SERVELM_CPU_KERNELS", "auto").strip().lower()
+    wanted = env.cpu_kernels()
     name, why = choose_variant(found.get("built", []), cpu_flags(), wanted)
     if name is None:
         failed = "; ".join(f"{k}: {v.splitlines()[0]}" for k, v in found.get("failed", {}).items())

@@ -22,11 +22,12 @@ PyTorch's int4 kernels (model/quant.py) and the rest (Q8_0, Q5_*, Q6_K) is dequa
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from servelm.config import env
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +261,7 @@ def auto_quantization(kind: str, device: str, dtype: torch.dtype) -> str:
 
 def reference_selected() -> bool:
     """SERVELM_QUANT_KERNEL=reference: GGUF weights run ReferenceMatmul (tests, debugging)."""
-    return os.environ.get("SERVELM_QUANT_KERNEL", "").strip().lower() == "reference"
+    return env.quant_kernel_reference()
 
 
 def gguf_matmul(w: GGUFBlocks, gate_up: bool = False):

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from servelm.config import env
 from servelm.config.model_ref import HubRef, hub_ref, parse_ref, with_revision  # noqa: F401 (re-exported)
 from servelm.model.source import ModelSource
 
@@ -56,19 +56,13 @@ def _true(value: str | None) -> bool:
 
 def offline() -> bool:
     """Whether the user turned the Hub off: HF_HUB_OFFLINE (or transformers' TRANSFORMERS_OFFLINE)."""
-    return _true(os.environ.get("HF_HUB_OFFLINE")) or _true(os.environ.get("TRANSFORMERS_OFFLINE"))
+    return env.hf_offline()
 
 
 def cache_dir() -> Path:
     """The Hugging Face cache, as huggingface_hub finds it: HF_HUB_CACHE, else $HF_HOME/hub, else
     $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub (read now, not at import)."""
-    env = os.environ
-    path = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
-    if not path:
-        home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"),
-                                                  "huggingface")
-        path = os.path.join(home, "hub")
-    return Path(os.path.expandvars(os.path.expanduser(path)))
+    return env.hf_cache_dir()
 
 
 def repo_folder(repo_id: str) -> Path:

