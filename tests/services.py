@@ -82,6 +82,18 @@ def missing_redis() -> str | None:
     return None
 
 
+
+def _stop(proc: subprocess.Popen | None, sig: int) -> None:
+    """End a service started in its own process group with `sig`; SIGKILL the group if it does not exit."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(START_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
 class Postgres:
     """A PostgreSQL cluster in a temporary folder; `url(db)` for SQLAlchemy, `create_database()` for a fresh
     database per test. Trust authentication, loopback only, no fsync (a test's data need not survive a power
@@ -125,13 +137,7 @@ class Postgres:
 
     def stop(self) -> None:
         """Fast shutdown (SIGINT): connections are ended, the data stays."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(START_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        _stop(self.proc, signal.SIGINT)
         self.proc = None
 
     def close(self) -> None:
@@ -189,13 +195,7 @@ class Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(START_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        _stop(self.proc, signal.SIGTERM)
         self.proc = None
 
     def close(self) -> None:

@@ -93,7 +93,7 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
                       aliases if srv.served_model_name and name == srv.served_model_name[0] else ())
     from servelm.config.engine import parse_lora_module
 
-    for module in getattr(config.engine, "lora_modules", ()):  # --lora-modules: adapters of the default model
+    for module in config.engine.lora_modules:  # --lora-modules: adapters of the default model
         name, path, _ = parse_lora_module(module)
         directory.add_adapter(name, model_name, path)
     if tracing is None and srv.otlp_endpoint:

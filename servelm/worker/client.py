@@ -449,16 +449,7 @@ class AsyncEngine:
         adapter is also loaded by an engine restarted later. Raises EngineDeadError if the engine is not ready."""
         from servelm.config.engine import parse_lora_module
 
-        if not self.check_engine():
-            raise EngineDeadError("the engine is not ready")
-        self._kv_op_ids += 1
-        op_id = self._kv_op_ids
-        fut = self._kv_ops[op_id] = asyncio.get_running_loop().create_future()
-        try:
-            await self._in.send(m.encoder.encode(m.LoraOp(op_id, action, name, path)))
-            done = await fut
-        finally:
-            self._kv_ops.pop(op_id, None)
+        done = await self._ask(lambda op_id: m.LoraOp(op_id, action, name, path))
         if done.error is None:
             kept = tuple(x for x in self.config.lora_modules if parse_lora_module(x)[0] != name)
             if action == "load":
@@ -469,13 +460,18 @@ class AsyncEngine:
     async def kv_cache(self, action: str, path: str | None = None) -> m.KVCacheDone:
         """Have the engine save its prefix cache to `path` ("save") or restore it from there ("load"); it does so
         between steps. Raises EngineDeadError if the engine is not ready or dies meanwhile."""
+        return await self._ask(lambda op_id: m.KVCacheOp(op_id, action, path))
+
+    async def _ask(self, message):
+        """Send `message(op_id)` to the engine and wait for its answer with that op id (KVCacheDone, LoraDone).
+        Raises EngineDeadError if the engine is not ready or dies meanwhile."""
         if not self.check_engine():
             raise EngineDeadError("the engine is not ready")
         self._kv_op_ids += 1
         op_id = self._kv_op_ids
         fut = self._kv_ops[op_id] = asyncio.get_running_loop().create_future()
         try:
-            await self._in.send(m.encoder.encode(m.KVCacheOp(op_id, action, path)))
+            await self._in.send(m.encoder.encode(message(op_id)))
             return await fut
         finally:
             self._kv_ops.pop(op_id, None)
