@@ -206,10 +206,13 @@ def test_on_demand_load_and_embedding_versions(server, model_dirs):
     user = {"x-api-key": USER_KEY}
     ids = {c["id"] for c in httpx.get(server + "/v1/models", headers=user).json()["data"]}
     assert {"emb", "emb:1"} <= ids
-    got = httpx.post(server + "/v1/embeddings", headers=user, json={"model": "emb", "input": ["a cat", "a dog"]})
+    # the timeout only ends a hang: a new embedding worker's first batch can take seconds on a loaded machine
+    got = httpx.post(server + "/v1/embeddings", headers=user, json={"model": "emb", "input": ["a cat", "a dog"]},
+                     timeout=120)
     assert got.status_code == 200 and got.json()["model"] == "emb:1", got.text
     assert got.headers["x-servelm-model-version"] == "emb:1" and len(got.json()["data"]) == 2
-    native = httpx.post(server + "/embeddings", headers=user, json={"model": "emb:1", "input": "a cat"}).json()
+    native = httpx.post(server + "/embeddings", headers=user, json={"model": "emb:1", "input": "a cat"},
+                        timeout=120).json()
     assert native["embeddings"][0] == pytest.approx(got.json()["data"][0]["embedding"], abs=1e-5)
     err = error(httpx.post(server + "/v1/embeddings", headers=user, json={"model": "m", "input": "x"}), 404)
     assert "'emb'" in err["message"]  # a generation model is not an embedding model; the message lists those
