@@ -1,6 +1,6 @@
 """Builds servelm's C++ CPU kernels when servelm is installed (`pip install .`, `pip install -e .`,
 `pip wheel .`): every instruction-set variant of this architecture, compiled with plain `c++` into
-servelm/model/_kernels (servelm/model/kernel_build.py). A variant that cannot build is recorded in the
+servelm/model/kernels/lib (servelm/model/kernels/build.py). A variant that cannot build is recorded in the
 manifest and skipped at run time; an install never fails for the kernels' sake."""
 
 import importlib.util
@@ -15,7 +15,7 @@ ROOT = Path(__file__).parent
 
 def _kernel_build():
     # by path: the package's dependencies (torch...) are not in pip's build environment
-    spec = importlib.util.spec_from_file_location("servelm_kernel_build", ROOT / "servelm/model/kernel_build.py")
+    spec = importlib.util.spec_from_file_location("servelm_kernel_build", ROOT / "servelm/model/kernels/build.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -29,7 +29,7 @@ class BuildKernels(build_ext):
     def run(self):
         kb = _kernel_build()
         inplace = self.inplace or getattr(self, "editable_mode", False)
-        out = kb.OUT_DIR if inplace else Path(self.build_lib) / "servelm" / "model" / "_kernels"
+        out = kb.OUT_DIR if inplace else Path(self.build_lib) / "servelm" / "model" / "kernels" / "lib"
         try:
             manifest = kb.build(out, kb.SRC_DIR, jobs=self.parallel or None)
         except Exception as e:  # never fail the install: the engine runs on the PyTorch path instead

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from servelm.model import cpu_kernels
 from servelm.model.attention import AttentionMetadata, TorchPagedAttention
+from servelm.model.kernels import cpu as cpu_kernels
 from servelm.model.memory import lazy_zeros
 
 MODELS = {"60m": (8, 8, 4, 64), "smollm2": (30, 9, 3, 64)}  # layers, q heads, kv heads, head dim

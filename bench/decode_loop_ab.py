@@ -1,11 +1,11 @@
-"""Decode steps replayed from kernel tapes (model/tape.py) against the Python layer loop, and optionally
+"""Decode steps replayed from kernel tapes (model/kernels/tape.py) against the Python layer loop, and optionally
 against the former hand-written C++ decode loop (`decode_layers.cpp`, removed; `--old-kernels` names a
 kernel library built from a checkout that still has it, e.g. main before the tapes), alternating in one
 process so that a noisy minute hits every side alike: W2's TPOT (one 512-token prompt, 128 tokens) and
 optionally W1's throughput, per round. Prints one JSON object with each side's rounds, medians and ratios.
 
   python bench/decode_loop_ab.py --model DIR --threads 1 --rounds 5 \
-      [--old-kernels OLD_CHECKOUT/servelm/model/_kernels/libservelm_amx.so]
+      [--old-kernels OLD_CHECKOUT/servelm/model/kernels/lib/libservelm_amx.so]
 
 A benchmark, not a test: CI does not run it.
 """

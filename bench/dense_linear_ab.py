@@ -19,8 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from servelm.model import cpu_kernels
-from servelm.model.layers import _onednn_packed, pack_dense_weight
+from servelm.model.kernels import cpu as cpu_kernels
+from servelm.model.layers.blocks import _onednn_packed, pack_dense_weight
 
 # SmolLM2-135M: fused qkv, o_proj, fused gate/up, down, the tied LM head
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
@@ -46,7 +46,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     k = cpu_kernels.load()
     if k is None:
-        raise SystemExit("the C++ kernels are not built (python -m servelm.model.kernel_build)")
+        raise SystemExit("the C++ kernels are not built (python -m servelm.model.kernels.build)")
     out: dict = {"variant": k.variant, "threads": a.threads, "results": {}}
     torch.manual_seed(0)
     for dt in (getattr(torch, d) for d in a.dtypes.split(",")):

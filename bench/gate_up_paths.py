@@ -20,7 +20,7 @@ import torch
 
 from servelm import LLM, SamplingParams
 from servelm.bench.workloads import make_workload
-from servelm.model.layers import GateUpLinear
+from servelm.model.layers.blocks import GateUpLinear
 
 
 class _FusedTiles:

@@ -20,9 +20,9 @@ import gguf
 import numpy as np
 import torch
 
-from servelm.model import cpu_kernels
-from servelm.model.gguf_quant import FORMATS, GGUFBlocks, pack_blocks
-from servelm.model.layers import pack_weight_for_tiles
+from servelm.model.kernels import cpu as cpu_kernels
+from servelm.model.layers.blocks import pack_weight_for_tiles
+from servelm.model.quant.gguf import FORMATS, GGUFBlocks, pack_blocks
 
 HIDDEN, INTER, LAYERS, Q, KV = 576, 1536, 30, 576, 192  # SmolLM2-135M
 

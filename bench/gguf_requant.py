@@ -17,8 +17,8 @@ import re
 import gguf
 import numpy as np
 
-from servelm.model.gguf_loader import dequantize
-from servelm.model.source import default_model_path
+from servelm.model.loading.gguf_loader import dequantize
+from servelm.model.loading.source import default_model_path
 
 _LINEAR = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
 

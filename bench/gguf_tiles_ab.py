@@ -12,7 +12,7 @@ Each shape runs over `--copies` distinct weights (a model's layers, so the weigh
 decode step; the lm_head once), each call timed on its own. Prints JSON per shape and row count: each
 system's median ms per call, and its fastest call (`_min`).
 
-  python bench/gguf_tiles_ab.py --rows 16,24,32,48,64 --threads 2 --baseline /work/main/servelm/model/_kernels/libservelm_amx.so
+  python bench/gguf_tiles_ab.py --rows 16,24,32,48,64 --threads 2 --baseline /work/main/servelm/model/kernels/lib/libservelm_amx.so
 
 Random blocks (bench/gguf_linear.py), which does not change a matmul's speed. A benchmark, not a test.
 """
@@ -26,10 +26,10 @@ import time
 import numpy as np
 import torch
 
-from servelm.model import cpu_kernels
-from servelm.model.gguf_quant import FORMATS, GGUFBlocks, pack_blocks
-from servelm.model.kernel_ops import CpuKernels
-from servelm.model.layers import pack_weight_for_tiles
+from servelm.model.kernels import cpu as cpu_kernels
+from servelm.model.kernels.ops import CpuKernels
+from servelm.model.layers.blocks import pack_weight_for_tiles
+from servelm.model.quant.gguf import FORMATS, GGUFBlocks, pack_blocks
 
 # SmolLM2-135M: name -> (N, K, format); gate_up is packed fused (gate_up=True, SiLU in the store)
 SHAPES = {"o": (576, 576, "Q4_1"), "kv": (192, 576, "Q4_1"), "qkv": (960, 576, "Q4_1"),

@@ -684,7 +684,7 @@ def section_setup(run: Run, cap: float) -> dict:
         if not found:
             missing.append(dist)
     out["missing_packages"] = missing
-    out["kernels_built"] = any((ROOT / "servelm" / "model" / "_kernels").glob("*.so"))
+    out["kernels_built"] = any((ROOT / "servelm" / "model" / "kernels" / "lib").glob("*.so"))
     t = time.perf_counter()
     base = run.args.tokenizer
     vocabs = {TEST_VOCAB} | {shape_of(n)[5] for n in run.prof["shapes"] + [run.prof["s1_shape"]]}

@@ -51,8 +51,8 @@ def load_tokenizer(path: str | None):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(path)
-    from servelm.model.metadata import load_gguf_config_and_tokenizer
-    from servelm.model.source import default_model_path
+    from servelm.model.loading.metadata import load_gguf_config_and_tokenizer
+    from servelm.model.loading.source import default_model_path
 
     return load_gguf_config_and_tokenizer(default_model_path())[1]
 

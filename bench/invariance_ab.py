@@ -17,7 +17,7 @@ import time
 import torch
 from ab_rounds import parser, prompts  # bench/ is on sys.path when run
 
-from servelm.model.layers import GateUpLinear, Linear, _onednn_linear, _onednn_packed, silu_mul
+from servelm.model.layers.blocks import GateUpLinear, Linear, _onednn_linear, _onednn_packed, silu_mul
 
 TILE_MAX_ROWS = 64  # the old switch-over
 

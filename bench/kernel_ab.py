@@ -7,7 +7,7 @@ order); prints one JSON object with medians and the new/base speed-up.
   git worktree add /tmp/base HEAD~1
   python bench/kernel_ab.py --base /tmp/base --rows 16,32,64
 
-`--base` and `--new` name checkouts (their servelm/model/csrc is built, or found in the kernel cache).
+`--base` and `--new` name checkouts (their servelm/model/kernels/csrc is built, or found in the kernel cache).
 `--engine DIR` also runs a model end to end with each build's kernels in turn (one engine; W2 TPOT and,
 with `--w1`, W1 throughput, alternating rounds).
 A benchmark, not a test: CI does not run it.
@@ -25,8 +25,9 @@ from types import SimpleNamespace
 import torch
 from decode_attention import decode_step  # bench/ is on sys.path when run
 
-from servelm.model import cpu_kernels, memory
-from servelm.model.layers import pack_weight_for_tiles
+from servelm.model import memory
+from servelm.model.kernels import cpu as cpu_kernels
+from servelm.model.layers.blocks import pack_weight_for_tiles
 
 MODELS = {  # hidden, intermediate, layers, vocab, q heads, kv heads, head dim
     "60m": (512, 1408, 8, 32000, 8, 4, 64),

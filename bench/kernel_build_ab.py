@@ -25,7 +25,7 @@ def base_kernels(path: Path):
     """The other side's kernels: a torch-extension .so imported as a module, or a checkout built from source."""
     import torch  # noqa: F401  (the extension module links libtorch)
 
-    from servelm.model import cpu_kernels
+    from servelm.model.kernels import cpu as cpu_kernels
 
     if path.suffix == ".so":
         name = path.stem
@@ -42,7 +42,7 @@ def main() -> None:
     p.add_argument("--base", type=Path, required=True, help="the other build: an extension .so or a checkout")
     a = p.parse_args()
     from servelm import LLM
-    from servelm.model import cpu_kernels
+    from servelm.model.kernels import cpu as cpu_kernels
 
     sides = {"new": cpu_kernels.load(), "base": base_kernels(a.base.expanduser())}
     engines = {}

@@ -37,7 +37,7 @@ def main() -> int:
     from servelm import LLM, SamplingParams
     from servelm.bench.workloads import make_workload
     from servelm.engine import kv_persist
-    from servelm.model.source import resolve_model
+    from servelm.model.loading.source import resolve_model
 
     llm = LLM(a.model, dtype=a.dtype)
     core = llm.engine.core

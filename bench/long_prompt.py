@@ -25,7 +25,7 @@ import torch
 
 from servelm import LLM, SamplingParams
 from servelm.bench.throughput import hardware_bounds
-from servelm.model import layers
+from servelm.model.layers import blocks as layers
 
 
 class Timers:
@@ -126,7 +126,7 @@ def main() -> None:
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    from servelm.model.source import default_model_path
+    from servelm.model.loading.source import default_model_path
 
     timers = Timers()
     timers.wrap_linears()

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from servelm.model import cpu_kernels
-from servelm.model.kernel_ops import CpuKernels
+from servelm.model.kernels import cpu as cpu_kernels
+from servelm.model.kernels.ops import CpuKernels
 
 MODELS = {"smollm2": (9, 3, 64), "60m": (8, 4, 64)}  # query heads, kv heads, head dim
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from servelm import LLM, SamplingParams
-from servelm.model.source import default_model_path
+from servelm.model.loading.source import default_model_path
 
 # A fixed English text (written for this benchmark), about 300 tokens.
 TEXT = (

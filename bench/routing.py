@@ -155,8 +155,8 @@ def _tiny_model(out: Path) -> str:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from servelm.model.metadata import load_gguf_config_and_tokenizer
-    from servelm.model.source import default_model_path
+    from servelm.model.loading.metadata import load_gguf_config_and_tokenizer
+    from servelm.model.loading.source import default_model_path
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -170,7 +170,7 @@ def _tiny_model(out: Path) -> str:
 async def main(args) -> dict:
     base = EngineConfig(dtype=args.dtype, num_threads=args.threads, num_kv_blocks=args.num_kv_blocks,
                         max_model_len=args.max_model_len)
-    from servelm.model.metadata import load_config, resolve_model
+    from servelm.model.loading.metadata import load_config, resolve_model
 
     vocab = load_config(resolve_model(args.model)).vocab_size
     n, max_out = (8, 16) if args.quick else (None, None)

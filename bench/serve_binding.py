@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from servelm.model.source import default_model_path
+from servelm.model.loading.source import default_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 from run_peers import running_server  # noqa: E402  (the peers harness's server start, readiness and stop)

@@ -22,7 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers" / "workers"))
 from common import output_len, prompts  # noqa: E402  (the peers' workload drawing, shared)
 
-from servelm.model import cpu_kernels, layers  # noqa: E402
+from servelm.model.kernels import cpu as cpu_kernels  # noqa: E402
+from servelm.model.layers import blocks as layers  # noqa: E402
 
 TIMES: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
 

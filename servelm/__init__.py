@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from servelm.model.source import set_hf_env
+from servelm.model.loading.source import set_hf_env
 from servelm.version import __version__
 
 set_hf_env()

@@ -55,8 +55,8 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     (the GPU machine, which takes the tests with a copied tokenizer)."""
     if os.environ.get("SERVELM_TEST_TOKENIZER"):
         return Path(os.environ["SERVELM_TEST_TOKENIZER"])
-    from servelm.model.metadata import load_gguf_config_and_tokenizer
-    from servelm.model.source import default_model_path
+    from servelm.model.loading.metadata import load_gguf_config_and_tokenizer
+    from servelm.model.loading.source import default_model_path
 
     _, tok = load_gguf_config_and_tokenizer(default_model_path())
     out = tmp_path_factory.mktemp("tokenizer")
@@ -167,7 +167,7 @@ def cpu_vendor() -> str:
 def dot(request):
     """Each of the CPU kernels' two ways to multiply bf16 pairs (AVX512-BF16's dot-product instruction, or
     float FMAs), the process default restored after; skipped where the kernels are not built."""
-    from servelm.model import cpu_kernels
+    from servelm.model.kernels import cpu as cpu_kernels
 
     kernels = cpu_kernels.load()
     if kernels is None:

@@ -36,8 +36,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 tok=$(mktemp -d)
 trap 'rm -rf "$tok"' EXIT
 python -c "
-from servelm.model.metadata import load_gguf_config_and_tokenizer
-from servelm.model.source import default_model_path
+from servelm.model.loading.metadata import load_gguf_config_and_tokenizer
+from servelm.model.loading.source import default_model_path
 load_gguf_config_and_tokenizer(default_model_path())[1].save_pretrained('$tok')"
 printf '[engine]\nmax_num_seqs = 7\n' > "$tok/servelm.toml"
 printed=$("$VENV/bin/python" -m servelm.entrypoints.cli serve --config "$tok/servelm.toml" --print-config)

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from conftest import cpu_vendor, hf_greedy, random_prompts
 
 from servelm import LLM, SamplingParams
-from servelm.model import cpu_kernels
 from servelm.model.attention import AttentionMetadata, CpuPagedAttention, PrefillSpan, TorchPagedAttention
 from servelm.model.attention.torch_paged import _window_mask
+from servelm.model.kernels import cpu as cpu_kernels
 
 kernels = cpu_kernels.load()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="CPU kernels could not be compiled here")

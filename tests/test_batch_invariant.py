@@ -12,7 +12,7 @@ from conftest import VOCAB, random_prompts
 
 from servelm import LLM, SamplingParams
 from servelm.config.engine import ConfigError, EngineConfig
-from servelm.model import cpu_kernels
+from servelm.model.kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the mode needs the C++ kernels (not built here)")
 

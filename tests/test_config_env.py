@@ -11,7 +11,7 @@ from servelm.config import env
 
 ROOT = Path(__file__).resolve().parents[1]
 # setup.py runs the kernel build by path, before servelm is importable: it reads $CXX itself
-OUTSIDE = {"servelm/model/kernel_build.py"}
+OUTSIDE = {"servelm/model/kernels/build.py"}
 
 
 def _reads(tree: ast.AST):

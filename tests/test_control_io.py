@@ -83,7 +83,7 @@ def test_resolution_reads_no_database_and_admin_writes_run_off_the_event_loop(ll
 
 def test_validation_counts_in_the_budget_and_loads_its_tokenizer_under_the_lock(llama_dir, tmp_path, monkeypatch):
     from servelm.control import deployment
-    from servelm.model import metadata
+    from servelm.model.loading import metadata
     from servelm.worker import client
 
     monkeypatch.setattr(client, "AsyncEngine", StubEngine)

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from conftest import cpu_vendor
 
-from servelm.model import cpu_kernels
-from servelm.model.layers import (
+from servelm.model.kernels import cpu as cpu_kernels
+from servelm.model.layers.blocks import (
     GateUpLinear,
     Linear,
     fused_kernels,

@@ -43,8 +43,8 @@ def test_static_padded_decode_on_the_triton_backend(model_dirs, hf_models, monke
     """The GPU path's attention reading the graphs' padded buffers and derived rows, without capture: on a
     GPU the compiled kernel over a model on the GPU (eager, so that the runner captures nothing of its own),
     on the CPU the interpreted kernel over a CPU model."""
-    from servelm.model import loader
     from servelm.model.attention import triton_paged
+    from servelm.model.loading import loader
 
     if not triton_paged.HAS_TRITON:
         pytest.skip("triton is not installed")

@@ -1,4 +1,4 @@
-"""Kernel tapes (model/tape.py): a pure-decode step replayed from C++ gives the Python layer loop's bits, the
+"""Kernel tapes (model/kernels/tape.py): a pure-decode step replayed from C++ gives the Python layer loop's bits, the
 KV cache included; a tape that skipped or reordered a call would not; a loop that does more than call
 kernels is never taped."""
 
@@ -9,7 +9,7 @@ import torch
 from conftest import COMMON
 
 from servelm.model.attention import AttentionMetadata
-from servelm.model.layers import fused_kernels
+from servelm.model.layers.blocks import fused_kernels
 
 fused = fused_kernels(torch.bfloat16)
 pytestmark = pytest.mark.skipif(fused is None, reason="no AVX512-BF16 kernels on this machine")
@@ -29,7 +29,7 @@ def qwen3_window_dir(tmp_path_factory, tokenizer_dir):
 
 
 def _load(path):
-    from servelm.model.loader import load_model
+    from servelm.model.loading.loader import load_model
 
     model = load_model(str(path), None, None, "bfloat16", "cpu").model
     assert model.tapes is not None

@@ -117,7 +117,7 @@ def _version(path: Path, name: str = "tiny", version: int = 1, state: State = St
 
 def test_footprint_kv_pool_is_what_the_engine_allocates(llama_dir):
     from servelm.engine.model_runner import kv_bytes_per_block
-    from servelm.model.loader import load_model
+    from servelm.model.loading.loader import load_model
 
     cfg = EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=48)
     v = dataclasses.replace(_version(llama_dir), num_params=1000)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from servelm.model.encoder import BertEncoder, load_encoder
+from servelm.model.families.encoder import BertEncoder, load_encoder
 
 TEXTS = ["a cat", "the quick brown fox jumps over the lazy dog", "padding " * 40]
 
@@ -54,7 +54,7 @@ def test_other_encoders_go_through_transformers(tmp_path):
 def test_default_embedding_model_matches_transformers():
     from transformers import AutoModel
 
-    from servelm.model.hf_files import tokenizer_from_folder
+    from servelm.model.loading.hf_files import tokenizer_from_folder
     from servelm.worker.embedder import default_embedding_path
 
     path = default_embedding_path()
@@ -77,7 +77,7 @@ def test_embedding_process_memory_stays_flat_over_batches_of_changing_shapes(mon
 
     import psutil
 
-    from servelm.model.hf_files import tokenizer_from_folder
+    from servelm.model.loading.hf_files import tokenizer_from_folder
     from servelm.worker import embedder as E
 
     path = E.default_embedding_path()

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from servelm.model.decoder import DecoderLM
-from servelm.model.layers import add_rms_norm, apply_rotary, fused_kernels, rms_norm, rotary_, silu_mul
+from servelm.model.layers.blocks import add_rms_norm, apply_rotary, fused_kernels, rms_norm, rotary_, silu_mul
 
 fused = fused_kernels(torch.bfloat16)
 pytestmark = pytest.mark.skipif(fused is None, reason="no AVX512-BF16 kernels on this machine")
@@ -73,7 +73,7 @@ def test_silu_mul_is_bit_exact(i):
 
 
 def test_bf16_decoder_uses_the_fused_path(model_dirs):
-    from servelm.model.loader import load_model
+    from servelm.model.loading.loader import load_model
 
     loaded = load_model(str(model_dirs["llama"]), None, None, "bfloat16", "cpu")
     assert isinstance(loaded.model, DecoderLM) and loaded.model.fused is not None

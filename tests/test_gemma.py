@@ -52,8 +52,8 @@ def test_gemma_matches_transformers(arch, gemma):
 
 
 def test_gemma3_local_layers_use_their_own_rope_base(gemma):
-    from servelm.model.metadata import load_config
-    from servelm.model.source import resolve_model
+    from servelm.model.loading.metadata import load_config
+    from servelm.model.loading.source import resolve_model
     from servelm.model.spec import ModelSpec
 
     spec = ModelSpec.from_hf_config(load_config(resolve_model(str(gemma["gemma3"][0]))))

@@ -8,8 +8,8 @@ import torch
 from conftest import hf_greedy
 
 from servelm import LLM, SamplingParams
-from servelm.model.gguf_loader import dequantize, hf_name, read_gguf_header, unpermute_rotary
-from servelm.model.source import default_model_path, resolve_model
+from servelm.model.loading.gguf_loader import dequantize, hf_name, read_gguf_header, unpermute_rotary
+from servelm.model.loading.source import default_model_path, resolve_model
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):", "In 1492, Columbus",
            "The best way to learn a language is", "Water boils at", "My favourite colour is", "import numpy as np"]
@@ -110,9 +110,9 @@ def test_smollm2_q4_1_linears_kept_as_int4_exactly():
     is the dequantized tensor bit for bit, as is that of their int4 form (PyTorch's kernels' path) (checked in
     the first and last layers; all 210 were, once) (llama.cpp's Q/K row permutation undone on whole rows of
     blocks); the rest (the Q8_0 embedding, float32 norms) is dequantized as before."""
-    from servelm.model.gguf_loader import iter_gguf_tensors
-    from servelm.model.gguf_quant import GGUFBlocks
-    from servelm.model.quant import is_linear_weight
+    from servelm.model.loading.gguf_loader import iter_gguf_tensors
+    from servelm.model.quant.gguf import GGUFBlocks
+    from servelm.model.quant.weight_only import is_linear_weight
 
     path = default_model_path()
     kept = iter_gguf_tensors(path, torch.float32, keep_quantized=True)

@@ -18,8 +18,8 @@ from family_parity import GREEDY8, mixed_prompts, moe_config, phi3_config, refer
 from llama_cpp import ConverterUnavailable, convert
 
 from servelm import LLM
-from servelm.model.gguf_config import read_gguf_config
-from servelm.model.metadata import load_config_and_tokenizer
+from servelm.model.loading.gguf_config import read_gguf_config
+from servelm.model.loading.metadata import load_config_and_tokenizer
 
 # Longer than the Mistral model's 24-token window, and past the scaled models' original context (64).
 PROMPTS = random_prompts(3, 60, 90, seed=7)

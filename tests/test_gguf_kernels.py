@@ -1,4 +1,4 @@
-"""servelm's GGUF block kernels (csrc/quant_linear.cpp, model/gguf_quant.py): the repacked codes against gguf's
+"""servelm's GGUF block kernels (csrc/quant_linear.cpp, model/quant/gguf.py): the repacked codes against gguf's
 dequantization, the int8-activation kernel (AVX512-VNNI and AVX2 builds) and the bf16 tile path against
 dequantize-then-matmul references, and greedy parity of a model whose linears are GGUF blocks against the
 torch reference of the same arithmetic."""
@@ -11,9 +11,11 @@ import torch
 import torch.nn.functional as F
 from conftest import random_prompts, run
 
-from servelm.model import cpu_kernels, kernel_build
-from servelm.model.cpu_features import cpu_flags
-from servelm.model.gguf_quant import (
+from servelm.model.kernels import build as kernel_build
+from servelm.model.kernels import cpu as cpu_kernels
+from servelm.model.kernels.cpu_features import cpu_flags
+from servelm.model.layers.blocks import pack_weight_for_tiles
+from servelm.model.quant.gguf import (
     FORMATS,
     GGUFBlocks,
     GGUFMatmul,
@@ -21,7 +23,6 @@ from servelm.model.gguf_quant import (
     pack_blocks,
     quantize_activations,
 )
-from servelm.model.layers import pack_weight_for_tiles
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels could not be compiled here")
@@ -190,8 +191,8 @@ def gguf_llama(llama_dir):
     import gguf
 
     from servelm import LLM
-    from servelm.model import loader
-    from servelm.model.quant import is_linear_weight
+    from servelm.model.loading import loader
+    from servelm.model.quant.weight_only import is_linear_weight
 
     def load(qtype: str, env: dict) -> LLM:
         original = loader._iter_safetensors
@@ -232,7 +233,7 @@ def test_greedy_parity_with_the_torch_reference_of_the_same_format(qtype, gguf_l
 
 def test_auto_is_gguf_for_a_gguf_file_in_bf16_where_the_kernels_run_the_formats():
     from servelm.config.engine import EngineConfig
-    from servelm.model.gguf_quant import auto_quantization
+    from servelm.model.quant.gguf import auto_quantization
 
     runs = kernels.quant_linear_supported(FORMATS["Q4_0"], 64) >= 1  # the int8 kernel: AVX512-VNNI or AVX2
     assert auto_quantization("gguf", "cpu", torch.bfloat16) == ("gguf" if runs else "none")
@@ -246,8 +247,8 @@ def test_auto_is_gguf_for_a_gguf_file_in_bf16_where_the_kernels_run_the_formats(
 @pytest.mark.skipif(kernels is None or kernels.quant_linear_supported(FORMATS["Q4_1"], 64) < 1,
                     reason="needs the int8-activation kernel (AVX512-VNNI or AVX2)")
 def test_the_default_model_loads_kept_quantized_by_default():
-    from servelm.model.loader import load_model
-    from servelm.model.source import default_model_path
+    from servelm.model.loading.loader import load_model
+    from servelm.model.loading.source import default_model_path
 
     path = default_model_path()
     model = load_model(str(path.parent), path.name, dtype="bfloat16", with_tokenizer=False, quantization="auto").model

@@ -1,5 +1,5 @@
 """Fused projections whose parts a GGUF file stores in different types (a Q4_K_M file's Q6_K V beside Q4_K Q and
-K) stay quantized part by part (model/quant.py RowParts, model/layers.py PartsLinear): each part runs its own
+K) stay quantized part by part (model/quant/weight_only.py RowParts, model/layers/blocks.py PartsLinear): each part runs its own
 kernel into its columns of the one output, a part without a kernel is dequantized alone."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import random_prompts, run
 
-from servelm.model import cpu_kernels
-from servelm.model.gguf_quant import FORMATS, GGUFBlocks, GGUFMatmul, gguf_kernels
-from servelm.model.layers import GateUpLinear, Linear, PartsLinear, fused_kernels, linear_for
-from servelm.model.quant import RowParts, fuse_rows
+from servelm.model.kernels import cpu as cpu_kernels
+from servelm.model.layers.blocks import GateUpLinear, Linear, PartsLinear, fused_kernels, linear_for
+from servelm.model.quant.gguf import FORMATS, GGUFBlocks, GGUFMatmul, gguf_kernels
+from servelm.model.quant.weight_only import RowParts, fuse_rows
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None or not kernels.quant_linear_supported(FORMATS["Q4_K"], 256),
@@ -80,8 +80,9 @@ def mixed_llama(llama_dir):
     import gguf
 
     from servelm import LLM
-    from servelm.model import loader, memory
-    from servelm.model.quant import is_linear_weight
+    from servelm.model import memory
+    from servelm.model.loading import loader
+    from servelm.model.quant.weight_only import is_linear_weight
 
     def load(kept: bool, env: dict):
         original = loader._iter_safetensors
@@ -145,7 +146,7 @@ def test_mixed_gguf_llama_keeps_every_part_quantized_and_matches_the_reference(m
 def test_the_loader_keeps_only_what_runs_quantized(monkeypatch):
     """The load log counts what runs: a type is kept where a kernel takes it (servelm's in bf16, PyTorch's int4
     for the Q4 types in float32 too, the torch reference for every kernel format), else read dequantized."""
-    from servelm.model.gguf_quant import kept_at_load
+    from servelm.model.quant.gguf import kept_at_load
 
     assert kept_at_load("Q6_K", 256, torch.bfloat16) and kept_at_load("Q8_0", 64, torch.bfloat16)
     assert kept_at_load("Q4_K", 256, torch.float32)  # PyTorch's int4 kernel

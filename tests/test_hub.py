@@ -16,8 +16,8 @@ import pytest
 from hub_cache import add_folder, add_snapshot, commit_of, use_cache
 
 from servelm.config.engine import ConfigError, EngineConfig
-from servelm.model import hub
-from servelm.model.source import resolve_model
+from servelm.model.loading import hub
+from servelm.model.loading.source import resolve_model
 
 REPO = "tiny-org/tiny-llama"
 GGUF_REPO = "tiny-org/tiny-llama-GGUF"
@@ -87,7 +87,7 @@ def test_repo_ids_parse(text, parsed):
 
 def test_a_cached_repo_id_resolves_offline_under_its_repo_id(cache, tiny, tmp_path, monkeypatch):
     from servelm.config.settings import load
-    from servelm.model.metadata import check_model
+    from servelm.model.loading.metadata import check_model
     from servelm.server.launch import fixed_models
 
     snap = add_folder(cache, REPO, tiny)
@@ -263,7 +263,7 @@ def test_pull_with_the_hub_unreachable(tmp_path, tiny):
 # -- list -------------------------------------------------------------------------------------------------
 
 def test_list_shows_the_servable_cached_models_and_the_registry(cache, tiny, tmp_path, capsys):
-    from servelm.model.source import default_model_path
+    from servelm.model.loading.source import default_model_path
 
     add_folder(cache, REPO, tiny)
     add_snapshot(cache, REPO, {p.name: p for p in tiny.iterdir()}, commit=commit_of("v2"), ref="v2")

@@ -17,7 +17,7 @@ import torch
 from conftest import VOCAB, random_prompts
 
 from servelm import LLM, SamplingParams
-from servelm.model import cpu_kernels
+from servelm.model.kernels import cpu as cpu_kernels
 
 _kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(_kernels is None, reason="the guarantee is the C++ kernels' (not built here)")
@@ -54,9 +54,9 @@ def model_dir(tmp_path_factory, tokenizer_dir):
 def make(model_dir):
     """make(path, **engine args) -> an LLM on that path; GGUF formats come from the checkpoint's linears
     turned into blocks of the format as the loader reads them."""
-    from servelm.model import loader
-    from servelm.model.gguf_quant import GGUFBlocks
-    from servelm.model.quant import is_linear_weight
+    from servelm.model.loading import loader
+    from servelm.model.quant.gguf import GGUFBlocks
+    from servelm.model.quant.weight_only import is_linear_weight
 
     def build(path: str, **kw) -> LLM:
         dtype, quantization, fmt = PATHS[path]

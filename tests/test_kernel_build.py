@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from servelm.model import cpu_kernels, kernel_build
+from servelm.model.kernels import build as kernel_build
+from servelm.model.kernels import cpu as cpu_kernels
 
 X86 = platform.machine() in ("x86_64", "AMD64")
 FLAGS = cpu_kernels.cpu_flags()
@@ -80,16 +81,16 @@ def fresh_loader(monkeypatch):
 def test_an_unbuilt_checkout_runs_on_the_pytorch_path_and_says_so(fresh_loader, tmp_path, caplog):
     fresh_loader.setattr(kernel_build, "OUT_DIR", tmp_path / "none")
     fresh_loader.setattr(cpu_kernels, "manifest", lambda lib_dir=tmp_path / "none": None)
-    with caplog.at_level(logging.WARNING, logger="servelm.model.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="servelm.model.kernels.cpu"):
         assert cpu_kernels.load() is None
         assert cpu_kernels.load() is None  # decided once
-    assert len(caplog.records) == 1 and "kernel_build" in caplog.text and "PyTorch path" in caplog.text
+    assert len(caplog.records) == 1 and "servelm.model.kernels.build" in caplog.text and "PyTorch path" in caplog.text
 
 
 @needs_build
 def test_libraries_built_from_other_sources_are_not_loaded(fresh_loader, caplog):
     fresh_loader.setattr(kernel_build, "source_digest", lambda src_dir=None: "something-else")
-    with caplog.at_level(logging.WARNING, logger="servelm.model.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="servelm.model.kernels.cpu"):
         assert cpu_kernels.load() is None
     assert "other sources" in caplog.text
 
@@ -101,7 +102,7 @@ def test_env_var_picks_a_variant_and_refuses_one_the_cpu_lacks(fresh_loader, cap
     if X86 and not {"amx_tile", "amx_bf16"} <= FLAGS:
         fresh_loader.setattr(cpu_kernels, "_tried", False)
         fresh_loader.setenv("SERVELM_CPU_KERNELS", "amx")
-        with caplog.at_level(logging.WARNING, logger="servelm.model.cpu_kernels"):
+        with caplog.at_level(logging.WARNING, logger="servelm.model.kernels.cpu"):
             assert cpu_kernels.load() is None
         assert "lacks" in caplog.text
 
@@ -182,7 +183,7 @@ def test_a_machine_without_a_compiler_installs_and_runs_the_pytorch_path(monkeyp
     monkeypatch.setattr(cpu_kernels, "_module", None)
     monkeypatch.setattr(kernel_build, "build", lambda *a, **k: pytest.fail("load() must never compile"))
     monkeypatch.setattr(cpu_kernels, "manifest", lambda lib_dir=None: manifest)
-    with caplog.at_level(logging.WARNING, logger="servelm.model.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="servelm.model.kernels.cpu"):
         assert cpu_kernels.load() is None
     assert "no C++ compiler" in caplog.text and "PyTorch path" in caplog.text
 
@@ -218,5 +219,5 @@ def test_the_wheel_carries_every_variant_and_is_a_platform_wheel(tmp_path):
     assert not wheel.name.endswith("-none-any.whl") and "linux_x86_64" in wheel.name
     names = set(zipfile.ZipFile(wheel).namelist())
     for v in kernel_build.X86_64:
-        assert f"servelm/model/_kernels/{kernel_build.library_name(v.name)}" in names
-    assert "servelm/model/_kernels/manifest.json" in names
+        assert f"servelm/model/kernels/lib/{kernel_build.library_name(v.name)}" in names
+    assert "servelm/model/kernels/lib/manifest.json" in names

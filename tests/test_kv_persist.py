@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from servelm import LLM, SamplingParams  # noqa: E402
 from servelm.engine import kv_persist  # noqa: E402
 from servelm.engine.kv_persist import KVFormatError, KVMismatchError  # noqa: E402
-from servelm.model.source import resolve_model  # noqa: E402
+from servelm.model.loading.source import resolve_model  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

@@ -199,7 +199,7 @@ def _gate_up_cases():
     fused store: [gate | up] from Linear) and GeGLU (PyTorch's activation)."""
     from test_gguf_kernels import _blocks
 
-    from servelm.model.quant import quantize_int8
+    from servelm.model.quant.weight_only import quantize_int8
 
     g = torch.Generator().manual_seed(5)
     gate, up = torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g)
@@ -217,7 +217,7 @@ def _gate_up_cases():
 def test_gate_up_preactivation_is_gate_then_up_on_every_path(gate, up, dtype, act):
     """What a LoRA update is added to: x [Wg; Wu]^T in [gate | up] order whatever order the kernel stores, and
     its activation equal to the fused layer's output."""
-    from servelm.model.layers import GateUpLinear
+    from servelm.model.layers.blocks import GateUpLinear
 
     def dense(w):
         return w.float() if isinstance(w, torch.Tensor) else w.dequantize(torch.float32)

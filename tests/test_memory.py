@@ -43,7 +43,7 @@ def test_move_refuses_device_tensors():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: the kernels' packed layouts where they apply
 @pytest.mark.parametrize("place", [True, False])
 def test_decoder_weights_share_one_mapping(place, dtype, model_dirs, monkeypatch):
-    from servelm.model.loader import load_model
+    from servelm.model.loading.loader import load_model
 
     monkeypatch.setattr(memory, "WEIGHTS_IN_HUGE_PAGES", place)
     model = load_model(str(model_dirs["qwen2"]), None, None, dtype, "cpu").model

@@ -9,8 +9,8 @@ from dataclasses import fields
 import pytest
 import torch
 
-from servelm.model import hf_files
-from servelm.model.metadata import load_config_and_eos, load_config_and_tokenizer
+from servelm.model.loading import hf_files
+from servelm.model.loading.metadata import load_config_and_eos, load_config_and_tokenizer
 from servelm.model.spec import ModelSpec
 
 TEXTS = ["Hello world", "  leading spaces and émojis 🙂", "def f(x):\n    return x"]

@@ -22,7 +22,7 @@ from family_parity import (  # noqa: E402
 )
 
 from servelm import LLM  # noqa: E402
-from servelm.model.invariant import check_batch_invariant  # noqa: E402
+from servelm.model.layers.invariant import check_batch_invariant  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -117,7 +117,7 @@ def test_smollm2_and_a_tiny_llama_behind_one_server_with_the_embedding_model(tmp
     models: list, each answering by name with its own offline greedy output; the embedding model listed and
     served by its name the same way."""
     from servelm import LLM, SamplingParams
-    from servelm.model.source import default_model_path
+    from servelm.model.loading.source import default_model_path
     from servelm.worker.embedder import DEFAULT_EMBED_NAME, default_embedding_path
 
     if default_embedding_path() is None:

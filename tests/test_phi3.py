@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from family_parity import check_parity, phi3_config, save_tiny  # noqa: E402
 
 from servelm import LLM  # noqa: E402
-from servelm.model import cpu_kernels  # noqa: E402
+from servelm.model.kernels import cpu as cpu_kernels  # noqa: E402
 
 
 @pytest.fixture(scope="module")

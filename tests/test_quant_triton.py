@@ -1,4 +1,4 @@
-"""The Triton quantized matmul (model/quant_triton.py) against dequantize-then-matmul, under Triton's CPU
+"""The Triton quantized matmul (model/quant/triton_matmul.py) against dequantize-then-matmul, under Triton's CPU
 interpreter (on a GPU machine the compiled kernel): int8 per row, int4 in groups of 32 and 128, a GGUF Q4_1
 block tensor taken as int4, ragged shapes that leave partial tiles, fp16 activations, and float32 dots in
 IEEE precision (not TF32)."""
@@ -14,8 +14,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernel's definition
 
-from servelm.model import quant_triton  # noqa: E402
-from servelm.model.quant import QuantWeight, quantize_int4, quantize_int8  # noqa: E402
+from servelm.model.quant import triton_matmul as quant_triton  # noqa: E402
+from servelm.model.quant.weight_only import QuantWeight, quantize_int4, quantize_int8  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not quant_triton.HAS_TRITON, reason="triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,7 +116,7 @@ def test_gguf_q4_1_blocks():
 def test_a_quantized_weight_on_the_gpu_gets_the_triton_kernel():
     """The kernel choice for a QuantWeight: codes on a CUDA device get TritonQuantMatmul, on the CPU
     PyTorch's kernels (without a GPU only the CPU side of the dispatch can be checked)."""
-    from servelm.model import quant
+    from servelm.model.quant import weight_only as quant
 
     w = quantize_int4(torch.randn(32, 64), 32, DTYPE)
     if torch.cuda.is_available():

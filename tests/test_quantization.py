@@ -1,4 +1,4 @@
-"""Quantized weights (model/quant.py): the setting, the kernels against dequantize-then-matmul, the GGUF
+"""Quantized weights (model/quant/weight_only.py): the setting, the kernels against dequantize-then-matmul, the GGUF
 block formats kept as int4, and greedy parity of a quantized model against its dequantized twin."""
 
 from __future__ import annotations
@@ -16,9 +16,15 @@ from servelm import LLM, SamplingParams
 from servelm.config.args import add_engine_args, engine_config_from_args
 from servelm.config.engine import ConfigError, EngineConfig
 from servelm.config.settings import load
-from servelm.model.gguf_loader import int4_blocks
-from servelm.model.layers import Linear
-from servelm.model.quant import QuantMatmul, QuantWeight, is_linear_weight, quantize_int4, quantize_int8
+from servelm.model.layers.blocks import Linear
+from servelm.model.loading.gguf_loader import int4_blocks
+from servelm.model.quant.weight_only import (
+    QuantMatmul,
+    QuantWeight,
+    is_linear_weight,
+    quantize_int4,
+    quantize_int8,
+)
 
 PROMPTS = random_prompts(2, 5, 20, seed=11)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -345,7 +345,7 @@ def test_register_records_metadata(reg, tmp_path):
 
 
 def test_register_reads_gguf_and_encoder_checkpoints(reg, tmp_path):
-    from servelm.model.source import default_model_path
+    from servelm.model.loading.source import default_model_path
     from servelm.worker.embedder import default_embedding_path
 
     gguf = tmp_path / "smol.gguf"

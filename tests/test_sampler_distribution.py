@@ -11,7 +11,7 @@ import torch
 
 from servelm.engine import sampler as sampler_mod
 from servelm.engine.sampler import draw, kept_weights
-from servelm.model import cpu_kernels
+from servelm.model.kernels import cpu as cpu_kernels
 
 kernels = cpu_kernels.load()
 VOCAB = 3001  # a partial vector block and a partial 64-token draw block at the end

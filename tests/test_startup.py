@@ -78,14 +78,14 @@ def _modules_after(code: str) -> str:
 
 def test_api_side_tokenizer_needs_neither_torch_nor_model_classes(llama_dir):
     # SmolLM2-style folder (llama, TokenizersBackend): the API process builds the tokenizer only.
-    code = (f"from servelm.model.metadata import load_tokenizer, resolve_model; "
+    code = (f"from servelm.model.loading.metadata import load_tokenizer, resolve_model; "
             f"load_tokenizer(resolve_model({str(llama_dir)!r}))")
     assert _modules_after(code) == "['transformers']"
 
 
 def test_engine_side_load_skips_transformers(llama_dir):
     # The engine process loads weights, config and EOS ids; transformers (2-4 s of imports) stays out.
-    code = (f"from servelm.model.loader import load_model; "
+    code = (f"from servelm.model.loading.loader import load_model; "
             f"m = load_model({str(llama_dir)!r}, dtype='float32', with_tokenizer=False); "
             f"assert m.tokenizer is None and m.eos_token_ids")
     assert _modules_after(code) == "['torch']"

@@ -13,7 +13,7 @@ from serving import pid_alive
 
 from servelm import LLM, SamplingParams
 from servelm.config.engine import EngineConfig
-from servelm.model.parallel import check_shardable, kv_heads
+from servelm.model.layers.parallel import check_shardable, kv_heads
 from servelm.model.spec import ModelSpec
 
 
@@ -177,7 +177,7 @@ def test_a_rank_that_cannot_load_fails_start_up_with_its_error(tmp_path):
 
 def test_fused_checkpoint_tensors_split_like_their_parts():
     """Phi-3 stores [q; k; v] and [gate; up] joined: each rank's slice equals its slices of the parts."""
-    from servelm.model.parallel import shard_tensor
+    from servelm.model.layers.parallel import shard_tensor
 
     spec = _spec(num_attention_heads=8, num_key_value_heads=2, head_dim=8)
     d, inter = spec.head_dim, spec.intermediate_size

@@ -28,7 +28,7 @@ def test_spans_link_to_traceparent_and_nest_under_the_request(llama_dir):
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from servelm.config.settings import load
-    from servelm.model.metadata import load_config_and_tokenizer
+    from servelm.model.loading.metadata import load_config_and_tokenizer
     from servelm.server.api import build_app
     from servelm.server.serve import build_state
     from servelm.server.telemetry import Tracing

@@ -111,7 +111,7 @@ def test_engine_on_the_triton_backend_matches_transformers(arch, model_dirs, hf_
     from conftest import hf_greedy, random_prompts
 
     from servelm import LLM, SamplingParams
-    from servelm.model import loader
+    from servelm.model.loading import loader
 
     monkeypatch.setattr(loader, "get_backend", lambda device: triton_paged.TritonPagedAttention)
     llm = LLM(str(model_dirs[arch]), dtype="float32", device=DEVICE, num_kv_blocks=128, max_num_batched_tokens=24)

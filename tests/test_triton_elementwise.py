@@ -1,6 +1,6 @@
-"""The fused Triton elementwise kernels (model/triton_elementwise.py: residual add + RMSNorm, RMSNorm,
+"""The fused Triton elementwise kernels (model/kernels/triton_elementwise.py: residual add + RMSNorm, RMSNorm,
 SiLU-and-multiply) against the PyTorch functions they replace on CUDA, run by Triton's CPU interpreter; on a
-GPU machine the same tests run the compiled kernels, bfloat16 included, and check that model/layers.py routes
+GPU machine the same tests run the compiled kernels, bfloat16 included, and check that model/layers/blocks.py routes
 CUDA tensors to them. Inputs and references are computed on the host; the kernels get them on DEVICE."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' definition
 
-from servelm.model import layers, triton_elementwise  # noqa: E402
+from servelm.model.kernels import triton_elementwise  # noqa: E402
+from servelm.model.layers import blocks as layers  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not triton_elementwise.HAS_TRITON, reason="triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

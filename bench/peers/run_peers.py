@@ -228,9 +228,9 @@ _SMOLLM2_TO_HF = """
 import json, shutil, sys, torch
 from pathlib import Path
 from safetensors.torch import save_file
-from servelm.model.gguf_loader import iter_gguf_tensors
-from servelm.model.metadata import converted_dir, load_gguf_config_and_tokenizer
-from servelm.model.source import default_model_path
+from servelm.model.loading.gguf_loader import iter_gguf_tensors
+from servelm.model.loading.metadata import converted_dir, load_gguf_config_and_tokenizer
+from servelm.model.loading.source import default_model_path
 gguf, out = default_model_path(), Path(sys.argv[1])
 load_gguf_config_and_tokenizer(gguf)  # writes transformers' config and tokenizer for the file
 out.mkdir(parents=True, exist_ok=True)

@@ -164,9 +164,9 @@ def _local_counter(path: str):
     """Token counts from a local tokenizer: a folder with tokenizer files, or a .gguf file's own."""
     from pathlib import Path
 
-    from servelm.model import hf_files
-    from servelm.model.metadata import load_tokenizer
-    from servelm.model.source import resolve_model
+    from servelm.model.loading import hf_files
+    from servelm.model.loading.metadata import load_tokenizer
+    from servelm.model.loading.source import resolve_model
 
     p = Path(path).expanduser()
     tok = load_tokenizer(resolve_model(str(p))) if p.suffix == ".gguf" else hf_files.tokenizer_from_folder(p)

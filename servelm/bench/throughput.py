@@ -119,7 +119,7 @@ def run_servelm(cfg: EngineConfig, wl: Workload, repeats: int, label: str = "ser
 def _hf_model(engine_cfg: EngineConfig, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    from servelm.model.source import resolve_model
+    from servelm.model.loading.source import resolve_model
 
     src = resolve_model(engine_cfg.model, engine_cfg.gguf_file)
     if src.kind == "gguf":
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from servelm.config.args import engine_config_from_args
-    from servelm.model.loader import load_model
+    from servelm.model.loading.loader import load_model
 
     cfg = engine_config_from_args(args)
     if cfg.num_threads:

@@ -1,6 +1,6 @@
 """Every environment variable servelm reads, read here and nowhere else (tests/test_config_env.py checks that no
 other module reads one, and that docs/reference/environment.md describes each). The one exception is the kernel
-build (model/kernel_build.py), which setup.py runs by path before servelm is importable: it reads $CXX.
+build (model/kernels/build.py), which setup.py runs by path before servelm is importable: it reads $CXX.
 
 `SERVELM_<SETTING>` for each `servelm serve` setting is read by config/settings.py (`env_values`), through
 `settings_values` below; the rest are the variables listed in `VARIABLES`, each behind a function named for what

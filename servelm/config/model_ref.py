@@ -1,5 +1,5 @@
 """How a model string names a Hugging Face Hub repository (ORG/NAME, @REVISION, :FILE.gguf or :QUANT): plain
-string parsing, which the config validates with and servelm/model/hub.py resolves from the cache or the Hub."""
+string parsing, which the config validates with and servelm/model/loading/hub.py resolves from the cache or the Hub."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from servelm.config.engine import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_GB, EngineConfig
 from servelm.control.types import ControlError, Kind, ModelVersion
-from servelm.model.cpu_features import cpu_has_bf16
+from servelm.model.kernels.cpu_features import cpu_has_bf16
 
 GiB = 2**30
 DEFAULT_FRACTION = 0.8  # of RAM: the default budget
@@ -82,7 +82,7 @@ def kv_bytes_per_block(hf_config, block_size: int, size: int) -> int:
 def worker_footprint(version: ModelVersion, config: EngineConfig | None) -> Footprint:
     """The footprint of one worker of `version` under `config` (the version's own engine settings applied); an
     embedding worker (no config) runs its encoder in float32 and has no KV pool."""
-    from servelm.model.metadata import load_config, resolve_model
+    from servelm.model.loading.metadata import load_config, resolve_model
 
     if version.kind == Kind.EMBED or config is None:
         return Footprint(version.num_params * 4 if version.num_params else

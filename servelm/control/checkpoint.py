@@ -11,8 +11,8 @@ from math import prod
 from pathlib import Path
 
 from servelm.control.types import ControlError, Kind
-from servelm.model import hf_files, metadata
-from servelm.model.gguf_header import read_gguf_file_header
+from servelm.model.loading import hf_files, metadata
+from servelm.model.loading.gguf_header import read_gguf_file_header
 
 # Encoder-only families: their versions embed text rather than generate it.
 ENCODER_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra"})
@@ -51,7 +51,7 @@ def describe(path: Path) -> CheckpointInfo:
 def describe_adapter(path: Path) -> CheckpointInfo:
     """Inspect a PEFT LoRA adapter folder (adapter_config.json, its weights); ControlError(400) for one the
     engine cannot serve. Its architecture reads "LoRA r=R" (the base's is the base version's)."""
-    from servelm.model.lora_config import LoraError, read_adapter_config
+    from servelm.model.layers.lora_config import LoraError, read_adapter_config
 
     path = Path(path)
     try:

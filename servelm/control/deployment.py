@@ -45,8 +45,8 @@ _TOKENIZER_LOCK = threading.Lock()
 def load_tokenizer(version: ModelVersion, config: EngineConfig):
     """The version's tokenizer, as `servelm serve` loads it (no model classes, no torch). One load at a time:
     transformers' lazy imports are not thread-safe (two at once can fail with an ImportError)."""
-    from servelm.model.metadata import load_tokenizer as load
-    from servelm.model.metadata import resolve_model
+    from servelm.model.loading.metadata import load_tokenizer as load
+    from servelm.model.loading.metadata import resolve_model
 
     with _TOKENIZER_LOCK:
         return load(resolve_model(config.model, config.gguf_file), config.tokenizer, config.chat_template)

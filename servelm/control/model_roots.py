@@ -32,7 +32,7 @@ def _beside(path: str) -> Path:
 
 def allowed_roots(config) -> list[Path]:
     """The model roots of a ServeConfig, resolved, without duplicates."""
-    from servelm.model.source import default_model_path
+    from servelm.model.loading.source import default_model_path
     from servelm.worker.embedder import default_embedding_path
 
     roots = parse_roots(config.server.model_roots)

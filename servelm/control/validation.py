@@ -129,8 +129,8 @@ def _encode(path: str, texts: list[str], max_length: int) -> list[list[float]]:
     """In the child process: L2-normalised, mean-pooled last hidden states."""
     import torch
 
-    from servelm.model.encoder import load_encoder
-    from servelm.model.hf_files import tokenizer_from_folder
+    from servelm.model.families.encoder import load_encoder
+    from servelm.model.loading.hf_files import tokenizer_from_folder
 
     tokenizer, model = tokenizer_from_folder(Path(path)), load_encoder(Path(path))
     enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")

@@ -34,8 +34,8 @@ logger = logging.getLogger(__name__)
 def _tokenizer_from_config(config: EngineConfig) -> Callable[[], Any]:
     """Builds the model's tokenizer when first called: the engine process needs one only to compile grammars."""
     def load():
-        from servelm.model.metadata import load_tokenizer
-        from servelm.model.source import resolve_model
+        from servelm.model.loading.metadata import load_tokenizer
+        from servelm.model.loading.source import resolve_model
 
         return load_tokenizer(resolve_model(config.model, config.gguf_file), config.tokenizer)
     return load
@@ -49,7 +49,7 @@ class EngineCore:
         self.config = config
         self.model = model
         if config.batch_invariant:
-            from servelm.model.invariant import check_batch_invariant
+            from servelm.model.layers.invariant import check_batch_invariant
 
             check_batch_invariant(model)
         spec = model.spec

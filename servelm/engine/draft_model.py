@@ -18,7 +18,7 @@ from servelm.engine.model_runner import ModelRunner
 from servelm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from servelm.engine.sequence import Request, Sequence
 from servelm.model.decoder import DecoderLM
-from servelm.model.tape import DecodeTapes
+from servelm.model.kernels.tape import DecodeTapes
 from servelm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class DraftModelProposer:
         if name.startswith("self:"):
             model = first_layers(target, int(name[5:]))
         else:
-            from servelm.model.loader import load_model
+            from servelm.model.loading.loader import load_model
 
             model = load_model(name, dtype=config.dtype, device=config.device, with_tokenizer=False).model
             if model.spec.vocab_size != target.spec.vocab_size:

@@ -37,7 +37,7 @@ import torch
 
 if TYPE_CHECKING:
     from servelm.engine.core import EngineCore
-    from servelm.model.source import ModelSource
+    from servelm.model.loading.source import ModelSource
     from servelm.model.spec import ModelSpec
 
 MAGIC = b"SLMKVC\r\n"

@@ -12,7 +12,7 @@ from servelm.engine.output_processor import OutputProcessor
 from servelm.engine.sequence import Priority, Request
 from servelm.engine.threads import configure_threads
 from servelm.lora import LoRARequest
-from servelm.model.loader import LoadedModel, load_model
+from servelm.model.loading.loader import LoadedModel, load_model
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
 

@@ -15,7 +15,7 @@ import torch
 
 from servelm.lora import LoRARequest
 from servelm.model.decoder import DecoderLM
-from servelm.model.lora import LoraBatch, LoraError, LoraLinears, LoraWeights, load_lora
+from servelm.model.layers.lora import LoraBatch, LoraError, LoraLinears, LoraWeights, load_lora
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import torch
 
 from servelm.engine.sequence import Sequence
 from servelm.engine.step_outputs import SampleResult
-from servelm.model import cpu_kernels
+from servelm.model.kernels import cpu as cpu_kernels
 
 _TINY = torch.finfo(torch.float32).tiny  # the smallest weight that stays: a weight of 0 never does
 

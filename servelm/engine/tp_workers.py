@@ -3,7 +3,7 @@
 The engine process is rank 0, the driver: the scheduler, the KV cache manager and the sampler live there
 only. Each step it sends every rank the step's block copies/swaps and model inputs (the same block ids its
 manager chose, so prefix hits, copy-on-write and swapped-out blocks are the same on every rank); the ranks run
-the same forward pass on their shards, joined by the all-reduces inside it (model/parallel.py), and the driver
+the same forward pass on their shards, joined by the all-reduces inside it (model/layers/parallel.py), and the driver
 alone computes logits from the hidden states, which are the same on every rank.
 
 A rank is a plain subprocess (`python -m servelm.engine.tp_workers FD`: the engine process may itself be a
@@ -159,7 +159,7 @@ def _exit_with_parent(poll_s: float = 1.0) -> None:
 def _serve(conn: Connection, rank: int) -> None:
     from servelm.engine.model_runner import ModelRunner
     from servelm.engine.threads import configure_threads
-    from servelm.model.loader import load_model
+    from servelm.model.loading.loader import load_model
 
     init = pickle.loads(conn.recv_bytes())
     config: EngineConfig = init["config"]

@@ -70,8 +70,8 @@ def sampling_params_from_args(args: argparse.Namespace):
 
 def _load_llm(args: argparse.Namespace):
     """The LLM for generate and chat; a missing or unsupported model is one line (exit 2) before any load."""
-    from servelm.model.hub import fetch_models
-    from servelm.model.metadata import check_model
+    from servelm.model.loading.hub import fetch_models
+    from servelm.model.loading.metadata import check_model
 
     config = engine_config_from_args(args)
     fetch_models(config)  # a Hub model not yet in the Hugging Face cache: downloaded now

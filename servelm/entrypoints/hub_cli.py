@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from servelm.config import env
-from servelm.model import hub
+from servelm.model.loading import hub
 
 CACHE_NOTE = ("The Hugging Face cache is HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub; "
               "HF_HUB_OFFLINE=1 keeps servelm off the network.")
@@ -178,13 +178,13 @@ def _servable(path: Path) -> tuple[str | None, str | None]:
     import struct
     from types import SimpleNamespace
 
-    from servelm.model import hf_files
-    from servelm.model.metadata import architecture, check_model
+    from servelm.model.loading import hf_files
+    from servelm.model.loading.metadata import architecture, check_model
 
     try:
         if path.suffix == ".gguf":
-            from servelm.model.gguf_config import gguf_config_dict
-            from servelm.model.gguf_header import read_gguf_file_header
+            from servelm.model.loading.gguf_config import gguf_config_dict
+            from servelm.model.loading.gguf_header import read_gguf_file_header
 
             cfg = gguf_config_dict(path, read_gguf_file_header(path))
         else:

@@ -69,7 +69,7 @@ class LLM:
         return llm
 
     def _setup(self, config: EngineConfig) -> None:
-        from servelm.model.hub import fetch_models
+        from servelm.model.loading.hub import fetch_models
 
         for note in config.unused_vllm_settings():
             logger.info("%s", note)

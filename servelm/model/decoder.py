@@ -4,7 +4,7 @@ and Qwen3-MoE families.
 It runs a flattened batch of tokens from many sequences (no padding); attention goes through an
 `AttentionBackend` over the paged KV cache. Q/K/V and gate/up projections are fused into one matmul each.
 `run_layers` is the one definition of the layer stack: where the fused CPU kernels run it, pure-decode
-steps replay its recorded kernel calls from C++ (model/tape.py) instead of running it in Python.
+steps replay its recorded kernel calls from C++ (model/kernels/tape.py) instead of running it in Python.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import torch
 
 from servelm.model import memory
 from servelm.model.attention import AttentionBackend, AttentionMetadata
-from servelm.model.gguf_quant import GGUFMatmul
-from servelm.model.layers import (
+from servelm.model.families.moe import SparseMoe, take_sparse_moe
+from servelm.model.kernels.tape import DecodeTapes
+from servelm.model.layers.blocks import (
     GateUpLinear,
     Linear,
     PartsLinear,
@@ -28,12 +29,11 @@ from servelm.model.layers import (
     rms_norm,
     rotary_,
 )
-from servelm.model.lora import LoraBatch, add_lora
-from servelm.model.moe import SparseMoe, take_sparse_moe
-from servelm.model.parallel import TensorParallel
-from servelm.model.quant import fuse_rows
+from servelm.model.layers.lora import LoraBatch, add_lora
+from servelm.model.layers.parallel import TensorParallel
+from servelm.model.quant.gguf import GGUFMatmul
+from servelm.model.quant.weight_only import fuse_rows
 from servelm.model.spec import ModelSpec
-from servelm.model.tape import DecodeTapes
 
 
 @dataclass
@@ -48,7 +48,7 @@ class LayerWeights:
     down: Linear | None
     attn_out_norm: torch.Tensor | None = None  # sandwich norms (Gemma): on the attention output
     mlp_out_norm: torch.Tensor | None = None  # and on the MLP output, before each residual add
-    moe: SparseMoe | None = None  # the sparse MLP of a mixture-of-experts layer (servelm/model/moe.py)
+    moe: SparseMoe | None = None  # the sparse MLP of a mixture-of-experts layer (servelm/model/families/moe.py)
 
 
 class DecoderLM:
@@ -56,13 +56,13 @@ class DecoderLM:
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  backend: Callable[..., AttentionBackend], tp: TensorParallel | None = None) -> None:
-        """With `tp`, `spec` and `weights` are that rank's shard (model/parallel.py): its heads and MLP columns,
+        """With `tp`, `spec` and `weights` are that rank's shard (model/layers/parallel.py): its heads and MLP columns,
         and each layer's o_proj and down outputs are summed over the ranks."""
         self.spec = spec
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.dtype = dtype
         self.batch_invariant = False  # set by model.invariant.check_batch_invariant
-        self.quantization = "none"  # set by the loader (model/quant.py)
+        self.quantization = "none"  # set by the loader (model/quant/weight_only.py)
         self.embed = weights.pop("model.embed_tokens.weight")
         self.norm = self._norm_weight(weights.pop("model.norm.weight"))
         lm_head = weights.pop("lm_head.weight", None)
@@ -85,7 +85,7 @@ class DecoderLM:
         self._rope_cache(spec.max_position_embeddings)
         if self.embed.device.type == "cpu" and memory.WEIGHTS_IN_HUGE_PAGES:
             memory.move_to_huge_pages(self._streamed_tensors())
-        # pure-decode steps replayed from kernel tapes where the fused kernels run the loop (model/tape.py); not
+        # pure-decode steps replayed from kernel tapes where the fused kernels run the loop (model/kernels/tape.py); not
         # with tensor parallelism, whose all-reduce between layers is no kernel of the tape's
         self.tapes = DecodeTapes(self, self.fused) if self.fused is not None and self.tp is None else None
 
@@ -194,7 +194,7 @@ class DecoderLM:
         loop for every family; what differs is read from the spec and the layer's weights: sandwich norms
         (Gemma: the sublayers' outputs are normed before each residual add), q/k norms, partial RoPE, a
         local RoPE for sliding-window layers, MoE MLPs. `lora`: the step's adapters, added to the rows that use
-        them (model/lora.py)."""
+        them (model/layers/lora.py)."""
         s, fused, eps = self.spec, self.fused, self.spec.rms_norm_eps
         # Gemma's RMSNorm scales by its weight in float32 and rounds once (as F.rms_norm does); the fused
         # kernel rounds before the scaling, as Llama's does, so it serves the other families only

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from servelm.model.gemma import GEMMA_ARCHITECTURES, gemma_options
-from servelm.model.metadata import SUPPORTED_ARCHITECTURES, architecture
-from servelm.model.moe import MOE_ARCHITECTURES, MoeOptions, moe_options
-from servelm.model.phi3 import PHI3_ARCHITECTURES, phi3_options
+from servelm.model.families.gemma import GEMMA_ARCHITECTURES, gemma_options
+from servelm.model.families.moe import MOE_ARCHITECTURES, MoeOptions, moe_options
+from servelm.model.families.phi3 import PHI3_ARCHITECTURES, phi3_options
+from servelm.model.loading.metadata import SUPPORTED_ARCHITECTURES, architecture
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class ModelSpec:
     sliding_windows: list[int | None]  # per layer
     inv_freq: torch.Tensor  # rotary inverse frequencies (float32), RoPE scaling already applied
     rope_attention_factor: float
-    # per-architecture choices (servelm/model/gemma.py, phi3.py, moe.py); the defaults are the Llama family's
+    # per-architecture choices (servelm/model/families/gemma.py, phi3.py, moe.py); the defaults are the Llama family's
     hidden_act: str = "silu"  # silu | gelu_tanh (the MLP's gate activation)
     embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden_size))
     norm_unit_offset: bool = False  # RMSNorm weights applied as (1 + w) (Gemma)

@@ -19,7 +19,7 @@ class EngineReplica:
     Serve's health check reports the replica healthy only once the engine is warm (see check_health)."""
 
     def __init__(self, engine: dict, start_timeout: float = 600.0) -> None:
-        from servelm.model.metadata import load_tokenizer, resolve_model
+        from servelm.model.loading.metadata import load_tokenizer, resolve_model
         from servelm.worker.client import AsyncEngine
 
         config = EngineConfig(**engine)

@@ -46,7 +46,7 @@ def fixed_models(config) -> list[Launch]:
     """What to start: MODEL (given as an argument, flag or env, or nothing else is declared) under
     served_model_name's first name, then each `models:` entry under its name. The entries take the engine
     section's settings but not MODEL's tokenizer, chat template or revision."""
-    from servelm.model.hub import served_name
+    from servelm.model.loading.hub import served_name
 
     out: list[Launch] = []
     ec, srv = config.engine, config.server
@@ -68,7 +68,7 @@ async def start_engines(launches: list[Launch], start_timeout: float,
     """Launch every engine, load each tokenizer meanwhile, wait until all are warm: [(engine, tokenizer,
     name)]. If one fails to start, the others are shut down and the error raised. `engine_factory(config,
     start_timeout=...)` makes each single engine (default AsyncEngine; servelm.ray passes its Ray one)."""
-    from servelm.model.metadata import load_tokenizer, resolve_model
+    from servelm.model.loading.metadata import load_tokenizer, resolve_model
     from servelm.worker.client import AsyncEngine  # light: no torch, no transformers
 
     make = engine_factory or AsyncEngine

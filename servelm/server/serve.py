@@ -345,8 +345,8 @@ def cmd_serve(args, engine_factory=None) -> int:
         return 0
     for note in config.engine.unused_vllm_settings():
         logger.info("%s", note)
-    from servelm.model.hub import fetch_models
-    from servelm.model.metadata import check_model
+    from servelm.model.loading.hub import fetch_models
+    from servelm.model.loading.metadata import check_model
     from servelm.server.launch import fixed_models
 
     if config.control_plane:  # a database that cannot be used stops start-up before any model loads

@@ -60,8 +60,8 @@ _worker: tuple | None = None  # (tokenizer, encoder, max_length), in the embeddi
 def _load(path: str, max_length: int) -> None:
     """Embedding process initializer: exit with the API process, then load the tokenizer and encoder."""
     global _worker
-    from servelm.model.encoder import load_encoder
-    from servelm.model.hf_files import tokenizer_from_folder
+    from servelm.model.families.encoder import load_encoder
+    from servelm.model.loading.hf_files import tokenizer_from_folder
     from servelm.worker.process import _exit_with_parent
 
     _exit_with_parent()

@@ -11,7 +11,7 @@ from servelm.worker import messages as m
 
 if TYPE_CHECKING:
     from servelm.engine.core import EngineCore
-    from servelm.model.source import ModelSource
+    from servelm.model.loading.source import ModelSource
 
 logger = logging.getLogger("servelm.engine")
 

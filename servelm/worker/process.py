@@ -45,7 +45,7 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
         phase("importing torch and the engine")
         from servelm.engine.core import EngineCore
         from servelm.engine.threads import configure_threads
-        from servelm.model.loader import load_model
+        from servelm.model.loading.loader import load_model
 
         configure_threads(config)
         phase(f"loading the model {config.model or '(default)'}")

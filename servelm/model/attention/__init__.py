@@ -16,7 +16,7 @@ def get_backend(device: str):
         if HAS_TRITON:
             return TritonPagedAttention
     if device == "cpu":
-        from servelm.model import cpu_kernels
+        from servelm.model.kernels import cpu as cpu_kernels
 
         kernels = cpu_kernels.load()
         if kernels is not None:

@@ -27,7 +27,9 @@ _loaded: dict[str, tuple[ModuleType, ModuleType]] = {}
 
 
 def cache_root() -> Path:
-    from servelm.model.source import cache_dir  # servelm's one cache: $SERVELM_CACHE_DIR or ~/.cache/servelm
+    from servelm.model.loading.source import (
+        cache_dir,  # servelm's one cache: $SERVELM_CACHE_DIR or ~/.cache/servelm
+    )
 
     return cache_dir()
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from servelm.model.gguf_header import GGUFHeader, read_gguf_header  # noqa: F401 (re-exported)
-from servelm.model.gguf_quant import FORMATS, GGUFBlocks, kept_at_load
-from servelm.model.quant import is_linear_weight
+from servelm.model.loading.gguf_header import GGUFHeader, read_gguf_header  # noqa: F401 (re-exported)
+from servelm.model.quant.gguf import FORMATS, GGUFBlocks, kept_at_load
+from servelm.model.quant.weight_only import is_linear_weight
 from servelm.progress import progress
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ _SANDWICH_NAMES = {**_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # Phi-3: Q/K/V in one tensor, and ffn_up holds gate and up (gate first), as the Hugging Face checkpoint does.
 _PHI3_NAMES = {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
-# Mixture of experts (servelm/model/moe.py): the router, every expert's projection stacked in one 3-D tensor
+# Mixture of experts (servelm/model/families/moe.py): the router, every expert's projection stacked in one 3-D tensor
 # (named without a .weight suffix, as transformers 5 names its stacked experts), Qwen2-MoE's shared expert.
 _EXPERT_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
                  "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
@@ -98,7 +98,7 @@ def dequantize(raw: np.ndarray, qtype) -> np.ndarray:
     return blocks.reshape(*raw.shape[:-1], -1)
 
 
-# Block formats kept quantized (quantization=gguf) as GGUFBlocks (model/gguf_quant.py, servelm's kernels):
+# Block formats kept quantized (quantization=gguf) as GGUFBlocks (model/quant/gguf.py, servelm's kernels):
 # Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K. The Q4 ones are also exactly PyTorch's int4 groups of 32
 # (KEPT_INT4, int4_blocks), the path where servelm's kernels do not run. The rest (float types, IQ and Q2/Q3
 # types) are dequantized, as every type is with quantization=none.

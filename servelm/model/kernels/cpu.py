@@ -2,7 +2,7 @@
 SiLU-and-multiply, single-row bf16 matmul, fused bf16 norm/rotary/SiLU, row argmax): which build variant
 this CPU runs, loaded once per process.
 
-The libraries are compiled when servelm is installed (`kernel_build.py`, one per instruction-set level),
+The libraries are compiled when servelm is installed (`kernels/build.py`, one per instruction-set level),
 never at start. `load()` takes the best variant whose instruction sets this CPU has (read from
 /proc/cpuinfo), says once which one, and falls back to the PyTorch path, with one warning, where none
 was built or none fits. `SERVELM_CPU_KERNELS` chooses: `auto` (default), `0` (off: the PyTorch path), or
@@ -16,9 +16,9 @@ import logging
 from pathlib import Path
 
 from servelm.config import env
-from servelm.model import kernel_build
-from servelm.model.cpu_features import cpu_flags
-from servelm.model.kernel_ops import CpuKernels
+from servelm.model.kernels import build as kernel_build
+from servelm.model.kernels.cpu_features import cpu_flags
+from servelm.model.kernels.ops import CpuKernels
 
 logger = logging.getLogger(__name__)
 _module: CpuKernels | None = None
@@ -75,12 +75,12 @@ def load() -> CpuKernels | None:
     found = manifest()
     if found is None:
         logger.warning("servelm CPU kernels are not built (a source checkout that was not installed): using the "
-                       "PyTorch path; build them with `pip install -e .` or `python -m servelm.model.kernel_build`")
+                       "PyTorch path; build them with `pip install -e .` or `python -m servelm.model.kernels.build`")
         return None
     current = kernel_build.source_digest()
     if found.get("sources") != current:
         logger.warning("servelm CPU kernels in %s were built from other sources than these: using the PyTorch "
-                       "path; rebuild with `python -m servelm.model.kernel_build`", kernel_build.OUT_DIR)
+                       "path; rebuild with `python -m servelm.model.kernels.build`", kernel_build.OUT_DIR)
         return None
     wanted = env.cpu_kernels()
     name, why = choose_variant(found.get("built", []), cpu_flags(), wanted)
@@ -102,7 +102,7 @@ def build(src_dir: Path = kernel_build.SRC_DIR, variant: str | None = None) -> C
     """Builds the kernels of `src_dir` (another checkout's, for a side-by-side benchmark) into the cache,
     keyed by everything that changes the build, and loads the best variant for this CPU (or `variant`).
     Raises when it cannot build."""
-    from servelm.model.source import cache_dir
+    from servelm.model.loading.source import cache_dir
 
     out = cache_dir() / "kernels" / kernel_build.build_key(src_dir)
     found = manifest(out)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from servelm.model import cpu_kernels
-from servelm.model.gguf_quant import (
+from servelm.model.kernels import cpu as cpu_kernels
+from servelm.model.quant.gguf import (
     GGUFBlocks,
     GGUFMatmul,
     ReferenceMatmul,
@@ -16,7 +16,7 @@ from servelm.model.gguf_quant import (
     gguf_matmul,
     reference_selected,
 )
-from servelm.model.quant import QuantMatmul, QuantWeight, RowParts, fuse_rows, quant_matmul
+from servelm.model.quant.weight_only import QuantMatmul, QuantWeight, RowParts, fuse_rows, quant_matmul
 
 
 def fused_kernels(dtype: torch.dtype, device: torch.device | str = "cpu"):
@@ -28,14 +28,14 @@ def fused_kernels(dtype: torch.dtype, device: torch.device | str = "cpu"):
 
 
 def _gpu_kernels(x: torch.Tensor):
-    """model/triton_elementwise.py for a CUDA tensor while a CUDA graph is being captured, where Triton is
+    """model/kernels/triton_elementwise.py for a CUDA tensor while a CUDA graph is being captured, where Triton is
     installed, else None (imported on first use: a CPU process never imports Triton for these). Only in graphs:
     a replay launches them for free, while an eager launch of a Triton kernel costs the host several times a
     torch kernel's. Measured on an H200 with them in every step: batch-1 decode (graphs) 14-32% faster, but the
     eager prefill-heavy W1-big 18% slower on the 1B shape and 256-row greedy decoding of the 60M shape 33% slower."""
     if not x.is_cuda or not torch.cuda.is_current_stream_capturing():
         return None
-    from servelm.model import triton_elementwise
+    from servelm.model.kernels import triton_elementwise
 
     return triton_elementwise if triton_elementwise.HAS_TRITON else None
 
@@ -93,7 +93,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: to
 def contiguous_rows(x: torch.Tensor, fused=None) -> torch.Tensor:
     """x as a contiguous tensor. A column slice of a fused projection (each row laid out contiguously) is
     copied by a kernel where the fused kernels apply, so that a decode step's kernel tape holds the copy
-    (model/tape.py); the same bytes as x.contiguous()."""
+    (model/kernels/tape.py); the same bytes as x.contiguous()."""
     if x.is_contiguous():
         return x
     if fused is not None and x.dim() >= 2 and x.is_cpu:
@@ -202,7 +202,7 @@ class Linear:
     order, so again a token's bits never depend on its batch (oneDNN's and MKL's matmuls change their sums with
     the row count, differently on each CPU). Without the C++ kernels (SERVELM_CPU_KERNELS=0, another device),
     bf16 weights are reordered once into oneDNN's blocked layout where the CPU has it, and the rest is plain
-    F.linear; those paths give no such promise. A `QuantWeight` (int8 or int4, model/quant.py) stays quantized
+    F.linear; those paths give no such promise. A `QuantWeight` (int8 or int4, model/quant/weight_only.py) stays quantized
     and runs through PyTorch's packed int8/int4 CPU kernels (`quant`), or is dequantized where they do not take
     it."""
 
@@ -255,10 +255,10 @@ class Linear:
 
 
 class PartsLinear:
-    """y = x W^T + b for a fused weight whose row blocks keep different formats (model/quant.py RowParts: a
+    """y = x W^T + b for a fused weight whose row blocks keep different formats (model/quant/weight_only.py RowParts: a
     Q4_K_M file's Q6_K V beside Q4_K Q and K). Each part is a `Linear` of its own (its kernel, its slice of the
     bias) and its output is copied into its columns of the one [M, N] output by the C++ row copy, so a decode
-    step's kernel tape holds only kernel calls (model/tape.py); torch.cat where the kernels are not built.
+    step's kernel tape holds only kernel calls (model/kernels/tape.py); torch.cat where the kernels are not built.
     The copy is M x N activations, small beside the weights a decode step reads."""
 
     def __init__(self, weight: RowParts, bias: torch.Tensor | None = None) -> None:

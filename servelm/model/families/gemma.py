@@ -9,7 +9,7 @@ global layers their own RoPE bases.
 
 These choices are read by the shared layer loop (`DecoderLM.run_layers`). Gemma's norms (weight applied in
 float32) and GeGLU have no fused kernel and run PyTorch ops, so its decode steps are not replayed from
-kernel tapes (model/tape.py).
+kernel tapes (model/kernels/tape.py).
 """
 
 from __future__ import annotations

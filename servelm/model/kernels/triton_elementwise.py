@@ -4,7 +4,7 @@ RMSNorm, and SiLU-and-multiply.
 Why: a decode step of a small model on a GPU is bound by kernel launches and by the activations' round trips
 through memory, not by arithmetic. In PyTorch the residual add and the norm after it are separate kernels, as
 are SiLU and the multiply (each writing a full intermediate that the next reads back); here each is one kernel
-that reads its inputs once. `model/layers.py` calls these for CUDA tensors where Triton is installed; the CPU
+that reads its inputs once. `model/layers/blocks.py` calls these for CUDA tensors where Triton is installed; the CPU
 keeps its own paths (the C++ kernels, PyTorch).
 
 Rounding follows the PyTorch path they replace: RMSNorm computes in float32 and rounds to the dtype once at the

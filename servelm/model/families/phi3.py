@@ -12,7 +12,7 @@ Its layer is the Llama layer; what differs is how the checkpoint stores it and i
 - A `sliding_window` (Phi-3-mini-4k: 2047) applies to every layer, as Mistral's.
 
 With full-head RoPE a Phi-3 layer is exactly the Llama layer once loaded, so its decode steps are also
-replayed from kernel tapes (model/tape.py); partial RoPE runs PyTorch ops, which keeps it on the Python loop.
+replayed from kernel tapes (model/kernels/tape.py); partial RoPE runs PyTorch ops, which keeps it on the Python loop.
 """
 
 from __future__ import annotations

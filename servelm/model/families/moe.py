@@ -15,7 +15,7 @@ rounded once), so bfloat16 results round where transformers' do. Qwen rounds the
 model dtype before they scale the rows; Mixtral keeps them in float32 (so its weighted rows are float32).
 
 These layers run on the decoder's Python layer loop (their routing is PyTorch ops, which keeps their decode
-steps off kernel tapes, model/tape.py), and, since the groups' sizes are read on the host, not under CUDA graphs.
+steps off kernel tapes, model/kernels/tape.py), and, since the groups' sizes are read on the host, not under CUDA graphs.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from servelm.model.layers import GateUpLinear, Linear
+from servelm.model.layers.blocks import GateUpLinear, Linear
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 

@@ -1,6 +1,6 @@
 """Builds servelm's C++ CPU kernels: one shared library per instruction-set variant, compiled with plain
 `c++` (no PyTorch headers, so a unit compiles in seconds), at install time by setup.py and by
-`python -m servelm.model.kernel_build` in a source checkout. At run time `cpu_kernels` loads the best
+`python -m servelm.model.kernels.build` in a source checkout. At run time `cpu_kernels` loads the best
 variant this CPU can execute. Standard library only: setup.py imports this file in pip's bare build
 environment.
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SRC_DIR = Path(__file__).parent / "csrc"
-OUT_DIR = Path(__file__).parent / "_kernels"  # what setup.py and an in-place build write; shipped in the wheel
+OUT_DIR = Path(__file__).parent / "lib"  # what setup.py and an in-place build write; shipped in the wheel
 MANIFEST = "manifest.json"
 
 # No -ffast-math: the kernels promise PyTorch's exact results, and fast-math turns x / y into an approximate
@@ -80,7 +80,7 @@ def source_files(src_dir: Path = SRC_DIR) -> list[Path]:
 
 def source_digest(src_dir: Path = SRC_DIR) -> str:
     """A hash of the kernel sources: the loader refuses libraries built from other sources (their C
-    signatures may differ from kernel_ops.py's)."""
+    signatures may differ from kernels/ops.py's)."""
     digest = hashlib.sha256()
     for f in source_files(src_dir):
         digest.update(f.name.encode() + b"\0" + f.read_bytes())
@@ -185,7 +185,7 @@ def build(out_dir: Path = OUT_DIR, src_dir: Path = SRC_DIR, names: list[str] | N
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Build servelm's C++ CPU kernels (every variant of this "
-                                 "architecture) into servelm/model/_kernels, as `pip install` does.")
+                                 "architecture) into servelm/model/kernels/lib, as `pip install` does.")
     ap.add_argument("--out", type=Path, default=OUT_DIR, help="output folder (default: %(default)s)")
     ap.add_argument("--variant", action="append", help="build only this variant (repeatable)")
     ap.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiles (default: all cores)")

@@ -1,6 +1,6 @@
 """The C++ CPU kernels as Python functions over tensors: each checks its tensors (dtype, shape, layout),
 allocates what it returns, and calls the library's C entry point through ctypes with raw pointers. The
-library itself knows nothing of torch (kernel_build.py says why); a failed check here or in C raises
+library itself knows nothing of torch (kernels/build.py says why); a failed check here or in C raises
 RuntimeError with the kernel's message."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from servelm.model.gguf_quant import packed_bytes
+from servelm.model.quant.gguf import packed_bytes
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -62,7 +62,7 @@ def _require(cond: bool, message: str) -> None:
 
 
 class _Recording(threading.local):
-    tape = None  # the recorder (model/tape.py) of this thread's calls, while it records
+    tape = None  # the recorder (model/kernels/tape.py) of this thread's calls, while it records
 
 
 class _Recordable:
@@ -79,7 +79,7 @@ class _Recordable:
         if hasattr(lib, name + "_tape"):
             arity = getattr(lib, name + "_tape_arity")
             arity.restype, arity.argtypes = _I, ()
-            _require(arity() == len(argtypes), f"{name}: the library takes {arity()} arguments, kernel_ops.py "
+            _require(arity() == len(argtypes), f"{name}: the library takes {arity()} arguments, kernels/ops.py "
                      f"{len(argtypes)}")
             self.twin = ctypes.cast(getattr(lib, name + "_tape"), ctypes.c_void_p).value
 
@@ -389,7 +389,7 @@ class CpuKernels:
         self._ok(self._quant_unpack(out.data_ptr(), fmt, packed.data_ptr(), N, K))
         return out
 
-    # --- kernel tapes (model/tape.py) ------------------------------------------------------------------------
+    # --- kernel tapes (model/kernels/tape.py) ------------------------------------------------------------------------
 
     def recording(self, tape) -> _RecordingOn:
         """A context in which this thread's kernel calls are also appended to `tape` (they still run)."""

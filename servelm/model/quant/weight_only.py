@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from servelm.model.gguf_quant import GGUFBlocks
+from servelm.model.quant.gguf import GGUFBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class QuantWeight:
         return tuple(self.codes.shape)
 
     def to(self, device: torch.device | str) -> QuantWeight:
-        """The same weight with its codes, scales and zero points on `device` (a GPU: model/quant_triton.py)."""
+        """The same weight with its codes, scales and zero points on `device` (a GPU: model/quant/triton_matmul.py)."""
         return QuantWeight(self.kind, self.codes.to(device), self.scales.to(device),
                            None if self.zeros is None else self.zeros.to(device), self.group_size, self.dtype,
                            self.source)
@@ -226,9 +226,9 @@ class QuantMatmul:
 def quant_matmul(w: QuantWeight):
     """A kernel for w, or None (logged) where the kernels do not take it: the caller dequantizes then.
     On the CPU PyTorch's: the int4 kernel needs N a multiple of 16, the int8 kernel K a multiple of 32 (its
-    vector loop has no tail). On a GPU the Triton kernel (model/quant_triton.py), where Triton is installed."""
+    vector loop has no tail). On a GPU the Triton kernel (model/quant/triton_matmul.py), where Triton is installed."""
     if w.codes.device.type == "cuda":
-        from servelm.model.quant_triton import HAS_TRITON, TritonQuantMatmul
+        from servelm.model.quant.triton_matmul import HAS_TRITON, TritonQuantMatmul
 
         if HAS_TRITON:
             return TritonQuantMatmul(w, w.codes.device)

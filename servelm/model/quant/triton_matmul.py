@@ -1,6 +1,6 @@
 """Quantized linears on NVIDIA GPUs: a Triton matmul that dequantizes `QuantWeight` tiles on the fly.
 
-The same formats as the CPU kernels (model/quant.py), from the same codes: int8 with one scale per output
+The same formats as the CPU kernels (model/quant/weight_only.py), from the same codes: int8 with one scale per output
 row (w = code * scale), and int4 in groups along the inputs with a scale and a zero point each
 (w = (code - 8) * scale + zero), which also holds a GGUF file's Q4_0, Q4_1 and Q4_K blocks. int4 codes are
 packed two to a byte (the even input in the low nibble), so a decode step reads half a byte per weight.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from servelm.model.quant import QuantWeight
+from servelm.model.quant.weight_only import QuantWeight
 
 try:
     import triton

@@ -9,10 +9,10 @@ import hashlib
 import json
 from pathlib import Path
 
-from servelm.model import hf_files
-from servelm.model.gguf_config import config_from_dict, gguf_config_dict, read_gguf_config
-from servelm.model.gguf_header import read_gguf_file_header
-from servelm.model.source import ModelSource, cache_dir, resolve_model, set_hf_env
+from servelm.model.loading import hf_files
+from servelm.model.loading.gguf_config import config_from_dict, gguf_config_dict, read_gguf_config
+from servelm.model.loading.gguf_header import read_gguf_file_header
+from servelm.model.loading.source import ModelSource, cache_dir, resolve_model, set_hf_env
 
 # Bumped whenever what is cached for a GGUF file changes: folders written by older servelm versions (whose
 # config came from transformers' GGUF reader) are never read again.

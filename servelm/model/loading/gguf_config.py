@@ -11,7 +11,7 @@ import struct
 from pathlib import Path
 from types import SimpleNamespace
 
-from servelm.model.gguf_header import GGUFHeader, read_f32_tensor, read_gguf_file_header
+from servelm.model.loading.gguf_header import GGUFHeader, read_f32_tensor, read_gguf_file_header
 
 # GGUF architecture -> (transformers model_type, architecture class).
 # A `llama` file with experts is Mixtral.

@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 
 from servelm.model.attention import get_backend
-from servelm.model.cpu_features import cpu_has_bf16
 from servelm.model.decoder import DecoderLM
-from servelm.model.gguf_loader import iter_gguf_tensors
-from servelm.model.gguf_quant import auto_quantization
-from servelm.model.metadata import load_config_and_eos, load_config_and_tokenizer
-from servelm.model.parallel import TensorParallel, check_shardable, local_spec, shard_tensors
-from servelm.model.quant import QUANTIZATIONS, quantize_linears
-from servelm.model.source import ModelSource
+from servelm.model.kernels.cpu_features import cpu_has_bf16
+from servelm.model.layers.parallel import TensorParallel, check_shardable, local_spec, shard_tensors
+from servelm.model.loading.gguf_loader import iter_gguf_tensors
+from servelm.model.loading.metadata import load_config_and_eos, load_config_and_tokenizer
+from servelm.model.loading.source import ModelSource
+from servelm.model.quant.gguf import auto_quantization
+from servelm.model.quant.weight_only import QUANTIZATIONS, quantize_linears
 from servelm.model.spec import ModelSpec
 from servelm.progress import progress
 
@@ -73,10 +73,10 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
                quantization_group_size: int = 32, tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
     """Weights, config, EOS ids and (unless with_tokenizer is False, as in the engine process) tokenizer.
     `sliding_window` puts that attention window on every layer (for GGUF files that lost the model's).
-    `quantization` (model/quant.py, model/gguf_quant.py): none, gguf (a GGUF file's block-quantized linears kept
+    `quantization` (model/quant/weight_only.py, model/quant/gguf.py): none, gguf (a GGUF file's block-quantized linears kept
     as they are), int8 or int4 (the linears quantized at load; int4 in groups of `quantization_group_size`), or
     auto: gguf for a GGUF file in bfloat16 where servelm's GGUF kernels run (prefill path included), else none.
-    With `tp_size` > 1 only rank `tp_rank`'s shard of the weights is kept (model/parallel.py); its group is
+    With `tp_size` > 1 only rank `tp_rank`'s shard of the weights is kept (model/layers/parallel.py); its group is
     connected later."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
@@ -114,7 +114,7 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
                        "so every layer runs full attention; if the original model's config.json sets "
                        "sliding_window, pass it: LLM(..., sliding_window=N) or servelm serve --sliding-window N",
                        src.path.name)
-    # on the CPU, .to is a no-op; on a GPU quantized weights go there as codes and scales (model/quant_triton.py);
+    # on the CPU, .to is a no-op; on a GPU quantized weights go there as codes and scales (model/quant/triton_matmul.py);
     # GGUF blocks (quantization gguf) are CPU only
     weights = {name: t.to(device) for name, t in tensors}
     num_params = whole[0] or sum(math.prod(t.shape) for t in weights.values())

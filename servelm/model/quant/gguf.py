@@ -16,7 +16,7 @@ kernel's, so a token would get other bits in a batch of more than a few rows tha
 request's output would depend on what it was batched with. `bench/gguf_tiles_ab.py` measures the two.
 
 Without the kernels (SERVELM_CPU_KERNELS=0, a CPU without AVX2, a float32 model) the Q4 types go to
-PyTorch's int4 kernels (model/quant.py) and the rest (Q8_0, Q5_*, Q6_K) is dequantized.
+PyTorch's int4 kernels (model/quant/weight_only.py) and the rest (Q8_0, Q5_*, Q6_K) is dequantized.
 """
 
 from __future__ import annotations
@@ -75,15 +75,15 @@ class GGUFBlocks:
         """gguf's float32 values, then `dtype` (default the model's)."""
         import gguf
 
-        from servelm.model.gguf_loader import dequantize
+        from servelm.model.loading.gguf_loader import dequantize
 
         arr = dequantize(self.raw.numpy(), gguf.GGMLQuantizationType[self.qtype])
         return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(dtype or self.dtype)
 
     def to_int4(self):
-        """The same weight as model/quant.py's int4 QuantWeight (Q4 types only): PyTorch's int4 kernel path."""
-        from servelm.model.gguf_loader import int4_blocks
-        from servelm.model.quant import QuantWeight
+        """The same weight as model/quant/weight_only.py's int4 QuantWeight (Q4 types only): PyTorch's int4 kernel path."""
+        from servelm.model.loading.gguf_loader import int4_blocks
+        from servelm.model.quant.weight_only import QuantWeight
 
         parts = int4_blocks(self.raw.numpy(), self.qtype)
         codes, scales, zeros = (torch.from_numpy(np.ascontiguousarray(p)) for p in parts)
@@ -239,7 +239,7 @@ class GGUFMatmul:
 
 def gguf_kernels(w: GGUFBlocks):
     """The C++ kernels when they run this weight (bf16 model, CPU, a format and build they take), else None."""
-    from servelm.model import cpu_kernels
+    from servelm.model.kernels import cpu as cpu_kernels
 
     if w.dtype != torch.bfloat16 or w.qtype not in FORMATS or w.in_features % 32:
         return None
@@ -251,7 +251,7 @@ def auto_quantization(kind: str, device: str, dtype: torch.dtype) -> str:
     """What quantization=auto means for a checkpoint of `kind` (gguf, safetensors): gguf for a GGUF file in
     bfloat16 on a CPU whose kernel build runs the GGUF formats (the int8-activation kernel: AVX512-VNNI or AVX2),
     else none."""
-    from servelm.model import cpu_kernels
+    from servelm.model.kernels import cpu as cpu_kernels
 
     if kind != "gguf" or not device.startswith("cpu") or dtype != torch.bfloat16:
         return "none"
@@ -268,7 +268,7 @@ def gguf_matmul(w: GGUFBlocks, gate_up: bool = False):
     """The matmul for a kept GGUF weight: servelm's kernels (GGUFMatmul), the torch reference where
     SERVELM_QUANT_KERNEL=reference, PyTorch's int4 kernels for Q4 types where ours do not apply, or None
     (the caller dequantizes)."""
-    from servelm.model.quant import quant_matmul
+    from servelm.model.quant.weight_only import quant_matmul
 
     if reference_selected() and w.qtype in FORMATS:
         return ReferenceMatmul(w)

@@ -1,5 +1,5 @@
 """A PEFT LoRA adapter's `adapter_config.json`, read and checked without torch: the engine reads it before
-loading an adapter's weights (model/lora.py), and the model registry reads it in the API process (which never
+loading an adapter's weights (model/layers/lora.py), and the model registry reads it in the API process (which never
 imports torch) when an adapter is registered."""
 
 from __future__ import annotations

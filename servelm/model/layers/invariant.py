@@ -17,7 +17,7 @@ or setting whose path makes no such promise, instead of serving with one silentl
 from __future__ import annotations
 
 from servelm.model.decoder import DecoderLM
-from servelm.model.layers import GateUpLinear, Linear, PartsLinear
+from servelm.model.layers.blocks import GateUpLinear, Linear, PartsLinear
 
 
 def _runs_in_a_kernel(lin) -> bool:
@@ -27,7 +27,7 @@ def _runs_in_a_kernel(lin) -> bool:
     if isinstance(lin, GateUpLinear):  # the SiLU-and-multiply fused into a kernel's store, not PyTorch's silu
         return lin.linear is None
     if isinstance(lin, Linear):
-        from servelm.model.gguf_quant import GGUFMatmul
+        from servelm.model.quant.gguf import GGUFMatmul
 
         return isinstance(lin.quant, GGUFMatmul) or any(
             k is not None for k in (lin.tiles, lin.avx512, lin.dense))

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from servelm.model.layers import Linear
-from servelm.model.lora_config import LoraError, read_adapter_config
+from servelm.model.layers.blocks import Linear
+from servelm.model.layers.lora_config import LoraError, read_adapter_config
 from servelm.model.spec import ModelSpec
 
 # PEFT module names -> (servelm's fused target, the part's index within it)

