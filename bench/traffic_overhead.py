@@ -20,7 +20,7 @@ from servelm.config.settings import ServerConfig
 from servelm.control.deployments import DeploymentManager
 from servelm.control.registry import Registry
 from servelm.control.traffic import RequestAttrs, split
-from servelm.server.telemetry import RequestRecord
+from servelm.server.observability.telemetry import RequestRecord
 from servelm.server.traffic import TrafficService
 
 

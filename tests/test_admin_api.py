@@ -193,7 +193,7 @@ def test_on_demand_load_and_embedding_versions(server, model_dirs):
                for e in httpx.get(server + "/admin/audit", headers=ADMIN).json()["entries"])
 
     # an embedding version: deployed, listed and served by name like the generation ones
-    from servelm.worker.embedder import default_embedding_path
+    from servelm.runtimes.embedder import default_embedding_path
 
     path = default_embedding_path()
     if path is None:

@@ -11,8 +11,8 @@ import pytest
 
 from servelm.config.engine import ConfigError
 from servelm.config.settings import env_var, load
-from servelm.server.auth import KeyStore, hash_key, load_keys_file, presented_key
-from servelm.server.ratelimit import InMemoryRateLimitStore, Limits
+from servelm.server.middleware.auth import KeyStore, hash_key, load_keys_file, presented_key
+from servelm.server.middleware.ratelimit import InMemoryRateLimitStore, Limits
 
 
 def test_precedence_cli_over_env_over_file(tmp_path):

@@ -490,7 +490,7 @@ def test_manager_resolves_names_and_versions_and_evicts_idle_deployments_to_fit(
 
 def test_an_embedding_version_deploys_as_the_embedding_worker(llama_dir):
     from servelm.control.deployments import DeploymentManager, EmbedDeployment
-    from servelm.worker.embedder import default_embedding_path
+    from servelm.runtimes.embedder import default_embedding_path
 
     path = default_embedding_path()
     if path is None:

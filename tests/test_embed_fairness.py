@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from servelm.worker.embedder import Embedder
+from servelm.runtimes.embedder import Embedder
 
 
 class FakeEmbedder(Embedder):

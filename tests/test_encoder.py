@@ -55,7 +55,7 @@ def test_default_embedding_model_matches_transformers():
     from transformers import AutoModel
 
     from servelm.model.loading.hf_files import tokenizer_from_folder
-    from servelm.worker.embedder import default_embedding_path
+    from servelm.runtimes.embedder import default_embedding_path
 
     path = default_embedding_path()
     if path is None:
@@ -78,7 +78,7 @@ def test_embedding_process_memory_stays_flat_over_batches_of_changing_shapes(mon
     import psutil
 
     from servelm.model.loading.hf_files import tokenizer_from_folder
-    from servelm.worker import embedder as E
+    from servelm.runtimes import embedder as E
 
     path = E.default_embedding_path()
     if path is None:

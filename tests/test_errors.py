@@ -13,12 +13,12 @@ from fastapi import FastAPI
 from serving import _free_port, _wait
 
 from servelm.config import settings
-from servelm.server.admission import Admission
-from servelm.server.auth import KeyStore
 from servelm.server.errors import install_error_handlers
-from servelm.server.gateway import Gateway
-from servelm.server.metrics import Metrics
-from servelm.server.telemetry import Telemetry
+from servelm.server.middleware.admission import Admission
+from servelm.server.middleware.auth import KeyStore
+from servelm.server.middleware.gateway import Gateway
+from servelm.server.observability.metrics import Metrics
+from servelm.server.observability.telemetry import Telemetry
 
 
 @pytest.fixture

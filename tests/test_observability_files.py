@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from servelm.server.metrics import Metrics
+from servelm.server.observability.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent / "deploy" / "observability"
 METRIC = re.compile(r"servelm:[A-Za-z0-9_:]+")

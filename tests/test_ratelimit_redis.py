@@ -1,4 +1,4 @@
-"""Rate limits and token quotas in a real Redis (servelm/server/ratelimit.py's RedisRateLimitStore): the same
+"""Rate limits and token quotas in a real Redis (servelm/server/middleware/ratelimit.py's RedisRateLimitStore): the same
 decisions as the in-process store, one set of buckets across several stores (replicas), atomic under
 concurrency, and what admission does while Redis is down (503, or admitted with --rate-limit-fail-open)
 and after it is back."""
@@ -12,7 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from servelm.server.ratelimit import InMemoryRateLimitStore, Limits, RateLimitUnavailable, RedisRateLimitStore
+from servelm.server.middleware.ratelimit import (
+    InMemoryRateLimitStore,
+    Limits,
+    RateLimitUnavailable,
+    RedisRateLimitStore,
+)
 
 
 def _store(redis_server, **kw) -> RedisRateLimitStore:
@@ -83,8 +88,8 @@ def test_down_redis_fails_fast_then_limits_apply_again_when_it_is_back(redis_ser
 
 
 def _admission(store, fail_open: bool):
-    from servelm.server.admission import Admission
-    from servelm.server.telemetry import RequestRecord
+    from servelm.server.middleware.admission import Admission
+    from servelm.server.observability.telemetry import RequestRecord
 
     config = SimpleNamespace(admission=SimpleNamespace(rate_limit_rpm=5, rate_limit_tpm=1000,
                                                        rate_limit_fail_open=fail_open, default_priority="normal",
@@ -96,7 +101,7 @@ def _admission(store, fail_open: bool):
 
 
 def test_admission_refuses_with_503_while_redis_is_down(redis_server):
-    from servelm.server.protocol import APIError
+    from servelm.server.openai.protocol import APIError
 
     store = _store(redis_server, retry_s=0.0)
     adm, rec = _admission(store, fail_open=False)

@@ -346,7 +346,7 @@ def test_register_records_metadata(reg, tmp_path):
 
 def test_register_reads_gguf_and_encoder_checkpoints(reg, tmp_path):
     from servelm.model.loading.source import default_model_path
-    from servelm.worker.embedder import default_embedding_path
+    from servelm.runtimes.embedder import default_embedding_path
 
     gguf = tmp_path / "smol.gguf"
     shutil.copy(default_model_path(), gguf)  # a copy: the store would make the installed file read-only
@@ -465,7 +465,7 @@ def test_validation_fails_with_the_reason_when_the_worker_cannot_load(reg, tmp_p
 
 @sqlite_only
 def test_validation_of_an_embedding_version_runs_the_encoder(reg, tmp_path):
-    from servelm.worker.embedder import default_embedding_path
+    from servelm.runtimes.embedder import default_embedding_path
 
     src = default_embedding_path()
     if src is None:
@@ -480,7 +480,7 @@ def test_validation_of_an_embedding_version_runs_the_encoder(reg, tmp_path):
 @sqlite_only
 def test_validation_uses_the_embedder_it_is_given(reg, tmp_path):
     """The server's seam: its own embedding worker is used, and one that fails makes the version FAILED."""
-    from servelm.worker.embedder import default_embedding_path
+    from servelm.runtimes.embedder import default_embedding_path
 
     src = default_embedding_path()
     if src is None:

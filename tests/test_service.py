@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serving import _wait, raw_request, server_log_lines, start_server, stats, stop_server
 
-from servelm.server.auth import hash_key
+from servelm.server.middleware.auth import hash_key
 
 pytestmark = pytest.mark.server
 

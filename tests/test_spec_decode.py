@@ -249,7 +249,7 @@ def test_spec_decode_counters_reach_metrics_and_stats():
     from prometheus_client import generate_latest
 
     from servelm.engine.step_outputs import EngineStats
-    from servelm.server.metrics import Metrics, spec_decode_summary
+    from servelm.server.observability.metrics import Metrics, spec_decode_summary
 
     def stats(**kw) -> EngineStats:
         return EngineStats(0, 0, 0, 0.0, 8, 8, 0, 0, 0.0, 0, 0, 0, 1, 0, 0, **kw)

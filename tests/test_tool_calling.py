@@ -14,7 +14,7 @@ import pydantic
 import pytest
 from serving import grammar_backends, start_server, stop_server
 
-from servelm.server.tool_parsers import ToolStream, parse, parse_forced
+from servelm.server.openai.tool_parsers import ToolStream, parse, parse_forced
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}}}
@@ -71,7 +71,7 @@ def test_parsers_whole_and_streamed_at_every_split(parser, text, content, calls)
 
 
 def test_parser_chosen_by_flag_else_by_template():
-    from servelm.server.tools import choose_parser
+    from servelm.server.openai.tools import choose_parser
 
     assert choose_parser("auto", "{{ '[TOOL_CALLS]' }}") == "mistral"
     assert choose_parser("auto", "<|start_header_id|>ipython<|end_header_id|>") == "llama3_json"

@@ -30,8 +30,8 @@ def test_spans_link_to_traceparent_and_nest_under_the_request(llama_dir):
     from servelm.config.settings import load
     from servelm.model.loading.metadata import load_config_and_tokenizer
     from servelm.server.api import build_app
+    from servelm.server.observability.telemetry import Tracing
     from servelm.server.serve import build_state
-    from servelm.server.telemetry import Tracing
     from servelm.worker.client import AsyncEngine
 
     exporter = InMemorySpanExporter()

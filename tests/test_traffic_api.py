@@ -483,7 +483,7 @@ def test_a_huge_version_number_is_refused_never_a_500(platform):
 def test_a_key_limited_to_some_models_cannot_load_or_use_others(platform):
     """A key's model list is checked on the requested name before any on-demand load, on every route that
     takes a model; and only the PRODUCTION version loads on demand (others need an admin deploy)."""
-    from servelm.server.auth import ApiKey, KeyStore, digest
+    from servelm.server.middleware.auth import ApiKey, KeyStore, digest
 
     client, state, _ = platform
     state.keys = KeyStore([ApiKey("a", digest("alpha-only-key-1"), models=frozenset({"alpha"})),
@@ -517,7 +517,7 @@ def test_a_key_limited_to_some_models_cannot_load_or_use_others(platform):
 def test_feedback_is_bounded_once_per_request_and_only_from_its_key(platform):
     """A score past +-1e6 is refused (1e308 then a normal score overflowed the experiment's statistics to
     inf/NaN: its report answered 500); a request takes one feedback, and only from the key that made it."""
-    from servelm.server.auth import ApiKey, KeyStore, digest
+    from servelm.server.middleware.auth import ApiKey, KeyStore, digest
 
     client, state, _ = platform
     state.keys = KeyStore([ApiKey("a", digest("feedback-key-a1")), ApiKey("b", digest("feedback-key-b1"))],

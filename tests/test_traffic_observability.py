@@ -10,7 +10,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 from test_observability_files import METRIC, ROOT, _balanced
 
-from servelm.server.traffic_metrics import TrafficMetrics
+from servelm.server.observability.traffic_metrics import TrafficMetrics
 
 
 def exported() -> set[str]:

@@ -31,7 +31,7 @@ class CheckpointInfo:
 def describe(path: Path) -> CheckpointInfo:
     """Inspect a model folder or .gguf file; ControlError(400) for one servelm cannot serve."""
     path = Path(path)
-    from servelm.worker.predictors import describe as describe_predictor
+    from servelm.runtimes.predictors import describe as describe_predictor
 
     if (pred := describe_predictor(path)) is not None:  # a non-LLM model: its runtime, from the file name
         return CheckpointInfo(Kind.PREDICT, pred["runtime"], None, None)

@@ -1,5 +1,5 @@
 """An embedding deployment: one Kind.EMBED version served by the embedding worker (its own process, with dynamic
-batching; servelm/worker/embedder.py). One worker: an encoder this small is bound by batching, not by
+batching; servelm/runtimes/embedder.py). One worker: an encoder this small is bound by batching, not by
 processes. Swapping starts the new version's worker, switches over, then lets the old one finish its batches."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 
 from servelm.control.lease import Lease
 from servelm.control.types import ControlError, Kind, ModelVersion
-from servelm.worker.embedder import Embedder
+from servelm.runtimes.embedder import Embedder
 
 _POLL_S = 0.05
 

@@ -33,7 +33,7 @@ def _beside(path: str) -> Path:
 def allowed_roots(config) -> list[Path]:
     """The model roots of a ServeConfig, resolved, without duplicates."""
     from servelm.model.loading.source import default_model_path
-    from servelm.worker.embedder import default_embedding_path
+    from servelm.runtimes.embedder import default_embedding_path
 
     roots = parse_roots(config.server.model_roots)
     configured = [spec.path for spec in config.models]

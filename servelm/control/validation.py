@@ -50,7 +50,7 @@ async def validate(registry, name: str, version: int, base: EngineConfig, actor:
     try:
         await asyncio.to_thread(registry.store.check, Path(mv.artifact), mv.sha256)
         if mv.kind == Kind.PREDICT:  # a non-LLM model has no golden prompts: it must load and describe itself
-            from servelm.worker.predictors import load_predictor
+            from servelm.runtimes.predictors import load_predictor
 
             await asyncio.to_thread(load_predictor, mv.artifact)
             outputs = []

@@ -120,7 +120,7 @@ class LLM:
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate. `tools` (OpenAI
         tool definitions) go to the template as `tools=`; the reply's calls are left to the caller to parse
-        (`servelm.server.tool_parsers.parse`)."""
+        (`servelm.server.openai.tool_parsers.parse`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         prompts = [self.apply_chat_template(c, add_generation_prompt, **kwargs) for c in conversations]

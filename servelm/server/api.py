@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 
 from servelm.config.settings import ServeConfig
-from servelm.server.admission import Admission
-from servelm.server.auth import KeyStore
 from servelm.server.directory import ModelDirectory, ServedModel
-from servelm.server.metrics import Metrics
-from servelm.server.telemetry import Telemetry
+from servelm.server.middleware.admission import Admission
+from servelm.server.middleware.auth import KeyStore
+from servelm.server.observability.metrics import Metrics
+from servelm.server.observability.telemetry import Telemetry
 from servelm.worker.engine_client import EngineClient
 
 
@@ -49,15 +49,16 @@ class ServerState:
 
 def build_app(state: ServerState):
     """The FastAPI app wrapped in the gateway (request ids, body limit, keys, telemetry)."""
-    from servelm.server.admin_kv import add_kv_routes
-    from servelm.server.admin_lora import add_lora_routes
+    from servelm.server.admin.kv import add_kv_routes
+    from servelm.server.admin.lora import add_lora_routes
+    from servelm.server.admin.ops import add_ops_routes
     from servelm.server.common import Api
-    from servelm.server.docs import add_docs_routes
     from servelm.server.errors import install_error_handlers
-    from servelm.server.gateway import Gateway
+    from servelm.server.middleware.gateway import Gateway
+    from servelm.server.native import routes as native
+    from servelm.server.openai import chat, completions, embeddings, models, tokenize
     from servelm.server.openapi import install_openapi
-    from servelm.server.ops import add_ops_routes
-    from servelm.server.routes import chat, completions, embeddings, models, native, tokenize
+    from servelm.server.web.docs import add_docs_routes
 
     app = FastAPI(title="servelm", description="OpenAI-compatible LLM server", docs_url=None, redoc_url=None)
     add_docs_routes(app)  # Swagger UI and ReDoc with local assets: they work offline
@@ -72,19 +73,23 @@ def build_app(state: ServerState):
     add_ops_routes(app, state)
     add_kv_routes(app, state)
     add_lora_routes(app, state)
-    from servelm.server.routes import ollama, responses, webui
+    from servelm.server.ollama import routes as ollama
+    from servelm.server.openai import responses
+    from servelm.server.web import routes as webui
     for family in (ollama, responses, webui):  # Ollama's /api/*, OpenAI's /v1/responses, the chat page at /
         family.add_routes(app, api)
-    from servelm.server.routes import oip  # the Open Inference Protocol (non-LLM models); app.state.oip
+    from servelm.server.oip import (
+        routes as oip,  # the Open Inference Protocol (non-LLM models); app.state.oip
+    )
 
     oip.add_routes(app, state)
     if state.control is not None:
-        from servelm.server.admin import add_admin_routes
+        from servelm.server.admin.routes import add_admin_routes
 
         add_admin_routes(app, state)
     if state.traffic is not None:
-        from servelm.server.admin_traffic import add_traffic_routes
-        from servelm.server.routes import feedback
+        from servelm.server.admin.traffic import add_traffic_routes
+        from servelm.server.native import feedback
 
         add_traffic_routes(app, state)
         feedback.add_routes(app, state)

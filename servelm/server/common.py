@@ -20,11 +20,11 @@ from fastapi import Request
 
 from servelm.control.types import Kind
 from servelm.outputs import RequestOutput
-from servelm.server import protocol as p
-from servelm.server.admission import check_model
-from servelm.server.protocol import APIError
-from servelm.server.telemetry import OUTPUT_HEAD, RequestRecord
-from servelm.server.tools import template_messages
+from servelm.server.middleware.admission import check_model
+from servelm.server.observability.telemetry import OUTPUT_HEAD, RequestRecord
+from servelm.server.openai import protocol as p
+from servelm.server.openai.protocol import APIError
+from servelm.server.openai.tools import template_messages
 from servelm.worker.client import EngineDeadError, QueueTimeout, RequestRejected
 
 Job = tuple  # (request id, prompt token ids, SamplingParams, prompt text | None, priority, cache salt | None)

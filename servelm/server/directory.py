@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from servelm.control.types import ControlError, Kind, ModelVersion
-from servelm.server.protocol import APIError
+from servelm.server.openai.protocol import APIError
 from servelm.worker.engine_client import EngineClient
 
 

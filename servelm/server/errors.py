@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from servelm.server.protocol import ROLES, APIError
+from servelm.server.openai.protocol import ROLES, APIError
 
 logger = logging.getLogger("servelm.server")
 

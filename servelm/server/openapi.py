@@ -14,7 +14,7 @@ ERROR_SCHEMA = {
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
 }
-# The Open Inference Protocol's error shape, which every /v2 route answers (servelm.server.oip_codec.error_body).
+# The Open Inference Protocol's error shape, which every /v2 route answers (servelm.server.oip.codec.error_body).
 OIP_ERROR_SCHEMA = {
     "type": "object", "required": ["error", "code", "param"], "additionalProperties": False,
     "properties": {"error": {"type": "string"}, "code": {"type": ["string", "null"]},

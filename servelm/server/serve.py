@@ -52,7 +52,7 @@ def load_config(args):
 
 
 def _embedder(server):
-    from servelm.worker.embedder import DEFAULT_EMBED_NAME, Embedder, default_embedding_path
+    from servelm.runtimes.embedder import DEFAULT_EMBED_NAME, Embedder, default_embedding_path
 
     if server.embedding_model == "none":
         return None, None
@@ -72,13 +72,13 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
                 more: list | None = None):
     """Everything the API needs, wired to one config tree. `engine`, `tokenizer`, `model_name` are the default
     model; `more` lists further fixed models as (engine, tokenizer, name), each with its own metrics labels."""
-    from servelm.server.admission import Admission
     from servelm.server.api import ServerState
-    from servelm.server.auth import KeyStore
     from servelm.server.directory import ModelDirectory, ServedModel
     from servelm.server.launch import cli_aliases
-    from servelm.server.metrics import Metrics
-    from servelm.server.telemetry import Telemetry
+    from servelm.server.middleware.admission import Admission
+    from servelm.server.middleware.auth import KeyStore
+    from servelm.server.observability.metrics import Metrics
+    from servelm.server.observability.telemetry import Telemetry
 
     srv = config.server
     keys = KeyStore.from_config(srv.secret("api_key"), srv.api_keys_file, srv.secret("admin_key"))
@@ -97,11 +97,11 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
         name, path, _ = parse_lora_module(module)
         directory.add_adapter(name, model_name, path)
     if tracing is None and srv.otlp_endpoint:
-        from servelm.server.telemetry import Tracing
+        from servelm.server.observability.telemetry import Tracing
 
         tracing = Tracing(endpoint=srv.otlp_endpoint, service_name=srv.otlp_service_name)
     telemetry = Telemetry(metrics, srv.log_requests, srv.log_prompts, tracing)
-    from servelm.server.ratelimit import store_for
+    from servelm.server.middleware.ratelimit import store_for
 
     admission = Admission(config, metrics, engine.num_queued, store=store_for(srv))
     return ServerState(engine, model_name, tokenizer, config, keys, metrics, admission, telemetry, embedder,
@@ -270,7 +270,7 @@ def _http_protocol(srv):
         return "auto"
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    from servelm.server.header_timeout import with_header_timeout
+    from servelm.server.middleware.header_timeout import with_header_timeout
 
     return with_header_timeout(AutoHTTPProtocol, srv.header_timeout_s)
 
@@ -330,7 +330,7 @@ def cmd_serve(args, engine_factory=None) -> int:
     """`servelm serve`; `engine_factory` makes the engines another way (servelm.ray: on a Ray cluster)."""
     import json
 
-    from servelm.server.auth import KeyStore
+    from servelm.server.middleware.auth import KeyStore
 
     config = load_config(args)  # ConfigError (a ValueError): main() prints it and exits 2
     srv = config.server

@@ -5,7 +5,7 @@ The request path touches it three times: `attrs()` when the model is resolved (t
 through DeploymentManager.route), `fault()` before the engine runs (a test hook), and `complete()` just before
 the response's last byte (the gateway awaits it there: the prediction-log entry is durable before the client
 has its answer, then canary windows, experiment arms, drift windows, the shadow mirror and metrics are fed).
-The admin routes (server/admin_traffic.py) and the canary runner (control/canary_runner.py) change it.
+The admin routes (server/admin/traffic.py) and the canary runner (control/canary_runner.py) change it.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from servelm.control.predictions import Prediction, PredictionLog
 from servelm.control.shadow import ShadowMirror, ShadowResult
 from servelm.control.traffic import RequestAttrs, TrafficPolicy
 from servelm.control.types import ControlError
-from servelm.server.drift_watch import DriftSnapshot, DriftWatch
-from servelm.server.protocol import APIError
-from servelm.server.telemetry import RequestRecord
-from servelm.server.traffic_metrics import TrafficMetrics
-from servelm.server.webhook import Webhook
+from servelm.server.observability.drift_watch import DriftSnapshot, DriftWatch
+from servelm.server.observability.telemetry import RequestRecord
+from servelm.server.observability.traffic_metrics import TrafficMetrics
+from servelm.server.observability.webhook import Webhook
+from servelm.server.openai.protocol import APIError
 
 logger = logging.getLogger("servelm.traffic")
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/chat"})
@@ -450,7 +450,7 @@ class TrafficService:
         return self.watch.monitor(name)
 
     def drift_report(self, name: str, snap: DriftSnapshot | DriftMonitor | None = None, fresh: bool = True) -> dict:
-        """The model's drift report (server/drift_watch.py; 404 when it has served nothing yet)."""
+        """The model's drift report (server/observability/drift_watch.py; 404 when it has served nothing yet)."""
         return self.watch.report(name, snap, fresh)
 
 

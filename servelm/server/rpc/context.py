@@ -21,8 +21,8 @@ from starlette.datastructures import Headers
 
 from servelm.control.types import ControlError
 from servelm.server.errors import _best, _validation_message
-from servelm.server.protocol import APIError
-from servelm.server.telemetry import RequestRecord
+from servelm.server.observability.telemetry import RequestRecord
+from servelm.server.openai.protocol import APIError
 
 logger = logging.getLogger("servelm.server")
 

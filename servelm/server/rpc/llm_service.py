@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from servelm.server import protocol as p
 from servelm.server.common import Api
-from servelm.server.routes.embeddings import _embed, _embedder
-from servelm.server.routes.models import model_cards
-from servelm.server.routes.native import _reason
+from servelm.server.native.routes import _reason
+from servelm.server.openai import protocol as p
+from servelm.server.openai.embeddings import _embed, _embedder
+from servelm.server.openai.models import model_cards
 from servelm.server.rpc.context import Calls, RpcRequest
 from servelm.server.rpc.stubs import load
 

@@ -1,12 +1,12 @@
 """inference.GRPCInferenceService: the Open Inference Protocol over gRPC, over the same model runtime
-(`servelm.server.oip.OipModels`: registry versions, batchers, metrics) as the REST routes. Liveness and
+(`servelm.server.oip.runtime.OipModels`: registry versions, batchers, metrics) as the REST routes. Liveness and
 readiness are open, as /v2/health/* are; the other calls need a key where the server has keys."""
 
 from __future__ import annotations
 
-from servelm.server.oip import OipModels
-from servelm.server.oip_codec import decode_grpc, encode_grpc
-from servelm.server.routes.oip import SERVER_METADATA, server_ready
+from servelm.server.oip.codec import decode_grpc, encode_grpc
+from servelm.server.oip.routes import SERVER_METADATA, server_ready
+from servelm.server.oip.runtime import OipModels
 from servelm.server.rpc.context import Calls
 from servelm.server.rpc.stubs import load
 

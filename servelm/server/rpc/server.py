@@ -48,7 +48,7 @@ class RpcServer:
         from grpc_reflection.v1alpha import reflection
 
         from servelm.server.common import Api
-        from servelm.server.routes.oip import server_ready
+        from servelm.server.oip.routes import server_ready
         from servelm.server.rpc.context import Calls
         from servelm.server.rpc.llm_service import SERVICE, LlmService, pb_grpc
 
@@ -112,7 +112,7 @@ def _Health(state, ours: tuple[str, ...]):
     not ready (as /ready does), not only while the gRPC server is down."""
     from grpc_health.v1 import health, health_pb2
 
-    from servelm.server.routes.oip import server_ready
+    from servelm.server.oip.routes import server_ready
 
     class Health(health.aio.HealthServicer):
         async def Check(self, request, context):

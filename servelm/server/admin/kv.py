@@ -1,0 +1,69 @@
+"""POST /admin/kv/save and /admin/kv/load (admin key): a model's engine saves its prefix cache to a file, or
+restores it from one. The engine process does the work between steps; this process only asks and answers."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field
+
+from servelm.server.openai.protocol import APIError
+
+# the engine's refusal -> (status, code)
+_ERRORS = {"mismatch": (409, "kv_cache_mismatch"), "corrupt": (400, "kv_cache_corrupt"),
+           "not_found": (404, "kv_cache_not_found"), "invalid": (400, "invalid_kv_cache_request"),
+           "internal": (500, "internal_error")}
+
+
+class KVBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Annotated[str, Field(min_length=1)] | None = Field(
+        None, description="the served model whose cache to save or restore (default: the default model)")
+    path: Annotated[str, Field(min_length=1, max_length=4096)] | None = Field(
+        None, description="a file, or a directory holding one file per model, on the server's machine "
+                          "(default: the --kv-cache-persist directory)")
+
+
+class KVOut(BaseModel):
+    model: str
+    path: str
+    num_blocks: int = Field(description="blocks written, or restored into the cache")
+    num_skipped: int = Field(description="load: blocks already cached, or left out for want of free blocks")
+    size_bytes: int
+    seconds: float
+
+
+def add_kv_routes(app: FastAPI, state) -> None:
+    async def run(action: str, body: KVBody | None) -> KVOut:
+        body = body or KVBody()
+        served = state.models.default if body.model is None else \
+            next((m for m in state.models.fixed() if m.served_name == body.model), None)
+        if served is None:
+            raise APIError(404, f"no model {body.model!r} is served from start", "model", "model_not_found")
+        if not hasattr(served.engine, "kv_cache"):
+            raise APIError(400, f"{served.served_name} runs on several workers; save or load a single engine's "
+                           "cache", "model", "invalid_kv_cache_request")
+        from servelm.worker.client import EngineDeadError
+
+        try:
+            done = await served.engine.kv_cache(action, body.path)
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from e
+        if done.error is not None:
+            status, code = _ERRORS.get(done.error, (500, "internal_error"))
+            raise APIError(status, done.message, "path" if status in (400, 404) else None, code)
+        return KVOut(model=served.served_name, path=done.path, num_blocks=done.num_blocks,
+                     num_skipped=done.num_skipped, size_bytes=done.size_bytes, seconds=done.seconds)
+
+    @app.post("/admin/kv/save", response_model=KVOut)
+    async def kv_save(body: KVBody | None = None):
+        """Save the model's prefix cache (every cached block) to a file."""
+        return await run("save", body)
+
+    @app.post("/admin/kv/load", response_model=KVOut)
+    async def kv_load(body: KVBody | None = None):
+        """Restore a saved prefix cache into the model's free blocks. 409 if the file was saved for another
+        model, dtype or block size; 400 if it is damaged (the cache is left as it was)."""
+        return await run("load", body)

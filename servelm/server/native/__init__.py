@@ -1,0 +1,1 @@
+"""servelm's native endpoints: /generate, /chat and /v1/feedback."""

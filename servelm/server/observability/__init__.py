@@ -1,0 +1,1 @@
+"""Prometheus metrics, the request log and traces, drift windows and the operator's webhook."""

@@ -1,0 +1,320 @@
+"""Ollama's API: POST /api/generate, /api/chat (NDJSON streams), /api/embed, /api/embeddings, /api/show and
+GET /api/tags, /api/ps, /api/version, so Ollama's clients and UIs work against servelm unchanged.
+
+Generation goes through the same `Api` machinery as the OpenAI routes (model resolution, admission, metrics,
+client-disconnect aborts), `format` through the same grammars as response_format, and `tools` through the same
+chat template arguments and tool-call parsers as tool_choice auto; only the request and response shapes are
+Ollama's (a tool call: `message.tool_calls: [{"function": {"name": ..., "arguments": {...}}}]`). Errors are Ollama's shape,
+{"error": "message"}, with the same HTTP status as the OpenAI routes would give (a failure after the stream
+began is a last {"error": ...} line, as Ollama sends it). The routes stay out of /openapi.json, whose error
+schema is OpenAI's: Ollama's own API reference documents them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+import uuid
+from datetime import datetime, timezone
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from servelm.control.types import ControlError, Kind
+from servelm.server.common import Api, record
+from servelm.server.ollama import protocol as o
+from servelm.server.openai import protocol as p
+from servelm.server.openai.embeddings import _embed, _embedder
+from servelm.server.openai.protocol import APIError
+from servelm.server.openai.tool_parsers import ToolCall, ToolStream, parse
+from servelm.server.openai.tools import choose_parser
+from servelm.version import __version__
+
+NDJSON = "application/x-ndjson"
+
+
+def _now() -> str:
+    """Ollama's created_at: RFC 3339 in UTC."""
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _ns(a: float | None, b: float | None) -> int:
+    return int((b - a) * 1e9) if a is not None and b is not None and b >= a else 0
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
+
+
+def ollama_errors(route):
+    """Answer the route's refusals in Ollama's error shape."""
+    @functools.wraps(route)
+    async def wrapped(*args, **kwargs):
+        try:
+            return await route(*args, **kwargs)
+        except APIError as e:
+            return _error(e)
+        except ControlError as e:
+            return _error(APIError(e.status, e.message, e.param, e.code))
+    return wrapped
+
+
+async def _body(request: Request, cls):
+    try:
+        data = json.loads(await request.body() or b"{}")
+    except ValueError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    return o.validate(cls, data)
+
+
+async def _resolve(api: Api, request: Request, model: str | None, kind: Kind = Kind.GENERATE, req=None):
+    """The model a request names; Ollama's clients add ':latest' to a bare name, which servelm's names lack."""
+    try:
+        return await api.resolve(request, model, kind, req=req)
+    except APIError as e:
+        if e.status != 404 or not model or not model.endswith(":latest"):
+            raise
+        return await api.resolve(request, model.removesuffix(":latest"), kind, req=req)
+
+
+def _done_reason(finish: str | None) -> str:
+    return "length" if finish == "length" else "stop"
+
+
+class _Reply:
+    """How a generation's text becomes Ollama's payloads: {"response": text} (generate) or {"message": {...}}
+    (chat)."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+
+    def payload(self, text: str, calls: list[ToolCall] | None = None) -> dict:
+        if not self.chat:
+            return {"response": text}
+        message = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = [{"function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                                     for c in calls]
+        return {"message": message}
+
+    def chunks(self, text: str, finish: str | None) -> list[dict]:
+        """The payloads of the streamed lines for new text (and, with finish, the end), before the last line."""
+        return [self.payload(text)] if text else []
+
+    def whole(self, text: str, finish: str | None) -> dict:
+        return self.payload(text)
+
+
+class _ToolReply(_Reply):
+    """Chat with tools on offer: calls in the reply (in the format `parser` reads) become message.tool_calls,
+    streamed as soon as each is complete; a reply cut short by num_predict stays text."""
+
+    def __init__(self, parser: str) -> None:
+        super().__init__(chat=True)
+        self.parser, self.stream = parser, ToolStream(parser)
+
+    def chunks(self, text: str, finish: str | None) -> list[dict]:
+        out = []
+        content, calls = self.stream.feed(text) if text else ("", [])
+        if content or calls:
+            out.append(self.payload(content, calls))
+        if finish is not None:
+            if finish == "length":
+                content, calls, self.stream.pending = self.stream.pending, [], ""
+            else:
+                content, calls = self.stream.finish()
+            if content or calls:
+                out.append(self.payload(content, calls))
+        return out
+
+    def whole(self, text: str, finish: str | None) -> dict:
+        if finish == "length":
+            return self.payload(text)
+        content, calls = parse(self.parser, text)
+        return self.payload(content or "" if calls else text, calls)
+
+
+async def _run(api: Api, m, request: Request, body, ids: list[int], prompt: str | None, reply: _Reply,
+               extra_final):
+    """Run one generation; `reply` shapes its text, `extra_final(output_ids)` adds to the final line."""
+    opts = o.Options.parse(body.options)
+    params = api.params(m, opts, len(ids))
+    params.structured_outputs = body.structured()
+    if isinstance(reply, _ToolReply) and reply.parser == "mistral":
+        params.skip_special_tokens = False  # [TOOL_CALLS] is a special token: the parser must see it
+    prio = api.admit(m, request, body, [ids], [params])
+    api.log_prompt(request, [prompt if prompt is not None else ids])
+    rec = record(request)
+    job = (f"ollama-{uuid.uuid4().hex}", ids, params, prompt, prio, api.cache_salt(request, body))
+    model = m.served_name if body.model is None else body.model  # Ollama echoes the name asked for
+
+    def final(finish, out_ids: list[int]) -> dict:
+        end = time.monotonic()
+        return {"model": model, "created_at": _now(), **reply.payload(""), "done": True,
+                "done_reason": _done_reason(finish),
+                **extra_final(out_ids), "total_duration": _ns(rec.start, end),
+                "load_duration": int((rec.load_wait_s or 0) * 1e9), "prompt_eval_count": len(ids),
+                "prompt_eval_duration": _ns(rec.submitted, rec.first_token), "eval_count": len(out_ids),
+                "eval_duration": _ns(rec.first_token, rec.last_token)}
+
+    if body.stream:
+        head = await api.open(m, request, job)
+
+        async def lines():
+            out_ids: list[int] = []
+            finish = None
+            try:
+                async for out in head:
+                    c = out.outputs[0]
+                    out_ids += c.token_ids
+                    finish = c.finish_reason or finish
+                    for payload in reply.chunks(c.text, c.finish_reason):
+                        yield _line({"model": model, "created_at": _now(), **payload, "done": False})
+                yield _line(final(finish, out_ids))
+            except APIError as e:
+                rec.error = e.message
+                yield _line({"error": e.message})
+        return StreamingResponse(lines(), media_type=NDJSON)
+    [res] = await api.collect(m, request, [job])
+    acc = res[0]
+    return {**final(acc["finish"], acc["token_ids"]), **reply.whole(acc["text"], acc["finish"])}
+
+
+def _line(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+def _loaded(model: str | None) -> dict:
+    """Ollama's answer to a request with no prompt or messages: the model is loaded (servelm's always are)."""
+    return {"model": model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
+
+
+def _details(m) -> dict:
+    """Ollama's model details from what the engine reported when it became ready (empty for an embedding
+    model or an engine not ready yet)."""
+    info = getattr(m, "info", None)
+    arch = getattr(info, "architecture", "")
+    if not arch:
+        return {"parent_model": "", "format": "servelm", "family": "", "families": None, "parameter_size": "",
+                "quantization_level": ""}
+    family = arch.removesuffix("ForCausalLM").lower()  # LlamaForCausalLM -> llama, as Ollama names families
+    n = info.num_params
+    size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n else ""
+    quant = info.quantization if info.quantization not in ("", "none") else \
+        {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(info.dtype, info.dtype.upper())
+    return {"parent_model": "", "format": "servelm", "family": family, "families": [family],
+            "parameter_size": size, "quantization_level": quant.upper()}
+
+
+def add_routes(app: FastAPI, api: Api) -> None:
+    state = api.state
+
+    @app.post("/api/generate", include_in_schema=False)
+    @ollama_errors
+    async def generate(request: Request):
+        body = await _body(request, o.GenerateRequest)
+        body.refuse_unsupported()
+        m = await _resolve(api, request, body.model, req=body)
+        if not body.prompt and not body.context:
+            return _loaded(body.model or m.served_name)
+        prompt = body.prompt or ""
+        if body.raw or getattr(m.tokenizer, "chat_template", None) is None:
+            text = (body.system + "\n\n" if body.system and not body.raw else "") + prompt
+            ids = await api.off_loop(lambda: api.encode(m, text, add_special_tokens=not body.context))
+        else:  # Ollama puts the prompt (and system) through the model's template, as a user turn
+            conv = ([p.SystemMessage(role="system", content=body.system)] if body.system else []) + \
+                [p.UserMessage(role="user", content=prompt)]
+            ids = await api.chat_ids(m, conv)
+        ids = list(body.context or []) + ids
+        if not ids:
+            raise APIError(400, "the prompt is empty", "prompt")
+        return await _run(api, m, request, body, ids, None, _Reply(chat=False),
+                          lambda out_ids: {"context": ids + out_ids})
+
+    @app.post("/api/chat", include_in_schema=False)
+    @ollama_errors
+    async def chat(request: Request):
+        body = await _body(request, o.ChatRequest)
+        body.refuse_unsupported()
+        m = await _resolve(api, request, body.model, req=body)
+        if not body.messages:
+            done = _loaded(body.model or m.served_name)
+            del done["response"]
+            return {**done, "message": {"role": "assistant", "content": ""}}
+        msgs = [x.to_chat(i) for i, x in enumerate(body.messages)]
+        tools = body.template_tools()
+        ids = await api.chat_ids(m, msgs, tools=tools)
+        reply = _ToolReply(choose_parser(api.state.config.server.tool_call_parser,
+                                         getattr(m.tokenizer, "chat_template", None))) if tools else _Reply(chat=True)
+        return await _run(api, m, request, body, ids, None, reply, lambda _: {})
+
+    @app.post("/api/embed", include_in_schema=False)
+    @ollama_errors
+    async def embed(request: Request):
+        body = await _body(request, o.EmbedRequest)
+        start = time.monotonic()
+        embedder, name = await _embedder(api, request, _embed_model(body.model))
+        inputs = [body.input] if isinstance(body.input, str) else body.input
+        vectors, tokens = await _embed(api, embedder, inputs)
+        return {"model": body.model or name, "embeddings": [v.tolist() for v in vectors],
+                "total_duration": _ns(start, time.monotonic()), "load_duration": 0, "prompt_eval_count": tokens}
+
+    @app.post("/api/embeddings", include_in_schema=False)
+    @ollama_errors
+    async def embeddings(request: Request):
+        body = await _body(request, o.LegacyEmbeddingsRequest)
+        embedder, _ = await _embedder(api, request, _embed_model(body.model))
+        vectors, _ = await _embed(api, embedder, [body.prompt])
+        return {"embedding": vectors[0].tolist()}
+
+    def _embed_model(model: str | None) -> str | None:
+        if model and model.endswith(":latest") and model.removesuffix(":latest") == state.embed_model_name:
+            return state.embed_model_name
+        return model
+
+    def entries() -> list[tuple[str, object, bool]]:
+        """(name, model, is embedding) of every model the server answers for."""
+        out = [(m.served_name, m, False) for m in state.models]
+        if state.embedder is not None:
+            out.append((state.embed_model_name, state.embedder, True))
+        out += [(m.served_name, m, True) for m in state.models.deployed(Kind.EMBED)]
+        return out
+
+    def tag(name: str, m) -> dict:
+        return {"name": name, "model": name, "modified_at": _now(), "size": 0,
+                "digest": uuid.uuid5(uuid.NAMESPACE_URL, "servelm:" + name).hex, "details": _details(m)}
+
+    @app.get("/api/tags", include_in_schema=False)
+    async def tags():
+        return {"models": [tag(n, m) for n, m, _ in entries()]}
+
+    @app.get("/api/ps", include_in_schema=False)
+    async def ps():
+        # servelm's models stay loaded for the server's life (on-demand ones until keep_alive_s idle)
+        return {"models": [{**tag(n, m), "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0,
+                            "context_length": getattr(m, "max_model_len", 0) if not emb else 0}
+                           for n, m, emb in entries()]}
+
+    @app.get("/api/version", include_in_schema=False)
+    async def version():
+        return {"version": __version__}
+
+    @app.post("/api/show", include_in_schema=False)
+    @ollama_errors
+    async def show(request: Request):
+        body = await _body(request, o.ShowRequest)
+        name = body.model or body.name
+        if not name:
+            raise APIError(400, "model is required", "model")
+        found = {n: (m, emb) for n, m, emb in entries()}
+        key = name if name in found else name.removesuffix(":latest")
+        if key not in found:
+            raise APIError(404, f"model {name!r} not found", "model", "model_not_found")
+        m, emb = found[key]
+        template = "" if emb else (getattr(m.tokenizer, "chat_template", None) or "")
+        info = {"general.architecture": "bert" if emb else "", "servelm.context_length":
+                0 if emb else getattr(m, "max_model_len", 0)}
+        return {"modelfile": "", "parameters": "", "template": template, "details": _details(m),
+                "model_info": info, "capabilities": ["embedding"] if emb else ["completion"],
+                "modified_at": _now()}

@@ -1,0 +1,89 @@
+"""POST /v1/chat/completions: a conversation rendered with the model's chat template, n samples, streamed or
+not."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from servelm.server.common import Api, record, sse, usage
+from servelm.server.openai import protocol as p
+from servelm.server.openai.logprobs import chat_logprobs
+from servelm.server.openai.protocol import APIError
+from servelm.server.openai.tools import ToolReply, choose_parser, template_tools
+
+
+def add_routes(app: FastAPI, api: Api) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: p.ChatCompletionRequest, request: Request):
+        m = await api.resolve(request, req.model, req=req)
+        ids = await api.chat_ids(m, req.messages, req.add_generation_prompt, template_tools(req),
+                                 **(req.chat_template_kwargs or {}))
+        params = api.params(m, req, len(ids))
+        tools = ToolReply(req, choose_parser(api.state.config.server.tool_call_parser,
+                                             getattr(m.tokenizer, "chat_template", None)))
+        if tools.active and tools.parser == "mistral":
+            params.skip_special_tokens = False  # [TOOL_CALLS] is a special token: the parser must see it
+        prio = api.admit(m, request, req, [ids], [params])
+        api.log_prompt(request, [msg.text() for msg in req.messages])
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created, model = int(time.time()), m.served_name
+        job = (rid, ids, params, None, prio, api.cache_salt(request, req))
+        k = req.top_logprobs or 0
+
+        if req.stream:
+            head = await api.open(m, request, job)
+            model = record(request).model or model  # the version that took it (a swap may be under way)
+
+            async def events():
+                completion_tokens = 0
+                streams = {j: tools.stream() for j in range(req.n)} if tools.active else {}
+                try:
+                    for j in range(req.n):
+                        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                                   "choices": [{"index": j, "delta": {"role": "assistant", "content": "",
+                                                                      "refusal": None},
+                                                "logprobs": None, "finish_reason": None}]})
+                    async for out in head:
+                        for c in out.outputs:
+                            completion_tokens += len(c.token_ids)
+                            if not (c.text or c.finish_reason):
+                                continue
+                            lp = chat_logprobs(c.token_ids, c.logprobs, k) if c.logprobs else None
+                            if c.index in streams:  # tools on offer: calls become delta.tool_calls
+                                deltas, finish = streams[c.index].deltas(c.text, c.finish_reason)
+                            else:
+                                deltas, finish = [{"content": c.text} if c.text else {}], c.finish_reason
+                            if finish is not None and not deltas:
+                                deltas = [{}]
+                            for i, delta in enumerate(deltas):
+                                last = i == len(deltas) - 1
+                                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                           "model": model, "choices": [{
+                                               "index": c.index, "delta": delta, "logprobs": lp if last else None,
+                                               "finish_reason": finish if last else None,
+                                               "stop_reason": c.stop_reason if last else None}]})
+                    if req.stream_options and req.stream_options.include_usage:
+                        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                                   "choices": [], "usage": usage(len(ids), completion_tokens)})
+                except APIError as e:
+                    record(request).error = e.message
+                    yield sse(e.body())
+                yield sse("[DONE]")
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        [final] = await api.collect(m, request, [job])
+        model = record(request).model or model
+        choices, completion_tokens = [], 0
+        for j in sorted(final):
+            acc = final[j]
+            completion_tokens += len(acc["token_ids"])
+            message, finish = tools.message(acc["text"], acc["finish"])
+            choices.append({"index": j, "message": message,
+                            "logprobs": chat_logprobs(acc["token_ids"], acc["logprobs"], k) if req.logprobs else None,
+                            "finish_reason": finish, "stop_reason": acc["stop_reason"]})
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+                "usage": usage(len(ids), completion_tokens)}

@@ -1,1 +1,0 @@
-"""The HTTP routes, one module per family; each has `add_routes(app, api)`."""
