@@ -25,7 +25,7 @@ Each measurement runs in a child process (a crash or a hang costs its section, n
 printed as a JSON line as it comes, and one JSON object ends the run (also written to --out-dir). Models get
 a tokenizer of exactly their vocabulary size whose every id decodes to text (a byte-level BPE vocabulary
 padded with `<xN>` tokens), so that every generated token is a streamed chunk. A check, not a test: CI runs
-only the `--device cpu --quick` smoke (tests/test_gpu_check.py).
+only the `--device cpu --quick` smoke (tests/gpu/test_gpu_check.py).
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 
 # The GPU test files (the Triton kernels, the CUDA-graph path and the engine on CUDA against transformers).
-GPU_TESTS = ["tests/test_gpu.py", "tests/test_triton_attention.py", "tests/test_triton_elementwise.py",
-             "tests/test_quant_triton.py", "tests/test_cuda_graphs.py"]
+GPU_TESTS = ["tests/gpu/test_gpu.py", "tests/kernels/test_triton_attention.py", "tests/kernels/test_triton_elementwise.py",
+             "tests/kernels/test_quant_triton.py", "tests/kernels/test_cuda_graphs.py"]
 # Without CUDA: test_gpu.py skips itself; one quick test of the graph path shows that pytest ran.
-CPU_TESTS = ["tests/test_gpu.py", "tests/test_cuda_graphs.py::test_capture_sizes_cover_every_batch_up_to_the_limit"]
+CPU_TESTS = ["tests/gpu/test_gpu.py", "tests/kernels/test_cuda_graphs.py::test_capture_sizes_cover_every_batch_up_to_the_limit"]
 TEST_VOCAB = 49152  # tests/conftest.py's VOCAB
 
 TINY = (128, 2, 4, 2, 256, 1024, False)  # hidden, layers, heads, kv heads, intermediate, vocab, tied: CPU smoke

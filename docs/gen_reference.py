@@ -6,7 +6,7 @@
 - `reference/metrics.md`: every Prometheus metric the server registers, with its type, labels and help.
 
 The mkdocs hook (`docs/hooks.py`) adds these pages to each build; nothing is written into `docs/`. To look at
-them without mkdocs: `python docs/gen_reference.py OUTDIR`. `tests/test_docs.py` builds the site and checks
+them without mkdocs: `python docs/gen_reference.py OUTDIR`. `tests/project/test_docs.py` builds the site and checks
 that the CLI and configuration pages list every flag of `servelm serve`.
 
 Classes and functions are found by where the source defines them (not by a fixed module path), so moving a

@@ -43,6 +43,6 @@ printf '[engine]\nmax_num_seqs = 7\n' > "$tok/servelm.toml"
 printed=$("$VENV/bin/python" -m servelm.entrypoints.cli serve --config "$tok/servelm.toml" --print-config)
 grep -q '"value": 7' <<<"$printed" || { echo "smoke_py310: --print-config did not read the TOML file" >&2; exit 1; }
 SERVELM_TEST_TOKENIZER=$tok SERVELM_CPU_KERNELS=0 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-  tests/test_config.py tests/test_block_manager.py tests/test_priority.py tests/test_observability_files.py \
-  tests/test_detokenizer.py tests/test_startup.py::test_api_side_imports_stay_light \
-  tests/test_startup.py::test_engine_process_exits_when_its_parent_is_killed
+  tests/cli/test_config.py tests/engine/test_block_manager.py tests/engine/test_priority.py tests/project/test_observability_files.py \
+  tests/engine/test_detokenizer.py tests/cli/test_startup.py::test_api_side_imports_stay_light \
+  tests/cli/test_startup.py::test_engine_process_exits_when_its_parent_is_killed

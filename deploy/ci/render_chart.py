@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from tests.test_deploy_chart import PROFILES, render  # the profiles the tests validate
+    from tests.project.test_deploy_chart import PROFILES, render  # the profiles the tests validate
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Every environment variable servelm reads, read here and nowhere else (tests/test_config_env.py checks that no
+"""Every environment variable servelm reads, read here and nowhere else (tests/cli/test_config_env.py checks that no
 other module reads one, and that docs/reference/environment.md describes each). The one exception is the kernel
 build (model/kernels/build.py), which setup.py runs by path before servelm is importable: it reads $CXX.
 

@@ -20,7 +20,7 @@ from sqlalchemy import Connection, Engine, inspect, text
 
 from servelm.control import db
 
-# Every revision, oldest first; the last is the head this code needs. tests/test_schema.py checks it against
+# Every revision, oldest first; the last is the head this code needs. tests/control/test_schema.py checks it against
 # the migrations folder, so a new revision must be listed here too.
 REVISIONS = ("0001", "0002")
 HEAD = REVISIONS[-1]

@@ -8,7 +8,7 @@ from it. A step of n decodes runs the graph of the smallest captured size >= n; 
 dummy token whose key and value land in a spare KV block that no sequence owns.
 
 The same padded static-buffer path runs without capture on the CPU (`capture=False`), which is how CI
-checks its padding and metadata against the eager path; on the GPU `tests/test_gpu.py` checks replays.
+checks its padding and metadata against the eager path; on the GPU `tests/gpu/test_gpu.py` checks replays.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Built here from the checkpoint's tensors rather than through transformers' AutoModel, which imports
 transformers' whole modelling stack (3-4 s of server start-up) to run twenty lines of arithmetic.
-tests/test_encoder.py checks it against transformers' BertModel. Other encoder families go through
+tests/model/test_encoder.py checks it against transformers' BertModel. Other encoder families go through
 AutoModel (see `load_encoder`).
 """
 

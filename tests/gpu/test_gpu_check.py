@@ -1,0 +1,131 @@
+"""bench/gpu_check.py, the one-command check of a GPU machine, run as its CPU smoke (`--device cpu --quick`):
+every section runs and reports positive figures, lines stream before the final object, a spent budget
+skips sections with a reason and still prints the JSON, and the made-up tokenizers decode every id."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu_check.py"
+
+
+def _check(*args: str, out: Path, timeout: float) -> tuple[dict, list[dict]]:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--out-dir", str(out),
+                           *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    final = lines[-1]
+    assert final["check"] == "gpu_check"
+    assert json.loads((out / "gpu_check.json").read_text()) == final
+    return final, lines
+
+
+def _positive(*values) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+               for v in values)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[dict, list[dict]]:
+    out = tmp_path_factory.mktemp("gpu-check")
+    return _check("--work", str(out / "work"), out=out, timeout=400)
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_every_section_runs_and_passes(smoke):
+    final, _ = smoke
+    sections = final["sections"]
+    assert list(sections) == ["setup", "ceilings", "tests", "tiny", "s1"]
+    assert {name: s["status"] for name, s in sections.items()} == dict.fromkeys(sections, "ok")
+    assert final["ok"] is True and final["complete"] is True
+    assert _positive(final["wall_s"]) and final["wall_s"] <= final["budget_s"]
+    for s in sections.values():
+        assert _positive(s["cap_s"]) and s["wall_s"] >= 0
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_figures_are_positive_numbers(smoke):
+    sections = smoke[0]["sections"]
+    setup = sections["setup"]
+    assert setup["torch"] and isinstance(setup["missing_packages"], list)
+    assert _positive(sections["ceilings"]["copy_gb_s"], sections["ceilings"]["bf16_tflop_s"])
+
+    tests = sections["tests"]
+    assert tests["passed"] >= 1 and tests["failed"] == tests["errors"] == 0 and tests["failing"] == []
+    assert tests["skipped"] >= 1  # tests/gpu/test_gpu.py without CUDA
+
+    shape = sections["tiny"]
+    assert _positive(shape["w1"]["output_tok_s"], shape["w1"]["requests"], shape["w1"]["output_tokens"])
+    tpot = shape["tpot_b1"]
+    assert _positive(tpot["tpot_ms"], tpot["ttft_ms"], tpot["bound_ms"], tpot["tpot_over_bound"])
+    assert _positive(shape["prefill_2k"]["tflop_s"], shape["prefill_2k"]["ms"], shape["prefill_2k"]["of_peak"])
+    assert shape["prefill_2k"]["prompt_tokens"] == 2048
+    sampled = shape["w1_sampled"]
+    assert (sampled["temperature"], sampled["top_p"]) == (0.8, 0.95)
+    assert _positive(sampled["greedy_tok_s"], sampled["sampled_tok_s"], sampled["sampled_over_greedy"])
+    attention = shape["decode_attention"]  # the decode attention kernels, interpreted: a smoke of the figure
+    assert [(r["batch"], r["context"]) for r in attention["runs"]] == [(1, 64), (2, 64)]
+    for r in attention["runs"]:
+        assert _positive(r["single_ms"], r["split_ms"], r["single_over_split"], r["splits"])
+    assert attention["runs"][0]["splits"] > 1  # one row of two KV heads: the split-KV path ran
+    big = shape["w1_big"]
+    assert _positive(big["output_tok_s"], big["total_tok_s"], big["compute_bound_s"], big["of_bound"])
+    assert big["total_tok_s"] > big["output_tok_s"]  # the prompts' tokens count in the total
+
+    s1 = sections["s1"]
+    assert _positive(s1["ready_s"])
+    assert [r["rate"] for r in s1["rates"]] == [8.0, 16.0, 32.0]
+    for row in s1["rates"]:
+        assert row["status"] == "ok" and row["completed"] == row["requests"] and row["failed"] == 0
+        assert _positive(row["output_tok_s"], row["client_itl_ms"]["mean"], row["client_itl_ms"]["p50"],
+                         row["client_itl_ms"]["p99"])
+        server = row["server_itl_ms"]  # from the server's own histogram, between two scrapes of /metrics
+        assert _positive(server["count"], server["mean"], server["p50"], server["p99"])
+        assert _positive(row["client_over_server_mean"])
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_figures_stream_as_json_lines_before_the_final_object(smoke):
+    final, lines = smoke
+    assert lines[0]["sections"] == list(final["sections"])
+    figures = {(line["section"], line["figure"]) for line in lines if "figure" in line}
+    assert {("ceilings", "ceilings"), ("tiny", "w1"), ("tiny", "decode_attention"), ("tiny", "w1_big"),
+            ("s1", "rate 8")} <= figures
+    done = [line["section"] for line in lines if line.get("done")]
+    assert done == list(final["sections"])
+    assert any(line.get("section") == "tests" and line.get("outcome") == "PASSED" for line in lines)
+
+
+def test_a_spent_budget_skips_the_rest_with_the_reason(tmp_path):
+    final, _ = _check("--budget-s", "1", "--work", str(tmp_path / "work"), out=tmp_path, timeout=120)
+    sections = final["sections"]
+    assert sections["setup"]["status"] == "ok"
+    for name in ("ceilings", "tests", "tiny", "s1"):
+        assert sections[name]["status"] == "skipped"
+        assert sections[name]["reason"].startswith("time budget")
+
+
+def test_every_id_of_a_made_up_tokenizer_decodes_to_text(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_check import write_tokenizer
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(write_tokenizer(tmp_path / "tok", 1000))
+    assert len(tok) == 1000
+    assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
+    texts = [tok.decode([i]) for i in range(4, 1000)]
+    assert all(texts) and texts[-1] == "<x999>"
+    assert tok.decode(tok("print('hi')", add_special_tokens=False)["input_ids"]) == "print('hi')"
+    # a base tokenizer (here the one just made) is padded to a larger vocabulary, its own ids unchanged
+    padded = AutoTokenizer.from_pretrained(write_tokenizer(tmp_path / "padded", 1500, base=tmp_path / "tok"))
+    assert len(padded) == 1500 and padded.decode([1499]) == "<x1499>" and padded.decode([999]) == "<x999>"

@@ -1,0 +1,401 @@
+"""A real server on localhost with a tiny model, driven by the official openai SDK and raw httpx."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from serving import _ready, _wait, raw_request, start_server, stats, stop_server
+from tiny_models import random_prompts
+
+from servelm import LLM, SamplingParams
+
+pytestmark = pytest.mark.server
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    proc, url = start_server(llama_dir, "--num-kv-blocks", "256", "--max-model-len", "512")
+    yield url
+    assert stop_server(proc) == 0  # SIGTERM drains and exits cleanly
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(llama_dir):
+    return LLM(str(llama_dir), dtype="float32", num_kv_blocks=256, max_model_len=512)
+
+
+def test_health_ready_models(server, client):
+    assert httpx.get(server + "/health").json() == {"status": "ok"}
+    assert httpx.get(server + "/ready").status_code == 200
+    assert stats(server)["scheduler"]["num_kv_blocks"] == 256  # engine stats are there as soon as it is ready
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["tiny", "all-MiniLM-L6-v2"]
+    card = httpx.get(server + "/v1/models/tiny").json()
+    assert card["max_model_len"] == 512 and card["object"] == "model"
+
+
+def test_completion_greedy_equals_offline_generate(client, offline):
+    prompts = random_prompts(3, 5, 40, seed=40)
+    ref = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for p, r in zip(prompts, ref, strict=True):
+        res = client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert res.choices[0].text == r.outputs[0].text
+        assert res.usage.prompt_tokens == len(p) and res.usage.completion_tokens == 12
+        assert res.usage.total_tokens == len(p) + 12
+        stream = client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in stream) == r.outputs[0].text
+
+
+def test_chat_stream_and_usage(server, client, offline):
+    msgs = [{"role": "user", "content": "Say something"}]
+    ref = offline.chat(msgs, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    res = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert res.choices[0].message.content == ref.outputs[0].text
+    assert res.choices[0].finish_reason == "length" and res.object == "chat.completion"
+    assert abs(res.created - time.time()) < 3600
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_raw_sse_framing(server):
+    with httpx.stream("POST", server + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+
+
+def _raw_until_closed(url: str, request: bytes) -> bytes:
+    """Send `request` on a new connection (in a thread, so that a server refusing it part-way cannot block
+    the send) and return all the server sends until it closes the connection."""
+    import contextlib
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    with socket.create_connection((u.hostname, u.port), timeout=60) as sock:
+        def send():
+            with contextlib.suppress(OSError):  # the server closed (or reset) the connection part-way
+                sock.sendall(request)
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        data = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(65536):
+                data += chunk
+        sender.join(60)
+    return data
+
+
+def test_http10_stream_has_no_chunked_framing_and_ends_with_done(server):
+    """An HTTP/1.0 client cannot read chunked encoding: its stream comes whole with a Content-Length, the bare
+    events ending with `data: [DONE]`, and the connection closes (with httptools it came chunked)."""
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True, "stream": True}).encode()
+    request = (b"POST /v1/completions HTTP/1.0\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    head, _, payload = _raw_until_closed(server, request).partition(b"\r\n\r\n")
+    status, *header_lines = head.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip().lower() for k, v in (line.split(":", 1) for line in header_lines)}
+    assert status.split()[1] == "200" and headers["content-type"].startswith("text/event-stream"), head
+    assert "transfer-encoding" not in headers and int(headers["content-length"]) == len(payload), headers
+    assert payload.endswith(b"data: [DONE]\n\n"), payload[-200:]
+    events = payload.decode().split("\n\n")[:-1]
+    assert all(e.startswith("data: ") for e in events)
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]  # chunk sizes in the body would not parse
+    assert "".join(c["choices"][0]["text"] for c in chunks) and chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_oversized_request_head_is_refused(server):
+    """A 2 MB header is refused with 431 and the server serves on."""
+    request = b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * (2 << 20) + b"\r\n\r\n"
+    reply = _raw_until_closed(server, request)
+    assert reply.split(b"\r\n", 1)[0].split()[1] == b"431", reply[:200]
+    assert httpx.get(server + "/health").status_code == 200
+
+
+def test_n2_stop_seed_logprobs(client, offline):
+    p = random_prompts(1, 10, 10, seed=41)[0]
+    res = client.completions.create(model="tiny", prompt=p, max_tokens=8, n=2, temperature=1.0, seed=7,
+                                    logprobs=2, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in res.choices) == [0, 1]
+    assert res.usage.completion_tokens == 16
+    lp = res.choices[0].logprobs
+    assert len(lp.tokens) == 8 and all(v <= 0 for v in lp.token_logprobs)
+    again = client.completions.create(model="tiny", prompt=p, max_tokens=8, n=2, temperature=1.0, seed=7,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in res.choices]  # seeded: reproducible
+    greedy = offline.generate([p], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    text = greedy[0].outputs[0].text
+    stop = text[3:6]
+    stopped = client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0, stop=[stop],
+                                        extra_body={"ignore_eos": True})
+    assert stopped.choices[0].text == text[: text.find(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 3  # one entry per generated token
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert c.logprob <= 0 and c.logprob == c.top_logprobs[0].logprob  # greedy: the chosen token is the top one
+
+
+def test_completion_prompt_forms_and_echo(client):
+    res = client.completions.create(model="tiny", prompt=["Hello", "World"], max_tokens=2, temperature=0)
+    assert sorted(c.index for c in res.choices) == [0, 1]
+    res = client.completions.create(model="tiny", prompt=[[1, 5, 6], [1, 7]], max_tokens=2, temperature=0)
+    assert len(res.choices) == 2 and res.usage.prompt_tokens == 5
+    echo = client.completions.create(model="tiny", prompt="Hello there", max_tokens=2, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith("Hello there")
+
+
+def _hf_logprobs(model, ids: list[int]):
+    import torch
+
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_echo_with_logprobs_returns_the_prompt_tokens(server, client, hf_models, tokenizer):
+    """What lm-evaluation-harness's loglikelihood tasks send: the prompt's tokens come back with their
+    logprobs (the first None), for text and token-id prompts, also with max_tokens 0."""
+    text = "The capital of France is"
+    ids = httpx.post(server + "/tokenize", json={"prompt": text}).json()["tokens"]
+    ref = _hf_logprobs(hf_models["llama"], ids)
+    res = client.completions.create(model="tiny", prompt=text, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    lp = res.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1 and res.choices[0].text.startswith(text)
+    assert lp.tokens[:len(ids)] == [tokenizer.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for j in range(1, len(ids)):
+        assert lp.token_logprobs[j] == pytest.approx(float(ref[j - 1, ids[j]]), abs=1e-4)
+        best = int(ref[j - 1].argmax())
+        assert lp.top_logprobs[j][tokenizer.decode([best])] == pytest.approx(float(ref[j - 1, best]), abs=1e-4)
+    assert lp.text_offset[:3] == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
+    # token ids and max_tokens 0: only the prompt, scored; nothing generated
+    scored = client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=0, max_tokens=0)
+    c = scored.choices[0]
+    assert c.text == tokenizer.decode(ids) and c.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+    assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) == len(ids)
+    assert c.logprobs.token_logprobs[1:] == pytest.approx([float(ref[j - 1, ids[j]]) for j in range(1, len(ids))],
+                                                          abs=1e-4)
+    # streamed: the echo chunk carries the prompt's logprobs, and max_tokens 0 adds no text
+    chunks = list(client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=0, max_tokens=0,
+                                            stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == tokenizer.decode(ids)
+    assert chunks[0].choices[0].logprobs.token_logprobs == c.logprobs.token_logprobs
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # max_tokens 0 without echo generates nothing and scores nothing: refused
+    r = httpx.post(server + "/v1/completions", json={"prompt": text, "max_tokens": 0})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+
+
+def test_streamed_prompts_run_concurrently(client, offline):
+    """Several prompts in one streamed request run at once: the second prompt's first chunk comes before
+    the first prompt ends (run one after another, every chunk of prompt 0 would come first), each chunk
+    carries its prompt's index, and each prompt's text is what it gets alone."""
+    prompts = random_prompts(2, 6, 12, seed=44)
+    ref = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
+    chunks = [c.choices[0] for c in client.completions.create(
+        model="tiny", prompt=prompts, max_tokens=48, temperature=0, stream=True, extra_body={"ignore_eos": True})]
+    assert {c.index for c in chunks} == {0, 1}
+    first_of_1 = next(k for k, c in enumerate(chunks) if c.index == 1)
+    end_of_0 = next(k for k, c in enumerate(chunks) if c.index == 0 and c.finish_reason)
+    assert first_of_1 < end_of_0
+    for i in (0, 1):
+        assert "".join(c.text for c in chunks if c.index == i) == ref[i].outputs[0].text
+        assert [c.finish_reason for c in chunks if c.index == i][-1] == "length"
+
+
+def test_tokenize_detokenize_native(server):
+    ids = httpx.post(server + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert ids["count"] == len(ids["tokens"]) and ids["max_model_len"] == 512
+    assert httpx.post(server + "/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"].endswith("Hello world")
+    gen = httpx.post(server + "/generate", json={"prompt": "Hi", "max_tokens": 4, "temperature": 0}).json()
+    assert set(gen) == {"id", "text", "finish_reason", "usage"} and gen["usage"]["completion_tokens"] <= 4
+    with httpx.stream("POST", server + "/generate", json={"prompt": "Hi", "max_tokens": 4, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["finish_reason"] in ("stop", "length", "stop_sequence")
+    assert all(set(e) == {"token", "index", "finish_reason"} for e in events)
+    indexes = [e["index"] for e in events]
+    assert indexes == sorted(indexes) and indexes[0] >= 0 and indexes[-1] < 4  # token positions in the output
+    chat = httpx.post(server + "/chat", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert chat.status_code == 200 and "text" in chat.json()
+
+
+def test_embeddings_float_and_base64(server, client):
+    res = client.embeddings.create(model="all-MiniLM-L6-v2", input=["a cat", "a dog"])  # SDK: base64 path
+    v = np.array(res.data[0].embedding)
+    assert v.shape == (384,) and abs(np.linalg.norm(v) - 1) < 1e-4
+    raw = httpx.post(server + "/v1/embeddings", json={"input": "a cat", "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    assert np.allclose(decoded, v, atol=1e-5)
+    flt = httpx.post(server + "/v1/embeddings", json={"input": "a cat"}).json()
+    assert np.allclose(flt["data"][0]["embedding"], v, atol=1e-5)
+    native = httpx.post(server + "/embeddings", json={"input": ["x"]}).json()
+    assert len(native["embeddings"][0]) == 384
+    emb = stats(server)["embeddings"]
+    assert emb["batches"] >= 1 and emb["real_tokens"] <= emb["padded_tokens"]
+
+
+def test_embedding_process_is_separate_and_replaced_when_it_dies(server):
+    st = stats(server)
+    pid, engine_pid = st["embeddings"]["pid"], st["engine"]["pid"]
+
+    def parent(p: int) -> int:
+        return int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
+
+    # a child of the API process beside the engine process, not the API process itself
+    assert pid is not None and pid != engine_pid and parent(pid) == parent(engine_pid) != pid
+    before = httpx.post(server + "/v1/embeddings", json={"input": "a cat"}).json()["data"][0]["embedding"]
+    os.kill(pid, signal.SIGKILL)
+    down = httpx.post(server + "/v1/embeddings", json={"input": "a cat"})
+    assert down.status_code == 503 and down.json()["error"]["code"] == "embedder_unavailable"
+    again = httpx.post(server + "/v1/embeddings", json={"input": "a cat"}, timeout=120)  # waits for the new one
+    assert again.status_code == 200 and np.allclose(again.json()["data"][0]["embedding"], before, atol=1e-6)
+    emb = stats(server)["embeddings"]
+    assert emb["restarts"] == 1 and emb["pid"] not in (None, pid)
+    assert httpx.post(server + "/v1/chat/completions", json={  # generation never noticed
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("method, path, body, status, param", [
+    ("POST", "/v1/chat/completions", b"{not json", 400, None),
+    ("POST", "/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": 3}, 400,
+     "temperature"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+    ("POST", "/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
+    ("GET", "/v1/completions", None, 405, None),
+    ("GET", "/v1/nothing-here", None, 404, None),
+    ("GET", "/v1/models/gpt-9", None, 404, "model"),
+])
+def test_errors_have_openai_shape(server, method, path, body, status, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
+    r = httpx.request(method, server + path, headers={"content-type": "application/json"}, **kw)
+    assert r.status_code == status
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param:
+        assert err["param"] == param
+
+
+def test_context_error_names_both_numbers(server):
+    r = httpx.post(server + "/v1/completions", json={"prompt": [1] * 500, "max_tokens": 100})
+    assert r.status_code == 400
+    assert "512" in r.json()["error"]["message"] and "500" in r.json()["error"]["message"]
+
+
+def test_32_concurrent_streams_match_offline(client, offline):
+    prompts = random_prompts(32, 4, 60, seed=42)
+    ref = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+
+    def one(p):
+        s = client.completions.create(model="tiny", prompt=p, max_tokens=10, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+        return "".join(c.choices[0].text for c in s)
+
+    with ThreadPoolExecutor(32) as pool:
+        texts = list(pool.map(one, prompts))
+    assert texts == [r.outputs[0].text for r in ref]
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    total = stats(server)["scheduler"]["num_kv_blocks"]
+    with httpx.stream("POST", server + "/v1/completions", json={
+            "prompt": random_prompts(1, 40, 40, seed=43)[0], "max_tokens": 400, "stream": True,
+            "ignore_eos": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break  # leave mid-stream
+    _wait(lambda: (s := stats(server))["engine"]["in_flight"] == 0 and s["scheduler"]["num_running"] == 0
+          and s["scheduler"]["num_free_blocks"] == total, 60, "the aborted request's blocks to come back")
+
+
+def test_disconnect_while_queued_and_engine_restart(llama_dir):
+    proc, url = start_server(llama_dir, "--num-kv-blocks", "128", "--max-model-len", "1024", "--max-num-seqs", "1",
+                             "--embedding-model", "none")
+    try:
+        body = {"prompt": [1, 2, 3, 4], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        admitted_before = stats(url)["scheduler"]["prefix_cache_queries"]  # counts tokens at each admission
+        with httpx.stream("POST", url + "/v1/completions", json=body) as running:
+            running_lines = running.iter_lines()  # kept alive: dropping the iterator closes the connection
+            next(running_lines)  # the first request holds the only slot
+            queued = raw_request(url, "/v1/completions", body)  # a streaming client, waiting for its headers
+            # engine stats arrive with the next step, so wait for both views to agree
+            _wait(lambda: (s := stats(url))["engine"]["in_flight"] == 2 and s["scheduler"]["num_waiting"] == 1,
+                  30, "the second request to queue")
+            assert stats(url)["scheduler"]["num_running"] == 1
+            queued.close()
+            # the queued client left: its request is removed from the engine's queue
+            _wait(lambda: stats(url)["scheduler"]["num_waiting"] == 0 and stats(url)["engine"]["in_flight"] == 1,
+                  30, "the queued request to be aborted")
+            assert stats(url)["scheduler"]["prefix_cache_queries"] == admitted_before + 4  # never admitted
+            assert stats(url)["scheduler"]["num_running"] == 1  # the first one is untouched
+            # a non-streaming client that gives up while queued is aborted the same way
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
+            _wait(lambda: stats(url)["scheduler"]["num_waiting"] == 0 and stats(url)["engine"]["in_flight"] == 1,
+                  30, "the non-streaming queued request to be aborted")
+            s = stats(url)["scheduler"]
+            assert s["num_running"] == 1 and s["prefix_cache_queries"] == admitted_before + 4
+        _wait(lambda: stats(url)["scheduler"]["num_free_blocks"] == 128, 30, "all blocks to be free")
+
+        # Kill the engine mid-request: the client gets an error at once, /ready says so, the engine restarts.
+        pid = stats(url)["engine"]["pid"]
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            os.kill(pid, signal.SIGKILL)
+            events = [line for line in lines if line.startswith("data: ")]
+        assert any('"error"' in e and "engine" in e for e in events)
+        assert events[-1] == "data: [DONE]"
+        _wait(lambda: stats(url)["engine"]["pid"] != pid and _ready(url), 300, "the engine to restart")
+        assert stats(url)["engine"]["restarts"] == 1
+        ok = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json()
+        assert ok["usage"]["completion_tokens"] >= 1
+
+        # SIGTERM while a stream is in flight: it still completes, then the server exits 0.
+        drain = {**body, "max_tokens": 300}
+        with httpx.stream("POST", url + "/v1/completions", json=drain, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and not any('"error"' in x for x in rest)
+        finals = [json.loads(x[6:]) for x in rest[:-1]]
+        assert finals[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            assert stop_server(proc) == 0

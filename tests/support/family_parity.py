@@ -1,0 +1,105 @@
+"""Shared by the per-family parity tests (tests/model/test_phi3.py, tests/model/test_moe.py): build a tiny random-weight model
+from a transformers config, and check servelm's greedy tokens against transformers' on a scheduling mix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tiny_models import COMMON, hf_greedy, random_prompts, run
+
+from servelm import LLM, SamplingParams
+
+GREEDY8 = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+# Phi-4-mini's RoPE in small: head_dim 16, partial_rotary_factor 0.75 rotates 12 of it (6 frequencies), the
+# short factors apply up to 64 positions
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.3, 1.9, 2.6, 3.4, 4.0], "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+            "original_max_position_embeddings": 64}
+MOE_ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral"]
+
+
+def phi3_config(longrope: bool):
+    """A sliding window of 24 and full-head RoPE, or LongRoPE with partial RoPE (no window)."""
+    from transformers import Phi3Config
+
+    if longrope:
+        return Phi3Config(**COMMON, original_max_position_embeddings=64, rope_parameters=dict(LONGROPE))
+    return Phi3Config(**COMMON, sliding_window=24)
+
+
+def moe_config(arch: str, window: int | None = 24, dense_layers: tuple[int, ...] = (0,)):
+    """Qwen3-MoE (q/k norms, norm_topk_prob), Qwen2-MoE (shared expert, q/k/v biases, `dense_layers` dense) or
+    Mixtral (4 experts, with `window`); top-2 routing."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    moe = dict(COMMON, num_experts_per_tok=2)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**moe, head_dim=16, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True)
+    if arch == "qwen2_moe":
+        return Qwen2MoeConfig(**moe, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                              norm_topk_prob=False, mlp_only_layers=list(dense_layers))
+    return MixtralConfig(**{**moe, "intermediate_size": 32}, num_local_experts=4, sliding_window=window)
+
+
+def save_tiny(config, out: Path, tokenizer_dir: Path, seed: int = 0, **save_kwargs) -> Path:
+    """A random-weight model of `config` saved with the SmolLM2 tokenizer beside it."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out, **save_kwargs)
+    for f in tokenizer_dir.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def mixed_prompts() -> list[list[int]]:
+    """A 32-token shared prefix with two short tails, then a 40-token prompt (past a 24-token window)."""
+    shared = random_prompts(1, 32, 32, seed=21)[0]
+    return [shared + p[1:] for p in random_prompts(2, 5, 12, seed=22)] + random_prompts(1, 40, 40, seed=23)
+
+
+_refs: dict = {}
+
+
+def references(folder: Path, dtype: str, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy 8 tokens for each prompt, its model loaded in `dtype` (computed once per folder)."""
+    key = (str(folder), dtype, tuple(map(tuple, prompts)))
+    if key not in _refs:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+        _refs[key] = [hf_greedy(hf, p, 8) for p in prompts]
+    return _refs[key]
+
+
+def assert_greedy_within_rounding(folder: Path, prompts: list[list[int]], outs: list[list[int]]) -> None:
+    """bfloat16: every generated token is transformers' argmax (its bfloat16 model, fed the same prefix), or
+    within 3 bf16 ulps of it. Exact ties to the bit cannot be asked of two sets of kernels: transformers' own
+    cached generate and its uncached forward pick different tokens where the top two logits are 0.06 apart."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    for p, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            rows = hf(torch.tensor([p + out])).logits[0, len(p) - 1:len(p) - 1 + len(out)].float()
+        for step, (tok, row) in enumerate(zip(out, rows, strict=True)):
+            top = row.max()
+            ulp = 2.0 ** (torch.floor(torch.log2(top.abs())) - 7)
+            assert row[tok] >= top - 3 * ulp, (p, step, tok, int(row.argmax()), float(top - row[tok]))
+
+
+def check_parity(folder: Path, dtype: str, **llm_kwargs) -> LLM:
+    """The first prompt alone, then the rest batched (the shared prefix from the cache) in 16-token prefill
+    chunks: in float32 every token as transformers' greedy generate; in bfloat16 every token transformers'
+    choice up to rounding (`assert_greedy_within_rounding`). Returns the LLM for further checks."""
+    prompts = mixed_prompts()
+    llm = LLM(str(folder), dtype=dtype, num_kv_blocks=64, max_num_batched_tokens=16, **llm_kwargs)
+    outs = run(llm, prompts[:1], GREEDY8) + run(llm, prompts[1:], GREEDY8)  # alone, then batched and chunked
+    assert llm.engine.get_stats().prefix_cache_hits >= 32  # the shared prefix came from the cache
+    if dtype == "float32":
+        assert outs == references(folder, dtype, prompts)
+    else:
+        assert_greedy_within_rounding(folder, prompts, outs)
+    return llm
