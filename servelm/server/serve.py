@@ -176,6 +176,9 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
         resumed = state.traffic.resume()
         if resumed:
             logger.info("canary rollouts resumed: %s", ", ".join(resumed))
+        from servelm.server.admin_spec import start_reconciler
+
+        state.reconciler = await start_reconciler(state)
     app = build_app(state)
     logger.info("ready in %.1fs: serving %s on http://%s:%d (API keys: %s)", time.perf_counter() - t0,
                 ", ".join(state.models.names()), srv.host, sock.getsockname()[1], f"{len(state.keys.keys)}" if state.keys.enabled else "off")
@@ -196,6 +199,8 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
             await rpc.stop(srv.drain_timeout)
         if embedder is not None:
             embedder.close()
+        if state.reconciler is not None:
+            await state.reconciler.close()
         if state.traffic is not None:
             await state.traffic.close()
         if state.control is not None:
