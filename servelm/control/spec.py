@@ -241,6 +241,8 @@ def _workers(d: Mapping[str, Any]) -> dict:
     lo = _int(d.get("min_workers", given or 1), "min_workers", 1, MAX_WORKERS)
     workers = lo if given is None else given
     hi = _int(d.get("max_workers", max(workers, lo)), "max_workers", 1, MAX_WORKERS)
+    if workers > hi:
+        raise _bad(f"workers ({workers}) is above max_workers ({hi})", "workers")
     if lo > hi:
         raise _bad(f"min_workers ({lo}) is above max_workers ({hi})", "min_workers")
     if not lo <= workers <= hi:
