@@ -262,3 +262,34 @@ def test_an_invalid_spec_is_refused_naming_the_field(platform, body, status, par
         assert (err["param"], err["code"]) == (param, "invalid_spec")
     platform.call("GET", "/admin/specs/m", status=404)
     assert platform.client.put("/admin/specs/m", json={"versions": [1]}).status_code == 401  # admin key needed
+
+
+def _stats(running: int, waiting: int):
+    import dataclasses
+
+    from servelm.engine.step_outputs import EngineStats
+
+    zero = {f.name: 0 for f in dataclasses.fields(EngineStats)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    return EngineStats(**{**zero, "num_running": running, "num_waiting": waiting, "kv_usage": 0.0})
+
+
+def test_autoscaling_follows_the_workers_figures_within_the_bounds(platform):
+    p = platform
+    p.call("PUT", "/admin/specs/m", {"versions": [1], "min_workers": 1, "max_workers": 3, "autoscaling": {
+        "target_ongoing_requests": 2, "upscale_delay_s": 0, "downscale_delay_s": 0}})
+    p.converge()
+    assert p.deployed() == {1: 1}
+    for w in p.dm.get("m-v1").workers:  # 5 requests in the worker: 3 workers at 2 each
+        w.engine.stats = _stats(3, 2)
+    p.converge()
+    assert p.deployed() == {1: 3}
+    for w in p.dm.get("m-v1").workers:  # 100 requests: still the maximum
+        w.engine.stats = _stats(60, 40)
+    p.converge()
+    assert p.deployed() == {1: 3}
+    for w in p.dm.get("m-v1").workers:  # idle: back to the minimum
+        w.engine.stats = _stats(0, 0)
+    s = p.converge()
+    assert p.deployed() == {1: 1} and cond(s, "Ready")["status"] == "True"
+    assert p.call("GET", "/admin/specs/m")["generation"] == 1  # autoscaling changes workers, not the spec

@@ -209,7 +209,7 @@ class Reconciler:
         if not spec.min_workers <= current <= spec.max_workers:  # the bounds changed: at once
             self._wishes.pop(d.id, None)
             return max(spec.min_workers, min(spec.max_workers, current))
-        st = d.stats()
+        st = d.stats  # the workers' figures summed (None before the first step)
         running, waiting, kv = (st.num_running, st.num_waiting, st.kv_usage) if st is not None else (0, 0, 0.0)
         target = wanted(a, current, running, waiting, kv, spec.min_workers, spec.max_workers)
         n, wish = decide(a, current, target, self._wishes.get(d.id), self.clock())
