@@ -90,3 +90,14 @@ def test_apply_get_describe_and_a_restart_with_a_spec_file(llama_dir, tmp_path):
         assert [(e["actor"], e["action"]) for e in entries] == [("admin", "spec.apply"), ("startup", "spec.apply")]
     finally:
         assert stop_server(proc) == 0
+
+
+def test_a_spec_file_that_cannot_be_applied_stops_the_start_before_any_model_loads(llama_dir, tmp_path):
+    bad = tmp_path / "specs.yaml"
+    bad.write_text("name: m\nversions: [1]\nworkers: 99\n")
+    serve = [sys.executable, "-m", "servelm.entrypoints.cli", "serve", str(llama_dir), "--port", "0"]
+    r = subprocess.run([*serve, "--data-dir", str(tmp_path / "data"), "--deployment-spec", str(bad)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "spec 1: workers must be an integer from 1 to 64, not 99" in r.stderr, r.stderr
+    r = subprocess.run([*serve, "--deployment-spec", str(bad)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "deployment specs need the model registry" in r.stderr, r.stderr

@@ -19,6 +19,24 @@ logger = logging.getLogger("servelm.server")
 STARTUP = "startup"  # the audit actor of the specs applied from --deployment-spec
 
 
+def spec_file_problem(config: Any) -> str | None:
+    """Why the --deployment-spec file cannot be applied (unreadable, not valid, no registry to apply it to),
+    else None: checked before any model loads, so a mistake in it stops the start at once."""
+    path = config.server.deployment_spec
+    if not path:
+        return None
+    if not config.control_plane:
+        return (f"--deployment-spec {path}: deployment specs need the model registry (give --data-dir or "
+                "--database-url)")
+    try:
+        parse_text(Path(path).read_text(), path)
+    except OSError as e:
+        return f"--deployment-spec: cannot read {path}: {e.strerror or e}"
+    except ControlError as e:
+        return f"--deployment-spec: {e.message}"
+    return None
+
+
 async def start_reconciler(state: Any) -> Reconciler:
     """The reconciler over the server's control plane and traffic service, with the --deployment-spec file
     applied first (a file that does not parse stops the start: the operator asked for those specs)."""

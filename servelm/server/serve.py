@@ -352,13 +352,14 @@ def cmd_serve(args, engine_factory=None) -> int:
         logger.info("%s", note)
     from servelm.model.hub import fetch_models
     from servelm.model.metadata import check_model
+    from servelm.server.admin_spec import spec_file_problem
     from servelm.server.launch import fixed_models
 
-    if config.control_plane:  # a database that cannot be used stops start-up before any model loads
-        problem = prepare_database(srv)
-        if problem is not None:
-            print(f"servelm: error: {problem}", file=sys.stderr)
-            return 2
+    # a database that cannot be used, or a spec file that cannot be applied, stops start-up before any model loads
+    problem = (prepare_database(srv) if config.control_plane else None) or spec_file_problem(config)
+    if problem is not None:
+        print(f"servelm: error: {problem}", file=sys.stderr)
+        return 2
     for launch in fixed_models(config):  # one line and exit 2 before anything loads
         fetch_models(launch.engine)  # a Hub model not yet in the Hugging Face cache: downloaded now
         check_model(launch.engine.model, launch.engine.gguf_file)
