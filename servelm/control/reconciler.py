@@ -233,6 +233,10 @@ class Reconciler:
             run = self.traffic.canaries.get(name)
             if run is not None and run.controller.config.canary == spec.canary.version:
                 return None  # running (or just decided: the next pass reads the outcome)
+            rec = await self.plane.registry.io(self.traffic.store.get, "canary", name)
+            if run is None and rec is not None and rec["config"]["canary"] == spec.canary.version and \
+                    rec.get("status") == "running":
+                return "the canary run by another server sharing the database"
             if run is not None and run.controller.status == "running":
                 await run.abort(RECONCILER, f"the spec of {name} rolls out version {spec.canary.version} instead")
             from servelm.control.canary_runner import start_canary
