@@ -194,6 +194,21 @@ def test_a_canary_in_the_spec_rolls_back_then_another_promotes(platform):
     assert cond(s, "Ready")["status"] == "True" and p.served_by() == {"m:3"}
 
 
+def test_a_version_that_cannot_deploy_is_degraded_and_the_rest_keeps_serving(platform, llama_dir):
+    p = platform
+    p.call("PUT", "/admin/specs/m", {"versions": [1]})
+    p.converge()
+    p.reg.register("m", str(llama_dir), actor="t")  # m:4, REGISTERED: not deployable
+    p.call("PUT", "/admin/specs/m", {"versions": [4]})
+    s = p.converge(until="ReconcileFailed")
+    assert (cond(s, "Ready")["status"], cond(s, "Degraded")["status"]) == ("False", "True")
+    assert "cannot deploy m:4: m:4 is REGISTERED" in cond(s, "Degraded")["message"]
+    assert p.deployed() == {1: 1} and p.served_by() == {"m:1"}  # nothing was taken away
+    p.call("PUT", "/admin/specs/m", {"versions": [1]})
+    s = p.converge()
+    assert (cond(s, "Ready")["status"], cond(s, "Degraded")["status"]) == ("True", "False")
+
+
 def test_imperative_verbs_are_written_into_the_spec(platform):
     p = platform
     p.call("PUT", "/admin/specs/m", {"versions": [1]})

@@ -305,6 +305,8 @@ class Reconciler:
         if canary is not None and canary["status"] in ("running", "promoting"):
             now[PROGRESSING] = (True, "CanaryRunning", f"canary {name}:{canary['version']} at step {canary['step']} "
                                 f"({canary['percent']:g}% of traffic)")
+        elif errors:  # stuck until the spec or the registry changes: retried every pass, no progress
+            now[PROGRESSING] = (False, "ReconcileFailed", "; ".join(errors))
         elif done or waiting:
             now[PROGRESSING] = (True, "Reconciling", "; ".join(done + waiting))
         else:
