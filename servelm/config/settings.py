@@ -128,6 +128,11 @@ class ServerConfig:
     shadow_queue: int = _f(64, "mirrored (shadow) requests waiting at most, per model; more are dropped and counted")
     shadow_concurrency: int = _f(1, "shadow requests run at once, per model")
     canary_interval_s: float = _f(1.0, "how often a running canary's step is evaluated")
+    deployment_spec: str | None = _f(None, "with a registry: a YAML or JSON file of deployment specs (one, a list, "
+                                     "or {deployments: [...]}) applied at start, as `servelm apply -f` would; the "
+                                     "reconciler then drives the deployments to them")
+    reconcile_interval_s: float = _f(5.0, "how often the reconciler compares every deployment spec with what is "
+                                     "deployed and acts (it also runs at once after a spec changes)")
     traffic_state_interval_s: float = _f(10.0, "how often running canary and experiment windows and bandit "
                                          "posteriors are saved to the registry database (and at shutdown), so a "
                                          "restart carries on from them; at most this much is lost in a crash "
@@ -198,6 +203,7 @@ class ServerConfig:
         need(self.shadow_queue >= 1 and self.shadow_concurrency >= 1, "shadow_queue", ">= 1 (and concurrency >= 1)")
         need(self.prediction_log_retention_days >= 0, "prediction_log_retention_days", ">= 0 (0: kept)")
         need(self.canary_interval_s > 0, "canary_interval_s", "> 0")
+        need(self.reconcile_interval_s > 0, "reconcile_interval_s", "> 0")
         need(self.drift_window >= 2 and self.drift_min_samples >= 2, "drift_window", ">= 2 (and min samples >= 2)")
         need(0 <= self.drift_embedding_sample <= 1, "drift_embedding_sample", "in [0, 1]")
         need(self.prediction_log_otlp_endpoint is None

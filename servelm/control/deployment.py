@@ -122,6 +122,10 @@ class Deployment:
         self.adapters: dict[str, str] = {}  # LoRA adapters its workers hold for adapter deployments: name -> path
         self._reloads: set[asyncio.Task] = set()  # restarted workers loading the adapters
 
+    def set_strategy(self, name: str) -> None:
+        """Route new requests by another strategy from now on (requests already routed stay where they are)."""
+        self.strategy, self.strategy_name = self._strategy(name, self.config), name
+
     @staticmethod
     def _strategy(name: str, config: EngineConfig):
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,9 @@ class ControlPlane:
         self._audits: set[asyncio.Task] = set()  # replaced workers' audit entries being written
         self._closed = False
         self._follow: asyncio.Task | None = None
+        # awaited after each audited deploy, scale, swap and unload: (actor, action, before, after) as audited;
+        # the reconciler folds operators' changes into the model's spec (control/spec_adopt.py)
+        self.on_verb: Callable[[str, str, dict | None, dict | None], Awaitable[None]] | None = None
 
     @classmethod
     def open(cls, config) -> ControlPlane:
@@ -193,6 +197,8 @@ class ControlPlane:
 
     async def _audit(self, actor: str, action: str, target: str, before: dict | None, after: dict | None) -> None:
         await self.registry.io(self.registry.audit.record, actor, action, target, before, after)
+        if self.on_verb is not None and action in ("deploy", "scale", "swap", "unload"):
+            await self.on_verb(actor, action, before, after)
 
     # -- deployments -------------------------------------------------------------------------------
     async def deploy(self, model: str, *, workers: int, strategy: str, actor: str, keep_alive_s: float | None = None,

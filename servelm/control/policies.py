@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
+from collections.abc import Callable
 
 from sqlalchemy import JSON, Column, Engine, Float, MetaData, String, Table, select
 
@@ -41,6 +42,9 @@ class PolicyStore:
 
     def __init__(self, engine: Engine, audit: Audit) -> None:
         self.engine, self.audit = engine, audit
+        # told of every audited change once it is committed, on the thread that made it: (kind, key, record or
+        # None when removed, actor, action); the reconciler folds operators' changes into the model's spec
+        self.on_change: Callable[[str, str, dict | None, str, str], None] | None = None
         schema.ensure(engine)
 
     def get(self, kind: str, key: str) -> dict | None:
@@ -73,7 +77,10 @@ class PolicyStore:
                     conn.execute(records_table.insert().values(kind=kind, key=key, **values))
                 self.audit.append(conn, actor, action or f"{kind}.set", f"{kind}:{key}", before, record)
                 return before
-        return db.retrying(op)
+        before = db.retrying(op)
+        if self.on_change is not None:
+            self.on_change(kind, key, record, actor, action or f"{kind}.set")
+        return before
 
     def pseudonym(self, value: str) -> str:
         """sha256 of this registry's erasure secret + `value`: names a subject (an erased user) in the permanent
@@ -126,7 +133,10 @@ class PolicyStore:
                 conn.execute(records_table.delete().where(where))
                 self.audit.append(conn, actor, f"{kind}.delete", f"{kind}:{key}", row.record, None)
                 return row.record
-        return db.retrying(op)
+        removed = db.retrying(op)
+        if self.on_change is not None:
+            self.on_change(kind, key, None, actor, f"{kind}.delete")
+        return removed
 
     def set_policy(self, policy: TrafficPolicy, actor: str) -> None:
         """Store a model's traffic policy (validated by construction)."""

@@ -22,7 +22,7 @@ from servelm.control import db
 
 # Every revision, oldest first; the last is the head this code needs. tests/control/test_schema.py checks it against
 # the migrations folder, so a new revision must be listed here too.
-REVISIONS = ("0001", "0002")
+REVISIONS = ("0001", "0002", "0003")
 HEAD = REVISIONS[-1]
 _PG_LOCK = 0x5E7E1A  # the advisory lock key of a migration (any constant no other code uses)
 MIGRATIONS = Path(__file__).parent / "migrations"

@@ -23,6 +23,7 @@ EXAMPLES = """examples:
   servelm bench serve --base-url http://127.0.0.1:8000 --rate 2
   servelm bench serve --dataset-name sharegpt --dataset-path sharegpt.json --num-prompts 200
   servelm models register smol ./SmolLM2 --validate && servelm models promote smol:1 && servelm models deploy smol
+  servelm apply -f model.yaml && servelm get deployments && servelm describe smol
   servelm db upgrade --database-url postgresql+psycopg://servelm@db/servelm && servelm db current
 """
 
@@ -179,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
                             description="The model platform's admin API: register versions, promote and roll "
                             "them back, deploy and scale them, read the audit trail.")
     add_models_args(models)
+
+    from servelm.entrypoints.spec_cli import add_args as add_spec_args
+
+    add_spec_args(sub)  # apply, get deployments, describe
 
     from servelm.entrypoints.db_cli import add_args as add_db_args
 

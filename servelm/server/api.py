@@ -38,6 +38,7 @@ class ServerState:
     models: ModelDirectory | None = None
     control: object | None = None  # the control plane (registry, deployments) when the server has one
     traffic: object | None = None  # server.traffic.TrafficService: policies, canaries, shadow, prediction log
+    reconciler: object | None = None  # control.reconciler.Reconciler: deployment specs driven into being
 
     def __post_init__(self) -> None:
         if self.models is None:
@@ -93,4 +94,8 @@ def build_app(state: ServerState):
 
         add_traffic_routes(app, state)
         feedback.add_routes(app, state)
+    if state.reconciler is not None:
+        from servelm.server.admin.spec import add_spec_routes
+
+        add_spec_routes(app, state)
     return Gateway(app, state)

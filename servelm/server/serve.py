@@ -176,6 +176,9 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
         resumed = state.traffic.resume()
         if resumed:
             logger.info("canary rollouts resumed: %s", ", ".join(resumed))
+        from servelm.server.admin.spec import start_reconciler
+
+        state.reconciler = await start_reconciler(state)
     app = build_app(state)
     logger.info("ready in %.1fs: serving %s on http://%s:%d (API keys: %s)", time.perf_counter() - t0,
                 ", ".join(state.models.names()), srv.host, sock.getsockname()[1], f"{len(state.keys.keys)}" if state.keys.enabled else "off")
@@ -196,6 +199,8 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
             await rpc.stop(srv.drain_timeout)
         if embedder is not None:
             embedder.close()
+        if state.reconciler is not None:
+            await state.reconciler.close()
         if state.traffic is not None:
             await state.traffic.close()
         if state.control is not None:
@@ -347,13 +352,14 @@ def cmd_serve(args, engine_factory=None) -> int:
         logger.info("%s", note)
     from servelm.model.loading.hub import fetch_models
     from servelm.model.loading.metadata import check_model
+    from servelm.server.admin.spec import spec_file_problem
     from servelm.server.launch import fixed_models
 
-    if config.control_plane:  # a database that cannot be used stops start-up before any model loads
-        problem = prepare_database(srv)
-        if problem is not None:
-            print(f"servelm: error: {problem}", file=sys.stderr)
-            return 2
+    # a database that cannot be used, or a spec file that cannot be applied, stops start-up before any model loads
+    problem = (prepare_database(srv) if config.control_plane else None) or spec_file_problem(config)
+    if problem is not None:
+        print(f"servelm: error: {problem}", file=sys.stderr)
+        return 2
     for launch in fixed_models(config):  # one line and exit 2 before anything loads
         fetch_models(launch.engine)  # a Hub model not yet in the Hugging Face cache: downloaded now
         check_model(launch.engine.model, launch.engine.gguf_file)

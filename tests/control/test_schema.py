@@ -10,7 +10,7 @@ import json
 import pytest
 from sqlalchemy import MetaData, text
 
-from servelm.control import audit, db, policies, predictions, registry, schema
+from servelm.control import audit, db, policies, predictions, registry, schema, spec_store
 from servelm.control.registry import Registry
 from servelm.control.types import State
 
@@ -18,7 +18,7 @@ from servelm.control.types import State
 def _models() -> MetaData:
     """Every table the control code defines, in one MetaData."""
     out = MetaData()
-    for m in (registry.metadata, audit.metadata, policies.metadata, predictions.metadata):
+    for m in (registry.metadata, audit.metadata, policies.metadata, predictions.metadata, spec_store.metadata):
         for t in m.tables.values():
             t.to_metadata(out)
     return out

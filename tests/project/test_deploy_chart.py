@@ -38,6 +38,8 @@ EVERYTHING = {  # every option on at once but Ray
     "gpu": {"count": 1},
     "autoscaling": {"keda": {"enabled": True, "kvCacheUsageThreshold": "0.9"}},
     "serviceMonitor": {"enabled": True},
+    "deploymentSpecs": [{"name": "smol", "versions": [{"version": 1, "weight": 90}, {"version": 2, "weight": 10}],
+                         "workers": 1, "max_workers": 4, "autoscaling": {"target_ongoing_requests": 8}}],
 }
 PROFILES = {
     "default": {},
@@ -207,6 +209,25 @@ def test_the_rendered_config_file_is_one_servelm_accepts(rendered, tmp_path):
     cfg = load_settings(env=env)  # raises ConfigError naming the key if the chart wrote something servelm refuses
     assert cfg.engine.max_num_seqs == 32 and cfg.server.drain_timeout == 20 and cfg.server.host == "0.0.0.0"
     assert cfg.server.metrics_require_key is True
+
+
+def test_deployment_specs_in_the_values_are_a_file_the_server_applies_at_start(rendered, tmp_path):
+    from servelm.control.spec import parse_text
+
+    docs = rendered["everything"]
+    text = by_kind(docs, "ConfigMap")[0]["data"]["deployment-specs.yaml"]
+    specs = parse_text(text)  # what the server parses at start: the values' schema is the spec's
+    assert [(s.name, [(v.version, v.weight) for v in s.versions], s.max_workers) for s in specs] == \
+        [("smol", [(1, 90.0), (2, 10.0)], 4)]
+    c = by_kind(docs, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "SERVELM_DEPLOYMENT_SPEC", "value": "/etc/servelm/deployment-specs.yaml"} in c["env"]
+    assert {"name": "config", "mountPath": "/etc/servelm/deployment-specs.yaml", "subPath": "deployment-specs.yaml",
+            "readOnly": True} in c["volumeMounts"]
+    assert load_settings(env={"SERVELM_DEPLOYMENT_SPEC": "/etc/servelm/deployment-specs.yaml",
+                              "SERVELM_DATA_DIR": str(tmp_path)}).server.deployment_spec == \
+        "/etc/servelm/deployment-specs.yaml"
+    default = by_kind(rendered["default"], "ConfigMap")[0]["data"]  # no specs: no file, no option
+    assert "deployment-specs.yaml" not in default
 
 
 def test_keda_scales_on_metrics_the_server_exports(rendered):
