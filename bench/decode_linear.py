@@ -18,7 +18,7 @@ import time
 import torch
 
 from servelm.model.kernels import cpu as cpu_kernels
-from servelm.model.layers.blocks import pack_weight_for_tiles
+from servelm.model.layers.linear_kernels import pack_weight_for_tiles
 
 MODELS = {  # hidden, intermediate, layers, vocab, heads, kv heads, head dim
     "60m": (512, 1408, 8, 32000, 8, 4, 64),

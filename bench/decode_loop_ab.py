@@ -35,9 +35,9 @@ class OldLoop:
         none = torch.empty(0, dtype=model.dtype)
         flat = []
         for lw in model.layers:  # 10 per layer, in decode_layers.cpp's order
-            flat += [lw.input_norm, lw.qkv.tiled, none if lw.qkv.bias is None else lw.qkv.bias, lw.o_proj.tiled,
-                     none if lw.o_proj.bias is None else lw.o_proj.bias, lw.post_norm, lw.gate_up.tiled,
-                     lw.down.tiled, none if lw.q_norm is None else lw.q_norm, none if lw.k_norm is None else lw.k_norm]
+            flat += [lw.input_norm, getattr(lw.qkv.kernel, "tiled", None), none if lw.qkv.bias is None else lw.qkv.bias, getattr(lw.o_proj.kernel, "tiled", None),
+                     none if lw.o_proj.bias is None else lw.o_proj.bias, lw.post_norm, getattr(lw.gate_up.kernel, "tiled", None),
+                     getattr(lw.down.kernel, "tiled", None), none if lw.q_norm is None else lw.q_norm, none if lw.k_norm is None else lw.k_norm]
         if any(t is None for t in flat):
             raise SystemExit("the old C++ loop does not apply to this model (a linear without packed weights)")
         self.flat = flat

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from servelm.model.kernels import cpu as cpu_kernels
-from servelm.model.layers.blocks import _onednn_packed, pack_dense_weight
+from servelm.model.layers.linear_kernels import _onednn_packed, pack_dense_weight
 
 # SmolLM2-135M: fused qkv, o_proj, fused gate/up, down, the tied LM head
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),

@@ -1,7 +1,7 @@
 // Peak issue rate of AVX512-BF16's dot-product instruction against float32 FMAs on one core, in
 // GFLOP/s (12 independent accumulators each; a dot product counts 4 flops per lane, an FMA 2). Where the
 // first is not clearly above the second, the CPU kernels' float-FMA form of bf16 products wins
-// (servelm/model/csrc/avx512_linear.cpp). A benchmark, not a test:
+// (servelm/model/kernels/csrc/avx512_linear.cpp). A benchmark, not a test:
 //
 //   g++ -O2 -march=native bench/dot_rate.cpp -o /tmp/dot_rate && /tmp/dot_rate
 #include <immintrin.h>

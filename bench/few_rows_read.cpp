@@ -1,5 +1,5 @@
 // How far ahead, and into which cache, the float-FMA form of the AVX512 linear kernel should prefetch
-// when one row streams a packed bf16 weight (batch-1 decode: servelm/model/csrc/avx512_linear.cpp,
+// when one row streams a packed bf16 weight (batch-1 decode: servelm/model/kernels/csrc/avx512_linear.cpp,
 // few_rows). The same loop as the kernel's, one thread, over a weight in huge pages that is larger than
 // the L3 (from DRAM) and one that fits it (SmolLM2's 269 MB and llama-rand-60m's ~85 MB read per step),
 // beside a plain read of the same bytes. Prints one JSON object, GB/s of weight read, best of 5. Build it

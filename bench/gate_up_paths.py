@@ -31,7 +31,7 @@ class _FusedTiles:
 
     def __call__(self, x: torch.Tensor, fused=None) -> torch.Tensor:
         g = self.layer
-        return g.tiles.amx_linear_silu_mul(x, g.tiled, g.out_features)
+        return g.kernel.silu_mul(x)
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
     llm = LLM(args.model, dtype="bfloat16", num_threads=args.threads, enable_prefix_caching=False)
     model = llm.engine.core.runner.model
     layers = [lw.gate_up for lw in model.layers]
-    if any(g.tiles is None or g.packed is None for g in layers):
+    if any(g.kernel is None or g.kernel.name != "amx" for g in layers):
         raise SystemExit("needs the C++ kernels on a CPU with AMX and oneDNN")
     paths = {"onednn_then_silu": layers, "fused_tiles": [_FusedTiles(g) for g in layers]}
     wl = make_workload(args.workload, llm.engine.tokenizer.vocab_size)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from servelm.model.kernels import cpu as cpu_kernels
-from servelm.model.layers.blocks import pack_weight_for_tiles
+from servelm.model.layers.linear_kernels import pack_weight_for_tiles
 from servelm.model.quant.gguf import FORMATS, GGUFBlocks, pack_blocks
 
 HIDDEN, INTER, LAYERS, Q, KV = 576, 1536, 30, 576, 192  # SmolLM2-135M

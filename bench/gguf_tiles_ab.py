@@ -28,7 +28,7 @@ import torch
 
 from servelm.model.kernels import cpu as cpu_kernels
 from servelm.model.kernels.ops import CpuKernels
-from servelm.model.layers.blocks import pack_weight_for_tiles
+from servelm.model.layers.linear_kernels import pack_weight_for_tiles
 from servelm.model.quant.gguf import FORMATS, GGUFBlocks, pack_blocks
 
 # SmolLM2-135M: name -> (N, K, format); gate_up is packed fused (gate_up=True, SiLU in the store)

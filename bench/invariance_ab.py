@@ -17,7 +17,8 @@ import time
 import torch
 from ab_rounds import parser, prompts  # bench/ is on sys.path when run
 
-from servelm.model.layers.blocks import GateUpLinear, Linear, _onednn_linear, _onednn_packed, silu_mul
+from servelm.model.layers.blocks import GateUpLinear, Linear, silu_mul
+from servelm.model.layers.linear_kernels import _onednn_linear, _onednn_packed
 
 TILE_MAX_ROWS = 64  # the old switch-over
 
@@ -33,7 +34,7 @@ class OldLinear:
     """A Linear with the old dispatch: tiles up to 64 rows, oneDNN beyond."""
 
     def __init__(self, lin: Linear) -> None:
-        self.lin, self.packed = lin, _onednn_packed(unpack(lin.tiled, lin.out_features, False).contiguous())
+        self.lin, self.packed = lin, _onednn_packed(unpack(lin.kernel.tiled, lin.out_features, False).contiguous())
 
     def __call__(self, x):
         if x.shape[0] <= TILE_MAX_ROWS:
@@ -43,7 +44,7 @@ class OldLinear:
 
 class OldGateUp:
     def __init__(self, g: GateUpLinear) -> None:
-        self.g, self.packed = g, _onednn_packed(unpack(g.tiled, g.out_features, True).contiguous())
+        self.g, self.packed = g, _onednn_packed(unpack(g.kernel.tiled, g.out_features, True).contiguous())
 
     def __call__(self, x, fused=None):
         if x.shape[0] <= TILE_MAX_ROWS:
@@ -57,7 +58,7 @@ def main() -> None:
 
     llm = LLM(a.model, dtype="bfloat16", num_threads=a.threads, enable_prefix_caching=False)
     model = llm.engine.core.model
-    if model.layers[0].qkv.tiles is None:
+    if model.layers[0].qkv.kernel.name != "amx":
         raise SystemExit("needs the C++ kernels on a CPU with AMX")
     new = [(lw.qkv, lw.o_proj, lw.gate_up, lw.down) for lw in model.layers]
     old = [(OldLinear(q), OldLinear(o), OldGateUp(g), OldLinear(d)) for q, o, g, d in new]

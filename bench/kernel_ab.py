@@ -27,7 +27,7 @@ from decode_attention import decode_step  # bench/ is on sys.path when run
 
 from servelm.model import memory
 from servelm.model.kernels import cpu as cpu_kernels
-from servelm.model.layers.blocks import pack_weight_for_tiles
+from servelm.model.layers.linear_kernels import pack_weight_for_tiles
 
 MODELS = {  # hidden, intermediate, layers, vocab, q heads, kv heads, head dim
     "60m": (512, 1408, 8, 32000, 8, 4, 64),

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "peers" / "workers"))
 from common import output_len, prompts  # noqa: E402  (the peers' workload drawing, shared)
 
 from servelm.model.kernels import cpu as cpu_kernels  # noqa: E402
-from servelm.model.layers import blocks as layers  # noqa: E402
+from servelm.model.layers import linear_kernels  # noqa: E402
 
 TIMES: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
 
@@ -76,8 +76,8 @@ def main() -> None:
     module = cpu_kernels.load()
     if module is not None:  # every caller asks load(), so the wrapped module is what the model holds
         cpu_kernels._module = TimedModule(module, args.decode_rows)
-    layers._onednn_linear = timed("onednn_linear", layers._onednn_linear, args.decode_rows)
-    layers.F.linear = timed("torch_linear", torch.nn.functional.linear, args.decode_rows)
+    linear_kernels._onednn_linear = timed("onednn_linear", linear_kernels._onednn_linear, args.decode_rows)
+    linear_kernels.F.linear = timed("torch_linear", torch.nn.functional.linear, args.decode_rows)
 
     from servelm import LLM, SamplingParams
 

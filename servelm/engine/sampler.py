@@ -37,7 +37,7 @@ def kept_weights(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     Top-k keeps the weights at least the k-th largest; top-p the tokens for which the kept weight of strictly more
     likely tokens is below p times all kept weight (the smallest nucleus reaching p); min-p the weights at least
     min_p. Ties at a cut all stay, so the result does not depend on how a sort orders equal values. The C++ kernel
-    (model/csrc/sample.cpp) computes the same cuts without sorting a whole row."""
+    (model/kernels/csrc/sample.cpp) computes the same cuts without sorting a whole row."""
     x = logits.float()
     vocab = x.shape[-1]
     e = torch.exp((x - x.max(dim=-1, keepdim=True).values) / temperature[:, None])

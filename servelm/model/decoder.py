@@ -101,8 +101,10 @@ class DecoderLM:
             mlp = [lw.gate_up, lw.down] if lw.moe is None else lw.moe.linears()
             linears += [lw.qkv, lw.o_proj] + [getattr(x, "linear", None) or x for x in mlp]
         linears = [p for lin in linears for p in (lin.parts if isinstance(lin, PartsLinear) else [lin])]
-        return slots + [(lin, n) for lin in linears for n in ("tiled", "panels", "weight", "bias") if hasattr(lin, n)] + [
-            (lin.quant, "packed") for lin in linears if isinstance(getattr(lin, "quant", None), GGUFMatmul)]
+        kernels = [lin.kernel for lin in linears]
+        return slots + [(lin, "bias") for lin in linears if hasattr(lin, "bias")] + [
+            (k, n) for k in kernels for n in ("tiled", "panels", "weight") if hasattr(k, n)] + [
+            (k.matmul, "packed") for k in kernels if isinstance(getattr(k, "matmul", None), GGUFMatmul)]
 
     def _norm_weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
         """Gemma applies RMSNorm weights as (1 + w): add the one once here, in float32."""

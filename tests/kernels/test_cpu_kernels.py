@@ -10,14 +10,8 @@ import torch.nn.functional as F
 from tiny_models import cpu_vendor
 
 from servelm.model.kernels import cpu as cpu_kernels
-from servelm.model.layers.blocks import (
-    GateUpLinear,
-    Linear,
-    fused_kernels,
-    pack_dense_weight,
-    pack_weight_for_tiles,
-    silu_mul,
-)
+from servelm.model.layers.blocks import GateUpLinear, Linear, fused_kernels, silu_mul
+from servelm.model.layers.linear_kernels import pack_dense_weight, pack_weight_for_tiles
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels could not be compiled here")
@@ -90,12 +84,12 @@ def test_linear_takes_the_avx512_kernel_for_every_input_and_keeps_one_weight_cop
     torch.manual_seed(1)
     w, b = torch.randn(300, 256).bfloat16(), torch.randn(300).bfloat16()
     lin = Linear(w, b)
-    assert lin.avx512 is not None and lin.tiled is not None
-    assert lin.packed is None and lin.weight is None  # neither oneDNN's copy nor the row-major one
+    assert lin.kernel.name == "avx512" and lin.kernel.tensors() == [lin.kernel.tiled]
+    assert lin.weight is None  # neither oneDNN's copy nor the row-major one
     x = torch.randn(600, 256).bfloat16()
     ref = F.linear(x.float(), w.float(), b.float())
     for m in (1, 64, 600):  # decode steps and prefill chunks (chunks of 192 rows, groups of 12)
-        assert torch.equal(lin(x[:m]), kernels.avx512_linear(x[:m], lin.tiled, 300, b)), m
+        assert torch.equal(lin(x[:m]), kernels.avx512_linear(x[:m], lin.kernel.tiled, 300, b)), m
         torch.testing.assert_close(lin(x[:m]).float(), ref[:m], rtol=2**-7, atol=2e-2)
     # the last rows of a 600-row input (the fourth 192-row chunk, groups of 12) equal the same rows alone
     assert torch.equal(lin(x)[-7:], lin(x[-7:]))
@@ -148,10 +142,10 @@ def test_linear_takes_tiles_for_every_row_count_and_keeps_one_weight_copy():
     torch.manual_seed(3)
     w, b = torch.randn(300, 256).bfloat16(), torch.randn(300).bfloat16()
     lin = Linear(w, b)
-    assert lin.tiles is not None and lin.avx512 is None and lin.weight is None and lin.packed is None
+    assert lin.kernel.name == "amx" and lin.weight is None and lin.kernel.tensors() == [lin.kernel.tiled]
     x = torch.randn(300, 256).bfloat16()
     for m in (1, 64, 65, 300):
-        assert torch.equal(lin(x[:m]), kernels.amx_linear(x[:m], lin.tiled, 300, b)), m
+        assert torch.equal(lin(x[:m]), kernels.amx_linear(x[:m], lin.kernel.tiled, 300, b)), m
     assert torch.equal(lin(x)[-7:], lin(x[-7:]))
     ref = F.linear(x.float(), w.float(), b.float())
     torch.testing.assert_close(lin(x).float(), ref, rtol=2**-7, atol=2e-2)
@@ -168,17 +162,17 @@ def test_gate_up_fuses_silu_mul_into_the_decode_kernel_with_identical_results(in
     k = 576 if inter == 1536 else 96
     gate, up = torch.randn(inter, k).bfloat16(), torch.randn(inter, k).bfloat16()
     mlp_in = GateUpLinear(gate, up)
-    assert (mlp_in.tiles if tiles else mlp_in.avx512) is not None and mlp_in.linear is None  # no row-major copy
+    assert mlp_in.kernel.name == ("amx" if tiles else "avx512") and mlp_in.linear is None  # no row-major copy
     fused = fused_kernels(torch.bfloat16)
     unfused = pack_weight_for_tiles(torch.cat([gate, up]))
     x = torch.randn(300, k).bfloat16()
     # the kernels take any number of rows (row groups, 1-2 row tiles, 64-row blocks, 256-row passes, tails)
     for m in (0, 1, 2, 4, 5, 16, 17, 33, 64, 65, 257, 300):
         want = silu_mul(plain(x[:m], unfused, 2 * inter, None), fused)
-        assert torch.equal(fused_kernel(x[:m], mlp_in.tiled, 2 * inter), want), m
+        assert torch.equal(fused_kernel(x[:m], mlp_in.kernel.tiled, 2 * inter), want), m
     # the layer uses it for every input: decode steps and prefill chunks alike
     for m in (1, 64, 65, 300):
-        assert torch.equal(mlp_in(x[:m], fused), fused_kernel(x[:m], mlp_in.tiled, 2 * inter)), m
+        assert torch.equal(mlp_in(x[:m], fused), fused_kernel(x[:m], mlp_in.kernel.tiled, 2 * inter)), m
     ref = F.silu(F.linear(x.float(), gate.float())) * F.linear(x.float(), up.float())
     torch.testing.assert_close(mlp_in(x, fused).float(), ref, rtol=2e-2, atol=5e-2 * k**0.5)
     with pytest.raises(RuntimeError):  # the fused store needs whole 16-column gate and up groups
@@ -190,7 +184,7 @@ def test_gate_up_of_odd_width_falls_back_to_projection_then_silu_mul():
     torch.manual_seed(5)
     gate, up = torch.randn(40, 64).bfloat16(), torch.randn(40, 64).bfloat16()
     mlp_in = GateUpLinear(gate, up)
-    assert mlp_in.tiles is None and mlp_in.linear is not None
+    assert mlp_in.kernel is None and mlp_in.linear is not None
     fused = fused_kernels(torch.bfloat16)
     x = torch.randn(5, 64).bfloat16()
     assert torch.equal(mlp_in(x, fused), silu_mul(Linear(torch.cat([gate, up]))(x), fused))
@@ -199,8 +193,8 @@ def test_gate_up_of_odd_width_falls_back_to_projection_then_silu_mul():
 def test_float32_linear_takes_the_fixed_order_dense_kernel():
     w, x = torch.randn(8, 64), torch.randn(5, 64)
     lin = Linear(w)
-    assert lin.avx512 is None and lin.tiles is None and lin.packed is None and lin.weight is None
-    assert lin.dense is not None and lin.panels.shape == (2, 64, 16)  # 8 outputs padded to one block of 32
+    assert lin.kernel.name == "dense" and lin.kernel.fixed_order and lin.weight is None
+    assert lin.kernel.tensors() == [lin.kernel.panels] and lin.kernel.panels.shape == (2, 64, 16)  # 8 outputs padded to one block of 32
     torch.testing.assert_close(lin(x), x @ w.T)
     assert torch.equal(lin(x[2:3]), lin(x)[2:3])  # a row alone or among others: the same bits
 

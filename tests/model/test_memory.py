@@ -50,9 +50,9 @@ def test_decoder_weights_share_one_mapping(place, dtype, model_dirs, monkeypatch
     lw = model.layers[-1]
     held = [model.norm, lw.input_norm, lw.post_norm, lw.qkv.bias]
     for lin in (lw.qkv, lw.o_proj, lw.down, model.lm_head):
-        held += [lin.weight, lin.tiled, lin.panels]
+        held += lin.kernel.tensors()
     gu = lw.gate_up
-    held += [gu.tiled, gu.panels] if gu.linear is None else [gu.linear.weight]
+    held += (gu.kernel if gu.linear is None else gu.linear.kernel).tensors()
     held = [t for t in held if t is not None]
     assert len(held) >= 5
     storages = {t.untyped_storage().data_ptr() for t in held}

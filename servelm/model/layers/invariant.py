@@ -25,12 +25,9 @@ def _runs_in_a_kernel(lin) -> bool:
     if isinstance(lin, PartsLinear):
         return all(_runs_in_a_kernel(p) for p in lin.parts)
     if isinstance(lin, GateUpLinear):  # the SiLU-and-multiply fused into a kernel's store, not PyTorch's silu
-        return lin.linear is None
+        return lin.kernel is not None and lin.kernel.fixed_order
     if isinstance(lin, Linear):
-        from servelm.model.quant.gguf import GGUFMatmul
-
-        return isinstance(lin.quant, GGUFMatmul) or any(
-            k is not None for k in (lin.tiles, lin.avx512, lin.dense))
+        return lin.kernel.fixed_order
     return False
 
 

@@ -20,7 +20,7 @@ _REQUIRED_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers"
 # Where a class would otherwise derive the per-layer sliding windows itself.
 _WINDOW_KEY = {"mistral": "sliding_window", "qwen2": "layer_types", "qwen3": "layer_types"}
 # Tokenizer classes that AutoTokenizer turns into the generic TokenizersBackend for these model types
-# (tests/test_hf_files.py checks this against AutoTokenizer itself).
+# (tests/model/test_metadata.py checks this against AutoTokenizer itself).
 _GENERIC_TOKENIZERS = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 _GENERIC_TOKENIZER_MODEL_TYPES = frozenset({"llama"})
 

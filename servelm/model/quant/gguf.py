@@ -209,6 +209,9 @@ class ReferenceMatmul:
         y = quantize_activations(x) @ self.weight.T
         return (y if bias is None else y + bias.float()).to(self.dtype)
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight]
+
     @property
     def nbytes(self) -> int:
         return self.weight.numel() * 4
