@@ -78,7 +78,7 @@ def test_lora_adapters_batched_with_base_rows_on_gpu(mode, model_dirs, hf_models
     """Base rows and two adapters in one batch on the GPU: each row's greedy tokens equal transformers with that
     adapter merged by PEFT; steps with adapter rows run eagerly beside graph replays of base-only steps."""
     pytest.importorskip("peft")
-    from test_lora import make_adapter
+    from random_weights import make_adapter
     from tiny_models import hf_greedy
 
     from servelm import LoRARequest

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from random_weights import random_blocks
 from tiny_models import random_prompts, run
 
 from servelm.model.kernels import build as kernel_build
 from servelm.model.kernels import cpu as cpu_kernels
 from servelm.model.kernels.cpu_features import cpu_flags
-from servelm.model.layers.blocks import pack_weight_for_tiles
+from servelm.model.layers.linear_kernels import pack_weight_for_tiles
 from servelm.model.quant.gguf import (
     FORMATS,
     GGUFBlocks,
@@ -44,31 +45,11 @@ def _int_builds() -> list:
 INT_BUILDS = _int_builds()
 
 
-def _blocks(qtype: str, rows: int, cols: int, seed: int = 3) -> GGUFBlocks:
-    """Random blocks: gguf's quantizer over random weights, or (the K types, which it cannot quantize) random
-    bytes with sane float16 d (and dmin)."""
-    import gguf
-
-    rng = np.random.default_rng(seed)
-    if qtype in ("Q4_K", "Q5_K"):  # codes and 6-bit sub-scales and mins random, d and dmin sane
-        raw = rng.integers(0, 256, (rows * cols // 256, 144 if qtype == "Q4_K" else 176), dtype=np.uint8)
-        raw[:, 0:4] = rng.uniform(0.01, 0.1, (len(raw), 2)).astype(np.float16).view(np.uint8)
-        raw = raw.reshape(rows, -1)
-    elif qtype == "Q6_K":  # codes and int8 sub-scales random, d sane
-        raw = rng.integers(0, 256, (rows * cols // 256, 210), dtype=np.uint8)
-        raw[:, 208:210] = rng.uniform(0.001, 0.01, (len(raw), 1)).astype(np.float16).view(np.uint8)
-        raw = raw.reshape(rows, -1)
-    else:
-        raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
-                                   gguf.GGMLQuantizationType[qtype])
-    return GGUFBlocks(qtype, torch.from_numpy(np.ascontiguousarray(raw)), cols, torch.bfloat16)
-
-
 @pytest.mark.parametrize("qtype", list(FORMATS))
 def test_packed_codes_and_scales_decode_to_gguf_values_bit_for_bit(qtype):
     import gguf
 
-    w = _blocks(qtype, 40, 512)  # 40 rows: the packing pads to whole 32-row blocks
+    w = random_blocks(qtype, 40, 512)  # 40 rows: the packing pads to whole 32-row blocks
     want = torch.from_numpy(gguf.quants.dequantize(w.raw.numpy(), gguf.GGMLQuantizationType[qtype]))
     assert torch.equal(w.dequantize(torch.float32), want)
     assert torch.equal(kernels.quant_unpack(pack_blocks(w), FORMATS[qtype], 40, 512), want)
@@ -92,7 +73,7 @@ def test_int8_activation_kernel_matches_dequantize_then_matmul(kern, qtype, m):
     """The kernel against the dequantized weight times x rounded as the kernel rounds it: float32 sums and one
     bf16 rounding apart (rtol 2^-8); and against unrounded x: within the int8 rounding's bound."""
     n, k = 72, 512  # 72 rows: a partial 32-row block
-    w = _blocks(qtype, n, k, seed=m)
+    w = random_blocks(qtype, n, k, seed=m)
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16()
@@ -110,7 +91,7 @@ def test_int8_activation_kernel_matches_dequantize_then_matmul(kern, qtype, m):
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q5_0"])
 def test_gate_up_fused_silu_mul_in_the_int8_kernel(kern, qtype):
     n, k, m = 128, 256, 2  # gate and up 64 rows each
-    w = _blocks(qtype, n, k)
+    w = random_blocks(qtype, n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).bfloat16()
     y = kern.quant_linear(x, pack_blocks(w, gate_up=True), FORMATS[qtype], n, None, silu_mul=True, int_rows=64)
     proj, _ = _reference(x, w.dequantize(torch.float32), None)
@@ -131,7 +112,7 @@ def test_many_rows_run_the_bf16_model_weight_bit_for_bit(qtype, n, k, m):
     bf16 tile kernel reaches it (each thread dequantizing its next block during this one's products; more
     than 256 rows in two passes over the blocks): the same bits as the bf16 model (the file dequantized at
     load, packed for that kernel)."""
-    w = _blocks(qtype, n, k)
+    w = random_blocks(qtype, n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).bfloat16()
     bias = torch.randn(n, generator=torch.Generator().manual_seed(2)).bfloat16()
     dense = pack_weight_for_tiles(w.dequantize(torch.bfloat16))
@@ -163,7 +144,7 @@ def test_many_rows_without_amx_run_the_bf16_model_weight_bit_for_bit(mode):
     try:
         for qtype in FORMATS:
             for n, kk, m in [(96, 512, 40), (160, 256, 300)]:
-                w = _blocks(qtype, n, kk)
+                w = random_blocks(qtype, n, kk)
                 x = torch.randn(m, kk, generator=torch.Generator().manual_seed(1)).bfloat16()
                 bias = torch.randn(n, generator=torch.Generator().manual_seed(2)).bfloat16()
                 y = k.quant_linear(x, pack_blocks(w), FORMATS[qtype], n, bias, int_rows=8)
@@ -176,7 +157,7 @@ def test_many_rows_without_amx_run_the_bf16_model_weight_bit_for_bit(mode):
 
 
 def test_bad_input_raises():
-    w = _blocks("Q4_0", 32, 64)
+    w = random_blocks("Q4_0", 32, 64)
     packed = pack_blocks(w)
     with pytest.raises(RuntimeError, match="not a weight packed for 32 x 128"):
         kernels.quant_linear(torch.zeros(1, 128, dtype=torch.bfloat16), packed, FORMATS["Q4_0"], 32)

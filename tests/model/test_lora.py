@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from random_weights import make_adapter
 from tiny_models import hf_greedy, random_prompts, run
 
 from servelm import LLM, LoRARequest, SamplingParams
@@ -19,23 +20,6 @@ peft = pytest.importorskip("peft")
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # (rank, alpha, rsLoRA, target modules): PEFT's common attention-only adapter, and a rank-64 one on every linear
 ADAPTERS = {"small": (8, 16, False, ["q_proj", "v_proj"]), "big": (64, 32, True, ALL)}
-
-
-def make_adapter(base_dir: Path, out: Path, rank: int, alpha: int, rslora: bool, targets: list[str], seed: int):
-    """A random PEFT adapter for the model in base_dir, saved to out; returns the merged float32 model (the
-    oracle). PEFT starts lora_B at zero, which would make the adapter a no-op: both matrices are drawn."""
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora,
-                                                      target_modules=targets, lora_dropout=0.0))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * (0.3 if "lora_A" in name else 0.05))
-    model.save_pretrained(out)
-    return model.merge_and_unload().eval()
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -197,7 +181,7 @@ def _gate_up_cases():
     """(id, gate, up, dtype, act) for each way GateUpLinear runs here: the fused dense kernel in float32 and
     bf16 (or the tile kernels where the CPU has them), kept GGUF blocks with the fused store, int8 codes (no
     fused store: [gate | up] from Linear) and GeGLU (PyTorch's activation)."""
-    from test_gguf_kernels import _blocks
+    from random_weights import random_blocks
 
     from servelm.model.quant.weight_only import quantize_int8
 
@@ -206,7 +190,7 @@ def _gate_up_cases():
     return [
         pytest.param(gate, up, torch.float32, "silu", id="float32"),
         pytest.param(gate.bfloat16(), up.bfloat16(), torch.bfloat16, "silu", id="bf16"),
-        pytest.param(_blocks("Q8_0", 64, 256, 1), _blocks("Q8_0", 64, 256, 2), torch.bfloat16, "silu", id="gguf"),
+        pytest.param(random_blocks("Q8_0", 64, 256, 1), random_blocks("Q8_0", 64, 256, 2), torch.bfloat16, "silu", id="gguf"),
         pytest.param(quantize_int8(gate, torch.float32), quantize_int8(up, torch.float32), torch.float32, "silu",
                      id="int8"),
         pytest.param(gate, up, torch.float32, "gelu_tanh", id="geglu"),

@@ -17,7 +17,7 @@ import sqlite3
 
 import pytest
 from fakes import StubEngine, stub_deployment_workers
-from test_lora import make_adapter
+from random_weights import make_adapter
 
 from servelm.config.engine import EngineConfig
 from servelm.control.types import ControlError, Kind, State
@@ -346,6 +346,7 @@ def test_an_old_registry_database_opens_and_gc_keeps_an_adapters_base(llama_dir,
     reg.close()
     with sqlite3.connect(tmp_path / "old" / "registry.db") as db:  # as an older servelm left it
         db.execute("ALTER TABLE versions DROP COLUMN base")
+        db.execute("DROP TABLE deployment_specs")  # revision 0003's
         db.execute("UPDATE alembic_version SET version_num = '0001'")
     reg = Registry(None, tmp_path / "old")
     try:

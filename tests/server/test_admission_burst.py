@@ -1,6 +1,7 @@
 """Admission under a burst: every admitted request counts against the queue's high watermark from the moment it
-is admitted, so a burst far larger than the watermark gets exactly the watermark's worth of requests in and fast
-503s with Retry-After for the rest, and none is left hanging; sized for the burst, every request is served.
+is admitted, so a burst of 1,000 streams, far larger than the watermark, gets exactly the watermark's worth of
+requests in and fast 503s with Retry-After for the rest, and none is left hanging; sized for the burst, every
+request is served.
 
 In-process, with an engine stand-in that holds every request until the test opens its gate: the requests that
 reach it are the admitted ones, and nothing depends on timing."""
@@ -15,7 +16,7 @@ from fakes import IdleEngine
 from servelm.config.settings import load
 from servelm.outputs import CompletionOutput, RequestOutput
 
-BURST = 300
+BURST = 1000  # concurrent streams
 
 
 class GatedEngine(IdleEngine):
@@ -51,7 +52,8 @@ async def _burst(tokenizer, high: int, low: int) -> tuple[list[httpx.Response], 
                                  timeout=None) as client:
 
         async def one(i: int) -> httpx.Response:
-            r = await client.post("/v1/completions", json={"prompt": [1, 2, i % 50 + 3], "max_tokens": 1})
+            r = await client.post("/v1/completions", json={"prompt": [1, 2, i % 50 + 3], "max_tokens": 1,
+                                                            "stream": True})
             if r.status_code != 200:
                 async with engine.arrived:
                     refused.append(r)
@@ -70,6 +72,7 @@ def test_a_burst_past_the_watermark_gets_fast_503s_and_the_rest_are_served(token
     responses, admitted = asyncio.run(_burst(tokenizer, high=40, low=20))
     codes = [r.status_code for r in responses]
     assert admitted == 40 and codes.count(200) == 40
+    assert all(r.text.rstrip().endswith("data: [DONE]") for r in responses if r.status_code == 200)  # whole streams
     assert codes.count(503) == BURST - 40  # answered before any admitted request had an output
     rejected = next(r for r in responses if r.status_code == 503)
     assert rejected.headers["Retry-After"] == "1" and rejected.json()["error"]["code"] == "overloaded"
@@ -78,3 +81,4 @@ def test_a_burst_past_the_watermark_gets_fast_503s_and_the_rest_are_served(token
 def test_sized_for_the_burst_every_request_is_served(tokenizer):
     responses, admitted = asyncio.run(_burst(tokenizer, high=BURST, low=BURST // 2))
     assert admitted == BURST and all(r.status_code == 200 for r in responses)
+    assert all(r.text.rstrip().endswith("data: [DONE]") for r in responses)

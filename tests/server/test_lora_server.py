@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from random_weights import make_adapter
 from serving import start_server, stop_server
-from test_lora import make_adapter
 
 pytest.importorskip("peft")
 
