@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from servelm.config.engine import EngineConfig, token_count
+from servelm.config.engine import EngineConfig, choices, token_count
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = (),
@@ -37,6 +37,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str, skip
         elif f.metadata.get("token_count"):
             group.add_argument(flag, type=_token_count_arg(optional), default=default,
                                metavar=f.name.upper(), help=helptext)
+        elif choices(base) is not None:  # the config's validation names what is allowed (and vLLM's aliases)
+            group.add_argument(flag, type=str, default=default, metavar=f.name.upper(), help=helptext)
         else:
             group.add_argument(flag, type=base, default=default, help=helptext)
 

@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Literal, get_args, get_origin
 
 DEFAULT_KV_CACHE_GB = 1.0  # the KV cache on the CPU unless sized
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's: the share of a GPU's memory an engine sizes itself to
@@ -46,9 +47,30 @@ def _f(default, help: str, runtime: bool = False, token_count: bool = False):
     return field(default=default, metadata={"help": help, "runtime": runtime, "token_count": token_count})
 
 
+# The choices of the fields that take one of a few names: the one place each set is written. Validation, the
+# config file and env readers, and the OpenAPI document of PATCH /admin/config read them from the annotation.
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Quantization = Literal["auto", "none", "gguf", "int8", "int4"]
+PreemptionMode = Literal["recompute", "swap"]
+SchedulingPolicy = Literal["priority", "fcfs"]
+StructuredOutputBackend = Literal["auto", "llguidance", "xgrammar"]
+SpeculativeMethod = Literal["ngram", "draft"]
+
+
+def choices(tp) -> tuple[str, ...] | None:
+    """The names a Literal annotation allows (None for any other type)."""
+    return get_args(tp) if get_origin(tp) is Literal else None
+
+
+def one_of(tp) -> str:
+    """'a, b or c' for a Literal annotation: what an error message says is allowed."""
+    names = choices(tp)
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
 # vLLM's --dtype spellings that name one of servelm's dtypes (vLLM: half = float16, float = float32)
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16"}
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = choices(Dtype)
 
 _TOKEN_COUNT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -131,9 +153,9 @@ class EngineConfig:
                                    "tokenizer's own")
     trust_remote_code: bool = _f(False, "accepted for vLLM command lines and changes nothing: servelm runs only "
                                  "its built-in architectures and never executes code from a model folder")
-    dtype: str = _f("auto", "auto | float32 | bfloat16 | float16 (vLLM's half and float, and bf16, name the same "
+    dtype: Dtype = _f("auto", "auto | float32 | bfloat16 | float16 (vLLM's half and float, and bf16, name the same "
                     "types); auto picks bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX), else float32")
-    quantization: str = _f("auto", "auto | none | gguf | int8 | int4: linear weights kept quantized in memory and "
+    quantization: Quantization = _f("auto", "auto | none | gguf | int8 | int4: linear weights kept quantized in memory and "
                            "dequantized inside the matmul (CPU only; README: Quantization). gguf keeps a GGUF "
                            "file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K linears as they are (servelm's kernels) and dequantizes "
                            "its other types; int8 (per output channel) and int4 (group-wise) quantize the linears "
@@ -177,7 +199,7 @@ class EngineConfig:
     ttft_target_ms: float = _f(500.0, "with --itl-target-ms: the time within which the prompt tokens waiting "
                                "should still be computed; prompt chunks are never cut below the backlog's share "
                                "of it, so the cut cannot grow the queue without bound (0: no floor)")
-    preemption_mode: str = _f("recompute", "recompute | swap: what happens to a request preempted "
+    preemption_mode: PreemptionMode = _f("recompute", "recompute | swap: what happens to a request preempted "
                               "when the KV cache is full")
     swap_space_gb: float = _f(4.0, "CPU swap space for preempted requests in GiB (swap mode)")
     seed: int = _f(0, "seed of the sampler's random generator for unseeded requests")
@@ -195,14 +217,14 @@ class EngineConfig:
                                  "(Python's default is 700): a step with hundreds of sequences allocates more "
                                  "than 700 objects, so the default collects in nearly every step (README: "
                                  "Configuration); the offline LLM(...) leaves its own process's collector alone")
-    scheduling_policy: str = _f("priority", "priority | fcfs: admit and preempt by priority class "
+    scheduling_policy: SchedulingPolicy = _f("priority", "priority | fcfs: admit and preempt by priority class "
                                 "(high, normal, low) with aging, or purely by arrival", runtime=True)
     priority_aging_s: float = _f(10.0, "seconds of waiting that lift a request one priority class, so "
                                  "low priority is never starved (0 disables aging)", runtime=True)
-    structured_output_backend: str = _f("auto", "auto | llguidance | xgrammar: the grammar engine of structured "
+    structured_output_backend: StructuredOutputBackend = _f("auto", "auto | llguidance | xgrammar: the grammar engine of structured "
                                         "output and tool calling (vLLM's --structured-outputs-config.backend); "
                                         "auto is llguidance, xgrammar needs the structured extra")
-    speculative_method: str | None = _f(None, "ngram | draft: speculative decoding by n-gram prompt lookup, or "
+    speculative_method: SpeculativeMethod | None = _f(None, "ngram | draft: speculative decoding by n-gram prompt lookup, or "
                                         "by a draft model (--speculative-model, which implies draft); off when "
                                         "omitted (README: Speculative decoding)")
     speculative_model: str | None = _f(None, "a draft model (folder or .gguf) sharing the target's tokenizer, "
@@ -249,8 +271,7 @@ class EngineConfig:
                 raise ConfigError("chat_template", self.chat_template, "a readable file or an inline Jinja "
                                   f"template ({e})") from None
         need(self.device == "cpu" or self.device.startswith("cuda"), "device", "cpu, cuda or cuda:N")
-        need(self.quantization in ("auto", "none", "gguf", "int8", "int4"), "quantization",
-             "one of auto, none, gguf, int8, int4")
+        need(self.quantization in choices(Quantization), "quantization", one_of(Quantization))
         need(self.quantization_group_size in (32, 64, 128, 256), "quantization_group_size", "32, 64, 128 or 256")
         need(self.quantization != "gguf" or self.device == "cpu", "quantization", "none, int8 or int4 on a GPU "
              "(gguf keeps a file's blocks for the CPU kernels; int8/int4 run Triton kernels on a GPU)")
@@ -282,23 +303,24 @@ class EngineConfig:
         need(self.sliding_window is None or self.sliding_window >= 1, "sliding_window", ">= 1 or None")
         need(self.kv_cache_persist is None or (self.enable_prefix_caching and bool(self.kv_cache_persist)),
              "kv_cache_persist", "a directory, with prefix caching on (or None)")
-        need(self.preemption_mode in ("recompute", "swap"), "preemption_mode", "recompute or swap")
+        need(self.preemption_mode in choices(PreemptionMode), "preemption_mode", one_of(PreemptionMode))
         need(self.swap_space_gb >= 0, "swap_space_gb", ">= 0")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1 or None")
         need(self.gc_young_threshold >= 1, "gc_young_threshold", ">= 1")
         need(0 <= self.cpu_nice <= 19, "cpu_nice", "0 to 19 (only lowering the priority needs no privilege)")
         need(self.cpu_bind is None or cpu_list(self.cpu_bind) is not None, "cpu_bind",
              f"a list of this process's CPUs {sorted(os.sched_getaffinity(0))} like '0-3' or '0,2'")
-        need(self.scheduling_policy in ("priority", "fcfs"), "scheduling_policy", "priority or fcfs")
+        need(self.scheduling_policy in choices(SchedulingPolicy), "scheduling_policy", one_of(SchedulingPolicy))
         need(self.priority_aging_s >= 0, "priority_aging_s", ">= 0")
-        need(self.structured_output_backend in ("auto", "llguidance", "xgrammar"), "structured_output_backend",
-             "auto, llguidance or xgrammar")
+        need(self.structured_output_backend in choices(StructuredOutputBackend), "structured_output_backend",
+             one_of(StructuredOutputBackend))
         need(self.structured_output_backend != "xgrammar" or importlib.util.find_spec("xgrammar") is not None,
              "structured_output_backend", "auto or llguidance unless xgrammar is installed (pip install "
              "'servelm[structured]')")
         if self.speculative_model is not None and self.speculative_method is None:
             self.speculative_method = "draft"
-        need(self.speculative_method in (None, "ngram", "draft"), "speculative_method", "ngram, draft or None")
+        need(self.speculative_method is None or self.speculative_method in choices(SpeculativeMethod),
+             "speculative_method", one_of(SpeculativeMethod) + " (or None)")
         need(self.speculative_method != "draft" or self.speculative_model is not None, "speculative_method",
              "draft only together with --speculative-model")
         need(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens", "in [1, 16]")
@@ -354,7 +376,7 @@ class RuntimeSettings:
     when the two disagree."""
 
     max_num_seqs: int
-    scheduling_policy: str
+    scheduling_policy: SchedulingPolicy
     priority_aging_s: float
 
     @classmethod

@@ -21,10 +21,14 @@ else:  # Python 3.10: the same parser, published as tomli before it joined the s
     import tomli as tomllib
 
 from servelm.config import env as env_vars
-from servelm.config.engine import ConfigError, EngineConfig, _f, require, token_count
+from servelm.config.engine import ConfigError, EngineConfig, _f, choices, one_of, require, token_count
 from servelm.config.models import ModelSpec, parse_models
 
-PRIORITIES = ("high", "normal", "low")  # index = the engine's Priority value
+Priority = typing.Literal["high", "normal", "low"]
+PRIORITIES = choices(Priority)  # index = the engine's Priority value
+WebUi = typing.Literal["chat", "none"]
+PrefixCacheIsolation = typing.Literal["key", "none"]
+ToolCallParser = typing.Literal["auto", "hermes", "llama3_json", "mistral"]
 SECRETS = frozenset({"api_key", "admin_key"})  # never printed, logged or returned
 # URLs that may carry a password (postgresql://user:PASSWORD@host/db): printed with the password masked
 URL_SECRETS = frozenset({"database_url", "registry_url", "redis_url"})
@@ -83,7 +87,7 @@ class ServerConfig:
                                           "requests may send ('*': any, as vLLM's default)")
     allow_credentials: bool = _f(False, "with --allowed-origins: let browsers send cookies and HTTP "
                                  "authentication with cross-origin requests (as vLLM's --allow-credentials)")
-    ui: str = _f("chat", "the web chat page at / : chat (served, no login of its own: it asks for an API key when "
+    ui: WebUi = _f("chat", "the web chat page at / : chat (served, no login of its own: it asks for an API key when "
                  "the server needs one) or none")
     responses_store_size: int = _f(1000, "responses of /v1/responses kept in memory for previous_response_id and "
                                    "GET /v1/responses/{id} (the oldest go first; 0: none kept)")
@@ -147,11 +151,11 @@ class ServerConfig:
                                  "rollback, a canary promotion that failed, and a drift alert that starts")
     webhook_timeout_s: float = _f(2.0, "timeout of one webhook delivery attempt")
     webhook_retries: int = _f(2, "webhook delivery attempts after the first, with exponential backoff")
-    prefix_cache_isolation: str = _f("key", "key | none: with key, requests share prefix-cache blocks only "
+    prefix_cache_isolation: PrefixCacheIsolation = _f("key", "key | none: with key, requests share prefix-cache blocks only "
                                      "with requests made with the same API key (one tenant cannot time-probe "
                                      "another's prompts); none shares them across all callers")
 
-    tool_call_parser: str = _f("auto", "auto | hermes | llama3_json | mistral: how tool calls are read from a "
+    tool_call_parser: ToolCallParser = _f("auto", "auto | hermes | llama3_json | mistral: how tool calls are read from a "
                                "chat reply (auto: the format the model's chat template uses, else hermes)")
 
     def validate(self) -> None:
@@ -190,12 +194,12 @@ class ServerConfig:
             if key is not None and (len(key) < 8 or any(c.isspace() for c in key)):
                 raise ConfigError(name, "<redacted>", "at least 8 characters, with no spaces or line breaks")
         need(self.api_keys_file is None or Path(self.api_keys_file).is_file(), "api_keys_file", "an existing file")
-        need(self.ui in ("chat", "none"), "ui", "chat or none")
+        need(self.ui in choices(WebUi), "ui", one_of(WebUi))
         need(self.responses_store_size >= 0, "responses_store_size", ">= 0")
         need(self.max_request_body_bytes >= 1024, "max_request_body_bytes", ">= 1024")
-        need(self.prefix_cache_isolation in ("key", "none"), "prefix_cache_isolation", "key or none")
-        need(self.tool_call_parser in ("auto", "hermes", "llama3_json", "mistral"), "tool_call_parser",
-             "auto, hermes, llama3_json or mistral")
+        need(self.prefix_cache_isolation in choices(PrefixCacheIsolation), "prefix_cache_isolation",
+             one_of(PrefixCacheIsolation))
+        need(self.tool_call_parser in choices(ToolCallParser), "tool_call_parser", one_of(ToolCallParser))
         need(self.keep_alive_s >= 0, "keep_alive_s", ">= 0 (0: kept loaded)")
         need(all(m.rpartition("=")[2].strip() in ("off", "metadata", "full")
                  for m in self.prediction_log.split(",") if m.strip()), "prediction_log",
@@ -255,7 +259,7 @@ class AdmissionConfig:
                                     runtime=True)
     rate_limit_tpm: int | None = _f(None, "tokens (prompt + max_tokens) per minute per key, for keys without "
                                     "their own limit", runtime=True)
-    default_priority: str = _f("normal", "priority of requests whose key sets none: high | normal | low",
+    default_priority: Priority = _f("normal", "priority of requests whose key sets none: high | normal | low",
                                runtime=True)
     max_n: int = _f(16, "most samples (n) one generation request may ask for (400 above)", runtime=True)
     max_request_tokens: int | None = _f(None, "most tokens one generation request may ask for: its prompt tokens "
@@ -281,7 +285,7 @@ class AdmissionConfig:
         need(self.queue_timeout_s >= 0, "queue_timeout_s", ">= 0 (0: none)")
         need(self.rate_limit_rpm is None or self.rate_limit_rpm >= 1, "rate_limit_rpm", ">= 1 or None")
         need(self.rate_limit_tpm is None or self.rate_limit_tpm >= 1, "rate_limit_tpm", ">= 1 or None")
-        need(self.default_priority in PRIORITIES, "default_priority", "one of high, normal, low")
+        need(self.default_priority in PRIORITIES, "default_priority", one_of(Priority))
         need(self.auth_failures_per_minute is None or self.auth_failures_per_minute >= 1,
              "auth_failures_per_minute", ">= 1 or None")
         for cap in ("max_n", "max_embedding_inputs"):
@@ -503,7 +507,11 @@ def _coerce(key: str, value, tp, source: str = "runtime"):
     if value is None or (optional and isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
         if optional:
             return None
-        raise ConfigError(key, value, f"{_TYPE_NAMES.get(base, 'a list of strings')} (from {source})")
+        raise ConfigError(key, value, f"{_type_name(base)} (from {source})")
+    if choices(base) is not None:  # one of a few names: checked against them by the section's validation
+        if not isinstance(value, str):
+            raise ConfigError(key, value, f"{_type_name(base)} (from {source})")
+        return value.strip()
     if typing.get_origin(base) is tuple:
         try:
             return strings(key, value)
@@ -542,3 +550,7 @@ def _coerce(key: str, value, tp, source: str = "runtime"):
 
 
 _TYPE_NAMES = {bool: "a boolean (true/false)", int: "an integer", float: "a finite number", str: "a string"}
+
+
+def _type_name(tp) -> str:
+    return f"one of {one_of(tp)}" if choices(tp) is not None else _TYPE_NAMES.get(tp, "a list of strings")

@@ -103,6 +103,7 @@ _RANGES = {"max_num_seqs": {"minimum": 1}, "priority_aging_s": {"minimum": 0},
 def _config_patch_schema() -> dict:
     import typing
 
+    from servelm.config.engine import choices
     from servelm.config.settings import SECTIONS, all_fields
 
     props = {}
@@ -110,8 +111,10 @@ def _config_patch_schema() -> dict:
         if not f.metadata.get("runtime"):
             continue
         tp = typing.get_type_hints(SECTIONS[sec])[f.name]
-        args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
-        one = {"type": _TYPES[args[0]], **_RANGES.get(f.name, {}), "description": f.metadata.get("help", "")}
+        args = [tp] if choices(tp) is not None else [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+        names = choices(args[0])
+        one = {"type": "string", "enum": list(names)} if names is not None else {"type": _TYPES[args[0]]}
+        one.update({**_RANGES.get(f.name, {}), "description": f.metadata.get("help", "")})
         if args[0] is int:
             one.setdefault("maximum", 2**63 - 1)
         props[f.name] = {"anyOf": [one, {"type": "null"}]} if type(None) in typing.get_args(tp) else one

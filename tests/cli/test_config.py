@@ -254,3 +254,36 @@ def test_shared_state_urls_precedence_and_masked_passwords():
     with pytest.raises(ConfigError, match="redis_url"):
         load({"redis_url": "http://cache"}, env={})
     assert load({"rate_limit_fail_open": True}, env={}).admission.rate_limit_fail_open is True
+
+
+def test_every_choice_field_takes_exactly_the_names_its_annotation_lists():
+    """Fields that take one of a few names declare them once, as a Literal: each name loads, from a file value as
+    from a flag, and anything else is a ConfigError naming the field."""
+    import dataclasses
+    import typing
+
+    from servelm.config.engine import choices
+    from servelm.config.settings import SECTIONS
+
+    found = []
+    for cls in SECTIONS.values():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            names = choices(tp) or next((choices(a) for a in typing.get_args(tp) if choices(a)), None)
+            if names is None:
+                continue
+            found.append(f.name)
+            for name in names:
+                extra = {"speculative_model": "self:1"} if name == "draft" else {}
+                assert getattr(getattr(load({f.name: name, **extra}, env={}), _section_of(cls)), f.name) == name
+            with pytest.raises(ConfigError, match=f.name):
+                load({f.name: "no-such-choice"}, env={})
+    assert {"dtype", "quantization", "scheduling_policy", "preemption_mode", "structured_output_backend",
+            "speculative_method", "ui", "tool_call_parser", "prefix_cache_isolation", "default_priority"} <= set(found)
+
+
+def _section_of(cls) -> str:
+    from servelm.config.settings import SECTIONS
+
+    return next(sec for sec, c in SECTIONS.items() if c is cls)

@@ -31,7 +31,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def test_setting_is_validated_and_flows_from_cli_env_and_file(tmp_path):
-    with pytest.raises(ConfigError, match="quantization must be one of auto, none, gguf, int8, int4, got 'int3'"):
+    with pytest.raises(ConfigError, match="quantization must be auto, none, gguf, int8 or int4, got 'int3'"):
         EngineConfig(quantization="int3")
     with pytest.raises(ConfigError, match="quantization_group_size must be 32, 64, 128 or 256, got 48"):
         EngineConfig(quantization="int4", quantization_group_size=48)
