@@ -34,11 +34,12 @@ from servelm.control import conditions, spec_adopt
 from servelm.control.autoscale import Wish, decide, wanted
 from servelm.control.bandit_policy import BanditPolicy
 from servelm.control.conditions import DEGRADED, PROGRESSING, READY
+from servelm.control.errors import ControlError
 from servelm.control.plane import SYSTEM, ControlPlane
 from servelm.control.spec import DeploymentSpec, VersionWeight
 from servelm.control.spec_store import SpecStore, StoredSpec
 from servelm.control.traffic import TrafficPolicy
-from servelm.control.types import ControlError, Kind
+from servelm.control.types import Kind
 
 logger = logging.getLogger("servelm.reconciler")
 RECONCILER = "reconciler"  # the actor of what the reconciler does

@@ -22,12 +22,12 @@ from typing import Any
 from servelm.config import env
 from servelm.control.bandit_policy import BanditPolicy
 from servelm.control.drift import DriftMonitor
+from servelm.control.errors import Conflict, ControlError, NotFound
 from servelm.control.experiments import Experiment, ThompsonBandit
 from servelm.control.policies import PolicyStore
 from servelm.control.predictions import Prediction, PredictionLog
 from servelm.control.shadow import ShadowMirror, ShadowResult
 from servelm.control.traffic import RequestAttrs, TrafficPolicy
-from servelm.control.types import ControlError
 from servelm.server.observability.drift_watch import DriftSnapshot, DriftWatch
 from servelm.server.observability.telemetry import RequestRecord
 from servelm.server.observability.traffic_metrics import TrafficMetrics
@@ -378,7 +378,7 @@ class TrafficService:
     async def start_experiment(self, name: str, policy: TrafficPolicy, baseline: str | None, actor: str
                                ) -> Experiment:
         if name in self.experiments and self.experiments[name].stopped_at is None:
-            raise ControlError(409, f"experiment {name!r} is running", code="experiment_running")
+            raise Conflict(f"experiment {name!r} is running", code="experiment_running")
         self._check_free(policy.model)
         arms = [a.label for a in policy.arms] + [r.label for r in policy.segments]
         exp = Experiment(name, policy.to_dict(), arms, started_at=time.time(), baseline=baseline)
@@ -407,17 +407,17 @@ class TrafficService:
     def experiment(self, name: str) -> Experiment:
         exp = self.experiments.get(name)
         if exp is None:
-            raise ControlError(404, f"no experiment {name!r}; experiments: {', '.join(self.experiments) or 'none'}",
-                               code="not_found", param="id")
+            raise NotFound(f"no experiment {name!r}; experiments: {', '.join(self.experiments) or 'none'}",
+                           code="not_found", param="id")
         return exp
 
     def _check_free(self, model: str) -> None:
         """409 when a canary or an experiment already steers this model's traffic."""
         if model in self.canaries and self.canaries[model].controller.status == "running":
-            raise ControlError(409, f"a canary of {model} is running; abort it first", code="canary_running")
+            raise Conflict(f"a canary of {model} is running; abort it first", code="canary_running")
         if model in self.experiment_of:
-            raise ControlError(409, f"experiment {self.experiment_of[model]!r} runs on {model}; stop it first",
-                               code="experiment_running")
+            raise Conflict(f"experiment {self.experiment_of[model]!r} runs on {model}; stop it first",
+                           code="experiment_running")
 
     # -- shadow and drift --------------------------------------------------------------------------
     def mirror(self, name: str) -> ShadowMirror:

@@ -20,7 +20,8 @@ from fakes import StubEngine, stub_deployment_workers
 from test_lora import make_adapter
 
 from servelm.config.engine import EngineConfig
-from servelm.control.types import ControlError, Kind, State
+from servelm.control.errors import Conflict, ControlError
+from servelm.control.types import Kind, State
 from servelm.worker.handle import HealthSettings
 
 pytest.importorskip("peft")
@@ -356,7 +357,7 @@ def test_an_old_registry_database_opens_and_gc_keeps_an_adapters_base(llama_dir,
         assert reg.gc(1, "t") == []  # m:1 is older than keep_last=1 but ad:1 needs it
         with pytest.raises(ControlError) as e:
             reg.delete("m", 1, "t")
-        assert e.value.status == 409 and "ad:1" in e.value.message
+        assert isinstance(e.value, Conflict) and "ad:1" in e.value.message
         reg.delete("ad", 1, "t")
         assert reg.gc(1, "t") == ["m:1"]
     finally:

@@ -14,9 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from servelm.control.bandit_policy import BanditPolicy
 from servelm.control.canary import CanaryConfig, CanaryController
 from servelm.control.canary_runner import start_canary
+from servelm.control.errors import Conflict, NotFound
 from servelm.control.experiments import ThompsonBandit
 from servelm.control.traffic import TrafficPolicy
-from servelm.control.types import MAX_VERSION, ControlError
+from servelm.control.types import MAX_VERSION
 from servelm.server.common import record
 
 Version = Annotated[int, Field(ge=1, le=MAX_VERSION)]
@@ -112,8 +113,8 @@ def add_traffic_routes(app: FastAPI, state) -> None:
     async def get_traffic(name: str) -> dict:
         policy = svc.policies.get(name)
         if policy is None:
-            raise ControlError(404, f"{name} has no traffic policy (requests go to its PRODUCTION version)",
-                               code="not_found", param="name")
+            raise NotFound(f"{name} has no traffic policy (requests go to its PRODUCTION version)",
+                           code="not_found", param="name")
         return policy.to_dict()
 
     @app.delete("/admin/models/{name}/traffic", status_code=204)
@@ -144,7 +145,7 @@ def add_traffic_routes(app: FastAPI, state) -> None:
     def canary(name: str):
         run = svc.canaries.get(name)
         if run is None:
-            raise ControlError(404, f"{name} has no canary", code="not_found", param="name")
+            raise NotFound(f"{name} has no canary", code="not_found", param="name")
         return run
 
     @app.get("/admin/models/{name}/canary")
@@ -156,7 +157,7 @@ def add_traffic_routes(app: FastAPI, state) -> None:
             return run.status()
         rec = await svc.write(svc.store.get, "canary", name)
         if rec is None:
-            raise ControlError(404, f"{name} has no canary", code="not_found", param="name")
+            raise NotFound(f"{name} has no canary", code="not_found", param="name")
         c = CanaryController.from_dict(rec)
         return {"model": name, "status": c.status, "step": c.step, "percent": c.percent,
                 "config": c.config.to_dict(), "windows": {}, "last_decision": None,
@@ -174,12 +175,12 @@ def add_traffic_routes(app: FastAPI, state) -> None:
         cp.registry.get(name, body.version)
         base = svc.policies.get(name)
         if isinstance(base, BanditPolicy):
-            raise ControlError(409, f"{name} is routed by a bandit; a shadow needs a split policy", code="bandit")
+            raise Conflict(f"{name} is routed by a bandit; a shadow needs a split policy", code="bandit")
         if base is None:
             prod = cp.registry.production(name)
             if prod is None:
-                raise ControlError(409, f"{name} has no PRODUCTION version and no traffic policy to mirror",
-                                   code="no_policy", param="name")
+                raise Conflict(f"{name} has no PRODUCTION version and no traffic policy to mirror",
+                               code="no_policy", param="name")
             d: dict = {"model": name, "arms": [{"version": prod.version, "weight": 100}]}
         else:
             d = base.to_dict()
@@ -199,7 +200,7 @@ def add_traffic_routes(app: FastAPI, state) -> None:
     async def delete_shadow(name: str, request: Request):
         policy = svc.policies.get(name)
         if policy is None or policy.shadow is None:
-            raise ControlError(404, f"{name} has no shadow", code="not_found", param="name")
+            raise NotFound(f"{name} has no shadow", code="not_found", param="name")
         await svc.set_policy(TrafficPolicy.from_dict({**policy.to_dict(), "shadow": None}), actor(request), "shadow.delete")
         return Response(status_code=204)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servelm.control.drift import ConceptMonitor, ConceptThresholds, DriftMonitor, DriftThresholds
-from servelm.control.types import ControlError
+from servelm.control.errors import NotFound
 
 logger = logging.getLogger("servelm.traffic")
 DRIFT_CHARS = 256  # characters of a prompt profiled for drift (a sample: profiling runs on the event loop)
@@ -111,7 +111,7 @@ class DriftWatch:
         requests in the data window frozen."""
         mon = self.data.get(name)
         if mon is None:
-            raise ControlError(404, f"no drift data for {name!r} yet", code="not_found", param="model")
+            raise NotFound(f"no drift data for {name!r} yet", code="not_found", param="model")
         n = len(mon.live.prompt_len)
         mon.set_reference()
         for c in self.concept.get(name, {}).values():
@@ -134,8 +134,8 @@ class DriftWatch:
         elif isinstance(snap, DriftMonitor):
             snap = DriftSnapshot(snap, dict(self.concept.get(name, {})))
         if snap.data is None and not snap.concept:
-            raise ControlError(404, f"no drift data for {name!r} yet; models with data: "
-                               f"{', '.join(self.data) or 'none'}", code="not_found", param="model")
+            raise NotFound(f"no drift data for {name!r} yet; models with data: "
+                           f"{', '.join(self.data) or 'none'}", code="not_found", param="model")
         mon = snap.data or DriftMonitor(name, DriftThresholds(min_samples=self.cfg.drift_min_samples), window=1)
         cached = self._mmd.get(name)
         if cached is not None and cached[0] == mon.embedding_epoch:
