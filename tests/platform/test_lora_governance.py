@@ -270,7 +270,7 @@ def test_a_split_shadow_and_experiment_between_two_adapter_versions(platform, ad
 
 
 def test_a_failing_adapter_canary_is_rolled_back_automatically(platform, adapters):
-    from servelm.server.traffic import FAULT_LABEL
+    from servelm.control.traffic_service import FAULT_LABEL
 
     client, state = platform
     _two_adapter_versions(client, state, adapters, {FAULT_LABEL: "error"})

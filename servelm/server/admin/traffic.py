@@ -1,7 +1,8 @@
 """Traffic-management admin routes under /admin (admin key; every change audited through the PolicyStore or
 the registry's audit trail): a model's traffic policy, canary rollouts, shadow mirroring, experiments, drift
 reports and the prediction log (read, GDPR erasure). Bodies are pydantic models, so they appear in
-/openapi.json; a refused operation is a ControlError in OpenAI's error shape."""
+/openapi.json; the decisions are the traffic service's (control/traffic_service.py), and a refused operation is a
+control refusal in OpenAI's error shape."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from servelm.control.bandit_policy import BanditPolicy
 from servelm.control.canary import CanaryConfig, CanaryController
 from servelm.control.canary_runner import start_canary
-from servelm.control.errors import Conflict, NotFound
+from servelm.control.errors import NotFound
 from servelm.control.experiments import ThompsonBandit
 from servelm.control.traffic import TrafficPolicy
 from servelm.control.types import MAX_VERSION
@@ -172,20 +173,7 @@ def add_traffic_routes(app: FastAPI, state) -> None:
     # -- shadow ------------------------------------------------------------------------------------
     @app.put("/admin/models/{name}/shadow")
     async def put_shadow(name: str, body: ShadowIn, request: Request) -> dict:
-        cp.registry.get(name, body.version)
-        base = svc.policies.get(name)
-        if isinstance(base, BanditPolicy):
-            raise Conflict(f"{name} is routed by a bandit; a shadow needs a split policy", code="bandit")
-        if base is None:
-            prod = cp.registry.production(name)
-            if prod is None:
-                raise Conflict(f"{name} has no PRODUCTION version and no traffic policy to mirror",
-                               code="no_policy", param="name")
-            d: dict = {"model": name, "arms": [{"version": prod.version, "weight": 100}]}
-        else:
-            d = base.to_dict()
-        policy = TrafficPolicy.from_dict({**d, "shadow": body.model_dump()})
-        await svc.set_policy(policy, actor(request), "shadow.set")
+        policy = await svc.set_shadow(name, body.model_dump(), actor(request))
         return policy.to_dict()
 
     @app.get("/admin/models/{name}/shadow")
@@ -198,10 +186,7 @@ def add_traffic_routes(app: FastAPI, state) -> None:
 
     @app.delete("/admin/models/{name}/shadow", status_code=204)
     async def delete_shadow(name: str, request: Request):
-        policy = svc.policies.get(name)
-        if policy is None or policy.shadow is None:
-            raise NotFound(f"{name} has no shadow", code="not_found", param="name")
-        await svc.set_policy(TrafficPolicy.from_dict({**policy.to_dict(), "shadow": None}), actor(request), "shadow.delete")
+        await svc.clear_shadow(name, actor(request))
         return Response(status_code=204)
 
     # -- experiments -------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Drift in the running server: per model the data-drift windows (control/drift.py DriftMonitor), per version
+"""Drift of the served models: per model the data-drift windows (control/drift.py DriftMonitor), per version
 the concept-drift windows (ConceptMonitor: feedback score, refusal and empty-output rates, finish-reason mix),
 and, when an embedding model is served, a sample of prompt embeddings for the MMD test.
 
@@ -26,6 +26,7 @@ from typing import Any
 
 from servelm.control.drift import ConceptMonitor, ConceptThresholds, DriftMonitor, DriftThresholds
 from servelm.control.errors import NotFound
+from servelm.control.traffic_seams import TrafficMetricsSink
 
 logger = logging.getLogger("servelm.traffic")
 DRIFT_CHARS = 256  # characters of a prompt profiled for drift (a sample: profiling runs on the event loop)
@@ -43,7 +44,7 @@ class DriftSnapshot:
 class DriftWatch:
     """Every model's drift windows; `notify(event)` is called (from any thread) when an alert starts."""
 
-    def __init__(self, cfg: Any, metrics: Any, embedder: Any = None,
+    def __init__(self, cfg: Any, metrics: TrafficMetricsSink, embedder: Any = None,
                  notify: Callable[[dict], None] | None = None) -> None:
         self.cfg, self.metrics, self.embedder, self.notify = cfg, metrics, embedder, notify
         self.data: dict[str, DriftMonitor] = {}
