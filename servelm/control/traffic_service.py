@@ -25,6 +25,7 @@ from typing import Any
 
 from servelm.config import env
 from servelm.control.bandit_policy import BanditPolicy
+from servelm.control.canary import CanaryController
 from servelm.control.drift import DriftMonitor
 from servelm.control.drift_watch import DriftSnapshot, DriftWatch
 from servelm.control.errors import Conflict, ControlError, NotFound, Unavailable
@@ -402,6 +403,32 @@ class TrafficService:
         self.metrics.feedback.labels(name, str(version or ""), arm).inc()
         return {"request_id": request_id, "model": name, "version": version, "arm": arm, "score": score,
                 "experiment": exp.name if attached else None}
+
+    # -- bandit and canary -------------------------------------------------------------------------
+    async def set_bandit(self, name: str, versions: list[int], actor: str, *, min_share: float, lo: float,
+                         hi: float) -> BanditPolicy:
+        """Route `name` by a Thompson-sampling bandit over `versions` (Conflict while a canary or an experiment
+        steers it, NotFound for a version that does not exist); stored and audited as "bandit.set"."""
+        self._check_free(name)
+        for v in versions:
+            self.cp.registry.get(name, v)
+        policy = BanditPolicy(name, ThompsonBandit(versions, min_share=min_share, lo=lo, hi=hi))
+        await self.set_policy(policy, actor, "bandit.set")
+        return policy
+
+    async def canary_status(self, name: str) -> dict:
+        """The rollout this process runs, else the one stored in the database (run, or decided, by another
+        server sharing it) as last saved; NotFound when there is neither."""
+        run = self.canaries.get(name)
+        if run is not None:
+            return run.status()
+        rec = await self.write(self.store.get, "canary", name)
+        if rec is None:
+            raise NotFound(f"{name} has no canary", code="not_found", param="name")
+        c = CanaryController.from_dict(rec)
+        return {"model": name, "status": c.status, "step": c.step, "percent": c.percent,
+                "config": c.config.to_dict(), "windows": {}, "last_decision": None,
+                "history": rec.get("history", []), "stored": True}
 
     # -- experiments -------------------------------------------------------------------------------
     async def start_experiment(self, name: str, policy: TrafficPolicy, baseline: str | None, actor: str

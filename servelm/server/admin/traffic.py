@@ -12,11 +12,9 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from servelm.control.bandit_policy import BanditPolicy
-from servelm.control.canary import CanaryConfig, CanaryController
+from servelm.control.canary import CanaryConfig
 from servelm.control.canary_runner import start_canary
 from servelm.control.errors import NotFound
-from servelm.control.experiments import ThompsonBandit
 from servelm.control.traffic import TrafficPolicy
 from servelm.control.types import MAX_VERSION
 from servelm.server.common import record
@@ -126,11 +124,8 @@ def add_traffic_routes(app: FastAPI, state) -> None:
 
     @app.put("/admin/models/{name}/bandit")
     async def put_bandit(name: str, body: BanditBody, request: Request) -> dict:
-        svc._check_free(name)
-        for v in body.versions:
-            cp.registry.get(name, v)
-        policy = BanditPolicy(name, ThompsonBandit(body.versions, min_share=body.min_share, lo=body.lo, hi=body.hi))
-        await svc.set_policy(policy, actor(request), "bandit.set")
+        policy = await svc.set_bandit(name, body.versions, actor(request), min_share=body.min_share, lo=body.lo,
+                                      hi=body.hi)
         return policy.to_dict()
 
     # -- canary ------------------------------------------------------------------------------------
@@ -153,16 +148,7 @@ def add_traffic_routes(app: FastAPI, state) -> None:
     async def canary_status(name: str) -> dict:
         """The rollout this server runs, else the one stored in the database (run, or decided, by another server
         sharing it): its status, step and decision history as last saved."""
-        run = svc.canaries.get(name)
-        if run is not None:
-            return run.status()
-        rec = await svc.write(svc.store.get, "canary", name)
-        if rec is None:
-            raise NotFound(f"{name} has no canary", code="not_found", param="name")
-        c = CanaryController.from_dict(rec)
-        return {"model": name, "status": c.status, "step": c.step, "percent": c.percent,
-                "config": c.config.to_dict(), "windows": {}, "last_decision": None,
-                "history": rec.get("history", []), "stored": True}
+        return await svc.canary_status(name)
 
     @app.post("/admin/models/{name}/canary/abort")
     async def canary_abort(name: str, request: Request, body: AbortBody | None = None) -> dict:
