@@ -22,8 +22,9 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 from servelm.control.deployment import Deployment
+from servelm.control.errors import ControlError, InvalidRequest
 from servelm.control.lease import Lease
-from servelm.control.types import ControlError, Kind, ModelVersion
+from servelm.control.types import Kind, ModelVersion
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
 
@@ -64,7 +65,7 @@ class AdapterDeployment:
     def __init__(self, version: ModelVersion, base: Deployment, deployment_id: str | None = None,
                  keep_alive_s: float | None = None, drain_timeout_s: float = 600.0) -> None:
         if version.kind != Kind.LORA:
-            raise ControlError(400, f"{version.ref} is not a LoRA adapter", code="wrong_kind")
+            raise InvalidRequest(f"{version.ref} is not a LoRA adapter", code="wrong_kind")
         self.id = deployment_id or f"{version.name}-v{version.version}"
         self._version, self.base = version, base
         self.keep_alive_s, self.drain_timeout_s = keep_alive_s, drain_timeout_s
@@ -203,14 +204,14 @@ class AdapterDeployment:
         """Serve adapter `version` (running on `base`, a deployment of its base version) instead, with no request
         failed: load it, switch new requests over, then unload the old adapter once its requests are done."""
         if version.kind != Kind.LORA:
-            raise ControlError(400, f"{version.ref} is not a LoRA adapter: deploy it as a deployment of its own",
-                               code="wrong_kind")
+            raise InvalidRequest(f"{version.ref} is not a LoRA adapter: deploy it as a deployment of its own",
+                                 code="wrong_kind")
         async with self._lock:
             t0 = time.monotonic()
             try:
                 await base.add_adapter(version.ref, version.artifact)
             except ControlError as e:
-                raise ControlError(e.status, f"{e.message}; {self._version.ref} keeps serving", e.code) from e
+                raise type(e)(f"{e.message}; {self._version.ref} keeps serving", e.code) from e
             old, old_base = self._version, self.base
             self._version, self.base, self.strategy_name = version, base, base.strategy_name  # the switch-over
             switched = time.monotonic()

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from servelm.config.engine import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_GB, EngineConfig
-from servelm.control.types import ControlError, Kind, ModelVersion
+from servelm.control.errors import InsufficientMemory
+from servelm.control.types import Kind, ModelVersion
 from servelm.model.kernels.cpu_features import cpu_has_bf16
 
 GiB = 2**30
@@ -116,9 +117,9 @@ class MemoryBudget:
         self.total = total_bytes
 
     def check(self, need: int, in_use: int, what: str) -> None:
-        """Raise ControlError(507) naming the numbers unless `need` more bytes fit beside `in_use`."""
+        """Raise InsufficientMemory naming the numbers unless `need` more bytes fit beside `in_use`."""
         if in_use + need > self.total:
-            raise ControlError(
-                507, f"{what} needs {need / GiB:.2f} GiB but only {(self.total - in_use) / GiB:.2f} GiB of the "
+            raise InsufficientMemory(
+                f"{what} needs {need / GiB:.2f} GiB but only {(self.total - in_use) / GiB:.2f} GiB of the "
                 f"{self.total / GiB:.2f} GiB memory budget is free ({in_use / GiB:.2f} GiB in use, and no idle "
                 "deployment can be unloaded to make room)", code="insufficient_memory")

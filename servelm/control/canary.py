@@ -26,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from servelm.control.errors import ControlError, InvalidRequest
 from servelm.control.experiments import ArmStats, mann_whitney, two_proportion_z, welch
 from servelm.control.traffic import TrafficPolicy, split
-from servelm.control.types import ControlError
 
 HOLD, ADVANCE, PROMOTE, ROLLBACK = "hold", "advance", "promote", "rollback"
 LATENCY_CHECKS = (("ttft", 0.95), ("ttft", 0.99), ("tpot", 0.95))
@@ -60,7 +60,7 @@ class CanaryConfig:
 
     def __post_init__(self) -> None:
         def bad(msg: str, param: str) -> ControlError:
-            return ControlError(400, msg, code="invalid_canary", param=param)
+            return InvalidRequest(msg, code="invalid_canary", param=param)
         if self.production == self.canary:
             raise bad("the canary and production versions must differ", "canary")
         if not self.steps or any(not 0 < s <= 100 for s in self.steps) or self.steps != sorted(set(self.steps)):
@@ -82,7 +82,7 @@ class CanaryConfig:
             rest = {k: v for k, v in d.items() if k != "thresholds"}
             return cls(**rest, thresholds=th)
         except TypeError as e:
-            raise ControlError(400, f"malformed canary config: {e}", code="invalid_canary") from None
+            raise InvalidRequest(f"malformed canary config: {e}", code="invalid_canary") from None
 
 
 @dataclass

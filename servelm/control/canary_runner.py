@@ -18,7 +18,8 @@ import time
 from typing import Any
 
 from servelm.control.canary import ADVANCE, PROMOTE, ROLLBACK, CanaryConfig, CanaryController, CanaryDecision
-from servelm.control.types import ControlError, State
+from servelm.control.errors import Conflict, ControlError
+from servelm.control.types import State
 
 logger = logging.getLogger("servelm.traffic")
 SYSTEM = "system"
@@ -111,8 +112,8 @@ class CanaryRun:
     async def abort(self, actor: str, reason: str) -> None:
         """An operator's rollback: as an automatic one, with their name and reason."""
         if self.controller.status != "running":
-            raise ControlError(409, f"the canary of {self.name} is {self.controller.status} already",
-                               code="canary_finished")
+            raise Conflict(f"the canary of {self.name} is {self.controller.status} already",
+                           code="canary_finished")
         self.controller.status = "rolled_back"
         self.history.append({"at": time.time(), "action": "abort", "step": self.controller.step, "percent": 0.0,
                              "reasons": [reason]})
@@ -154,18 +155,18 @@ async def start_canary(svc: Any, config: CanaryConfig, actor: str) -> CanaryRun:
     svc._check_free(name)
     prod = reg.production(name)
     if prod is None or prod.version != config.production:
-        raise ControlError(409, f"{name}:{config.production} is not the PRODUCTION version of {name} "
-                           f"(that is {prod.ref if prod else 'none'})", code="not_production", param="production")
+        raise Conflict(f"{name}:{config.production} is not the PRODUCTION version of {name} "
+                       f"(that is {prod.ref if prod else 'none'})", code="not_production", param="production")
     mv = reg.get(name, config.canary)
     if mv.state not in (State.STAGING_TESTED, State.CANARY):
-        raise ControlError(409, f"{mv.ref} is {mv.state.value}; a canary starts from STAGING_TESTED (or CANARY)",
-                           code="illegal_transition", param="version")
+        raise Conflict(f"{mv.ref} is {mv.state.value}; a canary starts from STAGING_TESTED (or CANARY)",
+                       code="illegal_transition", param="version")
     for v in (config.production, config.canary):
         try:
             svc.cp.deployments.resolve(f"{name}:{v}")
         except ControlError:
-            raise ControlError(409, f"{name}:{v} is not deployed; deploy it before the canary starts",
-                               code="not_deployed", param="version") from None
+            raise Conflict(f"{name}:{v} is not deployed; deploy it before the canary starts",
+                           code="not_deployed", param="version") from None
     if mv.state == State.STAGING_TESTED:
         await asyncio.to_thread(reg.transition, name, config.canary, State.CANARY, actor, "canary started")
     old = svc.canaries.get(name)

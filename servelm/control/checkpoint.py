@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 
-from servelm.control.types import ControlError, Kind
+from servelm.control.errors import InvalidRequest
+from servelm.control.types import Kind
 from servelm.model.loading import hf_files, metadata
 from servelm.model.loading.gguf_header import read_gguf_file_header
 
@@ -29,7 +30,7 @@ class CheckpointInfo:
 
 
 def describe(path: Path) -> CheckpointInfo:
-    """Inspect a model folder or .gguf file; ControlError(400) for one servelm cannot serve."""
+    """Inspect a model folder or .gguf file; InvalidRequest for one servelm cannot serve."""
     path = Path(path)
     from servelm.runtimes.predictors import describe as describe_predictor
 
@@ -42,14 +43,14 @@ def describe(path: Path) -> CheckpointInfo:
     try:
         src = metadata.check_model(str(path))
     except (FileNotFoundError, ValueError) as e:
-        raise ControlError(400, f"cannot register {str(path)!r}: {e}", code="invalid_model", param="path") from e
+        raise InvalidRequest(f"cannot register {str(path)!r}: {e}", code="invalid_model", param="path") from e
     if src.kind == "gguf":
         return _describe_gguf(src.path)
     return _describe_folder(src.path, config or {}, Kind.GENERATE)
 
 
 def describe_adapter(path: Path) -> CheckpointInfo:
-    """Inspect a PEFT LoRA adapter folder (adapter_config.json, its weights); ControlError(400) for one the
+    """Inspect a PEFT LoRA adapter folder (adapter_config.json, its weights); InvalidRequest for one the
     engine cannot serve. Its architecture reads "LoRA r=R" (the base's is the base version's)."""
     from servelm.model.layers.lora_config import LoraError, read_adapter_config
 
@@ -61,8 +62,8 @@ def describe_adapter(path: Path) -> CheckpointInfo:
         if not any((path / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
             raise LoraError(f"{path} has no adapter_model.safetensors (or adapter_model.bin)")
     except LoraError as e:
-        raise ControlError(400, f"cannot register {str(path)!r} as a LoRA adapter: {e}", code="invalid_adapter",
-                           param="path") from e
+        raise InvalidRequest(f"cannot register {str(path)!r} as a LoRA adapter: {e}", code="invalid_adapter",
+                             param="path") from e
     info = _describe_folder(path, {}, Kind.LORA)
     info.architecture = f"LoRA r={cfg.get('r', 8)}"
     return info
@@ -94,13 +95,13 @@ def _safetensors_header(path: Path) -> dict:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
-            raise ControlError(400, f"{path} is not a safetensors file", code="invalid_model", param="path")
+            raise InvalidRequest(f"{path} is not a safetensors file", code="invalid_model", param="path")
         (n,) = struct.unpack("<Q", raw)
         try:
             return json.loads(f.read(n))
         except (ValueError, UnicodeDecodeError) as e:
-            raise ControlError(400, f"{path} has no valid safetensors header", code="invalid_model",
-                               param="path") from e
+            raise InvalidRequest(f"{path} has no valid safetensors header", code="invalid_model",
+                                 param="path") from e
 
 
 def _describe_gguf(path: Path) -> CheckpointInfo:

@@ -26,9 +26,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from servelm.config.engine import EngineConfig, RuntimeSettings, cpu_list, parse_lora_module
+from servelm.control.errors import Conflict, ControlError, InvalidRequest
 from servelm.control.lease import Lease
 from servelm.control.router import RouteRequest, blocks_needed, make_strategy
-from servelm.control.types import ControlError, Kind, ModelVersion
+from servelm.control.types import Kind, ModelVersion
 from servelm.engine.step_outputs import EngineStats
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
@@ -94,10 +95,10 @@ class Deployment:
                  start_timeout: float = 600.0, health: HealthSettings | None = None,
                  drain_timeout_s: float = 600.0, keep_alive_s: float | None = None) -> None:
         if version.kind != Kind.GENERATE:
-            raise ControlError(400, f"{version.ref} is an embedding model; deploy generation models only",
-                               code="wrong_kind")
+            raise InvalidRequest(f"{version.ref} is an embedding model; deploy generation models only",
+                                 code="wrong_kind")
         if workers < 1:
-            raise ControlError(400, f"workers must be >= 1, got {workers}", param="workers")
+            raise InvalidRequest(f"workers must be >= 1, got {workers}", param="workers")
         self.id = deployment_id or f"{version.name}-v{version.version}"
         self.base = base
         self.num_workers = workers
@@ -131,7 +132,7 @@ class Deployment:
         try:
             return make_strategy(name, config.block_size)
         except ValueError as e:
-            raise ControlError(400, str(e), code="unknown_strategy", param="strategy") from e
+            raise InvalidRequest(str(e), code="unknown_strategy", param="strategy") from e
 
     # -- the AsyncEngine surface -------------------------------------------------------------------
     @property
@@ -344,8 +345,8 @@ class Deployment:
         try:
             return await asyncio.to_thread(load_tokenizer, version, config)
         except Exception as e:
-            raise ControlError(409, f"{version.ref} failed to start: its tokenizer could not be loaded: {e}",
-                               code="start_failed") from e
+            raise Conflict(f"{version.ref} failed to start: its tokenizer could not be loaded: {e}",
+                           code="start_failed") from e
 
     def _worker_config(self, config: EngineConfig, slot: int) -> EngineConfig:
         """Worker `slot`'s settings: with `cpu_bind` and several workers, each worker gets its own share of the
@@ -401,10 +402,10 @@ class Deployment:
             results = await asyncio.gather(*(w.engine.wait_ready() for w in new), return_exceptions=True)
             errors = [r for r in results if isinstance(r, BaseException)]
             if self._closing:
-                raise ControlError(409, f"{self.id} was unloaded while {gen.version.ref} was starting",
-                                   code="start_failed")
+                raise Conflict(f"{self.id} was unloaded while {gen.version.ref} was starting",
+                               code="start_failed")
             if errors:
-                raise ControlError(409, f"{gen.version.ref} failed to start: {errors[0]}", code="start_failed")
+                raise Conflict(f"{gen.version.ref} failed to start: {errors[0]}", code="start_failed")
         except BaseException:
             await self._stop_workers(new)
             raise
@@ -434,7 +435,7 @@ class Deployment:
     async def scale(self, n: int) -> None:
         """Run n workers: new ones join once warm; surplus ones stop taking requests, finish theirs, and stop."""
         if n < 1:
-            raise ControlError(400, f"workers must be >= 1, got {n}", param="workers")
+            raise InvalidRequest(f"workers must be >= 1, got {n}", param="workers")
         async with self._lock:
             gen = self._gen
             have = len(gen.workers)
@@ -463,13 +464,13 @@ class Deployment:
         switch new requests over at once, then drain the old workers and shut them down. If the new version
         cannot start, the old one keeps serving and ControlError says why."""
         if version.kind != Kind.GENERATE:
-            raise ControlError(400, f"{version.ref} is an embedding model; deploy generation models only",
-                               code="wrong_kind")
+            raise InvalidRequest(f"{version.ref} is an embedding model; deploy generation models only",
+                                 code="wrong_kind")
         async with self._lock:
             if self.adapters:  # an adapter fits the weights it was trained on, not another version's
-                raise ControlError(409, f"{self.id} serves LoRA adapter(s) {', '.join(sorted(self.adapters))} of "
-                                   f"{self.version.ref}: unload their deployments before swapping it to "
-                                   f"{version.ref}", code="base_in_use")
+                raise Conflict(f"{self.id} serves LoRA adapter(s) {', '.join(sorted(self.adapters))} of "
+                               f"{self.version.ref}: unload their deployments before swapping it to "
+                               f"{version.ref}", code="base_in_use")
             t0 = time.monotonic()
             config = version.engine_config(self.base)
             new = Generation(version, config, tokenizer)
@@ -478,7 +479,7 @@ class Deployment:
                     new.tokenizer = await self._tokenizer(version, config)
                 await self._start_workers(new, self.num_workers)
             except ControlError as e:
-                raise ControlError(e.status, f"{e.message}; {self.version.ref} keeps serving", e.code) from e
+                raise type(e)(f"{e.message}; {self.version.ref} keeps serving", e.code) from e
             old = self._gen
             self._gen, self.strategy = new, self._strategy(self.strategy_name, config)  # the switch-over
             switched = time.monotonic()
@@ -498,15 +499,15 @@ class Deployment:
         cannot load it (e.g. an adapter of another base shape) undoes the load everywhere and says why."""
         async with self._lock:  # not during a scale: the workers it is starting are in the list once it is done
             if self._closing or self._unloading:
-                raise ControlError(409, f"{self.id} is being unloaded", code="not_deployed")
+                raise Conflict(f"{self.id} is being unloaded", code="not_deployed")
             if not self._gen.config.enable_lora:
-                raise ControlError(409, f"deployment {self.id} of {self.version.ref} runs without LoRA: deploy the "
-                                   "base with enable_lora (POST /admin/deployments {\"enable_lora\": true}, "
-                                   "`servelm models deploy --enable-lora`), register it with engine "
-                                   "{\"enable_lora\": true}, or start the server with --enable-lora",
-                                   code="lora_disabled")
+                raise Conflict(f"deployment {self.id} of {self.version.ref} runs without LoRA: deploy the "
+                               "base with enable_lora (POST /admin/deployments {\"enable_lora\": true}, "
+                               "`servelm models deploy --enable-lora`), register it with engine "
+                               "{\"enable_lora\": true}, or start the server with --enable-lora",
+                               code="lora_disabled")
             if name in self.adapters:  # one adapter deployment per name: unloading one must not strip another
-                raise ControlError(409, f"{self.id} serves adapter {name} already", code="deployment_exists")
+                raise Conflict(f"{self.id} serves adapter {name} already", code="deployment_exists")
             self.adapters[name] = path
             self._gen.config = with_adapter(self._gen.config, name, path)
             try:
@@ -548,9 +549,9 @@ class Deployment:
             if action == "unload" and "in use" in done.error and time.monotonic() < deadline:
                 await asyncio.sleep(_POLL_S)  # requests with it are finishing
                 continue
-            raise ControlError(400 if action == "load" else 409,
-                               f"worker {w.id} of {self.id} could not {action} adapter {name}: {done.error}",
-                               code="invalid_adapter" if action == "load" else "adapter_in_use")
+            refused = InvalidRequest if action == "load" else Conflict
+            raise refused(f"worker {w.id} of {self.id} could not {action} adapter {name}: {done.error}",
+                          code="invalid_adapter" if action == "load" else "adapter_in_use")
 
     async def _watch(self) -> None:
         """Health checks: dead workers are noticed, hung ones killed (the client restarts both), and a

@@ -20,9 +20,10 @@ from servelm.control.adapter_deployment import AdapterDeployment
 from servelm.control.budget import MemoryBudget, worker_footprint
 from servelm.control.deployment import Deployment, load_tokenizer
 from servelm.control.embed_deployment import EmbedDeployment
+from servelm.control.errors import Conflict, ControlError, InvalidRequest, NotFound, Unavailable
 from servelm.control.lease import Lease
 from servelm.control.traffic import Decision, RequestAttrs, TrafficPolicy
-from servelm.control.types import ControlError, Kind, ModelVersion, State
+from servelm.control.types import Kind, ModelVersion, State
 from servelm.worker.handle import HealthSettings
 
 __all__ = ["AdapterDeployment", "Deployment", "DeploymentManager", "EmbedDeployment", "Served", "load_tokenizer"]
@@ -73,8 +74,8 @@ class DeploymentManager:
     def get(self, deployment_id: str) -> Served:
         d = self._deployments.get(deployment_id)
         if d is None:
-            raise ControlError(404, f"no deployment {deployment_id!r}; deployments: "
-                               f"{', '.join(self._deployments) or 'none'}", code="deployment_not_found")
+            raise NotFound(f"no deployment {deployment_id!r}; deployments: "
+                           f"{', '.join(self._deployments) or 'none'}", code="deployment_not_found")
         return d
 
     def list(self) -> list[Served]:
@@ -97,8 +98,8 @@ class DeploymentManager:
             found = self._by_name(model, strict=True)
             if found is not None:
                 return found
-        raise ControlError(404, f"the model {model!r} is not deployed; available: "
-                           f"{', '.join(self.served()) or 'none'}", code="model_not_found", param="model")
+        raise NotFound(f"the model {model!r} is not deployed; available: "
+                       f"{', '.join(self.served()) or 'none'}", code="model_not_found", param="model")
 
     def route(self, model: str, attrs: RequestAttrs | None = None) -> tuple[Served, Decision | None]:
         """resolve(), with the model's traffic policy (`policy_of(name)`) choosing the version of a bare name:
@@ -126,9 +127,9 @@ class DeploymentManager:
             (d.version.version for d in mine if d.version.state == State.PRODUCTION), None)
         found = next((d for d in mine if d.version.version == prod), None)
         if found is None and strict:
-            raise ControlError(404, f"the model {name!r} has several deployments "
-                               f"({', '.join(d.version.ref for d in mine)}) and none of them is its PRODUCTION "
-                               "version; name one as name:version", code="model_not_found", param="model")
+            raise NotFound(f"the model {name!r} has several deployments "
+                           f"({', '.join(d.version.ref for d in mine)}) and none of them is its PRODUCTION "
+                           "version; name one as name:version", code="model_not_found", param="model")
         return found
 
     async def ensure(self, model: str, find: Callable[[str], ModelVersion | None], workers: int = 1,
@@ -161,8 +162,8 @@ class DeploymentManager:
                 return d, waited
             if self._holds(d):  # no await between this check and the pin: eviction cannot come between
                 return d.pin(), waited
-        raise ControlError(503, f"{model} was unloaded again before its request could use it (memory pressure); "
-                           "retry", code="engine_unavailable", param="model")
+        raise Unavailable(f"{model} was unloaded again before its request could use it (memory pressure); "
+                          "retry", code="engine_unavailable", param="model")
 
     # -- changes -----------------------------------------------------------------------------------
     async def create(self, version: ModelVersion, workers: int = 1, strategy: str = "least_loaded",
@@ -175,8 +176,8 @@ class DeploymentManager:
         one runs without LoRA), and `workers` and `strategy` are the base deployment's."""
         d: Served
         if version.kind == Kind.PREDICT:
-            raise ControlError(400, f"{version.ref} is a {version.architecture} model: it is served over the Open "
-                                    "Inference Protocol (/v2/models/...) without a deployment", code="not_deployable")
+            raise InvalidRequest(f"{version.ref} is a {version.architecture} model: it is served over the Open "
+                                 "Inference Protocol (/v2/models/...) without a deployment", code="not_deployable")
         if version.kind == Kind.LORA:
             d, config = AdapterDeployment(version, self._base_for(version), deployment_id, keep_alive_s,
                                           self.drain_timeout_s), None
@@ -195,7 +196,7 @@ class DeploymentManager:
             if self.on_replaced is not None:
                 d.on_replaced = lambda before, after, i=d.id: self.on_replaced(i, before, after)
         if d.id in self._deployments or d.id in self._creating:
-            raise ControlError(409, f"deployment {d.id!r} exists already", code="deployment_exists")
+            raise Conflict(f"deployment {d.id!r} exists already", code="deployment_exists")
         # Claimed before the first await: a concurrent create of the same id (two admin calls, or an admin
         # deploy racing an on-demand load) is refused rather than started and then overwritten, leaking workers.
         self._creating.add(d.id)
@@ -235,8 +236,8 @@ class DeploymentManager:
     async def scale(self, deployment_id: str, n: int) -> Served:
         d = self.get(deployment_id)
         if isinstance(d, AdapterDeployment):
-            raise ControlError(400, f"{d.id} is LoRA adapter {d.version.ref}: it runs on the workers of deployment "
-                               f"{d.base.id}; scale that one", code="not_scalable", param="workers")
+            raise InvalidRequest(f"{d.id} is LoRA adapter {d.version.ref}: it runs on the workers of deployment "
+                                 f"{d.base.id}; scale that one", code="not_scalable", param="workers")
         extra = max(0, n - d.num_workers) * self._footprints[d.id]
         await self._reserve(extra, f"scaling {d.id} to {n} workers", keep=d)
         try:
@@ -274,8 +275,8 @@ class DeploymentManager:
     async def _swap_adapter(self, d: AdapterDeployment, version: ModelVersion) -> AdapterDeployment:
         """An adapter deployment to another adapter version (on the deployment of that one's base)."""
         if version.kind != Kind.LORA:
-            raise ControlError(400, f"{d.id} serves LoRA adapter {d.version.ref}; {version.ref} is not an adapter",
-                               code="wrong_kind")
+            raise InvalidRequest(f"{d.id} serves LoRA adapter {d.version.ref}; {version.ref} is not an adapter",
+                                 code="wrong_kind")
         try:
             await d.swap(version, self._base_for(version))
         except ControlError as e:
@@ -291,12 +292,12 @@ class DeploymentManager:
         """The deployment an adapter version runs on: the oldest one serving its base version (409 if none)."""
         for d in self._deployments.values():
             if isinstance(d, AdapterDeployment) and d.version.ref == version.ref:
-                raise ControlError(409, f"{version.ref} is deployed already, as {d.id}", code="deployment_exists")
+                raise Conflict(f"{version.ref} is deployed already, as {d.id}", code="deployment_exists")
         bases = [d for d in self._deployments.values() if isinstance(d, Deployment) and d.version.ref == version.base]
         if not bases:
-            raise ControlError(409, f"{version.ref} is a LoRA adapter of {version.base}, which is not deployed: "
-                               f"deploy {version.base} (with enable_lora) first", code="base_not_deployed",
-                               param="model")
+            raise Conflict(f"{version.ref} is a LoRA adapter of {version.base}, which is not deployed: "
+                           f"deploy {version.base} (with enable_lora) first", code="base_not_deployed",
+                           param="model")
         return bases[0]
 
     def adapters_on(self, d: Served) -> list[AdapterDeployment]:
@@ -312,8 +313,8 @@ class DeploymentManager:
         d = self.get(deployment_id)
         adapters = self.adapters_on(d)
         if adapters:
-            raise ControlError(409, f"deployment {d.id} runs LoRA adapter deployment(s) "
-                               f"{', '.join(a.id for a in adapters)}: unload those first", code="base_in_use")
+            raise Conflict(f"deployment {d.id} runs LoRA adapter deployment(s) "
+                           f"{', '.join(a.id for a in adapters)}: unload those first", code="base_in_use")
         del self._deployments[deployment_id]
         self._footprints.pop(deployment_id, None)
         await d.close()
@@ -329,7 +330,7 @@ class DeploymentManager:
     @contextlib.asynccontextmanager
     async def reserving(self, version: ModelVersion, config: EngineConfig | None, what: str):
         """Count one worker of `version` that is not a deployment's (a validation run) in the budget while
-        the block runs: room is made as for a deploy, else ControlError(507). A version whose footprint cannot
+        the block runs: room is made as for a deploy, else InsufficientMemory. A version whose footprint cannot
         be read from its artifact is not counted (the run itself then fails and says why)."""
         try:
             need = await asyncio.to_thread(self._footprint, version, config)
@@ -346,8 +347,8 @@ class DeploymentManager:
         try:
             return worker_footprint(version, config).total
         except (OSError, ValueError, AttributeError) as e:
-            raise ControlError(409, f"cannot size {version.ref}'s workers from its artifact: {e}",
-                               code="start_failed") from e
+            raise Conflict(f"cannot size {version.ref}'s workers from its artifact: {e}",
+                           code="start_failed") from e
 
     def in_use(self) -> int:
         """Bytes of every running and starting worker (a draining one counts until it is gone)."""
@@ -355,7 +356,7 @@ class DeploymentManager:
 
     async def _reserve(self, need: int, what: str, keep: Served | None) -> None:
         """Make room for `need` bytes: unload idle deployments (least recently used first) until it fits, else
-        raise ControlError(507) naming the numbers."""
+        raise InsufficientMemory naming the numbers."""
         async with self._lock:
             idle = sorted((d for d in self._deployments.values() if d is not keep and _idle(d)),
                           key=lambda d: d.last_used)

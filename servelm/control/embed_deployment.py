@@ -10,8 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
+from servelm.control.errors import Conflict, ControlError, InvalidRequest, Unavailable
 from servelm.control.lease import Lease
-from servelm.control.types import ControlError, Kind, ModelVersion
+from servelm.control.types import Kind, ModelVersion
 from servelm.runtimes.embedder import Embedder
 
 _POLL_S = 0.05
@@ -26,8 +27,8 @@ class EmbedDeployment:
     def __init__(self, version: ModelVersion, deployment_id: str | None = None, keep_alive_s: float | None = None,
                  drain_timeout_s: float = 600.0, max_batch_size: int = 32, batch_window_ms: float = 5.0) -> None:
         if version.kind != Kind.EMBED:
-            raise ControlError(400, f"{version.ref} generates text; it deploys as a generation deployment",
-                               code="wrong_kind")
+            raise InvalidRequest(f"{version.ref} generates text; it deploys as a generation deployment",
+                                 code="wrong_kind")
         self.id = deployment_id or f"{version.name}-v{version.version}"
         self.version, self.keep_alive_s, self.drain_timeout_s = version, keep_alive_s, drain_timeout_s
         self.max_batch_size, self.batch_window_ms = max_batch_size, batch_window_ms
@@ -85,7 +86,7 @@ class EmbedDeployment:
         except Exception as e:
             emb.close()
             self._processes -= 1
-            raise ControlError(409, f"{version.ref} failed to start: {e}", code="start_failed") from e
+            raise Conflict(f"{version.ref} failed to start: {e}", code="start_failed") from e
         return emb
 
     async def start(self) -> None:
@@ -95,7 +96,7 @@ class EmbedDeployment:
         """L2-normalised sentence vectors and the token count (EmbedderDown while its process restarts)."""
         emb = self.embedder
         if emb is None:
-            raise ControlError(503, f"{self.version.ref} is not loaded", code="engine_unavailable")
+            raise Unavailable(f"{self.version.ref} is not loaded", code="engine_unavailable")
         self.last_used = time.monotonic()
         self._in_flight += 1
         try:
@@ -106,17 +107,17 @@ class EmbedDeployment:
 
     async def scale(self, n: int) -> None:
         if n != 1:
-            raise ControlError(400, f"embedding deployments run one worker, got {n}", param="workers")
+            raise InvalidRequest(f"embedding deployments run one worker, got {n}", param="workers")
 
     async def swap(self, version: ModelVersion, tokenizer=None) -> None:
         """Serve `version` instead: start its worker, switch, let the old one finish, stop it."""
         if version.kind != Kind.EMBED:
-            raise ControlError(400, f"{version.ref} generates text; swap an embedding deployment to an "
-                               "embedding version", code="wrong_kind")
+            raise InvalidRequest(f"{version.ref} generates text; swap an embedding deployment to an "
+                                 "embedding version", code="wrong_kind")
         try:
             new = await self._started(version)
         except ControlError as e:
-            raise ControlError(e.status, f"{e.message}; {self.version.ref} keeps serving", e.code) from e
+            raise type(e)(f"{e.message}; {self.version.ref} keeps serving", e.code) from e
         old, self.embedder, self.version = self.embedder, new, version
         await self._retire(old)
 

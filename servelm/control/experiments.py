@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from servelm.control.types import ControlError
+from servelm.control.errors import InvalidRequest
 
 LATENCIES = ("ttft", "tpot", "latency")
 
@@ -189,7 +189,7 @@ def welch(a: Welford, b: Welford, alternative: str = "two-sided") -> tuple[float
 def n_for_proportions(p1: float, p2: float, alpha: float = 0.05, power: float = 0.8) -> int:
     """Requests per arm for a two-sided two-proportion z test to detect p1 vs p2."""
     if p1 == p2:
-        raise ControlError(400, "the effect must not be 0", code="invalid_effect")
+        raise InvalidRequest("the effect must not be 0", code="invalid_effect")
     za, zb = stats.norm.isf(alpha / 2), stats.norm.ppf(power)
     pbar = (p1 + p2) / 2
     n = (za * math.sqrt(2 * pbar * (1 - pbar)) + zb * math.sqrt(p1 * (1 - p1) + p2 * (1 - p2))) ** 2
@@ -199,7 +199,7 @@ def n_for_proportions(p1: float, p2: float, alpha: float = 0.05, power: float = 
 def n_for_means(effect: float, std: float, alpha: float = 0.05, power: float = 0.8) -> int:
     """Observations per arm for a two-sided test to detect a difference `effect` in means with this std."""
     if effect == 0:
-        raise ControlError(400, "the effect must not be 0", code="invalid_effect")
+        raise InvalidRequest("the effect must not be 0", code="invalid_effect")
     za, zb = stats.norm.isf(alpha / 2), stats.norm.ppf(power)
     return math.ceil(2 * ((za + zb) * std / effect) ** 2)
 
@@ -234,14 +234,14 @@ class Experiment:
     def __init__(self, name: str, policy: dict, arms: list[str], *, started_at: float,
                  baseline: str | None = None, remember: int = 100_000) -> None:
         if not arms:
-            raise ControlError(400, "an experiment needs arms", code="invalid_experiment")
+            raise InvalidRequest("an experiment needs arms", code="invalid_experiment")
         dup = sorted({a for a in arms if arms.count(a) > 1})
         if dup:  # two arms under one label would merge their statistics silently
-            raise ControlError(400, f"arm labels must be unique; repeated: {', '.join(dup)} (name the arms)",
-                               code="invalid_experiment", param="arms")
+            raise InvalidRequest(f"arm labels must be unique; repeated: {', '.join(dup)} (name the arms)",
+                                 code="invalid_experiment", param="arms")
         if baseline is not None and baseline not in arms:
-            raise ControlError(400, f"baseline {baseline!r} is not an arm of the experiment; its arms: "
-                                    f"{', '.join(arms)}", code="invalid_experiment", param="baseline")
+            raise InvalidRequest(f"baseline {baseline!r} is not an arm of the experiment; its arms: "
+                                 f"{', '.join(arms)}", code="invalid_experiment", param="baseline")
         self.name, self.policy, self.started_at = name, policy, started_at
         self.stopped_at: float | None = None
         self.baseline = baseline or arms[0]
@@ -298,12 +298,12 @@ class ThompsonBandit:
 
     def __init__(self, versions: list[int], *, min_share: float = 0.05, lo: float = 0.0, hi: float = 1.0) -> None:
         if not versions or len(set(versions)) != len(versions):
-            raise ControlError(400, "a bandit needs distinct versions", code="invalid_policy")
+            raise InvalidRequest("a bandit needs distinct versions", code="invalid_policy")
         if not 0 <= min_share * len(versions) <= 1:
-            raise ControlError(400, "min_share times the number of arms must be at most 1",
-                               code="invalid_policy", param="min_share")
+            raise InvalidRequest("min_share times the number of arms must be at most 1",
+                                 code="invalid_policy", param="min_share")
         if not hi > lo:
-            raise ControlError(400, "the reward range needs hi > lo", code="invalid_policy")
+            raise InvalidRequest("the reward range needs hi > lo", code="invalid_policy")
         self.versions, self.min_share, self.lo, self.hi = list(versions), min_share, lo, hi
         self.alpha = {v: 1.0 for v in versions}
         self.beta = {v: 1.0 for v in versions}

@@ -6,7 +6,8 @@ REGISTERED -> VALIDATING -> VALIDATED | FAILED; FAILED -> REGISTERED; VALIDATED 
 
 from __future__ import annotations
 
-from servelm.control.types import ControlError, State
+from servelm.control.errors import Conflict
+from servelm.control.types import State
 
 ALLOWED: dict[State, tuple[State, ...]] = {
     State.REGISTERED: (State.VALIDATING,),
@@ -37,5 +38,5 @@ def check(current: State, to: State, what: str = "the version") -> None:
     """Refuse an illegal transition with a 409 that names the current state and the allowed next ones."""
     if to not in ALLOWED[current]:
         nxt = ", ".join(s.value for s in ALLOWED[current]) or "none (final state)"
-        raise ControlError(409, f"cannot move {what} to {to.value}: it is {current.value}; allowed next: {nxt}",
-                           code="illegal_transition")
+        raise Conflict(f"cannot move {what} to {to.value}: it is {current.value}; allowed next: {nxt}",
+                       code="illegal_transition")

@@ -15,7 +15,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from servelm.control.types import ControlError
+from servelm.control.errors import Forbidden
 
 
 def parse_roots(value: str | None) -> list[Path]:
@@ -56,11 +56,11 @@ def allowed_roots(config) -> list[Path]:
 
 
 def check_path(path: str, roots: list[Path]) -> None:
-    """ControlError(403) unless `path` (symlinks resolved) is one of `roots` or lies under one."""
+    """Forbidden unless `path` (symlinks resolved) is one of `roots` or lies under one."""
     real = Path(path).expanduser().resolve()
     if any(real == r or r in real.parents for r in roots):
         return
     listed = ", ".join(str(r) for r in roots) or "none"
-    raise ControlError(403, f"path {str(path)!r} is outside the server's allowed model roots ({listed}); an "
-                       "operator can add directories with --model-roots / SERVELM_MODEL_ROOTS", code="path_not_allowed",
-                       param="path")
+    raise Forbidden(f"path {str(path)!r} is outside the server's allowed model roots ({listed}); an "
+                    "operator can add directories with --model-roots / SERVELM_MODEL_ROOTS", code="path_not_allowed",
+                    param="path")

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from servelm.config.engine import EngineConfig
+from servelm.control.errors import Conflict, ControlError, InvalidRequest, NotFound
 from servelm.control.model_roots import allowed_roots, check_path
-from servelm.control.types import MAX_VERSION, ControlError, Kind, ModelVersion, State
+from servelm.control.types import MAX_VERSION, Kind, ModelVersion, State
 
 logger = logging.getLogger("servelm.control")
 SYSTEM = "system"  # the actor of what the server does by itself (restore, eviction)
@@ -154,8 +155,8 @@ class ControlPlane:
             return self.registry.get(name, version)
         found = self.registry.production(name) or next(iter(reversed(self.registry.versions(name))), None)
         if found is None:
-            raise ControlError(404, f"no model {name!r}; models: {', '.join(self.registry.models()) or 'none'}",
-                               code="model_not_found", param="model")
+            raise NotFound(f"no model {name!r}; models: {', '.join(self.registry.models()) or 'none'}",
+                           code="model_not_found", param="model")
         return found
 
     async def transition(self, name: str, version: int, to: str, actor: str, reason: str | None = None
@@ -168,8 +169,8 @@ class ControlPlane:
         try:
             target = State(to)
         except ValueError:
-            raise ControlError(400, f"unknown state {to!r}; states: {', '.join(s.value for s in State)}",
-                               code="invalid_state", param="state") from None
+            raise InvalidRequest(f"unknown state {to!r}; states: {', '.join(s.value for s in State)}",
+                                 code="invalid_state", param="state") from None
         mv = await self.registry.io(self.registry.get, name, version)
         lifecycle.check(mv.state, target, mv.ref)
         if target == State.PRODUCTION:
@@ -183,8 +184,8 @@ class ControlPlane:
         prev = await self.registry.io(self.registry.previous_production, name)
         if prev is None:
             cur = self.registry.production(name)
-            raise ControlError(409, f"{cur.ref if cur else name} has no previous PRODUCTION version to roll back to",
-                               code="nothing_to_roll_back")
+            raise Conflict(f"{cur.ref if cur else name} has no previous PRODUCTION version to roll back to",
+                           code="nothing_to_roll_back")
         await self._swap_model_to(prev, actor)
         return await self.registry.io(self.registry.rollback, name, actor, reason)
 
@@ -267,9 +268,9 @@ class ControlPlane:
         if mv is None or mv.state not in DEPLOYABLE or (kind is not None and mv.kind.serves != kind):
             return None
         if mv.state != State.PRODUCTION:
-            raise ControlError(409, f"{mv.ref} is {mv.state.value}, not PRODUCTION: only a PRODUCTION version loads "
-                                    "on demand; deploy it through the admin API (POST /admin/deployments)",
-                               code="not_deployed", param="model")
+            raise Conflict(f"{mv.ref} is {mv.state.value}, not PRODUCTION: only a PRODUCTION version loads "
+                           "on demand; deploy it through the admin API (POST /admin/deployments)",
+                           code="not_deployed", param="model")
         return mv
 
     async def load_on_demand(self, model: str, kind: Kind, keep_alive_s: float | None) -> tuple[Any, float]:
@@ -333,9 +334,9 @@ class ControlPlane:
 
 def _check_deployable(mv: ModelVersion, promoting: bool = False) -> None:
     if mv.state not in DEPLOYABLE and not promoting:
-        raise ControlError(409, f"{mv.ref} is {mv.state.value}; deploy a version that is one of "
-                           f"{', '.join(s.value for s in sorted(DEPLOYABLE, key=list(State).index))}",
-                           code="not_deployable")
+        raise Conflict(f"{mv.ref} is {mv.state.value}; deploy a version that is one of "
+                       f"{', '.join(s.value for s in sorted(DEPLOYABLE, key=list(State).index))}",
+                       code="not_deployable")
 
 
 # an adapter deployment's record names the deployment it runs on; a base's, whether its workers take adapters

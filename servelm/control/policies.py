@@ -22,8 +22,8 @@ from sqlalchemy import JSON, Column, Engine, Float, MetaData, String, Table, sel
 
 from servelm.control import db, schema
 from servelm.control.audit import Audit
+from servelm.control.errors import InvalidRequest, NotFound
 from servelm.control.traffic import TrafficPolicy
-from servelm.control.types import ControlError
 
 KINDS = ("policy", "canary", "experiment", "logmode")
 metadata = MetaData()
@@ -129,7 +129,7 @@ class PolicyStore:
                 where = (records_table.c.kind == kind) & (records_table.c.key == key)
                 row = conn.execute(select(records_table.c.record).where(where)).first()
                 if row is None:
-                    raise ControlError(404, f"no {kind} for {key!r}", code="not_found")
+                    raise NotFound(f"no {kind} for {key!r}", code="not_found")
                 conn.execute(records_table.delete().where(where))
                 self.audit.append(conn, actor, f"{kind}.delete", f"{kind}:{key}", row.record, None)
                 return row.record
@@ -149,4 +149,4 @@ class PolicyStore:
 
 def _check(kind: str) -> None:
     if kind not in KINDS:
-        raise ControlError(400, f"unknown record kind {kind!r}; known: {', '.join(KINDS)}", code="invalid_kind")
+        raise InvalidRequest(f"unknown record kind {kind!r}; known: {', '.join(KINDS)}", code="invalid_kind")

@@ -46,7 +46,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError
 
 from servelm.control import db, schema
-from servelm.control.types import ControlError
+from servelm.control.errors import InvalidRequest
 
 logger = logging.getLogger("servelm.traffic")
 MODES = ("off", "metadata", "full")
@@ -137,16 +137,16 @@ class Redactor:
         for r in rules:
             if isinstance(r, str):
                 if r not in BUILTIN_RULES:
-                    raise ControlError(400, f"unknown redaction rule {r!r}; built in: {', '.join(BUILTIN_RULES)}",
-                                       code="invalid_redaction", param="redaction")
+                    raise InvalidRequest(f"unknown redaction rule {r!r}; built in: {', '.join(BUILTIN_RULES)}",
+                                         code="invalid_redaction", param="redaction")
                 pattern, repl = BUILTIN_RULES[r]
                 self.rules.append((r, re.compile(pattern), repl))
                 continue
             try:
                 self.rules.append((r.get("name", "custom"), re.compile(r["pattern"]), r.get("replace", "[REDACTED]")))
             except (KeyError, TypeError, AttributeError, re.error) as e:
-                raise ControlError(400, f"bad custom redaction rule {r!r}: {e}", code="invalid_redaction",
-                                   param="redaction") from None
+                raise InvalidRequest(f"bad custom redaction rule {r!r}: {e}", code="invalid_redaction",
+                                     param="redaction") from None
 
     def __call__(self, text: str | None) -> str | None:
         if not text:
@@ -164,7 +164,7 @@ class PredictionLog:
                  retention_days: dict[str, float] | None = None, default_retention_days: float | None = None,
                  clock: Callable[[], float] = time.time, otlp: Any = None) -> None:
         if engine is None and sink is None:
-            raise ControlError(400, "a prediction log needs a database or a file", code="invalid_config")
+            raise InvalidRequest("a prediction log needs a database or a file", code="invalid_config")
         self.engine, self.sink, self.clock = engine, Path(sink) if sink else None, clock
         self.otlp = otlp  # prediction_otlp.OtlpSink: each entry also exported as an OTLP log record
         self.modes: dict[str, str] = {}
@@ -397,6 +397,6 @@ class _GroupWriter:
 
 def _check_mode(mode: str) -> str:
     if mode not in MODES:
-        raise ControlError(400, f"prediction log mode must be one of {', '.join(MODES)}, not {mode!r}",
-                           code="invalid_mode", param="mode")
+        raise InvalidRequest(f"prediction log mode must be one of {', '.join(MODES)}, not {mode!r}",
+                             code="invalid_mode", param="mode")
     return mode

@@ -17,8 +17,8 @@ A pass runs every `interval_s`, and at once after a spec changes (`kick`). Passe
 reconciler does is audited with the actor "reconciler"; what operators do with the imperative verbs on a
 model that has a spec is folded into the spec (control/spec_adopt.py) so the next pass keeps it.
 
-The control plane knows nothing of HTTP: the traffic service is reached through `TrafficOps`, the surface
-server/traffic.py's TrafficService offers.
+The traffic service is reached through `TrafficOps`, the surface control/traffic_service.py's TrafficService
+offers (a Protocol: tests pass their own).
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ from servelm.control import conditions, spec_adopt
 from servelm.control.autoscale import Wish, decide, wanted
 from servelm.control.bandit_policy import BanditPolicy
 from servelm.control.conditions import DEGRADED, PROGRESSING, READY
+from servelm.control.errors import ControlError
 from servelm.control.plane import SYSTEM, ControlPlane
 from servelm.control.spec import DeploymentSpec, VersionWeight
 from servelm.control.spec_store import SpecStore, StoredSpec
 from servelm.control.traffic import TrafficPolicy
-from servelm.control.types import ControlError, Kind
+from servelm.control.types import Kind
 
 logger = logging.getLogger("servelm.reconciler")
 RECONCILER = "reconciler"  # the actor of what the reconciler does
@@ -47,7 +48,7 @@ ADOPTED_POLICY_ACTIONS = frozenset({"policy.set", "policy.delete", "shadow.set",
 
 
 class TrafficOps(Protocol):
-    """What the reconciler uses of the server's traffic service (server/traffic.py: TrafficService)."""
+    """What the reconciler uses of the traffic service (control/traffic_service.py: TrafficService)."""
 
     policies: dict[str, Any]  # model -> TrafficPolicy | BanditPolicy in force
     canaries: dict[str, Any]  # model -> CanaryRun (control/canary_runner.py)

@@ -34,8 +34,9 @@ from sqlalchemy import (
 from servelm.config.engine import ConfigError, EngineConfig
 from servelm.control import checkpoint, db, lifecycle, schema
 from servelm.control.audit import Audit
+from servelm.control.errors import Conflict, InvalidRequest, NotFound
 from servelm.control.store import ArtifactStore, size_bytes
-from servelm.control.types import MAX_VERSION, ControlError, Kind, ModelVersion, State
+from servelm.control.types import MAX_VERSION, Kind, ModelVersion, State
 
 T = TypeVar("T")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # no ':' (name:version pins a version)
@@ -97,21 +98,21 @@ def _row(mv: ModelVersion) -> dict:
 
 def _check_inputs(name: str, labels: dict | None, engine: dict | None) -> None:
     if not isinstance(name, str) or not NAME_RE.match(name):
-        raise ControlError(400, f"invalid model name {name!r}: use letters, digits, '.', '_' or '-' (at most 128, "
-                           "no ':')", code="invalid_name", param="name")
+        raise InvalidRequest(f"invalid model name {name!r}: use letters, digits, '.', '_' or '-' (at most 128, "
+                             "no ':')", code="invalid_name", param="name")
     if labels is not None and not (isinstance(labels, dict)
                                    and all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items())):
-        raise ControlError(400, "labels must map strings to strings", code="invalid_labels", param="labels")
+        raise InvalidRequest("labels must map strings to strings", code="invalid_labels", param="labels")
     if engine:
         fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "gguf_file"}
         unknown = sorted(set(engine) - fields)
         if unknown:
-            raise ControlError(400, f"unknown engine settings {unknown}; known: {', '.join(sorted(fields))}",
-                               code="invalid_engine", param="engine")
+            raise InvalidRequest(f"unknown engine settings {unknown}; known: {', '.join(sorted(fields))}",
+                                 code="invalid_engine", param="engine")
         try:
             dataclasses.replace(EngineConfig(), **engine)
         except (ConfigError, TypeError) as e:
-            raise ControlError(400, f"invalid engine settings: {e}", code="invalid_engine", param="engine") from e
+            raise InvalidRequest(f"invalid engine settings: {e}", code="invalid_engine", param="engine") from e
 
 
 class Registry:
@@ -206,12 +207,12 @@ class Registry:
             have = conn.execute(select(versions_table.c.version).where(versions_table.c.name == name)
                                 .order_by(versions_table.c.version)).scalars().all()
             known = f"its versions: {', '.join(map(str, have))}" if have else "no such model"
-            raise ControlError(404, f"model version {name}:{version} not found ({known})", code="model_not_found",
-                               param="model")
+            raise NotFound(f"model version {name}:{version} not found ({known})", code="model_not_found",
+                           param="model")
         return mv
 
     def get(self, name: str, version: int) -> ModelVersion:
-        """One version; ControlError(404) naming the versions that exist."""
+        """One version; NotFound naming the versions that exist."""
         with db.read(self.engine) as conn:
             return self._get(conn, name, version)
 
@@ -264,19 +265,19 @@ class Registry:
         _check_inputs(name, labels, engine)
         if golden_prompts is not None and not (isinstance(golden_prompts, list)
                                                and all(isinstance(p, str) and p for p in golden_prompts)):
-            raise ControlError(400, "golden_prompts must be a list of non-empty strings", code="invalid_prompts",
-                               param="golden_prompts")
+            raise InvalidRequest("golden_prompts must be a list of non-empty strings", code="invalid_prompts",
+                                 param="golden_prompts")
         src = Path(path).expanduser()
         if not src.exists():
-            raise ControlError(400, f"path {str(path)!r} does not exist", code="invalid_path", param="path")
+            raise InvalidRequest(f"path {str(path)!r} does not exist", code="invalid_path", param="path")
         if base is None and (src / "adapter_config.json").is_file():
-            raise ControlError(400, f"{str(path)!r} is a LoRA adapter: register it with its base version "
-                               "(base: NAME:VERSION of the generation model it adapts)", code="invalid_base",
-                               param="base")
+            raise InvalidRequest(f"{str(path)!r} is a LoRA adapter: register it with its base version "
+                                 "(base: NAME:VERSION of the generation model it adapts)", code="invalid_base",
+                                 param="base")
         if base is not None:
             if engine:  # its requests run in the base's workers, with the base's settings
-                raise ControlError(400, "a LoRA adapter runs in its base version's workers: give engine settings "
-                                   "to the base, not the adapter", code="invalid_engine", param="engine")
+                raise InvalidRequest("a LoRA adapter runs in its base version's workers: give engine settings "
+                                     "to the base, not the adapter", code="invalid_engine", param="engine")
             self._check_base(base)  # a clear refusal before anything is copied (checked again when written)
             info = checkpoint.describe_adapter(src)
         else:
@@ -315,17 +316,17 @@ class Registry:
         it does not exist, 409 when it is ARCHIVED."""
         name, sep, number = base.rpartition(":") if isinstance(base, str) else ("", "", "")
         if not (sep and NAME_RE.match(name) and number.isdigit() and 0 < int(number) <= MAX_VERSION):
-            raise ControlError(400, f"base must be NAME:VERSION of a registered generation model, got {base!r}",
-                               code="invalid_base", param="base")
+            raise InvalidRequest(f"base must be NAME:VERSION of a registered generation model, got {base!r}",
+                                 code="invalid_base", param="base")
         mv = self._find(conn, name, int(number))
         if mv is None:
-            raise ControlError(404, f"the base version {base} is not registered", code="model_not_found",
-                               param="base")
+            raise NotFound(f"the base version {base} is not registered", code="model_not_found",
+                           param="base")
         if mv.kind != Kind.GENERATE:
-            raise ControlError(400, f"the base {base} is a {mv.kind.value} model; a LoRA adapter adapts a generation "
-                               "model", code="invalid_base", param="base")
+            raise InvalidRequest(f"the base {base} is a {mv.kind.value} model; a LoRA adapter adapts a generation "
+                                 "model", code="invalid_base", param="base")
         if mv.state == State.ARCHIVED:
-            raise ControlError(409, f"the base {base} is ARCHIVED", code="invalid_base", param="base")
+            raise Conflict(f"the base {base} is ARCHIVED", code="invalid_base", param="base")
         return mv
 
     def _adapters_of(self, conn: Connection, ref: str) -> list[ModelVersion]:
@@ -353,7 +354,7 @@ class Registry:
             versions_table.c.name == mv.name, versions_table.c.version == mv.version,
             versions_table.c.state == mv.state.value).values(state=to.value, state_since=time.time(), **changes))
         if res.rowcount != 1:
-            raise ControlError(409, f"{mv.ref} changed state concurrently; retry", code="conflict")
+            raise Conflict(f"{mv.ref} changed state concurrently; retry", code="conflict")
         return self._get(conn, mv.name, mv.version)
 
     def transition(self, name: str, version: int, to: State | str, actor: str, reason: str | None = None, *,
@@ -366,14 +367,14 @@ class Registry:
         try:
             to = State(to)
         except ValueError:
-            raise ControlError(400, f"unknown state {to!r}; states: {', '.join(s.value for s in State)}",
-                               code="invalid_state", param="state") from None
+            raise InvalidRequest(f"unknown state {to!r}; states: {', '.join(s.value for s in State)}",
+                                 code="invalid_state", param="state") from None
         def op(conn: Connection) -> ModelVersion:
             mv = self._get(conn, name, version)
             lifecycle.check(mv.state, to, mv.ref)
             if to == State.ARCHIVED and (needed := self._needed_by(conn, mv, deployed_only=True)):
-                raise ControlError(409, f"cannot archive {mv.ref}: adapter {'; '.join(needed)} runs on it; unload "
-                                   "the adapter's deployment first", code="base_in_use")
+                raise Conflict(f"cannot archive {mv.ref}: adapter {'; '.join(needed)} runs on it; unload "
+                               "the adapter's deployment first", code="base_in_use")
             changes: dict = {}
             if to == State.VALIDATING:
                 changes.update(failure=None, golden_outputs=[])
@@ -403,11 +404,11 @@ class Registry:
         def op(conn: Connection) -> ModelVersion:
             cur = self._production(conn, name)
             if cur is None:
-                raise ControlError(409, f"{name} has no PRODUCTION version to roll back", code="nothing_to_roll_back")
+                raise Conflict(f"{name} has no PRODUCTION version to roll back", code="nothing_to_roll_back")
             prev = self._previous(conn, cur)
             if prev is None:
-                raise ControlError(409, f"{cur.ref} replaced no version that is still DEPRECATED; nothing to roll "
-                                   "back to", code="nothing_to_roll_back")
+                raise Conflict(f"{cur.ref} replaced no version that is still DEPRECATED; nothing to roll "
+                               "back to", code="nothing_to_roll_back")
             self._set_state(conn, cur, State.DEPRECATED)
             restored = self._set_state(conn, prev, State.PRODUCTION)
             self.audit.append(conn, actor, "rollback", name, {"production": cur.ref},
@@ -440,16 +441,16 @@ class Registry:
         def op(conn: Connection) -> None:
             mv = self._get(conn, name, version)
             if mv.state in lifecycle.ACTIVE:
-                raise ControlError(409, f"cannot delete {mv.ref}: it is {mv.state.value}", code="version_in_use")
+                raise Conflict(f"cannot delete {mv.ref}: it is {mv.state.value}", code="version_in_use")
             deployed = self._deployed(conn, name, version)
             if deployed:
-                raise ControlError(409, f"cannot delete {mv.ref}: deployed as {', '.join(deployed)}",
-                                   code="version_in_use")
+                raise Conflict(f"cannot delete {mv.ref}: deployed as {', '.join(deployed)}",
+                               code="version_in_use")
             # an adapter cannot run without its base: it goes first (the base may be archived meanwhile)
             needed = self._needed_by(conn, mv, deployed_only=False)
             if needed:
-                raise ControlError(409, f"cannot delete {mv.ref}: it is the base of adapter {', '.join(needed)}; "
-                                   "delete those first", code="base_in_use")
+                raise Conflict(f"cannot delete {mv.ref}: it is the base of adapter {', '.join(needed)}; "
+                               "delete those first", code="base_in_use")
             self._drop(conn, mv)
             self.audit.append(conn, actor, "delete", mv.ref, mv.to_dict(), None)
             self._sweep(conn, {mv.sha256})
@@ -460,8 +461,8 @@ class Registry:
         rollback target or an adapter's base; delete the rest and every artifact no kept version references. Returns the refs
         removed."""
         if not isinstance(keep_last, int) or keep_last < 1:
-            raise ControlError(400, f"keep_last must be an integer >= 1, got {keep_last!r}", code="invalid_keep",
-                               param="keep_last")
+            raise InvalidRequest(f"keep_last must be an integer >= 1, got {keep_last!r}", code="invalid_keep",
+                                 param="keep_last")
         def op(conn: Connection) -> list[str]:
             removed: list[str] = []
             names = conn.execute(select(versions_table.c.name).distinct()).scalars().all()

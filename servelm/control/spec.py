@@ -6,8 +6,8 @@ shadow), a canary is a `CanaryConfig` against the split's one weighted version, 
 Deployment's, the prediction-log mode the PredictionLog's, and autoscaling takes the figures the Ray Serve
 policy (servelm/ray/app.py) scales on: running + waiting requests per worker and KV cache usage.
 
-`from_dict` accepts the dict form (an admin request body, a YAML/JSON file) and raises ControlError(400,
-code="invalid_spec", param=<the field's path>) naming the first thing wrong; `to_dict` is its inverse.
+`from_dict` accepts the dict form (an admin request body, a YAML/JSON file) and raises InvalidRequest
+(code="invalid_spec", param=<the field's path>) naming the first thing wrong; `to_dict` is its inverse.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from servelm.control.canary import CanaryConfig, CanaryThresholds
+from servelm.control.errors import ControlError, InvalidRequest
 from servelm.control.traffic import Arm, Shadow, TrafficPolicy
-from servelm.control.types import MAX_VERSION, ControlError
+from servelm.control.types import MAX_VERSION
 
 STRATEGIES = ("round_robin", "least_loaded", "memory_aware", "prefix_aware")
 LOG_MODES = ("off", "metadata", "full")
@@ -29,7 +30,7 @@ NAME = re.compile(r"^[A-Za-z0-9._\-]{1,128}$")  # a registry model name (128: th
 
 
 def _bad(message: str, param: str) -> ControlError:
-    return ControlError(400, message, code="invalid_spec", param=param)
+    return InvalidRequest(message, code="invalid_spec", param=param)
 
 
 @dataclass(frozen=True)

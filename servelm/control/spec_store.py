@@ -13,8 +13,8 @@ from sqlalchemy import JSON, Column, Engine, Float, Integer, MetaData, String, T
 
 from servelm.control import db, schema
 from servelm.control.audit import Audit
+from servelm.control.errors import NotFound
 from servelm.control.spec import DeploymentSpec
-from servelm.control.types import ControlError
 
 metadata = MetaData()
 specs_table = Table(
@@ -56,8 +56,8 @@ class SpecStore:
     def require(self, name: str) -> StoredSpec:
         found = self.get(name)
         if found is None:
-            raise ControlError(404, f"no deployment spec for {name!r}; specs: {', '.join(self.names()) or 'none'}",
-                               code="spec_not_found", param="name")
+            raise NotFound(f"no deployment spec for {name!r}; specs: {', '.join(self.names()) or 'none'}",
+                           code="spec_not_found", param="name")
         return found
 
     def names(self) -> list[str]:
@@ -98,8 +98,8 @@ class SpecStore:
                 where = specs_table.c.name == name
                 row = conn.execute(select(specs_table).where(where)).first()
                 if row is None:
-                    raise ControlError(404, f"no deployment spec for {name!r}", code="spec_not_found",
-                                       param="name")
+                    raise NotFound(f"no deployment spec for {name!r}", code="spec_not_found",
+                                   param="name")
                 conn.execute(specs_table.delete().where(where))
                 self.audit.append(conn, actor, "spec.delete", f"spec:{name}", row.spec, None)
                 return _stored(row)

@@ -17,7 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
-from servelm.control.types import ControlError
+from servelm.control.errors import Conflict, InvalidRequest
 
 _CHUNK = 1 << 20
 _STALE_IMPORT_S = 3600.0
@@ -93,7 +93,7 @@ class ArtifactStore:
         again returns the existing copy."""
         source = Path(source).expanduser().resolve()
         if not source.exists():
-            raise ControlError(400, f"path {str(source)!r} does not exist", code="invalid_path", param="path")
+            raise InvalidRequest(f"path {str(source)!r} does not exist", code="invalid_path", param="path")
         tmp = self.root / f".tmp-{uuid.uuid4().hex}"
         tmp.mkdir()
         try:
@@ -130,14 +130,14 @@ class ArtifactStore:
             raise
 
     def check(self, path: Path, sha: str) -> None:
-        """Raise ControlError(409) unless the artifact at `path` still has digest `sha`."""
+        """Raise Conflict unless the artifact at `path` still has digest `sha`."""
         path = Path(path)
         if not path.exists():
-            raise ControlError(409, f"the artifact {path} is missing from the store", code="artifact_missing")
+            raise Conflict(f"the artifact {path} is missing from the store", code="artifact_missing")
         now = digest(path)
         if now != sha:
-            raise ControlError(409, f"the artifact {path} changed: its sha256 is {now}, registered as {sha}",
-                               code="artifact_changed")
+            raise Conflict(f"the artifact {path} changed: its sha256 is {now}, registered as {sha}",
+                           code="artifact_changed")
 
     def digests(self) -> set[str]:
         """The digests of every artifact in the store."""

@@ -20,13 +20,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from servelm.control.types import ControlError
+from servelm.control.errors import ControlError, InvalidRequest
 
 USER_HEADER = "x-servelm-user"
 
 
 def _bad(message: str, param: str) -> ControlError:
-    return ControlError(400, message, code="invalid_policy", param=param)
+    return InvalidRequest(message, code="invalid_policy", param=param)
 
 
 @dataclass
@@ -147,7 +147,7 @@ class TrafficPolicy:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ControlError(400, code="invalid_policy") naming the first thing wrong."""
+        """Raise InvalidRequest(code="invalid_policy") naming the first thing wrong."""
         if not self.model:
             raise _bad("a policy needs a model name", "model")
         if not self.arms:
@@ -209,7 +209,7 @@ class TrafficPolicy:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TrafficPolicy:
         """Build and validate a policy from its dict form (e.g. an admin request body); malformed input is a
-        ControlError(400), never a KeyError/TypeError."""
+        InvalidRequest, never a KeyError/TypeError."""
         try:
             arms = [Arm(version=a["version"], weight=a.get("weight", 1.0), name=a.get("name", ""))
                     for a in d["arms"]]

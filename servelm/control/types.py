@@ -1,5 +1,5 @@
-"""The control plane's shared vocabulary: a model version as the registry records it, and the error every
-control operation raises (the HTTP layer turns it into the OpenAI error shape with its status)."""
+"""The control plane's shared vocabulary: a model version as the registry records it, its lifecycle states and
+kinds (the errors control operations raise are in `control.errors`)."""
 
 from __future__ import annotations
 
@@ -44,15 +44,6 @@ class Kind(str, Enum):
 
 
 MAX_VERSION = 2**31 - 1  # version numbers above this are refused: SQLite's integers (and sanity) end near there
-
-
-class ControlError(Exception):
-    """A control operation refused: `status` is the HTTP status the server answers with (400, 404, 409, 507,
-    503), `code` a short machine-readable reason."""
-
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
 
 
 @dataclass

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Protocol
 
 from servelm.config.engine import EngineConfig
-from servelm.control.types import ControlError, Kind, ModelVersion, State
+from servelm.control.errors import ControlError
+from servelm.control.types import Kind, ModelVersion, State
 
 logger = logging.getLogger("servelm.control")
 

@@ -40,8 +40,8 @@ def _run(fn, args: argparse.Namespace) -> int:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
+    from servelm.control.errors import ControlError
     from servelm.control.spec import parse_text
-    from servelm.control.types import ControlError
 
     specs = []
     for name in args.filename:

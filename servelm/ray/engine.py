@@ -115,10 +115,10 @@ class RayServeEngine:
         return len(self._streams) - queued, queued
 
     async def update_config(self, settings: RuntimeSettings) -> None:
-        from servelm.control.types import ControlError
+        from servelm.control.errors import Conflict
 
-        raise ControlError(409, "scheduler settings of Ray replicas are set when the application is deployed",
-                           code="not_supported_on_ray")
+        raise Conflict("scheduler settings of Ray replicas are set when the application is deployed",
+                       code="not_supported_on_ray")
 
     # -- requests ----------------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -37,7 +37,7 @@ class ServerState:
     created: int = 0
     models: ModelDirectory | None = None
     control: object | None = None  # the control plane (registry, deployments) when the server has one
-    traffic: object | None = None  # server.traffic.TrafficService: policies, canaries, shadow, prediction log
+    traffic: object | None = None  # server.traffic.TrafficService (control's, with the server's metrics and webhook)
     reconciler: object | None = None  # control.reconciler.Reconciler: deployment specs driven into being
 
     def __post_init__(self) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-from servelm.control.types import ControlError, Kind, ModelVersion
+from servelm.control.errors import ControlError, NotFound
+from servelm.control.types import Kind, ModelVersion
+from servelm.server.errors import control_api_error
 from servelm.server.openai.protocol import APIError
 from servelm.worker.engine_client import EngineClient
 
@@ -166,9 +168,10 @@ class ModelDirectory:
                     dep, decision = self.deployments.route(model, attrs)
                 else:
                     dep, decision = self.deployments.resolve(model), None
+            except NotFound:
+                pass  # answered below with the listing of what exists
             except ControlError as e:
-                if e.status != 404:
-                    raise APIError(e.status, e.message, e.param or "model", e.code) from e
+                raise control_api_error(e, "model") from e
             else:
                 if _kind(dep) == kind:
                     served = self._wrap(dep, pin)
@@ -188,10 +191,10 @@ class ModelDirectory:
                 raise
             try:
                 dep, waited = await self.on_demand(model, kind)
+            except NotFound:
+                raise e from None  # nothing registered either: the listing of what exists stands
             except ControlError as ce:
-                if ce.status == 404:
-                    raise e from None  # nothing registered either: the listing of what exists stands
-                raise APIError(ce.status, ce.message, ce.param or "model", ce.code) from ce
+                raise control_api_error(ce, "model") from ce
             if _kind(dep) != kind:
                 if hasattr(dep, "release"):
                     dep.release()

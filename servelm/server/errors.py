@@ -13,6 +13,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from servelm.control.errors import (
+    Conflict,
+    ControlError,
+    Forbidden,
+    InsufficientMemory,
+    InvalidRequest,
+    NotFound,
+    Unavailable,
+)
 from servelm.server.openai.protocol import ROLES, APIError
 
 logger = logging.getLogger("servelm.server")
@@ -32,6 +41,24 @@ def error_response(err: APIError, path: str = "") -> JSONResponse:
 
     body = {"error": err.message} if is_ollama_path(path) else err.body()
     return ErrorResponse(body, status_code=err.status, headers=err.headers)
+
+
+# The one place a control refusal gets its HTTP status: control/ raises by kind of refusal, and every front end
+# (REST, Ollama, OIP, gRPC) answers through `control_api_error`.
+CONTROL_STATUS: dict[type[ControlError], int] = {
+    InvalidRequest: 400, Forbidden: 403, NotFound: 404, Conflict: 409, Unavailable: 503, InsufficientMemory: 507,
+}
+
+
+def control_status(e: ControlError) -> int:
+    """The HTTP status for a control refusal (a subclass of a mapped class answers as its parent; an unmapped
+    one is a bug: 500)."""
+    return next((CONTROL_STATUS[c] for c in type(e).__mro__ if c in CONTROL_STATUS), 500)
+
+
+def control_api_error(e: ControlError, param: str | None = None) -> APIError:
+    """A control refusal as the API error the client sees; `param` names the field when the refusal does not."""
+    return APIError(control_status(e), e.message, e.param or param, e.code)
 
 
 _UNION_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|[a-z]+-[a-z\-]+)(\[.*\])?$|^[a-z]+\[.*\]$")
@@ -79,8 +106,6 @@ def json_error_message(err: dict, doc) -> str:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    from servelm.control.types import ControlError
-
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
         return error_response(exc)
@@ -88,7 +113,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ControlError)
     async def _control_error(_: Request, exc: ControlError):
         """A control operation refused (unknown version, illegal transition, no room, ...): its own status."""
-        return error_response(APIError(exc.status, exc.message, exc.param, exc.code))
+        return error_response(control_api_error(exc))
 
     from sqlalchemy.exc import DBAPIError
 

@@ -8,7 +8,7 @@ them, so the server is written against one typed surface rather than against Asy
 Errors `generate` raises (the server maps each to its HTTP status): `RequestRejected` for a request the engine
 refuses (an unknown LoRA adapter, a prompt that can never fit, an id already in use; 400), `QueueTimeout` when
 it had no output within `queue_timeout` (408), `EngineDeadError` when the engine is not ready or died under the
-request (503). `update_config` raises `control.types.ControlError` where settings cannot change at run time.
+request (503). `update_config` raises `control.errors.Conflict` where settings cannot change at run time.
 
 Optional parts, which the server looks for with hasattr/getattr because not every implementation has them:
 `kv_cache(action, path)` and `lora_adapter(action, name, path)` (a single engine's admin operations),

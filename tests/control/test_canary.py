@@ -15,8 +15,8 @@ from servelm.control.canary import (
     CanaryController,
     CanaryThresholds,
 )
+from servelm.control.errors import ControlError, InvalidRequest
 from servelm.control.traffic import RequestAttrs
-from servelm.control.types import ControlError
 
 PROD, CANARY = 1, 2
 
@@ -128,6 +128,6 @@ def test_state_round_trips_and_config_is_validated():
                 dict(production=1, canary=2, thresholds=CanaryThresholds(alpha=2))]:
         with pytest.raises(ControlError) as e:
             CanaryConfig(model="m", **bad)
-        assert e.value.status == 400
+        assert isinstance(e.value, InvalidRequest)
     with pytest.raises(ControlError):
         CanaryConfig.from_dict({"model": "m", "production": 1, "canary": 2, "nope": 1})

@@ -16,9 +16,10 @@ from sqlalchemy import event
 from servelm.config.engine import EngineConfig
 from servelm.control.budget import MemoryBudget, worker_footprint
 from servelm.control.deployments import DeploymentManager
+from servelm.control.errors import ControlError, InsufficientMemory
 from servelm.control.plane import ControlPlane
 from servelm.control.registry import Registry
-from servelm.control.types import ControlError, State
+from servelm.control.types import State
 from servelm.server.directory import ModelDirectory
 from servelm.worker.handle import HealthSettings
 
@@ -107,7 +108,7 @@ def test_validation_counts_in_the_budget_and_loads_its_tokenizer_under_the_lock(
             plane.deployments.budget.total = per_worker // 2
             with pytest.raises(ControlError) as e:
                 await plane.validate("m", 2, "t")
-            assert e.value.status == 507 and "validating m:2" in e.value.message
+            assert isinstance(e.value, InsufficientMemory) and "validating m:2" in e.value.message
             assert reg.get("m", 2).state == State.REGISTERED and plane.deployments.in_use() == 0
         finally:
             await plane.close()

@@ -12,7 +12,7 @@ from test_deployments import BASE, GREEDY, _alive, _deployment, _until, _version
 from tiny_models import build_model
 
 from servelm import SamplingParams
-from servelm.control.types import ControlError
+from servelm.control.errors import Conflict
 from servelm.worker.client import EngineDeadError
 
 
@@ -104,7 +104,7 @@ def test_two_concurrent_creates_of_one_id_start_one_deployment(llama_dir):
         try:
             v = _version(llama_dir)
             first, second = await asyncio.gather(mgr.create(v), mgr.create(v), return_exceptions=True)
-            assert isinstance(second, ControlError) and second.status == 409 and second.code == "deployment_exists"
+            assert isinstance(second, Conflict) and second.code == "deployment_exists"
             assert mgr.list() == [first] and changes == ["create"]
             assert mgr.in_use() == mgr._footprints[first.id] * first.num_processes() == mgr._footprints[first.id]
         finally:

@@ -19,8 +19,9 @@ from servelm import SamplingParams
 from servelm.config.engine import EngineConfig
 from servelm.control import router as routing
 from servelm.control.budget import Footprint, MemoryBudget, worker_footprint
+from servelm.control.errors import Conflict, ControlError, InsufficientMemory, NotFound
 from servelm.control.traffic import split
-from servelm.control.types import ControlError, Kind, ModelVersion, State
+from servelm.control.types import Kind, ModelVersion, State
 from servelm.worker.client import EngineDeadError
 from servelm.worker.handle import HealthSettings
 
@@ -162,7 +163,7 @@ def test_budget_refusal_is_507_naming_the_numbers():
     budget.check(2**30, 2**30, "x")  # fits
     with pytest.raises(ControlError) as e:
         budget.check(Footprint(2**30, 2**30, 0).total, 2 * 2**30, "deploying tiny:1 with 1 worker(s)")
-    assert e.value.status == 507 and e.value.code == "insufficient_memory"
+    assert isinstance(e.value, InsufficientMemory) and e.value.code == "insufficient_memory"
     assert "deploying tiny:1" in e.value.message and "needs 2.00 GiB" in e.value.message
     assert "1.00 GiB of the 3.00 GiB" in e.value.message
 
@@ -415,7 +416,7 @@ def test_a_swap_that_cannot_start_keeps_the_old_version_serving(llama_dir, tmp_p
             pids = [w.pid for w in dep.workers]
             with pytest.raises(ControlError) as e:
                 await dep.swap(_version(broken, version=2))
-            assert e.value.status == 409 and "tiny:2 failed to start" in e.value.message
+            assert isinstance(e.value, Conflict) and "tiny:2 failed to start" in e.value.message
             assert "tiny:1 keeps serving" in e.value.message
             assert dep.version.ref == "tiny:1" and [w.pid for w in dep.workers] == pids
             assert (await _run(dep, "after", [1, 2, 3], 3))[1] == {"tiny:1"}
@@ -446,10 +447,10 @@ def test_manager_resolves_names_and_versions_and_evicts_idle_deployments_to_fit(
             mgr.policy_of = None
             with pytest.raises(ControlError) as e:
                 mgr.resolve("other")
-            assert e.value.status == 404 and "tiny, tiny:1, tiny:2" in e.value.message
+            assert isinstance(e.value, NotFound) and "tiny, tiny:1, tiny:2" in e.value.message
             with pytest.raises(ControlError) as e:
                 await mgr.scale(d1.id, 3)  # 4 workers > 2.5 even without tiny:2: refused, nothing unloaded
-            assert e.value.status == 507 and "scaling tiny-v1 to 3 workers" in e.value.message
+            assert isinstance(e.value, InsufficientMemory) and "scaling tiny-v1 to 3 workers" in e.value.message
             assert len(mgr.list()) == 2 and len(d1.workers) == 1
             await _run(d1, "x", [1, 2], 2)  # tiny:2 is now the least recently used
             d3 = await mgr.create(_version(llama2_dir, name="other"))  # fits once idle tiny:2 is unloaded
@@ -461,7 +462,7 @@ def test_manager_resolves_names_and_versions_and_evicts_idle_deployments_to_fit(
             await mgr.unload(d3.id)
             with pytest.raises(ControlError) as e:
                 mgr.get(d3.id)
-            assert e.value.status == 404
+            assert isinstance(e.value, NotFound)
             assert [a for a, _ in changes] == ["create", "create", "evict", "create", "unload"]
             assert mgr.in_use() == per_worker
             # on demand: the first requests for an unloaded model share one load, and say how long they waited
@@ -479,7 +480,7 @@ def test_manager_resolves_names_and_versions_and_evicts_idle_deployments_to_fit(
             assert await mgr.ensure("tiny", find) == (d1, 0.0)
             with pytest.raises(ControlError) as e:
                 await mgr.ensure("nope", find)
-            assert e.value.status == 404
+            assert isinstance(e.value, NotFound)
             await _until(lambda: changes[-1] == ("expire", "other-v1"), "the idle on-demand deployment to expire")
             assert mgr.list() == [d1] and not any(_alive(w.pid) for w in a.workers)
         finally:
@@ -537,7 +538,7 @@ def test_deployments_come_back_from_their_records(llama_dir):
 
             def version_of(name: str, number: int) -> ModelVersion:
                 if number != 1:
-                    raise ControlError(404, f"no version {name}:{number}")
+                    raise NotFound(f"no version {name}:{number}")
                 return v
 
             restored = await again.restore([records[-1], broken], version_of)

@@ -132,7 +132,7 @@ def test_thompson_bandit_prefers_the_better_arm_but_keeps_exploring():
 
 
 def test_bandit_rejects_bad_settings():
-    from servelm.control.types import ControlError
+    from servelm.control.errors import ControlError
     with pytest.raises(ControlError):
         ThompsonBandit([1, 2, 3], min_share=0.5)
     with pytest.raises(ControlError):

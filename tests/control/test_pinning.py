@@ -15,7 +15,8 @@ from servelm import SamplingParams
 from servelm.config.engine import EngineConfig
 from servelm.control.budget import MemoryBudget, worker_footprint
 from servelm.control.deployments import DeploymentManager
-from servelm.control.types import ControlError, Kind, ModelVersion, State
+from servelm.control.errors import ControlError, InsufficientMemory
+from servelm.control.types import Kind, ModelVersion, State
 from servelm.server.directory import ModelDirectory
 from servelm.worker.handle import HealthSettings
 
@@ -95,7 +96,7 @@ def test_a_resolved_deployment_is_not_evicted_before_its_request_runs():
             m, _ = await directory.load("a")
             with pytest.raises(ControlError) as e:  # b does not fit beside a, and a is in use
                 await mgr.create(b, tokenizer="tok-b")
-            assert e.value.status == 507 and mgr.list() == [da]
+            assert isinstance(e.value, InsufficientMemory) and mgr.list() == [da]
             assert await _texts(m, "r1", [1, 2]) == [("/artifacts/a-v1", "a:1")]
             m.release()
             db = await mgr.create(b, tokenizer="tok-b")  # a is idle now: evicted to make room
@@ -105,7 +106,7 @@ def test_a_resolved_deployment_is_not_evicted_before_its_request_runs():
             assert waited > 0 and lease.version is a and mgr.list() == [lease.deployment]  # b made room
             with pytest.raises(ControlError) as e:
                 await mgr.create(b, tokenizer="tok-b")
-            assert e.value.status == 507
+            assert isinstance(e.value, InsufficientMemory)
             lease.release()
         finally:
             await mgr.shutdown()

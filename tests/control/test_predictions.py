@@ -13,8 +13,8 @@ from sqlalchemy import text
 from sqlalchemy.exc import DatabaseError
 
 from servelm.control import db
+from servelm.control.errors import ControlError, InvalidRequest
 from servelm.control.predictions import Prediction, PredictionLog, Redactor
-from servelm.control.types import ControlError
 
 DAY = 86400.0
 
@@ -98,7 +98,7 @@ def test_custom_redaction_rules_and_bad_ones(tmp_path):
     for bad in ["nope", {"pattern": "("}, {"name": "no pattern"}]:
         with pytest.raises(ControlError) as e:
             Redactor([bad])
-        assert e.value.status == 400
+        assert isinstance(e.value, InvalidRequest)
     log = open_log(tmp_path, default_mode="full", redactor=r)
     log.write(Prediction(request_id="r", model="m", prompt="ACME-7", output="ok", error="bad ACME-7"))
     (e,) = log.entries()

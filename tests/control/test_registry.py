@@ -17,8 +17,9 @@ from sqlalchemy import text
 
 from servelm.control import lifecycle
 from servelm.control.audit import GENESIS
+from servelm.control.errors import Conflict, ControlError, InvalidRequest, NotFound
 from servelm.control.registry import Registry
-from servelm.control.types import ControlError, Kind, State
+from servelm.control.types import Kind, State
 
 S = State
 # The issue's table, written out again here so that a change to lifecycle.ALLOWED must be deliberate.
@@ -77,7 +78,7 @@ def test_check_refuses_every_illegal_transition_naming_current_and_allowed(curre
         with pytest.raises(ControlError) as e:
             lifecycle.check(current, to)
         err = e.value
-        assert err.status == 409 and err.code == "illegal_transition"
+        assert isinstance(err, Conflict) and err.code == "illegal_transition"
         assert f"is {current.value};" in err.message
         allowed = err.message.split("allowed next: ")[1]
         named = set() if current == S.ARCHIVED else {State(a) for a in allowed.split(", ")}
@@ -94,7 +95,7 @@ def test_registry_walks_every_state_refusing_illegal_moves_and_taking_legal_ones
         for to in set(State) - ISSUE_TRANSITIONS[state]:
             with pytest.raises(ControlError) as e:
                 reg.transition("m", 1, to, "alice")
-            assert e.value.status == 409 and state.value in e.value.message
+            assert isinstance(e.value, Conflict) and state.value in e.value.message
             assert reg.get("m", 1).state == state
 
     seen = set()
@@ -109,7 +110,7 @@ def test_registry_walks_every_state_refusing_illegal_moves_and_taking_legal_ones
     assert seen | {S.ARCHIVED} == set(State)
     with pytest.raises(ControlError) as e:
         reg.transition("m", 1, "NOT_A_STATE", "alice")
-    assert e.value.status == 400
+    assert isinstance(e.value, InvalidRequest)
 
 
 def test_failed_records_the_reason_and_validating_clears_it(reg, tmp_path):
@@ -141,7 +142,7 @@ def test_promotion_demotes_the_old_production_and_rollback_restores_it(reg, tmp_
     assert reg.rollback("m", actor="bob").version == 1  # and again, one further back
     with pytest.raises(ControlError) as e:
         reg.rollback("m", actor="bob")
-    assert e.value.status == 409 and reg.production("m").version == 1
+    assert isinstance(e.value, Conflict) and reg.production("m").version == 1
     last = reg.audit.entries()[-1]  # the refused rollback left no entry
     assert (last["action"], last["actor"], last["before"], last["after"]["production"]) == (
         "rollback", "bob", {"production": "m:2"}, "m:1")
@@ -270,7 +271,7 @@ def test_store_dedups_identical_artifacts_links_and_makes_them_read_only(reg, tm
         f.write(b"\xff")
     with pytest.raises(ControlError) as e:
         reg.store.check(Path(a.artifact), a.sha256)
-    assert e.value.status == 409 and e.value.code == "artifact_changed"
+    assert isinstance(e.value, Conflict) and e.value.code == "artifact_changed"
 
 
 def test_store_copies_across_filesystems(reg, tmp_path, monkeypatch):
@@ -316,18 +317,18 @@ def test_delete_refuses_active_or_deployed_versions(reg, tmp_path):
     walk(reg, "m", 1, TO_PRODUCTION)
     with pytest.raises(ControlError) as e:
         reg.delete("m", 1, actor="a")
-    assert e.value.status == 409 and "PRODUCTION" in e.value.message
+    assert isinstance(e.value, Conflict) and "PRODUCTION" in e.value.message
     reg.save_deployment({"id": "dep", "name": "m", "version": 2})
     with pytest.raises(ControlError) as e:
         reg.delete("m", 2, actor="a")
-    assert e.value.status == 409 and "dep" in e.value.message
+    assert isinstance(e.value, Conflict) and "dep" in e.value.message
     assert reg.delete_deployment("dep") and not reg.delete_deployment("dep")
     sha = reg.get("m", 2).sha256
     reg.delete("m", 2, actor="a")
     assert (reg.store.root / sha).exists()  # still version 1's
     with pytest.raises(ControlError) as e:
         reg.get("m", 2)
-    assert e.value.status == 404 and "1" in e.value.message
+    assert isinstance(e.value, NotFound) and "1" in e.value.message
     assert reg.audit.entries()[-1]["action"] == "delete"
 
 
@@ -371,7 +372,7 @@ def test_register_refuses_bad_input_and_records_nothing(reg, tmp_path, kwargs, p
     args = dict(name="m", path=src) | kwargs
     with pytest.raises(ControlError) as e:
         reg.register(args.pop("name"), args.pop("path"), actor="a", **args)
-    assert e.value.status == 400 and e.value.param == param
+    assert isinstance(e.value, InvalidRequest) and e.value.param == param
     assert reg.models() == [] and reg.audit.entries() == []
 
 

@@ -9,8 +9,8 @@ import pytest
 from servelm.control import spec_adopt
 from servelm.control.autoscale import Wish, decide, wanted
 from servelm.control.conditions import merge
+from servelm.control.errors import ControlError, InvalidRequest
 from servelm.control.spec import Autoscaling, DeploymentSpec, parse_text
-from servelm.control.types import ControlError
 
 FULL = {"name": "m", "versions": [{"version": 1, "weight": 90}, {"version": 2, "weight": 10}], "sticky": True,
         "shadow": {"version": 3, "fraction": 0.25, "source": 1}, "workers": 2, "min_workers": 1, "max_workers": 4,
@@ -63,7 +63,8 @@ def test_files_hold_one_spec_a_list_or_the_helm_shape_in_yaml_or_json():
 def test_each_mistake_is_named(change, param):
     with pytest.raises(ControlError) as e:
         DeploymentSpec.from_dict({**FULL, **change})
-    assert (e.value.status, e.value.code, e.value.param) == (400, "invalid_spec", param), e.value.message
+    assert isinstance(e.value, InvalidRequest)
+    assert (e.value.code, e.value.param) == ("invalid_spec", param), e.value.message
 
 
 def test_verbs_fold_into_the_spec():

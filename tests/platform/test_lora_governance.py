@@ -20,7 +20,8 @@ from fakes import StubEngine, stub_deployment_workers
 from random_weights import make_adapter
 
 from servelm.config.engine import EngineConfig
-from servelm.control.types import ControlError, Kind, State
+from servelm.control.errors import Conflict, ControlError
+from servelm.control.types import Kind, State
 from servelm.worker.handle import HealthSettings
 
 pytest.importorskip("peft")
@@ -269,7 +270,7 @@ def test_a_split_shadow_and_experiment_between_two_adapter_versions(platform, ad
 
 
 def test_a_failing_adapter_canary_is_rolled_back_automatically(platform, adapters):
-    from servelm.server.traffic import FAULT_LABEL
+    from servelm.control.traffic_service import FAULT_LABEL
 
     client, state = platform
     _two_adapter_versions(client, state, adapters, {FAULT_LABEL: "error"})
@@ -357,7 +358,7 @@ def test_an_old_registry_database_opens_and_gc_keeps_an_adapters_base(llama_dir,
         assert reg.gc(1, "t") == []  # m:1 is older than keep_last=1 but ad:1 needs it
         with pytest.raises(ControlError) as e:
             reg.delete("m", 1, "t")
-        assert e.value.status == 409 and "ad:1" in e.value.message
+        assert isinstance(e.value, Conflict) and "ad:1" in e.value.message
         reg.delete("ad", 1, "t")
         assert reg.gc(1, "t") == ["m:1"]
     finally:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from fakes import IdleEngine
 
-from servelm.control.types import ControlError, Kind, ModelVersion, State
+from servelm.control.errors import NotFound
+from servelm.control.types import Kind, ModelVersion, State
 from servelm.outputs import CompletionOutput, RequestOutput
 
 
@@ -44,7 +45,7 @@ class FakeManager:
         for d in self.deployments:
             if model == d.version.ref or (model == d.version.name and d.version.state == State.PRODUCTION):
                 return d
-        raise ControlError(404, f"no deployment serves {model!r}", code="model_not_found")
+        raise NotFound(f"no deployment serves {model!r}", code="model_not_found")
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +198,7 @@ def test_a_registered_model_loads_on_its_first_request(tokenizer):
 
     async def on_demand(model, kind):
         if model != "delta:1":
-            raise ControlError(404, "not registered")
+            raise NotFound("not registered")
         loads.append(model)
         dep = FakeDeployment("delta", 1, State.VALIDATED, tokenizer)
         manager.deployments.append(dep)

@@ -42,9 +42,10 @@ class Platform:
         from servelm.control.plane import ControlPlane
         from servelm.control.reconciler import Reconciler
         from servelm.control.registry import Registry
+        from servelm.control.traffic_service import FAULT_LABEL
         from servelm.server.api import build_app
         from servelm.server.serve import build_state
-        from servelm.server.traffic import FAULT_LABEL, TrafficService
+        from servelm.server.traffic import TrafficService
 
         config = load({"embedding_model": "none", "log_requests": False, "data_dir": str(tmp_path / "data"),
                        "admin_key": ADMIN["x-api-key"], "canary_interval_s": 0.01}, env={})

@@ -64,9 +64,10 @@ def platform(tokenizer, llama_dir, tmp_path, monkeypatch, database_url):
     from servelm.control.deployments import DeploymentManager
     from servelm.control.plane import ControlPlane
     from servelm.control.registry import Registry
+    from servelm.control.traffic_service import FAULT_LABEL
     from servelm.server.api import build_app
     from servelm.server.serve import build_state
-    from servelm.server.traffic import FAULT_LABEL, TrafficService
+    from servelm.server.traffic import TrafficService
 
     monkeypatch.setenv("SERVELM_ALLOW_FAULTS", "1")
     config = load({"embedding_model": "none", "log_requests": False, "data_dir": str(tmp_path / "data"),
@@ -633,7 +634,7 @@ def test_a_shadow_copy_keeps_the_primary_cache_salt_and_a_queue_timeout(platform
     r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1, "cache_salt": "s1"})
     assert r.status_code == 200 and r.headers["x-servelm-model-version"] == "m:1"
     client.portal.call(state.traffic.mirrors["m"].drain)
-    from servelm.server.traffic import SHADOW_QUEUE_TIMEOUT_S
+    from servelm.control.traffic_service import SHADOW_QUEUE_TIMEOUT_S
 
     assert state.config.admission.queue_timeout_s == 0
     assert seen == [(SHADOW_QUEUE_TIMEOUT_S, "salt:s1")]

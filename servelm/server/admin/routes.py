@@ -3,7 +3,7 @@
 and deploys into the workers of its base's deployment), deployments (create, scale, swap, unload),
 the audit trail (GET verifies its hash chain) and artifact gc. Mounted when the server has a control plane
 (`--data-dir`, `--registry-url`, or models declared in the config file). A refused operation is a
-ControlError, answered in OpenAI's error shape with its status (400, 404, 409, 507)."""
+control.errors.ControlError, answered in OpenAI's error shape with the status server/errors.py maps its class to."""
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ from typing import Any
 
 from fastapi import Body, FastAPI, Request, Response
 
+from servelm.control.errors import ControlError, InvalidRequest
 from servelm.control.reconciler import Reconciler
 from servelm.control.spec import DeploymentSpec, parse_text
-from servelm.control.types import ControlError
 from servelm.server.common import record
 
 logger = logging.getLogger("servelm.server")
@@ -68,8 +68,8 @@ def add_spec_routes(app: FastAPI, state: Any) -> None:
                         "prediction_log, autoscaling); `name` defaults to the path's")) -> dict:
         body = {"name": name, **body}
         if body["name"] != name:
-            raise ControlError(400, f"the spec names {body['name']!r} but the path {name!r}", code="invalid_spec",
-                               param="name")
+            raise InvalidRequest(f"the spec names {body['name']!r} but the path {name!r}", code="invalid_spec",
+                                 param="name")
         return (await rec.apply(DeploymentSpec.from_dict(body), actor(request))).to_dict()
 
     @app.get("/admin/specs/{name}")

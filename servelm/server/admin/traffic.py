@@ -1,7 +1,8 @@
 """Traffic-management admin routes under /admin (admin key; every change audited through the PolicyStore or
 the registry's audit trail): a model's traffic policy, canary rollouts, shadow mirroring, experiments, drift
 reports and the prediction log (read, GDPR erasure). Bodies are pydantic models, so they appear in
-/openapi.json; a refused operation is a ControlError in OpenAI's error shape."""
+/openapi.json; the decisions are the traffic service's (control/traffic_service.py), and a refused operation is a
+control refusal in OpenAI's error shape."""
 
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from servelm.control.bandit_policy import BanditPolicy
-from servelm.control.canary import CanaryConfig, CanaryController
+from servelm.control.canary import CanaryConfig
 from servelm.control.canary_runner import start_canary
-from servelm.control.experiments import ThompsonBandit
+from servelm.control.errors import NotFound
 from servelm.control.traffic import TrafficPolicy
-from servelm.control.types import MAX_VERSION, ControlError
+from servelm.control.types import MAX_VERSION
 from servelm.server.common import record
 
 Version = Annotated[int, Field(ge=1, le=MAX_VERSION)]
@@ -112,8 +112,8 @@ def add_traffic_routes(app: FastAPI, state) -> None:
     async def get_traffic(name: str) -> dict:
         policy = svc.policies.get(name)
         if policy is None:
-            raise ControlError(404, f"{name} has no traffic policy (requests go to its PRODUCTION version)",
-                               code="not_found", param="name")
+            raise NotFound(f"{name} has no traffic policy (requests go to its PRODUCTION version)",
+                           code="not_found", param="name")
         return policy.to_dict()
 
     @app.delete("/admin/models/{name}/traffic", status_code=204)
@@ -124,11 +124,8 @@ def add_traffic_routes(app: FastAPI, state) -> None:
 
     @app.put("/admin/models/{name}/bandit")
     async def put_bandit(name: str, body: BanditBody, request: Request) -> dict:
-        svc._check_free(name)
-        for v in body.versions:
-            cp.registry.get(name, v)
-        policy = BanditPolicy(name, ThompsonBandit(body.versions, min_share=body.min_share, lo=body.lo, hi=body.hi))
-        await svc.set_policy(policy, actor(request), "bandit.set")
+        policy = await svc.set_bandit(name, body.versions, actor(request), min_share=body.min_share, lo=body.lo,
+                                      hi=body.hi)
         return policy.to_dict()
 
     # -- canary ------------------------------------------------------------------------------------
@@ -144,23 +141,14 @@ def add_traffic_routes(app: FastAPI, state) -> None:
     def canary(name: str):
         run = svc.canaries.get(name)
         if run is None:
-            raise ControlError(404, f"{name} has no canary", code="not_found", param="name")
+            raise NotFound(f"{name} has no canary", code="not_found", param="name")
         return run
 
     @app.get("/admin/models/{name}/canary")
     async def canary_status(name: str) -> dict:
         """The rollout this server runs, else the one stored in the database (run, or decided, by another server
         sharing it): its status, step and decision history as last saved."""
-        run = svc.canaries.get(name)
-        if run is not None:
-            return run.status()
-        rec = await svc.write(svc.store.get, "canary", name)
-        if rec is None:
-            raise ControlError(404, f"{name} has no canary", code="not_found", param="name")
-        c = CanaryController.from_dict(rec)
-        return {"model": name, "status": c.status, "step": c.step, "percent": c.percent,
-                "config": c.config.to_dict(), "windows": {}, "last_decision": None,
-                "history": rec.get("history", []), "stored": True}
+        return await svc.canary_status(name)
 
     @app.post("/admin/models/{name}/canary/abort")
     async def canary_abort(name: str, request: Request, body: AbortBody | None = None) -> dict:
@@ -171,20 +159,7 @@ def add_traffic_routes(app: FastAPI, state) -> None:
     # -- shadow ------------------------------------------------------------------------------------
     @app.put("/admin/models/{name}/shadow")
     async def put_shadow(name: str, body: ShadowIn, request: Request) -> dict:
-        cp.registry.get(name, body.version)
-        base = svc.policies.get(name)
-        if isinstance(base, BanditPolicy):
-            raise ControlError(409, f"{name} is routed by a bandit; a shadow needs a split policy", code="bandit")
-        if base is None:
-            prod = cp.registry.production(name)
-            if prod is None:
-                raise ControlError(409, f"{name} has no PRODUCTION version and no traffic policy to mirror",
-                                   code="no_policy", param="name")
-            d: dict = {"model": name, "arms": [{"version": prod.version, "weight": 100}]}
-        else:
-            d = base.to_dict()
-        policy = TrafficPolicy.from_dict({**d, "shadow": body.model_dump()})
-        await svc.set_policy(policy, actor(request), "shadow.set")
+        policy = await svc.set_shadow(name, body.model_dump(), actor(request))
         return policy.to_dict()
 
     @app.get("/admin/models/{name}/shadow")
@@ -197,10 +172,7 @@ def add_traffic_routes(app: FastAPI, state) -> None:
 
     @app.delete("/admin/models/{name}/shadow", status_code=204)
     async def delete_shadow(name: str, request: Request):
-        policy = svc.policies.get(name)
-        if policy is None or policy.shadow is None:
-            raise ControlError(404, f"{name} has no shadow", code="not_found", param="name")
-        await svc.set_policy(TrafficPolicy.from_dict({**policy.to_dict(), "shadow": None}), actor(request), "shadow.delete")
+        await svc.clear_shadow(name, actor(request))
         return Response(status_code=204)
 
     # -- experiments -------------------------------------------------------------------------------

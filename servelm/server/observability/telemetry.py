@@ -47,7 +47,7 @@ class RequestRecord:
     error: str | None = None
     prompt_text: str | None = None
     completion_text: str | None = None
-    # traffic management (server/traffic.py): the policy's decision, what the prediction log and the shadow
+    # traffic management (control/traffic_service.py): the policy's decision, what the prediction log and the shadow
     # mirror need of the request, and whether its end was handled already
     arm: str | None = None
     user: str | None = None

@@ -10,8 +10,9 @@ import functools
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from servelm.control.types import ControlError
+from servelm.control.errors import ControlError
 from servelm.server.common import record, wait_disconnect
+from servelm.server.errors import control_api_error
 from servelm.server.oip.codec import HEADER, decode_rest, encode_rest, error_body
 from servelm.server.oip.runtime import OipModels
 from servelm.server.openai.protocol import APIError
@@ -30,7 +31,7 @@ def oip_errors(fn):
         try:
             return await fn(*args, **kwargs)
         except ControlError as e:
-            err = APIError(e.status, e.message, e.param, e.code)
+            err = control_api_error(e)
         except APIError as e:
             err = e
         return JSONResponse(error_body(err), status_code=err.status, headers=err.headers)

@@ -22,7 +22,8 @@ import numpy as np
 from prometheus_client import Gauge, Histogram
 
 from servelm.config.settings import PRIORITIES
-from servelm.control.types import ControlError, Kind, ModelVersion, State
+from servelm.control.errors import ControlError
+from servelm.control.types import Kind, ModelVersion, State
 from servelm.runtimes.embedder import EmbedderDown
 from servelm.runtimes.predict_batcher import PredictBatcher, QueueFull
 from servelm.runtimes.predictors import Predictor, TensorSpec, load_predictor

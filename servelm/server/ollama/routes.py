@@ -21,8 +21,10 @@ from datetime import datetime, timezone
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from servelm.control.types import ControlError, Kind
+from servelm.control.errors import ControlError
+from servelm.control.types import Kind
 from servelm.server.common import Api, record
+from servelm.server.errors import control_api_error
 from servelm.server.ollama import protocol as o
 from servelm.server.openai import protocol as p
 from servelm.server.openai.embeddings import _embed, _embedder
@@ -56,7 +58,7 @@ def ollama_errors(route):
         except APIError as e:
             return _error(e)
         except ControlError as e:
-            return _error(APIError(e.status, e.message, e.param, e.code))
+            return _error(control_api_error(e))
     return wrapped
 
 

@@ -19,8 +19,8 @@ import grpc
 from pydantic import ValidationError
 from starlette.datastructures import Headers
 
-from servelm.control.types import ControlError
-from servelm.server.errors import _best, _validation_message
+from servelm.control.errors import ControlError
+from servelm.server.errors import _best, _validation_message, control_api_error
 from servelm.server.observability.telemetry import RequestRecord
 from servelm.server.openai.protocol import APIError
 
@@ -93,7 +93,7 @@ class Calls:
         if isinstance(e, ValidationError):
             e = validation_error(e)
         elif isinstance(e, ControlError):
-            e = APIError(e.status, e.message, e.param, e.code)
+            e = control_api_error(e)
         elif not isinstance(e, APIError):
             rid = req.record.request_id if req else None
             logger.error("unhandled %s in gRPC call (request %s)", type(e).__name__, rid, exc_info=e)

@@ -1,4 +1,4 @@
-"""Drift in the running server: per model the data-drift windows (control/drift.py DriftMonitor), per version
+"""Drift of the served models: per model the data-drift windows (control/drift.py DriftMonitor), per version
 the concept-drift windows (ConceptMonitor: feedback score, refusal and empty-output rates, finish-reason mix),
 and, when an embedding model is served, a sample of prompt embeddings for the MMD test.
 
@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servelm.control.drift import ConceptMonitor, ConceptThresholds, DriftMonitor, DriftThresholds
-from servelm.control.types import ControlError
+from servelm.control.errors import NotFound
+from servelm.control.traffic_seams import TrafficMetricsSink
 
 logger = logging.getLogger("servelm.traffic")
 DRIFT_CHARS = 256  # characters of a prompt profiled for drift (a sample: profiling runs on the event loop)
@@ -43,7 +44,7 @@ class DriftSnapshot:
 class DriftWatch:
     """Every model's drift windows; `notify(event)` is called (from any thread) when an alert starts."""
 
-    def __init__(self, cfg: Any, metrics: Any, embedder: Any = None,
+    def __init__(self, cfg: Any, metrics: TrafficMetricsSink, embedder: Any = None,
                  notify: Callable[[dict], None] | None = None) -> None:
         self.cfg, self.metrics, self.embedder, self.notify = cfg, metrics, embedder, notify
         self.data: dict[str, DriftMonitor] = {}
@@ -111,7 +112,7 @@ class DriftWatch:
         requests in the data window frozen."""
         mon = self.data.get(name)
         if mon is None:
-            raise ControlError(404, f"no drift data for {name!r} yet", code="not_found", param="model")
+            raise NotFound(f"no drift data for {name!r} yet", code="not_found", param="model")
         n = len(mon.live.prompt_len)
         mon.set_reference()
         for c in self.concept.get(name, {}).values():
@@ -134,8 +135,8 @@ class DriftWatch:
         elif isinstance(snap, DriftMonitor):
             snap = DriftSnapshot(snap, dict(self.concept.get(name, {})))
         if snap.data is None and not snap.concept:
-            raise ControlError(404, f"no drift data for {name!r} yet; models with data: "
-                               f"{', '.join(self.data) or 'none'}", code="not_found", param="model")
+            raise NotFound(f"no drift data for {name!r} yet; models with data: "
+                           f"{', '.join(self.data) or 'none'}", code="not_found", param="model")
         mon = snap.data or DriftMonitor(name, DriftThresholds(min_samples=self.cfg.drift_min_samples), window=1)
         cached = self._mmd.get(name)
         if cached is not None and cached[0] == mon.embedding_epoch:
