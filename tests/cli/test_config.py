@@ -260,6 +260,7 @@ def test_every_choice_field_takes_exactly_the_names_its_annotation_lists():
     """Fields that take one of a few names declare them once, as a Literal: each name loads, from a file value as
     from a flag, and anything else is a ConfigError naming the field."""
     import dataclasses
+    import importlib.util
     import typing
 
     from servelm.config.engine import choices
@@ -275,6 +276,8 @@ def test_every_choice_field_takes_exactly_the_names_its_annotation_lists():
                 continue
             found.append(f.name)
             for name in names:
+                if name == "xgrammar" and importlib.util.find_spec("xgrammar") is None:
+                    continue  # allowed only where installed (a rule of its own, tested with it)
                 extra = {"speculative_model": "self:1"} if name == "draft" else {}
                 assert getattr(getattr(load({f.name: name, **extra}, env={}), _section_of(cls)), f.name) == name
             with pytest.raises(ConfigError, match=f.name):
