@@ -147,6 +147,11 @@ class Api:
                                 f"({prompt_len + params.max_tokens} in total)", "max_tokens", "context_length_exceeded")
         return params
 
+    def hold_place(self, m, request: Request) -> None:
+        """A generation request's place in its model's queue, taken before its text work (see
+        Admission.hold_place): over the high watermark, 503 at once."""
+        self.state.admission.hold_place(record(request), m.served_name, m.num_queued, self.metrics_of(m))
+
     def admit(self, m, request: Request, req, prompts: list[list[int]], params: list) -> int:
         """Admission control for a generation request; returns its engine priority."""
         rec = record(request)

@@ -82,3 +82,49 @@ def test_sized_for_the_burst_every_request_is_served(tokenizer):
     responses, admitted = asyncio.run(_burst(tokenizer, high=BURST, low=BURST // 2))
     assert admitted == BURST and all(r.status_code == 200 for r in responses)
     assert all(r.text.rstrip().endswith("data: [DONE]") for r in responses)
+
+
+def test_a_burst_is_refused_before_its_text_work(tokenizer, monkeypatch):
+    """Tokenizing runs one request at a time; a request takes its place in the queue before it, so while the
+    tokenizer holds every text, the burst beyond the watermark is already answered 503 (not after the tokenizer's
+    queue), and the admitted ones are served once it lets go."""
+    import threading
+
+    from servelm.server.api import build_app
+    from servelm.server.common import Api
+    from servelm.server.serve import build_state
+
+    tokenizing = threading.Event()
+    encode = Api.encode
+    monkeypatch.setattr(Api, "encode", staticmethod(lambda m, text, **kw: (tokenizing.wait(), encode(m, text, **kw))[1]))
+
+    async def main() -> tuple[list[int], int]:
+        config = load({"embedding_model": "none", "log_requests": False, "queue_high_watermark": 10,
+                       "queue_low_watermark": 5}, env={})
+        engine = GatedEngine()
+        engine.gate.set()
+        app = build_app(build_state(config, tokenizer, engine, "tiny"))
+        refused = asyncio.Condition()
+        codes: list[int] = []
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=None) as client:
+
+            async def one(i: int) -> int:
+                r = await client.post("/v1/completions", json={"prompt": f"text {i}", "max_tokens": 1, "stream": True})
+                async with refused:
+                    codes.append(r.status_code)
+                    refused.notify_all()
+                return r.status_code
+
+            tasks = [asyncio.create_task(one(i)) for i in range(100)]
+            async with refused:  # a hang here (no refusal while tokenizing is held) fails the test below
+                await asyncio.wait_for(refused.wait_for(lambda: codes.count(503) == 90), 120)
+            answered_while_held = len(codes)
+            tokenizing.set()
+            return await asyncio.gather(*tasks), answered_while_held
+
+    try:
+        codes, answered_while_held = asyncio.run(main())
+    finally:
+        tokenizing.set()
+    assert answered_while_held == 90 and codes.count(503) == 90 and codes.count(200) == 10

@@ -97,6 +97,28 @@ class Admission:
         check_model(key, model)
         prio = self.priority(key, requested_priority)
         rec.priority = PRIORITIES[prio]
+        held = rec.waiting_for == model  # its place taken before its text work (hold_place)
+        if not held:
+            self._refuse_when_shedding(model, queue_depth, metrics)
+        limits = self.limits(key)
+        if limits.tpm is not None and self._take(rec, limits, 0, tokens):
+            rec.reserved_tokens = tokens  # given back in part at the end (not when none was taken: fail-open)
+        if not held:
+            self._count(rec, model)  # no await since the check: the count is exact
+        return prio
+
+    def hold_place(self, rec: RequestRecord, model: str, queue_depth=None, metrics=None) -> None:
+        """Take a generation request's place in `model`'s queue before its text work (tokenizing, the chat
+        template), which runs one request at a time: in a burst the requests still waiting for the tokenizer count
+        against the watermark too, so the ones beyond it are answered 503 at once instead of after the tokenizer's
+        queue. `admit` then checks the rest and counts it no second time; the place is given back at its first
+        output or its end (`started`, `settle`)."""
+        if rec.waiting_for != model:
+            self._refuse_when_shedding(model, queue_depth, metrics)
+            self._count(rec, model)
+
+    def _refuse_when_shedding(self, model: str, queue_depth=None, metrics=None) -> None:
+        """503 with Retry-After while `model`'s queue is at its high watermark, until it is back below the low one."""
         a = self.config.admission
         depth = max((queue_depth or self.queue_depth)(), self._waiting.get(model, 0))
         shedding = self._shedding.get(model, False)
@@ -109,12 +131,10 @@ class Admission:
             (metrics or self.metrics).backpressure.inc()
             raise APIError(503, f"the server is overloaded ({depth} requests queued); retry later", code="overloaded",
                            headers={"Retry-After": "1"})
-        limits = self.limits(key)
-        if limits.tpm is not None and self._take(rec, limits, 0, tokens):
-            rec.reserved_tokens = tokens  # given back in part at the end (not when none was taken: fail-open)
-        self._waiting[model] = self._waiting.get(model, 0) + 1  # no await since the check: the count is exact
+
+    def _count(self, rec: RequestRecord, model: str) -> None:
+        self._waiting[model] = self._waiting.get(model, 0) + 1
         rec.waiting_for = model
-        return prio
 
     def started(self, rec: RequestRecord) -> None:
         """The request has its first output, or has ended without one: it no longer counts as queued."""

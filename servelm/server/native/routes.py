@@ -56,9 +56,11 @@ def add_routes(app: FastAPI, api: Api) -> None:
     @app.post("/generate")
     async def native_generate(body: p.NativeGenerateRequest, request: Request):
         m = await api.resolve(request, body.model)
+        api.hold_place(m, request)
         return await _native(api, m, request, await api.off_loop(api.encode, m, body.prompt), body, body.prompt)
 
     @app.post("/chat")
     async def native_chat(body: p.NativeChatRequest, request: Request):
         m = await api.resolve(request, body.model)
+        api.hold_place(m, request)
         return await _native(api, m, request, await api.chat_ids(m, body.messages), body, None)

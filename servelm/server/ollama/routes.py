@@ -220,6 +220,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         m = await _resolve(api, request, body.model, req=body)
         if not body.prompt and not body.context:
             return _loaded(body.model or m.served_name)
+        api.hold_place(m, request)
         prompt = body.prompt or ""
         if body.raw or getattr(m.tokenizer, "chat_template", None) is None:
             text = (body.system + "\n\n" if body.system and not body.raw else "") + prompt
@@ -244,6 +245,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
             done = _loaded(body.model or m.served_name)
             del done["response"]
             return {**done, "message": {"role": "assistant", "content": ""}}
+        api.hold_place(m, request)
         msgs = [x.to_chat(i) for i, x in enumerate(body.messages)]
         tools = body.template_tools()
         ids = await api.chat_ids(m, msgs, tools=tools)

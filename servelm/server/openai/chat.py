@@ -20,6 +20,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: p.ChatCompletionRequest, request: Request):
         m = await api.resolve(request, req.model, req=req)
+        api.hold_place(m, request)
         ids = await api.chat_ids(m, req.messages, req.add_generation_prompt, template_tools(req),
                                  **(req.chat_template_kwargs or {}))
         params = api.params(m, req, len(ids))

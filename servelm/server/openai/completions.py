@@ -34,6 +34,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
     @app.post("/v1/completions")
     async def completions(req: p.CompletionRequest, request: Request):
         m = await api.resolve(request, req.model, req=req)
+        api.hold_place(m, request)
         tok = m.tokenizer
         prompts = await _prompts(api, m, req.prompt)
         vocab = vocab_size(m)

@@ -77,6 +77,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
             if body.previous_response_id else []
         new = body.messages()
         m = await api.resolve(request, body.model, req=body)
+        api.hold_place(m, request)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         conv = system + history + new
         ids = await api.chat_ids(m, [_ROLES[x["role"]](**x) for x in conv])

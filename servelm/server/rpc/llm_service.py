@@ -61,10 +61,12 @@ class LlmService(pb_grpc.LlmServicer):
                 msgs = [{"role": m.role, "content": m.content} for m in request.messages]
                 body = _body(p.NativeChatRequest, request, messages=msgs)
                 m = await api.resolve(req, body.model)
+                api.hold_place(m, req)
                 ids, prompt = await api.chat_ids(m, body.messages), None
             else:
                 body = _body(p.NativeGenerateRequest, request, prompt=request.prompt)
                 m = await api.resolve(req, body.model)
+                api.hold_place(m, req)
                 ids, prompt = await api.off_loop(api.encode, m, body.prompt), body.prompt
             head = await self._start(m, req, ids, body, prompt)
             rid = req.record.request_id
