@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI). It validates, tokenizes, streams; the engine processes generate.
 
-The routes live in `servelm.server.routes` (one module per family) over the shared machinery in
-`servelm.server.common`; this module holds the server state and assembles the app.
+The routes live in one package per protocol (`openai`, `ollama`, `oip`, `native`, and `admin`, `web`) over the
+shared machinery in `servelm.server.common`; this module holds the server state and assembles the app.
 """
 
 from __future__ import annotations
