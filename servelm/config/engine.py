@@ -55,6 +55,7 @@ PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["priority", "fcfs"]
 StructuredOutputBackend = Literal["auto", "llguidance", "xgrammar"]
 SpeculativeMethod = Literal["ngram", "draft"]
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 
 
 def choices(tp) -> tuple[str, ...] | None:
@@ -186,6 +187,13 @@ class EngineConfig:
     sliding_window: int | None = _f(None, "an attention window (tokens) for every layer, overriding the model's: "
                                     "for GGUF files that do not state the window the model was trained with "
                                     "(llama.cpp's converter drops Mistral's and Qwen's)")
+    kv_cache_dtype: KVCacheDtype = _f("auto", "auto | fp8 | fp8_e4m3: the KV cache's element type, as vLLM's "
+                                      "--kv-cache-dtype. auto is the model's dtype; fp8 (= fp8_e4m3) stores keys and "
+                                      "values as float8_e4m3fn with a per-layer scale (1.0, or the checkpoint's "
+                                      "k_scale/v_scale), half the bytes of bfloat16, so the same memory holds "
+                                      "twice the blocks. Attention reads it through PyTorch on the CPU (not the "
+                                      "C++ kernels) and through the Triton kernels on a GPU of compute "
+                                      "capability 8.9 or newer (docs: Quantization, FP8 KV cache)")
     enable_prefix_caching: bool = _f(True, "reuse the KV cache of shared prompt prefixes")
     kv_cache_persist: str | None = _f(None, "a directory where `servelm serve` saves the prefix cache's blocks on "
                                       "graceful shutdown and restores them from on start, so a restarted server "
@@ -289,6 +297,9 @@ class EngineConfig:
                          "are not split)")):
             need(tp == 1 or ok, "tensor_parallel_size", f"1, or run with {why}")
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", "a power of two in [1, 256]")
+        need(self.kv_cache_dtype in choices(KVCacheDtype), "kv_cache_dtype", one_of(KVCacheDtype))
+        need(self.kv_cache_dtype == "auto" or not self.batch_invariant, "kv_cache_dtype", "auto with "
+             "batch_invariant (an fp8 cache is read through PyTorch, not the C++ kernels that fix the order)")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1 or None")
         need(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "> 0 or None")
         need(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",

@@ -26,6 +26,7 @@ from servelm.engine.sequence import Request, Sequence
 from servelm.engine.spec_decode import SpecDecoder
 from servelm.engine.step_outputs import DecodeOutputs, EngineStats, SeqOutput
 from servelm.engine.structured import GrammarCache, new_matcher
+from servelm.model.attention.kv_quant import cache_dtype
 from servelm.model.decoder import DecoderLM
 
 logger = logging.getLogger(__name__)
@@ -53,14 +54,16 @@ class EngineCore:
 
             check_batch_invariant(model)
         spec = model.spec
-        block_bytes = kv_bytes_per_block(model, config.block_size)
+        block_bytes = kv_bytes_per_block(model, config.block_size, config.kv_cache_dtype)
         if memory is None and model.embed.device.type == "cuda":
             memory = CudaMemory(model.embed.device)
         tokens = config.max_num_batched_tokens
         plan = plan_kv_blocks(config, block_bytes, memory, lambda: profile_largest_step(
-            model, config.block_size, tokens, min(config.max_num_seqs, tokens)))
+            model, config.block_size, tokens, min(config.max_num_seqs, tokens), config.kv_cache_dtype),
+            str(cache_dtype(config.kv_cache_dtype, model.dtype)).removeprefix("torch."))
         num_blocks = plan.num_blocks
         self.kv_plan = plan
+        logger.info("%s", plan.describe())
         max_len = check_model_len(plan, config.block_size, config.max_model_len, spec.max_position_embeddings)
         self.max_model_len = max_len
         num_cpu_blocks = int(config.swap_space_gb * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
@@ -73,7 +76,7 @@ class EngineCore:
         # MoE layers read their expert groups' sizes on the host: not capturable
         graph_sizes = None if config.enforce_eager or spec.moe is not None else capture_sizes(config.max_num_seqs)
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu_blocks, config.seed,
-                                  graph_sizes, max_len)
+                                  graph_sizes, max_len, config.kv_cache_dtype)
         tp_size = model.tp.size if model.tp is not None else 1
         if tp_size != config.tensor_parallel_size:
             raise ValueError(f"the model was loaded for tensor_parallel_size={tp_size}, the engine is configured "
@@ -289,7 +292,7 @@ class EngineCore:
             num_swaps=sch.num_swaps, num_evictions=kv.pool.num_evictions, num_steps=self.num_steps,
             prompt_tokens=sch.prompt_tokens, generation_tokens=sch.generation_tokens,
             num_priority_preemptions=sch.num_priority_preemptions, waiting_by_priority=by_priority,
-            batch_size=self.last_batch_size, **self._spec_stats(),
+            batch_size=self.last_batch_size, kv_cache_dtype=self.kv_plan.dtype, **self._spec_stats(),
         )
 
     def _spec_stats(self) -> dict:

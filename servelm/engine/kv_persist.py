@@ -5,16 +5,20 @@ File format (version 1), little-endian:
     magic         8 bytes   b"SLMKVC\\r\\n"
     version       u32       FORMAT_VERSION
     header_len    u32
-    header        JSON      format_version, model_hash, dtype, block_size, layout, num_blocks, block_bytes
+    header        JSON      format_version, model_hash, dtype, kv_cache_dtype, block_size, layout, num_blocks,
+                            block_bytes
     header_sha    32 bytes  SHA-256 of everything above
     num_blocks records, least recently used first:
         key          32 bytes  the block's chain hash (block_pool.hash_block)
         content_len  u32
         content      bytes     the key's preimage: parent key, token ids (int64), generated-token marker
-        payload      block_bytes: for each layer K then V, each [block_size, num_kv_heads, head_dim] row-major
+        payload      block_bytes: for each layer K then V, each [block_size, num_kv_heads, head_dim] row-major,
+                     in kv_cache_dtype (the model's dtype, or float8_e4m3fn for --kv-cache-dtype fp8)
     file_sha      32 bytes  SHA-256 of everything before it
 
-A restore refuses a file written for another model, dtype, block size or layout (KVMismatchError), and
+A restore refuses a file written for another model, dtype, KV cache dtype, block size or layout
+(KVMismatchError: an fp8 cache's bytes are never read as bfloat16 ones, nor the reverse; a file from before
+kv_cache_dtype was recorded holds the model's dtype), and
 rejects a damaged one (KVFormatError): truncated, bit-flipped, a key that is not the hash of its tokens.
 Nothing is registered in the cache before the whole file has been read and its checksum matched, so a bad
 file leaves the cache as it was.
@@ -34,6 +38,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 import torch
+
+from servelm.model.attention.kv_quant import raw
 
 if TYPE_CHECKING:
     from servelm.engine.core import EngineCore
@@ -99,8 +105,9 @@ def default_file(directory: str | Path, digest: str) -> Path:
 def _header(core: EngineCore, digest: str, num_blocks: int) -> dict:
     s = core.model.spec
     dtype = str(core.model.dtype).removeprefix("torch.")
+    kv_dtype = str(core.runner.kv_caches[0][0].dtype).removeprefix("torch.")
     return {
-        "format_version": FORMAT_VERSION, "model_hash": digest, "dtype": dtype,
+        "format_version": FORMAT_VERSION, "model_hash": digest, "dtype": dtype, "kv_cache_dtype": kv_dtype,
         "block_size": core.config.block_size,
         "layout": {"num_layers": s.num_layers, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
                    "order": "per block: per layer K then V, each [block_size, num_kv_heads, head_dim]",
@@ -111,7 +118,8 @@ def _header(core: EngineCore, digest: str, num_blocks: int) -> dict:
 
 def _block_bytes(core: EngineCore) -> int:
     s = core.model.spec
-    return 2 * s.num_layers * core.config.block_size * s.num_kv_heads * s.head_dim * core.model.dtype.itemsize
+    itemsize = core.runner.kv_caches[0][0].dtype.itemsize
+    return 2 * s.num_layers * core.config.block_size * s.num_kv_heads * s.head_dim * itemsize
 
 
 class _HashingWriter:
@@ -139,7 +147,7 @@ def save(core: EngineCore, path: str | Path, digest: str) -> KVTransfer:
             w = _HashingWriter(f)
             w.write(MAGIC + struct.pack("<II", FORMAT_VERSION, len(header)) + header)
             w.write(w.sha.copy().digest())  # the header's own checksum
-            caches = core.runner.kv_caches
+            caches = _raw_caches(core)
             for i in range(0, len(blocks), _CHUNK):
                 chunk = blocks[i:i + _CHUNK]
                 data = _gather(caches, [b for b, _, _ in chunk])
@@ -156,6 +164,12 @@ def save(core: EngineCore, path: str | Path, digest: str) -> KVTransfer:
         Path(tmp).unlink(missing_ok=True)
         raise
     return KVTransfer(str(path), len(blocks), 0, size, time.perf_counter() - t0)
+
+
+def _raw_caches(core: EngineCore) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The KV caches with fp8 ones as bytes: the file holds bytes either way, and PyTorch gathers and scatters
+    few float8 tensors."""
+    return [tuple(map(raw, kv)) for kv in core.runner.kv_caches]
 
 
 def _gather(caches: list[tuple[torch.Tensor, torch.Tensor]], blocks: list[int]) -> torch.Tensor:
@@ -224,10 +238,12 @@ def read_header(f: BinaryIO) -> tuple[dict, _HashingReader]:
 
 def check_compatible(header: dict, expected: dict) -> None:
     """Raise KVMismatchError naming the first difference that makes the file's blocks unusable here."""
-    for key, what in (("model_hash", "model"), ("dtype", "dtype"), ("block_size", "block size"),
-                      ("layout", "KV layout")):
-        if header.get(key) != expected[key]:
-            have, want = header.get(key), expected[key]
+    for key, what in (("model_hash", "model"), ("dtype", "dtype"), ("kv_cache_dtype", "KV cache dtype"),
+                      ("block_size", "block size"), ("layout", "KV layout")):
+        have, want = header.get(key), expected[key]
+        if key == "kv_cache_dtype" and have is None:  # written before the field: its cache was in `dtype`
+            have = header.get("dtype")
+        if have != want:
             if key == "model_hash":
                 have, want = str(have)[:16], want[:16]
             raise KVMismatchError(f"the KV cache file was saved for a different {what} ({have}; this engine: "
@@ -256,8 +272,8 @@ def load(core: EngineCore, path: str | Path, digest: str) -> KVTransfer:
         restored: list[tuple[int, bytes, bytes]] = []
         staged: list[tuple[int, bytes]] = []
         skipped = 0
-        caches = core.runner.kv_caches
-        dtype = core.model.dtype
+        caches = _raw_caches(core)
+        dtype = caches[0][0].dtype
         shape = (len(caches), 2, bs, core.model.spec.num_kv_heads, core.model.spec.head_dim)
         vocab = core.model.spec.vocab_size
 

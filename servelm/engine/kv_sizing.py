@@ -77,25 +77,28 @@ class KVPlan:
     budget: int = 0  # bytes this engine may use on the device (utilization x total); 0 when not planned
     peak: int = 0  # weights and the largest step's activations at their peak
     other: int = 0  # device memory that is not this process's tensors
+    dtype: str = ""  # the cache's element type (bfloat16, float8_e4m3fn, ...): it sets block_bytes
 
     def describe(self) -> str:
         kv = self.num_blocks * self.block_bytes / GiB
+        blocks = f"{self.num_blocks} blocks" + (f" of {self.dtype}" if self.dtype else "")
         if not self.budget:
-            return f"KV cache {kv:.2f} GiB ({self.num_blocks} blocks)"
-        return (f"KV cache {kv:.2f} GiB ({self.num_blocks} blocks): {self.budget / GiB:.2f} GiB for this engine, "
+            return f"KV cache {kv:.2f} GiB ({blocks})"
+        return (f"KV cache {kv:.2f} GiB ({blocks}): {self.budget / GiB:.2f} GiB for this engine, "
                 f"less {self.peak / GiB:.2f} GiB of weights and activations at the largest step's peak and "
                 f"{self.other / GiB:.2f} GiB of other memory on the device")
 
 
 def plan_kv_blocks(config: EngineConfig, block_bytes: int, memory: DeviceMemory | None,
-                   profile: Callable[[], None]) -> KVPlan:
+                   profile: Callable[[], None], dtype: str = "") -> KVPlan:
     """The KV cache's size under `config`: `memory` (a GPU's counters) plans from the device's memory with
-    `profile` (the largest step, run once) when neither a block count nor a GiB budget is given."""
+    `profile` (the largest step, run once) when neither a block count nor a GiB budget is given. `block_bytes`
+    is in the cache's element type `dtype` (an fp8 cache's blocks are half a bfloat16 one's: twice as many fit)."""
     if config.num_kv_blocks is not None:
-        return KVPlan(config.num_kv_blocks, block_bytes)
+        return KVPlan(config.num_kv_blocks, block_bytes, dtype=dtype)
     if config.kv_cache_memory_gb is not None or memory is None:
         gb = config.kv_cache_memory_gb or DEFAULT_KV_CACHE_GB
-        return KVPlan(max(1, int(gb * GiB) // block_bytes), block_bytes)
+        return KVPlan(max(1, int(gb * GiB) // block_bytes), block_bytes, dtype=dtype)
     utilization = config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
     total = memory.total()
     budget = int(utilization * total)
@@ -112,9 +115,7 @@ def plan_kv_blocks(config: EngineConfig, block_bytes: int, memory: DeviceMemory 
             f"{peak / GiB:.2f} GiB at their peak and other memory on the device {other / GiB:.2f} GiB; raise "
             "--gpu-memory-utilization, lower --max-num-batched-tokens or --max-num-seqs, or give "
             "--kv-cache-memory-gb")
-    plan = KVPlan(free // block_bytes, block_bytes, budget, peak, other)
-    logger.info("%s", plan.describe())
-    return plan
+    return KVPlan(free // block_bytes, block_bytes, budget, peak, other, dtype)
 
 
 def check_model_len(plan: KVPlan, block_size: int, max_model_len: int | None, model_max: int) -> int:

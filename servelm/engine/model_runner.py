@@ -13,6 +13,7 @@ from servelm.engine.sampler import Sampler, SampleResult, draw, kept_weights, pr
 from servelm.engine.scheduler import SchedulerOutput
 from servelm.engine.step_outputs import RunnerOutput
 from servelm.model.attention import AttentionMetadata, PrefillSpan
+from servelm.model.attention.kv_quant import KVCache, cache_dtype, raw
 from servelm.model.decoder import DecoderLM
 from servelm.model.memory import lazy_zeros
 
@@ -36,29 +37,50 @@ def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return [(a, b, n) for a, b, n in runs]
 
 
-def kv_bytes_per_block(model: DecoderLM, block_size: int) -> int:
+def kv_bytes_per_block(model: DecoderLM, block_size: int, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one block over every layer's keys and values, in the cache's element type (fp8: half of
+    bfloat16's, so the same memory holds twice the blocks)."""
     s = model.spec
-    return 2 * s.num_layers * block_size * s.num_kv_heads * s.head_dim * model.dtype.itemsize
+    itemsize = cache_dtype(kv_cache_dtype, model.dtype).itemsize
+    return 2 * s.num_layers * block_size * s.num_kv_heads * s.head_dim * itemsize
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device) -> None:
+    """Refuse an fp8 cache where its reader cannot run: Triton converts float8_e4m3fn on compute capability
+    8.9 and newer only (the CPU reads it through PyTorch, which converts it everywhere)."""
+    if kv_cache_dtype == "auto" or device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability 8.9 or newer "
+                         f"(Ada, Hopper); this one is {major}.{minor}: use kv_cache_dtype='auto'")
 
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, num_cpu_blocks: int, seed: int,
-                 cuda_graph_sizes: list[int] | None = None, max_model_len: int = 0) -> None:
-        """`cuda_graph_sizes`: on a CUDA device, decode batch sizes to capture (None: run eagerly)."""
+                 cuda_graph_sizes: list[int] | None = None, max_model_len: int = 0,
+                 kv_cache_dtype: str = "auto") -> None:
+        """`cuda_graph_sizes`: on a CUDA device, decode batch sizes to capture (None: run eagerly).
+        `kv_cache_dtype`: auto (the model's dtype) or fp8 (attention/kv_quant.py)."""
         self.model = model
         self.block_size = block_size
         self.device = model.embed.device
         s = model.spec
+        check_kv_cache_dtype(kv_cache_dtype, self.device)
+        self.kv_dtype = cache_dtype(kv_cache_dtype, model.dtype)
         # a spare block past the pool's end takes the padding rows' writes of graph replays
         self.spare_block = num_blocks
         shape = (num_blocks + 1, block_size, s.num_kv_heads, s.head_dim)
 
         def zeros() -> torch.Tensor:
             if self.device.type == "cpu":
-                return lazy_zeros(shape, model.dtype)
-            return torch.zeros(shape, dtype=model.dtype, device=self.device)
+                return lazy_zeros(shape, self.kv_dtype)
+            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
-        self.kv_caches = [(zeros(), zeros()) for _ in range(s.num_layers)]
+        # an fp8 cache carries each layer's scales (the checkpoint's k_scale/v_scale, else 1.0); a cache in the
+        # model's dtype never scales, as in vLLM
+        scales = [lw.kv_scales for lw in model.layers] if self.kv_dtype != model.dtype else [(1.0, 1.0)] * s.num_layers
+        self.kv_caches = [KVCache(zeros(), zeros(), *ks) for ks in scales]
         self.num_cpu_blocks = num_cpu_blocks
         self._cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.sampler = Sampler(seed)
@@ -83,7 +105,7 @@ class ModelRunner:
     def cpu_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if self._cpu_caches is None:  # allocated on first swap: most runs never swap
             shape = (self.num_cpu_blocks, *self.kv_caches[0][0].shape[1:])
-            dt = self.model.dtype
+            dt = self.kv_dtype
             self._cpu_caches = [(lazy_zeros(shape, dt), lazy_zeros(shape, dt))
                                 for _ in self.kv_caches]
         return self._cpu_caches
@@ -99,6 +121,9 @@ class ModelRunner:
             src_caches = src_caches or self.cpu_caches
             dst_caches = dst_caches or self.cpu_caches
             runs = block_runs(pairs) if src_caches is not dst_caches else []  # (a swap: never overlapping)
+            # as bytes where the cache is fp8: PyTorch has few float8 ops, and a copy of the bytes is the same
+            src_caches = [tuple(map(raw, kv)) for kv in src_caches]
+            dst_caches = [tuple(map(raw, kv)) for kv in dst_caches]
             if runs and len(runs) <= _MAX_SLICE_RUNS:  # one copy per run, no gather into a temporary then a scatter
                 for (sk, sv), (dk, dv) in zip(src_caches, dst_caches, strict=True):
                     for s0, d0, n in runs:
@@ -283,13 +308,14 @@ class ModelRunner:
 
 
 @torch.inference_mode()
-def profile_largest_step(model: DecoderLM, block_size: int, num_tokens: int, num_rows: int) -> None:
+def profile_largest_step(model: DecoderLM, block_size: int, num_tokens: int, num_rows: int,
+                         kv_cache_dtype: str = "auto") -> None:
     """Runs the largest step the scheduler can form, so that the device's peak memory can be read after it: one
     prompt chunk of `num_tokens` tokens through every layer (into a KV pool just large enough), then the logits
     of `num_rows` rows and what sampling them takes (logprobs, a top-p sort, a draw). Its outputs are dropped."""
     dev = model.embed.device
     num_blocks = -(-num_tokens // block_size)
-    runner = ModelRunner(model, num_blocks, block_size, 0, seed=0)
+    runner = ModelRunner(model, num_blocks, block_size, 0, seed=0, kv_cache_dtype=kv_cache_dtype)
     table = torch.arange(num_blocks, dtype=torch.long)
     meta = AttentionMetadata(slot_mapping=torch.arange(num_tokens, dtype=torch.long),
                              decode_idx=torch.zeros(0, dtype=torch.long),

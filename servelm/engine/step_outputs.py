@@ -81,6 +81,7 @@ class EngineStats:
     num_priority_preemptions: int = 0
     waiting_by_priority: list[int] = field(default_factory=lambda: [0, 0, 0])  # high, normal, low
     batch_size: int = 0  # sequences in the last step
+    kv_cache_dtype: str = ""  # the KV cache's element type (bfloat16, float8_e4m3fn, ...)
     # speculative decoding, cumulative (all 0 when it is off)
     spec_proposed_tokens: int = 0  # draft tokens verified
     spec_accepted_tokens: int = 0

@@ -178,7 +178,7 @@ def _serve(conn: Connection, rank: int) -> None:
     cache = pickle.loads(conn.recv_bytes())
     model.tp.connect(cache["port"])
     runner = ModelRunner(model, cache["num_blocks"], config.block_size, cache["num_cpu_blocks"], config.seed,
-                         max_model_len=cache["max_model_len"])
+                         max_model_len=cache["max_model_len"], kv_cache_dtype=config.kv_cache_dtype)
     conn.send_bytes(pickle.dumps(("ready",)))
     with torch.inference_mode():
         while True:

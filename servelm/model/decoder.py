@@ -16,6 +16,7 @@ import torch
 
 from servelm.model import memory
 from servelm.model.attention import AttentionBackend, AttentionMetadata
+from servelm.model.attention.kv_quant import is_fp8
 from servelm.model.families.moe import SparseMoe, take_sparse_moe
 from servelm.model.kernels.tape import DecodeTapes
 from servelm.model.layers.blocks import (
@@ -49,6 +50,8 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None  # sandwich norms (Gemma): on the attention output
     mlp_out_norm: torch.Tensor | None = None  # and on the MLP output, before each residual add
     moe: SparseMoe | None = None  # the sparse MLP of a mixture-of-experts layer (servelm/model/families/moe.py)
+    # (k_scale, v_scale) of an fp8 KV cache: the checkpoint's self_attn.k_scale / v_scale (vLLM's names), else 1.0
+    kv_scales: tuple[float, float] = (1.0, 1.0)
 
 
 class DecoderLM:
@@ -156,7 +159,18 @@ class DecoderLM:
             attn_out_norm=norm(take("post_attention_layernorm.weight")) if sandwich else None,
             mlp_out_norm=norm(take("post_feedforward_layernorm.weight")) if sandwich else None,
             moe=moe,
+            kv_scales=self._kv_scales(take),
         )
+
+    @staticmethod
+    def _kv_scales(take) -> tuple[float, float]:
+        """A layer's fp8 KV cache scales as a checkpoint made for an fp8 KV cache gives them (loaded in the
+        model's dtype like every tensor: a scale is used as rounded, by the writes and the reads alike); an
+        older single kv_scale serves both."""
+        both = take("self_attn.kv_scale", False)
+        k, v = take("self_attn.k_scale", False), take("self_attn.v_scale", False)
+        k, v = (k if k is not None else both), (v if v is not None else both)
+        return (1.0 if k is None else float(k.float().max()), 1.0 if v is None else float(v.float().max()))
 
     def _rope_cache(self, max_pos: int) -> None:
         self.cos, self.sin = self._rope_tables(self.spec.inv_freq, max_pos, self.spec.rope_attention_factor)
@@ -175,8 +189,9 @@ class DecoderLM:
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 lora: LoraBatch | None = None) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]. A pure-decode step replays its kernel tape where
-        there is one (the same kernel calls as `run_layers`, from C++); a step with LoRA rows runs the layers."""
-        if self.tapes is not None and not meta.prefills and lora is None:
+        there is one (the same kernel calls as `run_layers`, from C++); a step with LoRA rows runs the layers, and
+        so does every step over an fp8 KV cache, which the C++ kernels a tape replays do not read."""
+        if self.tapes is not None and not meta.prefills and lora is None and not is_fp8(kv_caches[0][0]):
             hidden = self.tapes.forward(input_ids, positions, kv_caches, meta)
             if hidden is not None:
                 return hidden

@@ -93,10 +93,10 @@ def test_the_engine_profiles_its_largest_step_then_serves_the_same_tokens(llama_
     profiled = []
     real_profile = core_mod.profile_largest_step
 
-    def profile(model, block_size, tokens, rows):
+    def profile(model, block_size, tokens, rows, *rest):
         mem.events.append("profile")
         profiled.append((block_size, tokens, rows))
-        real_profile(model, block_size, tokens, rows)
+        real_profile(model, block_size, tokens, rows, *rest)
 
     monkeypatch.setattr(core_mod, "profile_largest_step", profile)
     init = core_mod.EngineCore.__init__

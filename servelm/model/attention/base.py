@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from servelm.model.attention.kv_quant import as_stored, raw, scales
+
 
 @dataclass
 class PrefillSpan:
@@ -56,7 +58,8 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Computes attention for one layer and writes the new keys/values into the paged cache.
 
-    KV cache layout, per layer: key and value tensors of shape [num_blocks, block_size, kv_heads, head_dim].
+    KV cache layout, per layer: key and value tensors of shape [num_blocks, block_size, kv_heads, head_dim], in
+    the model's dtype or fp8 with the layer's scales (attention/kv_quant.py: `KVCache`).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -85,6 +88,8 @@ class AttentionBackend(ABC):
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                  slot_mapping: torch.Tensor) -> None:
-        k_cache, v_cache = kv_cache
-        k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+        """The step's new keys and values into their slots, quantized where the cache is fp8."""
+        k_scale, v_scale = scales(kv_cache)
+        for x, cache, scale in ((k, kv_cache[0], k_scale), (v, kv_cache[1], v_scale)):
+            # as bytes for fp8: PyTorch has no float8 index_copy_ on the CPU
+            raw(cache).view(-1, *x.shape[1:]).index_copy_(0, slot_mapping, raw(as_stored(x, cache, scale)))

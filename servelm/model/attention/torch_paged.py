@@ -1,4 +1,8 @@
-"""Paged attention on PyTorch (CPU, and any device as a reference) built on scaled_dot_product_attention."""
+"""Paged attention on PyTorch (CPU, and any device as a reference) built on scaled_dot_product_attention.
+
+An fp8 KV cache (--kv-cache-dtype fp8) is read here on every device without Triton: the gathered blocks are
+dequantized (attention/kv_quant.py), and a prompt chunk reads its own keys and values back from the cache too,
+so that its attention sees what later steps and the Triton kernels see: the quantized values."""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from servelm.model.attention.base import AttentionBackend, AttentionMetadata
+from servelm.model.attention.kv_quant import dequantize, is_fp8, raw, scales
 
 
 def _window_mask(q_pos: torch.Tensor, kv_len: int, sliding_window: int | None) -> torch.Tensor:
@@ -15,6 +20,13 @@ def _window_mask(q_pos: torch.Tensor, kv_len: int, sliding_window: int | None) -
     if sliding_window is not None:
         mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
     return mask
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """cache[blocks], as `dtype` values where the cache is fp8."""
+    if not is_fp8(cache):
+        return cache[blocks]
+    return dequantize(raw(cache)[blocks].view(cache.dtype), scale, dtype)
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -34,10 +46,12 @@ class TorchPagedAttention(AttentionBackend):
 
     def _decode(self, q, kv_cache, meta: AttentionMetadata, sliding_window):
         k_cache, v_cache = kv_cache
+        k_scale, v_scale = scales(kv_cache)
         bt = meta.decode_block_tables
         b, nb = bt.shape
-        kk = k_cache[bt].view(b, nb * meta.block_size, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        vv = v_cache[bt].view(b, nb * meta.block_size, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        shape = (b, nb * meta.block_size, self.num_kv_heads, self.head_dim)
+        kk = _gather(k_cache, bt, k_scale, q.dtype).view(shape).transpose(1, 2)
+        vv = _gather(v_cache, bt, v_scale, q.dtype).view(shape).transpose(1, 2)
         pos = torch.arange(nb * meta.block_size, device=q.device)
         lens = meta.decode_seq_lens[:, None]
         mask = pos[None, :] < lens
@@ -46,15 +60,17 @@ class TorchPagedAttention(AttentionBackend):
         return self._attend(q.unsqueeze(2), kk, vv, mask[:, None, None, :]).squeeze(2)
 
     def _prefill(self, q, k, v, kv_cache, span, block_size, sliding_window):
-        if span.ctx_len == span.q_len:
+        k_cache, v_cache = kv_cache
+        if span.ctx_len == span.q_len and not is_fp8(k_cache):
             # No cached prefix: attend to this chunk's own keys, no cache read needed.
             kk, vv = k, v
         else:
-            k_cache, v_cache = kv_cache
+            k_scale, v_scale = scales(kv_cache)
             nb = (span.ctx_len + block_size - 1) // block_size
             blocks = span.block_table[:nb]
-            kk = k_cache[blocks].view(-1, self.num_kv_heads, self.head_dim)[: span.ctx_len]
-            vv = v_cache[blocks].view(-1, self.num_kv_heads, self.head_dim)[: span.ctx_len]
+            shape = (-1, self.num_kv_heads, self.head_dim)
+            kk = _gather(k_cache, blocks, k_scale, q.dtype).view(shape)[: span.ctx_len]
+            vv = _gather(v_cache, blocks, v_scale, q.dtype).view(shape)[: span.ctx_len]
         # 4-D inputs: with 3-D ones SDPA on CPU falls back from its flash kernel to the slow math path.
         qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, kk, vv))
         mask = None  # plain causal: SDPA's is_causal path, no mask to build
@@ -79,7 +95,8 @@ class CpuPagedAttention(TorchPagedAttention):
     AVX512-BF16; 3.4x PyTorch's flash attention on Zen 4) that gives each query the decode kernel's bits.
     Every other prompt chunk (float32, CPUs without AVX512-BF16, other head sizes) goes through the decode
     kernel itself, one query per row at its own context length: SDPA would sum a query in an order that
-    depends on the chunk it came in."""
+    depends on the chunk it came in. The kernels read caches in the model's dtype only: an fp8 cache takes
+    the PyTorch path of the parent class (dequantized blocks), so it has no batch invariance."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, kernels) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
@@ -88,6 +105,8 @@ class CpuPagedAttention(TorchPagedAttention):
         self.kernel_prefill = kernels.prefill_attention_supported(probe) and head_dim in (32, 64, 128, 256)
 
     def _prefill(self, q, k, v, kv_cache, span, block_size, sliding_window):
+        if is_fp8(kv_cache[0]):
+            return super()._prefill(q, k, v, kv_cache, span, block_size, sliding_window)
         out = torch.empty_like(q)
         if self.kernel_prefill and q.dtype == torch.bfloat16:
             self.kernels.paged_prefill_attention(out, q, kv_cache[0], kv_cache[1], span.block_table, span.ctx_len,
@@ -101,9 +120,13 @@ class CpuPagedAttention(TorchPagedAttention):
         return out
 
     def write_kv(self, k, v, kv_cache, slot_mapping) -> None:
+        if is_fp8(kv_cache[0]):
+            return super().write_kv(k, v, kv_cache, slot_mapping)
         self.kernels.write_kv(kv_cache[0], kv_cache[1], k, v, slot_mapping)
 
     def _decode(self, q, kv_cache, meta: AttentionMetadata, sliding_window):
+        if is_fp8(kv_cache[0]):
+            return super()._decode(q, kv_cache, meta, sliding_window)
         out = torch.empty_like(q)
         self.kernels.paged_decode_attention(out, q.contiguous(), kv_cache[0], kv_cache[1], meta.decode_block_tables,
                                             meta.decode_seq_lens, self.scale, sliding_window or 0)

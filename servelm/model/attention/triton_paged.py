@@ -18,6 +18,12 @@ its end write an empty state that the merge weighs zero. Prefill rows stay on th
 
 Without a GPU the kernel runs under Triton's interpreter (`TRITON_INTERPRET=1`), which is how CI checks
 it against the PyTorch reference. This module imports without Triton; `HAS_TRITON` says if it can run.
+
+An fp8 KV cache (--kv-cache-dtype fp8) is read tile by tile: each loaded tile of keys and values is converted
+to the queries' dtype and multiplied by the layer's scale in registers (`_dequant`, the same arithmetic as
+attention/kv_quant.py), so no dequantized copy of the cache is ever made; KV_FP8 is a compile-time flag, so a
+cache in the model's dtype runs the same code as before. Compiled, fp8 needs a GPU of compute capability 8.9
+or newer (Ada, Hopper), where Triton converts float8_e4m3fn.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from servelm.model.attention.base import AttentionBackend, AttentionMetadata
+from servelm.model.attention.kv_quant import is_fp8, scales
 
 try:
     import triton
@@ -37,14 +44,20 @@ except ImportError:  # CPU-only installs: the backend is simply unavailable
 if HAS_TRITON:
 
     @triton.jit
+    def _dequant(x, scale, like):
+        """fp8 cache entries loaded into registers as `like`'s dtype: kv_quant.dequantize, tile by tile."""
+        return (x.to(tl.float32) * scale).to(like.dtype)
+
+    @triton.jit
     def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
         q_starts_ptr, q_lens_ptr, ctx_lens_ptr,
-        scale, window,
+        scale, window, k_scale, v_scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -84,6 +97,8 @@ if HAS_TRITON:
                             + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
                 v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
                             + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+                if KV_FP8:
+                    k, v = _dequant(k, k_scale, q), _dequant(v, v_scale, q)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
                 ok = (kv_pos[None, :] <= q_pos[:, None]) & n_ok[None, :]
                 if window > 0:
@@ -104,12 +119,13 @@ if HAS_TRITON:
     @triton.jit
     def _paged_decode_split_kernel(
         m_ptr, l_ptr, acc_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, q_starts_ptr, ctx_lens_ptr,
-        scale, window, num_splits,
+        scale, window, num_splits, k_scale, v_scale,
         stride_qt, stride_qh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: tl.constexpr,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -147,6 +163,8 @@ if HAS_TRITON:
                         + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
                         + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:
+                k, v = _dequant(k, k_scale, q), _dequant(v, v_scale, q)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
             s = tl.where(n_ok[None, :], s, float("-inf"))
             # every tile holds at least its first position, so each row's maximum is finite from here on
@@ -295,12 +313,13 @@ class TritonPagedAttention(AttentionBackend):
         grid = (bt.shape[0], self.num_kv_heads, triton.cdiv(max_q * group, block_m))
         _paged_attention_kernel[grid](
             out, q, k_cache, v_cache, bt, q_starts, q_lens, ctx_lens,
-            self.scale, sliding_window or 0,
+            self.scale, sliding_window or 0, *scales(kv_cache),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
             GROUP=group, HEAD_DIM=self.head_dim, BLOCK_D=self._block_d(),
             BLOCK_M=block_m, BLOCK_N=self.BLOCK_N, BLOCK_SIZE=meta.block_size, PRECISION=self._precision(q),
+            KV_FP8=is_fp8(k_cache),
         )
 
     def _split_decode(self, out, q, kv_cache, rows, block_size: int, sliding_window, splits: int) -> None:
@@ -317,14 +336,14 @@ class TritonPagedAttention(AttentionBackend):
         block_d = self._block_d()
         _paged_decode_split_kernel[(n, self.num_kv_heads, splits)](
             m, l_sum, acc, q, k_cache, v_cache, bt, q_starts, ctx_lens,
-            self.scale, sliding_window or 0, splits,
+            self.scale, sliding_window or 0, splits, *scales(kv_cache),
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
             NUM_HEADS=self.num_heads,
             GROUP=group, HEAD_DIM=self.head_dim, BLOCK_D=block_d,
             BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=self.BLOCK_N, BLOCK_SIZE=block_size,
-            PRECISION=self._precision(q),
+            PRECISION=self._precision(q), KV_FP8=is_fp8(k_cache),
         )
         # the split count is a run-time argument and the merge reads a fixed tile of MAX_SPLITS: one compiled
         # variant of each kernel serves every batch size the engine captures

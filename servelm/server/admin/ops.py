@@ -87,7 +87,8 @@ def _engine_stats(state, engine, metrics) -> dict:
         "batch_size": st.batch_size if st else 0,
         "throughput": {"prompt_tokens_per_s": round(prompt_tps, 2), "generation_tokens_per_s": round(gen_tps, 2),
                        "window_s": metrics.window.span},
-        "kv_cache": {"usage": st.kv_usage, "num_blocks": st.num_kv_blocks, "free_blocks": st.num_free_blocks}
+        "kv_cache": {"usage": st.kv_usage, "num_blocks": st.num_kv_blocks, "free_blocks": st.num_free_blocks,
+                     "dtype": st.kv_cache_dtype}
         if st else None,
         "prefix_cache": {"queries": st.prefix_cache_queries, "hits": st.prefix_cache_hits,
                          "hit_rate": st.prefix_cache_hit_rate, "evictions": st.num_evictions} if st else None,
