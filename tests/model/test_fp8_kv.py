@@ -217,3 +217,73 @@ def test_the_serve_flag(monkeypatch):
         == "fp8"
     with pytest.raises(ConfigError, match=r"kv_cache_dtype must be auto, fp8 or fp8_e4m3 \(set by --kv-cache-dtype\)"):
         serve.load_config(build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"]))
+
+
+def test_persisted_fp8_cache_restores_into_fp8_only(llama_dir, tmp_path):
+    """A saved fp8 prefix cache restores into an fp8 engine (hits, the same tokens) and is refused by an engine
+    whose cache is float32, and the reverse: bytes are never read as another element type."""
+    from tiny_models import random_prompts, run
+
+    from servelm import LLM, SamplingParams
+    from servelm.engine import kv_persist
+    from servelm.engine.kv_persist import KVMismatchError
+    from servelm.model.loading.source import resolve_model
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    shared = random_prompts(1, 40, 40, seed=7)[0]
+    prompts = [shared + p[1:] for p in random_prompts(3, 12, 20, seed=8)]
+
+    def llm(kv_cache_dtype: str) -> LLM:
+        return LLM(str(llama_dir), dtype="float32", num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype)
+
+    first = llm("fp8")
+    digest = kv_persist.model_hash(resolve_model(str(llama_dir)), first.engine.core.model.spec)
+    outputs = run(first, prompts, params)
+    path = tmp_path / "fp8.kvcache"
+    saved = kv_persist.save(first.engine.core, path, digest)
+    assert saved.size_bytes < 0.3 * saved.num_blocks * 2 * 2 * 16 * 2 * 16 * 4 + 4096  # 1 byte an entry, not 4
+    fresh = llm("fp8")
+    assert kv_persist.load(fresh.engine.core, path, digest).num_blocks == saved.num_blocks
+    assert run(fresh, prompts, params) == outputs
+    assert fresh.engine.get_stats().prefix_cache_hits > 0
+    float_engine = llm("auto")
+    with pytest.raises(KVMismatchError, match=r"different KV cache dtype \(float8_e4m3fn; this engine: float32\)"):
+        kv_persist.load(float_engine.engine.core, path, digest)
+    run(float_engine, prompts, params)
+    float_path = tmp_path / "float.kvcache"
+    kv_persist.save(float_engine.engine.core, float_path, digest)
+    with pytest.raises(KVMismatchError, match=r"different KV cache dtype \(float32; this engine: float8_e4m3fn\)"):
+        kv_persist.load(llm("fp8").engine.core, float_path, digest)
+
+
+def test_an_fp8_cache_needs_compute_capability_8_9_on_a_gpu(monkeypatch):
+    from servelm.engine.model_runner import check_kv_cache_dtype
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer"):
+        check_kv_cache_dtype("fp8", torch.device("cuda"))
+    check_kv_cache_dtype("auto", torch.device("cuda"))
+    check_kv_cache_dtype("fp8", torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_kv_cache_dtype("fp8_e4m3", torch.device("cuda"))
+
+
+def test_checkpoint_scales_are_loaded(llama_dir, tmp_path):
+    """A checkpoint made for an fp8 KV cache gives self_attn.k_scale / v_scale per layer (vLLM's names; an older
+    kv_scale serves both): the fp8 cache uses them, a cache in the model's dtype ignores them, as vLLM."""
+    from safetensors.torch import save_file
+
+    from servelm import LLM, SamplingParams
+
+    folder = tmp_path / "scaled"
+    folder.mkdir()
+    for f in llama_dir.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.5), "model.layers.0.self_attn.v_scale": torch.tensor(2.0),
+               "model.layers.1.self_attn.kv_scale": torch.tensor([0.25])}, str(folder / "kv-scales.safetensors"))
+    fp8 = LLM(str(folder), dtype="float32", num_kv_blocks=32, kv_cache_dtype="fp8")
+    assert [scales(kv) for kv in fp8.engine.core.runner.kv_caches] == [(0.5, 2.0), (0.25, 0.25)]
+    out = fp8.generate([[1, 5, 9, 200]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    auto = LLM(str(folder), dtype="float32", num_kv_blocks=32)
+    assert [scales(kv) for kv in auto.engine.core.runner.kv_caches] == [(1.0, 1.0), (1.0, 1.0)]
