@@ -100,7 +100,8 @@ def worker_footprint(version: ModelVersion, config: EngineConfig | None) -> Foot
         return Footprint(weights, max(0, share - weights), runtime=0)
     if config.num_kv_blocks is not None:
         hf_config = load_config(resolve_model(config.model, config.gguf_file))
-        kv = config.num_kv_blocks * kv_bytes_per_block(hf_config, config.block_size, size)
+        kv_size = 1 if config.kv_cache_dtype != "auto" else size  # an fp8 cache: one byte an entry
+        kv = config.num_kv_blocks * kv_bytes_per_block(hf_config, config.block_size, kv_size)
     else:
         kv = int((config.kv_cache_memory_gb or DEFAULT_KV_CACHE_GB) * GiB)
     return Footprint(weights, kv)
