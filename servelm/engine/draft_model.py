@@ -45,10 +45,13 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class DraftModelProposer:
-    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, max_model_len: int) -> None:
+    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, max_model_len: int,
+                 kv_cache_dtype: str = "auto") -> None:
+        """`kv_cache_dtype`: the target's, so the draft's cache (as many blocks as the target's) grows with it."""
         self.model = model
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False, num_cpu_blocks=0)
-        self.runner = ModelRunner(model, num_blocks, block_size, 0, seed=0, max_model_len=max_model_len)
+        self.runner = ModelRunner(model, num_blocks, block_size, 0, seed=0, max_model_len=max_model_len,
+                                  kv_cache_dtype=kv_cache_dtype)
         self.shadows: dict[int, Sequence] = {}  # target seq_id -> the draft's copy of it
         self._greedy = SamplingParams(temperature=0.0)
 
@@ -65,7 +68,7 @@ class DraftModelProposer:
             if model.spec.vocab_size != target.spec.vocab_size:
                 raise ValueError(f"speculative_model {name} has a vocabulary of {model.spec.vocab_size} tokens, "
                                  f"the target {target.spec.vocab_size}: they must share the tokenizer")
-        return cls(model, num_blocks, config.block_size, max_model_len)
+        return cls(model, num_blocks, config.block_size, max_model_len, config.kv_cache_dtype)
 
     def _shadow(self, seq: Sequence) -> Sequence:
         """seq's shadow, its computed tokens cut back to those that still match seq's tokens."""

@@ -40,6 +40,9 @@ def test_cache_dtype_names():
         cache_dtype("fp8_e5m2", torch.bfloat16)
     assert scales((torch.zeros(1), torch.zeros(1))) == (1.0, 1.0)
     assert scales(KVCache(torch.zeros(1), torch.zeros(1), 0.5, 2)) == (0.5, 2.0)
+    import copy
+
+    assert scales(copy.deepcopy(KVCache(torch.zeros(1), torch.zeros(1), 0.5, 2))) == (0.5, 2.0)
 
 
 def _step(hkv: int, d: int, bs: int, nb: int):
@@ -287,3 +290,38 @@ def test_checkpoint_scales_are_loaded(llama_dir, tmp_path):
     assert len(out[0].outputs[0].token_ids) == 4
     auto = LLM(str(folder), dtype="float32", num_kv_blocks=32)
     assert [scales(kv) for kv in auto.engine.core.runner.kv_caches] == [(1.0, 1.0), (1.0, 1.0)]
+
+
+def test_a_draft_model_shares_the_cache_dtype(llama_dir):
+    """Speculative decoding with a self-draft over fp8 caches: the draft's cache is fp8 too, and greedy
+    verification gives the fp8 engine's own tokens."""
+    from tiny_models import random_prompts, run
+
+    from servelm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = random_prompts(3, 10, 30, seed=5)
+    kw = dict(dtype="float32", num_kv_blocks=64, kv_cache_dtype="fp8")
+    plain = run(LLM(str(llama_dir), **kw), prompts, params)
+    spec = LLM(str(llama_dir), speculative_model="self:1", num_speculative_tokens=3, **kw)
+    assert spec.engine.core.spec.proposer.runner.kv_caches[0][0].dtype == FP8
+    assert run(spec, prompts, params) == plain
+
+
+def test_tensor_parallel_ranks_keep_fp8_caches(model_dirs):
+    """TP=2 with an fp8 cache (each rank its heads' fp8 blocks): the prompt tokens' logprobs are those of one
+    process with an fp8 cache, to within what a rounding of a key or value to the other side of an fp8 step moves
+    them (the ranks' float32 sums differ from one process's in their last bits), far inside fp8's own error."""
+    from test_tensor_parallel import _prompt_logprobs
+    from tiny_models import random_prompts
+
+    from servelm import LLM
+
+    prompts = random_prompts(3, 10, 40, seed=14)
+    path = str(model_dirs["qwen3"])
+    exact = _prompt_logprobs(LLM(path, dtype="float32", num_kv_blocks=64), prompts)
+    tp1 = _prompt_logprobs(LLM(path, dtype="float32", num_kv_blocks=64, kv_cache_dtype="fp8"), prompts)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, kv_cache_dtype="fp8", tensor_parallel_size=2)
+    tp2 = _prompt_logprobs(llm, prompts)
+    llm.engine.close()
+    assert (tp2 - tp1).abs().mean() <= 0.25 * (tp1 - exact).abs().mean()

@@ -45,6 +45,9 @@ class KVCache(tuple):
         self.k_scale, self.v_scale = float(k_scale), float(v_scale)
         return self
 
+    def __getnewargs__(self) -> tuple:  # copies and pickles rebuild it from all four, not from the pair alone
+        return (self[0], self[1], self.k_scale, self.v_scale)
+
 
 def scales(kv_cache) -> tuple[float, float]:
     """(k_scale, v_scale) of a layer's cache."""
