@@ -172,7 +172,6 @@ class ModelRunner:
             decode_idx, decode_lens = cat(np.arange(n_dec), decode_idx), cat(b_lens, decode_lens)
             logits_idx = cat(np.arange(n_dec), logits_idx)
             repeats = [1] * n_dec + repeats
-        logits_dev = tensor(logits_idx).to(dev)
         repeats_t = torch.tensor(repeats, dtype=torch.long)
         tables = np.zeros((n_dec + len(decode_tables), max_blocks), dtype=np.int64)
         if n_dec:
@@ -181,9 +180,12 @@ class ModelRunner:
             tables[r, : len(t)] = t
         lora = self._lora_batch(out) if self.loras is not None and self.loras.active else None
         if not prefills and lora is None and self.graphs is not None and self.graphs.can_run(len(ids), max_blocks):
-            graph_inputs = (list(map(int, ids)), list(map(int, positions)), list(map(int, slots)), list(tables),
-                            list(map(int, decode_lens)))
+            graph_inputs = tuple(np.asarray(x, dtype=np.int64) for x in (ids, positions, slots, tables, decode_lens))
+            # each decode row sampled once, in order (the usual case): the replay's logits as they are
+            every_row = len(logits_idx) == len(ids) and np.array_equal(logits_idx, np.arange(len(ids)))
+            logits_dev = None if every_row else tensor(logits_idx).to(dev)
             return None, None, None, logits_dev, repeats_t, graph_inputs, False, None
+        logits_dev = tensor(logits_idx).to(dev)
         meta = AttentionMetadata(
             slot_mapping=tensor(slots),
             decode_idx=tensor(decode_idx),
@@ -224,9 +226,12 @@ class ModelRunner:
         else:
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, lora)
         prompt_lps = self._prompt_logprobs(out, hidden) if want_prompt else ()
-        if logits_idx.numel() == 0:  # a step of prompt chunks that sample nothing yet
+        if logits_idx is not None and logits_idx.numel() == 0:  # a step of prompt chunks that sample nothing yet
             return RunnerOutput((), (), prompt_lps)
-        logits = logits[logits_idx] if graph_step is not None else self.model.logits(hidden[logits_idx])
+        if graph_step is None:
+            logits = self.model.logits(hidden[logits_idx])
+        elif logits_idx is not None:  # (None: every row of the replay, in order)
+            logits = logits[logits_idx]
         if bool((repeats > 1).any()):
             logits = logits.repeat_interleave(repeats.to(logits.device), dim=0)
         if not any(s.spec_token_ids for s in out.scheduled):

@@ -70,6 +70,11 @@ class AttentionBackend(ABC):
         `meta.derived`, moved to the device with the rest); nothing by default."""
         return {}
 
+    def derive_decode(self, meta: AttentionMetadata) -> dict:
+        """`derive` for a pure-decode step whose metadata is already on the device, with device ops only (no
+        host reads: it runs inside a CUDA graph's capture, once per replay); nothing by default."""
+        return {}
+
     @abstractmethod
     def forward(
         self,

@@ -234,6 +234,12 @@ class TritonPagedAttention(AttentionBackend):
         bt = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables]).to(torch.int32)
         return {"triton_rows": (*(torch.cat(x).to(torch.int32) for x in (starts, lens, ctx)), bt)}
 
+    def derive_decode(self, meta: AttentionMetadata) -> dict:
+        """The same rows for a pure-decode step, as views of the step's device metadata (int64: the kernels take
+        either width): each row's query is its own batch position, one token long."""
+        idx = meta.decode_idx
+        return {"triton_rows": (idx, torch.ones_like(idx), meta.decode_seq_lens, meta.decode_block_tables)}
+
     def splits_for(self, rows: int, capacity: int, device: torch.device | str) -> int:
         """How many splits `rows` decode rows get, whose block tables hold `capacity` positions: enough
         (row, KV head, split) programs to fill the device, at most MAX_SPLITS and one KV tile of the table
