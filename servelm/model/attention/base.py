@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -59,6 +60,12 @@ class AttentionBackend(ABC):
     KV cache layout, per layer: key and value tensors of shape [num_blocks, block_size, kv_heads, head_dim].
     """
 
+    # What the decoder may hand a backend beyond `forward(q, k, v, ...)` with q and v contiguous: `strided_qkv`,
+    # views of the fused QKV projection read through their strides (no copies); `attends_written_cache`,
+    # `attend` over a cache the caller already wrote the step's keys and values into (RoPE fused with the write)
+    strided_qkv: ClassVar[bool] = False
+    attends_written_cache: ClassVar[bool] = False
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -86,6 +93,12 @@ class AttentionBackend(ABC):
         sliding_window: int | None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
+
+    def attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+               sliding_window: int | None) -> torch.Tensor:
+        """Attention of q [T, num_heads, head_dim] over the cache, the step's keys and values already in it
+        (only where `attends_written_cache`)."""
+        raise NotImplementedError(f"{type(self).__name__} writes the cache itself: call forward")
 
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],

@@ -195,6 +195,7 @@ class TritonPagedAttention(AttentionBackend):
     instead in two (the splits, then their merge) wherever the batch leaves the GPU short of programs.
     `num_splits` fixes the split count (tests, benchmarks) instead of choosing it from the batch."""
 
+    strided_qkv = attends_written_cache = True  # the kernels take q's strides; `attend` reads only the cache
     BLOCK_N = 32  # KV positions per tile (tl.dot needs 16 or more, whatever the cache's block size)
     MAX_SPLITS = 32
     # programs per SM the split count aims for. Measured on an H200 (bench/gpu_check.py's decode_attention, bf16,
