@@ -7,6 +7,10 @@ attention metadata (block tables padded to the longest context) and whatever the
 from it. A step of n decodes runs the graph of the smallest captured size >= n; the padding rows decode a
 dummy token whose key and value land in a spare KV block that no sequence owns.
 
+With tensor parallelism every rank captures the same sizes in the same order (the all-reduces inside the
+graphs are NCCL collectives that must pair up across ranks) and each step replays the same size on every
+rank: the worker ranks get the driver's unpadded decode inputs and pad them here as the driver does.
+
 The same padded static-buffer path runs without capture on the CPU (`capture=False`), which is how CI
 checks its padding and metadata against the eager path; on the GPU `tests/gpu/test_gpu.py` checks replays.
 """
@@ -32,8 +36,12 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: DecoderLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 max_blocks: int, spare_block: int, sizes: list[int], capture: bool) -> None:
+                 max_blocks: int, spare_block: int, sizes: list[int], capture: bool, with_logits: bool = True
+                 ) -> None:
+        """`with_logits` False: the graphs end at the hidden states (a tensor-parallel worker rank, whose
+        logits nobody reads: the driver alone samples)."""
         self.model = model
+        self.with_logits = with_logits
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_blocks = max_blocks
@@ -82,7 +90,8 @@ class DecodeGraphs:
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
             lens: list[int]) -> torch.Tensor:
-        """Logits [n, vocab] of a step of n decodes (the last row of each is its only token)."""
+        """Logits [n, vocab] of a step of n decodes (the last row of each is its only token); hidden states
+        [n, hidden] without `with_logits`."""
         n = len(ids)
         size = next(s for s in self.sizes if s >= n)
         host = self._padded_meta(slots, tables, lens, size)
@@ -100,7 +109,7 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         meta = self._static_meta(size)
         hidden = self.model.forward(self.ids[:size], self.positions[:size], self.kv_caches, meta)
-        return self.model.logits(hidden)
+        return self.model.logits(hidden) if self.with_logits else hidden
 
     @torch.inference_mode()
     def _capture(self) -> None:
