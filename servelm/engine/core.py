@@ -17,9 +17,9 @@ from servelm.config.engine import EngineConfig, RuntimeSettings
 from servelm.engine.cuda_graphs import capture_sizes
 from servelm.engine.decode_batch import DecodeBatch, batchable
 from servelm.engine.kv_cache_manager import KVCacheManager
-from servelm.engine.kv_sizing import CudaMemory, DeviceMemory, check_model_len
+from servelm.engine.kv_sizing import CudaMemory, DeviceMemory, KVPlan, check_model_len, plan_kv_blocks
 from servelm.engine.lora_manager import LoraManager
-from servelm.engine.model_runner import ModelRunner, plan_kv_cache
+from servelm.engine.model_runner import ModelRunner, kv_bytes_per_block, profile_largest_step
 from servelm.engine.proposers import NgramProposer
 from servelm.engine.scheduler import Scheduler, SchedulerOutput
 from servelm.engine.sequence import Request, Sequence
@@ -39,6 +39,14 @@ def _tokenizer_from_config(config: EngineConfig) -> Callable[[], Any]:
 
         return load_tokenizer(resolve_model(config.model, config.gguf_file), config.tokenizer)
     return load
+
+
+def plan_kv_cache(config: EngineConfig, model: DecoderLM, memory: DeviceMemory | None) -> KVPlan:
+    """This rank's KV cache plan (engine/kv_sizing.py): from `memory`, its device's counters, with a profile
+    run of the largest step the scheduler can form. Every tensor-parallel rank plans this way, on its own GPU."""
+    tokens = config.max_num_batched_tokens
+    return plan_kv_blocks(config, kv_bytes_per_block(model, config.block_size), memory, lambda: profile_largest_step(
+        model, config.block_size, tokens, min(config.max_num_seqs, tokens)))
 
 
 class EngineCore:

@@ -6,10 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from servelm.config.engine import EngineConfig
 from servelm.engine.cuda_graphs import DecodeGraphs
 from servelm.engine.kv_cache_manager import BlockOps
-from servelm.engine.kv_sizing import DeviceMemory, KVPlan, plan_kv_blocks
 from servelm.engine.rejection import verify
 from servelm.engine.sampler import Sampler, SampleResult, draw, kept_weights, prompt_logprob_results
 from servelm.engine.scheduler import SchedulerOutput
@@ -317,10 +315,3 @@ def profile_largest_step(model: DecoderLM, block_size: int, num_tokens: int, num
     draw(weights, ones * 0.5)
     del raw, weights, logits, runner
 
-
-def plan_kv_cache(config: EngineConfig, model: DecoderLM, memory: DeviceMemory | None) -> KVPlan:
-    """This rank's KV cache plan (engine/kv_sizing.py): from `memory`, its device's counters, with a profile
-    run of the largest step the scheduler can form."""
-    tokens = config.max_num_batched_tokens
-    return plan_kv_blocks(config, kv_bytes_per_block(model, config.block_size), memory, lambda: profile_largest_step(
-        model, config.block_size, tokens, min(config.max_num_seqs, tokens)))

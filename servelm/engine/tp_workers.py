@@ -216,8 +216,9 @@ def _exit_with_parent(poll_s: float = 1.0) -> None:
 
 
 def _serve(conn: Connection, rank: int) -> None:
+    from servelm.engine.core import plan_kv_cache
     from servelm.engine.kv_sizing import CudaMemory
-    from servelm.engine.model_runner import ModelRunner, plan_kv_cache
+    from servelm.engine.model_runner import ModelRunner
     from servelm.engine.threads import configure_threads
     from servelm.model.loading.loader import load_model
 
