@@ -15,6 +15,10 @@ rows x that width, never rows x the model's longest context; the graph itself sp
 from the static buffers on the device (`AttentionBackend.derive_decode`). Two staging vectors alternate, so
 the host may fill the next step's while the last copy is still in flight.
 
+With tensor parallelism every rank captures the same sizes in the same order (the all-reduces inside the
+graphs are NCCL collectives that must pair up across ranks) and each step replays the same size on every
+rank: the worker ranks get the driver's unpadded decode inputs and pad them here as the driver does.
+
 The same padded static-buffer path runs without capture on the CPU (`capture=False`), which is how CI
 checks its padding and metadata against the eager path; on the GPU `tests/gpu/test_gpu.py` checks replays.
 """
@@ -45,8 +49,12 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: DecoderLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 max_blocks: int, spare_block: int, sizes: list[int], capture: bool) -> None:
+                 max_blocks: int, spare_block: int, sizes: list[int], capture: bool, with_logits: bool = True
+                 ) -> None:
+        """`with_logits` False: the graphs end at the hidden states (a tensor-parallel worker rank, whose
+        logits nobody reads: the driver alone samples)."""
         self.model = model
+        self.with_logits = with_logits
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_blocks = max_blocks
@@ -110,8 +118,9 @@ class DecodeGraphs:
 
     def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: np.ndarray,
             lens: np.ndarray) -> torch.Tensor:
-        """Logits [n, vocab] of a step of n decodes (the last row of each is its only token); `tables` is the
-        rows' block tables, [n, width] padded with any valid block."""
+        """Logits [n, vocab] of a step of n decodes (the last row of each is its only token), hidden states
+        [n, hidden] without `with_logits`; `tables` is the rows' block tables, [n, width] padded with any valid
+        block."""
         n = len(ids)
         size = next(s for s in self.sizes if s >= n)
         self._stage(ids, positions, slots, tables, lens, size)
@@ -124,7 +133,7 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         ids, positions, meta = self._unstage(size)
         hidden = self.model.forward(ids, positions, self.kv_caches, meta)
-        return self.model.logits(hidden)
+        return self.model.logits(hidden) if self.with_logits else hidden
 
     @torch.inference_mode()
     def _capture(self) -> None:

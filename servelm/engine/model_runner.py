@@ -72,12 +72,12 @@ class ModelRunner:
         self.tp_workers = None
         self.loras = None  # the engine's LoRA adapters (engine/lora_manager.py), where enabled
 
-    def enable_decode_graphs(self, sizes: list[int], capture: bool) -> None:
+    def enable_decode_graphs(self, sizes: list[int], capture: bool, with_logits: bool = True) -> None:
         """Run pure-decode steps of up to max(sizes) sequences through padded static buffers, replaying a
         CUDA graph per size when `capture` (without it, on any device, the same buffers run eagerly)."""
         max_blocks = -(-self.max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_blocks, self.spare_block,
-                                   sizes, capture)
+                                   sizes, capture, with_logits)
 
     @property
     def cpu_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -184,7 +184,8 @@ class ModelRunner:
             # each decode row sampled once, in order (the usual case): the replay's logits as they are
             every_row = len(logits_idx) == len(ids) and np.array_equal(logits_idx, np.arange(len(ids)))
             logits_dev = None if every_row else tensor(logits_idx).to(dev)
-            return None, None, None, logits_dev, repeats_t, graph_inputs, False, None
+            rank_inputs = ("graph", self.graphs.sizes, graph_inputs)
+            return None, None, None, logits_dev, repeats_t, graph_inputs, False, None, rank_inputs
         logits_dev = tensor(logits_idx).to(dev)
         meta = AttentionMetadata(
             slot_mapping=tensor(slots),
@@ -195,8 +196,11 @@ class ModelRunner:
             block_size=bs,
         )
         meta.derived = self.model.attn.derive(meta)
-        return (tensor(ids).to(dev, non_blocking=True), tensor(positions).to(dev, non_blocking=True),
-                meta.to(dev), logits_dev, repeats_t, None, want_prompt, lora)
+        ids_t, positions_t = tensor(ids), tensor(positions)
+        # the other tensor-parallel ranks get the host tensors and copy them to their own GPU
+        rank_inputs = ("eager", ids_t, positions_t, meta)
+        return (ids_t.to(dev, non_blocking=True), positions_t.to(dev, non_blocking=True),
+                meta.to(dev), logits_dev, repeats_t, None, want_prompt, lora, rank_inputs)
 
     def _lora_batch(self, out: SchedulerOutput):
         """The step's adapters and their rows (None where every row runs the base model): the decode batch's rows
@@ -217,9 +221,10 @@ class ModelRunner:
             if self.tp_workers is not None and out.ops:
                 self.tp_workers.step(out.ops, None)
             return RunnerOutput()
-        input_ids, positions, meta, logits_idx, repeats, graph_step, want_prompt, lora = self._prepare(out)
+        input_ids, positions, meta, logits_idx, repeats, graph_step, want_prompt, lora, rank_inputs = \
+            self._prepare(out)
         if self.tp_workers is not None:  # the ranks replay the block ops and run their shards with ours
-            self.tp_workers.step(out.ops, (input_ids, positions, meta))
+            self.tp_workers.step(out.ops, rank_inputs)
         if graph_step is not None:  # every row's logits, from the static buffers (a graph replay on a GPU)
             hidden, logits = None, self.graphs.run(*graph_step)
             self.num_graph_steps += 1
@@ -314,3 +319,4 @@ def profile_largest_step(model: DecoderLM, block_size: int, num_tokens: int, num
     weights = kept_weights(logits, ones, torch.zeros(n, dtype=torch.long, device=dev), ones * 0.95, ones * 0)
     draw(weights, ones * 0.5)
     del raw, weights, logits, runner
+
