@@ -21,6 +21,10 @@ reported as skipped, with the reason, and the JSON is printed all the same):
             beside the server's own, from the servelm:inter_token_latency_seconds histogram of /metrics
   8b        as 60m and 1b, last (the largest), where the GPU's memory and the time left allow it
 
+With --baseline DIR (another source tree of servelm, such as an earlier commit's `git archive`), each shape's W1
+and batch-1 TPOT run a second time with that tree, on the same model and machine, and the shape's figures
+give the ratios (`baseline`: w1_speedup, tpot_b1_speedup).
+
 Each measurement runs in a child process (a crash or a hang costs its section, not the run); every figure is
 printed as a JSON line as it comes, and one JSON object ends the run (also written to --out-dir). Models get
 a tokenizer of exactly their vocabulary size whose every id decodes to text (a byte-level BPE vocabulary
@@ -52,10 +56,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 
-# The GPU test files (the Triton kernels, the CUDA-graph path and the engine on CUDA against transformers).
+# The GPU test files (the Triton kernels, the CUDA-graph path, the engine on CUDA against transformers, and
+# tensor parallelism over NCCL, which needs two GPUs).
 GPU_TESTS = ["tests/gpu/test_gpu.py", "tests/kernels/test_triton_attention.py", "tests/kernels/test_triton_elementwise.py",
-             "tests/kernels/test_quant_triton.py", "tests/kernels/test_cuda_graphs.py", "tests/gpu/test_fp8_kv_gpu.py",
-             "tests/kernels/test_triton_fp8_kv.py"]
+             "tests/kernels/test_quant_triton.py", "tests/kernels/test_cuda_graphs.py", "tests/kernels/test_triton_rope.py",
+             "tests/gpu/test_fp8_kv_gpu.py", "tests/kernels/test_triton_fp8_kv.py",
+             "tests/gpu/test_tp_nccl.py"]  # (skips itself with fewer than 2 GPUs)
 # Without CUDA: test_gpu.py skips itself; one quick test of the graph path shows that pytest ran.
 CPU_TESTS = ["tests/gpu/test_gpu.py", "tests/kernels/test_cuda_graphs.py::test_capture_sizes_cover_every_batch_up_to_the_limit"]
 TEST_VOCAB = 49152  # tests/conftest.py's VOCAB
@@ -349,6 +355,8 @@ def child_shape(spec: dict) -> None:
            tpot_ms=round(tpot * 1e3, 3), bytes_per_step_gb=round(step_bytes / 1e9, 3),
            bound_ms=round(bound * 1e3, 3) if bound else None,
            tpot_over_bound=round(tpot / bound, 2) if bound else None)
+    if spec.get("only_decode"):  # a baseline checkout: W1 and batch-1 TPOT only
+        return
 
     # prefill of a 2k-token prompt: TFLOP/s against the matmul rate
     rng = np.random.Generator(np.random.PCG64(5))
@@ -546,8 +554,8 @@ class Run:
         with open(log, "a") as fh:
             fh.write(f"\n$ {' '.join(cmd)}\n")
             fh.flush()
-            return subprocess.Popen(cmd, cwd=ROOT, env=self.env, stderr=fh, start_new_session=True, text=True,
-                                    **kw)
+            return subprocess.Popen(cmd, cwd=ROOT, env=kw.pop("env", None) or self.env, stderr=fh,
+                                    start_new_session=True, text=True, **kw)
 
     def stream(self, proc: subprocess.Popen, cap: float, on_line) -> str:
         """Feed proc's stdout lines to on_line until it exits ('ok' or 'failed') or cap passes ('timeout':
@@ -582,8 +590,12 @@ class Run:
         figs: dict = {}
         spec = {**spec, "device": self.args.device, "work": str(self.work), "deadline": time.time() + cap}
         log = self.log("children.log")
+        env = None
+        if spec.get("src"):  # servelm imported from another source tree (a baseline checkout) instead of ROOT
+            rest = [p for p in self.env["PYTHONPATH"].split(os.pathsep) if p and Path(p).resolve() != ROOT]
+            env = {**self.env, "PYTHONPATH": os.pathsep.join([spec["src"], *rest])}
         proc = self.popen([sys.executable, str(Path(__file__).resolve()), "--child", kind, "--spec",
-                           json.dumps(spec)], log, stdout=subprocess.PIPE)
+                           json.dumps(spec)], log, stdout=subprocess.PIPE, env=env)
 
         def on_line(line: str) -> None:
             if line.startswith("RESULT "):
@@ -774,6 +786,9 @@ def section_shape(run: Run, cap: float, name: str) -> dict:
             "big_on": name in prof["big_on"], **{k: run.ceilings.get(k) for k in ("copy_gb_s", "bf16_tflop_s")}}
     status, figs = run.child("shape", spec, cap, name)
     out: dict = {"status": status}
+    if run.args.baseline is not None and name in run.baseline_shapes and status == "ok":
+        # beyond the section's cap: a baseline asked for is worth the time of the sections after it
+        out["baseline"] = baseline_figures(run, spec, name, min(BASELINE_CAP_S, max(1.0, run.left() - 3)), figs)
     for k in SHAPE_KEYS:
         if k in figs:
             out[k] = figs[k]
@@ -786,6 +801,23 @@ def section_shape(run: Run, cap: float, name: str) -> dict:
             out[k] = figs[k]
     if name != prof["s1_shape"] and model_dir(run.work, name).exists() and not run.args.keep_models:
         shutil.rmtree(model_dir(run.work, name), ignore_errors=True)  # the disk, for the next shape
+    return out
+
+
+BASELINE_CAP_S = 90  # a baseline tree's W1 and TPOT on one shape: its load, graph capture and the two workloads
+
+
+def baseline_figures(run: Run, spec: dict, name: str, cap: float, figs: dict) -> dict:
+    """W1 and batch-1 TPOT of the --baseline source tree on the same model, machine and settings, and this
+    tree's figures over them (W1: tok/s ratio; TPOT: the baseline's time over this tree's, >1 is faster)."""
+    status, old = run.child("shape", {**spec, "src": str(run.args.baseline.resolve()), "only_decode": True,
+                                      "big_on": False}, cap, f"{name}:baseline")
+    out: dict = {"status": status, "src": str(run.args.baseline), **{k: old[k] for k in ("w1", "tpot_b1", "error")
+                                                                     if k in old}}
+    if "w1" in old and "w1" in figs:
+        out["w1_speedup"] = round(figs["w1"]["output_tok_s"] / old["w1"]["output_tok_s"], 3)
+    if "tpot_b1" in old and "tpot_b1" in figs:
+        out["tpot_b1_speedup"] = round(old["tpot_b1"]["tpot_ms"] / figs["tpot_b1"]["tpot_ms"], 3)
     return out
 
 
@@ -935,6 +967,7 @@ def main_check(args) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     run = Run(args, prof)
     run.tokenizers, run.ceilings, run.device_info = {}, {}, {}
+    run.baseline_shapes = prof["shapes"] if args.baseline_shapes is None else args.baseline_shapes.split(",")
     skip = set(filter(None, args.skip.split(",")))
     caps, mins = prof["caps"], prof["min_s"]
     plan: list[tuple[str, str, object]] = [("setup", "setup", section_setup), ("ceilings", "ceilings",
@@ -1031,6 +1064,10 @@ def main() -> int:
     p.add_argument("--s1-requests", type=int, default=None, help="S1 requests per rate (default: 100)")
     p.add_argument("--skip", default="", help="sections to leave out: setup is always run; ceilings, tests, "
                                               "the shape names, s1")
+    p.add_argument("--baseline", type=Path, default=None, metavar="DIR",
+                   help="another servelm source tree (e.g. `git archive 3d918c2 | tar -x -C DIR`): each shape's "
+                        "W1 and batch-1 TPOT run again with it, on the same model and machine, beside this tree's")
+    p.add_argument("--baseline-shapes", default=None, help="the shapes --baseline runs on (default: every shape)")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="a tokenizer folder to pad to each model's vocabulary (default: a synthetic byte-level one)")
     p.add_argument("--wheels", type=Path, default=None,

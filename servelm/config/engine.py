@@ -165,9 +165,10 @@ class EngineConfig:
     quantization_group_size: int = _f(32, "int4: weights sharing one scale and zero point, 32, 64, 128 or 256; "
                                       "it must divide every linear's input width (SmolLM2's 576: 32 or 64)")
     device: str = _f("cpu", "device to run on: cpu, or cuda (NVIDIA GPUs: Triton attention, CUDA graphs)")
-    tensor_parallel_size: int = _f(1, "processes that split the model's attention heads and MLP columns, "
-                                   "all-reducing over gloo on the loopback (CPU only; README: Tensor "
-                                   "parallelism); it must divide the attention heads and the MLP size")
+    tensor_parallel_size: int = _f(1, "processes that split the model's attention heads and MLP columns "
+                                   "(README: Tensor parallelism): on the CPU all-reducing over gloo on the "
+                                   "loopback, on CUDA one GPU each (cuda:N is the first) over NCCL; it must "
+                                   "divide the attention heads and the MLP size")
     enforce_eager: bool = _f(False, "on CUDA, run decode steps eagerly instead of replaying CUDA graphs "
                              "captured per batch size (as vLLM's --enforce-eager)")
     block_size: int = _f(16, "tokens per KV cache block")
@@ -288,8 +289,9 @@ class EngineConfig:
         need(not self.batch_invariant or self.device == "cpu", "batch_invariant", "false on a GPU (CPU only)")
         tp = self.tensor_parallel_size
         need(tp >= 1, "tensor_parallel_size", ">= 1")
-        for ok, why in ((self.device == "cpu", "the CPU only (the GPU path is not sharded)"),
-                        (self.speculative_method is None and self.speculative_model is None,
+        if tp > 1 and self.device != "cpu":
+            self._need_gpus(tp)
+        for ok, why in ((self.speculative_method is None and self.speculative_model is None,
                          "no speculative decoding"),
                         (not self.batch_invariant, "no batch_invariant"),
                         (self.kv_cache_persist is None, "no kv_cache_persist (each rank holds part of every block)"),
@@ -352,6 +354,19 @@ class EngineConfig:
         need(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
              f">= max_loras ({self.max_loras}) or None")
         need(tp == 1 or not self.enable_lora, "tensor_parallel_size", "1 with LoRA adapters (they are not sharded)")
+
+    def _need_gpus(self, tp: int) -> None:
+        """tensor_parallel_size ranks on CUDA take one GPU each, from the device's index up: they must exist."""
+        import torch
+
+        m = re.fullmatch(r"cuda(?::(\d+))?", self.device)
+        first = int(m.group(1) or 0) if m else 0
+        visible = torch.cuda.device_count()
+        if first + tp > visible:
+            raise ConfigError("tensor_parallel_size", tp, f"at most {max(0, visible - first)} on {self.device}: "
+                              f"{tp} ranks need GPUs cuda:{first}..cuda:{first + tp - 1}, and {visible} "
+                              f"{'is' if visible == 1 else 'are'} visible (torch.cuda.device_count(); "
+                              "CUDA_VISIBLE_DEVICES chooses them)")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -17,7 +17,7 @@ from servelm.config.engine import EngineConfig, RuntimeSettings
 from servelm.engine.cuda_graphs import capture_sizes
 from servelm.engine.decode_batch import DecodeBatch, batchable
 from servelm.engine.kv_cache_manager import KVCacheManager
-from servelm.engine.kv_sizing import CudaMemory, DeviceMemory, check_model_len, plan_kv_blocks
+from servelm.engine.kv_sizing import CudaMemory, DeviceMemory, KVPlan, check_model_len, plan_kv_blocks
 from servelm.engine.lora_manager import LoraManager
 from servelm.engine.model_runner import ModelRunner, kv_bytes_per_block, profile_largest_step
 from servelm.engine.proposers import NgramProposer
@@ -42,6 +42,17 @@ def _tokenizer_from_config(config: EngineConfig) -> Callable[[], Any]:
     return load
 
 
+def plan_kv_cache(config: EngineConfig, model: DecoderLM, memory: DeviceMemory | None) -> KVPlan:
+    """This rank's KV cache plan (engine/kv_sizing.py): from `memory`, its device's counters, with a profile
+    run of the largest step the scheduler can form. Every tensor-parallel rank plans this way, on its own GPU."""
+    tokens = config.max_num_batched_tokens
+    kv_dtype = config.kv_cache_dtype
+    return plan_kv_blocks(config, kv_bytes_per_block(model, config.block_size, kv_dtype), memory,
+                          lambda: profile_largest_step(model, config.block_size, tokens,
+                                                       min(config.max_num_seqs, tokens), kv_dtype),
+                          str(cache_dtype(kv_dtype, model.dtype)).removeprefix("torch."))
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: DecoderLM,
                  tokenizer_loader: Callable[[], Any] | None = None, memory: DeviceMemory | None = None) -> None:
@@ -54,37 +65,22 @@ class EngineCore:
 
             check_batch_invariant(model)
         spec = model.spec
-        block_bytes = kv_bytes_per_block(model, config.block_size, config.kv_cache_dtype)
-        if memory is None and model.embed.device.type == "cuda":
-            memory = CudaMemory(model.embed.device)
-        tokens = config.max_num_batched_tokens
-        plan = plan_kv_blocks(config, block_bytes, memory, lambda: profile_largest_step(
-            model, config.block_size, tokens, min(config.max_num_seqs, tokens), config.kv_cache_dtype),
-            str(cache_dtype(config.kv_cache_dtype, model.dtype)).removeprefix("torch."))
-        num_blocks = plan.num_blocks
-        self.kv_plan = plan
-        logger.info("%s", plan.describe())
-        max_len = check_model_len(plan, config.block_size, config.max_model_len, spec.max_position_embeddings)
-        self.max_model_len = max_len
-        num_cpu_blocks = int(config.swap_space_gb * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.preemption_mode,
-                                   config.scheduling_policy, config.priority_aging_s,
-                                   itl_target_s=config.itl_target_ms / 1000,
-                                   ttft_target_s=config.ttft_target_ms / 1000)
-        # MoE layers read their expert groups' sizes on the host: not capturable
-        graph_sizes = None if config.enforce_eager or spec.moe is not None else capture_sizes(config.max_num_seqs)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu_blocks, config.seed,
-                                  graph_sizes, max_len, config.kv_cache_dtype)
         tp_size = model.tp.size if model.tp is not None else 1
         if tp_size != config.tensor_parallel_size:
             raise ValueError(f"the model was loaded for tensor_parallel_size={tp_size}, the engine is configured "
                              f"for {config.tensor_parallel_size}")
-        if tp_size > 1:  # ranks 1..N-1 in their own processes (this process is rank 0)
-            from servelm.engine.tp_workers import TPWorkers
+        workers = None
+        if tp_size > 1:  # ranks 1..N-1 in their own processes (this process is rank 0), connected before the
+            from servelm.engine.tp_workers import TPWorkers  # profile run: its forward pass all-reduces
 
-            self.runner.tp_workers = TPWorkers.start(config, model, num_blocks, num_cpu_blocks, max_len)
+            workers = TPWorkers.start(config, model)
+        try:
+            self._build(config, model, memory, workers)
+        except BaseException:
+            if workers is not None:
+                workers.close()
+            raise
+        max_len = self.max_model_len
         self.spec = self._make_spec_decoder(config, max_len)
         if self.spec is None:  # (a verification is not a plain decode: with drafts every row takes the loop)
             self.scheduler.batch = DecodeBatch(config.max_num_seqs, -(-max_len // config.block_size),
@@ -106,6 +102,43 @@ class EngineCore:
         self.num_steps = 0
         self.last_num_batched_tokens = 0
         self.last_batch_size = 0
+
+    def _build(self, config: EngineConfig, model: DecoderLM, memory: DeviceMemory | None, workers) -> None:
+        """The KV cache plan, the cache manager, the scheduler and the runner. With tensor parallelism (`workers`)
+        each rank plans from its own GPU's memory (the profile run's all-reduces need all of them at once) and
+        every rank takes the fewest blocks any of them can hold; then every rank builds its runner at once, since
+        capturing CUDA graphs runs the same all-reduces on every rank in the same order."""
+        spec = model.spec
+        if memory is None and model.embed.device.type == "cuda":
+            memory = CudaMemory(model.embed.device)
+        if workers is not None:
+            workers.begin_plan()
+        plan = plan_kv_cache(config, model, memory)
+        if workers is not None:
+            plan = workers.end_plan(plan)
+        num_blocks = plan.num_blocks
+        self.kv_plan = plan
+        logger.info("%s", plan.describe())
+        max_len = check_model_len(plan, config.block_size, config.max_model_len, spec.max_position_embeddings)
+        self.max_model_len = max_len
+        block_bytes = plan.block_bytes
+        num_cpu_blocks = int(config.swap_space_gb * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill, config.preemption_mode,
+                                   config.scheduling_policy, config.priority_aging_s,
+                                   itl_target_s=config.itl_target_ms / 1000,
+                                   ttft_target_s=config.ttft_target_ms / 1000)
+        # MoE layers read their expert groups' sizes on the host: not capturable
+        graph_sizes = None if config.enforce_eager or spec.moe is not None else capture_sizes(config.max_num_seqs)
+        if workers is not None:
+            workers.begin_runners(num_blocks, num_cpu_blocks, max_len,
+                                  graph_sizes if model.embed.device.type == "cuda" else None)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu_blocks, config.seed,
+                                  graph_sizes, max_len, config.kv_cache_dtype)
+        if workers is not None:
+            workers.end_runners()
+            self.runner.tp_workers = workers
 
     def _make_spec_decoder(self, config: EngineConfig, max_len: int) -> SpecDecoder | None:
         if config.speculative_method is None:

@@ -2,10 +2,22 @@
 
 A decode step of a small model on a GPU is mostly kernel launches (a few hundred per step, each a few
 microseconds of CPU time); replaying a captured graph issues them all at once. Graphs replay fixed
-addresses and shapes, so every input of a captured step lives in a static buffer: token ids, positions, the
-attention metadata (block tables padded to the longest context) and whatever the attention backend derives
-from it. A step of n decodes runs the graph of the smallest captured size >= n; the padding rows decode a
-dummy token whose key and value land in a spare KV block that no sequence owns.
+addresses and shapes, so every input of a captured step lives in a static buffer. A step of n decodes runs the
+graph of the smallest captured size >= n; the padding rows decode a dummy token whose key and value land in a
+spare KV block that no sequence owns.
+
+What the host does per step is the point here, since a small model's step is bound by it: it writes the step's
+inputs into one pinned staging vector with a few numpy slice assignments (no tensor built per step, no Python
+loop over rows) and issues one asynchronous copy of exactly the bytes the step needs, then the replay. The
+staging vector holds the block tables at the step's own width (the longest table), so a step copies
+rows x that width, never rows x the model's longest context; the graph itself spreads them into the static
+[rows, max_blocks] table with a few fixed-shape device ops, and derives what the attention backend wants
+from the static buffers on the device (`AttentionBackend.derive_decode`). Two staging vectors alternate, so
+the host may fill the next step's while the last copy is still in flight.
+
+With tensor parallelism every rank captures the same sizes in the same order (the all-reduces inside the
+graphs are NCCL collectives that must pair up across ranks) and each step replays the same size on every
+rank: the worker ranks get the driver's unpadded decode inputs and pad them here as the driver does.
 
 The same padded static-buffer path runs without capture on the CPU (`capture=False`), which is how CI
 checks its padding and metadata against the eager path; on the GPU `tests/gpu/test_gpu.py` checks replays.
@@ -23,6 +35,11 @@ from servelm.model.decoder import DecoderLM
 
 logger = logging.getLogger(__name__)
 
+# the staging vector: [table width, then per row: token ids | positions | KV slots | context lengths, then the
+# rows' block tables at the table width]
+_HEADER = 1
+_COLUMNS = 4
+
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """Batch sizes to capture: every power of two to 16, then steps of 16 to 256 (as vLLM does, coarser)."""
@@ -32,8 +49,12 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: DecoderLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 max_blocks: int, spare_block: int, sizes: list[int], capture: bool) -> None:
+                 max_blocks: int, spare_block: int, sizes: list[int], capture: bool, with_logits: bool = True
+                 ) -> None:
+        """`with_logits` False: the graphs end at the hidden states (a tensor-parallel worker rank, whose
+        logits nobody reads: the driver alone samples)."""
         self.model = model
+        self.with_logits = with_logits
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_blocks = max_blocks
@@ -41,56 +62,68 @@ class DecodeGraphs:
         self.sizes = sorted(set(sizes))
         self.max_size = self.sizes[-1]
         self.device = model.embed.device
-        n = self.max_size
-        # the largest size's buffers; each size's graph reads a leading slice of them
-        self.ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=self.device)
-        self.meta = self._padded_meta([], [], [], n).to(self.device)  # on the CPU, the host tensors
+        length = _HEADER + self.max_size * (_COLUMNS + max_blocks)
+        self.staged = torch.zeros(length, dtype=torch.long, device=self.device)  # what the graphs read
+        # pinned where the copy crosses to a GPU, so that it is asynchronous and needs no bounce buffer
+        pin = self.device.type == "cuda"
+        self._host = [torch.zeros(length, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._host_np = [h.numpy() for h in self._host]
+        self._turn = 0
+        self._columns = torch.arange(max_blocks, device=self.device)
+        self._rows = torch.arange(self.max_size, device=self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         if capture:
             self._capture()
 
-    # -- metadata ----------------------------------------------------------------------------------------
-    def _padded_meta(self, slots: list[int], tables: list[list[int]], lens: list[int], size: int
-                     ) -> AttentionMetadata:
-        """A step's decode metadata padded to `size` rows (tables to `max_blocks` columns); rows n..size-1
-        are dummy decodes of one token in the spare block. Then the backend derives its own rows."""
-        n, pad = len(tables), size - len(tables)
-        bt = np.zeros((size, self.max_blocks), dtype=np.int64)
-        for r, t in enumerate(tables):
-            bt[r, : len(t)] = t
-        bt[n:, 0] = self.spare_block
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots + [self.spare_block * self.block_size] * pad, dtype=torch.long),
-            decode_idx=torch.arange(size),
-            decode_block_tables=torch.from_numpy(bt),
-            decode_seq_lens=torch.tensor(lens + [1] * pad, dtype=torch.long),
-            prefills=[], block_size=self.block_size)
-        meta.derived = self.model.attn.derive(meta)
-        return meta
+    # -- the step's inputs -------------------------------------------------------------------------------
+    def _stage(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: np.ndarray,
+               lens: np.ndarray, size: int) -> int:
+        """Writes a step of n = len(ids) decodes, padded to `size` rows, into the next staging vector and
+        copies it to the device. `tables` is [n, width] (width >= every row's blocks). Returns the width."""
+        n, width = len(ids), max(1, tables.shape[1])
+        buf = self._host_np[self._turn]
+        buf[0] = width
+        body = buf[_HEADER:_HEADER + _COLUMNS * size].reshape(_COLUMNS, size)
+        for row, values, pad in ((0, ids, 0), (1, positions, 0), (2, slots, self.spare_block * self.block_size),
+                                 (3, lens, 1)):
+            body[row, :n] = values
+            body[row, n:] = pad
+        end = _HEADER + _COLUMNS * size + size * width
+        bt = buf[_HEADER + _COLUMNS * size:end].reshape(size, width)
+        bt[:n, :tables.shape[1]] = tables
+        bt[n:] = self.spare_block
+        self.staged[:end].copy_(self._host[self._turn][:end], non_blocking=True)
+        self._turn ^= 1
+        return width
 
-    def _static_meta(self, size: int) -> AttentionMetadata:
-        """The leading `size` rows of the static buffers, as the metadata a graph of that size reads."""
-        m = self.meta
-        derived = {k: tuple(t[:size] for t in v) if isinstance(v, tuple) else v[:size] for k, v in m.derived.items()}
-        return AttentionMetadata(m.slot_mapping[:size], m.decode_idx[:size], m.decode_block_tables[:size],
-                                 m.decode_seq_lens[:size], [], self.block_size, derived)
+    def _unstage(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The token ids, positions and attention metadata of a `size`-row step, from the staged vector with
+        fixed-shape device ops only (they are captured with the graph): slices for the per-row columns, and the
+        block tables spread from the step's width into [size, max_blocks] (columns past the width, never
+        read for attention, name the spare block so that every entry is a valid block)."""
+        s = self.staged
+        body = s[_HEADER:_HEADER + _COLUMNS * size].view(_COLUMNS, size)
+        width = s[0]
+        flat = s[_HEADER + _COLUMNS * size:]
+        index = (self._rows[:size, None] * width + self._columns[None, :]).clamp_(max=flat.numel() - 1)
+        tables = torch.where(self._columns[None, :] < width, flat[index], self.spare_block)
+        meta = AttentionMetadata(slot_mapping=body[2], decode_idx=self._rows[:size], decode_block_tables=tables,
+                                 decode_seq_lens=body[3], prefills=[], block_size=self.block_size)
+        meta.derived = self.model.attn.derive_decode(meta)
+        return body[0], body[1], meta
 
     # -- running -----------------------------------------------------------------------------------------
     def can_run(self, num_decodes: int, longest_table: int) -> bool:
         return 0 < num_decodes <= self.max_size and longest_table <= self.max_blocks
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            lens: list[int]) -> torch.Tensor:
-        """Logits [n, vocab] of a step of n decodes (the last row of each is its only token)."""
+    def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: np.ndarray,
+            lens: np.ndarray) -> torch.Tensor:
+        """Logits [n, vocab] of a step of n decodes (the last row of each is its only token), hidden states
+        [n, hidden] without `with_logits`; `tables` is the rows' block tables, [n, width] padded with any valid
+        block."""
         n = len(ids)
         size = next(s for s in self.sizes if s >= n)
-        host = self._padded_meta(slots, tables, lens, size)
-        pad = [0] * (size - n)
-        self.ids[:size].copy_(torch.tensor(ids + pad), non_blocking=True)
-        self.positions[:size].copy_(torch.tensor(positions + pad), non_blocking=True)
-        for dst, src in zip(self._static_meta(size).tensors(), host.tensors(), strict=True):
-            dst.copy_(src, non_blocking=True)
+        self._stage(ids, positions, slots, tables, lens, size)
         graph, logits = self.graphs.get(size, (None, None))
         if graph is None:  # not captured (the CPU)
             return self._forward(size)[:n]
@@ -98,15 +131,18 @@ class DecodeGraphs:
         return logits[:n]
 
     def _forward(self, size: int) -> torch.Tensor:
-        meta = self._static_meta(size)
-        hidden = self.model.forward(self.ids[:size], self.positions[:size], self.kv_caches, meta)
-        return self.model.logits(hidden)
+        ids, positions, meta = self._unstage(size)
+        hidden = self.model.forward(ids, positions, self.kv_caches, meta)
+        return self.model.logits(hidden) if self.with_logits else hidden
 
     @torch.inference_mode()
     def _capture(self) -> None:
         """Largest size first, so that the smaller graphs reuse the memory pool the largest one allocated."""
+        none = np.zeros(0, dtype=np.int64)
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
+            # a valid step of this size in the staged vector: every row a dummy decode in the spare block
+            self._stage(none, none, none, np.zeros((0, 1), dtype=np.int64), none, size)
             self._forward(size)  # warm-up: compiles the Triton kernels, creates the cuBLAS handles
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -115,4 +151,3 @@ class DecodeGraphs:
             self.graphs[size] = (graph, logits)
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
-

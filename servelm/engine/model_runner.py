@@ -94,12 +94,12 @@ class ModelRunner:
         self.tp_workers = None
         self.loras = None  # the engine's LoRA adapters (engine/lora_manager.py), where enabled
 
-    def enable_decode_graphs(self, sizes: list[int], capture: bool) -> None:
+    def enable_decode_graphs(self, sizes: list[int], capture: bool, with_logits: bool = True) -> None:
         """Run pure-decode steps of up to max(sizes) sequences through padded static buffers, replaying a
         CUDA graph per size when `capture` (without it, on any device, the same buffers run eagerly)."""
         max_blocks = -(-self.max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_blocks, self.spare_block,
-                                   sizes, capture)
+                                   sizes, capture, with_logits)
 
     @property
     def cpu_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -197,7 +197,6 @@ class ModelRunner:
             decode_idx, decode_lens = cat(np.arange(n_dec), decode_idx), cat(b_lens, decode_lens)
             logits_idx = cat(np.arange(n_dec), logits_idx)
             repeats = [1] * n_dec + repeats
-        logits_dev = tensor(logits_idx).to(dev)
         repeats_t = torch.tensor(repeats, dtype=torch.long)
         tables = np.zeros((n_dec + len(decode_tables), max_blocks), dtype=np.int64)
         if n_dec:
@@ -206,9 +205,13 @@ class ModelRunner:
             tables[r, : len(t)] = t
         lora = self._lora_batch(out) if self.loras is not None and self.loras.active else None
         if not prefills and lora is None and self.graphs is not None and self.graphs.can_run(len(ids), max_blocks):
-            graph_inputs = (list(map(int, ids)), list(map(int, positions)), list(map(int, slots)), list(tables),
-                            list(map(int, decode_lens)))
-            return None, None, None, logits_dev, repeats_t, graph_inputs, False, None
+            graph_inputs = tuple(np.asarray(x, dtype=np.int64) for x in (ids, positions, slots, tables, decode_lens))
+            # each decode row sampled once, in order (the usual case): the replay's logits as they are
+            every_row = len(logits_idx) == len(ids) and np.array_equal(logits_idx, np.arange(len(ids)))
+            logits_dev = None if every_row else tensor(logits_idx).to(dev)
+            rank_inputs = ("graph", self.graphs.sizes, graph_inputs)
+            return None, None, None, logits_dev, repeats_t, graph_inputs, False, None, rank_inputs
+        logits_dev = tensor(logits_idx).to(dev)
         meta = AttentionMetadata(
             slot_mapping=tensor(slots),
             decode_idx=tensor(decode_idx),
@@ -218,8 +221,11 @@ class ModelRunner:
             block_size=bs,
         )
         meta.derived = self.model.attn.derive(meta)
-        return (tensor(ids).to(dev, non_blocking=True), tensor(positions).to(dev, non_blocking=True),
-                meta.to(dev), logits_dev, repeats_t, None, want_prompt, lora)
+        ids_t, positions_t = tensor(ids), tensor(positions)
+        # the other tensor-parallel ranks get the host tensors and copy them to their own GPU
+        rank_inputs = ("eager", ids_t, positions_t, meta)
+        return (ids_t.to(dev, non_blocking=True), positions_t.to(dev, non_blocking=True),
+                meta.to(dev), logits_dev, repeats_t, None, want_prompt, lora, rank_inputs)
 
     def _lora_batch(self, out: SchedulerOutput):
         """The step's adapters and their rows (None where every row runs the base model): the decode batch's rows
@@ -240,18 +246,22 @@ class ModelRunner:
             if self.tp_workers is not None and out.ops:
                 self.tp_workers.step(out.ops, None)
             return RunnerOutput()
-        input_ids, positions, meta, logits_idx, repeats, graph_step, want_prompt, lora = self._prepare(out)
+        input_ids, positions, meta, logits_idx, repeats, graph_step, want_prompt, lora, rank_inputs = \
+            self._prepare(out)
         if self.tp_workers is not None:  # the ranks replay the block ops and run their shards with ours
-            self.tp_workers.step(out.ops, (input_ids, positions, meta))
+            self.tp_workers.step(out.ops, rank_inputs)
         if graph_step is not None:  # every row's logits, from the static buffers (a graph replay on a GPU)
             hidden, logits = None, self.graphs.run(*graph_step)
             self.num_graph_steps += 1
         else:
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, lora)
         prompt_lps = self._prompt_logprobs(out, hidden) if want_prompt else ()
-        if logits_idx.numel() == 0:  # a step of prompt chunks that sample nothing yet
+        if logits_idx is not None and logits_idx.numel() == 0:  # a step of prompt chunks that sample nothing yet
             return RunnerOutput((), (), prompt_lps)
-        logits = logits[logits_idx] if graph_step is not None else self.model.logits(hidden[logits_idx])
+        if graph_step is None:
+            logits = self.model.logits(hidden[logits_idx])
+        elif logits_idx is not None:  # (None: every row of the replay, in order)
+            logits = logits[logits_idx]
         if bool((repeats > 1).any()):
             logits = logits.repeat_interleave(repeats.to(logits.device), dim=0)
         if not any(s.spec_token_ids for s in out.scheduled):
@@ -335,3 +345,4 @@ def profile_largest_step(model: DecoderLM, block_size: int, num_tokens: int, num
     weights = kept_weights(logits, ones, torch.zeros(n, dtype=torch.long, device=dev), ones * 0.95, ones * 0)
     draw(weights, ones * 0.5)
     del raw, weights, logits, runner
+

@@ -15,6 +15,7 @@ collective fails because another rank is gone: no orphans.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -31,29 +32,39 @@ import torch
 
 from servelm.config.engine import EngineConfig
 from servelm.engine.kv_cache_manager import BlockOps
-from servelm.model.attention import AttentionMetadata
+from servelm.engine.kv_sizing import KVPlan
 from servelm.model.decoder import DecoderLM
 
 logger = logging.getLogger(__name__)
 
 _STOP_WAIT_S = 10.0  # for a rank to exit after the stop message, before it is killed
 
-StepInputs = tuple[torch.Tensor, torch.Tensor, AttentionMetadata]  # input ids, positions, attention metadata
+# what the other ranks run each step (built by ModelRunner._prepare): ("eager", input ids, positions, attention
+# metadata), host tensors each rank copies to its own device, or ("graph", capture sizes, unpadded decode inputs),
+# which each rank pads and replays as the driver does (engine/cuda_graphs.py)
+StepInputs = tuple
 
 
 class TPWorkers:
-    """The driver's handle on its ranks: starts them, sends them each step, stops them."""
+    """The driver's handle on its ranks: starts them, sends them each step, stops them.
+
+    Start-up runs in phases that every rank goes through together, because each holds collectives: `start`
+    (load the shards, connect the group), `begin_plan`/`end_plan` (each rank's KV cache plan from its own
+    device's memory, around the driver's own) and `begin_runners`/`end_runners` (each rank's KV cache and
+    CUDA graphs, around the driver's own)."""
 
     def __init__(self, procs: list[subprocess.Popen], conns: list[Connection]) -> None:
         self.procs, self.conns = procs, conns
+        self.tp = None  # the driver's group, once connected
+        self._closing = threading.Event()
         # stops the ranks if the driver forgets to (garbage collection, interpreter exit)
-        self._finalizer = weakref.finalize(self, _stop, procs, conns)
+        self._finalizer = weakref.finalize(self, _stop, procs, conns, self._closing)
 
     @classmethod
-    def start(cls, config: EngineConfig, model: DecoderLM, num_blocks: int, num_cpu_blocks: int,
-              max_model_len: int) -> TPWorkers:
+    def start(cls, config: EngineConfig, model: DecoderLM) -> TPWorkers:
         """Spawn ranks 1..N-1, wait until each has loaded its shard, then connect all N (the driver's `model`
-        is rank 0's shard) into one gloo group. Raises RuntimeError, naming the rank, if one fails to start."""
+        is rank 0's shard) into one group (gloo on the CPU, NCCL on CUDA: model/layers/parallel.py). Raises
+        RuntimeError, naming the rank, if one fails to start."""
         size = config.tensor_parallel_size
         procs, conns = [], []
         workers = cls(procs, conns)
@@ -63,26 +74,73 @@ class TPWorkers:
                 procs.append(proc)
                 conns.append(conn)
                 conn.send_bytes(pickle.dumps({"config": config, "rank": rank, "size": size}))
-            for rank, (conn, proc) in enumerate(zip(conns, procs, strict=True), start=1):
-                reply = _wait_reply(conn, proc, rank)
-                if reply[0] != "loaded":
-                    raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {reply[1]}")
-            cache = {"num_blocks": num_blocks, "num_cpu_blocks": num_cpu_blocks, "max_model_len": max_model_len}
+            workers._expect("loaded")
 
             def tell(port: int) -> None:
                 for conn in conns:
-                    conn.send_bytes(pickle.dumps({**cache, "port": port}))
+                    conn.send_bytes(pickle.dumps({"port": port}))
 
             model.tp.connect(0, on_port=tell)
-            for rank, (conn, proc) in enumerate(zip(conns, procs, strict=True), start=1):
-                reply = _wait_reply(conn, proc, rank)
-                if reply[0] != "ready":
-                    raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {reply[1]}")
+            workers._expect("connected")
         except BaseException:
             workers.close()
             raise
-        logger.info("tensor parallel: %d ranks (pids %s)", size, [os.getpid()] + [p.pid for p in procs])
+        workers.tp = model.tp
+        if model.tp.backend == "nccl":
+            # NCCL never notices a dead peer (gloo's sockets close at once): without this the driver would wait
+            # in its next collective until the timeout
+            threading.Thread(target=workers._watch, name="tp-watch", daemon=True).start()
+        logger.info("tensor parallel: %d ranks over %s (pids %s)", size, model.tp.backend,
+                    [os.getpid()] + [p.pid for p in procs])
         return workers
+
+    def begin_plan(self) -> None:
+        """Every rank plans its KV cache from its own device (a profile run, whose all-reduces pair with the
+        driver's: the driver plans its own between this and `end_plan`)."""
+        self._send(("plan",))
+
+    def end_plan(self, plan: KVPlan) -> KVPlan:
+        """The driver's plan with the fewest blocks any rank can hold (every rank's cache has the same blocks)."""
+        blocks = [reply[1] for reply in self._expect("planned")]
+        fewest = min([plan.num_blocks, *blocks])
+        if fewest < plan.num_blocks:
+            logger.info("KV cache: %d blocks, the most every rank holds (ranks 0..%d: %s)", fewest,
+                        len(blocks), [plan.num_blocks, *blocks])
+            plan = dataclasses.replace(plan, num_blocks=fewest)
+        return plan
+
+    def begin_runners(self, num_blocks: int, num_cpu_blocks: int, max_model_len: int,
+                      graph_sizes: list[int] | None) -> None:
+        """Every rank allocates its cache and captures `graph_sizes` (None: no CUDA graphs), as the driver does
+        between this and `end_runners`."""
+        self._send({"num_blocks": num_blocks, "num_cpu_blocks": num_cpu_blocks, "max_model_len": max_model_len,
+                    "graph_sizes": graph_sizes})
+
+    def end_runners(self) -> None:
+        self._expect("ready")
+
+    def _send(self, msg) -> None:
+        for conn in self.conns:
+            conn.send_bytes(pickle.dumps(msg))
+
+    def _expect(self, what: str) -> list[tuple]:
+        """Every rank's next reply, which must be `what` (RuntimeError naming the rank otherwise)."""
+        replies = []
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs, strict=True), start=1):
+            reply = _wait_reply(conn, proc, rank)
+            if reply[0] != what:
+                raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {reply[1]}")
+            replies.append(reply)
+        return replies
+
+    def _watch(self, poll_s: float = 0.5) -> None:
+        """Abort the driver's NCCL group once a rank exits that was not told to: its collectives then fail."""
+        while not self._closing.wait(poll_s):
+            gone = [(rank, p.poll()) for rank, p in enumerate(self.procs, start=1) if p.poll() is not None]
+            if gone:
+                logger.error("tensor-parallel rank %d exited (exit code %s): aborting the group", *gone[0])
+                self.tp.abort()
+                return
 
     @property
     def pids(self) -> list[int]:
@@ -129,7 +187,8 @@ def _wait_reply(conn: Connection, proc: subprocess.Popen, rank: int) -> tuple:
                            ) from None
 
 
-def _stop(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
+def _stop(procs: list[subprocess.Popen], conns: list[Connection], closing: threading.Event) -> None:
+    closing.set()  # these exits are expected
     for conn in conns:
         with contextlib.suppress(OSError):  # a rank already gone
             conn.send_bytes(pickle.dumps(None))
@@ -157,6 +216,8 @@ def _exit_with_parent(poll_s: float = 1.0) -> None:
 
 
 def _serve(conn: Connection, rank: int) -> None:
+    from servelm.engine.core import plan_kv_cache
+    from servelm.engine.kv_sizing import CudaMemory
     from servelm.engine.model_runner import ModelRunner
     from servelm.engine.threads import configure_threads
     from servelm.model.loading.loader import load_model
@@ -174,11 +235,25 @@ def _serve(conn: Connection, rank: int) -> None:
         conn.send_bytes(pickle.dumps(("error", f"{type(e).__name__}: {e}")))
         return
     model = loaded.model
+    device = model.embed.device  # this rank's own (model/layers/parallel.py: rank_device)
     conn.send_bytes(pickle.dumps(("loaded",)))
+    model.tp.connect(pickle.loads(conn.recv_bytes())["port"])
+    conn.send_bytes(pickle.dumps(("connected",)))
+    if pickle.loads(conn.recv_bytes()) is None:  # the driver failed to connect and stops us
+        return
+    try:  # as the driver plans (engine/core.py), from this rank's own GPU
+        plan = plan_kv_cache(config, model, CudaMemory(device) if device.type == "cuda" else None)
+    except ValueError as e:  # no memory left for the KV cache on this GPU
+        conn.send_bytes(pickle.dumps(("error", str(e))))
+        return
+    conn.send_bytes(pickle.dumps(("planned", plan.num_blocks)))
     cache = pickle.loads(conn.recv_bytes())
-    model.tp.connect(cache["port"])
+    if cache is None:  # the driver's own plan failed (its error says why) and stops us
+        return
     runner = ModelRunner(model, cache["num_blocks"], config.block_size, cache["num_cpu_blocks"], config.seed,
                          max_model_len=cache["max_model_len"], kv_cache_dtype=config.kv_cache_dtype)
+    if cache["graph_sizes"]:  # the driver's sizes, captured in the same order (without logits: see DecodeGraphs)
+        runner.enable_decode_graphs(cache["graph_sizes"], capture=True, with_logits=False)
     conn.send_bytes(pickle.dumps(("ready",)))
     with torch.inference_mode():
         while True:
@@ -191,8 +266,23 @@ def _serve(conn: Connection, rank: int) -> None:
             ops, inputs = msg
             runner.apply_block_ops(ops)
             if inputs is not None:
-                ids, positions, meta = inputs
-                model.forward(ids, positions, runner.kv_caches, meta)
+                run_step(runner, inputs)
+
+
+def run_step(runner, inputs: StepInputs) -> None:
+    """This rank's part of a step the driver runs with `inputs` (StepInputs): on its own device."""
+    if inputs[0] == "graph":
+        _, sizes, graph_inputs = inputs
+        if runner.graphs is None or runner.graphs.sizes != sizes:
+            # the driver runs padded buffers it did not capture (the CPU; tests): the same buffers here, eager.
+            # Their all-reduces pair with the driver's by shape and order, captured or not
+            runner.enable_decode_graphs(sizes, capture=False, with_logits=False)
+        runner.graphs.run(*graph_inputs)
+        return
+    _, ids, positions, meta = inputs
+    dev = runner.device
+    runner.model.forward(ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True), runner.kv_caches,
+                         meta.to(dev))
 
 
 def main(argv: list[str]) -> None:

@@ -29,6 +29,7 @@ from servelm.model.layers.blocks import (
     linear_for,
     rms_norm,
     rotary_,
+    rotary_write_kv,
 )
 from servelm.model.layers.lora import LoraBatch, add_lora
 from servelm.model.layers.parallel import TensorParallel
@@ -218,9 +219,13 @@ class DecoderLM:
         nf = None if s.norm_weight_in_float32 else fused
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         rot = s.rotary_dim  # partial RoPE: only the first `rot` of each head (no fused kernel for that)
-        rope = {False: self._rope_at(self.cos, self.sin, positions, rot)}
-        if self.cos_local is not self.cos:  # Gemma 3's sliding-window layers: their own RoPE base
-            rope[True] = self._rope_at(self.cos_local, self.sin_local, positions, rot)
+        # the RoPE tables, and Gemma 3's sliding-window layers' own (another base); rotary_'s arguments for
+        # them are made on first use, once for all layers (not at all where the CUDA kernel fuses RoPE)
+        tables = {False: (self.cos, self.sin), True: (self.cos_local, self.sin_local)}
+        rope: dict[bool, tuple] = {}
+        # RoPE fused with the KV-cache write (blocks.rotary_write_kv) needs the whole head rotated and a
+        # backend that attends over a cache written for it
+        rope_kv = rot is None and self.attn.attends_written_cache
         delta = None  # the last sublayer's output, not yet added to h
         for i, lw in enumerate(self.layers):
             window = s.sliding_windows[i]
@@ -232,10 +237,18 @@ class DecoderLM:
                 q_part, k_part = qk[:, :s.num_heads], qk[:, s.num_heads:]
                 rms_norm(q_part, lw.q_norm, eps, nf, out=q_part)
                 rms_norm(k_part, lw.k_norm, eps, nf, out=k_part)
-            cos, sin, rope_pos = rope[window is not None and True in rope]
-            rotary_(qk if rot is None else qk[..., :rot], cos, sin, rope_pos, fused)  # queries and keys at once
-            q, k = contiguous_rows(qk[:, :s.num_heads], fused), qk[:, s.num_heads:]
-            o = self.attn.forward(q, k, contiguous_rows(v, fused), kv_caches[i], meta, window)
+            local = window is not None and self.cos_local is not self.cos
+            cos, sin = tables[local]
+            q = qk[:, :s.num_heads]
+            if rope_kv and rotary_write_kv(qk, v, s.num_heads, cos, sin, positions, kv_caches[i], meta.slot_mapping):
+                o = self.attn.attend(q, kv_caches[i], meta, window)
+            else:
+                if local not in rope:
+                    rope[local] = self._rope_at(cos, sin, positions, rot)
+                rotary_(qk if rot is None else qk[..., :rot], *rope[local], fused)  # queries and keys at once
+                if not self.attn.strided_qkv:  # the C++ kernels and SDPA get contiguous rows
+                    q, v = contiguous_rows(q, fused), contiguous_rows(v, fused)
+                o = self.attn.forward(q, qk[:, s.num_heads:], v, kv_caches[i], meta, window)
             o = o.reshape(-1, q_size)
             delta = self._reduce(add_lora(lw.o_proj(o), o, lora, i, "o"))
             if lw.attn_out_norm is not None:

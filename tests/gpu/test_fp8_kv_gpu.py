@@ -69,7 +69,7 @@ def test_split_kv_over_an_fp8_cache_replays_in_a_cuda_graph():
     attn = triton_paged.TritonPagedAttention(hq, hkv, d, d**-0.5, num_splits=8)
     dev, q_d = _cuda(cache), q.cuda()
     static = meta.to("cuda")
-    static.derived = {"triton_rows": tuple(t.cuda() for t in attn.derive(meta)["triton_rows"])}
+    static.derived = attn.derive(meta).to("cuda")
     attn.attend(q_d, dev, static, None)  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -77,7 +77,7 @@ def test_split_kv_over_an_fp8_cache_replays_in_a_cuda_graph():
         out = attn.attend(q_d, dev, static, None)
     for lens in ([300, 300, 300], [1, 129, 33]):
         step = AttentionMetadata(meta.slot_mapping, meta.decode_idx, tables, torch.tensor(lens), [], bs)
-        for dst, src in zip(static.derived["triton_rows"], attn.derive(step)["triton_rows"], strict=True):
+        for dst, src in zip(static.derived, attn.derive(step), strict=True):
             dst.copy_(src)
         graph.replay()
         torch.cuda.synchronize()

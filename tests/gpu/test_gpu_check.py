@@ -35,7 +35,7 @@ def _positive(*values) -> bool:
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> tuple[dict, list[dict]]:
     out = tmp_path_factory.mktemp("gpu-check")
-    return _check("--work", str(out / "work"), out=out, timeout=400)
+    return _check("--work", str(out / "work"), "--baseline", str(ROOT), out=out, timeout=400)
 
 
 @pytest.mark.slow
@@ -129,3 +129,16 @@ def test_every_id_of_a_made_up_tokenizer_decodes_to_text(tmp_path):
     # a base tokenizer (here the one just made) is padded to a larger vocabulary, its own ids unchanged
     padded = AutoTokenizer.from_pretrained(write_tokenizer(tmp_path / "padded", 1500, base=tmp_path / "tok"))
     assert len(padded) == 1500 and padded.decode([1499]) == "<x1499>" and padded.decode([999]) == "<x999>"
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_a_baseline_tree_runs_beside_on_the_same_model(smoke):
+    """--baseline: the shape's W1 and TPOT again from the given source tree (here this one), and the ratios."""
+    tiny = smoke[0]["sections"]["tiny"]
+    base = tiny["baseline"]
+    assert base["status"] == "ok" and base["src"] == str(ROOT)
+    assert base["w1"]["requests"] == tiny["w1"]["requests"] and _positive(base["w1"]["output_tok_s"])
+    assert _positive(base["tpot_b1"]["tpot_ms"], base["w1_speedup"], base["tpot_b1_speedup"])
+    assert base["w1_speedup"] == round(tiny["w1"]["output_tok_s"] / base["w1"]["output_tok_s"], 3)
+    assert "prefill_2k" not in base  # W1 and TPOT only

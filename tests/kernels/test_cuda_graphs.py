@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from tiny_models import random_prompts, reference, run
@@ -58,3 +59,27 @@ def test_static_padded_decode_on_the_triton_backend(model_dirs, hf_models, monke
     runner.enable_decode_graphs([2, 4], capture=False)
     assert run(llm, prompts) == reference(hf_models, "llama", prompts)
     assert runner.num_graph_steps > 0
+
+
+def test_staged_inputs_reach_the_static_buffers_at_the_steps_width(model_dirs):
+    """A step's rows are staged at the width of its longest block table and spread on the device into the
+    graphs' [rows, max_blocks] table: each row's blocks where they were, padding rows as dummy decodes in the
+    spare block, every column past the width the spare block (never a value left from an earlier, wider step)."""
+    llm = LLM(str(model_dirs["llama"]), dtype="float32", num_kv_blocks=64, block_size=8, max_model_len=256)
+    runner = llm.engine.core.runner
+    runner.enable_decode_graphs([2, 4], capture=False)
+    graphs, spare = runner.graphs, runner.spare_block
+    wide = np.arange(1, 1 + 4 * 9, dtype=np.int64).reshape(4, 9)  # an earlier step: 4 rows, 9 blocks each
+    graphs._stage(*(np.arange(4, dtype=np.int64) + k for k in (10, 20, 30)), wide, np.full(4, 70), 4)
+    tables = np.array([[5, 6, 7], [8, 9, 0]], dtype=np.int64)  # then 3 rows at width 3
+    ids, pos, slots, lens = (np.array([11, 12, 13]), np.array([17, 9, 3]), np.array([47, 72, 33]),
+                             np.array([18, 10, 4]))
+    graphs._stage(ids, pos, slots, np.vstack([tables, [[4, 0, 0]]]), lens, 4)
+    got_ids, got_pos, meta = graphs._unstage(4)
+    assert got_ids.tolist() == [11, 12, 13, 0] and got_pos.tolist() == [17, 9, 3, 0]
+    assert meta.slot_mapping.tolist() == [47, 72, 33, spare * 8]
+    assert meta.decode_seq_lens.tolist() == [18, 10, 4, 1]
+    bt = meta.decode_block_tables
+    assert bt.shape == (4, graphs.max_blocks)
+    assert bt[:2, :3].tolist() == tables.tolist() and bt[2, 0] == 4
+    assert bt[3, 0] == spare and bool((bt[:, 3:] == spare).all())

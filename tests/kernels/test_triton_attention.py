@@ -267,7 +267,7 @@ def test_split_kv_replays_in_a_cuda_graph(window):
     q = torch.randn(3, hq, d, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     kc_d, vc_d, q_d = kc.cuda(), vc.cuda(), q.cuda()
     static = _on_device(meta)
-    static.derived = {"triton_rows": tuple(t.cuda() for t in attn.derive(meta)["triton_rows"])}
+    static.derived = attn.derive(meta).to("cuda")
     attn.attend(q_d, (kc_d, vc_d), static, window)  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -276,7 +276,7 @@ def test_split_kv_replays_in_a_cuda_graph(window):
     for lens in ([300, 300, 300], [1, 129, 33], [64, 2, 299]):
         step = AttentionMetadata(meta.slot_mapping, meta.decode_idx, meta.decode_block_tables.flip(0),
                                  torch.tensor(lens), [], bs)
-        for dst, src in zip(static.derived["triton_rows"], attn.derive(step)["triton_rows"], strict=True):
+        for dst, src in zip(static.derived, attn.derive(step), strict=True):
             dst.copy_(src)
         graph.replay()
         torch.cuda.synchronize()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -21,6 +23,16 @@ class PrefillSpan:
 
 
 @dataclass
+class BackendMetadata:
+    """What one backend derives from a step's metadata once and reads in every layer: a dataclass of tensors of
+    its own (the Triton backend's per-row arrays, say), built by `AttentionBackend.derive`."""
+
+    def to(self, device: torch.device | str) -> BackendMetadata:
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True)
+                                            for f in dataclasses.fields(self)})
+
+
+@dataclass
 class AttentionMetadata:
     """Where each token of the batch reads and writes the paged KV cache."""
 
@@ -30,29 +42,21 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [Bd] int64: context length including the new token
     prefills: list[PrefillSpan]
     block_size: int
-    # what a backend derives from the above once per step and reuses in every layer
-    derived: dict = field(default_factory=dict, repr=False)
+    # what the backend derives from the above once per step and reuses in every layer (None: nothing)
+    derived: BackendMetadata | None = field(default=None, repr=False)
 
     @property
     def num_decodes(self) -> int:
         return int(self.decode_idx.numel())
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor the step's attention reads, the derived ones included, in a fixed order (each has
-        the batch as its first dimension except the prefills' block tables, which are not listed)."""
-        out = [self.slot_mapping, self.decode_idx, self.decode_block_tables, self.decode_seq_lens]
-        for v in self.derived.values():
-            out.extend(v if isinstance(v, tuple) else (v,))
-        return out
 
     def to(self, device: torch.device) -> AttentionMetadata:
         """A copy on `device` (the same object where it is already there)."""
         if self.slot_mapping.device == torch.device(device):
             return self
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        derived = {k: tuple(map(move, v)) if isinstance(v, tuple) else move(v) for k, v in self.derived.items()}
         return AttentionMetadata(move(self.slot_mapping), move(self.decode_idx), move(self.decode_block_tables),
-                                 move(self.decode_seq_lens), self.prefills, self.block_size, derived)
+                                 move(self.decode_seq_lens), self.prefills, self.block_size,
+                                 None if self.derived is None else self.derived.to(device))
 
 
 class AttentionBackend(ABC):
@@ -62,16 +66,27 @@ class AttentionBackend(ABC):
     the model's dtype or fp8 with the layer's scales (attention/kv_quant.py: `KVCache`).
     """
 
+    # What the decoder may hand a backend beyond `forward(q, k, v, ...)` with q and v contiguous: `strided_qkv`,
+    # views of the fused QKV projection read through their strides (no copies); `attends_written_cache`,
+    # `attend` over a cache the caller already wrote the step's keys and values into (RoPE fused with the write)
+    strided_qkv: ClassVar[bool] = False
+    attends_written_cache: ClassVar[bool] = False
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
 
-    def derive(self, meta: AttentionMetadata) -> dict:
+    def derive(self, meta: AttentionMetadata) -> BackendMetadata | None:
         """What this backend computes from a step's host-side metadata once for all layers (into
         `meta.derived`, moved to the device with the rest); nothing by default."""
-        return {}
+        return None
+
+    def derive_decode(self, meta: AttentionMetadata) -> BackendMetadata | None:
+        """`derive` for a pure-decode step whose metadata is already on the device, with device ops only (no
+        host reads: it runs inside a CUDA graph's capture, once per replay); nothing by default."""
+        return None
 
     @abstractmethod
     def forward(
@@ -84,6 +99,12 @@ class AttentionBackend(ABC):
         sliding_window: int | None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
+
+    def attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+               sliding_window: int | None) -> torch.Tensor:
+        """Attention of q [T, num_heads, head_dim] over the cache, the step's keys and values already in it
+        (only where `attends_written_cache`)."""
+        raise NotImplementedError(f"{type(self).__name__} writes the cache itself: call forward")
 
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],

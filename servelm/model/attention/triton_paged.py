@@ -28,9 +28,11 @@ or newer (Ada, Hopper), where Triton converts float8_e4m3fn.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from servelm.model.attention.base import AttentionBackend, AttentionMetadata
+from servelm.model.attention.base import AttentionBackend, AttentionMetadata, BackendMetadata
 from servelm.model.attention.kv_quant import is_fp8, scales
 
 try:
@@ -208,11 +210,29 @@ if HAS_TRITON:
                  mask=d_ok)
 
 
+@dataclass
+class TritonRows(BackendMetadata):
+    """The kernels' view of a step: per row (decodes first, in `decode_idx` order, then prompt chunks) its first
+    query's batch position, its query count, its context length and its block table (int32 or int64)."""
+
+    q_starts: torch.Tensor
+    q_lens: torch.Tensor
+    ctx_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+    def __iter__(self):  # unpacks in the kernels' argument order
+        return iter((self.q_starts, self.q_lens, self.ctx_lens, self.block_tables))
+
+    def rows(self, start: int, stop: int | None = None) -> TritonRows:
+        return TritonRows(*(t[start:stop] for t in self))
+
+
 class TritonPagedAttention(AttentionBackend):
     """All sequences of a step in one kernel launch per layer; with `split_kv` (the default) the decode rows
     instead in two (the splits, then their merge) wherever the batch leaves the GPU short of programs.
     `num_splits` fixes the split count (tests, benchmarks) instead of choosing it from the batch."""
 
+    strided_qkv = attends_written_cache = True  # the kernels take q's strides; `attend` reads only the cache
     BLOCK_N = 32  # KV positions per tile (tl.dot needs 16 or more, whatever the cache's block size)
     MAX_SPLITS = 32
     # programs per SM the split count aims for. Measured on an H200 (bench/gpu_check.py's decode_attention, bf16,
@@ -232,7 +252,7 @@ class TritonPagedAttention(AttentionBackend):
         self.num_splits = num_splits
         self._target: dict[torch.device, int] = {}
 
-    def derive(self, meta: AttentionMetadata) -> dict:
+    def derive(self, meta: AttentionMetadata) -> TritonRows:
         """Per-row query start, query length, context length and a block table, as int32 tensors on the
         host (the runner moves them with the rest of the step's metadata: one copy each per step). Decode
         rows come first, in the order of `meta.decode_idx`."""
@@ -250,7 +270,13 @@ class TritonPagedAttention(AttentionBackend):
             ctx.append(torch.tensor([span.ctx_len]))
             tables.append(span.block_table[None].cpu())  # (the runner's are on the host; a caller's may not be)
         bt = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables]).to(torch.int32)
-        return {"triton_rows": (*(torch.cat(x).to(torch.int32) for x in (starts, lens, ctx)), bt)}
+        return TritonRows(*(torch.cat(x).to(torch.int32) for x in (starts, lens, ctx)), bt)
+
+    def derive_decode(self, meta: AttentionMetadata) -> TritonRows:
+        """The same rows for a pure-decode step, as views of the step's device metadata (int64: the kernels take
+        either width): each row's query is its own batch position, one token long."""
+        idx = meta.decode_idx
+        return TritonRows(idx, torch.ones_like(idx), meta.decode_seq_lens, meta.decode_block_tables)
 
     def splits_for(self, rows: int, capacity: int, device: torch.device | str) -> int:
         """How many splits `rows` decode rows get, whose block tables hold `capacity` positions: enough
@@ -283,18 +309,17 @@ class TritonPagedAttention(AttentionBackend):
                sliding_window: int | None) -> torch.Tensor:
         """Attention of the step's queries over the cache (the new keys and values already in it)."""
         out = torch.empty_like(q)
-        rows = meta.derived.get("triton_rows")
-        if rows is None:  # metadata built without the runner (tests): derive here, once for all layers
-            rows = meta.derived["triton_rows"] = tuple(t.to(q.device) for t in self.derive(meta)["triton_rows"])
+        rows = meta.derived
+        if not isinstance(rows, TritonRows):  # metadata built without the runner (tests): derive here, once
+            rows = meta.derived = self.derive(meta).to(q.device)
         n_dec = meta.num_decodes
-        splits = self.splits_for(n_dec, rows[3].shape[1] * meta.block_size, q.device)
+        splits = self.splits_for(n_dec, rows.block_tables.shape[1] * meta.block_size, q.device)
         if splits == 1:
             self._single_pass(out, q, kv_cache, rows, meta, sliding_window)
             return out
-        self._split_decode(out, q, kv_cache, tuple(t[:n_dec] for t in rows), meta.block_size, sliding_window,
-                           splits)
+        self._split_decode(out, q, kv_cache, rows.rows(0, n_dec), meta.block_size, sliding_window, splits)
         if meta.prefills:
-            self._single_pass(out, q, kv_cache, tuple(t[n_dec:] for t in rows), meta, sliding_window)
+            self._single_pass(out, q, kv_cache, rows.rows(n_dec), meta, sliding_window)
         return out
 
     def _block_d(self) -> int:

@@ -222,7 +222,7 @@ class DecodeTapes:
                 ) -> torch.Tensor | None:
         """The hidden states of a pure-decode step from its tape (recording it first where there is none),
         or None where the step is not taped: the caller runs the Python loop."""
-        if self.refused is not None or meta.prefills or meta.derived or input_ids.device.type != "cpu":
+        if self.refused is not None or meta.prefills or meta.derived is not None or input_ids.device.type != "cpu":
             return None
         ends = (len(kv_caches), kv_caches[0][0].data_ptr(), kv_caches[-1][1].data_ptr())
         if kv_caches is not self._caches or ends != self._ends:

@@ -1,6 +1,6 @@
 """Building blocks of the decoder: RMSNorm, rotary embedding, SiLU-and-multiply (fused C++ kernels for bf16 on
-CPU, fused Triton kernels for the norms and SiLU-and-multiply on CUDA, PyTorch elsewhere), and the linear layers
-over the kernel chosen once per weight (model/layers/linear_kernels.py)."""
+CPU, fused Triton kernels for the norms, SiLU-and-multiply and RoPE with the KV-cache write on CUDA, PyTorch
+elsewhere), and the linear layers over the kernel chosen once per weight (model/layers/linear_kernels.py)."""
 
 from __future__ import annotations
 
@@ -89,6 +89,28 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: to
     if positions is not None:
         cos, sin = cos[positions], sin[positions]
     x.copy_(apply_rotary(x, cos, sin))
+
+
+def _gpu_rope(x: torch.Tensor):
+    """model/kernels/triton_rope.py under `_gpu_kernels`' rule (a CUDA tensor while a graph is captured), else None."""
+    if _gpu_kernels(x) is None:
+        return None
+    from servelm.model.kernels import triton_rope
+
+    return triton_rope if triton_rope.HAS_TRITON else None
+
+
+def rotary_write_kv(qk: torch.Tensor, v: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                    positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor) -> bool:
+    """RoPE over the queries and keys of qk [T, H + KVH, D] (the queries rotated in place) with the rotated keys
+    and the values v [T, KVH, D] written into the paged cache at `slots`: one Triton kernel on CUDA, where it
+    takes the tensors (cos/sin: the whole [max_pos, D] tables). False, having done nothing, elsewhere: the
+    caller then runs `rotary_` and the attention backend writes the cache."""
+    gpu = _gpu_rope(qk)
+    if gpu is None or not gpu.applies(qk, v, cos, sin, kv_cache):
+        return False
+    gpu.rope_write_kv(qk, v, num_heads, positions, cos, sin, kv_cache, slots)
+    return True
 
 
 def contiguous_rows(x: torch.Tensor, fused=None) -> torch.Tensor:

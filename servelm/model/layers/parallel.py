@@ -24,12 +24,28 @@ from servelm.model.spec import ModelSpec
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
 
-class TensorParallel:
-    """This process's rank among `size`, and (once connected) the gloo group that all-reduces over them."""
+def backend_for(device: str | torch.device) -> str:
+    """The collective backend for ranks on `device`: the one place it is chosen. NCCL on CUDA (device memory,
+    NVLink/PCIe, capturable in CUDA graphs), gloo over the loopback on the CPU."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
-    def __init__(self, rank: int, size: int) -> None:
+
+def rank_device(device: str, rank: int) -> str:
+    """Where `rank` runs: the CPU for every rank, or on CUDA the base device's index plus the rank (`cuda` is
+    cuda:0), one GPU per rank."""
+    d = torch.device(device)
+    return "cpu" if d.type == "cpu" else f"cuda:{(d.index or 0) + rank}"
+
+
+class TensorParallel:
+    """This process's rank among `size` on `device`, and (once connected) the group that all-reduces over them:
+    gloo on the CPU, NCCL on CUDA (`backend_for`)."""
+
+    def __init__(self, rank: int, size: int, device: str = "cpu") -> None:
         self.rank, self.size = rank, size
-        self.group = None  # a ProcessGroupGloo, set by `connect`
+        self.device = torch.device(device)
+        self.backend = backend_for(self.device)
+        self.group = None  # a ProcessGroupGloo or ProcessGroupNCCL, set by `connect`
 
     def connect(self, port: int, on_port: Callable[[int], None] | None = None, host: str = "127.0.0.1",
                 rendezvous_timeout: timedelta = timedelta(minutes=2)) -> None:
@@ -41,19 +57,42 @@ class TensorParallel:
                               wait_for_workers=False)
         if on_port is not None:
             on_port(store.port)
-        opts = dist.ProcessGroupGloo._Options()
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]  # loopback only
-        opts._timeout = COLLECTIVE_TIMEOUT
-        self.group = dist.ProcessGroupGloo(store, self.rank, self.size, opts)
+        if self.backend == "nccl":
+            # NCCL and graph capture work on the current device: this rank's GPU from here on
+            torch.cuda.set_device(self.device)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = COLLECTIVE_TIMEOUT
+            self.group = dist.ProcessGroupNCCL(store, self.rank, self.size, opts)
+        else:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]  # loopback only
+            opts._timeout = COLLECTIVE_TIMEOUT
+            self.group = dist.ProcessGroupGloo(store, self.rank, self.size, opts)
         self._store = store  # rank 0 serves it: kept as long as the group
+        # NCCL creates its communicator on the first collective, which must not be one inside a graph capture;
+        # on either backend this also proves every rank can reach the others before any step runs
+        self.all_reduce(torch.zeros(1, device=self.device))
+
+    def abort(self) -> None:
+        """Fail this rank's pending and later collectives (another rank is gone)."""
+        if self.group is not None:
+            self.group.abort()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's x (x itself on one rank). Partial sums travel in float32: a bf16 sum of
-        bf16 partials would round twice; widening first rounds once, at the end."""
+        """The sum of every rank's x (x itself on one rank).
+
+        gloo (CPU): partial sums travel in float32: a bf16 sum of bf16 partials would round twice; widening
+        first rounds once, at the end. NCCL (CUDA): in place in the model's dtype, as vLLM does, on the current
+        stream, so that a CUDA graph captures it. NCCL does not carry a wider accumulator between ranks: each
+        step of its ring adds two bf16 values and stores bf16, one rounding per step; at two ranks that is one
+        add rounded once, the same value the float32 path gives."""
         if self.size == 1:
             return x
         if self.group is None:
             raise RuntimeError("tensor parallel group not connected")
+        if self.backend == "nccl":
+            self.group.allreduce([x]).wait()  # wait(): the current stream waits for NCCL's (captured as an edge)
+            return x
         wide = x if x.dtype == torch.float32 else x.float()
         self.group.allreduce([wide]).wait()
         return wide if wide is x else wide.to(x.dtype)

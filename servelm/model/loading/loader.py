@@ -13,7 +13,13 @@ import torch
 from servelm.model.attention import get_backend
 from servelm.model.decoder import DecoderLM
 from servelm.model.kernels.cpu_features import cpu_has_bf16
-from servelm.model.layers.parallel import TensorParallel, check_shardable, local_spec, shard_tensors
+from servelm.model.layers.parallel import (
+    TensorParallel,
+    check_shardable,
+    local_spec,
+    rank_device,
+    shard_tensors,
+)
 from servelm.model.loading.gguf_loader import iter_gguf_tensors
 from servelm.model.loading.metadata import load_config_and_eos, load_config_and_tokenizer
 from servelm.model.loading.source import ModelSource
@@ -78,6 +84,8 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
     auto: gguf for a GGUF file in bfloat16 where servelm's GGUF kernels run (prefill path included), else none.
     With `tp_size` > 1 only rank `tp_rank`'s shard of the weights is kept (model/layers/parallel.py); its group is
     connected later."""
+    if tp_size > 1:  # one GPU per rank (the CPU for all of them)
+        device = rank_device(device, tp_rank)
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if quantization == "gguf" and not device.startswith("cpu"):
@@ -118,7 +126,7 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
     # GGUF blocks (quantization gguf) are CPU only
     weights = {name: t.to(device) for name, t in tensors}
     num_params = whole[0] or sum(math.prod(t.shape) for t in weights.values())
-    tp = TensorParallel(tp_rank, tp_size) if tp_size > 1 else None
+    tp = TensorParallel(tp_rank, tp_size, device) if tp_size > 1 else None
     lm = DecoderLM(local_spec(spec, tp_rank, tp_size), weights, torch_dtype, get_backend(device), tp)
     lm.num_params = num_params  # as the checkpoint stores them (a tied lm_head once)
     lm.quantization = f"int4/g{quantization_group_size}" if quantization == "int4" else quantization
