@@ -18,9 +18,12 @@ REL, ABS = 2.0**-4, 2.0**-10
 
 
 def test_round_trip_is_within_e4m3_rounding_and_saturates():
-    x = torch.cat([torch.randn(4096, generator=torch.Generator().manual_seed(0)) * s for s in (1e-3, 1.0, 100.0)])
+    x = torch.cat([torch.randn(4096, generator=torch.Generator().manual_seed(0)) * s for s in (1e-3, 1.0, 100.0)]
+                  + [torch.tensor([1000.0, -2000.0])])
+    before = x.clone()
     for scale in (1.0, 0.25, 3.0):
         back = dequantize(quantize(x, scale), scale, torch.float32)
+        assert torch.equal(x, before)  # the input is left as it was
         inside = x.abs() <= FP8_MAX * scale
         bound = REL * x.abs() + ABS * scale
         assert bool(((back - x).abs() <= bound)[inside].all())

@@ -56,10 +56,10 @@ def scales(kv_cache) -> tuple[float, float]:
 
 def quantize(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """x as fp8 cache entries: divided by the scale in float32, saturated to the finite range, then rounded."""
-    y = x.float()
+    y = x.float()  # (x itself when it is float32: never changed in place)
     if scale != 1.0:
         y = y / scale
-    return y.clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return y.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
