@@ -121,21 +121,23 @@ class Fp8ReferenceMatmul:
 
 class Fp8ScaledMatmul:
     """x W^T on the FP8 tensor cores: x quantized per token, `torch._scaled_mm` with row-wise scales, the
-    output in x's dtype (bfloat16: what row-wise scaling returns). `_scaled_mm` wants the row count a
-    multiple of 16, so a step's rows are zero padded up to one (cheap beside the weight read)."""
+    output in x's dtype (bfloat16: what row-wise scaling returns). Where a build of `_scaled_mm` wants the row
+    count a multiple of 16 (`row_multiple`, found by `fp8_matmul`'s trial call), a step's rows are zero padded
+    up to one: a copy of the activations, small beside the weight read."""
 
     path = "scaled_mm"
     kind = "fp8"
 
-    def __init__(self, w: Fp8Weight) -> None:
+    def __init__(self, w: Fp8Weight, row_multiple: int = 1) -> None:
         w = requantize_per_row(w)
         self.out_features, self.in_features = w.shape
+        self.row_multiple = row_multiple
         self.codes = w.codes.contiguous()  # [N, K] row-major: its .t() is the column-major [K, N] mat2
         self.scale_b = w.scales.reshape(1, -1).contiguous()  # [1, N]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        pad = -t % 16
+        pad = -t % self.row_multiple
         if pad:
             x = F.pad(x, (0, 0, 0, pad))
         xq, scale_a = quantize_rows(x)
@@ -165,15 +167,17 @@ def scaled_mm_applies(w: Fp8Weight) -> str | None:
 
 
 def fp8_matmul(w: Fp8Weight) -> Fp8ScaledMatmul | Fp8ReferenceMatmul:
-    """`_scaled_mm` where it applies and runs, else the reference (logged once per reason)."""
+    """`_scaled_mm` where it applies and runs (rows padded to a multiple of 16 where one row is refused), else
+    the reference (logged once per reason)."""
     why = scaled_mm_applies(w)
     if why is None:
-        try:
-            mm = Fp8ScaledMatmul(w)
-            mm(torch.zeros(1, mm.in_features, dtype=w.dtype, device=w.codes.device))  # shapes checked on call
-            return mm
-        except RuntimeError as e:
-            why = f"_scaled_mm failed: {str(e).splitlines()[0]}"
+        for rows in (1, 16):
+            try:
+                mm = Fp8ScaledMatmul(w, rows)
+                mm(torch.zeros(1, mm.in_features, dtype=w.dtype, device=w.codes.device))  # shapes checked on call
+                return mm
+            except RuntimeError as e:
+                why = f"_scaled_mm failed: {str(e).splitlines()[0]}"
     if w.codes.device.type == "cuda" and why not in _logged:
         _logged.add(why)
         logger.warning("fp8 weights run the reference path (dequantized each call): %s", why)
