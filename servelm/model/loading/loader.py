@@ -113,8 +113,10 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
                          "file: use int8 or int4 to quantize it at load")
     if src.kind == "gguf":
         tensors = iter_gguf_tensors(src.path, torch_dtype, keep_quantized=quantization == "gguf")
-    else:
-        tensors = _iter_safetensors(src.path, torch_dtype, fp8=fp8 is not None)
+    elif fp8 is None:
+        tensors = _iter_safetensors(src.path, torch_dtype)
+    else:  # fp8 codes and scales as stored, for read_fp8_checkpoint
+        tensors = _iter_safetensors(src.path, torch_dtype, fp8=True)
     if fp8 is not None:  # joined before a tensor-parallel split, which takes dense tensors
         keep = is_linear_weight if quantization == "fp8" else (lambda name: False)
         tensors = read_fp8_checkpoint(tensors, fp8, torch_dtype, keep)
