@@ -50,7 +50,7 @@ def _f(default, help: str, runtime: bool = False, token_count: bool = False):
 # The choices of the fields that take one of a few names: the one place each set is written. Validation, the
 # config file and env readers, and the OpenAPI document of PATCH /admin/config read them from the annotation.
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-Quantization = Literal["auto", "none", "gguf", "int8", "int4"]
+Quantization = Literal["auto", "none", "gguf", "int8", "int4", "fp8"]
 PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["priority", "fcfs"]
 StructuredOutputBackend = Literal["auto", "llguidance", "xgrammar"]
@@ -156,12 +156,16 @@ class EngineConfig:
                                  "its built-in architectures and never executes code from a model folder")
     dtype: Dtype = _f("auto", "auto | float32 | bfloat16 | float16 (vLLM's half and float, and bf16, name the same "
                     "types); auto picks bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX), else float32")
-    quantization: Quantization = _f("auto", "auto | none | gguf | int8 | int4: linear weights kept quantized in memory and "
-                           "dequantized inside the matmul (CPU only; README: Quantization). gguf keeps a GGUF "
-                           "file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K linears as they are (servelm's kernels) and dequantizes "
-                           "its other types; int8 (per output channel) and int4 (group-wise) quantize the linears "
-                           "at load (PyTorch's kernels); none dequantizes everything to --dtype; auto (default) is "
-                           "gguf for a GGUF file in bfloat16 on a CPU that runs servelm's GGUF kernels, else none")
+    quantization: Quantization = _f("auto", "auto | none | gguf | int8 | int4 | fp8: linear weights kept quantized in "
+                           "memory (README: Quantization). gguf keeps a GGUF "
+                           "file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K linears as they are (servelm's CPU kernels) "
+                           "and dequantizes its other types; int8 (per output channel) and int4 (group-wise) quantize "
+                           "the linears at load (PyTorch's CPU kernels, Triton on a GPU); fp8 keeps an FP8 "
+                           "checkpoint's e4m3 linears or quantizes any other's at load (per output channel), run by "
+                           "torch._scaled_mm with activations scaled per token on GPUs of compute capability >= 8.9 "
+                           "in bfloat16, else dequantized each call (an exact reference, slow on the CPU); none "
+                           "dequantizes everything to --dtype; auto (default) is fp8 for an FP8 checkpoint, gguf for "
+                           "a GGUF file in bfloat16 on a CPU that runs servelm's GGUF kernels, else none")
     quantization_group_size: int = _f(32, "int4: weights sharing one scale and zero point, 32, 64, 128 or 256; "
                                       "it must divide every linear's input width (SmolLM2's 576: 32 or 64)")
     device: str = _f("cpu", "device to run on: cpu, or cuda (NVIDIA GPUs: Triton attention, CUDA graphs)")
@@ -282,10 +286,11 @@ class EngineConfig:
         need(self.device == "cpu" or self.device.startswith("cuda"), "device", "cpu, cuda or cuda:N")
         need(self.quantization in choices(Quantization), "quantization", one_of(Quantization))
         need(self.quantization_group_size in (32, 64, 128, 256), "quantization_group_size", "32, 64, 128 or 256")
-        need(self.quantization != "gguf" or self.device == "cpu", "quantization", "none, int8 or int4 on a GPU "
-             "(gguf keeps a file's blocks for the CPU kernels; int8/int4 run Triton kernels on a GPU)")
+        need(self.quantization != "gguf" or self.device == "cpu", "quantization", "none, int8, int4 or fp8 on a "
+             "GPU (gguf keeps a file's blocks for the CPU kernels; int8/int4 run Triton kernels on a GPU)")
         need(self.quantization in ("auto", "none", "gguf") or not self.batch_invariant, "quantization",
-             "auto, none or gguf with batch_invariant (PyTorch's int8/int4 kernels promise no fixed order)")
+             "auto, none or gguf with batch_invariant (PyTorch's int8/int4 kernels and the fp8 matmuls promise no "
+             "fixed order)")
         need(not self.batch_invariant or self.device == "cpu", "batch_invariant", "false on a GPU (CPU only)")
         tp = self.tensor_parallel_size
         need(tp >= 1, "tensor_parallel_size", ">= 1")
@@ -296,7 +301,9 @@ class EngineConfig:
                         (not self.batch_invariant, "no batch_invariant"),
                         (self.kv_cache_persist is None, "no kv_cache_persist (each rank holds part of every block)"),
                         (self.quantization != "gguf", "quantization none, int8 or int4 (GGUF's quantized tensors "
-                         "are not split)")):
+                         "are not split)"),
+                        (self.quantization != "fp8", "quantization none, int8 or int4 (fp8 weights are not split; "
+                         "an fp8 checkpoint is dequantized under none)")):
             need(tp == 1 or ok, "tensor_parallel_size", f"1, or run with {why}")
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", "a power of two in [1, 256]")
         need(self.kv_cache_dtype in choices(KVCacheDtype), "kv_cache_dtype", one_of(KVCacheDtype))
@@ -386,9 +393,10 @@ class EngineConfig:
         return notes
 
     def load_quantization(self) -> str:
-        """The quantization the loader is asked for: auto stays auto (the loader picks gguf or none by the
-        file, dtype and CPU) except where gguf is not allowed (a GPU, tensor parallelism)."""
-        if self.quantization == "auto" and (self.device != "cpu" or self.tensor_parallel_size > 1):
+        """The quantization the loader is asked for: auto stays auto (the loader picks fp8, gguf or none by the
+        checkpoint, dtype and device; gguf only on the CPU) except with tensor parallelism, where neither fp8
+        nor gguf weights are split."""
+        if self.quantization == "auto" and self.tensor_parallel_size > 1:
             return "none"
         return self.quantization
 

@@ -216,9 +216,9 @@ def test_gate_up_preactivation_is_gate_then_up_on_every_path(gate, up, dtype, ac
     assert torch.allclose(out.float(), layer(x).float(), rtol=tol, atol=tol * out.float().abs().max())
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "fp8"])
 def test_quantized_bases_take_adapters(setup, quantization):
-    """On an int8/int4 base the adapter's rows change and base rows in the same batch keep the base's tokens."""
+    """On an int8/int4/fp8 base the adapter's rows change and base rows in the same batch keep the base's tokens."""
     arch, base_dir, paths, merged = setup
     prompts = random_prompts(2, 8, 20, seed=26)
     llm = LLM(str(base_dir), dtype="float32", num_kv_blocks=64, enable_lora=True, quantization=quantization)

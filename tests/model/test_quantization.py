@@ -31,18 +31,18 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def test_setting_is_validated_and_flows_from_cli_env_and_file(tmp_path):
-    with pytest.raises(ConfigError, match="quantization must be auto, none, gguf, int8 or int4, got 'int3'"):
+    with pytest.raises(ConfigError, match="quantization must be auto, none, gguf, int8, int4 or fp8, got 'int3'"):
         EngineConfig(quantization="int3")
     with pytest.raises(ConfigError, match="quantization_group_size must be 32, 64, 128 or 256, got 48"):
         EngineConfig(quantization="int4", quantization_group_size=48)
-    with pytest.raises(ConfigError, match="quantization must be none, int8 or int4 on a GPU"):
+    with pytest.raises(ConfigError, match="quantization must be none, int8, int4 or fp8 on a GPU"):
         EngineConfig(quantization="gguf", device="cuda")
     assert EngineConfig(quantization="int8", device="cuda").quantization == "int8"  # Triton kernels there
     with pytest.raises(ConfigError, match="quantization must be auto, none or gguf with batch_invariant"):
         EngineConfig(quantization="int8", batch_invariant=True)
     assert EngineConfig(quantization="gguf", batch_invariant=True).load_quantization() == "gguf"
     with pytest.raises(ConfigError, match=r"engine.quantization .*\(set by env SERVELM_QUANTIZATION\)"):
-        load(env={"SERVELM_QUANTIZATION": "fp8"})
+        load(env={"SERVELM_QUANTIZATION": "fp4"})
     f = tmp_path / "c.json"
     f.write_text(json.dumps({"engine": {"quantization": "int4", "quantization_group_size": 64}}))
     c = load(file=str(f), env={})

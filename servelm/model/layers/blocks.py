@@ -16,6 +16,7 @@ from servelm.model.layers.linear_kernels import (
     select_gate_up,
     select_linear,
 )
+from servelm.model.quant.fp8 import Fp8ReferenceMatmul, Fp8ScaledMatmul, Fp8Weight
 from servelm.model.quant.gguf import GGUFBlocks, GGUFMatmul, ReferenceMatmul
 from servelm.model.quant.weight_only import QuantMatmul, QuantWeight, RowParts, fuse_rows
 
@@ -146,16 +147,16 @@ class Linear:
     its blocking with the row count and gave rows that differed in a few elements from 65 rows on, which made
     outputs depend on scheduling). Without the C++ kernels, bf16 weights run on oneDNN's blocked layout and the
     rest on F.linear; quantized weights stay quantized (int8/int4 on PyTorch or Triton, GGUF blocks on
-    servelm's kernels)."""
+    servelm's kernels, fp8 on `torch._scaled_mm` or its reference)."""
 
-    def __init__(self, weight: torch.Tensor | QuantWeight | GGUFBlocks, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor | QuantWeight | GGUFBlocks | Fp8Weight, bias: torch.Tensor | None = None) -> None:
         self.out_features = weight.shape[0]
         self.kernel: LinearKernel = select_linear(weight, bias)
         # the C++ kernels' stores read the bias as a contiguous row
         self.bias = bias.contiguous() if bias is not None and not isinstance(self.kernel, TorchKernel) else bias
 
     @property
-    def quant(self) -> QuantMatmul | GGUFMatmul | ReferenceMatmul | None:
+    def quant(self) -> QuantMatmul | GGUFMatmul | ReferenceMatmul | Fp8ScaledMatmul | Fp8ReferenceMatmul | None:
         """The quantized matmul where the weight stays quantized, else None."""
         return self.kernel.matmul if isinstance(self.kernel, QuantKernel) else None
 

@@ -10,7 +10,9 @@ A float weight on the CPU takes the first of these that applies:
 - `TorchKernel`: `F.linear` (the GPU, float16, and the rest).
 
 A quantized weight keeps its format in a `QuantKernel`: int8/int4 on PyTorch's CPU kernels or the Triton
-matmul on a GPU (model/quant/weight_only.py), GGUF blocks on servelm's kernels (model/quant/gguf.py).
+matmul on a GPU (model/quant/weight_only.py), GGUF blocks on servelm's kernels (model/quant/gguf.py). An fp8
+weight takes an `Fp8Kernel`: `torch._scaled_mm` on GPUs with FP8 tensor cores, else the exact reference
+(dequantize, then matmul; model/quant/fp8.py).
 
 The three C++ float kernels and the GGUF block kernel sum each output row in one fixed order whatever the
 number of rows (`fixed_order`), so a token's bits never depend on what it was batched with; the
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from servelm.model.kernels import cpu as cpu_kernels
+from servelm.model.quant.fp8 import Fp8ReferenceMatmul, Fp8ScaledMatmul, Fp8Weight, fp8_matmul
 from servelm.model.quant.gguf import (
     GGUFBlocks,
     GGUFMatmul,
@@ -217,6 +220,15 @@ class QuantKernel:
         return self.matmul.tensors()
 
 
+class Fp8Kernel(QuantKernel):
+    """An fp8 weight (model/quant/fp8.py): `path` says which matmul runs it, scaled_mm (activations quantized
+    per token, FP8 tensor cores) or reference (the weight dequantized at each call). The bias is added after."""
+
+    def __init__(self, matmul: Fp8ScaledMatmul | Fp8ReferenceMatmul) -> None:
+        super().__init__(matmul, None)
+        self.path = matmul.path
+
+
 # --- choosing ------------------------------------------------------------------------------------------------
 def _float_cpu_kernel(weight: torch.Tensor, gate_up: bool) -> TileKernel | DenseKernel | None:
     """The C++ kernel that takes this float weight on the CPU (AMX, else AVX512-BF16, else dense), or None."""
@@ -232,11 +244,13 @@ def _float_cpu_kernel(weight: torch.Tensor, gate_up: bool) -> TileKernel | Dense
     return DenseKernel(k, weight, gate_up)
 
 
-def select_linear(weight: torch.Tensor | QuantWeight | GGUFBlocks, bias: torch.Tensor | None = None
+def select_linear(weight: torch.Tensor | QuantWeight | GGUFBlocks | Fp8Weight, bias: torch.Tensor | None = None
                   ) -> LinearKernel:
     """The kernel for `weight` (with `bias`, added by the kernel or after it). A quantized weight no kernel
-    takes in its format is dequantized; a bias of another dtype than the weight keeps it off the C++ kernels,
-    whose stores add a bias of the weight's dtype."""
+    takes in its format is dequantized (an fp8 one always has a kernel: the reference runs anywhere); a bias
+    of another dtype than the weight keeps it off the C++ kernels, whose stores add a bias of the weight's dtype."""
+    if isinstance(weight, Fp8Weight):
+        return Fp8Kernel(fp8_matmul(weight))
     if isinstance(weight, (QuantWeight, GGUFBlocks)):
         matmul = quant_matmul(weight) if isinstance(weight, QuantWeight) else gguf_matmul(weight)
         if matmul is not None:

@@ -20,11 +20,13 @@ from servelm.model.layers.parallel import (
     rank_device,
     shard_tensors,
 )
+from servelm.model.loading.fp8_checkpoint import fp8_checkpoint, kept_as_stored, read_fp8_checkpoint
 from servelm.model.loading.gguf_loader import iter_gguf_tensors
 from servelm.model.loading.metadata import load_config_and_eos, load_config_and_tokenizer
 from servelm.model.loading.source import ModelSource
+from servelm.model.quant.fp8 import quantize_fp8_linears
 from servelm.model.quant.gguf import auto_quantization
-from servelm.model.quant.weight_only import QUANTIZATIONS, quantize_linears
+from servelm.model.quant.weight_only import QUANTIZATIONS, is_linear_weight, quantize_linears
 from servelm.model.spec import ModelSpec
 from servelm.progress import progress
 
@@ -51,7 +53,8 @@ class LoadedModel:
     load_seconds: float
 
 
-def _iter_safetensors(folder: Path, dtype: torch.dtype):
+def _iter_safetensors(folder: Path, dtype: torch.dtype, fp8: bool = False):
+    """(name, tensor in `dtype`); with `fp8`, an fp8 checkpoint's codes and scales as stored (fp8_checkpoint)."""
     from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
@@ -63,7 +66,7 @@ def _iter_safetensors(folder: Path, dtype: torch.dtype):
                 t = sf.get_tensor(name)
                 # get_tensor maps the file: a kept tensor would keep the whole mapping, and with it every
                 # page that loading touched, resident (the packed and fused copies made from them too).
-                yield name, t.to(dtype, copy=True)
+                yield name, t.clone() if fp8 and kept_as_stored(name, t) else t.to(dtype, copy=True)
 
 
 def _counted(tensors, total: list[int]):
@@ -79,9 +82,12 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
                quantization_group_size: int = 32, tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
     """Weights, config, EOS ids and (unless with_tokenizer is False, as in the engine process) tokenizer.
     `sliding_window` puts that attention window on every layer (for GGUF files that lost the model's).
-    `quantization` (model/quant/weight_only.py, model/quant/gguf.py): none, gguf (a GGUF file's block-quantized linears kept
-    as they are), int8 or int4 (the linears quantized at load; int4 in groups of `quantization_group_size`), or
-    auto: gguf for a GGUF file in bfloat16 where servelm's GGUF kernels run (prefill path included), else none.
+    `quantization` (model/quant/weight_only.py, model/quant/gguf.py, model/quant/fp8.py): none, gguf (a GGUF file's
+    block-quantized linears kept as they are), int8 or int4 (the linears quantized at load; int4 in groups of
+    `quantization_group_size`), fp8 (an fp8 checkpoint's linears kept, any other's quantized at load), or auto:
+    fp8 for an fp8 checkpoint (model/loading/fp8_checkpoint.py), gguf for a GGUF file in bfloat16 where servelm's
+    GGUF kernels run (prefill path included), else none. An fp8 checkpoint under any other quantization is
+    dequantized (then requantized for int8/int4).
     With `tp_size` > 1 only rank `tp_rank`'s shard of the weights is kept (model/layers/parallel.py); its group is
     connected later."""
     if tp_size > 1:  # one GPU per rank (the CPU for all of them)
@@ -96,9 +102,16 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
     else:
         (src, hf_config, eos), tok = load_config_and_eos(model, gguf_file, tokenizer), None
     torch_dtype = resolve_dtype(dtype, device)
+    fp8 = fp8_checkpoint(hf_config) if src.kind != "gguf" else None
     if quantization == "auto":
-        quantization = auto_quantization(src.kind, device, torch_dtype) if tp_size == 1 else "none"
-    if quantization != "none" and torch_dtype != torch.bfloat16 and device.startswith("cpu"):
+        if tp_size > 1:
+            quantization = "none"
+        else:
+            quantization = "fp8" if fp8 is not None else auto_quantization(src.kind, device, torch_dtype)
+    if quantization == "fp8" and tp_size > 1:
+        raise ValueError("quantization 'fp8' does not run with tensor parallelism (fp8 weights are not split); "
+                         "use none, int8 or int4")
+    if quantization not in ("none", "fp8") and torch_dtype != torch.bfloat16 and device.startswith("cpu"):
         logger.warning("quantization %s with %s: servelm's GGUF kernels take bfloat16 only and PyTorch's int8/int4 "
                        "CPU kernels are vectorized for bfloat16 only, so the quantized linears run a scalar loop "
                        "(slow); use dtype bfloat16", quantization,
@@ -108,8 +121,13 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
                          "file: use int8 or int4 to quantize it at load")
     if src.kind == "gguf":
         tensors = iter_gguf_tensors(src.path, torch_dtype, keep_quantized=quantization == "gguf")
-    else:
+    elif fp8 is None:
         tensors = _iter_safetensors(src.path, torch_dtype)
+    else:  # fp8 codes and scales as stored, for read_fp8_checkpoint
+        tensors = _iter_safetensors(src.path, torch_dtype, fp8=True)
+    if fp8 is not None:  # joined before a tensor-parallel split, which takes dense tensors
+        keep = is_linear_weight if quantization == "fp8" else (lambda name: False)
+        tensors = read_fp8_checkpoint(tensors, fp8, torch_dtype, keep)
     spec = ModelSpec.from_hf_config(hf_config, sliding_window)
     check_shardable(spec, tp_size)
     whole = [0]  # the checkpoint's parameter count, before a tensor-parallel split
@@ -117,12 +135,15 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
         tensors = shard_tensors(_counted(tensors, whole), spec, tp_rank, tp_size)
     if quantization in ("int8", "int4"):  # from a GGUF file too: its tensors dequantized, then requantized
         tensors = quantize_linears(tensors, quantization, quantization_group_size, torch_dtype)
+    elif quantization == "fp8":  # an fp8 checkpoint's linears are Fp8Weights already and pass as they are
+        tensors = quantize_fp8_linears(tensors, torch_dtype, is_linear_weight)
     if getattr(hf_config, "gguf_sliding_window_unstated", False) and sliding_window is None:
         logger.warning("%s states no sliding window (llama.cpp's converter does not write Mistral's or Qwen's), "
                        "so every layer runs full attention; if the original model's config.json sets "
                        "sliding_window, pass it: LLM(..., sliding_window=N) or servelm serve --sliding-window N",
                        src.path.name)
-    # on the CPU, .to is a no-op; on a GPU quantized weights go there as codes and scales (model/quant/triton_matmul.py);
+    # on the CPU, .to is a no-op; on a GPU quantized weights go there as codes and scales (model/quant/triton_matmul.py,
+    # model/quant/fp8.py);
     # GGUF blocks (quantization gguf) are CPU only
     weights = {name: t.to(device) for name, t in tensors}
     num_params = whole[0] or sum(math.prod(t.shape) for t in weights.values())

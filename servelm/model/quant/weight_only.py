@@ -24,11 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
+from servelm.model.quant.fp8 import Fp8Weight
 from servelm.model.quant.gguf import GGUFBlocks
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4", "fp8")
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel takes
 # The linears that are quantized: attention and MLP projections. Embeddings and lm_head stay in the
 # model's dtype (the embedding is read a row at a time; a tied lm_head is the same tensor).
@@ -144,7 +145,7 @@ class RowParts:
 
 
 def _format(p) -> str:
-    """What a part is stored as: a GGUF type, int8/int4, or the float dtype of a dense tensor."""
+    """What a part is stored as: a GGUF type, int8/int4, fp8, or the float dtype of a dense tensor."""
     return str(p.dtype).removeprefix("torch.") if isinstance(p, torch.Tensor) else p.source
 
 
@@ -154,6 +155,8 @@ def _same_format(a, b) -> bool:
         return (a.qtype, a.in_features) == (b.qtype, b.in_features)
     if isinstance(a, QuantWeight) and isinstance(b, QuantWeight):
         return (a.kind, a.group_size, a.scales.dtype) == (b.kind, b.group_size, b.scales.dtype)
+    if isinstance(a, Fp8Weight) and isinstance(b, Fp8Weight):
+        return (a.group_size, a.scales.shape[1]) == (b.group_size, b.scales.shape[1])
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
 
 
@@ -168,6 +171,9 @@ def _stack(parts: list) -> torch.Tensor | QuantWeight | GGUFBlocks:
         return QuantWeight(first.kind, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
                            None if first.zeros is None else torch.cat([p.zeros for p in parts]), first.group_size,
                            first.dtype, first.source)
+    if isinstance(first, Fp8Weight):
+        return Fp8Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), first.group_size,
+                         first.dtype, first.source)
     return torch.cat(parts).contiguous()
 
 
