@@ -330,3 +330,25 @@ def test_tensor_parallel_ranks_keep_fp8_caches(model_dirs):
     tp2 = _prompt_logprobs(llm, prompts)
     llm.engine.close()
     assert (tp2 - tp1).abs().mean() <= 0.25 * (tp1 - exact).abs().mean()
+
+
+def test_an_fp8_checkpoints_kv_scales_reach_the_fp8_cache(llama_dir, tmp_path):
+    """An FP8 checkpoint (fp8 weights, quantization auto -> fp8) with per-layer k_scale/v_scale: the fp8 KV cache
+    takes them (the weights' reader passes them on); the model's-dtype cache ignores them."""
+    from fp8_checkpoints import write_fp8_checkpoint
+    from safetensors.torch import save_file
+
+    from servelm import LLM, SamplingParams
+
+    out = tmp_path / "fp8"
+    write_fp8_checkpoint(llama_dir, out, tmp_path / "twin", "tensor")
+    save_file({f"model.layers.{i}.self_attn.{n}_scale": torch.tensor(s) for i in range(2)
+               for n, s in (("k", 0.5), ("v", 0.125))}, str(out / "model-kv-scales.safetensors"))
+    llm = LLM(str(out), dtype="float32", num_kv_blocks=32, kv_cache_dtype="fp8")
+    assert llm.engine.core.model.quantization == "fp8"
+    assert [scales(kv) for kv in llm.engine.core.runner.kv_caches] == [(0.5, 0.125)] * 2
+    out_tokens = llm.generate([[1, 5, 9, 200]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                              use_tqdm=False)
+    assert len(out_tokens[0].outputs[0].token_ids) == 4
+    auto = LLM(str(out), dtype="float32", num_kv_blocks=32)
+    assert [scales(kv) for kv in auto.engine.core.runner.kv_caches] == [(1.0, 1.0)] * 2
