@@ -25,6 +25,10 @@ With --baseline DIR (another source tree of servelm, such as an earlier commit's
 and batch-1 TPOT run a second time with that tree, on the same model and machine, and the shape's figures
 give the ratios (`baseline`: w1_speedup, tpot_b1_speedup).
 
+With --fp8-shapes (default: 8b on a GPU of compute capability 8.9 or newer), those shapes' batch-1 TPOT and 2k
+prefill run again with `--quantization fp8` (`fp8`: the figures, the TPOT's bound at one byte a linear weight, and
+the speed-ups over bf16).
+
 Each measurement runs in a child process (a crash or a hang costs its section, not the run); every figure is
 printed as a JSON line as it comes, and one JSON object ends the run (also written to --out-dir). Models get
 a tokenizer of exactly their vocabulary size whose every id decodes to text (a byte-level BPE vocabulary
@@ -267,7 +271,8 @@ def child_ceilings(spec: dict) -> None:
 
         props = torch.cuda.get_device_properties(torch.device(dev))
         result("device", gpu=props.name, memory_gb=round(props.total_memory / 2**30, 1),
-               multiprocessors=props.multi_processor_count, torch=torch.__version__,
+               multiprocessors=props.multi_processor_count, capability=[props.major, props.minor],
+               torch=torch.__version__,
                cuda=torch.version.cuda)
         result("ceilings", **ceilings())
         return
@@ -311,7 +316,10 @@ def child_shape(spec: dict) -> None:
     shape = shape_of(name)
     h, n_layers, heads, kv, inter, vocab, tied = shape
     layers_p, head_p = linear_params(shape)
-    read_bytes = 2 * (layers_p + head_p)  # what a decode step reads besides the KV (the embedding: a few rows)
+    extra = spec.get("llm_kwargs") or {}  # a variant's engine settings (fp8 weights, say)
+    want = set(spec.get("only") or ("w1", "tpot_b1", "prefill_2k", "rest"))
+    # what a decode step reads besides the KV (the embedding: a few rows); fp8 linears are one byte a weight
+    read_bytes = (1 if extra.get("quantization") == "fp8" else 2) * layers_p + 2 * head_p
     reps = spec["reps"]
     copy_gb_s, tflop_s = spec.get("copy_gb_s"), spec.get("bf16_tflop_s")
 
@@ -322,8 +330,8 @@ def child_shape(spec: dict) -> None:
     kv_gb = kv_cache_gb(shape, dev, read_bytes, max_seqs, 1024 + 128 + 16)
     t = time.perf_counter()
     llm = LLM(str(path), dtype="bfloat16" if on_gpu else "auto", device=dev, kv_cache_memory_gb=kv_gb,
-              max_num_seqs=max_seqs, enable_prefix_caching=False)
-    result("load", s=round(time.perf_counter() - t, 2), kv_cache_gb=kv_gb)
+              max_num_seqs=max_seqs, enable_prefix_caching=False, **extra)
+    result("load", s=round(time.perf_counter() - t, 2), kv_cache_gb=kv_gb, **extra)
 
     def params(n: int, sampled: bool = False) -> SamplingParams:
         if sampled:
@@ -333,41 +341,41 @@ def child_shape(spec: dict) -> None:
     def gen(prompts, p) -> None:
         llm.generate(prompts, p, use_tqdm=False)
 
-    # W1: 64 x 128/128 greedy (compilation, graph replay and the allocator warmed first)
-    n_req, n_out = spec["w1"]
-    w1 = make_workload("W1", vocab).prompts[:n_req]
-    gen(w1[:2], params(4))
-    gen(w1, params(8))
-    s = timed(lambda: gen(w1, params(n_out)), reps)
-    result("w1", requests=n_req, prompt_tokens=len(w1[0]), output_tokens=n_out,
-           output_tok_s=round(n_req * n_out / s, 1), s=round(s, 3))
+    if "w1" in want:  # W1: 64 x 128/128 greedy (compilation, graph replay and the allocator warmed first)
+        n_req, n_out = spec["w1"]
+        w1 = make_workload("W1", vocab).prompts[:n_req]
+        gen(w1[:2], params(4))
+        gen(w1, params(8))
+        s = timed(lambda: gen(w1, params(n_out)), reps)
+        result("w1", requests=n_req, prompt_tokens=len(w1[0]), output_tokens=n_out,
+               output_tok_s=round(n_req * n_out / s, 1), s=round(s, 3))
 
-    # batch-1 TPOT (W2's 512-token prompt) against the bandwidth bound
-    n_prompt, n_out = spec["tpot"]
-    w2 = make_workload("W2", vocab).prompts[0][:n_prompt]
-    gen([w2], params(2))
-    ttft = timed(lambda: gen([w2], params(1)), max(3, reps))
-    e2e = timed(lambda: gen([w2], params(n_out)), max(3, reps))
-    tpot = (e2e - ttft) / (n_out - 1)
-    step_bytes = read_bytes + kv_bytes_per_token(shape) * (len(w2) + n_out // 2)
-    bound = step_bytes / (copy_gb_s * 1e9) if copy_gb_s else None
-    result("tpot_b1", prompt_tokens=len(w2), output_tokens=n_out, ttft_ms=round(ttft * 1e3, 2),
-           tpot_ms=round(tpot * 1e3, 3), bytes_per_step_gb=round(step_bytes / 1e9, 3),
-           bound_ms=round(bound * 1e3, 3) if bound else None,
-           tpot_over_bound=round(tpot / bound, 2) if bound else None)
-    if spec.get("only_decode"):  # a baseline checkout: W1 and batch-1 TPOT only
+    if "tpot_b1" in want:  # batch-1 TPOT (W2's 512-token prompt) against the bandwidth bound
+        n_prompt, n_out = spec["tpot"]
+        w2 = make_workload("W2", vocab).prompts[0][:n_prompt]
+        gen([w2], params(2))
+        ttft = timed(lambda: gen([w2], params(1)), max(3, reps))
+        e2e = timed(lambda: gen([w2], params(n_out)), max(3, reps))
+        tpot = (e2e - ttft) / (n_out - 1)
+        step_bytes = read_bytes + kv_bytes_per_token(shape) * (len(w2) + n_out // 2)
+        bound = step_bytes / (copy_gb_s * 1e9) if copy_gb_s else None
+        result("tpot_b1", prompt_tokens=len(w2), output_tokens=n_out, ttft_ms=round(ttft * 1e3, 2),
+               tpot_ms=round(tpot * 1e3, 3), bytes_per_step_gb=round(step_bytes / 1e9, 3),
+               bound_ms=round(bound * 1e3, 3) if bound else None,
+               tpot_over_bound=round(tpot / bound, 2) if bound else None)
+
+    if "prefill_2k" in want or "rest" in want:  # prefill of a 2k-token prompt: TFLOP/s against the matmul rate
+        rng = np.random.Generator(np.random.PCG64(5))
+        p2k = [1] + [int(i) for i in rng.integers(4, vocab, size=2047)]
+        gen([p2k], params(1))
+        pf = timed(lambda: gen([p2k], params(1)), reps)
+        flops = request_flops(shape, len(p2k), 1)
+        achieved = flops / pf / 1e12
+        result("prefill_2k", prompt_tokens=len(p2k), ms=round(pf * 1e3, 2), tflop=round(flops / 1e12, 3),
+               tflop_s=round(achieved, 3 if not on_gpu else 1),
+               of_peak=round(achieved / tflop_s, 3) if tflop_s else None)
+    if "rest" not in want:  # a baseline tree or a variant: the figures asked for only
         return
-
-    # prefill of a 2k-token prompt: TFLOP/s against the matmul rate
-    rng = np.random.Generator(np.random.PCG64(5))
-    p2k = [1] + [int(i) for i in rng.integers(4, vocab, size=2047)]
-    gen([p2k], params(1))
-    pf = timed(lambda: gen([p2k], params(1)), reps)
-    flops = request_flops(shape, len(p2k), 1)
-    achieved = flops / pf / 1e12
-    result("prefill_2k", prompt_tokens=len(p2k), ms=round(pf * 1e3, 2), tflop=round(flops / 1e12, 3),
-           tflop_s=round(achieved, 3 if not on_gpu else 1),
-           of_peak=round(achieved / tflop_s, 3) if tflop_s else None)
 
     # W1-sampled: temperature 0.8, top_p 0.95 against greedy on the same prompts, alternating
     n_req, n_out = spec["sampled"]
@@ -789,6 +797,11 @@ def section_shape(run: Run, cap: float, name: str) -> dict:
     if run.args.baseline is not None and name in run.baseline_shapes and status == "ok":
         # beyond the section's cap: a baseline asked for is worth the time of the sections after it
         out["baseline"] = baseline_figures(run, spec, name, min(BASELINE_CAP_S, max(1.0, run.left() - 3)), figs)
+    fp8_shapes = run.fp8_shapes
+    if fp8_shapes is None:  # 8b where the GPU runs fp8 matmuls (compute capability 8.9 or newer)
+        fp8_shapes = ["8b"] if tuple(run.device_info.get("capability") or (0, 0)) >= (8, 9) else []
+    if name in fp8_shapes and status == "ok":
+        out["fp8"] = fp8_figures(run, spec, name, min(BASELINE_CAP_S, max(1.0, run.left() - 3)), figs)
     for k in SHAPE_KEYS:
         if k in figs:
             out[k] = figs[k]
@@ -810,14 +823,27 @@ BASELINE_CAP_S = 90  # a baseline tree's W1 and TPOT on one shape: its load, gra
 def baseline_figures(run: Run, spec: dict, name: str, cap: float, figs: dict) -> dict:
     """W1 and batch-1 TPOT of the --baseline source tree on the same model, machine and settings, and this
     tree's figures over them (W1: tok/s ratio; TPOT: the baseline's time over this tree's, >1 is faster)."""
-    status, old = run.child("shape", {**spec, "src": str(run.args.baseline.resolve()), "only_decode": True,
-                                      "big_on": False}, cap, f"{name}:baseline")
+    status, old = run.child("shape", {**spec, "src": str(run.args.baseline.resolve()), "only": ["w1", "tpot_b1"]},
+                            cap, f"{name}:baseline")
     out: dict = {"status": status, "src": str(run.args.baseline), **{k: old[k] for k in ("w1", "tpot_b1", "error")
                                                                      if k in old}}
     if "w1" in old and "w1" in figs:
         out["w1_speedup"] = round(figs["w1"]["output_tok_s"] / old["w1"]["output_tok_s"], 3)
     if "tpot_b1" in old and "tpot_b1" in figs:
         out["tpot_b1_speedup"] = round(old["tpot_b1"]["tpot_ms"] / figs["tpot_b1"]["tpot_ms"], 3)
+    return out
+
+
+def fp8_figures(run: Run, spec: dict, name: str, cap: float, figs: dict) -> dict:
+    """Batch-1 TPOT (against the bound of one byte a linear weight) and the 2k prefill with `--quantization fp8`
+    on the same model, and their ratios to this tree's bf16 figures (>1: fp8 is faster)."""
+    status, got = run.child("shape", {**spec, "llm_kwargs": {"quantization": "fp8"},
+                                      "only": ["tpot_b1", "prefill_2k"]}, cap, f"{name}:fp8")
+    out: dict = {"status": status, **{k: got[k] for k in ("tpot_b1", "prefill_2k", "error") if k in got}}
+    if "tpot_b1" in got and "tpot_b1" in figs:
+        out["tpot_b1_speedup"] = round(figs["tpot_b1"]["tpot_ms"] / got["tpot_b1"]["tpot_ms"], 3)
+    if "prefill_2k" in got and "prefill_2k" in figs:
+        out["prefill_2k_speedup"] = round(figs["prefill_2k"]["ms"] / got["prefill_2k"]["ms"], 3)
     return out
 
 
@@ -968,6 +994,7 @@ def main_check(args) -> int:
     run = Run(args, prof)
     run.tokenizers, run.ceilings, run.device_info = {}, {}, {}
     run.baseline_shapes = prof["shapes"] if args.baseline_shapes is None else args.baseline_shapes.split(",")
+    run.fp8_shapes = None if args.fp8_shapes is None else [s for s in args.fp8_shapes.split(",") if s]
     skip = set(filter(None, args.skip.split(",")))
     caps, mins = prof["caps"], prof["min_s"]
     plan: list[tuple[str, str, object]] = [("setup", "setup", section_setup), ("ceilings", "ceilings",
@@ -1068,6 +1095,8 @@ def main() -> int:
                    help="another servelm source tree (e.g. `git archive 3d918c2 | tar -x -C DIR`): each shape's "
                         "W1 and batch-1 TPOT run again with it, on the same model and machine, beside this tree's")
     p.add_argument("--baseline-shapes", default=None, help="the shapes --baseline runs on (default: every shape)")
+    p.add_argument("--fp8-shapes", default=None, help="the shapes whose batch-1 TPOT and 2k prefill run again with "
+                   "--quantization fp8 (default: 8b on a GPU of compute capability 8.9 or newer, none elsewhere)")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="a tokenizer folder to pad to each model's vocabulary (default: a synthetic byte-level one)")
     p.add_argument("--wheels", type=Path, default=None,

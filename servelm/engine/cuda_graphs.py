@@ -32,6 +32,7 @@ import torch
 
 from servelm.model.attention import AttentionMetadata
 from servelm.model.decoder import DecoderLM
+from servelm.model.layers.blocks import graph_warmup
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,8 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             # a valid step of this size in the staged vector: every row a dummy decode in the spare block
             self._stage(none, none, none, np.zeros((0, 1), dtype=np.int64), none, size)
-            self._forward(size)  # warm-up: compiles the Triton kernels, creates the cuBLAS handles
+            with graph_warmup():  # compiles the Triton kernels the capture launches, creates the cuBLAS handles
+                self._forward(size)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

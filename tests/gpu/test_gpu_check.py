@@ -35,7 +35,7 @@ def _positive(*values) -> bool:
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> tuple[dict, list[dict]]:
     out = tmp_path_factory.mktemp("gpu-check")
-    return _check("--work", str(out / "work"), "--baseline", str(ROOT), out=out, timeout=400)
+    return _check("--work", str(out / "work"), "--baseline", str(ROOT), "--fp8-shapes", "tiny", out=out, timeout=400)
 
 
 @pytest.mark.slow
@@ -142,3 +142,17 @@ def test_a_baseline_tree_runs_beside_on_the_same_model(smoke):
     assert _positive(base["tpot_b1"]["tpot_ms"], base["w1_speedup"], base["tpot_b1_speedup"])
     assert base["w1_speedup"] == round(tiny["w1"]["output_tok_s"] / base["w1"]["output_tok_s"], 3)
     assert "prefill_2k" not in base  # W1 and TPOT only
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_an_fp8_variant_runs_beside_on_the_same_model(smoke):
+    """--fp8-shapes: the shape's batch-1 TPOT and 2k prefill again with fp8 weights, its bound at one byte a
+    linear weight (so below the bf16 bound), and the speed-ups over this tree's bf16 figures."""
+    tiny = smoke[0]["sections"]["tiny"]
+    fp8 = tiny["fp8"]
+    assert fp8["status"] == "ok" and "w1" not in fp8
+    assert _positive(fp8["tpot_b1"]["tpot_ms"], fp8["prefill_2k"]["ms"], fp8["tpot_b1_speedup"],
+                     fp8["prefill_2k_speedup"])
+    assert fp8["tpot_b1"]["bytes_per_step_gb"] <= tiny["tpot_b1"]["bytes_per_step_gb"]
+    assert fp8["prefill_2k_speedup"] == round(tiny["prefill_2k"]["ms"] / fp8["prefill_2k"]["ms"], 3)
