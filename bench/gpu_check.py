@@ -116,7 +116,7 @@ def profile(device: str, quick: bool) -> dict:
         "s1_warmup": 2 if small else 16,
         "budget_s": 240 if small else 510,
         # section caps (s); a section also stops at the global deadline, and the last one takes what is left
-        "caps": {"setup": 60, "ceilings": 40, "tests": 60 if small else 170, "shape": 120 if small else 90,
+        "caps": {"setup": 60, "ceilings": 40, "tests": 60 if small else 210, "shape": 120 if small else 90,
                  "shape:60m": 60, "s1": 150 if small else 110},
         "min_s": {"ceilings": 5, "tests": 10, "shape": 15 if small else 25, "s1": 20 if small else 35},
     }
