@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 
+import numpy as np
 import torch
 
 
@@ -45,8 +46,9 @@ def _graphs(layers: int, args, fused_rope: bool):
     finally:
         blocks._gpu_rope = real
     n = args.batch  # each sequence 100 tokens in, its tables in blocks of its own
-    graphs.run(list(range(n)), [100] * n, [r * 4 * block_size + 100 % block_size for r in range(n)],
-               [[r * 4 + b for b in range(4)] for r in range(n)], [101] * n)
+    rows = np.arange(n)
+    graphs.run(rows, np.full(n, 100), rows * 4 * block_size + 100 % block_size, rows[:, None] * 4 + np.arange(4),
+               np.full(n, 101))
     return graphs.graphs[args.batch][0]
 
 
