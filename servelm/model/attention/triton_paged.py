@@ -273,10 +273,12 @@ class TritonPagedAttention(AttentionBackend):
         return TritonRows(*(torch.cat(x).to(torch.int32) for x in (starts, lens, ctx)), bt)
 
     def derive_decode(self, meta: AttentionMetadata) -> TritonRows:
-        """The same rows for a pure-decode step, as views of the step's device metadata (int64: the kernels take
-        either width): each row's query is its own batch position, one token long."""
-        idx = meta.decode_idx
-        return TritonRows(idx, torch.ones_like(idx), meta.decode_seq_lens, meta.decode_block_tables)
+        """The same rows for a pure-decode step, from the step's device metadata: each row's query is its own
+        batch position, one token long. int32, as `derive` gives them (the compiled kernels mix them with int32
+        values; a few small device casts, captured with the graph)."""
+        i32 = torch.int32
+        idx = meta.decode_idx.to(i32)
+        return TritonRows(idx, torch.ones_like(idx), meta.decode_seq_lens.to(i32), meta.decode_block_tables.to(i32))
 
     def splits_for(self, rows: int, capacity: int, device: torch.device | str) -> int:
         """How many splits `rows` decode rows get, whose block tables hold `capacity` positions: enough
