@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,9 +34,18 @@ def _positive(*values) -> bool:
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory) -> tuple[dict, list[dict]]:
+def baseline_tree(tmp_path_factory) -> Path:
+    """A second source tree for --baseline: a copy of this checkout's package."""
+    tree = tmp_path_factory.mktemp("baseline")
+    shutil.copytree(ROOT / "servelm", tree / "servelm", ignore=shutil.ignore_patterns("__pycache__", "lib"))
+    return tree
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory, baseline_tree) -> tuple[dict, list[dict]]:
     out = tmp_path_factory.mktemp("gpu-check")
-    return _check("--work", str(out / "work"), "--baseline", str(ROOT), "--fp8-shapes", "tiny", out=out, timeout=400)
+    return _check("--work", str(out / "work"), "--baseline", str(baseline_tree), "--fp8-shapes", "tiny", out=out,
+                  timeout=400)
 
 
 @pytest.mark.slow
@@ -133,11 +143,14 @@ def test_every_id_of_a_made_up_tokenizer_decodes_to_text(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.server
-def test_a_baseline_tree_runs_beside_on_the_same_model(smoke):
-    """--baseline: the shape's W1 and TPOT again from the given source tree (here this one), and the ratios."""
+def test_a_baseline_tree_runs_beside_on_the_same_model(smoke, baseline_tree):
+    """--baseline: the shape's W1 and TPOT again with servelm imported from the given source tree (a copy of this
+    one), and the ratios; the shape's own figures come from this checkout."""
     tiny = smoke[0]["sections"]["tiny"]
     base = tiny["baseline"]
-    assert base["status"] == "ok" and base["src"] == str(ROOT)
+    assert base["status"] == "ok" and base["src"] == str(baseline_tree)
+    assert base["load"]["servelm"] == str(baseline_tree / "servelm")
+    assert tiny["load"]["servelm"] == str(ROOT / "servelm")
     assert base["w1"]["requests"] == tiny["w1"]["requests"] and _positive(base["w1"]["output_tok_s"])
     assert _positive(base["tpot_b1"]["tpot_ms"], base["w1_speedup"], base["tpot_b1_speedup"])
     assert base["w1_speedup"] == round(tiny["w1"]["output_tok_s"] / base["w1"]["output_tok_s"], 3)
