@@ -212,14 +212,18 @@ class Deployment:
         if not all_stats:
             return None
         lists = ("spec_proposed_by_position", "spec_accepted_by_position")
-        total = {f.name: 0 for f in dataclasses.fields(EngineStats) if f.name not in ("kv_usage", "waiting_by_priority",
-                                                                                      "prefix_cache_hit_rate", *lists)}
+        first = all_stats[0]
+        # counts add up; what describes the workers (the KV cache's dtype) is the same on each: the first's
+        described = {f.name: getattr(first, f.name) for f in dataclasses.fields(EngineStats)
+                     if isinstance(getattr(first, f.name), str)}
+        total = {f.name: 0 for f in dataclasses.fields(EngineStats)
+                 if f.name not in ("kv_usage", "waiting_by_priority", "prefix_cache_hit_rate", *lists, *described)}
         for st in all_stats:
             for k in total:
                 total[k] += getattr(st, k)
         blocks, free = total["num_kv_blocks"], total["num_free_blocks"]
         queries = total["prefix_cache_queries"]
-        return EngineStats(**total, kv_usage=(blocks - free) / blocks if blocks else 0.0,
+        return EngineStats(**total, **described, kv_usage=(blocks - free) / blocks if blocks else 0.0,
                            prefix_cache_hit_rate=total["prefix_cache_hits"] / queries if queries else 0.0,
                            waiting_by_priority=[sum(s.waiting_by_priority[i] for s in all_stats) for i in range(3)],
                            **{k: [sum(c) for c in zip(*(getattr(s, k) for s in all_stats), strict=False)]

@@ -236,6 +236,7 @@ def test_two_workers_share_requests_and_agree(llama_dir):
             assert all(r[1] == {"tiny:1"} for r in results)  # every output names the version that served it
             assert [w.routed for w in dep.workers] == [3, 3]
             assert dep.stats.num_kv_blocks == 128 and dep.num_in_flight() == 0
+            assert dep.stats.kv_cache_dtype == dep.workers[0].engine.stats.kv_cache_dtype == "float32"  # not summed
             assert len({w.pid for w in dep.workers}) == 2
         finally:
             await dep.shutdown()
