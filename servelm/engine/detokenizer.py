@@ -1,13 +1,16 @@
 """Incremental detokenization and stop strings for one sample.
 
-Text is produced by decoding a short sliding window of token ids twice (with and without the newest
-tokens) and keeping the difference, so multi-byte characters split across tokens wait until complete
-and leading spaces render as they would in the full text.
+A fast tokenizer whose decode is its Rust backend's streams through `tokenizers`' `DecodeStream`, primed with the
+prompt's last tokens: one call per token, which holds back a multi-byte character split across tokens until it
+is complete and renders leading spaces as the full text would. Other tokenizers (a subclass that rewrites its
+decode, a slow one) decode a short sliding window of token ids twice (with and without the newest tokens) and
+keep the difference, to the same effect.
 """
 
 from __future__ import annotations
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded as left context for the first output token
 
@@ -42,6 +45,13 @@ class IncrementalDetokenizer:
         self._backend_decode = backend.decode if isinstance(backend, Tokenizer) and _plain_decode(tokenizer) else None
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_token_ids[-(_CONTEXT_TOKENS + 1):])
+        self._backend = backend
+        self._stream = None
+        if self._backend_decode is not None:
+            try:
+                self._stream = DecodeStream(ids=self.ids, skip_special_tokens=skip_special_tokens)
+            except TypeError:  # tokenizers before 0.22: no priming with context ids
+                self._stream = None
         self.prefix_offset = max(len(self.ids) - _CONTEXT_TOKENS, 0)
         self.read_offset = len(self.ids)
         self.text = ""
@@ -57,14 +67,20 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int, check_stop: bool) -> str | None:
         """Append one token; returns the stop string if the text now contains one (text is cut there)."""
-        self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return None  # an incomplete character: wait for the next token
         old_len = len(self.text)
-        self.text += full[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if self._stream is not None:
+            piece = self._stream.step(self._backend, token_id)
+            if not piece:
+                return None  # an incomplete character: wait for the next token
+            self.text += piece
+        else:
+            self.ids.append(token_id)
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset:])
+            if len(full) <= len(prefix) or full.endswith("\ufffd"):
+                return None  # an incomplete character: wait for the next token
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         if not (self.stop and check_stop):
             return None
         # Only the new text and the few characters before it can contain a new match.

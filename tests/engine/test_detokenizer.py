@@ -31,3 +31,24 @@ def test_stop_string_holdback_for_streaming(tokenizer):
     assert hit == "three f"
     assert d.text == "one two "
     assert all("thr" not in s for s in shown)  # nothing of the stop string was ever shown
+
+
+def test_the_stream_and_the_window_give_the_same_text(tokenizer):
+    """A fast tokenizer streams through tokenizers' DecodeStream; the sliding-window path (other tokenizers) gives
+    the same text, token by token, over random ids (characters split across tokens, special tokens, spaces)."""
+    import random
+
+    rng = random.Random(5)
+    vocab = tokenizer.backend_tokenizer.get_vocab_size()
+    for _ in range(20):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 9))]
+        ids = [rng.randrange(vocab) for _ in range(40)]
+        for skip in (True, False):
+            stream = IncrementalDetokenizer(tokenizer, prompt, skip, [], False)
+            window = IncrementalDetokenizer(tokenizer, prompt, skip, [], False)
+            assert stream._stream is not None
+            window._stream = None
+            for t in ids:
+                stream.add_token(t, check_stop=False)
+                window.add_token(t, check_stop=False)
+                assert stream.text == window.text
