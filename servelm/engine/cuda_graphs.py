@@ -78,9 +78,9 @@ class DecodeGraphs:
 
     # -- the step's inputs -------------------------------------------------------------------------------
     def _stage(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: np.ndarray,
-               lens: np.ndarray, size: int) -> int:
+               lens: np.ndarray, size: int) -> None:
         """Writes a step of n = len(ids) decodes, padded to `size` rows, into the next staging vector and
-        copies it to the device. `tables` is [n, width] (width >= every row's blocks). Returns the width."""
+        copies it to the device. `tables` is [n, width] (width >= every row's blocks)."""
         n, width = len(ids), max(1, tables.shape[1])
         buf = self._host_np[self._turn]
         buf[0] = width
@@ -95,7 +95,6 @@ class DecodeGraphs:
         bt[n:] = self.spare_block
         self.staged[:end].copy_(self._host[self._turn][:end], non_blocking=True)
         self._turn ^= 1
-        return width
 
     def _unstage(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The token ids, positions and attention metadata of a `size`-row step, from the staged vector with

@@ -282,3 +282,15 @@ def test_split_kv_replays_in_a_cuda_graph(window):
         torch.cuda.synchronize()
         ref = _decode_reference(hq, hkv, d, q, kc, vc, step, window)
         torch.testing.assert_close(out.cpu().float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_decode_rows_derived_on_the_device_are_the_hosts():
+    """A decode graph's rows, derived from its device buffers (`derive_decode`), hold what `derive` gives the
+    eager path, in the same integer types: the compiled kernels refuse int64 lengths beside their int32 loop
+    bounds, which the interpreter lets through."""
+    attn = triton_paged.TritonPagedAttention(8, 2, 64, 64**-0.5)
+    _, _, meta = _decode_batch(2, 64, 16, [300, 17, 64], torch.float32, width=24)
+    host, device = attn.derive(meta), attn.derive_decode(meta)
+    for a, b in zip(host, device, strict=True):
+        assert a.dtype == b.dtype == torch.int32
+        assert torch.equal(a, b)

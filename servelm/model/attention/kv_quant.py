@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+from servelm.model.quant.fp8 import FP8, FP8_MAX  # the one definition of the fp8 format
+
 # the names --kv-cache-dtype takes (config.engine.KVCacheDtype) and the element type each stores
 _NAMED = {"fp8": FP8, "fp8_e4m3": FP8}
 
