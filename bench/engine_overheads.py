@@ -47,7 +47,7 @@ from servelm.engine.core import EngineCore
 from servelm.engine.kv_cache_manager import KVCacheManager
 from servelm.engine.scheduler import SchedulerOutput
 from servelm.engine.sequence import Request, Sequence
-from servelm.engine.step_outputs import SampleResult
+from servelm.engine.step_outputs import RunnerOutput, SampleResult
 from servelm.sampling_params import SamplingParams
 from servelm.worker import messages
 
@@ -63,20 +63,23 @@ def fake_model(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, ma
 
 
 class StandInForward:
-    """The runner's `execute` without a model: the step's block copies run for real, then every sampled
-    sequence gets TOKEN (one result per entry of every `sample_seqs`, as the sampler returns them)."""
+    """The runner's `execute` without a model: the step's block copies run for real, then every row that samples
+    gets TOKEN, as the sampler returns it. Also runs against older checkouts (PYTHONPATH at one), whose runner
+    returned the decode batch's tokens and one result per entry of every `sample_seqs`."""
 
     def __init__(self, runner) -> None:
         self.runner = runner
         self.seconds = 0.0
 
-    def __call__(self, out: SchedulerOutput) -> tuple[list[int], list[list[SampleResult]]]:
+    def __call__(self, out: SchedulerOutput):
         t = time.perf_counter()
         self.runner.apply_block_ops(out.ops)
-        res = [[SampleResult(TOKEN)] for s in out.scheduled for _ in s.sample_seqs]
-        decodes = [TOKEN] * len(out.decode_seqs)  # what the sampler returns for the decode batch's rows
+        if hasattr(out, "sampled"):  # a step of the running batch: one token per sampling row
+            ran = RunnerOutput([TOKEN] * int(out.sampled.sum()))
+        else:
+            ran = ([TOKEN] * len(out.decode_seqs), [[SampleResult(TOKEN)] for s in out.scheduled for _ in s.sample_seqs])
         self.seconds += time.perf_counter() - t
-        return decodes, res
+        return ran
 
 
 def make_core(num_blocks: int, max_num_seqs: int, model: SimpleNamespace, **kw) -> tuple[EngineCore, StandInForward]:

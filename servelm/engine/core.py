@@ -15,7 +15,7 @@ from typing import Any
 
 from servelm.config.engine import EngineConfig, RuntimeSettings
 from servelm.engine.cuda_graphs import capture_sizes
-from servelm.engine.decode_batch import DecodeBatch, batchable
+from servelm.engine.input_batch import InputBatch, plain_below
 from servelm.engine.kv_cache_manager import KVCacheManager
 from servelm.engine.kv_sizing import CudaMemory, DeviceMemory, KVPlan, check_model_len, plan_kv_blocks
 from servelm.engine.lora_manager import LoraManager
@@ -82,9 +82,8 @@ class EngineCore:
             raise
         max_len = self.max_model_len
         self.spec = self._make_spec_decoder(config, max_len)
-        if self.spec is None:  # (a verification is not a plain decode: with drafts every row takes the loop)
-            self.scheduler.batch = DecodeBatch(config.max_num_seqs, -(-max_len // config.block_size),
-                                               config.block_size, spec.vocab_size)
+        self.scheduler.batch = InputBatch(config.block_size, spec.vocab_size, config.max_num_seqs,
+                                          -(-max_len // config.block_size))
         self.loras = self._make_lora_manager(config)
         self.runner.loras = self.scheduler.loras = self.loras
         self.requests: dict[str, Request] = {}
@@ -195,10 +194,7 @@ class EngineCore:
         self._order += 1
         p = req.params
         req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(p._eos_token_ids))
-        if p.prompt_logprobs is None and p.structured_outputs is None:
-            limit = len(req.prompt_token_ids) + p.max_tokens if p.max_tokens is not None else self.max_model_len
-            req.plain_below = min(limit, self.max_model_len)
-        req.batchable = batchable(req)
+        req.plain_below = plain_below(req, self.max_model_len)
         seq = Sequence(req, 0, list(req.prompt_token_ids), generator=req.make_generator(0))
         req.seqs = [seq]
         self.requests[req.request_id] = req
@@ -270,8 +266,8 @@ class EngineCore:
 
     # -- the loop ----------------------------------------------------------------------------------
     def step(self) -> tuple[list[SeqOutput], DecodeOutputs]:
-        """One engine step: what each sample gained, as SeqOutputs and, for the decode batch's plain rows,
-        as columns."""
+        """One engine step: what each sample gained, as columns for the rows with nothing to report but their
+        token, and SeqOutputs for the rest."""
         if self.compiling:
             self._admit_compiled()
         out = self.scheduler.schedule()
@@ -295,22 +291,24 @@ class EngineCore:
         return [], DecodeOutputs()
 
     def _begin(self, out: SchedulerOutput) -> float:
-        """Before the forward: the step's figures, first-scheduled times, and the n > 1 samples to fork (as
-        `sample_seqs`, which the update forks once the prompt has run); returns the step's start time."""
+        """Before the forward: the step's figures, first-scheduled times, and the new samples of n > 1 requests
+        whose prompt ends this step (`out.forks`, which the update forks once the prompt has run); returns the
+        step's start time."""
         self.num_steps += 1
         self.last_num_batched_tokens = out.num_batched_tokens
-        self.last_batch_size = len(out.scheduled) + len(out.decode_seqs)
+        self.last_batch_size = len(out.rows)
         start = time.monotonic()
-        scheduled = out.scheduled
-        for s in scheduled[len(scheduled) - out.num_admitted:]:  # only admitted rows can be scheduled first
-            if s.seq.first_scheduled is None:
-                s.seq.first_scheduled = start
-        for s in scheduled if self.unforked else ():
-            req = s.seq.request
-            if s.sample_seqs and req.params.n > 1 and not req.forked:
-                s.sample_seqs += [Sequence(req, i, list(s.seq.token_ids), generator=req.make_generator(i),
-                                           matcher=new_matcher(req.grammar) if req.grammar is not None else None)
-                                  for i in range(1, req.params.n)]
+        if out.num_admitted:  # only admitted rows can be scheduled first
+            for seq in out.seqs:
+                if seq.first_scheduled is None:
+                    seq.first_scheduled = start
+        if self.unforked:
+            for r, (seq, sampled) in enumerate(zip(out.seqs, out.sampled.tolist(), strict=True)):
+                req = seq.request
+                if sampled and req.params.n > 1 and not req.forked:
+                    out.forks[r] = [Sequence(req, i, list(seq.token_ids), generator=req.make_generator(i),
+                                             matcher=new_matcher(req.grammar) if req.grammar is not None else None)
+                                    for i in range(1, req.params.n)]
         return start
 
     def stats(self) -> EngineStats:

@@ -13,9 +13,10 @@ import dataclasses
 import logging
 
 from servelm.config.engine import EngineConfig
+from servelm.engine.input_batch import InputBatch
 from servelm.engine.kv_cache_manager import KVCacheManager
 from servelm.engine.model_runner import ModelRunner
-from servelm.engine.scheduler import ScheduledSeq, SchedulerOutput
+from servelm.engine.scheduler import SchedulerOutput
 from servelm.engine.sequence import Request, Sequence
 from servelm.model.decoder import DecoderLM
 from servelm.model.kernels.tape import DecodeTapes
@@ -93,18 +94,22 @@ class DraftModelProposer:
         drafts: list[list[int]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
         while active:  # one draft token per round for every sequence that still wants one
-            scheduled, rows = [], []
+            batch = InputBatch(self.kv.block_size)
+            rows = []
             for i in active:
                 sh = shadows[i]
                 if self.kv.allocate(sh, sh.num_to_compute):  # else: the draft cache is full, stop here
-                    scheduled.append(ScheduledSeq(sh, sh.num_computed_tokens, sh.num_to_compute, [sh]))
+                    batch.add(sh)
+                    batch.scheduled[sh.batch_row] = sh.num_to_compute
                     rows.append(i)
-            if not scheduled:
+            if not rows:
                 break
-            results = self.runner.execute(SchedulerOutput(scheduled, self.kv.take_ops())).results
-            for s, i, res in zip(scheduled, rows, results, strict=True):
-                s.seq.num_computed_tokens += s.num_tokens
-                s.seq.token_ids.append(res[0].token_id)
-                drafts[i].append(res[0].token_id)
+            step = SchedulerOutput.of(batch, self.kv.take_ops())
+            tokens = self.runner.execute(step).tokens
+            for sh, i, tok in zip(step.seqs, rows, tokens, strict=True):
+                sh.num_computed_tokens = sh.num_tokens
+                sh.token_ids.append(tok)
+                sh.batch_row = -1
+                drafts[i].append(tok)
             active = [i for i in rows if len(drafts[i]) < ks[i]]
         return drafts

@@ -137,110 +137,99 @@ class ModelRunner:
                 dv[dst] = sv[src].to(dv.device)
 
     def _prepare(self, out: SchedulerOutput):
-        """The step's inputs, and whether a request in it wants its prompt's logprobs (checked on prompt
-        chunks only: a decode row never holds prompt positions, so decodes pay nothing for the feature)."""
+        """The step's inputs, built from the running batch's columns: each row's tokens from its start position
+        (its last token for a decode; its prompt chunk, or its last token and drafts, read from the sequence
+        otherwise), their positions and KV slots, which of them take the decode path, the rows whose logits are
+        sampled, and whether a request in it wants its prompt's logprobs."""
+        b, rows, counts, start = out.batch, out.rows, out.num_tokens, out.start
         bs = self.block_size
-        want_prompt = False
-        ids, positions, slots = [], [], []
-        decode_idx, decode_tables, decode_lens, prefills = [], [], [], []
-        logits_idx, repeats = [], []
-        offset = n_dec = len(out.decode_seqs)  # the batch's steady decodes come first, as columns
-        for s in out.scheduled:
-            seq, start, n = s.seq, s.start, s.num_tokens
-            table = seq.block_table
-            # Where a token's attention runs depends only on its position, never on the chunking: prompt
-            # positions take the prefill path (one left after a prefix-cache hit included), generated ones
-            # the decode path, one row each (a recompute after preemption included). The two kernels sum
-            # in different orders, so choosing by chunk size made outputs depend on scheduling.
-            prompt_end = min(max(seq.num_prompt_tokens, start), start + n)
-            if n == 1 and prompt_end == start:  # a decode: plain ints, no per-sequence arrays (most rows)
-                ids.append(seq.token_ids[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-                decode_idx.append(offset)
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
-            else:
-                # a verification's drafts follow the sequence's last token (they are not its tokens yet)
-                ids.extend(seq.token_ids[start:start + n] + s.spec_token_ids)
-                pos = np.arange(start, start + n)
-                arr = np.asarray(table, dtype=np.int64)
-                positions.extend(range(start, start + n))
-                slots.extend((arr[pos // bs] * bs + pos % bs).tolist())
-                if prompt_end > start:
-                    prefills.append(PrefillSpan(offset, prompt_end - start, prompt_end, torch.from_numpy(arr)))
-                    want_prompt = want_prompt or seq.request.needs_prompt_logprobs
-                for p in range(prompt_end, start + n):  # generated tokens recomputed after preemption
-                    decode_idx.append(offset + p - start)
-                    decode_tables.append(table)
-                    decode_lens.append(p + 1)
-            offset += n
-            if s.spec_token_ids:  # a verification needs every row's logits: one per draft, plus the bonus
-                logits_idx.extend(range(offset - len(s.spec_token_ids) - 1, offset))
-                repeats.extend([1] * (len(s.spec_token_ids) + 1))
-            elif s.sample_seqs:
-                logits_idx.append(offset - 1)
-                repeats.append(len(s.sample_seqs))
-        dev = self.device  # built on the host, copied once per step (no copy at all on the CPU)
-
-        def tensor(x) -> torch.Tensor:
-            return torch.from_numpy(x) if isinstance(x, np.ndarray) else torch.tensor(x, dtype=torch.long)
-
-        def cat(columns: np.ndarray, rest: list[int]) -> np.ndarray:  # int64 also when `rest` is empty
-            return np.concatenate([columns, np.asarray(rest, dtype=np.int64)])
-
-        max_blocks = max((len(t) for t in decode_tables), default=1)
-        if n_dec:
-            b_ids, b_pos, b_slots, b_lens, b_blocks = out.batch.inputs(n_dec)
-            max_blocks = max(max_blocks, b_blocks)
-            ids, positions, slots = cat(b_ids, ids), cat(b_pos, positions), cat(b_slots, slots)
-            decode_idx, decode_lens = cat(np.arange(n_dec), decode_idx), cat(b_lens, decode_lens)
-            logits_idx = cat(np.arange(n_dec), logits_idx)
-            repeats = [1] * n_dec + repeats
-        repeats_t = torch.tensor(repeats, dtype=torch.long)
-        tables = np.zeros((n_dec + len(decode_tables), max_blocks), dtype=np.int64)
-        if n_dec:
-            tables[:n_dec] = out.batch.tables[:n_dec, :max_blocks]
-        for r, t in enumerate(decode_tables, n_dec):
-            tables[r, : len(t)] = t
+        n_rows = len(rows)
+        sel = slice(0, n_rows) if n_rows == len(b) else rows  # (every row: slices instead of gathers)
+        tables = b.tables[sel]
+        num_blocks = b.num_blocks[sel]
+        prompt_len = b.prompt_len[sel]
+        ends = np.cumsum(counts)
+        offsets = ends - counts  # each row's first index in the step's tokens
+        row_of = np.repeat(np.arange(n_rows), counts)
+        positions = np.arange(int(ends[-1])) - offsets[row_of] + start[row_of]
+        ids = b.last[sel][row_of]
+        # Rows that are not one decode token read their tokens from the sequence: prompt chunks (a recompute
+        # after preemption included) and verifications, whose drafts follow the sequence's last token.
+        for r in np.flatnonzero((counts != 1) | (start + 1 != b.length[sel])).tolist():
+            seq, a, k = out.seqs[r], int(start[r]), int(counts[r])
+            drafts = out.drafts.get(r, [])
+            ids[offsets[r]:offsets[r] + k] = seq.token_ids[a:a + k - len(drafts)] + drafts
+        slots = tables[row_of, positions // bs] * bs + positions % bs
+        # Where a token's attention runs depends only on its position, never on the chunking: prompt positions
+        # take the prefill path (one left after a prefix-cache hit included), generated ones the decode path,
+        # one row each (a recompute after preemption included). The two kernels sum in different orders, so
+        # choosing by chunk size made outputs depend on scheduling.
+        prefills, want_prompt = [], False
+        for r in np.flatnonzero(start < prompt_len).tolist():
+            end = min(int(prompt_len[r]), int(start[r] + counts[r]))
+            table = torch.from_numpy(tables[r, :num_blocks[r]].copy())
+            prefills.append(PrefillSpan(int(offsets[r]), end - int(start[r]), end, table))
+            want_prompt = want_prompt or out.seqs[r].request.needs_prompt_logprobs
+        decode_idx = np.flatnonzero(positions >= prompt_len[row_of]) if prefills else np.arange(len(positions))
+        decode_rows = row_of[decode_idx]
+        decode_lens = positions[decode_idx] + 1
+        max_blocks = int(num_blocks[decode_rows].max()) if len(decode_rows) else 1
+        decode_tables = tables[decode_rows, :max_blocks]
+        logits_idx, repeats = self._sampled_rows(out, ends)
         lora = self._lora_batch(out) if self.loras is not None and self.loras.active else None
+        dev = self.device  # built on the host, copied once per step (no copy at all on the CPU)
+        repeats_t = torch.from_numpy(repeats) if repeats is not None else None
         if not prefills and lora is None and self.graphs is not None and self.graphs.can_run(len(ids), max_blocks):
-            graph_inputs = tuple(np.asarray(x, dtype=np.int64) for x in (ids, positions, slots, tables, decode_lens))
+            graph_inputs = (ids, positions, slots, decode_tables, decode_lens)
             # each decode row sampled once, in order (the usual case): the replay's logits as they are
-            every_row = len(logits_idx) == len(ids) and np.array_equal(logits_idx, np.arange(len(ids)))
-            logits_dev = None if every_row else tensor(logits_idx).to(dev)
+            every_sampled = len(logits_idx) == len(ids) and repeats is None
+            logits_dev = None if every_sampled else torch.from_numpy(logits_idx).to(dev)
             rank_inputs = ("graph", self.graphs.sizes, graph_inputs)
             return None, None, None, logits_dev, repeats_t, graph_inputs, False, None, rank_inputs
-        logits_dev = tensor(logits_idx).to(dev)
+        logits_dev = torch.from_numpy(logits_idx).to(dev)
         meta = AttentionMetadata(
-            slot_mapping=tensor(slots),
-            decode_idx=tensor(decode_idx),
-            decode_block_tables=tensor(tables),
-            decode_seq_lens=tensor(decode_lens),
+            slot_mapping=torch.from_numpy(slots),
+            decode_idx=torch.from_numpy(decode_idx),
+            decode_block_tables=torch.from_numpy(np.ascontiguousarray(decode_tables)),
+            decode_seq_lens=torch.from_numpy(decode_lens),
             prefills=prefills,
             block_size=bs,
         )
         meta.derived = self.model.attn.derive(meta)
-        ids_t, positions_t = tensor(ids), tensor(positions)
+        ids_t, positions_t = torch.from_numpy(ids), torch.from_numpy(positions)
         # the other tensor-parallel ranks get the host tensors and copy them to their own GPU
         rank_inputs = ("eager", ids_t, positions_t, meta)
         return (ids_t.to(dev, non_blocking=True), positions_t.to(dev, non_blocking=True),
                 meta.to(dev), logits_dev, repeats_t, None, want_prompt, lora, rank_inputs)
 
+    @staticmethod
+    def _sampled_rows(out: SchedulerOutput, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """The step's token indices whose logits are sampled: each sampling row's last token, or for a
+        verification its last token and each draft; and how many samples take each (None: one each)."""
+        sampled = out.sampled
+        last = ends - 1 if sampled.all() else (ends - 1)[sampled]
+        if not (out.drafts or out.forks):
+            return last, None
+        idx, repeats = [], []
+        for r, e in zip(np.flatnonzero(sampled).tolist(), last.tolist(), strict=True):
+            k = len(out.drafts.get(r, ()))
+            idx.extend(range(e - k, e + 1))
+            repeats.extend([1] * k + [1 + len(out.forks.get(r, ()))])
+        return np.asarray(idx, np.int64), np.asarray(repeats, np.int64)
+
     def _lora_batch(self, out: SchedulerOutput):
-        """The step's adapters and their rows (None where every row runs the base model): the decode batch's rows
-        first, then each scheduled sequence's tokens, as `_prepare` lays them out."""
-        names = [s.request.lora.lora_name if s.request.lora is not None else None for s in out.decode_seqs]
-        for s in out.scheduled:
-            lora = s.seq.request.lora
-            names += [lora.lora_name if lora is not None else None] * s.num_tokens
+        """The step's adapters and their rows (None where every row runs the base model): each row's tokens, in
+        the order `_prepare` lays them out."""
+        names = []
+        for seq, k in zip(out.seqs, out.num_tokens.tolist(), strict=True):
+            lora = seq.request.lora
+            names += [lora.lora_name if lora is not None else None] * k
         return self.loras.batch(names)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Run one step: the token of each of the batch's decodes (`out.decode_seqs`), the new tokens of each
-        sequence in the order of all `sample_seqs` lists (one token, or for a verification the accepted drafts
-        and the token after them), and the prompt logprobs the step's prompt chunks asked for."""
+        """Run one step: each row's tokens, then a token for each row that samples (with logprobs, forks and
+        verified drafts as sparse extras), and the prompt logprobs the step's prompt chunks asked for."""
         self.apply_block_ops(out.ops)
         if not out:
             if self.tp_workers is not None and out.ops:
@@ -257,63 +246,92 @@ class ModelRunner:
             hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, lora)
         prompt_lps = self._prompt_logprobs(out, hidden) if want_prompt else ()
         if logits_idx is not None and logits_idx.numel() == 0:  # a step of prompt chunks that sample nothing yet
-            return RunnerOutput((), (), prompt_lps)
+            return RunnerOutput(prompt_logprobs=prompt_lps)
         if graph_step is None:
             logits = self.model.logits(hidden[logits_idx])
         elif logits_idx is not None:  # (None: every row of the replay, in order)
             logits = logits[logits_idx]
-        if bool((repeats > 1).any()):
+        if repeats is not None and bool((repeats > 1).any()):
             logits = logits.repeat_interleave(repeats.to(logits.device), dim=0)
-        if not any(s.spec_token_ids for s in out.scheduled):
-            n_dec = len(out.decode_seqs)
-            seqs = out.decode_seqs + [q for s in out.scheduled for q in s.sample_seqs]
-            tokens, results = self.sampler.sample(logits, seqs, n_dec)
-            return RunnerOutput(tokens, [[r] for r in results], prompt_lps)
-        assert not out.decode_seqs, "speculative decoding runs without a decode batch"
-        return RunnerOutput((), self._sample_with_verifications(logits, out), prompt_lps)
+        if out.drafts:
+            return self._sample_with_verifications(logits, out, prompt_lps)
+        rows = np.flatnonzero(out.sampled).tolist()
+        if not out.forks:
+            seqs = out.seqs if len(rows) == len(out.seqs) else [out.seqs[r] for r in rows]
+            tokens, lps = self.sampler.sample(logits, seqs)
+            if lps and len(rows) != len(out.seqs):
+                lps = {rows[i]: res for i, res in lps.items()}
+            return RunnerOutput(tokens, lps, prompt_logprobs=prompt_lps)
+        seqs, owner = [], []  # a forking row's samples follow it, the row's own first
+        for r in rows:
+            for q in [out.seqs[r], *out.forks.get(r, ())]:
+                seqs.append(q)
+                owner.append(r)
+        tokens, lps = self.sampler.sample(logits, seqs)
+        column, by_row, forked = [], {}, {}
+        for i, (r, tok) in enumerate(zip(owner, tokens, strict=True)):
+            res = lps.get(i)
+            if r in out.forks:
+                forked.setdefault(r, []).append(res or SampleResult(tok))
+                if len(forked[r]) > 1:
+                    continue
+            elif res is not None:
+                by_row[r] = res
+            column.append(tok)
+        return RunnerOutput(column, by_row, forked=forked, prompt_logprobs=prompt_lps)
 
-    def _sample_with_verifications(self, logits: torch.Tensor, out: SchedulerOutput) -> list[list[SampleResult]]:
+    def _sample_with_verifications(self, logits: torch.Tensor, out: SchedulerOutput, prompt_lps) -> RunnerOutput:
         """Plain rows sampled as one batch; each verification's rows checked against its drafts."""
         plain_rows, plain_seqs, spans, row = [], [], [], 0
-        for s in out.scheduled:
-            if s.spec_token_ids:
-                spans.append((row, row + len(s.spec_token_ids) + 1))
-                row = spans[-1][1]
+        sampled = np.flatnonzero(out.sampled).tolist()
+        for r in sampled:
+            k = len(out.drafts.get(r, ()))
+            if k:
+                spans.append((row, row + k + 1))
+                row += k + 1
             else:
-                for q in s.sample_seqs:
+                for q in [out.seqs[r], *out.forks.get(r, ())]:
                     plain_rows.append(row)
                     plain_seqs.append(q)
                     row += 1
-        plain = iter(self.sampler.sample(logits[torch.tensor(plain_rows, device=logits.device)], plain_seqs)[1]
-                     if plain_rows else [])
+        tokens, lps = (self.sampler.sample(logits[torch.tensor(plain_rows, device=logits.device)], plain_seqs)
+                       if plain_rows else ([], {}))
+        plain = iter(range(len(tokens)))
         spans_it = iter(spans)
-        results: list[list[SampleResult]] = []
-        for s in out.scheduled:
-            if s.spec_token_ids:
+        column, by_row, verified, forked = [], {}, {}, {}
+        for r in sampled:
+            if r in out.drafts:
                 a, b = next(spans_it)
-                results.append(verify(self.sampler, logits[a:b], s.seq, s.spec_token_ids))
-            else:
-                results += [[next(plain)] for _ in s.sample_seqs]
-        return results
+                verified[r] = verify(self.sampler, logits[a:b], out.seqs[r], out.drafts[r])
+                column.append(verified[r][0].token_id)
+                continue
+            results = [lps.get(i) or SampleResult(tokens[i])
+                       for i in [next(plain) for _ in range(1 + len(out.forks.get(r, ())))]]
+            if r in out.forks:
+                forked[r] = results
+            elif results[0].logprob is not None:
+                by_row[r] = results[0]
+            column.append(results[0].token_id)
+        return RunnerOutput(column, by_row, verified, forked, prompt_lps)
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor):
         """Logprobs of prompt tokens for the requests that ask for them: the row of position p predicts the
         prompt token at p + 1. Only those rows get logits (the rest of the batch pays nothing), a few hundred
         at a time so a long prefill chunk never holds [chunk, vocab] at once."""
         found = []
-        offset = len(out.decode_seqs)
-        for s in out.scheduled:
-            req = s.seq.request
-            lo, hi = s.start, min(s.start + s.num_tokens, req.num_prompt_tokens - 1)
+        offset = 0
+        for seq, a, k in zip(out.seqs, out.start.tolist(), out.num_tokens.tolist(), strict=True):
+            req = seq.request
+            lo, hi = a, min(a + k, req.num_prompt_tokens - 1)
             if req.needs_prompt_logprobs and hi > lo:
                 results: list[SampleResult] = []
-                for a in range(lo, hi, _PROMPT_LOGPROB_ROWS):
-                    b = min(a + _PROMPT_LOGPROB_ROWS, hi)
-                    rows = hidden[offset + a - s.start: offset + b - s.start]
-                    results += prompt_logprob_results(self.model.logits(rows), req.prompt_token_ids[a + 1:b + 1],
+                for x in range(lo, hi, _PROMPT_LOGPROB_ROWS):
+                    y = min(x + _PROMPT_LOGPROB_ROWS, hi)
+                    rows = hidden[offset + x - a: offset + y - a]
+                    results += prompt_logprob_results(self.model.logits(rows), req.prompt_token_ids[x + 1:y + 1],
                                                       req.params.prompt_logprobs)
                 found.append((req, lo + 1, results))
-            offset += s.num_tokens
+            offset += k
         return found
 
 

@@ -37,8 +37,9 @@ def verify(sampler: Sampler, logits: torch.Tensor, seq: Sequence, drafts: list[i
     rows = [seq] * len(logits)
     params = seq.request.params
     if params.greedy:  # the sampler's own choice per row: the same code path as a plain decode
-        _, results = sampler.sample(logits, rows)
-        return results[:num_accepted(drafts, [r.token_id for r in results]) + 1]
+        tokens, with_logprobs = sampler.sample(logits, rows)
+        results = [with_logprobs.get(i) or SampleResult(t) for i, t in enumerate(tokens)]
+        return results[:num_accepted(drafts, tokens) + 1]
     raw = torch.log_softmax(logits.float(), dim=-1) if params.logprobs is not None else None
     probs = sampler.weights(sampler._process(logits, rows), rows)
     probs = probs / probs.sum(dim=-1, keepdim=True)

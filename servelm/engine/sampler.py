@@ -94,18 +94,19 @@ class Sampler:
         return True
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], num_bare: int = 0
-               ) -> tuple[list[int], list[SampleResult]]:
-        """Tokens for each row: the first `num_bare` rows (which want no logprobs) as bare token ids, the rest
-        as SampleResults. Everything runs where the logits are; the ids and logprobs come back in one copy each."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], dict[int, SampleResult]]:
+        """A token for each row, and the SampleResult (with logprobs) of each row whose request asks for
+        logprobs, by row. Everything runs where the logits are; the ids and logprobs come back in one copy each."""
         if self.plain_greedy(seqs):
-            token_list = argmax_rows(logits).tolist()
-            return token_list[:num_bare], [SampleResult(t) for t in token_list[num_bare:]]
+            return argmax_rows(logits).tolist(), {}
         params = [s.request.params for s in seqs]
         # logits arrive in the model's dtype: a greedy row takes its argmax there (widening to float32 is
         # exact, so the choice is the same), everything else widens first.
-        want_lp = any(p.logprobs is not None for p in params[num_bare:])
-        raw_logprobs = torch.log_softmax(logits[num_bare:].float(), dim=-1) if want_lp else None
+        lp_rows = [r for r, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = None
+        if lp_rows:
+            lp_idx = torch.tensor(lp_rows, device=logits.device) if len(lp_rows) < len(seqs) else None
+            raw_logprobs = torch.log_softmax((logits if lp_idx is None else logits[lp_idx]).float(), dim=-1)
         logits = self._process(logits, seqs)
         grammar_rows = [r for r, s in enumerate(seqs) if s.matcher is not None]
         if grammar_rows:  # a batch without structured output never gets here
@@ -114,10 +115,12 @@ class Sampler:
             logits = mask_logits(logits, seqs, grammar_rows)
         tokens = self._choose(logits, seqs)
         token_list = tokens.tolist()
-        results = [SampleResult(t) for t in token_list[num_bare:]]
-        if raw_logprobs is not None:
-            self._attach_logprobs(raw_logprobs, tokens[num_bare:], params[num_bare:], results)
-        return token_list[:num_bare], results
+        if raw_logprobs is None:
+            return token_list, {}
+        results = [SampleResult(token_list[r]) for r in lp_rows]
+        chosen = tokens if lp_idx is None else tokens[lp_idx]
+        self._attach_logprobs(raw_logprobs, chosen, [params[r] for r in lp_rows], results)
+        return token_list, dict(zip(lp_rows, results, strict=True))
 
     def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows, cols, vals = [], [], []

@@ -21,9 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 
 from servelm.config.engine import RuntimeSettings
-from servelm.engine.decode_batch import DecodeBatch
+from servelm.engine.input_batch import InputBatch
 from servelm.engine.kv_cache_manager import BlockOps, KVCacheManager
 from servelm.engine.queue_order import QueueOrder
 from servelm.engine.sequence import SeqStatus, Sequence
@@ -34,39 +35,69 @@ MIN_PREFILL_CHUNK = 32  # prompt tokens a step computes even when decodes alone 
 
 
 class ScheduledSeq(msgspec.Struct, gc=False):
-    """One row of a step. A struct the garbage collector does not track (its references never lead back to it):
-    a step makes one per running sequence, about 3x cheaper than a dataclass instance."""
+    """One row of a step, as a struct (`SchedulerOutput.scheduled`): for tools and tests that walk a step row by
+    row. The engine itself reads the step as columns."""
 
     seq: Sequence
     start: int  # first token position computed this step
-    num_tokens: int  # tokens computed this step
-    # Sequences to sample a next token for from this row's logits: empty for a partial prefill chunk,
-    # [seq] normally, and [seq, *new_siblings] when an n>1 request forks after its prompt.
-    sample_seqs: list[Sequence] = []  # (a fresh list per instance)
-    # Draft tokens verified this step (speculative decoding): they follow the sequence's last token, so
-    # num_tokens counts them too, and the step samples a token after each of them.
-    spec_token_ids: list[int] = []
+    num_tokens: int  # tokens computed this step, drafts included
+    # the samples that take a token from this row's logits: [] for a partial prompt chunk, [seq] normally, and
+    # [seq, *new siblings] when an n > 1 request forks after its prompt
+    sample_seqs: list[Sequence] = []
+    spec_token_ids: list[int] = []  # drafts verified this step (they follow the sequence's last token)
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledSeq]
+    """One step as a diff against the running batch: the rows that run (ascending, so the step's tokens follow
+    the batch's order), how many tokens each computes from which position, and the sparse extras: drafts to
+    verify and, once EngineCore has made them, the new samples of n > 1 requests whose prompt ends here."""
+
+    batch: InputBatch
+    rows: np.ndarray  # batch rows that run this step
+    seqs: list[Sequence]  # their samples
+    start: np.ndarray  # each row's first position computed
+    num_tokens: np.ndarray  # each row's tokens computed, drafts included
+    sampled: np.ndarray  # whether each row samples: it reaches its sample's last token (then a verification
+    # samples after each of its drafts too)
     ops: BlockOps
     num_preempted: int = 0
-    batched_tokens: int | None = None  # the scheduler's own count (None: summed over `scheduled` when asked)
-    num_admitted: int = 0  # the last rows of `scheduled` came from the waiting queue (the only ones new to a step)
-    # the steady decodes, the batch's rows 0..len-1, run before the rows of `scheduled` (see decode_batch.py)
-    decode_seqs: list[Sequence] = field(default_factory=list)
-    batch: DecodeBatch | None = None
+    num_admitted: int = 0  # samples that joined the running batch this step
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # step row -> draft tokens it verifies
+    forks: dict[int, list[Sequence]] = field(default_factory=dict)  # step row -> siblings sampled with it
+
+    @classmethod
+    def of(cls, batch: InputBatch, ops: BlockOps, drafts: dict[Sequence, list[int]] | None = None,
+           **kw) -> SchedulerOutput:
+        """The step whose rows are the batch's rows with `scheduled` tokens."""
+        n = len(batch)
+        counts = batch.scheduled[:n]
+        rows = np.flatnonzero(counts)
+        everyone = len(rows) == n
+        seqs = batch.seqs[:] if everyone else [batch.seqs[i] for i in rows.tolist()]
+        start, num_tokens = batch.pos[rows], counts[rows]
+        ends = start + num_tokens
+        step_drafts = {}
+        if drafts:
+            step_drafts = {r: drafts[s] for r, s in enumerate(seqs) if s in drafts}
+            ends = ends - np.array([len(step_drafts.get(r, ())) for r in range(len(rows))], np.int64)
+        return cls(batch, rows, seqs, start, num_tokens, ends == batch.length[rows], ops, drafts=step_drafts, **kw)
 
     @property
     def num_batched_tokens(self) -> int:
-        if self.batched_tokens is not None:
-            return self.batched_tokens
-        return sum(s.num_tokens for s in self.scheduled) + len(self.decode_seqs)
+        return int(self.num_tokens.sum())
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        """The step row by row (for tools and tests; the engine reads the columns)."""
+        sampled = self.sampled.tolist()
+        return [ScheduledSeq(seq, int(a), int(n), ([seq] + self.forks.get(r, [])) if s else [],
+                             self.drafts.get(r, []))
+                for r, (seq, a, n, s) in enumerate(zip(self.seqs, self.start.tolist(), self.num_tokens.tolist(),
+                                                        sampled, strict=True))]
 
     def __bool__(self) -> bool:
-        return bool(self.scheduled or self.decode_seqs)
+        return len(self.rows) > 0
 
 
 class Scheduler(QueueOrder, StepUpdate):
@@ -108,8 +139,8 @@ class Scheduler(QueueOrder, StepUpdate):
         self.itl_target_s = itl_target_s
         self.ttft_target_s = ttft_target_s
         self.step_cost = step_cost if step_cost is not None else StepCostModel()
-        # the steady decodes as columns (EngineCore sets one up; without it every row takes the loop below)
-        self.batch: DecodeBatch | None = None
+        # every running sample as a row of columns (engine/input_batch.py); EngineCore gives it the vocabulary
+        self.batch = InputBatch(kv.block_size)
         # LoRA adapters (EngineCore sets them where enabled): a step holds at most loras.max_loras of them
         self.loras = None
         self._init_step_update()
@@ -139,73 +170,87 @@ class Scheduler(QueueOrder, StepUpdate):
         if self._running_sorted and self.running and self._key(seq) < self._key(self.running[-1]):
             self._running_sorted = False
         self.running.append(seq)
+        self.batch.add(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        """The step's diff against the running batch: tokens for each row that runs (decodes first, each with
+        room for its token; then prompt chunks and verifications in scheduling order, preempting from the end
+        when blocks run out), and the waiting samples admitted."""
         budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledSeq] = []
         self._order_queues()
         num_preempted = 0
         if self.policy == "priority":
             self._displace_for_priority()
-        running, kv, chunked = self.running, self.kv, self.enable_chunked_prefill
+        running, kv, chunked, batch = self.running, self.kv, self.enable_chunked_prefill, self.batch
         prefill = self._prefill_budget()  # prompt tokens this step may compute beside its decodes
-        batch = self.batch
-        if batch is not None and batch.seqs:  # its decodes first, each with room for its token, or none of them
-            if len(batch) <= budget and batch.reserve(kv):
-                budget -= len(batch)
-            else:
-                batch.clear()  # the loop below takes them, preempting if it must
+        n = len(batch)
+        scheduled = batch.scheduled
+        scheduled[:n] = 0
+        drafts: dict[Sequence, list[int]] = {}
+        # The decodes as one vector: each with room for its token, or none of them (the loop then takes them,
+        # preempting if it must). A row with drafts to verify is not a plain decode.
+        decoding = batch.length[:n] - batch.pos[:n] == 1
+        if self.spec is not None:
+            decoding &= np.fromiter((not s.spec_token_ids for s in batch.seqs), bool, n)
+        rows = np.flatnonzero(decoding)
+        every_row = False
+        if len(rows) and len(rows) <= budget and batch.reserve(kv, rows):
+            scheduled[rows] = 1
+            budget -= len(rows)
+            every_row = len(rows) == n
         # A for loop over a list that preemption shortens from the end: scheduled sequences sit before the current
-        # one, so a victim is always after it (or is it, the last one, which ends the loop). When every running
-        # sequence is in the batch (steady decode) the loop has nothing to do: skipped, not walked.
-        for seq in running if batch is None or len(batch.seqs) < len(running) else ():
+        # one, so a victim is always after it (or is it, the last one, which ends the loop). In steady decode
+        # every row is scheduled above and the loop is skipped, not walked.
+        for seq in running if not every_row else ():
             if budget <= 0:
                 break
-            if seq.batch_row >= 0:
+            row = seq.batch_row
+            if scheduled[row]:
                 continue
             start = seq.num_computed_tokens
             todo = len(seq.token_ids) - start
-            n = todo if todo < budget else budget
-            if n > 1 and not seq.spec_token_ids and n > prefill and chunked:  # a prompt chunk over the budget
+            k = todo if todo < budget else budget
+            if k > 1 and not seq.spec_token_ids and k > prefill and chunked:  # a prompt chunk over the budget
                 if prefill <= 0:
                     continue
-                n = prefill
-            # a row samples (sample_seqs=[seq]) when it reaches the sequence's last token
+                k = prefill
             if seq.spec_token_ids:
-                drafts = self._drafts_that_fit(seq, n, budget)
-                if drafts:
-                    scheduled.append(ScheduledSeq(seq, start, n + len(drafts), [seq] if n == todo else [], drafts))
-                    budget -= n + len(drafts)
+                found = self._drafts_that_fit(seq, k, budget)
+                if found:
+                    batch.sync_table(seq)
+                    scheduled[row] = k + len(found)
+                    drafts[seq] = found
+                    budget -= k + len(found)
                     continue
-            if n < todo and not chunked:
+            if k < todo and not chunked:
                 continue
-            while not kv.allocate(seq, n):
+            while not kv.allocate(seq, k):
                 victim = running.pop()
-                if victim.batch_row >= 0:
-                    budget += 1  # its decode was counted above
+                budget += int(scheduled[victim.batch_row])  # a decode counted above
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is seq:
                     break
             else:
-                scheduled.append(ScheduledSeq(seq, start, n, [seq] if n == todo else []))
-                budget -= n
-                if n > 1:
-                    prefill -= n
+                batch.sync_table(seq)
+                scheduled[seq.batch_row] = k
+                budget -= k
+                if k > 1:
+                    prefill -= k
 
         # Admit waiting sequences, unless this step already had to preempt (the pool is under pressure).
-        num_running = len(scheduled)
+        num_admitted = 0
         while (self.waiting and budget > 0 and prefill > 0 and len(running) < self.max_num_seqs
                and not num_preempted):
             seq = self.waiting[0]
             if seq.request.lora is not None and not self._adapter_fits(seq):  # waits, in order, for a slot
                 break
             if seq.status == SeqStatus.SWAPPED:
-                n = min(seq.num_to_compute, budget, max(1, prefill))
-                if not kv.swap_in(seq, n):
+                k = min(seq.num_to_compute, budget, max(1, prefill))
+                if not kv.swap_in(seq, k):
                     break
             else:
                 # prompt logprobs need every prompt position's logits: no cached prefix for those
@@ -213,8 +258,8 @@ class Scheduler(QueueOrder, StepUpdate):
                 remaining = seq.num_tokens - len(cached) * kv.block_size
                 if remaining > budget and not chunked:
                     break
-                n = min(remaining, budget, prefill if chunked else budget)
-                if not kv.allocate(seq, n, cached):
+                k = min(remaining, budget, prefill if chunked else budget)
+                if not kv.allocate(seq, k, cached):
                     break
                 if seq.first_scheduled is None:
                     seq.num_cached_tokens = len(cached) * kv.block_size
@@ -223,14 +268,12 @@ class Scheduler(QueueOrder, StepUpdate):
             self._count_waiting(seq, -1)
             seq.status = SeqStatus.RUNNING
             self._append_running(seq)
-            start = seq.num_computed_tokens
-            scheduled.append(ScheduledSeq(seq, start, n, [seq] if start + n == seq.num_tokens else []))
-            budget -= n
-            prefill -= n
-
-        decodes = batch.seqs[:] if batch is not None else []
-        return SchedulerOutput(scheduled, kv.take_ops(), num_preempted, self.max_num_batched_tokens - budget,
-                               len(scheduled) - num_running, decodes, batch)
+            scheduled[seq.batch_row] = k
+            num_admitted += 1
+            budget -= k
+            prefill -= k
+        return SchedulerOutput.of(batch, kv.take_ops(), drafts, num_preempted=num_preempted,
+                                  num_admitted=num_admitted)
 
     def _adapter_fits(self, seq: Sequence) -> bool:
         """seq's adapter is one the running sequences already use, or one more stays within max_loras."""
@@ -292,8 +335,7 @@ class Scheduler(QueueOrder, StepUpdate):
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
-        if seq.batch_row >= 0:
-            self.batch.remove(seq)
+        self.batch.remove(seq)
         if self.preemption_mode == "swap" and self.kv.can_swap_out(seq):
             self.kv.swap_out(seq)
             seq.status = SeqStatus.SWAPPED
@@ -313,9 +355,8 @@ class Scheduler(QueueOrder, StepUpdate):
         """Remove a sequence wherever it is and free its blocks."""
         if seq.status == SeqStatus.FINISHED:
             return
-        if seq.batch_row >= 0:
-            self.batch.remove(seq)
         if seq.status == SeqStatus.RUNNING:
+            self.batch.remove(seq)
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)

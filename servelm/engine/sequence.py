@@ -69,7 +69,7 @@ class Sequence:
     # structured output: the grammar's state after this sample's tokens (structured.new_matcher's); it stays
     # with the sequence through preemption, so a resumed sample goes on where it was
     matcher: Any = None
-    batch_row: int = -1  # its row in the scheduler's DecodeBatch while a member, else -1
+    batch_row: int = -1  # its row in the scheduler's running batch (engine/input_batch.py) while running, else -1
 
     @property
     def num_tokens(self) -> int:
@@ -117,12 +117,11 @@ class Request:
     prompt_logprobs: list[SampleResult | None] | None = None
     prompt_logprobs_done: bool = False  # all computed and reported: a recompute need not redo them
     grammar: Any = None  # params.structured_outputs compiled (a Future until the engine has it)
-    # Set by EngineCore.add_request for the decode batch: a sample whose next token is not in stop_ids and
-    # leaves it shorter than plain_below tokens goes on with nothing to report but that token (0: every token
-    # takes the full check, as for prompt logprobs and grammars).
+    # Set by EngineCore.add_request (engine/input_batch.plain_below): a sample whose next token is not in
+    # stop_ids and leaves it shorter than plain_below tokens goes on with nothing to report but that token (0:
+    # every token takes the full check, as for logprobs, n > 1 and grammars).
     plain_below: int = 0
     stop_ids: frozenset[int] = frozenset()
-    batchable: bool = False  # its decodes can be rows of the decode batch (decode_batch.batchable)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -20,17 +20,22 @@ class SampleResult(msgspec.Struct, gc=False):
 
 
 class RunnerOutput(NamedTuple):
-    """What a step's forward pass gives back (ModelRunner.execute), for Scheduler.update_from_output.
+    """What a step's forward pass gives back (ModelRunner.execute), for Scheduler.update_from_output: a column
+    of tokens and sparse extras, by step row (the index into `SchedulerOutput.rows`).
 
-    decode_tokens: the token of each of the decode batch's rows (`SchedulerOutput.decode_seqs`), in order.
-    results: the new tokens of each sequence, in the order of all `sample_seqs` lists of
-    `SchedulerOutput.scheduled`: one token, or for a verification the accepted drafts and the token after them.
+    tokens: one token for each row that samples (`SchedulerOutput.sampled`), in row order.
+    logprobs: the SampleResult (token, logprob, rank, top logprobs) of each sampled row that asked for logprobs.
+    verified: for each row verifying drafts, the accepted drafts and the token after them.
+    forked: for each row whose request forks (`SchedulerOutput.forks`), one result per sample, the row's own
+    first.
     prompt_logprobs: (request, first prompt position, the logprobs from there) for each prompt chunk whose logprobs
     were asked for.
     """
 
-    decode_tokens: list[int] = ()
-    results: list[list[SampleResult]] = ()
+    tokens: list[int] = []
+    logprobs: dict[int, SampleResult] = {}
+    verified: dict[int, list[SampleResult]] = {}
+    forked: dict[int, list[SampleResult]] = {}
     prompt_logprobs: list[tuple[Any, int, list[SampleResult]]] = ()
 
 
@@ -51,8 +56,8 @@ class SeqOutput(msgspec.Struct, gc=False):
 
 
 class DecodeOutputs(msgspec.Struct, gc=False):
-    """One token for each of many samples in one step, as two columns: the decode batch's rows that neither
-    ended nor started their sample (sample index 0, nothing else to report; see engine/decode_batch.py)."""
+    """One token for each of many samples in one step, as two columns: the running batch's rows that neither
+    ended nor started their sample (sample index 0, nothing else to report; see engine/step_update.py)."""
 
     request_ids: list[str] = []
     token_ids: list[int] = []

@@ -3,8 +3,10 @@
 `update_from_output(scheduler_output, runner_output)` takes what `ModelRunner.execute` returned for what
 `schedule` chose: prompt logprobs into their requests, computed tokens and prefix-cache commits, forks of n > 1
 samples, verified drafts kept or rolled back, the sampled tokens appended up to a stop (which finishes the
-sample), and what each sample gained as SeqOutputs. The decode batch's rows take a columnar path (a few vector
-operations, then one append per row) and are reported as one DecodeOutputs.
+sample), and what each sample gained. It works on the running batch's columns (engine/input_batch.py): every
+row advances with a few vector operations and one append per row, and only the rows with more to report than
+their token (a possible stop, a first token, logprobs, a fork, a verification) take the full check, `_append`:
+the step's output is the columns as one DecodeOutputs plus those rows' SeqOutputs.
 
 `StepUpdate` is a part of `Scheduler` (engine/scheduler.py), which holds the state it reads: `kv`, `batch`, and
 what EngineCore gives it: `spec` (the speculative decoder, or None), `max_model_len`, `unforked` (n > 1 requests
@@ -17,6 +19,8 @@ import logging
 import math
 import time
 from collections.abc import Callable
+
+import numpy as np
 
 from servelm.engine.sequence import Request, Sequence
 from servelm.engine.step_outputs import DecodeOutputs, RunnerOutput, SampleResult, SeqOutput
@@ -36,93 +40,105 @@ class StepUpdate:
     def update_from_output(self, out, ran: RunnerOutput, now: float | None = None
                            ) -> tuple[list[SeqOutput], DecodeOutputs]:
         """Apply one step's results (`out`: what schedule() returned, `ran`: what the runner computed for it);
-        returns what each sample gained, as SeqOutputs and, for the decode batch's rows, as columns. `now`:
-        when the step's forward ended (time of first tokens)."""
+        returns what each sample gained: the rows with nothing to report but their token as DecodeOutputs
+        columns, the rest as SeqOutputs. `now`: when the step's forward ended (time of first tokens).
+
+        Every row computed its tokens; a row that samples took one token (ran.tokens, in row order). The
+        columns advance for all of them at once; a row whose token may end its sample, or that has more to
+        report (logprobs, a first token, a fork, a verification), then takes the full check (_append)."""
         if now is None:
             now = time.monotonic()
         for req, first, lps in ran.prompt_logprobs:
             if req.prompt_logprobs is None:
                 req.prompt_logprobs = [None] * req.num_prompt_tokens
             req.prompt_logprobs[first:first + len(lps)] = lps  # a recomputed chunk overwrites, never appends
-        outputs: list[SeqOutput] = []
-        decodes = self._update_decodes(out, ran.decode_tokens, outputs, now) if out.decode_seqs else DecodeOutputs()
-        self._update_from_output(out, ran.results, outputs, now)
-        return outputs, decodes
-
-    def _update_decodes(self, out, tokens: list[int], outputs: list[SeqOutput],
-                        now: float) -> DecodeOutputs:
-        """The decode batch's rows: arrays first, then each token appended; a row whose token may end its
-        sample (its length or a stop token) takes the full check (_append), which may finish it."""
-        seqs, batch = out.decode_seqs, out.batch
-        n = len(seqs)
-        check = batch.advance(n, tokens)
-        if len(check):
-            checked = set(check.tolist())
-            rids, toks = [], []
-            for i, (seq, tok) in enumerate(zip(seqs, tokens, strict=True)):
-                seq.num_computed_tokens += 1
-                if i not in checked:
-                    seq.token_ids.append(tok)
-                    rids.append(batch.request_ids[i])
-                    toks.append(tok)
-        else:
-            rids, toks = batch.request_ids[:n], tokens
-            for seq, tok in zip(seqs, tokens, strict=True):
-                seq.num_computed_tokens += 1
+        batch, seqs, rows, counts = out.batch, out.seqs, out.rows, out.num_tokens
+        sampled = out.sampled
+        tokens = ran.tokens
+        every = bool(sampled.all())
+        all_rows = len(rows) == len(batch)  # (then rows is 0..n-1: slices instead of gathers)
+        step_rows = range(len(rows)) if every else np.flatnonzero(sampled).tolist()  # the rows that sample
+        check = batch.advance(slice(0, len(rows)) if every and all_rows else rows[step_rows],
+                              np.asarray(tokens, dtype=np.int64))
+        in_prompt = np.maximum(batch.prompt_len[rows] - out.start, 0)
+        prompt_rows = np.flatnonzero(in_prompt).tolist()  # rows that ran prompt tokens
+        if prompt_rows:
+            self.prompt_tokens += int(np.minimum(counts, in_prompt).sum())
+        # the step rows that take the full check: a token that may end the sample, or more to report
+        full = {step_rows[k] for k in np.flatnonzero(check).tolist()}
+        if ran.logprobs or out.drafts or out.forks:
+            full |= ran.logprobs.keys() | out.drafts.keys() | out.forks.keys()
+        counts_l = counts.tolist()
+        if not full and every:  # each row appends its token (the usual decode step)
+            for seq, tok, k in zip(seqs, tokens, counts_l, strict=True):
+                seq.num_computed_tokens += k
                 seq.token_ids.append(tok)
+            rids = batch.request_ids[:len(rows)] if all_rows else [s.request.request_id for s in seqs]
+            toks = tokens
+        else:
+            rids, toks = [], []
+            for r, tok in zip(step_rows, tokens, strict=True):
+                if r in full:
+                    continue
+                seq = seqs[r]
+                seq.num_computed_tokens += counts_l[r]
+                seq.token_ids.append(tok)
+                rids.append(seq.request.request_id)
+                toks.append(tok)
         self.generation_tokens += len(toks)
-        for i in check.tolist():  # last: a finished sample leaves the batch, which moves another row
-            outputs.append(self._append(seqs[i], [SampleResult(tokens[i])], now))
-        return DecodeOutputs(rids, toks)
+        if not every:  # partial prompt chunks: their tokens computed, nothing sampled
+            chunk = np.flatnonzero(~sampled)
+            batch.pos[rows[chunk]] += counts[chunk]
+            for r in chunk.tolist():
+                seqs[r].num_computed_tokens += int(counts[r])
+        commit = self.kv.commit_computed
+        for r in prompt_rows:
+            commit(seqs[r])  # the prompt's blocks that filled (the full path below commits its rows' again)
+        outputs: list[SeqOutput] = []
+        if full:
+            token_of = dict(zip(step_rows, tokens, strict=True))
+            for r in sorted(full):  # last: a finished sample leaves the batch, which moves another row
+                self._full_update(out, r, token_of[r], ran, now, outputs)
+        return outputs, DecodeOutputs(rids, toks)
 
-    def _update_from_output(self, out, step_results: list[list[SampleResult]],
-                            outputs: list[SeqOutput], now: float) -> None:
-        """Every per-sequence change a step makes once its forward has run: computed tokens, prefix-cache
-        commits, forks of n > 1 samples, the sampled tokens appended (up to a stop), and what each sample
-        gained. A sample left decoding joins the decode batch, whose rows _update_decodes takes."""
-        results = iter(step_results)
-        kv, append = self.kv, self._append
-        commit = kv.commit_computed
-        batch = self.batch
-        for s in out.scheduled:
-            seq = s.seq
-            if s.spec_token_ids:
-                outputs.append(self._apply_verification(s, next(results), now))
-                continue
-            computed = seq.num_computed_tokens = seq.num_computed_tokens + s.num_tokens
-            commit(seq)  # the prompt's blocks this row filled, if any
-            req = seq.request
-            if computed <= len(req.prompt_token_ids):
-                self.prompt_tokens += s.num_tokens
-            samples = s.sample_seqs
-            if len(samples) == 1:
-                outputs.append(append(seq, next(results), now))
-                if req.batchable and batch is not None and batch.can_join(seq):
-                    batch.add(seq)
-                continue
-            if len(samples) > 1:
-                for child in samples[1:]:  # fork n>1 siblings onto the parent's blocks
-                    child.num_computed_tokens = seq.num_computed_tokens
-                    child.num_cached_tokens, child.first_scheduled = seq.num_cached_tokens, seq.first_scheduled
-                    kv.fork(seq, child)
-                    req.seqs.append(child)
-                    self.add_running(child)
-                req.forked = True
-                self.unforked.discard(req.request_id)
-            for q in samples:
-                outputs.append(append(q, next(results), now))
+    def _full_update(self, out, r: int, tok: int, ran: RunnerOutput, now: float, outputs: list[SeqOutput]) -> None:
+        """Row r of the step, a row that samples, through the general path: its computed tokens and prompt
+        blocks, then a verification's accepted drafts, a fork's new samples, or its one token, up to a stop."""
+        seq = out.seqs[r]
+        if r in out.drafts:
+            outputs.append(self._apply_verification(seq, ran.verified[r], now))
+            return
+        seq.num_computed_tokens += int(out.num_tokens[r])
+        self.kv.commit_computed(seq)  # the prompt's blocks this row filled, if any
+        forks = out.forks.get(r)
+        if not forks:
+            outputs.append(self._append(seq, [ran.logprobs.get(r) or SampleResult(tok)], now))
+            return
+        req = seq.request
+        for child in forks:  # fork n > 1 siblings onto the parent's blocks
+            child.num_computed_tokens = seq.num_computed_tokens
+            child.num_cached_tokens, child.first_scheduled = seq.num_cached_tokens, seq.first_scheduled
+            self.kv.fork(seq, child)
+            req.seqs.append(child)
+            self.add_running(child)
+        req.forked = True
+        self.unforked.discard(req.request_id)
+        for q, res in zip([seq, *forks], ran.forked[r], strict=True):
+            outputs.append(self._append(q, [res], now))
+            if q.batch_row >= 0:
+                self.batch.sync(q)
 
-    def _apply_verification(self, s, res: list[SampleResult], now: float) -> SeqOutput:
+    def _apply_verification(self, seq: Sequence, res: list[SampleResult], now: float) -> SeqOutput:
         """The accepted drafts' KV stays (with the verified token's), the rejected drafts' slots are given
         back, and the accepted drafts and the token after them are appended (up to a stop)."""
-        seq = s.seq
         accepted = len(res) - 1
         seq.num_computed_tokens += 1 + accepted
         self.kv.roll_back(seq)
-        self.spec.record(seq, len(s.spec_token_ids), accepted)
+        self.spec.record(seq, len(seq.spec_token_ids), accepted)
         out = self._append(seq, res, now)
         if not seq.finished:
             self.kv.commit_computed(seq)
+            self.batch.sync(seq)
         return out
 
     def _append(self, seq: Sequence, results: list[SampleResult], now: float) -> SeqOutput:
@@ -152,7 +168,7 @@ class StepUpdate:
         if seq.first_token_time is None:
             seq.first_token_time = now
         first = len(tokens) - num_prompt == len(emitted)
-        queue_time = seq.first_scheduled - req.arrival_time if first else None
+        queue_time = seq.first_scheduled - req.arrival_time if first and seq.first_scheduled is not None else None
         out = SeqOutput(req.request_id, seq.index, [r.token_id for r in emitted],
                         emitted if emitted[0].logprob is not None else [],
                         reason, stop_reason, seq.num_cached_tokens, queue_time)

@@ -12,6 +12,7 @@ from servelm.engine.kv_cache_manager import KVCacheManager
 from servelm.engine.scheduler import MIN_PREFILL_CHUNK, Scheduler
 from servelm.engine.sequence import Request, Sequence
 from servelm.engine.step_cost import StepCostModel
+from servelm.engine.step_outputs import RunnerOutput
 from servelm.sampling_params import SamplingParams
 
 
@@ -60,11 +61,8 @@ def _add(sch: Scheduler, rid: str, prompt_len: int) -> Sequence:
 
 def _run_prompts_to_decoding(sch: Scheduler, n: int) -> list[Sequence]:
     seqs = [_add(sch, f"d{i}", 20) for i in range(n)]
-    out = sch.schedule()
-    for s in out.scheduled:  # the prompts computed; each now has one more token and decodes
-        s.seq.num_computed_tokens += s.num_tokens
-        sch.kv.commit_computed(s.seq)
-        s.seq.token_ids.append(7)
+    out = sch.schedule()  # the prompts computed; each now has one more token and decodes
+    sch.update_from_output(out, RunnerOutput([7] * int(out.sampled.sum())))
     return seqs
 
 
@@ -128,8 +126,8 @@ def test_a_running_prompt_and_new_ones_share_the_prefill_budget():
     out = sch.schedule()
     chunks = {s.seq.request.request_id: s.num_tokens for s in out.scheduled if s.num_tokens > 1}
     assert chunks == {"a": cost.tokens_within(0.050) - 4}  # "b" waits: the budget went to "a"
-    first.num_computed_tokens += chunks["a"]
-    sch.kv.commit_computed(first)
+    sch.update_from_output(out, RunnerOutput([7] * int(out.sampled.sum())))
+    assert first.num_computed_tokens == chunks["a"]
     out = sch.schedule()  # "a" is running now and comes first again
     chunks = {s.seq.request.request_id: s.num_tokens for s in out.scheduled if s.num_tokens > 1}
     assert chunks == {"a": cost.tokens_within(0.050) - 4}

@@ -1,6 +1,6 @@
 """Priority scheduling: admission and preemption by class, FCFS within a class, aging so low is never starved.
 
-The scheduler runs here without a model: each step "computes" what was scheduled and appends a dummy token,
+The scheduler runs here without a model: each step "computes" what was scheduled and samples a dummy token,
 and time is a fake clock advanced by one second per step.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 from servelm.engine.kv_cache_manager import KVCacheManager
 from servelm.engine.scheduler import Scheduler
 from servelm.engine.sequence import Priority, Request, Sequence
+from servelm.engine.step_outputs import RunnerOutput
 from servelm.sampling_params import SamplingParams
 
 
@@ -34,17 +35,10 @@ class Sim:
 
     def step(self) -> list[str]:
         out = self.sch.schedule()
-        self.kv.take_ops()
-        for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_tokens
-            self.kv.commit_computed(s.seq)
-            if s.sample_seqs:
-                s.seq.token_ids.append(7)
-                if s.seq.num_output_tokens >= self.max_out[s.seq.request.request_id]:
-                    self.sch.finish(s.seq, "length")
-                    self.finished.append(s.seq.request.request_id)
+        outputs, _ = self.sch.update_from_output(out, RunnerOutput([7] * int(out.sampled.sum())))
+        self.finished += [o.request_id for o in outputs if o.finish_reason is not None]
         self.now += 1.0
-        return [s.seq.request.request_id for s in out.scheduled]
+        return [s.request.request_id for s in out.seqs]
 
 
 def test_high_priority_is_admitted_before_earlier_low_and_fcfs_within_a_class():

@@ -3,18 +3,20 @@ aging into a better class, a policy change); every step must still schedule exac
 at every step schedules. Checked step by step against such a reference on random traffic with priorities,
 aging boundaries crossed at and between steps, arrival times ahead of the scheduler's clock, preemption by
 recompute and by swap, forks (n > 1) and run-time policy changes. No model: a step "computes" what was
-scheduled and appends a dummy token, on a fake clock.
+scheduled and samples a dummy token, reported through the scheduler's update, on a fake clock.
 """
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from servelm.engine.kv_cache_manager import KVCacheManager
 from servelm.engine.scheduler import Scheduler
 from servelm.engine.sequence import Request, Sequence
+from servelm.engine.step_outputs import RunnerOutput, SampleResult
 from servelm.sampling_params import SamplingParams
 
 
@@ -48,26 +50,17 @@ class Sim:
 
     def step(self) -> list[tuple]:
         out = self.sch.schedule()
-        self.kv.take_ops()
-        for s in out.scheduled:
-            seq = s.seq
-            seq.num_computed_tokens += s.num_tokens
-            self.kv.commit_computed(seq)
+        for r, seq in enumerate(out.seqs):  # n > 1: siblings sample from the prompt's last row, as in EngineCore
             req = seq.request
-            samples = list(s.sample_seqs)
-            if samples and req.params.n > 1 and not req.forked:  # n > 1: siblings share the prompt's blocks
-                req.forked = True
-                for i in range(1, req.params.n):
-                    child = Sequence(req, i, list(seq.token_ids), num_computed_tokens=seq.num_computed_tokens)
-                    self.kv.fork(seq, child)
-                    req.seqs.append(child)
-                    self.sch.add_running(child)
-                    samples.append(child)
-            for q in samples:  # each sample's first token comes from this step, as in EngineCore
-                q.token_ids.append(5 + q.index)
-                if q.num_output_tokens >= req.params.max_tokens:
-                    self.sch.finish(q, "length")
-                    self.finished += 1
+            if out.sampled[r] and req.params.n > 1 and not req.forked:
+                out.forks[r] = [Sequence(req, i, list(seq.token_ids)) for i in range(1, req.params.n)]
+        tokens, forked = [], {}
+        for r in np.flatnonzero(out.sampled).tolist():  # each sample's token: 5 + its index
+            tokens.append(5 + out.seqs[r].index)
+            if r in out.forks:
+                forked[r] = [SampleResult(5 + q.index) for q in [out.seqs[r], *out.forks[r]]]
+        outputs, _ = self.sch.update_from_output(out, RunnerOutput(tokens, forked=forked))
+        self.finished += sum(o.finish_reason is not None for o in outputs)
         self.kv.end_step()
         return [(s.seq.request.request_id, s.seq.index, s.start, s.num_tokens, len(s.sample_seqs))
                 for s in out.scheduled]

@@ -98,8 +98,7 @@ def test_max_loras_bounds_a_step_and_requests_still_finish(setup):
     step = core.runner.execute
 
     def watch(out):
-        names = {s.request.lora.lora_name for s in out.decode_seqs if s.request.lora}
-        names |= {s.seq.request.lora.lora_name for s in out.scheduled if s.seq.request.lora}
+        names = {s.request.lora.lora_name for s in out.seqs if s.request.lora}
         seen.append(len(names))
         return step(out)
 

@@ -1,0 +1,154 @@
+"""The running batch: every running sample as a row of columns, kept from step to step.
+
+The scheduler's `running` queue holds the samples in scheduling order; this batch holds the same samples by row,
+with what a step reads and writes of them as arrays (computed count, length, last token, prompt length, block
+table, the length at which a token may end the sample). A step is a diff against it: `scheduled[row]` tokens for
+the rows that run; the runner builds its inputs from the columns (engine/model_runner.py), and the update
+advances them with vector operations (engine/step_update.py). A row joins when its sample starts running
+(admitted, resumed or forked) and leaves when it stops (finished or preempted): the last row moves into its place.
+
+The `Sequence` objects stay the source of truth, and the columns mirror them: code that changes a sequence
+otherwise than the vector paths do (a prompt chunk, a verification, a fork, a full stop check) calls `sync`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from servelm.engine.sequence import Request, Sequence
+
+
+def plain_below(req: Request, max_model_len: float) -> int:
+    """The length below which a sampled token that is not one of the request's stop ids needs no check and no
+    report but the token: the request's token limit, for one-sample requests that want no logprobs and no
+    grammar (0 for the rest: every token of theirs takes the full check, as do first tokens)."""
+    p = req.params
+    if p.n != 1 or p.logprobs is not None or p.prompt_logprobs is not None or p.structured_outputs is not None:
+        return 0
+    limit = len(req.prompt_token_ids) + p.max_tokens if p.max_tokens is not None else max_model_len
+    return int(min(limit, max_model_len))
+
+
+class InputBatch:
+    _COLUMNS = ("pos", "length", "last", "prompt_len", "stop_at", "num_blocks", "scheduled", "shared")
+
+    def __init__(self, block_size: int, vocab_size: int = 1, capacity: int = 64, max_blocks: int = 16) -> None:
+        self.block_size = block_size
+        self.seqs: list[Sequence] = []
+        self.request_ids: list[str] = []
+        self.pos = np.zeros(capacity, np.int64)  # tokens with KV computed: the position of the next to compute
+        self.length = np.zeros(capacity, np.int64)  # tokens the sample holds
+        self.last = np.zeros(capacity, np.int64)  # its last token (what a decode computes)
+        self.prompt_len = np.zeros(capacity, np.int64)
+        self.stop_at = np.zeros(capacity, np.int64)  # a token that makes the sample this long takes the full check
+        self.num_blocks = np.zeros(capacity, np.int64)
+        self.scheduled = np.zeros(capacity, np.int64)  # tokens this step computes (0: the row does not run)
+        self.shared = np.zeros(capacity, bool)  # a sample of n > 1: its last block may be shared (copy-on-write)
+        self.tables = np.zeros((capacity, max_blocks), np.int64)
+        # how many members stop on each token id: a sampled token with a count takes the full check
+        self.stop_count = np.zeros(max(vocab_size, 1), np.int32)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    # -- membership ----------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        i = len(self.seqs)
+        if i == len(self.pos):
+            self._grow_rows()
+        seq.batch_row = i
+        self.seqs.append(seq)
+        self.request_ids.append(seq.request.request_id)
+        self.prompt_len[i] = seq.request.num_prompt_tokens
+        self.stop_at[i] = seq.request.plain_below
+        self.shared[i] = seq.request.params.n > 1
+        self.scheduled[i] = 0
+        self.sync(seq)
+        self._count_stops(seq, 1)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take seq out: the last row moves into its place."""
+        i, j = seq.batch_row, len(self.seqs) - 1
+        seq.batch_row = -1
+        self._count_stops(seq, -1)
+        moved = self.seqs.pop()
+        rid = self.request_ids.pop()
+        if i != j:
+            self.seqs[i], self.request_ids[i] = moved, rid
+            moved.batch_row = i
+            for name in self._COLUMNS:
+                a = getattr(self, name)
+                a[i] = a[j]
+            self.tables[i] = self.tables[j]
+
+    def sync(self, seq: Sequence) -> None:
+        """Mirror seq's computed count, tokens and block table in its row."""
+        i = seq.batch_row
+        self.pos[i] = seq.num_computed_tokens
+        tokens = seq.token_ids
+        self.length[i] = len(tokens)
+        self.last[i] = tokens[-1] if tokens else 0
+        self.sync_table(seq)
+
+    def sync_table(self, seq: Sequence) -> None:
+        i, table = seq.batch_row, seq.block_table
+        n = len(table)
+        if n > self.tables.shape[1]:
+            self._grow_blocks(n)
+        self.tables[i, :n] = table
+        self.num_blocks[i] = n
+
+    def _grow_rows(self) -> None:
+        for name in self._COLUMNS:
+            a = getattr(self, name)
+            setattr(self, name, np.concatenate([a, np.zeros_like(a)]))
+        self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
+
+    def _grow_blocks(self, n: int) -> None:
+        wider = np.zeros((len(self.tables), max(n, 2 * self.tables.shape[1])), np.int64)
+        wider[:, :self.tables.shape[1]] = self.tables
+        self.tables = wider
+
+    def _count_stops(self, seq: Sequence, d: int) -> None:
+        ids = [t for t in seq.request.stop_ids if t >= 0]
+        if not ids:
+            return
+        if max(ids) >= len(self.stop_count):
+            grown = np.zeros(max(ids) + 1, np.int32)
+            grown[:len(self.stop_count)] = self.stop_count
+            self.stop_count = grown
+        self.stop_count[ids] += d
+
+    # -- a step ---------------------------------------------------------------------------------------------
+    def reserve(self, kv, rows: np.ndarray) -> bool:
+        """Room for one more token in each of `rows` (each has exactly one to compute): a block for those whose
+        token starts one, and copy-on-write for samples that may share their last block. False when the pool
+        runs short (blocks given to the rows before then stay theirs: allocating is idempotent)."""
+        bs = self.block_size
+        need = rows[((self.pos[rows] // bs >= self.num_blocks[rows]) | self.shared[rows])]
+        if not len(need):
+            return True
+        new_blocks = int((self.pos[need] // bs >= self.num_blocks[need]).sum())
+        if new_blocks > kv.num_free_blocks:
+            return False
+        seqs = self.seqs
+        for i in need.tolist():
+            seq = seqs[i]
+            if not kv.allocate(seq, 1):
+                return False
+            self.sync_table(seq)
+        return True
+
+    def advance(self, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Record for each of `rows` its scheduled tokens as computed and `tokens` (one each) as its new last
+        token (the arrays only). Returns which of them must take the full check: a token that may end the
+        sample (its length, a stop id), a sample's first token, and every token of a request that asks for more
+        than its tokens (stop_at 0)."""
+        pos = self.pos[rows] + self.scheduled[rows]
+        self.pos[rows] = pos
+        length = self.length[rows]
+        first = length == self.prompt_len[rows]
+        self.length[rows] = length + 1
+        self.last[rows] = tokens
+        stops = self.stop_count[np.minimum(tokens, len(self.stop_count) - 1)] > 0
+        return (length + 1 >= self.stop_at[rows]) | stops | first
