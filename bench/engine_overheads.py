@@ -47,7 +47,7 @@ from servelm.engine.core import EngineCore
 from servelm.engine.kv_cache_manager import KVCacheManager
 from servelm.engine.scheduler import SchedulerOutput
 from servelm.engine.sequence import Request, Sequence
-from servelm.engine.step_outputs import RunnerOutput, SampleResult
+from servelm.engine.step_outputs import SampleResult
 from servelm.sampling_params import SamplingParams
 from servelm.worker import messages
 
@@ -75,6 +75,8 @@ class StandInForward:
         t = time.perf_counter()
         self.runner.apply_block_ops(out.ops)
         if hasattr(out, "sampled"):  # a step of the running batch: one token per sampling row
+            from servelm.engine.step_outputs import RunnerOutput
+
             ran = RunnerOutput([TOKEN] * int(out.sampled.sum()))
         else:
             ran = ([TOKEN] * len(out.decode_seqs), [[SampleResult(TOKEN)] for s in out.scheduled for _ in s.sample_seqs])

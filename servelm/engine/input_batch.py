@@ -125,18 +125,22 @@ class InputBatch:
         token starts one, and copy-on-write for samples that may share their last block. False when the pool
         runs short (blocks given to the rows before then stay theirs: allocating is idempotent)."""
         bs = self.block_size
-        need = rows[((self.pos[rows] // bs >= self.num_blocks[rows]) | self.shared[rows])]
-        if not len(need):
-            return True
-        new_blocks = int((self.pos[need] // bs >= self.num_blocks[need]).sum())
-        if new_blocks > kv.num_free_blocks:
+        starts = rows[self.pos[rows] // bs >= self.num_blocks[rows]]  # the token starts a block
+        shared = rows[self.shared[rows]]
+        if len(starts) > kv.num_free_blocks:
             return False
-        seqs = self.seqs
-        for i in need.tolist():
-            seq = seqs[i]
-            if not kv.allocate(seq, 1):
+        seqs, tables, num_blocks = self.seqs, self.tables, self.num_blocks
+        for i in starts.tolist():
+            k = int(num_blocks[i])
+            if k == tables.shape[1]:
+                self._grow_blocks(k + 1)
+                tables = self.tables
+            tables[i, k] = kv.append_block(seqs[i])
+            num_blocks[i] = k + 1
+        for i in shared.tolist():  # (a new block above is its own: allocate finds nothing more to do)
+            if not kv.allocate(seqs[i], 1):
                 return False
-            self.sync_table(seq)
+            self.sync_table(seqs[i])
         return True
 
     def advance(self, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
