@@ -52,54 +52,66 @@ class StepUpdate:
             if req.prompt_logprobs is None:
                 req.prompt_logprobs = [None] * req.num_prompt_tokens
             req.prompt_logprobs[first:first + len(lps)] = lps  # a recomputed chunk overwrites, never appends
-        batch, seqs, rows, counts = out.batch, out.seqs, out.rows, out.num_tokens
-        sampled = out.sampled
-        tokens = ran.tokens
+        sampling, full = self._advance_rows(out, ran)
+        decodes = self._append_tokens(out, sampling, ran.tokens, full)
+        outputs: list[SeqOutput] = []
+        if full:
+            token_of = dict(zip(sampling, ran.tokens, strict=True))
+            for r in sorted(full):  # last: a finished sample leaves the batch, which moves another row
+                self._full_update(out, r, token_of[r], ran, now, outputs)
+        return outputs, decodes
+
+    def _advance_rows(self, out, ran: RunnerOutput) -> tuple[range | list[int], set[int]]:
+        """The batch's columns for every row of the step: tokens computed, the sampled token appended. Returns
+        the step rows that sample, and those of them that take the full check (a token that may end the sample,
+        or more to report than the token). Also counts the prompt tokens computed."""
+        batch, rows, sampled = out.batch, out.rows, out.sampled
         every = bool(sampled.all())
-        all_rows = len(rows) == len(batch)  # (then rows is 0..n-1: slices instead of gathers)
-        step_rows = range(len(rows)) if every else np.flatnonzero(sampled).tolist()  # the rows that sample
-        check = batch.advance(slice(0, len(rows)) if every and all_rows else rows[step_rows],
-                              np.asarray(tokens, dtype=np.int64))
+        sampling = range(len(rows)) if every else np.flatnonzero(sampled).tolist()
+        whole = every and len(rows) == len(batch)  # rows 0..n-1: slices instead of gathers
+        check = batch.advance(slice(0, len(rows)) if whole else rows[sampling],
+                              np.asarray(ran.tokens, dtype=np.int64))
+        if not every:  # partial prompt chunks: their tokens computed, nothing sampled
+            chunk = np.flatnonzero(~sampled)
+            batch.pos[rows[chunk]] += out.num_tokens[chunk]
         in_prompt = np.maximum(batch.prompt_len[rows] - out.start, 0)
-        prompt_rows = np.flatnonzero(in_prompt).tolist()  # rows that ran prompt tokens
-        if prompt_rows:
-            self.prompt_tokens += int(np.minimum(counts, in_prompt).sum())
-        # the step rows that take the full check: a token that may end the sample, or more to report
-        full = {step_rows[k] for k in np.flatnonzero(check).tolist()}
+        if in_prompt.any():
+            self.prompt_tokens += int(np.minimum(out.num_tokens, in_prompt).sum())
+        full = {sampling[k] for k in np.flatnonzero(check).tolist()}
         if ran.logprobs or out.drafts or out.forks:
             full |= ran.logprobs.keys() | out.drafts.keys() | out.forks.keys()
-        counts_l = counts.tolist()
-        if not full and every:  # each row appends its token (the usual decode step)
-            for seq, tok, k in zip(seqs, tokens, counts_l, strict=True):
+        return sampling, full
+
+    def _append_tokens(self, out, sampling: range | list[int], tokens: list[int], full: set[int]) -> DecodeOutputs:
+        """The sequences of the rows that do not take the full check: their computed tokens, their sampled token
+        appended (then reported as columns); a partial prompt chunk's computed tokens and the prompt blocks it
+        filled. The usual decode step is a loop of two statements a row."""
+        seqs, counts = out.seqs, out.num_tokens.tolist()
+        if not full and len(sampling) == len(seqs):
+            for seq, tok, k in zip(seqs, tokens, counts, strict=True):
                 seq.num_computed_tokens += k
                 seq.token_ids.append(tok)
-            rids = batch.request_ids[:len(rows)] if all_rows else [s.request.request_id for s in seqs]
+            whole = len(seqs) == len(out.batch)
+            rids = out.batch.request_ids[:len(seqs)] if whole else [s.request.request_id for s in seqs]
+            self.generation_tokens += len(tokens)
             toks = tokens
         else:
             rids, toks = [], []
-            for r, tok in zip(step_rows, tokens, strict=True):
+            for r, tok in zip(sampling, tokens, strict=True):
                 if r in full:
                     continue
                 seq = seqs[r]
-                seq.num_computed_tokens += counts_l[r]
+                seq.num_computed_tokens += counts[r]
                 seq.token_ids.append(tok)
                 rids.append(seq.request.request_id)
                 toks.append(tok)
-        self.generation_tokens += len(toks)
-        if not every:  # partial prompt chunks: their tokens computed, nothing sampled
-            chunk = np.flatnonzero(~sampled)
-            batch.pos[rows[chunk]] += counts[chunk]
-            for r in chunk.tolist():
-                seqs[r].num_computed_tokens += int(counts[r])
+            self.generation_tokens += len(toks)
+            for r in np.flatnonzero(~out.sampled).tolist():
+                seqs[r].num_computed_tokens += counts[r]
         commit = self.kv.commit_computed
-        for r in prompt_rows:
-            commit(seqs[r])  # the prompt's blocks that filled (the full path below commits its rows' again)
-        outputs: list[SeqOutput] = []
-        if full:
-            token_of = dict(zip(step_rows, tokens, strict=True))
-            for r in sorted(full):  # last: a finished sample leaves the batch, which moves another row
-                self._full_update(out, r, token_of[r], ran, now, outputs)
-        return outputs, DecodeOutputs(rids, toks)
+        for r in np.flatnonzero(out.start < out.batch.prompt_len[out.rows]).tolist():
+            commit(seqs[r])  # the prompt's blocks that filled (the full path commits its rows' again)
+        return DecodeOutputs(rids, toks)
 
     def _full_update(self, out, r: int, tok: int, ran: RunnerOutput, now: float, outputs: list[SeqOutput]) -> None:
         """Row r of the step, a row that samples, through the general path: its computed tokens and prompt
