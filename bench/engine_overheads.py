@@ -80,6 +80,12 @@ class StandInForward:
             ran = RunnerOutput([TOKEN] * int(out.sampled.sum()))
         else:
             ran = ([TOKEN] * len(out.decode_seqs), [[SampleResult(TOKEN)] for s in out.scheduled for _ in s.sample_seqs])
+            try:  # checkouts whose runner returned a RunnerOutput of those two, then prompt logprobs
+                from servelm.engine.step_outputs import RunnerOutput
+
+                ran = RunnerOutput(*ran)
+            except ImportError:  # older ones: the two as a tuple
+                pass
         self.seconds += time.perf_counter() - t
         return ran
 

@@ -44,9 +44,11 @@ class InputBatch:
         self.num_blocks = np.zeros(capacity, np.int64)
         self.scheduled = np.zeros(capacity, np.int64)  # tokens this step computes (0: the row does not run)
         self.shared = np.zeros(capacity, bool)  # a sample of n > 1: its last block may be shared (copy-on-write)
+        self.num_shared = 0
         self.tables = np.zeros((capacity, max_blocks), np.int64)
         # how many members stop on each token id: a sampled token with a count takes the full check
         self.stop_count = np.zeros(max(vocab_size, 1), np.int32)
+        self.vocab_known = vocab_size > 1  # every sampled token is then an index of stop_count
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -60,8 +62,10 @@ class InputBatch:
         self.seqs.append(seq)
         self.request_ids.append(seq.request.request_id)
         self.prompt_len[i] = seq.request.num_prompt_tokens
-        self.stop_at[i] = seq.request.plain_below
-        self.shared[i] = seq.request.params.n > 1
+        # a sample's first token takes the full check (it reports its queue time): until then, stop at once
+        self.stop_at[i] = seq.request.plain_below if seq.num_output_tokens > 0 else 0
+        self.shared[i] = shared = seq.request.params.n > 1
+        self.num_shared += shared
         self.scheduled[i] = 0
         self.sync(seq)
         self._count_stops(seq, 1)
@@ -71,6 +75,7 @@ class InputBatch:
         i, j = seq.batch_row, len(self.seqs) - 1
         seq.batch_row = -1
         self._count_stops(seq, -1)
+        self.num_shared -= bool(self.shared[i])
         moved = self.seqs.pop()
         rid = self.request_ids.pop()
         if i != j:
@@ -120,13 +125,13 @@ class InputBatch:
         self.stop_count[ids] += d
 
     # -- a step ---------------------------------------------------------------------------------------------
-    def reserve(self, kv, rows: np.ndarray) -> bool:
-        """Room for one more token in each of `rows` (each has exactly one to compute): a block for those whose
-        token starts one, and copy-on-write for samples that may share their last block. False when the pool
-        runs short (blocks given to the rows before then stay theirs: allocating is idempotent)."""
-        bs = self.block_size
-        starts = rows[self.pos[rows] // bs >= self.num_blocks[rows]]  # the token starts a block
-        shared = rows[self.shared[rows]]
+    def reserve(self, kv, rows: np.ndarray | slice) -> bool:
+        """Room for one more token in each of `rows` (each has exactly one to compute; a slice when they are all
+        the batch's): a block for those whose token starts one, and copy-on-write for samples that may share
+        their last block. False when the pool runs short (blocks given to the rows before then stay theirs:
+        allocating is idempotent)."""
+        starts = self.pos[rows] // self.block_size >= self.num_blocks[rows]  # the token starts a block
+        starts = np.flatnonzero(starts) if isinstance(rows, slice) else rows[starts]
         if len(starts) > kv.num_free_blocks:
             return False
         seqs, tables, num_blocks = self.seqs, self.tables, self.num_blocks
@@ -137,22 +142,29 @@ class InputBatch:
                 tables = self.tables
             tables[i, k] = kv.append_block(seqs[i])
             num_blocks[i] = k + 1
-        for i in shared.tolist():  # (a new block above is its own: allocate finds nothing more to do)
-            if not kv.allocate(seqs[i], 1):
-                return False
-            self.sync_table(seqs[i])
+        if self.num_shared:
+            shared = self.shared[rows]
+            for i in (np.flatnonzero(shared) if isinstance(rows, slice) else rows[shared]).tolist():  # (a block just appended is its own: nothing more to do)
+                if not kv.allocate(seqs[i], 1):
+                    return False
+                self.sync_table(seqs[i])
         return True
 
-    def advance(self, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    def advance(self, rows: np.ndarray | slice, tokens: np.ndarray) -> np.ndarray:
         """Record for each of `rows` its scheduled tokens as computed and `tokens` (one each) as its new last
         token (the arrays only). Returns which of them must take the full check: a token that may end the
         sample (its length, a stop id), a sample's first token, and every token of a request that asks for more
-        than its tokens (stop_at 0)."""
-        pos = self.pos[rows] + self.scheduled[rows]
-        self.pos[rows] = pos
+        than its tokens (stop_at 0 for both)."""
+        self.pos[rows] += self.scheduled[rows]
         length = self.length[rows]
-        first = length == self.prompt_len[rows]
-        self.length[rows] = length + 1
+        length += 1
+        self.length[rows] = length
         self.last[rows] = tokens
-        stops = self.stop_count[np.minimum(tokens, len(self.stop_count) - 1)] > 0
-        return (length + 1 >= self.stop_at[rows]) | stops | first
+        stop_count = self.stop_count
+        if not self.vocab_known and tokens.max(initial=0) >= len(stop_count):
+            tokens = np.minimum(tokens, len(stop_count) - 1)
+        return (length >= self.stop_at[rows]) | (stop_count[tokens] > 0)
+
+    def first_token_done(self, seq: Sequence) -> None:
+        """seq's first token is out: from now on its tokens may skip the full check (see add)."""
+        self.stop_at[seq.batch_row] = seq.request.plain_below

@@ -165,7 +165,7 @@ class ModelRunner:
         # one row each (a recompute after preemption included). The two kernels sum in different orders, so
         # choosing by chunk size made outputs depend on scheduling.
         prefills, want_prompt = [], False
-        for r in np.flatnonzero(start < prompt_len).tolist():
+        for r in out.prompt_rows:
             end = min(int(prompt_len[r]), int(start[r] + counts[r]))
             table = torch.from_numpy(tables[r, :num_blocks[r]].copy())
             prefills.append(PrefillSpan(int(offsets[r]), end - int(start[r]), end, table))

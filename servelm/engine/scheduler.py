@@ -65,27 +65,35 @@ class SchedulerOutput:
     num_admitted: int = 0  # samples that joined the running batch this step
     drafts: dict[int, list[int]] = field(default_factory=dict)  # step row -> draft tokens it verifies
     forks: dict[int, list[Sequence]] = field(default_factory=dict)  # step row -> siblings sampled with it
+    prompt_rows: list[int] = field(default_factory=list)  # step rows that compute prompt positions
+    num_batched_tokens: int = 0
+    all_sampled: bool = True  # every row samples (no partial prompt chunk)
 
     @classmethod
     def of(cls, batch: InputBatch, ops: BlockOps, drafts: dict[Sequence, list[int]] | None = None,
-           **kw) -> SchedulerOutput:
-        """The step whose rows are the batch's rows with `scheduled` tokens."""
+           decodes_only: bool = False, **kw) -> SchedulerOutput:
+        """The step whose rows are the batch's rows with `scheduled` tokens. `decodes_only`: every row runs one
+        token, its last (what a steady decode step is: then every row samples)."""
         n = len(batch)
         counts = batch.scheduled[:n]
-        rows = np.flatnonzero(counts)
-        everyone = len(rows) == n
-        seqs = batch.seqs[:] if everyone else [batch.seqs[i] for i in rows.tolist()]
-        start, num_tokens = batch.pos[rows], counts[rows]
-        ends = start + num_tokens
-        step_drafts = {}
-        if drafts:
-            step_drafts = {r: drafts[s] for r, s in enumerate(seqs) if s in drafts}
-            ends = ends - np.array([len(step_drafts.get(r, ())) for r in range(len(rows))], np.int64)
-        return cls(batch, rows, seqs, start, num_tokens, ends == batch.length[rows], ops, drafts=step_drafts, **kw)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return int(self.num_tokens.sum())
+        rows = np.arange(n) if decodes_only else np.flatnonzero(counts)
+        sel = slice(0, n) if len(rows) == n else rows  # (every row: slices instead of gathers)
+        seqs = batch.seqs[:] if len(rows) == n else [batch.seqs[i] for i in rows.tolist()]
+        start, num_tokens = batch.pos[sel].copy(), counts[sel].copy()
+        if decodes_only:
+            sampled = np.ones(n, bool)
+            total = n
+        else:
+            ends = start + num_tokens
+            total = int(num_tokens.sum())
+            if drafts:
+                drafts = {r: drafts[s] for r, s in enumerate(seqs) if s in drafts}
+                ends = ends - np.array([len(drafts.get(r, ())) for r in range(len(rows))], np.int64)
+            sampled = ends == batch.length[sel]
+        prompt_rows = np.flatnonzero(start < batch.prompt_len[sel]).tolist()
+        return cls(batch, rows, seqs, start, num_tokens, sampled, ops, drafts=drafts or {},
+                   prompt_rows=prompt_rows, num_batched_tokens=total, all_sampled=decodes_only or bool(sampled.all()),
+                   **kw)
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:
@@ -196,11 +204,13 @@ class Scheduler(QueueOrder, StepUpdate):
         if self.spec is not None:
             decoding &= np.fromiter((not s.spec_token_ids for s in batch.seqs), bool, n)
         rows = np.flatnonzero(decoding)
-        every_row = False
-        if len(rows) and len(rows) <= budget and batch.reserve(kv, rows):
-            scheduled[rows] = 1
+        every_row = len(rows) == n
+        sel = slice(0, n) if every_row else rows  # (every row: slices instead of gathers)
+        if len(rows) and len(rows) <= budget and batch.reserve(kv, sel):
+            scheduled[sel] = 1
             budget -= len(rows)
-            every_row = len(rows) == n
+        else:
+            every_row = False
         # A for loop over a list that preemption shortens from the end: scheduled sequences sit before the current
         # one, so a victim is always after it (or is it, the last one, which ends the loop). In steady decode
         # every row is scheduled above and the loop is skipped, not walked.
@@ -272,8 +282,8 @@ class Scheduler(QueueOrder, StepUpdate):
             num_admitted += 1
             budget -= k
             prefill -= k
-        return SchedulerOutput.of(batch, kv.take_ops(), drafts, num_preempted=num_preempted,
-                                  num_admitted=num_admitted)
+        return SchedulerOutput.of(batch, kv.take_ops(), drafts, every_row and not num_admitted,
+                                  num_preempted=num_preempted, num_admitted=num_admitted)
 
     def _adapter_fits(self, seq: Sequence) -> bool:
         """seq's adapter is one the running sequences already use, or one more stays within max_loras."""

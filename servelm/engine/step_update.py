@@ -66,7 +66,7 @@ class StepUpdate:
         the step rows that sample, and those of them that take the full check (a token that may end the sample,
         or more to report than the token). Also counts the prompt tokens computed."""
         batch, rows, sampled = out.batch, out.rows, out.sampled
-        every = bool(sampled.all())
+        every = out.all_sampled
         sampling = range(len(rows)) if every else np.flatnonzero(sampled).tolist()
         whole = every and len(rows) == len(batch)  # rows 0..n-1: slices instead of gathers
         check = batch.advance(slice(0, len(rows)) if whole else rows[sampling],
@@ -74,8 +74,8 @@ class StepUpdate:
         if not every:  # partial prompt chunks: their tokens computed, nothing sampled
             chunk = np.flatnonzero(~sampled)
             batch.pos[rows[chunk]] += out.num_tokens[chunk]
-        in_prompt = np.maximum(batch.prompt_len[rows] - out.start, 0)
-        if in_prompt.any():
+        if out.prompt_rows:
+            in_prompt = np.maximum(batch.prompt_len[rows] - out.start, 0)
             self.prompt_tokens += int(np.minimum(out.num_tokens, in_prompt).sum())
         full = {sampling[k] for k in np.flatnonzero(check).tolist()}
         if ran.logprobs or out.drafts or out.forks:
@@ -109,7 +109,7 @@ class StepUpdate:
             for r in np.flatnonzero(~out.sampled).tolist():
                 seqs[r].num_computed_tokens += counts[r]
         commit = self.kv.commit_computed
-        for r in np.flatnonzero(out.start < out.batch.prompt_len[out.rows]).tolist():
+        for r in out.prompt_rows:
             commit(seqs[r])  # the prompt's blocks that filled (the full path commits its rows' again)
         return DecodeOutputs(rids, toks)
 
@@ -125,6 +125,8 @@ class StepUpdate:
         forks = out.forks.get(r)
         if not forks:
             outputs.append(self._append(seq, [ran.logprobs.get(r) or SampleResult(tok)], now))
+            if seq.batch_row >= 0:
+                self.batch.first_token_done(seq)
             return
         req = seq.request
         for child in forks:  # fork n > 1 siblings onto the parent's blocks
