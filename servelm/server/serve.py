@@ -138,7 +138,7 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
 
     t0 = time.perf_counter()
     srv = config.server
-    rpc = _bind_grpc(srv)  # a gRPC port in use fails here, before any model loads
+    rpc = _bind_grpc(srv.api_config)  # a gRPC port in use fails here, before any model loads
     if isinstance(rpc, str):
         print(f"servelm: error: {rpc}", file=sys.stderr)
         return 2
@@ -218,18 +218,19 @@ def _begin_drain(server, rpc, grace: float, sig) -> None:
         rpc.begin_stop(grace)
 
 
-def _bind_grpc(srv):
-    """The gRPC server (bound, not started) for --grpc-port, None without one, or why it cannot be."""
-    if srv.api_config.grpc_port is None:
+def _bind_grpc(api):
+    """The gRPC server (bound, not started) for --grpc-port (`api`: the api section), None without one, or why it
+    cannot be."""
+    if api.grpc_port is None:
         return None
     from servelm.server.rpc.server import RpcServer, missing_extra
 
     if (missing := missing_extra()) is not None:
         return missing
     try:
-        return RpcServer(srv.api_config.host, srv.api_config.grpc_port)
+        return RpcServer(api.host, api.grpc_port)
     except RuntimeError:
-        return (f"cannot listen for gRPC on {srv.api_config.host}:{srv.api_config.grpc_port}: the address is in use or not "
+        return (f"cannot listen for gRPC on {api.host}:{api.grpc_port}: the address is in use or not "
                 "available (choose another with --grpc-port)")
 
 

@@ -175,8 +175,8 @@ def test_with_cpu_bind_each_worker_gets_its_own_share_of_the_cpus(llama_dir):
     base = EngineConfig(cpu_bind=f"{cpus[0]},{cpus[1]}")
     dep = _deployment(_version(llama_dir), 2, "least_loaded", base=base)
     shares = [dep._worker_config(dep.config, slot) for slot in (0, 1, 2)]
-    assert [c.cpu_bind for c in shares] == [str(cpus[0]), str(cpus[1]), str(cpus[0])]
-    assert all(c.num_threads == 1 for c in shares)
+    assert [c.device_config.cpu_bind for c in shares] == [str(cpus[0]), str(cpus[1]), str(cpus[0])]
+    assert all(c.device_config.num_threads == 1 for c in shares)
     one = _deployment(_version(llama_dir), 1, "least_loaded", base=base)
     assert one._worker_config(one.config, 0) == one.config  # a lone worker keeps every CPU
 
