@@ -119,7 +119,7 @@ def test_revisions_branch_tag_and_commit(cache, tiny, monkeypatch):
     # --revision is folded into the model string every process resolves
     assert EngineConfig(model=REPO, revision="v2").model_config.model == f"{REPO}@v2"
     assert EngineConfig(model=f"{REPO}@v2", revision="v2").model_config.model == f"{REPO}@v2"
-    assert EngineConfig(model=str(tiny), revision="v2").model == str(tiny)  # a local folder has no revisions
+    assert EngineConfig(model=str(tiny), revision="v2").model_config.model == str(tiny)  # a local folder has no revisions
     with pytest.raises(ConfigError, match="revision"):
         EngineConfig(model=f"{REPO}@main", revision="v2")
     # vLLM's command line: `serve MODEL --revision R` serves MODEL at R, named MODEL

@@ -52,7 +52,7 @@ def test_setting_is_validated_and_flows_from_cli_env_and_file(tmp_path):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = parser.parse_args(["--quantization", "int4", "--quantization-group-size", "128"])
-    assert engine_config_from_args(args).quantization_group_size == 128
+    assert engine_config_from_args(args).model_config.quantization_group_size == 128
 
 
 def test_gguf_quantization_needs_a_gguf_file(llama_dir):
