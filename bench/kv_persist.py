@@ -70,7 +70,7 @@ def main() -> int:
         "system": "servelm", "bench": "kv_persist", "commit": commit, "workload": "W3",
         "model": str(a.model or "smollm2-135m"), "dtype": str(core.model.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(), "requests": wl.num_requests, "max_tokens": a.max_tokens,
-        "block_size": core.config.block_size, "blocks": saved.num_blocks, "blocks_restored": restored.num_blocks,
+        "block_size": core.config.cache_config.block_size, "blocks": saved.num_blocks, "blocks_restored": restored.num_blocks,
         "file_bytes": saved.size_bytes, "bytes_per_block": saved.size_bytes // max(1, saved.num_blocks),
         "save_s": round(statistics.median(saves), 4), "restore_s": round(statistics.median(loads), 4),
         "save_MBps": round(saved.size_bytes / statistics.median(saves) / 1e6, 1),

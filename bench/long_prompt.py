@@ -103,7 +103,7 @@ def measure(model: str, lengths: list[int], budget: int | None, timers: Timers, 
         rate = timers.linear_flop / timers.linear_s / 1e9
         print(json.dumps({
             "bench": "long_prompt", "model": name, "quantization": quantization, "prompt_tokens": n,
-            "max_num_batched_tokens": budget or llm.engine.config.max_num_batched_tokens,
+            "max_num_batched_tokens": budget or llm.engine.config.scheduler_config.max_num_batched_tokens,
             "threads": torch.get_num_threads(), "ttft_s": round(ttft, 3), "prefill_tok_per_s": round(n / ttft, 1),
             "linear_s": round(timers.linear_s, 3), "attention_s": round(timers.attn_s, 3),
             "other_s": round(ttft - timers.linear_s - timers.attn_s, 3),

@@ -94,7 +94,7 @@ async def _strategies(args, dep: Deployment, w1: Workload, s1: Workload) -> dict
     """Each strategy in turn on the same warm 2-worker deployment, then on it scaled to 1 worker."""
     out: dict[str, dict] = {}
     for name in STRATEGIES:
-        dep.strategy = make_strategy(name, dep.config.block_size)
+        dep.strategy = make_strategy(name, dep.config.cache_config.block_size)
         out[f"2 workers, {name}"] = {"W1": await _batch(dep, w1, f"w1-{name}"),
                                      "S1": await _serving(dep, s1, args.rate, f"s1-{name}")}
     await dep.scale(1)

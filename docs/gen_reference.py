@@ -196,15 +196,18 @@ def config_reference() -> str:
     settings = _module_defining(r"SECTIONS: dict")
     sections: dict[str, type] = settings.SECTIONS
     env_var = settings.env_var
-    titles = {cls.__name__: (cls.__doc__ or "").strip().splitlines()[0] for cls in sections.values()}
+    titles = {cls.__name__: " ".join((cls.__doc__ or "").split()) for cls in sections.values()}
     lines = [
         "# Configuration keys",
         "",
         "Generated from the config dataclasses each time the documentation is built. Every key can be set in",
         "the config file (`--config FILE`, YAML, TOML or JSON, under its section), by its env var or by its",
         "flag; the precedence is **flag > env var > file > default** ([Configuration](../serving/configuration.md)).",
-        "Keys marked *run time* can also be changed while serving, with `PATCH /admin/config`. The `engine`",
-        "keys are also the keyword arguments of `LLM(...)` and the engine flags of `servelm generate`,",
+        "A key is written flat (`block_size`: the flag, the env var, `LLM(...)`'s keyword) or under its section",
+        "(`cache.block_size`); the older `engine:` and `server:` sections of the file take the keys of their",
+        "sections flat. Keys marked *run time* can also be changed while serving, with `PATCH /admin/config`.",
+        "The engine's keys (sections " + ", ".join(f"`{s}`" for s in settings.GROUPS["engine"].SECTIONS) + ")",
+        "are also the keyword arguments of `LLM(...)` and the engine flags of `servelm generate`,",
         "`servelm chat` and `servelm bench throughput`.",
         "",
         "Sections: " + ", ".join(f"[`{s}`](#{s})" for s in sections) + ".",
@@ -222,7 +225,7 @@ def config_reference() -> str:
             lines.append(f"| {_code(sec + '.' + f.name)} | {flags} | {_code(env_var(f.name))} | "
                          f"{_default(f.default)} | {runtime} | {_cell(f.metadata.get('help', ''))} |")
         lines.append("")
-    lines += ["`servelm serve` also takes `MODEL` (the `engine.model` key), `--config FILE` (or `SERVELM_CONFIG`)",
+    lines += ["`servelm serve` also takes `MODEL` (the `model.model` key), `--config FILE` (or `SERVELM_CONFIG`)",
               "and `--print-config`; a config file may also hold a `models:` list",
               "([Model platform](../platform/index.md)).", ""]
     return "\n".join(lines)

@@ -121,7 +121,7 @@ def _hf_model(engine_cfg: EngineConfig, dtype: torch.dtype):
 
     from servelm.model.loading.source import resolve_model
 
-    src = resolve_model(engine_cfg.model, engine_cfg.gguf_file)
+    src = resolve_model(engine_cfg.model_config.model, engine_cfg.model_config.gguf_file)
     if src.kind == "gguf":
         m = AutoModelForCausalLM.from_pretrained(src.path.parent, gguf_file=src.path.name, dtype=dtype)
     else:
@@ -187,16 +187,16 @@ def run(args: argparse.Namespace) -> int:
     from servelm.model.loading.loader import load_model
 
     cfg = engine_config_from_args(args)
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    probe = load_model(cfg.model, cfg.gguf_file, cfg.tokenizer, cfg.dtype)
+    if cfg.device_config.num_threads:
+        torch.set_num_threads(cfg.device_config.num_threads)
+    probe = load_model(cfg.model_config.model, cfg.model_config.gguf_file, cfg.model_config.tokenizer, cfg.model_config.dtype)
     spec, tok = probe.model.spec, probe.tokenizer
     bos = tok.bos_token_id if tok.bos_token_id is not None else 1
     wl = make_workload(args.workload, spec.vocab_size, bos, args.scale)
     dtype = probe.model.dtype
     del probe
     report = {"bench": "throughput", "workload": wl.name, "requests": wl.num_requests,
-              "model": cfg.model or "SmolLM2-135M-Instruct (default)", "dtype": str(dtype).removeprefix("torch."),
+              "model": cfg.model_config.model or "SmolLM2-135M-Instruct (default)", "dtype": str(dtype).removeprefix("torch."),
               "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
               "torch": torch.__version__, "git_commit": _git_commit(), "hardware": hardware_bounds()}
     results = [run_servelm(cfg, wl, args.repeats)]

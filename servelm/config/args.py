@@ -5,18 +5,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from servelm.config.engine import EngineConfig, choices, token_count
+from servelm.config.engine import ENGINE_FIELDS, ENGINE_SECTIONS, EngineConfig, choices, token_count
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = (),
-                    suppress_defaults: bool = False) -> None:
-    """One flag per field of a config dataclass, with its default and help taken from the config itself.
+                    suppress_defaults: bool = False, description: str | None = None) -> None:
+    """One flag per field of a config dataclass (one section), with its default and help taken from the config
+    itself, in an argument group of --help titled by the section (described by the class's docstring).
 
     With suppress_defaults, flags left out are absent from the namespace, so a file or env var can set them.
     """
     import typing
 
-    group = parser.add_argument_group(title)
+    if all(f.name in skip for f in dataclasses.fields(cls)):
+        return
+    group = parser.add_argument_group(title, description if description is not None else section_help(cls))
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
@@ -61,9 +64,16 @@ def _token_count_arg(auto: bool):
     return token_count_value
 
 
+def section_help(cls: type) -> str:
+    """A section's docstring on one line: the description of its group in --help."""
+    return " ".join((cls.__doc__ or "").split())
+
+
 def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
-    add_config_args(parser, EngineConfig, "engine", skip=() if with_model else ("model",))
+    """The engine's flags (flat names, as vLLM's), grouped in --help by the config section each sets."""
+    for sec, cls in ENGINE_SECTIONS.items():
+        add_config_args(parser, cls, f"{sec} config", skip=() if with_model else ("model",))
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    return EngineConfig(**{name: getattr(args, name) for name in ENGINE_FIELDS if hasattr(args, name)})

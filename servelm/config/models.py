@@ -17,7 +17,7 @@ import re
 import typing
 from dataclasses import dataclass, field
 
-from servelm.config.engine import ConfigError, EngineConfig
+from servelm.config.engine import ENGINE_FIELDS, ENGINE_SECTIONS, ConfigError, EngineConfig
 
 STRATEGIES = ("round_robin", "least_loaded", "memory_aware", "prefix_aware")
 _PINNED = re.compile(r".*:\d+$")  # name:version is how a request pins a registered version
@@ -35,7 +35,7 @@ class ModelSpec:
 
     def engine_config(self, base: EngineConfig) -> EngineConfig:
         """This model's engine settings: the server's, with its overrides and its path as the model."""
-        return dataclasses.replace(base, **self.engine, model=self.path)
+        return base.replace(**self.engine, model=self.path)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -47,8 +47,8 @@ def parse_models(value, where: str) -> list[ModelSpec]:
     if not isinstance(value, list):
         raise ConfigError("models", value, f"a list of models (name, path, workers, strategy, engine) in {where}")
     allowed = {f.name for f in dataclasses.fields(ModelSpec)}
-    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
-    hints = typing.get_type_hints(EngineConfig)
+    engine_fields = set(ENGINE_FIELDS) - {"model"}  # flat names, as on the command line
+    hints = {name: typing.get_type_hints(ENGINE_SECTIONS[sec])[name] for name, sec in ENGINE_FIELDS.items()}
     specs: list[ModelSpec] = []
     for i, entry in enumerate(value):
         key = f"models[{i}]"

@@ -1,4 +1,6 @@
-"""The serving config tree: engine, server and admission sections, loaded with precedence CLI > env > file.
+"""The serving config tree, loaded with precedence CLI > env > file: the engine's sections (model, cache,
+scheduler, parallel, device, speculative, lora, structured_outputs: config/engine.py), the server's (api, oip,
+embedding, lifecycle, auth, storage, rollout, observability) and admission.
 
 Every field has a default, a help text, one env var (`SERVELM_<FIELD>`) and one flag (`--field-name`).
 `load()` records where each value came from, so `--print-config` and `GET /admin/config` can say.
@@ -21,7 +23,18 @@ else:  # Python 3.10: the same parser, published as tomli before it joined the s
     import tomli as tomllib
 
 from servelm.config import env as env_vars
-from servelm.config.engine import ConfigError, EngineConfig, _f, choices, one_of, require, token_count
+from servelm.config.engine import (
+    ENGINE_SECTIONS,
+    ConfigError,
+    EngineConfig,
+    SectionedConfig,
+    _f,
+    choices,
+    one_of,
+    require,
+    section_map,
+    token_count,
+)
 from servelm.config.models import ModelSpec, parse_models
 
 Priority = typing.Literal["high", "normal", "low"]
@@ -35,8 +48,8 @@ URL_SECRETS = frozenset({"database_url", "registry_url", "redis_url"})
 
 
 @dataclass
-class ServerConfig:
-    """The HTTP front end: listening, identity, limits on the request itself, observability."""
+class ApiConfig:
+    """The API's front end: where it listens (HTTP, gRPC), the model ids it answers to, limits on the request itself, CORS, the web page, stored responses and how tool calls are read."""
 
     host: str = _f("127.0.0.1", "address to listen on")
     port: int = _f(8000, "port to listen on")
@@ -46,31 +59,6 @@ class ServerConfig:
                                                    "--served-model-name a b): the first is the id /v1/models "
                                                    "lists first and responses carry, the others are aliases a "
                                                    "request may name too (default: derived from the model)")
-    oip_batch_window_ms: float = _f(2.0, "Open Inference Protocol models: how long a batch's first request waits "
-                                    "for others (0: no wait); a version's label batch_window_ms overrides it")
-    oip_max_batch_size: int = _f(64, "Open Inference Protocol models: most rows in one batch (label "
-                                 "max_batch_size overrides it)")
-    oip_max_queue: int = _f(256, "Open Inference Protocol models: most requests waiting per model; more get 503 "
-                            "(label max_queue overrides it)")
-    embedding_model: str = _f("default", "embedding model folder, 'default' (packaged all-MiniLM-L6-v2 if "
-                              "installed) or 'none'")
-    embedding_batch_window_ms: float = _f(5.0, "how long the embedding batcher waits for more texts")
-    embedding_max_batch_size: int = _f(32, "most texts in one embedding batch")
-    drain_timeout: float = _f(30.0, "on SIGTERM, seconds to let in-flight requests finish before exiting")
-    swap_drain_timeout_s: float = _f(600.0, "on a swap, scale-down or unload, seconds the old workers may take to "
-                                     "finish their in-flight requests before they are stopped (those left "
-                                     "then end with an error)")
-    engine_start_timeout_s: float = _f(600.0, "seconds the engine may take to load and warm up before the start "
-                                       "is given up (0: no limit); meanwhile its progress is logged")
-    api_key: str | None = _f(None, "one API key every caller must present (Bearer or x-api-key); as a flag it is "
-                             "visible in the process list: prefer --api-key-file or SERVELM_API_KEY")
-    api_key_file: str | None = _f(None, "file holding the one API key (instead of --api-key)")
-    api_keys_file: str | None = _f(None, "YAML/JSON file of API keys: name, key or key_hash, rpm, tpm, "
-                                   "priority, models, allow_priority_raise, admin, groups")
-    admin_key: str | None = _f(None, "key that guards /admin routes (keys marked admin in the keys file also work); "
-                               "prefer --admin-key-file or SERVELM_ADMIN_KEY")
-    admin_key_file: str | None = _f(None, "file holding the admin key (instead of --admin-key)")
-    metrics_require_key: bool = _f(False, "require an API key for GET /metrics")
     max_request_body_bytes: int = _f(4 * 2**20, "larger request bodies get 413")
     header_timeout_s: float = _f(10.0, "close a connection whose request head (request line and headers) is not "
                                  "complete this long after it opened or after its last response (slow clients, "
@@ -91,11 +79,138 @@ class ServerConfig:
                  "the server needs one) or none")
     responses_store_size: int = _f(1000, "responses of /v1/responses kept in memory for previous_response_id and "
                                    "GET /v1/responses/{id} (the oldest go first; 0: none kept)")
-    log_requests: bool = _f(True, "one JSON log line per request at completion")
-    log_prompts: bool = _f(False, "include prompt and completion text in the request log lines")
-    otlp_endpoint: str | None = _f(None, "OTLP/HTTP collector, e.g. http://localhost:4318/v1/traces: turns "
-                                   "on OpenTelemetry tracing")
-    otlp_service_name: str = _f("servelm", "service.name of the exported spans")
+    tool_call_parser: ToolCallParser = _f("auto", "auto | hermes | llama3_json | mistral: how tool calls are read from a "
+                               "chat reply (auto: the format the model's chat template uses, else hermes)")
+
+    def validate(self) -> None:
+        def need(ok: bool, name: str, allowed: str) -> None:
+            require(self, ok, name, allowed)
+
+        for name in ("served_model_name", "allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, strings(name, value))
+        if not self.served_model_name:
+            self.served_model_name = None
+        names = self.served_model_name or ()
+        need(all(n and not any(c.isspace() for c in n) for n in names) and len(set(names)) == len(names),
+             "served_model_name", "names with no spaces, each given once")
+        need(all(o == "*" or o.startswith(("http://", "https://")) for o in self.allowed_origins),
+             "allowed_origins", "origins like http://localhost:3000, or '*'")
+        need(0 <= self.port <= 65535, "port", "in [0, 65535]")
+        need(self.grpc_port is None or 0 < self.grpc_port <= 65535, "grpc_port", "in [1, 65535] or None")
+        need(self.header_timeout_s >= 0, "header_timeout_s", ">= 0")
+        need(self.http_keep_alive_s > 0, "http_keep_alive_s", "> 0")
+        need(self.ui in choices(WebUi), "ui", one_of(WebUi))
+        need(self.responses_store_size >= 0, "responses_store_size", ">= 0")
+        need(self.max_request_body_bytes >= 1024, "max_request_body_bytes", ">= 1024")
+        need(self.tool_call_parser in choices(ToolCallParser), "tool_call_parser", one_of(ToolCallParser))
+
+
+@dataclass
+class OipConfig:
+    """Open Inference Protocol models: how their requests are batched and queued."""
+
+    oip_batch_window_ms: float = _f(2.0, "Open Inference Protocol models: how long a batch's first request waits "
+                                    "for others (0: no wait); a version's label batch_window_ms overrides it")
+    oip_max_batch_size: int = _f(64, "Open Inference Protocol models: most rows in one batch (label "
+                                 "max_batch_size overrides it)")
+    oip_max_queue: int = _f(256, "Open Inference Protocol models: most requests waiting per model; more get 503 "
+                            "(label max_queue overrides it)")
+
+    def validate(self) -> None:
+        def need(ok: bool, name: str, allowed: str) -> None:
+            require(self, ok, name, allowed)
+
+        need(self.oip_batch_window_ms >= 0, "oip_batch_window_ms", ">= 0")
+        need(self.oip_max_batch_size >= 1 and self.oip_max_queue >= 1, "oip_max_batch_size", ">= 1 (and "
+             "oip_max_queue >= 1)")
+
+
+@dataclass
+class EmbeddingConfig:
+    """The embedding model of /v1/embeddings and how its batches form."""
+
+    embedding_model: str = _f("default", "embedding model folder, 'default' (packaged all-MiniLM-L6-v2 if "
+                              "installed) or 'none'")
+    embedding_batch_window_ms: float = _f(5.0, "how long the embedding batcher waits for more texts")
+    embedding_max_batch_size: int = _f(32, "most texts in one embedding batch")
+
+    def validate(self) -> None:
+        def need(ok: bool, name: str, allowed: str) -> None:
+            require(self, ok, name, allowed)
+
+        need(self.embedding_batch_window_ms >= 0, "embedding_batch_window_ms", ">= 0")
+        need(self.embedding_max_batch_size >= 1, "embedding_max_batch_size", ">= 1")
+
+
+@dataclass
+class LifecycleConfig:
+    """Starting, draining, loading on demand and unloading models."""
+
+    drain_timeout: float = _f(30.0, "on SIGTERM, seconds to let in-flight requests finish before exiting")
+    swap_drain_timeout_s: float = _f(600.0, "on a swap, scale-down or unload, seconds the old workers may take to "
+                                     "finish their in-flight requests before they are stopped (those left "
+                                     "then end with an error)")
+    engine_start_timeout_s: float = _f(600.0, "seconds the engine may take to load and warm up before the start "
+                                       "is given up (0: no limit); meanwhile its progress is logged")
+    load_on_demand: bool = _f(True, "with a registry: a request naming a registered version that no deployment "
+                              "serves loads it first (the wait is in the x-servelm-load-wait-s header)")
+    keep_alive_s: float = _f(300.0, "an on-demand loaded model is unloaded after this many idle seconds (0: kept)")
+
+    def validate(self) -> None:
+        def need(ok: bool, name: str, allowed: str) -> None:
+            require(self, ok, name, allowed)
+
+        need(self.drain_timeout >= 0, "drain_timeout", ">= 0")
+        need(self.swap_drain_timeout_s >= 0, "swap_drain_timeout_s", ">= 0")
+        need(self.engine_start_timeout_s >= 0, "engine_start_timeout_s", ">= 0 (0: no limit)")
+        need(self.keep_alive_s >= 0, "keep_alive_s", ">= 0 (0: kept loaded)")
+
+
+@dataclass
+class AuthConfig:
+    """Who may call: the API keys, the admin key, and what is shared between keys."""
+
+    api_key: str | None = _f(None, "one API key every caller must present (Bearer or x-api-key); as a flag it is "
+                             "visible in the process list: prefer --api-key-file or SERVELM_API_KEY")
+    api_key_file: str | None = _f(None, "file holding the one API key (instead of --api-key)")
+    api_keys_file: str | None = _f(None, "YAML/JSON file of API keys: name, key or key_hash, rpm, tpm, "
+                                   "priority, models, allow_priority_raise, admin, groups")
+    admin_key: str | None = _f(None, "key that guards /admin routes (keys marked admin in the keys file also work); "
+                               "prefer --admin-key-file or SERVELM_ADMIN_KEY")
+    admin_key_file: str | None = _f(None, "file holding the admin key (instead of --admin-key)")
+    metrics_require_key: bool = _f(False, "require an API key for GET /metrics")
+    prefix_cache_isolation: PrefixCacheIsolation = _f("key", "key | none: with key, requests share prefix-cache blocks only "
+                                     "with requests made with the same API key (one tenant cannot time-probe "
+                                     "another's prompts); none shares them across all callers")
+
+    def validate(self) -> None:
+        def need(ok: bool, name: str, allowed: str) -> None:
+            require(self, ok, name, allowed)
+
+        for name in SECRETS:
+            path = getattr(self, f"{name}_file")
+            if path is not None:
+                need(getattr(self, name) is None, f"{name}_file", f"not given together with {name}")
+                need(Path(path).is_file(), f"{name}_file", "an existing file holding the key")
+            key = self.secret(name)
+            if key is not None and (len(key) < 8 or any(c.isspace() for c in key)):
+                raise ConfigError(name, "<redacted>", "at least 8 characters, with no spaces or line breaks")
+        need(self.api_keys_file is None or Path(self.api_keys_file).is_file(), "api_keys_file", "an existing file")
+        need(self.prefix_cache_isolation in choices(PrefixCacheIsolation), "prefix_cache_isolation",
+             one_of(PrefixCacheIsolation))
+
+    def secret(self, name: str) -> str | None:
+        """api_key or admin_key: as given, or read from its *_file (surrounding whitespace dropped)."""
+        path = getattr(self, f"{name}_file")
+        return Path(path).read_text().strip() if path is not None else getattr(self, name)
+
+
+@dataclass
+class StorageConfig:
+    """Where the control plane keeps its state: the data directory, the database, Redis, and the folders models may be registered from."""
+
     data_dir: str | None = _f(None, "directory holding the model registry and its artifact store (default: "
                               "$XDG_DATA_HOME/servelm or ~/.local/share/servelm); setting it (or declaring "
                               "models in the config file) turns on the registry and the /admin model routes")
@@ -118,107 +233,11 @@ class ServerConfig:
     model_roots: str | None = _f(None, "directories (separated by ':') under which POST /admin/models may register "
                                  "model folders and files, besides the folders of the models the server was "
                                  "started with and the packaged defaults; any other path gets 403")
-    load_on_demand: bool = _f(True, "with a registry: a request naming a registered version that no deployment "
-                              "serves loads it first (the wait is in the x-servelm-load-wait-s header)")
-    keep_alive_s: float = _f(300.0, "an on-demand loaded model is unloaded after this many idle seconds (0: kept)")
-    prediction_log: str = _f("off", "with a registry: the prediction log's mode, off | metadata | full (prompt and "
-                             "output, redacted), for every model or per model: 'm=full,other=off,*=metadata'")
-    prediction_log_file: str | None = _f(None, "also append prediction-log entries to this JSON-lines file")
-    prediction_log_otlp_endpoint: str | None = _f(None, "also export each prediction-log entry as an "
-                                                  "OpenTelemetry log record to this OTLP/HTTP endpoint, e.g. "
-                                                  "http://localhost:4318/v1/logs (asynchronous, batched)")
-    prediction_log_retention_days: float = _f(0.0, "delete prediction-log entries older than this many days "
-                                              "(hourly; 0: keep them)")
-    shadow_queue: int = _f(64, "mirrored (shadow) requests waiting at most, per model; more are dropped and counted")
-    shadow_concurrency: int = _f(1, "shadow requests run at once, per model")
-    canary_interval_s: float = _f(1.0, "how often a running canary's step is evaluated")
-    deployment_spec: str | None = _f(None, "with a registry: a YAML or JSON file of deployment specs (one, a list, "
-                                     "or {deployments: [...]}) applied at start, as `servelm apply -f` would; the "
-                                     "reconciler then drives the deployments to them")
-    reconcile_interval_s: float = _f(5.0, "how often the reconciler compares every deployment spec with what is "
-                                     "deployed and acts (it also runs at once after a spec changes)")
-    traffic_state_interval_s: float = _f(10.0, "how often running canary and experiment windows and bandit "
-                                         "posteriors are saved to the registry database (and at shutdown), so a "
-                                         "restart carries on from them; at most this much is lost in a crash "
-                                         "(0: only at shutdown)")
-    drift_window: int = _f(5000, "requests in each drift window (reference and live), per model")
-    drift_min_samples: int = _f(50, "requests each drift window needs before a feature is judged")
-    drift_embedding_sample: float = _f(0.05, "share of prompts embedded (by the served embedding model, off the "
-                                       "request path) for prompt-embedding drift (MMD); 0 turns it off")
-    drift_check_interval_s: float = _f(60.0, "how often every model's drift (data, concept, embedding) is "
-                                       "evaluated in the background, so alerts fire unasked (0: only on request)")
-    webhook_url: str | None = _f(None, "with a registry: URL the server POSTs a JSON event to on a canary "
-                                 "rollback, a canary promotion that failed, and a drift alert that starts")
-    webhook_timeout_s: float = _f(2.0, "timeout of one webhook delivery attempt")
-    webhook_retries: int = _f(2, "webhook delivery attempts after the first, with exponential backoff")
-    prefix_cache_isolation: PrefixCacheIsolation = _f("key", "key | none: with key, requests share prefix-cache blocks only "
-                                     "with requests made with the same API key (one tenant cannot time-probe "
-                                     "another's prompts); none shares them across all callers")
-
-    tool_call_parser: ToolCallParser = _f("auto", "auto | hermes | llama3_json | mistral: how tool calls are read from a "
-                               "chat reply (auto: the format the model's chat template uses, else hermes)")
 
     def validate(self) -> None:
         def need(ok: bool, name: str, allowed: str) -> None:
             require(self, ok, name, allowed)
 
-        for name in ("served_model_name", "allowed_origins", "allowed_methods", "allowed_headers"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, strings(name, value))
-        if not self.served_model_name:
-            self.served_model_name = None
-        names = self.served_model_name or ()
-        need(all(n and not any(c.isspace() for c in n) for n in names) and len(set(names)) == len(names),
-             "served_model_name", "names with no spaces, each given once")
-        need(all(o == "*" or o.startswith(("http://", "https://")) for o in self.allowed_origins),
-             "allowed_origins", "origins like http://localhost:3000, or '*'")
-        need(0 <= self.port <= 65535, "port", "in [0, 65535]")
-        need(self.grpc_port is None or 0 < self.grpc_port <= 65535, "grpc_port", "in [1, 65535] or None")
-        need(self.embedding_batch_window_ms >= 0, "embedding_batch_window_ms", ">= 0")
-        need(self.oip_batch_window_ms >= 0, "oip_batch_window_ms", ">= 0")
-        need(self.oip_max_batch_size >= 1 and self.oip_max_queue >= 1, "oip_max_batch_size", ">= 1 (and "
-             "oip_max_queue >= 1)")
-        need(self.embedding_max_batch_size >= 1, "embedding_max_batch_size", ">= 1")
-        need(self.drain_timeout >= 0, "drain_timeout", ">= 0")
-        need(self.swap_drain_timeout_s >= 0, "swap_drain_timeout_s", ">= 0")
-        need(self.header_timeout_s >= 0, "header_timeout_s", ">= 0")
-        need(self.http_keep_alive_s > 0, "http_keep_alive_s", "> 0")
-        need(self.engine_start_timeout_s >= 0, "engine_start_timeout_s", ">= 0 (0: no limit)")
-        for name in SECRETS:
-            path = getattr(self, f"{name}_file")
-            if path is not None:
-                need(getattr(self, name) is None, f"{name}_file", f"not given together with {name}")
-                need(Path(path).is_file(), f"{name}_file", "an existing file holding the key")
-            key = self.secret(name)
-            if key is not None and (len(key) < 8 or any(c.isspace() for c in key)):
-                raise ConfigError(name, "<redacted>", "at least 8 characters, with no spaces or line breaks")
-        need(self.api_keys_file is None or Path(self.api_keys_file).is_file(), "api_keys_file", "an existing file")
-        need(self.ui in choices(WebUi), "ui", one_of(WebUi))
-        need(self.responses_store_size >= 0, "responses_store_size", ">= 0")
-        need(self.max_request_body_bytes >= 1024, "max_request_body_bytes", ">= 1024")
-        need(self.prefix_cache_isolation in choices(PrefixCacheIsolation), "prefix_cache_isolation",
-             one_of(PrefixCacheIsolation))
-        need(self.tool_call_parser in choices(ToolCallParser), "tool_call_parser", one_of(ToolCallParser))
-        need(self.keep_alive_s >= 0, "keep_alive_s", ">= 0 (0: kept loaded)")
-        need(all(m.rpartition("=")[2].strip() in ("off", "metadata", "full")
-                 for m in self.prediction_log.split(",") if m.strip()), "prediction_log",
-             "off | metadata | full, or model=mode pairs separated by commas")
-        need(self.shadow_queue >= 1 and self.shadow_concurrency >= 1, "shadow_queue", ">= 1 (and concurrency >= 1)")
-        need(self.prediction_log_retention_days >= 0, "prediction_log_retention_days", ">= 0 (0: kept)")
-        need(self.canary_interval_s > 0, "canary_interval_s", "> 0")
-        need(self.reconcile_interval_s > 0, "reconcile_interval_s", "> 0")
-        need(self.drift_window >= 2 and self.drift_min_samples >= 2, "drift_window", ">= 2 (and min samples >= 2)")
-        need(0 <= self.drift_embedding_sample <= 1, "drift_embedding_sample", "in [0, 1]")
-        need(self.prediction_log_otlp_endpoint is None
-             or self.prediction_log_otlp_endpoint.startswith(("http://", "https://")),
-             "prediction_log_otlp_endpoint", "an http:// or https:// URL")
-        need(self.webhook_url is None or self.webhook_url.startswith(("http://", "https://")), "webhook_url",
-             "an http:// or https:// URL")
-        need(self.webhook_timeout_s > 0 and self.webhook_retries >= 0, "webhook_timeout_s",
-             "> 0 (and webhook_retries >= 0)")
-        need(self.traffic_state_interval_s >= 0, "traffic_state_interval_s", ">= 0 (0: only at shutdown)")
-        need(self.drift_check_interval_s >= 0, "drift_check_interval_s", ">= 0 (0: only on request)")
         need(self.database_url is None or self.registry_url is None or self.database_url == self.registry_url,
              "registry_url", "unset when database_url is set (registry_url is its older name)")
         need(self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
@@ -231,17 +250,127 @@ class ServerConfig:
         the data directory)."""
         return self.database_url or self.registry_url
 
-    def secret(self, name: str) -> str | None:
-        """api_key or admin_key: as given, or read from its *_file (surrounding whitespace dropped)."""
-        path = getattr(self, f"{name}_file")
-        return Path(path).read_text().strip() if path is not None else getattr(self, name)
-
     def data_path(self) -> Path:
         """The data directory: data_dir, else $XDG_DATA_HOME/servelm, else ~/.local/share/servelm."""
         if self.data_dir:
             return Path(self.data_dir).expanduser()
         xdg = env_vars.xdg_data_home()
         return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "servelm"
+
+
+@dataclass
+class RolloutConfig:
+    """Deployments and traffic: deployment specs and the reconciler, shadow traffic, canaries, saved traffic state and the webhook told of rollbacks and alerts."""
+
+    deployment_spec: str | None = _f(None, "with a registry: a YAML or JSON file of deployment specs (one, a list, "
+                                     "or {deployments: [...]}) applied at start, as `servelm apply -f` would; the "
+                                     "reconciler then drives the deployments to them")
+    reconcile_interval_s: float = _f(5.0, "how often the reconciler compares every deployment spec with what is "
+                                     "deployed and acts (it also runs at once after a spec changes)")
+    traffic_state_interval_s: float = _f(10.0, "how often running canary and experiment windows and bandit "
+                                         "posteriors are saved to the registry database (and at shutdown), so a "
+                                         "restart carries on from them; at most this much is lost in a crash "
+                                         "(0: only at shutdown)")
+    shadow_queue: int = _f(64, "mirrored (shadow) requests waiting at most, per model; more are dropped and counted")
+    shadow_concurrency: int = _f(1, "shadow requests run at once, per model")
+    canary_interval_s: float = _f(1.0, "how often a running canary's step is evaluated")
+    webhook_url: str | None = _f(None, "with a registry: URL the server POSTs a JSON event to on a canary "
+                                 "rollback, a canary promotion that failed, and a drift alert that starts")
+    webhook_timeout_s: float = _f(2.0, "timeout of one webhook delivery attempt")
+    webhook_retries: int = _f(2, "webhook delivery attempts after the first, with exponential backoff")
+
+    def validate(self) -> None:
+        def need(ok: bool, name: str, allowed: str) -> None:
+            require(self, ok, name, allowed)
+
+        need(self.shadow_queue >= 1 and self.shadow_concurrency >= 1, "shadow_queue", ">= 1 (and concurrency >= 1)")
+        need(self.canary_interval_s > 0, "canary_interval_s", "> 0")
+        need(self.reconcile_interval_s > 0, "reconcile_interval_s", "> 0")
+        need(self.webhook_url is None or self.webhook_url.startswith(("http://", "https://")), "webhook_url",
+             "an http:// or https:// URL")
+        need(self.webhook_timeout_s > 0 and self.webhook_retries >= 0, "webhook_timeout_s",
+             "> 0 (and webhook_retries >= 0)")
+        need(self.traffic_state_interval_s >= 0, "traffic_state_interval_s", ">= 0 (0: only at shutdown)")
+
+
+@dataclass
+class ObservabilityConfig:
+    """What the server records: request logs, traces, the prediction log and drift detection."""
+
+    log_requests: bool = _f(True, "one JSON log line per request at completion")
+    log_prompts: bool = _f(False, "include prompt and completion text in the request log lines")
+    otlp_endpoint: str | None = _f(None, "OTLP/HTTP collector, e.g. http://localhost:4318/v1/traces: turns "
+                                   "on OpenTelemetry tracing")
+    otlp_service_name: str = _f("servelm", "service.name of the exported spans")
+    prediction_log: str = _f("off", "with a registry: the prediction log's mode, off | metadata | full (prompt and "
+                             "output, redacted), for every model or per model: 'm=full,other=off,*=metadata'")
+    prediction_log_file: str | None = _f(None, "also append prediction-log entries to this JSON-lines file")
+    prediction_log_otlp_endpoint: str | None = _f(None, "also export each prediction-log entry as an "
+                                                  "OpenTelemetry log record to this OTLP/HTTP endpoint, e.g. "
+                                                  "http://localhost:4318/v1/logs (asynchronous, batched)")
+    prediction_log_retention_days: float = _f(0.0, "delete prediction-log entries older than this many days "
+                                              "(hourly; 0: keep them)")
+    drift_window: int = _f(5000, "requests in each drift window (reference and live), per model")
+    drift_min_samples: int = _f(50, "requests each drift window needs before a feature is judged")
+    drift_embedding_sample: float = _f(0.05, "share of prompts embedded (by the served embedding model, off the "
+                                       "request path) for prompt-embedding drift (MMD); 0 turns it off")
+    drift_check_interval_s: float = _f(60.0, "how often every model's drift (data, concept, embedding) is "
+                                       "evaluated in the background, so alerts fire unasked (0: only on request)")
+
+    def validate(self) -> None:
+        def need(ok: bool, name: str, allowed: str) -> None:
+            require(self, ok, name, allowed)
+
+        need(all(m.rpartition("=")[2].strip() in ("off", "metadata", "full")
+                 for m in self.prediction_log.split(",") if m.strip()), "prediction_log",
+             "off | metadata | full, or model=mode pairs separated by commas")
+        need(self.prediction_log_retention_days >= 0, "prediction_log_retention_days", ">= 0 (0: kept)")
+        need(self.drift_window >= 2 and self.drift_min_samples >= 2, "drift_window", ">= 2 (and min samples >= 2)")
+        need(0 <= self.drift_embedding_sample <= 1, "drift_embedding_sample", "in [0, 1]")
+        need(self.prediction_log_otlp_endpoint is None
+             or self.prediction_log_otlp_endpoint.startswith(("http://", "https://")),
+             "prediction_log_otlp_endpoint", "an http:// or https:// URL")
+        need(self.drift_check_interval_s >= 0, "drift_check_interval_s", ">= 0 (0: only on request)")
+
+
+SERVER_SECTIONS: dict[str, type] = {
+    "api": ApiConfig,
+    "oip": OipConfig,
+    "embedding": EmbeddingConfig,
+    "lifecycle": LifecycleConfig,
+    "auth": AuthConfig,
+    "storage": StorageConfig,
+    "rollout": RolloutConfig,
+    "observability": ObservabilityConfig,
+}
+
+
+@dataclass(init=False)
+class ServerConfig(SectionedConfig):
+    """Everything `servelm serve` accepts about the server besides admission, in sections
+    (`config.server.api_config.port`), built from flat names (`ServerConfig(port=8080)`, `--port`,
+    SERVELM_PORT) as SectionedConfig says."""
+
+    SECTIONS: typing.ClassVar[dict[str, type]] = SERVER_SECTIONS
+    FIELDS: typing.ClassVar[dict[str, str]] = section_map(SERVER_SECTIONS)
+
+    api_config: ApiConfig
+    oip_config: OipConfig
+    embedding_config: EmbeddingConfig
+    lifecycle_config: LifecycleConfig
+    auth_config: AuthConfig
+    storage_config: StorageConfig
+    rollout_config: RolloutConfig
+    observability_config: ObservabilityConfig
+
+    def database(self) -> str | None:
+        return self.storage_config.database()
+
+    def secret(self, name: str) -> str | None:
+        return self.auth_config.secret(name)
+
+    def data_path(self) -> Path:
+        return self.storage_config.data_path()
 
 
 @dataclass
@@ -298,7 +427,15 @@ class AdmissionConfig:
         return self.max_request_tokens if self.max_request_tokens is not None else max_model_len * self.max_n
 
 
-SECTIONS: dict[str, type] = {"engine": EngineConfig, "server": ServerConfig, "admission": AdmissionConfig}
+# The serve config tree: the engine (its sections), the server (its sections) and admission (one section). Every
+# section has a name unique across the tree (the config file's section, --help's group, the first part of a source
+# key "section.field"), and every field a flat name unique across the tree (its env var SERVELM_<FIELD> and its
+# --flag, as before the split), so a flat name says which section it sets.
+GROUPS: dict[str, type] = {"engine": EngineConfig, "server": ServerConfig}
+SECTIONS: dict[str, type] = {**ENGINE_SECTIONS, **SERVER_SECTIONS, "admission": AdmissionConfig}
+GROUP_OF: dict[str, str] = {sec: group for group, cls in GROUPS.items() for sec in cls.SECTIONS} | {
+    "admission": "admission"}
+FIELDS: dict[str, str] = section_map(SECTIONS)  # flat name -> section name
 # integer fields that also take vLLM's 32k / 32K forms, in files and env vars as on the command line
 TOKEN_COUNTS = frozenset(f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)
                          if f.metadata.get("token_count"))
@@ -316,14 +453,20 @@ class ServeConfig:
     def control_plane(self) -> bool:
         """Whether the server keeps a model registry: models declared in the file, or a data dir or registry
         URL given. Without, `servelm serve MODEL` runs as it always has, writing nothing."""
-        return bool(self.models) or self.sources["server.data_dir"] != "default" or \
+        return bool(self.models) or self.sources["storage.data_dir"] != "default" or \
             self.server.database() is not None
 
+    def section(self, name: str):
+        """The section called `name` (cache, api, admission, ...), wherever in the tree it is."""
+        group = GROUP_OF[name]
+        return self.admission if group == "admission" else getattr(self, group).section(name)
+
     def to_dict(self) -> dict:
-        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        return {sec: dataclasses.asdict(self.section(sec)) for sec in SECTIONS}
 
     def describe(self) -> dict:
-        """The effective config, each value with where it came from (and the declared models, if any)."""
+        """The effective config by section, each value with where it came from (and the declared models, if
+        any)."""
         out = {sec: {k: {"value": "<redacted>" if k in SECRETS and v is not None else
                           redact_url(v) if k in URL_SECRETS else v,
                           "source": self.sources[f"{sec}.{k}"],
@@ -334,14 +477,15 @@ class ServeConfig:
         return out
 
     def patch(self, changes: dict) -> dict:
-        """Apply run-time changes ({field: value} or {section: {field: value}}); all or nothing.
+        """Apply run-time changes, all or nothing: {field: value}, {section: {field: value}}, or the older
+        {engine|server: {field: value}}.
 
         Returns {"section.field": new value}. Raises ConfigError naming the first bad key or value.
         """
         flat = {}
         for k, v in changes.items():
-            if k in SECTIONS and isinstance(v, dict):
-                flat.update({(k, f): x for f, x in v.items()})
+            if (k in SECTIONS or k in GROUPS) and isinstance(v, dict):
+                flat.update({(_section_in(k, f), f): x for f, x in v.items()})
             else:
                 flat[(_section_of(k), k)] = v
         updates: dict[str, dict] = {}
@@ -349,21 +493,25 @@ class ServeConfig:
             f = _field(sec, name)
             if not f.metadata.get("runtime"):
                 raise ConfigError(f"{sec}.{name}", value, "changed only at start-up (not a run-time setting)")
-            updates.setdefault(sec, {})[name] = _coerce(f"{sec}.{name}", value, _hints(sec)[name])
+            updates.setdefault(GROUP_OF[sec], {})[name] = _coerce(f"{sec}.{name}", value, _hints(sec)[name])
         new = {}
-        for sec, vals in updates.items():
+        for group, vals in updates.items():
             try:
-                new[sec] = dataclasses.replace(getattr(self, sec), **vals)  # EngineConfig validates here
-                new[sec].validate()
+                if group == "admission":
+                    new[group] = dataclasses.replace(self.admission, **vals)
+                    new[group].validate()
+                else:
+                    new[group] = getattr(self, group).replace(**vals)  # validates every section
             except ConfigError as e:
-                raise _located(sec, e, "runtime") from None
-        for sec, obj in new.items():
-            setattr(self, sec, obj)
+                raise _located(e, "runtime") from None
+        for group, obj in new.items():
+            setattr(self, group, obj)
         applied = {}
-        for sec, vals in updates.items():
+        for vals in updates.values():
             for name in vals:
+                sec = FIELDS[name]
                 self.sources[f"{sec}.{name}"] = "runtime"
-                applied[f"{sec}.{name}"] = getattr(getattr(self, sec), name)
+                applied[f"{sec}.{name}"] = getattr(self.section(sec), name)
         return applied
 
 
@@ -386,6 +534,7 @@ def env_var(name: str) -> str:
 
 
 def all_fields() -> list[tuple[str, dataclasses.Field]]:
+    """(section name, field) for every field of the tree, section by section."""
     return [(sec, f) for sec, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
 
 
@@ -413,25 +562,35 @@ def load(cli: dict | None = None, env: dict | None = None, file: str | None = No
         sec = _section_of(name)
         values[sec][name] = value  # typed by argparse already; several values are normalized by validate()
         sources[f"{sec}.{name}"] = "cli"
-    built = {sec: _build(sec, cls, values[sec], sources) for sec, cls in SECTIONS.items()}
-    return ServeConfig(sources=sources, models=models, **built)
+    built = {group: _build(cls, values, sources) for group, cls in GROUPS.items()}
+    admission = _build(AdmissionConfig, values, sources)
+    return ServeConfig(sources=sources, models=models, admission=admission, **built)
 
 
-def _build(sec: str, cls: type, values: dict, sources: dict):
+def _build(cls: type, values: dict, sources: dict):
+    """A group (EngineConfig, ServerConfig: from its sections) or the admission section, validated."""
     try:
-        obj = cls(**values)
+        if issubclass(cls, SectionedConfig):
+            return cls(**{f"{sec}_config": sc(**values[sec]) for sec, sc in cls.SECTIONS.items()})
+        obj = cls(**values["admission"])
         obj.validate()
         return obj
     except ConfigError as e:
-        raise _located(sec, e, sources.get(f"{sec}.{e.key}", "default")) from None
+        raise _located(e, sources.get(f"{FIELDS.get(e.key)}.{e.key}", "default")) from None
 
 
-def _located(sec: str, e: ConfigError, source: str) -> ConfigError:
+def _located(e: ConfigError, source: str) -> ConfigError:
+    """The error with its key as "section.field" and where the value came from."""
     where = {"env": f"env {env_var(e.key)}", "cli": f"--{e.key.replace('_', '-')}"}.get(source, source)
-    return ConfigError(f"{sec}.{e.key}", e.value, f"{e.allowed} (set by {where})")
+    key = f"{FIELDS[e.key]}.{e.key}" if e.key in FIELDS else e.key
+    return ConfigError(key, e.value, f"{e.allowed} (set by {where})")
 
 
 def _read_file(path: str):
+    """(section, field, value) for each setting in the file, and ("models", "models", list) for its models.
+    A setting is written under its section (`cache: {block_size: 32}`) or, as before the sections, flat under
+    engine or server (`engine: {block_size: 32}`); both forms may be mixed, but one setting given twice with
+    different values is refused."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError("config", path, "an existing YAML, JSON or TOML file")
@@ -448,16 +607,21 @@ def _read_file(path: str):
     except Exception as e:
         raise ConfigError("config", path, f"valid {p.suffix.lstrip('.') or 'YAML'} ({e})") from e
     if not isinstance(data, dict):
-        raise ConfigError("config", path, "a mapping of sections (engine, server, admission, models)")
-    for sec, vals in data.items():
-        if sec == "models":
+        raise ConfigError("config", path, "a mapping of sections (" + ", ".join([*SECTIONS, *GROUPS]) + ", models)")
+    seen: dict[str, tuple[str, object]] = {}
+    for group, vals in data.items():
+        if group == "models":
             yield "models", "models", vals
             continue
-        if sec not in SECTIONS or not isinstance(vals, dict):
-            raise ConfigError(f"config section {sec!r}", vals, f"one of {', '.join(SECTIONS)} holding a mapping, "
-                              "or models holding a list")
+        if (group not in SECTIONS and group not in GROUPS) or not isinstance(vals, dict):
+            raise ConfigError(f"config section {group!r}", vals, "one of " + ", ".join(SECTIONS) + " (or engine "
+                              "or server, holding their fields flat) holding a mapping, or models holding a list")
         for name, value in vals.items():
-            _field(sec, name)
+            sec = _section_in(group, name)
+            if name in seen and seen[name][1] != value:
+                raise ConfigError(f"{sec}.{name}", value, f"given once, or the same in both places (the file's "
+                                  f"{seen[name][0]} section says {seen[name][1]!r})")
+            seen[name] = (group, value)
             yield sec, name, value
 
 
@@ -468,10 +632,25 @@ def _field(sec: str, name: str) -> dataclasses.Field:
     raise ConfigError(f"{sec}.{name}", name, f"a known key of [{sec}]")
 
 
+def _section_in(where: str, name: str) -> str:
+    """The section of field `name` written under `where`: a section, which must hold it, or a group (engine,
+    server), whose sections one must."""
+    if where in GROUPS:
+        if name not in GROUPS[where].FIELDS:
+            raise ConfigError(f"{where}.{name}", name, f"a known key of [{where}]" + _lives_in(name))
+        return GROUPS[where].FIELDS[name]
+    if FIELDS.get(name) != where:
+        raise ConfigError(f"{where}.{name}", name, f"a known key of [{where}]" + _lives_in(name))
+    return where
+
+
+def _lives_in(name: str) -> str:
+    return f" ({name} is in [{FIELDS[name]}])" if name in FIELDS else ""
+
+
 def _section_of(name: str) -> str:
-    for sec, f in all_fields():
-        if f.name == name:
-            return sec
+    if name in FIELDS:
+        return FIELDS[name]
     raise ConfigError(name, name, "a known config key")
 
 

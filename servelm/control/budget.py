@@ -88,22 +88,22 @@ def worker_footprint(version: ModelVersion, config: EngineConfig | None) -> Foot
     if version.kind == Kind.EMBED or config is None:
         return Footprint(version.num_params * 4 if version.num_params else
                          version.size_bytes or _files_size(Path(version.artifact)), 0)
-    size = itemsize(config.dtype, config.device)
+    size = itemsize(config.model_config.dtype, config.device_config.device)
     if version.num_params:
         weights = version.num_params * size
     else:  # unknown parameter count: what the files hold
         weights = version.size_bytes or _files_size(Path(version.artifact))
-    device_memory = (gpu_bytes(config.device) if config.device.startswith("cuda") and config.num_kv_blocks is None
-                     and config.kv_cache_memory_gb is None else None)
+    device_memory = (gpu_bytes(config.device_config.device) if config.device_config.device.startswith("cuda") and config.cache_config.num_kv_blocks is None
+                     and config.cache_config.kv_cache_memory_gb is None else None)
     if device_memory:  # the engine takes its share of the device and fills what the weights leave with KV blocks
-        share = int((config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION) * device_memory)
+        share = int((config.cache_config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION) * device_memory)
         return Footprint(weights, max(0, share - weights), runtime=0)
-    if config.num_kv_blocks is not None:
-        hf_config = load_config(resolve_model(config.model, config.gguf_file))
-        kv_size = 1 if config.kv_cache_dtype != "auto" else size  # an fp8 cache: one byte an entry
-        kv = config.num_kv_blocks * kv_bytes_per_block(hf_config, config.block_size, kv_size)
+    if config.cache_config.num_kv_blocks is not None:
+        hf_config = load_config(resolve_model(config.model_config.model, config.model_config.gguf_file))
+        kv_size = 1 if config.cache_config.kv_cache_dtype != "auto" else size  # an fp8 cache: one byte an entry
+        kv = config.cache_config.num_kv_blocks * kv_bytes_per_block(hf_config, config.cache_config.block_size, kv_size)
     else:
-        kv = int((config.kv_cache_memory_gb or DEFAULT_KV_CACHE_GB) * GiB)
+        kv = int((config.cache_config.kv_cache_memory_gb or DEFAULT_KV_CACHE_GB) * GiB)
     return Footprint(weights, kv)
 
 

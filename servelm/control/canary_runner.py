@@ -172,6 +172,6 @@ async def start_canary(svc: Any, config: CanaryConfig, actor: str) -> CanaryRun:
     old = svc.canaries.get(name)
     if old is not None:
         await old.stop()
-    run = svc.canaries[name] = CanaryRun(svc, config, svc.cfg.canary_interval_s)
+    run = svc.canaries[name] = CanaryRun(svc, config, svc.cfg.rollout_config.canary_interval_s)
     await run.start(actor)
     return run

@@ -50,15 +50,15 @@ def load_tokenizer(version: ModelVersion, config: EngineConfig):
     from servelm.model.loading.metadata import resolve_model
 
     with _TOKENIZER_LOCK:
-        return load(resolve_model(config.model, config.gguf_file), config.tokenizer, config.chat_template)
+        return load(resolve_model(config.model_config.model, config.model_config.gguf_file), config.model_config.tokenizer, config.model_config.chat_template)
 
 
 def with_adapter(config: EngineConfig, name: str, path: str | None) -> EngineConfig:
     """`config` with the LoRA adapter `name` loaded at start from `path` (None: without it)."""
-    kept = tuple(m for m in config.lora_modules if parse_lora_module(m)[0] != name)
+    kept = tuple(m for m in config.lora_config.lora_modules if parse_lora_module(m)[0] != name)
     if path is not None:
         kept += (f"{name}={path}",)
-    return dataclasses.replace(config, lora_modules=kept, enable_lora=config.enable_lora or path is not None)
+    return config.replace(lora_modules=kept, enable_lora=config.lora_config.enable_lora or path is not None)
 
 
 @dataclass
@@ -130,7 +130,7 @@ class Deployment:
     @staticmethod
     def _strategy(name: str, config: EngineConfig):
         try:
-            return make_strategy(name, config.block_size)
+            return make_strategy(name, config.cache_config.block_size)
         except ValueError as e:
             raise InvalidRequest(str(e), code="unknown_strategy", param="strategy") from e
 
@@ -270,7 +270,7 @@ class Deployment:
         gen = generation or self._gen
         self.last_used = time.monotonic()
         req = RouteRequest(prompt_token_ids, params.max_tokens or 0, cache_salt)
-        need = blocks_needed(req, gen.config.block_size)
+        need = blocks_needed(req, gen.config.cache_config.block_size)
         tried: set[int] = set()
         gen.active += 1
         try:
@@ -355,14 +355,14 @@ class Deployment:
     def _worker_config(self, config: EngineConfig, slot: int) -> EngineConfig:
         """Worker `slot`'s settings: with `cpu_bind` and several workers, each worker gets its own share of the
         CPUs (slot k of n: the k-th of n equal parts), so workers do not contend for cores."""
-        cpus = cpu_list(config.cpu_bind) if config.cpu_bind else None
+        cpus = cpu_list(config.device_config.cpu_bind) if config.device_config.cpu_bind else None
         n = self.num_workers
         if not cpus or n < 2 or len(cpus) < n:
             return config
         per = len(cpus) // n
         mine = cpus[(slot % n) * per:(slot % n + 1) * per]
-        return dataclasses.replace(config, cpu_bind=",".join(map(str, mine)),
-                                   num_threads=min(config.num_threads or per, per))
+        return config.replace(cpu_bind=",".join(map(str, mine)),
+                                   num_threads=min(config.device_config.num_threads or per, per))
 
     def _new_worker(self, gen: Generation, slot: int) -> Worker:
         engine = AsyncEngine(self._worker_config(gen.config, slot), gen.tokenizer, start_timeout=self.start_timeout)
@@ -504,7 +504,7 @@ class Deployment:
         async with self._lock:  # not during a scale: the workers it is starting are in the list once it is done
             if self._closing or self._unloading:
                 raise Conflict(f"{self.id} is being unloaded", code="not_deployed")
-            if not self._gen.config.enable_lora:
+            if not self._gen.config.lora_config.enable_lora:
                 raise Conflict(f"deployment {self.id} of {self.version.ref} runs without LoRA: deploy the "
                                "base with enable_lora (POST /admin/deployments {\"enable_lora\": true}, "
                                "`servelm models deploy --enable-lora`), register it with engine "
@@ -595,5 +595,5 @@ class Deployment:
         return {"id": self.id, "name": self.version.name, "version": self.version.version, "ref": self.version.ref,
                 "kind": Kind.GENERATE.value, "workers": self.num_workers, "strategy": self.strategy_name, "keep_alive_s": self.keep_alive_s,
                 "ready": self.ready, "in_flight": self.num_in_flight(),
-                "enable_lora": self.config.enable_lora, "adapters": sorted(self.adapters),
+                "enable_lora": self.config.lora_config.enable_lora, "adapters": sorted(self.adapters),
                 "worker_status": [w.describe() for w in self._all_workers()]}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import inspect
 import logging
 import time
@@ -56,7 +55,7 @@ class DeploymentManager:
                  drain_timeout_s: float = 600.0,
                  on_replaced: Callable[[str, dict, dict], None] | None = None) -> None:
         self.engine_base = engine_base or EngineConfig()
-        self.budget = budget or MemoryBudget(device=self.engine_base.device)
+        self.budget = budget or MemoryBudget(device=self.engine_base.device_config.device)
         self.on_change, self.production_of, self.policy_of = on_change, production_of, policy_of
         self.on_replaced = on_replaced
         self.start_timeout, self.health = start_timeout, health
@@ -187,8 +186,8 @@ class DeploymentManager:
             workers = 1
         else:
             base = engine_base or self.engine_base
-            if enable_lora and not base.enable_lora:
-                base = dataclasses.replace(base, enable_lora=True)
+            if enable_lora and not base.lora_config.enable_lora:
+                base = base.replace(enable_lora=True)
             d = Deployment(version, base, workers, strategy, tokenizer, deployment_id,
                            self.start_timeout, self.health, drain_timeout_s=self.drain_timeout_s,
                            keep_alive_s=keep_alive_s)

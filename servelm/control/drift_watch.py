@@ -49,7 +49,7 @@ class DriftWatch:
         self.cfg, self.metrics, self.embedder, self.notify = cfg, metrics, embedder, notify
         self.data: dict[str, DriftMonitor] = {}
         self.concept: dict[str, dict[int, ConceptMonitor]] = {}  # model -> version -> monitor
-        self.sample = float(getattr(cfg, "drift_embedding_sample", 0.05))
+        self.sample = float(cfg.observability_config.drift_embedding_sample)
         self.max_inflight = 2  # embeddings for drift waiting on the embedder at once (more are skipped)
         self._inflight: set[asyncio.Task] = set()
         self._mmd: dict[str, tuple[int, dict]] = {}  # model -> (embedding epoch, embedding feature result)
@@ -61,16 +61,16 @@ class DriftWatch:
     def monitor(self, name: str) -> DriftMonitor:
         d = self.data.get(name)
         if d is None:
-            th = DriftThresholds(min_samples=self.cfg.drift_min_samples)
-            d = self.data[name] = DriftMonitor(name, th, window=self.cfg.drift_window)
+            th = DriftThresholds(min_samples=self.cfg.observability_config.drift_min_samples)
+            d = self.data[name] = DriftMonitor(name, th, window=self.cfg.observability_config.drift_window)
         return d
 
     def concept_of(self, name: str, version: int) -> ConceptMonitor:
         per = self.concept.setdefault(name, {})
         c = per.get(version)
         if c is None:
-            th = ConceptThresholds(min_samples=self.cfg.drift_min_samples)
-            c = per[version] = ConceptMonitor(f"{name}:{version}", th, window=self.cfg.drift_window)
+            th = ConceptThresholds(min_samples=self.cfg.observability_config.drift_min_samples)
+            c = per[version] = ConceptMonitor(f"{name}:{version}", th, window=self.cfg.observability_config.drift_window)
         return c
 
     def observe(self, name: str, version: int | None, *, text: str | None, prompt_ids: Any, output_tokens: int,
@@ -137,7 +137,7 @@ class DriftWatch:
         if snap.data is None and not snap.concept:
             raise NotFound(f"no drift data for {name!r} yet; models with data: "
                            f"{', '.join(self.data) or 'none'}", code="not_found", param="model")
-        mon = snap.data or DriftMonitor(name, DriftThresholds(min_samples=self.cfg.drift_min_samples), window=1)
+        mon = snap.data or DriftMonitor(name, DriftThresholds(min_samples=self.cfg.observability_config.drift_min_samples), window=1)
         cached = self._mmd.get(name)
         if cached is not None and cached[0] == mon.embedding_epoch:
             emb = cached[1]

@@ -35,12 +35,12 @@ def allowed_roots(config) -> list[Path]:
     from servelm.model.loading.source import default_model_path
     from servelm.runtimes.embedder import default_embedding_path
 
-    roots = parse_roots(config.server.model_roots)
+    roots = parse_roots(config.server.storage_config.model_roots)
     configured = [spec.path for spec in config.models]
-    if config.engine.model:
-        configured.append(config.engine.model)
-    if config.server.embedding_model not in ("default", "none"):
-        configured.append(config.server.embedding_model)
+    if config.engine.model_config.model:
+        configured.append(config.engine.model_config.model)
+    if config.server.embedding_config.embedding_model not in ("default", "none"):
+        configured.append(config.server.embedding_config.embedding_model)
     roots += [_beside(p) for p in configured]
     with contextlib.suppress(FileNotFoundError):  # not installed
         roots.append(default_model_path())

@@ -57,13 +57,13 @@ class ControlPlane:
         from servelm.control.registry import Registry
 
         srv = config.server
-        registry = Registry(srv.database(), srv.data_path(), migrate=srv.database_auto_upgrade)
-        plane = cls(registry, None, config.engine, srv.engine_start_timeout_s, allowed_roots(config))
-        plane.refresh_s = srv.registry_refresh_s
+        registry = Registry(srv.database(), srv.data_path(), migrate=srv.storage_config.database_auto_upgrade)
+        plane = cls(registry, None, config.engine, srv.lifecycle_config.engine_start_timeout_s, allowed_roots(config))
+        plane.refresh_s = srv.storage_config.registry_refresh_s
         plane.deployments = DeploymentManager(engine_base=config.engine, on_change=plane._on_change,
                                               production_of=plane._production_of,
-                                              start_timeout=srv.engine_start_timeout_s,
-                                              drain_timeout_s=srv.swap_drain_timeout_s,
+                                              start_timeout=srv.lifecycle_config.engine_start_timeout_s,
+                                              drain_timeout_s=srv.lifecycle_config.swap_drain_timeout_s,
                                               on_replaced=plane.worker_replaced)
         return plane
 

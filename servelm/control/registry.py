@@ -31,7 +31,7 @@ from sqlalchemy import (
     select,
 )
 
-from servelm.config.engine import ConfigError, EngineConfig
+from servelm.config.engine import ENGINE_FIELDS, ConfigError, EngineConfig
 from servelm.control import checkpoint, db, lifecycle, schema
 from servelm.control.audit import Audit
 from servelm.control.errors import Conflict, InvalidRequest, NotFound
@@ -104,13 +104,13 @@ def _check_inputs(name: str, labels: dict | None, engine: dict | None) -> None:
                                    and all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items())):
         raise InvalidRequest("labels must map strings to strings", code="invalid_labels", param="labels")
     if engine:
-        fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "gguf_file"}
+        fields = set(ENGINE_FIELDS) - {"model", "gguf_file"}
         unknown = sorted(set(engine) - fields)
         if unknown:
             raise InvalidRequest(f"unknown engine settings {unknown}; known: {', '.join(sorted(fields))}",
                                  code="invalid_engine", param="engine")
         try:
-            dataclasses.replace(EngineConfig(), **engine)
+            EngineConfig().replace(**engine)
         except (ConfigError, TypeError) as e:
             raise InvalidRequest(f"invalid engine settings: {e}", code="invalid_engine", param="engine") from e
 

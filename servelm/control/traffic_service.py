@@ -78,14 +78,14 @@ class TrafficService:
         self.queue_timeout_s = queue_timeout_s or SHADOW_QUEUE_TIMEOUT_S
         reg = cp.registry
         self.store = PolicyStore(reg.engine, reg.audit)
-        default, per = parse_modes(server_config.prediction_log)
-        sink = server_config.prediction_log_file
-        days = server_config.prediction_log_retention_days or None
+        default, per = parse_modes(server_config.observability_config.prediction_log)
+        sink = server_config.observability_config.prediction_log_file
+        days = server_config.observability_config.prediction_log_retention_days or None
         otlp = None
-        if getattr(server_config, "prediction_log_otlp_endpoint", None):
+        if server_config.observability_config.prediction_log_otlp_endpoint:
             from servelm.control.prediction_otlp import OtlpSink
 
-            otlp = OtlpSink(server_config.prediction_log_otlp_endpoint, server_config.otlp_service_name)
+            otlp = OtlpSink(server_config.observability_config.prediction_log_otlp_endpoint, server_config.observability_config.otlp_service_name)
         self.log = PredictionLog(reg.engine, sink=sink, modes=per, default_mode=default, default_retention_days=days,
                                  otlp=otlp)
         self._retention: asyncio.Task | None = None
@@ -136,15 +136,15 @@ class TrafficService:
 
         for name, rec in self.store.all("canary").items():
             if rec.get("status") == "running" and name not in self.canaries:
-                run = self.canaries[name] = CanaryRun.resume(self, rec, self.cfg.canary_interval_s)
+                run = self.canaries[name] = CanaryRun.resume(self, rec, self.cfg.rollout_config.canary_interval_s)
                 saved = self._state.get(f"canary:{name}")
                 if saved and run.controller.restore_windows(saved):
                     logger.info("canary of %s resumed with its step's windows (%s)", name,
                                 {k: w.requests for k, w in run.controller.windows.items()})
-        interval = getattr(self.cfg, "traffic_state_interval_s", 10.0)
+        interval = self.cfg.rollout_config.traffic_state_interval_s
         if interval > 0 and self._checkpoints is None:
             self._checkpoints = asyncio.create_task(self._checkpoint_every(interval))
-        self.watch.start(self.cfg.drift_check_interval_s)
+        self.watch.start(self.cfg.observability_config.drift_check_interval_s)
         if self.webhook is not None:
             self.webhook.start()
         if self.log.default_retention_days is not None and self._retention is None:
@@ -479,8 +479,8 @@ class TrafficService:
     def mirror(self, name: str) -> ShadowMirror:
         m = self.mirrors.get(name)
         if m is None:
-            m = self.mirrors[name] = ShadowMirror(self._run_shadow, maxsize=self.cfg.shadow_queue,
-                                                  concurrency=self.cfg.shadow_concurrency)
+            m = self.mirrors[name] = ShadowMirror(self._run_shadow, maxsize=self.cfg.rollout_config.shadow_queue,
+                                                  concurrency=self.cfg.rollout_config.shadow_concurrency)
             m.start()
         return m
 

@@ -86,8 +86,7 @@ class ModelVersion:
     def engine_config(self, base: EngineConfig) -> EngineConfig:
         """The engine settings of this version's workers: the server's, with this version's overrides and its
         artifact as the model (and its own chat template, if it has one: not the one given for MODEL)."""
-        return dataclasses.replace(base, **{"chat_template": None, **self.engine}, model=self.artifact,
-                                   gguf_file=None)
+        return base.replace(**{"chat_template": None, **self.engine}, model=self.artifact, gguf_file=None)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -13,7 +13,7 @@ from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
-from servelm.config.engine import EngineConfig, RuntimeSettings
+from servelm.config.engine import ENGINE_FIELDS, EngineConfig, RuntimeSettings
 from servelm.engine.cuda_graphs import capture_sizes
 from servelm.engine.input_batch import InputBatch, plain_below
 from servelm.engine.kv_cache_manager import KVCacheManager
@@ -38,18 +38,18 @@ def _tokenizer_from_config(config: EngineConfig) -> Callable[[], Any]:
         from servelm.model.loading.metadata import load_tokenizer
         from servelm.model.loading.source import resolve_model
 
-        return load_tokenizer(resolve_model(config.model, config.gguf_file), config.tokenizer)
+        return load_tokenizer(resolve_model(config.model_config.model, config.model_config.gguf_file), config.model_config.tokenizer)
     return load
 
 
 def plan_kv_cache(config: EngineConfig, model: DecoderLM, memory: DeviceMemory | None) -> KVPlan:
     """This rank's KV cache plan (engine/kv_sizing.py): from `memory`, its device's counters, with a profile
     run of the largest step the scheduler can form. Every tensor-parallel rank plans this way, on its own GPU."""
-    tokens = config.max_num_batched_tokens
-    kv_dtype = config.kv_cache_dtype
-    return plan_kv_blocks(config, kv_bytes_per_block(model, config.block_size, kv_dtype), memory,
-                          lambda: profile_largest_step(model, config.block_size, tokens,
-                                                       min(config.max_num_seqs, tokens), kv_dtype),
+    tokens = config.scheduler_config.max_num_batched_tokens
+    kv_dtype = config.cache_config.kv_cache_dtype
+    return plan_kv_blocks(config, kv_bytes_per_block(model, config.cache_config.block_size, kv_dtype), memory,
+                          lambda: profile_largest_step(model, config.cache_config.block_size, tokens,
+                                                       min(config.scheduler_config.max_num_seqs, tokens), kv_dtype),
                           str(cache_dtype(kv_dtype, model.dtype)).removeprefix("torch."))
 
 
@@ -60,15 +60,15 @@ class EngineCore:
         size (a GPU's own by default; engine/kv_sizing.py)."""
         self.config = config
         self.model = model
-        if config.batch_invariant:
+        if config.device_config.batch_invariant:
             from servelm.model.layers.invariant import check_batch_invariant
 
             check_batch_invariant(model)
         spec = model.spec
         tp_size = model.tp.size if model.tp is not None else 1
-        if tp_size != config.tensor_parallel_size:
+        if tp_size != config.parallel_config.tensor_parallel_size:
             raise ValueError(f"the model was loaded for tensor_parallel_size={tp_size}, the engine is configured "
-                             f"for {config.tensor_parallel_size}")
+                             f"for {config.parallel_config.tensor_parallel_size}")
         workers = None
         if tp_size > 1:  # ranks 1..N-1 in their own processes (this process is rank 0), connected before the
             from servelm.engine.tp_workers import TPWorkers  # profile run: its forward pass all-reduces
@@ -82,8 +82,9 @@ class EngineCore:
             raise
         max_len = self.max_model_len
         self.spec = self._make_spec_decoder(config, max_len)
-        self.scheduler.batch = InputBatch(config.block_size, spec.vocab_size, config.max_num_seqs,
-                                          -(-max_len // config.block_size))
+        block_size = config.cache_config.block_size
+        self.scheduler.batch = InputBatch(block_size, spec.vocab_size, config.scheduler_config.max_num_seqs,
+                                          -(-max_len // block_size))
         self.loras = self._make_lora_manager(config)
         self.runner.loras = self.scheduler.loras = self.loras
         self.requests: dict[str, Request] = {}
@@ -94,7 +95,7 @@ class EngineCore:
         sch.spec, sch.max_model_len, sch.on_request_finished = self.spec, max_len, self._forget
         # structured output: requests whose grammar is still compiling wait here, outside the scheduler
         self.grammars = GrammarCache(spec.vocab_size, tokenizer_loader or _tokenizer_from_config(config),
-                                     config.structured_output_backend)
+                                     config.structured_outputs_config.structured_output_backend)
         self.compiling: dict[str, Request] = {}
         self.failed: list[tuple[str, str]] = []  # (request id, why) for requests refused after add_request
         self._order = 0
@@ -118,47 +119,47 @@ class EngineCore:
         num_blocks = plan.num_blocks
         self.kv_plan = plan
         logger.info("%s", plan.describe())
-        max_len = check_model_len(plan, config.block_size, config.max_model_len, spec.max_position_embeddings)
+        max_len = check_model_len(plan, config.cache_config.block_size, config.model_config.max_model_len, spec.max_position_embeddings)
         self.max_model_len = max_len
         block_bytes = plan.block_bytes
-        num_cpu_blocks = int(config.swap_space_gb * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.preemption_mode,
-                                   config.scheduling_policy, config.priority_aging_s,
-                                   itl_target_s=config.itl_target_ms / 1000,
-                                   ttft_target_s=config.ttft_target_ms / 1000)
+        num_cpu_blocks = int(config.cache_config.swap_space_gb * 2**30) // block_bytes if config.scheduler_config.preemption_mode == "swap" else 0
+        self.kv = KVCacheManager(num_blocks, config.cache_config.block_size, config.cache_config.enable_prefix_caching, num_cpu_blocks)
+        self.scheduler = Scheduler(self.kv, config.scheduler_config.max_num_seqs, config.scheduler_config.max_num_batched_tokens,
+                                   config.scheduler_config.enable_chunked_prefill, config.scheduler_config.preemption_mode,
+                                   config.scheduler_config.scheduling_policy, config.scheduler_config.priority_aging_s,
+                                   itl_target_s=config.scheduler_config.itl_target_ms / 1000,
+                                   ttft_target_s=config.scheduler_config.ttft_target_ms / 1000)
         # MoE layers read their expert groups' sizes on the host: not capturable
-        graph_sizes = None if config.enforce_eager or spec.moe is not None else capture_sizes(config.max_num_seqs)
+        graph_sizes = None if config.device_config.enforce_eager or spec.moe is not None else capture_sizes(config.scheduler_config.max_num_seqs)
         if workers is not None:
             workers.begin_runners(num_blocks, num_cpu_blocks, max_len,
                                   graph_sizes if model.embed.device.type == "cuda" else None)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu_blocks, config.seed,
-                                  graph_sizes, max_len, config.kv_cache_dtype)
+        self.runner = ModelRunner(model, num_blocks, config.cache_config.block_size, num_cpu_blocks, config.model_config.seed,
+                                  graph_sizes, max_len, config.cache_config.kv_cache_dtype)
         if workers is not None:
             workers.end_runners()
             self.runner.tp_workers = workers
 
     def _make_spec_decoder(self, config: EngineConfig, max_len: int) -> SpecDecoder | None:
-        if config.speculative_method is None:
+        if config.speculative_config.speculative_method is None:
             return None
-        if config.speculative_method == "ngram":
-            proposer = NgramProposer(config.ngram_lookup_max, config.ngram_lookup_min)
+        if config.speculative_config.speculative_method == "ngram":
+            proposer = NgramProposer(config.speculative_config.ngram_lookup_max, config.speculative_config.ngram_lookup_min)
         else:
             from servelm.engine.draft_model import DraftModelProposer
 
             proposer = DraftModelProposer.from_config(config, self.model, max_len, self.kv.pool.num_blocks)
-        return SpecDecoder(proposer, config.num_speculative_tokens, max_len, config.spec_fallback_threshold,
-                           config.spec_fallback_window, config.spec_cooldown_steps)
+        return SpecDecoder(proposer, config.speculative_config.num_speculative_tokens, max_len, config.speculative_config.spec_fallback_threshold,
+                           config.speculative_config.spec_fallback_window, config.speculative_config.spec_cooldown_steps)
 
     def _make_lora_manager(self, config: EngineConfig) -> LoraManager | None:
-        if not config.enable_lora:
+        if not config.lora_config.enable_lora:
             return None
         from servelm.config.engine import parse_lora_module
         from servelm.lora import LoRARequest
 
-        loras = LoraManager(self.model, config.max_lora_rank, config.max_loras, config.max_cpu_loras)
-        for i, module in enumerate(config.lora_modules, 1):
+        loras = LoraManager(self.model, config.lora_config.max_lora_rank, config.lora_config.max_loras, config.lora_config.max_cpu_loras)
+        for i, module in enumerate(config.lora_config.lora_modules, 1):
             name, path, base = parse_lora_module(module)
             loras.add(LoRARequest(name, i, path, base))
         return loras
@@ -176,9 +177,9 @@ class EngineCore:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the request has "
                 f"{n} prompt tokens and max_tokens={max_tokens or 1} (total {n + (max_tokens or 1)})")
-        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
+        if not self.config.scheduler_config.enable_chunked_prefill and n > self.config.scheduler_config.max_num_batched_tokens:
             raise ValueError(f"prompt has {n} tokens, more than max_num_batched_tokens="
-                             f"{self.config.max_num_batched_tokens}; enable chunked prefill or raise the budget")
+                             f"{self.config.scheduler_config.max_num_batched_tokens}; enable chunked prefill or raise the budget")
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -261,7 +262,7 @@ class EngineCore:
     def update_config(self, settings: RuntimeSettings) -> None:
         """Run-time changes (PATCH /admin/config): they apply from the next step."""
         for name, value in dataclasses.asdict(settings).items():
-            setattr(self.config, name, value)
+            setattr(self.config.section(ENGINE_FIELDS[name]), name, value)
         self.scheduler.apply_settings(settings)
 
     # -- the loop ----------------------------------------------------------------------------------

@@ -59,17 +59,17 @@ class DraftModelProposer:
     @classmethod
     def from_config(cls, config: EngineConfig, target: DecoderLM, max_model_len: int,
                     num_blocks: int) -> DraftModelProposer:
-        name = config.speculative_model
+        name = config.speculative_config.speculative_model
         if name.startswith("self:"):
             model = first_layers(target, int(name[5:]))
         else:
             from servelm.model.loading.loader import load_model
 
-            model = load_model(name, dtype=config.dtype, device=config.device, with_tokenizer=False).model
+            model = load_model(name, dtype=config.model_config.dtype, device=config.device_config.device, with_tokenizer=False).model
             if model.spec.vocab_size != target.spec.vocab_size:
                 raise ValueError(f"speculative_model {name} has a vocabulary of {model.spec.vocab_size} tokens, "
                                  f"the target {target.spec.vocab_size}: they must share the tokenizer")
-        return cls(model, num_blocks, config.block_size, max_model_len, config.kv_cache_dtype)
+        return cls(model, num_blocks, config.cache_config.block_size, max_model_len, config.cache_config.kv_cache_dtype)
 
     def _shadow(self, seq: Sequence) -> Sequence:
         """seq's shadow, its computed tokens cut back to those that still match seq's tokens."""

@@ -108,10 +108,10 @@ def _header(core: EngineCore, digest: str, num_blocks: int) -> dict:
     kv_dtype = str(core.runner.kv_caches[0][0].dtype).removeprefix("torch.")
     return {
         "format_version": FORMAT_VERSION, "model_hash": digest, "dtype": dtype, "kv_cache_dtype": kv_dtype,
-        "block_size": core.config.block_size,
+        "block_size": core.config.cache_config.block_size,
         "layout": {"num_layers": s.num_layers, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
                    "order": "per block: per layer K then V, each [block_size, num_kv_heads, head_dim]",
-                   "batch_invariant": core.config.batch_invariant},
+                   "batch_invariant": core.config.device_config.batch_invariant},
         "num_blocks": num_blocks, "block_bytes": _block_bytes(core),
     }
 
@@ -119,7 +119,7 @@ def _header(core: EngineCore, digest: str, num_blocks: int) -> dict:
 def _block_bytes(core: EngineCore) -> int:
     s = core.model.spec
     itemsize = core.runner.kv_caches[0][0].dtype.itemsize
-    return 2 * s.num_layers * core.config.block_size * s.num_kv_heads * s.head_dim * itemsize
+    return 2 * s.num_layers * core.config.cache_config.block_size * s.num_kv_heads * s.head_dim * itemsize
 
 
 class _HashingWriter:
@@ -256,7 +256,7 @@ def load(core: EngineCore, path: str | Path, digest: str) -> KVTransfer:
     prefix; the most recently used ones first when the pool is short). Raises KVMismatchError, KVFormatError
     or OSError; on any error the cache is left as it was. Run between engine steps."""
     t0 = time.perf_counter()
-    pool, bs = core.kv.pool, core.config.block_size
+    pool, bs = core.kv.pool, core.config.cache_config.block_size
     if not pool.enable_caching:
         raise KVMismatchError("prefix caching is off in this engine: there is no cache to restore into")
     expected = _header(core, digest, 0)

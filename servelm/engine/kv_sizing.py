@@ -94,12 +94,12 @@ def plan_kv_blocks(config: EngineConfig, block_bytes: int, memory: DeviceMemory 
     """The KV cache's size under `config`: `memory` (a GPU's counters) plans from the device's memory with
     `profile` (the largest step, run once) when neither a block count nor a GiB budget is given. `block_bytes`
     is in the cache's element type `dtype` (an fp8 cache's blocks are half a bfloat16 one's: twice as many fit)."""
-    if config.num_kv_blocks is not None:
-        return KVPlan(config.num_kv_blocks, block_bytes, dtype=dtype)
-    if config.kv_cache_memory_gb is not None or memory is None:
-        gb = config.kv_cache_memory_gb or DEFAULT_KV_CACHE_GB
+    if config.cache_config.num_kv_blocks is not None:
+        return KVPlan(config.cache_config.num_kv_blocks, block_bytes, dtype=dtype)
+    if config.cache_config.kv_cache_memory_gb is not None or memory is None:
+        gb = config.cache_config.kv_cache_memory_gb or DEFAULT_KV_CACHE_GB
         return KVPlan(max(1, int(gb * GiB) // block_bytes), block_bytes, dtype=dtype)
-    utilization = config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    utilization = config.cache_config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
     total = memory.total()
     budget = int(utilization * total)
     memory.reset_peak()
@@ -111,7 +111,7 @@ def plan_kv_blocks(config: EngineConfig, block_bytes: int, memory: DeviceMemory 
         raise ValueError(
             f"no device memory is left for the KV cache: --gpu-memory-utilization {utilization:g} of "
             f"{total / GiB:.2f} GiB is {budget / GiB:.2f} GiB, of which the weights and the largest step's "
-            f"activations ({config.max_num_batched_tokens} tokens, {config.max_num_seqs} sequences) take "
+            f"activations ({config.scheduler_config.max_num_batched_tokens} tokens, {config.scheduler_config.max_num_seqs} sequences) take "
             f"{peak / GiB:.2f} GiB at their peak and other memory on the device {other / GiB:.2f} GiB; raise "
             "--gpu-memory-utilization, lower --max-num-batched-tokens or --max-num-seqs, or give "
             "--kv-cache-memory-gb")

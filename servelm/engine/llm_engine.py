@@ -25,16 +25,16 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         configure_threads(config)
-        self.loaded = loaded or load_model(config.model, config.gguf_file, config.tokenizer, config.dtype,
-                                           config.device, sliding_window=config.sliding_window,
+        self.loaded = loaded or load_model(config.model_config.model, config.model_config.gguf_file, config.model_config.tokenizer, config.model_config.dtype,
+                                           config.device_config.device, sliding_window=config.model_config.sliding_window,
                                            quantization=config.load_quantization(),
-                                           quantization_group_size=config.quantization_group_size,
-                                           tp_size=config.tensor_parallel_size)
+                                           quantization_group_size=config.model_config.quantization_group_size,
+                                           tp_size=config.parallel_config.tensor_parallel_size)
         self.tokenizer = self.loaded.tokenizer
-        if config.chat_template is not None and self.tokenizer is not None:
+        if config.model_config.chat_template is not None and self.tokenizer is not None:
             from servelm.config.engine import read_chat_template
 
-            self.tokenizer.chat_template = read_chat_template(config.chat_template)
+            self.tokenizer.chat_template = read_chat_template(config.model_config.chat_template)
         self.eos_token_ids = self.loaded.eos_token_ids
         self.core = EngineCore(config, self.loaded.model, tokenizer_loader=lambda: self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)

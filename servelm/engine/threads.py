@@ -16,10 +16,10 @@ def configure_threads(config: EngineConfig, rank: int = 0) -> None:
     parallelism each rank (`rank` of them) takes its own equal share of the `cpu_bind` CPUs, or by default a
     thread count of its share of this process's CPUs: ranks that each ran one thread per CPU would fight over
     them."""
-    threads = config.num_threads
-    size = config.tensor_parallel_size
-    if config.cpu_bind is not None:
-        cpus = cpu_list(config.cpu_bind)
+    threads = config.device_config.num_threads
+    size = config.parallel_config.tensor_parallel_size
+    if config.device_config.cpu_bind is not None:
+        cpus = cpu_list(config.device_config.cpu_bind)
         if size > 1 and len(cpus) >= size:
             share = len(cpus) // size
             cpus = cpus[rank * share:(rank + 1) * share]

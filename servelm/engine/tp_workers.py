@@ -65,7 +65,7 @@ class TPWorkers:
         """Spawn ranks 1..N-1, wait until each has loaded its shard, then connect all N (the driver's `model`
         is rank 0's shard) into one group (gloo on the CPU, NCCL on CUDA: model/layers/parallel.py). Raises
         RuntimeError, naming the rank, if one fails to start."""
-        size = config.tensor_parallel_size
+        size = config.parallel_config.tensor_parallel_size
         procs, conns = [], []
         workers = cls(procs, conns)
         try:
@@ -226,9 +226,9 @@ def _serve(conn: Connection, rank: int) -> None:
     config: EngineConfig = init["config"]
     try:
         configure_threads(config, rank)
-        loaded = load_model(config.model, config.gguf_file, config.tokenizer, config.dtype, config.device,
-                            with_tokenizer=False, sliding_window=config.sliding_window,
-                            quantization=config.quantization, quantization_group_size=config.quantization_group_size,
+        loaded = load_model(config.model_config.model, config.model_config.gguf_file, config.model_config.tokenizer, config.model_config.dtype, config.device_config.device,
+                            with_tokenizer=False, sliding_window=config.model_config.sliding_window,
+                            quantization=config.model_config.quantization, quantization_group_size=config.model_config.quantization_group_size,
                             tp_rank=rank, tp_size=init["size"])
     except Exception as e:
         logger.error("rank %d failed to load the model:\n%s", rank, traceback.format_exc())
@@ -250,8 +250,8 @@ def _serve(conn: Connection, rank: int) -> None:
     cache = pickle.loads(conn.recv_bytes())
     if cache is None:  # the driver's own plan failed (its error says why) and stops us
         return
-    runner = ModelRunner(model, cache["num_blocks"], config.block_size, cache["num_cpu_blocks"], config.seed,
-                         max_model_len=cache["max_model_len"], kv_cache_dtype=config.kv_cache_dtype)
+    runner = ModelRunner(model, cache["num_blocks"], config.cache_config.block_size, cache["num_cpu_blocks"], config.model_config.seed,
+                         max_model_len=cache["max_model_len"], kv_cache_dtype=config.cache_config.kv_cache_dtype)
     if cache["graph_sizes"]:  # the driver's sizes, captured in the same order (without logits: see DecodeGraphs)
         runner.enable_decode_graphs(cache["graph_sizes"], capture=True, with_logits=False)
     conn.send_bytes(pickle.dumps(("ready",)))

@@ -76,7 +76,7 @@ def _load_llm(args: argparse.Namespace):
 
     config = engine_config_from_args(args)
     fetch_models(config)  # a Hub model not yet in the Hugging Face cache: downloaded now
-    check_model(config.model, config.gguf_file)
+    check_model(config.model_config.model, config.model_config.gguf_file)
     from servelm.entrypoints.llm import LLM
 
     return LLM.from_config(config)

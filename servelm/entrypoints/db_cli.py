@@ -1,7 +1,7 @@
 """`servelm db upgrade` and `servelm db current`: the control-plane database's schema migrations.
 
 The database is the one `servelm serve` would use, found the same way: --database-url, else
-SERVELM_DATABASE_URL, else the config file's server.database_url (precedence CLI > env > file), else SQLite in
+SERVELM_DATABASE_URL, else the config file's storage.database_url (precedence CLI > env > file), else SQLite in
 the data directory.
 """
 

@@ -7,7 +7,7 @@ import itertools
 import logging
 from collections.abc import Sequence
 
-from servelm.config.engine import EngineConfig
+from servelm.config.engine import ENGINE_FIELDS, EngineConfig
 from servelm.engine.llm_engine import LLMEngine
 from servelm.lora import LoRARequest
 from servelm.outputs import RequestOutput
@@ -48,7 +48,7 @@ class LLM:
                  cpu_bind: str | None = None, device: str = "cpu", enforce_eager: bool = False,
                  sliding_window: int | None = None, batch_invariant: bool = False, **kwargs) -> None:
         # any other EngineConfig field by keyword (speculative decoding's, for instance)
-        unknown = set(kwargs) - {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = set(kwargs) - set(ENGINE_FIELDS)
         if unknown:
             raise TypeError(f"unknown LLM arguments: {', '.join(sorted(unknown))}")
         config = EngineConfig(

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -94,7 +93,7 @@ def build_app(config: EngineConfig, opts: RayOptions | None = None, start_timeou
         kwargs["autoscaling_config"] = autoscaling_config(opts)
     else:
         kwargs["num_replicas"] = opts.replicas
-    engine = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    engine = config.to_dict()  # flat names: EngineReplica rebuilds it
     return serve.deployment(EngineReplica, **kwargs).bind(engine, start_timeout)
 
 

@@ -25,8 +25,8 @@ class EngineReplica:
         config = EngineConfig(**engine)
         self.engine = AsyncEngine(config, start_timeout=start_timeout)
         self.engine.launch()  # the engine process loads the model while the tokenizer loads here
-        self.engine.set_tokenizer(load_tokenizer(resolve_model(config.model, config.gguf_file), config.tokenizer,
-                                                 config.chat_template))
+        self.engine.set_tokenizer(load_tokenizer(resolve_model(config.model_config.model, config.model_config.gguf_file), config.model_config.tokenizer,
+                                                 config.model_config.chat_template))
         self._started = asyncio.ensure_future(self.engine.wait_ready())
 
     async def ready(self) -> dict:

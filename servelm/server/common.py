@@ -169,7 +169,7 @@ class Api:
         key's namespace."""
         parts = []
         key = record(request).api_key
-        if self.state.config.server.prefix_cache_isolation == "key" and key is not None:
+        if self.state.config.server.auth_config.prefix_cache_isolation == "key" and key is not None:
             parts.append("key:" + key.digest.hex())
         if getattr(req, "cache_salt", None):
             parts.append("salt:" + req.cache_salt)

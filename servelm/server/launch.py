@@ -7,7 +7,6 @@ Every engine process is launched before any is waited for, so the models load si
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -33,12 +32,12 @@ class Launch:
 
 def _serves_cli_model(config) -> bool:
     """Whether MODEL is served: given as an argument, flag or env, or nothing else is declared."""
-    return not config.models or config.sources.get("engine.model") != "default"
+    return not config.models or config.sources.get("model.model") != "default"
 
 
 def cli_aliases(config) -> tuple[str, ...]:
     """The further names --served-model-name gives MODEL (after the first, its id), when MODEL is served."""
-    names = config.server.served_model_name or ()
+    names = config.server.api_config.served_model_name or ()
     return tuple(names[1:]) if _serves_cli_model(config) else ()
 
 
@@ -51,10 +50,10 @@ def fixed_models(config) -> list[Launch]:
     out: list[Launch] = []
     ec, srv = config.engine, config.server
     if _serves_cli_model(config):
-        name = srv.served_model_name[0] if srv.served_model_name else served_name(ec.model, ec.gguf_file)
+        name = srv.api_config.served_model_name[0] if srv.api_config.served_model_name else served_name(ec.model_config.model, ec.model_config.gguf_file)
         out.append(Launch(name, ec))
     for spec in config.models:
-        base = dataclasses.replace(ec, tokenizer=None, chat_template=None, revision=None)
+        base = ec.replace(tokenizer=None, chat_template=None, revision=None)
         out.append(Launch(spec.name, spec.engine_config(base), spec))
     names = [launch.name for launch in out] + list(cli_aliases(config))
     dup = next((n for n in names if names.count(n) > 1), None)
@@ -81,7 +80,7 @@ async def start_engines(launches: list[Launch], start_timeout: float,
                 engines[i].launch()  # the engine process imports torch and loads the model meanwhile
         for i, launch in enumerate(launches):
             ec = launch.engine
-            tok = load_tokenizer(resolve_model(ec.model, ec.gguf_file), ec.tokenizer, ec.chat_template)
+            tok = load_tokenizer(resolve_model(ec.model_config.model, ec.model_config.gguf_file), ec.model_config.tokenizer, ec.model_config.chat_template)
             tokenizers.append(tok)
             if launch.pooled:
                 engines[i] = _deployment(launch, tok, start_timeout)
@@ -108,5 +107,5 @@ def _deployment(launch: Launch, tokenizer, start_timeout: float):
     spec = launch.spec
     version = ModelVersion(spec.name, 0, State.PRODUCTION, Kind.GENERATE, spec.path, "", spec.path,
                            engine=dict(spec.engine))
-    base = dataclasses.replace(launch.engine, model=spec.path)
+    base = launch.engine.replace(model=spec.path)
     return Deployment(version, base, spec.workers, spec.strategy, tokenizer, spec.name, start_timeout)

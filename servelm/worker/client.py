@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -193,7 +192,7 @@ class AsyncEngine:
                 await self._in.send(m.encoder.encode(m.Shutdown()), flags=zmq.NOBLOCK)
             # A ready engine finishes its step and exits; one still loading reads no messages: kill it now.
             # --kv-cache-persist: it saves the prefix cache before exiting, which may take a while for a large cache
-            wait = (120 if self.config.kv_cache_persist else 10) if self.ready else 0
+            wait = (120 if self.config.cache_config.kv_cache_persist else 10) if self.ready else 0
             await asyncio.get_running_loop().run_in_executor(None, self._proc.join, wait)
             if self._proc.is_alive():
                 self._proc.kill()
@@ -451,10 +450,10 @@ class AsyncEngine:
 
         done = await self._ask(lambda op_id: m.LoraOp(op_id, action, name, path))
         if done.error is None:
-            kept = tuple(x for x in self.config.lora_modules if parse_lora_module(x)[0] != name)
+            kept = tuple(x for x in self.config.lora_config.lora_modules if parse_lora_module(x)[0] != name)
             if action == "load":
                 kept += (f"{name}={path}",)
-            self.config = dataclasses.replace(self.config, lora_modules=kept, enable_lora=True)
+            self.config = self.config.replace(lora_modules=kept, enable_lora=True)
         return done
 
     async def kv_cache(self, action: str, path: str | None = None) -> m.KVCacheDone:

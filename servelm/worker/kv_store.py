@@ -48,7 +48,7 @@ class KVStore:
         try:
             if op.action not in ("save", "load"):
                 raise _Invalid(f"unknown action {op.action!r}")
-            if self.core.config.tensor_parallel_size > 1:
+            if self.core.config.parallel_config.tensor_parallel_size > 1:
                 raise _Invalid("KV cache save and restore are not supported with tensor parallelism (each rank "
                                "holds its own heads of every block)")
             if not self.core.kv.pool.enable_caching:

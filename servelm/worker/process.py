@@ -31,8 +31,8 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     """Entry point of the engine process."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     _exit_with_parent()
-    if config.cpu_nice:  # before torch starts its threads: they inherit it
-        os.nice(config.cpu_nice)
+    if config.device_config.cpu_nice:  # before torch starts its threads: they inherit it
+        os.nice(config.device_config.cpu_nice)
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     inp.connect(input_addr)
@@ -48,12 +48,12 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
         from servelm.model.loading.loader import load_model
 
         configure_threads(config)
-        phase(f"loading the model {config.model or '(default)'}")
-        loaded = load_model(config.model, config.gguf_file, config.tokenizer, config.dtype, config.device,
-                            with_tokenizer=False, sliding_window=config.sliding_window,  # the API process tokenizes
+        phase(f"loading the model {config.model_config.model or '(default)'}")
+        loaded = load_model(config.model_config.model, config.model_config.gguf_file, config.model_config.tokenizer, config.model_config.dtype, config.device_config.device,
+                            with_tokenizer=False, sliding_window=config.model_config.sliding_window,  # the API process tokenizes
                             quantization=config.load_quantization(),
-                            quantization_group_size=config.quantization_group_size,
-                            tp_size=config.tensor_parallel_size)
+                            quantization_group_size=config.model_config.quantization_group_size,
+                            tp_size=config.parallel_config.tensor_parallel_size)
         phase("allocating the KV cache")
         core = EngineCore(config, loaded.model)
         eos = loaded.eos_token_ids
@@ -61,9 +61,9 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
         _warmup(core, eos)
         from servelm.worker.kv_store import KVStore
 
-        kv_store = KVStore(core, loaded.source, config.kv_cache_persist)
-        if config.kv_cache_persist:
-            phase(f"restoring the prefix cache from {config.kv_cache_persist}")
+        kv_store = KVStore(core, loaded.source, config.cache_config.kv_cache_persist)
+        if config.cache_config.kv_cache_persist:
+            phase(f"restoring the prefix cache from {config.cache_config.kv_cache_persist}")
             kv_store.restore_at_start()
     except (ValueError, FileNotFoundError) as e:  # a model servelm cannot run: the message says it all
         out.send(m.encoder.encode(m.Fatal(str(e), input_error=True)))
@@ -74,7 +74,7 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
         out.send(m.encoder.encode(m.Fatal(f"{type(e).__name__}: {e}")))
         ctx.destroy(linger=5000)
         return
-    settle_heap(config.gc_young_threshold)
+    settle_heap(config.device_config.gc_young_threshold)
     model = core.model
     out.send(m.encoder.encode(m.Ready(core.max_model_len, model.spec.vocab_size, os.getpid(), core.stats(),
                                       model.spec.architecture, getattr(model, "num_params", 0),

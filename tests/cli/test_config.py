@@ -21,37 +21,40 @@ def test_precedence_cli_over_env_over_file(tmp_path):
                  "  queue_high_watermark: 50\n  queue_low_watermark: 20\n")
     env = {"SERVELM_MAX_NUM_SEQS": "4", "SERVELM_QUEUE_TIMEOUT_S": "25", "SERVELM_LOG_PROMPTS": "true"}
     c = load({"queue_timeout_s": 30.0}, env, str(f))
-    assert (c.engine.max_num_seqs, c.engine.block_size, c.admission.queue_timeout_s) == (4, 32, 30.0)
-    assert c.admission.queue_high_watermark == 50 and c.server.log_prompts is True
-    assert c.sources["engine.max_num_seqs"] == "env" and c.sources["engine.block_size"] == "file"
-    assert c.sources["admission.queue_timeout_s"] == "cli" and c.sources["server.port"] == "default"
+    assert (c.engine.scheduler_config.max_num_seqs, c.engine.cache_config.block_size, c.admission.queue_timeout_s) == (4, 32, 30.0)
+    assert c.admission.queue_high_watermark == 50 and c.server.observability_config.log_prompts is True
+    assert c.sources["scheduler.max_num_seqs"] == "env" and c.sources["cache.block_size"] == "file"
+    assert c.sources["admission.queue_timeout_s"] == "cli" and c.sources["api.port"] == "default"
     d = c.describe()
-    assert d["engine"]["max_num_seqs"] == {"value": 4, "source": "env", "runtime": True}
-    assert d["server"]["port"]["runtime"] is False
+    assert d["scheduler"]["max_num_seqs"] == {"value": 4, "source": "env", "runtime": True}
+    assert d["api"]["port"]["runtime"] is False
 
 
 def test_toml_and_json_files_and_config_env_var(tmp_path):
     t = tmp_path / "c.toml"
     t.write_text("[server]\nport = 9001\n[engine]\nenable_prefix_caching = false\n")
     c = load({}, {"SERVELM_CONFIG": str(t)})
-    assert c.server.port == 9001 and c.engine.enable_prefix_caching is False
+    assert c.server.api_config.port == 9001 and c.engine.cache_config.enable_prefix_caching is False
     j = tmp_path / "c.json"
     j.write_text(json.dumps({"admission": {"rate_limit_rpm": 60}}))
     assert load({}, {}, str(j)).admission.rate_limit_rpm == 60
 
 
 @pytest.mark.parametrize("env,file_text,match", [
-    ({"SERVELM_MAX_NUM_SEQS": "0"}, None, r"engine\.max_num_seqs must be >= 1 \(set by env SERVELM_MAX_NUM_SEQS\), got 0"),
-    ({"SERVELM_MAX_NUM_SEQS": "many"}, None, r"engine\.max_num_seqs must be an integer .*got 'many'"),
+    ({"SERVELM_MAX_NUM_SEQS": "0"}, None, r"scheduler\.max_num_seqs must be >= 1 \(set by env SERVELM_MAX_NUM_SEQS\), got 0"),
+    ({"SERVELM_MAX_NUM_SEQS": "many"}, None, r"scheduler\.max_num_seqs must be an integer .*got 'many'"),
     ({"SERVELM_ENABLE_PREFIX_CACHING": "maybe"}, None, r"enable_prefix_caching must be a boolean"),
-    ({}, "engine:\n  dtype: float8\n", r"engine\.dtype must be one of auto.*\(set by file\), got 'float8'"),
+    ({}, "engine:\n  dtype: float8\n", r"model\.dtype must be one of auto.*\(set by file\), got 'float8'"),
     ({}, "engine:\n  max_num_sequences: 3\n", r"engine\.max_num_sequences must be a known key"),
-    ({"SERVELM_DEVICE": "tpu"}, None, r"engine\.device must be cpu, cuda or cuda:N \(set by env SERVELM_DEVICE\)"),
-    ({"SERVELM_GC_YOUNG_THRESHOLD": "0"}, None, r"engine\.gc_young_threshold must be >= 1 \(set by env"),
-    ({"SERVELM_SLIDING_WINDOW": "0"}, None, r"engine\.sliding_window must be >= 1 or None \(set by env"),
-    ({}, "scheduler:\n  x: 1\n", r"section 'scheduler'"),
+    ({"SERVELM_DEVICE": "tpu"}, None, r"device\.device must be cpu, cuda or cuda:N \(set by env SERVELM_DEVICE\)"),
+    ({"SERVELM_GC_YOUNG_THRESHOLD": "0"}, None, r"device\.gc_young_threshold must be >= 1 \(set by env"),
+    ({"SERVELM_SLIDING_WINDOW": "0"}, None, r"model\.sliding_window must be >= 1 or None \(set by env"),
+    ({}, "schedule:\n  x: 1\n", r"section 'schedule'"),
+    ({}, "scheduler:\n  x: 1\n", r"scheduler\.x must be a known key of \[scheduler\]"),
+    ({}, "cache:\n  max_num_seqs: 4\n", r"cache\.max_num_seqs must be a known key of \[cache\] \(max_num_seqs is in "
+     r"\[scheduler\]\)"),
     ({}, "admission:\n  queue_low_watermark: 2000\n", r"queue_low_watermark must be in \[0, queue_high_watermark"),
-    ({"SERVELM_API_KEY": "short"}, None, r"server\.api_key must be at least 8 characters.*<redacted>"),
+    ({"SERVELM_API_KEY": "short"}, None, r"auth\.api_key must be at least 8 characters.*<redacted>"),
 ])
 def test_invalid_values_name_key_value_and_source(tmp_path, env, file_text, match):
     path = None
@@ -66,8 +69,8 @@ def test_invalid_values_name_key_value_and_source(tmp_path, env, file_text, matc
 def test_runtime_patch_is_validated_all_or_nothing():
     c = load({}, {})
     applied = c.patch({"max_num_seqs": 3, "admission": {"queue_timeout_s": "2.5"}})
-    assert applied == {"engine.max_num_seqs": 3, "admission.queue_timeout_s": 2.5}
-    assert c.sources["engine.max_num_seqs"] == "runtime"
+    assert applied == {"scheduler.max_num_seqs": 3, "admission.queue_timeout_s": 2.5}
+    assert c.sources["scheduler.max_num_seqs"] == "runtime"
     with pytest.raises(ConfigError, match="changed only at start-up"):
         c.patch({"block_size": 32})
     with pytest.raises(ConfigError, match="queue_low_watermark"):
@@ -95,7 +98,7 @@ def _serve(*args, env=None):
 
 def test_cli_invalid_config_exits_2_and_print_config_shows_sources(tmp_path):
     r = _serve("--max-num-seqs", "0")
-    assert r.returncode == 2 and "engine.max_num_seqs must be >= 1 (set by --max-num-seqs), got 0" in r.stderr
+    assert r.returncode == 2 and "scheduler.max_num_seqs must be >= 1 (set by --max-num-seqs), got 0" in r.stderr
     r = _serve("--print-config", env={"SERVELM_QUEUE_TIMEOUT_S": "abc"})
     assert r.returncode == 2 and "SERVELM_QUEUE_TIMEOUT_S" in r.stderr
     f = tmp_path / "c.yaml"
@@ -104,9 +107,9 @@ def test_cli_invalid_config_exits_2_and_print_config_shows_sources(tmp_path):
                env={"SERVELM_PORT": "9200"})
     assert r.returncode == 0, r.stderr
     shown = json.loads(r.stdout)
-    assert shown["engine"]["max_num_seqs"] == {"value": 5, "source": "cli", "runtime": True}
-    assert shown["server"]["port"]["value"] == 9200 and shown["server"]["port"]["source"] == "env"
-    assert shown["server"]["api_key"]["value"] == "<redacted>" and "sk-secret-key" not in r.stdout
+    assert shown["scheduler"]["max_num_seqs"] == {"value": 5, "source": "cli", "runtime": True}
+    assert shown["api"]["port"]["value"] == 9200 and shown["api"]["port"]["source"] == "env"
+    assert shown["auth"]["api_key"]["value"] == "<redacted>" and "sk-secret-key" not in r.stdout
     bad_keys = tmp_path / "keys.yaml"
     bad_keys.write_text("- name: a\n  key: k1-long-enough\n  rpm: -1\n")
     r = _serve("--api-keys-file", str(bad_keys), "--print-config")
@@ -170,7 +173,7 @@ def test_cpu_bind_accepts_only_this_process_cpus(spec, ok):
     spec = spec.format(c=first)
     ok = ok or spec == "0-0"
     if ok:
-        assert EngineConfig(cpu_bind=spec).cpu_bind == spec
+        assert EngineConfig(cpu_bind=spec).device_config.cpu_bind == spec
     else:
         with pytest.raises(ConfigError, match=r"cpu_bind must be a list of this process's CPUs"):
             EngineConfig(cpu_bind=spec)
@@ -180,8 +183,8 @@ def test_cpu_bind_from_env_names_its_source():
     import os
 
     first = str(min(os.sched_getaffinity(0)))
-    assert load({}, {"SERVELM_CPU_BIND": first}).engine.cpu_bind == first
-    with pytest.raises(ConfigError, match=r"engine\.cpu_bind must be .*\(set by env SERVELM_CPU_BIND\), got 'x'"):
+    assert load({}, {"SERVELM_CPU_BIND": first}).engine.device_config.cpu_bind == first
+    with pytest.raises(ConfigError, match=r"device\.cpu_bind must be .*\(set by env SERVELM_CPU_BIND\), got 'x'"):
         load({}, {"SERVELM_CPU_BIND": "x"})
 
 
@@ -215,8 +218,8 @@ def test_http_keep_alive_outlasts_clients_idle_expiry():
     from servelm.server.serve import uvicorn_config
 
     default = load({}, env={}).server
-    assert uvicorn_config(None, default).timeout_keep_alive == default.http_keep_alive_s
-    assert default.http_keep_alive_s > httpx.Limits().keepalive_expiry
+    assert uvicorn_config(None, default).timeout_keep_alive == default.api_config.http_keep_alive_s
+    assert default.api_config.http_keep_alive_s > httpx.Limits().keepalive_expiry
     assert uvicorn_config(None, load({"http_keep_alive_s": 12}, env={}).server).timeout_keep_alive == 12
     with pytest.raises(Exception, match="http_keep_alive_s"):
         load({"http_keep_alive_s": 0}, env={})
@@ -229,7 +232,7 @@ def test_engine_process_freezes_its_heap_and_sets_the_young_gc_threshold():
     from servelm.worker.process import settle_heap
 
     before = gc.get_threshold()
-    assert EngineConfig().gc_young_threshold > before[0]  # the default is larger than Python's
+    assert EngineConfig().device_config.gc_young_threshold > before[0]  # the default is larger than Python's
     try:
         settle_heap(12345)
         assert gc.get_threshold() == (12345, *before[1:]) and gc.get_freeze_count() > 0
@@ -247,7 +250,7 @@ def test_shared_state_urls_precedence_and_masked_passwords():
     assert cfg.server.database() == "postgresql://svc:cli-secret@db2/servelm" and cfg.control_plane
     shown = json.dumps(cfg.describe())
     assert "secret" not in shown and "postgresql://svc:***@db2/servelm" in shown and "redis://:***@cache:6379/0" in shown
-    assert load({}, env=env).server.database_url == env["SERVELM_DATABASE_URL"]
+    assert load({}, env=env).server.storage_config.database_url == env["SERVELM_DATABASE_URL"]
     assert load({}, env={"SERVELM_REGISTRY_URL": "sqlite:////x.db"}).server.database() == "sqlite:////x.db"
     with pytest.raises(ConfigError, match="registry_url"):
         load({"registry_url": "sqlite:////a.db", "database_url": "sqlite:////b.db"}, env={})
@@ -279,7 +282,7 @@ def test_every_choice_field_takes_exactly_the_names_its_annotation_lists():
                 if name == "xgrammar" and importlib.util.find_spec("xgrammar") is None:
                     continue  # allowed only where installed (a rule of its own, tested with it)
                 extra = {"speculative_model": "self:1"} if name == "draft" else {}
-                assert getattr(getattr(load({f.name: name, **extra}, env={}), _section_of(cls)), f.name) == name
+                assert getattr(load({f.name: name, **extra}, env={}).section(_section_of(cls)), f.name) == name
             with pytest.raises(ConfigError, match=f.name):
                 load({f.name: "no-such-choice"}, env={})
     assert {"dtype", "quantization", "scheduling_policy", "preemption_mode", "structured_output_backend",

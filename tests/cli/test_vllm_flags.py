@@ -45,15 +45,15 @@ def _config(*argv: str):
     ("4096", 4096), (" 8k ", 8000)])
 def test_token_counts_read_as_vllm_reads_them(text, value):
     assert token_count(text) == value
-    assert _config("--max-model-len", text).engine.max_model_len == value
-    assert _config("--max-num-batched-tokens", text).engine.max_num_batched_tokens == value
-    assert load({}, env={"SERVELM_MAX_MODEL_LEN": text}).engine.max_model_len == value
+    assert _config("--max-model-len", text).engine.model_config.max_model_len == value
+    assert _config("--max-num-batched-tokens", text).engine.scheduler_config.max_num_batched_tokens == value
+    assert load({}, env={"SERVELM_MAX_MODEL_LEN": text}).engine.model_config.max_model_len == value
 
 
 def test_max_model_len_auto_is_the_default_and_bad_counts_are_refused(capsys):
     for auto in ("auto", "-1"):
-        assert _config("--max-model-len", auto).engine.max_model_len is None
-        assert load({}, env={"SERVELM_MAX_MODEL_LEN": auto}).engine.max_model_len is None
+        assert _config("--max-model-len", auto).engine.model_config.max_model_len is None
+        assert load({}, env={"SERVELM_MAX_MODEL_LEN": auto}).engine.model_config.max_model_len is None
     with pytest.raises(SystemExit):
         _serve_args("--max-model-len", "1.5K")  # vLLM: no decimals with a binary suffix
     assert "did you mean 1.5k" in capsys.readouterr().err
@@ -68,9 +68,9 @@ def test_max_model_len_auto_is_the_default_and_bad_counts_are_refused(capsys):
 @pytest.mark.parametrize(("given", "dtype"), [("half", "float16"), ("float", "float32"), ("bf16", "bfloat16"),
                                              ("float16", "float16"), ("auto", "auto")])
 def test_vllm_dtype_spellings_name_servelm_dtypes(given, dtype):
-    assert EngineConfig(dtype=given).dtype == dtype
-    assert _config("--dtype", given).engine.dtype == dtype
-    assert load({}, env={"SERVELM_DTYPE": given}).engine.dtype == dtype
+    assert EngineConfig(dtype=given).model_config.dtype == dtype
+    assert _config("--dtype", given).engine.model_config.dtype == dtype
+    assert load({}, env={"SERVELM_DTYPE": given}).engine.model_config.dtype == dtype
 
 
 def test_an_unknown_dtype_is_still_refused():
@@ -82,7 +82,7 @@ def test_an_unknown_dtype_is_still_refused():
 
 def test_trust_remote_code_and_gpu_memory_utilization_are_accepted_and_said_to_be_unused():
     config = _config("--trust-remote-code", "--gpu-memory-utilization", "0.9")
-    assert config.engine.trust_remote_code is True and config.engine.gpu_memory_utilization == 0.9
+    assert config.engine.model_config.trust_remote_code is True and config.engine.cache_config.gpu_memory_utilization == 0.9
     notes = config.engine.unused_vllm_settings()
     assert any("--trust-remote-code is not needed" in n and "built-in architectures" in n for n in notes)
     assert any("--gpu-memory-utilization 0.9 is not used" in n and "--kv-cache-memory-gb" in n for n in notes)
@@ -112,7 +112,7 @@ def test_chat_template_is_a_file_or_the_template_inline(tmp_path):
     assert read_chat_template(None) is None
     with pytest.raises(ConfigError, match="looks like a file path"):  # caught before anything loads
         _config("--chat-template", str(tmp_path / "missing.jinja"))
-    assert _config("--chat-template", str(path)).engine.chat_template == str(path)
+    assert _config("--chat-template", str(path)).engine.model_config.chat_template == str(path)
 
 
 def _start(config):
@@ -153,13 +153,13 @@ def test_chat_template_replaces_the_tokenizers_for_the_model_given_only(tmp_path
 # -- --served-model-name a b c ---------------------------------------------------------------------------------
 
 def test_several_served_model_names_from_the_command_line_env_and_file(tmp_path):
-    assert _config("--served-model-name", "a", "b", "c").server.served_model_name == ("a", "b", "c")
-    assert load({}, env={"SERVELM_SERVED_MODEL_NAME": "a,b"}).server.served_model_name == ("a", "b")
-    assert load({}, env={"SERVELM_SERVED_MODEL_NAME": '["a", "b"]'}).server.served_model_name == ("a", "b")
+    assert _config("--served-model-name", "a", "b", "c").server.api_config.served_model_name == ("a", "b", "c")
+    assert load({}, env={"SERVELM_SERVED_MODEL_NAME": "a,b"}).server.api_config.served_model_name == ("a", "b")
+    assert load({}, env={"SERVELM_SERVED_MODEL_NAME": '["a", "b"]'}).server.api_config.served_model_name == ("a", "b")
     cfg = tmp_path / "c.yaml"
     cfg.write_text("server: {served_model_name: [a, b]}\n")
-    assert load({}, env={}, file=str(cfg)).server.served_model_name == ("a", "b")
-    assert load({"served_model_name": "one"}, env={}).server.served_model_name == ("one",)
+    assert load({}, env={}, file=str(cfg)).server.api_config.served_model_name == ("a", "b")
+    assert load({"served_model_name": "one"}, env={}).server.api_config.served_model_name == ("one",)
     with pytest.raises(ConfigError, match="each given once"):
         _config("--served-model-name", "a", "a")
 
@@ -169,7 +169,7 @@ def test_served_model_names_before_model_cannot_swallow_it(tmp_path):
     it is refused, saying to give MODEL first."""
     with pytest.raises(ConfigError, match="give MODEL first"):
         _config("--served-model-name", "a", str(tmp_path))
-    assert _config(str(tmp_path), "--served-model-name", "a", "b").server.served_model_name == ("a", "b")
+    assert _config(str(tmp_path), "--served-model-name", "a", "b").server.api_config.served_model_name == ("a", "b")
 
 
 def test_every_served_model_name_selects_the_model_and_responses_carry_the_first(llama_dir):
@@ -223,13 +223,13 @@ PREFLIGHT = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
 
 def test_cors_lists_from_the_command_line_env_and_file(tmp_path):
     srv = _config("--allowed-origins", f'["{ORIGIN}", "https://app.example"]').server  # vLLM's JSON form
-    assert srv.allowed_origins == (ORIGIN, "https://app.example")
-    assert srv.allowed_methods == ("*",) and srv.allowed_headers == ("*",) and srv.allow_credentials is False
-    assert _config("--allowed-origins", ORIGIN, "https://b.example").server.allowed_origins == (ORIGIN,
+    assert srv.api_config.allowed_origins == (ORIGIN, "https://app.example")
+    assert srv.api_config.allowed_methods == ("*",) and srv.api_config.allowed_headers == ("*",) and srv.api_config.allow_credentials is False
+    assert _config("--allowed-origins", ORIGIN, "https://b.example").server.api_config.allowed_origins == (ORIGIN,
                                                                                             "https://b.example")
-    assert load({}, env={"SERVELM_ALLOWED_ORIGINS": "*"}).server.allowed_origins == ("*",)
-    assert _config("--allowed-methods", '["GET", "POST"]').server.allowed_methods == ("GET", "POST")
-    assert _config().server.allowed_origins == ()  # none by default
+    assert load({}, env={"SERVELM_ALLOWED_ORIGINS": "*"}).server.api_config.allowed_origins == ("*",)
+    assert _config("--allowed-methods", '["GET", "POST"]').server.api_config.allowed_methods == ("GET", "POST")
+    assert _config().server.api_config.allowed_origins == ()  # none by default
     with pytest.raises(ConfigError, match="allowed_origins"):
         _config("--allowed-origins", "localhost:3000")  # an origin has a scheme
 

@@ -5,7 +5,6 @@ drain timeout is a server setting. Tiny random-weight models, as tests/control/t
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import pytest
 from test_deployments import BASE, GREEDY, _alive, _deployment, _until, _version
@@ -26,7 +25,7 @@ def test_failed_queued_requests_leave_the_engine_and_their_id_can_be_resent(llam
     """fail_queued (a stalled worker's queue re-sent elsewhere) must abort the requests in the engine: else it
     later runs them for nobody, and the same id re-sent to this worker is refused as 'already in use'."""
     async def main():
-        dep = _deployment(_version(llama_dir), 1, "least_loaded", base=dataclasses.replace(BASE, max_num_seqs=1))
+        dep = _deployment(_version(llama_dir), 1, "least_loaded", base=BASE.replace(max_num_seqs=1))
         await dep.start()
         engine = dep.workers[0].engine
         seen: set[str] = set()  # request ids the engine produced tokens for
@@ -120,9 +119,9 @@ def test_the_swap_drain_timeout_is_a_server_setting_passed_to_every_deployment(l
     from servelm.control.deployments import Deployment
     from servelm.control.plane import ControlPlane
 
-    assert load({}, {}).server.swap_drain_timeout_s == 600.0
+    assert load({}, {}).server.lifecycle_config.swap_drain_timeout_s == 600.0
     config = load({}, {"SERVELM_SWAP_DRAIN_TIMEOUT_S": "1234", "SERVELM_DATA_DIR": str(tmp_path)})
-    assert config.server.swap_drain_timeout_s == 1234.0
+    assert config.server.lifecycle_config.swap_drain_timeout_s == 1234.0
 
     async def no_processes(self):  # what is checked is the setting each deployment gets, not its workers
         return None

@@ -126,7 +126,7 @@ def test_footprint_kv_pool_is_what_the_engine_allocates(llama_dir):
     model = load_model(str(llama_dir), dtype="float32", with_tokenizer=False).model
     assert fp.kv_pool == 48 * kv_bytes_per_block(model, 16)
     assert fp.weights == 4000 and fp.total == fp.weights + fp.kv_pool + fp.runtime
-    assert worker_footprint(v, dataclasses.replace(cfg, num_kv_blocks=None, kv_cache_memory_gb=0.5)).kv_pool == 2**29
+    assert worker_footprint(v, cfg.replace(num_kv_blocks=None, kv_cache_memory_gb=0.5)).kv_pool == 2**29
 
 
 def test_default_budget_is_80_percent_of_ram_or_the_whole_gpu(monkeypatch):
@@ -148,13 +148,13 @@ def test_a_gpu_worker_sized_by_utilization_takes_its_share_of_the_device(llama_d
     cfg = EngineConfig(model=str(llama_dir), dtype="bfloat16", device="cuda")
     fp = worker_footprint(v, cfg)
     assert fp.total == int(0.9 * 80 * 2**30) and fp.weights == 2**31
-    half = worker_footprint(v, dataclasses.replace(cfg, gpu_memory_utilization=0.45))
+    half = worker_footprint(v, cfg.replace(gpu_memory_utilization=0.45))
     budget = MemoryBudget(device="cuda")
     with pytest.raises(ControlError):
         budget.check(fp.total, fp.total, "a second default worker")
     budget.check(half.total, half.total, "a second worker at 0.45")
     # a KV cache sized by hand is sized as on the CPU
-    fixed = worker_footprint(v, dataclasses.replace(cfg, kv_cache_memory_gb=2))
+    fixed = worker_footprint(v, cfg.replace(kv_cache_memory_gb=2))
     assert fixed.kv_pool == 2 * 2**30
 
 
@@ -175,8 +175,8 @@ def test_with_cpu_bind_each_worker_gets_its_own_share_of_the_cpus(llama_dir):
     base = EngineConfig(cpu_bind=f"{cpus[0]},{cpus[1]}")
     dep = _deployment(_version(llama_dir), 2, "least_loaded", base=base)
     shares = [dep._worker_config(dep.config, slot) for slot in (0, 1, 2)]
-    assert [c.cpu_bind for c in shares] == [str(cpus[0]), str(cpus[1]), str(cpus[0])]
-    assert all(c.num_threads == 1 for c in shares)
+    assert [c.device_config.cpu_bind for c in shares] == [str(cpus[0]), str(cpus[1]), str(cpus[0])]
+    assert all(c.device_config.num_threads == 1 for c in shares)
     one = _deployment(_version(llama_dir), 1, "least_loaded", base=base)
     assert one._worker_config(one.config, 0) == one.config  # a lone worker keeps every CPU
 
@@ -262,7 +262,7 @@ def _collect(dep, n: int, max_tokens: int, prompt=(1, 7, 7, 3)):
 @pytest.mark.parametrize("how", ["sigkill", "hung"])
 def test_a_dead_or_hung_worker_is_replaced_and_its_queued_requests_served_by_the_other(llama_dir, how):
     async def main():
-        base = dataclasses.replace(BASE, max_num_seqs=2)  # a third request waits in the worker's queue
+        base = BASE.replace(max_num_seqs=2)  # a third request waits in the worker's queue
         dep = _deployment(_version(llama_dir), 2, "round_robin", base=base,
                           health=HealthSettings(interval_s=0.2, timeout_s=1.5, kill_after_s=4.0))
         replaced = []  # what the deployment reports for the audit trail
@@ -300,7 +300,7 @@ def test_a_dead_or_hung_worker_is_replaced_and_its_queued_requests_served_by_the
 
 def test_a_paused_worker_leaves_rotation_its_queue_moves_and_it_rejoins_when_it_answers(llama_dir):
     async def main():
-        base = dataclasses.replace(BASE, max_num_seqs=2)
+        base = BASE.replace(max_num_seqs=2)
         dep = _deployment(_version(llama_dir), 2, "round_robin", base=base,
                           health=HealthSettings(interval_s=0.2, timeout_s=1.5, kill_after_s=600.0))
         await dep.start()
@@ -432,7 +432,7 @@ def test_manager_resolves_names_and_versions_and_evicts_idle_deployments_to_fit(
 
     async def main():
         changes = []
-        per_worker = worker_footprint(_version(llama_dir), dataclasses.replace(BASE, model=str(llama_dir))).total
+        per_worker = worker_footprint(_version(llama_dir), BASE.replace(model=str(llama_dir))).total
         mgr = DeploymentManager(BASE, MemoryBudget(int(2.5 * per_worker)), lambda a, r: changes.append((a, r["id"])),
                                 reap_every_s=0.2)
         try:

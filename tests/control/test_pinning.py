@@ -63,8 +63,8 @@ def test_a_request_stays_on_the_generation_it_resolved_across_a_swap():
             # the request (tokenized with v1's tokenizer) reaches generate only now
             assert await _texts(m, "r1", [5, 6, 7]) == [("/artifacts/tiny-v1", "tiny:1")]
             assert m.tokenizer == "tokenizer-v1" and m.served_name == "tiny:1" and m.max_model_len == 256
-            v1_engines = [e for e in StubEngine.made if e.config.model.endswith("v1")]
-            v2_engines = [e for e in StubEngine.made if e.config.model.endswith("v2")]
+            v1_engines = [e for e in StubEngine.made if e.config.model_config.model.endswith("v1")]
+            v2_engines = [e for e in StubEngine.made if e.config.model_config.model.endswith("v2")]
             assert [e.prompts for e in v1_engines] == [[[5, 6, 7]]] and all(not e.prompts for e in v2_engines)
             assert not swap.done() and not any(e.stopped for e in v1_engines)  # v1 drains after the request
             m.release()
@@ -100,7 +100,7 @@ def test_a_resolved_deployment_is_not_evicted_before_its_request_runs():
             assert await _texts(m, "r1", [1, 2]) == [("/artifacts/a-v1", "a:1")]
             m.release()
             db = await mgr.create(b, tokenizer="tok-b")  # a is idle now: evicted to make room
-            assert mgr.list() == [db] and all(e.stopped for e in StubEngine.made if e.config.model.endswith("a-v1"))
+            assert mgr.list() == [db] and all(e.stopped for e in StubEngine.made if e.config.model_config.model.endswith("a-v1"))
             # on demand: the lease is taken while the manager still holds what it loaded
             lease, waited = await mgr.ensure("a", lambda model: a if model == "a" else None, pin=True)
             assert waited > 0 and lease.version is a and mgr.list() == [lease.deployment]  # b made room

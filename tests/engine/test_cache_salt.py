@@ -69,7 +69,7 @@ def test_isolation_none_shares_across_keys_but_keeps_explicit_salts(tokenizer, t
 
 
 def test_isolation_setting_is_validated():
-    assert load({}, env={"SERVELM_PREFIX_CACHE_ISOLATION": "none"}).server.prefix_cache_isolation == "none"
-    assert load({}, env={}).server.prefix_cache_isolation == "key"
+    assert load({}, env={"SERVELM_PREFIX_CACHE_ISOLATION": "none"}).server.auth_config.prefix_cache_isolation == "none"
+    assert load({}, env={}).server.auth_config.prefix_cache_isolation == "key"
     with pytest.raises(ConfigError, match="prefix_cache_isolation must be key or none"):
         load({"prefix_cache_isolation": "tenant"}, env={})

@@ -55,7 +55,7 @@ class Impl:
 def _async_engine(llama_dir, tokenizer, loop) -> Impl:
     from servelm.worker.client import AsyncEngine
 
-    engine = AsyncEngine(dataclasses.replace(BASE, model=str(llama_dir)), tokenizer)
+    engine = AsyncEngine(BASE.replace(model=str(llama_dir)), tokenizer)
     loop.run_until_complete(engine.start())
     return Impl(engine, loop, engine.shutdown)
 

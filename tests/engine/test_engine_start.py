@@ -20,14 +20,14 @@ def test_start_timeout_is_a_setting_with_every_source(tmp_path):
     from servelm.config.engine import ConfigError
     from servelm.config.settings import load
 
-    assert load({}, env={}).server.engine_start_timeout_s == 600.0
+    assert load({}, env={}).server.lifecycle_config.engine_start_timeout_s == 600.0
     f = tmp_path / "c.yaml"
     f.write_text("server:\n  engine_start_timeout_s: 900\n")
-    assert load({}, env={}, file=str(f)).server.engine_start_timeout_s == 900.0
+    assert load({}, env={}, file=str(f)).server.lifecycle_config.engine_start_timeout_s == 900.0
     cfg = load({}, env={"SERVELM_ENGINE_START_TIMEOUT_S": "0"}, file=str(f))
-    assert cfg.server.engine_start_timeout_s == 0.0 and cfg.sources["server.engine_start_timeout_s"] == "env"
+    assert cfg.server.lifecycle_config.engine_start_timeout_s == 0.0 and cfg.sources["lifecycle.engine_start_timeout_s"] == "env"
     assert load({"engine_start_timeout_s": 30.0}, env={"SERVELM_ENGINE_START_TIMEOUT_S": "0"}).server \
-        .engine_start_timeout_s == 30.0
+        .lifecycle_config.engine_start_timeout_s == 30.0
     with pytest.raises(ConfigError, match="engine_start_timeout_s"):
         load({"engine_start_timeout_s": -1.0}, env={})
 

@@ -123,7 +123,7 @@ def test_other_model_dtype_or_block_size_is_refused(saved, fresh, model_dirs, ll
     core = _empty(fresh).engine.core
     digest = _digest(fresh, llama_dir)
     with monkeypatch.context() as mp:  # the same engine as if it ran another block size, then another dtype
-        mp.setattr(core.config, "block_size", 8)
+        mp.setattr(core.config.cache_config, "block_size", 8)
         with pytest.raises(KVMismatchError, match="different block size"):
             kv_persist.load(core, path, digest)
     with monkeypatch.context() as mp:

@@ -273,8 +273,8 @@ def test_speculative_settings_are_typed_and_validated():
     from servelm.config.settings import load
 
     c = load({"speculative_model": "self:4"}, {"SERVELM_NUM_SPECULATIVE_TOKENS": "3"})
-    assert (c.engine.speculative_method, c.engine.num_speculative_tokens) == ("draft", 3)
-    assert EngineConfig().speculative_method is None  # off by default
+    assert (c.engine.speculative_config.speculative_method, c.engine.speculative_config.num_speculative_tokens) == ("draft", 3)
+    assert EngineConfig().speculative_config.speculative_method is None  # off by default
     for bad in (dict(speculative_method="eagle"), dict(speculative_method="draft"),
                 dict(speculative_method="ngram", num_speculative_tokens=0),
                 dict(speculative_method="ngram", ngram_lookup_min=5), dict(spec_fallback_threshold=1.5)):

@@ -221,7 +221,7 @@ def test_auto_is_gguf_for_a_gguf_file_in_bf16_where_the_kernels_run_the_formats(
     assert auto_quantization("gguf", "cpu", torch.float32) == "none"  # the kernels take bf16 only
     assert auto_quantization("safetensors", "cpu", torch.bfloat16) == "none"
     assert auto_quantization("gguf", "cuda", torch.bfloat16) == "none"
-    assert EngineConfig().quantization == "auto" and EngineConfig().load_quantization() == "auto"
+    assert EngineConfig().model_config.quantization == "auto" and EngineConfig().load_quantization() == "auto"
     assert EngineConfig(batch_invariant=True).load_quantization() == "auto"  # the GGUF kernels are invariant
 
 

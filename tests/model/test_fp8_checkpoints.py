@@ -165,8 +165,8 @@ def test_bad_fp8_checkpoints_are_refused_with_the_tensor_named(float_llama, tmp_
 
 
 def test_the_setting_is_validated():
-    assert EngineConfig(quantization="fp8").quantization == "fp8"
-    assert EngineConfig(quantization="fp8", device="cuda").quantization == "fp8"
+    assert EngineConfig(quantization="fp8").model_config.quantization == "fp8"
+    assert EngineConfig(quantization="fp8", device="cuda").model_config.quantization == "fp8"
     assert EngineConfig(device="cuda").load_quantization() == "auto"  # the loader picks fp8 for fp8 checkpoints
     assert EngineConfig(tensor_parallel_size=2).load_quantization() == "none"
     with pytest.raises(ConfigError, match="quantization must be auto, none or gguf with batch_invariant"):

@@ -211,7 +211,7 @@ def test_bad_kv_cache_dtype_is_refused():
         EngineConfig(kv_cache_dtype="fp8_e5m2")
     with pytest.raises(ConfigError, match="kv_cache_dtype must be auto with batch_invariant"):
         EngineConfig(kv_cache_dtype="fp8", batch_invariant=True)
-    assert EngineConfig(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
+    assert EngineConfig(kv_cache_dtype="fp8_e4m3").cache_config.kv_cache_dtype == "fp8_e4m3"
 
 
 def test_the_serve_flag(monkeypatch):
@@ -221,7 +221,7 @@ def test_the_serve_flag(monkeypatch):
 
     for k in [k for k in __import__("os").environ if k.startswith("SERVELM_")]:
         monkeypatch.delenv(k)
-    assert serve.load_config(build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])).engine.kv_cache_dtype \
+    assert serve.load_config(build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])).engine.cache_config.kv_cache_dtype \
         == "fp8"
     with pytest.raises(ConfigError, match=r"kv_cache_dtype must be auto, fp8 or fp8_e4m3 \(set by --kv-cache-dtype\)"):
         serve.load_config(build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"]))

@@ -117,9 +117,9 @@ def test_revisions_branch_tag_and_commit(cache, tiny, monkeypatch):
     with pytest.raises(FileNotFoundError, match=f"servelm pull {REPO}@v3"):
         resolve_model(f"{REPO}@v3")
     # --revision is folded into the model string every process resolves
-    assert EngineConfig(model=REPO, revision="v2").model == f"{REPO}@v2"
-    assert EngineConfig(model=f"{REPO}@v2", revision="v2").model == f"{REPO}@v2"
-    assert EngineConfig(model=str(tiny), revision="v2").model == str(tiny)  # a local folder has no revisions
+    assert EngineConfig(model=REPO, revision="v2").model_config.model == f"{REPO}@v2"
+    assert EngineConfig(model=f"{REPO}@v2", revision="v2").model_config.model == f"{REPO}@v2"
+    assert EngineConfig(model=str(tiny), revision="v2").model_config.model == str(tiny)  # a local folder has no revisions
     with pytest.raises(ConfigError, match="revision"):
         EngineConfig(model=f"{REPO}@main", revision="v2")
     # vLLM's command line: `serve MODEL --revision R` serves MODEL at R, named MODEL
@@ -130,8 +130,8 @@ def test_revisions_branch_tag_and_commit(cache, tiny, monkeypatch):
     for var in [v for v in os.environ if v.startswith("SERVELM_")]:
         monkeypatch.delenv(var)
     config = serve.load_config(build_parser().parse_args(["serve", REPO, "--revision", "v2"]))
-    assert config.engine.model == f"{REPO}@v2" and [x.name for x in fixed_models(config)] == [REPO]
-    assert resolve_model(config.engine.model).path == tagged
+    assert config.engine.model_config.model == f"{REPO}@v2" and [x.name for x in fixed_models(config)] == [REPO]
+    assert resolve_model(config.engine.model_config.model).path == tagged
 
 
 def test_gguf_files_in_a_repo_by_file_name_quantization_tag_or_default(cache):

@@ -24,7 +24,7 @@ def test_batch_of_32_mixed_lengths(arch, model_dirs, hf_models):
     # Really batched: every prompt is admitted at once (2048-token steps of prefill chunks), then all 32
     # decode together, so 16 tokens each take the prefill steps plus 15 decode steps. One by one would take
     # 32 x 16 = 512 steps; even two at a time 256.
-    prefill_steps = -(-sum(len(p) for p in prompts) // llm.engine.config.max_num_batched_tokens)
+    prefill_steps = -(-sum(len(p) for p in prompts) // llm.engine.config.scheduler_config.max_num_batched_tokens)
     assert llm.engine.get_stats().num_steps <= prefill_steps + 15
 
 

@@ -37,22 +37,22 @@ def test_setting_is_validated_and_flows_from_cli_env_and_file(tmp_path):
         EngineConfig(quantization="int4", quantization_group_size=48)
     with pytest.raises(ConfigError, match="quantization must be none, int8, int4 or fp8 on a GPU"):
         EngineConfig(quantization="gguf", device="cuda")
-    assert EngineConfig(quantization="int8", device="cuda").quantization == "int8"  # Triton kernels there
+    assert EngineConfig(quantization="int8", device="cuda").model_config.quantization == "int8"  # Triton kernels there
     with pytest.raises(ConfigError, match="quantization must be auto, none or gguf with batch_invariant"):
         EngineConfig(quantization="int8", batch_invariant=True)
     assert EngineConfig(quantization="gguf", batch_invariant=True).load_quantization() == "gguf"
-    with pytest.raises(ConfigError, match=r"engine.quantization .*\(set by env SERVELM_QUANTIZATION\)"):
+    with pytest.raises(ConfigError, match=r"model.quantization .*\(set by env SERVELM_QUANTIZATION\)"):
         load(env={"SERVELM_QUANTIZATION": "fp4"})
     f = tmp_path / "c.json"
     f.write_text(json.dumps({"engine": {"quantization": "int4", "quantization_group_size": 64}}))
     c = load(file=str(f), env={})
-    assert (c.engine.quantization, c.engine.quantization_group_size) == ("int4", 64)
-    assert c.sources["engine.quantization"] == "file"
-    assert load(cli={"quantization": "int8"}, env={"SERVELM_QUANTIZATION": "int4"}).engine.quantization == "int8"
+    assert (c.engine.model_config.quantization, c.engine.model_config.quantization_group_size) == ("int4", 64)
+    assert c.sources["model.quantization"] == "file"
+    assert load(cli={"quantization": "int8"}, env={"SERVELM_QUANTIZATION": "int4"}).engine.model_config.quantization == "int8"
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = parser.parse_args(["--quantization", "int4", "--quantization-group-size", "128"])
-    assert engine_config_from_args(args).quantization_group_size == 128
+    assert engine_config_from_args(args).model_config.quantization_group_size == 128
 
 
 def test_gguf_quantization_needs_a_gguf_file(llama_dir):

@@ -45,7 +45,7 @@ def test_each_rank_takes_its_own_gpu_from_the_base_index():
 def test_tp_on_cuda_needs_a_gpu_per_rank(monkeypatch, device, visible, ok, why):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     if ok:
-        assert EngineConfig(device=device, tensor_parallel_size=2).tensor_parallel_size == 2
+        assert EngineConfig(device=device, tensor_parallel_size=2).parallel_config.tensor_parallel_size == 2
     else:
         with pytest.raises(ConfigError, match=f"tensor_parallel_size must be {why}"):
             EngineConfig(device=device, tensor_parallel_size=2)

@@ -202,8 +202,8 @@ def test_the_webhook_gets_rollbacks_failed_promotions_and_drift_alerts_without_b
     rx = Receiver(fail=1)
     try:
         cfg = load({"webhook_url": rx.url + "/hook", "webhook_retries": 1}, env={}).server
-        svc.webhook = Webhook(cfg.webhook_url, svc.metrics, timeout_s=cfg.webhook_timeout_s,
-                              retries=cfg.webhook_retries, backoff_s=0.0)
+        svc.webhook = Webhook(cfg.rollout_config.webhook_url, svc.metrics, timeout_s=cfg.rollout_config.webhook_timeout_s,
+                              retries=cfg.rollout_config.webhook_retries, backoff_s=0.0)
         client.portal.call(svc.webhook.start)
         rx.hold.clear()
         r = client.post("/admin/models/m/canary", headers=ADMIN, json={"version": 3, "steps": [50, 100],
@@ -263,7 +263,7 @@ def test_the_webhook_gets_rollbacks_failed_promotions_and_drift_alerts_without_b
     from servelm.server.traffic import TrafficService
 
     cfg = load({"webhook_url": "http://127.0.0.1:9/hook", "prediction_log_otlp_endpoint": "http://127.0.0.1:9/v1/logs",
-                "data_dir": svc.cfg.data_dir}, env={}).server
+                "data_dir": svc.cfg.storage_config.data_dir}, env={}).server
     other = TrafficService(state.control, cfg, CollectorRegistry(), state.models)
     assert (other.webhook.url, other.webhook.retries, other.log.otlp.endpoint) == \
         ("http://127.0.0.1:9/hook", 2, "http://127.0.0.1:9/v1/logs")
@@ -275,7 +275,7 @@ def test_webhook_settings_come_from_the_config_tree():
     from servelm.config.settings import load
 
     cfg = load({"webhook_timeout_s": 0.5}, env={"SERVELM_WEBHOOK_URL": "http://127.0.0.1:9/x"})
-    assert (cfg.server.webhook_url, cfg.server.webhook_timeout_s, cfg.sources["server.webhook_url"]) == \
+    assert (cfg.server.rollout_config.webhook_url, cfg.server.rollout_config.webhook_timeout_s, cfg.sources["rollout.webhook_url"]) == \
         ("http://127.0.0.1:9/x", 0.5, "env")
     with pytest.raises(ConfigError, match="webhook_url"):
         load({"webhook_url": "ftp://x"}, env={})
@@ -297,7 +297,7 @@ def test_prediction_log_entries_leave_as_otlp_log_records(tmp_path):
     try:
         cfg = load({"prediction_log_otlp_endpoint": rx.url + "/v1/logs"}, env={}).server
         log = PredictionLog(None, sink=tmp_path / "p.jsonl", modes={"m": "full"}, default_mode="metadata",
-                            otlp=OtlpSink(cfg.prediction_log_otlp_endpoint, "svc-test"))
+                            otlp=OtlpSink(cfg.observability_config.prediction_log_otlp_endpoint, "svc-test"))
         asyncio.run(log.log(Prediction("r1", "m", version=2, arm="v2", key_name="k", user="alice",
                                        prompt="mail a@example.com", output="ok", prompt_tokens=3,
                                        completion_tokens=1, latency_s=0.5, finish_reason="stop", at=1700000000.25)))

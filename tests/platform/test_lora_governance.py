@@ -165,7 +165,7 @@ def test_deploying_an_adapter_loads_it_into_every_worker_of_its_base_and_starts_
     call(client, "PATCH", "/admin/deployments/base-v1", {"workers": 3})
     engines = worker_engines(state, "base-v1")
     assert len(engines) == 3 and all("ad:1" in e.loras for e in engines)
-    assert all(any(m.startswith("ad:1=") for m in e.config.lora_modules) for e in engines)
+    assert all(any(m.startswith("ad:1=") for m in e.config.lora_config.lora_modules) for e in engines)
     # a process that restarted without it (launched just before the adapter was added) loads it once ready
     d = state.control.deployments.get("base-v1")
     d.workers[0].engine.loras.clear()
@@ -188,7 +188,7 @@ def test_deploying_an_adapter_loads_it_into_every_worker_of_its_base_and_starts_
     assert "base-v1" in err["message"]
 
     call(client, "DELETE", "/admin/deployments/ad-v1", status=204)
-    assert all(not e.loras and not e.config.lora_modules for e in worker_engines(state, "base-v1"))
+    assert all(not e.loras and not e.config.lora_config.lora_modules for e in worker_engines(state, "base-v1"))
     assert complete(client, "ad").status_code == 404
     call(client, "DELETE", "/admin/deployments/base-v1", status=204)  # nothing runs on it now
     actions = [(e["action"], e["target"]) for e in call(client, "GET", "/admin/audit")["entries"]]

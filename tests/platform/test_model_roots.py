@@ -19,7 +19,7 @@ ADMIN = {"x-api-key": "sk-admin-roots-1"}
 def test_model_roots_setting_and_defaults(tmp_path):
     from servelm.control.model_roots import allowed_roots
 
-    assert load({"model_roots": "/a"}, env={"SERVELM_MODEL_ROOTS": "/b"}).server.model_roots == "/a"  # CLI > env
+    assert load({"model_roots": "/a"}, env={"SERVELM_MODEL_ROOTS": "/b"}).server.storage_config.model_roots == "/a"  # CLI > env
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"server: {{model_roots: /f}}\nmodels: [{{name: x, path: {tmp_path}/models/x}}]\n")
     config = load({"model": str(tmp_path / "srv" / "m")}, env={"SERVELM_MODEL_ROOTS": f"/e{os.pathsep}/e2"},

@@ -63,7 +63,7 @@ def test_models_list_only_serves_the_list(tmp_path, llama_dir):
     config = load({}, env={}, file=cfg)
     launches = fixed_models(config)
     assert [x.name for x in launches] == ["a", "b"]
-    assert launches[1].engine.max_num_seqs == 4 and launches[1].engine.model == str(llama_dir)
+    assert launches[1].engine.scheduler_config.max_num_seqs == 4 and launches[1].engine.model_config.model == str(llama_dir)
     assert config.describe()["models"][1]["engine"] == {"max_num_seqs": 4}
     with_model = load({"model": str(llama_dir), "served_model_name": "main"}, env={}, file=cfg)
     assert [x.name for x in fixed_models(with_model)] == ["main", "a", "b"]

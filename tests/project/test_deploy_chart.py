@@ -207,8 +207,8 @@ def test_the_rendered_config_file_is_one_servelm_accepts(rendered, tmp_path):
     env["SERVELM_CONFIG"] = str(tmp_path / "servelm.yaml")
     env["SERVELM_DATA_DIR"] = str(tmp_path)
     cfg = load_settings(env=env)  # raises ConfigError naming the key if the chart wrote something servelm refuses
-    assert cfg.engine.max_num_seqs == 32 and cfg.server.drain_timeout == 20 and cfg.server.host == "0.0.0.0"
-    assert cfg.server.metrics_require_key is True
+    assert cfg.engine.scheduler_config.max_num_seqs == 32 and cfg.server.lifecycle_config.drain_timeout == 20 and cfg.server.api_config.host == "0.0.0.0"
+    assert cfg.server.auth_config.metrics_require_key is True
 
 
 def test_deployment_specs_in_the_values_are_a_file_the_server_applies_at_start(rendered, tmp_path):
@@ -224,7 +224,7 @@ def test_deployment_specs_in_the_values_are_a_file_the_server_applies_at_start(r
     assert {"name": "config", "mountPath": "/etc/servelm/deployment-specs.yaml", "subPath": "deployment-specs.yaml",
             "readOnly": True} in c["volumeMounts"]
     assert load_settings(env={"SERVELM_DEPLOYMENT_SPEC": "/etc/servelm/deployment-specs.yaml",
-                              "SERVELM_DATA_DIR": str(tmp_path)}).server.deployment_spec == \
+                              "SERVELM_DATA_DIR": str(tmp_path)}).server.rollout_config.deployment_spec == \
         "/etc/servelm/deployment-specs.yaml"
     default = by_kind(rendered["default"], "ConfigMap")[0]["data"]  # no specs: no file, no option
     assert "deployment-specs.yaml" not in default
@@ -309,8 +309,8 @@ def test_external_shared_state_reaches_the_server_as_it_reads_it(tmp_path):
                  SERVELM_DATABASE_URL="postgresql://u@db/servelm")
     (tmp_path / "none.yaml").write_text("{}\n")
     cfg = load_settings(env=plain)  # the chart's env values are ones the server accepts
-    assert cfg.server.redis_url == "redis://cache:6379/1" and cfg.admission.rate_limit_fail_open is True
-    assert cfg.server.database_auto_upgrade is False
+    assert cfg.server.storage_config.redis_url == "redis://cache:6379/1" and cfg.admission.rate_limit_fail_open is True
+    assert cfg.server.storage_config.database_auto_upgrade is False
 
 
 @pytest.mark.parametrize(("values", "message"), [

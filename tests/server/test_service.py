@@ -157,12 +157,12 @@ def test_tokens_per_minute_reserve_and_refuse(svc):
 def test_admin_config_shows_sources_and_validates_patches(svc):
     _, url = svc
     cfg = httpx.get(url + "/admin/config", headers=ADMIN).json()["config"]
-    assert cfg["engine"]["max_num_seqs"] == {"value": 4, "source": "env", "runtime": True}  # env beats file
+    assert cfg["scheduler"]["max_num_seqs"] == {"value": 4, "source": "env", "runtime": True}  # env beats file
     assert cfg["admission"]["queue_timeout_s"]["source"] == "file"
-    assert cfg["server"]["max_request_body_bytes"] == {"value": 65536, "source": "cli", "runtime": False}
-    assert cfg["server"]["admin_key"]["value"] == "<redacted>"
+    assert cfg["api"]["max_request_body_bytes"] == {"value": 65536, "source": "cli", "runtime": False}
+    assert cfg["auth"]["admin_key"]["value"] == "<redacted>"
     r = patch(url, max_num_seqs=0)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "engine.max_num_seqs"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "scheduler.max_num_seqs"
     r = patch(url, port=1234)
     assert r.status_code == 400 and "start-up" in r.json()["error"]["message"]
     r = patch(url, queue_timeout_s=15)

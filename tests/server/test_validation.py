@@ -88,8 +88,8 @@ def test_errors_keep_the_keep_alive_connection(server):
 
 
 @pytest.mark.parametrize("raw, param", [
-    (b'{"max_num_seqs": 1e20}', "engine.max_num_seqs"),  # was a 500, yet GET showed it applied
-    (b'{"max_num_seqs": 18446744073709551616}', "engine.max_num_seqs"),
+    (b'{"max_num_seqs": 1e20}', "scheduler.max_num_seqs"),  # was a 500, yet GET showed it applied
+    (b'{"max_num_seqs": 18446744073709551616}', "scheduler.max_num_seqs"),
     (b'{"queue_timeout_s": 1e400}', "admission.queue_timeout_s"),  # a float infinity
     (b'{"max_num_seqs": 5, "default_priority": "urgent"}', "admission.default_priority"),
     (b'{"\\ud800": 1}', "\ud800"),
@@ -100,7 +100,7 @@ def test_admin_patch_is_validated_and_all_or_nothing(server, raw, param):
     assert error(r)["param"] == param
     assert httpx.get(server + "/admin/config", headers=ADMIN).json()["config"] == before
     ok = httpx.patch(server + "/admin/config", json={"max_num_seqs": 8}, headers=ADMIN)
-    assert ok.status_code == 200 and ok.json()["applied"] == {"engine.max_num_seqs": 8}
+    assert ok.status_code == 200 and ok.json()["applied"] == {"scheduler.max_num_seqs": 8}
 
 
 @pytest.mark.parametrize("path, body, param", [

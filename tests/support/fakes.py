@@ -72,18 +72,17 @@ class StubEngine:
         from servelm.config.engine import parse_lora_module
 
         self.ready, self.info = True, SimpleNamespace(vocab_size=100)
-        self.loras = dict(parse_lora_module(m)[:2] for m in self.config.lora_modules) if self.config.enable_lora \
+        self.loras = dict(parse_lora_module(m)[:2] for m in self.config.lora_config.lora_modules) if self.config.lora_config.enable_lora \
             else {}
 
     async def lora_adapter(self, action: str, name: str, path: str = ""):
-        import dataclasses
 
         from servelm.config.engine import parse_lora_module
         from servelm.worker import messages as m
 
         if not self.ready:
             raise EngineDeadError("the engine is not ready")
-        if not self.config.enable_lora:
+        if not self.config.lora_config.enable_lora:
             return m.LoraDone(0, "this engine serves no LoRA adapters (start it with --enable-lora)")
         if action == "load":
             if not (Path(path) / "adapter_config.json").is_file():
@@ -91,9 +90,9 @@ class StubEngine:
             self.loras[name] = path
         elif self.loras.pop(name, None) is None:
             return m.LoraDone(0, f"no adapter named {name!r} is loaded")
-        kept = tuple(x for x in self.config.lora_modules if parse_lora_module(x)[0] != name)
+        kept = tuple(x for x in self.config.lora_config.lora_modules if parse_lora_module(x)[0] != name)
         kept += (f"{name}={path}",) if action == "load" else ()
-        self.config = dataclasses.replace(self.config, lora_modules=kept, enable_lora=True)
+        self.config = self.config.replace(lora_modules=kept, enable_lora=True)
         return m.LoraDone(0, None, [{"name": n, "path": p} for n, p in self.loras.items()])
 
     async def shutdown(self) -> None:
@@ -122,7 +121,7 @@ class StubEngine:
             raise ValueError(f"adapter {lora!r} is not loaded in this engine")
         self.prompts.append(list(ids))
         self.used.append(lora)
-        text = self.config.model + (f"+{lora}" if lora else "")
+        text = self.config.model_config.model + (f"+{lora}" if lora else "")
         yield RequestOutput(rid, prompt, list(ids), [CompletionOutput(0, text, [1], finish_reason="length")], True)
 
 

@@ -310,8 +310,8 @@ def pull(model: str, gguf_file: str | None = None) -> Pulled:
 
 def fetch_models(config) -> None:
     """fetch_model for an EngineConfig's model and its draft model (speculative decoding)."""
-    fetch_model(config.model, config.gguf_file)
-    draft = config.speculative_model
+    fetch_model(config.model_config.model, config.model_config.gguf_file)
+    draft = config.speculative_config.speculative_model
     if draft is not None and not draft.startswith("self:"):
         fetch_model(draft)
 

@@ -8,7 +8,7 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from servelm.config.engine import ConfigError, RuntimeSettings
-from servelm.config.settings import PRIORITIES
+from servelm.config.settings import GROUP_OF, PRIORITIES
 from servelm.server.observability.metrics import spec_decode_summary
 from servelm.server.openai.protocol import APIError
 
@@ -51,13 +51,13 @@ def add_ops_routes(app: FastAPI, state) -> None:
             raise APIError(400, "body must be a JSON object of settings to change") from e
         if not isinstance(changes, dict) or not changes:
             raise APIError(400, "body must be a non-empty JSON object of settings to change")
-        before = (dataclasses.replace(state.config.engine), dataclasses.replace(state.config.admission),
+        before = (state.config.engine.replace(), dataclasses.replace(state.config.admission),
                   dict(state.config.sources))
         try:
             applied = state.config.patch(changes)
         except ConfigError as e:
             raise APIError(400, str(e), e.key, "invalid_config") from e
-        if any(k.startswith("engine.") for k in applied):
+        if any(GROUP_OF[k.partition(".")[0]] == "engine" for k in applied):
             settings = RuntimeSettings.of(state.config.engine)
             try:
                 for m in state.models:

@@ -22,7 +22,7 @@ STARTUP = "startup"  # the audit actor of the specs applied from --deployment-sp
 def spec_file_problem(config: Any) -> str | None:
     """Why the --deployment-spec file cannot be applied (unreadable, not valid, no registry to apply it to),
     else None: checked before any model loads, so a mistake in it stops the start at once."""
-    path = config.server.deployment_spec
+    path = config.server.rollout_config.deployment_spec
     if not path:
         return None
     if not config.control_plane:
@@ -41,9 +41,9 @@ async def start_reconciler(state: Any) -> Reconciler:
     """The reconciler over the server's control plane and traffic service, with the --deployment-spec file
     applied first (a file that does not parse stops the start: the operator asked for those specs)."""
     srv = state.config.server
-    rec = Reconciler(state.control, state.traffic, srv.reconcile_interval_s)
-    if srv.deployment_spec:
-        path = Path(srv.deployment_spec)
+    rec = Reconciler(state.control, state.traffic, srv.rollout_config.reconcile_interval_s)
+    if srv.rollout_config.deployment_spec:
+        path = Path(srv.rollout_config.deployment_spec)
         specs = parse_text(path.read_text(), str(path))
         for spec in specs:
             await rec.apply(spec, STARTUP)

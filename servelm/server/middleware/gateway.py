@@ -90,7 +90,7 @@ class Gateway:
             error = _oversized_head(scope) or self._method_not_allowed(scope) or self._check(scope, headers, rec)
             body = b""
             if error is None:
-                body, error = await _read_body(receive, headers, st.config.server.max_request_body_bytes)
+                body, error = await _read_body(receive, headers, st.config.server.api_config.max_request_body_bytes)
             if error is not None:
                 await _send_error(send_wrapped, error, oip=is_oip_path(path), ollama=is_ollama_path(path))
                 return
@@ -156,7 +156,7 @@ class Gateway:
             return None
         if scope["method"] in ("GET", "HEAD") and (path == "/" or path.startswith("/ui/")):
             return None  # the web chat page's static files: public, the page asks for a key itself
-        if path in OPEN_PATHS and not (path == "/metrics" and st.config.server.metrics_require_key):
+        if path in OPEN_PATHS and not (path == "/metrics" and st.config.server.auth_config.metrics_require_key):
             return None
         if keys.enabled:
             if (blocked := self._auth_blocked(address)) is not None:
@@ -211,12 +211,12 @@ def cors(srv, app):
     a browser's preflight (OPTIONS with Origin and Access-Control-Request-Method) before keys are asked for,
     since browsers send no credentials there, and adds the Access-Control-Allow-* headers to every response to
     an allowed origin, errors included. Without allowed origins, `app` itself: no cross-origin access."""
-    if not srv.allowed_origins:
+    if not srv.api_config.allowed_origins:
         return app
     from starlette.middleware.cors import CORSMiddleware
 
-    return CORSMiddleware(app, allow_origins=list(srv.allowed_origins), allow_methods=list(srv.allowed_methods),
-                          allow_headers=list(srv.allowed_headers), allow_credentials=srv.allow_credentials)
+    return CORSMiddleware(app, allow_origins=list(srv.api_config.allowed_origins), allow_methods=list(srv.api_config.allowed_methods),
+                          allow_headers=list(srv.api_config.allowed_headers), allow_credentials=srv.api_config.allow_credentials)
 
 
 def _is_done(message) -> bool:

@@ -283,10 +283,10 @@ def _host_of(url: str) -> str:
 
 def store_for(server_config) -> RateLimitStore:
     """The server's rate-limit store: Redis when redis_url is set, else this process's memory."""
-    url = getattr(server_config, "redis_url", None)
+    url = server_config.storage_config.redis_url if server_config is not None else None
     if not url:
         return InMemoryRateLimitStore()
-    store = RedisRateLimitStore(url, timeout_s=server_config.redis_timeout_s)
+    store = RedisRateLimitStore(url, timeout_s=server_config.storage_config.redis_timeout_s)
     if store.ping():
         logger.info("rate limits and token quotas are kept in Redis at %s", store.where)
     else:

@@ -173,9 +173,9 @@ class OipModels:
     def _batching(self, mv: ModelVersion) -> tuple[float, int, int]:
         srv = self.state.config.server
         out = []
-        for label, default, cast in (("batch_window_ms", srv.oip_batch_window_ms, float),
-                                     ("max_batch_size", srv.oip_max_batch_size, int),
-                                     ("max_queue", srv.oip_max_queue, int)):
+        for label, default, cast in (("batch_window_ms", srv.oip_config.oip_batch_window_ms, float),
+                                     ("max_batch_size", srv.oip_config.oip_max_batch_size, int),
+                                     ("max_queue", srv.oip_config.oip_max_queue, int)):
             raw = mv.labels.get(label)
             try:
                 value = cast(raw) if raw is not None else default

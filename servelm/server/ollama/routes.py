@@ -249,7 +249,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         msgs = [x.to_chat(i) for i, x in enumerate(body.messages)]
         tools = body.template_tools()
         ids = await api.chat_ids(m, msgs, tools=tools)
-        reply = _ToolReply(choose_parser(api.state.config.server.tool_call_parser,
+        reply = _ToolReply(choose_parser(api.state.config.server.api_config.tool_call_parser,
                                          getattr(m.tokenizer, "chat_template", None))) if tools else _Reply(chat=True)
         return await _run(api, m, request, body, ids, None, reply, lambda _: {})
 

@@ -24,7 +24,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         ids = await api.chat_ids(m, req.messages, req.add_generation_prompt, template_tools(req),
                                  **(req.chat_template_kwargs or {}))
         params = api.params(m, req, len(ids))
-        tools = ToolReply(req, choose_parser(api.state.config.server.tool_call_parser,
+        tools = ToolReply(req, choose_parser(api.state.config.server.api_config.tool_call_parser,
                                              getattr(m.tokenizer, "chat_template", None)))
         if tools.active and tools.parser == "mistral":
             params.skip_special_tokens = False  # [TOOL_CALLS] is a special token: the parser must see it

@@ -68,7 +68,7 @@ def _event(seq: list[int], kind: str, payload: dict) -> bytes:
 
 
 def add_routes(app: FastAPI, api: Api) -> None:
-    store = ResponseStore(api.state.config.server.responses_store_size)
+    store = ResponseStore(api.state.config.server.api_config.responses_store_size)
 
     @app.post("/v1/responses")
     async def create_response(body: r.ResponsesRequest, request: Request):

@@ -34,7 +34,7 @@ def _file(name: str) -> Response:
 
 
 def add_routes(app: FastAPI, api: Api) -> None:
-    if api.state.config.server.ui == "none":
+    if api.state.config.server.api_config.ui == "none":
         return
 
     @app.get("/", include_in_schema=False)
