@@ -30,7 +30,7 @@ def plain_below(req: Request, max_model_len: float) -> int:
 
 
 class InputBatch:
-    _COLUMNS = ("pos", "length", "last", "prompt_len", "stop_at", "num_blocks", "scheduled", "shared")
+    _COLUMNS = ("pos", "length", "last", "prompt_len", "stop_at", "num_blocks", "scheduled", "shared", "first")
 
     def __init__(self, block_size: int, vocab_size: int = 1, capacity: int = 64, max_blocks: int = 16) -> None:
         self.block_size = block_size
@@ -45,6 +45,9 @@ class InputBatch:
         self.scheduled = np.zeros(capacity, np.int64)  # tokens this step computes (0: the row does not run)
         self.shared = np.zeros(capacity, bool)  # a sample of n > 1: its last block may be shared (copy-on-write)
         self.num_shared = 0
+        self.first = np.zeros(capacity, bool)  # the sample's first token is still to come (its last is a prompt's)
+        self.num_first = 0
+        self.ones = np.ones(capacity, bool)  # (what a step whose rows all sample says of them)
         self.tables = np.zeros((capacity, max_blocks), np.int64)
         # how many members stop on each token id: a sampled token with a count takes the full check
         self.stop_count = np.zeros(max(vocab_size, 1), np.int32)
@@ -63,7 +66,10 @@ class InputBatch:
         self.request_ids.append(seq.request.request_id)
         self.prompt_len[i] = seq.request.num_prompt_tokens
         # a sample's first token takes the full check (it reports its queue time): until then, stop at once
-        self.stop_at[i] = seq.request.plain_below if seq.num_output_tokens > 0 else 0
+        first = seq.num_output_tokens == 0
+        self.stop_at[i] = 0 if first else seq.request.plain_below
+        self.first[i] = first
+        self.num_first += first
         self.shared[i] = shared = seq.request.params.n > 1
         self.num_shared += shared
         self.scheduled[i] = 0
@@ -76,6 +82,7 @@ class InputBatch:
         seq.batch_row = -1
         self._count_stops(seq, -1)
         self.num_shared -= bool(self.shared[i])
+        self.num_first -= bool(self.first[i])
         moved = self.seqs.pop()
         rid = self.request_ids.pop()
         if i != j:
@@ -107,6 +114,7 @@ class InputBatch:
         for name in self._COLUMNS:
             a = getattr(self, name)
             setattr(self, name, np.concatenate([a, np.zeros_like(a)]))
+        self.ones = np.ones(len(self.pos), bool)
         self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
 
     def _grow_blocks(self, n: int) -> None:
@@ -167,4 +175,8 @@ class InputBatch:
 
     def first_token_done(self, seq: Sequence) -> None:
         """seq's first token is out: from now on its tokens may skip the full check (see add)."""
-        self.stop_at[seq.batch_row] = seq.request.plain_below
+        i = seq.batch_row
+        self.stop_at[i] = seq.request.plain_below
+        if self.first[i]:
+            self.first[i] = False
+            self.num_first -= 1

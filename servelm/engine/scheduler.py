@@ -81,7 +81,7 @@ class SchedulerOutput:
         seqs = batch.seqs[:] if len(rows) == n else [batch.seqs[i] for i in rows.tolist()]
         start, num_tokens = batch.pos[sel].copy(), counts[sel].copy()
         if decodes_only:
-            sampled = np.ones(n, bool)
+            sampled = batch.ones[:n]
             total = n
         else:
             ends = start + num_tokens
@@ -90,7 +90,9 @@ class SchedulerOutput:
                 drafts = {r: drafts[s] for r, s in enumerate(seqs) if s in drafts}
                 ends = ends - np.array([len(drafts.get(r, ())) for r in range(len(rows))], np.int64)
             sampled = ends == batch.length[sel]
-        prompt_rows = np.flatnonzero(start < batch.prompt_len[sel]).tolist()
+        # (a decode's token is a prompt's only while its sample awaits its first token)
+        prompt_rows = [] if decodes_only and not batch.num_first else np.flatnonzero(
+            start < batch.prompt_len[sel]).tolist()
         return cls(batch, rows, seqs, start, num_tokens, sampled, ops, drafts=drafts or {},
                    prompt_rows=prompt_rows, num_batched_tokens=total, all_sampled=decodes_only or bool(sampled.all()),
                    **kw)
@@ -203,12 +205,12 @@ class Scheduler(QueueOrder, StepUpdate):
         decoding = batch.length[:n] - batch.pos[:n] == 1
         if self.spec is not None:
             decoding &= np.fromiter((not s.spec_token_ids for s in batch.seqs), bool, n)
-        rows = np.flatnonzero(decoding)
-        every_row = len(rows) == n
-        sel = slice(0, n) if every_row else rows  # (every row: slices instead of gathers)
-        if len(rows) and len(rows) <= budget and batch.reserve(kv, sel):
+        every_row = bool(decoding.all())
+        sel = slice(0, n) if every_row else np.flatnonzero(decoding)  # (every row: slices instead of gathers)
+        k = n if every_row else len(sel)
+        if k and k <= budget and batch.reserve(kv, sel):
             scheduled[sel] = 1
-            budget -= len(rows)
+            budget -= k
         else:
             every_row = False
         # A for loop over a list that preemption shortens from the end: scheduled sequences sit before the current

@@ -141,6 +141,7 @@ class StepUpdate:
             outputs.append(self._append(q, [res], now))
             if q.batch_row >= 0:
                 self.batch.sync(q)
+                self.batch.first_token_done(q)
 
     def _apply_verification(self, seq: Sequence, res: list[SampleResult], now: float) -> SeqOutput:
         """The accepted drafts' KV stays (with the verified token's), the rejected drafts' slots are given

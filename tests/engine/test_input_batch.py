@@ -61,6 +61,9 @@ class StandIn:
             assert (batch.length[i], batch.last[i], batch.prompt_len[i], batch.num_blocks[i]) == \
                 (len(seq.token_ids), seq.token_ids[-1], seq.num_prompt_tokens, k)
             assert list(batch.tables[i, :k]) == seq.block_table
+            assert batch.first[i] == (seq.num_output_tokens == 0)
+        assert batch.num_first == int(batch.first[:len(batch)].sum())
+        assert batch.num_shared == int(batch.shared[:len(batch)].sum())
         for r, (seq, a) in enumerate(zip(out.seqs, out.start.tolist(), strict=True)):
             assert a == seq.num_computed_tokens and out.rows[r] == seq.batch_row
         decodes = int(((out.num_tokens == 1) & out.sampled).sum())
