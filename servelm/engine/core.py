@@ -38,7 +38,8 @@ def _tokenizer_from_config(config: EngineConfig) -> Callable[[], Any]:
         from servelm.model.loading.metadata import load_tokenizer
         from servelm.model.loading.source import resolve_model
 
-        return load_tokenizer(resolve_model(config.model_config.model, config.model_config.gguf_file), config.model_config.tokenizer)
+        m = config.model_config
+        return load_tokenizer(resolve_model(m.model, m.gguf_file), m.tokenizer)
     return load
 
 
@@ -119,47 +120,51 @@ class EngineCore:
         num_blocks = plan.num_blocks
         self.kv_plan = plan
         logger.info("%s", plan.describe())
-        max_len = check_model_len(plan, config.cache_config.block_size, config.model_config.max_model_len, spec.max_position_embeddings)
+        cache, sched = config.cache_config, config.scheduler_config
+        max_len = check_model_len(plan, cache.block_size, config.model_config.max_model_len,
+                                  spec.max_position_embeddings)
         self.max_model_len = max_len
-        block_bytes = plan.block_bytes
-        num_cpu_blocks = int(config.cache_config.swap_space_gb * 2**30) // block_bytes if config.scheduler_config.preemption_mode == "swap" else 0
-        self.kv = KVCacheManager(num_blocks, config.cache_config.block_size, config.cache_config.enable_prefix_caching, num_cpu_blocks)
-        self.scheduler = Scheduler(self.kv, config.scheduler_config.max_num_seqs, config.scheduler_config.max_num_batched_tokens,
-                                   config.scheduler_config.enable_chunked_prefill, config.scheduler_config.preemption_mode,
-                                   config.scheduler_config.scheduling_policy, config.scheduler_config.priority_aging_s,
-                                   itl_target_s=config.scheduler_config.itl_target_ms / 1000,
-                                   ttft_target_s=config.scheduler_config.ttft_target_ms / 1000)
+        swap = sched.preemption_mode == "swap"
+        num_cpu_blocks = int(cache.swap_space_gb * 2**30) // plan.block_bytes if swap else 0
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, num_cpu_blocks)
+        self.scheduler = Scheduler(self.kv, sched.max_num_seqs, sched.max_num_batched_tokens,
+                                   sched.enable_chunked_prefill, sched.preemption_mode, sched.scheduling_policy,
+                                   sched.priority_aging_s, itl_target_s=sched.itl_target_ms / 1000,
+                                   ttft_target_s=sched.ttft_target_ms / 1000)
         # MoE layers read their expert groups' sizes on the host: not capturable
-        graph_sizes = None if config.device_config.enforce_eager or spec.moe is not None else capture_sizes(config.scheduler_config.max_num_seqs)
+        eager = config.device_config.enforce_eager or spec.moe is not None
+        graph_sizes = None if eager else capture_sizes(sched.max_num_seqs)
         if workers is not None:
             workers.begin_runners(num_blocks, num_cpu_blocks, max_len,
                                   graph_sizes if model.embed.device.type == "cuda" else None)
-        self.runner = ModelRunner(model, num_blocks, config.cache_config.block_size, num_cpu_blocks, config.model_config.seed,
-                                  graph_sizes, max_len, config.cache_config.kv_cache_dtype)
+        self.runner = ModelRunner(model, num_blocks, cache.block_size, num_cpu_blocks, config.model_config.seed,
+                                  graph_sizes, max_len, cache.kv_cache_dtype)
         if workers is not None:
             workers.end_runners()
             self.runner.tp_workers = workers
 
     def _make_spec_decoder(self, config: EngineConfig, max_len: int) -> SpecDecoder | None:
-        if config.speculative_config.speculative_method is None:
+        sp = config.speculative_config
+        if sp.speculative_method is None:
             return None
-        if config.speculative_config.speculative_method == "ngram":
-            proposer = NgramProposer(config.speculative_config.ngram_lookup_max, config.speculative_config.ngram_lookup_min)
+        if sp.speculative_method == "ngram":
+            proposer = NgramProposer(sp.ngram_lookup_max, sp.ngram_lookup_min)
         else:
             from servelm.engine.draft_model import DraftModelProposer
 
             proposer = DraftModelProposer.from_config(config, self.model, max_len, self.kv.pool.num_blocks)
-        return SpecDecoder(proposer, config.speculative_config.num_speculative_tokens, max_len, config.speculative_config.spec_fallback_threshold,
-                           config.speculative_config.spec_fallback_window, config.speculative_config.spec_cooldown_steps)
+        return SpecDecoder(proposer, sp.num_speculative_tokens, max_len, sp.spec_fallback_threshold,
+                           sp.spec_fallback_window, sp.spec_cooldown_steps)
 
     def _make_lora_manager(self, config: EngineConfig) -> LoraManager | None:
-        if not config.lora_config.enable_lora:
+        lc = config.lora_config
+        if not lc.enable_lora:
             return None
         from servelm.config.engine import parse_lora_module
         from servelm.lora import LoRARequest
 
-        loras = LoraManager(self.model, config.lora_config.max_lora_rank, config.lora_config.max_loras, config.lora_config.max_cpu_loras)
-        for i, module in enumerate(config.lora_config.lora_modules, 1):
+        loras = LoraManager(self.model, lc.max_lora_rank, lc.max_loras, lc.max_cpu_loras)
+        for i, module in enumerate(lc.lora_modules, 1):
             name, path, base = parse_lora_module(module)
             loras.add(LoRARequest(name, i, path, base))
         return loras
@@ -177,9 +182,10 @@ class EngineCore:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the request has "
                 f"{n} prompt tokens and max_tokens={max_tokens or 1} (total {n + (max_tokens or 1)})")
-        if not self.config.scheduler_config.enable_chunked_prefill and n > self.config.scheduler_config.max_num_batched_tokens:
+        sched = self.config.scheduler_config
+        if not sched.enable_chunked_prefill and n > sched.max_num_batched_tokens:
             raise ValueError(f"prompt has {n} tokens, more than max_num_batched_tokens="
-                             f"{self.config.scheduler_config.max_num_batched_tokens}; enable chunked prefill or raise the budget")
+                             f"{sched.max_num_batched_tokens}; enable chunked prefill or raise the budget")
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:

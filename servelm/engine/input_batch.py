@@ -152,7 +152,8 @@ class InputBatch:
             num_blocks[i] = k + 1
         if self.num_shared:
             shared = self.shared[rows]
-            for i in (np.flatnonzero(shared) if isinstance(rows, slice) else rows[shared]).tolist():  # (a block just appended is its own: nothing more to do)
+            # (a block just appended is its own: allocate finds nothing more to do for it)
+            for i in (np.flatnonzero(shared) if isinstance(rows, slice) else rows[shared]).tolist():
                 if not kv.allocate(seqs[i], 1):
                     return False
                 self.sync_table(seqs[i])
