@@ -1,5 +1,5 @@
-"""Turns a scheduler step into one forward pass: owns the KV cache tensors, builds the flattened batch,
-executes block copies, runs the model and samples."""
+"""Turns a scheduler step into one forward pass: owns the KV cache tensors, builds the step's flattened tokens
+from the running batch's columns, executes block copies, runs the model and samples."""
 
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ class OutputProcessor:
     def process(self, outputs: list[SeqOutput], decodes: DecodeOutputs | None = None
                 ) -> tuple[list[RequestOutput], list[tuple[str, int, str]]]:
         """Returns the outputs to report, and the samples that hit a stop string (the engine must end them).
-        `decodes` are the decode batch's plain rows: one token each for sample 0, nothing else."""
+        `decodes` are the running batch's plain rows: one token each for sample 0, nothing else."""
         touched: dict[str, _RequestState] = {}
         stopped: list[tuple[str, int, str]] = []
         now = time.monotonic()

@@ -10,7 +10,8 @@ class displaces running ones of a worse class when there is no room for it. "fcf
 
 Host cost per step is O(1) per scheduled sequence: both queues stay sorted between steps and are re-sorted only
 when an order key can have changed (a sequence appended out of order, or a request aging into a better class;
-see `_order_queues`), never wholesale each step; a decode whose block has room allocates nothing.
+see `_order_queues`), never wholesale each step; the decodes are found and given their slots as one vector over
+the running batch (engine/input_batch.py), and a decode whose block has room allocates nothing.
 """
 
 from __future__ import annotations

@@ -331,7 +331,7 @@ class AsyncEngine:
         for k in range(0, len(rows) + len(dec), DETOKENIZE_SLICE):
             if k:
                 await asyncio.sleep(0)  # let the loop serve others between slices
-            # a slice of the SeqOutputs, then of the decode batch's columns
+            # a slice of the SeqOutputs, then of the running batch's columns
             a, b = max(0, k - len(rows)), max(0, k + DETOKENIZE_SLICE - len(rows))
             cols = m.DecodeOutputs(dec.request_ids[a:b], dec.token_ids[a:b]) if b > 0 else None
             outputs, stopped = self.output_processor.process(rows[k:k + DETOKENIZE_SLICE], cols)

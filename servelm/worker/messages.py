@@ -89,7 +89,7 @@ class StepOutputs(msgspec.Struct, tag="step"):
     stats: EngineStats
     step_ms: float = 0.0
     num_batched_tokens: int = 0
-    decodes: DecodeOutputs = msgspec.field(default_factory=DecodeOutputs)  # the decode batch's plain rows
+    decodes: DecodeOutputs = msgspec.field(default_factory=DecodeOutputs)  # the running batch's plain rows
 
 
 class Starting(msgspec.Struct, tag="starting"):
