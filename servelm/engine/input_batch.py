@@ -47,7 +47,11 @@ class InputBatch:
         self.num_shared = 0
         self.first = np.zeros(capacity, bool)  # the sample's first token is still to come (its last is a prompt's)
         self.num_first = 0
-        self.ones = np.ones(capacity, bool)  # (what a step whose rows all sample says of them)
+        # what a steady decode step says of its rows (views of these, never written): 0..n-1, one token each,
+        # each sampled
+        self.row_ids = np.arange(capacity)
+        self.ones = np.ones(capacity, np.int64)
+        self.all_true = np.ones(capacity, bool)
         self.tables = np.zeros((capacity, max_blocks), np.int64)
         # how many members stop on each token id: a sampled token with a count takes the full check
         self.stop_count = np.zeros(max(vocab_size, 1), np.int32)
@@ -114,7 +118,9 @@ class InputBatch:
         for name in self._COLUMNS:
             a = getattr(self, name)
             setattr(self, name, np.concatenate([a, np.zeros_like(a)]))
-        self.ones = np.ones(len(self.pos), bool)
+        self.row_ids = np.arange(len(self.pos))
+        self.ones = np.ones(len(self.pos), np.int64)
+        self.all_true = np.ones(len(self.pos), bool)
         self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
 
     def _grow_blocks(self, n: int) -> None:

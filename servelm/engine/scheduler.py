@@ -76,15 +76,16 @@ class SchedulerOutput:
         """The step whose rows are the batch's rows with `scheduled` tokens. `decodes_only`: every row runs one
         token, its last (what a steady decode step is: then every row samples)."""
         n = len(batch)
-        counts = batch.scheduled[:n]
-        rows = np.arange(n) if decodes_only else np.flatnonzero(counts)
-        sel = slice(0, n) if len(rows) == n else rows  # (every row: slices instead of gathers)
-        seqs = batch.seqs[:] if len(rows) == n else [batch.seqs[i] for i in rows.tolist()]
-        start, num_tokens = batch.pos[sel].copy(), counts[sel].copy()
         if decodes_only:
-            sampled = batch.ones[:n]
-            total = n
+            rows, seqs = batch.row_ids[:n], batch.seqs[:]
+            start, num_tokens, sampled, total = batch.pos[:n].copy(), batch.ones[:n], batch.all_true[:n], n
+            sel = slice(0, n)
         else:
+            counts = batch.scheduled[:n]
+            rows = np.flatnonzero(counts)
+            sel = slice(0, n) if len(rows) == n else rows  # (every row: slices instead of gathers)
+            seqs = batch.seqs[:] if len(rows) == n else [batch.seqs[i] for i in rows.tolist()]
+            start, num_tokens = batch.pos[sel].copy(), counts[sel].copy()
             ends = start + num_tokens
             total = int(num_tokens.sum())
             if drafts:
@@ -199,7 +200,6 @@ class Scheduler(QueueOrder, StepUpdate):
         prefill = self._prefill_budget()  # prompt tokens this step may compute beside its decodes
         n = len(batch)
         scheduled = batch.scheduled
-        scheduled[:n] = 0
         drafts: dict[Sequence, list[int]] = {}
         # The decodes as one vector: each with room for its token, or none of them (the loop then takes them,
         # preempting if it must). A row with drafts to verify is not a plain decode.
@@ -210,9 +210,14 @@ class Scheduler(QueueOrder, StepUpdate):
         sel = slice(0, n) if every_row else np.flatnonzero(decoding)  # (every row: slices instead of gathers)
         k = n if every_row else len(sel)
         if k and k <= budget and batch.reserve(kv, sel):
-            scheduled[sel] = 1
+            if every_row:
+                scheduled[:n] = 1
+            else:
+                scheduled[:n] = 0
+                scheduled[sel] = 1
             budget -= k
         else:
+            scheduled[:n] = 0
             every_row = False
         # A for loop over a list that preemption shortens from the end: scheduled sequences sit before the current
         # one, so a victim is always after it (or is it, the last one, which ends the loop). In steady decode
