@@ -47,6 +47,9 @@ class InputBatch:
         self.num_shared = 0
         self.first = np.zeros(capacity, bool)  # the sample's first token is still to come (its last is a prompt's)
         self.num_first = 0
+        # every row has exactly one token to compute, its last: true after a step of decodes only, until a row
+        # joins or is re-synced (the scheduler then looks at the columns)
+        self.steady = False
         # what a steady decode step says of its rows (views of these, never written): 0..n-1, one token each,
         # each sampled
         self.row_ids = np.arange(capacity)
@@ -99,6 +102,7 @@ class InputBatch:
 
     def sync(self, seq: Sequence) -> None:
         """Mirror seq's computed count, tokens and block table in its row."""
+        self.steady = False
         i = seq.batch_row
         self.pos[i] = seq.num_computed_tokens
         tokens = seq.token_ids
@@ -165,15 +169,17 @@ class InputBatch:
                 self.sync_table(seqs[i])
         return True
 
-    def advance(self, rows: np.ndarray | slice, tokens: np.ndarray) -> np.ndarray:
+    def advance(self, rows: np.ndarray | slice, tokens: np.ndarray, one_each: bool = False) -> np.ndarray:
         """Record for each of `rows` its scheduled tokens as computed and `tokens` (one each) as its new last
-        token (the arrays only). Returns which of them must take the full check: a token that may end the
+        token (the arrays only; `one_each`: every row computed one token). Returns which of them must take the
+        full check: a token that may end the
         sample (its length, a stop id), a sample's first token, and every token of a request that asks for more
         than its tokens (stop_at 0 for both)."""
-        self.pos[rows] += self.scheduled[rows]
+        self.pos[rows] += 1 if one_each else self.scheduled[rows]
         length = self.length[rows]
         length += 1
-        self.length[rows] = length
+        if not isinstance(rows, slice):  # (a slice's view is already the column)
+            self.length[rows] = length
         self.last[rows] = tokens
         stop_count = self.stop_count
         if not self.vocab_known and tokens.max(initial=0) >= len(stop_count):

@@ -203,10 +203,13 @@ class Scheduler(QueueOrder, StepUpdate):
         drafts: dict[Sequence, list[int]] = {}
         # The decodes as one vector: each with room for its token, or none of them (the loop then takes them,
         # preempting if it must). A row with drafts to verify is not a plain decode.
-        decoding = batch.length[:n] - batch.pos[:n] == 1
-        if self.spec is not None:
-            decoding &= np.fromiter((not s.spec_token_ids for s in batch.seqs), bool, n)
-        every_row = bool(decoding.all())
+        if batch.steady and self.spec is None:  # (known without looking: the last step ran decodes only)
+            every_row = True
+        else:
+            decoding = batch.length[:n] - batch.pos[:n] == 1
+            if self.spec is not None:
+                decoding &= np.fromiter((not s.spec_token_ids for s in batch.seqs), bool, n)
+            every_row = bool(decoding.all())
         sel = slice(0, n) if every_row else np.flatnonzero(decoding)  # (every row: slices instead of gathers)
         k = n if every_row else len(sel)
         if k and k <= budget and batch.reserve(kv, sel):

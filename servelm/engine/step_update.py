@@ -69,8 +69,11 @@ class StepUpdate:
         every = out.all_sampled
         sampling = range(len(rows)) if every else np.flatnonzero(sampled).tolist()
         whole = every and len(rows) == len(batch)  # rows 0..n-1: slices instead of gathers
+        one_each = out.num_batched_tokens == len(rows)
         check = batch.advance(slice(0, len(rows)) if whole else rows[sampling],
-                              np.asarray(ran.tokens, dtype=np.int64))
+                              np.asarray(ran.tokens, dtype=np.int64), one_each)
+        # a step of every row's last token leaves every row one to compute (until a row joins or is re-synced)
+        batch.steady = whole and one_each
         if not every:  # partial prompt chunks: their tokens computed, nothing sampled
             chunk = np.flatnonzero(~sampled)
             batch.pos[rows[chunk]] += out.num_tokens[chunk]
@@ -86,16 +89,17 @@ class StepUpdate:
         """The sequences of the rows that do not take the full check: their computed tokens, their sampled token
         appended (then reported as columns); a partial prompt chunk's computed tokens and the prompt blocks it
         filled. The usual decode step is a loop of two statements a row."""
-        seqs, counts = out.seqs, out.num_tokens.tolist()
-        if not full and len(sampling) == len(seqs):
-            for seq, tok, k in zip(seqs, tokens, counts, strict=True):
-                seq.num_computed_tokens += k
+        seqs = out.seqs
+        if not full and out.num_batched_tokens == len(seqs) == len(sampling):  # one token a row, sampled: decodes
+            for seq, tok in zip(seqs, tokens, strict=True):
+                seq.num_computed_tokens += 1
                 seq.token_ids.append(tok)
             whole = len(seqs) == len(out.batch)
             rids = out.batch.request_ids[:len(seqs)] if whole else [s.request.request_id for s in seqs]
             self.generation_tokens += len(tokens)
             toks = tokens
         else:
+            counts = out.num_tokens.tolist()
             rids, toks = [], []
             for r, tok in zip(sampling, tokens, strict=True):
                 if r in full:

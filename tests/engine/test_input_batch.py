@@ -50,6 +50,7 @@ class StandIn:
         self.core = core
         self.decode_rows = 0
         self.mixed_steps = 0
+        self.steady_steps = 0
 
     def __call__(self, out: SchedulerOutput) -> RunnerOutput:
         self.core.runner.apply_block_ops(out.ops)
@@ -63,6 +64,9 @@ class StandIn:
             assert list(batch.tables[i, :k]) == seq.block_table
             assert batch.first[i] == (seq.num_output_tokens == 0)
         assert batch.num_first == int(batch.first[:len(batch)].sum())
+        if batch.steady:  # what the scheduler takes without looking: every row has its last token to compute
+            assert all(s.num_to_compute == 1 for s in batch.seqs)
+            self.steady_steps += 1
         assert batch.num_shared == int(batch.shared[:len(batch)].sum())
         for r, (seq, a) in enumerate(zip(out.seqs, out.start.tolist(), strict=True)):
             assert a == seq.num_computed_tokens and out.rows[r] == seq.batch_row
@@ -165,6 +169,7 @@ def test_every_request_gets_what_it_would_get_alone(mode, num_blocks, caching, s
             want[(req.request_id, i)] = [tokens, reason, len(tokens) if req.params.logprobs is not None else 0]
     assert got == want
     assert fwd.decode_rows > 0 and fwd.mixed_steps > 0  # decodes ran as columns, also beside prompt chunks
+    assert fwd.steady_steps > 0
     assert not core.requests and not core.scheduler.running
     assert core.kv.num_free_blocks == core.kv.pool.num_blocks
     assert len(core.scheduler.batch) == 0 and not core.scheduler.batch.stop_count.any()
