@@ -305,8 +305,8 @@ class EngineCore:
         self.last_num_batched_tokens = out.num_batched_tokens
         self.last_batch_size = len(out.rows)
         start = time.monotonic()
-        if out.num_admitted:  # only admitted rows can be scheduled first
-            for seq in out.seqs:
+        if out.num_admitted:  # only admitted rows, the step's last (they joined the batch last), run first
+            for seq in out.seqs[-out.num_admitted:]:
                 if seq.first_scheduled is None:
                     seq.first_scheduled = start
         if self.unforked:

@@ -114,7 +114,8 @@ class StepUpdate:
                 seqs[r].num_computed_tokens += counts[r]
         commit = self.kv.commit_computed
         for r in out.prompt_rows:
-            commit(seqs[r])  # the prompt's blocks that filled (the full path commits its rows' again)
+            if r not in full:  # (the full path commits its rows once their computed count is up to date)
+                commit(seqs[r])  # the prompt's blocks that filled
         return DecodeOutputs(rids, toks)
 
     def _full_update(self, out, r: int, tok: int, ran: RunnerOutput, now: float, outputs: list[SeqOutput]) -> None:

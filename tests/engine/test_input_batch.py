@@ -143,6 +143,8 @@ def _drive(core: EngineCore, traffic: list[tuple[int, Request]]) -> dict:
         outputs, decodes = core.step()
         columns = [SeqOutput(rid, 0, [t]) for rid, t in zip(decodes.request_ids, decodes.token_ids, strict=True)]
         for o in [*outputs, *columns]:
+            if (o.request_id, o.index) not in got:  # a sample's first token reports its time in the queue
+                assert o.queue_time is not None and o.queue_time >= 0
             entry = got.setdefault((o.request_id, o.index), [[], None, 0])
             entry[0] += o.new_token_ids
             entry[1] = o.finish_reason or entry[1]
