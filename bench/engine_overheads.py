@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from servelm.bench.workloads import make_serving_workload
@@ -50,6 +51,11 @@ from servelm.engine.sequence import Request, Sequence
 from servelm.engine.step_outputs import SampleResult
 from servelm.sampling_params import SamplingParams
 from servelm.worker import messages
+
+try:  # what the runner returns (checkouts older than it returned a tuple)
+    from servelm.engine.step_outputs import RunnerOutput
+except ImportError:
+    RunnerOutput = None
 
 VOCAB = 49152
 TOKEN = 7  # what the stand-in forward "samples": never an EOS (requests ignore EOS anyway)
@@ -75,17 +81,11 @@ class StandInForward:
         t = time.perf_counter()
         self.runner.apply_block_ops(out.ops)
         if hasattr(out, "sampled"):  # a step of the running batch: one token per sampling row
-            from servelm.engine.step_outputs import RunnerOutput
-
-            ran = RunnerOutput([TOKEN] * int(out.sampled.sum()))
+            ran = RunnerOutput([TOKEN] * (len(out.seqs) if out.all_sampled else int(np.count_nonzero(out.sampled))))
         else:
             ran = ([TOKEN] * len(out.decode_seqs), [[SampleResult(TOKEN)] for s in out.scheduled for _ in s.sample_seqs])
-            try:  # checkouts whose runner returned a RunnerOutput of those two, then prompt logprobs
-                from servelm.engine.step_outputs import RunnerOutput
-
-                ran = RunnerOutput(*ran)
-            except ImportError:  # older ones: the two as a tuple
-                pass
+            if RunnerOutput is not None:  # checkouts whose runner returned a RunnerOutput of those two, then
+                ran = RunnerOutput(*ran)  # prompt logprobs (older ones: the two as a tuple)
         self.seconds += time.perf_counter() - t
         return ran
 

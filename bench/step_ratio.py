@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The engine's host time per iteration (256 running and 1,000 waiting requests, `EngineCore.step` with the
-stand-in runner of bench/engine_overheads.py and the engine process's GC settings), divided by the time of a fixed
-pure-Python loop run right after each step in the same process. On a machine whose speed drifts from minute to
-minute, the ratio compares checkouts where raw times cannot; run two at once, one pinned to each CPU, and swap the
-CPUs between pairs:
+stand-in runner of bench/engine_overheads.py, whose own time is left out, and the engine process's GC
+settings), divided by the time of a fixed pure-Python loop run right after each step in the same process. On a
+machine whose speed drifts from minute to minute, the ratio compares checkouts where raw times cannot; run two at
+once, one pinned to each CPU, and swap the CPUs between pairs:
 
     PYTHONPATH=/path/to/old taskset -c 0 python bench/step_ratio.py old & PYTHONPATH=. taskset -c 1 python bench/step_ratio.py new
 
@@ -35,7 +35,7 @@ def main() -> None:
     wl = eo.make_serving_workload(eo.VOCAB, num_requests=running + waiting, seed=4)
     model = eo.fake_model(1, 1, 8, torch.bfloat16, 8192)
     longest = max(len(x) for x in wl.prompts) + a.steps + 64
-    core, _ = eo.make_core(running * (-(-longest // 16) + 1) + 64, running, model, scheduling_policy="priority")
+    core, fwd = eo.make_core(running * (-(-longest // 16) + 1) + 64, running, model, scheduling_policy="priority")
     for i in range(running):  # they never finish while timed
         eo.add(core, f"run{i}", wl.prompts[i], core.max_model_len - len(wl.prompts[i]))
     while any(s.num_to_compute > 1 for s in core.scheduler.running) or core.scheduler.waiting:
@@ -56,14 +56,16 @@ def main() -> None:
 
     ratios, steps, loops = [], [], []
     for _ in range(a.steps):
+        f0 = fwd.seconds
         t0 = time.perf_counter()
         core.step()
         t1 = time.perf_counter()
+        step = t1 - t0 - (fwd.seconds - f0)  # the stand-in forward's time left out
         loop()
         loop()
         t2 = time.perf_counter()
-        ratios.append((t1 - t0) / ((t2 - t1) / 2))
-        steps.append(t1 - t0)
+        ratios.append(step / ((t2 - t1) / 2))
+        steps.append(step)
         loops.append((t2 - t1) / 2)
     print(json.dumps({"label": a.label, "step_over_loop": round(statistics.median(ratios), 2),
                       "step_us": round(statistics.median(steps) * 1e6, 1),

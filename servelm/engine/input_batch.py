@@ -149,21 +149,22 @@ class InputBatch:
         their last block. False when the pool runs short (blocks given to the rows before then stay theirs:
         allocating is idempotent)."""
         starts = self.pos[rows] // self.block_size >= self.num_blocks[rows]  # the token starts a block
-        starts = np.flatnonzero(starts) if isinstance(rows, slice) else rows[starts]
+        starts = starts.nonzero()[0] if isinstance(rows, slice) else rows[starts]
         if len(starts) > kv.num_free_blocks:
             return False
-        seqs, tables, num_blocks = self.seqs, self.tables, self.num_blocks
-        for i in starts.tolist():
-            k = int(num_blocks[i])
-            if k == tables.shape[1]:
-                self._grow_blocks(k + 1)
-                tables = self.tables
-            tables[i, k] = kv.append_block(seqs[i])
-            num_blocks[i] = k + 1
+        seqs, num_blocks = self.seqs, self.num_blocks
+        if len(starts):  # one allocation for them all: a row's next block goes at its table's end
+            blocks = kv.append_blocks([seqs[i] for i in starts.tolist()])
+            k = num_blocks[starts]
+            widest = max(k.tolist())  # (a few rows: faster than the array's max)
+            if widest >= self.tables.shape[1]:
+                self._grow_blocks(widest + 1)
+            self.tables[starts, k] = blocks
+            num_blocks[starts] = k + 1
         if self.num_shared:
             shared = self.shared[rows]
             # (a block just appended is its own: allocate finds nothing more to do for it)
-            for i in (np.flatnonzero(shared) if isinstance(rows, slice) else rows[shared]).tolist():
+            for i in (shared.nonzero()[0] if isinstance(rows, slice) else rows[shared]).tolist():
                 if not kv.allocate(seqs[i], 1):
                     return False
                 self.sync_table(seqs[i])
@@ -172,9 +173,8 @@ class InputBatch:
     def advance(self, rows: np.ndarray | slice, tokens: np.ndarray, one_each: bool = False) -> np.ndarray:
         """Record for each of `rows` its scheduled tokens as computed and `tokens` (one each) as its new last
         token (the arrays only; `one_each`: every row computed one token). Returns which of them must take the
-        full check: a token that may end the
-        sample (its length, a stop id), a sample's first token, and every token of a request that asks for more
-        than its tokens (stop_at 0 for both)."""
+        full check: a token that may end the sample (its length, a stop id), a sample's first token, and every
+        token of a request that asks for more than its tokens (stop_at 0 for both)."""
         self.pos[rows] += 1 if one_each else self.scheduled[rows]
         length = self.length[rows]
         length += 1

@@ -105,11 +105,13 @@ class KVCacheManager:
             seq.block_table += self.pool.allocate_many(need)
         return True
 
-    def append_block(self, seq: Sequence) -> int:
-        """One more block at the end of seq's table (the caller checked num_free_blocks); returns it."""
-        block = self.pool.allocate()
-        seq.block_table.append(block)
-        return block
+    def append_blocks(self, seqs: list[Sequence]) -> list[int]:
+        """One more block at the end of each of seqs' tables (the caller checked num_free_blocks), taken from
+        the pool at once, in the order one call per sequence would take them; returns them."""
+        blocks = self.pool.allocate_many(len(seqs))
+        for seq, block in zip(seqs, blocks, strict=True):
+            seq.block_table.append(block)
+        return blocks
 
     def record_prefix_query(self, seq: Sequence, num_hit_tokens: int) -> None:
         self.prefix_queries += seq.num_tokens

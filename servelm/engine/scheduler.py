@@ -48,7 +48,7 @@ class ScheduledSeq(msgspec.Struct, gc=False):
     spec_token_ids: list[int] = []  # drafts verified this step (they follow the sequence's last token)
 
 
-@dataclass
+@dataclass(slots=True)
 class SchedulerOutput:
     """One step as a diff against the running batch: the rows that run (ascending, so the step's tokens follow
     the batch's order), how many tokens each computes from which position, and the sparse extras: drafts to
@@ -82,7 +82,7 @@ class SchedulerOutput:
             sel = slice(0, n)
         else:
             counts = batch.scheduled[:n]
-            rows = np.flatnonzero(counts)
+            rows = counts.nonzero()[0]
             sel = slice(0, n) if len(rows) == n else rows  # (every row: slices instead of gathers)
             seqs = batch.seqs[:] if len(rows) == n else [batch.seqs[i] for i in rows.tolist()]
             start, num_tokens = batch.pos[sel].copy(), counts[sel].copy()
@@ -210,11 +210,12 @@ class Scheduler(QueueOrder, StepUpdate):
             if self.spec is not None:
                 decoding &= np.fromiter((not s.spec_token_ids for s in batch.seqs), bool, n)
             every_row = bool(decoding.all())
-        sel = slice(0, n) if every_row else np.flatnonzero(decoding)  # (every row: slices instead of gathers)
+        sel = slice(0, n) if every_row else decoding.nonzero()[0]  # (every row: slices instead of gathers)
         k = n if every_row else len(sel)
         if k and k <= budget and batch.reserve(kv, sel):
             if every_row:
-                scheduled[:n] = 1
+                if not batch.steady:  # (a steady batch's rows each ran one token last step: already 1)
+                    scheduled[:n] = 1
             else:
                 scheduled[:n] = 0
                 scheduled[sel] = 1

@@ -67,7 +67,7 @@ class StepUpdate:
         or more to report than the token). Also counts the prompt tokens computed."""
         batch, rows, sampled = out.batch, out.rows, out.sampled
         every = out.all_sampled
-        sampling = range(len(rows)) if every else np.flatnonzero(sampled).tolist()
+        sampling = range(len(rows)) if every else sampled.nonzero()[0].tolist()
         whole = every and len(rows) == len(batch)  # rows 0..n-1: slices instead of gathers
         one_each = out.num_batched_tokens == len(rows)
         check = batch.advance(slice(0, len(rows)) if whole else rows[sampling],
@@ -75,12 +75,12 @@ class StepUpdate:
         # a step of every row's last token leaves every row one to compute (until a row joins or is re-synced)
         batch.steady = whole and one_each
         if not every:  # partial prompt chunks: their tokens computed, nothing sampled
-            chunk = np.flatnonzero(~sampled)
+            chunk = (~sampled).nonzero()[0]
             batch.pos[rows[chunk]] += out.num_tokens[chunk]
         if out.prompt_rows:
             in_prompt = np.maximum(batch.prompt_len[rows] - out.start, 0)
             self.prompt_tokens += int(np.minimum(out.num_tokens, in_prompt).sum())
-        full = {sampling[k] for k in np.flatnonzero(check).tolist()}
+        full = {sampling[k] for k in check.nonzero()[0].tolist()}
         if ran.logprobs or out.drafts or out.forks:
             full |= ran.logprobs.keys() | out.drafts.keys() | out.forks.keys()
         return sampling, full
@@ -110,7 +110,7 @@ class StepUpdate:
                 rids.append(seq.request.request_id)
                 toks.append(tok)
             self.generation_tokens += len(toks)
-            for r in np.flatnonzero(~out.sampled).tolist():
+            for r in (~out.sampled).nonzero()[0].tolist():
                 seqs[r].num_computed_tokens += counts[r]
         commit = self.kv.commit_computed
         for r in out.prompt_rows:
