@@ -175,10 +175,14 @@ class InputBatch:
         token (the arrays only; `one_each`: every row computed one token). Returns which of them must take the
         full check: a token that may end the sample (its length, a stop id), a sample's first token, and every
         token of a request that asks for more than its tokens (stop_at 0 for both)."""
-        self.pos[rows] += 1 if one_each else self.scheduled[rows]
+        step = 1 if one_each else self.scheduled[rows]
         length = self.length[rows]
         length += 1
-        if not isinstance(rows, slice):  # (a slice's view is already the column)
+        if isinstance(rows, slice):  # (a slice's views are the columns: added to in place)
+            pos = self.pos[rows]
+            pos += step
+        else:
+            self.pos[rows] += step
             self.length[rows] = length
         self.last[rows] = tokens
         stop_count = self.stop_count
