@@ -13,6 +13,9 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded as left context for the first output token
+# add_tokens: the last tokens fed one at a time. A character split across the end spans at most 4 bytes, each a
+# token at worst; one decode of the rest gives the same text as token-by-token (tests/engine/test_detokenizer.py).
+_TAIL_TOKENS = 8
 
 
 def _holdback(text: str, stops: list[str]) -> int:
@@ -91,6 +94,19 @@ class IncrementalDetokenizer:
         i, s = min(hits)
         self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
         return s
+
+    def add_tokens(self, token_ids: list[int]) -> None:
+        """Append many tokens at once, with no stop string to look for (a request that wants only its final
+        text). The stream decodes all but the last few in one call and the last few one by one, so a character
+        split by the end is held back exactly as appending them one at a time holds it."""
+        if self._stream is None:
+            for t in token_ids:
+                self.add_token(t, check_stop=False)
+            return
+        head, tail = token_ids[:-_TAIL_TOKENS], token_ids[-_TAIL_TOKENS:]
+        pieces = [self._stream.step(self._backend, head)] if head else []
+        pieces += [self._stream.step(self._backend, t) for t in tail]
+        self.text += "".join(p for p in pieces if p)
 
     def stream_safe_len(self, finished: bool) -> int:
         """How much of the text can be shown now without ever leaking part of a stop string."""

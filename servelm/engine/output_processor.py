@@ -25,6 +25,10 @@ class _Sample:
     sent_text: int = 0  # delta mode: what was already reported
     sent_tokens: int = 0
     reported_finish: bool = False
+    # a request that wants only its final text and has no stop strings: its tokens are detokenized once, when
+    # it finishes (one decode instead of one per token); `decoded` counts the tokens already in the text
+    deferred: bool = False
+    decoded: int = 0
 
 
 @dataclass
@@ -63,14 +67,15 @@ class OutputProcessor:
             s = st.samples.get(i) or self._new_sample(st, i)
             st.samples[i] = s
             s.finish_reason = s.finish_reason or "abort"
-        return self._make_output(st, force=True)
+        return self._make_output(st, True)
 
     def _new_sample(self, st: _RequestState, index: int) -> _Sample:
         p = st.params
         detok = IncrementalDetokenizer(self.tokenizer, st.prompt_token_ids, p.skip_special_tokens, p.stop,
                                        p.include_stop_str_in_output)
         return _Sample(detok, logprobs=[] if p.logprobs is not None else None,
-                       cumulative_logprob=0.0 if p.logprobs is not None else None)
+                       cumulative_logprob=0.0 if p.logprobs is not None else None,
+                       deferred=p.output_kind == OutputKind.FINAL_ONLY and not p.stop)
 
     def _token_str(self, tok: int) -> str:
         text = self._token_text.get(tok)
@@ -84,32 +89,37 @@ class OutputProcessor:
         `decodes` are the running batch's plain rows: one token each for sample 0, nothing else."""
         touched: dict[str, _RequestState] = {}
         stopped: list[tuple[str, int, str]] = []
+        ended: set[str] = set()  # requests a sample of which ended this step: only they may have finished
         now = time.monotonic()
+        take = self._take
         for o in outputs:
-            self._take(o.request_id, o.index, o.new_token_ids, o, touched, stopped, now)
+            if take(o.request_id, o.index, o.new_token_ids, o, touched, stopped, now):
+                ended.add(o.request_id)
         if decodes is not None:
             for rid, tok in zip(decodes.request_ids, decodes.token_ids, strict=True):
-                self._take(rid, 0, (tok,), None, touched, stopped, now)
+                if take(rid, 0, (tok,), None, touched, stopped, now):
+                    ended.add(rid)
         results = []
         for st in touched.values():
-            out = self._make_output(st)
-            if out is not None:
-                results.append(out)
-            if st.finished:
+            finished = st.request_id in ended and st.finished
+            if finished or st.params.output_kind != OutputKind.FINAL_ONLY:
+                results.append(self._make_output(st, finished))
+            if finished:
                 del self.states[st.request_id]
         return results, stopped
 
     def _take(self, request_id: str, index: int, tokens, o: SeqOutput | None, touched: dict[str, _RequestState],
-              stopped: list[tuple[str, int, str]], now: float) -> None:
-        """One sample's new tokens (and, with `o`, what else the engine reported for it)."""
+              stopped: list[tuple[str, int, str]], now: float) -> bool:
+        """One sample's new tokens (and, with `o`, what else the engine reported for it); whether they ended
+        it."""
         st = self.states.get(request_id)
         if st is None:
-            return
+            return False
         s = st.samples.get(index)
         if s is None:
             s = st.samples[index] = self._new_sample(st, index)
         if s.finish_reason is not None:
-            return  # already ended by a stop string; tokens still in flight are dropped
+            return False  # already ended by a stop string; tokens still in flight are dropped
         if o is not None:
             st.num_cached_tokens = o.num_cached_tokens
             if o.prompt_logprobs is not None:
@@ -117,6 +127,15 @@ class OutputProcessor:
             if st.queue_time is None and o.queue_time is not None:
                 st.queue_time = o.queue_time
         st.first_token_time = st.first_token_time or now
+        touched[request_id] = st
+        if s.deferred:  # detokenized when it finishes (_make_output); no stop string to look for until then
+            s.token_ids.extend(tokens)
+            if s.logprobs is not None and o is not None:
+                for res in o.new_logprobs[:len(tokens)]:
+                    self._add_logprobs(s, res)
+            if o is not None and o.finish_reason is not None:
+                s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
+            return s.finish_reason is not None
         p = st.params
         for k, tok in enumerate(tokens):
             s.token_ids.append(tok)
@@ -132,7 +151,7 @@ class OutputProcessor:
         else:
             if o is not None and o.finish_reason is not None:
                 s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
-        touched[request_id] = st
+        return s.finish_reason is not None
 
     def _logprob_entry(self, res) -> dict[int, Logprob]:
         """The top alternatives and the token itself (which may be outside them), by token id."""
@@ -145,14 +164,15 @@ class OutputProcessor:
         s.logprobs.append(self._logprob_entry(res))
         s.cumulative_logprob += res.logprob
 
-    def _make_output(self, st: _RequestState, force: bool = False) -> RequestOutput | None:
+    def _make_output(self, st: _RequestState, finished: bool) -> RequestOutput:
+        """What to report for st now (`finished`: every sample has ended, or the request was aborted)."""
         kind = st.params.output_kind
-        finished = st.finished or force
-        if kind == OutputKind.FINAL_ONLY and not finished:
-            return None
         completions = []
         for i in sorted(st.samples):
             s = st.samples[i]
+            if s.deferred and s.decoded < len(s.token_ids):
+                s.detok.add_tokens(s.token_ids[s.decoded:])
+                s.decoded = len(s.token_ids)
             done = s.finish_reason is not None
             end = s.detok.stream_safe_len(done)
             if kind == OutputKind.DELTA:

@@ -52,3 +52,29 @@ def test_the_stream_and_the_window_give_the_same_text(tokenizer):
                 stream.add_token(t, check_stop=False)
                 window.add_token(t, check_stop=False)
                 assert stream.text == window.text
+
+
+def test_tokens_at_once_give_the_text_they_give_one_at_a_time(tokenizer):
+    """add_tokens (a final-only request's tokens, detokenized when it finishes) gives the text add_token gives
+    token by token: over random ids, byte tokens that split characters anywhere (the end included) and real
+    text cut at every length, through the stream and through the window."""
+    import random
+
+    rng = random.Random(11)
+    vocab = tokenizer.backend_tokenizer.get_vocab_size()
+    text_ids = tokenizer("Héllo wörld 🙂 — naïve 日本語のテキスト 🙂🙂 café", add_special_tokens=False).input_ids
+    cases = [text_ids[:k] for k in range(1, len(text_ids) + 1)]
+    cases += [[rng.randrange(vocab) for _ in range(rng.randrange(1, 60))] for _ in range(60)]
+    cases += [[rng.randrange(300) for _ in range(rng.randrange(1, 60))] for _ in range(60)]  # byte tokens
+    for ids in cases:
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 9))]
+        for skip in (True, False):
+            for stream in (True, False):
+                one = IncrementalDetokenizer(tokenizer, prompt, skip, [], False)
+                once = IncrementalDetokenizer(tokenizer, prompt, skip, [], False)
+                if not stream:
+                    one._stream = once._stream = None
+                for t in ids:
+                    one.add_token(t, check_stop=False)
+                once.add_tokens(ids)
+                assert once.text == one.text, (ids, prompt, skip, stream)
