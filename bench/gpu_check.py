@@ -29,6 +29,9 @@ With --fp8-shapes (default: 8b on a GPU of compute capability 8.9 or newer), tho
 prefill run again with `--quantization fp8` (`fp8`: the figures, the TPOT's bound at one byte a linear weight, and
 the speed-ups over bf16).
 
+With --async-shapes (default: 60m, 1b and 8b, those measured), those shapes' W1 and batch-1 TPOT run again with
+`--async-scheduling` (`async`: the figures and the speed-ups over this tree's step-by-step ones).
+
 Each measurement runs in a child process (a crash or a hang costs its section, not the run); every figure is
 printed as a JSON line as it comes, and one JSON object ends the run (also written to --out-dir). Models get
 a tokenizer of exactly their vocabulary size whose every id decodes to text (a byte-level BPE vocabulary
@@ -812,6 +815,8 @@ def section_shape(run: Run, cap: float, name: str) -> dict:
         fp8_shapes = ["8b"] if tuple(run.device_info.get("capability") or (0, 0)) >= (8, 9) else []
     if name in fp8_shapes and status == "ok":
         out["fp8"] = fp8_figures(run, spec, name, min(BASELINE_CAP_S, max(1.0, run.left() - 3)), figs)
+    if name in run.async_shapes and status == "ok":
+        out["async"] = async_figures(run, spec, name, min(BASELINE_CAP_S, max(1.0, run.left() - 3)), figs)
     for k in SHAPE_KEYS:
         if k in figs:
             out[k] = figs[k]
@@ -854,6 +859,19 @@ def fp8_figures(run: Run, spec: dict, name: str, cap: float, figs: dict) -> dict
         out["tpot_b1_speedup"] = round(figs["tpot_b1"]["tpot_ms"] / got["tpot_b1"]["tpot_ms"], 3)
     if "prefill_2k" in got and "prefill_2k" in figs:
         out["prefill_2k_speedup"] = round(figs["prefill_2k"]["ms"] / got["prefill_2k"]["ms"], 3)
+    return out
+
+
+def async_figures(run: Run, spec: dict, name: str, cap: float, figs: dict) -> dict:
+    """W1 and batch-1 TPOT with `--async-scheduling` (the next decode step launched behind the one in flight)
+    on the same model, and this tree's step-by-step figures over them (>1: overlapping is faster)."""
+    status, got = run.child("shape", {**spec, "llm_kwargs": {"async_scheduling": True}, "only": ["w1", "tpot_b1"]},
+                            cap, f"{name}:async")
+    out: dict = {"status": status, **{k: got[k] for k in ("w1", "tpot_b1", "error") if k in got}}
+    if "w1" in got and "w1" in figs:
+        out["w1_speedup"] = round(got["w1"]["output_tok_s"] / figs["w1"]["output_tok_s"], 3)
+    if "tpot_b1" in got and "tpot_b1" in figs:
+        out["tpot_b1_speedup"] = round(figs["tpot_b1"]["tpot_ms"] / got["tpot_b1"]["tpot_ms"], 3)
     return out
 
 
@@ -1005,6 +1023,7 @@ def main_check(args) -> int:
     run.tokenizers, run.ceilings, run.device_info = {}, {}, {}
     run.baseline_shapes = prof["shapes"] if args.baseline_shapes is None else args.baseline_shapes.split(",")
     run.fp8_shapes = None if args.fp8_shapes is None else [s for s in args.fp8_shapes.split(",") if s]
+    run.async_shapes = [s for s in args.async_shapes.split(",") if s]
     skip = set(filter(None, args.skip.split(",")))
     caps, mins = prof["caps"], prof["min_s"]
     plan: list[tuple[str, str, object]] = [("setup", "setup", section_setup), ("ceilings", "ceilings",
@@ -1106,6 +1125,8 @@ def main() -> int:
     p.add_argument("--baseline-shapes", default=None, help="the shapes --baseline runs on (default: every shape)")
     p.add_argument("--fp8-shapes", default=None, help="the shapes whose batch-1 TPOT and 2k prefill run again with "
                    "--quantization fp8 (default: 8b on a GPU of compute capability 8.9 or newer, none elsewhere)")
+    p.add_argument("--async-shapes", default="60m,1b,8b", help="the shapes whose W1 and batch-1 TPOT run again "
+                   "with --async-scheduling, where measured ('' for none)")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="a tokenizer folder to pad to each model's vocabulary (default: a synthetic byte-level one)")
     p.add_argument("--wheels", type=Path, default=None,

@@ -266,6 +266,11 @@ class SchedulerConfig:
                                 "(high, normal, low) with aging, or purely by arrival", runtime=True)
     priority_aging_s: float = _f(10.0, "seconds of waiting that lift a request one priority class, so "
                                  "low priority is never starved (0 disables aging)", runtime=True)
+    async_scheduling: bool = _f(False, "while a step of decodes runs, schedule and launch the next one behind it, "
+                                "its input tokens taken on the device from the step in flight, so that the host's "
+                                "work hides behind the GPU's (as vLLM's --async-scheduling; docs: GPU, Asynchronous "
+                                "scheduling). Steps overlap only while every running request is a plain decode "
+                                "(one sample, no logprobs, penalties, min_tokens or grammar) and none waits")
 
     def validate(self) -> None:
         def need(ok: bool, name: str, allowed: str) -> None:
@@ -561,6 +566,12 @@ class EngineConfig(SectionedConfig):
         need(cache.kv_cache_dtype == "auto" or not device.batch_invariant, "kv_cache_dtype", "auto with "
              "batch_invariant (an fp8 cache is read through PyTorch, not the C++ kernels that fix the order)")
         tp = self.parallel_config.tensor_parallel_size
+        overlap = self.scheduler_config.async_scheduling
+        need(not overlap or (not self.speculative_config.enabled and self.speculative_config.speculative_model is None),
+             "async_scheduling", "false with speculative decoding (a verification needs the tokens before it is "
+             "scheduled)")
+        need(not overlap or tp == 1, "async_scheduling", "false with tensor_parallel_size > 1 (the other ranks "
+             "take each step's input tokens from the host)")
         if tp > 1 and device.device != "cpu":
             self._need_gpus(tp)
         for ok, why in ((not self.speculative_config.enabled and self.speculative_config.speculative_model is None,

@@ -19,12 +19,12 @@ from servelm.engine.input_batch import InputBatch, plain_below
 from servelm.engine.kv_cache_manager import KVCacheManager
 from servelm.engine.kv_sizing import CudaMemory, DeviceMemory, KVPlan, check_model_len, plan_kv_blocks
 from servelm.engine.lora_manager import LoraManager
-from servelm.engine.model_runner import ModelRunner, kv_bytes_per_block, profile_largest_step
+from servelm.engine.model_runner import InFlight, ModelRunner, kv_bytes_per_block, profile_largest_step
 from servelm.engine.proposers import NgramProposer
 from servelm.engine.scheduler import Scheduler, SchedulerOutput
 from servelm.engine.sequence import Request, Sequence
 from servelm.engine.spec_decode import SpecDecoder
-from servelm.engine.step_outputs import DecodeOutputs, EngineStats, SeqOutput
+from servelm.engine.step_outputs import DecodeOutputs, EngineStats, RunnerOutput, SeqOutput
 from servelm.engine.structured import GrammarCache, new_matcher
 from servelm.model.attention.kv_quant import cache_dtype
 from servelm.model.decoder import DecoderLM
@@ -100,6 +100,11 @@ class EngineCore:
         self.compiling: dict[str, Request] = {}
         self.failed: list[tuple[str, str]] = []  # (request id, why) for requests refused after add_request
         self._order = 0
+        # async scheduling: the step launched and not yet collected, and when the last one was collected
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        self.inflight: InFlight | None = None
+        self._last_collect = 0.0
+        self.num_overlapped_steps = 0  # steps launched behind another
         self.num_steps = 0
         self.last_num_batched_tokens = 0
         self.last_batch_size = 0
@@ -202,6 +207,7 @@ class EngineCore:
         p = req.params
         req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(p._eos_token_ids))
         req.plain_below = plain_below(req, self.max_model_len)
+        req.overlaps = req.plain_below > 0 and not p.needs_penalties and p.min_tokens == 0
         seq = Sequence(req, 0, list(req.prompt_token_ids), generator=req.make_generator(0))
         req.seqs = [seq]
         self.requests[req.request_id] = req
@@ -277,11 +283,20 @@ class EngineCore:
         token, and SeqOutputs for the rest."""
         if self.compiling:
             self._admit_compiled()
+        if self.inflight is not None:  # async scheduling: a step runs, the next goes behind it
+            return self._step_behind()
         out = self.scheduler.schedule()
         if not out:
             return self._idle()
         start = self._begin(out)
-        ran = self.runner.execute(out)
+        if self.async_scheduling and self.scheduler.overlaps(out):
+            self.inflight = self.runner.launch(out, start)
+            return self._step_behind()
+        return self._update(out, self.runner.execute(out), start)
+
+    def _update(self, out: SchedulerOutput, ran: RunnerOutput, start: float
+                ) -> tuple[list[SeqOutput], DecodeOutputs]:
+        """After a step's forward: its results into its requests (`start`: when it began, for its cost)."""
         self.kv.end_step()
         now = time.monotonic()
         self.scheduler.step_cost.observe(out.num_batched_tokens, now - start)
@@ -289,6 +304,34 @@ class EngineCore:
         if self.spec is not None:  # drafts for the next step, from the tokens as they are now
             self.spec.propose(self.scheduler.running)
         return outputs, decodes
+
+    def _step_behind(self) -> tuple[list[SeqOutput], DecodeOutputs]:
+        """Async scheduling, with a step of decodes in flight: schedule the next behind it and launch it (its input
+        tokens are the in-flight step's, taken on the device), then collect the one in flight and update from
+        it, while the next runs. Where no step can go behind it (a request waits, one needs more than a plain
+        decode or reaches its length limit, blocks run short), the one in flight is collected alone and the next
+        step() schedules as usual."""
+        prev, self.inflight = self.inflight, None
+        self._rebase(prev)  # samples ended since it was launched (aborts, stop strings) drop out
+        nxt = self.scheduler.schedule_behind(prev.out)
+        if nxt is not None:
+            self.inflight = self.runner.launch(nxt, self._begin(nxt), after=prev)
+            self.num_overlapped_steps += 1
+        ran = self.runner.collect(prev)
+        start, self._last_collect = max(prev.start, self._last_collect), time.monotonic()
+        result = self._update(prev.out, ran, start) if prev.out else ([], DecodeOutputs())
+        if self.inflight is not None:
+            self._rebase(self.inflight)  # the samples the update ended drop out of the next
+            if not self.inflight.out:  # every one of them ended: nothing to wait for but the copy
+                self.runner.collect(self.inflight)
+                self.inflight = None
+        return result
+
+    def _rebase(self, step: InFlight) -> None:
+        """A step in flight keeps the rows of the samples still running, at their rows now."""
+        narrowed = self.scheduler.rebase(step.out)
+        if narrowed is not None:
+            step.narrow(*narrowed)
 
     def _idle(self) -> tuple[list[SeqOutput], DecodeOutputs]:
         """A step with nothing scheduled."""

@@ -117,13 +117,16 @@ class DecodeGraphs:
         return 0 < num_decodes <= self.max_size and longest_table <= self.max_blocks
 
     def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: np.ndarray,
-            lens: np.ndarray) -> torch.Tensor:
+            lens: np.ndarray, device_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [n, vocab] of a step of n decodes (the last row of each is its only token), hidden states
         [n, hidden] without `with_logits`; `tables` is the rows' block tables, [n, width] padded with any valid
-        block."""
+        block. `device_ids`: the n token ids already on the device (async scheduling: the tokens of the step
+        in flight), written over `ids` in the staged vector after its copy, in the same stream."""
         n = len(ids)
         size = next(s for s in self.sizes if s >= n)
         self._stage(ids, positions, slots, tables, lens, size)
+        if device_ids is not None:
+            self.staged[_HEADER:_HEADER + n].copy_(device_ids)
         graph, logits = self.graphs.get(size, (None, None))
         if graph is None:  # not captured (the CPU)
             return self._forward(size)[:n]

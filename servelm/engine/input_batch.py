@@ -47,6 +47,7 @@ class InputBatch:
         self.num_shared = 0
         self.first = np.zeros(capacity, bool)  # the sample's first token is still to come (its last is a prompt's)
         self.num_first = 0
+        self.num_sync = 0  # rows whose requests need each step's tokens on the host before the next is scheduled
         # every row has exactly one token to compute, its last: true after a step of decodes only, until a row
         # joins or is re-synced (the scheduler then looks at the columns)
         self.steady = False
@@ -79,6 +80,7 @@ class InputBatch:
         self.num_first += first
         self.shared[i] = shared = seq.request.params.n > 1
         self.num_shared += shared
+        self.num_sync += not seq.request.overlaps
         self.scheduled[i] = 0
         self.sync(seq)
         self._count_stops(seq, 1)
@@ -89,6 +91,7 @@ class InputBatch:
         seq.batch_row = -1
         self._count_stops(seq, -1)
         self.num_shared -= bool(self.shared[i])
+        self.num_sync -= not seq.request.overlaps
         self.num_first -= bool(self.first[i])
         moved = self.seqs.pop()
         rid = self.request_ids.pop()
@@ -143,12 +146,14 @@ class InputBatch:
         self.stop_count[ids] += d
 
     # -- a step ---------------------------------------------------------------------------------------------
-    def reserve(self, kv, rows: np.ndarray | slice) -> bool:
+    def reserve(self, kv, rows: np.ndarray | slice, ahead: int = 0) -> bool:
         """Room for one more token in each of `rows` (each has exactly one to compute; a slice when they are all
         the batch's): a block for those whose token starts one, and copy-on-write for samples that may share
         their last block. False when the pool runs short (blocks given to the rows before then stay theirs:
-        allocating is idempotent)."""
-        starts = self.pos[rows] // self.block_size >= self.num_blocks[rows]  # the token starts a block
+        allocating is idempotent). `ahead`: tokens computed by a step in flight, not yet in `pos` (async
+        scheduling)."""
+        pos = self.pos[rows] + ahead if ahead else self.pos[rows]
+        starts = pos // self.block_size >= self.num_blocks[rows]  # the token starts a block
         starts = starts.nonzero()[0] if isinstance(rows, slice) else rows[starts]
         if len(starts) > kv.num_free_blocks:
             return False

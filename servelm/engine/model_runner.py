@@ -3,6 +3,8 @@ from the running batch's columns, executes block copies, runs the model and samp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -54,6 +56,48 @@ def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device) -> None:
     if (major, minor) < (8, 9):
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability 8.9 or newer "
                          f"(Ada, Hopper); this one is {major}.{minor}: use kv_cache_dtype='auto'")
+
+
+@dataclass
+class InFlight:
+    """A step launched and not yet collected (async scheduling): its sampled tokens stay where the logits are,
+    with a copy to the host under way (`host`, done when `event` is; the same tensor on the CPU). `keep`: the
+    rows of `out` as launched that are still wanted, once samples have ended since (None: all)."""
+
+    out: SchedulerOutput
+    start: float
+    tokens: torch.Tensor
+    host: torch.Tensor
+    event: torch.cuda.Event | None = None
+    keep: np.ndarray | None = None
+
+    @classmethod
+    def started(cls, out: SchedulerOutput, start: float, tokens: torch.Tensor) -> InFlight:
+        if tokens.device.type != "cuda":
+            return cls(out, start, tokens, tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(out, start, tokens, host, event)
+
+    def narrow(self, out: SchedulerOutput, keep: np.ndarray) -> None:
+        """Keep only rows `keep` of the current `out`, which `out` now is."""
+        self.out = out
+        self.keep = keep if self.keep is None else self.keep[keep]
+
+    def next_inputs(self) -> torch.Tensor:
+        """The tokens of the rows still wanted: the input tokens of the step behind this one, on the device."""
+        if self.keep is None:
+            return self.tokens
+        return self.tokens[torch.from_numpy(self.keep).to(self.tokens.device)]
+
+    def tokens_on_host(self) -> list[int]:
+        """Waits for the copy; the rows still wanted."""
+        if self.event is not None:
+            self.event.synchronize()
+        tokens = self.host.tolist()
+        return tokens if self.keep is None else [tokens[i] for i in self.keep.tolist()]
 
 
 class ModelRunner:
@@ -152,10 +196,10 @@ class ModelRunner:
         offsets = ends - counts  # each row's first index in the step's tokens
         row_of = np.repeat(np.arange(n_rows), counts)
         positions = np.arange(int(ends[-1])) - offsets[row_of] + start[row_of]
-        ids = b.last[sel][row_of]
+        ids = b.last[sel][row_of]  # (a step behind the one in flight takes them on the device: see launch)
         # Rows that are not one decode token read their tokens from the sequence: prompt chunks (a recompute
         # after preemption included) and verifications, whose drafts follow the sequence's last token.
-        for r in np.flatnonzero((counts != 1) | (start + 1 != b.length[sel])).tolist():
+        for r in [] if out.behind else np.flatnonzero((counts != 1) | (start + 1 != b.length[sel])).tolist():
             seq, a, k = out.seqs[r], int(start[r]), int(counts[r])
             drafts = out.drafts.get(r, [])
             ids[offsets[r]:offsets[r] + k] = seq.token_ids[a:a + k - len(drafts)] + drafts
@@ -239,18 +283,11 @@ class ModelRunner:
             self._prepare(out)
         if self.tp_workers is not None:  # the ranks replay the block ops and run their shards with ours
             self.tp_workers.step(out.ops, rank_inputs)
-        if graph_step is not None:  # every row's logits, from the static buffers (a graph replay on a GPU)
-            hidden, logits = None, self.graphs.run(*graph_step)
-            self.num_graph_steps += 1
-        else:
-            hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, lora)
+        hidden, logits = self._forward(input_ids, positions, meta, graph_step, lora)
         prompt_lps = self._prompt_logprobs(out, hidden) if want_prompt else ()
         if logits_idx is not None and logits_idx.numel() == 0:  # a step of prompt chunks that sample nothing yet
             return RunnerOutput(prompt_logprobs=prompt_lps)
-        if graph_step is None:
-            logits = self.model.logits(hidden[logits_idx])
-        elif logits_idx is not None:  # (None: every row of the replay, in order)
-            logits = logits[logits_idx]
+        logits = self._sampled_logits(hidden, logits, logits_idx)
         if repeats is not None and bool((repeats > 1).any()):
             logits = logits.repeat_interleave(repeats.to(logits.device), dim=0)
         if out.drafts:
@@ -279,6 +316,37 @@ class ModelRunner:
                 by_row[r] = res
             column.append(tok)
         return RunnerOutput(column, by_row, forked=forked, prompt_logprobs=prompt_lps)
+
+    def _forward(self, input_ids, positions, meta, graph_step, lora, device_ids: torch.Tensor | None = None):
+        """The model over the step's tokens: (hidden states, None) eagerly, or (None, every row's logits) from
+        the static buffers (a graph replay on a GPU). `device_ids`: the input tokens, already on the device."""
+        if graph_step is not None:
+            self.num_graph_steps += 1
+            return None, self.graphs.run(*graph_step, device_ids=device_ids)
+        ids = device_ids if device_ids is not None else input_ids
+        return self.model.forward(ids, positions, self.kv_caches, meta, lora), None
+
+    def _sampled_logits(self, hidden, logits, logits_idx) -> torch.Tensor:
+        if hidden is not None:
+            return self.model.logits(hidden[logits_idx])
+        return logits if logits_idx is None else logits[logits_idx]  # (None: every row of the replay, in order)
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, start: float, after: InFlight | None = None) -> InFlight:
+        """Async scheduling: run a step of one decode per row (every row sampled, plain requests only:
+        `Scheduler.overlaps`) without waiting for its tokens; `after`, the step in flight whose tokens are
+        this step's inputs (`out.behind`), taken on the device. `collect` gives the tokens."""
+        self.apply_block_ops(out.ops)
+        input_ids, positions, meta, logits_idx, _, graph_step, _, lora, _ = self._prepare(out)
+        device_ids = after.next_inputs() if after is not None else None
+        hidden, logits = self._forward(input_ids, positions, meta, graph_step, lora, device_ids)
+        tokens = self.sampler.choose(self._sampled_logits(hidden, logits, logits_idx), out.seqs)
+        return InFlight.started(out, start, tokens)
+
+    @staticmethod
+    def collect(step: InFlight) -> RunnerOutput:
+        """A launched step's tokens, once they are on the host."""
+        return RunnerOutput(step.tokens_on_host())
 
     def _sample_with_verifications(self, logits: torch.Tensor, out: SchedulerOutput, prompt_lps) -> RunnerOutput:
         """Plain rows sampled as one batch; each verification's rows checked against its drafts."""

@@ -100,27 +100,33 @@ class Sampler:
         if self.plain_greedy(seqs):
             return argmax_rows(logits).tolist(), {}
         params = [s.request.params for s in seqs]
+        lp_rows = [r for r, p in enumerate(params) if p.logprobs is not None]
+        if not lp_rows:
+            return self.choose(logits, seqs).tolist(), {}
         # logits arrive in the model's dtype: a greedy row takes its argmax there (widening to float32 is
         # exact, so the choice is the same), everything else widens first.
-        lp_rows = [r for r, p in enumerate(params) if p.logprobs is not None]
-        raw_logprobs = None
-        if lp_rows:
-            lp_idx = torch.tensor(lp_rows, device=logits.device) if len(lp_rows) < len(seqs) else None
-            raw_logprobs = torch.log_softmax((logits if lp_idx is None else logits[lp_idx]).float(), dim=-1)
+        lp_idx = torch.tensor(lp_rows, device=logits.device) if len(lp_rows) < len(seqs) else None
+        raw_logprobs = torch.log_softmax((logits if lp_idx is None else logits[lp_idx]).float(), dim=-1)
+        tokens = self.choose(logits, seqs)
+        token_list = tokens.tolist()
+        results = [SampleResult(token_list[r]) for r in lp_rows]
+        chosen = tokens if lp_idx is None else tokens[lp_idx]
+        self._attach_logprobs(raw_logprobs, chosen, [params[r] for r in lp_rows], results)
+        return token_list, dict(zip(lp_rows, results, strict=True))
+
+    @torch.inference_mode()
+    def choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """A token for each row, where the logits are (no copy to the host, no wait): for rows whose requests
+        want no logprobs."""
+        if self.plain_greedy(seqs):
+            return argmax_rows(logits)
         logits = self._process(logits, seqs)
         grammar_rows = [r for r, s in enumerate(seqs) if s.matcher is not None]
         if grammar_rows:  # a batch without structured output never gets here
             from servelm.engine.structured import mask_logits
 
             logits = mask_logits(logits, seqs, grammar_rows)
-        tokens = self._choose(logits, seqs)
-        token_list = tokens.tolist()
-        if raw_logprobs is None:
-            return token_list, {}
-        results = [SampleResult(token_list[r]) for r in lp_rows]
-        chosen = tokens if lp_idx is None else tokens[lp_idx]
-        self._attach_logprobs(raw_logprobs, chosen, [params[r] for r in lp_rows], results)
-        return token_list, dict(zip(lp_rows, results, strict=True))
+        return self._choose(logits, seqs)
 
     def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows, cols, vals = [], [], []

@@ -69,6 +69,9 @@ class SchedulerOutput:
     prompt_rows: list[int] = field(default_factory=list)  # step rows that compute prompt positions
     num_batched_tokens: int = 0
     all_sampled: bool = True  # every row samples (no partial prompt chunk)
+    # async scheduling: the rows' input tokens are those the step in flight samples (the runner takes them on
+    # the device); each row's start is one past the batch's computed count
+    behind: bool = False
 
     @classmethod
     def of(cls, batch: InputBatch, ops: BlockOps, drafts: dict[Sequence, list[int]] | None = None,
@@ -296,6 +299,56 @@ class Scheduler(QueueOrder, StepUpdate):
             prefill -= k
         return SchedulerOutput.of(batch, kv.take_ops(), drafts, every_row and not num_admitted,
                                   num_preempted=num_preempted, num_admitted=num_admitted)
+
+    # -- async scheduling (engine/core.py) ---------------------------------------------------------------
+    def overlaps(self, out: SchedulerOutput) -> bool:
+        """Whether the next step may be scheduled behind `out` before its tokens are known: `out` is a step of
+        every running row's one decode, each a request whose sampling reads nothing of its tokens."""
+        batch = self.batch
+        return (self.spec is None and not batch.num_sync and out.all_sampled and not out.prompt_rows
+                and not out.forks and out.num_batched_tokens == len(out.rows) == len(batch))
+
+    def schedule_behind(self, inflight: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after `inflight`, which runs now, before its tokens are known: every row decodes the token
+        `inflight` samples for it. None where it cannot go behind it: a request waits that could be admitted (or
+        displace a running one of a worse class), a row's token may reach its length limit (the next position
+        might not exist), a request needs its tokens on the host, or the pool has no block for a row's next
+        position (the usual schedule then preempts)."""
+        batch, n = self.batch, len(self.batch)
+        if not n or n > self.max_num_batched_tokens or batch.num_sync or len(inflight.seqs) != n:
+            return None
+        if self.waiting and not self._waiting_stays():
+            return None
+        if (batch.length[:n] + 1 >= batch.stop_at[:n]).any() or not batch.reserve(self.kv, slice(0, n), ahead=1):
+            return None
+        out = SchedulerOutput.of(batch, self.kv.take_ops(), None, True)
+        out.start += 1
+        out.behind = True
+        return out
+
+    def _waiting_stays(self) -> bool:
+        """The usual schedule would admit no waiting request now: the running queue is full, and under the
+        priority policy none waiting is of a better class than the last one running."""
+        if len(self.running) >= self.max_num_seqs and self.policy == "priority":
+            self._order_queues()
+            now = self._now
+            return self.effective_priority(self.waiting[0], now) >= self.effective_priority(self.running[-1], now)
+        return len(self.running) >= self.max_num_seqs
+
+    def rebase(self, out: SchedulerOutput) -> tuple[SchedulerOutput, np.ndarray] | None:
+        """A step in flight, narrowed to the samples still running at their rows now (samples finished or
+        aborted since it was scheduled leave, and the batch's last rows moved into their places), and which
+        of its rows those are; None when nothing changed. While a step is in flight rows only leave."""
+        batch = self.batch
+        if len(out.seqs) == len(batch) and batch.seqs == out.seqs:
+            return None
+        alive = sorted((s.batch_row, i) for i, s in enumerate(out.seqs) if s.batch_row >= 0)
+        keep = np.array([i for _, i in alive], np.int64)
+        rows = np.array([r for r, _ in alive], np.int64)
+        narrowed = SchedulerOutput(batch, rows, [out.seqs[i] for i in keep.tolist()], out.start[keep],
+                                   out.num_tokens[keep], out.sampled[keep], BlockOps(),
+                                   num_batched_tokens=len(keep), all_sampled=True, behind=out.behind)
+        return narrowed, keep
 
     def _adapter_fits(self, seq: Sequence) -> bool:
         """seq's adapter is one the running sequences already use, or one more stays within max_loras."""

@@ -122,6 +122,10 @@ class Request:
     # every token takes the full check, as for logprobs, n > 1 and grammars).
     plain_below: int = 0
     stop_ids: frozenset[int] = frozenset()
+    # Set by EngineCore.add_request: its decode steps may be scheduled behind one another (async scheduling,
+    # engine/core.py): it has plain_below, and its sampling reads nothing of its tokens (no penalties, no
+    # min_tokens), so a step may sample it before the last step's token is on the host.
+    overlaps: bool = False
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -29,6 +29,22 @@ def test_batch_matches_transformers_on_gpu(arch, mode, model_dirs, hf_models):
     assert bool(runner.graphs and runner.graphs.graphs) == (mode == "graphs")  # really captured
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_async_scheduling_matches_transformers_on_gpu(mode, model_dirs, hf_models):
+    """Steps launched behind the one in flight, input ids gathered on the device, through graph replays and
+    eagerly: rows end at different lengths and on stop ids taken from their own continuations."""
+    prompts = random_prompts(8, 3, 60, seed=4)
+    want = reference(hf_models, "llama", prompts)
+    llm = gpu_llm(model_dirs["llama"], mode, num_kv_blocks=256, async_scheduling=True)
+    stops = [w[3 + i] if 3 + i < len(w) else None for i, w in enumerate(want)]
+    params = [SamplingParams(temperature=0.0, max_tokens=len(w), ignore_eos=True,
+                             stop_token_ids=[s] if s is not None else None) for w, s in zip(want, stops, strict=True)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == [w[:w.index(s) + 1] if s is not None else w for w, s in zip(want, stops, strict=True)]
+    core = llm.engine.core
+    assert core.num_overlapped_steps > 0 and (core.runner.num_graph_steps > 0) == (mode == "graphs")
+
+
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_block_sizes_other_than_the_tile(block_size, model_dirs, hf_models):
     prompts = random_prompts(5, 20, 60, seed=3)

@@ -48,8 +48,8 @@ def baseline_tree(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory, baseline_tree) -> tuple[dict, list[dict]]:
     out = tmp_path_factory.mktemp("gpu-check")
-    return _check("--work", str(out / "work"), "--baseline", str(baseline_tree), "--fp8-shapes", "tiny", out=out,
-                  timeout=400)
+    return _check("--work", str(out / "work"), "--baseline", str(baseline_tree), "--fp8-shapes", "tiny",
+                  "--async-shapes", "tiny", out=out, timeout=400)
 
 
 @pytest.mark.slow
@@ -177,3 +177,16 @@ def test_an_fp8_variant_runs_beside_on_the_same_model(smoke):
                      fp8["prefill_2k_speedup"])
     assert fp8["tpot_b1"]["bytes_per_step_gb"] <= tiny["tpot_b1"]["bytes_per_step_gb"]
     assert fp8["prefill_2k_speedup"] == round(tiny["prefill_2k"]["ms"] / fp8["prefill_2k"]["ms"], 3)
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_an_async_scheduling_variant_runs_beside_on_the_same_model(smoke):
+    """--async-shapes: the shape's W1 and batch-1 TPOT again with --async-scheduling, and the speed-ups over
+    this tree's step-by-step figures."""
+    tiny = smoke[0]["sections"]["tiny"]
+    overlapped = tiny["async"]
+    assert overlapped["status"] == "ok" and "prefill_2k" not in overlapped
+    assert overlapped["w1"]["requests"] == tiny["w1"]["requests"] and _positive(overlapped["w1_speedup"])
+    assert _finite(overlapped["tpot_b1"]["tpot_ms"], overlapped["tpot_b1_speedup"])
+    assert overlapped["w1_speedup"] == round(overlapped["w1"]["output_tok_s"] / tiny["w1"]["output_tok_s"], 3)
