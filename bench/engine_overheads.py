@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The engine's host-side overheads against the product's targets (issue 35, engine NFR-1/2/6/10), measured on
+"""The engine's host-side overheads against the product's targets (engine NFR-1/2/6/10), measured on
 the real engine classes with no model forward: the block pool and KV cache manager, `EngineCore.step` (the
 scheduler and the update from the step's output) with a stand-in runner that returns one token per sampled
 sequence, and the runner's own block copies for swapping. Prints one JSON object:

@@ -1,4 +1,4 @@
-"""A version's lifecycle: exactly the states and transitions issue 29 allows, nothing more.
+"""A version's lifecycle: exactly these states and transitions, nothing more.
 
 REGISTERED -> VALIDATING -> VALIDATED | FAILED; FAILED -> REGISTERED; VALIDATED -> STAGING -> STAGING_TESTED
 -> CANARY -> PRODUCTION | ROLLBACK; ROLLBACK -> VALIDATED; PRODUCTION -> DEPRECATED -> ARCHIVED.
