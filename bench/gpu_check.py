@@ -849,30 +849,34 @@ def baseline_figures(run: Run, spec: dict, name: str, cap: float, figs: dict) ->
     return out
 
 
+# a variant's figure over this tree's default one: > 1 where the variant is faster
+_SPEEDUP = {"w1": lambda base, got: got["output_tok_s"] / base["output_tok_s"],
+            "tpot_b1": lambda base, got: base["tpot_ms"] / got["tpot_ms"],
+            "prefill_2k": lambda base, got: base["ms"] / got["ms"]}
+
+
+def variant_figures(run: Run, spec: dict, name: str, cap: float, figs: dict, label: str, llm_kwargs: dict,
+                    only: list[str]) -> dict:
+    """The figures `only` again with the engine settings `llm_kwargs` on the same model, and each one's speed-up
+    over this tree's default figure (`<figure>_speedup`, > 1: the variant is faster)."""
+    status, got = run.child("shape", {**spec, "llm_kwargs": llm_kwargs, "only": only}, cap, f"{name}:{label}")
+    out: dict = {"status": status, **{k: got[k] for k in (*only, "error") if k in got}}
+    for k in only:
+        if k in got and k in figs:
+            out[f"{k}_speedup"] = round(_SPEEDUP[k](figs[k], got[k]), 3)
+    return out
+
+
 def fp8_figures(run: Run, spec: dict, name: str, cap: float, figs: dict) -> dict:
     """Batch-1 TPOT (against the bound of one byte a linear weight) and the 2k prefill with `--quantization fp8`
-    on the same model, and their ratios to this tree's bf16 figures (>1: fp8 is faster)."""
-    status, got = run.child("shape", {**spec, "llm_kwargs": {"quantization": "fp8"},
-                                      "only": ["tpot_b1", "prefill_2k"]}, cap, f"{name}:fp8")
-    out: dict = {"status": status, **{k: got[k] for k in ("tpot_b1", "prefill_2k", "error") if k in got}}
-    if "tpot_b1" in got and "tpot_b1" in figs:
-        out["tpot_b1_speedup"] = round(figs["tpot_b1"]["tpot_ms"] / got["tpot_b1"]["tpot_ms"], 3)
-    if "prefill_2k" in got and "prefill_2k" in figs:
-        out["prefill_2k_speedup"] = round(figs["prefill_2k"]["ms"] / got["prefill_2k"]["ms"], 3)
-    return out
+    on the same model, beside this tree's bf16 figures."""
+    return variant_figures(run, spec, name, cap, figs, "fp8", {"quantization": "fp8"}, ["tpot_b1", "prefill_2k"])
 
 
 def async_figures(run: Run, spec: dict, name: str, cap: float, figs: dict) -> dict:
     """W1 and batch-1 TPOT with `--async-scheduling` (the next decode step launched behind the one in flight)
-    on the same model, and this tree's step-by-step figures over them (>1: overlapping is faster)."""
-    status, got = run.child("shape", {**spec, "llm_kwargs": {"async_scheduling": True}, "only": ["w1", "tpot_b1"]},
-                            cap, f"{name}:async")
-    out: dict = {"status": status, **{k: got[k] for k in ("w1", "tpot_b1", "error") if k in got}}
-    if "w1" in got and "w1" in figs:
-        out["w1_speedup"] = round(got["w1"]["output_tok_s"] / figs["w1"]["output_tok_s"], 3)
-    if "tpot_b1" in got and "tpot_b1" in figs:
-        out["tpot_b1_speedup"] = round(figs["tpot_b1"]["tpot_ms"] / got["tpot_b1"]["tpot_ms"], 3)
-    return out
+    on the same model, beside this tree's step-by-step figures."""
+    return variant_figures(run, spec, name, cap, figs, "async", {"async_scheduling": True}, ["w1", "tpot_b1"])
 
 
 def _free_port() -> int:
