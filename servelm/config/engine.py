@@ -270,7 +270,8 @@ class SchedulerConfig:
                                 "its input tokens taken on the device from the step in flight, so that the host's "
                                 "work hides behind the GPU's (as vLLM's --async-scheduling; docs: GPU, Asynchronous "
                                 "scheduling). Steps overlap only while every running request is a plain decode "
-                                "(one sample, no logprobs, penalties, min_tokens or grammar) and none waits")
+                                "(one sample, no logprobs, penalties, min_tokens or grammar) and no waiting request "
+                                "could be admitted")
 
     def validate(self) -> None:
         def need(ok: bool, name: str, allowed: str) -> None:

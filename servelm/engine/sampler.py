@@ -102,12 +102,12 @@ class Sampler:
         params = [s.request.params for s in seqs]
         lp_rows = [r for r, p in enumerate(params) if p.logprobs is not None]
         if not lp_rows:
-            return self.choose(logits, seqs).tolist(), {}
+            return self._process_and_choose(logits, seqs).tolist(), {}
         # logits arrive in the model's dtype: a greedy row takes its argmax there (widening to float32 is
         # exact, so the choice is the same), everything else widens first.
         lp_idx = torch.tensor(lp_rows, device=logits.device) if len(lp_rows) < len(seqs) else None
         raw_logprobs = torch.log_softmax((logits if lp_idx is None else logits[lp_idx]).float(), dim=-1)
-        tokens = self.choose(logits, seqs)
+        tokens = self._process_and_choose(logits, seqs)
         token_list = tokens.tolist()
         results = [SampleResult(token_list[r]) for r in lp_rows]
         chosen = tokens if lp_idx is None else tokens[lp_idx]
@@ -120,6 +120,10 @@ class Sampler:
         want no logprobs."""
         if self.plain_greedy(seqs):
             return argmax_rows(logits)
+        return self._process_and_choose(logits, seqs)
+
+    def _process_and_choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Logit bias, min_tokens, penalties and the grammar's mask, then a token for each row (greedy or drawn)."""
         logits = self._process(logits, seqs)
         grammar_rows = [r for r, s in enumerate(seqs) if s.matcher is not None]
         if grammar_rows:  # a batch without structured output never gets here
