@@ -27,7 +27,8 @@ give the ratios (`baseline`: w1_speedup, tpot_b1_speedup).
 
 With --fp8-shapes (default: 8b on a GPU of compute capability 8.9 or newer), those shapes' batch-1 TPOT and 2k
 prefill run again with `--quantization fp8` (`fp8`: the figures, the TPOT's bound at one byte a linear weight, and
-the speed-ups over bf16).
+the speed-ups over bf16), and `fp8_linear` times the shape's linears alone on each fp8 path beside bf16, from one
+row to 2,048 (where the weight-only kernel should give way to `_scaled_mm`).
 
 With --async-shapes (default: 60m, 1b and 8b, those measured), those shapes' W1 and batch-1 TPOT run again with
 `--async-scheduling` (`async`: the figures and the speed-ups over this tree's step-by-step ones).
@@ -404,6 +405,14 @@ def child_shape(spec: dict) -> None:
         if on_gpu:
             torch.cuda.empty_cache()
 
+    if spec.get("fp8_linear"):
+        try:
+            result("fp8_linear", **fp8_linear(shape, on_gpu))
+        except Exception as e:  # as decode_attention's
+            result("fp8_linear", status="failed", error=f"{type(e).__name__}: {e}"[-1500:])
+            if on_gpu:
+                torch.cuda.empty_cache()
+
     w1_big(spec, gen, params, shape, pf / len(p2k), g / (len(ws) * spec["sampled"][1]), tflop_s)
     if on_gpu:
         result("memory", peak_gpu_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2))
@@ -470,15 +479,22 @@ def decode_attention(shape: tuple, on_gpu: bool) -> dict:
 
 def _attention_ms(attn, q, kv_cache, metas: list, on_gpu: bool, reps: int) -> float:
     """Median milliseconds per `attend` call over `metas` (one call each, in turn)."""
-    import torch
 
     def calls() -> None:
         for m in metas:
             attn.attend(q, kv_cache, m, None)
 
+    return _replay_ms(calls, len(metas), on_gpu, reps)
+
+
+def _replay_ms(calls, n_calls: int, on_gpu: bool, reps: int) -> float:
+    """Median milliseconds per call of `calls` (which makes `n_calls` calls): on a GPU, CUDA-event times of
+    replays of a captured graph of them (compiled and warmed first); on the CPU, wall time."""
+    import torch
+
     if not on_gpu:  # interpreted: nothing to compile or warm
-        return statistics.median(_wall(calls) for _ in range(reps)) * 1e3 / len(metas)
-    attn.attend(q, kv_cache, metas[0], None)  # compiles
+        return statistics.median(_wall(calls) for _ in range(reps)) * 1e3 / n_calls
+    calls()  # compiles
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -492,9 +508,60 @@ def _attention_ms(attn, q, kv_cache, metas: list, on_gpu: bool, reps: int) -> fl
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / len(metas))
+        times.append(start.elapsed_time(end) / n_calls)
     del graph
     return statistics.median(times)
+
+
+def fp8_linear(shape: tuple, on_gpu: bool) -> dict:
+    """An fp8 linear's paths alone at the shape's four linears (fused qkv, o_proj, fused gate_up, down_proj):
+    bf16 `F.linear` on the unquantized weight, the weight-only Triton kernel and `_scaled_mm` (activations
+    quantized per token), at step sizes from one row (decode) to 2,048 (prefill); the engine takes the
+    weight-only kernel up to WEIGHT_ONLY_ROWS rows and `_scaled_mm` above. Milliseconds per call are CUDA-event
+    times of graph replays over enough copies of the weight that the L2 cache holds none of it, and `*_gb_s`
+    the weight's bytes read per second. On the CPU, interpreted, rows 1 and 2 and the reference path in
+    `_scaled_mm`'s place: a smoke of the same code, not a measurement."""
+    import torch
+    import torch.nn.functional as F
+
+    from servelm.model.quant import fp8
+    from servelm.model.quant.triton_matmul import HAS_TRITON, TritonFp8Matmul
+
+    if not HAS_TRITON:
+        return {"status": "skipped", "reason": "triton is not installed"}
+    h, _, heads, kv, inter, *_ = shape
+    d = h // heads
+    dev = "cuda" if on_gpu else "cpu"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    reps = 5 if on_gpu else 1
+    g = torch.Generator(device=dev).manual_seed(0)
+    runs = []
+    for name, n, k in (("qkv", (heads + 2 * kv) * d, h), ("o_proj", h, heads * d), ("gate_up", 2 * inter, h),
+                       ("down_proj", h, inter)):
+        copies = min(64, -(-DECODE_ATTENTION_FLUSH_BYTES // (n * k))) if on_gpu else 1
+        dense = [torch.randn(n, k, generator=g, device=dev, dtype=dtype) * k**-0.5 for _ in range(copies)]
+        quant = [fp8.quantize_fp8(w) for w in dense]
+        paths = {"bf16": [lambda x, w=w: F.linear(x, w) for w in dense],
+                 "weight_only": [TritonFp8Matmul(q) for q in quant]}
+        if on_gpu and fp8.scaled_mm_applies(quant[0]) is None:
+            paths["scaled_mm"] = [fp8.Fp8ScaledMatmul(q) for q in quant]
+        elif not on_gpu:
+            paths["scaled_mm"] = [fp8.Fp8ReferenceMatmul(q) for q in quant]
+        for rows in ((1, 16, 64, 256, 2048) if on_gpu else (1, 2)):
+            x = torch.randn(rows, k, generator=g, device=dev, dtype=dtype)
+            row = {"linear": name, "n": n, "k": k, "rows": rows, "calls_per_replay": copies}
+            for path, mms in paths.items():
+                ms = _replay_ms(lambda mms=mms, x=x: [mm(x) for mm in mms], copies, on_gpu, reps)
+                row[f"{path}_ms"] = round(ms, 4)
+                row[f"{path}_gb_s"] = round(n * k * (2 if path == "bf16" else 1) / ms / 1e6, 1 if on_gpu else 4)
+            timed_paths = [p for p in ("weight_only", "scaled_mm") if f"{p}_ms" in row]
+            row["fastest_fp8"] = min(timed_paths, key=lambda p: row[f"{p}_ms"])
+            row["fastest_fp8_over_bf16"] = round(row["bf16_ms"] / row[f"{row['fastest_fp8']}_ms"], 3)
+            runs.append(row)
+        del dense, quant, paths
+        if on_gpu:
+            torch.cuda.empty_cache()
+    return {"dtype": str(dtype).removeprefix("torch."), "weight_only_rows": fp8.WEIGHT_ONLY_ROWS, "runs": runs}
 
 
 def w1_big(spec: dict, gen, params, shape: tuple, prefill_s_per_token: float, decode_s_per_token: float,
@@ -795,7 +862,11 @@ def section_shape(run: Run, cap: float, name: str) -> dict:
         if run.device_info["memory_gb"] < need:
             return {"status": "skipped", "reason": f"needs about {need:.0f} GiB, the GPU has "
                                                   f"{run.device_info['memory_gb']} GiB"}
+    fp8_shapes = run.fp8_shapes
+    if fp8_shapes is None:  # 8b where the GPU runs fp8 matmuls (compute capability 8.9 or newer)
+        fp8_shapes = ["8b"] if tuple(run.device_info.get("capability") or (0, 0)) >= (8, 9) else []
     spec = {"shape": name, "tokenizer": str(run.tokenizers[shape[5]]), "reps": prof["reps"],
+            "fp8_linear": name in fp8_shapes,
             "w1": prof["w1"], "sampled": prof["sampled"], "big": prof["big"], "tpot": prof["tpot"],
             "big_on": name in prof["big_on"], **{k: run.ceilings.get(k) for k in ("copy_gb_s", "bf16_tflop_s")}}
     # the model is made in a process of its own: the process that measures then holds no trace of making it
@@ -810,9 +881,6 @@ def section_shape(run: Run, cap: float, name: str) -> dict:
     if run.args.baseline is not None and name in run.baseline_shapes and status == "ok":
         # beyond the section's cap: a baseline asked for is worth the time of the sections after it
         out["baseline"] = baseline_figures(run, spec, name, min(BASELINE_CAP_S, max(1.0, run.left() - 3)), figs)
-    fp8_shapes = run.fp8_shapes
-    if fp8_shapes is None:  # 8b where the GPU runs fp8 matmuls (compute capability 8.9 or newer)
-        fp8_shapes = ["8b"] if tuple(run.device_info.get("capability") or (0, 0)) >= (8, 9) else []
     if name in fp8_shapes and status == "ok":
         out["fp8"] = fp8_figures(run, spec, name, min(BASELINE_CAP_S, max(1.0, run.left() - 3)), figs)
     if name in run.async_shapes and status == "ok":
@@ -824,7 +892,7 @@ def section_shape(run: Run, cap: float, name: str) -> dict:
             why = {"timeout": f"the section's cap ({cap:.0f} s) was reached first",
                    "failed": "the child process failed (see error)"}.get(status, "not measured")
             out[k] = {"status": "skipped", "reason": why}
-    for k in ("memory", "error"):
+    for k in ("fp8_linear", "memory", "error"):
         if k in figs:
             out[k] = figs[k]
     if name != prof["s1_shape"] and model_dir(run.work, name).exists() and not run.args.keep_models:

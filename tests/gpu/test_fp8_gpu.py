@@ -1,6 +1,7 @@
 """quantization fp8 on a GPU with FP8 tensor cores (compute capability >= 8.9): `torch._scaled_mm` with
 per-token activation scales against the same arithmetic in float32 and against the reference path, the
-kernel choice on CUDA, and the engine end to end (CUDA graphs and eager) close to the reference path.
+weight-only Triton kernel at the 8B shape's sizes, the kernel choice on CUDA, and the engine end to end (CUDA
+graphs and eager) close to the reference path.
 Skipped without CUDA or below sm89."""
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from tiny_models import build_model, random_prompts, run
 from servelm import LLM, SamplingParams
 from servelm.model.layers.linear_kernels import Fp8Kernel, select_linear
 from servelm.model.quant.fp8 import (
+    WEIGHT_ONLY_ROWS,
+    Fp8ByRows,
     Fp8ReferenceMatmul,
     Fp8ScaledMatmul,
     Fp8Weight,
@@ -21,6 +24,7 @@ from servelm.model.quant.fp8 import (
     quantize_fp8,
     quantize_rows,
 )
+from servelm.model.quant.triton_matmul import TritonFp8Matmul
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                                 reason="needs a CUDA device of compute capability >= 8.9 (FP8 tensor cores)")
@@ -40,8 +44,9 @@ def test_scaled_mm_matches_its_arithmetic_and_the_reference(rows, shape):
     n, k = shape
     w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g), torch.bfloat16)
     x = torch.randn(rows, k, device="cuda", generator=g).to(torch.bfloat16)
-    mm = fp8_matmul(w)
-    assert isinstance(mm, Fp8ScaledMatmul), "the fast path must run on this GPU"
+    both = fp8_matmul(w)
+    assert isinstance(both, Fp8ByRows), "both fast paths must run on this GPU"
+    mm = both.large
     want = _emulated(x, w)
     for multiple in {mm.row_multiple, 16}:  # as chosen, and with the rows padded
         y = Fp8ScaledMatmul(w, multiple)(x)
@@ -60,10 +65,13 @@ def test_block_scaled_weight_runs_requantized_per_row():
     scales = torch.rand(256, 3, device="cuda", generator=g) + 0.01
     w = Fp8Weight(codes, scales, 128, torch.bfloat16, "fp8/block128x128")
     mm = fp8_matmul(w)
-    assert isinstance(mm, Fp8ScaledMatmul)
-    x = torch.randn(9, 384, device="cuda", generator=g).to(torch.bfloat16)
+    assert isinstance(mm, Fp8ByRows) and isinstance(mm.large, Fp8ScaledMatmul)
+    assert mm.small.codes.data_ptr() == mm.large.codes.data_ptr()  # one requantized copy for both paths
+    x = torch.randn(WEIGHT_ONLY_ROWS + 9, 384, device="cuda", generator=g).to(torch.bfloat16)
     ref = F.linear(x.float(), w.dequantize(torch.float32))
-    assert (mm(x).float() - ref).abs().mean() < 0.06 * ref.abs().mean()  # (measured on an H200: 3.8%)
+    for rows in (9, WEIGHT_ONLY_ROWS + 9):  # the weight-only kernel, then _scaled_mm
+        gap = (mm(x[:rows]).float() - ref[:rows]).abs().mean()
+        assert gap < 0.06 * ref[:rows].abs().mean()  # (_scaled_mm, measured on an H200: 3.8%)
 
 
 def test_kernel_choice_on_cuda():
@@ -71,12 +79,30 @@ def test_kernel_choice_on_cuda():
         return select_linear(quantize_fp8(torch.randn(n, k), dtype).to("cuda"))
 
     assert isinstance(kernel(64, 64, torch.bfloat16), Fp8Kernel)
-    assert kernel(64, 64, torch.bfloat16).path == "scaled_mm"
-    assert kernel(64, 64, torch.float32).path == "reference"  # row-wise scaled matmuls return bfloat16
-    assert kernel(40, 64, torch.bfloat16).path == "reference"  # not a multiple of 16
+    assert kernel(64, 64, torch.bfloat16).path == "triton+scaled_mm"
+    assert kernel(64, 64, torch.float32).path == "triton"  # row-wise scaled matmuls return bfloat16
+    assert kernel(40, 64, torch.bfloat16).path == "triton"  # not a multiple of 16 for _scaled_mm
     lin = kernel(48, 32, torch.float32)
     x = torch.randn(3, 32, device="cuda")
-    torch.testing.assert_close(lin(x), F.linear(x, lin.matmul.w.dequantize(torch.float32)))
+    torch.testing.assert_close(lin(x), F.linear(x, lin.matmul.codes.float() * lin.matmul.scales), rtol=1e-4,
+                               atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 64])
+@pytest.mark.parametrize("shape", [(4096, 4096), (6144, 4096), (4096, 14336), (1000, 1000)])
+def test_weight_only_kernel_at_llama_8b_shapes(rows, shape):
+    """The compiled weight-only kernel at the 8B shape's o_proj, qkv and down_proj (split over the inputs on
+    this GPU's SMs) and a ragged shape, bf16, against float32 arithmetic on the stored weight."""
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    n, k = shape
+    w = quantize_fp8(torch.randn(n, k, device="cuda", generator=g), torch.bfloat16)
+    x = torch.randn(rows, k, device="cuda", generator=g).to(torch.bfloat16)
+    mm = TritonFp8Matmul(w)
+    want = x.float() @ (w.codes.float() * w.scales).T
+    y = mm(x)
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), want, rtol=2 ** -7, atol=2e-3 * want.abs().max().item())
+    torch.testing.assert_close(mm(x, splits=1).float(), y.float(), rtol=2 ** -7, atol=2e-3 * want.abs().max().item())
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +134,7 @@ def test_engine_with_fp8_on_cuda_is_close_to_the_reference_path(which, mode, fp8
     model = llm.engine.core.model
     assert model.quantization == "fp8"
     lins = [lin for lw in model.layers for lin in (lw.qkv, lw.o_proj, lw.down, lw.gate_up.linear)]
-    assert all(lin.kernel.path == "scaled_mm" for lin in lins)
+    assert all(lin.kernel.path == "triton+scaled_mm" for lin in lins)
     cpu = LLM(folder, dtype="float32", num_kv_blocks=64, **kw)
     prompts = random_prompts(4, 8, 40, seed=31)
     got, want = _prompt_logprobs(llm, prompts), _prompt_logprobs(cpu, prompts)

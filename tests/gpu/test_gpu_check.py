@@ -168,7 +168,8 @@ def test_a_baseline_tree_runs_beside_on_the_same_model(smoke, baseline_tree):
 @pytest.mark.server
 def test_an_fp8_variant_runs_beside_on_the_same_model(smoke):
     """--fp8-shapes: the shape's batch-1 TPOT and 2k prefill again with fp8 weights, its bound at one byte a
-    linear weight (so below the bf16 bound), and the speed-ups over this tree's bf16 figures."""
+    linear weight (so below the bf16 bound), the speed-ups over this tree's bf16 figures, and the shape's
+    four linears timed alone on each fp8 path (interpreted here: a smoke of the figure)."""
     tiny = smoke[0]["sections"]["tiny"]
     fp8 = tiny["fp8"]
     assert fp8["status"] == "ok" and "w1" not in fp8
@@ -177,6 +178,13 @@ def test_an_fp8_variant_runs_beside_on_the_same_model(smoke):
                      fp8["prefill_2k_speedup"])
     assert fp8["tpot_b1"]["bytes_per_step_gb"] <= tiny["tpot_b1"]["bytes_per_step_gb"]
     assert fp8["prefill_2k_speedup"] == round(tiny["prefill_2k"]["ms"] / fp8["prefill_2k"]["ms"], 3)
+    linears = tiny["fp8_linear"]
+    assert [(r["linear"], r["rows"]) for r in linears["runs"]] == [
+        (name, rows) for name in ("qkv", "o_proj", "gate_up", "down_proj") for rows in (1, 2)]
+    for r in linears["runs"]:
+        assert _positive(r["bf16_ms"], r["weight_only_ms"], r["scaled_mm_ms"], r["weight_only_gb_s"],
+                         r["fastest_fp8_over_bf16"])
+        assert r["fastest_fp8"] in ("weight_only", "scaled_mm")
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
-"""The Triton quantized matmul (model/quant/triton_matmul.py) against dequantize-then-matmul, under Triton's CPU
-interpreter (on a GPU machine the compiled kernel): int8 per row, int4 in groups of 32 and 128, a GGUF Q4_1
+"""The Triton quantized matmuls (model/quant/triton_matmul.py) against dequantize-then-matmul, under Triton's CPU
+interpreter (on a GPU machine the compiled kernels): int8 per row, int4 in groups of 32 and 128, a GGUF Q4_1
 block tensor taken as int4, ragged shapes that leave partial tiles, fp16 activations, and float32 dots in
-IEEE precision (not TF32)."""
+IEEE precision (not TF32); fp8 weights' weight-only kernel per row and block-scaled, split over its inputs
+or not, and which steps take it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernel's definition
 
 from servelm.model.quant import triton_matmul as quant_triton  # noqa: E402
+from servelm.model.quant.fp8 import FP8, Fp8Weight, quantize_fp8  # noqa: E402
 from servelm.model.quant.weight_only import QuantWeight, quantize_int4, quantize_int8  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not quant_triton.HAS_TRITON, reason="triton is not installed")
@@ -123,3 +125,80 @@ def test_a_quantized_weight_on_the_gpu_gets_the_triton_kernel():
         assert isinstance(quant.quant_matmul(w.to("cuda")), quant_triton.TritonQuantMatmul)
     else:
         assert isinstance(quant.quant_matmul(w), quant.QuantMatmul)  # on the CPU: PyTorch's kernels
+
+
+# --- fp8 weights: the weight-only kernel ----------------------------------------------------------------------
+def _fp8_check(w, m: int, splits: int | None, dtype: torch.dtype = DTYPE, tol: float = 1e-4) -> torch.Tensor:
+    """The weight-only fp8 kernel against float64 arithmetic on the stored weight (codes times scales)."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, w.shape[1], generator=g).to(dtype)
+    want = x.double() @ w.dequantize(torch.float64).T
+    got = quant_triton.TritonFp8Matmul(w.to(DEVICE))(x.to(DEVICE), splits=splits).cpu()
+    assert got.dtype == dtype and got.shape == (m, w.shape[0])
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * scale)
+    return got
+
+
+@pytest.mark.parametrize("m", [1, 5, 17, 70])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_fp8_weight_only_per_row(m, splits):
+    """A scale per row, applied once to the dot's sum; ragged N and K leave partial tiles, and 70 rows take
+    two tiles of 64. Split in three, the partial sums add up to the same result."""
+    w = quantize_fp8(torch.randn(72, 300, generator=torch.Generator().manual_seed(1)), DTYPE)
+    _fp8_check(w, m, splits)
+
+
+@pytest.mark.parametrize("group", [128, 32])
+def test_fp8_weight_only_block_scaled(group):
+    """Scales per row and group of inputs (a 128 x 128 block-scaled checkpoint's, and groups of 32, which
+    take tiles of 32 inputs so that a tile never spans two groups), split or not."""
+    g = torch.Generator().manual_seed(2)
+    codes = (torch.randn(64, 384, generator=g) * 100).clamp(-448, 448).to(FP8)
+    w = Fp8Weight(codes, torch.rand(64, 384 // group, generator=g) + 0.01, group, DTYPE, "fp8/block")
+    assert quant_triton.TritonFp8Matmul(w).block_k == group
+    for splits in (1, 2):
+        _fp8_check(w, 3, splits)
+
+
+def test_fp8_weight_only_fp16_activations():
+    """fp16 activations: e4m3 codes convert to fp16 exactly, the dot accumulates in float32, and only the
+    output's rounding separates the result from exact arithmetic."""
+    w = quantize_fp8(torch.randn(48, 256, generator=torch.Generator().manual_seed(3)), torch.float16)
+    _fp8_check(w, 4, None, torch.float16, tol=2e-3)
+
+
+def test_fp8_split_count_fills_the_gpu_only_where_the_output_cannot():
+    """Splits give every SM its programs where the output's tiles are too few, never below four tiles of
+    inputs a split; a CPU (one "SM") never splits."""
+    assert quant_triton.split_k(output_tiles=64, k_tiles=32, sms=132) == 5  # 8B o_proj: 64 tiles of 64 outputs
+    assert quant_triton.split_k(output_tiles=448, k_tiles=32, sms=132) == 1  # 8B gate_up: enough outputs
+    assert quant_triton.split_k(output_tiles=1, k_tiles=8, sms=132) == 2  # short inputs: splits of 4 tiles
+    assert quant_triton.split_k(output_tiles=1, k_tiles=3, sms=132) == 1
+    assert quant_triton.split_k(output_tiles=2, k_tiles=100, sms=1) == 1
+
+
+def test_fp8_steps_take_the_weight_only_kernel_up_to_64_rows():
+    """`Fp8ByRows`: a step of up to WEIGHT_ONLY_ROWS rows runs the weight-only kernel, a larger one the other
+    path (here the reference stands in for `_scaled_mm`, which needs an FP8 GPU); each row's result is then
+    exactly that path's."""
+    from servelm.model.quant.fp8 import WEIGHT_ONLY_ROWS, Fp8ByRows, Fp8ReferenceMatmul
+
+    w = quantize_fp8(torch.randn(40, 96, generator=torch.Generator().manual_seed(4)), DTYPE).to(DEVICE)
+    small, large = quant_triton.TritonFp8Matmul(w), Fp8ReferenceMatmul(w)
+    mm = Fp8ByRows(small, large)
+    x = torch.randn(WEIGHT_ONLY_ROWS + 1, 96, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    assert torch.equal(mm(x[:WEIGHT_ONLY_ROWS]), small(x[:WEIGHT_ONLY_ROWS]))
+    assert torch.equal(mm(x), large(x))
+    assert not torch.equal(small(x)[:1], large(x)[:1])  # the two paths differ in their sums' order
+    assert mm.tensors() == large.tensors()
+
+
+def test_an_fp8_weight_on_the_cpu_takes_neither_gpu_path():
+    from servelm.model.quant.fp8 import Fp8ReferenceMatmul, fp8_matmul, weight_only_applies
+
+    w = quantize_fp8(torch.randn(32, 64), torch.bfloat16)
+    if torch.cuda.is_available():
+        return  # the choice on a GPU: tests/gpu/test_fp8_gpu.py
+    assert weight_only_applies(w) == "on cpu"
+    assert isinstance(fp8_matmul(w), Fp8ReferenceMatmul)

@@ -11,7 +11,8 @@ A float weight on the CPU takes the first of these that applies:
 
 A quantized weight keeps its format in a `QuantKernel`: int8/int4 on PyTorch's CPU kernels or the Triton
 matmul on a GPU (model/quant/weight_only.py), GGUF blocks on servelm's kernels (model/quant/gguf.py). An fp8
-weight takes an `Fp8Kernel`: `torch._scaled_mm` on GPUs with FP8 tensor cores, else the exact reference
+weight takes an `Fp8Kernel`: on GPUs of compute capability 8.9 and newer, a Triton weight-only kernel for
+decode-sized steps and `torch._scaled_mm` on the FP8 tensor cores for larger ones, else the exact reference
 (dequantize, then matmul; model/quant/fp8.py).
 
 The three C++ float kernels and the GGUF block kernel sum each output row in one fixed order whatever the
@@ -23,13 +24,13 @@ whole 16-row groups.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from servelm.model.kernels import cpu as cpu_kernels
-from servelm.model.quant.fp8 import Fp8ReferenceMatmul, Fp8ScaledMatmul, Fp8Weight, fp8_matmul
+from servelm.model.quant.fp8 import Fp8ByRows, Fp8ReferenceMatmul, Fp8ScaledMatmul, Fp8Weight, fp8_matmul
 from servelm.model.quant.gguf import (
     GGUFBlocks,
     GGUFMatmul,
@@ -39,6 +40,9 @@ from servelm.model.quant.gguf import (
     reference_selected,
 )
 from servelm.model.quant.weight_only import QuantMatmul, QuantWeight, quant_matmul
+
+if TYPE_CHECKING:  # imported where it runs: Triton loads only with a GPU's kernels
+    from servelm.model.quant.triton_matmul import TritonFp8Matmul
 
 
 class LinearKernel(Protocol):
@@ -221,10 +225,11 @@ class QuantKernel:
 
 
 class Fp8Kernel(QuantKernel):
-    """An fp8 weight (model/quant/fp8.py): `path` says which matmul runs it, scaled_mm (activations quantized
-    per token, FP8 tensor cores) or reference (the weight dequantized at each call). The bias is added after."""
+    """An fp8 weight (model/quant/fp8.py): `path` says which matmul runs it: triton (weight-only), scaled_mm
+    (activations quantized per token, FP8 tensor cores), triton+scaled_mm (split by the step's rows) or
+    reference (the weight dequantized at each call). The bias is added after."""
 
-    def __init__(self, matmul: Fp8ScaledMatmul | Fp8ReferenceMatmul) -> None:
+    def __init__(self, matmul: Fp8ByRows | Fp8ScaledMatmul | Fp8ReferenceMatmul | TritonFp8Matmul) -> None:
         super().__init__(matmul, None)
         self.path = matmul.path
 

@@ -10,6 +10,11 @@ value, so no code saturates.
   codes on the FP8 tensor cores and applies both scales (row-wise: [T, 1] and [1, N]) in its epilogue. A
   block-scaled weight is dequantized and requantized per row for it (row-wise scaling takes one scale per
   output), which rounds each weight a second time.
+- `TritonFp8Matmul` (model/quant/triton_matmul.py; CUDA, compute capability >= 8.9, with Triton): the weight
+  alone in fp8, converted to the activations' dtype in registers, for any dtype. A step of up to
+  `WEIGHT_ONLY_ROWS` rows (decode) reads the weight and little else, and quantizing its activations would add
+  kernels without saving bytes, so `Fp8ByRows` sends such steps there and larger ones (prefill, where the FP8
+  tensor cores' rate is what counts) to `_scaled_mm`; where `_scaled_mm` does not apply, it takes every step.
 - `Fp8ReferenceMatmul` (everywhere else: the CPU, older GPUs, other dtypes or shapes): the weight dequantized
   to the activations' dtype, then an ordinary matmul. Exact with respect to the stored weight, so tests on the
   CPU hold the numerics of the checkpoint to transformers run on the dequantized weights; activations are
@@ -29,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3fn's largest finite value
+WEIGHT_ONLY_ROWS = 64  # up to this many rows a step runs the weight-only kernel (one tile of rows: one weight read)
 _MIN_SCALE = 1e-12  # an all-zero row or token: codes 0 whatever the scale; never divide by zero
 
 
@@ -166,21 +172,72 @@ def scaled_mm_applies(w: Fp8Weight) -> str | None:
     return None
 
 
-def fp8_matmul(w: Fp8Weight) -> Fp8ScaledMatmul | Fp8ReferenceMatmul:
-    """`_scaled_mm` where it applies and runs (rows padded to a multiple of 16 where one row is refused), else
-    the reference (logged once per reason)."""
+class Fp8ByRows:
+    """A step of up to `WEIGHT_ONLY_ROWS` rows through `small` (the weight-only kernel), larger ones through
+    `large` (`_scaled_mm`), both over the same per-row weight."""
+
+    path = "triton+scaled_mm"
+    kind = "fp8"
+
+    def __init__(self, small, large: Fp8ScaledMatmul) -> None:
+        self.small, self.large = small, large
+        self.out_features, self.in_features = large.out_features, large.in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.small(x) if x.shape[0] <= WEIGHT_ONLY_ROWS else self.large(x)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.large.tensors()  # the same storage as small's
+
+
+def weight_only_applies(w: Fp8Weight) -> str | None:
+    """Why the Triton weight-only kernel does not take w here (None where it does)."""
+    from servelm.model.quant.triton_matmul import HAS_TRITON
+
+    dev = w.codes.device
+    if dev.type != "cuda":
+        return f"on {dev.type}"
+    if not HAS_TRITON:
+        return "Triton is not installed"
+    if torch.cuda.get_device_capability(dev) < (8, 9):  # Triton converts e4m3 from sm89 on
+        return "compute capability < 8.9"
+    if not w.per_row and w.group_size % 16:
+        return f"groups of {w.group_size} inputs"
+    return None
+
+
+def _scaled(w: Fp8Weight) -> tuple[Fp8ScaledMatmul | None, str | None]:
+    """`_scaled_mm` over w where it applies and runs (rows padded to a multiple of 16 where one row is
+    refused), else (None, why)."""
     why = scaled_mm_applies(w)
     if why is None:
         for rows in (1, 16):
             try:
                 mm = Fp8ScaledMatmul(w, rows)
                 mm(torch.zeros(1, mm.in_features, dtype=w.dtype, device=w.codes.device))  # shapes checked on call
-                return mm
+                return mm, None
             except RuntimeError as e:
                 why = f"_scaled_mm failed: {str(e).splitlines()[0]}"
+    return None, why
+
+
+def fp8_matmul(w: Fp8Weight) -> Fp8ByRows | Fp8ScaledMatmul | Fp8ReferenceMatmul:
+    """The fastest of the paths that apply (see the module's docstring): both fast paths split by rows, else
+    the one that applies, else the reference (logged once per reason)."""
+    scaled, why = _scaled(w)
+    weight_only = weight_only_applies(w)
+    if weight_only is None:
+        from servelm.model.quant.triton_matmul import TritonFp8Matmul
+
+        if scaled is not None:  # both over the per-row weight `_scaled_mm` holds: one copy
+            per_row = Fp8Weight(scaled.codes, scaled.scale_b.view(-1, 1), scaled.in_features, w.dtype, w.source)
+            return Fp8ByRows(TritonFp8Matmul(per_row), scaled)
+        return TritonFp8Matmul(w)
+    if scaled is not None:
+        return scaled
     if w.codes.device.type == "cuda" and why not in _logged:
         _logged.add(why)
-        logger.warning("fp8 weights run the reference path (dequantized each call): %s", why)
+        logger.warning("fp8 weights run the reference path (dequantized each call): %s; %s", why, weight_only)
     return Fp8ReferenceMatmul(w)
 
 

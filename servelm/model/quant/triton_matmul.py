@@ -1,4 +1,4 @@
-"""Quantized linears on NVIDIA GPUs: a Triton matmul that dequantizes `QuantWeight` tiles on the fly.
+"""Quantized linears on NVIDIA GPUs: Triton matmuls that dequantize weight tiles on the fly.
 
 The same formats as the CPU kernels (model/quant/weight_only.py), from the same codes: int8 with one scale per output
 row (w = code * scale), and int4 in groups along the inputs with a scale and a zero point each
@@ -9,7 +9,13 @@ dequantized in float32, then rounded to the activations' dtype: bf16 and fp16 ti
 cores in that dtype, float32 ones in IEEE float32 (`input_precision="ieee"`; Triton's default for float32
 dots is TF32, whose 10-bit mantissa costs about 1e-3 relative error per product).
 
-Without a GPU the kernel runs under Triton's interpreter (`TRITON_INTERPRET=1`), which is how CI checks it
+FP8 weights (model/quant/fp8.py) have a kernel of their own, `TritonFp8Matmul`, for the steps where reading the
+weight is the cost (a decode step's few rows): e4m3 codes convert exactly to the activations' dtype in
+registers, and the scales multiply the dot's result, once at the end for a scale per row or per tile for a
+block-scaled weight. It splits the inputs over more programs where the output alone gives too few to keep the
+GPU's memory busy (`split_k`; the partial sums add in a fixed order, so a result never depends on timing).
+
+Without a GPU the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`), which is how CI checks it
 against dequantize-then-matmul. This module imports without Triton; `HAS_TRITON` says if it can run.
 """
 
@@ -60,6 +66,36 @@ if HAS_TRITON:
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+    @triton.jit
+    def _fp8_mm_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_qn, stride_sn, stride_ys,
+                       stride_ym, GROUP: tl.constexpr, PER_ROW: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PRECISION: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_s = tl.program_id(2)  # which K_SPLIT-wide slice of the inputs this program sums
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_from = pid_s * K_SPLIT
+        for k0 in range(k_from, tl.minimum(k_from + K_SPLIT, K), BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
+                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+            code = tl.load(q_ptr + rn[None, :] * stride_qn + rk[:, None],
+                           mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_N] e4m3
+            w = code.to(x.dtype)  # exact: every e4m3 value is a bf16, fp16 and float32 value
+            if PER_ROW:
+                acc = tl.dot(x, w, acc, input_precision=PRECISION)
+            else:  # the tile lies in one group of inputs (GROUP is a multiple of BLOCK_K, and so is K_SPLIT)
+                scale = tl.load(s_ptr + rn * stride_sn + k0 // GROUP, mask=rn < N, other=0.0)
+                acc += tl.dot(x, w, input_precision=PRECISION) * scale[None, :]
+        if PER_ROW:
+            acc = acc * tl.load(s_ptr + rn * stride_sn, mask=rn < N, other=0.0)[None, :]
+        tl.store(y_ptr + pid_s * stride_ys + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """The kernel's `tl.dot` input precision for activations of `dtype`: IEEE float32 for float32 (Triton's
     default there is TF32), and for bf16/fp16, whose dots multiply in that dtype anyway, Triton's default."""
@@ -105,3 +141,61 @@ class TritonQuantMatmul:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+FP8_BLOCK_N = 64
+FP8_PROGRAMS_PER_SM = 2  # programs in flight per SM that keep a weight-streaming kernel at memory bandwidth
+FP8_MIN_TILES_PER_SPLIT = 4  # each split sums at least 4 tiles of inputs: partial sums cost a write and a read
+
+
+def split_k(output_tiles: int, k_tiles: int, sms: int) -> int:
+    """How many slices of the inputs to sum in programs of their own: enough for FP8_PROGRAMS_PER_SM programs on
+    every SM where the output's tiles alone are fewer, never slices under FP8_MIN_TILES_PER_SPLIT tiles. A
+    function of the shapes and the GPU only, so a step's kernels are the same at every replay of a CUDA graph."""
+    want = -(-FP8_PROGRAMS_PER_SM * sms // output_tiles)
+    return max(1, min(want, k_tiles // FP8_MIN_TILES_PER_SPLIT))
+
+
+class TritonFp8Matmul:
+    """x W^T for an fp8 weight (model/quant/fp8.py's `Fp8Weight`) with `_fp8_mm_kernel`: the weight read once
+    as one byte a value, for any activation dtype. `sms` (the GPU's multiprocessor count; 1 under the
+    interpreter) sets the split of the inputs."""
+
+    path = "triton"
+    kind = "fp8"
+
+    def __init__(self, w, sms: int | None = None) -> None:
+        self.out_features, self.in_features = w.shape
+        self.per_row, self.group = w.per_row, w.group_size
+        self.block_k = 128 if w.per_row else _largest_tile_dividing(w.group_size)
+        if self.block_k is None:
+            raise ValueError(f"fp8 groups of {w.group_size} inputs: the kernel takes groups of a multiple of 16")
+        self.codes = w.codes.contiguous()
+        self.scales = w.scales.contiguous()
+        dev = self.codes.device
+        self.sms = sms if sms is not None else (
+            torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1)
+
+    def __call__(self, x: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+        m, n, k = x.shape[0], self.out_features, self.in_features
+        if m == 0:
+            return x.new_empty(0, n)
+        x = x.contiguous()
+        block_m = min(64, max(16, triton.next_power_of_2(m)))
+        m_tiles, n_tiles, k_tiles = triton.cdiv(m, block_m), triton.cdiv(n, FP8_BLOCK_N), triton.cdiv(k, self.block_k)
+        splits = splits or split_k(m_tiles * n_tiles, k_tiles, self.sms)
+        k_split = triton.cdiv(k_tiles, splits) * self.block_k
+        splits = triton.cdiv(k, k_split)
+        y = torch.empty(splits, m, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+        _fp8_mm_kernel[(m_tiles, n_tiles, splits)](
+            x, self.codes, self.scales, y, m, n, k, k_split, x.stride(0), self.codes.stride(0),
+            self.scales.stride(0), y.stride(0), y.stride(1), GROUP=self.group, PER_ROW=self.per_row,
+            BLOCK_M=block_m, BLOCK_N=FP8_BLOCK_N, BLOCK_K=self.block_k, PRECISION=dot_precision(x.dtype))
+        return y[0] if splits == 1 else y.sum(0).to(x.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.codes, self.scales]
+
+
+def _largest_tile_dividing(group: int) -> int | None:
+    return next((b for b in (128, 64, 32, 16) if group % b == 0), None)
