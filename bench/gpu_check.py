@@ -69,6 +69,7 @@ BENCH = ROOT / "bench"
 GPU_TESTS = ["tests/gpu/test_gpu.py", "tests/kernels/test_triton_attention.py", "tests/kernels/test_triton_elementwise.py",
              "tests/kernels/test_quant_triton.py", "tests/kernels/test_cuda_graphs.py", "tests/kernels/test_triton_rope.py",
              "tests/gpu/test_fp8_gpu.py", "tests/gpu/test_fp8_kv_gpu.py", "tests/kernels/test_triton_fp8_kv.py",
+             "tests/kernels/test_triton_fp8.py",
              "tests/gpu/test_tp_nccl.py"]  # (test_tp_nccl skips itself with fewer than 2 GPUs)
 # Without CUDA: test_gpu.py skips itself; one quick test of the graph path shows that pytest ran.
 CPU_TESTS = ["tests/gpu/test_gpu.py", "tests/kernels/test_cuda_graphs.py::test_capture_sizes_cover_every_batch_up_to_the_limit"]

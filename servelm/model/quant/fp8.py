@@ -6,9 +6,9 @@ w = code * scale. Quantized at load (`quantize_fp8`), a row's scale is absmax / 
 value, so no code saturates.
 
 - `Fp8ScaledMatmul` (CUDA, compute capability >= 8.9, bfloat16 activations): each token's activations are
-  quantized to e4m3 with a scale of their own (absmax / 448), then `torch._scaled_mm` multiplies codes by
-  codes on the FP8 tensor cores and applies both scales (row-wise: [T, 1] and [1, N]) in its epilogue. A
-  block-scaled weight is dequantized and requantized per row for it (row-wise scaling takes one scale per
+  quantized to e4m3 with a scale of their own (absmax / 448; one Triton kernel, model/quant/triton_fp8.py),
+  then `torch._scaled_mm` multiplies codes by codes on the FP8 tensor cores and applies both scales (row-wise:
+  [T, 1] and [1, N]) in its epilogue. A block-scaled weight is dequantized and requantized per row for it (row-wise scaling takes one scale per
   output), which rounds each weight a second time.
 - `TritonFp8Matmul` (model/quant/triton_matmul.py; CUDA, compute capability >= 8.9, with Triton): the weight
   alone in fp8, converted to the activations' dtype in registers, for any dtype. A step of up to
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3fn's largest finite value
 WEIGHT_ONLY_ROWS = 64  # up to this many rows a step runs the weight-only kernel (one tile of rows: one weight read)
-_MIN_SCALE = 1e-12  # an all-zero row or token: codes 0 whatever the scale; never divide by zero
+MIN_SCALE = 1e-12  # an all-zero row or token: codes 0 whatever the scale; never divide by zero
 
 
 @dataclass
@@ -81,7 +81,7 @@ class Fp8Weight:
 def quantize_fp8(w: torch.Tensor, dtype: torch.dtype | None = None, source: str = "fp8") -> Fp8Weight:
     """One float32 scale per output row, absmax / 448: the row's largest weight maps to e4m3's largest value."""
     w32 = w.float()
-    scales = (w32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_(min=_MIN_SCALE)
+    scales = (w32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_(min=MIN_SCALE)
     codes = (w32 / scales).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return Fp8Weight(codes, scales, w.shape[1], dtype or w.dtype, source)
 
@@ -94,7 +94,7 @@ def requantize_per_row(w: Fp8Weight) -> Fp8Weight:
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token quantization: (e4m3 codes [T, K], float32 scales [T, 1]), x ~= codes * scales."""
     x32 = x.float()
-    scales = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_(min=_MIN_SCALE)
+    scales = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_(min=MIN_SCALE)
     return (x32 / scales).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scales
 
 
@@ -140,13 +140,19 @@ class Fp8ScaledMatmul:
         self.row_multiple = row_multiple
         self.codes = w.codes.contiguous()  # [N, K] row-major: its .t() is the column-major [K, N] mat2
         self.scale_b = w.scales.reshape(1, -1).contiguous()  # [1, N]
+        self.quantize = quantize_rows
+        if self.codes.is_cuda:  # one Triton kernel instead of four PyTorch ones, with the same bits
+            from servelm.model.quant import triton_fp8
+
+            if triton_fp8.HAS_TRITON:
+                self.quantize = triton_fp8.quantize_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         pad = -t % self.row_multiple
         if pad:
             x = F.pad(x, (0, 0, 0, pad))
-        xq, scale_a = quantize_rows(x)
+        xq, scale_a = self.quantize(x)
         y = torch._scaled_mm(xq, self.codes.t(), scale_a=scale_a, scale_b=self.scale_b, out_dtype=x.dtype)
         return y[:t] if pad else y
 
