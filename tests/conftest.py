@@ -22,6 +22,10 @@ if torch is not None:
     # threads spin at barriers), which made a transformers oracle 1.5x slower beside a busy worker
     _share = (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     torch.set_num_threads(max(1, min(2, _share)))
+    if not torch.cuda.is_available():
+        # Triton decides at each kernel's definition whether the interpreter runs it: set before any test
+        # imports a module that defines kernels, so that no import order leaves one compiled for a missing GPU
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from services import need, new_database  # noqa: E402
 from tiny_models import ARCHS, build_model  # noqa: E402

@@ -198,11 +198,11 @@ class Fp8ByRows:
 
 def weight_only_applies(w: Fp8Weight) -> str | None:
     """Why the Triton weight-only kernel does not take w here (None where it does)."""
+    dev = w.codes.device
+    if dev.type != "cuda":  # (before importing Triton: a CPU process never loads it)
+        return f"on {dev.type}"
     from servelm.model.quant.triton_matmul import HAS_TRITON
 
-    dev = w.codes.device
-    if dev.type != "cuda":
-        return f"on {dev.type}"
     if not HAS_TRITON:
         return "Triton is not installed"
     if torch.cuda.get_device_capability(dev) < (8, 9):  # Triton converts e4m3 from sm89 on
