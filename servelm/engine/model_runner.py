@@ -3,6 +3,7 @@ from the running batch's columns, executes block copies, runs the model and samp
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +15,7 @@ from servelm.engine.rejection import verify
 from servelm.engine.sampler import Sampler, SampleResult, draw, kept_weights, prompt_logprob_results
 from servelm.engine.scheduler import SchedulerOutput
 from servelm.engine.step_outputs import RunnerOutput
+from servelm.engine.step_staging import StepStaging
 from servelm.model.attention import AttentionMetadata, PrefillSpan
 from servelm.model.attention.kv_quant import KVCache, cache_dtype, raw
 from servelm.model.decoder import DecoderLM
@@ -130,6 +132,8 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None
+        # eager steps' inputs cross to a GPU in one copy from a pinned buffer (none needed on the CPU)
+        self.staging = StepStaging(self.device) if self.device.type == "cuda" else None
         self.num_graph_steps = 0  # decode steps run through the static buffers (replays on a GPU)
         # filled by execute(): (request, first prompt position, results) for prompt-logprob requests
         if cuda_graph_sizes and self.device.type == "cuda":
@@ -230,7 +234,6 @@ class ModelRunner:
             logits_dev = None if every_sampled else torch.from_numpy(logits_idx).to(dev)
             rank_inputs = ("graph", self.graphs.sizes, graph_inputs)
             return None, None, None, logits_dev, repeats_t, graph_inputs, False, None, rank_inputs
-        logits_dev = torch.from_numpy(logits_idx).to(dev)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots),
             decode_idx=torch.from_numpy(decode_idx),
@@ -243,8 +246,27 @@ class ModelRunner:
         ids_t, positions_t = torch.from_numpy(ids), torch.from_numpy(positions)
         # the other tensor-parallel ranks get the host tensors and copy them to their own GPU
         rank_inputs = ("eager", ids_t, positions_t, meta)
-        return (ids_t.to(dev, non_blocking=True), positions_t.to(dev, non_blocking=True),
-                meta.to(dev), logits_dev, repeats_t, None, want_prompt, lora, rank_inputs)
+        if self.staging is not None:  # one copy of everything from a pinned buffer
+            ids_dev, positions_dev, logits_dev, meta_dev = self._staged(ids, positions, logits_idx, meta)
+        else:
+            ids_dev, positions_dev = ids_t.to(dev, non_blocking=True), positions_t.to(dev, non_blocking=True)
+            logits_dev, meta_dev = torch.from_numpy(logits_idx).to(dev), meta.to(dev)
+        return ids_dev, positions_dev, meta_dev, logits_dev, repeats_t, None, want_prompt, lora, rank_inputs
+
+    def _staged(self, ids: np.ndarray, positions: np.ndarray, logits_idx: np.ndarray, meta: AttentionMetadata):
+        """An eager step's inputs on the device in one copy (engine/step_staging.py): the token ids, positions,
+        sampled rows and the attention metadata with what the backend derived from it (prompt chunks' block
+        tables stay on the host: the backends read them there)."""
+        derived = meta.derived
+        names = [f.name for f in dataclasses.fields(derived)] if derived is not None else []
+        moved = (meta.slot_mapping, meta.decode_idx, meta.decode_block_tables, meta.decode_seq_lens,
+                 *(getattr(derived, n) for n in names))
+        views = self.staging.stage([ids, positions, logits_idx, *(t.numpy() for t in moved)])
+        slot_mapping, decode_idx, tables, lens, *rest = views[3:]
+        on_dev = AttentionMetadata(slot_mapping, decode_idx, tables, lens, meta.prefills, meta.block_size,
+                                   dataclasses.replace(derived, **dict(zip(names, rest, strict=True)))
+                                   if derived is not None else None)
+        return views[0], views[1], views[2], on_dev
 
     @staticmethod
     def _sampled_rows(out: SchedulerOutput, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:

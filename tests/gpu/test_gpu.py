@@ -27,6 +27,7 @@ def test_batch_matches_transformers_on_gpu(arch, mode, model_dirs, hf_models):
     runner = llm.engine.core.runner
     assert (runner.num_graph_steps > 0) == (mode == "graphs")
     assert bool(runner.graphs and runner.graphs.graphs) == (mode == "graphs")  # really captured
+    assert runner.staging is not None  # prompts (and eager decodes) take their inputs in one pinned copy
 
 
 @pytest.mark.parametrize("mode", MODES)
