@@ -13,7 +13,8 @@ FP8 weights (model/quant/fp8.py) have a kernel of their own, `TritonFp8Matmul`, 
 weight is the cost (a decode step's few rows): e4m3 codes convert exactly to the activations' dtype in
 registers, and the scales multiply the dot's result, once at the end for a scale per row or per tile for a
 block-scaled weight. It splits the inputs over more programs where the output alone gives too few to keep the
-GPU's memory busy (`split_k`; the partial sums add in a fixed order, so a result never depends on timing).
+GPU's memory busy (`split_k`; a second kernel adds the partial sums in a fixed order, so a result never depends
+on timing).
 
 Without a GPU the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`), which is how CI checks it
 against dequantize-then-matmul. This module imports without Triton; `HAS_TRITON` says if it can run.
@@ -94,6 +95,20 @@ if HAS_TRITON:
             acc = acc * tl.load(s_ptr + rn * stride_sn, mask=rn < N, other=0.0)[None, :]
         tl.store(y_ptr + pid_s * stride_ys + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+    @triton.jit
+    def _sum_splits_kernel(p_ptr, y_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+        """y = the float32 partial sums [SPLITS, numel] added in split order, rounded once to y's dtype."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < numel
+        acc = tl.load(p_ptr + i, mask=ok, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            acc += tl.load(p_ptr + s * numel + i, mask=ok, other=0.0)
+        tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+SUM_BLOCK = 1024
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -191,7 +206,11 @@ class TritonFp8Matmul:
             x, self.codes, self.scales, y, m, n, k, k_split, x.stride(0), self.codes.stride(0),
             self.scales.stride(0), y.stride(0), y.stride(1), GROUP=self.group, PER_ROW=self.per_row,
             BLOCK_M=block_m, BLOCK_N=FP8_BLOCK_N, BLOCK_K=self.block_k, PRECISION=dot_precision(x.dtype))
-        return y[0] if splits == 1 else y.sum(0).to(x.dtype)
+        if splits == 1:
+            return y[0]
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)  # the partial sums added in one kernel
+        _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](y, out, m * n, SPLITS=splits, BLOCK=SUM_BLOCK)
+        return out
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.codes, self.scales]
