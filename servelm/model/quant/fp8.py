@@ -8,8 +8,8 @@ value, so no code saturates.
 - `Fp8ScaledMatmul` (CUDA, compute capability >= 8.9, bfloat16 activations): each token's activations are
   quantized to e4m3 with a scale of their own (absmax / 448; one Triton kernel, model/quant/triton_fp8.py),
   then `torch._scaled_mm` multiplies codes by codes on the FP8 tensor cores and applies both scales (row-wise:
-  [T, 1] and [1, N]) in its epilogue. A block-scaled weight is dequantized and requantized per row for it (row-wise scaling takes one scale per
-  output), which rounds each weight a second time.
+  [T, 1] and [1, N]) in its epilogue. A block-scaled weight is dequantized and requantized per row for it
+  (row-wise scaling takes one scale per output), which rounds each weight a second time.
 - `TritonFp8Matmul` (model/quant/triton_matmul.py; CUDA, compute capability >= 8.9, with Triton): the weight
   alone in fp8, converted to the activations' dtype in registers, for any dtype. A step of up to
   `WEIGHT_ONLY_ROWS` rows (decode) reads the weight and little else, and quantizing its activations would add
@@ -26,9 +26,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:  # imported where it runs: Triton loads only for a GPU's kernels
+    from servelm.model.quant.triton_matmul import TritonFp8Matmul
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +189,7 @@ class Fp8ByRows:
     path = "triton+scaled_mm"
     kind = "fp8"
 
-    def __init__(self, small, large: Fp8ScaledMatmul) -> None:
+    def __init__(self, small: TritonFp8Matmul, large: Fp8ScaledMatmul) -> None:
         self.small, self.large = small, large
         self.out_features, self.in_features = large.out_features, large.in_features
 
@@ -227,7 +231,7 @@ def _scaled(w: Fp8Weight) -> tuple[Fp8ScaledMatmul | None, str | None]:
     return None, why
 
 
-def fp8_matmul(w: Fp8Weight) -> Fp8ByRows | Fp8ScaledMatmul | Fp8ReferenceMatmul:
+def fp8_matmul(w: Fp8Weight) -> Fp8ByRows | TritonFp8Matmul | Fp8ScaledMatmul | Fp8ReferenceMatmul:
     """The fastest of the paths that apply (see the module's docstring): both fast paths split by rows, else
     the one that applies, else the reference (logged once per reason)."""
     scaled, why = _scaled(w)

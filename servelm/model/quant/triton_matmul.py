@@ -22,9 +22,14 @@ against dequantize-then-matmul. This module imports without Triton; `HAS_TRITON`
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from servelm.model.quant.weight_only import QuantWeight
+
+if TYPE_CHECKING:
+    from servelm.model.quant.fp8 import Fp8Weight
 
 try:
     import triton
@@ -179,7 +184,7 @@ class TritonFp8Matmul:
     path = "triton"
     kind = "fp8"
 
-    def __init__(self, w, sms: int | None = None) -> None:
+    def __init__(self, w: Fp8Weight, sms: int | None = None) -> None:
         self.out_features, self.in_features = w.shape
         self.per_row, self.group = w.per_row, w.group_size
         self.block_k = 128 if w.per_row else _largest_tile_dividing(w.group_size)
