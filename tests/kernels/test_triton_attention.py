@@ -294,3 +294,39 @@ def test_decode_rows_derived_on_the_device_are_the_hosts():
     for a, b in zip(host, device, strict=True):
         assert a.dtype == b.dtype == torch.int32
         assert torch.equal(a, b)
+
+
+def test_single_pass_programs_are_the_rows_tiles_and_no_more(monkeypatch):
+    """The single-pass kernel launches one program per query tile a row has (per KV head), listed row by row:
+    a mixed step's decodes take one tile each beside the chunks' several, where a grid of rows x the longest
+    row's tiles would launch idle programs for every decode. With the decodes split over their context, the
+    single pass takes the chunks' tiles alone. The mixed-step outputs are checked against the reference by
+    test_triton_matches_torch_reference."""
+    import numpy as np
+
+    hq, hkv, d = 8, 2, 16
+    kc, vc, meta, t = _step(hkv, d, 16, 30, torch.float32)
+    rows = triton_paged.TritonPagedAttention(hq, hkv, d, d**-0.5).derive(meta)
+    group, block_m = hq // hkv, 64
+    want = [-(-q * group // block_m) for q in (1, 1, 1, 20, 9)]  # 3 decodes, chunks of 20 and 9 queries
+    assert rows.tile_rows.tolist() == [r for r, n in enumerate(want) for _ in range(n)]
+    assert rows.tile_ids.tolist() == [i for n in want for i in range(n)]
+    rows_np, ids_np = triton_paged.tile_map(np.array([1, 3, 40]), group=4, block_m=16)
+    assert rows_np.tolist() == [0] + [1] * 1 + [2] * 10 and ids_np.tolist() == [0, 0, *range(10)]
+
+    grids = []
+    real = triton_paged._paged_attention_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(triton_paged, "_paged_attention_kernel", Spy())
+    q = torch.randn(t, hq, d, generator=torch.Generator().manual_seed(1))
+    cache = (kc.to(DEVICE), vc.to(DEVICE))
+    for splits, programs in ((1, sum(want)), (3, sum(want[3:]))):
+        grids.clear()
+        attn = triton_paged.TritonPagedAttention(hq, hkv, d, d**-0.5, split_kv=splits > 1, num_splits=splits)
+        attn.attend(q.to(DEVICE), cache, _on_device(meta), None)
+        assert grids == [(programs, hkv)]

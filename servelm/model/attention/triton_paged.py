@@ -5,7 +5,9 @@ Every sequence in the batch is a row (query start, query length, context length,
 a row with one query. A program handles one (row, KV head, tile of query x query-head pairs), so the query
 heads that share a KV head read its keys and values once, and walks the row's context in tiles of positions
 through its block table (any block size) with an online softmax: no contiguous copy of the context is
-made. Causal and sliding-window masks are computed from positions.
+made. Causal and sliding-window masks are computed from positions. The programs are the rows' tiles listed
+one after the other (`tile_map`, built with the step's metadata), not rows x the longest row's tiles: a
+2,048-token chunk beside 255 decodes would otherwise launch 32 programs per decode, 31 of them idle.
 
 A small decode batch gives that kernel few programs (batch 1 of an 8-KV-head model: 8 thread blocks on a GPU
 of 132 SMs), each walking the whole context alone. With split-KV the decode rows run instead as programs of
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from servelm.model.attention.base import AttentionBackend, AttentionMetadata, BackendMetadata
@@ -53,7 +56,7 @@ if HAS_TRITON:
     @triton.jit
     def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-        q_starts_ptr, q_lens_ptr, ctx_lens_ptr,
+        q_starts_ptr, q_lens_ptr, ctx_lens_ptr, tile_rows_ptr, tile_ids_ptr,
         scale, window, k_scale, v_scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -61,9 +64,12 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
         KV_FP8: tl.constexpr,
     ):
-        row = tl.program_id(0)
+        # one program per (query tile of a row, KV head): the step's tiles listed row by row, so that a long
+        # prompt chunk beside many decodes launches no programs for the decodes' tiles it has and they lack
+        at = tl.program_id(0)
         kv_head = tl.program_id(1)
-        tile = tl.program_id(2)
+        row = tl.load(tile_rows_ptr + at)
+        tile = tl.load(tile_ids_ptr + at)
         q_len = tl.load(q_lens_ptr + row)
         # the tile's M rows are (query, query head of this KV head) pairs, query-major: a decode's GROUP
         # heads share one pass over the KV blocks instead of each reading them
@@ -213,18 +219,38 @@ if HAS_TRITON:
 @dataclass
 class TritonRows(BackendMetadata):
     """The kernels' view of a step: per row (decodes first, in `decode_idx` order, then prompt chunks) its first
-    query's batch position, its query count, its context length and its block table (int32 or int64)."""
+    query's batch position, its query count, its context length and its block table (int32 or int64); and the
+    single-pass kernel's programs, one per query tile of a row (`tile_rows`: the row, `tile_ids`: which of its
+    tiles), listed row by row at the tile height `block_m_for` gives the step."""
 
     q_starts: torch.Tensor
     q_lens: torch.Tensor
     ctx_lens: torch.Tensor
     block_tables: torch.Tensor
+    tile_rows: torch.Tensor
+    tile_ids: torch.Tensor
 
     def __iter__(self):  # unpacks in the kernels' argument order
         return iter((self.q_starts, self.q_lens, self.ctx_lens, self.block_tables))
 
     def rows(self, start: int, stop: int | None = None) -> TritonRows:
-        return TritonRows(*(t[start:stop] for t in self))
+        """Rows start:stop for the split-KV kernels, which read no tiles."""
+        empty = self.tile_rows[:0]
+        return TritonRows(*(t[start:stop] for t in self), empty, empty)
+
+
+def block_m_for(max_q: int) -> int:
+    """The single-pass kernel's query tile height: 16 rows of (query, query head) pairs for a step of decodes
+    alone, 64 where a row has several queries."""
+    return 16 if max_q == 1 else 64
+
+
+def tile_map(q_lens: np.ndarray, group: int, block_m: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row, tile of the row) of each single-pass program, row by row: cdiv(q_len * group, block_m) each."""
+    per_row = -(-q_lens * group // block_m)
+    rows = np.repeat(np.arange(len(q_lens), dtype=np.int32), per_row)
+    firsts = np.cumsum(per_row) - per_row
+    return rows, (np.arange(len(rows)) - np.repeat(firsts, per_row)).astype(np.int32)
 
 
 class TritonPagedAttention(AttentionBackend):
@@ -270,7 +296,10 @@ class TritonPagedAttention(AttentionBackend):
             ctx.append(torch.tensor([span.ctx_len]))
             tables.append(span.block_table[None].cpu())  # (the runner's are on the host; a caller's may not be)
         bt = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables]).to(torch.int32)
-        return TritonRows(*(torch.cat(x).to(torch.int32) for x in (starts, lens, ctx)), bt)
+        q_starts, q_lens, ctx_lens = (torch.cat(x).to(torch.int32) for x in (starts, lens, ctx))
+        block_m = block_m_for(max([1] + [s.q_len for s in meta.prefills]))
+        tiles = tile_map(q_lens.numpy(), self.num_heads // self.num_kv_heads, block_m)
+        return TritonRows(q_starts, q_lens, ctx_lens, bt, *(torch.from_numpy(t) for t in tiles))
 
     def derive_decode(self, meta: AttentionMetadata) -> TritonRows:
         """The same rows for a pure-decode step, from the step's device metadata: each row's query is its own
@@ -278,7 +307,10 @@ class TritonPagedAttention(AttentionBackend):
         values; a few small device casts, captured with the graph)."""
         i32 = torch.int32
         idx = meta.decode_idx.to(i32)
-        return TritonRows(idx, torch.ones_like(idx), meta.decode_seq_lens.to(i32), meta.decode_block_tables.to(i32))
+        per_row = -(-(self.num_heads // self.num_kv_heads) // block_m_for(1))  # tiles of one query's heads
+        at = torch.arange(idx.numel() * per_row, dtype=i32, device=idx.device)
+        return TritonRows(idx, torch.ones_like(idx), meta.decode_seq_lens.to(i32), meta.decode_block_tables.to(i32),
+                          at // per_row, at % per_row)
 
     def splits_for(self, rows: int, capacity: int, device: torch.device | str) -> int:
         """How many splits `rows` decode rows get, whose block tables hold `capacity` positions: enough
@@ -316,12 +348,15 @@ class TritonPagedAttention(AttentionBackend):
             rows = meta.derived = self.derive(meta).to(q.device)
         n_dec = meta.num_decodes
         splits = self.splits_for(n_dec, rows.block_tables.shape[1] * meta.block_size, q.device)
+        block_m = block_m_for(max([1] + [s.q_len for s in meta.prefills]))
         if splits == 1:
-            self._single_pass(out, q, kv_cache, rows, meta, sliding_window)
+            self._single_pass(out, q, kv_cache, rows, rows.tile_rows, rows.tile_ids, block_m, meta, sliding_window)
             return out
         self._split_decode(out, q, kv_cache, rows.rows(0, n_dec), meta.block_size, sliding_window, splits)
-        if meta.prefills:
-            self._single_pass(out, q, kv_cache, rows.rows(n_dec), meta, sliding_window)
+        if meta.prefills:  # the prompt chunks' tiles: after the decodes', one tile each
+            first = n_dec * -(-(self.num_heads // self.num_kv_heads) // block_m)
+            self._single_pass(out, q, kv_cache, rows, rows.tile_rows[first:], rows.tile_ids[first:], block_m, meta,
+                              sliding_window)
         return out
 
     def _block_d(self) -> int:
@@ -331,15 +366,15 @@ class TritonPagedAttention(AttentionBackend):
     def _precision(q: torch.Tensor) -> str:
         return "ieee" if q.dtype == torch.float32 else "tf32"  # exact float32 dots keep greedy parity
 
-    def _single_pass(self, out, q, kv_cache, rows, meta: AttentionMetadata, sliding_window) -> None:
+    def _single_pass(self, out, q, kv_cache, rows, tile_rows, tile_ids, block_m: int, meta: AttentionMetadata,
+                     sliding_window) -> None:
+        """The single-pass kernel over the tiles (`tile_rows`, `tile_ids`) of `rows`."""
         k_cache, v_cache = kv_cache
         q_starts, q_lens, ctx_lens, bt = rows
         group = self.num_heads // self.num_kv_heads
-        max_q = max([1] + [s.q_len for s in meta.prefills])
-        block_m = 16 if max_q == 1 else 64
-        grid = (bt.shape[0], self.num_kv_heads, triton.cdiv(max_q * group, block_m))
+        grid = (tile_rows.shape[0], self.num_kv_heads)
         _paged_attention_kernel[grid](
-            out, q, k_cache, v_cache, bt, q_starts, q_lens, ctx_lens,
+            out, q, k_cache, v_cache, bt, q_starts, q_lens, ctx_lens, tile_rows, tile_ids,
             self.scale, sliding_window or 0, *scales(kv_cache),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
