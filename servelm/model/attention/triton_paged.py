@@ -6,8 +6,8 @@ a row with one query. A program handles one (row, KV head, tile of query x query
 heads that share a KV head read its keys and values once, and walks the row's context in tiles of positions
 through its block table (any block size) with an online softmax: no contiguous copy of the context is
 made. Causal and sliding-window masks are computed from positions. The programs are the rows' tiles listed
-one after the other (`tile_map`, built with the step's metadata), not rows x the longest row's tiles: a
-2,048-token chunk beside 255 decodes would otherwise launch 32 programs per decode, 31 of them idle.
+one after the other (`tile_map`, built with the step's metadata), not rows x the longest row's tiles, which
+beside a 2,048-token chunk gave each decode as many programs as the chunk has tiles, all but one idle.
 
 A small decode batch gives that kernel few programs (batch 1 of an 8-KV-head model: 8 thread blocks on a GPU
 of 132 SMs), each walking the whole context alone. With split-KV the decode rows run instead as programs of
