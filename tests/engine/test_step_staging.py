@@ -80,4 +80,4 @@ def test_engine_with_staged_inputs_matches_transformers(backend, model_dirs, hf_
     runner.staging = StepStaging(torch.device("cpu"), capacity=128)
     assert run(llm, prompts) == reference(hf_models, "llama", prompts)
     assert staged and llm.engine.get_stats().prefix_cache_hits > 0
-    assert set(staged) == {7 + (4 if backend == "triton" else 0)}  # ids, positions, rows, 4 of metadata, derived
+    assert set(staged) == {7 + (6 if backend == "triton" else 0)}  # ids, positions, rows, 4 of metadata, derived
