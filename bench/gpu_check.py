@@ -30,6 +30,10 @@ prefill run again with `--quantization fp8` (`fp8`: the figures, the TPOT's boun
 the speed-ups over bf16), and `fp8_linear` times the shape's linears alone on each fp8 path beside bf16, from one
 row to 2,048 (where the weight-only kernel should give way to `_scaled_mm`).
 
+With --mixed-shapes (default: 60m and 8b), those shapes' W1 and 2k prefill run again with
+`--cuda-graph-mixed-tokens 2048` (`mixed`: steps with prompt chunks replayed from graphs; the speed-ups over
+this tree's eager ones).
+
 With --async-shapes (default: 60m, 1b and 8b, those measured), those shapes' W1 and batch-1 TPOT run again with
 `--async-scheduling` (`async`: the figures and the speed-ups over this tree's step-by-step ones).
 
@@ -885,6 +889,8 @@ def section_shape(run: Run, cap: float, name: str) -> dict:
         out["baseline"] = baseline_figures(run, spec, name, min(BASELINE_CAP_S, max(1.0, run.left() - 3)), figs)
     if name in fp8_shapes and status == "ok":
         out["fp8"] = fp8_figures(run, spec, name, min(BASELINE_CAP_S, max(1.0, run.left() - 3)), figs)
+    if name in run.mixed_shapes and status == "ok":
+        out["mixed"] = mixed_figures(run, spec, name, min(BASELINE_CAP_S, max(1.0, run.left() - 3)), figs)
     if name in run.async_shapes and status == "ok":
         out["async"] = async_figures(run, spec, name, min(BASELINE_CAP_S, max(1.0, run.left() - 3)), figs)
     for k in SHAPE_KEYS:
@@ -947,6 +953,13 @@ def async_figures(run: Run, spec: dict, name: str, cap: float, figs: dict) -> di
     """W1 and batch-1 TPOT with `--async-scheduling` (the next decode step launched behind the one in flight)
     on the same model, beside this tree's step-by-step figures."""
     return variant_figures(run, spec, name, cap, figs, "async", {"async_scheduling": True}, ["w1", "tpot_b1"])
+
+
+def mixed_figures(run: Run, spec: dict, name: str, cap: float, figs: dict) -> dict:
+    """W1 and the 2k prefill with `--cuda-graph-mixed-tokens 2048` (steps with prompt chunks replayed from
+    graphs too) on the same model, beside this tree's figures, where those steps run eagerly."""
+    return variant_figures(run, spec, name, cap, figs, "mixed", {"cuda_graph_mixed_tokens": 2048},
+                           ["w1", "prefill_2k"])
 
 
 def _free_port() -> int:
@@ -1098,6 +1111,7 @@ def main_check(args) -> int:
     run.baseline_shapes = prof["shapes"] if args.baseline_shapes is None else args.baseline_shapes.split(",")
     run.fp8_shapes = None if args.fp8_shapes is None else [s for s in args.fp8_shapes.split(",") if s]
     run.async_shapes = [s for s in args.async_shapes.split(",") if s]
+    run.mixed_shapes = [s for s in args.mixed_shapes.split(",") if s]
     skip = set(filter(None, args.skip.split(",")))
     caps, mins = prof["caps"], prof["min_s"]
     plan: list[tuple[str, str, object]] = [("setup", "setup", section_setup), ("ceilings", "ceilings",
@@ -1199,6 +1213,8 @@ def main() -> int:
     p.add_argument("--baseline-shapes", default=None, help="the shapes --baseline runs on (default: every shape)")
     p.add_argument("--fp8-shapes", default=None, help="the shapes whose batch-1 TPOT and 2k prefill run again with "
                    "--quantization fp8 (default: 8b on a GPU of compute capability 8.9 or newer, none elsewhere)")
+    p.add_argument("--mixed-shapes", default="60m,8b", help="the shapes whose W1 and 2k prefill run again with "
+                   "--cuda-graph-mixed-tokens 2048 (default: 60m,8b)")
     p.add_argument("--async-shapes", default="60m,1b,8b", help="the shapes whose W1 and batch-1 TPOT run again "
                    "with --async-scheduling, where measured ('' for none)")
     p.add_argument("--tokenizer", type=Path, default=None,

@@ -311,6 +311,10 @@ class DeviceConfig:
     device: str = _f("cpu", "device to run on: cpu, or cuda (NVIDIA GPUs: Triton attention, CUDA graphs)")
     enforce_eager: bool = _f(False, "on CUDA, run decode steps eagerly instead of replaying CUDA graphs "
                              "captured per batch size (as vLLM's --enforce-eager)")
+    cuda_graph_mixed_tokens: int = _f(0, "on CUDA with Triton attention, also capture graphs for steps with "
+                                      "prompt chunks of up to this many tokens (16, 32, 64, ... up to it; 0: off, "
+                                      "those steps run eagerly). A step with prompt logprobs, n > 1, drafts or "
+                                      "LoRA runs eagerly anyway")
     batch_invariant: bool = _f(False, "CPU only: refuse to start unless every token gets the same bits whatever "
                                "it is batched with, however its prompt is chunked, cached or preempted. servelm's "
                                "C++ CPU kernels give that on every CPU by default; this refuses what they do not "
@@ -332,6 +336,7 @@ class DeviceConfig:
 
         need(self.device == "cpu" or self.device.startswith("cuda"), "device", "cpu, cuda or cuda:N")
         need(not self.batch_invariant or self.device == "cpu", "batch_invariant", "false on a GPU (CPU only)")
+        need(0 <= self.cuda_graph_mixed_tokens <= 2048, "cuda_graph_mixed_tokens", "0 (off) to 2048")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1 or None")
         need(self.gc_young_threshold >= 1, "gc_young_threshold", ">= 1")
         need(0 <= self.cpu_nice <= 19, "cpu_nice", "0 to 19 (only lowering the priority needs no privilege)")

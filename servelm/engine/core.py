@@ -19,6 +19,7 @@ from servelm.engine.input_batch import InputBatch, plain_below
 from servelm.engine.kv_cache_manager import KVCacheManager
 from servelm.engine.kv_sizing import CudaMemory, DeviceMemory, KVPlan, check_model_len, plan_kv_blocks
 from servelm.engine.lora_manager import LoraManager
+from servelm.engine.mixed_graphs import mixed_graph_sizes
 from servelm.engine.model_runner import InFlight, ModelRunner, kv_bytes_per_block, profile_largest_step
 from servelm.engine.proposers import NgramProposer
 from servelm.engine.scheduler import Scheduler, SchedulerOutput
@@ -147,6 +148,13 @@ class EngineCore:
         if workers is not None:
             workers.end_runners()
             self.runner.tp_workers = workers
+        mixed = mixed_graph_sizes(config.device_config.cuda_graph_mixed_tokens)
+        if mixed and graph_sizes and model.embed.device.type == "cuda":
+            if workers is not None or not model.attn.mixed_graphs:
+                logger.warning("cuda_graph_mixed_tokens is ignored: %s", "tensor parallelism" if workers is not None
+                               else f"the {type(model.attn).__name__} backend cannot run mixed steps in graphs")
+            else:
+                self.runner.enable_mixed_graphs(mixed, sched.max_num_seqs, capture=True)
 
     def _make_spec_decoder(self, config: EngineConfig, max_len: int) -> SpecDecoder | None:
         sp = config.speculative_config

@@ -11,6 +11,7 @@ import torch
 
 from servelm.engine.cuda_graphs import DecodeGraphs
 from servelm.engine.kv_cache_manager import BlockOps
+from servelm.engine.mixed_graphs import MixedGraphs
 from servelm.engine.rejection import verify
 from servelm.engine.sampler import Sampler, SampleResult, draw, kept_weights, prompt_logprob_results
 from servelm.engine.scheduler import SchedulerOutput
@@ -132,9 +133,11 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None
+        self.mixed: MixedGraphs | None = None  # steps with prompt chunks in graphs, where enabled
         # eager steps' inputs cross to a GPU in one copy from a pinned buffer (none needed on the CPU)
         self.staging = StepStaging(self.device) if self.device.type == "cuda" else None
         self.num_graph_steps = 0  # decode steps run through the static buffers (replays on a GPU)
+        self.num_mixed_graph_steps = 0  # and steps with prompt chunks
         # filled by execute(): (request, first prompt position, results) for prompt-logprob requests
         if cuda_graph_sizes and self.device.type == "cuda":
             self.enable_decode_graphs(cuda_graph_sizes, capture=True)
@@ -148,6 +151,16 @@ class ModelRunner:
         max_blocks = -(-self.max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_blocks, self.spare_block,
                                    sizes, capture, with_logits)
+
+    def enable_mixed_graphs(self, sizes: list[int], max_rows: int, capture: bool) -> None:
+        """Run steps with prompt chunks of up to max(sizes) tokens and `max_rows` rows through padded static
+        buffers (engine/mixed_graphs.py), replaying a CUDA graph per size when `capture`."""
+        if not self.model.attn.mixed_graphs:
+            raise ValueError(f"the {type(self.model.attn).__name__} attention backend cannot run mixed steps in "
+                             "CUDA graphs (the Triton backend can)")
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.mixed = MixedGraphs(self.model, self.kv_caches, self.block_size, max_blocks, self.spare_block, sizes,
+                                 max_rows, capture)
 
     @property
     def cpu_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -233,7 +246,13 @@ class ModelRunner:
             every_sampled = len(logits_idx) == len(ids) and repeats is None
             logits_dev = None if every_sampled else torch.from_numpy(logits_idx).to(dev)
             rank_inputs = ("graph", self.graphs.sizes, graph_inputs)
-            return None, None, None, logits_dev, repeats_t, graph_inputs, False, None, rank_inputs
+            return None, None, None, logits_dev, repeats_t, (self.graphs, graph_inputs), False, None, rank_inputs
+        if (prefills and self.mixed is not None and lora is None and not want_prompt and repeats is None
+                and len(logits_idx) and self.tp_workers is None):
+            width = int(num_blocks.max())
+            if self.mixed.can_run(len(ids), n_rows, width):  # the sampled rows' logits, in order, from the graph
+                inputs = (ids, positions, slots, offsets, counts, start + counts, logits_idx, tables[:, :width])
+                return None, None, None, None, None, (self.mixed, inputs), False, None, None
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots),
             decode_idx=torch.from_numpy(decode_idx),
@@ -342,9 +361,13 @@ class ModelRunner:
     def _forward(self, input_ids, positions, meta, graph_step, lora, device_ids: torch.Tensor | None = None):
         """The model over the step's tokens: (hidden states, None) eagerly, or (None, every row's logits) from
         the static buffers (a graph replay on a GPU). `device_ids`: the input tokens, already on the device."""
-        if graph_step is not None:
-            self.num_graph_steps += 1
-            return None, self.graphs.run(*graph_step, device_ids=device_ids)
+        if graph_step is not None:  # (the graphs, the step's inputs)
+            graphs, inputs = graph_step
+            if graphs is self.mixed:
+                self.num_mixed_graph_steps += 1
+            else:
+                self.num_graph_steps += 1
+            return None, graphs.run(*inputs, device_ids=device_ids)
         ids = device_ids if device_ids is not None else input_ids
         return self.model.forward(ids, positions, self.kv_caches, meta, lora), None
 

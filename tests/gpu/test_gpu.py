@@ -46,6 +46,20 @@ def test_async_scheduling_matches_transformers_on_gpu(mode, model_dirs, hf_model
     assert core.num_overlapped_steps > 0 and (core.runner.num_graph_steps > 0) == (mode == "graphs")
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_mixed_steps_replayed_from_graphs_match_transformers_on_gpu(arch, model_dirs, hf_models):
+    """--cuda-graph-mixed-tokens: prompt chunks beside decodes (a token budget of 24), prefix-cache hits and
+    fresh prompts, replayed from the captured mixed-step graphs."""
+    shared = random_prompts(1, 14, 14, seed=31)[0]
+    prompts = [shared + p for p in random_prompts(3, 2, 9, seed=32)] + random_prompts(4, 20, 40, seed=33)
+    llm = gpu_llm(model_dirs[arch], "graphs", num_kv_blocks=256, max_num_batched_tokens=24, max_num_seqs=4,
+                  cuda_graph_mixed_tokens=24)
+    runner = llm.engine.core.runner
+    assert runner.mixed is not None and sorted(runner.mixed.graphs) == [16, 24]  # captured
+    assert run(llm, prompts) == reference(hf_models, arch, prompts)
+    assert runner.num_mixed_graph_steps > 0 and runner.num_graph_steps > 0
+
+
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_block_sizes_other_than_the_tile(block_size, model_dirs, hf_models):
     prompts = random_prompts(5, 20, 60, seed=3)

@@ -49,7 +49,7 @@ def baseline_tree(tmp_path_factory) -> Path:
 def smoke(tmp_path_factory, baseline_tree) -> tuple[dict, list[dict]]:
     out = tmp_path_factory.mktemp("gpu-check")
     return _check("--work", str(out / "work"), "--baseline", str(baseline_tree), "--fp8-shapes", "tiny",
-                  "--async-shapes", "tiny", out=out, timeout=400)
+                  "--async-shapes", "tiny", "--mixed-shapes", "tiny", out=out, timeout=400)
 
 
 @pytest.mark.slow
@@ -198,3 +198,15 @@ def test_an_async_scheduling_variant_runs_beside_on_the_same_model(smoke):
     assert overlapped["w1"]["requests"] == tiny["w1"]["requests"] and _positive(overlapped["w1_speedup"])
     assert _finite(overlapped["tpot_b1"]["tpot_ms"], overlapped["tpot_b1_speedup"])
     assert overlapped["w1_speedup"] == round(overlapped["w1"]["output_tok_s"] / tiny["w1"]["output_tok_s"], 3)
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_a_mixed_step_graphs_variant_runs_beside_on_the_same_model(smoke):
+    """--mixed-shapes: the shape's W1 and 2k prefill again with --cuda-graph-mixed-tokens (on the CPU the
+    setting changes nothing: the wiring is what runs), and the speed-ups over this tree's figures."""
+    tiny = smoke[0]["sections"]["tiny"]
+    mixed = tiny["mixed"]
+    assert mixed["status"] == "ok" and "tpot_b1" not in mixed
+    assert _positive(mixed["w1_speedup"], mixed["prefill_2k_speedup"])
+    assert mixed["prefill_2k_speedup"] == round(tiny["prefill_2k"]["ms"] / mixed["prefill_2k"]["ms"], 3)

@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from servelm.model.attention.kv_quant import as_stored, raw, scales
@@ -44,6 +45,9 @@ class AttentionMetadata:
     block_size: int
     # what the backend derives from the above once per step and reuses in every layer (None: nothing)
     derived: BackendMetadata | None = field(default=None, repr=False)
+    # the longest row's query count where `prefills` cannot say it: a captured mixed step's token count (its
+    # rows live on the device only); 0: from `prefills`
+    max_query_len: int = 0
 
     @property
     def num_decodes(self) -> int:
@@ -56,7 +60,7 @@ class AttentionMetadata:
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return AttentionMetadata(move(self.slot_mapping), move(self.decode_idx), move(self.decode_block_tables),
                                  move(self.decode_seq_lens), self.prefills, self.block_size,
-                                 None if self.derived is None else self.derived.to(device))
+                                 None if self.derived is None else self.derived.to(device), self.max_query_len)
 
 
 class AttentionBackend(ABC):
@@ -87,6 +91,22 @@ class AttentionBackend(ABC):
         """`derive` for a pure-decode step whose metadata is already on the device, with device ops only (no
         host reads: it runs inside a CUDA graph's capture, once per replay); nothing by default."""
         return None
+
+    # Mixed steps in CUDA graphs (engine/mixed_graphs.py) need a backend that attends from per-row arrays on the
+    # device alone, with a grid fixed by the graph's size: one that sets `mixed_graphs` and implements these.
+    mixed_graphs: ClassVar[bool] = False
+
+    def mixed_tiles(self, q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The attention programs of a mixed step whose rows have `q_lens` queries: (row, tile) each."""
+        raise NotImplementedError
+
+    def max_mixed_tiles(self, num_tokens: int, num_rows: int) -> int:
+        """The most programs `mixed_tiles` gives a step of `num_tokens` tokens in at most `num_rows` rows."""
+        raise NotImplementedError
+
+    def derive_mixed(self, q_starts, q_lens, ctx_lens, block_tables, tile_rows, tile_ids) -> BackendMetadata:
+        """`derive` for a mixed step from its rows on the device, with device ops only (captured)."""
+        raise NotImplementedError
 
     @abstractmethod
     def forward(

@@ -312,6 +312,20 @@ class TritonPagedAttention(AttentionBackend):
         return TritonRows(idx, torch.ones_like(idx), meta.decode_seq_lens.to(i32), meta.decode_block_tables.to(i32),
                           at // per_row, at % per_row)
 
+    mixed_graphs = True
+    MIXED_BLOCK_M = block_m_for(2)  # a mixed step's rows are tiled as prompt chunks are
+
+    def mixed_tiles(self, q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return tile_map(np.asarray(q_lens), self.num_heads // self.num_kv_heads, self.MIXED_BLOCK_M)
+
+    def max_mixed_tiles(self, num_tokens: int, num_rows: int) -> int:
+        # sum over rows of cdiv(q * group, M) <= tokens * group / M + rows
+        return -(-num_tokens * (self.num_heads // self.num_kv_heads) // self.MIXED_BLOCK_M) + num_rows
+
+    def derive_mixed(self, q_starts, q_lens, ctx_lens, block_tables, tile_rows, tile_ids) -> TritonRows:
+        i32 = torch.int32
+        return TritonRows(*(t.to(i32) for t in (q_starts, q_lens, ctx_lens, block_tables, tile_rows, tile_ids)))
+
     def splits_for(self, rows: int, capacity: int, device: torch.device | str) -> int:
         """How many splits `rows` decode rows get, whose block tables hold `capacity` positions: enough
         (row, KV head, split) programs to fill the device, at most MAX_SPLITS and one KV tile of the table
@@ -348,7 +362,7 @@ class TritonPagedAttention(AttentionBackend):
             rows = meta.derived = self.derive(meta).to(q.device)
         n_dec = meta.num_decodes
         splits = self.splits_for(n_dec, rows.block_tables.shape[1] * meta.block_size, q.device)
-        block_m = block_m_for(max([1] + [s.q_len for s in meta.prefills]))
+        block_m = block_m_for(meta.max_query_len or max([1] + [s.q_len for s in meta.prefills]))
         if splits == 1:
             self._single_pass(out, q, kv_cache, rows, rows.tile_rows, rows.tile_ids, block_m, meta, sliding_window)
             return out
