@@ -70,7 +70,8 @@ BENCH = ROOT / "bench"
 
 # The GPU test files (the Triton kernels, the CUDA-graph path, the engine on CUDA against transformers, and
 # tensor parallelism over NCCL, which needs two GPUs).
-GPU_TESTS = ["tests/gpu/test_gpu.py", "tests/engine/test_step_staging.py", "tests/kernels/test_triton_attention.py",
+GPU_TESTS = ["tests/gpu/test_gpu.py", "tests/engine/test_step_staging.py", "tests/engine/test_mixed_graphs.py",
+             "tests/kernels/test_triton_attention.py",
              "tests/kernels/test_triton_elementwise.py",
              "tests/kernels/test_quant_triton.py", "tests/kernels/test_cuda_graphs.py", "tests/kernels/test_triton_rope.py",
              "tests/gpu/test_fp8_gpu.py", "tests/gpu/test_fp8_kv_gpu.py", "tests/kernels/test_triton_fp8_kv.py",
