@@ -140,18 +140,30 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        """Largest size first, so that the smaller graphs reuse the memory pool the largest one allocated."""
         none = np.zeros(0, dtype=np.int64)
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            # a valid step of this size in the staged vector: every row a dummy decode in the spare block
+
+        def stage_dummy(size: int) -> None:  # every row a dummy decode in the spare block
             self._stage(none, none, none, np.zeros((0, 1), dtype=np.int64), none, size)
-            with graph_warmup():  # compiles the Triton kernels the capture launches, creates the cuBLAS handles
-                self._forward(size)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size)
-            self.graphs[size] = (graph, logits)
-        torch.cuda.synchronize()
+
+        self.graphs = capture_graphs(self.sizes, stage_dummy, self._forward)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+
+
+def capture_graphs(sizes: list[int], stage_dummy, forward) -> dict:
+    """{size: (graph, its output)} for each size, largest first, so that the smaller graphs reuse the memory
+    pool the largest one allocated: `stage_dummy(size)` puts a valid step of that size in the static buffers,
+    an eager `forward(size)` compiles the Triton kernels the capture launches and creates the cuBLAS handles,
+    then a captured one records it."""
+    pool = torch.cuda.graph_pool_handle()
+    graphs = {}
+    for size in reversed(sizes):
+        stage_dummy(size)
+        with graph_warmup():
+            forward(size)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward(size)
+        graphs[size] = (graph, out)
+    torch.cuda.synchronize()
+    return graphs

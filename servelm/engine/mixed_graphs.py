@@ -24,9 +24,9 @@ import logging
 import numpy as np
 import torch
 
+from servelm.engine.cuda_graphs import capture_graphs
 from servelm.model.attention import AttentionMetadata
 from servelm.model.decoder import DecoderLM
-from servelm.model.layers.blocks import graph_warmup
 
 logger = logging.getLogger(__name__)
 
@@ -147,19 +147,11 @@ class MixedGraphs:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        """Largest size first, so that the smaller graphs reuse the memory pool the largest one allocated."""
-        pool = torch.cuda.graph_pool_handle()
         one = np.ones(1, dtype=np.int64)
-        for size in reversed(self.sizes):
-            # a valid step in the staged vector: one row of one token, at position 0 in the spare block
+
+        def stage_dummy(size: int) -> None:  # one row of one token, at position 0 in the spare block
             self._stage(0 * one, 0 * one, one * self.spare_block * self.block_size, 0 * one, one, one, 0 * one,
                         np.full((1, 1), self.spare_block, dtype=np.int64), size)
-            with graph_warmup():  # compiles the Triton kernels the capture launches
-                self._forward(size)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size)
-            self.graphs[size] = (graph, logits)
-        torch.cuda.synchronize()
+
+        self.graphs = capture_graphs(self.sizes, stage_dummy, self._forward)
         logger.info("captured CUDA graphs for mixed steps of up to %s tokens", self.sizes)

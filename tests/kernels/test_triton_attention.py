@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from kernel_spy import record_grids
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernel's definition
@@ -240,15 +241,7 @@ def test_the_default_choice_splits_a_small_decode_batch_and_matches_the_referenc
     kc, vc, meta = _decode_batch(hkv, d, bs, lens, torch.float32)
     q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(6))
     ref = _decode_reference(hq, hkv, d, q, kc, vc, meta, None)
-    merges = []
-    real = triton_paged._combine_splits_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            merges.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(triton_paged, "_combine_splits_kernel", Spy())
+    merges = record_grids(monkeypatch, triton_paged, "_combine_splits_kernel")
     torch.testing.assert_close(_split_attend(hq, hkv, d, q, kc, vc, meta, None), ref, atol=2e-5, rtol=2e-5)
     assert len(merges) == 1
     out = _split_attend(hq, hkv, d, q, kc, vc, meta, None, split_kv=False)
@@ -314,15 +307,7 @@ def test_single_pass_programs_are_the_rows_tiles_and_no_more(monkeypatch):
     rows_np, ids_np = triton_paged.tile_map(np.array([1, 3, 40]), group=4, block_m=16)
     assert rows_np.tolist() == [0] + [1] * 1 + [2] * 10 and ids_np.tolist() == [0, 0, *range(10)]
 
-    grids = []
-    real = triton_paged._paged_attention_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(triton_paged, "_paged_attention_kernel", Spy())
+    grids = record_grids(monkeypatch, triton_paged, "_paged_attention_kernel")
     q = torch.randn(t, hq, d, generator=torch.Generator().manual_seed(1))
     cache = (kc.to(DEVICE), vc.to(DEVICE))
     for splits, programs in ((1, sum(want)), (3, sum(want[3:]))):
