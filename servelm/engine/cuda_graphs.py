@@ -104,9 +104,8 @@ class DecodeGraphs:
         s = self.staged
         body = s[_HEADER:_HEADER + _COLUMNS * size].view(_COLUMNS, size)
         width = s[0]
-        flat = s[_HEADER + _COLUMNS * size:]
-        index = (self._rows[:size, None] * width + self._columns[None, :]).clamp_(max=flat.numel() - 1)
-        tables = torch.where(self._columns[None, :] < width, flat[index], self.spare_block)
+        tables = spread_tables(s[_HEADER + _COLUMNS * size:], self._rows[:size], width, self._columns,
+                               self.spare_block)
         meta = AttentionMetadata(slot_mapping=body[2], decode_idx=self._rows[:size], decode_block_tables=tables,
                                  decode_seq_lens=body[3], prefills=[], block_size=self.block_size)
         meta.derived = self.model.attn.derive_decode(meta)
@@ -147,6 +146,15 @@ class DecodeGraphs:
 
         self.graphs = capture_graphs(self.sizes, stage_dummy, self._forward)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+
+
+def spread_tables(flat: torch.Tensor, rows: torch.Tensor, width: torch.Tensor, columns: torch.Tensor,
+                  spare_block: int) -> torch.Tensor:
+    """Block tables staged row after row at the step's `width` (a device scalar) in `flat`, spread into
+    [len(rows), len(columns)] with fixed-shape device ops (capturable); columns past the width, never read for
+    attention, name the spare block so that every entry is a valid block."""
+    index = (rows[:, None] * width + columns[None, :]).clamp_(max=flat.numel() - 1)
+    return torch.where(columns[None, :] < width, flat[index], spare_block)
 
 
 def capture_graphs(sizes: list[int], stage_dummy, forward) -> dict:

@@ -24,7 +24,7 @@ import logging
 import numpy as np
 import torch
 
-from servelm.engine.cuda_graphs import capture_graphs
+from servelm.engine.cuda_graphs import capture_graphs, spread_tables
 from servelm.model.attention import AttentionMetadata
 from servelm.model.decoder import DecoderLM
 
@@ -48,12 +48,14 @@ class MixedGraphs:
         # per size: rows (the step's at most, plus one of no queries) and attention programs (tiles)
         self.rows = {t: min(t, max_rows) + 1 for t in self.sizes}
         self.tiles = {t: model.attn.max_mixed_tiles(t, self.rows[t]) for t in self.sizes}
-        length = max(self._length(t, max_blocks) for t in self.sizes)
+        self.layouts = {t: self._layout(t) for t in self.sizes}
+        length = max(self.layouts[t]["tables"][0] + self.rows[t] * max_blocks for t in self.sizes)
         self.staged = torch.zeros(length, dtype=torch.long, device=self.device)
         pin = self.device.type == "cuda"
         self._host = [torch.zeros(length, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._turn = 0
         self._columns = torch.arange(max_blocks, device=self.device)
+        self._row_ids = torch.arange(max(self.rows.values()), device=self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         if capture:
             self._capture()
@@ -69,9 +71,6 @@ class MixedGraphs:
             at += length
         spans["tables"] = (at, 0)
         return spans
-
-    def _length(self, size: int, width: int) -> int:
-        return self._layout(size)["tables"][0] + self.rows[size] * width
 
     def can_run(self, num_tokens: int, num_rows: int, width: int) -> bool:
         return (0 < num_tokens <= self.sizes[-1] and width <= self.max_blocks
@@ -92,7 +91,7 @@ class MixedGraphs:
                 "ctx_lens": 0, "logits": 0, "tile_rows": self.rows[size] - 1, "tile_ids": 0}
         values = {"ids": ids, "positions": positions, "slots": slots, "q_starts": q_starts, "q_lens": q_lens,
                   "ctx_lens": ctx_lens, "logits": logits_idx, "tile_rows": tile_rows, "tile_ids": tile_ids}
-        layout = self._layout(size)
+        layout = self.layouts[size]
         for name, (at, length) in layout.items():
             if name == "tables":
                 continue
@@ -110,14 +109,10 @@ class MixedGraphs:
     def _unstage(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Token ids, positions, attention metadata and sampled token indices from the staged vector, with
         fixed-shape device ops only (captured with the graph)."""
-        s, layout = self.staged, self._layout(size)
+        s, layout = self.staged, self.layouts[size]
         view = {name: s[at:at + length] for name, (at, length) in layout.items() if name != "tables"}
-        r = self.rows[size]
-        width = s[0]
-        flat = s[layout["tables"][0]:]
-        index = (torch.arange(r, device=self.device)[:, None] * width + self._columns[None, :]).clamp_(
-            max=flat.numel() - 1)
-        tables = torch.where(self._columns[None, :] < width, flat[index], self.spare_block)
+        tables = spread_tables(s[layout["tables"][0]:], self._row_ids[:self.rows[size]], s[0], self._columns,
+                               self.spare_block)
         none = view["q_starts"][:0]
         meta = AttentionMetadata(slot_mapping=view["slots"], decode_idx=none, decode_block_tables=none[:, None],
                                  decode_seq_lens=none, prefills=[], block_size=self.block_size, max_query_len=size)

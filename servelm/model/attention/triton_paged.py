@@ -245,9 +245,15 @@ def block_m_for(max_q: int) -> int:
     return 16 if max_q == 1 else 64
 
 
+def tiles_of(q_len, group: int, block_m: int):
+    """The single-pass kernel's query tiles for a row of `q_len` queries (an int or an array of them): its
+    (query, query head) pairs in tiles of block_m."""
+    return -(-q_len * group // block_m)
+
+
 def tile_map(q_lens: np.ndarray, group: int, block_m: int) -> tuple[np.ndarray, np.ndarray]:
-    """(row, tile of the row) of each single-pass program, row by row: cdiv(q_len * group, block_m) each."""
-    per_row = -(-q_lens * group // block_m)
+    """(row, tile of the row) of each single-pass program, row by row (`tiles_of` each)."""
+    per_row = tiles_of(q_lens, group, block_m)
     rows = np.repeat(np.arange(len(q_lens), dtype=np.int32), per_row)
     firsts = np.cumsum(per_row) - per_row
     return rows, (np.arange(len(rows)) - np.repeat(firsts, per_row)).astype(np.int32)
@@ -307,7 +313,7 @@ class TritonPagedAttention(AttentionBackend):
         values; a few small device casts, captured with the graph)."""
         i32 = torch.int32
         idx = meta.decode_idx.to(i32)
-        per_row = -(-(self.num_heads // self.num_kv_heads) // block_m_for(1))  # tiles of one query's heads
+        per_row = tiles_of(1, self.num_heads // self.num_kv_heads, block_m_for(1))
         at = torch.arange(idx.numel() * per_row, dtype=i32, device=idx.device)
         return TritonRows(idx, torch.ones_like(idx), meta.decode_seq_lens.to(i32), meta.decode_block_tables.to(i32),
                           at // per_row, at % per_row)
@@ -319,8 +325,8 @@ class TritonPagedAttention(AttentionBackend):
         return tile_map(np.asarray(q_lens), self.num_heads // self.num_kv_heads, self.MIXED_BLOCK_M)
 
     def max_mixed_tiles(self, num_tokens: int, num_rows: int) -> int:
-        # sum over rows of cdiv(q * group, M) <= tokens * group / M + rows
-        return -(-num_tokens * (self.num_heads // self.num_kv_heads) // self.MIXED_BLOCK_M) + num_rows
+        # the sum over rows of tiles_of(q) is at most tiles_of(all the tokens) + one partial tile a row
+        return tiles_of(num_tokens, self.num_heads // self.num_kv_heads, self.MIXED_BLOCK_M) + num_rows
 
     def derive_mixed(self, q_starts, q_lens, ctx_lens, block_tables, tile_rows, tile_ids) -> TritonRows:
         i32 = torch.int32
@@ -368,7 +374,7 @@ class TritonPagedAttention(AttentionBackend):
             return out
         self._split_decode(out, q, kv_cache, rows.rows(0, n_dec), meta.block_size, sliding_window, splits)
         if meta.prefills:  # the prompt chunks' tiles: after the decodes', one tile each
-            first = n_dec * -(-(self.num_heads // self.num_kv_heads) // block_m)
+            first = n_dec * tiles_of(1, self.num_heads // self.num_kv_heads, block_m)
             self._single_pass(out, q, kv_cache, rows, rows.tile_rows[first:], rows.tile_ids[first:], block_m, meta,
                               sliding_window)
         return out
