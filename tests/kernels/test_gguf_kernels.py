@@ -198,7 +198,7 @@ def gguf_llama(llama_dir):
 def test_greedy_parity_with_the_torch_reference_of_the_same_format(qtype, gguf_llama):
     from servelm import SamplingParams
 
-    prompts = random_prompts(2, 5, 20, seed=7)  # prefill (the tile path) and decode (the int8 kernel)
+    prompts = random_prompts(2, 5, 20, seed=7)  # prefill and decode, both on the int8 kernel
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm = gguf_llama(qtype, {})
     model = llm.engine.core.model
