@@ -20,7 +20,13 @@ from servelm.engine.kv_cache_manager import KVCacheManager
 from servelm.engine.kv_sizing import CudaMemory, DeviceMemory, KVPlan, check_model_len, plan_kv_blocks
 from servelm.engine.lora_manager import LoraManager
 from servelm.engine.mixed_graphs import mixed_graph_sizes
-from servelm.engine.model_runner import InFlight, ModelRunner, kv_bytes_per_block, profile_largest_step
+from servelm.engine.model_runner import (
+    InFlight,
+    ModelRunner,
+    kv_bytes_per_block,
+    profile_graphs,
+    profile_largest_step,
+)
 from servelm.engine.proposers import NgramProposer
 from servelm.engine.scheduler import Scheduler, SchedulerOutput
 from servelm.engine.sequence import Request, Sequence
@@ -44,15 +50,25 @@ def _tokenizer_from_config(config: EngineConfig) -> Callable[[], Any]:
     return load
 
 
-def plan_kv_cache(config: EngineConfig, model: DecoderLM, memory: DeviceMemory | None) -> KVPlan:
+def plan_kv_cache(config: EngineConfig, model: DecoderLM, memory: DeviceMemory | None,
+                  graph_sizes: list[int] | None = None, mixed_sizes: list[int] | None = None) -> KVPlan:
     """This rank's KV cache plan (engine/kv_sizing.py): from `memory`, its device's counters, with a profile
-    run of the largest step the scheduler can form. Every tensor-parallel rank plans this way, on its own GPU."""
+    run of the largest step the scheduler can form and, on a GPU that will capture CUDA graphs of
+    `graph_sizes` decodes (and mixed steps of `mixed_sizes` tokens), a capture of the largest of them. Every
+    tensor-parallel rank plans this way, on its own GPU (without the graphs' capture, whose all-reduces would
+    have to pair across ranks: there the graphs come out of the utilization's headroom)."""
     tokens = config.scheduler_config.max_num_batched_tokens
+    rows = min(config.scheduler_config.max_num_seqs, tokens)
+    block_size = config.cache_config.block_size
     kv_dtype = config.cache_config.kv_cache_dtype
-    return plan_kv_blocks(config, kv_bytes_per_block(model, config.cache_config.block_size, kv_dtype), memory,
-                          lambda: profile_largest_step(model, config.cache_config.block_size, tokens,
-                                                       min(config.scheduler_config.max_num_seqs, tokens), kv_dtype),
-                          str(cache_dtype(kv_dtype, model.dtype)).removeprefix("torch."))
+    graphs = None
+    if graph_sizes and model.embed.device.type == "cuda":
+        longest = config.model_config.max_model_len or model.spec.max_position_embeddings
+        graphs = lambda: profile_graphs(model, block_size, longest, max(graph_sizes),  # noqa: E731
+                                        max(mixed_sizes or [0]), config.scheduler_config.max_num_seqs, kv_dtype)
+    return plan_kv_blocks(config, kv_bytes_per_block(model, block_size, kv_dtype), memory,
+                          lambda: profile_largest_step(model, block_size, tokens, rows, kv_dtype),
+                          str(cache_dtype(kv_dtype, model.dtype)).removeprefix("torch."), graphs)
 
 
 class EngineCore:
@@ -116,17 +132,19 @@ class EngineCore:
         every rank takes the fewest blocks any of them can hold; then every rank builds its runner at once, since
         capturing CUDA graphs runs the same all-reduces on every rank in the same order."""
         spec = model.spec
-        if memory is None and model.embed.device.type == "cuda":
+        cuda = model.embed.device.type == "cuda"
+        if memory is None and cuda:
             memory = CudaMemory(model.embed.device)
+        cache, sched = config.cache_config, config.scheduler_config
+        graph_sizes, mixed = self._graph_sizes(config, model, workers)
         if workers is not None:
             workers.begin_plan()
-        plan = plan_kv_cache(config, model, memory)
+        plan = plan_kv_cache(config, model, memory, graph_sizes if workers is None else None, mixed)
         if workers is not None:
             plan = workers.end_plan(plan)
         num_blocks = plan.num_blocks
         self.kv_plan = plan
         logger.info("%s", plan.describe())
-        cache, sched = config.cache_config, config.scheduler_config
         max_len = check_model_len(plan, cache.block_size, config.model_config.max_model_len,
                                   spec.max_position_embeddings)
         self.max_model_len = max_len
@@ -137,24 +155,31 @@ class EngineCore:
                                    sched.enable_chunked_prefill, sched.preemption_mode, sched.scheduling_policy,
                                    sched.priority_aging_s, itl_target_s=sched.itl_target_ms / 1000,
                                    ttft_target_s=sched.ttft_target_ms / 1000)
-        # MoE layers read their expert groups' sizes on the host: not capturable
-        eager = config.device_config.enforce_eager or spec.moe is not None
-        graph_sizes = None if eager else capture_sizes(sched.max_num_seqs)
         if workers is not None:
-            workers.begin_runners(num_blocks, num_cpu_blocks, max_len,
-                                  graph_sizes if model.embed.device.type == "cuda" else None)
+            workers.begin_runners(num_blocks, num_cpu_blocks, max_len, graph_sizes if cuda else None)
         self.runner = ModelRunner(model, num_blocks, cache.block_size, num_cpu_blocks, config.model_config.seed,
                                   graph_sizes, max_len, cache.kv_cache_dtype)
         if workers is not None:
             workers.end_runners()
             self.runner.tp_workers = workers
+        if mixed:
+            self.runner.enable_mixed_graphs(mixed, sched.max_num_seqs, capture=True)
+
+    @staticmethod
+    def _graph_sizes(config: EngineConfig, model: DecoderLM, workers) -> tuple[list[int] | None, list[int]]:
+        """The decode batch sizes to capture in CUDA graphs (None: none; the runner captures on a GPU only) and
+        the mixed steps' token counts (empty where none are captured)."""
+        # MoE layers read their expert groups' sizes on the host: not capturable
+        eager = config.device_config.enforce_eager or model.spec.moe is not None
+        graph_sizes = None if eager else capture_sizes(config.scheduler_config.max_num_seqs)
         mixed = mixed_graph_sizes(config.device_config.cuda_graph_mixed_tokens)
-        if mixed and graph_sizes and model.embed.device.type == "cuda":
-            if workers is not None or not model.attn.mixed_graphs:
-                logger.warning("cuda_graph_mixed_tokens is ignored: %s", "tensor parallelism" if workers is not None
-                               else f"the {type(model.attn).__name__} backend cannot run mixed steps in graphs")
-            else:
-                self.runner.enable_mixed_graphs(mixed, sched.max_num_seqs, capture=True)
+        if not (mixed and graph_sizes and model.embed.device.type == "cuda"):
+            return graph_sizes, []
+        if workers is not None or not model.attn.mixed_graphs:
+            logger.warning("cuda_graph_mixed_tokens is ignored: %s", "tensor parallelism" if workers is not None
+                           else f"the {type(model.attn).__name__} backend cannot run mixed steps in graphs")
+            return graph_sizes, []
+        return graph_sizes, mixed
 
     def _make_spec_decoder(self, config: EngineConfig, max_len: int) -> SpecDecoder | None:
         sp = config.speculative_config

@@ -50,10 +50,10 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: DecoderLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 max_blocks: int, spare_block: int, sizes: list[int], capture: bool, with_logits: bool = True
-                 ) -> None:
+                 max_blocks: int, spare_block: int, sizes: list[int], capture: bool, with_logits: bool = True,
+                 pool=None) -> None:
         """`with_logits` False: the graphs end at the hidden states (a tensor-parallel worker rank, whose
-        logits nobody reads: the driver alone samples)."""
+        logits nobody reads: the driver alone samples). `pool`: the CUDA graphs' memory pool (`capture_graphs`)."""
         self.model = model
         self.with_logits = with_logits
         self.kv_caches = kv_caches
@@ -74,7 +74,7 @@ class DecodeGraphs:
         self._rows = torch.arange(self.max_size, device=self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         if capture:
-            self._capture()
+            self._capture(pool)
 
     # -- the step's inputs -------------------------------------------------------------------------------
     def _stage(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: np.ndarray,
@@ -138,13 +138,13 @@ class DecodeGraphs:
         return self.model.logits(hidden) if self.with_logits else hidden
 
     @torch.inference_mode()
-    def _capture(self) -> None:
+    def _capture(self, pool) -> None:
         none = np.zeros(0, dtype=np.int64)
 
         def stage_dummy(size: int) -> None:  # every row a dummy decode in the spare block
             self._stage(none, none, none, np.zeros((0, 1), dtype=np.int64), none, size)
 
-        self.graphs = capture_graphs(self.sizes, stage_dummy, self._forward)
+        self.graphs = capture_graphs(self.sizes, stage_dummy, self._forward, pool)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
 
@@ -157,21 +157,34 @@ def spread_tables(flat: torch.Tensor, rows: torch.Tensor, width: torch.Tensor, c
     return torch.where(columns[None, :] < width, flat[index], spare_block)
 
 
-def capture_graphs(sizes: list[int], stage_dummy, forward) -> dict:
+def capture_graphs(sizes: list[int], stage_dummy, forward, pool=None) -> dict:
     """{size: (graph, its output)} for each size, largest first, so that the smaller graphs reuse the memory
-    pool the largest one allocated: `stage_dummy(size)` puts a valid step of that size in the static buffers,
-    an eager `forward(size)` compiles the Triton kernels the capture launches and creates the cuBLAS handles,
-    then a captured one records it."""
-    pool = torch.cuda.graph_pool_handle()
-    graphs = {}
+    the largest one allocated in the graphs' memory `pool` (a new one when None; a runner's decode and
+    mixed-step graphs share one): `stage_dummy(size)` puts a valid step of that size in the static buffers, an
+    eager `forward(size)` compiles the Triton kernels the capture launches and creates the cuBLAS handles, then
+    a captured one records it.
+
+    Every graph writes its output into the first rows of one buffer allocated outside the pool (sized by the
+    largest graph), so that the output a graph computes in the pool is freed when its capture ends and the
+    next capture reuses it: the graphs' memory is the largest graph's working memory and that one buffer, not
+    a logits tensor per graph (0.5 GiB over the decode sizes of a 128k-token vocabulary). A replay overwrites
+    the rows the previous one returned, which the caller has consumed by then (steps run in stream order)."""
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
+    graphs, out = {}, None
     for size in reversed(sizes):
         stage_dummy(size)
         with graph_warmup():
-            forward(size)
+            warm = forward(size)
+        if out is None:
+            out = torch.empty_like(warm)
+        del warm
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            out = forward(size)
-        graphs[size] = (graph, out)
+            y = forward(size)
+            rows = out[:y.shape[0]]
+            rows.copy_(y)
+            del y
+        graphs[size] = (graph, rows)
     torch.cuda.synchronize()
     return graphs

@@ -6,6 +6,12 @@ device's memory; a profile run of the largest step the scheduler can form (a pro
 `max_num_batched_tokens` tokens, then logits and sampling for `max_num_seqs` rows) measures the peak of the
 weights and activations, and the KV cache gets what is left after that peak and after the memory on the device
 that is not this process's tensors (the CUDA context, libraries, other processes).
+
+CUDA graphs are captured after the KV cache exists (they record its addresses), so their memory cannot come
+out of a measurement of the real ones. Before the cache is sized, the engine captures its largest decode graph
+(and its largest mixed-step graph, where enabled) over a cache of one block, measures what the device lost to
+them, and frees them; the KV cache gets that much less. The graphs share one memory pool and one output
+buffer (engine/cuda_graphs.py), so the smaller graphs captured later fit in what the largest took.
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ class KVPlan:
     budget: int = 0  # bytes this engine may use on the device (utilization x total); 0 when not planned
     peak: int = 0  # weights and the largest step's activations at their peak
     other: int = 0  # device memory that is not this process's tensors
+    graphs: int = 0  # what the CUDA graphs will take, measured on the largest before the cache existed
     dtype: str = ""  # the cache's element type (bfloat16, float8_e4m3fn, ...): it sets block_bytes
 
     def describe(self) -> str:
@@ -84,16 +91,20 @@ class KVPlan:
         blocks = f"{self.num_blocks} blocks" + (f" of {self.dtype}" if self.dtype else "")
         if not self.budget:
             return f"KV cache {kv:.2f} GiB ({blocks})"
+        graphs = f", {self.graphs / GiB:.2f} GiB of CUDA graphs" if self.graphs else ""
         return (f"KV cache {kv:.2f} GiB ({blocks}): {self.budget / GiB:.2f} GiB for this engine, "
-                f"less {self.peak / GiB:.2f} GiB of weights and activations at the largest step's peak and "
-                f"{self.other / GiB:.2f} GiB of other memory on the device")
+                f"less {self.peak / GiB:.2f} GiB of weights and activations at the largest step's peak{graphs} "
+                f"and {self.other / GiB:.2f} GiB of other memory on the device")
 
 
 def plan_kv_blocks(config: EngineConfig, block_bytes: int, memory: DeviceMemory | None,
-                   profile: Callable[[], None], dtype: str = "") -> KVPlan:
+                   profile: Callable[[], None], dtype: str = "", graphs: Callable[[], object] | None = None
+                   ) -> KVPlan:
     """The KV cache's size under `config`: `memory` (a GPU's counters) plans from the device's memory with
     `profile` (the largest step, run once) when neither a block count nor a GiB budget is given. `block_bytes`
-    is in the cache's element type `dtype` (an fp8 cache's blocks are half a bfloat16 one's: twice as many fit)."""
+    is in the cache's element type `dtype` (an fp8 cache's blocks are half a bfloat16 one's: twice as many fit).
+    `graphs`, where the engine captures CUDA graphs, captures the largest ones and returns what holds them: the
+    device memory they take is measured, then released."""
     if config.cache_config.num_kv_blocks is not None:
         return KVPlan(config.cache_config.num_kv_blocks, block_bytes, dtype=dtype)
     if config.cache_config.kv_cache_memory_gb is not None or memory is None:
@@ -106,16 +117,24 @@ def plan_kv_blocks(config: EngineConfig, block_bytes: int, memory: DeviceMemory 
     profile()
     peak = memory.peak_allocated()
     other = max(0, memory.used() - memory.reserved())
-    free = budget - peak - other
+    graph_bytes = 0
+    if graphs is not None:
+        memory.reset_peak()  # the profile's freed activations leave the device first
+        before = memory.used()
+        held = graphs()
+        graph_bytes = max(0, memory.used() - before)
+        del held
+        memory.reset_peak()  # and the graphs' pool with them
+    free = budget - peak - other - graph_bytes
     if free < block_bytes:
         raise ValueError(
             f"no device memory is left for the KV cache: --gpu-memory-utilization {utilization:g} of "
             f"{total / GiB:.2f} GiB is {budget / GiB:.2f} GiB, of which the weights and the largest step's "
             f"activations ({config.scheduler_config.max_num_batched_tokens} tokens, {config.scheduler_config.max_num_seqs} sequences) take "
-            f"{peak / GiB:.2f} GiB at their peak and other memory on the device {other / GiB:.2f} GiB; raise "
-            "--gpu-memory-utilization, lower --max-num-batched-tokens or --max-num-seqs, or give "
-            "--kv-cache-memory-gb")
-    return KVPlan(free // block_bytes, block_bytes, budget, peak, other, dtype)
+            f"{peak / GiB:.2f} GiB at their peak, CUDA graphs {graph_bytes / GiB:.2f} GiB and other memory on the "
+            f"device {other / GiB:.2f} GiB; raise --gpu-memory-utilization, lower --max-num-batched-tokens or "
+            "--max-num-seqs (or --cuda-graph-mixed-tokens), or give --kv-cache-memory-gb")
+    return KVPlan(free // block_bytes, block_bytes, budget, peak, other, graph_bytes, dtype)
 
 
 def check_model_len(plan: KVPlan, block_size: int, max_model_len: int | None, model_max: int) -> int:

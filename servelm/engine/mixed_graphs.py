@@ -40,7 +40,7 @@ def mixed_graph_sizes(max_tokens: int) -> list[int]:
 
 class MixedGraphs:
     def __init__(self, model: DecoderLM, kv_caches: list, block_size: int, max_blocks: int, spare_block: int,
-                 sizes: list[int], max_rows: int, capture: bool) -> None:
+                 sizes: list[int], max_rows: int, capture: bool, pool=None) -> None:
         self.model, self.kv_caches = model, kv_caches
         self.block_size, self.max_blocks, self.spare_block = block_size, max_blocks, spare_block
         self.sizes = sorted(set(sizes))
@@ -58,7 +58,7 @@ class MixedGraphs:
         self._row_ids = torch.arange(max(self.rows.values()), device=self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         if capture:
-            self._capture()
+            self._capture(pool)
 
     def _layout(self, size: int) -> dict[str, tuple[int, int]]:
         """Where each input lives in the vector for a graph of `size` tokens: (offset, length); the tables
@@ -141,12 +141,12 @@ class MixedGraphs:
         return self.model.logits(hidden[logits_idx])
 
     @torch.inference_mode()
-    def _capture(self) -> None:
+    def _capture(self, pool) -> None:
         one = np.ones(1, dtype=np.int64)
 
         def stage_dummy(size: int) -> None:  # one row of one token, at position 0 in the spare block
             self._stage(0 * one, 0 * one, one * self.spare_block * self.block_size, 0 * one, one, one, 0 * one,
                         np.full((1, 1), self.spare_block, dtype=np.int64), size)
 
-        self.graphs = capture_graphs(self.sizes, stage_dummy, self._forward)
+        self.graphs = capture_graphs(self.sizes, stage_dummy, self._forward, pool)
         logger.info("captured CUDA graphs for mixed steps of up to %s tokens", self.sizes)

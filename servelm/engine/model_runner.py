@@ -134,6 +134,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None  # steps with prompt chunks in graphs, where enabled
+        self._graph_pool = None  # the CUDA graphs' memory, one pool for decode and mixed-step graphs
         # eager steps' inputs cross to a GPU in one copy from a pinned buffer (none needed on the CPU)
         self.staging = StepStaging(self.device) if self.device.type == "cuda" else None
         self.num_graph_steps = 0  # decode steps run through the static buffers (replays on a GPU)
@@ -150,7 +151,7 @@ class ModelRunner:
         CUDA graph per size when `capture` (without it, on any device, the same buffers run eagerly)."""
         max_blocks = -(-self.max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_blocks, self.spare_block,
-                                   sizes, capture, with_logits)
+                                   sizes, capture, with_logits, self._pool() if capture else None)
 
     def enable_mixed_graphs(self, sizes: list[int], max_rows: int, capture: bool) -> None:
         """Run steps with prompt chunks of up to max(sizes) tokens and `max_rows` rows through padded static
@@ -160,7 +161,12 @@ class ModelRunner:
                              "CUDA graphs (the Triton backend can)")
         max_blocks = -(-self.max_model_len // self.block_size)
         self.mixed = MixedGraphs(self.model, self.kv_caches, self.block_size, max_blocks, self.spare_block, sizes,
-                                 max_rows, capture)
+                                 max_rows, capture, self._pool() if capture else None)
+
+    def _pool(self):
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
 
     @property
     def cpu_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -477,3 +483,17 @@ def profile_largest_step(model: DecoderLM, block_size: int, num_tokens: int, num
     draw(weights, ones * 0.5)
     del raw, weights, logits, runner
 
+
+
+@torch.inference_mode()
+def profile_graphs(model: DecoderLM, block_size: int, max_model_len: int, decode_size: int, mixed_tokens: int,
+                   max_rows: int, kv_cache_dtype: str = "auto") -> ModelRunner:
+    """Captures the largest CUDA graphs an engine will (a decode graph of `decode_size` rows and, where
+    `mixed_tokens`, a mixed-step graph of that many tokens), in one pool as the engine does, over a cache of one
+    block, with block tables as wide as `max_model_len` needs; returns the runner that holds them, so that the
+    KV plan measures the device memory they take and then frees them (engine/kv_sizing.py)."""
+    runner = ModelRunner(model, 1, block_size, 0, seed=0, cuda_graph_sizes=[decode_size],
+                         max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype)
+    if mixed_tokens:
+        runner.enable_mixed_graphs([mixed_tokens], max_rows, capture=True)
+    return runner

@@ -20,13 +20,14 @@ class FakeMemory:
 
     def __init__(self, total: int, peak: int, other: int) -> None:
         self._total, self._peak, self._other = total, peak, other
+        self.graphs = 0  # what CUDA graphs hold while they exist
         self.events: list[str] = []
 
     def total(self) -> int:
         return self._total
 
     def used(self) -> int:
-        return self._other + self.reserved()
+        return self._other + self.reserved() + self.graphs
 
     def reserved(self) -> int:
         return self._peak + 12345  # the allocator holds a little more than its peak: not "other" memory
@@ -51,12 +52,42 @@ def test_blocks_are_what_utilization_leaves_after_the_profiled_peak_and_other_me
     assert "40.00 GiB for this engine" in plan.describe() and "20.00 GiB of weights" in plan.describe()
 
 
+class FakeGraphs:
+    """What a capture of the largest CUDA graphs returns: while it lives, the device has `size` bytes fewer."""
+
+    def __init__(self, mem: FakeMemory, size: int) -> None:
+        self.mem = mem
+        mem.graphs = size
+        mem.events.append("graphs")
+
+    def __del__(self) -> None:
+        self.mem.graphs = 0
+        self.mem.events.append("freed")
+
+
+def test_the_cuda_graphs_measured_before_the_cache_exists_come_out_of_it():
+    mem = FakeMemory(total=80 * GiB, peak=20 * GiB, other=2 * GiB)
+    cfg = EngineConfig(gpu_memory_utilization=0.5)
+    plan = plan_kv_blocks(cfg, 2**20, mem, lambda: mem.events.append("profile"),
+                          graphs=lambda: FakeGraphs(mem, 3 * GiB))
+    # measured after the profile's memory left the device, and released before the cache is allocated
+    assert mem.events == ["reset", "profile", "peak", "reset", "graphs", "freed", "reset"] and mem.graphs == 0
+    assert plan.graphs == 3 * GiB
+    assert plan.num_blocks == (40 * GiB - 20 * GiB - 2 * GiB - 3 * GiB) // 2**20
+    assert "3.00 GiB of CUDA graphs" in plan.describe()
+    with pytest.raises(ValueError, match="CUDA graphs 3.00 GiB"):
+        plan_kv_blocks(EngineConfig(gpu_memory_utilization=0.3), 2**20, mem, lambda: None,
+                       graphs=lambda: FakeGraphs(mem, 3 * GiB))
+
+
 def test_a_size_given_by_hand_wins_and_runs_no_profile():
     mem = FakeMemory(total=80 * GiB, peak=20 * GiB, other=0)
     ran = []
     assert plan_kv_blocks(EngineConfig(num_kv_blocks=7), 2**20, mem, lambda: ran.append(1)).num_blocks == 7
     assert plan_kv_blocks(EngineConfig(kv_cache_memory_gb=2), 2**20, mem, lambda: ran.append(1)).num_blocks == 2048
     assert plan_kv_blocks(EngineConfig(), 2**20, None, lambda: ran.append(1)).num_blocks == 1024  # the CPU: 1 GiB
+    assert plan_kv_blocks(EngineConfig(num_kv_blocks=7), 2**20, mem, lambda: ran.append(1),
+                          graphs=lambda: ran.append(2)).num_blocks == 7
     assert ran == [] and mem.events == []
 
 

@@ -60,6 +60,27 @@ def test_mixed_steps_replayed_from_graphs_match_transformers_on_gpu(arch, model_
     assert runner.num_mixed_graph_steps > 0 and runner.num_graph_steps > 0
 
 
+def test_the_engine_stays_within_its_share_of_the_device_with_its_graphs(model_dirs, hf_models):
+    """gpu_memory_utilization is a ceiling: the KV cache is what is left after the largest CUDA graphs were
+    captured and measured (decode and mixed-step, 2,048 tokens), so with every graph captured and steps served
+    the device holds no more than the share (a tolerance of 64 MiB for the allocator's rounding)."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    share = min(0.95, (total - free) / total + 0.1)  # what the device holds already, and 10% of it more
+    llm = gpu_llm(model_dirs["llama"], "graphs", gpu_memory_utilization=share, max_num_batched_tokens=2048,
+                  cuda_graph_mixed_tokens=2048, max_model_len=1024)
+    core = llm.engine.core
+    assert core.kv_plan.graphs > 0 and core.runner.mixed is not None and core.runner.graphs.graphs
+    prompts = random_prompts(12, 3, 300, seed=8)
+    assert run(llm, prompts) == reference(hf_models, "llama", prompts)
+    torch.cuda.synchronize()
+    free, _ = torch.cuda.mem_get_info()
+    assert total - free <= share * total + 64 * 2**20, (core.kv_plan.describe(), total - free, share * total)
+
+
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_block_sizes_other_than_the_tile(block_size, model_dirs, hf_models):
     prompts = random_prompts(5, 20, 60, seed=3)
