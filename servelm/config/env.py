@@ -18,6 +18,7 @@ VARIABLES: dict[str, str] = {
     "SERVELM_CONFIG": "the config file `servelm serve` reads when --config is not given",
     "SERVELM_CACHE_DIR": "where converted artefacts are kept (default ~/.cache/servelm)",
     "SERVELM_CPU_KERNELS": "which build of the C++ CPU kernels runs: auto, a variant name, or 0 (off)",
+    "SERVELM_CPU_BF16_DOT": "how the AVX512-BF16 kernels multiply bf16 pairs: auto, bf16 (the instruction) or fma",
     "SERVELM_QUANT_KERNEL": "reference: the GGUF block kernels' arithmetic in torch (tests, debugging)",
     "SERVELM_ALLOW_FAULTS": "1: honour the servelm.fault label of registered versions (drills)",
     "SERVELM_URL": "the server `servelm models`, `ps` and `traffic` manage",
@@ -65,6 +66,14 @@ def cache_dir() -> Path:
 def cpu_kernels() -> str:
     """SERVELM_CPU_KERNELS, lower case: auto (default), a variant name, or 0/off/false/none."""
     return (_get("SERVELM_CPU_KERNELS") or "auto").strip().lower()
+
+
+def cpu_bf16_dot() -> str:
+    """SERVELM_CPU_BF16_DOT, lower case: auto (default: the CPU vendor's faster form), bf16 or fma."""
+    value = (_get("SERVELM_CPU_BF16_DOT") or "auto").strip().lower()
+    if value not in ("auto", "bf16", "fma"):
+        raise ValueError(f"SERVELM_CPU_BF16_DOT={value!r}: auto, bf16 or fma")
+    return value
 
 
 def quant_kernel_reference() -> bool:

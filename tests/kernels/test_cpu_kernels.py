@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from tiny_models import cpu_vendor
 
+from servelm.config import env
 from servelm.model.kernels import cpu as cpu_kernels
 from servelm.model.layers.blocks import GateUpLinear, Linear, fused_kernels, silu_mul
 from servelm.model.layers.linear_kernels import pack_dense_weight, pack_weight_for_tiles
@@ -59,7 +60,8 @@ def test_avx512_linear_matches_float32_reference_and_is_row_invariant(k, bias, d
 @needs_avx512_linear
 def test_avx512_linear_fma_form_is_the_default_on_intel_and_sums_in_the_instructions_order():
     intel = cpu_vendor() == "GenuineIntel"
-    assert kernels.bf16_dot() == ("fma" if intel else "bf16")
+    forced = env.cpu_bf16_dot()  # SERVELM_CPU_BF16_DOT runs the other vendor's form
+    assert kernels.bf16_dot() == (("fma" if intel else "bf16") if forced == "auto" else forced)
     torch.manual_seed(3)
     x, w = torch.randn(40, 576).bfloat16(), torch.randn(200, 576).bfloat16()
     packed = pack_weight_for_tiles(w)

@@ -108,6 +108,27 @@ def test_env_var_picks_a_variant_and_refuses_one_the_cpu_lacks(fresh_loader, cap
 
 
 @needs_build
+@pytest.mark.skipif(MANIFEST is None or "avx512bf16" not in MANIFEST["built"] or "avx512_bf16" not in FLAGS,
+                    reason="needs the AVX512-BF16 build and a CPU that runs it")
+def test_env_var_picks_how_bf16_pairs_multiply(fresh_loader):
+    """SERVELM_CPU_BF16_DOT forces either vendor's form on this CPU (the library's switch is per process)."""
+    before = cpu_kernels.load_variant("avx512bf16").bf16_dot()
+    fresh_loader.setenv("SERVELM_CPU_KERNELS", "avx512bf16")
+    try:
+        for mode in ("fma", "bf16", "fma"):
+            fresh_loader.setattr(cpu_kernels, "_tried", False)
+            fresh_loader.setenv("SERVELM_CPU_BF16_DOT", mode)
+            assert cpu_kernels.load().bf16_dot() == mode
+        fresh_loader.setattr(cpu_kernels, "_tried", False)
+        fresh_loader.setenv("SERVELM_CPU_BF16_DOT", "fp16")
+        for _ in range(2):  # refused at every load
+            with pytest.raises(ValueError, match="auto, bf16 or fma"):
+                cpu_kernels.load()
+    finally:
+        cpu_kernels.load_variant("avx512bf16").set_bf16_dot(before)
+
+
+@needs_build
 @pytest.mark.skipif(not X86 or kernel_build.compiler() is None, reason="needs an x86-64 C++ toolchain")
 def test_every_x86_variant_builds_here():
     """On x86-64 with a compiler, the install builds every variant (a failure would silently move the engine

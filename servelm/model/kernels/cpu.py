@@ -71,6 +71,7 @@ def load() -> CpuKernels | None:
         return None
     if _tried:
         return _module
+    dot = env.cpu_bf16_dot()  # a bad value is an error at every load, not a silent fallback
     _tried = True
     found = manifest()
     if found is None:
@@ -95,6 +96,10 @@ def load() -> CpuKernels | None:
         logger.warning("servelm CPU kernels could not be loaded (%s): using the PyTorch path", e)
         return None
     logger.info("servelm CPU kernels: %s", why)
+    if dot != "auto" and _module.bf16_dot() != "none":  # the variant multiplies bf16 pairs (AVX512-BF16)
+        _module.set_bf16_dot(dot)
+        logger.info("servelm CPU kernels multiply bf16 pairs with %s, as SERVELM_CPU_BF16_DOT asks",
+                    "the dot-product instruction" if dot == "bf16" else "float FMAs")
     return _module
 
 
