@@ -16,6 +16,7 @@ buffer (engine/cuda_graphs.py), so the smaller graphs captured later fit in what
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ class CudaMemory:
         return self.cuda.memory_reserved(self.device)
 
     def reset_peak(self) -> None:
+        gc.collect()  # what was dropped last (the profile's runner, the measured graphs) leaves the device
         self.cuda.synchronize(self.device)
         self.cuda.empty_cache()
         self.cuda.reset_peak_memory_stats(self.device)
