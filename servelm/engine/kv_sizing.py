@@ -124,6 +124,9 @@ def plan_kv_blocks(config: EngineConfig, block_bytes: int, memory: DeviceMemory 
         memory.reset_peak()  # the profile's freed activations leave the device first
         before = memory.used()
         held = graphs()
+        # the warm-up passes' freed activations leave too (later steps reuse such memory, which the profile's
+        # peak counts); the graphs' own pool stays while they live
+        memory.reset_peak()
         graph_bytes = max(0, memory.used() - before)
         del held
         memory.reset_peak()  # and the graphs' pool with them
