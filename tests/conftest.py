@@ -4,7 +4,9 @@ and Redis servers (tests/support/services.py). The helpers in tests/support/ are
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -70,6 +72,21 @@ def hf_models(model_dirs):
 @pytest.fixture(scope="session")
 def llama_dir(model_dirs) -> Path:
     return model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def long_llama_dir(llama_dir, tmp_path_factory) -> Path:
+    """The tiny Llama with a context of HOLD_CONTEXT tokens (tests/support/serving.py): a request for nearly all
+    of it holds a batch slot for minutes, longer than any test waits, until its client leaves. Server tests
+    that need requests still running while they look take it, so that no check depends on how fast the machine
+    generates."""
+    from serving import HOLD_CONTEXT
+
+    out = tmp_path_factory.mktemp("long") / "llama"
+    shutil.copytree(llama_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "max_position_embeddings": HOLD_CONTEXT}))
+    return out
 
 
 @pytest.fixture(params=["bf16", "fma"])

@@ -12,7 +12,7 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
-from serving import _wait, start_server, stop_server
+from serving import HOLD, HOLD_BLOCKS, HOLD_CONTEXT, _wait, start_server, stop_server
 
 pytestmark = pytest.mark.server
 
@@ -22,12 +22,14 @@ ADMIN = {"x-api-key": "sk-ops-admin-0001"}
 
 
 @pytest.fixture(scope="module")
-def ops(llama_dir, tmp_path_factory):
+def ops(long_llama_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("ops")
     (d / "api.key").write_text(KEY + "\n")  # keys from files: nothing secret on the command line
     (d / "admin.key").write_text(ADMIN["x-api-key"])
     # admission caps at their defaults (max_n 16) except max_request_tokens, set through the env on purpose
-    proc, url = start_server(llama_dir, "--num-kv-blocks", "256", "--max-model-len", "1024",
+    # room for three HOLD requests to their ends (the engine-kill test), so none is ever preempted
+    proc, url = start_server(long_llama_dir, "--num-kv-blocks", str(3 * HOLD_BLOCKS), "--max-model-len",
+                             str(HOLD_CONTEXT),
                              "--max-embedding-inputs", "8", "--api-key-file", str(d / "api.key"),
                              "--admin-key-file", str(d / "admin.key"), "--header-timeout-s", "1",
                              "--auth-failures-per-minute", "5", "--data-dir", str(d / "data"),  # an audit trail
@@ -61,7 +63,7 @@ def test_total_tokens_cap_refuses_explicit_and_bounds_default_max_tokens(ops):
     ok = _post(url, "/v1/completions", {"prompt": [[1, 2, 3, 4]] * 3, "max_tokens": 30, "ignore_eos": True})
     assert ok.status_code == 200, ok.text
     assert _post(url, "/v1/completions", {"prompt": [[1, 2, 3, 4]] * 4, "max_tokens": 30}).status_code == 400
-    # no max_tokens: the default is what fits the cap, not the rest of the 1024-token context per sample
+    # no max_tokens: the default is what fits the cap, not the rest of the context per sample
     chat = {"messages": [{"role": "user", "content": "hi"}], "n": 4, "ignore_eos": True}
     r = _post(url, "/v1/chat/completions", chat)
     assert r.status_code == 200, r.text
@@ -184,9 +186,9 @@ def _dead(pid: int) -> bool:
 def test_engine_kill_is_reported_at_once_with_no_ghost_requests(ops):
     """Last in the module: the engine restarts after it."""
     _, url = ops
-    cap = httpx.patch(url + "/admin/config", json={"max_request_tokens": 4096}, headers=ADMIN)
+    cap = httpx.patch(url + "/admin/config", json={"max_request_tokens": HOLD_CONTEXT}, headers=ADMIN)
     assert cap.status_code == 200, cap.text  # the caps are run-time settings
-    body = {"prompt": [1, 2, 3, 4], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    body = HOLD  # each runs until the kill
     with contextlib.ExitStack() as streams:
         for _ in range(3):
             r = streams.enter_context(httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH,

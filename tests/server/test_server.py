@@ -13,7 +13,17 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from serving import _ready, _wait, raw_request, start_server, stats, stop_server
+from serving import (
+    HOLD,
+    HOLD_BLOCKS,
+    HOLD_CONTEXT,
+    _ready,
+    _wait,
+    raw_request,
+    start_server,
+    stats,
+    stop_server,
+)
 from tiny_models import random_prompts
 
 from servelm import LLM, SamplingParams
@@ -342,11 +352,11 @@ def test_disconnect_mid_stream_frees_blocks(server):
           and s["scheduler"]["num_free_blocks"] == total, 60, "the aborted request's blocks to come back")
 
 
-def test_disconnect_while_queued_and_engine_restart(llama_dir):
-    proc, url = start_server(llama_dir, "--num-kv-blocks", "128", "--max-model-len", "1024", "--max-num-seqs", "1",
-                             "--embedding-model", "none")
+def test_disconnect_while_queued_and_engine_restart(long_llama_dir):
+    proc, url = start_server(long_llama_dir, "--num-kv-blocks", str(HOLD_BLOCKS), "--max-model-len",
+                             str(HOLD_CONTEXT), "--max-num-seqs", "1", "--embedding-model", "none")
     try:
-        body = {"prompt": [1, 2, 3, 4], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        body = HOLD  # runs until its client leaves
         admitted_before = stats(url)["scheduler"]["prefix_cache_queries"]  # counts tokens at each admission
         with httpx.stream("POST", url + "/v1/completions", json=body) as running:
             running_lines = running.iter_lines()  # kept alive: dropping the iterator closes the connection
@@ -369,7 +379,7 @@ def test_disconnect_while_queued_and_engine_restart(llama_dir):
                   30, "the non-streaming queued request to be aborted")
             s = stats(url)["scheduler"]
             assert s["num_running"] == 1 and s["prefix_cache_queries"] == admitted_before + 4
-        _wait(lambda: stats(url)["scheduler"]["num_free_blocks"] == 128, 30, "all blocks to be free")
+        _wait(lambda: stats(url)["scheduler"]["num_free_blocks"] == HOLD_BLOCKS, 30, "all blocks to be free")
 
         # Kill the engine mid-request: the client gets an error at once, /ready says so, the engine restarts.
         pid = stats(url)["engine"]["pid"]

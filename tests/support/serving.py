@@ -15,6 +15,12 @@ from urllib.parse import urlparse
 
 import httpx
 
+# A server of the tiny Llama with this context (the `long_llama_dir` fixture) and `--max-model-len HOLD_CONTEXT`
+# takes HOLD: a streaming request that runs for minutes (tens of thousands of steps) until its client leaves.
+HOLD_CONTEXT = 65536
+HOLD = {"prompt": [1, 2, 3, 4], "max_tokens": HOLD_CONTEXT - 8, "ignore_eos": True, "stream": True}
+HOLD_BLOCKS = -(-HOLD_CONTEXT // 16)  # KV blocks of 16 tokens for one HOLD to its end: it is never preempted
+
 
 def pid_alive(pid: int) -> bool:
     """Whether pid runs (a zombie, exited but not yet reaped, counts as gone)."""
