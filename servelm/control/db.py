@@ -15,6 +15,8 @@ serialization failure.
 from __future__ import annotations
 
 import contextlib
+import sqlite3
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -25,6 +27,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 T = TypeVar("T")
 RETRIES = 5
+BUSY_TIMEOUT_S = 60  # SQLite: how long a writer waits for another's lock before its statement fails
 CONNECT_TIMEOUT_S = 5  # PostgreSQL: a database that does not answer is an error after this long, not a hang
 WRITE_LOCK = 0x5E7E1B  # PostgreSQL: the advisory lock key of a control write (any constant no other code uses)
 # SQLSTATEs after which the whole transaction may simply run again: serialization failure, deadlock
@@ -68,8 +71,8 @@ def open_engine(url: str) -> Engine:
     def _connect(dbapi_conn, _record) -> None:
         dbapi_conn.isolation_level = None  # no implicit BEGIN from the driver: the listener below starts them
         cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA busy_timeout = 60000")
-        cur.execute("PRAGMA journal_mode = WAL")
+        cur.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_S * 1000}")
+        _wal(cur)
         cur.execute("PRAGMA foreign_keys = ON")
         cur.close()
 
@@ -79,6 +82,23 @@ def open_engine(url: str) -> Engine:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
     return engine
+
+
+def _wal(cur) -> None:
+    """Puts an SQLite database in WAL mode, which the file keeps: once is enough. The switch needs the database
+    to itself, and SQLite answers a connection that asks while another one holds it with "database is locked"
+    at once, without the busy wait (seen when several servers or threads create the database together), so the
+    loser looks again until the winner's switch shows, within the busy timeout."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            if cur.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                cur.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 @contextlib.contextmanager

@@ -216,6 +216,47 @@ def test_the_database_refuses_a_fork_of_the_chain_and_writers_retry(reg):
     assert len(tries) == db.RETRIES
 
 
+def test_a_connection_refused_the_switch_to_wal_looks_again(tmp_path, monkeypatch):
+    """SQLite refuses the switch to WAL at once, without its busy wait, while another connection holds the
+    database (as when several threads or servers create it together): the refused connection waits its turn."""
+    import sqlite3
+    import time
+    from types import SimpleNamespace
+
+    from servelm.control import db
+
+    path = tmp_path / "control.db"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN IMMEDIATE")
+    holder.execute("INSERT INTO t VALUES (1)")  # a writer holds the database, in rollback-journal mode
+    refused = threading.Event()
+
+    def pause(seconds: float) -> None:  # the retry's pause: the switch was refused
+        refused.set()
+        time.sleep(seconds)
+
+    monkeypatch.setattr(db, "time", SimpleNamespace(monotonic=time.monotonic, sleep=pause))
+    engine = db.open_engine(f"sqlite:///{path}")
+    got: dict = {}
+
+    def connect() -> None:
+        try:
+            with engine.connect() as c:
+                got["mode"] = c.exec_driver_sql("PRAGMA journal_mode").scalar()
+        except Exception as e:  # noqa: BLE001 (reported below)
+            got["error"] = e
+
+    t = threading.Thread(target=connect)
+    t.start()
+    assert refused.wait(30), got
+    holder.execute("COMMIT")
+    t.join(30)
+    holder.close()
+    assert got == {"mode": "wal"}
+    engine.dispose()
+
+
 def test_concurrent_writers_get_distinct_versions_and_one_unbroken_chain(tmp_path, database_url):
     """Threads with their own Registry on one database: each register is one transaction, so version
     numbers never collide and the audit chain never forks (SQLite serializes the writers; on PostgreSQL the
