@@ -175,12 +175,22 @@ def test_slow_request_head_is_closed_after_the_header_timeout(ops):
 
 
 def _dead(pid: int) -> bool:
-    """The process has exited (gone, or a zombie its parent has not reaped yet)."""
+    """The process has exited: gone, or a zombie its parent has not reaped yet. A zombie thread-group leader
+    is not enough: SIGKILL makes the main thread a zombie while the process's other threads (the engine's
+    compute threads) are still being torn down, and until the last one is gone the parent's waitpid() does
+    not report the exit, so its parent rightly still sees it alive."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        tasks = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
         return True
+    states = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # that thread is gone already
+            pass
+    return all(state == "Z" for state in states)
 
 
 def test_engine_kill_is_reported_at_once_with_no_ghost_requests(ops):
