@@ -484,7 +484,6 @@ def profile_largest_step(model: DecoderLM, block_size: int, num_tokens: int, num
     del raw, weights, logits, runner
 
 
-
 @torch.inference_mode()
 def profile_graphs(model: DecoderLM, block_size: int, max_model_len: int, decode_size: int, mixed_tokens: int,
                    max_rows: int, kv_cache_dtype: str = "auto") -> ModelRunner:

@@ -12,7 +12,7 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
-from serving import HOLD, HOLD_BLOCKS, HOLD_CONTEXT, _wait, start_server, stop_server
+from serving import HOLD, HOLD_BLOCKS, HOLD_CONTEXT, _wait, pid_alive, start_server, stop_server
 
 pytestmark = pytest.mark.server
 
@@ -174,25 +174,6 @@ def test_slow_request_head_is_closed_after_the_header_timeout(ops):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
 
 
-def _dead(pid: int) -> bool:
-    """The process has exited: gone, or a zombie its parent has not reaped yet. A zombie thread-group leader
-    is not enough: SIGKILL makes the main thread a zombie while the process's other threads (the engine's
-    compute threads) are still being torn down, and until the last one is gone the parent's waitpid() does
-    not report the exit, so its parent rightly still sees it alive."""
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
-        return True
-    states = []
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
-        except (FileNotFoundError, ProcessLookupError):  # that thread is gone already
-            pass
-    return all(state == "Z" for state in states)
-
-
 def test_engine_kill_is_reported_at_once_with_no_ghost_requests(ops):
     """Last in the module: the engine restarts after it."""
     _, url = ops
@@ -211,7 +192,7 @@ def test_engine_kill_is_reported_at_once_with_no_ghost_requests(ops):
         pid, up_since = before["engine"]["pid"], before["engine"]["up_since"]
         assert up_since is not None
         os.kill(pid, signal.SIGKILL)
-        _wait(lambda: _dead(pid), 30, "the engine process to die")
+        _wait(lambda: not pid_alive(pid), 30, "the engine process to die")
         # asked right after the death is observable: nothing may still say it is up or busy
         ready = httpx.get(url + "/ready").status_code
         st = httpx.get(url + "/server/stats", headers=AUTH).json()

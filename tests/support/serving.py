@@ -23,12 +23,22 @@ HOLD_BLOCKS = -(-HOLD_CONTEXT // 16)  # KV blocks of 16 tokens for one HOLD to i
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether pid runs (a zombie, exited but not yet reaped, counts as gone)."""
+    """Whether pid runs: a zombie, exited but not yet reaped, counts as gone. Every thread must be one: SIGKILL
+    makes the main thread a zombie while the process's other threads (an engine's compute threads) are still
+    being torn down, and until the last one is gone its parent's waitpid() does not report the exit, so the
+    parent rightly still sees it alive."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        tasks = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
         return False
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    return True
+        except (FileNotFoundError, ProcessLookupError):  # that thread is gone already
+            pass
+    return False
 
 
 def grammar_backends() -> list:
