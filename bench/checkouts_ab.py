@@ -1,4 +1,5 @@
-"""W2 (TTFT, TPOT) and W1 (throughput) of the default model (bf16, or `--dtype`) for two or more checkouts, each run in a
+"""W2 (TTFT, TPOT) and W1 (throughput) of the default model (bf16, or `--dtype`; greedy, or sampled at
+`--temperature`) for two or more checkouts, each run in a
 process of its own with that checkout first on PYTHONPATH, alternating checkouts every round so that a noisy
 minute hits all alike. For changes one process cannot hold both sides of (a new build system, a changed
 Python dispatch). Prints one JSON object: per checkout the rounds, the medians and the ratio to the first.
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 
-def worker(threads: int, dtype: str, ttft_only: bool) -> None:
+def worker(threads: int, dtype: str, ttft_only: bool, temperature: float) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent / "peers" / "workers"))
     from common import prompts
 
@@ -32,7 +33,7 @@ def worker(threads: int, dtype: str, ttft_only: bool) -> None:
 
     def gen(batch, n: int) -> float:
         t = time.perf_counter()
-        llm.generate(batch, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        llm.generate(batch, SamplingParams(temperature=temperature, seed=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
         return time.perf_counter() - t
 
     gen([w2], 8)
@@ -52,19 +53,21 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32 or auto")
     p.add_argument("--ttft-only", action="store_true", help="W2's TTFT alone (median of 5 per round)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); above: sampled")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        return worker(a.threads, a.dtype, a.ttft_only)
+        return worker(a.threads, a.dtype, a.ttft_only, a.temperature)
     runs: dict[str, list[dict]] = {s: [] for s in a.src}
     for r in range(a.rounds):
         for src in a.src if r % 2 == 0 else a.src[::-1]:
             env = {**os.environ, "PYTHONPATH": str(Path(src).resolve())}
             out = subprocess.run([sys.executable, __file__, "--worker", "--src", src, "--threads", str(a.threads),
-                                  "--dtype", a.dtype, *(["--ttft-only"] if a.ttft_only else [])],
+                                  "--dtype", a.dtype, "--temperature", str(a.temperature),
+                                  *(["--ttft-only"] if a.ttft_only else [])],
                                  env=env, cwd="/", capture_output=True, text=True, check=True).stdout
             runs[src].append(json.loads(out.strip().splitlines()[-1]))
-    res: dict = {"threads": a.threads, "dtype": a.dtype, "rounds": runs, "median": {}}
+    res: dict = {"threads": a.threads, "dtype": a.dtype, "temperature": a.temperature, "rounds": runs, "median": {}}
     for src, rs in runs.items():
         res["median"][src] = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
     base = res["median"][a.src[0]]

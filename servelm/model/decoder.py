@@ -280,8 +280,10 @@ class DecoderLM:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, vocab] in the model's dtype (the sampler widens what it must); soft-capped where the model
-        says (Gemma 2)."""
-        out = self.lm_head(hidden)
+        """[N, vocab]: float32 where servelm's C++ kernels run the lm_head (they sum in float32 and store the
+        sums unrounded), else the model's dtype (the sampler widens what it must); soft-capped where the model
+        says (Gemma 2). A bf16 model's logits rounded to bf16 tie tokens less than one bf16 step apart (1/128
+        of the logit's power of two), and greedy decoding then takes the lower token id, not the likelier one."""
+        out = self.lm_head(hidden, float32=True)
         cap = self.spec.final_softcap
         return out if not cap else (torch.tanh(out.float() / cap) * cap).to(out.dtype)

@@ -54,6 +54,20 @@ _NOT_RECORDED = ("servelm_last_error", "servelm_avx512_bf16_compiled", "servelm_
                  "servelm_avx512_linear_supported", "servelm_bf16_dot", "servelm_set_bf16_dot",
                  "servelm_prefill_attention_supported", "servelm_run_tape", "servelm_quant_linear_supported")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# what a linear kernel stores (csrc/kernels.h Store): its sums rounded to the input's dtype, silu(gate) * up,
+# or its float32 sums as they are (`out_dtype=torch.float32`: a bf16 model's logits)
+_STORE_AS_INPUT, _STORE_SILU_MUL, _STORE_FLOAT32 = 0, 1, 2
+
+
+def _store(silu_mul: bool, out_dtype: torch.dtype | None, x: torch.Tensor, name: str) -> tuple[int, torch.dtype]:
+    """The kernel's `store` argument and the output's dtype."""
+    _require(out_dtype in (None, x.dtype, torch.float32), f"{name}: out_dtype must be the input's dtype or float32")
+    _require(not (silu_mul and out_dtype not in (None, x.dtype)), f"{name}: silu_mul stores the input's dtype")
+    if silu_mul:
+        return _STORE_SILU_MUL, x.dtype
+    if out_dtype is None or out_dtype == x.dtype:
+        return _STORE_AS_INPUT, x.dtype
+    return _STORE_FLOAT32, torch.float32
 
 
 def _require(cond: bool, message: str) -> None:
@@ -182,7 +196,7 @@ class CpuKernels:
         return bool(self._avx512_linear_supported(K))
 
     def _packed_linear(self, fn, name: str, x: torch.Tensor, packed: torch.Tensor, N: int,
-                       bias: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
+                       bias: torch.Tensor | None, silu_mul: bool, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         _require(x.dim() == 2 and x.dtype == torch.bfloat16 and packed.dtype == torch.bfloat16,
                  f"{name}: bf16 [M, K] input and packed weight")
         M, K = x.shape
@@ -190,34 +204,38 @@ class CpuKernels:
                  f"{name}: a weight packed for {N} x {K} (K a multiple of 32)")
         _require(bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous() and bias.numel() == N),
                  f"{name}: bias must be bf16 [N]")
+        store, dtype = _store(silu_mul, out_dtype, x, name)
         if x.stride(1) != 1:
             x = x.contiguous()
-        out = x.new_empty(M, N // 2 if silu_mul else N)
+        out = x.new_empty(M, N // 2 if silu_mul else N, dtype=dtype)
         self._ok(fn(out.data_ptr(), x.data_ptr(), M, K, x.stride(0), packed.data_ptr(), N,
-                    None if bias is None else bias.data_ptr(), silu_mul))
+                    None if bias is None else bias.data_ptr(), store))
         return out
 
-    def amx_linear(self, x: torch.Tensor, packed: torch.Tensor, N: int, bias: torch.Tensor | None = None
-                   ) -> torch.Tensor:
-        """x @ w.T (+ bias) on AMX tiles, w packed by pack_weight_for_tiles."""
-        return self._packed_linear(self._amx_linear, "amx_linear", x, packed, N, bias, False)
+    def amx_linear(self, x: torch.Tensor, packed: torch.Tensor, N: int, bias: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ w.T (+ bias) on AMX tiles, w packed by pack_weight_for_tiles: bf16, or with
+        `out_dtype=torch.float32` the float32 sums unrounded."""
+        return self._packed_linear(self._amx_linear, "amx_linear", x, packed, N, bias, False, out_dtype)
 
     def amx_linear_silu_mul(self, x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.Tensor:
         """silu(gate) * up from x @ w.T, w a [gate; up] weight packed with gate_up=True."""
         return self._packed_linear(self._amx_linear, "amx_linear", x, packed, N, None, True)
 
-    def avx512_linear(self, x: torch.Tensor, packed: torch.Tensor, N: int, bias: torch.Tensor | None = None
-                      ) -> torch.Tensor:
-        """x @ w.T (+ bias) for bf16 rows, w packed by pack_weight_for_tiles (AVX512-BF16)."""
-        return self._packed_linear(self._avx512_linear, "avx512_linear", x, packed, N, bias, False)
+    def avx512_linear(self, x: torch.Tensor, packed: torch.Tensor, N: int, bias: torch.Tensor | None = None,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ w.T (+ bias) for bf16 rows, w packed by pack_weight_for_tiles (AVX512-BF16): bf16, or with
+        `out_dtype=torch.float32` the float32 sums unrounded."""
+        return self._packed_linear(self._avx512_linear, "avx512_linear", x, packed, N, bias, False, out_dtype)
 
     def avx512_linear_silu_mul(self, x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.Tensor:
         return self._packed_linear(self._avx512_linear, "avx512_linear", x, packed, N, None, True)
 
     def dense_linear(self, x: torch.Tensor, packed: torch.Tensor, N: int, bias: torch.Tensor | None = None,
-                     silu_mul: bool = False) -> torch.Tensor:
+                     silu_mul: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [M, K] @ w.T (+ bias), or silu(gate) * up for a gate/up weight, w packed by `pack_dense_weight`
-        (float32 or bf16, the dtype of x): every output summed over K in order, whatever M (dense_linear.cpp)."""
+        (float32 or bf16, the dtype of x; `out_dtype=torch.float32`: the float32 sums unrounded): every output
+        summed over K in order, whatever M (dense_linear.cpp)."""
         _require(x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16) and packed.dtype == x.dtype,
                  "dense_linear: float32 or bf16 [M, K] input and a packed weight of its dtype")
         M, K = x.shape
@@ -226,11 +244,12 @@ class CpuKernels:
         _require(bias is None or (bias.dtype == x.dtype and bias.is_contiguous() and bias.numel() == N),
                  "dense_linear: bias must be [N] in the input's dtype")
         _require(not silu_mul or (N % 32 == 0 and bias is None), "dense_linear: silu_mul needs N % 32 == 0, no bias")
+        store, dtype = _store(silu_mul, out_dtype, x, "dense_linear")
         if x.stride(1) != 1:
             x = x.contiguous()
-        out = x.new_empty(M, N // 2 if silu_mul else N)
+        out = x.new_empty(M, N // 2 if silu_mul else N, dtype=dtype)
         self._ok(self._dense_linear(_DTYPES[x.dtype], out.data_ptr(), x.data_ptr(), M, K, x.stride(0),
-                                    packed.data_ptr(), N, None if bias is None else bias.data_ptr(), silu_mul))
+                                    packed.data_ptr(), N, None if bias is None else bias.data_ptr(), store))
         return out
 
     def bf16_dot(self) -> str:
@@ -363,21 +382,24 @@ class CpuKernels:
         return int(self._quant_linear_supported(fmt, K))
 
     def quant_linear(self, x: torch.Tensor, packed: torch.Tensor, fmt: int, N: int, bias: torch.Tensor | None = None,
-                     silu_mul: bool = False, int_rows: int | None = None) -> torch.Tensor:
+                     silu_mul: bool = False, int_rows: int | None = None, out_dtype: torch.dtype | None = None
+                     ) -> torch.Tensor:
         """x [M, K] bf16 times a packed GGUF weight of N rows (+ bias; or SiLU(gate) * up for a gate/up weight
-        packed with gate_up=True): [M, N] or [M, N / 2] bf16. Up to `int_rows` rows (default: any number) take
-        the int8-activation kernel, more the bf16 tile path where the build has it."""
+        packed with gate_up=True): [M, N] or [M, N / 2] bf16, or with `out_dtype=torch.float32` [M, N] of the
+        float32 sums unrounded. Up to `int_rows` rows (default: any number) take the int8-activation kernel,
+        more the bf16 tile path where the build has it."""
         _require(x.dim() == 2 and x.dtype == torch.bfloat16 and packed.dtype == torch.uint8 and packed.is_contiguous(),
                  "quant_linear: bf16 [M, K] input and a packed uint8 weight")
         M, K = x.shape
         _require(packed.numel() == packed_bytes(fmt, N, K), f"quant_linear: not a weight packed for {N} x {K}")
         _require(bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous() and bias.numel() == N),
                  "quant_linear: bias must be bf16 [N]")
+        store, dtype = _store(silu_mul, out_dtype, x, "quant_linear")
         if x.stride(1) != 1:
             x = x.contiguous()
-        out = x.new_empty(M, N // 2 if silu_mul else N)
+        out = x.new_empty(M, N // 2 if silu_mul else N, dtype=dtype)
         self._ok(self._quant_linear(out.data_ptr(), x.data_ptr(), M, K, x.stride(0), fmt, packed.data_ptr(), N,
-                                    None if bias is None else bias.data_ptr(), silu_mul,
+                                    None if bias is None else bias.data_ptr(), store,
                                     M if int_rows is None else int_rows))
         return out
 

@@ -19,7 +19,8 @@ The three C++ float kernels and the GGUF block kernel sum each output row in one
 number of rows (`fixed_order`), so a token's bits never depend on what it was batched with; the
 `batch_invariant` mode accepts only those (model/layers/invariant.py). They also take a [gate; up] weight with
 the SiLU-and-multiply fused into the store of each finished block (`silu_mul`), where the weight's halves are
-whole 16-row groups.
+whole 16-row groups, and store their float32 sums unrounded when asked (`stores_float32`, `out_dtype`): a bf16
+model's logits, where rounding to bf16 would tie tokens whose logits differ by less than one bf16 step.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class LinearKernel(Protocol):
 
     name: str  # amx | avx512 | dense | onednn | torch | the quantized format (int8, int4, q4_k, ...)
     fixed_order: bool  # each row summed in one order whatever the row count (batch invariant)
+    # sums in float32 and, called with out_dtype=torch.float32 (a keyword only these kernels take), stores the
+    # sums (+ bias) unrounded instead of in the input's dtype
+    stores_float32: bool
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
@@ -117,13 +121,15 @@ class TileKernel:
 
     name = "amx"
     fixed_order = True
+    stores_float32 = True
 
     def __init__(self, kernels, weight: torch.Tensor, gate_up: bool = False) -> None:
         self.kernels, self.out_features = kernels, weight.shape[0]
         self.tiled = pack_weight_for_tiles(weight, gate_up)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.kernels.amx_linear(x, self.tiled, self.out_features, bias)
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+                 ) -> torch.Tensor:
+        return self.kernels.amx_linear(x, self.tiled, self.out_features, bias, out_dtype)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.amx_linear_silu_mul(x, self.tiled, self.out_features)
@@ -138,8 +144,9 @@ class Avx512Kernel(TileKernel):
 
     name = "avx512"
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.kernels.avx512_linear(x, self.tiled, self.out_features, bias)
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+                 ) -> torch.Tensor:
+        return self.kernels.avx512_linear(x, self.tiled, self.out_features, bias, out_dtype)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.avx512_linear_silu_mul(x, self.tiled, self.out_features)
@@ -152,13 +159,15 @@ class DenseKernel:
 
     name = "dense"
     fixed_order = True
+    stores_float32 = True
 
     def __init__(self, kernels, weight: torch.Tensor, gate_up: bool = False) -> None:
         self.kernels, self.out_features = kernels, weight.shape[0]
         self.panels = pack_dense_weight(weight, gate_up)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.kernels.dense_linear(x, self.panels, self.out_features, bias)
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+                 ) -> torch.Tensor:
+        return self.kernels.dense_linear(x, self.panels, self.out_features, bias, out_dtype=out_dtype)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.dense_linear(x, self.panels, self.out_features, silu_mul=True)
@@ -172,6 +181,7 @@ class OneDnnKernel:
 
     name = "onednn"
     fixed_order = False
+    stores_float32 = False
 
     def __init__(self, packed: torch.Tensor) -> None:
         self.packed = packed
@@ -188,6 +198,7 @@ class TorchKernel:
 
     name = "torch"
     fixed_order = False
+    stores_float32 = False  # cuBLAS sums bf16 in float32 too, but F.linear returns the input's dtype
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
@@ -201,7 +212,8 @@ class TorchKernel:
 
 class QuantKernel:
     """A weight kept quantized: `matmul` is the int8/int4 (PyTorch or Triton) or GGUF-block matmul. The GGUF
-    kernels add a bf16 bias in their store (`bias_inside`); the others add it after."""
+    kernels add a bf16 bias in their store (`bias_inside`), and store float32 when asked; the others add it
+    after."""
 
     def __init__(self, matmul: QuantMatmul | GGUFMatmul | ReferenceMatmul, bias: torch.Tensor | None,
                  gate_up: bool = False) -> None:
@@ -210,8 +222,12 @@ class QuantKernel:
         self.fixed_order = isinstance(matmul, GGUFMatmul)
         self.bias_inside = isinstance(matmul, (GGUFMatmul, ReferenceMatmul)) and (
             bias is None or bias.dtype == torch.bfloat16)
+        self.stores_float32 = isinstance(matmul, GGUFMatmul) and self.bias_inside
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+                 ) -> torch.Tensor:
+        if out_dtype is not None:  # only where stores_float32
+            return self.matmul(x, bias, out_dtype=out_dtype)
         if self.bias_inside:
             return self.matmul(x, bias)
         y = self.matmul(x)

@@ -226,11 +226,14 @@ class GGUFMatmul:
         self.out_features, self.in_features = w.shape
         self.packed = pack_blocks(w, gate_up)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """bf16 out, or with out_dtype=torch.float32 the float32 sums unrounded."""
         if x.dtype != torch.bfloat16:
             x = x.to(torch.bfloat16)
         # every row count through the int8-activation kernel: one summation order for a token
-        return self.kernels.quant_linear(x, self.packed, self.fmt, self.out_features, bias, silu_mul)
+        return self.kernels.quant_linear(x, self.packed, self.fmt, self.out_features, bias, silu_mul,
+                                         out_dtype=out_dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.packed]

@@ -227,9 +227,9 @@ class QuantBlocks {
 
 // out = x W^T (+ bias, or the SiLU product) over the blocks `src` gives, in chunks of kMc rows.
 template <typename Source>
-void tile_matmul(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, int64_t N, const bf16* bias,
-                 bool silu_mul, const Source& src) {
-  const int64_t blocks = (N + kN - 1) / kN, ldo = silu_mul ? N / 2 : N;
+void tile_matmul(servelm::LinearOut out, const bf16* x, int64_t M, int64_t K, int64_t ldx, int64_t N, const bf16* bias,
+                 const Source& src) {
+  const int64_t blocks = (N + kN - 1) / kN, ldo = out.cols(N);
   // x in tile order, zero padded to whole 32-row groups: [row tile][K / 32][16][32]. Tile loads of rows
   // K apart (a power of two in most models) crowd into a few L1 sets and ran at half speed; 1 KB
   // contiguous tiles do not.
@@ -253,8 +253,7 @@ void tile_matmul(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, in
         }
       }
   });
-  const Epilogue ep{bias, N, silu_mul};
-  bf16* op = out;
+  const Epilogue ep{bias, N, out.store};
   for (int64_t m0 = 0; m0 < M; m0 += kMc) {
     const int64_t m1 = std::min(M, m0 + kMc);
     servelm::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
@@ -274,7 +273,7 @@ void tile_matmul(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, in
           else if (rows > 16) tile_block32<true>(ap + r * K, w, K, c[flip], next, pending, ep);
           else tile_block32<false>(ap + r * K, w, K, c[flip], next, pending, ep);
           const int64_t done = rows == 64 ? 64 : std::min<int64_t>(rows, 32);
-          pending = Pending{c[flip], done, nb * kN, op + r * ldo};
+          pending = Pending{c[flip], done, nb * kN, out.at(r * ldo).p};
           flip ^= 1;
           r += done;
         }
@@ -297,34 +296,37 @@ bool servelm::amx_available() {
 
 SERVELM_API int servelm_amx_linear_supported(int64_t K) { return K > 0 && K % 32 == 0 && servelm::amx_available(); }
 
-void servelm::amx_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const bf16* packed, int64_t N,
-                         const bf16* bias, bool silu_mul) {
+void servelm::amx_linear(LinearOut out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const bf16* packed,
+                         int64_t N, const bf16* bias) {
   check(amx_available(), "amx_linear needs AMX");
-  check_packed_linear("amx_linear", M, K, N, bias != nullptr, silu_mul);
+  check_packed_linear("amx_linear", M, K, N, bias != nullptr, out.store);
   if (M == 0) return;
 #ifdef SERVELM_AMX
-  tile_matmul(out, x, M, K, ldx, N, bias, silu_mul, Bf16Blocks{packed, K});
+  tile_matmul(out, x, M, K, ldx, N, bias, Bf16Blocks{packed, K});
 #else
   (void)out, (void)x, (void)ldx, (void)packed;
 #endif
 }
 
-void servelm::amx_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const QuantWeight& w, int64_t N,
-                         const bf16* bias, bool silu_mul) {
+void servelm::amx_linear(LinearOut out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const QuantWeight& w,
+                         int64_t N, const bf16* bias) {
   check(amx_available(), "amx_linear needs AMX");
-  check_packed_linear("amx_linear", M, K, N, bias != nullptr, silu_mul);
+  check_packed_linear("amx_linear", M, K, N, bias != nullptr, out.store);
   if (M == 0) return;
 #ifdef SERVELM_AMX
-  tile_matmul(out, x, M, K, ldx, N, bias, silu_mul, QuantBlocks(w, K));
+  tile_matmul(out, x, M, K, ldx, N, bias, QuantBlocks(w, K));
 #else
   (void)out, (void)x, (void)ldx, (void)w;
 #endif
 }
 
 // x: [M, K] bf16 (row stride ldx), packed: the weight in `pack_weight_for_tiles` order, bias: [N] bf16 or
-// null; out [M, N], or [M, N / 2] with silu_mul.
-SERVELM_API int servelm_amx_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const bf16* packed,
-                                   int64_t N, const bf16* bias, int silu_mul) {
-  return servelm::guarded([&] { servelm::amx_linear(out, x, M, K, ldx, packed, N, bias, silu_mul != 0); });
+// null; out [M, N] bf16 or float32, or [M, N / 2] bf16, as `store` (servelm::Store) says.
+SERVELM_API int servelm_amx_linear(void* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const bf16* packed,
+                                   int64_t N, const bf16* bias, int store) {
+  return servelm::guarded([&] {
+    servelm::check(servelm::valid_store(store), "amx_linear: store must be 0, 1 or 2");
+    servelm::amx_linear({out, servelm::Store(store)}, x, M, K, ldx, packed, N, bias);
+  });
 }
 SERVELM_TAPE_ENTRY(servelm_amx_linear)

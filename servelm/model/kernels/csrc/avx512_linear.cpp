@@ -272,8 +272,8 @@ struct QuantBlocks {
 // `src` gives each thread's blocks (Bf16Blocks, QuantBlocks).
 template <typename X, typename Source>
 void packed_matmul(const typename Line<X>::In* x, int64_t M, int64_t ldx, const Source& src, int64_t K,
-                   const servelm::Epilogue& ep, bf16* out) {
-  const int64_t blocks = (ep.N + kBlockCols - 1) / kBlockCols, ldo = ep.silu_mul ? ep.N / 2 : ep.N;
+                   const servelm::Epilogue& ep, servelm::LinearOut out) {
+  const int64_t blocks = (ep.N + kBlockCols - 1) / kBlockCols, ldo = out.cols(ep.N);
   servelm::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
     alignas(64) float c[kRowGroup * kBlockCols];
     auto cursor = src.cursor();
@@ -281,7 +281,7 @@ void packed_matmul(const typename Line<X>::In* x, int64_t M, int64_t ldx, const 
       if (M <= 4) {
         for (int64_t nb = begin; nb < end; ++nb) {
           few_times_block<X>(M, x, ldx, cursor.block(nb), K, c);
-          servelm::store_rows(servelm::Pending{c, M, nb * kBlockCols, out}, ep);
+          servelm::store_rows(servelm::Pending{c, M, nb * kBlockCols, out.p}, ep);
         }
         return;
       }
@@ -303,7 +303,7 @@ void packed_matmul(const typename Line<X>::In* x, int64_t M, int64_t ldx, const 
             } else if constexpr (std::is_same_v<X, float>) {
               group_times_block<SplitFloat>(rows, x + r * ldx, ldx, split, K, c, ahead);
             }
-            servelm::store_rows(servelm::Pending{c, rows, nb * kBlockCols, out + r * ldo}, ep);
+            servelm::store_rows(servelm::Pending{c, rows, nb * kBlockCols, out.at(r * ldo).p}, ep);
           }
         }
       }
@@ -324,18 +324,19 @@ bool& fma_dot() {
 #endif
 
 // Checks shared by the two packed-weight kernels (this one and amx_linear.cpp).
-void servelm::check_packed_linear(const char* name, int64_t M, int64_t K, int64_t N, bool bias, bool silu_mul) {
+void servelm::check_packed_linear(const char* name, int64_t M, int64_t K, int64_t N, bool bias, Store store) {
   check(M >= 0 && K > 0 && K % 32 == 0 && N > 0, name, ": [M, K] input with K a multiple of 32 and N > 0");
-  check(!silu_mul || (N % 32 == 0 && !bias), name, "_silu_mul: gate and up widths must be multiples of 16, no bias");
+  check(store != kStoreSiluMul || (N % 32 == 0 && !bias), name,
+        "_silu_mul: gate and up widths must be multiples of 16, no bias");
 }
 
 #ifdef SERVELM_AVX512_BF16
 namespace {
 template <typename Source>
-void avx512_matmul(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const Source& src, int64_t N,
-                   const bf16* bias, bool silu_mul) {
+void avx512_matmul(servelm::LinearOut out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const Source& src,
+                   int64_t N, const bf16* bias) {
   using namespace servelm;
-  const Epilogue ep{bias, N, silu_mul};
+  const Epilogue ep{bias, N, out.store};
   if (!fma_dot()) {
     packed_matmul<bf16>(x, M, ldx, src, K, ep, out);
   } else if (M <= 4) {  // widened as broadcast: a float copy per call cost 1.6% of a batch-1 step
@@ -359,24 +360,24 @@ void avx512_matmul(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, 
 }  // namespace
 #endif
 
-void servelm::avx512_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const bf16* packed,
-                            int64_t N, const bf16* bias, bool silu_mul) {
-  check_packed_linear("avx512_linear", M, K, N, bias != nullptr, silu_mul);
+void servelm::avx512_linear(LinearOut out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const bf16* packed,
+                            int64_t N, const bf16* bias) {
+  check_packed_linear("avx512_linear", M, K, N, bias != nullptr, out.store);
 #ifdef SERVELM_AVX512_BF16
   if (M == 0) return;
-  avx512_matmul(out, x, M, K, ldx, Bf16Blocks{packed, K}, N, bias, silu_mul);
+  avx512_matmul(out, x, M, K, ldx, Bf16Blocks{packed, K}, N, bias);
 #else
   (void)out, (void)x, (void)ldx, (void)packed;
   check(false, "avx512_linear needs AVX512-BF16");
 #endif
 }
 
-void servelm::avx512_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const QuantWeight& w,
-                            int64_t N, const bf16* bias, bool silu_mul) {
-  check_packed_linear("avx512_linear", M, K, N, bias != nullptr, silu_mul);
+void servelm::avx512_linear(LinearOut out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const QuantWeight& w,
+                            int64_t N, const bf16* bias) {
+  check_packed_linear("avx512_linear", M, K, N, bias != nullptr, out.store);
 #ifdef SERVELM_AVX512_BF16
   if (M == 0) return;
-  avx512_matmul(out, x, M, K, ldx, QuantBlocks{w, K, record_dequantizer(w.fmt)}, N, bias, silu_mul);
+  avx512_matmul(out, x, M, K, ldx, QuantBlocks{w, K, record_dequantizer(w.fmt)}, N, bias);
 #else
   (void)out, (void)x, (void)ldx, (void)w;
   check(false, "avx512_linear needs AVX512-BF16");
@@ -412,9 +413,13 @@ SERVELM_API int servelm_avx512_linear_supported(int64_t K) {
 }
 
 // x: [M, K] bf16 (row stride ldx), packed: the weight in `pack_weight_for_tiles` order, bias: [N] bf16 or
-// null; out [M, N], or [M, N / 2] with silu_mul (a [gate; up] weight packed with gate_up=True).
-SERVELM_API int servelm_avx512_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx,
-                                      const bf16* packed, int64_t N, const bf16* bias, int silu_mul) {
-  return servelm::guarded([&] { servelm::avx512_linear(out, x, M, K, ldx, packed, N, bias, silu_mul != 0); });
+// null; out [M, N] bf16 or float32, or [M, N / 2] bf16 for a [gate; up] weight packed with gate_up=True, as
+// `store` (servelm::Store) says.
+SERVELM_API int servelm_avx512_linear(void* out, const bf16* x, int64_t M, int64_t K, int64_t ldx,
+                                      const bf16* packed, int64_t N, const bf16* bias, int store) {
+  return servelm::guarded([&] {
+    servelm::check(servelm::valid_store(store), "avx512_linear: store must be 0, 1 or 2");
+    servelm::avx512_linear({out, servelm::Store(store)}, x, M, K, ldx, packed, N, bias);
+  });
 }
 SERVELM_TAPE_ENTRY(servelm_avx512_linear)

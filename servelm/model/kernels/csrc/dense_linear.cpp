@@ -123,30 +123,31 @@ inline float as(float v) {
   return float(T(v));
 }
 
-// A finished block: c [R][32] float32 sums of output columns n0.. -> out (row stride ldo), bias added in
-// float32 and rounded once; or, with silu_mul, 16 columns silu(gate) * up per row, rounded where the unfused
-// chain of ops in the model's dtype rounds (the projection, the SiLU, the product). SiLU as g / (1 + exp(-g))
-// with the C library's expf, the same bits for every element.
-template <typename T>
-void store_block(const float* c, int64_t R, int64_t n0, T* out, int64_t ldo, const T* bias, int64_t N,
+// A finished block: c [R][32] float32 sums of output columns n0.. -> rows of O (row stride ldo), bias added
+// in float32 and rounded once to O; or, with silu_mul, 16 columns silu(gate) * up per row, rounded where the
+// unfused chain of ops in the model's dtype rounds (the projection, the SiLU, the product). SiLU as
+// g / (1 + exp(-g)) with the C library's expf, the same bits for every element.
+template <typename T, typename O>
+void store_block(const float* c, int64_t R, int64_t n0, O* out, int64_t ldo, const T* bias, int64_t N,
                  bool silu_mul) {
   for (int64_t r = 0; r < R; ++r) {
     const float* cr = c + r * kBlock;
-    T* o = out + r * ldo;
+    O* o = out + r * ldo;
     if (silu_mul) {
       for (int j = 0; j < kPanel; ++j) {
         const float g = as<T>(cr[j]), u = as<T>(cr[kPanel + j]);
-        o[n0 / 2 + j] = T(as<T>(g / (1.f + std::exp(-g))) * u);
+        o[n0 / 2 + j] = O(as<T>(g / (1.f + std::exp(-g))) * u);
       }
       continue;
     }
     for (int64_t j = 0; j < kBlock && n0 + j < N; ++j)
-      o[n0 + j] = T(cr[j] + (bias != nullptr ? float(bias[n0 + j]) : 0.f));
+      o[n0 + j] = O(cr[j] + (bias != nullptr ? float(bias[n0 + j]) : 0.f));
   }
 }
 
-template <typename T, typename W>
-void dense_linear(T* out, const T* x, int64_t M, int64_t K, int64_t ldx, const W* packed, int64_t N, const T* bias,
+// O: the output's element type, T's or float32 (a bf16 model's logits).
+template <typename T, typename O, typename W>
+void dense_linear(O* out, const T* x, int64_t M, int64_t K, int64_t ldx, const W* packed, int64_t N, const T* bias,
                   bool silu_mul) {
   // the rows as float32, contiguous (exact for bf16): the micro-kernel broadcasts one element per input
   std::vector<float> xf(M * K);
@@ -168,21 +169,27 @@ void dense_linear(T* out, const T* x, int64_t M, int64_t K, int64_t ldx, const W
 
 }  // namespace
 
-// out [M, N] (or [M, N / 2] with silu_mul) = x [M, K] (row stride ldx) times a weight packed by
-// layers.pack_dense_weight (+ bias). dtype: 0 float32 (weight, x, out, bias), 1 bf16 (all bf16), 2 bf16
-// activations with a float32 weight is not offered: a model's weights and activations share a dtype.
+// out = x [M, K] (row stride ldx) times a weight packed by layers.pack_dense_weight (+ bias), as `store`
+// (servelm::Store) says: [M, N] in the dtype, [M, N / 2] silu(gate) * up, or [M, N] float32 whatever the dtype.
+// dtype: 0 float32 (weight, x, bias), 1 bf16 (all bf16); bf16 activations with a float32 weight are not
+// offered: a model's weights and activations share a dtype.
 SERVELM_API int servelm_dense_linear(int32_t dtype, void* out, const void* x, int64_t M, int64_t K, int64_t ldx,
-                                     const void* packed, int64_t N, const void* bias, int silu_mul) {
+                                     const void* packed, int64_t N, const void* bias, int store) {
   return servelm::guarded([&] {
-    servelm::check(M >= 0 && K > 0 && N > 0 && (silu_mul == 0 || (N % kBlock == 0 && bias == nullptr)),
+    const bool silu_mul = store == servelm::kStoreSiluMul;
+    servelm::check(servelm::valid_store(store), "dense_linear: store must be 0, 1 or 2");
+    servelm::check(M >= 0 && K > 0 && N > 0 && (!silu_mul || (N % kBlock == 0 && bias == nullptr)),
                    "dense_linear: bad shape (silu_mul needs N % 32 == 0 and no bias)");
     if (M == 0) return;
     if (dtype == servelm::kFloat32)
       return dense_linear(static_cast<float*>(out), static_cast<const float*>(x), M, K, ldx,
-                          static_cast<const float*>(packed), N, static_cast<const float*>(bias), silu_mul != 0);
+                          static_cast<const float*>(packed), N, static_cast<const float*>(bias), silu_mul);
     servelm::check(dtype == servelm::kBFloat16, "dense_linear: float32 or bfloat16");
-    dense_linear(static_cast<bf16*>(out), static_cast<const bf16*>(x), M, K, ldx, static_cast<const bf16*>(packed), N,
-                 static_cast<const bf16*>(bias), silu_mul != 0);
+    const auto* xb = static_cast<const bf16*>(x);
+    const auto* wb = static_cast<const bf16*>(packed);
+    const auto* bb = static_cast<const bf16*>(bias);
+    if (store == servelm::kStoreFloat32) dense_linear(static_cast<float*>(out), xb, M, K, ldx, wb, N, bb, false);
+    else dense_linear(static_cast<bf16*>(out), xb, M, K, ldx, wb, N, bb, silu_mul);
   });
 }
 SERVELM_TAPE_ENTRY(servelm_dense_linear)

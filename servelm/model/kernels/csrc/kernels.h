@@ -29,13 +29,31 @@ void rotary(bf16* x, int64_t T, int64_t H, int64_t D, int64_t st, int64_t sh, co
             const bf16* sin, int64_t max_pos);
 void silu_mul(bf16* out, const bf16* x, int64_t T, int64_t I);
 
-// out [M, N] (or [M, N / 2] with silu_mul) = x [M, K] (row stride ldx) times a weight packed by
-// pack_weight_for_tiles (avx512_linear.cpp, amx_linear.cpp).
-void check_packed_linear(const char* name, int64_t M, int64_t K, int64_t N, bool bias, bool silu_mul);
-void avx512_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const bf16* packed, int64_t N,
-                   const bf16* bias, bool silu_mul);
-void amx_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const bf16* packed, int64_t N,
-                const bf16* bias, bool silu_mul);
+// What a bf16 linear kernel stores from each finished block of float32 sums (the C entry points' `store`).
+enum Store : int {
+  kStoreBf16 = 0,     // the sums (+ bias) rounded once to bf16: [M, N]
+  kStoreSiluMul = 1,  // silu(gate) * up of a [gate; up] weight, bf16: [M, N / 2]
+  kStoreFloat32 = 2,  // the sums (+ bias) as they are, float32: [M, N]. A model's logits: rounding them to
+                      // bf16 would tie candidates up to one bf16 ulp (1/128 of the logit's power of two) apart
+};
+inline bool valid_store(int store) { return store == kStoreBf16 || store == kStoreSiluMul || store == kStoreFloat32; }
+
+// Where a bf16 linear kernel's output rows go: the array and what is stored into it.
+struct LinearOut {
+  void* p = nullptr;
+  Store store = kStoreBf16;
+  int64_t cols(int64_t N) const { return store == kStoreSiluMul ? N / 2 : N; }
+  // the output `elems` elements further on
+  LinearOut at(int64_t elems) const { return {static_cast<char*>(p) + elems * (store == kStoreFloat32 ? 4 : 2), store}; }
+};
+
+// out = x [M, K] (row stride ldx) times a weight packed by pack_weight_for_tiles (avx512_linear.cpp,
+// amx_linear.cpp), as out.store says.
+void check_packed_linear(const char* name, int64_t M, int64_t K, int64_t N, bool bias, Store store);
+void avx512_linear(LinearOut out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const bf16* packed, int64_t N,
+                   const bf16* bias);
+void amx_linear(LinearOut out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const bf16* packed, int64_t N,
+                const bf16* bias);
 
 // A GGUF weight packed by gguf_quant.pack_blocks (quant_linear.cpp): format fmt, records of `stride` bytes
 // (16 rows x 32 inputs); a 32-column block is two runs of K / 32 records, contiguous.
@@ -51,16 +69,16 @@ using DequantizeRecord = void (*)(const uint8_t* record, bf16* dst);
 DequantizeRecord record_dequantizer(int fmt);
 // amx_linear over a GGUF weight, each block dequantized as the tile loop reaches it: the same results as
 // amx_linear over the dequantized, packed weight.
-void amx_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const QuantWeight& w, int64_t N,
-                const bf16* bias, bool silu_mul);
+void amx_linear(LinearOut out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const QuantWeight& w, int64_t N,
+                const bf16* bias);
 // The same with avx512_linear (CPUs with AVX512-BF16 but no AMX).
-void avx512_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const QuantWeight& w, int64_t N,
-                   const bf16* bias, bool silu_mul);
+void avx512_linear(LinearOut out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const QuantWeight& w, int64_t N,
+                   const bf16* bias);
 
 // The same over a GGUF block-quantized weight packed by gguf_quant.pack_blocks (quant_linear.cpp): format
 // fmt (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K); up to int_rows rows the int8-activation kernel.
-void quant_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, int fmt, const uint8_t* packed,
-                  int64_t N, const bf16* bias, bool silu_mul, int64_t int_rows);
+void quant_linear(LinearOut out, const bf16* x, int64_t M, int64_t K, int64_t ldx, int fmt, const uint8_t* packed,
+                  int64_t N, const bf16* bias, int64_t int_rows);
 
 // Paged attention (paged_attention.cpp): caches [num_blocks, bs, Hkv, D] contiguous.
 struct Cache {

@@ -173,11 +173,12 @@ void quantize_rows(QRows& out, const bf16* x, int64_t M, int64_t K, int64_t ldx)
     }
 }
 
-// c [R][32] float32 -> bf16 (bias added; or SiLU(gate) * up for a gate/up weight): the portable form of
-// servelm::store_rows, with the same roundings.
-void store_portable(const float* c, int64_t R, int64_t n0, bf16* out, const bf16* bias, int64_t N, bool silu_mul) {
-  if (silu_mul) {
+// c [R][32] float32 -> bf16 or float32 (bias added; or SiLU(gate) * up for a gate/up weight): the portable
+// form of servelm::store_rows, with the same roundings.
+void store_portable(const float* c, int64_t R, int64_t n0, servelm::LinearOut o, const bf16* bias, int64_t N) {
+  if (o.store == servelm::kStoreSiluMul) {
     const int64_t I = N / 2;
+    bf16* out = static_cast<bf16*>(o.p);
     for (int64_t r = 0; r < R; ++r)
       for (int j = 0; j < 16; ++j) {
         const float g = float(bf16(c[r * 32 + j])), u = float(bf16(c[r * 32 + 16 + j]));
@@ -187,8 +188,11 @@ void store_portable(const float* c, int64_t R, int64_t n0, bf16* out, const bf16
     return;
   }
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < 32 && n0 + j < N; ++j)
-      out[r * N + n0 + j] = bf16(c[r * 32 + j] + (bias ? float(bias[n0 + j]) : 0.f));
+    for (int64_t j = 0; j < 32 && n0 + j < N; ++j) {
+      const float v = c[r * 32 + j] + (bias ? float(bias[n0 + j]) : 0.f);
+      if (o.store == servelm::kStoreFloat32) static_cast<float*>(o.p)[r * N + n0 + j] = v;
+      else static_cast<bf16*>(o.p)[r * N + n0 + j] = bf16(v);
+    }
 }
 
 #if defined(SERVELM_AVX512_BF16)
@@ -516,12 +520,12 @@ bool int_kernel_available() {
 // The int8-activation path for any number of rows: per block of 32 outputs (two runs), rows 4 at a time
 // (the block's records stay in L1 for the next 4).
 template <int FMT>
-void int_matmul(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed, int64_t N,
-                const bf16* bias, bool silu_mul) {
+void int_matmul(servelm::LinearOut out, const bf16* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* packed,
+                int64_t N, const bf16* bias) {
   thread_local QRows rows;  // the caller's; the pool's threads read it through this reference (a thread_local
   QRows& xq = rows;          // named inside the lambda would be each thread's own, empty one)
   quantize_rows(xq, x, M, K, ldx);
-  const int64_t G = K / 32, blocks = (N + 31) / 32, ldo = silu_mul ? N / 2 : N;
+  const int64_t G = K / 32, blocks = (N + 31) / 32, ldo = out.cols(N);
   const int stride = layout(FMT).stride();
   servelm::parallel_for(0, blocks, 2, [&](int64_t b, int64_t e) {
     alignas(64) float c[4 * 32];
@@ -537,9 +541,9 @@ void int_matmul(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, con
 #endif
         }
 #ifdef SERVELM_AVX512_BF16
-        servelm::store_rows(servelm::Pending{c, R, nb * 32, out + r0 * ldo}, servelm::Epilogue{bias, N, silu_mul});
+        servelm::store_rows(servelm::Pending{c, R, nb * 32, out.at(r0 * ldo).p}, servelm::Epilogue{bias, N, out.store});
 #else
-        store_portable(c, R, nb * 32, out + r0 * ldo, bias, N, silu_mul);
+        store_portable(c, R, nb * 32, out.at(r0 * ldo), bias, N);
 #endif
       }
   });
@@ -565,43 +569,47 @@ SERVELM_API int servelm_quant_linear_supported(int fmt, int64_t K) {
 #endif
 }
 
-// out [M, N] (or [M, N / 2] with silu_mul, the weight's rows packed gate/up interleaved 16 at a time) =
-// x [M, K] (row stride ldx) times the packed weight (+ bias). M <= int_rows takes the int8-activation
-// kernel, more rows the bf16 tile path where this build has it.
-SERVELM_API int servelm_quant_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, int fmt,
-                                     const uint8_t* packed, int64_t N, const bf16* bias, int silu_mul,
+// out [M, N] bf16 or float32 (or [M, N / 2] bf16 for SiLU(gate) * up, the weight's rows packed gate/up
+// interleaved 16 at a time), as `store` (servelm::Store) says, = x [M, K] (row stride ldx) times the packed
+// weight (+ bias). M <= int_rows takes the int8-activation kernel, more rows the bf16 tile path where this
+// build has it.
+SERVELM_API int servelm_quant_linear(void* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, int fmt,
+                                     const uint8_t* packed, int64_t N, const bf16* bias, int store,
                                      int64_t int_rows) {
-  return servelm::guarded([&] { servelm::quant_linear(out, x, M, K, ldx, fmt, packed, N, bias, silu_mul != 0, int_rows); });
+  return servelm::guarded([&] {
+    servelm::check(servelm::valid_store(store), "quant_linear: store must be 0, 1 or 2");
+    servelm::quant_linear({out, servelm::Store(store)}, x, M, K, ldx, fmt, packed, N, bias, int_rows);
+  });
 }
 SERVELM_TAPE_ENTRY(servelm_quant_linear)
 
-void servelm::quant_linear(bf16* out, const bf16* x, int64_t M, int64_t K, int64_t ldx, int fmt,
-                           const uint8_t* packed, int64_t N, const bf16* bias, bool silu_mul, int64_t int_rows) {
+void servelm::quant_linear(LinearOut out, const bf16* x, int64_t M, int64_t K, int64_t ldx, int fmt,
+                           const uint8_t* packed, int64_t N, const bf16* bias, int64_t int_rows) {
   {
     servelm::check(servelm_quant_linear_supported(fmt, K) != 0, "quant_linear: format ", fmt, " with K = ", K,
                    " is not supported by this build or CPU");
-    servelm::check(M >= 0 && N > 0 && (!silu_mul || (N % 32 == 0 && bias == nullptr)),
+    servelm::check(M >= 0 && N > 0 && (out.store != kStoreSiluMul || (N % 32 == 0 && bias == nullptr)),
                    "quant_linear: bad shape (silu_mul needs N % 32 == 0 and no bias)");
     if (M == 0) return;
 #ifdef SERVELM_QUANT_INT
 #ifdef SERVELM_QUANT_VNNI
     if (M > int_rows) {
       const QuantWeight w{fmt, packed, layout(fmt).stride()};
-      if (servelm::amx_available()) servelm::amx_linear(out, x, M, K, ldx, w, N, bias, silu_mul);
-      else servelm::avx512_linear(out, x, M, K, ldx, w, N, bias, silu_mul);
+      if (servelm::amx_available()) servelm::amx_linear(out, x, M, K, ldx, w, N, bias);
+      else servelm::avx512_linear(out, x, M, K, ldx, w, N, bias);
       return;
     }
 #endif
     (void)int_rows;
     switch (fmt) {
-      case kQ8_0: return int_matmul<kQ8_0>(out, x, M, K, ldx, packed, N, bias, silu_mul);
-      case kQ4_0: return int_matmul<kQ4_0>(out, x, M, K, ldx, packed, N, bias, silu_mul);
-      case kQ4_1: return int_matmul<kQ4_1>(out, x, M, K, ldx, packed, N, bias, silu_mul);
-      case kQ4_K: return int_matmul<kQ4_K>(out, x, M, K, ldx, packed, N, bias, silu_mul);
-      case kQ5_0: return int_matmul<kQ5_0>(out, x, M, K, ldx, packed, N, bias, silu_mul);
-      case kQ5_1: return int_matmul<kQ5_1>(out, x, M, K, ldx, packed, N, bias, silu_mul);
-      case kQ5_K: return int_matmul<kQ5_K>(out, x, M, K, ldx, packed, N, bias, silu_mul);
-      default: return int_matmul<kQ6_K>(out, x, M, K, ldx, packed, N, bias, silu_mul);
+      case kQ8_0: return int_matmul<kQ8_0>(out, x, M, K, ldx, packed, N, bias);
+      case kQ4_0: return int_matmul<kQ4_0>(out, x, M, K, ldx, packed, N, bias);
+      case kQ4_1: return int_matmul<kQ4_1>(out, x, M, K, ldx, packed, N, bias);
+      case kQ4_K: return int_matmul<kQ4_K>(out, x, M, K, ldx, packed, N, bias);
+      case kQ5_0: return int_matmul<kQ5_0>(out, x, M, K, ldx, packed, N, bias);
+      case kQ5_1: return int_matmul<kQ5_1>(out, x, M, K, ldx, packed, N, bias);
+      case kQ5_K: return int_matmul<kQ5_K>(out, x, M, K, ldx, packed, N, bias);
+      default: return int_matmul<kQ6_K>(out, x, M, K, ldx, packed, N, bias);
     }
 #else
     (void)out, (void)x, (void)ldx, (void)packed, (void)bias, (void)int_rows;
