@@ -103,8 +103,9 @@ class Sampler:
         lp_rows = [r for r, p in enumerate(params) if p.logprobs is not None]
         if not lp_rows:
             return self._process_and_choose(logits, seqs).tolist(), {}
-        # logits arrive in the model's dtype: a greedy row takes its argmax there (widening to float32 is
-        # exact, so the choice is the same), everything else widens first.
+        # logits arrive in float32, or the model's dtype where its lm_head kernel stores no float32
+        # (DecoderLM.logits): a greedy row takes its argmax as they are (widening to float32 is exact, so the
+        # choice is the same), everything else widens first.
         lp_idx = torch.tensor(lp_rows, device=logits.device) if len(lp_rows) < len(seqs) else None
         raw_logprobs = torch.log_softmax((logits if lp_idx is None else logits[lp_idx]).float(), dim=-1)
         tokens = self._process_and_choose(logits, seqs)
