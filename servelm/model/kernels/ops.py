@@ -59,6 +59,11 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _STORE_AS_INPUT, _STORE_SILU_MUL, _STORE_FLOAT32 = 0, 1, 2
 
 
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise RuntimeError(message)
+
+
 def _store(silu_mul: bool, out_dtype: torch.dtype | None, x: torch.Tensor, name: str) -> tuple[int, torch.dtype]:
     """The kernel's `store` argument and the output's dtype."""
     _require(out_dtype in (None, x.dtype, torch.float32), f"{name}: out_dtype must be the input's dtype or float32")
@@ -68,11 +73,6 @@ def _store(silu_mul: bool, out_dtype: torch.dtype | None, x: torch.Tensor, name:
     if out_dtype is None or out_dtype == x.dtype:
         return _STORE_AS_INPUT, x.dtype
     return _STORE_FLOAT32, torch.float32
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise RuntimeError(message)
 
 
 class _Recording(threading.local):

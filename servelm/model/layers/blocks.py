@@ -185,7 +185,7 @@ class Linear:
     def __call__(self, x: torch.Tensor, float32: bool = False) -> torch.Tensor:
         """x W^T + b in x's dtype; with `float32`, the kernel's float32 sums unrounded where it stores them
         (`stores_float32`: servelm's C++ kernels), else its output as it is."""
-        if float32 and self.kernel.stores_float32 and x.dtype != torch.float32:
+        if float32 and self.kernel.stores_float32:
             return self.kernel(x, self.bias, out_dtype=torch.float32)
         return self.kernel(x, self.bias)
 
