@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_variants import runnable_variants
 from random_weights import random_blocks
 
-from servelm.model.kernels import build as kernel_build
 from servelm.model.kernels import cpu as cpu_kernels
-from servelm.model.kernels.cpu_features import cpu_flags
 from servelm.model.layers.blocks import Linear
 from servelm.model.layers.linear_kernels import pack_dense_weight, pack_weight_for_tiles
 from servelm.model.quant.gguf import FORMATS, pack_blocks
@@ -21,14 +20,6 @@ from servelm.model.quant.gguf import FORMATS, pack_blocks
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels could not be compiled here")
 ROWS = (1, 3, 4, 5, 13, 17, 64, 65, 200)  # the kernels' few-row, row-group, tile and chunk paths
-
-
-def _variants() -> list:
-    """Every built variant this CPU can run."""
-    found = cpu_kernels.manifest() or {}
-    table = {v.name: v for v in kernel_build.variants()}
-    return [pytest.param(name, id=name) for name in ("amx", "avx512bf16", "avx2", "portable")
-            if name in found.get("built", []) and set(table[name].requires) <= cpu_flags()]
 
 
 def _check(call, x: torch.Tensor, k: int) -> None:
@@ -43,7 +34,7 @@ def _check(call, x: torch.Tensor, k: int) -> None:
         assert torch.equal(call(x[m - 1:m], torch.float32), full32[m - 1:m]), m
 
 
-@pytest.mark.parametrize("variant", _variants())
+@pytest.mark.parametrize("variant", runnable_variants())
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_dense_kernel_stores_its_float32_sums_for_bf16_rows(variant, bias):
     kern = cpu_kernels.load_variant(variant)
@@ -74,7 +65,7 @@ def test_the_tile_packed_kernels_store_their_float32_sums(bias, dot):
 
 
 def _int_variants() -> list:
-    return [p for p in _variants() if cpu_kernels.load_variant(p.values[0]).quant_linear_supported(0, 64)]
+    return [p for p in runnable_variants() if cpu_kernels.load_variant(p.values[0]).quant_linear_supported(0, 64)]
 
 
 @pytest.mark.parametrize("variant", _int_variants())
