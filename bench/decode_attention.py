@@ -24,8 +24,8 @@ from servelm.model.memory import lazy_zeros
 MODELS = {"60m": (8, 8, 4, 64), "smollm2": (30, 9, 3, 64)}  # layers, q heads, kv heads, head dim
 
 
-def decode_step(model: str, batch: int, context: int, block_size: int = 16):
-    """Random bf16 inputs of one decode step: per layer (k_cache, v_cache) with each sequence's blocks
+def decode_step(model: str, batch: int, context: int, block_size: int = 16, dtype: torch.dtype = torch.bfloat16):
+    """Random inputs (bf16, or `dtype`) of one decode step: per layer (k_cache, v_cache) with each sequence's blocks
     scattered, then block tables, context lengths and queries."""
     layers, hq, hkv, d = MODELS[model]
     per_seq = -(-context // block_size)
@@ -33,12 +33,12 @@ def decode_step(model: str, batch: int, context: int, block_size: int = 16):
     shape = (batch * per_seq, block_size, hkv, d)
 
     def cache() -> torch.Tensor:  # in huge pages, as the engine's KV pool
-        return lazy_zeros(shape, torch.bfloat16).copy_(torch.randn(shape, generator=g))
+        return lazy_zeros(shape, dtype).copy_(torch.randn(shape, generator=g))
 
     caches = [(cache(), cache()) for _ in range(layers)]
     tables = torch.randperm(batch * per_seq, generator=g).view(batch, per_seq).contiguous()
     lens = torch.full((batch,), context, dtype=torch.int64)
-    return caches, tables, lens, torch.randn(batch, hq, d, generator=g).bfloat16()
+    return caches, tables, lens, torch.randn(batch, hq, d, generator=g).to(dtype)
 
 
 def main() -> None:

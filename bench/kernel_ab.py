@@ -6,6 +6,7 @@ order); prints one JSON object with medians and the new/base speed-up.
 
   git worktree add /tmp/base HEAD~1
   python bench/kernel_ab.py --base /tmp/base --rows 16,32,64
+  python bench/kernel_ab.py --base /tmp/base --rows '' --variant avx2 --dtype float32   # AVX2's attention
 
 `--base` and `--new` name checkouts (their servelm/model/kernels/csrc is built, or found in the kernel cache).
 `--engine DIR` also runs a model end to end with each build's kernels in turn (one engine; W2 TPOT and,
@@ -74,9 +75,10 @@ def linears(base, new, model: str, rows: list[int], rounds: int) -> dict:
     return out
 
 
-def attention(base, new, model: str, batch: int, context: int, rounds: int, allow_diff: bool = False) -> dict:
+def attention(base, new, model: str, batch: int, context: int, rounds: int, allow_diff: bool = False,
+              dtype: torch.dtype = torch.bfloat16) -> dict:
     _h, _i, layers, _v, hq, hkv, d = MODELS[model]
-    caches, tables, lens, q = decode_step(model, batch, context)
+    caches, tables, lens, q = decode_step(model, batch, context, dtype=dtype)
     outs = [torch.empty_like(q), torch.empty_like(q)]
 
     def run(mod, o):
@@ -87,7 +89,7 @@ def attention(base, new, model: str, batch: int, context: int, rounds: int, allo
     diff = (outs[0].float() - outs[1].float()).abs().max().item()
     if diff and not allow_diff:
         raise SystemExit(f"decode attention outputs differ (max |diff| {diff:.3g}; --allow-diff to time anyway)")
-    kv_bytes = layers * batch * context * hkv * d * 2 * 2
+    kv_bytes = layers * batch * context * hkv * d * 2 * q.element_size()
     # a decode step streams the weights between layers' attention: caches that would fit the last-level
     # cache are evicted before each call by a read of 256 MB, as the weights would
     evict = torch.ones(64 << 20).sum if kv_bytes < 128 << 20 else None
@@ -107,41 +109,48 @@ def main() -> None:
     p.add_argument("--allow-diff", action="store_true",
                    help="time attention builds whose outputs differ (a deliberate numerics change)")
     p.add_argument("--engine", type=Path, default=None, metavar="MODEL_DIR",
-                   help="also time W2 (and W1 with --w1) on this bf16 model with each build's kernels")
+                   help="also time W2 (and W1 with --w1) on this model with each build's kernels")
     p.add_argument("--w1", action="store_true")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="of the attention's cache, and of the --engine model")
+    p.add_argument("--variant", default=None,
+                   help="kernel build to load (avx2, portable, ...; default: this CPU's best), as SERVELM_CPU_KERNELS")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=12)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    base, new = (cpu_kernels.build(c / "servelm" / "model" / "csrc") for c in (a.base, a.new))
-    if not base.avx512_linear_supported(64):
-        raise SystemExit("needs a CPU with AVX512-BF16")
-    res = {"model": a.model, "threads": a.threads}
+    base, new = (cpu_kernels.build(c / "servelm" / "model" / "kernels" / "csrc", a.variant) for c in (a.base, a.new))
+    if a.rows and not base.avx512_linear_supported(64):
+        raise SystemExit("the linear layers need a build with AVX512-BF16 (--rows '' times attention alone)")
+    res = {"model": a.model, "threads": a.threads, "variant": base.variant, "dtype": a.dtype}
     if a.rows:
         res.update(linears(base, new, a.model, [int(r) for r in a.rows.split(",")], a.rounds))
     if a.attention:
         batch, context = map(int, a.attention.split("x"))
-        res.update(attention(base, new, a.model, batch, context, a.rounds, a.allow_diff))
+        res.update(attention(base, new, a.model, batch, context, a.rounds, a.allow_diff, getattr(torch, a.dtype)))
     if a.engine:
-        res["engine"] = engine(base, new, a.engine, a.threads, max(3, a.rounds // 2), a.w1)
+        res["engine"] = engine(base, new, a.engine, a.threads, max(3, a.rounds // 2), a.w1, a.dtype)
     print(json.dumps(res, indent=1))
 
 
-def engine(base, new, model_dir: Path, threads: int, rounds: int, w1: bool) -> dict:
-    """One engine whose fused-kernel module (the C++ decode layer loop and the elementwise kernels, and
-    through them the decode attention) is switched between the builds; the linear layers keep this
-    process's default build."""
+def engine(base, new, model_dir: Path, threads: int, rounds: int, w1: bool, dtype: str = "bfloat16") -> dict:
+    """One engine whose attention kernels and fused-kernel module (the C++ decode layer loop and the
+    elementwise kernels, bf16 only) are switched between the builds; the linear layers keep this process's
+    build (SERVELM_CPU_KERNELS chooses it)."""
     from ab_rounds import alternate
 
     from servelm import LLM
 
-    llm = LLM(str(model_dir), dtype="bfloat16", num_threads=threads, enable_prefix_caching=False)
+    llm = LLM(str(model_dir), dtype=dtype, num_threads=threads, enable_prefix_caching=False)
     model = llm.engine.core.model
-    if model.fused is None:
-        raise SystemExit("the model does not run on the fused kernels here")
+    if not hasattr(model.attn, "kernels"):
+        raise SystemExit("the model's attention does not run on the C++ kernels here")
 
     def select(side: str):
-        model.fused = new if side == "new" else base
+        module = new if side == "new" else base
+        model.attn.kernels = module
+        if model.fused is not None:
+            model.fused = module
         return llm
 
     return {"model": str(model_dir), **alternate(select, ("new", "base"), model.spec.vocab_size, rounds, w1)}

@@ -67,6 +67,7 @@ def main() -> None:
     p.add_argument("--workload", default="W1", choices=["W1", "W2"])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=None, help="output tokens (default: the workload's; 1 times TTFT)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--warmups", type=int, default=1, help="untimed whole runs first")
     p.add_argument("--decode-rows", type=int, default=64, help="calls with at most this many rows count as decode")
     p.add_argument("--python-loop", action="store_true",
@@ -81,7 +82,7 @@ def main() -> None:
 
     from servelm import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype="bfloat16", num_threads=args.threads, enable_prefix_caching=False)
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False)
     if args.python_loop:
         llm.engine.core.model.tapes = None
     batch, out = prompts(args.workload), args.max_tokens or output_len(args.workload)
@@ -93,7 +94,7 @@ def main() -> None:
     llm.generate(batch, sp, use_tqdm=False)
     wall = time.perf_counter() - t
     parts = {k: {"s": round(v[0], 3), "calls": v[1]} for k, v in sorted(TIMES.items(), key=lambda kv: -kv[1][0])}
-    print(json.dumps({"workload": args.workload, "threads": args.threads, "kernels": module is not None,
+    print(json.dumps({"workload": args.workload, "dtype": args.dtype, "threads": args.threads, "kernels": module is not None,
                       "wall_s": round(wall, 3), "output_tok_per_s": round(len(batch) * out / wall, 1),
                       "parts": parts, "rest_s": round(wall - sum(v[0] for v in TIMES.values()), 3)}, indent=1))
 
