@@ -23,10 +23,10 @@ _INT = ctypes.c_int
 _SIGNATURES: dict[str, tuple] = {
     "servelm_last_error": (ctypes.c_char_p, ()),
     "servelm_avx512_bf16_compiled": (_INT, ()),
-    "servelm_rms_norm": (_INT, (_P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _P, _I, _D)),
-    "servelm_add_rms_norm": (_INT, (_P, _P, _P, _P, _I, _I, _D)),
-    "servelm_rotary": (_INT, (_P, _I, _I, _I, _I, _I, _P, _P, _P, _I)),
-    "servelm_silu_mul": (_INT, (_P, _P, _I, _I)),
+    "servelm_rms_norm": (_INT, (ctypes.c_int32, _P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _P, _I, _D)),
+    "servelm_add_rms_norm": (_INT, (ctypes.c_int32, _P, _P, _P, _P, _I, _I, _D)),
+    "servelm_rotary": (_INT, (ctypes.c_int32, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I)),
+    "servelm_silu_mul": (_INT, (ctypes.c_int32, _P, _P, _I, _I)),
     "servelm_amx_linear_supported": (_INT, (_I,)),
     "servelm_amx_linear": (_INT, (_P, _P, _I, _I, _I, _P, _I, _P, _INT)),
     "servelm_avx512_linear_supported": (_INT, (_I,)),
@@ -137,10 +137,12 @@ class CpuKernels:
         if rc != 0:
             raise RuntimeError(self._last_error().decode(errors="replace"))
 
-    # --- fused bf16 elementwise kernels ---------------------------------------------------------------------
+    # --- fused elementwise kernels, float32 or bf16 ----------------------------------------------------------
 
     def fused_elementwise_supported(self, t: torch.Tensor) -> bool:
-        return self.avx512_bf16 and t.dtype == torch.bfloat16 and t.is_cpu and t.stride(-1) == 1
+        """Whether the fused norm/rotary/SiLU kernels take rows like `t`: float32 or bf16 on the CPU with a unit
+        last stride (bf16 in AVX512-BF16 vectors where the build has them, else in the generic loops)."""
+        return t.dtype in (torch.float32, torch.bfloat16) and t.is_cpu and t.stride(-1) == 1
 
     @staticmethod
     def _rows(t: torch.Tensor) -> tuple[int, int, int, int]:
@@ -148,43 +150,44 @@ class CpuKernels:
             return t.shape[0], t.shape[1], t.stride(0), t.stride(1)
         return t.shape[0], 1, t.stride(0), 0
 
-    def rms_norm_bf16(self, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float) -> None:
+    def rms_norm(self, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float) -> None:
         """out[r] = RMSNorm(x[r]) * w for each row of x ([T, D] or [T, H, D], unit last stride); out may be x."""
         _require(self.fused_elementwise_supported(x) and self.fused_elementwise_supported(out) and x.dim() in (2, 3)
-                 and w.is_contiguous() and w.dtype == torch.bfloat16 and out.shape == x.shape
-                 and w.shape[0] == x.shape[-1], "rms_norm_bf16 needs bf16 rows with a unit last stride")
-        self._ok(self._rms_norm(out.data_ptr(), *self._rows(out), x.data_ptr(), *self._rows(x), w.data_ptr(),
-                                x.shape[-1], eps))
+                 and w.is_contiguous() and w.dtype == x.dtype == out.dtype and out.shape == x.shape
+                 and w.shape[0] == x.shape[-1], "rms_norm needs float32 or bf16 rows with a unit last stride")
+        self._ok(self._rms_norm(_DTYPES[x.dtype], out.data_ptr(), *self._rows(out), x.data_ptr(), *self._rows(x),
+                                w.data_ptr(), x.shape[-1], eps))
 
-    def add_rms_norm_bf16(self, out: torch.Tensor, delta: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
-                          eps: float) -> None:
-        """residual += delta (bf16, in place), out = RMSNorm(residual) * w; all contiguous [T, D]."""
+    def add_rms_norm(self, out: torch.Tensor, delta: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                     eps: float) -> None:
+        """residual += delta (in place, rounded to the dtype), out = RMSNorm(residual) * w; all contiguous [T, D]."""
         _require(self.fused_elementwise_supported(delta) and delta.is_contiguous() and residual.is_contiguous()
-                 and out.is_contiguous() and residual.dtype == out.dtype == w.dtype == torch.bfloat16
+                 and out.is_contiguous() and delta.dtype == residual.dtype == out.dtype == w.dtype
                  and w.is_contiguous() and residual.dim() == 2 and w.shape[0] == residual.shape[1]
                  and delta.shape == residual.shape == out.shape,
-                 "add_rms_norm_bf16 needs contiguous bf16 [T, D] tensors")
-        self._ok(self._add_rms_norm(out.data_ptr(), delta.data_ptr(), residual.data_ptr(), w.data_ptr(),
-                                    residual.shape[0], residual.shape[1], eps))
+                 "add_rms_norm needs contiguous float32 or bf16 [T, D] tensors of one dtype")
+        self._ok(self._add_rms_norm(_DTYPES[delta.dtype], out.data_ptr(), delta.data_ptr(), residual.data_ptr(),
+                                    w.data_ptr(), residual.shape[0], residual.shape[1], eps))
 
-    def rotary_bf16_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def rotary_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotates x [T, H, D] (unit last stride) in place at positions, reading the [max_pos, D] tables."""
         _require(self.fused_elementwise_supported(x) and x.dim() == 3 and cos.is_contiguous() and sin.is_contiguous()
-                 and cos.dtype == sin.dtype == torch.bfloat16 and positions.dtype == torch.int64
+                 and cos.dtype == sin.dtype == x.dtype and positions.dtype == torch.int64
                  and positions.is_contiguous() and x.shape[2] % 2 == 0,
-                 "rotary_bf16_ needs bf16 [T, H, D] with a unit last stride and int64 positions")
+                 "rotary_ needs float32 or bf16 [T, H, D] with a unit last stride, tables of its dtype and int64 "
+                 "positions")
         _require(positions.numel() == x.shape[0] and cos.shape[-1] == x.shape[2] and sin.shape == cos.shape,
-                 "rotary_bf16_: shapes differ")
+                 "rotary_: shapes differ")
         T, H, D = x.shape
-        self._ok(self._rotary(x.data_ptr(), T, H, D, x.stride(0), x.stride(1), positions.data_ptr(), cos.data_ptr(),
-                              sin.data_ptr(), cos.shape[0]))
+        self._ok(self._rotary(_DTYPES[x.dtype], x.data_ptr(), T, H, D, x.stride(0), x.stride(1), positions.data_ptr(),
+                              cos.data_ptr(), sin.data_ptr(), cos.shape[0]))
 
-    def silu_mul_bf16(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, 2I] -> [T, I]: silu(gate) * up, rounded as the bf16 op chain rounds."""
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] -> [T, I]: silu(gate) * up, rounded as the op chain in the dtype rounds."""
         _require(self.fused_elementwise_supported(x) and x.dim() == 2 and x.is_contiguous() and x.shape[1] % 2 == 0,
-                 "silu_mul_bf16 needs contiguous bf16 [T, 2I]")
+                 "silu_mul needs contiguous float32 or bf16 [T, 2I]")
         out = x.new_empty(x.shape[0], x.shape[1] // 2)
-        self._ok(self._silu_mul(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1] // 2))
+        self._ok(self._silu_mul(_DTYPES[x.dtype], out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1] // 2))
         return out
 
     # --- bf16 linear layers over weights packed by layers.pack_weight_for_tiles ------------------------------

@@ -1,5 +1,5 @@
-"""Building blocks of the decoder: RMSNorm, rotary embedding, SiLU-and-multiply (fused C++ kernels for bf16 on
-CPU, fused Triton kernels for the norms, SiLU-and-multiply and RoPE with the KV-cache write on CUDA, PyTorch
+"""Building blocks of the decoder: RMSNorm, rotary embedding, SiLU-and-multiply (fused C++ kernels for float32
+and bf16 on CPU, fused Triton kernels for the norms, SiLU-and-multiply and RoPE with the KV-cache write on CUDA, PyTorch
 elsewhere), and the linear layers over the kernel chosen once per weight (model/layers/linear_kernels.py)."""
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from servelm.model.quant.weight_only import QuantMatmul, QuantWeight, RowParts, 
 
 
 def fused_kernels(dtype: torch.dtype, device: torch.device | str = "cpu"):
-    """The C++ module when its fused bf16 norm/rotary/SiLU kernels apply to this model, else None."""
-    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+    """The C++ module when its fused norm/rotary/SiLU kernels apply to this model (float32 or bf16 on the CPU),
+    else None. With them every op of a decode step is a kernel call, so the step can be replayed from a tape."""
+    if dtype not in (torch.float32, torch.bfloat16) or torch.device(device).type != "cpu":
         return None
     k = cpu_kernels.load()
     return k if k is not None and k.fused_elementwise_supported(torch.empty(1, dtype=dtype)) else None
@@ -61,12 +62,12 @@ def _gpu_kernels(x: torch.Tensor):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused=None, out: torch.Tensor | None = None
              ) -> torch.Tensor:
-    """RMSNorm over the last dim (into `out` when given; it may be x). The fused kernel rounds to bf16 where
+    """RMSNorm over the last dim (into `out` when given; it may be x). The fused kernel rounds to the dtype where
     transformers does; torch's own kernel (elsewhere) rounds once where transformers rounds twice, a
     difference of at most one bf16 ulp. On CUDA one Triton kernel, rounding as torch's."""
     if fused is not None:
         out = torch.empty_like(x) if out is None else out
-        fused.rms_norm_bf16(out, x, weight, eps)
+        fused.rms_norm(out, x, weight, eps)
         return out
     gpu = _gpu_kernels(x)
     if gpu is not None and gpu.norm_applies(x, weight, out):
@@ -78,10 +79,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused=None, out:
 def add_rms_norm(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, fused=None
                  ) -> torch.Tensor:
     """residual += delta (in place), then RMSNorm(residual): a sublayer's residual add fused with the next norm
-    (one kernel on the CPU in bf16 and on CUDA)."""
+    (one kernel on the CPU and on CUDA)."""
     if fused is not None:
         out = torch.empty_like(residual)
-        fused.add_rms_norm_bf16(out, delta, residual, weight, eps)
+        fused.add_rms_norm(out, delta, residual, weight, eps)
         return out
     gpu = _gpu_kernels(residual)
     if gpu is not None and gpu.norm_applies(residual, weight, delta):
@@ -102,7 +103,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: to
     """Rotates x [T, H, D] in place. cos/sin are the [T, D] rows of x's positions, or, with `positions`,
     the [max_pos, D] tables read there (the fused kernel reads the tables directly)."""
     if fused is not None and positions is not None:
-        fused.rotary_bf16_(x, positions, cos, sin)
+        fused.rotary_(x, positions, cos, sin)
         return
     if positions is not None:
         cos, sin = cos[positions], sin[positions]
@@ -146,9 +147,9 @@ def contiguous_rows(x: torch.Tensor, fused=None) -> torch.Tensor:
 
 
 def silu_mul(x: torch.Tensor, fused=None) -> torch.Tensor:
-    """silu(gate) * up for x = [gate | up] along the last dim (one kernel on the CPU in bf16 and on CUDA)."""
+    """silu(gate) * up for x = [gate | up] along the last dim (one kernel on the CPU and on CUDA)."""
     if fused is not None:
-        return fused.silu_mul_bf16(x)
+        return fused.silu_mul(x)
     gpu = _gpu_kernels(x)
     if gpu is not None and gpu.silu_mul_applies(x):
         return gpu.silu_mul(x)

@@ -22,12 +22,14 @@ enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 bool avx512_bf16_compiled();
 bool amx_available();
 
-// Fused bf16 elementwise kernels (elementwise.cpp).
-void rms_norm(bf16* out, const Rows& ro, const bf16* x, const Rows& rx, const bf16* w, int64_t D, float eps);
-void add_rms_norm(bf16* out, const bf16* delta, bf16* residual, const bf16* w, int64_t T, int64_t D, float eps);
-void rotary(bf16* x, int64_t T, int64_t H, int64_t D, int64_t st, int64_t sh, const int64_t* pos, const bf16* cos,
-            const bf16* sin, int64_t max_pos);
-void silu_mul(bf16* out, const bf16* x, int64_t T, int64_t I);
+// Fused elementwise kernels, float32 or bf16 (elementwise.cpp).
+void rms_norm(DType dtype, void* out, const Rows& ro, const void* x, const Rows& rx, const void* w, int64_t D,
+              float eps);
+void add_rms_norm(DType dtype, void* out, const void* delta, void* residual, const void* w, int64_t T, int64_t D,
+                  float eps);
+void rotary(DType dtype, void* x, int64_t T, int64_t H, int64_t D, int64_t st, int64_t sh, const int64_t* pos,
+            const void* cos, const void* sin, int64_t max_pos);
+void silu_mul(DType dtype, void* out, const void* x, int64_t T, int64_t I);
 
 // What a bf16 linear kernel stores from each finished block of float32 sums (the C entry points' `store`).
 enum Store : int {
