@@ -4,7 +4,7 @@ kernel library built from a checkout that still has it, e.g. main before the tap
 process so that a noisy minute hits every side alike: W2's TPOT (one 512-token prompt, 128 tokens) and
 optionally W1's throughput, per round. Prints one JSON object with each side's rounds, medians and ratios.
 
-  python bench/decode_loop_ab.py --model DIR --threads 1 --rounds 5 \
+  python bench/decode_loop_ab.py --model DIR --threads 1 --rounds 5 [--dtype float32] \
       [--old-kernels OLD_CHECKOUT/servelm/model/kernels/lib/libservelm_amx.so]
 
 A benchmark, not a test: CI does not run it.
@@ -73,10 +73,11 @@ class OldLoop:
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--old-kernels", default=None, help="a kernel library that has servelm_decode_layers")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     a = p.parse_args()
     from servelm import LLM
 
-    llm = LLM(a.model, dtype="bfloat16", num_threads=a.threads, enable_prefix_caching=False)
+    llm = LLM(a.model, dtype=a.dtype, num_threads=a.threads, enable_prefix_caching=False)
     model = llm.engine.core.model
     tapes = model.tapes
     if tapes is None:
@@ -92,7 +93,7 @@ def main() -> None:
         return llm
 
     sides = ("tape", "python") + (("old_cpp",) if old else ())
-    out = {"model": a.model, "threads": a.threads, "clock": a.clock,
+    out = {"model": a.model, "dtype": a.dtype, "threads": a.threads, "clock": a.clock,
            **alternate(select, sides, model.spec.vocab_size, a.rounds, a.w1, a.clock)}
     out["tapes"] = {"recorded": tapes.recorded, "replayed": tapes.replayed, "refused": tapes.refused}
     print(json.dumps(out, indent=1))
