@@ -58,6 +58,25 @@ struct Prefetch {
   int64_t values_until = 0;
 };
 
+// The rows of the work item after `item` (sequence item / Hkv, kv head item % Hkv), if this thread's range
+// [.., end) has one: what a walk over `item` prefetches for it.
+inline NextRows next_item(int64_t item, int64_t end, int64_t Hkv, int64_t D, const int64_t* tables, int64_t max_blocks,
+                          const int64_t* lens) {
+  if (item + 1 >= end) return {};
+  const int64_t nb = (item + 1) / Hkv;
+  return {tables + nb * max_blocks, ((item + 1) % Hkv) * D, lens[nb]};
+}
+
+// Prefetch distances of the vector kernels. Each walk fetches its rows 3 blocks ahead into L2 and 1 block
+// ahead into L1 (against 2 blocks into L2 only, cold caches, Emerald Rapids, bench/kernel_ab.py: W1's
+// batch-64 step 1.05-1.06x, batch 1 at 600 positions 1.09-1.20x; W2 TPOT 1.02-1.03x); the key walk also
+// fetches the value rows of up to 256 KB of positions (all of them up to 2048 positions at head size 64, bf16)
+// so that the value walk starts on L2 hits. Against the next-item prefetch alone, cold caches, one thread
+// (Zen 4): W2's batch-1 step at 600 positions 1.6x, W1's batch-64 step 1.38x, 4 x 2000 positions 1.62x;
+// the key walk fetching only the first 2 or 8 blocks of values gave 1.24-1.51x.
+constexpr int64_t kAheadBlocks = 3;
+constexpr int64_t kValuePrefetchBytes = 256 << 10;
+
 // Calls fn(row, t) for each context position t in [start, len) with a pointer to its row of head h,
 // walking the block table one block at a time (one lookup per block, not a division per token).
 template <typename scalar_t, typename Fn>
@@ -200,22 +219,18 @@ inline __m256 hsum8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-// fast_exp.h's exp_nonpositive on 8 lanes (the same polynomial; 0 at and below -87, -inf included).
+// fast_exp.h's exp_nonpositive on 8 lanes (its polynomial; 0 at and below -87, -inf included).
 inline __m256 exp_nonpositive(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.f);
   const __m256 live = _mm256_cmp_ps(x, lo, _CMP_GT_OQ);
   x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(servelm::kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-  __m256 p = _mm256_set1_ps(1.f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(servelm::kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(servelm::kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(servelm::kExpPoly[0]);
+#pragma GCC unroll 8
+  for (int i = 1; i < servelm::kExpTerms; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(servelm::kExpPoly[i]));
   const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_n)), live);
 }
@@ -298,7 +313,6 @@ void decode(T* op, const T* qp, int64_t B, int64_t Hq, const servelm::Cache& cac
   const T* vp = static_cast<const T*>(cache.v);
   const float fscale = static_cast<float>(scale);
   constexpr bool widen = !std::is_same_v<T, float>;
-  constexpr int64_t kAhead = 3, kValueBytes = 256 << 10;  // the bf16 AVX512 kernel's prefetch distances
 
   servelm::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), scores, wide(widen ? 8 * D : 0), zeros(D);
@@ -310,11 +324,7 @@ void decode(T* op, const T* qp, int64_t B, int64_t Hq, const servelm::Cache& cac
       scores.resize(G * Lp);
       for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(qp[(b * Hq + h * G) * D + i]) * fscale;
       const int64_t* table = tables + b * max_blocks;
-      NextRows next;  // the item after this one in this thread's range, if any
-      if (item + 1 < end) {
-        const int64_t nb = (item + 1) / Hkv;
-        next = {tables + nb * max_blocks, ((item + 1) % Hkv) * D, lens[nb]};
-      }
+      const NextRows next = next_item(item, end, Hkv, D, tables, max_blocks, lens);
       // Scores 8 positions at a time: per group, one register per position, then one transposing sum.
       const float* rows[8];
       int64_t n = 0;
@@ -343,7 +353,7 @@ void decode(T* op, const T* qp, int64_t B, int64_t Hq, const servelm::Cache& cac
           rows[n] = kr;
         }
         if (++n == 8) flush(t + 1);
-      }, Prefetch{D * int64_t(sizeof(T)), next, kAhead, vp, start + kValueBytes / (D * int64_t(sizeof(T)))});
+      }, Prefetch{D * int64_t(sizeof(T)), next, kAheadBlocks, vp, start + kValuePrefetchBytes / (D * int64_t(sizeof(T)))});
       if (n > 0) flush(len);
       for (int64_t g = 0; g < G; ++g) {  // softmax over L (the padding past L is set to -inf and gives 0)
         float* sg = scores.data() + g * Lp;
@@ -366,7 +376,7 @@ void decode(T* op, const T* qp, int64_t B, int64_t Hq, const servelm::Cache& cac
           const int64_t ct = std::min<int64_t>({chunks - c0, kAccumulators / gt, 8});
           const PvTile<T> pass = gt == 1 ? pv_tile_for<T, 1>(ct) : gt == 2 ? pv_tile_for<T, 2>(ct) : pv_tile_for<T, 3>(ct);
           pass(vp, table, bs, row_stride, h * D, start, len, scores.data(), Lp, g0, c0, acc.data(), D,
-               g0 == 0 && c0 == 0 ? Prefetch{D * int64_t(sizeof(T)), next, kAhead} : Prefetch{});
+               g0 == 0 && c0 == 0 ? Prefetch{D * int64_t(sizeof(T)), next, kAheadBlocks} : Prefetch{});
           c0 += ct;
         }
         g0 += gt;
@@ -455,16 +465,6 @@ void pv_groups(const bf16* vp, const int64_t* table, int64_t bs, int64_t row_str
     }
 }
 
-// Prefetch distances of the bf16 kernel. Each walk fetches its rows 3 blocks ahead into L2 and 1 block
-// ahead into L1 (against 2 blocks into L2 only, cold caches, Emerald Rapids, bench/kernel_ab.py: W1's
-// batch-64 step 1.05-1.06x, batch 1 at 600 positions 1.09-1.20x; W2 TPOT 1.02-1.03x); the key walk also
-// fetches the value rows of up to 256 KB of positions (all of them up to 2048 positions at head size 64)
-// so that the value walk starts on L2 hits. Against the next-item prefetch alone, cold caches, one thread
-// (Zen 4): W2's batch-1 step at 600 positions 1.6x, W1's batch-64 step 1.38x, 4 x 2000 positions 1.62x;
-// the key walk fetching only the first 2 or 8 blocks of values gave 1.24-1.51x.
-constexpr int64_t kAheadBlocks = 3;
-constexpr int64_t kValuePrefetchBytes = 256 << 10;
-
 // Query groups per P @ V pass: as many as keep 2 * GT * C accumulators within 16 registers.
 template <int C>
 constexpr int kGroupsPerPass = C <= 2 ? 4 : (C == 4 ? 2 : 1);
@@ -508,11 +508,7 @@ void decode_bf16_avx512(bf16* op, const bf16* qp, int64_t B, int64_t Hq, const s
       probs.resize(G * Lp);
       const bf16* qh = qp + (b * Hq + h * G) * D;
       const int64_t* table = tables + b * max_blocks;
-      NextRows next;  // the item after this one in this thread's range, if any
-      if (item + 1 < end) {
-        const int64_t nb = (item + 1) / Hkv;
-        next = {tables + nb * max_blocks, ((item + 1) % Hkv) * D, lens[nb]};
-      }
+      const NextRows next = next_item(item, end, Hkv, D, tables, max_blocks, lens);
       // Scores 16 positions at a time: per group, 16 register accumulators, then one transposing sum.
       const bf16* rows[16];
       int64_t n = 0;

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "common.h"
+#include "fast_exp.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -51,21 +52,17 @@ inline void broadcast_pair(const void* pair, __m512& x0, __m512& x1) {
 // instruction (avx512_linear.cpp says why; on by default on Intel CPUs). Settable for benchmarks and tests.
 bool& fma_dot();
 
-// exp(x) as 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial: ~1 ulp. Overflows to
-// inf and underflows to 0 like expf (the clamp keeps +-inf from turning into inf - inf = NaN).
+// exp(x) by fast_exp.h's polynomial. Overflows to inf and underflows to 0 like expf (the clamp keeps +-inf
+// from turning into inf - inf = NaN).
 inline __m512 exp512(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+#pragma GCC unroll 8
+  for (int i = 1; i < kExpTerms; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   return _mm512_scalef_ps(p, n);
 }
 
