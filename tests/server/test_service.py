@@ -1,17 +1,29 @@
 """Multi-tenant controls on a real server: keys, rate limits, priorities, backpressure, queue timeout, body limit,
 run-time config, metrics, stats and request logs. Tests run in file order; the last one checks that every
-metric the earlier ones provoked has moved."""
+metric the earlier ones provoked has moved. Two servers share the keys: `svc` with a small KV pool (evictions),
+and `held`, whose context is long enough for a request that holds a batch slot for minutes (`HOLD`, until its
+client leaves), for the tests that need requests still running while they look: no check depends on how fast
+the machine generates."""
 
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serving import _wait, raw_request, server_log_lines, start_server, stats, stop_server
+from serving import (
+    HOLD,
+    HOLD_BLOCKS,
+    HOLD_CONTEXT,
+    _wait,
+    raw_request,
+    server_log_lines,
+    start_server,
+    stats,
+    stop_server,
+)
 
 from servelm.server.middleware.auth import hash_key
 
@@ -21,15 +33,11 @@ ADMIN = {"x-api-key": "sk-admin-000000"}
 ALICE = {"Authorization": "Bearer sk-alice-000001"}
 GOLD = {"Authorization": "Bearer sk-gold-0000005"}
 BRONZE = {"x-api-key": "sk-bronze-000006"}
-LONG = {"prompt": [1, 2, 3, 4], "max_tokens": 900, "ignore_eos": True}
-# holds the only batch slot for seconds (never read, aborted by closing its socket); the context is 1024
-BLOCKER = {"prompt": [1, 2, 3, 4], "max_tokens": 1016, "ignore_eos": True, "stream": True}
 
 
 @pytest.fixture(scope="module")
-def svc(llama_dir, tmp_path_factory):
-    d = tmp_path_factory.mktemp("svc")
-    keys = d / "keys.yaml"
+def keys_file(tmp_path_factory) -> Path:
+    keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
     keys.write_text(f"""keys:
   - {{name: alice, key: sk-alice-000001}}
   - {{name: hashed, key_hash: "{hash_key('sk-hashed-00002')}"}}
@@ -39,12 +47,27 @@ def svc(llama_dir, tmp_path_factory):
   - {{name: bronze, key: sk-bronze-000006, priority: low, models: [tiny]}}
   - {{name: boxed, key: sk-boxed-000007, models: [another-model]}}
 """)
-    conf = d / "servelm.yaml"
+    return keys
+
+
+@pytest.fixture(scope="module")
+def svc(llama_dir, keys_file, tmp_path_factory):
+    conf = tmp_path_factory.mktemp("svc") / "servelm.yaml"
     conf.write_text("engine:\n  max_num_seqs: 8\nadmission:\n  queue_timeout_s: 20\n")
-    proc, url = start_server(llama_dir, "--config", str(conf), "--api-keys-file", str(keys), "--admin-key",
+    proc, url = start_server(llama_dir, "--config", str(conf), "--api-keys-file", str(keys_file), "--admin-key",
                              ADMIN["x-api-key"], "--max-request-body-bytes", "65536", "--num-kv-blocks", "80",
                              "--max-model-len", "1024", "--embedding-model", "none", "--cpu-nice", "1",
                              env={"SERVELM_MAX_NUM_SEQS": "4"})
+    yield proc, url
+    assert stop_server(proc) == 0
+
+
+@pytest.fixture(scope="module")
+def held(long_llama_dir, keys_file):
+    """A server where HOLD runs for minutes, until its client leaves: the pool fits one HOLD to its end."""
+    proc, url = start_server(long_llama_dir, "--api-keys-file", str(keys_file), "--admin-key", ADMIN["x-api-key"],
+                             "--num-kv-blocks", str(HOLD_BLOCKS + 64), "--max-model-len", str(HOLD_CONTEXT),
+                             "--max-num-seqs", "4", "--queue-timeout-s", "20", "--embedding-model", "none")
     yield proc, url
     assert stop_server(proc) == 0
 
@@ -171,39 +194,38 @@ def test_admin_config_shows_sources_and_validates_patches(svc):
         "value": 15.0, "source": "runtime", "runtime": True}
 
 
-def _run(url: str, headers: dict, body: dict, done: list, name: str) -> threading.Thread:
-    def go():
-        r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=300)
-        done.append((name, r.status_code, r.json()["usage"]["completion_tokens"]))
-    t = threading.Thread(target=go)
-    t.start()
-    return t
-
-
-def test_priorities_under_contention_high_first_low_still_finishes(svc):
-    _, url = svc
+def test_priorities_under_contention_high_first_the_displaced_run_again(held):
+    """One batch slot: a normal request displaces a running low one, a high one displaces the normal one and
+    finishes while both still wait or run, and each displaced request runs again when what displaced it is gone."""
+    _, url = held
     assert patch(url, max_num_seqs=1, priority_aging_s=600).status_code == 200  # one slot: a strict order
     before = stats(url, ALICE)["scheduler"]["num_priority_preemptions"]
-    done: list = []
-    threads = [_run(url, BRONZE, LONG, done, "low")]
-    _wait(lambda: stats(url, ALICE)["running"] == 1, 60, "the low request to run")
-    threads.append(_run(url, ALICE, {**LONG, "max_tokens": 600}, done, "normal"))
-    _wait(lambda: stats(url, ALICE)["queue"]["by_priority"]["low"] == 1, 60, "normal to displace low")
-    threads.append(_run(url, GOLD, {**LONG, "max_tokens": 20}, done, "high"))
-    for t in threads:
-        t.join(300)
-    assert [d[0] for d in done] == ["high", "normal", "low"]
-    assert all(status == 200 for _, status, _ in done)
-    assert dict((n, k) for n, _, k in done) == {"high": 20, "normal": 600, "low": 900}  # preempted, then complete
-    assert stats(url, ALICE)["scheduler"]["num_priority_preemptions"] >= before + 2
+    with httpx.stream("POST", url + "/v1/completions", json=HOLD, headers=BRONZE, timeout=300) as low:
+        low_lines = low.iter_lines()  # kept: dropping the iterator closes the connection
+        assert next(low_lines).startswith("data:")  # the low request runs
+        normal = raw_request(url, "/v1/completions", HOLD, ALICE)
+        try:
+            _wait(lambda: (s := stats(url, ALICE))["queue"]["by_priority"]["low"] == 1 and s["running"] == 1, 60,
+                  "the normal request to displace the low one")
+            r = complete(url, GOLD, prompt=[1, 2, 3, 4], max_tokens=20, ignore_eos=True)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20  # first, in full
+            _wait(lambda: (s := stats(url, ALICE))["running"] == 1 and s["queue"]["by_priority"]["low"] == 1, 60,
+                  "the normal request to run again, the low one still waiting")
+            assert stats(url, ALICE)["scheduler"]["num_priority_preemptions"] >= before + 2
+        finally:
+            normal.close()  # the normal request's client leaves: the low one runs again
+        _wait(lambda: (s := stats(url, ALICE))["running"] == 1 and s["queue"]["depth"] == 0, 60,
+              "the low request to run again")
+        assert stats(url, ALICE)["engine"]["in_flight"] == 1
+    _wait(lambda: stats(url, ALICE)["engine"]["in_flight"] == 0, 60, "an idle engine")
     assert patch(url, max_num_seqs=4).status_code == 200
 
 
-def test_queue_timeout_gives_408(svc):
-    _, url = svc
+def test_queue_timeout_gives_408(held):
+    _, url = held
     assert patch(url, max_num_seqs=1).status_code == 200
-    # high priority, admitted under the 20 s timeout: they hold the slot in turn for about 10 s
-    blockers = [raw_request(url, "/v1/completions", BLOCKER, GOLD) for _ in range(3)]
+    # high priority, admitted under the 20 s timeout: the first holds the slot, the others wait, until they leave
+    blockers = [raw_request(url, "/v1/completions", HOLD, GOLD) for _ in range(3)]
     try:
         _wait(lambda: stats(url, ALICE)["running"] == 1 and queue_depth(url) == 2, 60, "the blockers to queue")
         assert patch(url, queue_timeout_s=1).status_code == 200  # applies to requests admitted from now on
@@ -219,10 +241,10 @@ def test_queue_timeout_gives_408(svc):
     assert patch(url, max_num_seqs=4, queue_timeout_s=20).status_code == 200
 
 
-def test_backpressure_503_at_high_watermark_until_below_low(svc):
-    _, url = svc
+def test_backpressure_503_at_high_watermark_until_below_low(held):
+    _, url = held
     assert patch(url, max_num_seqs=1, queue_high_watermark=2, queue_low_watermark=1).status_code == 200
-    blocker = raw_request(url, "/v1/completions", BLOCKER, GOLD)
+    blocker = raw_request(url, "/v1/completions", HOLD, GOLD)
     queued = []
     try:
         _wait(lambda: stats(url, ALICE)["running"] == 1, 60, "the blocker to run")
@@ -279,12 +301,13 @@ def test_prefix_cache_is_isolated_per_key_and_cache_salt(svc):
     assert hits_after(hashed, cache_salt="s1") == 0  # the same salt under another key is still apart
 
 
-def _samples(url: str) -> dict:
-    text = httpx.get(url + "/metrics").text
+def _samples(*urls: str) -> dict:
+    """The /metrics samples of the servers at `urls`, together."""
     out: dict = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
+    for url in urls:
+        for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+            for s in fam.samples:
+                out.setdefault(s.name, []).append((s.labels, s.value))
     return out
 
 
@@ -292,12 +315,12 @@ def _total(samples: dict, name: str, **labels) -> float:
     return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
 
 
-def test_every_metric_is_exported_and_moved(svc):
+def test_every_metric_is_exported_and_moved(svc, held):
     _, url = svc
     # three distinct 600-token prompts: their cached blocks overflow the 80-block pool, so the third evicts
     for k in range(3):
         assert complete(url, ALICE, prompt=[100 + k] + list(range(1000, 1599)), max_tokens=1).status_code == 200
-    s = _samples(url)
+    s = _samples(url, held[1])  # preemptions, timeouts, backpressure and aborts came from the held server
     moved = ["servelm:prompt_tokens_total", "servelm:generation_tokens_total", "servelm:num_preemptions_total",
              "servelm:num_priority_preemptions_total", "servelm:prefix_cache_queries_total",
              "servelm:prefix_cache_hits_total", "servelm:kv_cache_evictions_total",
@@ -313,7 +336,7 @@ def test_every_metric_is_exported_and_moved(svc):
     for gauge in ("servelm:num_requests_running", "servelm:num_requests_waiting", "servelm:num_requests_swapped",
                   "servelm:kv_cache_usage_perc", "servelm:num_requests_waiting_by_priority"):
         assert gauge in s, gauge
-    assert _total(s, "servelm:engine_up") == 1
+    assert _total(s, "servelm:engine_up") == 2  # one per server
     assert _total(s, "servelm:requests_total", key="limited", status="429") >= 1
     assert _total(s, "servelm:requests_total", key="alice", status="200", model_name="tiny") >= 1
     assert _total(s, "servelm:requests_total", key="anonymous", status="401") >= 1
