@@ -27,7 +27,7 @@ from servelm.model.quant.weight_only import QuantMatmul, QuantWeight, RowParts, 
 def fused_kernels(dtype: torch.dtype, device: torch.device | str = "cpu"):
     """The C++ module when its fused norm/rotary/SiLU kernels apply to this model (float32 or bf16 on the CPU),
     else None. With them every op of a decode step is a kernel call, so the step can be replayed from a tape."""
-    if dtype not in (torch.float32, torch.bfloat16) or torch.device(device).type != "cpu":
+    if torch.device(device).type != "cpu":
         return None
     k = cpu_kernels.load()
     return k if k is not None and k.fused_elementwise_supported(torch.empty(1, dtype=dtype)) else None
