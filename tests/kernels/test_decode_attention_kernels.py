@@ -1,56 +1,34 @@
-"""The paged decode attention kernel on every build this CPU runs (AVX512-BF16's kernel, the AVX2 one for
-float32 and bf16 caches, the generic loop of the portable build): each matches plain softmax attention, and
-a query's output is the same bits alone, in any batch and on any thread count, so a token's bits never
-depend on what it was scheduled with. Head sizes and query groups cover the AVX2 kernel's register tiles
-of P @ V (up to 3 groups by up to 8 chunks of 8 dimensions, more in several passes) and the generic loop's
-head sizes that are not a multiple of 8."""
+"""The paged decode attention kernel on every build this CPU runs (AVX512-BF16's kernel for bf16, the 8-lane
+vector kernel for float32 and for bf16 elsewhere, in AVX2 registers or, on the portable build, in pairs of SSE
+registers, and the generic loop for head sizes that are not a multiple of 8): each matches plain softmax
+attention, and a query's output is the same bits alone, in any batch and on any thread count, so a token's
+bits never depend on what it was scheduled with. Head sizes and query groups cover the vector kernel's
+register tiles of P @ V (up to 3 groups by up to 8 chunks of 8 dimensions, more in several passes). The ARM
+build runs the same cases under an emulator: test_arm_kernels.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from decode_attention_cases import LENS, SHAPES, case, naive
 from kernel_variants import runnable_variants
 
 from servelm.model.kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="CPU kernels could not be compiled here")
-LENS = [1, 7, 8, 9, 16, 31, 64, 77]  # 8 and 16 positions per score pass; blocks of 4; contexts ending inside
-
-
-def _case(dtype, d, hq, hkv, seed=0, bs=4):
-    g = torch.Generator().manual_seed(seed)
-    blocks = -(-max(LENS) // bs)
-    nb = blocks * len(LENS) + 3
-    kc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
-    vc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
-    tables = torch.randperm(nb, generator=g)[: len(LENS) * blocks].view(len(LENS), blocks).contiguous()
-    q = torch.randn(len(LENS), hq, d, generator=g).to(dtype)
-    return q, kc, vc, tables, torch.tensor(LENS), bs
-
-
-def _naive(q, kc, vc, table, n, bs, window):
-    hq, d = q.shape
-    k = kc[table].reshape(-1, *kc.shape[2:])[:n].float()
-    v = vc[table].reshape(-1, *vc.shape[2:])[:n].float()
-    start = max(0, n - window) if window else 0
-    k, v = k[start:].repeat_interleave(hq // k.shape[1], 1), v[start:].repeat_interleave(hq // v.shape[1], 1)
-    s = torch.einsum("hd,khd->hk", q.float(), k) * d**-0.5
-    return torch.einsum("hk,khd->hd", s.softmax(-1), v)
 
 
 @pytest.mark.parametrize("variant", runnable_variants())
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [0, 10])
-# head sizes: 1, 5, 8, 16 and 32 chunks of 8 (one, a partial and several passes), and 12 (the generic loop);
-# groups of 1, 2, 3 and 5 query heads per kv head (one pass of up to 3 groups, or 3 then 2)
-@pytest.mark.parametrize("d, hq, hkv", [(8, 2, 1), (40, 6, 2), (64, 5, 1), (128, 4, 2), (256, 2, 2), (12, 3, 1)])
+@pytest.mark.parametrize("d, hq, hkv", SHAPES)
 def test_the_decode_kernel_matches_softmax_attention(variant, dtype, tol, window, d, hq, hkv):
     kern = cpu_kernels.load_variant(variant)
-    q, kc, vc, tables, lens, bs = _case(dtype, d, hq, hkv, seed=d + hq)
+    q, kc, vc, tables, lens, bs = case(dtype, d, hq, hkv, seed=d + hq)
     out = torch.empty_like(q)
     kern.paged_decode_attention(out, q, kc, vc, tables, lens, d**-0.5, window)
     for b, n in enumerate(LENS):
-        ref = _naive(q[b], kc, vc, tables[b], n, bs, window)
+        ref = naive(q[b], kc, vc, tables[b], n, bs, window)
         torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol, msg=lambda m, b=b: f"row {b}: {m}")
 
 
@@ -59,7 +37,7 @@ def test_the_decode_kernel_matches_softmax_attention(variant, dtype, tol, window
 def test_a_query_gets_the_same_bits_alone_in_any_batch_and_on_any_thread_count(variant, dtype):
     kern = cpu_kernels.load_variant(variant)
     d, hq, hkv = 64, 6, 2
-    q, kc, vc, tables, lens, bs = _case(dtype, d, hq, hkv, seed=3)
+    q, kc, vc, tables, lens, bs = case(dtype, d, hq, hkv, seed=3)
     whole = torch.empty_like(q)
     kern.paged_decode_attention(whole, q, kc, vc, tables, lens, d**-0.5, 0)
     for b in range(len(LENS)):

@@ -183,17 +183,6 @@ def test_each_variant_passes_the_kernel_tests():
         assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]
 
 
-@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None,
-                    reason="needs a cross compiler (Debian: apt-get install g++-aarch64-linux-gnu)")
-def test_the_portable_variant_builds_for_arm(tmp_path, monkeypatch):
-    """The x86 intrinsics are guarded: ARM gets a working portable library."""
-    monkeypatch.setenv("CXX", "aarch64-linux-gnu-g++")
-    manifest = kernel_build.build(tmp_path, machine="aarch64", log=lambda *_: None)
-    assert manifest["built"] == ["portable"], manifest["failed"]
-    head = (tmp_path / kernel_build.library_name("portable")).read_bytes()[:20]
-    assert head[:4] == b"\x7fELF" and int.from_bytes(head[18:20], "little") == 183  # EM_AARCH64
-
-
 def test_a_machine_without_a_compiler_installs_and_runs_the_pytorch_path(monkeypatch, tmp_path, caplog):
     """No compiler: the build records every variant as failed (the install goes on), and the loader says
     once why it runs the PyTorch path, naming the failure."""

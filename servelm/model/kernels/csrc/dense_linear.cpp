@@ -15,8 +15,9 @@
 // A gate/up weight is packed with its rows in gate_up_order (16 gate rows, then the matching 16 up rows,
 // per block of 32), so that each block's epilogue holds matching gate and up columns.
 //
-// The micro-kernel keeps RB rows x 16 columns of sums in registers (AVX512: one vector per row, AVX2: two,
-// the portable build: four of 4 lanes, with a separate multiply and add, as that build has no FMA). Rows
+// The micro-kernel keeps RB rows x 16 columns of sums in registers (AVX512: one vector per row; elsewhere two
+// of vec8.h's 8-lane vectors: AVX2 registers, or pairs of NEON or SSE ones, with a fused multiply-add where
+// the CPU has one: AVX2 and ARM, not baseline x86-64). Rows
 // go 64 at a time (their float32 copy stays in L2) against every block of the thread's columns.
 #include <algorithm>
 #include <cmath>
@@ -27,7 +28,9 @@
 #include "kernels.h"
 #include "tape.h"
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#include "vec8.h"
+
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -52,56 +55,38 @@ struct Lanes {
   void fma(float x, const Lanes& w) { v = _mm512_fmadd_ps(_mm512_set1_ps(x), w.v, v); }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
 };
-#elif defined(__AVX2__) && defined(__FMA__)
-struct Lanes {
-  __m256 lo, hi;
-  static Lanes zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-  static Lanes load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-  static __m256 widen(const bf16* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-  }
-  static Lanes load(const bf16* p) { return {widen(p), widen(p + 8)}; }
-  void fma(float x, const Lanes& w) {
-    const __m256 b = _mm256_set1_ps(x);
-    lo = _mm256_fmadd_ps(b, w.lo, lo);
-    hi = _mm256_fmadd_ps(b, w.hi, hi);
+#else
+struct Lanes {  // two 8-lane vectors (vec8.h): AVX2 registers, NEON pairs on ARM, SSE pairs on baseline x86-64
+  servelm::v8::F8 lo, hi;
+  static Lanes zero() { return {servelm::v8::zero(), servelm::v8::zero()}; }
+  template <typename T>
+  static Lanes load(const T* p) { return {servelm::v8::load(p), servelm::v8::load(p + 8)}; }
+  void fma(float x, const Lanes& w) {  // fused where the CPU has FMA; a multiply, then an add, elsewhere
+    const servelm::v8::F8 b = servelm::v8::splat(x);
+    lo = servelm::v8::fmadd(b, w.lo, lo);
+    hi = servelm::v8::fmadd(b, w.hi, hi);
   }
   void store(float* p) const {
-    _mm256_storeu_ps(p, lo);
-    _mm256_storeu_ps(p + 8, hi);
+    servelm::v8::store(p, lo);
+    servelm::v8::store(p + 8, hi);
   }
-};
-#else
-struct Lanes {  // the compiler's vectors of 4 (SSE2 on x86-64, NEON on ARM); no FMA: multiply, then add
-  typedef float V4 __attribute__((vector_size(16)));
-  V4 q[4];
-  static Lanes zero() { return {}; }
-  static Lanes load(const float* p) {
-    Lanes l;
-    std::memcpy(l.q, p, sizeof(l.q));
-    return l;
-  }
-  static Lanes load(const bf16* p) {
-    float f[kPanel];
-    for (int i = 0; i < kPanel; ++i) f[i] = float(p[i]);
-    return load(f);
-  }
-  void fma(float x, const Lanes& w) {
-    for (int i = 0; i < 4; ++i) q[i] += x * w.q[i];
-  }
-  void store(float* p) const { std::memcpy(p, q, sizeof(q)); }
 };
 #endif
 
 // c[r * kBlock + 0..15] = rows [0, R) of x (float32, row stride K) times one panel (K lines of 16).
 template <int R, typename W>
 void panel(const float* x, int64_t K, const W* w, float* c) {
+  // unrolled before the compiler places acc: kept in registers, where a loop over it stored each row's
+  // sums to the stack at every k (GCC, ARM)
   Lanes acc[R];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = Lanes::zero();
   for (int64_t k = 0; k < K; ++k) {
     const Lanes line = Lanes::load(w + k * kPanel);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r].fma(x[r * K + k], line);
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r].store(c + r * kBlock);
 }
 

@@ -8,7 +8,7 @@
 
 namespace servelm {
 
-// The one exp polynomial of the kernels (here, vec.h's exp512, the AVX2 attention's): 2^n * p(r) with
+// The one exp polynomial of the kernels (here, vec.h's exp512, vec8.h's exp_nonpositive): 2^n * p(r) with
 // n = round(x log2 e), r = x - n ln2 (ln2 split in two so that n ln2 is exact), p the degree-6 Taylor polynomial
 // of e^r on [-ln2/2, ln2/2] evaluated by Horner's rule from kExpPoly[0]: ~1 ulp.
 constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606765330187045e-06f;

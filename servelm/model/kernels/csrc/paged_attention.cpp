@@ -11,11 +11,8 @@
 #include "kernels.h"
 #include "fast_exp.h"
 #include "vec.h"
+#include "vec8.h"
 #include "tape.h"
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -197,55 +194,16 @@ void decode_kernel(scalar_t* op, const scalar_t* qp, int64_t B, int64_t Hq, cons
   });
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// The decode kernel in 8-lane AVX2 vectors for float32 and bf16 caches of any head size that is a multiple
-// of 8: float32 models on every x86 CPU with AVX2 (Zen 2-5, Intel since Haswell) and bf16 on CPUs without
-// AVX512-BF16, where the generic loop above took ~7x the AVX512-BF16 kernel's time (one horizontal sum per
-// score, the accumulators of P @ V reloaded and stored per position). Scores go 8 positions at a time into
+// The decode kernel in 8-lane vectors (vec8.h) for float32 and bf16 caches of any head size that is a multiple
+// of 8, on every build: float32 models on every CPU, and bf16 on CPUs without AVX512-BF16 (AVX2 x86, ARM),
+// where the generic loop above took ~7x the AVX512-BF16 kernel's time (one horizontal sum per score, the
+// accumulators of P @ V reloaded and stored per position). Scores go 8 positions at a time into
 // one register each and one transposing sum; P @ V keeps a tile of (query groups x 8-dim chunks) of the
 // output in registers over the whole context. Each output is summed over the context in order, position by
 // position, so a query's bits depend only on its own context, never on its batch.
-namespace avx2 {
+namespace vec {
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const servelm::bf16* p) {  // bf16 widens exactly by a shift
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
-// Lane i of the result is the sum of all lanes of v[i].
-inline __m256 hsum8(const __m256* v) {
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
-// fast_exp.h's exp_nonpositive on 8 lanes (its polynomial; 0 at and below -87, -inf included).
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.f);
-  const __m256 live = _mm256_cmp_ps(x, lo, _CMP_GT_OQ);
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(servelm::kLog2e)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(servelm::kLn2Hi), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(servelm::kLn2Lo), r);
-  __m256 p = _mm256_set1_ps(servelm::kExpPoly[0]);
-#pragma GCC unroll 8
-  for (int i = 1; i < servelm::kExpTerms; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(servelm::kExpPoly[i]));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_n)), live);
-}
-
-inline float hmax(__m256 v) {
-  v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 1));
-  v = _mm256_max_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
-  return _mm_cvtss_f32(_mm256_castps256_ps128(_mm256_max_ps(v, _mm256_shuffle_ps(v, v, 0xB1))));
-}
-
-inline float hadd(__m256 v) {
-  v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 1));
-  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
-  return _mm_cvtss_f32(_mm256_castps256_ps128(_mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0xB1))));
-}
+using namespace servelm::v8;
 
 // One P @ V pass: output dims [8 * c0, 8 * (c0 + CT)) of query groups [g0, g0 + GT), kept in GT * CT
 // registers over the context: acc[g][d] = sum over t, in order, of p[g][t] * v[t][d].
@@ -253,57 +211,50 @@ template <int GT, int CT, typename T>
 void pv_tile(const T* vp, const int64_t* table, int64_t bs, int64_t row_stride, int64_t head_offset,
              int64_t start, int64_t len, const float* probs, int64_t Lp, int64_t g0, int64_t c0, float* acc,
              int64_t D, const Prefetch& pf) {
-  __m256 a[GT][CT];
+  F8 a[GT][CT];
 #pragma GCC unroll 4
   for (int g = 0; g < GT; ++g)
 #pragma GCC unroll 8
-    for (int c = 0; c < CT; ++c) a[g][c] = _mm256_setzero_ps();
+    for (int c = 0; c < CT; ++c) a[g][c] = zero();
   const float* pg = probs + g0 * Lp - start;
   for_each_row(vp, table, bs, row_stride, head_offset + c0 * 8, start, len, [&](const T* vr, int64_t t) {
-    __m256 w[GT];
+    F8 w[GT];
 #pragma GCC unroll 4
-    for (int g = 0; g < GT; ++g) w[g] = _mm256_broadcast_ss(pg + g * Lp + t);
+    for (int g = 0; g < GT; ++g) w[g] = splat(pg[g * Lp + t]);
 #pragma GCC unroll 8
     for (int c = 0; c < CT; ++c) {
-      const __m256 v = load8(vr + c * 8);
+      const F8 v = load(vr + c * 8);
 #pragma GCC unroll 4
-      for (int g = 0; g < GT; ++g) a[g][c] = _mm256_fmadd_ps(w[g], v, a[g][c]);
+      for (int g = 0; g < GT; ++g) a[g][c] = fmadd(w[g], v, a[g][c]);
     }
   }, pf);
 #pragma GCC unroll 4
   for (int g = 0; g < GT; ++g)
 #pragma GCC unroll 8
-    for (int c = 0; c < CT; ++c) _mm256_storeu_ps(acc + (g0 + g) * D + (c0 + c) * 8, a[g][c]);
+    for (int c = 0; c < CT; ++c) store(acc + (g0 + g) * D + (c0 + c) * 8, a[g][c]);
 }
 
 template <typename T>
 using PvTile = void (*)(const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, int64_t,
                         int64_t, int64_t, float*, int64_t, const Prefetch&);
 
-// The pass for GT groups and CT chunks: at most 12 accumulators (16 registers less the broadcasts and a row).
-template <typename T, int GT>
-PvTile<T> pv_tile_for(int64_t ct) {
-  switch (ct) {
-    case 1: return pv_tile<GT, 1, T>;
-    case 2: return pv_tile<GT, 2, T>;
-    case 3: return pv_tile<GT, 3, T>;
-    default: break;
-  }
-  if constexpr (GT <= 3) {
-    if (ct == 4) return pv_tile<GT, 4, T>;
-  }
-  if constexpr (GT <= 2) {
-    if (ct == 5) return pv_tile<GT, 5, T>;
-    if (ct == 6) return pv_tile<GT, 6, T>;
-  }
-  if constexpr (GT == 1) {
-    if (ct == 7) return pv_tile<GT, 7, T>;
-    if (ct == 8) return pv_tile<GT, 8, T>;
-  }
-  return nullptr;
-}
-
+// Output registers a P @ V pass keeps: 12 of AVX2's 16 (the rest hold the broadcasts and a row) and of
+// ARM's 32 (a vector is two there); 6 where a vector is two of x86's 16 SSE registers.
+#if defined(__AVX2__) || defined(__aarch64__)
 constexpr int64_t kAccumulators = 12;
+#else
+constexpr int64_t kAccumulators = 6;
+#endif
+
+// The pass for GT groups and ct chunks (GT * ct <= kAccumulators, ct <= 8).
+template <typename T, int GT, int CT = 1>
+PvTile<T> pv_tile_for(int64_t ct) {
+  if constexpr (CT > 8 || GT * CT > kAccumulators) {
+    return nullptr;
+  } else {
+    return ct == CT ? pv_tile<GT, CT, T> : pv_tile_for<T, GT, CT + 1>(ct);
+  }
+}
 
 template <typename T>
 void decode(T* op, const T* qp, int64_t B, int64_t Hq, const servelm::Cache& cache, const int64_t* tables,
@@ -332,22 +283,22 @@ void decode(T* op, const T* qp, int64_t B, int64_t Hq, const servelm::Cache& cac
         for (int64_t i = n; i < 8; ++i) rows[i] = zeros.data();
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * D;
-          __m256 s[8];
+          F8 s[8];
 #pragma GCC unroll 8
-          for (int i = 0; i < 8; ++i) s[i] = _mm256_setzero_ps();
+          for (int i = 0; i < 8; ++i) s[i] = zero();
           for (int64_t c = 0; c < D; c += 8) {
-            const __m256 q = _mm256_loadu_ps(qg + c);
+            const F8 q = load(qg + c);
 #pragma GCC unroll 8
-            for (int i = 0; i < 8; ++i) s[i] = _mm256_fmadd_ps(q, _mm256_loadu_ps(rows[i] + c), s[i]);
+            for (int i = 0; i < 8; ++i) s[i] = fmadd(q, load(rows[i] + c), s[i]);
           }
-          _mm256_storeu_ps(scores.data() + g * Lp + (t_next - n - start), hsum8(s));
+          store(scores.data() + g * Lp + (t_next - n - start), hsum8(s));
         }
         n = 0;
       };
       for_each_row(kp, table, bs, row_stride, h * D, start, len, [&](const T* kr, int64_t t) {
         if constexpr (widen) {
           float* w = wide.data() + n * D;
-          for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(w + c, load8(kr + c));
+          for (int64_t c = 0; c < D; c += 8) store(w + c, load(kr + c));
           rows[n] = w;
         } else {
           rows[n] = kr;
@@ -358,17 +309,17 @@ void decode(T* op, const T* qp, int64_t B, int64_t Hq, const servelm::Cache& cac
       for (int64_t g = 0; g < G; ++g) {  // softmax over L (the padding past L is set to -inf and gives 0)
         float* sg = scores.data() + g * Lp;
         for (int64_t j = L; j < Lp; ++j) sg[j] = -INFINITY;
-        __m256 mv = _mm256_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < Lp; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + j));
-        const __m256 m = _mm256_set1_ps(hmax(mv));
-        __m256 sv = _mm256_setzero_ps();
+        F8 mv = splat(-INFINITY);
+        for (int64_t j = 0; j < Lp; j += 8) mv = max(mv, load(sg + j));
+        const F8 m = splat(hmax(mv));
+        F8 sv = zero();
         for (int64_t j = 0; j < Lp; j += 8) {
-          const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sg + j), m));
-          _mm256_storeu_ps(sg + j, e);
-          sv = _mm256_add_ps(sv, e);
+          const F8 e = exp_nonpositive(load(sg + j) - m);
+          store(sg + j, e);
+          sv += e;
         }
-        const __m256 inv = _mm256_set1_ps(1.f / hadd(sv));
-        for (int64_t j = 0; j < Lp; j += 8) _mm256_storeu_ps(sg + j, _mm256_mul_ps(_mm256_loadu_ps(sg + j), inv));
+        const F8 inv = splat(1.f / hadd(sv));
+        for (int64_t j = 0; j < Lp; j += 8) store(sg + j, load(sg + j) * inv);
       }
       for (int64_t g0 = 0; g0 < G;) {  // P @ V in tiles of the output; the first pass prefetches
         const int64_t gt = std::min<int64_t>(G - g0, 3);
@@ -387,8 +338,7 @@ void decode(T* op, const T* qp, int64_t B, int64_t Hq, const servelm::Cache& cac
   });
 }
 
-}  // namespace avx2
-#endif
+}  // namespace vec
 
 
 #ifdef SERVELM_AVX512_BF16
@@ -585,14 +535,12 @@ void paged_decode_attention(DType dtype, void* out, const void* q, int64_t B, in
     }
   }
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
   if (cache.D % 8 == 0 && dtype == kFloat32)
-    return avx2::decode(static_cast<float*>(out), static_cast<const float*>(q), B, Hq, cache, tables, max_blocks,
-                        lens, scale, window);
+    return vec::decode(static_cast<float*>(out), static_cast<const float*>(q), B, Hq, cache, tables, max_blocks,
+                       lens, scale, window);
   if (cache.D % 8 == 0 && dtype == kBFloat16)
-    return avx2::decode(static_cast<bf16*>(out), static_cast<const bf16*>(q), B, Hq, cache, tables, max_blocks, lens,
-                        scale, window);
-#endif
+    return vec::decode(static_cast<bf16*>(out), static_cast<const bf16*>(q), B, Hq, cache, tables, max_blocks, lens,
+                       scale, window);
   switch (dtype) {
     case kFloat32:
       return decode_kernel(static_cast<float*>(out), static_cast<const float*>(q), B, Hq, cache, tables, max_blocks,
