@@ -17,6 +17,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers" / "workers"))
@@ -67,6 +68,8 @@ def main() -> None:
     p.add_argument("--workload", default="W1", choices=["W1", "W2"])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=None, help="output tokens (default: the workload's; 1 times TTFT)")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="one request of this many prompt tokens (drawn as W2's) instead of the workload's")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--warmups", type=int, default=1, help="untimed whole runs first")
     p.add_argument("--decode-rows", type=int, default=64, help="calls with at most this many rows count as decode")
@@ -86,6 +89,9 @@ def main() -> None:
     if args.python_loop:
         llm.engine.core.model.tapes = None
     batch, out = prompts(args.workload), args.max_tokens or output_len(args.workload)
+    if args.prompt_tokens:
+        rng = np.random.Generator(np.random.PCG64(args.prompt_tokens))
+        batch = [[1] + [int(i) for i in rng.integers(4, 32000, size=args.prompt_tokens - 1)]]
     sp = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
     for _ in range(args.warmups):  # whole runs first: the KV cache's pages are touched (faulted in) once
         llm.generate(batch, sp, use_tqdm=False)
@@ -94,7 +100,7 @@ def main() -> None:
     llm.generate(batch, sp, use_tqdm=False)
     wall = time.perf_counter() - t
     parts = {k: {"s": round(v[0], 3), "calls": v[1]} for k, v in sorted(TIMES.items(), key=lambda kv: -kv[1][0])}
-    print(json.dumps({"workload": args.workload, "dtype": args.dtype, "threads": args.threads, "kernels": module is not None,
+    print(json.dumps({"workload": args.workload, "prompt_tokens": len(batch[0]), "dtype": args.dtype, "threads": args.threads, "kernels": module is not None,
                       "wall_s": round(wall, 3), "output_tok_per_s": round(len(batch) * out / wall, 1),
                       "parts": parts, "rest_s": round(wall - sum(v[0] for v in TIMES.values()), 3)}, indent=1))
 

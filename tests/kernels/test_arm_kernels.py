@@ -16,7 +16,7 @@ from unittest import mock
 
 import pytest
 import torch
-from decode_attention_cases import LENS, SHAPES, case, naive
+from decode_attention_cases import LENS, SHAPES, case, chunk_case, naive
 
 from servelm.model.kernels import build as kernel_build
 from servelm.model.layers.linear_kernels import pack_dense_weight
@@ -103,6 +103,21 @@ def test_an_arm_query_gets_the_same_bits_alone_in_any_batch_and_on_any_thread_co
     order = torch.tensor([5, 0, 7, 2])
     assert torch.equal(run_decode(arm_build, tmp_path, q[order], kc, vc, tables[order], lens[order], 0), whole[order])
     assert torch.equal(run_decode(arm_build, tmp_path, q, kc, vc, tables, lens, 0, threads=1), whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 50])
+def test_an_arm_prompt_chunks_rows_get_the_bits_each_gets_alone(arm_build, tmp_path, dtype, window):
+    """A prompt chunk's rows, walked together, as test_decode_attention_kernels.py holds the x86 builds to."""
+    q, kc, vc, tables, lens, bs = chunk_case(dtype, 64, 6, 2, seed=5)
+    out = run_decode(arm_build, tmp_path, q, kc, vc, tables, lens, window)
+    for i in (0, 13, 31, 32, 36):
+        alone = run_decode(arm_build, tmp_path, q[i:i + 1], kc, vc, tables[i:i + 1], lens[i:i + 1], window)
+        assert torch.equal(out[i], alone[0]), i
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for i in range(q.shape[0]):
+        torch.testing.assert_close(out[i].float(), naive(q[i], kc, vc, tables[i], int(lens[i]), bs, window),
+                                   atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

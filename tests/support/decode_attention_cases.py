@@ -33,3 +33,19 @@ def naive(q, kc, vc, table, n, bs, window):
     k, v = k[start:].repeat_interleave(hq // k.shape[1], 1), v[start:].repeat_interleave(hq // v.shape[1], 1)
     s = torch.einsum("hd,khd->hk", q.float(), k) * d**-0.5
     return torch.einsum("hk,khd->hd", s.softmax(-1), v)
+
+
+def chunk_case(dtype, d, hq, hkv, seed=0, bs=16, ctx=200, q_len=37):
+    """A prompt chunk as the CPU backend hands it to the decode kernel: q_len queries of one sequence at the
+    last positions of a ctx-token context, each its own row with the sequence's block table and its context
+    up to and including itself (a group of 32 rows and a remainder; contexts over several 64-position blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-ctx // bs)
+    nb = blocks + 7
+    kc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
+    vc = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
+    table = torch.randperm(nb, generator=g)[:blocks]
+    tables = table[None].expand(q_len, -1).contiguous()
+    lens = torch.arange(ctx - q_len + 1, ctx + 1, dtype=torch.int64)
+    q = torch.randn(q_len, hq, d, generator=g).to(dtype)
+    return q, kc, vc, tables, lens, bs

@@ -94,7 +94,8 @@ class CpuPagedAttention(TorchPagedAttention):
     takes (32, 64, 128, 256) run in a prefill kernel over the paged cache (AMX tiles where present, else
     AVX512-BF16; 3.4x PyTorch's flash attention on Zen 4) that gives each query the decode kernel's bits.
     Every other prompt chunk (float32, CPUs without AVX512-BF16, other head sizes) goes through the decode
-    kernel itself, one query per row at its own context length: SDPA would sum a query in an order that
+    kernel itself, one query per row at its own context length (the kernel walks rows that share a block table
+    together, each summed as alone): SDPA would sum a query in an order that
     depends on the chunk it came in. The kernels read caches in the model's dtype only: an fp8 cache takes
     the PyTorch path of the parent class (dequantized blocks), so it has no batch invariance."""
 

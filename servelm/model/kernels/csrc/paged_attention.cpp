@@ -256,84 +256,262 @@ PvTile<T> pv_tile_for(int64_t ct) {
   }
 }
 
+// The scores of one query (qg, scaled, D floats) against 8 key rows (float32): per row, one register of
+// partial sums over the 8-dim chunks in order, then one transposing sum for all 8.
+inline F8 score8(const float* qg, const float* const* rows, int64_t D) {
+  F8 s[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) s[i] = zero();
+  for (int64_t c = 0; c < D; c += 8) {
+    const F8 q = load(qg + c);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) s[i] = fmadd(q, load(rows[i] + c), s[i]);
+  }
+  return hsum8(s);
+}
+
+// Softmax over sg[0, L) in place, in passes of 8 over [0, Lp) (the padding past L is set to -inf and gives 0).
+inline void softmax_row(float* sg, int64_t L, int64_t Lp) {
+  for (int64_t j = L; j < Lp; ++j) sg[j] = -INFINITY;
+  F8 mv = splat(-INFINITY);
+  for (int64_t j = 0; j < Lp; j += 8) mv = max(mv, load(sg + j));
+  const F8 m = splat(hmax(mv));
+  F8 sv = zero();
+  for (int64_t j = 0; j < Lp; j += 8) {
+    const F8 e = exp_nonpositive(load(sg + j) - m);
+    store(sg + j, e);
+    sv += e;
+  }
+  const F8 inv = splat(1.f / hadd(sv));
+  for (int64_t j = 0; j < Lp; j += 8) store(sg + j, load(sg + j) * inv);
+}
+
+// Attention of one sequence's row b (its G query heads of kv head h) over its context: scores, softmax, then
+// P @ V in register tiles, prefetching the rows of `next` (the next work item) as it walks.
 template <typename T>
-void decode(T* op, const T* qp, int64_t B, int64_t Hq, const servelm::Cache& cache, const int64_t* tables,
-            int64_t max_blocks, const int64_t* lens, double scale, int64_t window) {
+void attend_row(T* op, const T* qp, int64_t b, int64_t h, int64_t Hq, const servelm::Cache& cache,
+                const int64_t* table, const int64_t* lens, float fscale, int64_t window, const NextRows& next,
+                std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& scores, std::vector<float>& wide,
+                const float* zeros) {
   const int64_t D = cache.D, bs = cache.bs, Hkv = cache.Hkv, G = Hq / Hkv, row_stride = Hkv * D, chunks = D / 8;
   const T* kp = static_cast<const T*>(cache.k);
   const T* vp = static_cast<const T*>(cache.v);
-  const float fscale = static_cast<float>(scale);
-  constexpr bool widen = !std::is_same_v<T, float>;
+  const int64_t len = lens[b];
+  const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+  const int64_t L = len - start, Lp = (L + 7) & ~int64_t(7);
+  scores.resize(G * Lp);
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(qp[(b * Hq + h * G) * D + i]) * fscale;
+  // Scores 8 positions at a time.
+  const float* rows[8];
+  int64_t n = 0;
+  auto flush = [&](int64_t t_next) {  // scores of positions [t_next - n, t_next)
+    for (int64_t i = n; i < 8; ++i) rows[i] = zeros;
+    for (int64_t g = 0; g < G; ++g) store(scores.data() + g * Lp + (t_next - n - start), score8(qf.data() + g * D, rows, D));
+    n = 0;
+  };
+  for_each_row(kp, table, bs, row_stride, h * D, start, len, [&](const T* kr, int64_t t) {
+    if constexpr (!std::is_same_v<T, float>) {
+      float* w = wide.data() + n * D;
+      for (int64_t c = 0; c < D; c += 8) store(w + c, load(kr + c));
+      rows[n] = w;
+    } else {
+      rows[n] = kr;
+    }
+    if (++n == 8) flush(t + 1);
+  }, Prefetch{D * int64_t(sizeof(T)), next, kAheadBlocks, vp, start + kValuePrefetchBytes / (D * int64_t(sizeof(T)))});
+  if (n > 0) flush(len);
+  for (int64_t g = 0; g < G; ++g) softmax_row(scores.data() + g * Lp, L, Lp);
+  for (int64_t g0 = 0; g0 < G;) {  // P @ V in tiles of the output; the first pass prefetches
+    const int64_t gt = std::min<int64_t>(G - g0, 3);
+    for (int64_t c0 = 0; c0 < chunks;) {
+      const int64_t ct = std::min<int64_t>({chunks - c0, kAccumulators / gt, 8});
+      const PvTile<T> pass = gt == 1 ? pv_tile_for<T, 1>(ct) : gt == 2 ? pv_tile_for<T, 2>(ct) : pv_tile_for<T, 3>(ct);
+      pass(vp, table, bs, row_stride, h * D, start, len, scores.data(), Lp, g0, c0, acc.data(), D,
+           g0 == 0 && c0 == 0 ? Prefetch{D * int64_t(sizeof(T)), next, kAheadBlocks} : Prefetch{});
+      c0 += ct;
+    }
+    g0 += gt;
+  }
+  T* o = op + (b * Hq + h * G) * D;
+  for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<T>(acc[i]);
+}
 
-  servelm::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores, wide(widen ? 8 * D : 0), zeros(D);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv;
-      const int64_t len = lens[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t L = len - start, Lp = (L + 7) & ~int64_t(7);
-      scores.resize(G * Lp);
-      for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(qp[(b * Hq + h * G) * D + i]) * fscale;
-      const int64_t* table = tables + b * max_blocks;
-      const NextRows next = next_item(item, end, Hkv, D, tables, max_blocks, lens);
-      // Scores 8 positions at a time: per group, one register per position, then one transposing sum.
-      const float* rows[8];
-      int64_t n = 0;
-      auto flush = [&](int64_t t_next) {  // scores of positions [t_next - n, t_next)
-        for (int64_t i = n; i < 8; ++i) rows[i] = zeros.data();
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          F8 s[8];
+// Rows of one sequence in one call (a prompt chunk's queries, one position each) are walked together: the
+// context in blocks of kGroupBlock positions, each block's keys and values read (bf16: widened) once for every
+// query of the group, where each row alone streamed its whole context from memory again (a 4096-token float32
+// prompt spent 62% of its time here). Every score, softmax and P @ V sum is attend_row's, in its order (P @ V
+// carried across blocks in memory), so each query gets the bits it gets alone.
+constexpr int64_t kGroupRows = 32;
+constexpr int64_t kGroupBlock = 64;
+
+struct RowGroup {
+  int64_t first = 0, n = 1, ref = 0;  // rows [first, first + n); ref: the longest, whose table the group walks
+};
+
+// Consecutive rows from b (at most kGroupRows) whose block tables agree on every block each of them reads.
+inline RowGroup row_group(const int64_t* tables, int64_t max_blocks, const int64_t* lens, int64_t bs, int64_t b,
+                          int64_t B) {
+  RowGroup g{b, 1, b};
+  for (; g.n < kGroupRows && b + g.n < B; ++g.n) {
+    const int64_t c = b + g.n, common = (std::min(lens[c], lens[g.ref]) + bs - 1) / bs;
+    if (std::memcmp(tables + c * max_blocks, tables + g.ref * max_blocks, common * sizeof(int64_t)) != 0) break;
+    if (lens[c] > lens[g.ref]) g.ref = c;
+  }
+  return g;
+}
+
+// One P @ V pass over n positions given as float32 rows: acc[g][8 * (c0 + c) ...] += p[g][j] * rows[j][...],
+// carried in registers over the positions and in memory between calls.
+template <int GT, int CT>
+void pv_rows(const float* const* rows, int64_t n, const float* probs, int64_t pstride, float* acc, int64_t D,
+             int64_t c0) {
+  F8 a[GT][CT];
+#pragma GCC unroll 4
+  for (int g = 0; g < GT; ++g)
 #pragma GCC unroll 8
-          for (int i = 0; i < 8; ++i) s[i] = zero();
-          for (int64_t c = 0; c < D; c += 8) {
-            const F8 q = load(qg + c);
+    for (int c = 0; c < CT; ++c) a[g][c] = load(acc + g * D + (c0 + c) * 8);
+  for (int64_t j = 0; j < n; ++j) {
+    F8 w[GT];
+#pragma GCC unroll 4
+    for (int g = 0; g < GT; ++g) w[g] = splat(probs[g * pstride + j]);
 #pragma GCC unroll 8
-            for (int i = 0; i < 8; ++i) s[i] = fmadd(q, load(rows[i] + c), s[i]);
-          }
-          store(scores.data() + g * Lp + (t_next - n - start), hsum8(s));
-        }
-        n = 0;
-      };
-      for_each_row(kp, table, bs, row_stride, h * D, start, len, [&](const T* kr, int64_t t) {
-        if constexpr (widen) {
-          float* w = wide.data() + n * D;
-          for (int64_t c = 0; c < D; c += 8) store(w + c, load(kr + c));
-          rows[n] = w;
-        } else {
-          rows[n] = kr;
-        }
-        if (++n == 8) flush(t + 1);
-      }, Prefetch{D * int64_t(sizeof(T)), next, kAheadBlocks, vp, start + kValuePrefetchBytes / (D * int64_t(sizeof(T)))});
-      if (n > 0) flush(len);
-      for (int64_t g = 0; g < G; ++g) {  // softmax over L (the padding past L is set to -inf and gives 0)
-        float* sg = scores.data() + g * Lp;
-        for (int64_t j = L; j < Lp; ++j) sg[j] = -INFINITY;
-        F8 mv = splat(-INFINITY);
-        for (int64_t j = 0; j < Lp; j += 8) mv = max(mv, load(sg + j));
-        const F8 m = splat(hmax(mv));
-        F8 sv = zero();
-        for (int64_t j = 0; j < Lp; j += 8) {
-          const F8 e = exp_nonpositive(load(sg + j) - m);
-          store(sg + j, e);
-          sv += e;
-        }
-        const F8 inv = splat(1.f / hadd(sv));
-        for (int64_t j = 0; j < Lp; j += 8) store(sg + j, load(sg + j) * inv);
+    for (int c = 0; c < CT; ++c) {
+      const F8 v = load(rows[j] + (c0 + c) * 8);
+#pragma GCC unroll 4
+      for (int g = 0; g < GT; ++g) a[g][c] = fmadd(w[g], v, a[g][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GT; ++g)
+#pragma GCC unroll 8
+    for (int c = 0; c < CT; ++c) store(acc + g * D + (c0 + c) * 8, a[g][c]);
+}
+
+using PvRows = void (*)(const float* const*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
+
+template <int GT, int CT = 1>
+PvRows pv_rows_for(int64_t ct) {
+  if constexpr (CT > 8 || GT * CT > kAccumulators) {
+    return nullptr;
+  } else {
+    return ct == CT ? pv_rows<GT, CT> : pv_rows_for<GT, CT + 1>(ct);
+  }
+}
+
+template <typename T>
+void attend_group(T* op, const T* qp, const RowGroup& grp, int64_t h, int64_t Hq, const servelm::Cache& cache,
+                  const int64_t* tables, int64_t max_blocks, const int64_t* lens, float fscale, int64_t window,
+                  std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& scores,
+                  std::vector<float>& wide, const float* zeros) {
+  const int64_t D = cache.D, bs = cache.bs, Hkv = cache.Hkv, G = Hq / Hkv, row_stride = Hkv * D, chunks = D / 8;
+  const int64_t* table = tables + grp.ref * max_blocks;
+  int64_t start[kGroupRows], len[kGroupRows], Lp[kGroupRows], off[kGroupRows], lo = INT64_MAX, hi = 0, total = 0;
+  for (int64_t i = 0; i < grp.n; ++i) {  // each row's scores: G rows of Lp + 8 (the last pass of 8 may overrun)
+    len[i] = lens[grp.first + i];
+    start[i] = window > 0 ? std::max<int64_t>(0, len[i] - window) : 0;
+    Lp[i] = (len[i] - start[i] + 7) & ~int64_t(7);
+    off[i] = total;
+    total += G * (Lp[i] + 8);
+    lo = std::min(lo, start[i]);
+    hi = std::max(hi, len[i]);
+  }
+  scores.resize(total);
+  qf.resize(grp.n * G * D);
+  acc.assign(grp.n * G * D, 0.f);
+  for (int64_t i = 0; i < grp.n * G * D; ++i)
+    qf[i] = static_cast<float>(qp[((grp.first + i / (G * D)) * Hq + h * G) * D + i % (G * D)]) * fscale;
+  const float* block_rows[kGroupBlock];
+  // The block's rows of one cache as float32: pointers into a float32 cache, else rows widened into `wide`.
+  auto rows_of = [&](const T* cache_base, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* r = cache_base + (table[t / bs] * bs + t % bs) * row_stride + h * D;
+      if constexpr (std::is_same_v<T, float>) {
+        block_rows[t - t0] = r;
+      } else {
+        float* w = wide.data() + (t - t0) * D;
+        for (int64_t c = 0; c < D; c += 8) store(w + c, load(r + c));
+        block_rows[t - t0] = w;
       }
-      for (int64_t g0 = 0; g0 < G;) {  // P @ V in tiles of the output; the first pass prefetches
+    }
+  };
+  const T* kp = static_cast<const T*>(cache.k);
+  const T* vp = static_cast<const T*>(cache.v);
+  for (int64_t t0 = lo; t0 < hi; t0 += kGroupBlock) {  // scores, 8 positions at a time within each block
+    const int64_t t1 = std::min(hi, t0 + kGroupBlock);
+    rows_of(kp, t0, t1);
+    for (int64_t i = 0; i < grp.n; ++i) {
+      const int64_t a = std::max(t0, start[i]), e = std::min(t1, len[i]);
+      for (int64_t t = a; t < e; t += 8) {
+        const float* rows[8];
+        for (int64_t j = 0; j < 8; ++j) rows[j] = t + j < e ? block_rows[t + j - t0] : zeros;
+        for (int64_t g = 0; g < G; ++g)
+          store(scores.data() + off[i] + g * (Lp[i] + 8) + (t - start[i]),
+                score8(qf.data() + (i * G + g) * D, rows, D));
+      }
+    }
+  }
+  for (int64_t i = 0; i < grp.n; ++i)
+    for (int64_t g = 0; g < G; ++g) softmax_row(scores.data() + off[i] + g * (Lp[i] + 8), len[i] - start[i], Lp[i]);
+  for (int64_t t0 = lo; t0 < hi; t0 += kGroupBlock) {  // P @ V, block by block, each row's sums in order
+    const int64_t t1 = std::min(hi, t0 + kGroupBlock);
+    rows_of(vp, t0, t1);
+    for (int64_t i = 0; i < grp.n; ++i) {
+      const int64_t a = std::max(t0, start[i]), e = std::min(t1, len[i]);
+      if (a >= e) continue;
+      for (int64_t g0 = 0; g0 < G;) {
         const int64_t gt = std::min<int64_t>(G - g0, 3);
         for (int64_t c0 = 0; c0 < chunks;) {
           const int64_t ct = std::min<int64_t>({chunks - c0, kAccumulators / gt, 8});
-          const PvTile<T> pass = gt == 1 ? pv_tile_for<T, 1>(ct) : gt == 2 ? pv_tile_for<T, 2>(ct) : pv_tile_for<T, 3>(ct);
-          pass(vp, table, bs, row_stride, h * D, start, len, scores.data(), Lp, g0, c0, acc.data(), D,
-               g0 == 0 && c0 == 0 ? Prefetch{D * int64_t(sizeof(T)), next, kAheadBlocks} : Prefetch{});
+          const PvRows pass = gt == 1 ? pv_rows_for<1>(ct) : gt == 2 ? pv_rows_for<2>(ct) : pv_rows_for<3>(ct);
+          pass(block_rows + (a - t0), e - a, scores.data() + off[i] + g0 * (Lp[i] + 8) + (a - start[i]), Lp[i] + 8,
+               acc.data() + (i * G + g0) * D, D, c0);
           c0 += ct;
         }
         g0 += gt;
       }
-      T* o = op + (b * Hq + h * G) * D;
-      for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<T>(acc[i]);
+    }
+  }
+  for (int64_t i = 0; i < grp.n; ++i) {
+    T* o = op + ((grp.first + i) * Hq + h * G) * D;
+    for (int64_t j = 0; j < G * D; ++j) o[j] = static_cast<T>(acc[i * G * D + j]);
+  }
+}
+
+template <typename T>
+void decode(T* op, const T* qp, int64_t B, int64_t Hq, const servelm::Cache& cache, const int64_t* tables,
+            int64_t max_blocks, const int64_t* lens, double scale, int64_t window) {
+  const int64_t D = cache.D, Hkv = cache.Hkv, G = Hq / Hkv;
+  const float fscale = static_cast<float>(scale);
+  std::vector<RowGroup> groups;
+  for (int64_t b = 0; b < B;) {
+    groups.push_back(row_group(tables, max_blocks, lens, cache.bs, b, B));
+    b += groups.back().n;
+  }
+  // Work items (group, kv head). A prompt chunk's later rows have longer contexts: the items go first, last,
+  // second, second to last..., so that each thread's contiguous share of them holds as much context as another's.
+  const int64_t items = static_cast<int64_t>(groups.size()) * Hkv;
+  const bool grouped = static_cast<int64_t>(groups.size()) < B;
+  auto item_at = [&](int64_t k) { return !grouped ? k : k % 2 == 0 ? k / 2 : items - 1 - k / 2; };
+  servelm::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), scores, wide((grouped ? kGroupBlock : 8) * D), zeros(D);
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t item = item_at(k);
+      const RowGroup& grp = groups[item / Hkv];
+      const int64_t h = item % Hkv;
+      if (grp.n > 1) {
+        attend_group(op, qp, grp, h, Hq, cache, tables, max_blocks, lens, fscale, window, qf, acc, scores, wide,
+                     zeros.data());
+        continue;
+      }
+      NextRows next;
+      if (k + 1 < end) {
+        const int64_t nitem = item_at(k + 1), nb = groups[nitem / Hkv].ref;
+        next = {tables + nb * max_blocks, (nitem % Hkv) * D, lens[nb]};
+      }
+      qf.resize(G * D);
+      acc.resize(G * D);
+      attend_row(op, qp, grp.first, h, Hq, cache, tables + grp.first * max_blocks, lens, fscale, window, next, qf, acc,
+                 scores, wide, zeros.data());
     }
   });
 }
