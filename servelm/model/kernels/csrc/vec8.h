@@ -3,10 +3,10 @@
 // The kernels written on them (the decode attention for float32 caches and for bf16 ones without
 // AVX512-BF16, the dense linear kernel) are one source for every CPU.
 //
-// Each operation rounds the same way on every build and adds in one fixed order: fmadd and fnmadd round
-// once on CPUs with a fused multiply-add (x86-64-v3, ARMv8) and twice elsewhere, and the horizontal sums
-// pair the same lanes in both forms. So a build's results depend only on its inputs, never on the batch or
-// the thread that computes them.
+// Each operation rounds one way on a build and adds in one fixed order: fmadd and fnmadd round once on CPUs
+// with a fused multiply-add (x86-64-v3, ARMv8) and twice elsewhere, and the horizontal sums pair the same
+// lanes in both forms. So a build's results depend only on its inputs, never on the batch or the thread that
+// computes them.
 //
 // Off AVX2 the vector is a struct of two native 4-lane vectors, not one 32-byte vector extension: GCC lowers
 // a 32-byte vector on a 16-byte machine through the stack (every accumulator of the dense kernel stored and
