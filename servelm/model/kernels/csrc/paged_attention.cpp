@@ -205,38 +205,36 @@ namespace vec {
 
 using namespace servelm::v8;
 
-// One P @ V pass: output dims [8 * c0, 8 * (c0 + CT)) of query groups [g0, g0 + GT), kept in GT * CT
-// registers over the context: acc[g][d] = sum over t, in order, of p[g][t] * v[t][d].
-template <int GT, int CT, typename T>
-void pv_tile(const T* vp, const int64_t* table, int64_t bs, int64_t row_stride, int64_t head_offset,
-             int64_t start, int64_t len, const float* probs, int64_t Lp, int64_t g0, int64_t c0, float* acc,
-             int64_t D, const Prefetch& pf) {
+// One P @ V pass: output dims [8 * c0, 8 * (c0 + CT)) of query heads [0, GT) (probs and acc start at the
+// pass's first head), kept in GT * CT registers over the positions `walk` visits, in its order: walk(fn) calls
+// fn(row, j) with each position's value row (float32 or bf16) and its index j into probs. The sums go on from
+// acc and end there: acc[g][d] += sum over the walk, in order, of probs[g * pstride + j] * row[d].
+template <int GT, int CT, typename Walk>
+void pv_pass(const Walk& walk, const float* probs, int64_t pstride, float* acc, int64_t D, int64_t c0) {
   F8 a[GT][CT];
 #pragma GCC unroll 4
   for (int g = 0; g < GT; ++g)
 #pragma GCC unroll 8
-    for (int c = 0; c < CT; ++c) a[g][c] = zero();
-  const float* pg = probs + g0 * Lp - start;
-  for_each_row(vp, table, bs, row_stride, head_offset + c0 * 8, start, len, [&](const T* vr, int64_t t) {
+    for (int c = 0; c < CT; ++c) a[g][c] = load(acc + g * D + (c0 + c) * 8);
+  walk([&](const auto* row, int64_t j) {
     F8 w[GT];
 #pragma GCC unroll 4
-    for (int g = 0; g < GT; ++g) w[g] = splat(pg[g * Lp + t]);
+    for (int g = 0; g < GT; ++g) w[g] = splat(probs[g * pstride + j]);
 #pragma GCC unroll 8
     for (int c = 0; c < CT; ++c) {
-      const F8 v = load(vr + c * 8);
+      const F8 v = load(row + (c0 + c) * 8);
 #pragma GCC unroll 4
       for (int g = 0; g < GT; ++g) a[g][c] = fmadd(w[g], v, a[g][c]);
     }
-  }, pf);
+  });
 #pragma GCC unroll 4
   for (int g = 0; g < GT; ++g)
 #pragma GCC unroll 8
-    for (int c = 0; c < CT; ++c) store(acc + (g0 + g) * D + (c0 + c) * 8, a[g][c]);
+    for (int c = 0; c < CT; ++c) store(acc + g * D + (c0 + c) * 8, a[g][c]);
 }
 
-template <typename T>
-using PvTile = void (*)(const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, int64_t,
-                        int64_t, int64_t, float*, int64_t, const Prefetch&);
+template <typename Walk>
+using PvPass = void (*)(const Walk&, const float*, int64_t, float*, int64_t, int64_t);
 
 // Output registers a P @ V pass keeps: 12 of AVX2's 16 (the rest hold the broadcasts and a row) and of
 // ARM's 32 (a vector is two there); 6 where a vector is two of x86's 16 SSE registers.
@@ -246,13 +244,30 @@ constexpr int64_t kAccumulators = 12;
 constexpr int64_t kAccumulators = 6;
 #endif
 
-// The pass for GT groups and ct chunks (GT * ct <= kAccumulators, ct <= 8).
-template <typename T, int GT, int CT = 1>
-PvTile<T> pv_tile_for(int64_t ct) {
+// The pass for GT heads and ct chunks (GT * ct <= kAccumulators, ct <= 8).
+template <typename Walk, int GT, int CT = 1>
+PvPass<Walk> pv_pass_for(int64_t ct) {
   if constexpr (CT > 8 || GT * CT > kAccumulators) {
     return nullptr;
   } else {
-    return ct == CT ? pv_tile<GT, CT, T> : pv_tile_for<T, GT, CT + 1>(ct);
+    return ct == CT ? pv_pass<GT, CT, Walk> : pv_pass_for<Walk, GT, CT + 1>(ct);
+  }
+}
+
+// P @ V of G query heads over D dims, in passes of up to 3 heads by as many 8-dim chunks as registers allow;
+// each pass walks the positions again (walk, probs, pstride, acc as pv_pass's).
+template <typename Walk>
+void pv(const Walk& walk, int64_t G, int64_t D, const float* probs, int64_t pstride, float* acc) {
+  for (int64_t g0 = 0; g0 < G;) {
+    const int64_t gt = std::min<int64_t>(G - g0, 3);
+    for (int64_t c0 = 0; c0 < D / 8;) {
+      const int64_t ct = std::min<int64_t>({D / 8 - c0, kAccumulators / gt, 8});
+      const PvPass<Walk> pass = gt == 1 ? pv_pass_for<Walk, 1>(ct) : gt == 2 ? pv_pass_for<Walk, 2>(ct)
+                                                                           : pv_pass_for<Walk, 3>(ct);
+      pass(walk, probs + g0 * pstride, pstride, acc + g0 * D, D, c0);
+      c0 += ct;
+    }
+    g0 += gt;
   }
 }
 
@@ -293,7 +308,7 @@ void attend_row(T* op, const T* qp, int64_t b, int64_t h, int64_t Hq, const serv
                 const int64_t* table, const int64_t* lens, float fscale, int64_t window, const NextRows& next,
                 std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& scores, std::vector<float>& wide,
                 const float* zeros) {
-  const int64_t D = cache.D, bs = cache.bs, Hkv = cache.Hkv, G = Hq / Hkv, row_stride = Hkv * D, chunks = D / 8;
+  const int64_t D = cache.D, bs = cache.bs, Hkv = cache.Hkv, G = Hq / Hkv, row_stride = Hkv * D;
   const T* kp = static_cast<const T*>(cache.k);
   const T* vp = static_cast<const T*>(cache.v);
   const int64_t len = lens[b];
@@ -321,17 +336,15 @@ void attend_row(T* op, const T* qp, int64_t b, int64_t h, int64_t Hq, const serv
   }, Prefetch{D * int64_t(sizeof(T)), next, kAheadBlocks, vp, start + kValuePrefetchBytes / (D * int64_t(sizeof(T)))});
   if (n > 0) flush(len);
   for (int64_t g = 0; g < G; ++g) softmax_row(scores.data() + g * Lp, L, Lp);
-  for (int64_t g0 = 0; g0 < G;) {  // P @ V in tiles of the output; the first pass prefetches
-    const int64_t gt = std::min<int64_t>(G - g0, 3);
-    for (int64_t c0 = 0; c0 < chunks;) {
-      const int64_t ct = std::min<int64_t>({chunks - c0, kAccumulators / gt, 8});
-      const PvTile<T> pass = gt == 1 ? pv_tile_for<T, 1>(ct) : gt == 2 ? pv_tile_for<T, 2>(ct) : pv_tile_for<T, 3>(ct);
-      pass(vp, table, bs, row_stride, h * D, start, len, scores.data(), Lp, g0, c0, acc.data(), D,
-           g0 == 0 && c0 == 0 ? Prefetch{D * int64_t(sizeof(T)), next, kAheadBlocks} : Prefetch{});
-      c0 += ct;
-    }
-    g0 += gt;
-  }
+  // P @ V from zero, the table walked once per pass; the first pass prefetches
+  std::fill(acc.begin(), acc.begin() + G * D, 0.f);
+  bool first = true;
+  const auto walk = [&](auto&& fn) {
+    const Prefetch pf = first ? Prefetch{D * int64_t(sizeof(T)), next, kAheadBlocks} : Prefetch{};
+    first = false;
+    for_each_row(vp, table, bs, row_stride, h * D, start, len, [&](const T* vr, int64_t t) { fn(vr, t - start); }, pf);
+  };
+  pv(walk, G, D, scores.data(), Lp, acc.data());
   T* o = op + (b * Hq + h * G) * D;
   for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<T>(acc[i]);
 }
@@ -360,50 +373,12 @@ inline RowGroup row_group(const int64_t* tables, int64_t max_blocks, const int64
   return g;
 }
 
-// One P @ V pass over n positions given as float32 rows: acc[g][8 * (c0 + c) ...] += p[g][j] * rows[j][...],
-// carried in registers over the positions and in memory between calls.
-template <int GT, int CT>
-void pv_rows(const float* const* rows, int64_t n, const float* probs, int64_t pstride, float* acc, int64_t D,
-             int64_t c0) {
-  F8 a[GT][CT];
-#pragma GCC unroll 4
-  for (int g = 0; g < GT; ++g)
-#pragma GCC unroll 8
-    for (int c = 0; c < CT; ++c) a[g][c] = load(acc + g * D + (c0 + c) * 8);
-  for (int64_t j = 0; j < n; ++j) {
-    F8 w[GT];
-#pragma GCC unroll 4
-    for (int g = 0; g < GT; ++g) w[g] = splat(probs[g * pstride + j]);
-#pragma GCC unroll 8
-    for (int c = 0; c < CT; ++c) {
-      const F8 v = load(rows[j] + (c0 + c) * 8);
-#pragma GCC unroll 4
-      for (int g = 0; g < GT; ++g) a[g][c] = fmadd(w[g], v, a[g][c]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int g = 0; g < GT; ++g)
-#pragma GCC unroll 8
-    for (int c = 0; c < CT; ++c) store(acc + g * D + (c0 + c) * 8, a[g][c]);
-}
-
-using PvRows = void (*)(const float* const*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
-
-template <int GT, int CT = 1>
-PvRows pv_rows_for(int64_t ct) {
-  if constexpr (CT > 8 || GT * CT > kAccumulators) {
-    return nullptr;
-  } else {
-    return ct == CT ? pv_rows<GT, CT> : pv_rows_for<GT, CT + 1>(ct);
-  }
-}
-
 template <typename T>
 void attend_group(T* op, const T* qp, const RowGroup& grp, int64_t h, int64_t Hq, const servelm::Cache& cache,
                   const int64_t* tables, int64_t max_blocks, const int64_t* lens, float fscale, int64_t window,
                   std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& scores,
                   std::vector<float>& wide, const float* zeros) {
-  const int64_t D = cache.D, bs = cache.bs, Hkv = cache.Hkv, G = Hq / Hkv, row_stride = Hkv * D, chunks = D / 8;
+  const int64_t D = cache.D, bs = cache.bs, Hkv = cache.Hkv, G = Hq / Hkv, row_stride = Hkv * D;
   const int64_t* table = tables + grp.ref * max_blocks;
   int64_t start[kGroupRows], len[kGroupRows], Lp[kGroupRows], off[kGroupRows], lo = INT64_MAX, hi = 0, total = 0;
   for (int64_t i = 0; i < grp.n; ++i) {  // each row's scores: G rows of Lp + 8 (the last pass of 8 may overrun)
@@ -458,17 +433,10 @@ void attend_group(T* op, const T* qp, const RowGroup& grp, int64_t h, int64_t Hq
     for (int64_t i = 0; i < grp.n; ++i) {
       const int64_t a = std::max(t0, start[i]), e = std::min(t1, len[i]);
       if (a >= e) continue;
-      for (int64_t g0 = 0; g0 < G;) {
-        const int64_t gt = std::min<int64_t>(G - g0, 3);
-        for (int64_t c0 = 0; c0 < chunks;) {
-          const int64_t ct = std::min<int64_t>({chunks - c0, kAccumulators / gt, 8});
-          const PvRows pass = gt == 1 ? pv_rows_for<1>(ct) : gt == 2 ? pv_rows_for<2>(ct) : pv_rows_for<3>(ct);
-          pass(block_rows + (a - t0), e - a, scores.data() + off[i] + g0 * (Lp[i] + 8) + (a - start[i]), Lp[i] + 8,
-               acc.data() + (i * G + g0) * D, D, c0);
-          c0 += ct;
-        }
-        g0 += gt;
-      }
+      const auto walk = [&](auto&& fn) {
+        for (int64_t t = a; t < e; ++t) fn(block_rows[t - t0], t - a);
+      };
+      pv(walk, G, D, scores.data() + off[i] + (a - start[i]), Lp[i] + 8, acc.data() + i * G * D);
     }
   }
   for (int64_t i = 0; i < grp.n; ++i) {
