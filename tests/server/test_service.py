@@ -314,6 +314,22 @@ def _samples(*urls: str) -> dict:
 def _total(samples: dict, name: str, **labels) -> float:
     return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
 
+def test_ollama_stream_abort_on_disconnect(held):
+    """A streamed Ollama generate whose client leaves after one line is aborted in the engine and logged as 499.
+    On the `held` server it asks for nearly the whole 65,536-token context, so it is still running whenever the
+    disconnect is noticed (on a short context a fast machine could finish it first)."""
+    proc, url = held
+    want = HOLD["max_tokens"]
+    body = {"model": "tiny", "prompt": "Once", "raw": True, "options": {"num_predict": want}}
+    with httpx.stream("POST", url + "/api/generate", json=body, headers=ALICE, timeout=60) as r:
+        assert r.headers["content-type"] == "application/x-ndjson"
+        assert '"done":false' in next(r.iter_lines())
+    _wait(lambda: stats(url, ALICE)["engine"]["in_flight"] == 0, 60, "the request to be aborted")
+    line = _wait(lambda: [x for x in server_log_lines(proc) if x.get("path") == "/api/generate"
+                          and x.get("status") == 499], 30, "the request's log line")[-1]
+    assert line["completion_tokens"] < want and line["model"] == "tiny"
+
+
 
 def test_every_metric_is_exported_and_moved(svc, held):
     _, url = svc
@@ -342,3 +358,4 @@ def test_every_metric_is_exported_and_moved(svc, held):
     assert _total(s, "servelm:requests_total", key="anonymous", status="401") >= 1
     assert _total(s, "servelm:rate_limited_requests_total", key="tokens", limit="tokens") >= 1
     assert _total(s, "servelm:request_success_total", finished_reason="length") >= 1
+
