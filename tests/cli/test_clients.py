@@ -113,10 +113,11 @@ def test_chat_client_options():
 
 # -- against a real server -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def served(llama_dir):
-    from serving import start_server, stop_server
+def served(long_llama_dir):
+    """The long context: a reply that Ctrl-C stops is still streaming whenever it is stopped."""
+    from serving import HOLD_CONTEXT, start_server, stop_server
 
-    proc, url = start_server(llama_dir, "--max-model-len", "1024", "--api-key", KEY, "--log-prompts",
+    proc, url = start_server(long_llama_dir, "--max-model-len", str(HOLD_CONTEXT), "--api-key", KEY, "--log-prompts",
                              "--embedding-model", "none")
     yield proc, url
     assert stop_server(proc) == 0
@@ -171,10 +172,11 @@ def test_chat_url_streams_replies_and_sends_the_history(served):
 @pytest.mark.server
 def test_chat_url_ctrl_c_stops_a_reply(served):
     import pexpect
-    from serving import _wait, stats
+    from serving import HOLD_CONTEXT, _wait, stats
 
     proc, url = served
-    child = _chat(url, "--max-tokens", "900")
+    long = HOLD_CONTEXT - 1024
+    child = _chat(url, "--max-tokens", str(long))
     try:
         child.expect_exact("> ")
         child.sendline("tell a long story")
@@ -185,7 +187,7 @@ def test_chat_url_ctrl_c_stops_a_reply(served):
         _wait(lambda: stats(url, {"Authorization": f"Bearer {KEY}"})["engine"]["in_flight"] == 0, 60,
               "the stopped request to be aborted")
         line = _wait(lambda: [x for x in _chat_lines(proc) if x.get("status") == 499], 30, "the abort's log line")
-        assert 0 < line[-1]["completion_tokens"] < 900
+        assert 0 < line[-1]["completion_tokens"] < long
         child.sendintr()  # at the prompt: quit
         child.expect(pexpect.EOF)
         child.close()

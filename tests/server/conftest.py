@@ -20,17 +20,20 @@ _rpc: dict = {}  # the shared gRPC server's process while it runs
 
 
 @pytest.fixture(scope="session")
-def rpc_server(llama_dir, tmp_path_factory):
+def rpc_server(long_llama_dir, tmp_path_factory):
     """One server with gRPC, keys, an admin key and a registry, shared by tests/server/test_grpc.py and
     tests/server/test_grpc_oip.py (one start instead of two): (process, HTTP url, gRPC address). It is stopped as
-    soon as no later test needs it (pytest_runtest_teardown), not at the session's end."""
-    from serving import _free_port, start_server, stop_server
+    soon as no later test needs it (pytest_runtest_teardown), not at the session's end. It serves the tiny Llama
+    with the long context, so that a request the cancel test leaves is still running whenever the server notices.
+    """
+    from serving import HOLD_BLOCKS, HOLD_CONTEXT, _free_port, start_server, stop_server
 
     d = tmp_path_factory.mktemp("rpc")
     (d / "keys.yaml").write_text(RPC_KEYS)
     port = _free_port()
-    proc, url = start_server(llama_dir, "--api-keys-file", str(d / "keys.yaml"), "--admin-key", RPC_ADMIN,
-                             "--data-dir", str(d / "data"), "--num-kv-blocks", "128", "--max-model-len", "512",
+    proc, url = start_server(long_llama_dir, "--api-keys-file", str(d / "keys.yaml"), "--admin-key", RPC_ADMIN,
+                             "--data-dir", str(d / "data"), "--num-kv-blocks", str(HOLD_BLOCKS + 64),
+                             "--max-model-len", str(HOLD_CONTEXT),
                              "--model-roots", str(tmp_path_factory.getbasetemp()),  # test_grpc_oip.py models
                              env={"SERVELM_GRPC_PORT": str(port)})  # an env var: the config tree has it
     _rpc["proc"] = proc

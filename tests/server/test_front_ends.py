@@ -15,7 +15,7 @@ import numpy as np
 import ollama
 import openai
 import pytest
-from serving import _wait, server_log_lines, start_server, stats, stop_server
+from serving import HOLD_CONTEXT, _wait, server_log_lines, start_server, stats, stop_server
 
 pytestmark = pytest.mark.server
 
@@ -29,16 +29,18 @@ PET = {"type": "object", "additionalProperties": False, "required": ["name", "ag
                       "kind": {"enum": ["cat", "dog"]}}}
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}}}
+LONG = HOLD_CONTEXT - 1024  # max_tokens of a reply that runs for minutes unless stopped
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": WEATHER}}]
 
 
 @pytest.fixture(scope="module")
-def served(llama_dir):
+def served(long_llama_dir):
     # llama3_json: a tool call is a reply that is a JSON object, which Ollama's `format` can make the random
-    # model write (its chat template says nothing of tools, so the parser would be hermes)
-    proc, url = start_server(llama_dir, "--max-model-len", "1024", "--api-key", KEY, "--tool-call-parser",
-                             "llama3_json")
+    # model write (its chat template says nothing of tools, so the parser would be hermes). The long context:
+    # the reply the web page stops is still streaming whenever it is stopped, however fast the machine.
+    proc, url = start_server(long_llama_dir, "--max-model-len", str(HOLD_CONTEXT), "--api-key", KEY,
+                             "--tool-call-parser", "llama3_json")
     yield proc, url
     assert stop_server(proc) == 0
 
@@ -102,7 +104,7 @@ def test_ollama_embed_tags_show_ps(oc, client, llama_dir):
                        atol=1e-5)
     assert [m.model for m in oc.list().models] == ["tiny", "all-MiniLM-L6-v2"]
     ps = oc.ps().models
-    assert ps[0].model == "tiny" and ps[0].context_length == 1024
+    assert ps[0].model == "tiny" and ps[0].context_length == HOLD_CONTEXT
     shown = oc.show("tiny")
     assert "completion" in shown.capabilities and "im_start" in shown.template
     # the details the engine reported: the tiny Llama's family, parameter count and weight type
@@ -143,7 +145,7 @@ def test_ollama_errors_auth_and_limits(url, oc):
         r = httpx.request(method, url + path, headers=AUTH if status != 401 else {})
         assert r.status_code == status and isinstance(r.json()["error"], str), (path, r.text)
     # admission's per-request cap applies as on the OpenAI routes
-    r = httpx.post(url + "/api/generate", json={"model": "tiny", "prompt": "x", "options": {"num_predict": 5000}},
+    r = httpx.post(url + "/api/generate", json={"model": "tiny", "prompt": "x", "options": {"num_predict": HOLD_CONTEXT}},
                    headers=AUTH)
     assert r.status_code == 400 and "context length" in r.json()["error"]
 
@@ -362,7 +364,7 @@ def test_web_page_chat_stream_stop_and_history(served, browser, client, tmp_path
     # a long reply: text grows while it streams; Stop ends it and the server aborts the request
     box = b.find_element(By.ID, "max-tokens")
     box.clear()
-    box.send_keys("900")
+    box.send_keys(str(LONG))
     b.find_element(By.ID, "prompt").send_keys("Tell a long story\n")
     seen = wait.until(lambda d: (r := _reply(d))[0] == "streaming" and r[1])
     wait.until(lambda d: (r := _reply(d))[0] == "streaming" and len(r[1]) > len(seen))
@@ -372,7 +374,7 @@ def test_web_page_chat_stream_stop_and_history(served, browser, client, tmp_path
     _wait(lambda: stats(url, AUTH)["engine"]["in_flight"] == 0, 60, "the stopped request to be aborted")
     line = _wait(lambda: [x for x in server_log_lines(proc) if x.get("path") == "/v1/chat/completions"
                           and x.get("status") == 499], 30, "the stopped request's log line")[-1]
-    assert 0 < line["completion_tokens"] < 900
+    assert 0 < line["completion_tokens"] < LONG
     before = _stored(b)
 
     # reload: the conversation is still there, as it was

@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from serving import _wait, server_log_lines, stats
+from serving import HOLD_CONTEXT, _wait, server_log_lines, stats
 
 from servelm.server.rpc.stubs import load
 
@@ -45,7 +45,7 @@ def test_health_reflection_and_models(srv):
     names = {s.name for s in answer.list_services_response.service}
     assert {"servelm.v1.Llm", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
     models = pb_grpc.LlmStub(channel).ListModels(pb.ListModelsRequest(), metadata=auth(ALICE)).models
-    assert [(m.id, m.max_model_len) for m in models] == [("tiny", 512), ("all-MiniLM-L6-v2", 0)]
+    assert [(m.id, m.max_model_len) for m in models] == [("tiny", HOLD_CONTEXT), ("all-MiniLM-L6-v2", 0)]
 
 
 def test_generate_and_chat_stream_what_http_returns(srv):
@@ -128,18 +128,22 @@ def test_keys_rate_limits_and_priorities(srv):
 
 
 def test_cancel_aborts_the_request_in_the_engine(srv):
+    """A call cancelled after its first token is aborted in the engine: its blocks come back and it is logged as
+    499. It asks for nearly the whole 65,536-token context, so it is still running whenever the cancel is noticed
+    (a few hundred tokens a fast machine could finish first); had aborting broken, the waits would time out."""
     _, url, channel = srv
     total = stats(url, HEAD)["scheduler"]["num_kv_blocks"]
     generated = _counter(url, "servelm:generation_tokens")
-    req = pb.GenerateRequest(prompt="Once upon a time " * 10, sampling=pb.SamplingOptions(max_tokens=400,
+    want = HOLD_CONTEXT - 64  # beside the prompt's 41 tokens
+    # greedy from this prompt, the tiny model gives no end-of-sequence token in its first 400 tokens
+    req = pb.GenerateRequest(prompt="Once upon a time " * 10, sampling=pb.SamplingOptions(max_tokens=want,
                                                                                           temperature=0))
     call = pb_grpc.LlmStub(channel).Generate(req, metadata=auth(ALICE))
     next(call)
-    call.cancel()  # at once: a stats query first could outlast the tiny model's 400 tokens on a loaded machine
+    call.cancel()
     _wait(lambda: (s := stats(url, HEAD))["engine"]["in_flight"] == 0 and s["scheduler"]["num_running"] == 0
           and s["scheduler"]["num_free_blocks"] == total, 60, "the cancelled request's blocks to come back")
-    # aborted, not run to its end: the engine generated far fewer than the 400 tokens asked for
-    assert _counter(url, "servelm:generation_tokens") - generated < 400
+    assert _counter(url, "servelm:generation_tokens") - generated < want  # aborted, not run to its end
     _wait(lambda: any(e["path"] == "/servelm.v1.Llm/Generate" and e["status"] == 499
                       for e in server_log_lines(srv[0])), 10, "the cancelled call's log line")
 
