@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from fakes import IdleEngine
+from serving import HOLD_BLOCKS, HOLD_CONTEXT
 
 from servelm import SamplingParams
 from servelm.config.engine import EngineConfig, RuntimeSettings
@@ -31,7 +32,9 @@ from servelm.worker.engine_client import EngineClient
 
 pytestmark = pytest.mark.server
 
-BASE = EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=256, num_threads=1)
+# the tiny llama with the long context (long_llama_dir): a request for most of it runs for minutes, so one that
+# a case aborts is still running whenever the abort arrives, however fast the machine
+BASE = EngineConfig(dtype="float32", num_kv_blocks=HOLD_BLOCKS, max_model_len=HOLD_CONTEXT, num_threads=1)
 PROMPT = [1, 5, 9, 200]
 GREEDY = dict(temperature=0.0, ignore_eos=True, output_kind=OutputKind.DELTA)  # as the server streams
 STEP_S = 60.0  # the most any one output may take to come (a loaded machine runs the tiny model slowly)
@@ -82,10 +85,10 @@ def _idle(llama_dir, tokenizer, loop) -> Impl:
 
 @pytest.fixture(scope="module", params=[_async_engine, _deployment, _ray, _idle],
                 ids=["AsyncEngine", "Deployment", "RayServeEngine", "IdleEngine"])
-def impl(request, llama_dir, tokenizer):
+def impl(request, long_llama_dir, tokenizer):
     loop = asyncio.new_event_loop()
     try:
-        made = request.param(llama_dir, tokenizer, loop)
+        made = request.param(long_llama_dir, tokenizer, loop)
     except BaseException:
         loop.close()
         raise
@@ -120,13 +123,14 @@ def test_abort_of_a_running_request_ends_its_stream(impl):
     impl.needs("abort")
 
     async def main():
-        stream = impl.engine.generate("long", PROMPT, SamplingParams(max_tokens=200, **GREEDY))
+        want = HOLD_CONTEXT - len(PROMPT)
+        stream = impl.engine.generate("long", PROMPT, SamplingParams(max_tokens=want, **GREEDY))
         first = await _next(stream)
         assert not first.finished  # running
         await impl.engine.abort("long")
         rest = [out async for out in _bounded(stream)]  # what was already on its way, then the end
         tokens = sum(len(o.outputs[0].token_ids) for o in [first, *rest])
-        assert tokens < 200 and not any(o.finished for o in rest)
+        assert tokens < want and not any(o.finished for o in rest)
         assert impl.engine.num_in_flight() == 0
     impl.run(main())
 
