@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from serving import HOLD_BLOCKS, HOLD_CONTEXT
 from test_deployments import BASE, GREEDY, _alive, _deployment, _until, _version
 from tiny_models import build_model
 
@@ -21,15 +22,18 @@ def v2_dir(tmp_path_factory, tokenizer_dir):
     return build_model("llama", tmp_path_factory.mktemp("v2") / "llama", tokenizer_dir, seed=1)
 
 
-def test_failed_queued_requests_leave_the_engine_and_their_id_can_be_resent(llama_dir):
+def test_failed_queued_requests_leave_the_engine_and_their_id_can_be_resent(long_llama_dir):
     """fail_queued (a stalled worker's queue re-sent elsewhere) must abort the requests in the engine: else it
-    later runs them for nobody, and the same id re-sent to this worker is refused as 'already in use'."""
+    later runs them for nobody, and the same id re-sent to this worker is refused as 'already in use'. The running
+    request asks for most of the long context, so that it is still running while the second one waits, however
+    fast the machine."""
     async def main():
-        dep = _deployment(_version(llama_dir), 1, "least_loaded", base=BASE.replace(max_num_seqs=1))
+        base = BASE.replace(max_num_seqs=1, max_model_len=HOLD_CONTEXT, num_kv_blocks=HOLD_BLOCKS)
+        dep = _deployment(_version(long_llama_dir), 1, "least_loaded", base=base)
         await dep.start()
         engine = dep.workers[0].engine
-        seen: set[str] = set()  # request ids the engine produced tokens for
-        engine.on_step = lambda msg, outs: seen.update(o.request_id for o in msg.outputs)
+        seen: set[str] = set()  # request ids the engine produced tokens for: first tokens, then the batch's columns
+        engine.on_step = lambda msg, outs: seen.update([o.request_id for o in msg.outputs], msg.decodes.request_ids)
 
         async def run(rid: str, max_tokens: int) -> int:
             n = 0
@@ -38,7 +42,8 @@ def test_failed_queued_requests_leave_the_engine_and_their_id_can_be_resent(llam
             return n
 
         try:
-            first = asyncio.create_task(run("a", 60))
+            long = HOLD_CONTEXT - 8
+            first = asyncio.create_task(run("a", long))
             await _until(lambda: "a" in seen, "the first request to run")
             queued = asyncio.create_task(run("q", 4))
             await _until(lambda: engine.num_queued() == 1, "the second request to wait in the engine's queue")
@@ -47,7 +52,9 @@ def test_failed_queued_requests_leave_the_engine_and_their_id_can_be_resent(llam
                 await queued
             assert "q" not in engine.streams and "q" not in engine.output_processor.states
             seen.clear()
-            assert await first == 60
+            await _until(lambda: "a" in seen, "the running request to go on, untouched")
+            await engine.abort("a")
+            assert 0 < await first < long
             assert await run("b", 4) == 4  # queued behind 'q' (one sequence at a time) had 'q' stayed
             assert "q" not in seen  # the engine never ran the request nobody waits for
             assert await run("q", 4) == 4  # re-sent to the same worker under its id
