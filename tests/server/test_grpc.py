@@ -69,6 +69,35 @@ def test_generate_and_chat_stream_what_http_returns(srv):
     assert log[-1]["key"] == "alice" and log[-1]["status"] == 200 and log[-1]["completion_tokens"] == 8
 
 
+def test_generate_takes_the_native_apis_sampling_parameters(srv, hf_models):
+    """Every SamplingOptions field reaches the sampler as the native HTTP field of its name: with a seed, the
+    same stream of text as POST /generate (values that float32 holds exactly, as the .proto's floats)."""
+    import torch
+
+    _, url, channel = srv
+    opts = {"max_tokens": 10, "temperature": 0.75, "top_k": 20, "min_p": 0.0625, "presence_penalty": 0.5,
+            "frequency_penalty": 0.25, "repetition_penalty": 1.25, "seed": 5, "ignore_eos": True, "min_tokens": 10}
+    want = httpx.post(url + "/generate", json={"prompt": "The cat sat on", **opts}, headers=HEAD).json()
+    parts = list(pb_grpc.LlmStub(channel).Generate(
+        pb.GenerateRequest(prompt="The cat sat on", sampling=pb.SamplingOptions(**opts)), metadata=auth(ALICE)))
+    assert "".join(x.text for x in parts) == want["text"] and parts[-1].usage.completion_tokens == 10
+    plain = httpx.post(url + "/generate", json={"prompt": "The cat sat on", "max_tokens": 10, "temperature": 0.75,
+                                                "seed": 5, "ignore_eos": True}, headers=HEAD).json()
+    assert plain["text"] != want["text"]  # the other fields changed what was drawn: they were not dropped
+    # stop_token_ids (repeated): greedy, the stream ends at transformers' third greedy token
+    ids = httpx.post(url + "/tokenize", json={"prompt": "The cat sat on"}, headers=HEAD).json()["tokens"]
+    with torch.no_grad():
+        greedy = hf_models["llama"].generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False,
+                                             min_new_tokens=4)[0, len(ids):].tolist()
+    stop = pb.SamplingOptions(max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=[greedy[2]])
+    parts = list(pb_grpc.LlmStub(channel).Generate(pb.GenerateRequest(prompt="The cat sat on", sampling=stop),
+                                                   metadata=auth(ALICE)))
+    assert parts[-1].finish_reason == "stop" and parts[-1].usage.completion_tokens == greedy.index(greedy[2]) + 1
+    bad = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingOptions(top_k=-2))
+    assert _code(lambda: list(pb_grpc.LlmStub(channel).Generate(bad, metadata=auth(ALICE))))[0] == \
+        grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_embed_equals_http(srv):
     _, url, channel = srv
     r = pb_grpc.LlmStub(channel).Embed(pb.EmbedRequest(input=["hello", "a cat"]), metadata=auth(ALICE))

@@ -261,6 +261,31 @@ def test_tokenize_detokenize_native(server):
     assert chat.status_code == 200 and "text" in chat.json()
 
 
+def test_native_generate_samples_as_the_completions_route(server, hf_models):
+    """/generate takes vLLM's sampling parameters and samples with them exactly as /v1/completions does (one
+    validation, one SamplingParams): the same seed and parameters give the same text, and they are not ignored."""
+    import torch
+
+    opts = {"max_tokens": 12, "temperature": 0.75, "top_k": 20, "min_p": 0.0625, "presence_penalty": 0.5,
+            "frequency_penalty": 0.25, "repetition_penalty": 1.25, "seed": 11, "ignore_eos": True, "min_tokens": 12}
+    native = httpx.post(server + "/generate", json={"prompt": "Hi", **opts}).json()
+    ref = httpx.post(server + "/v1/completions", json={"prompt": "Hi", **opts}).json()
+    assert native["text"] == ref["choices"][0]["text"] and native["usage"] == {
+        k: ref["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    assert native["usage"]["completion_tokens"] == 12
+    other = httpx.post(server + "/generate", json={"prompt": "Hi", "max_tokens": 12, "temperature": 0.75,
+                                                    "seed": 11, "ignore_eos": True}).json()
+    assert other["text"] != native["text"]  # top_k, min_p and the penalties changed what was drawn
+    # stop_token_ids: greedy, the reply ends at the first of transformers' greedy tokens that is a stop id
+    ids = httpx.post(server + "/tokenize", json={"prompt": "Hi"}).json()["tokens"]
+    with torch.no_grad():
+        greedy = hf_models["llama"].generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
+                                             min_new_tokens=6)[0, len(ids):].tolist()
+    cut = httpx.post(server + "/generate", json={"prompt": "Hi", "max_tokens": 12, "temperature": 0,
+                                                  "ignore_eos": True, "stop_token_ids": [greedy[3]]}).json()
+    assert cut["finish_reason"] == "stop" and cut["usage"]["completion_tokens"] == greedy.index(greedy[3]) + 1
+
+
 def test_embeddings_float_and_base64(server, client):
     res = client.embeddings.create(model="all-MiniLM-L6-v2", input=["a cat", "a dog"])  # SDK: base64 path
     v = np.array(res.data[0].embedding)

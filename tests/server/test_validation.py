@@ -116,7 +116,7 @@ def test_admin_patch_is_validated_and_all_or_nothing(server, raw, param):
     ("/v1/completions", {"prompt": "hi", "temperature_typo": 0.5}, "temperature_typo"),
     (CHAT, {"messages": MSGS, "max_token": 5}, "max_token"),
     ("/v1/embeddings", {"input": "hi", "foo": 1}, "foo"),
-    ("/generate", {"prompt": "hi", "top_k": 3}, "top_k"),
+    ("/generate", {"prompt": "hi", "logit_bias": {"3": 1}}, "logit_bias"),
     ("/detokenize", {"tokens": [1], "skip": True}, "skip"),
 ])
 def test_validation_gaps_are_400_naming_the_field(server, path, body, param):
@@ -150,6 +150,10 @@ def test_fields_not_implemented_yet_are_400_naming_them(server, path, body, para
             "add_generation_prompt": True, "chat_template_kwargs": {}, "max_completion_tokens": 2,
             "logprobs": True, "top_logprobs": 2, "stream": True, "stream_options": {"include_usage": True}}),
     ("/generate", {"prompt": "hi", "stop_sequences": ["x"], "priority": 1}),
+    ("/generate", {"prompt": "hi", "top_k": 5, "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+                   "repetition_penalty": 1.1, "seed": -5, "stop_token_ids": [7], "ignore_eos": True,
+                   "min_tokens": 1}),
+    ("/chat", {"messages": MSGS, "top_k": 5, "seed": 3}),
 ])
 def test_what_servelm_implements_still_works(server, path, body):
     r = httpx.post(server + path, json={"max_tokens": 2, **body})

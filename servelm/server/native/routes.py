@@ -19,12 +19,7 @@ def _reason(finish: str | None, stop_reason) -> str | None:
 
 async def _native(api: Api, m, request: Request, ids: list[int], body: p.NativeGenerateRequest,
                   prompt: str | None):
-    max_tokens = body.max_tokens
-    if "max_tokens" not in body.model_fields_set:  # the default never asks for more than the context holds
-        max_tokens = max(1, min(max_tokens, m.max_model_len - len(ids)))
-    creq = p.CompletionRequest(prompt=ids, max_tokens=max_tokens, temperature=body.temperature,
-                               top_p=body.top_p, stop=body.stop_sequences)
-    params = api.params(m, creq, len(ids))
+    params = api.params(m, body.completion(ids, m.max_model_len), len(ids))
     prio = api.admit(m, request, body, [ids], [params])
     api.log_prompt(request, [prompt if prompt is not None else ids])
     rid = f"gen-{uuid.uuid4().hex}"

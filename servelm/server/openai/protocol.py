@@ -479,6 +479,27 @@ class NativeGenerateRequest(_Body):
     stop_sequences: list[Text] | None = None
     stream: bool = False
     priority: Priority = None
+    # the rest of vLLM's sampling parameters, with the OpenAI routes' ranges and defaults
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    seed: Annotated[int, Field(ge=INT64[0], le=INT64[1])] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
+
+    def completion(self, ids: list[int], max_model_len: int) -> CompletionRequest:
+        """The same request as the OpenAI completions route takes, so that both validate and sample alike
+        (HTTP and gRPC alike). Unset, max_tokens never asks for more than the context holds."""
+        max_tokens = self.max_tokens
+        if "max_tokens" not in self.model_fields_set:
+            max_tokens = max(1, min(max_tokens, max_model_len - len(ids)))
+        keep = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "seed", "stop_token_ids", "ignore_eos", "min_tokens")
+        return CompletionRequest(prompt=ids, max_tokens=max_tokens, stop=self.stop_sequences,
+                                 **{k: getattr(self, k) for k in keep})
 
 
 class NativeChatRequest(NativeGenerateRequest):

@@ -21,16 +21,21 @@ from servelm.server.rpc.stubs import load
 
 pb, pb_grpc = load("servelm_llm_v1")
 SERVICE = "servelm.v1.Llm"
+# SamplingOptions' optional fields, each the native HTTP body's field of the same name
+SCALARS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "seed", "ignore_eos", "min_tokens")
 
 
 def _body(cls, req, **fields):
     """The native HTTP body model of a gRPC request (its validation, its defaults for unset fields)."""
     s = req.sampling
-    for name in ("max_tokens", "temperature", "top_p"):
-        if req.HasField("sampling") and s.HasField(name):
-            fields[name] = getattr(s, name)
-    if req.HasField("sampling") and s.stop_sequences:
-        fields["stop_sequences"] = list(s.stop_sequences)
+    if req.HasField("sampling"):
+        for name in SCALARS:
+            if s.HasField(name):
+                fields[name] = getattr(s, name)
+        for name in ("stop_sequences", "stop_token_ids"):
+            if getattr(s, name):
+                fields[name] = list(getattr(s, name))
     if req.model:
         fields["model"] = req.model
     if req.priority:
@@ -99,12 +104,7 @@ class LlmService(pb_grpc.LlmServicer):
     async def _start(self, m, req: RpcRequest, ids: list[int], body, prompt: str | None):
         """Validate, admit and start the request; returns its outputs once the first one is there."""
         api = self.api
-        max_tokens = body.max_tokens
-        if "max_tokens" not in body.model_fields_set:  # as the native HTTP API: never past the context
-            max_tokens = max(1, min(max_tokens, m.max_model_len - len(ids)))
-        creq = p.CompletionRequest(prompt=ids, max_tokens=max_tokens, temperature=body.temperature,
-                                   top_p=body.top_p, stop=body.stop_sequences)
-        params = api.params(m, creq, len(ids))
+        params = api.params(m, body.completion(ids, m.max_model_len), len(ids))
         prio = api.admit(m, req, body, [ids], [params])
         api.log_prompt(req, [prompt if prompt is not None else ids])
         job = (f"grpc-{uuid.uuid4().hex}", ids, params, prompt, prio, api.cache_salt(req, body))
