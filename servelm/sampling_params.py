@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -90,14 +91,24 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: OutputKind = OutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # only these tokens may be drawn (vLLM's allowed_token_ids): every other logit is -inf
+    allowed_token_ids: list[int] | None = None
+    # words that are never completed: a word's last token is banned wherever the output ends with the tokens
+    # before it (vLLM's bad_words; each word as written and after a space, see tokenize_bad_words)
+    bad_words: list[str] | None = None
     # Filled by the engine from the model's generation config; not a user field.
     _eos_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
+    # bad_words as token sequences, filled where the tokenizer is (tokenize_bad_words); not a user field
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words = list(self.bad_words or [])
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if isinstance(self.structured_outputs, dict):
@@ -144,6 +155,11 @@ class SamplingParams:
             raise bad("stop", "a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(
+                not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "a non-empty list of non-negative token ids, or None")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise bad("bad_words", "a list of words that are not empty or only spaces")
         for tok, bias in (self.logit_bias or {}).items():
             if tok < 0:
                 raise ValueError(f"logit_bias keys must be non-negative token ids, got {tok}")
@@ -162,9 +178,27 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def reads_output(self) -> bool:
+        """Whether the logits processing reads the tokens generated so far (penalties, bad words): such a row
+        cannot be sampled before the host has its previous token, nor verify drafts as one state."""
+        return self.needs_penalties or bool(self._bad_words_token_ids)
+
+    def tokenize_bad_words(self, encode: Callable[[str], list[int]]) -> None:
+        """Fill the bad words' token sequences with `encode` (text -> ids, no special tokens): each word as
+        written (leading spaces dropped) and with one leading space, as it would follow another word."""
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = list(encode(text))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        self._bad_words_token_ids = seqs
+
     def check_vocab(self, vocab_size: int) -> None:
         """Validate token ids against the model's vocabulary."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {}))):
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {})),
+                          ("allowed_token_ids", self.allowed_token_ids or [])):
             for t in ids:
                 if t >= vocab_size:
                     raise ValueError(f"{name} holds token id {t}, outside the vocabulary [0, {vocab_size})")

@@ -240,7 +240,7 @@ class EngineCore:
         p = req.params
         req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(p._eos_token_ids))
         req.plain_below = plain_below(req, self.max_model_len)
-        req.overlaps = req.plain_below > 0 and not p.needs_penalties and p.min_tokens == 0
+        req.overlaps = req.plain_below > 0 and not p.reads_output and p.min_tokens == 0
         seq = Sequence(req, 0, list(req.prompt_token_ids), generator=req.make_generator(0))
         req.seqs = [seq]
         self.requests[req.request_id] = req

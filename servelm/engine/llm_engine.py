@@ -47,9 +47,12 @@ class LLMEngine:
         return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
 
     def prepare_params(self, params: SamplingParams) -> SamplingParams:
-        """A private copy with the model's EOS ids filled in (the caller's object is left alone)."""
+        """A private copy with the model's EOS ids and the bad words' tokens filled in (the caller's object is
+        left alone)."""
         params = copy.copy(params)
         params._eos_token_ids = self.eos_token_ids
+        if params.bad_words:
+            params.tokenize_bad_words(lambda text: self.tokenize(text, add_special_tokens=False))
         return params
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,

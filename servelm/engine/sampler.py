@@ -1,8 +1,8 @@
 """Vectorized sampling over a batch of logits rows, each row with its own SamplingParams, on the logits' device:
 only the chosen ids and the requested logprobs cross to the host.
 
-Order: logprobs of the raw distribution; logit_bias; min_tokens masking; repetition, frequency and presence
-penalties; the grammar's mask (structured output, only in rows that have a grammar); then greedy argmax, or
+Order: logprobs of the raw distribution; logit_bias; allowed_token_ids; bad words and min_tokens masking;
+repetition, frequency and presence penalties; the grammar's mask (structured output, only in rows that have a grammar); then greedy argmax, or
 temperature, top-k, top-p and min-p and a draw with one uniform number per row (`kept_weights`, `draw`). A
 seeded row draws its number from its own generator, so its tokens do not depend on the rest of the batch.
 """
@@ -78,6 +78,17 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     return draw(kept_weights(logits, temperature, top_k, top_p, min_p), u)
 
 
+def _bad_word_ends(words: list[list[int]], output: list[int]) -> set[int]:
+    """The tokens that would complete a bad word now: each word's last token, where the output ends with the
+    tokens before it (a one-token word always)."""
+    ends = set()
+    for w in words:
+        head = len(w) - 1
+        if head == 0 or (len(output) >= head and output[-head:] == w[:-1]):
+            ends.add(w[-1])
+    return ends
+
+
 class Sampler:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator()
@@ -88,8 +99,8 @@ class Sampler:
         """True when every row is greedy with nothing to apply before its argmax and no logprobs."""
         for s in seqs:
             p = s.request.params
-            if not p.greedy or p.logprobs is not None or p.logit_bias or p.needs_penalties \
-                    or s.num_output_tokens < p.min_tokens or s.matcher is not None:
+            if not p.greedy or p.logprobs is not None or p.logit_bias or p.reads_output \
+                    or p.allowed_token_ids is not None or s.num_output_tokens < p.min_tokens or s.matcher is not None:
                 return False
         return True
 
@@ -136,6 +147,7 @@ class Sampler:
     def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows, cols, vals = [], [], []
         banned_rows, banned_cols = [], []
+        allowed_rows, allowed_cols = [], []
         penalty_rows = []
         for r, s in enumerate(seqs):
             p = s.request.params
@@ -143,19 +155,28 @@ class Sampler:
                 rows.append(r)
                 cols.append(tok)
                 vals.append(bias)
+            banned = _bad_word_ends(p._bad_words_token_ids, s.output_token_ids)
             if s.num_output_tokens < p.min_tokens:
-                stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(p._eos_token_ids))
-                banned_rows += [r] * len(stop_ids)
-                banned_cols += list(stop_ids)
+                banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(p._eos_token_ids))
+            banned_rows += [r] * len(banned)
+            banned_cols += list(banned)
+            if p.allowed_token_ids is not None:
+                allowed_rows += [r] * len(p.allowed_token_ids)
+                allowed_cols += p.allowed_token_ids
             if p.needs_penalties:
                 penalty_rows.append(r)
-        if not (rows or banned_rows or penalty_rows):
+        if not (rows or banned_rows or allowed_rows or penalty_rows):
             return logits
         dev = logits.device
         logits = logits.to(torch.float32, copy=True)
         if rows:
             logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
                               torch.tensor(vals, device=dev), accumulate=True)
+        if allowed_rows:  # the rows that list their tokens keep only those; the other rows keep all
+            keep = torch.ones_like(logits, dtype=torch.bool)
+            keep[torch.tensor(sorted(set(allowed_rows)), device=dev)] = False
+            keep[torch.tensor(allowed_rows, device=dev), torch.tensor(allowed_cols, device=dev)] = True
+            logits.masked_fill_(~keep, float("-inf"))
         if banned_rows:
             logits[torch.tensor(banned_rows, device=dev), torch.tensor(banned_cols, device=dev)] = float("-inf")
         if penalty_rows:

@@ -366,6 +366,8 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not ready")
         if request_id in self.streams:
             raise RequestRejected(f"request id {request_id!r} is already in use")
+        if params.bad_words and not params._bad_words_token_ids:  # the engine process has no tokenizer
+            params.tokenize_bad_words(lambda text: self.tokenizer(text, add_special_tokens=False).input_ids)
         try:  # encode before registering: a value the wire cannot carry is the caller's input, and leaks nothing
             message = m.encoder.encode(m.AddRequest(request_id, prompt_token_ids, params, priority, cache_salt,
                                                        lora))

@@ -137,6 +137,63 @@ def test_penalties_and_bias_follow_their_definitions():
     assert logits.shape[1] == vocab and logits[0, 5] == 3.0  # the input is never modified
 
 
+def test_allowed_tokens_and_bad_words_mask_their_rows_only():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0, 0.0, 3.0, -2.0, 1.5]] * 3)
+    s = Sampler(0)
+    allowed = _seq([1], [], allowed_token_ids=[2, 6])
+    bad = _seq([1], [4, 2], bad_words=["x"])
+    bad.request.params._bad_words_token_ids = [[7], [2, 3], [4, 5], [0, 2, 1]]  # as tokenize_bad_words leaves them
+    out = s._process(logits, [allowed, _seq([1], []), bad])
+    inf = float("-inf")
+    assert out[0].tolist() == [inf, inf, 0.5, inf, inf, inf, -2.0, inf]  # only the allowed ids stay
+    assert torch.equal(out[1], logits[1])  # a row beside them is untouched
+    # [7] always; [2, 3] ends in 3 after the output's last token 2; [4, 5] and [0, 2, 1] do not match its end
+    assert out[2].tolist() == [2.0, -1.0, 0.5, inf, 0.0, 3.0, -2.0, inf]
+    later = _seq([1], [4, 2, 4], bad_words=["x"])  # the output ends with 4: [4, 5] bans 5, [2, 3] no longer
+    later.request.params._bad_words_token_ids = bad.request.params._bad_words_token_ids
+    assert s._process(logits[:1], [later])[0].tolist() == [2.0, -1.0, 0.5, 1.0, 0.0, inf, -2.0, inf]
+
+
+def test_bad_words_are_tokenized_as_written_and_after_a_space(tokenizer):
+    p = SamplingParams(bad_words=["  hello world", "cat"])
+    p.tokenize_bad_words(lambda t: tokenizer(t, add_special_tokens=False).input_ids)
+    want = []
+    for text in ("hello world", " hello world", "cat", " cat"):
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if ids not in want:
+            want.append(ids)
+    assert p._bad_words_token_ids == want and len(want) >= 3
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=["  "])
+    with pytest.raises(ValueError, match="allowed_token_ids holds token id 99"):
+        SamplingParams(allowed_token_ids=[1, 99]).check_vocab(50)
+
+
+def test_allowed_token_ids_and_bad_words_end_to_end(llm, hf_models, sampler_path):
+    """Greedy with allowed_token_ids is transformers' argmax over those ids; sampled, every token is one of
+    them. A bad word's last token never follows its first: the output differs from plain greedy exactly there."""
+    prompt = random_prompts(1, 10, 10, seed=21)[0]
+    allowed = [5, 17, 300, 777, 901]
+    got = tokens(llm, [prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                               allowed_token_ids=allowed))[0]
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            row = hf_models["llama"](torch.tensor([ids])).logits[0, -1]
+            ids.append(allowed[int(row[allowed].argmax())])
+    assert got == ids[len(prompt):]
+    drawn = tokens(llm, [prompt], SamplingParams(temperature=1.5, max_tokens=20, ignore_eos=True, seed=3,
+                                                 allowed_token_ids=allowed))[0]
+    assert set(drawn) <= set(allowed) and len(set(drawn)) > 1
+    greedy = tokens(llm, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    word = llm.get_tokenizer().decode(greedy[2:4])  # a two-token piece of the greedy output
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word])
+    out = tokens(llm, [prompt], params)[0]
+    assert out[:3] == greedy[:3] and out[3] != greedy[3]
+
+
 def test_plain_greedy_marks_the_batches_that_may_take_their_argmax_on_the_device():
     """On a GPU a plain greedy batch skips the host sampler; any row that needs processing, a draw or
     logprobs keeps the whole batch on the host path."""
@@ -145,6 +202,7 @@ def test_plain_greedy_marks_the_batches_that_may_take_their_argmax_on_the_device
     for other in (_seq([1], [], temperature=0.7), _seq([1], [], temperature=0.0, logprobs=2),
                   _seq([1], [], temperature=0.0, logit_bias={4: 1.0}),
                   _seq([1], [], temperature=0.0, repetition_penalty=1.2),
+                  _seq([1], [], temperature=0.0, allowed_token_ids=[3]),
                   _seq([1], [], temperature=0.0, min_tokens=2)):
         assert not Sampler.plain_greedy([greedy, other])
     assert Sampler.plain_greedy([_seq([1], [3, 4], temperature=0.0, min_tokens=2)])  # min_tokens reached

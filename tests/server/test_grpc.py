@@ -93,6 +93,14 @@ def test_generate_takes_the_native_apis_sampling_parameters(srv, hf_models):
     parts = list(pb_grpc.LlmStub(channel).Generate(pb.GenerateRequest(prompt="The cat sat on", sampling=stop),
                                                    metadata=auth(ALICE)))
     assert parts[-1].finish_reason == "stop" and parts[-1].usage.completion_tokens == greedy.index(greedy[2]) + 1
+    # the repeated allowed_token_ids and bad_words, greedy: the text of POST /generate with them
+    for extra in ({"allowed_token_ids": [5, 17, 300, 777]}, {"bad_words": ["the cat", "dog"]}):
+        body = {"prompt": "The cat sat on", "max_tokens": 6, "temperature": 0, "ignore_eos": True, **extra}
+        want = httpx.post(url + "/generate", json=body, headers=HEAD).json()["text"]
+        got = list(pb_grpc.LlmStub(channel).Generate(pb.GenerateRequest(
+            prompt="The cat sat on", sampling=pb.SamplingOptions(max_tokens=6, temperature=0, ignore_eos=True,
+                                                                 **extra)), metadata=auth(ALICE)))
+        assert "".join(x.text for x in got) == want
     bad = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingOptions(top_k=-2))
     assert _code(lambda: list(pb_grpc.LlmStub(channel).Generate(bad, metadata=auth(ALICE))))[0] == \
         grpc.StatusCode.INVALID_ARGUMENT

@@ -72,6 +72,20 @@ def test_completion_greedy_equals_offline_generate(client, offline):
         assert "".join(c.choices[0].text for c in stream) == r.outputs[0].text
 
 
+def test_allowed_token_ids_and_bad_words_match_offline(client, offline):
+    """vLLM's allowed_token_ids and bad_words through the server (the bad words tokenized in the API process,
+    masked in the engine's) give the offline API's text; each changes the greedy text."""
+    [prompt] = random_prompts(1, 12, 12, seed=41)
+    plain = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    greedy = offline.generate([prompt], plain, use_tqdm=False)[0].outputs[0]
+    bad = [offline.get_tokenizer().decode(greedy.token_ids[3:5])]
+    for extra in ({"allowed_token_ids": [5, 17, 300, 777, 901]}, {"bad_words": bad}):
+        want = offline.generate([prompt], SamplingParams(**{**vars(plain), **extra}), use_tqdm=False)[0].outputs[0]
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0,
+                                        extra_body={"ignore_eos": True, **extra})
+        assert got.choices[0].text == want.text != greedy.text, extra
+
+
 def test_chat_stream_and_usage(server, client, offline):
     msgs = [{"role": "user", "content": "Say something"}]
     ref = offline.chat(msgs, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]

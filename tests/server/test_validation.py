@@ -44,6 +44,10 @@ def error(r: httpx.Response, status: int = 400) -> dict:
     ("/v1/completions", {"prompt": "hi", "min_tokens": 2**64}, "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**64]}, "stop_token_ids.0"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {str(2**64): 1}}, None),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [1, VOCAB]}, None),  # outside the vocabulary
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": ["ok", "  "]}, "bad_words.1"),
+    ("/generate", {"prompt": "hi", "allowed_token_ids": [-1]}, "allowed_token_ids.0"),
 ])
 def test_out_of_range_numbers_are_400_and_leak_nothing(server, path, body, param):
     for _ in range(6):  # more than the high watermark: a leaked slot per request would shed the next request
@@ -143,7 +147,8 @@ def test_fields_not_implemented_yet_are_400_naming_them(server, path, body, para
     ("/v1/completions", {"prompt": "hi", "ignore_eos": True, "min_tokens": 1, "include_stop_str_in_output": True,
                          "skip_special_tokens": False, "priority": "low", "user": "u1", "top_k": 5, "min_p": 0.1,
                          "repetition_penalty": 1.1, "stop_token_ids": [7], "seed": -5, "echo": True,
-                         "logprobs": 2, "logit_bias": {"7": -100}}),
+                         "logprobs": 2, "logit_bias": {"7": -100}, "allowed_token_ids": [7, 9],
+                         "bad_words": ["cat", "a dog"]}),
     (CHAT, {"messages": [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
                          {"role": "user", "content": "hi", "name": "bob"},
                          {"role": "assistant", "content": None}, {"role": "user", "content": "more"}],
@@ -152,7 +157,7 @@ def test_fields_not_implemented_yet_are_400_naming_them(server, path, body, para
     ("/generate", {"prompt": "hi", "stop_sequences": ["x"], "priority": 1}),
     ("/generate", {"prompt": "hi", "top_k": 5, "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
                    "repetition_penalty": 1.1, "seed": -5, "stop_token_ids": [7], "ignore_eos": True,
-                   "min_tokens": 1}),
+                   "min_tokens": 1, "allowed_token_ids": [7, 9], "bad_words": ["cat"]}),
     ("/chat", {"messages": MSGS, "top_k": 5, "seed": 3}),
 ])
 def test_what_servelm_implements_still_works(server, path, body):

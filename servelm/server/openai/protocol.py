@@ -191,6 +191,8 @@ class _SamplingFields(_Body):
     stop: Stop = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)] | None = None
+    bad_words: list[Annotated[str, Field(pattern=r"\S")]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -264,6 +266,7 @@ class _SamplingFields(_Body):
             stop_token_ids=self.stop_token_ids, max_tokens=max_tokens or default_max, min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             include_stop_str_in_output=self.include_stop_str_in_output, output_kind=OutputKind.DELTA,
             structured_outputs=self.structured(),
         )
@@ -489,6 +492,8 @@ class NativeGenerateRequest(_Body):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)] | None = None
+    bad_words: list[Annotated[str, Field(pattern=r"\S")]] | None = None
 
     def completion(self, ids: list[int], max_model_len: int) -> CompletionRequest:
         """The same request as the OpenAI completions route takes, so that both validate and sample alike
@@ -497,7 +502,8 @@ class NativeGenerateRequest(_Body):
         if "max_tokens" not in self.model_fields_set:
             max_tokens = max(1, min(max_tokens, max_model_len - len(ids)))
         keep = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                "repetition_penalty", "seed", "stop_token_ids", "ignore_eos", "min_tokens")
+                "repetition_penalty", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "allowed_token_ids",
+                "bad_words")
         return CompletionRequest(prompt=ids, max_tokens=max_tokens, stop=self.stop_sequences,
                                  **{k: getattr(self, k) for k in keep})
 

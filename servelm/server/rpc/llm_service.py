@@ -33,7 +33,7 @@ def _body(cls, req, **fields):
         for name in SCALARS:
             if s.HasField(name):
                 fields[name] = getattr(s, name)
-        for name in ("stop_sequences", "stop_token_ids"):
+        for name in ("stop_sequences", "stop_token_ids", "allowed_token_ids", "bad_words"):
             if getattr(s, name):
                 fields[name] = list(getattr(s, name))
     if req.model:
