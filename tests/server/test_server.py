@@ -86,6 +86,32 @@ def test_allowed_token_ids_and_bad_words_match_offline(client, offline):
         assert got.choices[0].text == want.text != greedy.text, extra
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server, client, offline, tokenizer):
+    """vLLM's truncate_prompt_tokens: the request runs on its prompt's last k tokens (-1: up to the context),
+    for text and token-id prompts and chat; echo shows the kept tokens; 0 is refused."""
+    [prompt] = random_prompts(1, 12, 12, seed=42)
+    ref = offline.generate([prompt[-5:]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0].text
+    for form in (prompt, tokenizer.decode(prompt)):
+        res = client.completions.create(model="tiny", prompt=form, max_tokens=6, temperature=0, echo=True,
+                                        extra_body={"ignore_eos": True, "truncate_prompt_tokens": 5})
+        kept = tokenizer.decode(prompt[-5:]) if isinstance(form, list) else \
+            tokenizer.decode(tokenizer(form).input_ids[-5:])
+        assert res.usage.prompt_tokens == 5 and res.choices[0].text.startswith(kept)
+        if isinstance(form, list):
+            assert res.choices[0].text == kept + ref
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                      extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == len(prompt)
+    msgs = [{"role": "user", "content": "hello " * 30}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, temperature=0)
+    cut = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, temperature=0,
+                                         extra_body={"truncate_prompt_tokens": 7})
+    assert full.usage.prompt_tokens > 7 and cut.usage.prompt_tokens == 7
+    r = httpx.post(server + "/v1/completions", json={"prompt": "hi", "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_chat_stream_and_usage(server, client, offline):
     msgs = [{"role": "user", "content": "Say something"}]
     ref = offline.chat(msgs, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]

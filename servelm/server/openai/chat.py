@@ -21,8 +21,8 @@ def add_routes(app: FastAPI, api: Api) -> None:
     async def chat_completions(req: p.ChatCompletionRequest, request: Request):
         m = await api.resolve(request, req.model, req=req)
         api.hold_place(m, request)
-        ids = await api.chat_ids(m, req.messages, req.add_generation_prompt, template_tools(req),
-                                 **(req.chat_template_kwargs or {}))
+        ids = req.truncate(await api.chat_ids(m, req.messages, req.add_generation_prompt, template_tools(req),
+                                              **(req.chat_template_kwargs or {})), m.max_model_len)
         params = api.params(m, req, len(ids))
         tools = ToolReply(req, choose_parser(api.state.config.server.api_config.tool_call_parser,
                                              getattr(m.tokenizer, "chat_template", None)))

@@ -36,7 +36,8 @@ def add_routes(app: FastAPI, api: Api) -> None:
         m = await api.resolve(request, req.model, req=req)
         api.hold_place(m, request)
         tok = m.tokenizer
-        prompts = await _prompts(api, m, req.prompt)
+        prompts = [(text, ids) if len(cut := req.truncate(ids, m.max_model_len)) == len(ids) else (None, cut)
+                   for text, ids in await _prompts(api, m, req.prompt)]  # a cut prompt echoes its kept tokens
         vocab = vocab_size(m)
         for _, ids in prompts:
             if not ids:

@@ -193,6 +193,8 @@ class _SamplingFields(_Body):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)] | None = None
     bad_words: list[Annotated[str, Field(pattern=r"\S")]] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -219,7 +221,18 @@ class _SamplingFields(_Body):
     def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
+        if self.truncate_prompt_tokens == 0:
+            raise APIError(400, "truncate_prompt_tokens must be at least 1, or -1 for the model's context length",
+                           "truncate_prompt_tokens")
         return self
+
+    def truncate(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's ids as the request keeps them: its last truncate_prompt_tokens, when it asks."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        k = max_model_len if k == -1 else k
+        return ids[-k:] if len(ids) > k else ids
 
     def structured(self) -> StructuredOutputsParams | None:
         """The grammar the request asks for (400 if it asks for more than one, or for what cannot be enforced)."""
