@@ -65,6 +65,14 @@ class StructuredOutputsParams:
         return hashlib.sha256(json.dumps([self.kind, spec]).encode()).hexdigest()
 
 
+def truncate_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
+    """The last k of a prompt's ids (k -1: the last max_model_len; None: all of them)."""
+    if k is None:
+        return ids
+    k = max_model_len if k == -1 else k
+    return ids[-k:] if len(ids) > k else ids
+
+
 @dataclass
 class SamplingParams:
     """How to sample a request's completion. Invalid values raise `ValueError` naming the field."""
@@ -96,6 +104,8 @@ class SamplingParams:
     # words that are never completed: a word's last token is banned wherever the output ends with the tokens
     # before it (vLLM's bad_words; each word as written and after a space, see tokenize_bad_words)
     bad_words: list[str] | None = None
+    # keep only the prompt's last k tokens (vLLM's left truncation; -1: the last max_model_len)
+    truncate_prompt_tokens: int | None = None
     # Filled by the engine from the model's generation config; not a user field.
     _eos_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
     # bad_words as token sequences, filled where the tokenizer is (tokenize_bad_words); not a user field
@@ -160,11 +170,18 @@ class SamplingParams:
             raise bad("allowed_token_ids", "a non-empty list of non-negative token ids, or None")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise bad("bad_words", "a list of words that are not empty or only spaces")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or k == 0 or k < -1):
+            raise bad("truncate_prompt_tokens", "at least 1, or -1 for the model's context length, or None")
         for tok, bias in (self.logit_bias or {}).items():
             if tok < 0:
                 raise ValueError(f"logit_bias keys must be non-negative token ids, got {tok}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
+
+    def truncate_prompt(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's ids as the request keeps them: its last truncate_prompt_tokens, when it asks."""
+        return truncate_prompt(ids, self.truncate_prompt_tokens, max_model_len)
 
     @property
     def greedy(self) -> bool:

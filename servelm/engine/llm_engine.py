@@ -65,6 +65,7 @@ class LLMEngine:
             text, ids = prompt, self.tokenize(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
+        ids = params.truncate_prompt(ids, self.max_model_len)  # the output still names the prompt as given
         if params.structured_outputs is not None:  # compile now: a bad grammar raises ValueError here
             self.core.grammars.compile(params.structured_outputs, params._eos_token_ids)
         req = Request(request_id, ids, params, arrival_time or time.monotonic(), priority, cache_salt=cache_salt,

@@ -194,6 +194,19 @@ def test_allowed_token_ids_and_bad_words_end_to_end(llm, hf_models, sampler_path
     assert out[:3] == greedy[:3] and out[3] != greedy[3]
 
 
+def test_truncate_prompt_tokens_runs_the_prompts_end(llm):
+    """vLLM's left truncation in the offline API: the request runs on its prompt's last k tokens."""
+    [prompt] = random_prompts(1, 20, 20, seed=22)
+    greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    [cut] = llm.generate([prompt], SamplingParams(**greedy, truncate_prompt_tokens=7), use_tqdm=False)
+    assert cut.prompt_token_ids == prompt[-7:]
+    assert cut.outputs[0].token_ids == tokens(llm, [prompt[-7:]], SamplingParams(**greedy))[0]
+    [whole] = llm.generate([prompt], SamplingParams(**greedy, truncate_prompt_tokens=-1), use_tqdm=False)
+    assert whole.prompt_token_ids == prompt
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
 def test_plain_greedy_marks_the_batches_that_may_take_their_argmax_on_the_device():
     """On a GPU a plain greedy batch skips the host sampler; any row that needs processing, a draw or
     logprobs keeps the whole batch on the host path."""

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from servelm.engine.json_schema import check_schema
-from servelm.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams
+from servelm.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams, truncate_prompt
 
 
 class APIError(Exception):
@@ -228,11 +228,7 @@ class _SamplingFields(_Body):
 
     def truncate(self, ids: list[int], max_model_len: int) -> list[int]:
         """The prompt's ids as the request keeps them: its last truncate_prompt_tokens, when it asks."""
-        k = self.truncate_prompt_tokens
-        if k is None:
-            return ids
-        k = max_model_len if k == -1 else k
-        return ids[-k:] if len(ids) > k else ids
+        return truncate_prompt(ids, self.truncate_prompt_tokens, max_model_len)
 
     def structured(self) -> StructuredOutputsParams | None:
         """The grammar the request asks for (400 if it asks for more than one, or for what cannot be enforced)."""
