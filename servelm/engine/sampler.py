@@ -155,7 +155,7 @@ class Sampler:
                 rows.append(r)
                 cols.append(tok)
                 vals.append(bias)
-            banned = _bad_word_ends(p._bad_words_token_ids, s.output_token_ids)
+            banned = _bad_word_ends(p._bad_words_token_ids, s.output_token_ids) if p._bad_words_token_ids else set()
             if s.num_output_tokens < p.min_tokens:
                 banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(p._eos_token_ids))
             banned_rows += [r] * len(banned)
