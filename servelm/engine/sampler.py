@@ -2,9 +2,10 @@
 only the chosen ids and the requested logprobs cross to the host.
 
 Order: logprobs of the raw distribution; logit_bias; allowed_token_ids; bad words and min_tokens masking;
-repetition, frequency and presence penalties; the grammar's mask (structured output, only in rows that have a grammar); then greedy argmax, or
-temperature, top-k, top-p and min-p and a draw with one uniform number per row (`kept_weights`, `draw`). A
-seeded row draws its number from its own generator, so its tokens do not depend on the rest of the batch.
+repetition, frequency and presence penalties; the grammar's mask (structured output, only in rows that have a
+grammar); then greedy argmax, or temperature, top-k, top-p and min-p and a draw with one uniform number per
+row (`kept_weights`, `draw`). A seeded row draws its number from its own generator, so its tokens do not depend
+on the rest of the batch.
 """
 
 from __future__ import annotations

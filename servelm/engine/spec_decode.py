@@ -50,8 +50,9 @@ class SpecDecoder:
 
     def num_drafts(self, seq: Sequence) -> int:
         """How many drafts seq may verify next step: 0 where its logits processing depends on the tokens
-        generated so far (penalties, bad words, min_tokens still masking stops, a grammar: every verification row would
-        need its own state), while it is cooling down, or near its end (no drafts past max_tokens or the context)."""
+        generated so far (penalties, bad words, min_tokens still masking stops, a grammar: every verification row
+        would need its own state), while it is cooling down, or near its end (no drafts past max_tokens or the
+        context)."""
         p = seq.request.params
         if seq.num_to_compute != 1 or p.reads_output or seq.num_output_tokens < p.min_tokens \
                 or seq.spec.cooldown > 0 or seq.matcher is not None:

@@ -145,8 +145,8 @@ def test_ollama_errors_auth_and_limits(url, oc):
         r = httpx.request(method, url + path, headers=AUTH if status != 401 else {})
         assert r.status_code == status and isinstance(r.json()["error"], str), (path, r.text)
     # admission's per-request cap applies as on the OpenAI routes
-    r = httpx.post(url + "/api/generate", json={"model": "tiny", "prompt": "x", "options": {"num_predict": HOLD_CONTEXT}},
-                   headers=AUTH)
+    r = httpx.post(url + "/api/generate", headers=AUTH,
+                   json={"model": "tiny", "prompt": "x", "options": {"num_predict": HOLD_CONTEXT}})
     assert r.status_code == 400 and "context length" in r.json()["error"]
 
 
