@@ -156,11 +156,13 @@ class Sampler:
                 rows.append(r)
                 cols.append(tok)
                 vals.append(bias)
-            banned = _bad_word_ends(p._bad_words_token_ids, s.output_token_ids) if p._bad_words_token_ids else set()
+            banned = _bad_word_ends(p._bad_words_token_ids, s.output_token_ids) if p._bad_words_token_ids else None
             if s.num_output_tokens < p.min_tokens:
-                banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(p._eos_token_ids))
-            banned_rows += [r] * len(banned)
-            banned_cols += list(banned)
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(p._eos_token_ids))
+                banned = stops if banned is None else banned | stops
+            if banned:
+                banned_rows += [r] * len(banned)
+                banned_cols += list(banned)
             if p.allowed_token_ids is not None:
                 allowed_rows += [r] * len(p.allowed_token_ids)
                 allowed_cols += p.allowed_token_ids

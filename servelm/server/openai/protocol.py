@@ -175,30 +175,36 @@ def _schema_of(value: SchemaObject | str, param: str) -> SchemaObject:
     return value
 
 
-class _SamplingFields(_Body):
-    """Fields shared by completions and chat completions, with OpenAI's ranges plus vLLM's extensions."""
+class _VllmSampling(_Body):
+    """vLLM's sampling parameters beyond temperature and top_p, with OpenAI's ranges: one declaration for the
+    OpenAI routes and the native API (and so gRPC)."""
 
-    model: str | None = None
-    n: Annotated[int, Field(ge=1, le=128)] = 1
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     seed: Annotated[int, Field(ge=INT64[0], le=INT64[1])] | None = None
-    stop: Stop = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)] | None = None
     bad_words: list[Annotated[str, Field(pattern=r"\S")]] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
+
+
+class _SamplingFields(_VllmSampling):
+    """Fields shared by completions and chat completions, with OpenAI's ranges plus vLLM's extensions."""
+
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    stop: Stop = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
@@ -482,7 +488,7 @@ class DetokenizeRequest(_Body):
     tokens: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(json_schema_extra={"x-token-ids": True})]
 
 
-class NativeGenerateRequest(_Body):
+class NativeGenerateRequest(_VllmSampling):
     model: str | None = None  # default: the server's default model
     prompt: Text
     max_tokens: Length = 128
@@ -491,18 +497,6 @@ class NativeGenerateRequest(_Body):
     stop_sequences: list[Text] | None = None
     stream: bool = False
     priority: Priority = None
-    # the rest of vLLM's sampling parameters, with the OpenAI routes' ranges and defaults
-    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
-    seed: Annotated[int, Field(ge=INT64[0], le=INT64[1])] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
-    ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
-    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)] | None = None
-    bad_words: list[Annotated[str, Field(pattern=r"\S")]] | None = None
 
     def completion(self, ids: list[int], max_model_len: int) -> CompletionRequest:
         """The same request as the OpenAI completions route takes, so that both validate and sample alike
@@ -510,11 +504,9 @@ class NativeGenerateRequest(_Body):
         max_tokens = self.max_tokens
         if "max_tokens" not in self.model_fields_set:
             max_tokens = max(1, min(max_tokens, max_model_len - len(ids)))
-        keep = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                "repetition_penalty", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "allowed_token_ids",
-                "bad_words")
         return CompletionRequest(prompt=ids, max_tokens=max_tokens, stop=self.stop_sequences,
-                                 **{k: getattr(self, k) for k in keep})
+                                 temperature=self.temperature, top_p=self.top_p,
+                                 **{k: getattr(self, k) for k in _VllmSampling.model_fields})
 
 
 class NativeChatRequest(NativeGenerateRequest):

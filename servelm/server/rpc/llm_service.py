@@ -21,21 +21,14 @@ from servelm.server.rpc.stubs import load
 
 pb, pb_grpc = load("servelm_llm_v1")
 SERVICE = "servelm.v1.Llm"
-# SamplingOptions' optional fields, each the native HTTP body's field of the same name
-SCALARS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-           "repetition_penalty", "seed", "ignore_eos", "min_tokens")
 
 
 def _body(cls, req, **fields):
     """The native HTTP body model of a gRPC request (its validation, its defaults for unset fields)."""
-    s = req.sampling
-    if req.HasField("sampling"):
-        for name in SCALARS:
-            if s.HasField(name):
-                fields[name] = getattr(s, name)
-        for name in ("stop_sequences", "stop_token_ids", "allowed_token_ids", "bad_words"):
-            if getattr(s, name):
-                fields[name] = list(getattr(s, name))
+    # the SamplingOptions fields set (an optional one given, a repeated one not empty), each the native HTTP
+    # body's field of the same name
+    for f, value in req.sampling.ListFields():
+        fields[f.name] = value if isinstance(value, (bool, int, float, str)) else list(value)
     if req.model:
         fields["model"] = req.model
     if req.priority:
