@@ -13,6 +13,7 @@ set_hf_env()
 # Imported on first use: `import servelm` (and so `servelm serve`, which starts its engine process
 # before anything heavy) must not pay for torch, which LLM and LLMEngine pull in.
 _LAZY = {
+    "BeamSearchParams": "servelm.beam_search",
     "EngineConfig": "servelm.config.engine",
     "LLMEngine": "servelm.engine.llm_engine",
     "LLM": "servelm.entrypoints.llm",
@@ -25,6 +26,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from servelm.beam_search import BeamSearchParams
     from servelm.config.engine import EngineConfig
     from servelm.engine.llm_engine import LLMEngine
     from servelm.entrypoints.llm import LLM
@@ -39,5 +41,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'servelm' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "LoRARequest", "OutputKind", "RequestOutput",
+__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "LoRARequest", "OutputKind", "RequestOutput",
            "SamplingParams", "__version__"]

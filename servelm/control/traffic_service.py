@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from servelm.beam_search import generate_outputs
 from servelm.config import env
 from servelm.control.bandit_policy import BanditPolicy
 from servelm.control.canary import CanaryController
@@ -494,8 +495,8 @@ class TrafficService:
         try:
             await self.fault(m)
             # the primary's cache salt keeps the shadow inside the same prefix-cache namespace (per-key isolation)
-            async for out in m.generate(f"shadow-{uuid.uuid4().hex}", list(ids), copy.deepcopy(params), None, 2,
-                                        self.queue_timeout_s, salt):
+            async for out in generate_outputs(m, f"shadow-{uuid.uuid4().hex}", list(ids), copy.deepcopy(params),
+                                              None, 2, self.queue_timeout_s, salt):
                 tokens.extend(t for c in out.outputs if c.index == 0 for t in c.token_ids)
         finally:
             m.release()

@@ -7,6 +7,7 @@ import itertools
 import logging
 from collections.abc import Sequence
 
+from servelm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, top_logprobs
 from servelm.config.engine import ENGINE_FIELDS, EngineConfig
 from servelm.engine.llm_engine import LLMEngine
 from servelm.lora import LoRARequest
@@ -126,6 +127,56 @@ class LLM:
         prompts = [self.apply_chat_template(c, add_generation_prompt, **kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search (see servelm/beam_search.py) for each prompt, all prompts' beams batched in each step;
+        outputs come back in the order of `prompts`, each with its beam_width best sequences, best first. As in
+        vLLM, a sequence's `tokens` and `text` begin with the prompt."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = [_unwrap(p) for p in prompts]
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
+        engine = self.engine
+        ids_of = [p if isinstance(p, list) else engine.tokenize(p) for p in prompts]
+        for ids in ids_of:
+            if not ids:
+                raise ValueError("a prompt must hold at least one token")
+            if len(ids) + params.max_tokens > engine.max_model_len:
+                raise ValueError(f"a prompt of {len(ids)} tokens and max_tokens={params.max_tokens} exceed the "
+                                 f"context length ({engine.max_model_len})")
+        searches = [BeamSearch(ids, params, engine.eos_token_ids) for ids in ids_of]
+        step_params = params.step_params()
+        bar = progress(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm)
+        while not all(s.done for s in searches):
+            live = [(s, lora) for s, lora in zip(searches, loras, strict=True) if not s.done]
+            rids = [[f"beam-{next(self._ids)}" for _ in s.beams] for s, _ in live]
+            added = []
+            try:
+                for (search, lora), beam_rids in zip(live, rids, strict=True):
+                    for rid, beam in zip(beam_rids, search.beams, strict=True):
+                        engine.add_request(rid, beam.tokens, step_params, lora_request=lora)
+                        added.append(rid)
+            except Exception:
+                for rid in added:
+                    engine.abort_request(rid)
+                raise
+            outs = {r.request_id: r for r in self._drain({r for beam_rids in rids for r in beam_rids})}
+            for (search, _), beam_rids in zip(live, rids, strict=True):
+                search.advance([top_logprobs(outs[r]) for r in beam_rids])
+            bar.update(1)
+        bar.close()
+        results = []
+        for search in searches:
+            best = search.result()
+            for seq in best:  # vLLM's text: the prompt and the output (its end-of-sequence token as asked)
+                seq.text = engine.tokenizer.decode(seq.tokens[:search.prompt_len] + search.text_ids(seq),
+                                                   skip_special_tokens=True)
+            results.append(BeamSearchOutput(best))
+        return results
+
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             **kwargs) -> list[int]:
         tok = self.engine.tokenizer
@@ -137,12 +188,17 @@ class LLM:
         return self.engine.tokenize(text, add_special_tokens=False)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
         bar = progress(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    bar.update(1)
+        done = {out.request_id: out for out in self._drain(set(ids), bar.update)}
         bar.close()
         return [done[r] for r in ids]
+
+    def _drain(self, ids: set[str], on_finished=lambda _: None) -> list[RequestOutput]:
+        """Step the engine until it has nothing left; the finished outputs of the requests `ids`."""
+        done = []
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id in ids:
+                    done.append(out)
+                    on_finished(1)
+        return done

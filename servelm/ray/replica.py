@@ -33,7 +33,8 @@ class EngineReplica:
         """Wait until the engine is warm; what the API process needs to know of it."""
         await self._started
         info = self.engine.info
-        return {"max_model_len": info.max_model_len, "vocab_size": info.vocab_size}
+        return {"max_model_len": info.max_model_len, "vocab_size": info.vocab_size,
+                "eos_token_ids": list(info.eos_token_ids)}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None, priority: int = 1, queue_timeout: float | None = None,

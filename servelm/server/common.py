@@ -18,8 +18,10 @@ from typing import Any
 
 from fastapi import Request
 
+from servelm.beam_search import generate_outputs
 from servelm.control.types import Kind
 from servelm.outputs import RequestOutput
+from servelm.sampling_params import SamplingParams
 from servelm.server.middleware.admission import check_model
 from servelm.server.observability.telemetry import OUTPUT_HEAD, RequestRecord
 from servelm.server.openai import protocol as p
@@ -138,7 +140,8 @@ class Api:
                                                                   max(1, m.max_model_len - prompt_len),
                                                                   m.max_model_len)
             params = req.sampling_params(default_max)
-            params.check_vocab(m.info.vocab_size if m.info else 1 << 31)
+            if isinstance(params, SamplingParams):
+                params.check_vocab(m.info.vocab_size if m.info else 1 << 31)
         except ValueError as e:
             raise APIError(400, str(e)) from e
         if prompt_len + (params.max_tokens or 0) > m.max_model_len:
@@ -197,8 +200,8 @@ class Api:
             if traffic is not None:
                 await traffic.fault(m)  # a test hook: a version labelled servelm.fault fails or is slow
             lora = {"lora": m.lora} if getattr(m, "lora", None) else {}  # a LoRA adapter of the base's engine
-            gen = m.generate(rid, ids, params, prompt, priority, state.config.admission.queue_timeout_s or None, salt,
-                             **lora)
+            gen = generate_outputs(m, rid, ids, params, prompt, priority,
+                                   state.config.admission.queue_timeout_s or None, salt, **lora)
             async for out in gen:
                 now = time.monotonic()
                 served_by = getattr(out, "model_version", None)  # a deployment tags the version that served it

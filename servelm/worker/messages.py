@@ -81,6 +81,7 @@ class Ready(msgspec.Struct, tag="ready"):
     num_params: int = 0
     dtype: str = ""
     quantization: str = "none"
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)  # the model's end-of-sequence ids (beam search)
 
 
 class StepOutputs(msgspec.Struct, tag="step"):

@@ -26,7 +26,7 @@ from serving import (
 )
 from tiny_models import random_prompts
 
-from servelm import LLM, SamplingParams
+from servelm import LLM, BeamSearchParams, SamplingParams
 
 pytestmark = pytest.mark.server
 
@@ -128,6 +128,53 @@ def test_chat_stream_and_usage(server, client, offline):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
     assert len({c.id for c in chunks}) == 1
+
+
+def test_beam_search_answers_as_the_offline_api(server, client, offline):
+    """vLLM's use_beam_search: n beams, best first, as LLM.beam_search finds them, on completions (streamed or
+    not, with logprobs) and chat; the beams' step requests leave no slot or block behind."""
+    tok = offline.get_tokenizer()
+    [prompt] = random_prompts(1, 20, 20, seed=44)
+    beam = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True, length_penalty=0.5)
+    [want] = offline.beam_search([prompt], beam)
+    texts = [tok.decode(s.tokens[len(prompt):]) for s in want.sequences]
+    body = {"ignore_eos": True, "use_beam_search": True, "length_penalty": 0.5}
+    res = client.completions.create(model="tiny", prompt=prompt, n=3, max_tokens=6, logprobs=2, extra_body=body)
+    assert [c.text for c in res.choices] == texts and [c.index for c in res.choices] == [0, 1, 2]
+    assert res.usage.completion_tokens == 18 and {c.finish_reason for c in res.choices} == {"length"}
+    for c, seq in zip(res.choices, want.sequences, strict=True):
+        assert c.logprobs.token_logprobs == pytest.approx(
+            [top[t].logprob for t, top in zip(seq.tokens[len(prompt):], seq.logprobs, strict=True)], abs=1e-5)
+        assert all(len(top) <= 3 for top in c.logprobs.top_logprobs)  # the chosen token and the top 2
+    stream = client.completions.create(model="tiny", prompt=prompt, n=3, max_tokens=6, stream=True, extra_body=body)
+    streamed = ["", "", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == texts
+    msgs = [{"role": "user", "content": "Say something"}]
+    ids = offline.apply_chat_template(msgs)
+    [want_chat] = offline.beam_search([ids], BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True))
+    chat = client.chat.completions.create(model="tiny", messages=msgs, n=2, max_tokens=5,
+                                          extra_body={"ignore_eos": True, "use_beam_search": True})
+    assert [c.message.content for c in chat.choices] == [tok.decode(s.tokens[len(ids):], skip_special_tokens=True)
+                                                         for s in want_chat.sequences]
+    total = stats(server)["scheduler"]["num_kv_blocks"]
+    _wait(lambda: (s := stats(server))["engine"]["in_flight"] == 0 and s["scheduler"]["num_running"] == 0
+          and s["scheduler"]["num_free_blocks"] == total, 60, "the beams' blocks to come back")
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"top_p": 0.5}, "top_p"), ({"stop": ["x"]}, "stop"), ({"seed": 3}, "seed"), ({"n": 11}, "n"),
+    ({"response_format": {"type": "json_object"}}, "use_beam_search"),
+    ({"echo": True, "logprobs": 1}, "use_beam_search"),
+])
+def test_beam_search_refuses_what_it_would_ignore(server, extra, param):
+    body = {"prompt": [1, 2, 3], "max_tokens": 2, "use_beam_search": True, "n": 2, **extra}
+    r = httpx.post(server + "/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    neutral = {"prompt": [1, 2, 3], "max_tokens": 2, "use_beam_search": True, "n": 2, "top_p": 1, "top_k": -1}
+    assert len(httpx.post(server + "/v1/completions", json=neutral).json()["choices"]) == 2
 
 
 def test_raw_sse_framing(server):

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from servelm.beam_search import BeamSearchParams
 from servelm.engine.json_schema import check_schema
 from servelm.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams, truncate_prompt
 
@@ -222,6 +223,9 @@ class _SamplingFields(_VllmSampling):
     guided_choice: Texts | None = None
     guided_grammar: Text | None = None
     structured_outputs: StructuredOutputsField | None = None
+    # vLLM's beam search: n beams, ranked by cumulative logprob / length ** length_penalty (servelm/beam_search.py)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
@@ -272,7 +276,10 @@ class _SamplingFields(_VllmSampling):
         except ValueError as e:
             raise APIError(400, f"{given[0][0]}: {e}", given[0][0]) from None
 
-    def _params(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
+    def _params(self, max_tokens: int | None, logprobs: int | None,
+                default_max: int) -> SamplingParams | BeamSearchParams:
+        if self.use_beam_search:
+            return self._beam_params(max_tokens or default_max, logprobs)
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
@@ -287,6 +294,31 @@ class _SamplingFields(_VllmSampling):
         )
 
 
+    def _beam_params(self, max_tokens: int, logprobs: int | None) -> BeamSearchParams:
+        """use_beam_search's parameters; a 400 naming any field the search would ignore."""
+        for name, neutral in BEAM_IGNORES.items():
+            if getattr(self, name) not in (None, [], {}, *neutral):
+                raise APIError(400, f"{name} cannot be combined with use_beam_search (a beam search ranks "
+                                    "the model's own log-probabilities and ends only at end-of-sequence)", name)
+        if self.structured() is not None:
+            raise APIError(400, "structured output cannot be combined with use_beam_search", "use_beam_search")
+        try:
+            return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                    temperature=self.temperature or 0.0, length_penalty=self.length_penalty,
+                                    include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs)
+        except ValueError as e:  # beam_width is n
+            raise APIError(400, f"n: {e} (with use_beam_search, n is the beam width)", "n") from None
+
+
+# The sampling fields a beam search has no use for, each with the values that change nothing (null and empty
+# too): use_beam_search with any other value is a 400.
+BEAM_IGNORES: dict[str, tuple] = {
+    "top_p": (1,), "top_k": (0, -1), "min_p": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
+    "repetition_penalty": (1,), "seed": (), "stop": (), "stop_token_ids": (), "allowed_token_ids": (),
+    "bad_words": (), "min_tokens": (0,), "logit_bias": (),
+}
+
+
 class CompletionRequest(_SamplingFields):
     prompt: Text | Texts | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
     # 0 only with echo: score the prompt, generate nothing (what lm-evaluation-harness's loglikelihood sends)
@@ -294,13 +326,16 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
-    def sampling_params(self, default_max: int) -> SamplingParams:
+    def sampling_params(self, default_max: int) -> SamplingParams | BeamSearchParams:
+        if self.use_beam_search and self.echo and (self.max_tokens == 0 or self.logprobs is not None):
+            raise APIError(400, "echo with logprobs (or max_tokens 0) cannot be combined with use_beam_search",
+                           "use_beam_search")
         if self.max_tokens == 0 and not self.echo:
             raise APIError(400, "max_tokens must be at least 1 (0 is allowed only with echo, to score the prompt)",
                            "max_tokens")
         # max_tokens 0 runs one token that the response leaves out: the prompt's logprobs come with it
         params = self._params(1 if self.max_tokens == 0 else self.max_tokens, self.logprobs, default_max)
-        if self.echo and self.logprobs is not None:
+        if self.echo and self.logprobs is not None and isinstance(params, SamplingParams):
             params.prompt_logprobs = self.logprobs
         return params
 
@@ -459,7 +494,7 @@ class ChatCompletionRequest(_SamplingFields):
         return StructuredOutputsParams(json=forced)
 
 
-    def sampling_params(self, default_max: int) -> SamplingParams:
+    def sampling_params(self, default_max: int) -> SamplingParams | BeamSearchParams:
         lp = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(self.max_completion_tokens or self.max_tokens, lp, default_max)
 
