@@ -273,6 +273,7 @@ class Api:
 
         async def one(job):
             final: dict[int, dict] = {}
+            prompt_lps = None
             async for out in self.stream_outputs(m, rec, *job):
                 for c in out.outputs:
                     acc = final.setdefault(c.index, {"text": "", "token_ids": [], "logprobs": [], "finish": None,
@@ -281,8 +282,11 @@ class Api:
                     acc["token_ids"] += c.token_ids
                     acc["logprobs"] += c.logprobs or []
                     acc["finish"], acc["stop_reason"] = c.finish_reason or acc["finish"], c.stop_reason
-                    if out.prompt_logprobs is not None:
-                        acc["prompt_logprobs"] = out.prompt_logprobs
+                if out.prompt_logprobs is not None:
+                    prompt_lps = out.prompt_logprobs
+            for acc in final.values():  # the prompt's, which one output carries, belong to every sample
+                if prompt_lps is not None:
+                    acc["prompt_logprobs"] = prompt_lps
             return final
 
         tasks = [asyncio.create_task(one(j)) for j in jobs]

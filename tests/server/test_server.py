@@ -264,6 +264,43 @@ def test_n2_stop_seed_logprobs(client, offline):
         assert c.logprob <= 0 and c.logprob == c.top_logprobs[0].logprob  # greedy: the chosen token is the top one
 
 
+def test_prompt_logprobs_field_on_completions_and_chat(server, hf_models):
+    """vLLM's prompt_logprobs request field: completions put them on each choice, chat on the response; each
+    prompt token after the first has its own logprob and rank and the top k, as transformers computes them.
+    Beside echo with fewer logprobs, the echoed alternatives keep their own count."""
+    ids = random_prompts(1, 12, 12, seed=45)[0]
+    ref = _hf_logprobs(hf_models["llama"], ids)
+
+    def check(entries: list, prompt: list[int], k: int) -> None:
+        assert len(entries) == len(prompt) and entries[0] is None
+        for j in range(1, len(prompt)):
+            row, entry = ref[j - 1], entries[j]
+            own = entry[str(prompt[j])]
+            assert own["logprob"] == pytest.approx(float(row[prompt[j]]), abs=1e-4) and own["rank"] >= 1
+            top = [int(t) for t, v in sorted(entry.items(), key=lambda kv: kv[1]["rank"]) if v["rank"] <= k]
+            assert top == row.topk(k).indices.tolist()
+
+    body = {"prompt": ids, "max_tokens": 2, "temperature": 0, "n": 2, "prompt_logprobs": 3}
+    res = httpx.post(server + "/v1/completions", json=body).json()
+    assert len(res["choices"]) == 2
+    for choice in res["choices"]:
+        check(choice["prompt_logprobs"], ids, 3)
+    plain = httpx.post(server + "/v1/completions", json={**body, "prompt_logprobs": None}).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+    echo = httpx.post(server + "/v1/completions", json={**body, "n": 1, "echo": True, "logprobs": 1}).json()
+    [choice] = echo["choices"]
+    check(choice["prompt_logprobs"], ids, 3)
+    assert all(len(top) <= 2 for top in choice["logprobs"]["top_logprobs"][1:])  # its own token and the best
+    tokenized = httpx.post(server + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Say something"}], "max_tokens": 2, "prompt_logprobs": 2}).json()
+    chat_ids = httpx.post(server + "/tokenize", json={"messages": [{"role": "user", "content": "Say something"}]}
+                          ).json()["tokens"]
+    ref = _hf_logprobs(hf_models["llama"], chat_ids)
+    check(tokenized["prompt_logprobs"], chat_ids, 2)
+    streamed = httpx.post(server + "/v1/completions", json={**body, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_completion_prompt_forms_and_echo(client):
     res = client.completions.create(model="tiny", prompt=["Hello", "World"], max_tokens=2, temperature=0)
     assert sorted(c.index for c in res.choices) == [0, 1]

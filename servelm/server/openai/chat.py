@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from servelm.server.common import Api, record, sse, usage
 from servelm.server.openai import protocol as p
-from servelm.server.openai.logprobs import chat_logprobs
+from servelm.server.openai.logprobs import chat_logprobs, prompt_logprobs
 from servelm.server.openai.protocol import APIError
 from servelm.server.openai.tools import ToolReply, choose_parser, template_tools
 
@@ -86,5 +86,8 @@ def add_routes(app: FastAPI, api: Api) -> None:
             choices.append({"index": j, "message": message,
                             "logprobs": chat_logprobs(acc["token_ids"], acc["logprobs"], k) if req.logprobs else None,
                             "finish_reason": finish, "stop_reason": acc["stop_reason"]})
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
                 "usage": usage(len(ids), completion_tokens)}
+        if req.prompt_logprobs is not None:  # vLLM's place for them: the response, not a choice
+            body["prompt_logprobs"] = prompt_logprobs(next(iter(final.values())).get("prompt_logprobs"))
+        return body

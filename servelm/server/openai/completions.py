@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from servelm.outputs import RequestOutput
 from servelm.server.common import Api, cancel, pump, record, sse, usage, vocab_size
 from servelm.server.openai import protocol as p
-from servelm.server.openai.logprobs import completion_logprobs, echo_logprobs, with_echo
+from servelm.server.openai.logprobs import completion_logprobs, echo_logprobs, prompt_logprobs, with_echo
 from servelm.server.openai.protocol import APIError
 
 
@@ -136,9 +136,11 @@ def add_routes(app: FastAPI, api: Api) -> None:
                 completion_tokens += len(acc["token_ids"])
                 prefix = echo_texts[i] if req.echo else ""
                 choices.append({"index": i * n + j, "text": prefix + acc["text"],
-                                "logprobs": with_echo(tok, ids, acc, req.echo, len(prefix))
+                                "logprobs": with_echo(tok, ids, acc, req.echo, len(prefix), req.logprobs)
                                 if req.logprobs is not None else None,
-                                "finish_reason": acc["finish"], "stop_reason": acc["stop_reason"]})
+                                "finish_reason": acc["finish"], "stop_reason": acc["stop_reason"],
+                                **({"prompt_logprobs": prompt_logprobs(acc.get("prompt_logprobs"))}
+                                   if req.prompt_logprobs is not None else {})})
         prompt_tokens = sum(len(j[1]) for j in jobs)
         return {"id": base, "object": "text_completion", "created": created, "model": model, "choices": choices,
                 "usage": usage(prompt_tokens, completion_tokens)}

@@ -29,9 +29,10 @@ def completion_logprobs(token_ids: list[int], entries: list, offset: int) -> dic
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def echo_logprobs(tok, ids: list[int], entries: list | None) -> dict:
+def echo_logprobs(tok, ids: list[int], entries: list | None, k: int | None = None) -> dict:
     """The prompt's part of an echoed completion's logprobs: its tokens, their logprobs (None for the
-    first, which nothing predicts), the top alternatives and text offsets from 0."""
+    first, which nothing predicts), the top alternatives (the k best, where the engine computed more for the
+    request's prompt_logprobs) and text offsets from 0."""
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = 0
     for j, tid in enumerate(ids):
@@ -40,16 +41,27 @@ def echo_logprobs(tok, ids: list[int], entries: list | None) -> dict:
         text = lp.decoded_token if lp is not None else tok.decode([tid])
         tokens.append(text)
         token_lps.append(lp.logprob if lp is not None else None)
-        tops.append({v.decoded_token: v.logprob for v in pos.values()} if pos is not None else None)
+        tops.append({v.decoded_token: v.logprob for t, v in pos.items() if k is None or t == tid or v.rank <= k}
+                    if pos is not None else None)
         offsets.append(offset)
         offset += len(text or "")
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def with_echo(tok, ids: list[int], acc: dict, echo: bool, offset: int) -> dict:
-    """A collected completion's logprobs, preceded by the prompt's when it is echoed."""
+def with_echo(tok, ids: list[int], acc: dict, echo: bool, offset: int, k: int) -> dict:
+    """A collected completion's logprobs (k alternatives each), preceded by the prompt's when it is echoed."""
     gen = completion_logprobs(acc["token_ids"], acc["logprobs"], offset)
     if not echo:
         return gen
-    head = echo_logprobs(tok, ids, acc.get("prompt_logprobs"))
+    head = echo_logprobs(tok, ids, acc.get("prompt_logprobs"), k)
     return {k: head[k] + gen[k] for k in gen}
+
+
+def prompt_logprobs(entries: list | None) -> list | None:
+    """vLLM's `prompt_logprobs` field: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}}, the token's own entry and the top alternatives; -inf as -9999.0, which JSON can carry."""
+    if entries is None:
+        return None
+    return [None if pos is None else {str(t): {"logprob": max(v.logprob, -9999.0), "rank": v.rank,
+                                               "decoded_token": v.decoded_token} for t, v in pos.items()}
+            for pos in entries]

@@ -78,7 +78,6 @@ NOT_SUPPORTED_YET: dict[str, tuple] = {
     # either backend enforces the same grammar: the engine's structured_output_backend setting picks which
     "guided_decoding_backend": ("auto", "xgrammar", "guidance", "llguidance"),
     "guided_whitespace_pattern": (), "logits_processors": (),
-    "prompt_logprobs": (),
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "verbosity": (),
     "web_search_options": (), "store": (False,), "metadata": (), "service_tier": ("auto", "default"),
     "dimensions": (),
@@ -223,6 +222,8 @@ class _SamplingFields(_VllmSampling):
     guided_choice: Texts | None = None
     guided_grammar: Text | None = None
     structured_outputs: StructuredOutputsField | None = None
+    # vLLM's: the logprob and rank of each prompt token after the first, with this many alternatives
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     # vLLM's beam search: n beams, ranked by cumulative logprob / length ** length_penalty (servelm/beam_search.py)
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -231,6 +232,8 @@ class _SamplingFields(_VllmSampling):
     def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:  # vLLM's rule: they come with the whole answer
+            raise APIError(400, "prompt_logprobs are not available when stream is true", "prompt_logprobs")
         if self.truncate_prompt_tokens == 0:
             raise APIError(400, "truncate_prompt_tokens must be at least 1, or -1 for the model's context length",
                            "truncate_prompt_tokens")
@@ -290,7 +293,7 @@ class _SamplingFields(_VllmSampling):
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             include_stop_str_in_output=self.include_stop_str_in_output, output_kind=OutputKind.DELTA,
-            structured_outputs=self.structured(),
+            structured_outputs=self.structured(), prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -315,7 +318,7 @@ class _SamplingFields(_VllmSampling):
 BEAM_IGNORES: dict[str, tuple] = {
     "top_p": (1,), "top_k": (0, -1), "min_p": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
     "repetition_penalty": (1,), "seed": (), "stop": (), "stop_token_ids": (), "allowed_token_ids": (),
-    "bad_words": (), "min_tokens": (0,), "logit_bias": (),
+    "bad_words": (), "min_tokens": (0,), "logit_bias": (), "prompt_logprobs": (),
 }
 
 
@@ -336,7 +339,7 @@ class CompletionRequest(_SamplingFields):
         # max_tokens 0 runs one token that the response leaves out: the prompt's logprobs come with it
         params = self._params(1 if self.max_tokens == 0 else self.max_tokens, self.logprobs, default_max)
         if self.echo and self.logprobs is not None and isinstance(params, SamplingParams):
-            params.prompt_logprobs = self.logprobs
+            params.prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
         return params
 
 
