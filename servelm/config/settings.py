@@ -42,6 +42,7 @@ PRIORITIES = choices(Priority)  # index = the engine's Priority value
 WebUi = typing.Literal["chat", "none"]
 PrefixCacheIsolation = typing.Literal["key", "none"]
 ToolCallParser = typing.Literal["auto", "hermes", "llama3_json", "mistral"]
+ReasoningParser = typing.Literal["none", "deepseek_r1", "qwen3"]
 SECRETS = frozenset({"api_key", "admin_key"})  # never printed, logged or returned
 # URLs that may carry a password (postgresql://user:PASSWORD@host/db): printed with the password masked
 URL_SECRETS = frozenset({"database_url", "registry_url", "redis_url"})
@@ -81,6 +82,9 @@ class ApiConfig:
                                    "GET /v1/responses/{id} (the oldest go first; 0: none kept)")
     tool_call_parser: ToolCallParser = _f("auto", "auto | hermes | llama3_json | mistral: how tool calls are read from a "
                                "chat reply (auto: the format the model's chat template uses, else hermes)")
+    reasoning_parser: ReasoningParser = _f("none", "none | deepseek_r1 | qwen3: split a thinking model's chat reply "
+                                           "into its reasoning (<think>...</think>, returned as message.reasoning "
+                                           "and Ollama's thinking) and its content (none: all content)")
 
     def validate(self) -> None:
         def need(ok: bool, name: str, allowed: str) -> None:
@@ -105,6 +109,7 @@ class ApiConfig:
         need(self.responses_store_size >= 0, "responses_store_size", ">= 0")
         need(self.max_request_body_bytes >= 1024, "max_request_body_bytes", ">= 1024")
         need(self.tool_call_parser in choices(ToolCallParser), "tool_call_parser", one_of(ToolCallParser))
+        need(self.reasoning_parser in choices(ReasoningParser), "reasoning_parser", one_of(ReasoningParser))
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Tool calling: the parsers (whole replies and every way a stream can split them), and a real server driven by
 the openai SDK. The tiny random model never writes a call by itself, so the auto tests make it write one with a
 grammar (guided_choice): the server's parser then has to find it; required and named calls are grammars (the
-server tests run with each structured output backend)."""
+server tests run with each structured output backend). The server splits off reasoning (qwen3's parser), which
+a reply made the same way may hold before its calls."""
 
 from __future__ import annotations
 
@@ -35,7 +36,11 @@ Tools: {% for t in tools %}{{ t.function | tojson }}{% endfor %}<|im_end|>
 {{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}
 </tool_call>{% endfor %}<|im_end|>
 {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
 
 
 @pytest.mark.parametrize("parser, text, content, calls", [
@@ -98,7 +103,7 @@ def tool_model(llama_dir, tmp_path_factory):
 def server(tool_model, request):
     model = tool_model
     proc, url = start_server(model, "--num-kv-blocks", "256", "--max-model-len", "1024", "--embedding-model", "none",
-                             "--structured-output-backend", request.param)
+                             "--structured-output-backend", request.param, "--reasoning-parser", "qwen3")
     yield url
     assert stop_server(proc) == 0
 
@@ -223,3 +228,66 @@ def test_offline_chat_passes_tools_to_the_template(tool_model):
     plain, offered = (llm.chat(MSGS, SamplingParams(max_tokens=1), use_tqdm=False, tools=t)[0] for t in (None, TOOLS))
     text = llm.get_tokenizer().decode(offered.prompt_token_ids)
     assert len(offered.prompt_token_ids) > len(plain.prompt_token_ids) and '"name": "get_time"' in text
+
+
+THOUGHT = "<think>\nThe user wants the weather.\n</think>\n\n"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_comes_apart_from_content_and_calls(client, stream):
+    """Under --reasoning-parser qwen3, a reply's <think> part is message.reasoning (and reasoning_content),
+    the rest its content and tool calls; include_reasoning false leaves the reasoning out."""
+    def ask(reply: str, **extra):
+        kw = dict(model="tiny", messages=MSGS, tools=TOOLS, max_tokens=120, temperature=0,
+                  extra_body={"guided_choice": [reply], **extra})
+        if not stream:
+            c = client.chat.completions.create(**kw).choices[0]
+            m = c.message.model_dump()
+            return m.get("reasoning"), m.get("reasoning_content"), (c.message.content or "").strip() or None, \
+                [t.function.name for t in c.message.tool_calls or []], c.finish_reason
+        thought, old_name, content, calls, finish = "", "", "", [], None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            d = chunk.choices[0].delta.model_dump()
+            thought += d.get("reasoning") or ""
+            old_name += d.get("reasoning_content") or ""
+            content += d.get("content") or ""
+            calls += [t["function"]["name"] for t in d.get("tool_calls") or [] if t["function"].get("name")]
+            finish = chunk.choices[0].finish_reason or finish
+        return thought or None, old_name or None, content.strip() or None, calls, finish
+
+    want = "\nThe user wants the weather.\n"
+    assert ask(THOUGHT + "Let me check. " + HERMES_CALL) == (want, want, "Let me check.", ["get_weather"],
+                                                             "tool_calls")
+    assert ask(THOUGHT + "It is sunny.") == (want, want, "It is sunny.", [], "stop")
+    assert ask("No thinking at all.") == (None, None, "No thinking at all.", [], "stop")
+    assert ask(THOUGHT + "It is sunny.", include_reasoning=False) == (None, None, "It is sunny.", [], "stop")
+
+
+def test_ollama_think_asks_the_template_and_splits_the_reply(server, client):
+    """Ollama's think: false reaches the chat template as enable_thinking (the prompt it renders is the one
+    chat_template_kwargs gives), and with the server's parser a reply is split into thinking and content."""
+    import httpx
+
+    from servelm.server.ollama.routes import _Reply
+
+    base = {"model": "tiny", "messages": MSGS, "stream": False, "options": {"temperature": 0, "num_predict": 4}}
+    plain = httpx.post(server + "/api/chat", json=base).json()
+    off = httpx.post(server + "/api/chat", json={**base, "think": False}).json()
+    ref = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, temperature=0,
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off["prompt_eval_count"] == ref.usage.prompt_tokens > plain["prompt_eval_count"]
+    assert off["message"]["content"] == ref.choices[0].message.content
+    on = httpx.post(server + "/api/chat", json={**base, "think": True}).json()
+    assert on["message"]["content"] == plain["message"]["content"] and "thinking" not in on["message"]
+    bad = httpx.post(server + "/api/chat", json={**base, "think": "high"})
+    assert bad.status_code == 400 and "think" in bad.json()["error"]
+    text = THOUGHT + "It is sunny."
+    assert _Reply(chat=True, thinking="qwen3").whole(text, "stop")["message"] == {
+        "role": "assistant", "content": "It is sunny.", "thinking": "\nThe user wants the weather.\n"}
+    for size in (1, 3, 7):
+        reply = _Reply(chat=False, thinking="qwen3")
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        lines = [line for i, piece in enumerate(pieces)
+                 for line in reply.chunks(piece, "stop" if i == len(pieces) - 1 else None)]
+        assert "".join(line.get("thinking", "") for line in lines) == "\nThe user wants the weather.\n"
+        assert "".join(line["response"] for line in lines) == "It is sunny."

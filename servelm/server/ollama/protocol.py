@@ -94,8 +94,20 @@ class _Request(BaseModel):
 
     def refuse_unsupported(self) -> None:
         self.structured()
-        if self.think not in (None, False):
-            raise APIError(400, "'think' is not supported by this server", "think", "unsupported_parameter")
+
+    def thinking(self, parser: str) -> str | None:
+        """The reasoning parser the reply is split with (`parser`, the server's, unless think is false; None: the
+        reply is all content). think true on a server without one is a 400."""
+        if self.think not in (None, True, False):
+            raise APIError(400, "think must be true or false", "think")
+        if self.think is True and parser == "none":
+            raise APIError(400, "'think' needs a server started with --reasoning-parser (deepseek_r1 or qwen3)",
+                           "think", "unsupported_parameter")
+        return None if parser == "none" or self.think is False else parser
+
+    def template_kwargs(self) -> dict:
+        """What think asks of the chat template: Qwen3's templates read enable_thinking (false: no reasoning)."""
+        return {} if self.think is None else {"enable_thinking": self.think}
 
 
 class GenerateRequest(_Request):

@@ -29,6 +29,7 @@ from servelm.server.ollama import protocol as o
 from servelm.server.openai import protocol as p
 from servelm.server.openai.embeddings import _embed, _embedder
 from servelm.server.openai.protocol import APIError
+from servelm.server.openai.reasoning import ReasoningStream, split
 from servelm.server.openai.tool_parsers import ToolCall, ToolStream, parse
 from servelm.server.openai.tools import choose_parser
 from servelm.version import __version__
@@ -86,15 +87,17 @@ def _done_reason(finish: str | None) -> str:
 
 class _Reply:
     """How a generation's text becomes Ollama's payloads: {"response": text} (generate) or {"message": {...}}
-    (chat)."""
+    (chat), with the reasoning as `thinking` where a reasoning parser splits it off."""
 
-    def __init__(self, chat: bool) -> None:
-        self.chat = chat
+    def __init__(self, chat: bool, thinking: str | None = None) -> None:
+        self.chat, self.thinking = chat, thinking
+        self.splitter = ReasoningStream(thinking) if thinking else None
 
-    def payload(self, text: str, calls: list[ToolCall] | None = None) -> dict:
+    def payload(self, text: str, calls: list[ToolCall] | None = None, thought: str | None = None) -> dict:
+        extra = {"thinking": thought} if thought else {}
         if not self.chat:
-            return {"response": text}
-        message = {"role": "assistant", "content": text}
+            return {"response": text, **extra}
+        message = {"role": "assistant", "content": text, **extra}
         if calls:
             message["tool_calls"] = [{"function": {"name": c.name, "arguments": json.loads(c.arguments)}}
                                      for c in calls]
@@ -102,21 +105,39 @@ class _Reply:
 
     def chunks(self, text: str, finish: str | None) -> list[dict]:
         """The payloads of the streamed lines for new text (and, with finish, the end), before the last line."""
+        thought, text = self._split(text, finish)
+        return ([self.payload("", thought=thought)] if thought else []) + self._content_chunks(text, finish)
+
+    def _content_chunks(self, text: str, finish: str | None) -> list[dict]:
         return [self.payload(text)] if text else []
 
+    def _split(self, text: str, finish: str | None) -> tuple[str, str]:
+        """(reasoning, content) of a streamed piece of text."""
+        if self.splitter is None:
+            return "", text
+        thought, text = self.splitter.feed(text)
+        if finish is not None:
+            more_thought, more_text = self.splitter.finish()
+            thought, text = thought + more_thought, text + more_text
+        return thought, text
+
     def whole(self, text: str, finish: str | None) -> dict:
-        return self.payload(text)
+        thought, text = split(self.thinking, text) if self.thinking else (None, text)
+        return self._whole(text or "", finish, thought)
+
+    def _whole(self, text: str, finish: str | None, thought: str | None) -> dict:
+        return self.payload(text, thought=thought)
 
 
 class _ToolReply(_Reply):
     """Chat with tools on offer: calls in the reply (in the format `parser` reads) become message.tool_calls,
     streamed as soon as each is complete; a reply cut short by num_predict stays text."""
 
-    def __init__(self, parser: str) -> None:
-        super().__init__(chat=True)
+    def __init__(self, parser: str, thinking: str | None = None) -> None:
+        super().__init__(chat=True, thinking=thinking)
         self.parser, self.stream = parser, ToolStream(parser)
 
-    def chunks(self, text: str, finish: str | None) -> list[dict]:
+    def _content_chunks(self, text: str, finish: str | None) -> list[dict]:
         out = []
         content, calls = self.stream.feed(text) if text else ("", [])
         if content or calls:
@@ -130,11 +151,11 @@ class _ToolReply(_Reply):
                 out.append(self.payload(content, calls))
         return out
 
-    def whole(self, text: str, finish: str | None) -> dict:
+    def _whole(self, text: str, finish: str | None, thought: str | None) -> dict:
         if finish == "length":
-            return self.payload(text)
+            return self.payload(text, thought=thought)
         content, calls = parse(self.parser, text)
-        return self.payload(content or "" if calls else text, calls)
+        return self.payload(content or "" if calls else text, calls, thought)
 
 
 async def _run(api: Api, m, request: Request, body, ids: list[int], prompt: str | None, reply: _Reply,
@@ -211,12 +232,14 @@ def _details(m) -> dict:
 
 def add_routes(app: FastAPI, api: Api) -> None:
     state = api.state
+    parsers = state.config.server.api_config  # tool_call_parser, reasoning_parser
 
     @app.post("/api/generate", include_in_schema=False)
     @ollama_errors
     async def generate(request: Request):
         body = await _body(request, o.GenerateRequest)
         body.refuse_unsupported()
+        thinking = body.thinking(parsers.reasoning_parser)
         m = await _resolve(api, request, body.model, req=body)
         if not body.prompt and not body.context:
             return _loaded(body.model or m.served_name)
@@ -228,11 +251,11 @@ def add_routes(app: FastAPI, api: Api) -> None:
         else:  # Ollama puts the prompt (and system) through the model's template, as a user turn
             conv = ([p.SystemMessage(role="system", content=body.system)] if body.system else []) + \
                 [p.UserMessage(role="user", content=prompt)]
-            ids = await api.chat_ids(m, conv)
+            ids = await api.chat_ids(m, conv, **body.template_kwargs())
         ids = list(body.context or []) + ids
         if not ids:
             raise APIError(400, "the prompt is empty", "prompt")
-        return await _run(api, m, request, body, ids, None, _Reply(chat=False),
+        return await _run(api, m, request, body, ids, None, _Reply(chat=False, thinking=thinking),
                           lambda out_ids: {"context": ids + out_ids})
 
     @app.post("/api/chat", include_in_schema=False)
@@ -240,6 +263,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
     async def chat(request: Request):
         body = await _body(request, o.ChatRequest)
         body.refuse_unsupported()
+        thinking = body.thinking(parsers.reasoning_parser)
         m = await _resolve(api, request, body.model, req=body)
         if not body.messages:
             done = _loaded(body.model or m.served_name)
@@ -248,9 +272,9 @@ def add_routes(app: FastAPI, api: Api) -> None:
         api.hold_place(m, request)
         msgs = [x.to_chat(i) for i, x in enumerate(body.messages)]
         tools = body.template_tools()
-        ids = await api.chat_ids(m, msgs, tools=tools)
-        reply = _ToolReply(choose_parser(api.state.config.server.api_config.tool_call_parser,
-                                         getattr(m.tokenizer, "chat_template", None))) if tools else _Reply(chat=True)
+        ids = await api.chat_ids(m, msgs, tools=tools, **body.template_kwargs())
+        reply = _ToolReply(choose_parser(parsers.tool_call_parser, getattr(m.tokenizer, "chat_template", None)),
+                           thinking) if tools else _Reply(chat=True, thinking=thinking)
         return await _run(api, m, request, body, ids, None, reply, lambda _: {})
 
     @app.post("/api/embed", include_in_schema=False)

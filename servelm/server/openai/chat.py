@@ -13,6 +13,7 @@ from servelm.server.common import Api, record, sse, usage
 from servelm.server.openai import protocol as p
 from servelm.server.openai.logprobs import chat_logprobs, prompt_logprobs
 from servelm.server.openai.protocol import APIError
+from servelm.server.openai.reasoning import ReasoningStream, split
 from servelm.server.openai.tools import ToolReply, choose_parser, template_tools
 
 
@@ -24,8 +25,11 @@ def add_routes(app: FastAPI, api: Api) -> None:
         ids = req.truncate(await api.chat_ids(m, req.messages, req.add_generation_prompt, template_tools(req),
                                               **(req.chat_template_kwargs or {})), m.max_model_len)
         params = api.params(m, req, len(ids))
-        tools = ToolReply(req, choose_parser(api.state.config.server.api_config.tool_call_parser,
-                                             getattr(m.tokenizer, "chat_template", None)))
+        api_config = api.state.config.server.api_config
+        tools = ToolReply(req, choose_parser(api_config.tool_call_parser, getattr(m.tokenizer, "chat_template", None)))
+        # the reasoning, when the server splits it off, and (of it) what the response shows
+        thinking = api_config.reasoning_parser if api_config.reasoning_parser != "none" else None
+        show = thinking is not None and req.include_reasoning
         if tools.active and tools.parser == "mistral":
             params.skip_special_tokens = False  # [TOOL_CALLS] is a special token: the parser must see it
         prio = api.admit(m, request, req, [ids], [params])
@@ -42,6 +46,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
             async def events():
                 completion_tokens = 0
                 streams = {j: tools.stream() for j in range(req.n)} if tools.active else {}
+                splits = {j: ReasoningStream(thinking) for j in range(req.n)} if thinking else {}
                 try:
                     for j in range(req.n):
                         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -54,10 +59,20 @@ def add_routes(app: FastAPI, api: Api) -> None:
                             if not (c.text or c.finish_reason):
                                 continue
                             lp = chat_logprobs(c.token_ids, c.logprobs, k) if c.logprobs else None
+                            text, thought = c.text, ""
+                            if c.index in splits:  # the reasoning first, then the content it is followed by
+                                thought, text = splits[c.index].feed(c.text)
+                                if c.finish_reason is not None:
+                                    more_thought, more_text = splits[c.index].finish()
+                                    thought, text = thought + more_thought, text + more_text
                             if c.index in streams:  # tools on offer: calls become delta.tool_calls
-                                deltas, finish = streams[c.index].deltas(c.text, c.finish_reason)
+                                deltas, finish = streams[c.index].deltas(text, c.finish_reason)
                             else:
-                                deltas, finish = [{"content": c.text} if c.text else {}], c.finish_reason
+                                deltas, finish = [{"content": text}] if text else [], c.finish_reason
+                            if thought and show:
+                                deltas.insert(0, {"reasoning": thought, "reasoning_content": thought})
+                            if not deltas and finish is None:
+                                continue  # all of it held back (a tag that may go on) or hidden
                             if finish is not None and not deltas:
                                 deltas = [{}]
                             for i, delta in enumerate(deltas):
@@ -82,7 +97,12 @@ def add_routes(app: FastAPI, api: Api) -> None:
         for j in sorted(final):
             acc = final[j]
             completion_tokens += len(acc["token_ids"])
-            message, finish = tools.message(acc["text"], acc["finish"])
+            thought, text = split(thinking, acc["text"]) if thinking else (None, acc["text"])
+            message, finish = tools.message(text or "", acc["finish"])
+            if text is None and not message.get("tool_calls"):
+                message["content"] = None  # all reasoning (cut short before its end)
+            if show:
+                message["reasoning"] = message["reasoning_content"] = thought
             choices.append({"index": j, "message": message,
                             "logprobs": chat_logprobs(acc["token_ids"], acc["logprobs"], k) if req.logprobs else None,
                             "finish_reason": finish, "stop_reason": acc["stop_reason"]})

@@ -1,0 +1,99 @@
+"""Reasoning parsers (vLLM's `--reasoning-parser`): a thinking model's reply split into its reasoning, the text
+between `<think>` and `</think>`, and its content, the text after. Chat completions return the reasoning as
+`message.reasoning` (and under its older name, `reasoning_content`); Ollama's API as `thinking`.
+
+- `deepseek_r1`: the reply starts inside its reasoning (DeepSeek-R1's template opens `<think>` in the prompt; a
+  reply that opens it itself is read the same). Everything before `</think>` is reasoning; with no `</think>`
+  (cut short) the whole reply is.
+- `qwen3`: the reply reasons only when it opens with `<think>` (Qwen3 with `enable_thinking` off, and any other
+  reply, has no reasoning and is all content); a `</think>` ends the reasoning.
+
+The content after `</think>` starts at its first character that is not a line break. A stream is split the
+same way (`ReasoningStream`), whichever way its text is cut into pieces.
+"""
+
+from __future__ import annotations
+
+PARSERS = ("deepseek_r1", "qwen3")
+START, END = "<think>", "</think>"
+
+
+def split(parser: str, text: str) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a whole reply; None for a part the reply does not have."""
+    stream = ReasoningStream(parser)
+    reasoning, content = stream.feed(text)
+    more_reasoning, more_content = stream.finish()
+    reasoning, content = reasoning + more_reasoning, content + more_content
+    return (reasoning if stream.reasoned else None), (content if content or not stream.reasoned else None)
+
+
+def _held(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could begin `tag` (and must wait for the next piece)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningStream:
+    """Splits a reply streamed in pieces: `feed(piece)` gives the (reasoning, content) text that piece completes,
+    `finish()` what was held back at the end. A piece that may end inside a tag is held until the next."""
+
+    def __init__(self, parser: str) -> None:
+        if parser not in PARSERS:
+            raise ValueError(f"unknown reasoning parser {parser!r} (one of {', '.join(PARSERS)})")
+        self.parser = parser
+        # "open": before the reply's first text (has it opened <think>?); "reasoning"; "content"
+        self.state = "open"
+        self.reasoned = False  # whether the reply has a reasoning part
+        self.pending = ""
+        self.content_started = False  # past the line breaks that follow </think>
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        self.pending += piece
+        reasoning, content = "", ""
+        while True:
+            if self.state == "open":
+                text = self.pending.lstrip()
+                if len(text) < len(START) and START.startswith(text):  # nothing yet, or a beginning of <think>
+                    return reasoning, content
+                if text.startswith(START):
+                    self.pending, self.state, self.reasoned = text[len(START):], "reasoning", True
+                elif self.parser == "deepseek_r1":
+                    self.state, self.reasoned = "reasoning", True
+                else:
+                    self.state = "content"
+                    self.content_started = True
+            elif self.state == "reasoning":
+                at = self.pending.find(END)
+                if at < 0:
+                    keep = _held(self.pending, END)
+                    reasoning += self.pending[:len(self.pending) - keep]
+                    self.pending = self.pending[len(self.pending) - keep:]
+                    return reasoning, content
+                reasoning += self.pending[:at]
+                self.pending, self.state = self.pending[at + len(END):], "content"
+            else:
+                if not self.content_started:
+                    self.pending = self.pending.lstrip("\r\n")
+                    if not self.pending:
+                        return reasoning, content
+                    self.content_started = True
+                content += self.pending
+                self.pending = ""
+                return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """The text held back at the end of the reply."""
+        held, self.pending = self.pending, ""
+        if self.state == "open":  # the reply was only (a beginning of) <think>, or nothing
+            if held.strip() == START:
+                self.reasoned = True
+                return "", ""
+            if self.parser == "deepseek_r1" and held:
+                self.reasoned = True
+                return held, ""
+            return "", held
+        if self.state == "reasoning":
+            return held, ""
+        return "", held if self.content_started else ""
