@@ -110,6 +110,9 @@ class SamplingParams:
     _eos_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
     # bad_words as token sequences, filled where the tokenizer is (tokenize_bad_words); not a user field
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # structured output after a reasoning part: the grammar applies from the token after the output first ends
+    # with these ids (the reasoning's end tag); empty: from the first token. Set by the server's reasoning parser.
+    _grammar_after: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -264,8 +264,9 @@ class EngineCore:
                 self.failed.append((rid, str(req.grammar.exception())))
                 continue
             req.grammar = req.grammar.result()
-            req.seqs[0].matcher = new_matcher(req.grammar)
-            self.scheduler.add(req.seqs[0])
+            seq = req.seqs[0]
+            seq.matcher, seq.grammar_after = new_matcher(req.grammar), tuple(req.params._grammar_after)
+            self.scheduler.add(seq)
 
     def take_errors(self) -> list[tuple[str, str]]:
         """Requests refused since the last call (a grammar that did not compile), as (request id, message)."""
@@ -389,8 +390,10 @@ class EngineCore:
             for r, (seq, sampled) in enumerate(zip(out.seqs, out.sampled.tolist(), strict=True)):
                 req = seq.request
                 if sampled and req.params.n > 1 and not req.forked:
+                    grammar = req.grammar is not None
                     out.forks[r] = [Sequence(req, i, list(seq.token_ids), generator=req.make_generator(i),
-                                             matcher=new_matcher(req.grammar) if req.grammar is not None else None)
+                                             matcher=new_matcher(req.grammar) if grammar else None,
+                                             grammar_after=tuple(req.params._grammar_after) if grammar else ())
                                     for i in range(1, req.params.n)]
         return start
 

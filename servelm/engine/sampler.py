@@ -138,7 +138,7 @@ class Sampler:
     def _process_and_choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Logit bias, min_tokens, penalties and the grammar's mask, then a token for each row (greedy or drawn)."""
         logits = self._process(logits, seqs)
-        grammar_rows = [r for r, s in enumerate(seqs) if s.matcher is not None]
+        grammar_rows = [r for r, s in enumerate(seqs) if s.matcher is not None and not s.grammar_after]
         if grammar_rows:  # a batch without structured output never gets here
             from servelm.engine.structured import mask_logits
 

@@ -69,6 +69,9 @@ class Sequence:
     # structured output: the grammar's state after this sample's tokens (structured.new_matcher's); it stays
     # with the sequence through preemption, so a resumed sample goes on where it was
     matcher: Any = None
+    # the end-of-reasoning ids the output must end with before the grammar applies (params._grammar_after);
+    # () once it does
+    grammar_after: tuple[int, ...] = ()
     batch_row: int = -1  # its row in the scheduler's running batch (engine/input_batch.py) while running, else -1
 
     @property

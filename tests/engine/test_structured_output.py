@@ -196,6 +196,28 @@ def test_offline_api_preemption_and_only_grammar_rows_masked(llama_dir, backend,
         llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(json={"if": {}})))
 
 
+def test_a_grammar_after_reasoning_waits_for_its_end_tag(llama_dir, backend):
+    """SamplingParams._grammar_after (what the server's reasoning parser sets to </think>'s ids): each sample
+    runs free, as greedy decoding does, until its output ends with those ids, and follows the grammar from the
+    next token; without it the grammar holds from the first."""
+    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=64, structured_output_backend=backend)
+    tok = llm.get_tokenizer()
+    prompt = [1] + list(range(60, 75))
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    end = free[3:5]  # two of its greedy tokens stand for the end tag
+    k = next(i for i in range(len(free)) if free[i:i + 2] == end) + 2  # where the tag first ends
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    deferred = SamplingParams(n=2, temperature=0, max_tokens=40, structured_outputs=choice)
+    deferred._grammar_after = list(end)
+    for c in llm.generate([prompt], deferred, use_tqdm=False)[0].outputs:
+        assert c.token_ids[:k] == free[:k]
+        assert tok.decode(c.token_ids[k:], skip_special_tokens=True) in ("yes", "no") and c.finish_reason == "stop"
+    now = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, structured_outputs=choice),
+                       use_tqdm=False)[0].outputs[0]
+    assert now.text in ("yes", "no")
+
+
 def test_base_install_without_xgrammar(llama_dir, monkeypatch):
     """Without the structured extra (xgrammar cannot be imported): auto is llguidance and grammars work offline;
     asking for xgrammar is a configuration error that says how to install it."""

@@ -28,7 +28,9 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
 
-# A Hermes-style template of our own: it shows the model the tools, earlier calls and their results.
+# A Hermes-style template of our own: it shows the model the tools, earlier calls and their results. Thinking is
+# off unless enable_thinking is true (as Granite's template does it): its prompt then closes an empty <think>
+# block, so the tool tests' grammars apply from the reply's first token under the server's reasoning parser.
 TEMPLATE = """{%- if tools %}<|im_start|>system
 Tools: {% for t in tools %}{{ t.function | tojson }}{% endfor %}<|im_end|>
 {% endif %}{%- for m in messages %}<|im_start|>{{ m.role }}
@@ -36,7 +38,7 @@ Tools: {% for t in tools %}{{ t.function | tojson }}{% endfor %}<|im_end|>
 {{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}
 </tool_call>{% endfor %}<|im_end|>
 {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
-{% if enable_thinking is defined and not enable_thinking %}<think>
+{% if not enable_thinking | default(false) %}<think>
 
 </think>
 
@@ -263,8 +265,22 @@ def test_reasoning_comes_apart_from_content_and_calls(client, stream):
     assert ask(THOUGHT + "It is sunny.", include_reasoning=False) == (None, None, "It is sunny.", [], "stop")
 
 
+def test_a_grammar_waits_for_the_reasoning_to_end(client):
+    """With thinking on, the prompt leaves the reasoning open: the grammar (here a guided_choice) waits for the
+    reply's </think>, which the random model never writes, so the reply runs free to max_tokens; with the
+    template's thinking off the same request follows the grammar from its first token."""
+    kw = dict(model="tiny", messages=MSGS, max_tokens=8, temperature=0)
+    forced = {"guided_choice": ["It is sunny."]}
+    free = client.chat.completions.create(**kw, extra_body={**forced, "chat_template_kwargs": {
+        "enable_thinking": True}}).choices[0]
+    plain = client.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {
+        "enable_thinking": True}}).choices[0]
+    assert free.message.content == plain.message.content != "It is sunny." and free.finish_reason == "length"
+    assert client.chat.completions.create(**kw, extra_body=forced).choices[0].message.content == "It is sunny."
+
+
 def test_ollama_think_asks_the_template_and_splits_the_reply(server, client):
-    """Ollama's think: false reaches the chat template as enable_thinking (the prompt it renders is the one
+    """Ollama's think reaches the chat template as enable_thinking (the prompt it renders is the one
     chat_template_kwargs gives), and with the server's parser a reply is split into thinking and content."""
     import httpx
 
@@ -272,13 +288,14 @@ def test_ollama_think_asks_the_template_and_splits_the_reply(server, client):
 
     base = {"model": "tiny", "messages": MSGS, "stream": False, "options": {"temperature": 0, "num_predict": 4}}
     plain = httpx.post(server + "/api/chat", json=base).json()
-    off = httpx.post(server + "/api/chat", json={**base, "think": False}).json()
-    ref = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, temperature=0,
-                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    assert off["prompt_eval_count"] == ref.usage.prompt_tokens > plain["prompt_eval_count"]
-    assert off["message"]["content"] == ref.choices[0].message.content
     on = httpx.post(server + "/api/chat", json={**base, "think": True}).json()
-    assert on["message"]["content"] == plain["message"]["content"] and "thinking" not in on["message"]
+    ref = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, temperature=0,
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert on["prompt_eval_count"] == ref.usage.prompt_tokens < plain["prompt_eval_count"]
+    assert on["message"]["content"] == ref.choices[0].message.content and "thinking" not in on["message"]
+    off = httpx.post(server + "/api/chat", json={**base, "think": False}).json()
+    assert off["prompt_eval_count"] == plain["prompt_eval_count"]
+    assert off["message"]["content"] == plain["message"]["content"]
     bad = httpx.post(server + "/api/chat", json={**base, "think": "high"})
     assert bad.status_code == 400 and "think" in bad.json()["error"]
     text = THOUGHT + "It is sunny."

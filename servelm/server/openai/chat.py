@@ -9,11 +9,12 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from servelm.sampling_params import SamplingParams
 from servelm.server.common import Api, record, sse, usage
 from servelm.server.openai import protocol as p
 from servelm.server.openai.logprobs import chat_logprobs, prompt_logprobs
 from servelm.server.openai.protocol import APIError
-from servelm.server.openai.reasoning import ReasoningStream, split
+from servelm.server.openai.reasoning import ReasoningStream, defer_grammar, split
 from servelm.server.openai.tools import ToolReply, choose_parser, template_tools
 
 
@@ -32,6 +33,8 @@ def add_routes(app: FastAPI, api: Api) -> None:
         show = thinking is not None and req.include_reasoning
         if tools.active and tools.parser == "mistral":
             params.skip_special_tokens = False  # [TOOL_CALLS] is a special token: the parser must see it
+        if thinking and isinstance(params, SamplingParams):
+            defer_grammar(params, m.tokenizer, ids)
         prio = api.admit(m, request, req, [ids], [params])
         api.log_prompt(request, [msg.text() for msg in req.messages])
         rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -14,6 +14,8 @@ same way (`ReasoningStream`), whichever way its text is cut into pieces.
 
 from __future__ import annotations
 
+from typing import Any
+
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
 
@@ -25,6 +27,18 @@ def split(parser: str, text: str) -> tuple[str | None, str | None]:
     more_reasoning, more_content = stream.finish()
     reasoning, content = reasoning + more_reasoning, content + more_content
     return (reasoning if stream.reasoned else None), (content if content or not stream.reasoned else None)
+
+
+def defer_grammar(params: Any, tokenizer: Any, prompt_ids: list[int]) -> None:
+    """Under a reasoning parser, a request's grammar (structured output, a required tool call) constrains the
+    answer, not the reasoning before it (vLLM's rule): it waits for the output to end with `</think>` as the
+    tokenizer encodes it, unless the prompt already closed the reasoning (Qwen3's template with
+    enable_thinking off ends with an empty `<think></think>`)."""
+    if params.structured_outputs is None:
+        return
+    if tokenizer.decode(prompt_ids[-16:]).rstrip().endswith(END):
+        return
+    params._grammar_after = list(tokenizer.encode(END, add_special_tokens=False))
 
 
 def _held(text: str, tag: str) -> int:
