@@ -14,6 +14,8 @@ WORKLOADS = {"W1": dict(n=64, prompt=128, out=128, seed=0), "W2": dict(n=1, prom
              "W1-sampled": dict(n=64, prompt=128, out=128, seed=0, sampled=True)}
 # The sampled variant's settings (../shared/workloads.md): what chat traffic sends, where greedy decoding is rare.
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
+# Beam search (beam_search_peers.py): n prompts of `prompt` tokens searched together, `width` beams, `out` steps.
+BEAM = dict(n=8, prompt=64, out=32, width=4, seed=2)
 
 
 def sampled(workload: str) -> bool:
@@ -113,3 +115,35 @@ def serve(system: str, version: str, args: argparse.Namespace, load_s: float, me
         if line.strip():
             run = argparse.Namespace(**{**vars(args), "workload": line.strip(), "reps": 1})
             report(system, version, run, load_s, measure_one(run))
+
+
+def beam_parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc)
+    p.add_argument("--model", required=True, help="Hugging Face folder")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16", help="the model's compute dtype (bfloat16, float32)")
+    return p
+
+
+def beam_prompts(vocab: int = 32000, bos: int = 1) -> list[list[int]]:
+    rng = np.random.Generator(np.random.PCG64(BEAM["seed"]))
+    return [[bos] + [int(i) for i in rng.integers(4, vocab, size=BEAM["prompt"] - 1)] for _ in range(BEAM["n"])]
+
+
+def report_beam(system: str, version: str, args: argparse.Namespace, load_s: float, search) -> None:
+    """Time `search(prompts)` (a list of sequences of token ids per prompt, best first, prompt included) after a
+    warm-up: the median of args.reps, and each prompt's best beam (its own tokens) for the comparison."""
+    ps = beam_prompts()
+    search(ps[:1])
+    walls, best = [], None
+    for _ in range(args.reps):
+        with Timer() as t:
+            out = search(ps)
+        walls.append(t.s)
+        best = [seqs[0][len(p):] for p, seqs in zip(ps, out, strict=True)]
+    s = median(walls)
+    row = {"system": system, "version": version, "threads": args.threads, "load_s": round(load_s, 2),
+           "seconds": round(s, 3), "beam_tok_per_s": round(BEAM["n"] * BEAM["width"] * BEAM["out"] / s, 1),
+           "best": best}
+    print("RESULT " + json.dumps(row), flush=True)
