@@ -417,3 +417,68 @@ def test_web_page_renders_model_markdown_without_html(served, browser):
     assert "<script>window.pwned=2</script>" in msgs.find_element(By.CSS_SELECTOR, "pre code").text
     assert [a.get_attribute("href") for a in msgs.find_elements(By.TAG_NAME, "a")] == ["https://example.org/x"]
     assert "<img" in msgs.text and "<i>hi</i>" in msgs.text
+
+
+def test_web_page_shows_reasoning_apart_from_the_answer(served, browser):
+    """A reasoning model's stream, as the server's reasoning parser sends it (delta.reasoning, then content):
+    the page shows the thinking in its own fold, open while only thinking arrives and folded once the answer
+    begins, and the answer alone in the reply's body; the conversation it sends on keeps only the answer. The
+    stream is the page's fetch answered in the browser, so that the tiny random model need not think."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    _, url = served
+    b = browser
+    wait = WebDriverWait(b, 60, poll_frequency=0.05)
+    b.get(url + "/")
+    b.execute_script("localStorage.setItem('servelm.apiKey', arguments[0]);"
+                     "localStorage.setItem('servelm.chats.v1', JSON.stringify({current: null, chats: []}))", KEY)
+    b.refresh()
+    wait.until(lambda d: [o.text for o in d.find_elements(By.CSS_SELECTOR, "#model option")] == ["tiny"])
+    # each chat request is answered by a stream the test releases one event at a time
+    b.execute_script("""
+        window.sent = []; window.release = [];
+        const real = window.fetch;
+        window.fetch = (url, opts) => {
+          if (!String(url).endsWith('/v1/chat/completions')) return real(url, opts);
+          window.sent.push(JSON.parse(opts.body));
+          const enc = new TextEncoder();
+          const stream = new ReadableStream({ start(c) {
+            window.release.push((event) => {
+              if (event === null) c.close();
+              else c.enqueue(enc.encode('data: ' + JSON.stringify(event) + '\\n\\n'));
+            });
+          } });
+          return Promise.resolve(new Response(stream, { status: 200 }));
+        };""")
+
+    def push(delta=None, done=False):
+        event = None if done else {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+        b.execute_script("window.release[window.release.length - 1](arguments[0])", event)
+
+    def thinking():
+        return b.execute_script(
+            "const m = [...document.querySelectorAll('#messages .msg.assistant')].pop();"
+            "const t = m && m.querySelector('.thinking');"
+            "return t ? [t.open, t.querySelector('summary').innerText, t.querySelector('div').textContent] : null;")
+
+    b.find_element(By.ID, "prompt").send_keys("Is 9.11 more than 9.8?\n")
+    wait.until(lambda d: d.execute_script("return window.release.length") == 1)
+    push({"role": "assistant", "content": ""})
+    push({"reasoning": "Compare the tenths: ", "reasoning_content": "Compare the tenths: "})
+    push({"reasoning": "1 < 8.", "reasoning_content": "1 < 8."})
+    wait.until(lambda d: thinking() == [True, "Thinking…", "Compare the tenths: 1 < 8."])
+    assert _reply(b)[1] == ""
+    push({"content": "No, 9.8 is **more**."})
+    push(done=True)
+    wait.until(lambda d: _reply(d)[0] == "done")
+    assert thinking() == [False, "Thought", "Compare the tenths: 1 < 8."]
+    assert _reply(b)[1] == "No, 9.8 is more."
+    stored = _stored(b)["chats"][0]["messages"][1]
+    assert stored["reasoning"] == "Compare the tenths: 1 < 8." and stored["content"] == "No, 9.8 is **more**."
+    # the next turn sends the answer, not the thinking, back to the model
+    b.find_element(By.ID, "prompt").send_keys("Why?\n")
+    wait.until(lambda d: d.execute_script("return window.release.length") == 2)
+    assert b.execute_script("return window.sent[1].messages")[-2] == {"role": "assistant",
+                                                                       "content": "No, 9.8 is **more**."}
+    push(done=True)

@@ -138,8 +138,28 @@
     const stats = document.createElement("div");
     stats.className = "stats";
     stats.textContent = statsText(m);
-    node.replaceChildren(role, body, stats);
+    const parts = [role];
+    if (m.reasoning) parts.push(renderThinking(m));
+    node.replaceChildren(...parts, body, stats);
     return node;
+  }
+
+  // A reasoning model's thinking (the server's reasoning parser sends it as delta.reasoning): shown as text,
+  // folded once the answer begins unless the reader opened it.
+  function renderThinking(m) {
+    const box = document.createElement("details");
+    box.className = "thinking";
+    box.open = m.thinkingOpen ?? (m.state === "streaming" && !m.content);
+    const summary = document.createElement("summary");
+    summary.textContent = m.state === "streaming" && !m.content ? "Thinking…" : "Thought";
+    const text = document.createElement("div");
+    text.textContent = m.reasoning;
+    box.replaceChildren(summary, text);
+    // the reader's choice, kept across redraws (a toggle event would also fire for the open set above)
+    summary.addEventListener("click", () => {
+      m.thinkingOpen = !box.open;
+    });
+    return box;
   }
 
   function renderChats() {
@@ -256,12 +276,14 @@
             if (obj.error) throw new Error(obj.error.message || "the server reported an error");
             if (obj.usage) usage = obj.usage;
             const delta = obj.choices && obj.choices[0] && obj.choices[0].delta;
-            if (delta && delta.content) {
+            const thought = delta && (delta.reasoning || delta.reasoning_content);
+            if (delta && (delta.content || thought)) {
               const now = performance.now();
               if (tFirst === undefined) tFirst = now;
               tLast = now;
               chunks++;
-              reply.content += delta.content;
+              if (thought) reply.reasoning = (reply.reasoning || "") + thought;
+              if (delta.content) reply.content += delta.content;
               if (Date.now() - lastSaved > 500) save();
               if (!pending) {
                 pending = true;
