@@ -21,6 +21,7 @@ from servelm.server.common import Api, record
 from servelm.server.openai import protocol as p
 from servelm.server.openai import responses_protocol as r
 from servelm.server.openai.protocol import APIError
+from servelm.server.openai.reasoning import ReasoningStream, split
 
 _ROLES = {"system": p.SystemMessage, "developer": p.DeveloperMessage, "user": p.UserMessage,
           "assistant": p.AssistantMessage}
@@ -84,56 +85,100 @@ def add_routes(app: FastAPI, api: Api) -> None:
         params = api.params(m, body, len(ids))
         prio = api.admit(m, request, body, [ids], [params])
         api.log_prompt(request, [x["content"] for x in conv])
-        rid, item_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+        rid, item_id, rs_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", f"rs_{uuid.uuid4().hex}"
         created = int(time.time())
         job = (rid, ids, params, None, prio, api.cache_salt(request, body))
+        parser = api.state.config.server.api_config.reasoning_parser
+        thinking = parser if parser != "none" else None  # the reply's reasoning becomes a reasoning item
 
-        def finished(text: str, out_tokens: int, finish: str | None) -> dict:
+        def finished(text: str, out_tokens: int, finish: str | None, thought: str | None) -> dict:
             model = record(request).model or m.served_name
             status = "incomplete" if finish == "length" else "completed"
-            res = r.response_object(rid, created, model, body, status, [r.message_item(item_id, text, "completed")],
-                                    r.usage(len(ids), out_tokens))
-            if body.store:
+            output = ([r.reasoning_item(rs_id, thought, "completed")] if thought is not None else []) + \
+                [r.message_item(item_id, text, "completed")]
+            res = r.response_object(rid, created, model, body, status, output, r.usage(len(ids), out_tokens))
+            if body.store:  # the conversation goes on from the answer; the reasoning is not sent back
                 store.put(rid, Stored(owner, res, history + new + [{"role": "assistant", "content": text}]))
             return res
 
         if not body.stream:
             [final] = await api.collect(m, request, [job])
             acc = final[0]
-            return finished(acc["text"], len(acc["token_ids"]), acc["finish"])
+            thought, text = split(thinking, acc["text"]) if thinking else (None, acc["text"])
+            return finished(text or "", len(acc["token_ids"]), acc["finish"], thought or None)
 
         head = await api.open(m, request, job)
 
         async def events():
             seq = [-1]
-            where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+            where = {"item_id": item_id, "output_index": 0, "content_index": 0}  # the message's place
+            in_reasoning = {"item_id": rs_id, "output_index": 0, "content_index": 0}
             start = r.response_object(rid, created, record(request).model or m.served_name, body, "in_progress", [])
             yield _event(seq, "response.created", {"response": start})
             yield _event(seq, "response.in_progress", {"response": start})
-            yield _event(seq, "response.output_item.added",
-                         {"output_index": 0, "item": r.message_item(item_id, "", "in_progress")})
-            yield _event(seq, "response.content_part.added",
-                         {**where, "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
+            splitter = ReasoningStream(thinking) if thinking else None
+            thought: str | None = None  # the reasoning item's text once it is open
+            message_open = False
+
+            def open_message():
+                """The message item's opening events, after the reasoning item's closing ones if it is open."""
+                nonlocal message_open
+                message_open, events = True, []
+                if thought is not None:
+                    events += [_event(seq, "response.reasoning_text.done", {**in_reasoning, "text": thought}),
+                               _event(seq, "response.output_item.done",
+                                      {"output_index": 0, "item": r.reasoning_item(rs_id, thought, "completed")})]
+                    where["output_index"] = 1
+                events += [_event(seq, "response.output_item.added", {"output_index": where["output_index"],
+                                                                        "item": r.message_item(item_id, "",
+                                                                                               "in_progress")}),
+                           _event(seq, "response.content_part.added",
+                                  {**where, "part": {"type": "output_text", "text": "", "annotations": [],
+                                                     "logprobs": []}})]
+                return events
+
+            if splitter is None:  # all content: the message opens at once
+                for e in open_message():
+                    yield e
             text, n_out, finish = "", 0, None
             try:
                 async for out in head:
                     c = out.outputs[0]
                     n_out += len(c.token_ids)
                     finish = c.finish_reason or finish
-                    if c.text:
-                        text += c.text
-                        yield _event(seq, "response.output_text.delta", {**where, "delta": c.text, "logprobs": []})
+                    piece_thought, piece = "", c.text
+                    if splitter is not None:
+                        piece_thought, piece = splitter.feed(c.text)
+                        if c.finish_reason is not None:
+                            more_thought, more = splitter.finish()
+                            piece_thought, piece = piece_thought + more_thought, piece + more
+                    if piece_thought and not message_open:
+                        if thought is None:
+                            thought = ""
+                            yield _event(seq, "response.output_item.added",
+                                         {"output_index": 0, "item": r.reasoning_item(rs_id, "", "in_progress")})
+                        thought += piece_thought
+                        yield _event(seq, "response.reasoning_text.delta", {**in_reasoning, "delta": piece_thought})
+                    if piece:
+                        if not message_open:
+                            for e in open_message():
+                                yield e
+                        text += piece
+                        yield _event(seq, "response.output_text.delta", {**where, "delta": piece, "logprobs": []})
             except APIError as e:
                 record(request).error = e.message
                 failed = r.response_object(rid, created, m.served_name, body, "failed", [],
                                            error={"code": e.code or "server_error", "message": e.message})
                 yield _event(seq, "response.failed", {"response": failed})
                 return
+            if not message_open:  # a reply that was all reasoning, or empty: its (empty) answer
+                for e in open_message():
+                    yield e
             yield _event(seq, "response.output_text.done", {**where, "text": text, "logprobs": []})
             item = r.message_item(item_id, text, "completed")
             yield _event(seq, "response.content_part.done", {**where, "part": item["content"][0]})
-            yield _event(seq, "response.output_item.done", {"output_index": 0, "item": item})
-            res = finished(text, n_out, finish)
+            yield _event(seq, "response.output_item.done", {"output_index": where["output_index"], "item": item})
+            res = finished(text, n_out, finish, thought)
             yield _event(seq, f"response.{res['status']}", {"response": res})
         return StreamingResponse(events(), media_type="text/event-stream")
 

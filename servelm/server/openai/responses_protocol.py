@@ -87,6 +87,12 @@ def message_item(item_id: str, text: str, status: str) -> dict:
             "content": [] if status == "in_progress" else [part]}
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict:
+    """A reasoning model's thinking (under the server's reasoning parser) as OpenAI's reasoning item."""
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def response_object(rid: str, created: int, model: str, body: ResponsesRequest, status: str,
                     output: list[dict], use: dict | None = None, error: dict | None = None) -> dict[str, Any]:
     """A Response as OpenAI shapes it; `status` in_progress, completed, incomplete or failed."""
