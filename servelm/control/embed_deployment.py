@@ -92,15 +92,16 @@ class EmbedDeployment:
     async def start(self) -> None:
         self.embedder = await self._started(self.version)
 
-    async def embed(self, texts: list[str]) -> tuple[list[np.ndarray], int]:
-        """L2-normalised sentence vectors and the token count (EmbedderDown while its process restarts)."""
+    async def embed(self, texts: list[str], truncate: int | None = None) -> tuple[list[np.ndarray], int]:
+        """L2-normalised sentence vectors and the token count (EmbedderDown while its process restarts);
+        `truncate` as Embedder.embed's."""
         emb = self.embedder
         if emb is None:
             raise Unavailable(f"{self.version.ref} is not loaded", code="engine_unavailable")
         self.last_used = time.monotonic()
         self._in_flight += 1
         try:
-            return await emb.embed(texts)
+            return await emb.embed(texts, truncate)
         finally:
             self._in_flight -= 1
             self.last_used = time.monotonic()

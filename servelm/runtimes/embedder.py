@@ -54,6 +54,9 @@ class EmbedderDown(RuntimeError):
     """The embedding process died (or is being replaced); the batch was not embedded."""
 
 
+# A text to embed, or (text, k): keep its last k tokens (truncate_prompt_tokens)
+EmbedInput = str | tuple[str, int]
+
 _worker: tuple | None = None  # (tokenizer, encoder, max_length), in the embedding process only
 
 
@@ -91,7 +94,7 @@ def _release_free_memory() -> None:
 _trim = None  # glibc's malloc_trim once looked up (False: none here)
 
 
-def _encode(texts: list[str]) -> tuple[np.ndarray, list[int], int]:
+def _encode(texts: list[EmbedInput]) -> tuple[np.ndarray, list[int], int]:
     """In the embedding process: L2-normalised mean-pooled vectors, each text's tokens, padded size."""
     try:
         return _encode_batch(texts)
@@ -99,12 +102,30 @@ def _encode(texts: list[str]) -> tuple[np.ndarray, list[int], int]:
         _release_free_memory()
 
 
-def _encode_batch(texts: list[str]) -> tuple[np.ndarray, list[int], int]:
+def _tokenize(tokenizer, texts: list[EmbedInput], max_length: int):
+    """The batch's input tensors. A text alone is cut at the model's max_length from the end (the tokenizer's
+    default); a (text, k) pair keeps its last k tokens with the special tokens around them (vLLM's
+    truncate_prompt_tokens on embeddings: k -1 or above max_length means max_length)."""
+    if all(isinstance(t, str) for t in texts):  # the usual batch: one call
+        return tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    encs = []
+    try:
+        for item in texts:
+            text, k = (item, None) if isinstance(item, str) else item
+            tokenizer.truncation_side = "right" if k is None else "left"
+            cap = max_length if k is None or k == -1 else min(k, max_length)
+            encs.append(tokenizer(text, truncation=True, max_length=cap))
+    finally:
+        tokenizer.truncation_side = "right"
+    return tokenizer.pad(encs, return_tensors="pt")
+
+
+def _encode_batch(texts: list[EmbedInput]) -> tuple[np.ndarray, list[int], int]:
     import torch
 
     assert _worker is not None
     tokenizer, model, max_length = _worker
-    enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    enc = _tokenize(tokenizer, texts, max_length)
     mask = enc["attention_mask"]
     hidden = model(**enc)
     pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
@@ -143,14 +164,15 @@ class Embedder:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def embed(self, texts: list[str]) -> tuple[list[np.ndarray], int]:
-        """Embed texts (L2-normalised mean pooling); returns the vectors and the token count."""
+    async def embed(self, texts: list[str], truncate: int | None = None) -> tuple[list[np.ndarray], int]:
+        """Embed texts (L2-normalised mean pooling); returns the vectors and the token count. `truncate`: keep
+        each text's last that many tokens (-1: the model's max_length), instead of cutting its end."""
         if self._batcher is None:
             self._batcher = FairBatcher(self._run, self.max_batch_size, self.window)
-        results = await self._batcher.submit(texts)
+        results = await self._batcher.submit(texts if truncate is None else [(t, truncate) for t in texts])
         return [r[0] for r in results], sum(r[1] for r in results)
 
-    async def _run(self, texts: list[str]) -> tuple[list[np.ndarray], list[int]]:
+    async def _run(self, texts: list[EmbedInput]) -> tuple[list[np.ndarray], list[int]]:
         pool = self._pool
         try:
             vecs, lens, padded = await asyncio.wrap_future(pool.submit(_encode, texts))

@@ -425,6 +425,29 @@ def test_embeddings_float_and_base64(server, client):
     assert emb["batches"] >= 1 and emb["real_tokens"] <= emb["padded_tokens"]
 
 
+def test_embeddings_truncate_prompt_tokens_keeps_each_inputs_end(server):
+    """vLLM's truncate_prompt_tokens on /v1/embeddings: each input is embedded from its last k tokens, with the
+    model's special tokens around them (k counts them), as the text of those words alone would be; -1 and a
+    short input leave it whole; 0 is a 400."""
+    words = "one two three four five six seven eight nine ten"  # one wordpiece each
+    tail = "seven eight nine ten"
+
+    def embed(body):
+        r = httpx.post(server + "/v1/embeddings", json=body)
+        assert r.status_code == 200, r.text
+        return np.array([d["embedding"] for d in r.json()["data"]]), r.json()["usage"]["prompt_tokens"]
+
+    cut, tokens = embed({"input": [words, "a cat"], "truncate_prompt_tokens": 6})
+    (want, whole, cat), _ = embed({"input": [tail, words, "a cat"]})
+    assert tokens == 6 + 4  # [CLS] four words [SEP], and "a cat" whole
+    assert np.allclose(cut[0], want, atol=1e-5) and not np.allclose(cut[0], whole, atol=1e-2)
+    assert np.allclose(cut[1], cat, atol=1e-5)
+    same, _ = embed({"input": words, "truncate_prompt_tokens": -1})
+    assert np.allclose(same[0], whole, atol=1e-5)
+    r = httpx.post(server + "/v1/embeddings", json={"input": words, "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_embedding_process_is_separate_and_replaced_when_it_dies(server):
     st = stats(server)
     pid, engine_pid = st["embeddings"]["pid"], st["engine"]["pid"]

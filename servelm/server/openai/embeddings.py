@@ -23,8 +23,9 @@ async def _embedder(api: Api, request: Request, model: str | None):
     return m, m.served_name
 
 
-async def _embed(api: Api, embedder, inputs: list[str]):
-    """(vectors, prompt tokens) of the inputs, after the request's caps are checked."""
+async def _embed(api: Api, embedder, inputs: list[str], truncate: int | None = None):
+    """(vectors, prompt tokens) of the inputs, after the request's caps are checked; `truncate`: embed each
+    input's last that many tokens."""
     if not inputs or any(not isinstance(s, str) or not s for s in inputs):
         raise APIError(400, "input must be a non-empty string or a list of non-empty strings", "input")
     cap = api.state.config.admission.max_embedding_inputs
@@ -33,7 +34,7 @@ async def _embed(api: Api, embedder, inputs: list[str]):
                             "(admission.max_embedding_inputs); split it into several requests", "input",
                        "limit_exceeded")
     try:
-        return await embedder.embed(inputs)
+        return await (embedder.embed(inputs) if truncate is None else embedder.embed(inputs, truncate))
     except EmbedderDown as e:
         raise APIError(503, str(e), code="embedder_unavailable") from e
     except ValueError as e:
@@ -45,7 +46,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
     async def embeddings(req: p.EmbeddingRequest, request: Request):
         embedder, name = await _embedder(api, request, req.model)
         inputs = [req.input] if isinstance(req.input, str) else req.input
-        vectors, tokens = await _embed(api, embedder, inputs)
+        vectors, tokens = await _embed(api, embedder, inputs, req.truncate_prompt_tokens)
         data = []
         for i, v in enumerate(vectors):
             emb = b64(v) if req.encoding_format == "base64" else v.tolist()

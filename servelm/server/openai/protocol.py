@@ -509,6 +509,15 @@ class EmbeddingRequest(_Body):
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
+    # vLLM's: embed each input's last k tokens (-1: the model's longest input) rather than its first ones
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+
+    @model_validator(mode="after")
+    def _truncation(self) -> EmbeddingRequest:
+        if self.truncate_prompt_tokens == 0:
+            raise APIError(400, "truncate_prompt_tokens must be at least 1, or -1 for the model's longest input",
+                           "truncate_prompt_tokens")
+        return self
 
 
 class TokenizeRequest(_Body):
