@@ -31,6 +31,22 @@ def block_preimage(parent_hash: bytes | None, token_ids: Sequence[int], num_prom
     return pre if num_prompt is None else pre + b"generated" + num_prompt.to_bytes(8, "little")
 
 
+_PARTIAL = b"servelm-partial\0"  # leads the preimage of a partly filled block's key
+
+
+def partial_preimage(parent_hash: bytes | None, token_ids: Sequence[int], num_prompt: int | None = None) -> bytes:
+    """What the key of a partly filled block's first len(token_ids) slots hashes: a tag, then as block_preimage.
+    Such a block is cached when its last sequence lets it go, and a later sequence whose prompt goes on from
+    the same tokens copies it rather than computing them again (beam search's next step, a conversation's next
+    turn)."""
+    return _PARTIAL + block_preimage(parent_hash, token_ids, num_prompt)
+
+
+def is_partial(content: bytes) -> bool:
+    """Whether a cached block's preimage is a partly filled block's (kv_persist saves full blocks only)."""
+    return content.startswith(_PARTIAL)
+
+
 def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], num_prompt: int | None = None) -> bytes:
     """Hash chain key of a full block: it identifies the block's tokens *and* everything before them.
 

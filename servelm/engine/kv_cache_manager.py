@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from servelm.engine.block_pool import BlockPool, block_key, block_preimage, root_hash
+from servelm.engine.block_pool import BlockPool, block_key, block_preimage, partial_preimage, root_hash
 from servelm.engine.sequence import Sequence
 
 
@@ -24,6 +24,24 @@ class BlockOps:
         return bool(self.swap_out or self.swap_in or self.copy)
 
 
+@dataclass
+class CachedPrefix:
+    """A sequence's prefix-cache hits: full blocks, then possibly a partly filled block whose first
+    `partial_tokens` slots go on from them (copied into a block of the sequence's own at admission)."""
+
+    blocks: list[int] = field(default_factory=list)
+    partial: int | None = None
+    partial_tokens: int = 0
+    block_size: int = 16
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks) or self.partial is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.blocks) * self.block_size + self.partial_tokens
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_cpu_blocks: int) -> None:
         self.block_size = block_size
@@ -31,6 +49,7 @@ class KVCacheManager:
         self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self._cpu_release_after_step: list[int] = []
         self.ops = BlockOps()
+        self._release_after_step: list[int] = []  # copy sources held until the copies have run
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
         self.num_cow_copies = 0
@@ -56,27 +75,43 @@ class KVCacheManager:
         for i in range(len(hashes), upto_tokens // bs):
             hashes.append(block_key(self._content(seq, i)))
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Blocks holding the longest cached prefix of seq (no side effects). At least one token is left
-        to compute, because sampling needs the last position's logits."""
+    def _partial_content(self, seq: Sequence, i: int, m: int) -> bytes:
+        """The preimage of the key of block i's first m slots (a partly filled block; see partial_preimage):
+        marked, as a full block is, when some of them are not prompt tokens."""
+        in_prompt = seq.num_prompt_tokens - i * self.block_size
+        tokens = seq.token_ids[i * self.block_size:i * self.block_size + m]
+        return partial_preimage(self._parent(seq, i), tokens, None if in_prompt >= m else max(in_prompt, 0))
+
+    def find_cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        """The longest cached prefix of seq (no side effects): full blocks, then the longest run of the next
+        block's tokens that a cached partly filled block holds. At least one token is left to compute, because
+        sampling needs the last position's logits."""
+        found = CachedPrefix(block_size=self.block_size)
         if not self.pool.enable_caching:
-            return []
+            return found
         self._update_hashes(seq, seq.num_tokens - 1)
-        blocks = []
         for i, h in enumerate(seq.block_hashes):
             b = self.pool.lookup(h, self._content(seq, i))
             if b is None:
                 break
-            blocks.append(b)
-        return blocks
+            found.blocks.append(b)
+        k = len(found.blocks)
+        for m in range(min(self.block_size - 1, seq.num_tokens - 1 - k * self.block_size), 0, -1):
+            content = self._partial_content(seq, k, m)
+            b = self.pool.lookup(block_key(content), content)
+            if b is not None:
+                found.partial, found.partial_tokens = b, m
+                break
+        return found
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: CachedPrefix | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens of seq; False (and no change) if blocks are short.
 
-        `cached_blocks`, for a sequence being admitted, are prefix-cache hits that become its first blocks.
+        `cached`, for a sequence being admitted, are prefix-cache hits: its full blocks become the sequence's
+        first blocks, a partly filled one is copied into a block of its own.
         """
         bs = self.block_size
-        if not cached_blocks:  # the common case, a running sequence's next tokens: often no new block at all
+        if not cached:  # the common case, a running sequence's next tokens: often no new block at all
             computed, table = seq.num_computed_tokens, seq.block_table
             need = -(-(computed + num_new_tokens) // bs) - len(table)
             # _needs_cow, inlined: this runs for every running sequence at every step
@@ -91,18 +126,23 @@ class KVCacheManager:
             if need:
                 table += self.pool.allocate_many(need)
             return True
-        num_computed = seq.num_computed_tokens + len(cached_blocks) * bs
-        have = len(seq.block_table) + len(cached_blocks)
-        need = max(0, -(-(num_computed + num_new_tokens) // bs) - have)
+        blocks, partial = cached.blocks, cached.partial
+        num_computed = seq.num_computed_tokens + cached.num_tokens
+        have = len(seq.block_table) + len(blocks)
+        need = max(0, -(-(num_computed + num_new_tokens) // bs) - have)  # the partial hit's copy among them
         # the hits become an admitted sequence's first blocks: nothing of its own is shared, no copy-on-write
-        if need + self.pool.num_taken_from_free(cached_blocks) > self.pool.num_free:
+        held = blocks + ([partial] if partial is not None else [])
+        if need + self.pool.num_taken_from_free(held) > self.pool.num_free:
             return False
-        for b in cached_blocks:
+        for b in held:
             self.pool.take(b)
-        seq.block_table.extend(cached_blocks)
+        seq.block_table.extend(blocks)
         seq.num_computed_tokens = num_computed
         if need:
             seq.block_table += self.pool.allocate_many(need)
+        if partial is not None:  # its slots into the sequence's block before the step runs; held until then
+            self.ops.copy.append((partial, seq.block_table[len(blocks)]))
+            self._release_after_step.append(partial)
         return True
 
     def append_blocks(self, seqs: list[Sequence]) -> list[int]:
@@ -164,7 +204,24 @@ class KVCacheManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_registered_blocks = parent.num_registered_blocks
 
+    def _register_partial(self, seq: Sequence) -> None:
+        """Enter seq's partly filled last computed block in the prefix cache, as it lets it go: a sequence that
+        goes on from the same tokens copies its slots. Only a block that seq alone holds and that has no key yet
+        (one shared with a fork keeps filling up for the fork, and is registered whole when full)."""
+        bs = self.block_size
+        i, m = divmod(seq.num_computed_tokens, bs)
+        if not m or i >= len(seq.block_table):
+            return
+        block = seq.block_table[i]
+        if self.pool.ref_counts[block] != 1 or self.pool.block_hash[block] is not None:
+            return
+        self._update_hashes(seq, i * bs)
+        content = self._partial_content(seq, i, m)
+        self.pool.cache(block, block_key(content), content)
+
     def free(self, seq: Sequence) -> None:
+        if self.pool.enable_caching and seq.block_table:
+            self._register_partial(seq)
         # Tail first, so that the blocks least likely to be shared are evicted first.
         self.pool.release_many(reversed(seq.block_table))
         seq.block_table = []
@@ -223,6 +280,9 @@ class KVCacheManager:
         # run, which the runner copies as one slice per layer
         self.cpu_free.extend(reversed(self._cpu_release_after_step))
         self._cpu_release_after_step = []
+        if self._release_after_step:  # the partial prefix hits' sources, copied by now
+            self.pool.release_many(self._release_after_step)
+            self._release_after_step = []
 
     # -- stats -------------------------------------------------------------------------------------
     @property

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
+from servelm.engine.block_pool import is_partial
 from servelm.model.attention.kv_quant import raw
 
 if TYPE_CHECKING:
@@ -138,7 +139,8 @@ def save(core: EngineCore, path: str | Path, digest: str) -> KVTransfer:
     only, since it holds prompts' token ids). Run between engine steps."""
     t0 = time.perf_counter()
     path = Path(path)
-    blocks = core.kv.pool.cached_blocks()
+    # full blocks only: a partly filled one's slots past its key are whatever was there (see partial_preimage)
+    blocks = [b for b in core.kv.pool.cached_blocks() if not is_partial(b[2])]
     header = json.dumps(_header(core, digest, len(blocks)), sort_keys=True).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

@@ -279,15 +279,15 @@ class Scheduler(QueueOrder, StepUpdate):
                     break
             else:
                 # prompt logprobs need every prompt position's logits: no cached prefix for those
-                cached = [] if seq.request.needs_prompt_logprobs else kv.find_cached_prefix(seq)
-                remaining = seq.num_tokens - len(cached) * kv.block_size
+                cached = None if seq.request.needs_prompt_logprobs else kv.find_cached_prefix(seq)
+                remaining = seq.num_tokens - (cached.num_tokens if cached else 0)
                 if remaining > budget and not chunked:
                     break
                 k = min(remaining, budget, prefill if chunked else budget)
                 if not kv.allocate(seq, k, cached):
                     break
                 if seq.first_scheduled is None:
-                    seq.num_cached_tokens = len(cached) * kv.block_size
+                    seq.num_cached_tokens = cached.num_tokens if cached else 0
                     kv.record_prefix_query(seq, seq.num_cached_tokens)
             self.waiting.pop(0)
             self._count_waiting(seq, -1)

@@ -48,6 +48,23 @@ def test_beam_search_equals_transformers(llm, hf_models):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_a_prompt_that_goes_on_from_a_finished_one_copies_its_partly_filled_block(llm, hf_models):
+    """What makes a search step cost about one token per beam: a finished request's partly filled last block
+    is cached, and a prompt that goes on from its tokens copies it and computes only the rest (here one
+    token), with transformers' greedy output."""
+    from tiny_models import reference
+
+    from servelm import SamplingParams
+
+    [prompt] = random_prompts(1, 37, 37, seed=72)  # two full blocks of 16, then 5 tokens
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    [first] = llm.generate([prompt], one, use_tqdm=False)
+    longer = prompt + first.outputs[0].token_ids
+    [out] = llm.generate([longer], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert out.num_cached_tokens == len(prompt)  # not only the 32 of its full blocks
+    assert out.outputs[0].token_ids == reference(hf_models, "llama", [longer], 6)[0]
+
+
 def test_a_text_prompt_and_beam_width_one_is_greedy(llm):
     """Width 1 keeps the best token each step: greedy decoding's output, from a text prompt."""
     from servelm import SamplingParams

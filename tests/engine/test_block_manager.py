@@ -58,13 +58,13 @@ def test_different_cache_salts_never_share_blocks():
     kv = KVCacheManager(16, 4, enable_prefix_caching=True, num_cpu_blocks=0)
     tokens = list(range(13))
     first = computed(kv, tokens, salt="tenant-a")
-    assert len(kv.find_cached_prefix(make_seq(tokens, salt="tenant-a"))) == 3  # same salt: shared
+    assert len(kv.find_cached_prefix(make_seq(tokens, salt="tenant-a")).blocks) == 3  # same salt: shared
     for other in ("tenant-b", None):
-        assert kv.find_cached_prefix(make_seq(tokens, salt=other)) == []
+        assert not kv.find_cached_prefix(make_seq(tokens, salt=other))
     # and an unsalted prompt's blocks are not found by a salted one either
     computed(kv, list(range(100, 113)))
-    assert kv.find_cached_prefix(make_seq(list(range(100, 113)), salt="tenant-a")) == []
-    assert len(kv.find_cached_prefix(make_seq(list(range(100, 113))))) == 3
+    assert not kv.find_cached_prefix(make_seq(list(range(100, 113)), salt="tenant-a"))
+    assert len(kv.find_cached_prefix(make_seq(list(range(100, 113)))).blocks) == 3
     assert first.block_hashes != make_seq(tokens).block_hashes
 
 
@@ -75,9 +75,9 @@ def test_forced_hash_collision_is_not_served(monkeypatch):
     monkeypatch.setattr(kvm, "block_key", lambda preimage: b"\0" * 32)
     kv = KVCacheManager(16, 4, enable_prefix_caching=True, num_cpu_blocks=0)
     computed(kv, [5, 6, 7, 8, 9])
-    assert kv.find_cached_prefix(make_seq([1, 2, 3, 4, 9])) == []  # same key, other tokens: a miss
-    assert kv.find_cached_prefix(make_seq([5, 6, 7, 8, 9], salt="other")) == []  # same key, other salt
-    assert len(kv.find_cached_prefix(make_seq([5, 6, 7, 8, 1]))) == 1  # the true owner still hits
+    assert not kv.find_cached_prefix(make_seq([1, 2, 3, 4, 9]))  # same key, other tokens: a miss
+    assert not kv.find_cached_prefix(make_seq([5, 6, 7, 8, 9], salt="other"))  # same key, other salt
+    assert len(kv.find_cached_prefix(make_seq([5, 6, 7, 8, 1])).blocks) == 1  # the true owner still hits
 
 
 def test_lru_eviction_order():
@@ -101,12 +101,12 @@ def test_prefix_hit_takes_cached_block_out_of_free_queue():
     kv.free(a)
     b = make_seq(list(range(8)) + [50, 51, 52])
     hit = kv.find_cached_prefix(b)
-    assert len(hit) == 2
+    assert len(hit.blocks) == 2 and hit.partial is None  # [8, 9] were cached, not [50, 51]
     free_before = kv.num_free_blocks
     assert kv.allocate(b, 3, hit)
-    assert b.num_computed_tokens == 8 and b.block_table[:2] == hit
+    assert b.num_computed_tokens == 8 and b.block_table[:2] == hit.blocks
     assert kv.num_free_blocks == free_before - 3  # two cached blocks taken back + one new
-    assert all(kv.pool.ref_counts[x] == 1 for x in hit)
+    assert all(kv.pool.ref_counts[x] == 1 for x in hit.blocks)
 
 
 def test_full_prompt_hit_still_leaves_a_token_to_compute():
@@ -117,7 +117,54 @@ def test_full_prompt_hit_still_leaves_a_token_to_compute():
     kv.commit_computed(a)
     kv.free(a)
     again = make_seq(list(range(8)))
-    assert len(kv.find_cached_prefix(again)) == 1  # the last block is recomputed for its logits
+    assert len(kv.find_cached_prefix(again).blocks) == 1  # the last block is recomputed for its logits
+
+
+def test_a_partly_filled_block_is_copied_for_a_prompt_that_goes_on_from_it():
+    """A finished sequence's partly filled last block is cached; a prompt that continues its tokens takes the
+    full blocks and a copy of the partial one (the copy queued for the runner, its source held until the step
+    ends), and computes only the rest. Generated tokens, other tokens or another salt miss it."""
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True, num_cpu_blocks=0)
+    computed(kv, list(range(10)))  # blocks [0-3] [4-7] and [8, 9] in a partly filled one
+    child = make_seq(list(range(10)) + [77])  # beam search's next step: the parent's prompt and one token
+    hit = kv.find_cached_prefix(child)
+    assert len(hit.blocks) == 2 and hit.partial_tokens == 2 and hit.num_tokens == 10
+    assert kv.allocate(child, 1, hit)
+    assert child.num_computed_tokens == 10 and len(child.block_table) == 3
+    ops = kv.take_ops()
+    assert ops.copy == [(hit.partial, child.block_table[2])] and hit.partial != child.block_table[2]
+    assert kv.pool.ref_counts[hit.partial] == 1  # held until the copy has run
+    kv.end_step()
+    assert kv.pool.ref_counts[hit.partial] == 0  # free again, still cached
+    # the cached slots serve a prompt that holds all of them: [8] alone is another key
+    assert kv.find_cached_prefix(make_seq(list(range(9)) + [5, 6])).partial is None
+    assert not kv.find_cached_prefix(make_seq(list(range(10)) + [77], salt="other"))
+    assert kv.find_cached_prefix(make_seq(list(range(8)) + [9, 8, 1])).partial is None
+    # a block holding generated tokens is keyed apart: a prompt that holds the same tokens misses it
+    kv2 = KVCacheManager(8, 4, enable_prefix_caching=True, num_cpu_blocks=0)
+    gen = make_seq(list(range(9)))  # a 9-token prompt that then generated token 9
+    assert kv2.allocate(gen, 10)
+    gen.token_ids.append(9)
+    gen.num_computed_tokens = 10
+    kv2.commit_computed(gen)
+    kv2.free(gen)
+    hit = kv2.find_cached_prefix(make_seq(list(range(10)) + [77]))
+    assert len(hit.blocks) == 2 and hit.partial is None
+
+
+def test_a_shared_partly_filled_block_is_not_cached_by_one_of_its_holders():
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True, num_cpu_blocks=0)
+    parent = make_seq(list(range(6)), n=2)
+    assert kv.allocate(parent, 6)
+    parent.num_computed_tokens = 6
+    kv.commit_computed(parent)
+    child = Sequence(parent.request, 1, list(parent.token_ids))
+    kv.fork(parent, child)
+    child.num_computed_tokens = 6
+    kv.free(parent)  # the fork still holds [4, 5]'s block and fills it on: not cached as partial
+    assert kv.find_cached_prefix(make_seq(list(range(6)) + [1])).partial is None
+    kv.free(child)
+    assert kv.find_cached_prefix(make_seq(list(range(6)) + [1])).partial_tokens == 2
 
 
 def test_allocate_fails_without_side_effects():
@@ -132,6 +179,7 @@ def test_copy_on_write_of_shared_partial_block():
     parent = make_seq(list(range(6)), n=2)
     kv.allocate(parent, 6)
     parent.num_computed_tokens = 6
+    kv.commit_computed(parent)
     child = Sequence(parent.request, 1, list(parent.token_ids))
     kv.fork(parent, child)
     child.num_computed_tokens = 6
