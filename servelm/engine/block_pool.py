@@ -36,9 +36,8 @@ _PARTIAL = b"servelm-partial\0"  # leads the preimage of a partly filled block's
 
 def partial_preimage(parent_hash: bytes | None, token_ids: Sequence[int], num_prompt: int | None = None) -> bytes:
     """What the key of a partly filled block's first len(token_ids) slots hashes: a tag, then as block_preimage.
-    Such a block is cached when its last sequence lets it go, and a later sequence whose prompt goes on from
-    the same tokens copies it rather than computing them again (beam search's next step, a conversation's next
-    turn)."""
+    Such a block is cached when its last sequence lets it go, and a later sequence that goes on from the same
+    tokens copies it rather than computing them again (beam search's next step, a preempted sample resuming)."""
     return _PARTIAL + block_preimage(parent_hash, token_ids, num_prompt)
 
 

@@ -71,6 +71,14 @@ def plan_kv_cache(config: EngineConfig, model: DecoderLM, memory: DeviceMemory |
                           str(cache_dtype(kv_dtype, model.dtype)).removeprefix("torch."), graphs)
 
 
+def _grammar_state(req: Request) -> tuple[Any, tuple[int, ...]]:
+    """A new sample's grammar state: a fresh matcher of the request's compiled grammar (None without one), and
+    the end-of-reasoning ids it waits for before applying (SamplingParams._grammar_after)."""
+    if req.grammar is None:
+        return None, ()
+    return new_matcher(req.grammar), tuple(req.params._grammar_after)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: DecoderLM,
                  tokenizer_loader: Callable[[], Any] | None = None, memory: DeviceMemory | None = None) -> None:
@@ -265,7 +273,7 @@ class EngineCore:
                 continue
             req.grammar = req.grammar.result()
             seq = req.seqs[0]
-            seq.matcher, seq.grammar_after = new_matcher(req.grammar), tuple(req.params._grammar_after)
+            seq.matcher, seq.grammar_after = _grammar_state(req)
             self.scheduler.add(seq)
 
     def take_errors(self) -> list[tuple[str, str]]:
@@ -390,11 +398,11 @@ class EngineCore:
             for r, (seq, sampled) in enumerate(zip(out.seqs, out.sampled.tolist(), strict=True)):
                 req = seq.request
                 if sampled and req.params.n > 1 and not req.forked:
-                    grammar = req.grammar is not None
-                    out.forks[r] = [Sequence(req, i, list(seq.token_ids), generator=req.make_generator(i),
-                                             matcher=new_matcher(req.grammar) if grammar else None,
-                                             grammar_after=tuple(req.params._grammar_after) if grammar else ())
-                                    for i in range(1, req.params.n)]
+                    forks = out.forks[r] = []
+                    for i in range(1, req.params.n):
+                        matcher, after = _grammar_state(req)
+                        forks.append(Sequence(req, i, list(seq.token_ids), generator=req.make_generator(i),
+                                              matcher=matcher, grammar_after=after))
         return start
 
     def stats(self) -> EngineStats:

@@ -208,6 +208,8 @@ class KVCacheManager:
         """Enter seq's partly filled last computed block in the prefix cache, as it lets it go: a sequence that
         goes on from the same tokens copies its slots. Only a block that seq alone holds and that has no key yet
         (one shared with a fork keeps filling up for the fork, and is registered whole when full)."""
+        if not self.pool.enable_caching or not seq.block_table:
+            return
         bs = self.block_size
         i, m = divmod(seq.num_computed_tokens, bs)
         if not m or i >= len(seq.block_table):
@@ -220,7 +222,9 @@ class KVCacheManager:
         self.pool.cache(block, block_key(content), content)
 
     def free(self, seq: Sequence) -> None:
-        if self.pool.enable_caching and seq.block_table:
+        # A finished prompt-only block can serve a longer prompt (beam search's next step); one holding
+        # generated tokens only the same sample recomputed, which reset_for_recompute registers.
+        if seq.num_computed_tokens <= seq.num_prompt_tokens:
             self._register_partial(seq)
         # Tail first, so that the blocks least likely to be shared are evicted first.
         self.pool.release_many(reversed(seq.block_table))
@@ -240,6 +244,7 @@ class KVCacheManager:
     def reset_for_recompute(self, seq: Sequence) -> None:
         """Free seq's blocks, its computed ones registered first: its resumed prefill finds them cached."""
         self._register(seq, seq.num_computed_tokens // self.block_size)
+        self._register_partial(seq)
         self.free(seq)
         seq.num_computed_tokens = 0
 

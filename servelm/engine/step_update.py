@@ -179,12 +179,11 @@ class StepUpdate:
                 reason, stop_reason = "stop", tok
             elif (p.max_tokens is not None and n_out >= p.max_tokens) or len(tokens) >= self.max_model_len:
                 reason = "length"
-            if seq.grammar_after:  # the grammar waits for the reasoning to end: from the next token on
-                after = seq.grammar_after
-                if n_out >= len(after) and tuple(tokens[-len(after):]) == after:
-                    seq.grammar_after = ()
-            elif seq.matcher is not None and reason != "length":
-                reason = self._advance_grammar(seq, tok) or reason
+            if seq.matcher is not None and reason != "length":
+                if not seq.grammar_after:
+                    reason = self._advance_grammar(seq, tok) or reason
+                elif n_out >= len(seq.grammar_after) and tuple(tokens[-len(seq.grammar_after):]) == seq.grammar_after:
+                    seq.grammar_after = ()  # the reasoning has ended: the grammar holds from the next token
             if reason is not None:
                 emitted = results[:k + 1]  # the tokens after a stop are dropped
                 break

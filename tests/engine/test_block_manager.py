@@ -140,16 +140,25 @@ def test_a_partly_filled_block_is_copied_for_a_prompt_that_goes_on_from_it():
     assert kv.find_cached_prefix(make_seq(list(range(9)) + [5, 6])).partial is None
     assert not kv.find_cached_prefix(make_seq(list(range(10)) + [77], salt="other"))
     assert kv.find_cached_prefix(make_seq(list(range(8)) + [9, 8, 1])).partial is None
-    # a block holding generated tokens is keyed apart: a prompt that holds the same tokens misses it
+    # a block holding generated tokens serves only its own sample, resuming after preemption by recompute: a
+    # prompt that holds the same tokens misses it, and a finished sample does not cache it at all
     kv2 = KVCacheManager(8, 4, enable_prefix_caching=True, num_cpu_blocks=0)
-    gen = make_seq(list(range(9)))  # a 9-token prompt that then generated token 9
-    assert kv2.allocate(gen, 10)
-    gen.token_ids.append(9)
+    gen = make_seq(list(range(9)))  # a 9-token prompt that then generated token 9, then 10
+    assert kv2.allocate(gen, 11)
+    gen.token_ids += [9, 10]
     gen.num_computed_tokens = 10
     kv2.commit_computed(gen)
-    kv2.free(gen)
+    kv2.reset_for_recompute(gen)
+    assert kv2.find_cached_prefix(gen).num_tokens == 10  # [8, 9] copied, token 10 computed
     hit = kv2.find_cached_prefix(make_seq(list(range(10)) + [77]))
     assert len(hit.blocks) == 2 and hit.partial is None
+    kv3 = KVCacheManager(8, 4, enable_prefix_caching=True, num_cpu_blocks=0)
+    done = make_seq(list(range(9)))
+    assert kv3.allocate(done, 10)
+    done.token_ids.append(9)
+    done.num_computed_tokens = 10
+    kv3.free(done)
+    assert not kv3.pool.cached
 
 
 def test_a_shared_partly_filled_block_is_not_cached_by_one_of_its_holders():

@@ -28,11 +28,10 @@ def test_whole_and_streamed_at_every_split(parser, text, reasoning, content):
     for pieces in cuts:
         stream = ReasoningStream(parser)
         got_r, got_c = "", ""
-        for piece in pieces:
-            r, c = stream.feed(piece)
+        for i, piece in enumerate(pieces):
+            r, c = stream.feed(piece, last=i == len(pieces) - 1)
             got_r, got_c = got_r + r, got_c + c
-        r, c = stream.finish()
-        assert (got_r + r, got_c + c) == (reasoning or "", content or ""), pieces
+        assert (got_r, got_c) == (reasoning or "", content or ""), pieces
         assert stream.reasoned == (reasoning is not None)
 
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from servelm.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams
 from servelm.server.openai import protocol as p
 from servelm.server.openai.protocol import INT32_MAX, APIError
+from servelm.server.openai.reasoning import active
 
 # Options that set up a model's runtime in Ollama (context size, threads, GPU layers, memory mapping): servelm's
 # engine is configured at start, so a request's values change nothing and are accepted without effect.
@@ -103,7 +104,7 @@ class _Request(BaseModel):
         if self.think is True and parser == "none":
             raise APIError(400, "'think' needs a server started with --reasoning-parser (deepseek_r1 or qwen3)",
                            "think", "unsupported_parameter")
-        return None if parser == "none" or self.think is False else parser
+        return None if self.think is False else active(parser)
 
     def template_kwargs(self) -> dict:
         """What think asks of the chat template: Qwen3's templates read enable_thinking (false: no reasoning)."""

@@ -115,11 +115,7 @@ class _Reply:
         """(reasoning, content) of a streamed piece of text."""
         if self.splitter is None:
             return "", text
-        thought, text = self.splitter.feed(text)
-        if finish is not None:
-            more_thought, more_text = self.splitter.finish()
-            thought, text = thought + more_thought, text + more_text
-        return thought, text
+        return self.splitter.feed(text, last=finish is not None)
 
     def whole(self, text: str, finish: str | None) -> dict:
         thought, text = split(self.thinking, text) if self.thinking else (None, text)

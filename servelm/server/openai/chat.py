@@ -14,7 +14,7 @@ from servelm.server.common import Api, record, sse, usage
 from servelm.server.openai import protocol as p
 from servelm.server.openai.logprobs import chat_logprobs, prompt_logprobs
 from servelm.server.openai.protocol import APIError
-from servelm.server.openai.reasoning import ReasoningStream, defer_grammar, split
+from servelm.server.openai.reasoning import ReasoningStream, active, defer_grammar, split
 from servelm.server.openai.tools import ToolReply, choose_parser, template_tools
 
 
@@ -29,7 +29,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         api_config = api.state.config.server.api_config
         tools = ToolReply(req, choose_parser(api_config.tool_call_parser, getattr(m.tokenizer, "chat_template", None)))
         # the reasoning, when the server splits it off, and (of it) what the response shows
-        thinking = api_config.reasoning_parser if api_config.reasoning_parser != "none" else None
+        thinking = active(api_config.reasoning_parser)
         show = thinking is not None and req.include_reasoning
         if tools.active and tools.parser == "mistral":
             params.skip_special_tokens = False  # [TOOL_CALLS] is a special token: the parser must see it
@@ -64,10 +64,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
                             lp = chat_logprobs(c.token_ids, c.logprobs, k) if c.logprobs else None
                             text, thought = c.text, ""
                             if c.index in splits:  # the reasoning first, then the content it is followed by
-                                thought, text = splits[c.index].feed(c.text)
-                                if c.finish_reason is not None:
-                                    more_thought, more_text = splits[c.index].finish()
-                                    thought, text = thought + more_thought, text + more_text
+                                thought, text = splits[c.index].feed(c.text, last=c.finish_reason is not None)
                             if c.index in streams:  # tools on offer: calls become delta.tool_calls
                                 deltas, finish = streams[c.index].deltas(text, c.finish_reason)
                             else:

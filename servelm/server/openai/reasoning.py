@@ -20,12 +20,15 @@ PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
 
 
+def active(setting: str) -> str | None:
+    """The parser a server setting names (server.reasoning_parser), None for "none"."""
+    return None if setting == "none" else setting
+
+
 def split(parser: str, text: str) -> tuple[str | None, str | None]:
     """(reasoning, content) of a whole reply; None for a part the reply does not have."""
     stream = ReasoningStream(parser)
-    reasoning, content = stream.feed(text)
-    more_reasoning, more_content = stream.finish()
-    reasoning, content = reasoning + more_reasoning, content + more_content
+    reasoning, content = stream.feed(text, last=True)
     return (reasoning if stream.reasoned else None), (content if content or not stream.reasoned else None)
 
 
@@ -51,7 +54,7 @@ def _held(text: str, tag: str) -> int:
 
 class ReasoningStream:
     """Splits a reply streamed in pieces: `feed(piece)` gives the (reasoning, content) text that piece completes,
-    `finish()` what was held back at the end. A piece that may end inside a tag is held until the next."""
+    and with `last` also what was held back. A piece that may end inside a tag is held until the next."""
 
     def __init__(self, parser: str) -> None:
         if parser not in PARSERS:
@@ -63,7 +66,14 @@ class ReasoningStream:
         self.pending = ""
         self.content_started = False  # past the line breaks that follow </think>
 
-    def feed(self, piece: str) -> tuple[str, str]:
+    def feed(self, piece: str, last: bool = False) -> tuple[str, str]:
+        reasoning, content = self._feed(piece)
+        if last:
+            more_reasoning, more_content = self._finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
+
+    def _feed(self, piece: str) -> tuple[str, str]:
         self.pending += piece
         reasoning, content = "", ""
         while True:
@@ -97,7 +107,7 @@ class ReasoningStream:
                 self.pending = ""
                 return reasoning, content
 
-    def finish(self) -> tuple[str, str]:
+    def _finish(self) -> tuple[str, str]:
         """The text held back at the end of the reply."""
         held, self.pending = self.pending, ""
         if self.state == "open":  # the reply was only (a beginning of) <think>, or nothing

@@ -21,7 +21,7 @@ from servelm.server.common import Api, record
 from servelm.server.openai import protocol as p
 from servelm.server.openai import responses_protocol as r
 from servelm.server.openai.protocol import APIError
-from servelm.server.openai.reasoning import ReasoningStream, split
+from servelm.server.openai.reasoning import ReasoningStream, active, split
 
 _ROLES = {"system": p.SystemMessage, "developer": p.DeveloperMessage, "user": p.UserMessage,
           "assistant": p.AssistantMessage}
@@ -88,8 +88,8 @@ def add_routes(app: FastAPI, api: Api) -> None:
         rid, item_id, rs_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", f"rs_{uuid.uuid4().hex}"
         created = int(time.time())
         job = (rid, ids, params, None, prio, api.cache_salt(request, body))
-        parser = api.state.config.server.api_config.reasoning_parser
-        thinking = parser if parser != "none" else None  # the reply's reasoning becomes a reasoning item
+        # the reply's reasoning becomes a reasoning item
+        thinking = active(api.state.config.server.api_config.reasoning_parser)
 
         def finished(text: str, out_tokens: int, finish: str | None, thought: str | None) -> dict:
             model = record(request).model or m.served_name
@@ -148,10 +148,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
                     finish = c.finish_reason or finish
                     piece_thought, piece = "", c.text
                     if splitter is not None:
-                        piece_thought, piece = splitter.feed(c.text)
-                        if c.finish_reason is not None:
-                            more_thought, more = splitter.finish()
-                            piece_thought, piece = piece_thought + more_thought, piece + more
+                        piece_thought, piece = splitter.feed(c.text, last=c.finish_reason is not None)
                     if piece_thought and not message_open:
                         if thought is None:
                             thought = ""
