@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import re
 import typing
@@ -20,8 +21,6 @@ def parse_lora_module(text: str) -> tuple[str, str, str | None]:
     {"name": ..., "path": ..., "base_model_name": ...}. Raises ValueError."""
     text = text.strip()
     if text.startswith("{"):
-        import json
-
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
@@ -176,10 +175,32 @@ class ModelConfig:
                                     "for GGUF files that do not state the window the model was trained with "
                                     "(llama.cpp's converter drops Mistral's and Qwen's)")
     seed: int = _f(0, "seed of the sampler's random generator for unseeded requests")
+    generation_config: str = _f("auto", "where a request's unset sampling fields take their defaults from, as "
+                                "vLLM's: auto reads the model's generation_config.json (temperature, top_p, top_k, "
+                                "min_p, repetition_penalty, presence_penalty, frequency_penalty, and max_new_tokens "
+                                "as max_tokens), vllm uses OpenAI's neutral defaults, a folder reads its "
+                                "generation_config.json")
+    override_generation_config: str | None = _f(None, "a JSON object of generation_config.json sampling fields that "
+                                                "win over the model's, e.g. '{\"temperature\": 0.6}' (as vLLM's; it "
+                                                "applies with --generation-config vllm too)")
 
     def validate(self) -> None:
         def need(ok: bool, name: str, allowed: str) -> None:
             require(self, ok, name, allowed)
+
+        from servelm.config import generation
+
+        try:
+            generation.check_setting(self.generation_config)
+        except ValueError as e:
+            raise ConfigError("generation_config", self.generation_config, str(e)) from None
+        if isinstance(self.override_generation_config, dict):  # from Python or a config file's mapping
+            self.override_generation_config = json.dumps(self.override_generation_config)
+        try:
+            generation.parse_overrides(self.override_generation_config)
+        except ValueError as e:
+            raise ConfigError("override_generation_config", self.override_generation_config,
+                              f"a JSON object of sampling fields ({e})") from None
 
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.revision is not None:  # folded into the model string every process resolves

@@ -726,7 +726,7 @@ def _coerce(key: str, value, tp, source: str = "runtime"):
             if isinstance(value, bool) or not math.isfinite(float(value)):
                 raise ValueError
             return float(value)
-        return str(value)
+        return json.dumps(value) if isinstance(value, dict) else str(value)  # a mapping: JSON text (the CLI's form)
     except ConfigError:
         raise
     except (TypeError, ValueError, OverflowError):  # OverflowError: int(float("inf"))

@@ -13,6 +13,7 @@ from servelm.engine.sequence import Priority, Request
 from servelm.engine.threads import configure_threads
 from servelm.lora import LoRARequest
 from servelm.model.loading.loader import LoadedModel, load_model
+from servelm.model.loading.metadata import sampling_defaults
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
 
@@ -36,6 +37,9 @@ class LLMEngine:
 
             self.tokenizer.chat_template = read_chat_template(config.model_config.chat_template)
         self.eos_token_ids = self.loaded.eos_token_ids
+        mc = config.model_config
+        self.sampling_defaults = sampling_defaults(self.loaded.source, mc.generation_config,
+                                                   mc.override_generation_config)
         self.core = EngineCore(config, self.loaded.model, tokenizer_loader=lambda: self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
 

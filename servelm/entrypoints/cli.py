@@ -28,21 +28,27 @@ EXAMPLES = """examples:
 """
 
 
-# The two sampling defaults that differ by command; every other one is SamplingParams' own. Help texts
-# print argparse's %(default)s, so what --help says is what the command uses.
+# The two sampling defaults that differ by command; every other one is SamplingParams' own. A model whose
+# generation config states a default (servelm.config.generation) overrides them: a flag given overrides both.
 GENERATE_DEFAULTS = {"max_tokens": 128, "temperature": 1.0}
 CHAT_DEFAULTS = {"max_tokens": 512, "temperature": 0.7}
+# the flags a model's generation config may give the default of
+_MODEL_DEFAULTED = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
     from servelm.sampling_params import SamplingParams
 
     d = {f.name: f.default for f in dataclasses.fields(SamplingParams)} | defaults
-    g = parser.add_argument_group("sampling")
+    parser.set_defaults(command_sampling_defaults={k: d[k] for k in _MODEL_DEFAULTED})
+    g = parser.add_argument_group("sampling", "a flag left out takes the model's default where its "
+                                  "generation_config.json states one (--generation-config), else the one shown")
 
     def arg(flag: str, tp: type, help: str, **kw) -> None:
         dest = flag.lstrip("-").replace("-", "_")
-        g.add_argument(flag, type=tp, default=d[dest], help=help + " (default: %(default)s)", **kw)
+        default = None if dest in _MODEL_DEFAULTED else d[dest]  # None: filled in by sampling_params_from_args
+        g.add_argument(flag, type=tp, default=default, help=help + f" (default: {d[dest]})", **kw)
 
     arg("--max-tokens", int, "most tokens to generate per completion")
     arg("--temperature", float, "divides the logits; 0 means greedy")
@@ -59,14 +65,16 @@ def add_sampling_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
     g.add_argument("--logprobs", type=int, default=None, help="also return the top-k logprobs of each token")
 
 
-def sampling_params_from_args(args: argparse.Namespace):
+def sampling_params_from_args(args: argparse.Namespace, model_defaults: dict | None = None):
+    """The command's SamplingParams: each flag given, else the model's default (`model_defaults`: the engine's
+    sampling_defaults), else the command's."""
     from servelm.sampling_params import SamplingParams
 
-    return SamplingParams(
-        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, stop=args.stop,
-        max_tokens=args.max_tokens, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+    model_defaults = model_defaults or {}
+    picked = {k: v if (v := getattr(args, k)) is not None else model_defaults.get(k, default)
+              for k, default in args.command_sampling_defaults.items()}
+    return SamplingParams(n=args.n, stop=args.stop, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos,
+                          logprobs=args.logprobs, **picked)
 
 
 def _load_llm(args: argparse.Namespace):
@@ -84,7 +92,7 @@ def _load_llm(args: argparse.Namespace):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     llm = _load_llm(args)
-    params = sampling_params_from_args(args)
+    params = sampling_params_from_args(args, llm.engine.sampling_defaults)
     if args.chat:
         prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompts]
     else:
@@ -114,7 +122,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             return 1
     from servelm.entrypoints.chat import run_chat
 
-    return run_chat(_load_llm(args), sampling_params_from_args(args), args.system)
+    llm = _load_llm(args)
+    return run_chat(llm, sampling_params_from_args(args, llm.engine.sampling_defaults), args.system)
 
 
 def _version() -> str:

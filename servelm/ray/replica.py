@@ -34,7 +34,7 @@ class EngineReplica:
         await self._started
         info = self.engine.info
         return {"max_model_len": info.max_model_len, "vocab_size": info.vocab_size,
-                "eos_token_ids": list(info.eos_token_ids)}
+                "eos_token_ids": list(info.eos_token_ids), "sampling_defaults": dict(info.sampling_defaults)}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None, priority: int = 1, queue_timeout: float | None = None,

@@ -139,7 +139,7 @@ class Api:
             default_max = self.state.admission.default_max_tokens(prompt_len, getattr(req, "n", 1),
                                                                   max(1, m.max_model_len - prompt_len),
                                                                   m.max_model_len)
-            params = req.sampling_params(default_max)
+            params = req.sampling_params(default_max, getattr(m.info, "sampling_defaults", None))
             if isinstance(params, SamplingParams):
                 params.check_vocab(m.info.vocab_size if m.info else 1 << 31)
         except ValueError as e:

@@ -82,6 +82,8 @@ class Ready(msgspec.Struct, tag="ready"):
     dtype: str = ""
     quantization: str = "none"
     eos_token_ids: list[int] = msgspec.field(default_factory=list)  # the model's end-of-sequence ids (beam search)
+    # the defaults of a request's unset sampling fields (the model's generation config, --generation-config)
+    sampling_defaults: dict[str, int | float] = msgspec.field(default_factory=dict)
 
 
 class StepOutputs(msgspec.Struct, tag="step"):

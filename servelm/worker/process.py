@@ -46,6 +46,7 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
         from servelm.engine.core import EngineCore
         from servelm.engine.threads import configure_threads
         from servelm.model.loading.loader import load_model
+        from servelm.model.loading.metadata import sampling_defaults
 
         configure_threads(config)
         phase(f"loading the model {config.model_config.model or '(default)'}")
@@ -57,6 +58,8 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
         phase("allocating the KV cache")
         core = EngineCore(config, loaded.model)
         eos = loaded.eos_token_ids
+        mc = config.model_config
+        defaults = sampling_defaults(loaded.source, mc.generation_config, mc.override_generation_config)
         phase("warming up (one short request through every code path)")
         _warmup(core, eos)
         from servelm.worker.kv_store import KVStore
@@ -79,7 +82,7 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     out.send(m.encoder.encode(m.Ready(core.max_model_len, model.spec.vocab_size, os.getpid(), core.stats(),
                                       model.spec.architecture, getattr(model, "num_params", 0),
                                       str(model.dtype).removeprefix("torch."),
-                                      getattr(model, "quantization", "none"), sorted(eos))))
+                                      getattr(model, "quantization", "none"), sorted(eos), defaults)))
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     while True:

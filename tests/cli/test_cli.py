@@ -62,11 +62,22 @@ def test_help_shows_the_defaults_the_command_uses_once_each(command, monkeypatch
 
 
 def test_chat_defaults_are_the_chat_ones():
-    from servelm.entrypoints.cli import CHAT_DEFAULTS
+    from servelm.entrypoints.cli import CHAT_DEFAULTS, sampling_params_from_args
 
-    used = vars(_subparser("chat").parse_args([]))
-    assert {k: used[k] for k in CHAT_DEFAULTS} == CHAT_DEFAULTS == {"max_tokens": 512, "temperature": 0.7}
+    params = sampling_params_from_args(_subparser("chat").parse_args([]))
+    assert {k: getattr(params, k) for k in CHAT_DEFAULTS} == CHAT_DEFAULTS == {"max_tokens": 512, "temperature": 0.7}
     assert "(default: 0.7)" in _help_entries(_subparser("chat").format_help())["--temperature TEMPERATURE"]
+
+
+def test_a_flag_left_out_takes_the_models_default_and_a_flag_given_wins():
+    from servelm.entrypoints.cli import sampling_params_from_args
+
+    model = {"temperature": 0.2, "top_k": 20, "max_tokens": 64}
+    params = sampling_params_from_args(_subparser("generate").parse_args(["hi"]), model)
+    assert (params.temperature, params.top_k, params.max_tokens, params.top_p) == (0.2, 20, 64, 1.0)
+    given = _subparser("generate").parse_args(["hi", "--temperature", "0", "--max-tokens", "8"])
+    params = sampling_params_from_args(given, model)
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.0, 20, 8)
 
 
 def test_version_is_the_package_metadata_version():

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 from servelm.model.loading import hf_files
 from servelm.model.loading.gguf_config import config_from_dict, gguf_config_dict, read_gguf_config
 from servelm.model.loading.gguf_header import read_gguf_file_header
 from servelm.model.loading.source import ModelSource, cache_dir, resolve_model, set_hf_env
+
+logger = logging.getLogger(__name__)
 
 # Bumped whenever what is cached for a GGUF file changes: folders written by older servelm versions (whose
 # config came from transformers' GGUF reader) are never read again.
@@ -160,6 +163,21 @@ def eos_ids(src: ModelSource, hf_config, tokenizer_eos: int | None) -> frozenset
         elif isinstance(c, list):
             ids.update(int(x) for x in c)
     return frozenset(ids)
+
+
+def sampling_defaults(src: ModelSource, generation_config: str = "auto",
+                      overrides: str | dict | None = None) -> dict[str, float | int]:
+    """The defaults of a request's unset sampling fields (see servelm.config.generation): from the model's
+    generation_config.json under `auto` (a GGUF file keeps none), logged when there are any, as vLLM warns."""
+    from servelm.config import generation
+
+    out = generation.sampling_defaults(generation_config, src.path if src.kind == "hf" else None, overrides)
+    if out and generation_config != "vllm":
+        logger.warning("default sampling parameters of unset request fields from %s: %s (start with "
+                       "--generation-config vllm for OpenAI's neutral defaults)",
+                       "the model's generation_config.json" if generation_config == "auto" else generation_config,
+                       out)
+    return out
 
 
 def load_config_and_tokenizer(model: str | None, gguf_file: str | None = None, tokenizer: str | None = None):

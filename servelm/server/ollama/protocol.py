@@ -9,10 +9,12 @@ output) and `tools` take the OpenAI routes' paths: the same grammars and the sam
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from servelm.config import generation
 from servelm.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams
 from servelm.server.openai import protocol as p
 from servelm.server.openai.protocol import INT32_MAX, APIError
@@ -26,6 +28,10 @@ RUNTIME_OPTIONS = frozenset({"num_ctx", "num_batch", "num_gpu", "main_gpu", "low
 # Sampling options servelm does not implement, each with the value that changes nothing (accepted); others: 400.
 NEUTRAL_OPTIONS: dict[str, tuple] = {"mirostat": (0,), "mirostat_tau": (5.0,), "mirostat_eta": (0.1,),
                                      "tfs_z": (1.0,), "typical_p": (1.0,)}
+
+
+# servelm's sampling field -> the Ollama option that sets it, where the names differ
+OPTION_NAMES = {"repetition_penalty": "repeat_penalty", "max_tokens": "num_predict"}
 
 
 class Options(BaseModel):
@@ -58,17 +64,19 @@ class Options(BaseModel):
                 del raw[name]
         return validate(cls, raw, "options.")
 
-    def sampling_params(self, default_max: int) -> SamplingParams:
-        """Ollama's defaults are the model's; servelm's are OpenAI's (temperature 1, no penalties)."""
+    def sampling_params(self, default_max: int, defaults: Mapping | None = None) -> SamplingParams:
+        """Ollama's defaults are the model's (its Modelfile's parameters); servelm's are the model's too, from its
+        generation_config.json (--generation-config), else OpenAI's (temperature 1, no penalties)."""
         if self.num_predict == 0:
             raise APIError(400, "options.num_predict must be -1, -2 or at least 1", "options.num_predict")
         n = self.num_predict if self.num_predict and self.num_predict > 0 else None
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
-            seed=self.seed, stop=self.stop, max_tokens=n or default_max,
-            repetition_penalty=self.repeat_penalty or 1.0, presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0, output_kind=OutputKind.DELTA)
+            **generation.request_values(defaults, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                        min_p=self.min_p, repetition_penalty=self.repeat_penalty,
+                                        presence_penalty=self.presence_penalty,
+                                        frequency_penalty=self.frequency_penalty),
+            seed=self.seed, stop=self.stop, max_tokens=n or generation.default_max_tokens(defaults, default_max),
+            output_kind=OutputKind.DELTA)
 
 
 class _Request(BaseModel):

@@ -211,6 +211,13 @@ def _loaded(model: str | None) -> dict:
     return {"model": model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
 
 
+def _parameters(m) -> str:
+    """Ollama's `parameters` of /api/show (its Modelfile's PARAMETER lines, "name value" per line): the model's
+    sampling defaults from its generation config, under Ollama's option names."""
+    defaults = getattr(getattr(m, "info", None), "sampling_defaults", None) or {}
+    return "\n".join(f"{o.OPTION_NAMES.get(k, k)} {v}" for k, v in defaults.items())
+
+
 def _details(m) -> dict:
     """Ollama's model details from what the engine reported when it became ready (empty for an embedding
     model or an engine not ready yet)."""
@@ -341,6 +348,6 @@ def add_routes(app: FastAPI, api: Api) -> None:
         template = "" if emb else (getattr(m.tokenizer, "chat_template", None) or "")
         info = {"general.architecture": "bert" if emb else "", "servelm.context_length":
                 0 if emb else getattr(m, "max_model_len", 0)}
-        return {"modelfile": "", "parameters": "", "template": template, "details": _details(m),
+        return {"modelfile": "", "parameters": _parameters(m), "template": template, "details": _details(m),
                 "model_info": info, "capabilities": ["embedding"] if emb else ["completion"],
                 "modified_at": _now()}

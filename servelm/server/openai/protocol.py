@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from servelm.beam_search import BeamSearchParams
+from servelm.config import generation
 from servelm.engine.json_schema import check_schema
 from servelm.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams, truncate_prompt
 
@@ -181,8 +183,8 @@ class _VllmSampling(_Body):
 
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     seed: Annotated[int, Field(ge=INT64[0], le=INT64[1])] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
@@ -279,25 +281,28 @@ class _SamplingFields(_VllmSampling):
         except ValueError as e:
             raise APIError(400, f"{given[0][0]}: {e}", given[0][0]) from None
 
-    def _params(self, max_tokens: int | None, logprobs: int | None,
-                default_max: int) -> SamplingParams | BeamSearchParams:
+    def _params(self, max_tokens: int | None, logprobs: int | None, default_max: int,
+                defaults: Mapping | None) -> SamplingParams | BeamSearchParams:
+        """`defaults`: the model's sampling defaults (--generation-config) for the fields the request leaves
+        unset."""
+        max_tokens = max_tokens or generation.default_max_tokens(defaults, default_max)
         if self.use_beam_search:
-            return self._beam_params(max_tokens or default_max, logprobs)
+            return self._beam_params(max_tokens, logprobs, defaults)
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
-            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0, seed=self.seed, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, max_tokens=max_tokens or default_max, min_tokens=self.min_tokens,
-            ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            n=self.n, **generation.request_values(
+                defaults, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty),
+            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, max_tokens=max_tokens,
+            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             include_stop_str_in_output=self.include_stop_str_in_output, output_kind=OutputKind.DELTA,
             structured_outputs=self.structured(), prompt_logprobs=self.prompt_logprobs,
         )
 
-
-    def _beam_params(self, max_tokens: int, logprobs: int | None) -> BeamSearchParams:
+    def _beam_params(self, max_tokens: int, logprobs: int | None, defaults: Mapping | None) -> BeamSearchParams:
         """use_beam_search's parameters; a 400 naming any field the search would ignore."""
         for name, neutral in BEAM_IGNORES.items():
             if getattr(self, name) not in (None, [], {}, *neutral):
@@ -307,7 +312,8 @@ class _SamplingFields(_VllmSampling):
             raise APIError(400, "structured output cannot be combined with use_beam_search", "use_beam_search")
         try:
             return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
-                                    temperature=self.temperature or 0.0, length_penalty=self.length_penalty,
+                                    temperature=self.temperature if self.temperature is not None else
+                                    (defaults or {}).get("temperature", 0.0), length_penalty=self.length_penalty,
                                     include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs)
         except ValueError as e:  # beam_width is n
             raise APIError(400, f"n: {e} (with use_beam_search, n is the beam width)", "n") from None
@@ -329,7 +335,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
-    def sampling_params(self, default_max: int) -> SamplingParams | BeamSearchParams:
+    def sampling_params(self, default_max: int, defaults: Mapping | None = None) -> SamplingParams | BeamSearchParams:
         if self.use_beam_search and self.echo and (self.max_tokens == 0 or self.logprobs is not None):
             raise APIError(400, "echo with logprobs (or max_tokens 0) cannot be combined with use_beam_search",
                            "use_beam_search")
@@ -337,7 +343,7 @@ class CompletionRequest(_SamplingFields):
             raise APIError(400, "max_tokens must be at least 1 (0 is allowed only with echo, to score the prompt)",
                            "max_tokens")
         # max_tokens 0 runs one token that the response leaves out: the prompt's logprobs come with it
-        params = self._params(1 if self.max_tokens == 0 else self.max_tokens, self.logprobs, default_max)
+        params = self._params(1 if self.max_tokens == 0 else self.max_tokens, self.logprobs, default_max, defaults)
         if self.echo and self.logprobs is not None and isinstance(params, SamplingParams):
             params.prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
         return params
@@ -499,9 +505,9 @@ class ChatCompletionRequest(_SamplingFields):
         return StructuredOutputsParams(json=forced)
 
 
-    def sampling_params(self, default_max: int) -> SamplingParams | BeamSearchParams:
+    def sampling_params(self, default_max: int, defaults: Mapping | None = None) -> SamplingParams | BeamSearchParams:
         lp = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(self.max_completion_tokens or self.max_tokens, lp, default_max)
+        return self._params(self.max_completion_tokens or self.max_tokens, lp, default_max, defaults)
 
 
 class EmbeddingRequest(_Body):
@@ -541,8 +547,8 @@ class NativeGenerateRequest(_VllmSampling):
     model: str | None = None  # default: the server's default model
     prompt: Text
     max_tokens: Length = 128
-    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None  # unset: the model's default, else 1
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     stop_sequences: list[Text] | None = None
     stream: bool = False
     priority: Priority = None

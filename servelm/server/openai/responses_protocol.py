@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from servelm.config import generation
 from servelm.sampling_params import OutputKind, SamplingParams
 from servelm.server.openai.protocol import Length, Priority, Text, _Body
 
@@ -68,10 +70,12 @@ class ResponsesRequest(_Body):
             return [{"role": "user", "content": self.input}]
         return [{"role": m.role, "content": m.text()} for m in self.input]
 
-    def sampling_params(self, default_max: int) -> SamplingParams:
-        return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
-                              top_p=1.0 if self.top_p is None else self.top_p,
-                              max_tokens=self.max_output_tokens or default_max, output_kind=OutputKind.DELTA)
+    def sampling_params(self, default_max: int, defaults: Mapping | None = None) -> SamplingParams:
+        """`defaults`: the model's (--generation-config), for temperature and top_p when unset and for the
+        fields this API has no place for."""
+        return SamplingParams(**generation.request_values(defaults, temperature=self.temperature, top_p=self.top_p),
+                              max_tokens=self.max_output_tokens or generation.default_max_tokens(defaults, default_max),
+                              output_kind=OutputKind.DELTA)
 
 
 def usage(input_tokens: int, output_tokens: int) -> dict:
