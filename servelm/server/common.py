@@ -38,9 +38,12 @@ def sse(obj: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: the prompt tokens the prefix cache served (OpenAI's and vLLM's
+    prompt_tokens_details)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def record(request: Request) -> RequestRecord:
@@ -191,7 +194,7 @@ class Api:
         submitted = time.monotonic()
         rec.submitted = rec.submitted or submitted
         first = last = None
-        n_out = 0
+        n_out = cached = 0
         mine = rec.prompt_ids is None  # the request's first prompt: what the prediction log and shadow see
         if mine:
             rec.prompt_ids, rec.params, rec.cache_salt = list(ids), params, salt
@@ -217,6 +220,9 @@ class Api:
                     rec.first_token = min(rec.first_token or now, now)
                     rec.last_token = now
                     rec.completion_tokens += new
+                if out.num_cached_tokens > cached:  # known from its first token on; summed over the prompts
+                    rec.cached_tokens += out.num_cached_tokens - cached
+                    cached = out.num_cached_tokens
                 if rec.queue_time is None and "queue_time" in out.metrics:
                     rec.queue_time = out.metrics["queue_time"]
                 if mine:

@@ -130,6 +130,42 @@ def test_chat_stream_and_usage(server, client, offline):
     assert len({c.id for c in chunks}) == 1
 
 
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(server, client, offline):
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's and vLLM's field) is the engine's count: the offline
+    engine, asked the same requests in the same order, reports the same numbers. A prompt no other test sends
+    starts uncached on both."""
+    import random
+
+    prompt = random.Random(20261128).choices(range(5, 250), k=45)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = [offline.generate([prompt], greedy, use_tqdm=False)[0].num_cached_tokens for _ in range(2)]
+    assert want[0] == 0 and 0 < want[1] <= len(prompt)
+    got = [client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                                     extra_body={"ignore_eos": True}).usage.prompt_tokens_details.cached_tokens
+           for _ in range(2)]
+    assert got == want
+    # chat, streamed or not, and the Responses API on one conversation; the chat template's head, which every
+    # conversation shares, is cached on both first (whatever other tests sent)
+    warm = [{"role": "user", "content": "hello"}]
+    offline.chat(warm, greedy, use_tqdm=False)
+    client.chat.completions.create(model="tiny", messages=warm, max_tokens=1)
+    text = " ".join(f"word{i}" for i in random.Random(7).sample(range(1000), 30))
+    msgs = [{"role": "user", "content": text}]
+    want = [offline.chat(msgs, greedy, use_tqdm=False)[0].num_cached_tokens for _ in range(2)]
+    assert want[1] > want[0]
+    first = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert [first.usage.prompt_tokens_details.cached_tokens,
+            chunks[-1].usage.prompt_tokens_details.cached_tokens] == want
+    r = httpx.post(f"{server}/v1/responses", json={"model": "tiny", "input": text, "max_output_tokens": 4,
+                                                   "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] == want[1]
+
+
 def test_beam_search_answers_as_the_offline_api(server, client, offline):
     """vLLM's use_beam_search: n beams, best first, as LLM.beam_search finds them, on completions (streamed or
     not, with logprobs) and chat; the beams' step requests leave no slot or block behind."""
@@ -394,8 +430,7 @@ def test_native_generate_samples_as_the_completions_route(server, hf_models):
             "frequency_penalty": 0.25, "repetition_penalty": 1.25, "seed": 11, "ignore_eos": True, "min_tokens": 12}
     native = httpx.post(server + "/generate", json={"prompt": "Hi", **opts}).json()
     ref = httpx.post(server + "/v1/completions", json={"prompt": "Hi", **opts}).json()
-    assert native["text"] == ref["choices"][0]["text"] and native["usage"] == {
-        k: ref["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    assert native["text"] == ref["choices"][0]["text"] and native["usage"] == ref["usage"]
     assert native["usage"]["completion_tokens"] == 12
     other = httpx.post(server + "/generate", json={"prompt": "Hi", "max_tokens": 12, "temperature": 0.75,
                                                     "seed": 11, "ignore_eos": True}).json()

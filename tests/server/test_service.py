@@ -133,6 +133,13 @@ def test_request_id_and_one_json_log_line_per_request(svc):
     assert line["finish_reason"] == "length" and line["priority"] == "normal"
     assert line["queue_ms"] >= 0 and 0 < line["ttft_ms"] <= line["e2e_ms"]
     assert "prompt" not in line and "completion" not in line  # text only with --log-prompts
+    # the same prompt again: the log counts the tokens the prefix cache served, as the response does
+    for _ in range(2):
+        r = complete(url, {**ALICE, "x-request-id": "log-test-2"}, prompt="log test " * 20, max_tokens=1)
+    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    lines = _wait(lambda: [x for x in server_log_lines(proc) if x["request_id"] == "log-test-2"][1:], 10,
+                  "the second log line")
+    assert lines[0]["cached_tokens"] == cached and 0 < cached < r.json()["usage"]["prompt_tokens"]
     assert "sk-alice" not in Path(proc.log_path).read_text()  # keys are never logged
 
 

@@ -44,7 +44,7 @@ async def _native(api: Api, m, request: Request, ids: list[int], body: p.NativeG
     [final] = await api.collect(m, request, [job])
     acc = final[0]
     return {"id": rid, "text": acc["text"], "finish_reason": _reason(acc["finish"], acc["stop_reason"]),
-            "usage": usage(len(ids), len(acc["token_ids"]))}
+            "usage": usage(len(ids), len(acc["token_ids"]), record(request).cached_tokens)}
 
 
 def add_routes(app: FastAPI, api: Api) -> None:

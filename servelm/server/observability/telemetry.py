@@ -35,6 +35,7 @@ class RequestRecord:
     stream: bool = False
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache served
     reserved_tokens: int = 0  # taken from the key's token bucket at admission
     waiting_for: str | None = None  # the model whose admission queue counts it until its first output
     submitted: float | None = None  # handed to the engine
@@ -73,7 +74,7 @@ class RequestRecord:
 
         d = {"event": "request", "request_id": self.request_id, "method": self.method, "path": self.path,
              "key": self.key_name, "model": self.model, "priority": self.priority, "status": self.status,
-             "stream": self.stream, "prompt_tokens": self.prompt_tokens,
+             "stream": self.stream, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
              "completion_tokens": self.completion_tokens,
              "queue_ms": round(1000 * self.queue_time, 2) if self.queue_time is not None else None,
              "ttft_ms": ms(self.start, self.first_token), "e2e_ms": ms(self.start, self.end),

@@ -84,7 +84,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
                                                "stop_reason": c.stop_reason if last else None}]})
                     if req.stream_options and req.stream_options.include_usage:
                         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                                   "choices": [], "usage": usage(len(ids), completion_tokens)})
+                                   "choices": [], "usage": usage(len(ids), completion_tokens, record(request).cached_tokens)})
                 except APIError as e:
                     record(request).error = e.message
                     yield sse(e.body())
@@ -107,7 +107,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
                             "logprobs": chat_logprobs(acc["token_ids"], acc["logprobs"], k) if req.logprobs else None,
                             "finish_reason": finish, "stop_reason": acc["stop_reason"]})
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-                "usage": usage(len(ids), completion_tokens)}
+                "usage": usage(len(ids), completion_tokens, record(request).cached_tokens)}
         if req.prompt_logprobs is not None:  # vLLM's place for them: the response, not a choice
             body["prompt_logprobs"] = prompt_logprobs(next(iter(final.values())).get("prompt_logprobs"))
         return body

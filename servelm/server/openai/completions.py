@@ -116,7 +116,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
                     if req.stream_options and req.stream_options.include_usage:
                         prompt_tokens = sum(len(j[1]) for j in jobs)
                         yield sse({"id": base, "object": "text_completion", "created": created, "model": model,
-                                   "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+                                   "choices": [], "usage": usage(prompt_tokens, completion_tokens, record(request).cached_tokens)})
                 except APIError as e:
                     record(request).error = e.message
                     yield sse(e.body())
@@ -143,4 +143,4 @@ def add_routes(app: FastAPI, api: Api) -> None:
                                    if req.prompt_logprobs is not None else {})})
         prompt_tokens = sum(len(j[1]) for j in jobs)
         return {"id": base, "object": "text_completion", "created": created, "model": model, "choices": choices,
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, record(request).cached_tokens)}

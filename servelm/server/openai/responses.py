@@ -96,7 +96,8 @@ def add_routes(app: FastAPI, api: Api) -> None:
             status = "incomplete" if finish == "length" else "completed"
             output = ([r.reasoning_item(rs_id, thought, "completed")] if thought is not None else []) + \
                 [r.message_item(item_id, text, "completed")]
-            res = r.response_object(rid, created, model, body, status, output, r.usage(len(ids), out_tokens))
+            res = r.response_object(rid, created, model, body, status, output,
+                                    r.usage(len(ids), out_tokens, record(request).cached_tokens))
             if body.store:  # the conversation goes on from the answer; the reasoning is not sent back
                 store.put(rid, Stored(owner, res, history + new + [{"role": "assistant", "content": text}]))
             return res

@@ -78,8 +78,8 @@ class ResponsesRequest(_Body):
                               output_kind=OutputKind.DELTA)
 
 
-def usage(input_tokens: int, output_tokens: int) -> dict:
-    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": input_tokens + output_tokens}
 
