@@ -60,6 +60,15 @@ class ApiConfig:
                                                    "--served-model-name a b): the first is the id /v1/models "
                                                    "lists first and responses carry, the others are aliases a "
                                                    "request may name too (default: derived from the model)")
+    ssl_keyfile: str | None = _f(None, "serve HTTPS: the server's private key (a PEM file), with --ssl-certfile "
+                                 "(as vLLM's)")
+    ssl_certfile: str | None = _f(None, "serve HTTPS: the server's certificate, or its chain (a PEM file), with "
+                                  "--ssl-keyfile")
+    ssl_ca_certs: str | None = _f(None, "with --ssl-certfile: the CA certificates (a PEM file) client certificates "
+                                  "are checked against")
+    ssl_cert_reqs: int = _f(0, "with --ssl-certfile: client certificates, numbered as Python's ssl module does: 0 "
+                            "not asked for, 1 checked when given, 2 required (mutual TLS); 1 and 2 need "
+                            "--ssl-ca-certs")
     max_request_body_bytes: int = _f(4 * 2**20, "larger request bodies get 413")
     header_timeout_s: float = _f(10.0, "close a connection whose request head (request line and headers) is not "
                                  "complete this long after it opened or after its last response (slow clients, "
@@ -108,8 +117,44 @@ class ApiConfig:
         need(self.ui in choices(WebUi), "ui", one_of(WebUi))
         need(self.responses_store_size >= 0, "responses_store_size", ">= 0")
         need(self.max_request_body_bytes >= 1024, "max_request_body_bytes", ">= 1024")
+        self._check_tls()
         need(self.tool_call_parser in choices(ToolCallParser), "tool_call_parser", one_of(ToolCallParser))
         need(self.reasoning_parser in choices(ReasoningParser), "reasoning_parser", one_of(ReasoningParser))
+
+    def _check_tls(self) -> None:
+        """HTTPS settings that go together, and files that load (a bad key stops the start, naming it)."""
+        def need(ok: bool, name: str, allowed: str) -> None:
+            require(self, ok, name, allowed)
+
+        need((self.ssl_keyfile is None) == (self.ssl_certfile is None), "ssl_keyfile",
+             "given with ssl_certfile (both or neither)")
+        need(self.ssl_cert_reqs in (0, 1, 2), "ssl_cert_reqs", "0 (none), 1 (optional) or 2 (required)")
+        need(self.ssl_certfile is not None or (self.ssl_ca_certs is None and self.ssl_cert_reqs == 0),
+             "ssl_ca_certs", "given only with ssl_certfile and ssl_keyfile (HTTPS)")
+        need(self.ssl_cert_reqs == 0 or self.ssl_ca_certs is not None, "ssl_cert_reqs",
+             "0 unless ssl_ca_certs names the CAs that client certificates are checked against")
+        if self.ssl_certfile is None:
+            return
+        import ssl
+
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        for name in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            need(path is None or Path(path).expanduser().is_file(), name, "a readable PEM file")
+        try:
+            ctx.load_cert_chain(str(Path(self.ssl_certfile).expanduser()), str(Path(self.ssl_keyfile).expanduser()))
+        except (ssl.SSLError, OSError) as e:
+            raise ConfigError("ssl_certfile", self.ssl_certfile, f"a PEM certificate matching ssl_keyfile ({e})") \
+                from None
+        if self.ssl_ca_certs is not None:
+            try:
+                ctx.load_verify_locations(str(Path(self.ssl_ca_certs).expanduser()))
+            except (ssl.SSLError, OSError) as e:
+                raise ConfigError("ssl_ca_certs", self.ssl_ca_certs, f"PEM CA certificates ({e})") from None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"
 
 
 @dataclass

@@ -180,8 +180,8 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
 
         state.reconciler = await start_reconciler(state)
     app = build_app(state)
-    logger.info("ready in %.1fs: serving %s on http://%s:%d (API keys: %s)", time.perf_counter() - t0,
-                ", ".join(state.models.names()), srv.api_config.host, sock.getsockname()[1], f"{len(state.keys.keys)}" if state.keys.enabled else "off")
+    logger.info("ready in %.1fs: serving %s on %s://%s:%d (API keys: %s)", time.perf_counter() - t0,
+                ", ".join(state.models.names()), srv.api_config.scheme, srv.api_config.host, sock.getsockname()[1], f"{len(state.keys.keys)}" if state.keys.enabled else "off")
     # the app, tokenizers and libraries live as long as the process: freeze them out of the collector's full
     # passes, which otherwise walk them all between two streamed tokens
     gc.collect()
@@ -265,9 +265,12 @@ def uvicorn_config(app, srv):
     a client could send on a connection the server was closing at that moment (a reset, seen in a soak)."""
     import uvicorn
 
-    return uvicorn.Config(app, host=srv.api_config.host, port=srv.api_config.port, log_level="warning",
-                          timeout_graceful_shutdown=srv.lifecycle_config.drain_timeout, timeout_keep_alive=srv.api_config.http_keep_alive_s,
-                          http=_http_protocol(srv))
+    api = srv.api_config
+    tls = {"ssl_keyfile": api.ssl_keyfile, "ssl_certfile": api.ssl_certfile, "ssl_ca_certs": api.ssl_ca_certs,
+           "ssl_cert_reqs": api.ssl_cert_reqs} if api.ssl_certfile else {}
+    return uvicorn.Config(app, host=api.host, port=api.port, log_level="warning",
+                          timeout_graceful_shutdown=srv.lifecycle_config.drain_timeout,
+                          timeout_keep_alive=api.http_keep_alive_s, http=_http_protocol(srv), **tls)
 
 
 def _http_protocol(srv):

@@ -70,9 +70,9 @@ def _wait(cond, timeout: float = 60.0, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _ready(url: str) -> bool:
+def _ready(url: str, **client) -> bool:
     try:
-        return httpx.get(url + "/ready", timeout=2).status_code == 200
+        return httpx.get(url + "/ready", timeout=2, **client).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -81,7 +81,8 @@ def stats(url: str, headers: dict | None = None) -> dict:
     return httpx.get(url + "/server/stats", headers=headers).json()
 
 
-def start_server(model_dir, *extra: str, env: dict | None = None):
+def start_server(model_dir, *extra: str, env: dict | None = None, tls: dict | None = None):
+    """`tls`: the server speaks HTTPS; httpx's `verify` (and `cert`) to reach it with."""
     port = _free_port()
     # model_dir None: no MODEL argument (the config file's models: list is what is served)
     head = [] if model_dir is None else [str(model_dir), "--served-model-name", "tiny"]
@@ -92,9 +93,9 @@ def start_server(model_dir, *extra: str, env: dict | None = None):
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True,
                                 env={**os.environ, **(env or {})})
     proc.log_path = log_path
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     try:
-        _wait(lambda: proc.poll() is not None or _ready(url), 300, "the server to become ready")
+        _wait(lambda: proc.poll() is not None or _ready(url, **(tls or {})), 300, "the server to become ready")
     except AssertionError:
         proc.kill()
         raise
