@@ -43,6 +43,7 @@ WebUi = typing.Literal["chat", "none"]
 PrefixCacheIsolation = typing.Literal["key", "none"]
 ToolCallParser = typing.Literal["auto", "hermes", "llama3_json", "mistral"]
 ReasoningParser = typing.Literal["none", "deepseek_r1", "qwen3"]
+MetricNames = typing.Literal["servelm", "vllm"]
 SECRETS = frozenset({"api_key", "admin_key"})  # never printed, logged or returned
 # URLs that may carry a password (postgresql://user:PASSWORD@host/db): printed with the password masked
 URL_SECRETS = frozenset({"database_url", "registry_url", "redis_url"})
@@ -352,6 +353,10 @@ class ObservabilityConfig:
     otlp_endpoint: str | None = _f(None, "OTLP/HTTP collector, e.g. http://localhost:4318/v1/traces: turns "
                                    "on OpenTelemetry tracing")
     otlp_service_name: str = _f("servelm", "service.name of the exported spans")
+    metric_names: MetricNames = _f("servelm", "servelm | vllm: the names of the engine and request metrics on "
+                                   "/metrics; vllm gives them vLLM's (vllm:num_requests_waiting, "
+                                   "vllm:kv_cache_usage_perc, ...) for autoscalers, routers and dashboards built for "
+                                   "vLLM; the platform's own metrics keep servelm: names")
     prediction_log: str = _f("off", "with a registry: the prediction log's mode, off | metadata | full (prompt and "
                              "output, redacted), for every model or per model: 'm=full,other=off,*=metadata'")
     prediction_log_file: str | None = _f(None, "also append prediction-log entries to this JSON-lines file")
@@ -381,6 +386,7 @@ class ObservabilityConfig:
              or self.prediction_log_otlp_endpoint.startswith(("http://", "https://")),
              "prediction_log_otlp_endpoint", "an http:// or https:// URL")
         need(self.drift_check_interval_s >= 0, "drift_check_interval_s", ">= 0 (0: only on request)")
+        need(self.metric_names in choices(MetricNames), "metric_names", one_of(MetricNames))
 
 
 SERVER_SECTIONS: dict[str, type] = {

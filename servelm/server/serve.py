@@ -82,7 +82,7 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
 
     srv = config.server
     keys = KeyStore.from_config(srv.secret("api_key"), srv.auth_config.api_keys_file, srv.secret("admin_key"))
-    metrics = Metrics(model_name)
+    metrics = Metrics(model_name, srv.observability_config.metric_names)
     directory = ModelDirectory(metrics.for_model)
     aliases = cli_aliases(config)
     for eng, tok, name in [(engine, tokenizer, model_name), *(more or [])]:

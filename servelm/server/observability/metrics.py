@@ -1,4 +1,6 @@
-"""Prometheus metrics, named like vLLM's under `servelm:` so existing dashboards and routers carry over.
+"""Prometheus metrics, named like vLLM's under `servelm:`, or exactly as vLLM names them with
+`--metric-names vllm` (`vllm:` and vLLM's current names), so that autoscalers, routers and dashboards built for
+vLLM read them unchanged.
 
 Engine-wide figures arrive with every engine step (`on_step`); per-request figures are observed by the API
 as each engine request finishes (`observe_finished`); HTTP outcomes by the gateway middleware.
@@ -58,23 +60,33 @@ def spec_decode_summary(st: EngineStats) -> dict | None:
             "fallbacks": st.spec_fallbacks}
 
 
+# Where vLLM's current name differs from servelm's (under --metric-names vllm).
+VLLM_NAMES = {"time_per_output_token_seconds": "request_time_per_output_token_seconds"}
+
+
+def metric_name(name: str, names: str = "servelm") -> str:
+    """The exposed name of metric `name` under the --metric-names setting `names`."""
+    return f"vllm:{VLLM_NAMES.get(name, name)}" if names == "vllm" else f"servelm:{name}"
+
+
 class Metrics:
     """The server's metrics; per-model figures carry a model_name label. `for_model(name)` is a view bound to
-    another model's labels over the same registry (several models behind one server)."""
+    another model's labels over the same registry (several models behind one server). `names`: servelm's or
+    vLLM's metric names (--metric-names)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, names: str = "servelm") -> None:
         disable_created_metrics()  # *_created series only add noise to scrapes
         self.registry = r = CollectorRegistry()
         f: dict = {}
 
         def gauge(name: str, help_: str, labels=("model_name",)) -> None:
-            f[name] = Gauge(f"servelm:{name}", help_, list(labels), registry=r)
+            f[name] = Gauge(metric_name(name, names), help_, list(labels), registry=r)
 
         def counter(name: str, help_: str, labels=("model_name",)) -> None:
-            f[name] = Counter(f"servelm:{name}", help_, list(labels), registry=r)
+            f[name] = Counter(metric_name(name, names), help_, list(labels), registry=r)
 
         def hist(name: str, help_: str, buckets) -> None:
-            f[name] = Histogram(f"servelm:{name}", help_, ["model_name"], buckets=buckets, registry=r)
+            f[name] = Histogram(metric_name(name, names), help_, ["model_name"], buckets=buckets, registry=r)
 
         # gauges (vLLM: num_requests_running/waiting, kv_cache_usage_perc)
         gauge("num_requests_running", "Requests in the running batch.")
