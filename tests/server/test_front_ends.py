@@ -242,8 +242,9 @@ def test_responses_previous_response_id_and_store(client):
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
-    with pytest.raises(openai.BadRequestError):
-        client.responses.create(model="tiny", input="x", tools=[{"type": "function", "name": "f", "parameters": {}}])
+    with pytest.raises(openai.BadRequestError):  # a function the request does not offer
+        client.responses.create(model="tiny", input="x", tools=[{"type": "function", "name": "f", "parameters": {}}],
+                                tool_choice={"type": "function", "name": "g"})
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model="tiny", input=[])
 

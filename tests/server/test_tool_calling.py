@@ -308,3 +308,81 @@ def test_ollama_think_asks_the_template_and_splits_the_reply(server, client):
                  for line in reply.chunks(piece, "stop" if i == len(pieces) - 1 else None)]
         assert "".join(line.get("thinking", "") for line in lines) == "\nThe user wants the weather.\n"
         assert "".join(line["response"] for line in lines) == "It is sunny."
+
+
+# -- the Responses API ------------------------------------------------------------------------------------------
+
+RTOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's flat form
+
+
+def _calls(response) -> list[tuple[str, str]]:
+    return [(o.name, o.arguments) for o in response.output if o.type == "function_call"]
+
+
+def test_responses_function_calls_are_chats(client):
+    """tool_choice named and required give the calls chat completions gives for the same conversation, as
+    function_call items (call_id, name, JSON arguments), and no message."""
+    for choice, chat_choice in (({"type": "function", "name": "get_time"},
+                                 {"type": "function", "function": {"name": "get_time"}}),
+                                ("required", "required")):
+        r = client.responses.create(model="tiny", input=MSGS[0]["content"], tools=RTOOLS, tool_choice=choice,
+                                    parallel_tool_calls=False, temperature=0, max_output_tokens=120)
+        chat = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice=chat_choice,
+                                              parallel_tool_calls=False, temperature=0, max_tokens=120)
+        want = [(t.function.name, t.function.arguments) for t in chat.choices[0].message.tool_calls]
+        assert _calls(r) == want and len(want) == 1
+        [item] = r.output
+        assert item.call_id.startswith("call_") and item.id.startswith("fc_") and item.status == "completed"
+        assert r.status == "completed" and r.tools[0].name == "get_weather" and r.parallel_tool_calls is False
+        jsonschema.validate(json.loads(item.arguments), SCHEMAS[item.name])
+
+
+def test_responses_streamed_calls_arrive_as_argument_deltas(client):
+    kw = dict(model="tiny", input=MSGS[0]["content"], tools=RTOOLS, tool_choice="required", temperature=0,
+              max_output_tokens=160)
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [i.type for i in added] == ["function_call"] * len(_calls(whole)) and all(i.arguments == "" for i in added)
+    for i, item in enumerate(added):
+        deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta"
+                         and e.item_id == item.id)
+        [done] = [e for e in events if e.type == "response.function_call_arguments.done" and e.item_id == item.id]
+        assert deltas == done.arguments == _calls(whole)[i][1] and done.output_index == i
+    final = events[-1]
+    assert final.type == "response.completed" and _calls(final.response) == _calls(whole)
+
+
+def test_responses_go_on_from_a_call_and_its_output(client, server):
+    """A function call's output continues the conversation, by previous_response_id or with the call quoted back
+    in the input: the model sees what chat completions shows it for the same history."""
+    import httpx
+
+    r = client.responses.create(model="tiny", input=MSGS[0]["content"], tools=RTOOLS,
+                                tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+                                max_output_tokens=80)
+    [call] = [o for o in r.output if o.type == "function_call"]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "21 degrees"}
+    history = MSGS + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "21 degrees"}]
+    chat = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "messages": history, "tools": TOOLS,
+                                                             "max_tokens": 4, "temperature": 0}, timeout=60).json()
+    by_id = client.responses.create(model="tiny", previous_response_id=r.id, input=[result], tools=RTOOLS,
+                                    max_output_tokens=4, temperature=0)
+    quoted = client.responses.create(model="tiny", tools=RTOOLS, max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": MSGS[0]["content"]},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        result])
+    for got in (by_id, quoted):
+        assert got.usage.input_tokens == chat["usage"]["prompt_tokens"]
+        assert got.output_text == chat["choices"][0]["message"]["content"]
+
+
+def test_responses_auto_with_no_call_is_a_message(client):
+    r = client.responses.create(model="tiny", input=MSGS[0]["content"], tools=RTOOLS, temperature=0,
+                                max_output_tokens=8)
+    chat = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, temperature=0, max_tokens=8)
+    assert [o.type for o in r.output] == ["message"] and r.tool_choice == "auto"
+    assert r.output_text == chat.choices[0].message.content and not _calls(r)

@@ -439,22 +439,16 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_SamplingFields):
-    messages: Messages
-    max_tokens: Length | None = None
-    max_completion_tokens: Length | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+class ToolFields(_Body):
+    """The tools a request offers and how it lets the model use them, in chat completions' shape (the Responses
+    API converts its own to these): one validation and one grammar for both."""
+
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    # vLLM's: under a reasoning parser, false leaves the reasoning out of the response
-    include_reasoning: bool = True
 
     @model_validator(mode="after")
-    def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
+    def _tool_choice_needs_tools(self) -> ToolFields:
         names = [t.function.name for t in self.tools or []]
         if self.tool_choice not in (None, "none", "auto") and not names:
             raise APIError(400, "tool_choice: needs tools", "tool_choice")
@@ -494,6 +488,18 @@ class ChatCompletionRequest(_SamplingFields):
             schema["maxItems"] = 1
         return schema
 
+
+class ChatCompletionRequest(_SamplingFields, ToolFields):
+    messages: Messages
+    max_tokens: Length | None = None
+    max_completion_tokens: Length | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: under a reasoning parser, false leaves the reasoning out of the response
+    include_reasoning: bool = True
+
     def structured(self) -> StructuredOutputsParams | None:
         forced = self.forced_tool_schema()
         own = super().structured()
@@ -503,7 +509,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(400, "tool_choice required or a named function already sets the output's format; it "
                                 "cannot be combined with response_format or guided_*", "tool_choice")
         return StructuredOutputsParams(json=forced)
-
 
     def sampling_params(self, default_max: int, defaults: Mapping | None = None) -> SamplingParams | BeamSearchParams:
         lp = (self.top_logprobs or 0) if self.logprobs else None

@@ -1,4 +1,5 @@
-"""OpenAI's Responses API: the request body of POST /v1/responses (text in, text out) and the response object."""
+"""OpenAI's Responses API: the request body of POST /v1/responses (text and function calls in, text and function
+calls out) and the response object."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from servelm.config import generation
-from servelm.sampling_params import OutputKind, SamplingParams
-from servelm.server.openai.protocol import Length, Priority, Text, _Body
+from servelm.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams
+from servelm.server.openai import protocol as p
+from servelm.server.openai.protocol import FunctionName, Length, Priority, Text, _Body
 
 
 class ContentPart(BaseModel):
@@ -34,6 +36,53 @@ class InputMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class FunctionCallItem(BaseModel):
+    """A function call of an earlier reply, quoted back (or carried by previous_response_id)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function_call"]
+    call_id: str
+    name: FunctionName
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutput(BaseModel):
+    """The caller's result of a function call, for the model to go on from."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutput
+
+
+class FunctionTool(BaseModel):
+    """A function the model may call, in the Responses API's flat form (chat completions nest it)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    name: FunctionName
+
+
 class TextFormat(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -48,7 +97,7 @@ class TextConfig(BaseModel):
 
 class ResponsesRequest(_Body):
     model: str | None = None
-    input: Text | Annotated[list[InputMessage], Field(min_length=1)]
+    input: Text | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None  # a system message for this response only (not carried to the next)
     previous_response_id: str | None = None
     max_output_tokens: Length | None = None
@@ -58,24 +107,50 @@ class ResponsesRequest(_Body):
     store: bool = True
     text: TextConfig | None = None
     truncation: Literal["disabled"] | None = None
-    tool_choice: Literal["none", "auto"] | None = None  # with no tools, both mean text
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
     user: str | None = None
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                         Field(max_length=16)] | None = None
     priority: Priority = None
 
-    def messages(self) -> list[dict[str, str]]:
-        """The input as {"role", "content"} messages."""
+    def messages(self) -> list[dict]:
+        """The input as chat messages: a function call joins the assistant message before it (the reply it was
+        part of), or opens one; a function call's output is a tool message."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
-        return [{"role": m.role, "content": m.text()} for m in self.input]
+        out: list[dict] = []
+        for item in self.input:
+            if isinstance(item, InputMessage):
+                out.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, FunctionCallItem):
+                if not out or out[-1]["role"] != "assistant":
+                    out.append({"role": "assistant", "content": None})
+                out[-1].setdefault("tool_calls", []).append(
+                    {"id": item.call_id, "type": "function", "function": {"name": item.name,
+                                                                          "arguments": item.arguments}})
+            else:
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        return out
+
+    def tool_fields(self) -> p.ToolFields:
+        """The tools and tool_choice in chat completions' shape, validated as chat validates them."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedFunction):
+            choice = {"type": "function", "function": {"name": choice.name}}
+        tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                 for t in self.tools or []]
+        return p.ToolFields(tools=tools, tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls)
 
     def sampling_params(self, default_max: int, defaults: Mapping | None = None) -> SamplingParams:
         """`defaults`: the model's (--generation-config), for temperature and top_p when unset and for the
         fields this API has no place for."""
+        forced = self.tool_fields().forced_tool_schema()  # tool_choice required or named: a grammar
         return SamplingParams(**generation.request_values(defaults, temperature=self.temperature, top_p=self.top_p),
                               max_tokens=self.max_output_tokens or generation.default_max_tokens(defaults, default_max),
-                              output_kind=OutputKind.DELTA)
+                              output_kind=OutputKind.DELTA,
+                              structured_outputs=StructuredOutputsParams(json=forced) if forced else None)
 
 
 def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
@@ -91,6 +166,12 @@ def message_item(item_id: str, text: str, status: str) -> dict:
             "content": [] if status == "in_progress" else [part]}
 
 
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
+    """A function call the reply makes (its arguments, JSON text, empty while in progress)."""
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
 def reasoning_item(item_id: str, text: str, status: str) -> dict:
     """A reasoning model's thinking (under the server's reasoning parser) as OpenAI's reasoning item."""
     return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
@@ -103,9 +184,16 @@ def response_object(rid: str, created: int, model: str, body: ResponsesRequest, 
     return {"id": rid, "object": "response", "created_at": created, "status": status, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": model,
-            "output": output, "parallel_tool_calls": False, "previous_response_id": body.previous_response_id,
+            "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": None, "summary": None}, "store": body.store,
             "temperature": 1.0 if body.temperature is None else body.temperature,
-            "text": {"format": {"type": "text"}}, "tool_choice": body.tool_choice or "none", "tools": [],
+            "text": {"format": {"type": "text"}},
+            "tool_choice": _dump(body.tool_choice) or ("auto" if body.tools else "none"),
+            "tools": [t.model_dump() for t in body.tools or []],
             "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": "disabled", "usage": use,
             "user": body.user, "metadata": body.metadata or {}}
+
+
+def _dump(value):
+    return value.model_dump() if isinstance(value, BaseModel) else value
