@@ -57,7 +57,7 @@ def build_app(state: ServerState):
     from servelm.server.errors import install_error_handlers
     from servelm.server.middleware.gateway import Gateway
     from servelm.server.native import routes as native
-    from servelm.server.openai import chat, completions, embeddings, models, tokenize
+    from servelm.server.openai import chat, completions, embeddings, models, scoring, tokenize
     from servelm.server.openapi import install_openapi
     from servelm.server.web.docs import add_docs_routes
 
@@ -69,7 +69,7 @@ def build_app(state: ServerState):
     default = state.models.default
     install_openapi(app, lambda: default.info.vocab_size if default and default.info else None,
                     lambda: default.max_model_len if default else 0)
-    for family in (models, completions, chat, tokenize, native, embeddings):
+    for family in (models, completions, chat, tokenize, native, embeddings, scoring):
         family.add_routes(app, api)
     add_ops_routes(app, state)
     add_kv_routes(app, state)

@@ -460,6 +460,51 @@ def test_embeddings_float_and_base64(server, client):
     assert emb["batches"] >= 1 and emb["real_tokens"] <= emb["padded_tokens"]
 
 
+def _vectors(server, texts: list[str]) -> np.ndarray:
+    r = httpx.post(server + "/v1/embeddings", json={"input": texts}, timeout=60)
+    assert r.status_code == 200, r.text
+    return np.array([d["embedding"] for d in r.json()["data"]])
+
+
+def test_score_and_rerank_are_the_embeddings_cosine_similarity(server):
+    """vLLM's /score and the rerank API (Jina's, Cohere's and vLLM's shape) over the embedding model: the cosine
+    similarity of /v1/embeddings' vectors, the documents ordered by it."""
+    query, docs = "a cat sat on the mat", ["stock markets fell", "a kitten on a rug", "cats and mats", "rain"]
+    q, d = _vectors(server, [query]), _vectors(server, docs)
+    want = (d @ q[0]) / (np.linalg.norm(d, axis=1) * np.linalg.norm(q[0]))
+    for path, body in (("/score", {"text_1": query, "text_2": docs}),
+                       ("/v1/score", {"queries": [query], "documents": docs})):
+        r = httpx.post(server + path, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert [x["index"] for x in got["data"]] == [0, 1, 2, 3] and got["model"] == "all-MiniLM-L6-v2"
+        assert np.allclose([x["score"] for x in got["data"]], want, atol=1e-5)
+        assert got["usage"]["prompt_tokens"] > len(docs)
+    # pairs: each text_1 with its own text_2
+    r = httpx.post(server + "/score", json={"text_1": docs[:2], "text_2": docs[2:]}, timeout=60).json()
+    a, b = _vectors(server, docs[:2]), _vectors(server, docs[2:])
+    pair = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    assert np.allclose([x["score"] for x in r["data"]], pair, atol=1e-5)
+    order = list(np.argsort(-want, kind="stable"))
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        r = httpx.post(server + path, json={"query": query, "documents": docs, "top_n": 3}, timeout=60)
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == order[:3]
+        assert [x["document"]["text"] for x in results] == [docs[i] for i in order[:3]]
+        assert np.allclose([x["relevance_score"] for x in results], want[order[:3]], atol=1e-5)
+    r = httpx.post(server + "/rerank", json={"query": query, "documents": docs, "return_documents": False}).json()
+    assert [x["index"] for x in r["results"]] == order and "document" not in r["results"][0]
+    # bad input: mismatched sides, an empty document, both spellings of a side, a generation model
+    for path, body, param in (("/score", {"text_1": docs[:2], "text_2": docs[:3]}, "text_1"),
+                              ("/rerank", {"query": query, "documents": ["ok", ""]}, "documents.1"),
+                              ("/score", {"text_1": "a", "queries": "b", "text_2": "c"}, "queries")):
+        r = httpx.post(server + path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(server + "/rerank", json={"model": "tiny", "query": query, "documents": docs})
+    assert r.status_code in (400, 404) and r.json()["error"]["param"] == "model", r.text
+
+
 def test_embeddings_truncate_prompt_tokens_keeps_each_inputs_end(server):
     """vLLM's truncate_prompt_tokens on /v1/embeddings: each input is embedded from its last k tokens, with the
     model's special tokens around them (k counts them), as the text of those words alone would be; -1 and a

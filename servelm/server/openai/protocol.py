@@ -575,6 +575,57 @@ class NativeChatRequest(NativeGenerateRequest):
 
 
 
+class ScoreRequest(_Body):
+    """vLLM's score API over the embedding model: the cosine similarity of each text_1 with its text_2 (one text_1
+    scores every text_2). vLLM's other spellings of the two sides, queries/documents, queries/items and
+    data_1/data_2, are taken too."""
+
+    model: str | None = None
+    text_1: Text | Texts
+    text_2: Text | Texts
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _spellings(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for side, names in (("text_1", ("queries", "data_1")), ("text_2", ("documents", "items", "data_2"))):
+            for name in names:
+                if name in data:
+                    if side in data:
+                        raise APIError(400, f"{name} and {side} name the same side of a score request; give one",
+                                       name)
+                    data[side] = data.pop(name)
+        return data
+
+    def pairs(self) -> tuple[list[str], list[str]]:
+        """(the first side, the second): one text_1 stands for every pair."""
+        one = [self.text_1] if isinstance(self.text_1, str) else self.text_1
+        two = [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        if len(one) != 1 and len(one) != len(two):
+            raise APIError(400, f"text_1 has {len(one)} items and text_2 {len(two)}: give one text_1, or as many "
+                                "as text_2", "text_1")
+        return one, two
+
+
+class RerankRequest(_Body):
+    """The rerank API of Jina, Cohere and vLLM over the embedding model: the documents by the cosine similarity
+    of each with the query, most relevant first."""
+
+    model: str | None = None
+    query: Text
+    documents: Text | Texts
+    top_n: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0  # 0: all of them
+    return_documents: bool = True  # Cohere's: false leaves each result's document out
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+
+    @property
+    def docs(self) -> list[str]:
+        return [self.documents] if isinstance(self.documents, str) else self.documents
+
+
 class NativeEmbeddingRequest(_Body):
     model: str | None = None  # default: the server's embedding model
     input: Text | Texts
