@@ -32,7 +32,29 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="print the effective config with the source of each value, then exit")
     for name, cls in SECTIONS.items():  # one --help group a section; the flags keep their flat names
         add_config_args(p, cls, f"{name} config", suppress_defaults=True)
+    _add_vllm_flags(p)
     p.set_defaults(func=cmd_serve)
+
+
+# vLLM flags that ask for what servelm always does: accepted, so that vLLM command lines run, and named at start
+VLLM_ALWAYS_ON = {
+    "--enable-auto-tool-choice": "a request that offers tools is always parsed for tool calls "
+                                 "(--tool-call-parser chooses the format)",
+    "--enable-prompt-tokens-details": "usage always carries prompt_tokens_details.cached_tokens",
+    "--enable-request-id-headers": "every response carries x-request-id",
+    "--disable-log-stats": "servelm writes no periodic statistics lines; /metrics and /server/stats have them",
+}
+
+
+def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("vLLM flags", "accepted so that vLLM command lines run unchanged")
+    for flag, why in VLLM_ALWAYS_ON.items():
+        g.add_argument(flag, dest="vllm_always_on", action="append_const", const=flag,
+                       help=f"not needed: {why}")
+    g.add_argument("--disable-log-requests", dest="log_requests", action="store_false", default=argparse.SUPPRESS,
+                   help="vLLM's name for --no-log-requests")
+    g.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=argparse.SUPPRESS,
+                   help="vLLM's name for --log-requests")
 
 
 def load_config(args):
@@ -354,6 +376,8 @@ def cmd_serve(args, engine_factory=None) -> int:
         return 0
     for note in config.engine.unused_vllm_settings():
         logger.info("%s", note)
+    for flag in getattr(args, "vllm_always_on", None) or ():
+        logger.info("%s is not needed: %s", flag, VLLM_ALWAYS_ON[flag])
     from servelm.model.loading.hub import fetch_models
     from servelm.model.loading.metadata import check_model
     from servelm.server.admin.spec import spec_file_problem

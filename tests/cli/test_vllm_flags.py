@@ -91,6 +91,12 @@ def test_trust_remote_code_and_gpu_memory_utilization_are_accepted_and_said_to_b
         _config("--gpu-memory-utilization", "1.5")
 
 
+def test_vllms_request_log_flags_set_servelms():
+    assert _config("--disable-log-requests").server.observability_config.log_requests is False
+    assert _config("--enable-log-requests").server.observability_config.log_requests is True
+    assert _config().server.observability_config.log_requests is True
+
+
 def test_unused_vllm_settings_are_logged_at_start(tmp_path, caplog):
     """`serve` says so before anything loads (here it stops at the model check: the folder is empty)."""
     import logging
@@ -98,8 +104,10 @@ def test_unused_vllm_settings_are_logged_at_start(tmp_path, caplog):
     from servelm.server.serve import cmd_serve
 
     with caplog.at_level(logging.INFO, logger="servelm.server"), pytest.raises((ValueError, OSError)):
-        cmd_serve(_serve_args(str(tmp_path), "--trust-remote-code", "--embedding-model", "none"))
+        cmd_serve(_serve_args(str(tmp_path), "--trust-remote-code", "--embedding-model", "none",
+                              "--enable-auto-tool-choice"))
     assert "--trust-remote-code is not needed" in caplog.text
+    assert "--enable-auto-tool-choice is not needed: a request that offers tools is always parsed" in caplog.text
 
 
 # -- --chat-template -------------------------------------------------------------------------------------------
@@ -288,7 +296,9 @@ def test_a_pasted_vllm_serve_command_line_runs(llama_dir, tmp_path, tokenizer):
     proc, url = start_server(llama_dir, "--served-model-name", "tiny", "tiny-chat", "--max-model-len", "0.5k",
                              "--dtype", "float", "--trust-remote-code", "--chat-template", str(template),
                              "--allowed-origins", f'["{ORIGIN}"]', "--gpu-memory-utilization", "0.9",
-                             "--max-num-batched-tokens", "1k", "--num-kv-blocks", "64", "--embedding-model", "none")
+                             "--max-num-batched-tokens", "1k", "--num-kv-blocks", "64", "--embedding-model", "none",
+                             "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--disable-log-requests",
+                             "--enable-prompt-tokens-details", "--disable-log-stats")
     try:
         cards = httpx.get(url + "/v1/models").json()["data"]
         assert [c["id"] for c in cards] == ["tiny", "tiny-chat"] and cards[0]["max_model_len"] == 500
@@ -304,3 +314,5 @@ def test_a_pasted_vllm_serve_command_line_runs(llama_dir, tmp_path, tokenizer):
     with open(proc.log_path) as f:
         log = f.read()
     assert "--trust-remote-code is not needed" in log and "--gpu-memory-utilization 0.9 is not used" in log
+    assert "--enable-auto-tool-choice is not needed" in log and "--disable-log-stats is not needed" in log
+    assert '"event": "request"' not in log and '"event":"request"' not in log  # --disable-log-requests
