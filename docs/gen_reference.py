@@ -228,6 +228,14 @@ def config_reference() -> str:
     lines += ["`servelm serve` also takes `MODEL` (the `model.model` key), `--config FILE` (or `SERVELM_CONFIG`)",
               "and `--print-config`; a config file may also hold a `models:` list",
               "([Model platform](../platform/index.md)).", ""]
+    always_on = _module_defining(r"VLLM_ALWAYS_ON = ").VLLM_ALWAYS_ON
+    lines += ["## vLLM flags", "",
+              "Flags of vLLM's command line that `servelm serve` takes with no key of their own "
+              "([vLLM differences](../serving/vllm-differences.md#vllm-serve-flags)):", "",
+              "| flag | what |", "| --- | --- |",
+              "| `--disable-log-requests`, `--enable-log-requests` | `log_requests` false and true |",
+              *(f"| `{flag}` | accepted and named at start, not needed: {_cell(why)} |"
+                for flag, why in always_on.items()), ""]
     return "\n".join(lines)
 
 
