@@ -418,7 +418,18 @@ class EngineCore:
             prompt_tokens=sch.prompt_tokens, generation_tokens=sch.generation_tokens,
             num_priority_preemptions=sch.num_priority_preemptions, waiting_by_priority=by_priority,
             batch_size=self.last_batch_size, kv_cache_dtype=self.kv_plan.dtype, **self._spec_stats(),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict:
+        if self.loras is None:
+            return {}
+        sch = self.scheduler
+
+        def names(seqs) -> list[str]:
+            return sorted({s.request.lora.lora_name for s in seqs if s.request.lora is not None})
+        return dict(max_loras=self.loras.max_loras, running_lora_adapters=names(sch.running),
+                    waiting_lora_adapters=names(sch.waiting))
 
     def _spec_stats(self) -> dict:
         if self.spec is None:

@@ -95,3 +95,8 @@ class EngineStats:
     spec_fallbacks: int = 0  # times a request's speculation switched off for low acceptance
     spec_proposed_by_position: list[int] = field(default_factory=list)
     spec_accepted_by_position: list[int] = field(default_factory=list)
+    # LoRA adapters (all empty, max_loras 0, when they are off): the adapters of the running and the waiting
+    # requests, by name, sorted (vLLM's lora_requests_info, which routers read for adapter affinity)
+    max_loras: int = 0
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)

@@ -108,6 +108,26 @@ def test_max_loras_bounds_a_step_and_requests_still_finish(setup):
     assert max(seen) == 1
 
 
+def test_stats_name_the_adapters_running_and_waiting(setup):
+    """What lora_requests_info reports: with room for one adapter per step, the second adapter's request waits."""
+    from servelm.engine.llm_engine import LLMEngine
+
+    arch, base_dir, paths, merged = setup
+    llm = LLM(str(base_dir), dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=1)
+    engine: LLMEngine = llm.engine
+    assert (engine.core.stats().max_loras, engine.core.stats().running_lora_adapters) == (1, [])
+    engine.add_request("a", [5, 6, 7], _params(4), lora_request=LoRARequest("small", 1, str(paths["small"])))
+    engine.add_request("b", [5, 6, 8], _params(4), lora_request=LoRARequest("big", 2, str(paths["big"])))
+    engine.add_request("c", [5, 6, 9], _params(4))  # the base model's rows name no adapter
+    engine.step()
+    st = engine.core.stats()
+    assert (st.running_lora_adapters, st.waiting_lora_adapters) == (["small"], ["big"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    st = engine.core.stats()
+    assert (st.running_lora_adapters, st.waiting_lora_adapters) == ([], [])
+
+
 def test_lora_modules_load_at_start_and_adapters_unload(setup):
     arch, base_dir, paths, merged = setup
     llm = LLM(str(base_dir), dtype="float32", num_kv_blocks=64, lora_modules=(f"small={paths['small']}",))

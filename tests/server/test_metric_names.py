@@ -50,3 +50,37 @@ def test_vllm_names_are_what_vllm_exposes(tokenizer):
 def test_an_unknown_naming_stops_the_start():
     with pytest.raises(ValueError, match="metric_names"):
         load({"metric_names": "sglang"}, env={})
+
+
+def _stats(**kw):
+    from servelm.engine.step_outputs import EngineStats
+
+    return EngineStats(num_running=1, num_waiting=1, num_swapped=0, kv_usage=0.1, num_kv_blocks=64,
+                       num_free_blocks=60, prefix_cache_queries=0, prefix_cache_hits=0, prefix_cache_hit_rate=0.0,
+                       num_preemptions=0, num_swaps=0, num_evictions=0, num_steps=1, prompt_tokens=0,
+                       generation_tokens=0, **kw)
+
+
+def _lora_series(metrics, name: str) -> list[dict]:
+    from prometheus_client import generate_latest
+
+    text = generate_latest(metrics.registry).decode()
+    return [s.labels for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name]
+
+
+@pytest.mark.parametrize("names", ["servelm", "vllm"])
+def test_lora_requests_info_follows_the_adapters_in_use(names):
+    """vLLM's lora_requests_info (what the Inference Extension reads for adapter affinity): one series whose labels
+    name the running and the waiting adapters, replaced when they change; none without LoRA."""
+    from servelm.server.observability.metrics import Metrics, metric_name
+
+    m, series = Metrics("tiny", names), metric_name("lora_requests_info", names)
+    m.on_step(_stats(), 0, True)
+    assert _lora_series(m, series) == []  # LoRA off: no series
+    m.on_step(_stats(max_loras=2, running_lora_adapters=["sql"], waiting_lora_adapters=["chat", "math"]), 4, True)
+    assert _lora_series(m, series) == [{"model_name": "tiny", "max_lora": "2", "running_lora_adapters": "sql",
+                                        "waiting_lora_adapters": "chat,math"}]
+    m.on_step(_stats(max_loras=2, running_lora_adapters=["chat", "sql"]), 4, True)
+    assert [s["running_lora_adapters"] for s in _lora_series(m, series)] == ["chat,sql"]
+    m.on_engine_down()
+    assert _lora_series(m, series) == []

@@ -96,6 +96,9 @@ class Metrics:
               ("model_name", "priority"))
         gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
         gauge("engine_up", "1 while the engine process is ready, else 0.")
+        gauge("lora_requests_info", "With LoRA adapters: the adapters of the running and the waiting requests "
+              "(comma-separated labels, as vLLM's), set to the time of the last step.",
+              ("model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"))
         counter("engine_restarts", "Engine process restarts after a crash.")
         for name, (_, help_) in _ENGINE_COUNTERS.items():  # engine counters
             counter(name, help_)
@@ -141,6 +144,8 @@ class Metrics:
         self.kv_usage = f["kv_cache_usage_perc"].labels(**m)
         self.engine_up = f["engine_up"].labels(**m)
         self.engine_restarts = f["engine_restarts"].labels(**m)
+        self._lora_info = f["lora_requests_info"]
+        self._lora_labels: tuple | None = None  # the series now exposed: a new set of adapters replaces it
         self._engine_counters = {field: f[name].labels(**m) for name, (field, _) in _ENGINE_COUNTERS.items()}
         self._position_counters = {field: f[name] for name, (field, _) in _SPEC_POSITION_COUNTERS.items()}
         self._last: EngineStats | None = None
@@ -173,6 +178,9 @@ class Metrics:
         self.engine_up.set(0)
         for g in (self.running, self.waiting, self.swapped, self.kv_usage):
             g.set(0)
+        if self._lora_labels is not None:  # no adapters run or wait any more
+            self._lora_info.remove(*self._lora_labels)
+            self._lora_labels = None
         for name in ("high", "normal", "low"):
             self.waiting_by_priority.labels(self.model_name, name).set(0)
 
@@ -210,6 +218,13 @@ class Metrics:
         self.kv_usage.set(s.kv_usage)
         for name, n in zip(("high", "normal", "low"), s.waiting_by_priority, strict=False):
             self.waiting_by_priority.labels(self.model_name, name).set(n)
+        if s.max_loras:
+            labels = (self.model_name, str(s.max_loras), ",".join(s.running_lora_adapters),
+                      ",".join(s.waiting_lora_adapters))
+            if labels != self._lora_labels and self._lora_labels is not None:
+                self._lora_info.remove(*self._lora_labels)
+            self._lora_labels = labels
+            self._lora_info.labels(*labels).set(time.time())
 
     def observe_finished(self, arrival: float, first_token: float | None, end: float, queue_time: float | None,
                          prompt_tokens: int, output_tokens: int, finish_reason: str | None) -> None:
