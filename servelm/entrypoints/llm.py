@@ -124,12 +124,18 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
-             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate. `tools` (OpenAI
         tool definitions) go to the template as `tools=`; the reply's calls are left to the caller to parse
-        (`servelm.server.openai.tool_parsers.parse`)."""
+        (`servelm.server.openai.tool_parsers.parse`). `continue_final_message` (with add_generation_prompt
+        False): the reply goes on from the last message, an assistant's, as written."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true; set "
+                             "add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {}),
+                  **({"continue_final_message": True} if continue_final_message else {})}
         prompts = [self.apply_chat_template(c, add_generation_prompt, **kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 

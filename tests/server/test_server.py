@@ -166,6 +166,59 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(server, client, 
     assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] == want[1]
 
 
+def _sse(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", server + path, json={**body, "stream": True}, timeout=60) as r:
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_return_token_ids_gives_the_engines_ids(server, offline, tokenizer):
+    """vLLM's return_token_ids: the prompt's ids and each choice's, whole or as each chunk's new ones."""
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = "The tiny model says"
+    want = offline.generate([prompt], greedy, use_tqdm=False)[0]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    r = httpx.post(server + "/v1/completions", json=body, timeout=60).json()
+    [choice] = r["choices"]
+    assert choice["prompt_token_ids"] == want.prompt_token_ids and choice["token_ids"] == want.outputs[0].token_ids
+    chunks = _sse(server, "/v1/completions", body)
+    assert [c["choices"][0]["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c["choices"][0]] == \
+        [want.prompt_token_ids]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == want.outputs[0].token_ids
+    assert "token_ids" not in httpx.post(server + "/v1/completions", json={**body, "return_token_ids": False},
+                                         timeout=60).json()["choices"][0]
+    # chat: the prompt's ids on the response (on a stream, its first chunk), each choice's on the choice
+    msgs = [{"role": "user", "content": "Say something"}]
+    want = offline.chat(msgs, greedy, use_tqdm=False)[0]
+    body = {"model": "tiny", "messages": msgs, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    r = httpx.post(server + "/v1/chat/completions", json=body, timeout=60).json()
+    assert r["prompt_token_ids"] == want.prompt_token_ids and r["choices"][0]["token_ids"] == want.outputs[0].token_ids
+    chunks = _sse(server, "/v1/chat/completions", body)
+    assert [c["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c] == [want.prompt_token_ids]
+    assert "prompt_token_ids" in chunks[0]
+    assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == want.outputs[0].token_ids
+
+
+def test_continue_final_message_goes_on_from_the_assistants_text(server, client, offline, tokenizer):
+    msgs = [{"role": "user", "content": "Tell me a story"}, {"role": "assistant", "content": "Once upon a"}]
+    text = tokenizer.apply_chat_template(msgs, continue_final_message=True, tokenize=False)
+    assert text.rstrip().endswith("Once upon a")  # the oracle: transformers leaves the message open
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = offline.generate([ids], greedy, use_tqdm=False)[0].outputs[0].text
+    assert offline.chat(msgs, greedy, use_tqdm=False, add_generation_prompt=False,
+                        continue_final_message=True)[0].outputs[0].text == want
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, extra_body={
+        "ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False})
+    assert r.choices[0].message.content == want and r.usage.prompt_tokens == len(ids)
+    r = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "messages": msgs,
+                                                          "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    with pytest.raises(ValueError, match="continue_final_message"):
+        offline.chat(msgs, greedy, continue_final_message=True)
+
+
 def test_beam_search_answers_as_the_offline_api(server, client, offline):
     """vLLM's use_beam_search: n beams, best first, as LLM.beam_search finds them, on completions (streamed or
     not, with logprobs) and chat; the beams' step requests leave no slot or block behind."""

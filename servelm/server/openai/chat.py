@@ -24,7 +24,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         m = await api.resolve(request, req.model, req=req)
         api.hold_place(m, request)
         ids = req.truncate(await api.chat_ids(m, req.messages, req.add_generation_prompt, template_tools(req),
-                                              **(req.chat_template_kwargs or {})), m.max_model_len)
+                                              **req.template_kwargs()), m.max_model_len)
         params = api.params(m, req, len(ids))
         api_config = api.state.config.server.api_config
         tools = ToolReply(req, choose_parser(api_config.tool_call_parser, getattr(m.tokenizer, "chat_template", None)))
@@ -50,15 +50,19 @@ def add_routes(app: FastAPI, api: Api) -> None:
                 completion_tokens = 0
                 streams = {j: tools.stream() for j in range(req.n)} if tools.active else {}
                 splits = {j: ReasoningStream(thinking) for j in range(req.n)} if thinking else {}
+                # return_token_ids: each choice's new tokens, sent with its next chunk (text held back keeps them)
+                unsent: dict[int, list[int]] = {j: [] for j in range(req.n)}
                 try:
                     for j in range(req.n):
                         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                                    "choices": [{"index": j, "delta": {"role": "assistant", "content": "",
                                                                       "refusal": None},
-                                                "logprobs": None, "finish_reason": None}]})
+                                                "logprobs": None, "finish_reason": None}],
+                                   **({"prompt_token_ids": ids} if req.return_token_ids and j == 0 else {})})
                     async for out in head:
                         for c in out.outputs:
                             completion_tokens += len(c.token_ids)
+                            unsent[c.index] += c.token_ids
                             if not (c.text or c.finish_reason):
                                 continue
                             lp = chat_logprobs(c.token_ids, c.logprobs, k) if c.logprobs else None
@@ -77,11 +81,13 @@ def add_routes(app: FastAPI, api: Api) -> None:
                                 deltas = [{}]
                             for i, delta in enumerate(deltas):
                                 last = i == len(deltas) - 1
+                                choice = {"index": c.index, "delta": delta, "logprobs": lp if last else None,
+                                          "finish_reason": finish if last else None,
+                                          "stop_reason": c.stop_reason if last else None}
+                                if req.return_token_ids and last:
+                                    choice["token_ids"], unsent[c.index] = unsent[c.index], []
                                 yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                           "model": model, "choices": [{
-                                               "index": c.index, "delta": delta, "logprobs": lp if last else None,
-                                               "finish_reason": finish if last else None,
-                                               "stop_reason": c.stop_reason if last else None}]})
+                                           "model": model, "choices": [choice]})
                     if req.stream_options and req.stream_options.include_usage:
                         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                                    "choices": [], "usage": usage(len(ids), completion_tokens, record(request).cached_tokens)})
@@ -105,9 +111,12 @@ def add_routes(app: FastAPI, api: Api) -> None:
                 message["reasoning"] = message["reasoning_content"] = thought
             choices.append({"index": j, "message": message,
                             "logprobs": chat_logprobs(acc["token_ids"], acc["logprobs"], k) if req.logprobs else None,
-                            "finish_reason": finish, "stop_reason": acc["stop_reason"]})
+                            "finish_reason": finish, "stop_reason": acc["stop_reason"],
+                            **({"token_ids": acc["token_ids"]} if req.return_token_ids else {})})
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
                 "usage": usage(len(ids), completion_tokens, record(request).cached_tokens)}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = ids
         if req.prompt_logprobs is not None:  # vLLM's place for them: the response, not a choice
             body["prompt_logprobs"] = prompt_logprobs(next(iter(final.values())).get("prompt_logprobs"))
         return body

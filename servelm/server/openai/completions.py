@@ -72,6 +72,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
             model = record(request).model or model  # the version that took it (a swap may be under way)
 
             echoed: set[int] = set()
+            started: set[int] = set()  # return_token_ids: the choices whose first chunk (with the prompt's ids) went
 
             def choices_of(i: int, out: RequestOutput) -> list[dict]:
                 """The chunk choices one engine output of prompt i makes: the echoed prompt first (with its
@@ -89,11 +90,16 @@ def add_routes(app: FastAPI, api: Api) -> None:
                             choices.append({"index": i * n + c.index, "text": "", "logprobs": None,
                                             "finish_reason": "length", "stop_reason": None})
                         continue
-                    if c.text or c.finish_reason:
-                        choices.append({"index": i * n + c.index, "text": c.text,
-                                        "logprobs": completion_logprobs(c.token_ids, c.logprobs, 0)
-                                        if c.logprobs else None,
-                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    if c.text or c.finish_reason or (req.return_token_ids and c.token_ids):
+                        choice = {"index": i * n + c.index, "text": c.text,
+                                  "logprobs": completion_logprobs(c.token_ids, c.logprobs, 0) if c.logprobs else None,
+                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                        if req.return_token_ids:
+                            choice["token_ids"] = c.token_ids
+                            if choice["index"] not in started:
+                                started.add(choice["index"])
+                                choice["prompt_token_ids"] = ids
+                        choices.append(choice)
                 return choices
 
             async def events():
@@ -140,7 +146,9 @@ def add_routes(app: FastAPI, api: Api) -> None:
                                 if req.logprobs is not None else None,
                                 "finish_reason": acc["finish"], "stop_reason": acc["stop_reason"],
                                 **({"prompt_logprobs": prompt_logprobs(acc.get("prompt_logprobs"))}
-                                   if req.prompt_logprobs is not None else {})})
+                                   if req.prompt_logprobs is not None else {}),
+                                **({"prompt_token_ids": ids, "token_ids": acc["token_ids"]}
+                                   if req.return_token_ids else {})})
         prompt_tokens = sum(len(j[1]) for j in jobs)
         return {"id": base, "object": "text_completion", "created": created, "model": model, "choices": choices,
                 "usage": usage(prompt_tokens, completion_tokens, record(request).cached_tokens)}

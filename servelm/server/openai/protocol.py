@@ -226,6 +226,8 @@ class _SamplingFields(_VllmSampling):
     structured_outputs: StructuredOutputsField | None = None
     # vLLM's: the logprob and rank of each prompt token after the first, with this many alternatives
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # vLLM's: the token ids of the prompt and of each choice beside the text (on a stream, each chunk's new ones)
+    return_token_ids: bool = False
     # vLLM's beam search: n beams, ranked by cumulative logprob / length ** length_penalty (servelm/beam_search.py)
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -496,9 +498,24 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
+    # vLLM's (transformers'): the last message, an assistant's, is left open for the reply to go on from it
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: under a reasoning parser, false leaves the reasoning out of the response
     include_reasoning: bool = True
+
+    @model_validator(mode="after")
+    def _one_way_to_end_the_prompt(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true (the reply "
+                                "either goes on from the last message or starts a new one); set "
+                                "add_generation_prompt to false", "continue_final_message")
+        return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What apply_chat_template takes besides the messages and tools."""
+        return {**(self.chat_template_kwargs or {}),
+                **({"continue_final_message": True} if self.continue_final_message else {})}
 
     def structured(self) -> StructuredOutputsParams | None:
         forced = self.forced_tool_schema()
