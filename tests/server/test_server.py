@@ -26,7 +26,7 @@ from serving import (
 )
 from tiny_models import random_prompts
 
-from servelm import LLM, BeamSearchParams, SamplingParams
+from servelm import LLM, BeamSearchParams, SamplingParams, __version__
 
 pytestmark = pytest.mark.server
 
@@ -50,6 +50,7 @@ def offline(llama_dir):
 
 def test_health_ready_models(server, client):
     assert httpx.get(server + "/health").json() == {"status": "ok"}
+    assert httpx.get(server + "/version").json() == {"version": __version__}  # vLLM's route
     assert httpx.get(server + "/ready").status_code == 200
     assert stats(server)["scheduler"]["num_kv_blocks"] == 256  # engine stats are there as soon as it is ready
     ids = [m.id for m in client.models.list().data]

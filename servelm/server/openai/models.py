@@ -1,4 +1,5 @@
-"""Health, readiness and the model list: GET /health, /ready, /v1/models, /v1/models/{id}."""
+"""Health, readiness, the version and the model list: GET /health, /ready, /version, /v1/models,
+/v1/models/{id}."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from fastapi import FastAPI
 from servelm.control.types import Kind
 from servelm.server.common import Api
 from servelm.server.openai.protocol import APIError
+from servelm.version import __version__
 
 
 def model_cards(state) -> list[dict]:
@@ -58,6 +60,11 @@ def add_routes(app: FastAPI, api: Api) -> None:
     @app.get("/health")
     async def health():
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        """The server's version, as vLLM's GET /version answers it."""
+        return {"version": __version__}
 
     @app.get("/ready")
     async def ready():
