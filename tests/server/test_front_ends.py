@@ -223,6 +223,30 @@ def test_responses_create_and_stream_equal_chat(client):
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
+def test_responses_text_format_is_chats_response_format(client):
+    """text.format (json_schema, json_object) constrains the reply with the grammar chat's response_format uses."""
+    import jsonschema
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["colour"],
+              "properties": {"colour": {"enum": ["red", "green", "blue"]}}}
+    r = client.responses.create(model="tiny", input="Name a colour", max_output_tokens=40, temperature=0, text={
+        "format": {"type": "json_schema", "name": "colour", "schema": schema, "strict": True}})
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Name a colour"}],
+                                          max_tokens=40, temperature=0, response_format={
+                                              "type": "json_schema", "json_schema": {"name": "colour",
+                                                                                     "schema": schema}})
+    assert r.output_text == chat.choices[0].message.content
+    jsonschema.validate(json.loads(r.output_text), schema)
+    assert r.text.format.type == "json_schema" and r.text.format.name == "colour"
+    r = client.responses.create(model="tiny", input="Some JSON", max_output_tokens=20, temperature=0,
+                                text={"format": {"type": "json_object"}})
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Some JSON"}],
+                                          max_tokens=20, temperature=0, response_format={"type": "json_object"})
+    assert r.output_text == chat.choices[0].message.content and r.output_text.startswith("{")
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="tiny", input="x", text={"format": {"type": "json_schema", "name": "x"}})
+
+
 def test_responses_previous_response_id_and_store(client):
     first = client.responses.create(model="tiny", input="Name a colour", max_output_tokens=6, temperature=0)
     second = client.responses.create(model="tiny", input="Another one", previous_response_id=first.id,

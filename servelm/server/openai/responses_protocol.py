@@ -84,9 +84,24 @@ class NamedFunction(BaseModel):
 
 
 class TextFormat(BaseModel):
+    """The reply's format: text, any JSON object, or JSON following a schema (OpenAI's structured outputs)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None  # json_schema: the schema's name
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            if self.schema_ is None:
+                raise p.APIError(400, "text.format: json_schema needs a schema", "text.format.schema")
+            return StructuredOutputsParams(json=p._schema_of(self.schema_, "text.format.schema"))
+        return None
 
 
 class TextConfig(BaseModel):
@@ -146,11 +161,18 @@ class ResponsesRequest(_Body):
     def sampling_params(self, default_max: int, defaults: Mapping | None = None) -> SamplingParams:
         """`defaults`: the model's (--generation-config), for temperature and top_p when unset and for the
         fields this API has no place for."""
-        forced = self.tool_fields().forced_tool_schema()  # tool_choice required or named: a grammar
         return SamplingParams(**generation.request_values(defaults, temperature=self.temperature, top_p=self.top_p),
                               max_tokens=self.max_output_tokens or generation.default_max_tokens(defaults, default_max),
-                              output_kind=OutputKind.DELTA,
-                              structured_outputs=StructuredOutputsParams(json=forced) if forced else None)
+                              output_kind=OutputKind.DELTA, structured_outputs=self.structured())
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The grammar of the reply: a forced function call (tool_choice required or named) or text.format's."""
+        forced = self.tool_fields().forced_tool_schema()
+        fmt = self.text.format.structured() if self.text is not None and self.text.format is not None else None
+        if forced is not None and fmt is not None:
+            raise p.APIError(400, "tool_choice required or a named function already sets the reply's format; it "
+                                  "cannot be combined with text.format", "text.format")
+        return StructuredOutputsParams(json=forced) if forced is not None else fmt
 
 
 def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
@@ -188,7 +210,8 @@ def response_object(rid: str, created: int, model: str, body: ResponsesRequest, 
             "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": None, "summary": None}, "store": body.store,
             "temperature": 1.0 if body.temperature is None else body.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
+                     if body.text is not None and body.text.format is not None else {"type": "text"}},
             "tool_choice": _dump(body.tool_choice) or ("auto" if body.tools else "none"),
             "tools": [t.model_dump() for t in body.tools or []],
             "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": "disabled", "usage": use,
