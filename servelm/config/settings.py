@@ -89,7 +89,11 @@ class ApiConfig:
     ui: WebUi = _f("chat", "the web chat page at / : chat (served, no login of its own: it asks for an API key when "
                  "the server needs one) or none")
     responses_store_size: int = _f(1000, "responses of /v1/responses kept in memory for previous_response_id and "
-                                   "GET /v1/responses/{id} (the oldest go first; 0: none kept)")
+                                   "GET /v1/responses/{id} (the oldest go first; 0: none kept); with "
+                                   "--redis-url they are kept in Redis instead, for every replica, bounded by "
+                                   "--responses-store-ttl-s")
+    responses_store_ttl_s: float = _f(30 * 86400.0, "seconds a stored response is kept (OpenAI's 30 days; 0: until "
+                                      "dropped for room)")
     tool_call_parser: ToolCallParser = _f("auto", "auto | hermes | llama3_json | mistral: how tool calls are read from a "
                                "chat reply (auto: the format the model's chat template uses, else hermes)")
     reasoning_parser: ReasoningParser = _f("none", "none | deepseek_r1 | qwen3: split a thinking model's chat reply "
@@ -117,6 +121,7 @@ class ApiConfig:
         need(self.http_keep_alive_s > 0, "http_keep_alive_s", "> 0")
         need(self.ui in choices(WebUi), "ui", one_of(WebUi))
         need(self.responses_store_size >= 0, "responses_store_size", ">= 0")
+        need(self.responses_store_ttl_s >= 0, "responses_store_ttl_s", ">= 0 (0: kept until dropped for room)")
         need(self.max_request_body_bytes >= 1024, "max_request_body_bytes", ">= 1024")
         self._check_tls()
         need(self.tool_call_parser in choices(ToolCallParser), "tool_call_parser", one_of(ToolCallParser))

@@ -273,21 +273,6 @@ def test_responses_previous_response_id_and_store(client):
         client.responses.create(model="tiny", input=[])
 
 
-def test_response_store_is_bounded_and_per_key():
-    from servelm.server.openai.protocol import APIError
-    from servelm.server.openai.responses import ResponseStore, Stored
-
-    store = ResponseStore(2)
-    for i in range(3):
-        store.put(f"r{i}", Stored("alice", {"id": f"r{i}"}, []))
-    with pytest.raises(APIError):
-        store.get("r0", "alice")  # the oldest went
-    assert store.get("r2", "alice").response == {"id": "r2"}
-    with pytest.raises(APIError) as e:
-        store.get("r2", "bob")
-    assert e.value.status == 404
-
-
 # -- the web chat page -------------------------------------------------------------------------------------------
 def test_web_page_is_public_static_and_can_be_turned_off():
     """In-process: the page and its files need no key (the API behind them does), carry a CSP that allows only

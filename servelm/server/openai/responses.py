@@ -3,8 +3,8 @@ not), with stored responses that a later request continues by `previous_response
 /v1/responses/{id}.
 
 Generation is the chat route's: the conversation goes through the model's chat template and the shared `Api`
-machinery (admission, metrics, client-disconnect aborts). Stored responses live in this process's memory, at most
-`server.responses_store_size` of them (the oldest go first), each visible only to the API key that made it.
+machinery (admission, metrics, client-disconnect aborts). Stored responses live in this process's memory, or in
+Redis shared by the server's replicas (response_store.py).
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections import OrderedDict
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -23,44 +21,11 @@ from servelm.server.openai import protocol as p
 from servelm.server.openai import responses_protocol as r
 from servelm.server.openai.protocol import APIError
 from servelm.server.openai.reasoning import ReasoningStream, active, defer_grammar, split
+from servelm.server.openai.response_store import Stored, store_for
 from servelm.server.openai.tools import ToolReply, choose_parser, template_tools
 
 _ROLES = {"system": p.SystemMessage, "developer": p.DeveloperMessage, "user": p.UserMessage,
           "assistant": p.AssistantMessage, "tool": p.ToolMessage}
-
-
-@dataclass
-class Stored:
-    owner: str  # the API key's name: only that key reads or continues it
-    response: dict
-    conversation: list[dict]  # its input (with what it continued) and its output, as chat messages
-
-
-class ResponseStore:
-    """Finished responses by id, the oldest dropped beyond `capacity`. A stored conversation fit the model's
-    context, so each entry is bounded by it, and the store by capacity x context."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, Stored] = OrderedDict()
-
-    def put(self, rid: str, item: Stored) -> None:
-        if self.capacity < 1:
-            return
-        self._items[rid] = item
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
-
-    def get(self, rid: str, owner: str, param: str | None = None) -> Stored:
-        item = self._items.get(rid)
-        if item is None or item.owner != owner:  # another key's response is as absent as a missing one
-            raise APIError(404, f"no stored response with id {rid!r} (responses are kept in memory, at most "
-                                f"{self.capacity}, for the API key that made them)", param, "response_not_found")
-        return item
-
-    def delete(self, rid: str, owner: str) -> None:
-        self.get(rid, owner)
-        del self._items[rid]
 
 
 def _event(seq: list[int], kind: str, payload: dict) -> bytes:
@@ -173,12 +138,12 @@ class _Items:
 
 
 def add_routes(app: FastAPI, api: Api) -> None:
-    store = ResponseStore(api.state.config.server.api_config.responses_store_size)
+    store = store_for(api.state.config.server)
 
     @app.post("/v1/responses")
     async def create_response(body: r.ResponsesRequest, request: Request):
         owner = record(request).key_name
-        history = store.get(body.previous_response_id, owner, "previous_response_id").conversation \
+        history = (await store.get(body.previous_response_id, owner, "previous_response_id")).conversation \
             if body.previous_response_id else []
         new = body.messages()
         tool_fields = body.tool_fields()
@@ -202,13 +167,13 @@ def add_routes(app: FastAPI, api: Api) -> None:
         rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
         job = (rid, ids, params, None, prio, api.cache_salt(request, body))
 
-        def finished(items: _Items, out_tokens: int, finish: str | None) -> dict:
+        async def finished(items: _Items, out_tokens: int, finish: str | None) -> dict:
             model = record(request).model or m.served_name
             status = "incomplete" if finish == "length" else "completed"
             res = r.response_object(rid, created, model, body, status, items.output,
                                     r.usage(len(ids), out_tokens, record(request).cached_tokens))
             if body.store:  # the conversation goes on from the answer; the reasoning is not sent back
-                store.put(rid, Stored(owner, res, history + new + [items.message()]))
+                await store.put(rid, Stored(owner, res, history + new + [items.message()]))
             return res
 
         if not body.stream:
@@ -224,7 +189,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
                 items.call(c["id"], c["function"]["name"])
                 items.arguments(c["function"]["arguments"])
             items.close()
-            return finished(items, len(acc["token_ids"]), acc["finish"])
+            return await finished(items, len(acc["token_ids"]), acc["finish"])
 
         head = await api.open(m, request, job)
 
@@ -261,16 +226,16 @@ def add_routes(app: FastAPI, api: Api) -> None:
                 return
             for e in items.finish():
                 yield e
-            res = finished(items, n_out, finish)
+            res = await finished(items, n_out, finish)
             yield _event(seq, f"response.{res['status']}", {"response": res})
         return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request):
-        return store.get(response_id, record(request).key_name).response
+        return (await store.get(response_id, record(request).key_name)).response
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request):
-        store.delete(response_id, record(request).key_name)
+        await store.delete(response_id, record(request).key_name)
         return {"id": response_id, "object": "response", "deleted": True}
 
