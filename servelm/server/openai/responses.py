@@ -44,7 +44,8 @@ class _Items:
         self.output: list[dict] = []
         self.open: dict | None = None  # the item being written
         self.thought: str | None = None
-        self.text: str | None = None
+        self.text: str | None = None  # all the reply's text (None: none yet)
+        self._piece = ""  # the open message item's text
         self.calls: list[dict] = []
 
     def _event(self, kind: str, payload: dict) -> list[bytes]:
@@ -65,8 +66,8 @@ class _Items:
             done = r.reasoning_item(item["id"], self.thought, "completed")
             out = self._event("response.reasoning_text.done", {**at, "content_index": 0, "text": self.thought})
         elif item["type"] == "message":
-            done = r.message_item(item["id"], self.text, "completed")
-            out = self._event("response.output_text.done", {**at, "content_index": 0, "text": self.text,
+            done = r.message_item(item["id"], self._piece, "completed")
+            out = self._event("response.output_text.done", {**at, "content_index": 0, "text": self._piece,
                                                             "logprobs": []}) + \
                 self._event("response.content_part.done", {**at, "content_index": 0, "part": done["content"][0]})
         else:
@@ -89,12 +90,13 @@ class _Items:
     def text_delta(self, delta: str) -> list[bytes]:
         out = []
         if self.open is None or self.open["type"] != "message":
-            self.text = ""
+            self.text, self._piece = self.text or "", ""
             out = self._start(r.message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress"))
             out += self._event("response.content_part.added", {
                 "item_id": self.open["id"], "output_index": len(self.output), "content_index": 0,
                 "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
         self.text += delta
+        self._piece += delta
         if not delta:
             return out
         return out + self._event("response.output_text.delta", {
