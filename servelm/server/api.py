@@ -74,10 +74,11 @@ def build_app(state: ServerState):
     add_ops_routes(app, state)
     add_kv_routes(app, state)
     add_lora_routes(app, state)
+    from servelm.server.anthropic import routes as anthropic
     from servelm.server.ollama import routes as ollama
     from servelm.server.openai import responses
     from servelm.server.web import routes as webui
-    for family in (ollama, responses, webui):  # Ollama's /api/*, OpenAI's /v1/responses, the chat page at /
+    for family in (ollama, responses, anthropic, webui):  # Ollama's /api/*, OpenAI's /v1/responses, the chat page at /
         family.add_routes(app, api)
     from servelm.server.oip import (
         routes as oip,  # the Open Inference Protocol (non-LLM models); app.state.oip

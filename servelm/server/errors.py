@@ -35,12 +35,22 @@ class ErrorResponse(JSONResponse):
         return json.dumps(content, separators=(",", ":")).encode()
 
 
-def error_response(err: APIError, path: str = "") -> JSONResponse:
-    """OpenAI's error object; on Ollama's routes (/api/...), Ollama's {"error": "message"}."""
-    from servelm.server.openapi import is_ollama_path
+def error_content(err: APIError, path: str = "") -> dict:
+    """OpenAI's error object; on Ollama's routes (/api/...), Ollama's {"error": "message"}; on Anthropic's
+    (/v1/messages), Anthropic's {"type": "error", "error": {"type", "message"}}."""
+    from servelm.server.openapi import is_anthropic_path, is_ollama_path
 
-    body = {"error": err.message} if is_ollama_path(path) else err.body()
-    return ErrorResponse(body, status_code=err.status, headers=err.headers)
+    if is_ollama_path(path):
+        return {"error": err.message}
+    if is_anthropic_path(path):
+        from servelm.server.anthropic.protocol import error_type
+
+        return {"type": "error", "error": {"type": error_type(err.status), "message": err.message}}
+    return err.body()
+
+
+def error_response(err: APIError, path: str = "") -> JSONResponse:
+    return ErrorResponse(error_content(err, path), status_code=err.status, headers=err.headers)
 
 
 # The one place a control refusal gets its HTTP status: control/ raises by kind of refusal, and every front end
@@ -107,8 +117,8 @@ def json_error_message(err: dict, doc) -> str:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return error_response(exc)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(ControlError)
     async def _control_error(_: Request, exc: ControlError):

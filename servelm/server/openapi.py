@@ -59,6 +59,11 @@ def is_oip_path(path: str) -> bool:
     return path == "/v2" or path.startswith("/v2/")
 
 
+def is_anthropic_path(path: str) -> bool:
+    """Whether a path is Anthropic's Messages API, whose errors have Anthropic's shape."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 def is_ollama_path(path: str) -> bool:
     """Whether a path is Ollama's API (/api/...), whose errors have Ollama's shape: {"error": "message"}."""
     return path.startswith("/api/")

@@ -386,3 +386,79 @@ def test_responses_auto_with_no_call_is_a_message(client):
     chat = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, temperature=0, max_tokens=8)
     assert [o.type for o in r.output] == ["message"] and r.tool_choice == "auto"
     assert r.output_text == chat.choices[0].message.content and not _calls(r)
+
+
+# -- Anthropic's Messages API ------------------------------------------------------------------------------------
+
+ATOOLS = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"],
+           **({"description": t["function"]["description"]} if "description" in t["function"] else {})}
+          for t in TOOLS]  # Anthropic's shape
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=server, api_key="none", max_retries=0)
+
+
+def test_messages_answer_as_chat_does(claude, client):
+    """Anthropic's SDK against /v1/messages: the reply chat completions gives the same conversation, as a text
+    block with Anthropic's stop reason and usage; streamed, the same text from text_delta events."""
+    kw = dict(model="tiny", max_tokens=8, temperature=0, system="Be brief.",
+              messages=[{"role": "user", "content": "Say something"}])
+    r = claude.messages.create(**kw)
+    chat = client.chat.completions.create(model="tiny", max_tokens=8, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something"}])
+    assert [b.type for b in r.content] == ["text"] and r.content[0].text == chat.choices[0].message.content
+    assert r.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    with claude.messages.stream(**kw) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == r.content[0].text and final.stop_reason == r.stop_reason
+    assert claude.messages.count_tokens(model="tiny", system="Be brief.", messages=kw["messages"]).input_tokens == \
+        chat.usage.prompt_tokens
+
+
+def test_messages_call_tools_and_take_their_results(claude, client):
+    """tool_choice any and tool give chat's calls as tool_use blocks (stop_reason tool_use), streamed as
+    input_json_delta; a tool_result goes back to the template as chat's tool message does."""
+    r = claude.messages.create(model="tiny", max_tokens=80, temperature=0, messages=MSGS, tools=ATOOLS,
+                               tool_choice={"type": "tool", "name": "get_weather"})
+    chat = client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, max_tokens=80, temperature=0,
+                                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [use] = [b for b in r.content if b.type == "tool_use"]
+    [call] = chat.choices[0].message.tool_calls
+    assert r.stop_reason == "tool_use" and (use.name, use.input) == (call.function.name,
+                                                                    json.loads(call.function.arguments))
+    with claude.messages.stream(model="tiny", max_tokens=80, temperature=0, messages=MSGS, tools=ATOOLS,
+                                tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+        final = stream.get_final_message()
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [(use.name, use.input)]
+    # the call and its result, back: the prompt chat completions renders for the same history
+    history = MSGS + [{"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name,
+                                                         "input": use.input}]},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                    "content": "21 degrees"}]}]
+    n = claude.messages.count_tokens(model="tiny", messages=history, tools=ATOOLS).input_tokens
+    chat_history = MSGS + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": use.id, "type": "function", "function": {
+            "name": use.name, "arguments": json.dumps(use.input)}}]},
+        {"role": "tool", "tool_call_id": use.id, "content": "21 degrees"}]
+    assert n == client.chat.completions.create(model="tiny", messages=chat_history, tools=TOOLS,
+                                               max_tokens=1).usage.prompt_tokens
+
+
+def test_messages_errors_have_anthropics_shape(claude):
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError) as e:  # max_tokens is required
+        claude.messages.create(model="tiny", messages=MSGS, max_tokens=0)
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.NotFoundError) as e:
+        claude.messages.create(model="no-such-model", messages=MSGS, max_tokens=4)
+    assert e.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])

@@ -92,7 +92,7 @@ class Gateway:
             if error is None:
                 body, error = await _read_body(receive, headers, st.config.server.api_config.max_request_body_bytes)
             if error is not None:
-                await _send_error(send_wrapped, error, oip=is_oip_path(path), ollama=is_ollama_path(path))
+                await _send_error(send_wrapped, error, oip=is_oip_path(path), ollama=is_ollama_path(path), path=path)
                 return
             await self.app(scope, _replay(body, receive), send_wrapped)
         except Exception:
@@ -299,14 +299,15 @@ def _whole_body(send):
     return send_whole
 
 
-async def _send_error(send, err: APIError, oip: bool = False, ollama: bool = False) -> None:
+async def _send_error(send, err: APIError, oip: bool = False, ollama: bool = False, path: str = "") -> None:
     """The error response; `oip`, `ollama`: in the Open Inference Protocol's or Ollama's shape, which their
     clients parse."""
     import json
 
+    from servelm.server.errors import error_content
     from servelm.server.oip.codec import error_body
 
-    content = error_body(err) if oip else {"error": err.message} if ollama else err.body()
+    content = error_body(err) if oip else {"error": err.message} if ollama else error_content(err, path)
     body = json.dumps(content).encode()  # ASCII: a message quoting the input encodes
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), str(v).encode()) for k, v in (err.headers or {}).items()]
