@@ -4,6 +4,7 @@ connection usable)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -51,6 +52,20 @@ def error_content(err: APIError, path: str = "") -> dict:
 
 def error_response(err: APIError, path: str = "") -> JSONResponse:
     return ErrorResponse(error_content(err, path), status_code=err.status, headers=err.headers)
+
+
+def shaped_errors(route):
+    """A route's refusals (APIError, ControlError) in its path's error shape (error_content): for the routes of
+    other APIs (Ollama's, Anthropic's), which read their own bodies and whose clients parse their own shape."""
+    @functools.wraps(route)
+    async def wrapped(request: Request):
+        try:
+            return await route(request)
+        except APIError as e:
+            return error_response(e, request.url.path)
+        except ControlError as e:
+            return error_response(control_api_error(e), request.url.path)
+    return wrapped
 
 
 # The one place a control refusal gets its HTTP status: control/ raises by kind of refusal, and every front end

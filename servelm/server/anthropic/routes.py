@@ -6,7 +6,6 @@ content blocks (thinking under a reasoning parser, text, tool_use) and Anthropic
 
 from __future__ import annotations
 
-import functools
 import json
 import uuid
 
@@ -15,22 +14,11 @@ from fastapi.responses import StreamingResponse
 
 from servelm.server.anthropic import protocol as a
 from servelm.server.common import Api, record
-from servelm.server.errors import error_response
+from servelm.server.errors import shaped_errors
 from servelm.server.ollama.protocol import validate
 from servelm.server.openai.protocol import APIError
 from servelm.server.openai.reasoning import ReasoningStream, active, defer_grammar, split
-from servelm.server.openai.tools import ToolReply, choose_parser, template_tools
-
-
-def _errors(route):
-    """The route's refusals in Anthropic's error shape (the path picks it)."""
-    @functools.wraps(route)
-    async def wrapped(request: Request):
-        try:
-            return await route(request)
-        except APIError as e:
-            return error_response(e, request.url.path)
-    return wrapped
+from servelm.server.openai.tools import ToolReply, choose_parser, delta_events, template_tools
 
 
 async def _body(request: Request, cls):
@@ -85,17 +73,15 @@ class _Blocks:
         out = [] if self.open == "text" else self._start({"type": "text", "text": ""})
         return out + self._delta({"type": "text_delta", "text": text})
 
+    def tool_use(self, call_id: str, name: str) -> list[bytes]:
+        return self._start({"type": "tool_use", "id": call_id, "name": name, "input": {}})
+
+    def tool_input(self, piece: str) -> list[bytes]:
+        return self._delta({"type": "input_json_delta", "partial_json": piece})
+
     def chat_delta(self, d: dict) -> list[bytes]:
         """One chat-completions delta (content, or a tool call's start or arguments) as this reply's events."""
-        if d.get("content"):
-            return self.text(d["content"])
-        out = []
-        for t in d.get("tool_calls", []):
-            if t.get("id"):
-                out += self._start({"type": "tool_use", "id": t["id"], "name": t["function"]["name"], "input": {}})
-            if t["function"].get("arguments"):
-                out += self._delta({"type": "input_json_delta", "partial_json": t["function"]["arguments"]})
-        return out
+        return delta_events(d, self.text, self.tool_use, self.tool_input)
 
 
 def add_routes(app: FastAPI, api: Api) -> None:
@@ -112,14 +98,14 @@ def add_routes(app: FastAPI, api: Api) -> None:
         return m, req, ids
 
     @app.post("/v1/messages/count_tokens")
-    @_errors
+    @shaped_errors
     async def count_tokens(request: Request):
         body = await _body(request, a.CountTokensRequest)
         _, _, ids = await prompt(request, body)
         return {"input_tokens": len(ids)}
 
     @app.post("/v1/messages")
-    @_errors
+    @shaped_errors
     async def messages(request: Request):
         body = await _body(request, a.MessagesRequest)
         m, req, ids = await prompt(request, body)

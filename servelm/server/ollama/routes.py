@@ -12,19 +12,17 @@ schema is OpenAI's: Ollama's own API reference documents them.
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 import uuid
 from datetime import datetime, timezone
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
-from servelm.control.errors import ControlError
 from servelm.control.types import Kind
 from servelm.server.common import Api, record
-from servelm.server.errors import control_api_error
+from servelm.server.errors import shaped_errors
 from servelm.server.ollama import protocol as o
 from servelm.server.openai import protocol as p
 from servelm.server.openai.embeddings import _embed, _embedder
@@ -44,23 +42,6 @@ def _now() -> str:
 
 def _ns(a: float | None, b: float | None) -> int:
     return int((b - a) * 1e9) if a is not None and b is not None and b >= a else 0
-
-
-def _error(e: APIError) -> JSONResponse:
-    return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
-
-
-def ollama_errors(route):
-    """Answer the route's refusals in Ollama's error shape."""
-    @functools.wraps(route)
-    async def wrapped(*args, **kwargs):
-        try:
-            return await route(*args, **kwargs)
-        except APIError as e:
-            return _error(e)
-        except ControlError as e:
-            return _error(control_api_error(e))
-    return wrapped
 
 
 async def _body(request: Request, cls):
@@ -240,7 +221,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
     parsers = state.config.server.api_config  # tool_call_parser, reasoning_parser
 
     @app.post("/api/generate", include_in_schema=False)
-    @ollama_errors
+    @shaped_errors
     async def generate(request: Request):
         body = await _body(request, o.GenerateRequest)
         body.refuse_unsupported()
@@ -264,7 +245,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
                           lambda out_ids: {"context": ids + out_ids})
 
     @app.post("/api/chat", include_in_schema=False)
-    @ollama_errors
+    @shaped_errors
     async def chat(request: Request):
         body = await _body(request, o.ChatRequest)
         body.refuse_unsupported()
@@ -283,7 +264,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         return await _run(api, m, request, body, ids, None, reply, lambda _: {})
 
     @app.post("/api/embed", include_in_schema=False)
-    @ollama_errors
+    @shaped_errors
     async def embed(request: Request):
         body = await _body(request, o.EmbedRequest)
         start = time.monotonic()
@@ -294,7 +275,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
                 "total_duration": _ns(start, time.monotonic()), "load_duration": 0, "prompt_eval_count": tokens}
 
     @app.post("/api/embeddings", include_in_schema=False)
-    @ollama_errors
+    @shaped_errors
     async def embeddings(request: Request):
         body = await _body(request, o.LegacyEmbeddingsRequest)
         embedder, _ = await _embedder(api, request, _embed_model(body.model))
@@ -334,7 +315,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         return {"version": __version__}
 
     @app.post("/api/show", include_in_schema=False)
-    @ollama_errors
+    @shaped_errors
     async def show(request: Request):
         body = await _body(request, o.ShowRequest)
         name = body.model or body.name

@@ -22,7 +22,7 @@ from servelm.server.openai import responses_protocol as r
 from servelm.server.openai.protocol import APIError
 from servelm.server.openai.reasoning import ReasoningStream, active, defer_grammar, split
 from servelm.server.openai.response_store import Stored, store_for
-from servelm.server.openai.tools import ToolReply, choose_parser, template_tools
+from servelm.server.openai.tools import ToolReply, choose_parser, delta_events, template_tools
 
 _ROLES = {"system": p.SystemMessage, "developer": p.DeveloperMessage, "user": p.UserMessage,
           "assistant": p.AssistantMessage, "tool": p.ToolMessage}
@@ -113,15 +113,7 @@ class _Items:
 
     def delta(self, d: dict) -> list[bytes]:
         """One chat-completions delta (content, or a tool call's start or arguments) as this response's events."""
-        if d.get("content"):
-            return self.text_delta(d["content"])
-        out = []
-        for t in d.get("tool_calls", []):
-            if t.get("id"):
-                out += self.call(t["id"], t["function"]["name"])
-            if t["function"].get("arguments"):
-                out += self.arguments(t["function"]["arguments"])
-        return out
+        return delta_events(d, self.text_delta, self.call, self.arguments)
 
     def finish(self) -> list[bytes]:
         """Close the last item; a reply with neither text nor calls still answers an (empty) message."""

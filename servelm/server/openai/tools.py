@@ -86,6 +86,20 @@ class ToolReply:
         return ChoiceStream(self)
 
 
+def delta_events(d: dict, text, call, arguments) -> list:
+    """One chat-completions delta (a ChoiceStream's) as another API's events: `text(content)`, `call(id, name)`
+    where a tool call starts, `arguments(piece)` as its arguments come (the Responses and Messages APIs)."""
+    if d.get("content"):
+        return text(d["content"])
+    out = []
+    for t in d.get("tool_calls", []):
+        if t.get("id"):
+            out += call(t["id"], t["function"]["name"])
+        if t["function"].get("arguments"):
+            out += arguments(t["function"]["arguments"])
+    return out
+
+
 class ChoiceStream:
     """One streamed choice: deltas for the text the model produced, with tool calls as OpenAI's
     `delta.tool_calls` (the first chunk of a call has its index, id, type and name, the next its arguments)."""
