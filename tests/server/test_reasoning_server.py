@@ -78,3 +78,19 @@ def test_ollama_thinking(server, reply):
     assert "".join(x["message"].get("thinking", "") for x in lines) == reply
     plain = httpx.post(server + "/api/chat", json={**body, "think": False}).json()
     assert plain["message"]["content"] == reply and "thinking" not in plain["message"]
+
+
+def test_messages_api_returns_a_thinking_block(server, client):
+    """Anthropic's Messages API: the reasoning chat completions gives, as a thinking block, whole or as
+    thinking_delta events."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=server, api_key="none", max_retries=0)
+    chat = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=N, temperature=0).choices[0]
+    reasoning = chat.message.model_dump()["reasoning"]
+    r = claude.messages.create(model="tiny", messages=MSGS, max_tokens=N, temperature=0)
+    assert [(b.type, b.thinking) for b in r.content] == [("thinking", reasoning)]
+    events = list(claude.messages.create(model="tiny", messages=MSGS, max_tokens=N, temperature=0, stream=True))
+    assert [e.content_block.type for e in events if e.type == "content_block_start"] == ["thinking"]
+    assert "".join(e.delta.thinking for e in events if e.type == "content_block_delta") == reasoning
+    assert events[-2].type == "message_delta" and events[-2].delta.stop_reason == r.stop_reason
