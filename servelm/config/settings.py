@@ -88,6 +88,9 @@ class ApiConfig:
                                  "authentication with cross-origin requests (as vLLM's --allow-credentials)")
     ui: WebUi = _f("chat", "the web chat page at / : chat (served, no login of its own: it asks for an API key when "
                  "the server needs one) or none")
+    enable_force_include_usage: bool = _f(False, "every streamed completion and chat completion ends with a usage "
+                                          "chunk, as if each asked for stream_options.include_usage (vLLM's "
+                                          "flag: for gateways that bill by it)")
     responses_store_size: int = _f(1000, "responses of /v1/responses kept in memory for previous_response_id and "
                                    "GET /v1/responses/{id} (the oldest go first; 0: none kept); with "
                                    "--redis-url they are kept in Redis instead, for every replica, bounded by "

@@ -52,12 +52,17 @@ def add_routes(app: FastAPI, api: Api) -> None:
                 splits = {j: ReasoningStream(thinking) for j in range(req.n)} if thinking else {}
                 # return_token_ids: each choice's new tokens, sent with its next chunk (text held back keeps them)
                 unsent: dict[int, list[int]] = {j: [] for j in range(req.n)}
+                final_usage, every = req.stream_usage(api_config.enable_force_include_usage)
+
+                def so_far() -> dict:  # continuous_usage_stats: the usage so far, on every chunk
+                    return {"usage": usage(len(ids), completion_tokens, record(request).cached_tokens)} if every \
+                        else {}
                 try:
                     for j in range(req.n):
                         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                                    "choices": [{"index": j, "delta": {"role": "assistant", "content": "",
                                                                       "refusal": None},
-                                                "logprobs": None, "finish_reason": None}],
+                                                "logprobs": None, "finish_reason": None}], **so_far(),
                                    **({"prompt_token_ids": ids} if req.return_token_ids and j == 0 else {})})
                     async for out in head:
                         for c in out.outputs:
@@ -87,8 +92,8 @@ def add_routes(app: FastAPI, api: Api) -> None:
                                 if req.return_token_ids and last:
                                     choice["token_ids"], unsent[c.index] = unsent[c.index], []
                                 yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                           "model": model, "choices": [choice]})
-                    if req.stream_options and req.stream_options.include_usage:
+                                           "model": model, "choices": [choice], **so_far()})
+                    if final_usage:
                         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                                    "choices": [], "usage": usage(len(ids), completion_tokens, record(request).cached_tokens)})
                 except APIError as e:

@@ -104,6 +104,8 @@ def add_routes(app: FastAPI, api: Api) -> None:
 
             async def events():
                 completion_tokens = 0
+                prompt_tokens = sum(len(j[1]) for j in jobs)
+                final_usage, every = req.stream_usage(api.state.config.server.api_config.enable_force_include_usage)
                 pumps.append(asyncio.create_task(pump(0, head, merged)))
                 try:
                     running = len(jobs)
@@ -116,11 +118,12 @@ def add_routes(app: FastAPI, api: Api) -> None:
                             raise out
                         if req.max_tokens != 0:
                             completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        so_far = {"usage": usage(prompt_tokens, completion_tokens, record(request).cached_tokens)} \
+                            if every else {}  # continuous_usage_stats
                         for choice in choices_of(i, out):
                             yield sse({"id": base, "object": "text_completion", "created": created,
-                                       "model": model, "choices": [choice]})
-                    if req.stream_options and req.stream_options.include_usage:
-                        prompt_tokens = sum(len(j[1]) for j in jobs)
+                                       "model": model, "choices": [choice], **so_far})
+                    if final_usage:
                         yield sse({"id": base, "object": "text_completion", "created": created, "model": model,
                                    "choices": [], "usage": usage(prompt_tokens, completion_tokens, record(request).cached_tokens)})
                 except APIError as e:

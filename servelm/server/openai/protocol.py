@@ -126,6 +126,7 @@ class _Body(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 # a whole JSON schema is an object (booleans are schemas only inside one)
@@ -242,6 +243,13 @@ class _SamplingFields(_VllmSampling):
             raise APIError(400, "truncate_prompt_tokens must be at least 1, or -1 for the model's context length",
                            "truncate_prompt_tokens")
         return self
+
+    def stream_usage(self, forced: bool) -> tuple[bool, bool]:
+        """(a last chunk with the usage, the usage so far on every chunk) of a stream; `forced`: the server's
+        --enable-force-include-usage, as if every request asked for include_usage."""
+        so = self.stream_options
+        final = forced or (so is not None and so.include_usage)
+        return final, final and so is not None and so.continuous_usage_stats
 
     def truncate(self, ids: list[int], max_model_len: int) -> list[int]:
         """The prompt's ids as the request keeps them: its last truncate_prompt_tokens, when it asks."""
