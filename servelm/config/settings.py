@@ -88,6 +88,8 @@ class ApiConfig:
                                  "authentication with cross-origin requests (as vLLM's --allow-credentials)")
     ui: WebUi = _f("chat", "the web chat page at / : chat (served, no login of its own: it asks for an API key when "
                  "the server needs one) or none")
+    return_tokens_as_token_ids: bool = _f(False, "logprobs name each token 'token_id:N' instead of by its text "
+                                          "(vLLM's flag; a request's return_tokens_as_token_ids overrides it)")
     enable_force_include_usage: bool = _f(False, "every streamed completion and chat completion ends with a usage "
                                           "chunk, as if each asked for stream_options.include_usage (vLLM's "
                                           "flag: for gateways that bill by it)")

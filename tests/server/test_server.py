@@ -201,6 +201,28 @@ def test_return_token_ids_gives_the_engines_ids(server, offline, tokenizer):
     assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == want.outputs[0].token_ids
 
 
+def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(server):
+    """vLLM's return_tokens_as_token_ids: each logprobs token (chosen, alternative, echoed) as "token_id:N", with
+    the same logprobs as the plain request."""
+    body = {"model": "tiny", "prompt": "Once upon", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "logprobs": 2, "echo": True, "return_token_ids": True}
+    plain = httpx.post(server + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    by_id = httpx.post(server + "/v1/completions", json={**body, "return_tokens_as_token_ids": True},
+                       timeout=60).json()["choices"][0]
+    ids = by_id["prompt_token_ids"] + by_id["token_ids"]
+    assert by_id["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
+    assert by_id["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    for top, chosen in zip(by_id["logprobs"]["top_logprobs"][1:], ids[1:], strict=True):
+        assert f"token_id:{chosen}" in top and all(key.startswith("token_id:") for key in top)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": 2, "return_token_ids": True,
+            "return_tokens_as_token_ids": True}
+    r = httpx.post(server + "/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]
+    content = r["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in r["token_ids"]]
+    assert all(len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["token"].startswith("token_id:") for c in content)
+
+
 def test_continue_final_message_goes_on_from_the_assistants_text(server, client, offline, tokenizer):
     msgs = [{"role": "user", "content": "Tell me a story"}, {"role": "assistant", "content": "Once upon a"}]
     text = tokenizer.apply_chat_template(msgs, continue_final_message=True, tokenize=False)

@@ -41,6 +41,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         created, model = int(time.time()), m.served_name
         job = (rid, ids, params, None, prio, api.cache_salt(request, req))
         k = req.top_logprobs or 0
+        as_ids = req.tokens_as_ids(api_config.return_tokens_as_token_ids)
 
         if req.stream:
             head = await api.open(m, request, job)
@@ -70,7 +71,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
                             unsent[c.index] += c.token_ids
                             if not (c.text or c.finish_reason):
                                 continue
-                            lp = chat_logprobs(c.token_ids, c.logprobs, k) if c.logprobs else None
+                            lp = chat_logprobs(c.token_ids, c.logprobs, k, as_ids) if c.logprobs else None
                             text, thought = c.text, ""
                             if c.index in splits:  # the reasoning first, then the content it is followed by
                                 thought, text = splits[c.index].feed(c.text, last=c.finish_reason is not None)
@@ -115,7 +116,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
             if show:
                 message["reasoning"] = message["reasoning_content"] = thought
             choices.append({"index": j, "message": message,
-                            "logprobs": chat_logprobs(acc["token_ids"], acc["logprobs"], k) if req.logprobs else None,
+                            "logprobs": chat_logprobs(acc["token_ids"], acc["logprobs"], k, as_ids) if req.logprobs else None,
                             "finish_reason": finish, "stop_reason": acc["stop_reason"],
                             **({"token_ids": acc["token_ids"]} if req.return_token_ids else {})})
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,

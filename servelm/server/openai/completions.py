@@ -57,6 +57,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
                                                  for text, ids in prompts]) if req.echo else None
         model = m.served_name
         n = req.n
+        as_ids = req.tokens_as_ids(api.state.config.server.api_config.return_tokens_as_token_ids)
 
         if req.stream:
             # Every prompt runs at once, as without streaming: the others are submitted before the first
@@ -81,7 +82,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
                 choices = []
                 if req.echo and i not in echoed:
                     echoed.add(i)
-                    lp = echo_logprobs(tok, ids, out.prompt_logprobs) if req.logprobs is not None else None
+                    lp = echo_logprobs(tok, ids, out.prompt_logprobs, as_ids=as_ids) if req.logprobs is not None else None
                     choices += [{"index": i * n + j, "text": echo_texts[i],
                                  "logprobs": lp, "finish_reason": None} for j in range(n)]
                 for c in out.outputs:
@@ -92,7 +93,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
                         continue
                     if c.text or c.finish_reason or (req.return_token_ids and c.token_ids):
                         choice = {"index": i * n + c.index, "text": c.text,
-                                  "logprobs": completion_logprobs(c.token_ids, c.logprobs, 0) if c.logprobs else None,
+                                  "logprobs": completion_logprobs(c.token_ids, c.logprobs, 0, as_ids) if c.logprobs else None,
                                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                         if req.return_token_ids:
                             choice["token_ids"] = c.token_ids
@@ -145,7 +146,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
                 completion_tokens += len(acc["token_ids"])
                 prefix = echo_texts[i] if req.echo else ""
                 choices.append({"index": i * n + j, "text": prefix + acc["text"],
-                                "logprobs": with_echo(tok, ids, acc, req.echo, len(prefix), req.logprobs)
+                                "logprobs": with_echo(tok, ids, acc, req.echo, len(prefix), req.logprobs, as_ids)
                                 if req.logprobs is not None else None,
                                 "finish_reason": acc["finish"], "stop_reason": acc["stop_reason"],
                                 **({"prompt_logprobs": prompt_logprobs(acc.get("prompt_logprobs"))}

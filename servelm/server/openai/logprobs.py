@@ -1,35 +1,41 @@
-"""Logprobs in the shapes OpenAI's chat and completions APIs return them."""
+"""Logprobs in the shapes OpenAI's chat and completions APIs return them. `as_ids` (vLLM's
+return_tokens_as_token_ids) names each token "token_id:N" instead of by its text, which a token that is not
+text on its own (part of a character, a special token) cannot be told by."""
 
 from __future__ import annotations
 
 
-def chat_logprobs(token_ids: list[int], entries: list, k: int) -> dict:
+def _name(tid: int, lp, as_ids: bool) -> str | None:
+    return f"token_id:{tid}" if as_ids else lp.decoded_token
+
+
+def chat_logprobs(token_ids: list[int], entries: list, k: int, as_ids: bool = False) -> dict:
     """Chat's {"content": [{token, logprob, bytes, top_logprobs}]} with the k most likely alternatives."""
-    def item(lp) -> dict:
-        text = lp.decoded_token or ""
+    def item(t: int, lp) -> dict:
+        text = _name(t, lp, as_ids) or ""
         return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
 
     content = []
     for tid, pos in zip(token_ids, entries, strict=False):
-        top = sorted(pos.values(), key=lambda v: -v.logprob)[:k]
-        content.append({**item(pos[tid]), "top_logprobs": [item(v) for v in top]})
+        top = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:k]
+        content.append({**item(tid, pos[tid]), "top_logprobs": [item(t, v) for t, v in top]})
     return {"content": content}
 
 
-def completion_logprobs(token_ids: list[int], entries: list, offset: int) -> dict:
+def completion_logprobs(token_ids: list[int], entries: list, offset: int, as_ids: bool = False) -> dict:
     """Completions' parallel lists (tokens, token_logprobs, top_logprobs, text_offset) from `offset`."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, pos in zip(token_ids, entries, strict=False):
         lp = pos[tid]
-        tokens.append(lp.decoded_token)
+        tokens.append(_name(tid, lp, as_ids))
         token_lps.append(lp.logprob)
-        tops.append({v.decoded_token: v.logprob for v in pos.values()})
+        tops.append({_name(t, v, as_ids): v.logprob for t, v in pos.items()})
         offsets.append(offset)
         offset += len(lp.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def echo_logprobs(tok, ids: list[int], entries: list | None, k: int | None = None) -> dict:
+def echo_logprobs(tok, ids: list[int], entries: list | None, k: int | None = None, as_ids: bool = False) -> dict:
     """The prompt's part of an echoed completion's logprobs: its tokens, their logprobs (None for the
     first, which nothing predicts), the top alternatives (the k best, where the engine computed more for the
     request's prompt_logprobs) and text offsets from 0."""
@@ -39,21 +45,21 @@ def echo_logprobs(tok, ids: list[int], entries: list | None, k: int | None = Non
         pos = entries[j] if entries is not None and j < len(entries) else None
         lp = pos[tid] if pos is not None else None
         text = lp.decoded_token if lp is not None else tok.decode([tid])
-        tokens.append(text)
+        tokens.append(f"token_id:{tid}" if as_ids else text)
         token_lps.append(lp.logprob if lp is not None else None)
-        tops.append({v.decoded_token: v.logprob for t, v in pos.items() if k is None or t == tid or v.rank <= k}
+        tops.append({_name(t, v, as_ids): v.logprob for t, v in pos.items() if k is None or t == tid or v.rank <= k}
                     if pos is not None else None)
         offsets.append(offset)
         offset += len(text or "")
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def with_echo(tok, ids: list[int], acc: dict, echo: bool, offset: int, k: int) -> dict:
+def with_echo(tok, ids: list[int], acc: dict, echo: bool, offset: int, k: int, as_ids: bool = False) -> dict:
     """A collected completion's logprobs (k alternatives each), preceded by the prompt's when it is echoed."""
-    gen = completion_logprobs(acc["token_ids"], acc["logprobs"], offset)
+    gen = completion_logprobs(acc["token_ids"], acc["logprobs"], offset, as_ids)
     if not echo:
         return gen
-    head = echo_logprobs(tok, ids, acc.get("prompt_logprobs"), k)
+    head = echo_logprobs(tok, ids, acc.get("prompt_logprobs"), k, as_ids)
     return {k: head[k] + gen[k] for k in gen}
 
 

@@ -229,6 +229,8 @@ class _SamplingFields(_VllmSampling):
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     # vLLM's: the token ids of the prompt and of each choice beside the text (on a stream, each chunk's new ones)
     return_token_ids: bool = False
+    # vLLM's: logprobs name their tokens "token_id:N" (unset: the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
     # vLLM's beam search: n beams, ranked by cumulative logprob / length ** length_penalty (servelm/beam_search.py)
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -243,6 +245,9 @@ class _SamplingFields(_VllmSampling):
             raise APIError(400, "truncate_prompt_tokens must be at least 1, or -1 for the model's context length",
                            "truncate_prompt_tokens")
         return self
+
+    def tokens_as_ids(self, server_default: bool) -> bool:
+        return server_default if self.return_tokens_as_token_ids is None else self.return_tokens_as_token_ids
 
     def stream_usage(self, forced: bool) -> tuple[bool, bool]:
         """(a last chunk with the usage, the usage so far on every chunk) of a stream; `forced`: the server's
