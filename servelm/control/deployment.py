@@ -212,12 +212,15 @@ class Deployment:
         if not all_stats:
             return None
         lists = ("spec_proposed_by_position", "spec_accepted_by_position")
+        names = ("running_lora_adapters", "waiting_lora_adapters")  # what any worker runs or queues
         first = all_stats[0]
-        # counts add up; what describes the workers (the KV cache's dtype) is the same on each: the first's
+        # counts add up; what describes the workers (the KV cache's dtype, the adapter slots of each) is the
+        # same on each: the first's
         described = {f.name: getattr(first, f.name) for f in dataclasses.fields(EngineStats)
-                     if isinstance(getattr(first, f.name), str)}
+                     if isinstance(getattr(first, f.name), str) or f.name == "max_loras"}
         total = {f.name: 0 for f in dataclasses.fields(EngineStats)
-                 if f.name not in ("kv_usage", "waiting_by_priority", "prefix_cache_hit_rate", *lists, *described)}
+                 if f.name not in ("kv_usage", "waiting_by_priority", "prefix_cache_hit_rate", *lists, *names,
+                                   *described)}
         for st in all_stats:
             for k in total:
                 total[k] += getattr(st, k)
@@ -227,7 +230,8 @@ class Deployment:
                            prefix_cache_hit_rate=total["prefix_cache_hits"] / queries if queries else 0.0,
                            waiting_by_priority=[sum(s.waiting_by_priority[i] for s in all_stats) for i in range(3)],
                            **{k: [sum(c) for c in zip(*(getattr(s, k) for s in all_stats), strict=False)]
-                              for k in lists})
+                              for k in lists},
+                           **{k: sorted(set().union(*(getattr(s, k) for s in all_stats))) for k in names})
 
     async def update_config(self, settings: RuntimeSettings) -> None:
         """Change every worker's scheduler settings now, and those of workers started later."""

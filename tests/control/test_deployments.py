@@ -550,3 +550,26 @@ def test_deployments_come_back_from_their_records(llama_dir):
             await again.shutdown()
 
     asyncio.run(main())
+
+
+def test_workers_figures_add_up_and_their_adapters_join():
+    """A deployment's stats: counts summed, what describes each worker (KV dtype, adapter slots) taken once, and
+    the adapters running or waiting on any worker named once (lora_requests_info)."""
+    from types import SimpleNamespace
+
+    from servelm.control.deployment import Deployment
+    from servelm.engine.step_outputs import EngineStats
+
+    def worker(running: list[str], waiting: list[str], n: int):
+        st = EngineStats(num_running=n, num_waiting=1, num_swapped=0, kv_usage=0.0, num_kv_blocks=64,
+                         num_free_blocks=32, prefix_cache_queries=10, prefix_cache_hits=5,
+                         prefix_cache_hit_rate=0.5, num_preemptions=0, num_swaps=0, num_evictions=0, num_steps=3,
+                         prompt_tokens=7, generation_tokens=9, kv_cache_dtype="float32", max_loras=2,
+                         running_lora_adapters=running, waiting_lora_adapters=waiting)
+        return SimpleNamespace(engine=SimpleNamespace(stats=st))
+
+    dep = SimpleNamespace(_gen=SimpleNamespace(workers=[worker(["sql"], ["chat"], 2), worker(["chat", "sql"], [], 1)]))
+    st = Deployment.stats.fget(dep)
+    assert (st.num_running, st.num_kv_blocks, st.generation_tokens) == (3, 128, 18)
+    assert (st.kv_usage, st.prefix_cache_hit_rate, st.kv_cache_dtype, st.max_loras) == (0.5, 0.5, "float32", 2)
+    assert (st.running_lora_adapters, st.waiting_lora_adapters) == (["chat", "sql"], ["chat"])
