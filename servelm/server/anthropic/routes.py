@@ -17,8 +17,8 @@ from servelm.server.common import Api, record
 from servelm.server.errors import shaped_errors
 from servelm.server.ollama.protocol import validate
 from servelm.server.openai.protocol import APIError
-from servelm.server.openai.reasoning import ReasoningStream, active, defer_grammar, split
-from servelm.server.openai.tools import ToolReply, choose_parser, delta_events, template_tools
+from servelm.server.openai.reasoning import ReasoningStream, split
+from servelm.server.openai.tools import delta_events, reply_readers, template_tools
 
 
 async def _body(request: Request, cls):
@@ -110,13 +110,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         body = await _body(request, a.MessagesRequest)
         m, req, ids = await prompt(request, body)
         params = api.params(m, req, len(ids))
-        api_config = api.state.config.server.api_config
-        tools = ToolReply(req, choose_parser(api_config.tool_call_parser, getattr(m.tokenizer, "chat_template", None)))
-        if tools.active and tools.parser == "mistral":
-            params.skip_special_tokens = False  # [TOOL_CALLS] is a special token: the parser must see it
-        thinking = active(api_config.reasoning_parser)
-        if thinking:
-            defer_grammar(params, m.tokenizer, ids)
+        tools, thinking = reply_readers(api.state.config.server.api_config, m, req, params, ids)
         prio = api.admit(m, request, req, [ids], [params])
         api.log_prompt(request, [msg.text() for msg in req.messages])
         rid = f"msg_{uuid.uuid4().hex}"

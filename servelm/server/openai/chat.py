@@ -9,13 +9,12 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from servelm.sampling_params import SamplingParams
 from servelm.server.common import Api, record, sse, usage
 from servelm.server.openai import protocol as p
 from servelm.server.openai.logprobs import chat_logprobs, prompt_logprobs
 from servelm.server.openai.protocol import APIError
-from servelm.server.openai.reasoning import ReasoningStream, active, defer_grammar, split
-from servelm.server.openai.tools import ToolReply, choose_parser, template_tools
+from servelm.server.openai.reasoning import ReasoningStream, split
+from servelm.server.openai.tools import reply_readers, template_tools
 
 
 def add_routes(app: FastAPI, api: Api) -> None:
@@ -27,14 +26,8 @@ def add_routes(app: FastAPI, api: Api) -> None:
                                               **req.template_kwargs()), m.max_model_len)
         params = api.params(m, req, len(ids))
         api_config = api.state.config.server.api_config
-        tools = ToolReply(req, choose_parser(api_config.tool_call_parser, getattr(m.tokenizer, "chat_template", None)))
-        # the reasoning, when the server splits it off, and (of it) what the response shows
-        thinking = active(api_config.reasoning_parser)
-        show = thinking is not None and req.include_reasoning
-        if tools.active and tools.parser == "mistral":
-            params.skip_special_tokens = False  # [TOOL_CALLS] is a special token: the parser must see it
-        if thinking and isinstance(params, SamplingParams):
-            defer_grammar(params, m.tokenizer, ids)
+        tools, thinking = reply_readers(api_config, m, req, params, ids)
+        show = thinking is not None and req.include_reasoning  # the reasoning the response shows
         prio = api.admit(m, request, req, [ids], [params])
         api.log_prompt(request, [msg.text() for msg in req.messages])
         rid = f"chatcmpl-{uuid.uuid4().hex}"

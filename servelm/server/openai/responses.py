@@ -20,9 +20,9 @@ from servelm.server.common import Api, record
 from servelm.server.openai import protocol as p
 from servelm.server.openai import responses_protocol as r
 from servelm.server.openai.protocol import APIError
-from servelm.server.openai.reasoning import ReasoningStream, active, defer_grammar, split
+from servelm.server.openai.reasoning import ReasoningStream, split
 from servelm.server.openai.response_store import Stored, store_for
-from servelm.server.openai.tools import ToolReply, choose_parser, delta_events, template_tools
+from servelm.server.openai.tools import delta_events, reply_readers, template_tools
 
 _ROLES = {"system": p.SystemMessage, "developer": p.DeveloperMessage, "user": p.UserMessage,
           "assistant": p.AssistantMessage, "tool": p.ToolMessage}
@@ -147,15 +147,8 @@ def add_routes(app: FastAPI, api: Api) -> None:
         conv = system + history + new
         ids = await api.chat_ids(m, [_ROLES[x["role"]](**x) for x in conv], tools=template_tools(tool_fields))
         params = api.params(m, body, len(ids))
-        api_config = api.state.config.server.api_config
-        tools = ToolReply(tool_fields, choose_parser(api_config.tool_call_parser,
-                                                     getattr(m.tokenizer, "chat_template", None)))
-        if tools.active and tools.parser == "mistral":
-            params.skip_special_tokens = False  # [TOOL_CALLS] is a special token: the parser must see it
-        # the reply's reasoning becomes a reasoning item
-        thinking = active(api_config.reasoning_parser)
-        if thinking:
-            defer_grammar(params, m.tokenizer, ids)
+        # the reply's reasoning becomes a reasoning item, its calls function_call items
+        tools, thinking = reply_readers(api.state.config.server.api_config, m, tool_fields, params, ids)
         prio = api.admit(m, request, body, [ids], [params])
         api.log_prompt(request, [x["content"] for x in conv])
         rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
