@@ -61,7 +61,8 @@ def add_routes(app: FastAPI, api: Api) -> None:
                     async for out in head:
                         for c in out.outputs:
                             completion_tokens += len(c.token_ids)
-                            unsent[c.index] += c.token_ids
+                            if req.return_token_ids:
+                                unsent[c.index] += c.token_ids
                             if not (c.text or c.finish_reason):
                                 continue
                             lp = chat_logprobs(c.token_ids, c.logprobs, k, as_ids) if c.logprobs else None
