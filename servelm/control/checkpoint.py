@@ -15,8 +15,6 @@ from servelm.control.types import Kind
 from servelm.model.loading import hf_files, metadata
 from servelm.model.loading.gguf_header import read_gguf_file_header
 
-# Encoder-only families: their versions embed text rather than generate it.
-ENCODER_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra"})
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
                        "I8": "int8", "U8": "uint8", "I32": "int32", "I64": "int64"}
 
@@ -37,8 +35,7 @@ def describe(path: Path) -> CheckpointInfo:
     if (pred := describe_predictor(path)) is not None:  # a non-LLM model: its runtime, from the file name
         return CheckpointInfo(Kind.PREDICT, pred["runtime"], None, None)
     config = hf_files.read_json(path / "config.json") if path.is_dir() else None
-    if config is not None and (config.get("model_type") in ENCODER_MODEL_TYPES
-                               or any(a == "BertModel" for a in config.get("architectures") or [])):
+    if config is not None and hf_files.is_encoder(config):  # it embeds, scores or classifies text
         return _describe_folder(path, config, Kind.EMBED)
     try:
         src = metadata.check_model(str(path))

@@ -92,16 +92,33 @@ class EmbedDeployment:
     async def start(self) -> None:
         self.embedder = await self._started(self.version)
 
+    @property
+    def task(self) -> str:
+        """"embed" (sentence vectors) or "classify" (a sequence classifier's logits): Embedder.task."""
+        return self.embedder.task if self.embedder else "embed"
+
+    @property
+    def labels(self) -> list[str]:
+        return self.embedder.labels if self.embedder else []
+
     async def embed(self, texts: list[str], truncate: int | None = None) -> tuple[list[np.ndarray], int]:
         """L2-normalised sentence vectors and the token count (EmbedderDown while its process restarts);
         `truncate` as Embedder.embed's."""
+        return await self._call("embed", texts, truncate)
+
+    async def classify(self, texts: list[str], pairs: list[str] | None = None,
+                       truncate: int | None = None) -> tuple[list[np.ndarray], int]:
+        """A sequence classifier's logits for each text or (text, pair): Embedder.classify."""
+        return await self._call("classify", texts, pairs, truncate)
+
+    async def _call(self, method: str, *args):
         emb = self.embedder
         if emb is None:
             raise Unavailable(f"{self.version.ref} is not loaded", code="engine_unavailable")
         self.last_used = time.monotonic()
         self._in_flight += 1
         try:
-            return await emb.embed(texts, truncate)
+            return await getattr(emb, method)(*args)
         finally:
             self._in_flight -= 1
             self.last_used = time.monotonic()

@@ -5,9 +5,8 @@ FAILED with the reason.
 Generation versions run in one engine-core worker (`AsyncEngine`), as a deployment would run them. A LoRA
 adapter version runs in one worker of its base version with the adapter loaded (as an adapter deployment runs it
 on its base's workers): its golden prompts are answered by the adapter, and the base's artifact is checked too.
-Embedding versions run in an embedding worker made by `embedder_factory` (the server passes its `Embedder`);
-without one, a one-process pool runs the encoder (mean pooling, L2 normalisation, as the server's embedder
-does).
+Embedding versions run in an embedding worker made by `embedder_factory` (by default the server's `Embedder`,
+its own process); a sequence classifier (a cross-encoder) classifies the prompts instead of embedding them.
 """
 
 from __future__ import annotations
@@ -15,10 +14,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import multiprocessing
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -56,7 +53,7 @@ async def validate(registry, name: str, version: int, base: EngineConfig, actor:
             await asyncio.to_thread(load_predictor, mv.artifact)
             outputs = []
         elif mv.kind == Kind.EMBED:
-            outputs = await _run_embed(mv, prompts, embedder_factory or ChildEncoder)
+            outputs = await _run_embed(mv, prompts, embedder_factory or _default_embedder)
         elif mv.kind == Kind.LORA:
             base_mv = await asyncio.to_thread(registry.get, *mv.base_ref)
             await asyncio.to_thread(registry.store.check, Path(base_mv.artifact), base_mv.sha256)
@@ -112,55 +109,26 @@ async def _run_generate(mv: ModelVersion, base: EngineConfig, prompts: list[str]
         await engine.shutdown()
 
 
+def _default_embedder(path: Path):
+    from servelm.runtimes.embedder import Embedder
+
+    return Embedder(path)
+
+
 async def _run_embed(mv: ModelVersion, prompts: list[str], factory: Callable[[Path], EmbedWorker]) -> list[str]:
-    """Embed the prompts in an embedding worker; record each vector's size and leading values."""
+    """Embed the prompts in an embedding worker; record each vector's size and leading values (a classifier's:
+    its number of labels and its logits)."""
     worker = factory(Path(mv.artifact))
     try:
         await worker.wait_ready()
-        vectors, _ = await worker.embed(prompts)
+        if getattr(worker, "task", "embed") == "classify":
+            rows, _ = await worker.classify(prompts)
+            key = "labels"
+        else:
+            rows, _ = await worker.embed(prompts)
+            key = "dim"
     finally:
         await asyncio.to_thread(worker.close)  # may wait for its process to exit: not on the event loop
-    if len(vectors) != len(prompts):
-        raise RuntimeError(f"the embedder returned {len(vectors)} vectors for {len(prompts)} texts")
-    return [json.dumps({"dim": len(v), "head": [round(float(x), 4) for x in list(v)[:EMBED_HEAD]]})
-            for v in vectors]
-
-
-def _encode(path: str, texts: list[str], max_length: int) -> list[list[float]]:
-    """In the child process: L2-normalised, mean-pooled last hidden states."""
-    import torch
-
-    from servelm.model.families.encoder import load_encoder
-    from servelm.model.loading.hf_files import tokenizer_from_folder
-
-    tokenizer, model = tokenizer_from_folder(Path(path)), load_encoder(Path(path))
-    enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-    mask = enc["attention_mask"]
-    with torch.inference_mode():
-        hidden = model(**enc)
-        pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
-        return torch.nn.functional.normalize(pooled, dim=-1).tolist()
-
-
-def _child_init() -> None:
-    from servelm.worker.process import _exit_with_parent
-
-    _exit_with_parent()
-
-
-class ChildEncoder:
-    """An embedding worker of one spawned process (never the API process), for validation only."""
-
-    def __init__(self, path: Path, max_length: int = 256) -> None:
-        self.path, self.max_length = path, max_length
-        self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_child_init)
-
-    async def wait_ready(self) -> None:
-        """Nothing to wait for: the model loads with the first batch."""
-
-    async def embed(self, texts: list[str]) -> tuple[list[list[float]], int]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, _encode, str(self.path), texts, self.max_length), 0
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    if len(rows) != len(prompts):
+        raise RuntimeError(f"the embedder returned {len(rows)} rows for {len(prompts)} texts")
+    return [json.dumps({key: len(v), "head": [round(float(x), 4) for x in list(v)[:EMBED_HEAD]]}) for v in rows]

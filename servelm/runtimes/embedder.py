@@ -6,6 +6,10 @@ batches (`embed_batcher.FairBatcher`), so a small request is not stuck behind a 
 process (a one-worker process pool), like the generation engine: the API process never runs a model,
 so a burst of embedding work cannot stall streaming or metrics. A worker that dies fails its batch
 with EmbedderDown (503) and is replaced.
+
+A sequence-classification checkpoint (`*ForSequenceClassification`: a cross-encoder reranker such as
+ms-marco-MiniLM or bge-reranker, or a text classifier) runs the same way but gives each text, or each pair of
+texts read together, its per-label logits (`classify`) instead of a vector; `task` says which a model does.
 """
 
 from __future__ import annotations
@@ -54,21 +58,47 @@ class EmbedderDown(RuntimeError):
     """The embedding process died (or is being replaced); the batch was not embedded."""
 
 
+class WrongTask(ValueError):
+    """The request asks a model for what it does not do (an embedding of a classifier, a class of an encoder)."""
+
+
 # A text to embed, or (text, k): keep its last k tokens (truncate_prompt_tokens)
 EmbedInput = str | tuple[str, int]
+# A text to classify, or a pair read together (query, document), and the most tokens it may keep (None: the model's)
+ClassifyInput = tuple[str, str | None, int | None]
 
-_worker: tuple | None = None  # (tokenizer, encoder, max_length), in the embedding process only
+_worker: tuple | None = None  # (tokenizer, model, max_length, task), in the embedding process only
+
+
+def _model_config(path: Path) -> dict:
+    from servelm.model.loading.hf_files import read_json
+
+    return read_json(Path(path) / "config.json") or {}
+
+
+def _classifier_max_length(tokenizer, config: dict) -> int:
+    """The longest input a classifier reads: the tokenizer's model_max_length where it states one, else the
+    position table's size (RoBERTa's family numbers positions from padding_idx + 1, so two fewer)."""
+    stated = getattr(tokenizer, "model_max_length", None)
+    if isinstance(stated, int) and 0 < stated < 1_000_000:
+        return stated
+    positions = int(config.get("max_position_embeddings", 512))
+    return positions - 2 if config.get("model_type") in ("roberta", "xlm-roberta", "camembert") else positions
 
 
 def _load(path: str, max_length: int) -> None:
-    """Embedding process initializer: exit with the API process, then load the tokenizer and encoder."""
+    """Embedding process initializer: exit with the API process, then load the tokenizer and the model."""
     global _worker
-    from servelm.model.families.encoder import load_encoder
-    from servelm.model.loading.hf_files import tokenizer_from_folder
+    from servelm.model.families.encoder import load_classifier, load_encoder
+    from servelm.model.loading.hf_files import is_classifier, tokenizer_from_folder
     from servelm.worker.process import _exit_with_parent
 
     _exit_with_parent()
-    _worker = (tokenizer_from_folder(Path(path)), load_encoder(Path(path)), max_length)
+    tokenizer, config = tokenizer_from_folder(Path(path)), _model_config(Path(path))
+    if is_classifier(config):
+        _worker = (tokenizer, load_classifier(Path(path)), _classifier_max_length(tokenizer, config), "classify")
+    else:
+        _worker = (tokenizer, load_encoder(Path(path)), max_length, "embed")
 
 
 def _ping() -> int:
@@ -94,10 +124,11 @@ def _release_free_memory() -> None:
 _trim = None  # glibc's malloc_trim once looked up (False: none here)
 
 
-def _encode(texts: list[EmbedInput]) -> tuple[np.ndarray, list[int], int]:
-    """In the embedding process: L2-normalised mean-pooled vectors, each text's tokens, padded size."""
+def _encode(texts: list) -> tuple[np.ndarray, list[int], int]:
+    """In the embedding process: L2-normalised mean-pooled vectors (a classifier: logits), each text's tokens,
+    the padded size."""
     try:
-        return _encode_batch(texts)
+        return _classify_batch(texts) if _worker is not None and _worker[3] == "classify" else _encode_batch(texts)
     finally:
         _release_free_memory()
 
@@ -124,7 +155,7 @@ def _encode_batch(texts: list[EmbedInput]) -> tuple[np.ndarray, list[int], int]:
     import torch
 
     assert _worker is not None
-    tokenizer, model, max_length = _worker
+    tokenizer, model, max_length, _ = _worker
     enc = _tokenize(tokenizer, texts, max_length)
     mask = enc["attention_mask"]
     hidden = model(**enc)
@@ -132,10 +163,47 @@ def _encode_batch(texts: list[EmbedInput]) -> tuple[np.ndarray, list[int], int]:
     return torch.nn.functional.normalize(pooled, dim=-1).numpy(), mask.sum(1).tolist(), mask.numel()
 
 
+def _classify_batch(items: list[ClassifyInput]) -> tuple[np.ndarray, list[int], int]:
+    """Each text's (or pair's) logits. A pair is tokenized as the model was trained to read one (BERT's
+    [CLS] a [SEP] b [SEP] with segment ids, RoBERTa's <s> a </s></s> b </s>); one too long loses tokens from
+    its longer side first, as sentence-transformers' CrossEncoder cuts it."""
+    assert _worker is not None
+    tokenizer, model, max_length, _ = _worker
+    texts, pairs, caps = zip(*items, strict=True)
+    if all(c is None for c in caps) and (all(p is None for p in pairs) or all(p is not None for p in pairs)):
+        second = None if pairs[0] is None else list(pairs)
+        enc = tokenizer(list(texts), second, padding=True, truncation=True, max_length=max_length,
+                        return_tensors="pt")
+    else:  # a mixed batch, or inputs with their own caps: one at a time, padded together
+        enc = tokenizer.pad([tokenizer(t, p, truncation=True, max_length=max_length if c is None or c == -1
+                                       else min(c, max_length)) for t, p, c in items], return_tensors="pt")
+    mask = enc["attention_mask"]
+    logits = model(**enc)
+    return logits.float().numpy(), mask.sum(1).tolist(), mask.numel()
+
+
+def probabilities(logits: np.ndarray) -> np.ndarray:
+    """A classifier's logits [n, labels] as vLLM's pooler activates them: one label's logit through a sigmoid
+    (a cross-encoder's relevance in [0, 1]), several labels' through a softmax."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if logits.shape[-1] == 1:
+        return 1 / (1 + np.exp(-logits))
+    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
 class Embedder:
     def __init__(self, path: Path, max_batch_size: int = 32, batch_window_ms: float = 5.0,
                  max_length: int = 256) -> None:
         self.path, self.max_length = path, max_length
+        config = _model_config(path)
+        from servelm.model.loading.hf_files import is_classifier
+
+        self.task = "classify" if is_classifier(config) else "embed"  # what the model gives: see the module doc
+        id2label = config.get("id2label") or {}
+        # the classifier's label names, in output order (a missing name is the label's index)
+        self.labels = [str(id2label.get(str(i), id2label.get(i, i)))
+                       for i in range(len(id2label) or int(config.get("num_labels", 2)))]
         self.max_batch_size = max_batch_size
         self.window = batch_window_ms / 1000
         self.stats = BatchStats()
@@ -167,12 +235,29 @@ class Embedder:
     async def embed(self, texts: list[str], truncate: int | None = None) -> tuple[list[np.ndarray], int]:
         """Embed texts (L2-normalised mean pooling); returns the vectors and the token count. `truncate`: keep
         each text's last that many tokens (-1: the model's max_length), instead of cutting its end."""
+        if self.task != "embed":
+            raise WrongTask(f"{self.path.name} is a sequence classifier (a cross-encoder): it serves /score, "
+                            "/rerank and /classify, not embeddings")
+        return await self._submit(texts if truncate is None else [(t, truncate) for t in texts])
+
+    async def classify(self, texts: list[str], pairs: list[str] | None = None,
+                       truncate: int | None = None) -> tuple[list[np.ndarray], int]:
+        """A classifier's logits for each text, or for each (text, pair) read together; returns the logit rows
+        and the token count. `truncate`: each input keeps at most that many tokens (-1: the model's limit)."""
+        if self.task != "classify":
+            raise WrongTask(f"{self.path.name} is an embedding model: /classify needs a sequence classifier "
+                            "(a *ForSequenceClassification checkpoint)")
+        if pairs is not None and len(pairs) != len(texts):
+            raise ValueError(f"{len(texts)} texts and {len(pairs)} pairs")
+        return await self._submit([(t, None if pairs is None else pairs[i], truncate) for i, t in enumerate(texts)])
+
+    async def _submit(self, items: list) -> tuple[list[np.ndarray], int]:
         if self._batcher is None:
             self._batcher = FairBatcher(self._run, self.max_batch_size, self.window)
-        results = await self._batcher.submit(texts if truncate is None else [(t, truncate) for t in texts])
+        results = await self._batcher.submit(items)
         return [r[0] for r in results], sum(r[1] for r in results)
 
-    async def _run(self, texts: list[EmbedInput]) -> tuple[list[np.ndarray], list[int]]:
+    async def _run(self, texts: list) -> tuple[list[np.ndarray], list[int]]:
         pool = self._pool
         try:
             vecs, lens, padded = await asyncio.wrap_future(pool.submit(_encode, texts))

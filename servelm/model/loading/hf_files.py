@@ -87,3 +87,19 @@ def tokenizer_from_folder(folder: Path):
     if "model_name" in cfg:
         light.model_name = cfg["model_name"]
     return AutoTokenizer.from_pretrained(folder, config=light)
+
+
+# Encoder-only families: they embed, score or classify text rather than generate it.
+ENCODER_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra"})
+
+
+def is_encoder(config: dict) -> bool:
+    """Whether a checkpoint's config is an encoder (the embedding process runs it), not a decoder."""
+    return (config.get("model_type") in ENCODER_MODEL_TYPES or is_classifier(config)
+            or "BertModel" in (config.get("architectures") or []))
+
+
+def is_classifier(config: dict) -> bool:
+    """Whether a checkpoint's config is a sequence classifier (a cross-encoder or a text classifier): its
+    outputs are per-label logits of the whole input, not token vectors."""
+    return any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or [])

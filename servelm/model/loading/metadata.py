@@ -54,6 +54,10 @@ def check_model(model: str | None, gguf_file: str | None = None) -> ModelSource:
     from types import SimpleNamespace
 
     arch = architecture(SimpleNamespace(**config))
+    if arch not in SUPPORTED_ARCHITECTURES and hf_files.is_encoder(config):
+        raise ValueError(f"model {str(src.path)!r} ({arch}) is an encoder: it embeds, scores or classifies text "
+                         "rather than generating it, so it runs beside a generation model: servelm serve "
+                         f"--embedding-model {src.path}")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"model {str(src.path)!r} has architecture {arch!r}, which servelm does not support; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")

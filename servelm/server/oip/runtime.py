@@ -8,7 +8,8 @@ on first use (in a thread, off the event loop) and stays loaded. Batching is per
 labels `batch_window_ms`, `max_batch_size` and `max_queue` override the server's `oip_*` settings.
 
 The server's own embedding model (`/v1/embeddings`) is served here too, as version 1 of its name: one BYTES
-input of texts (shape [N]), one FP32 output `embedding` (shape [N, dim]), the same vectors as /v1/embeddings.
+input of texts (shape [N]), one FP32 output `embedding` (shape [N, dim]), the same vectors as /v1/embeddings
+(a sequence classifier's: `probs`, shape [N, labels], as /classify gives them).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from prometheus_client import Gauge, Histogram
 from servelm.config.settings import PRIORITIES
 from servelm.control.errors import ControlError
 from servelm.control.types import Kind, ModelVersion, State
-from servelm.runtimes.embedder import EmbedderDown
+from servelm.runtimes.embedder import EmbedderDown, probabilities
 from servelm.runtimes.predict_batcher import PredictBatcher, QueueFull
 from servelm.runtimes.predictors import Predictor, TensorSpec, load_predictor
 from servelm.server.middleware.admission import check_model
@@ -39,14 +40,16 @@ _ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 class EmbedderPredictor(Predictor):
     """The server's embedding model as a predictor. `predict` runs on the batcher's thread and waits for the
-    embedder, which lives on the event loop (its own batching and process)."""
+    embedder, which lives on the event loop (its own batching and process). A sequence classifier's output is
+    `probs` (shape [N, labels]: what /classify gives) instead of `embedding`."""
 
     runtime = "embedding"
 
     def __init__(self, embedder, loop: asyncio.AbstractEventLoop) -> None:
         self.embedder, self.loop = embedder, loop
+        self.classifier = getattr(embedder, "task", "embed") == "classify"
         self.inputs = [TensorSpec("text", "BYTES", [-1])]
-        self.outputs = [TensorSpec("embedding", "FP32", [-1, -1])]
+        self.outputs = [TensorSpec("probs" if self.classifier else "embedding", "FP32", [-1, -1])]
 
     def predict(self, inputs, outputs):
         texts = []
@@ -55,6 +58,9 @@ class EmbedderPredictor(Predictor):
             if not text:
                 raise ValueError("every text must be non-empty")
             texts.append(text)
+        if self.classifier:
+            logits, _ = asyncio.run_coroutine_threadsafe(self.embedder.classify(texts), self.loop).result()
+            return {"probs": probabilities(np.asarray(logits)).astype(np.float32)}
         vectors, _ = asyncio.run_coroutine_threadsafe(self.embedder.embed(texts), self.loop).result()
         return {"embedding": np.asarray(vectors, dtype=np.float32)}
 

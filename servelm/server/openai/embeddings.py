@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from fastapi import FastAPI, Request
 
 from servelm.control.types import Kind
-from servelm.runtimes.embedder import EmbedderDown
+from servelm.runtimes.embedder import EmbedderDown, WrongTask
 from servelm.server.common import Api, b64
 from servelm.server.openai import protocol as p
 from servelm.server.openai.protocol import APIError
@@ -26,6 +28,13 @@ async def _embedder(api: Api, request: Request, model: str | None):
 async def _embed(api: Api, embedder, inputs: list[str], truncate: int | None = None):
     """(vectors, prompt tokens) of the inputs, after the request's caps are checked; `truncate`: embed each
     input's last that many tokens."""
+    return await pooled(api, inputs, lambda: embedder.embed(inputs) if truncate is None
+                        else embedder.embed(inputs, truncate))
+
+
+async def pooled(api: Api, inputs: list[str], run: Callable[[], Awaitable]):
+    """`run()`'s answer for these inputs of the embedding model's routes, after the request's caps are checked,
+    with the embedding process's failures as API errors."""
     if not inputs or any(not isinstance(s, str) or not s for s in inputs):
         raise APIError(400, "input must be a non-empty string or a list of non-empty strings", "input")
     cap = api.state.config.admission.max_embedding_inputs
@@ -34,9 +43,11 @@ async def _embed(api: Api, embedder, inputs: list[str], truncate: int | None = N
                             "(admission.max_embedding_inputs); split it into several requests", "input",
                        "limit_exceeded")
     try:
-        return await (embedder.embed(inputs) if truncate is None else embedder.embed(inputs, truncate))
+        return await run()
     except EmbedderDown as e:
         raise APIError(503, str(e), code="embedder_unavailable") from e
+    except WrongTask as e:
+        raise APIError(400, str(e), "model", "wrong_model_task") from e
     except ValueError as e:
         raise APIError(400, str(e), "input") from e
 

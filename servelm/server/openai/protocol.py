@@ -545,20 +545,27 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
         return self._params(self.max_completion_tokens or self.max_tokens, lp, default_max, defaults)
 
 
-class EmbeddingRequest(_Body):
-    input: Text | Texts
-    model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    user: str | None = None
-    # vLLM's: embed each input's last k tokens (-1: the model's longest input) rather than its first ones
+class _PooledTruncation(_Body):
+    """vLLM's truncate_prompt_tokens on the embedding model's routes: each input keeps at most k tokens
+    (-1: the model's longest input)."""
+
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
 
     @model_validator(mode="after")
-    def _truncation(self) -> EmbeddingRequest:
+    def _truncation(self):
         if self.truncate_prompt_tokens == 0:
             raise APIError(400, "truncate_prompt_tokens must be at least 1, or -1 for the model's longest input",
                            "truncate_prompt_tokens")
         return self
+
+
+class EmbeddingRequest(_PooledTruncation):
+    """truncate_prompt_tokens: embed each input's last k tokens rather than its first ones."""
+
+    input: Text | Texts
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None
 
 
 class TokenizeRequest(_Body):
@@ -605,15 +612,15 @@ class NativeChatRequest(NativeGenerateRequest):
 
 
 
-class ScoreRequest(_Body):
-    """vLLM's score API over the embedding model: the cosine similarity of each text_1 with its text_2 (one text_1
-    scores every text_2). vLLM's other spellings of the two sides, queries/documents, queries/items and
-    data_1/data_2, are taken too."""
+class ScoreRequest(_PooledTruncation):
+    """vLLM's score API: each text_1 scored with its text_2 (one text_1 scores every text_2). A cross-encoder
+    reads each pair together; an embedding model gives the cosine similarity of the two texts' vectors. vLLM's
+    other spellings of the two sides, queries/documents, queries/items and data_1/data_2, are taken too."""
 
     model: str | None = None
     text_1: Text | Texts
     text_2: Text | Texts
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    use_activation: bool | None = None  # vLLM's: false gives a cross-encoder's raw logit, not its sigmoid
 
     @model_validator(mode="before")
     @classmethod
@@ -640,20 +647,33 @@ class ScoreRequest(_Body):
         return one, two
 
 
-class RerankRequest(_Body):
-    """The rerank API of Jina, Cohere and vLLM over the embedding model: the documents by the cosine similarity
-    of each with the query, most relevant first."""
+class RerankRequest(_PooledTruncation):
+    """The rerank API of Jina, Cohere and vLLM: the documents by their relevance to the query (a cross-encoder's
+    score of the pair, or the cosine similarity of their vectors), most relevant first."""
 
     model: str | None = None
     query: Text
     documents: Text | Texts
     top_n: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0  # 0: all of them
     return_documents: bool = True  # Cohere's: false leaves each result's document out
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    use_activation: bool | None = None
 
     @property
     def docs(self) -> list[str]:
         return [self.documents] if isinstance(self.documents, str) else self.documents
+
+
+class ClassifyRequest(_PooledTruncation):
+    """vLLM's /classify: each input's label and per-label probabilities from a sequence classifier."""
+
+    model: str | None = None
+    input: Text | Texts
+    user: str | None = None
+    use_activation: bool | None = None  # false: the raw logits instead of the probabilities
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else self.input
 
 
 class NativeEmbeddingRequest(_Body):

@@ -1,6 +1,11 @@
-"""Scores and reranking over the embedding model, as vLLM serves them for bi-encoders: POST /score (and
-/v1/score) gives the cosine similarity of text pairs; POST /rerank (and /v1/rerank, /v2/rerank: Jina's and
-Cohere's shape) orders documents by their similarity to a query."""
+"""Scores, reranking and classification over the embedding model's process, as vLLM serves them.
+
+POST /score (and /v1/score) scores text pairs; POST /rerank (and /v1/rerank, /v2/rerank: Jina's and Cohere's
+shape) orders documents by their score with a query. A cross-encoder (a `*ForSequenceClassification` model with
+one output, such as ms-marco-MiniLM or bge-reranker) reads each pair together and scores it with the sigmoid of
+its logit; an embedding model (a bi-encoder) scores the cosine similarity of the two texts' vectors.
+POST /classify gives each text's label and per-label probabilities from a sequence classifier.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,11 @@ import uuid
 import numpy as np
 from fastapi import FastAPI, Request
 
+from servelm.runtimes.embedder import probabilities
 from servelm.server.common import Api
 from servelm.server.openai import protocol as p
-from servelm.server.openai.embeddings import _embed, _embedder
+from servelm.server.openai.embeddings import _embed, _embedder, pooled
+from servelm.server.openai.protocol import APIError
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -22,9 +29,25 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.divide((a * b).sum(axis=1), norms, out=np.zeros(len(a)), where=norms > 0)
 
 
-async def _scores(api: Api, embedder, one: list[str], two: list[str], truncate: int | None):
-    """(scores of the pairs, tokens embedded): each distinct side embedded once, in one batch."""
-    vectors, tokens = await _embed(api, embedder, one + two, truncate)
+def _activated(logits: np.ndarray, use_activation: bool | None) -> np.ndarray:
+    """vLLM's use_activation: the probabilities unless it is false, then the raw logits."""
+    return np.asarray(logits, dtype=np.float64) if use_activation is False else probabilities(logits)
+
+
+async def _scores(api: Api, model, one: list[str], two: list[str], truncate: int | None,
+                  use_activation: bool | None = None):
+    """(scores of the pairs, tokens read): a cross-encoder reads each pair once; an embedding model embeds each
+    distinct side once, in one batch."""
+    firsts = one * len(two) if len(one) == 1 else one
+    if model.task == "classify":
+        logits, tokens = await pooled(api, firsts, lambda: model.classify(firsts, two, truncate))
+        logits = np.asarray(logits)
+        if logits.shape[1] != 1:
+            raise APIError(400, f"this classifier has {logits.shape[1]} labels; scores need a cross-encoder with "
+                                "one output (POST /classify gives each label's probability)", "model",
+                           "wrong_model_task")
+        return _activated(logits, use_activation)[:, 0], tokens
+    vectors, tokens = await _embed(api, model, one + two, truncate)
     vectors = np.asarray(vectors)
     first, second = vectors[:len(one)], vectors[len(one):]
     if len(one) == 1:
@@ -35,16 +58,17 @@ async def _scores(api: Api, embedder, one: list[str], two: list[str], truncate: 
 def add_routes(app: FastAPI, api: Api) -> None:
     async def score(req: p.ScoreRequest, request: Request):
         one, two = req.pairs()
-        embedder, name = await _embedder(api, request, req.model)
-        scores, tokens = await _scores(api, embedder, one, two, req.truncate_prompt_tokens)
+        model, name = await _embedder(api, request, req.model)
+        scores, tokens = await _scores(api, model, one, two, req.truncate_prompt_tokens, req.use_activation)
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": name,
                 "data": [{"index": i, "object": "score", "score": float(s)} for i, s in enumerate(scores)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     async def rerank(req: p.RerankRequest, request: Request):
         docs = req.docs
-        embedder, name = await _embedder(api, request, req.model)
-        scores, tokens = await _scores(api, embedder, [req.query], docs, req.truncate_prompt_tokens)
+        model, name = await _embedder(api, request, req.model)
+        scores, tokens = await _scores(api, model, [req.query], docs, req.truncate_prompt_tokens,
+                                       req.use_activation)
         order = sorted(range(len(docs)), key=lambda i: -scores[i])  # stable: equal scores keep their order
         results = [{"index": i, "relevance_score": float(scores[i]),
                     **({"document": {"text": docs[i]}} if req.return_documents else {})}
@@ -52,7 +76,18 @@ def add_routes(app: FastAPI, api: Api) -> None:
         return {"id": f"rerank-{uuid.uuid4().hex}", "model": name, "results": results,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
+    async def classify(req: p.ClassifyRequest, request: Request):
+        texts = req.inputs
+        model, name = await _embedder(api, request, req.model)
+        logits, tokens = await pooled(api, texts, lambda: model.classify(texts, None, req.truncate_prompt_tokens))
+        labels, probs = model.labels, _activated(np.asarray(logits), req.use_activation)
+        data = [{"index": i, "label": labels[int(np.argmax(row))] if int(np.argmax(row)) < len(labels) else None,
+                 "probs": row.tolist(), "num_classes": len(row)} for i, row in enumerate(probs)]
+        return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": name,
+                "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
     # vLLM's paths; the API documentation lists each operation once, under its first
-    for paths, route in ((("/score", "/v1/score"), score), (("/rerank", "/v1/rerank", "/v2/rerank"), rerank)):
+    for paths, route in ((("/score", "/v1/score"), score), (("/rerank", "/v1/rerank", "/v2/rerank"), rerank),
+                         (("/classify",), classify)):
         for path in paths:
             app.post(path, include_in_schema=path == paths[0])(route)

@@ -1,0 +1,234 @@
+"""Sequence classifiers in the embedding model's place: a cross-encoder serves /score and /rerank by reading each
+pair together, a classifier serves /classify, each as transformers' AutoModelForSequenceClassification computes
+them (with vLLM's activation: the sigmoid of one logit, the softmax of several)."""
+
+from __future__ import annotations
+
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from fakes import IdleEngine
+
+from servelm.runtimes.embedder import default_embedding_path
+
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+QUERY = "where do cats sleep"
+DOCS = ["a cat sleeps on the warm mat", "stock prices fell sharply today", "kittens nap in sunny spots",
+        "the recipe needs two eggs"]
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+
+
+def _bert_tokenizer(folder) -> None:
+    src = default_embedding_path()
+    if src is None:
+        pytest.skip("the packaged all-MiniLM-L6-v2 (its BERT tokenizer) is not installed")
+    for name in TOKENIZER_FILES:
+        shutil.copy(src / name, folder / name)
+
+
+def _save(folder, family: str, num_labels: int, **extra):
+    """A tiny random-weight *ForSequenceClassification checkpoint with a BERT tokenizer; returns the model."""
+    import transformers
+
+    torch.manual_seed(num_labels + len(family))
+    common = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=64, max_position_embeddings=128, num_labels=num_labels, **extra)
+    if family == "bert":
+        model = transformers.BertForSequenceClassification(transformers.BertConfig(**common))
+    else:  # XLM-RoBERTa, bge-reranker's family: transformers runs it
+        model = transformers.XLMRobertaForSequenceClassification(
+            transformers.XLMRobertaConfig(**{**common, "max_position_embeddings": 130}, pad_token_id=0))
+    model.eval().save_pretrained(folder)
+    _bert_tokenizer(folder)
+    return model
+
+
+def _oracle(folder, texts, pairs=None, max_length=None) -> np.ndarray:
+    """transformers' logits, one input at a time (no padding)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    rows = []
+    for i, t in enumerate(texts):
+        enc = tok(t, None if pairs is None else pairs[i], truncation=max_length is not None, max_length=max_length,
+                  return_tensors="pt")
+        with torch.inference_mode():
+            rows.append(model(**enc).logits[0].numpy())
+    return np.asarray(rows, dtype=np.float64)
+
+
+def _sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def _client(tokenizer, folder):
+    from starlette.testclient import TestClient
+
+    from servelm.config.settings import load
+    from servelm.runtimes.embedder import Embedder
+    from servelm.server.api import build_app
+    from servelm.server.serve import build_state
+
+    embedder = Embedder(folder)
+    state = build_state(load({}), tokenizer, IdleEngine(), "tiny", embedder=embedder, embed_name=folder.name)
+    return TestClient(build_app(state)), embedder
+
+
+@pytest.fixture(scope="module")
+def cross(tokenizer, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ms-marco-tiny")
+    _save(folder, "bert", 1)
+    client, embedder = _client(tokenizer, folder)
+    with client:
+        yield client, folder
+    embedder.close()
+
+
+@pytest.fixture(scope="module")
+def classifier(tokenizer, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sentiment-tiny")
+    _save(folder, "bert", 3, id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
+    client, embedder = _client(tokenizer, folder)
+    with client:
+        yield client, folder
+    embedder.close()
+
+
+def test_a_cross_encoder_scores_each_pair_read_together(cross):
+    client, folder = cross
+    want = _sigmoid(_oracle(folder, [QUERY] * len(DOCS), DOCS)[:, 0])
+    for path, body in (("/score", {"text_1": QUERY, "text_2": DOCS}),
+                       ("/v1/score", {"queries": [QUERY] * len(DOCS), "documents": DOCS})):
+        r = client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        got = [d["score"] for d in r.json()["data"]]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+        assert r.json()["model"] == folder.name and r.json()["usage"]["prompt_tokens"] > 0
+    raw = client.post("/score", json={"text_1": QUERY, "text_2": DOCS, "use_activation": False}).json()
+    np.testing.assert_allclose([d["score"] for d in raw["data"]], np.log(want / (1 - want)), rtol=1e-3, atol=1e-5)
+
+
+def test_rerank_orders_by_the_cross_encoders_scores(cross):
+    client, folder = cross
+    want = _sigmoid(_oracle(folder, [QUERY] * len(DOCS), DOCS)[:, 0])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        r = client.post(path, json={"query": QUERY, "documents": DOCS, "top_n": 3})
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == list(np.argsort(-want, kind="stable")[:3])
+        for x in results:
+            assert x["relevance_score"] == pytest.approx(want[x["index"]], rel=1e-4)
+            assert x["document"]["text"] == DOCS[x["index"]]
+
+
+def test_a_cross_encoders_truncation_caps_each_pair(cross):
+    client, folder = cross
+    long_doc = "the cat " * 40
+    want = _sigmoid(_oracle(folder, [QUERY], [long_doc], max_length=12)[:, 0])
+    r = client.post("/score", json={"text_1": QUERY, "text_2": long_doc, "truncate_prompt_tokens": 12}).json()
+    assert r["usage"]["prompt_tokens"] == 12
+    assert r["data"][0]["score"] == pytest.approx(want[0], rel=1e-4)
+    r = client.post("/score", json={"text_1": QUERY, "text_2": long_doc, "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_a_classifier_refuses_embeddings_and_an_embedding_model_refuses_classify(cross, tmp_path, tokenizer):
+    client, _ = cross
+    r = client.post("/v1/embeddings", json={"input": "a cat"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "model" and err["code"] == "wrong_model_task" and "/rerank" in err["message"]
+    from transformers import BertConfig, BertModel
+
+    BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                         intermediate_size=64)).save_pretrained(tmp_path)
+    _bert_tokenizer(tmp_path)
+    encoder, embedder = _client(tokenizer, tmp_path)
+    try:
+        with encoder:
+            r = encoder.post("/classify", json={"input": "a cat"})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_model_task"
+            assert encoder.post("/v1/embeddings", json={"input": "a cat"}).status_code == 200
+    finally:
+        embedder.close()
+
+
+def test_classify_gives_each_labels_probability(classifier):
+    client, folder = classifier
+    texts = ["what a lovely day", "this is awful", "ok"]
+    logits = _oracle(folder, texts)
+    want = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    r = client.post("/classify", json={"input": texts})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and body["usage"]["prompt_tokens"] > 0
+    for i, d in enumerate(body["data"]):
+        assert d["index"] == i and d["num_classes"] == 3
+        np.testing.assert_allclose(d["probs"], want[i], rtol=1e-4, atol=1e-6)
+        assert d["label"] == LABELS[int(np.argmax(want[i]))]
+    raw = client.post("/classify", json={"input": texts[0], "use_activation": False}).json()
+    np.testing.assert_allclose(raw["data"][0]["probs"], logits[0], rtol=1e-4, atol=1e-5)
+    # scores need one output: a three-label classifier says so rather than picking a column
+    r = client.post("/rerank", json={"query": QUERY, "documents": DOCS})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_model_task"
+
+
+def test_the_open_inference_protocol_gives_a_classifiers_probabilities(classifier):
+    client, folder = classifier
+    texts = ["what a lovely day", "this is awful"]
+    logits = _oracle(folder, texts)
+    want = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    meta = client.get(f"/v2/models/{folder.name}").json()
+    assert [o["name"] for o in meta["outputs"]] == ["probs"]
+    r = client.post(f"/v2/models/{folder.name}/infer",
+                    json={"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "data": texts}]})
+    assert r.status_code == 200, r.text
+    out = r.json()["outputs"][0]
+    assert out["name"] == "probs" and out["shape"] == [2, 3]
+    np.testing.assert_allclose(np.reshape(out["data"], (2, 3)), want, rtol=1e-4, atol=1e-6)
+
+
+def test_xlm_roberta_rerankers_run_through_transformers(tmp_path):
+    """bge-reranker's family: not the built-in BERT, so transformers' own model runs in the embedding process."""
+    import asyncio
+
+    from servelm.runtimes.embedder import Embedder
+
+    _save(tmp_path, "xlm-roberta", 1)
+    want = _oracle(tmp_path, [QUERY] * len(DOCS), DOCS)
+
+    async def run():
+        emb = Embedder(tmp_path)
+        try:
+            await emb.wait_ready()
+            return await emb.classify([QUERY] * len(DOCS), DOCS)
+        finally:
+            emb.close()
+
+    logits, tokens = asyncio.run(run())
+    np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-4, atol=1e-5)
+    assert tokens > len(DOCS) * 4
+
+
+def test_validation_records_a_classifiers_logits(tmp_path):
+    import asyncio
+    import json
+
+    from servelm.control.checkpoint import describe
+    from servelm.control.types import Kind
+    from servelm.control.validation import _default_embedder, _run_embed
+
+    _save(tmp_path, "bert", 3, id2label=LABELS)
+    info = describe(tmp_path)  # the registry takes it as an embedding-process version
+    assert info.kind == Kind.EMBED and info.architecture == "BertForSequenceClassification"
+    prompts = ["good", "bad"]
+    out = asyncio.run(_run_embed(SimpleNamespace(artifact=str(tmp_path)), prompts, _default_embedder))
+    want = _oracle(tmp_path, prompts)
+    for line, row in zip(out, want, strict=True):
+        rec = json.loads(line)
+        assert rec["labels"] == 3
+        np.testing.assert_allclose(rec["head"], row, atol=2e-4)
