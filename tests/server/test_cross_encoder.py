@@ -232,3 +232,28 @@ def test_validation_records_a_classifiers_logits(tmp_path):
         rec = json.loads(line)
         assert rec["labels"] == 3
         np.testing.assert_allclose(rec["head"], row, atol=2e-4)
+
+
+def test_a_registry_deployment_of_a_cross_encoder_scores_pairs(tmp_path):
+    """An embedding version that is a cross-encoder: its deployment says so and scores pairs (what /rerank
+    with `model` naming it runs)."""
+    import asyncio
+
+    from servelm.control.embed_deployment import EmbedDeployment
+    from servelm.control.types import Kind, ModelVersion, State
+
+    _save(tmp_path, "bert", 1)
+    want = _oracle(tmp_path, [QUERY] * 2, DOCS[:2])
+    mv = ModelVersion("reranker", 1, State.PRODUCTION, Kind.EMBED, artifact=str(tmp_path), sha256="", source="t")
+
+    async def run():
+        dep = EmbedDeployment(mv)
+        await dep.start()
+        try:
+            return dep.task, await dep.classify([QUERY] * 2, DOCS[:2]), dep.num_in_flight()
+        finally:
+            await dep.shutdown()
+
+    task, (logits, _), in_flight = asyncio.run(run())
+    assert task == "classify" and in_flight == 0
+    np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-4, atol=1e-5)
