@@ -424,12 +424,9 @@ class EngineCore:
     def _lora_stats(self) -> dict:
         if self.loras is None:
             return {}
-        sch = self.scheduler
-
-        def names(seqs) -> list[str]:
-            return sorted({s.request.lora.lora_name for s in seqs if s.request.lora is not None})
-        return dict(max_loras=self.loras.max_loras, running_lora_adapters=names(sch.running),
-                    waiting_lora_adapters=names(sch.waiting))
+        sch = self.scheduler  # (the scheduler counts each queue's adapters as sequences come and go)
+        return dict(max_loras=self.loras.max_loras, running_lora_adapters=sorted(sch.running_adapters),
+                    waiting_lora_adapters=sorted(sch.waiting_adapters))
 
     def _spec_stats(self) -> dict:
         if self.spec is None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -140,6 +141,10 @@ class Scheduler(QueueOrder, StepUpdate):
         # swapped sequences, and sequences by priority class (high, normal, low)
         self.num_waiting_swapped = 0
         self.waiting_by_priority = [0, 0, 0]
+        # the LoRA adapters of each queue's sequences, by name, with how many use each (kept as they change:
+        # admission asks whether an adapter fits, and stats name them, at every step)
+        self.waiting_adapters: Counter[str] = Counter()
+        self.running_adapters: Counter[str] = Counter()
         self.num_preemptions = 0
         self.num_priority_preemptions = 0
         self.num_swaps = 0
@@ -179,6 +184,7 @@ class Scheduler(QueueOrder, StepUpdate):
         if seq.status == SeqStatus.SWAPPED:
             self.num_waiting_swapped += d
         self.waiting_by_priority[min(max(int(seq.request.priority), 0), 2)] += d
+        _count_adapter(self.waiting_adapters, seq, d)
 
     def _append_running(self, seq: Sequence) -> None:
         """seq, already queued (its class change is noted), joins the end of the running queue."""
@@ -186,6 +192,7 @@ class Scheduler(QueueOrder, StepUpdate):
             self._running_sorted = False
         self.running.append(seq)
         self.batch.add(seq)
+        _count_adapter(self.running_adapters, seq, 1)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -352,7 +359,7 @@ class Scheduler(QueueOrder, StepUpdate):
 
     def _adapter_fits(self, seq: Sequence) -> bool:
         """seq's adapter is one the running sequences already use, or one more stays within max_loras."""
-        names = {s.request.lora.lora_name for s in self.running if s.request.lora is not None}
+        names = self.running_adapters
         return seq.request.lora.lora_name in names or len(names) < self.loras.max_loras
 
     def _prefill_budget(self) -> int:
@@ -409,8 +416,10 @@ class Scheduler(QueueOrder, StepUpdate):
             self._sort_waiting()
 
     def _preempt(self, seq: Sequence) -> None:
+        """seq, just taken off the running queue's end, goes back to waiting (swapped, or to recompute)."""
         self.num_preemptions += 1
         self.batch.remove(seq)
+        _count_adapter(self.running_adapters, seq, -1)
         if self.preemption_mode == "swap" and self.kv.can_swap_out(seq):
             self.kv.swap_out(seq)
             seq.status = SeqStatus.SWAPPED
@@ -433,9 +442,20 @@ class Scheduler(QueueOrder, StepUpdate):
         if seq.status == SeqStatus.RUNNING:
             self.batch.remove(seq)
             self.running.remove(seq)
+            _count_adapter(self.running_adapters, seq, -1)
         else:
             self.waiting.remove(seq)
             self._count_waiting(seq, -1)
         self.kv.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+
+
+def _count_adapter(counts: Counter[str], seq: Sequence, d: int) -> None:
+    """seq joins (d=1) or leaves (d=-1) the queue whose adapters `counts` holds; a name none uses is dropped."""
+    if seq.request.lora is None:
+        return
+    name = seq.request.lora.lora_name
+    counts[name] += d
+    if not counts[name]:
+        del counts[name]

@@ -41,9 +41,10 @@ class Sim:
         self.order = 0
         self.finished = 0
 
-    def add(self, rid: str, prompt: list[int], out_tokens: int, priority: int, arrival: float, n: int) -> None:
+    def add(self, rid: str, prompt: list[int], out_tokens: int, priority: int, arrival: float, n: int,
+            lora=None) -> None:
         req = Request(rid, prompt, SamplingParams(max_tokens=out_tokens, n=n), arrival_time=arrival,
-                      priority=priority, order=self.order)
+                      priority=priority, order=self.order, lora=lora)
         self.order += 1
         req.seqs = [Sequence(req, 0, list(prompt))]
         self.sch.add(req.seqs[0])
@@ -123,3 +124,47 @@ def test_steady_decode_does_not_recompute_keys():
     sim.now += 5.0  # every request is now 10 s old: class 1 -> 0, so the queues are sorted again
     sim.step()
     assert len(calls) >= 10
+
+
+@pytest.mark.parametrize("mode,seed", [("recompute", 0), ("swap", 1)])
+def test_adapter_counts_follow_the_queues_and_cap_the_running_adapters(mode, seed):
+    """Each queue's LoRA adapters (named by the engine's stats, asked by admission at every step) are counted as
+    sequences come and go: after every step, and after aborts from either queue, they are a recount of the
+    queues, and the running sequences never use more than max_loras adapters."""
+    from types import SimpleNamespace
+
+    from servelm.lora import LoRARequest
+
+    rng = random.Random(seed)
+    sim = Sim(Scheduler, "priority", 2.0, mode)
+    sim.sch.loras = SimpleNamespace(max_loras=2)
+    adapters = [None, *(LoRARequest(f"a{i}", i + 1) for i in range(4))]
+    seen_waiting_for_a_slot = False
+
+    def recount(seqs):
+        names: dict[str, int] = {}
+        for q in seqs:
+            if q.request.lora is not None:
+                names[q.request.lora.lora_name] = names.get(q.request.lora.lora_name, 0) + 1
+        return names
+
+    for step in range(300):
+        for _ in range(rng.choice([0, 0, 1, 1, 3])):
+            sim.add(f"r{sim.order}", [1, 2, 3] + [rng.randrange(10, 99) for _ in range(rng.randrange(0, 30))],
+                    rng.randrange(1, 24), rng.choice([0, 1, 2]), sim.now, rng.choice([1, 1, 2]), rng.choice(adapters))
+        if rng.random() < 0.1:  # an abort, of a waiting or a running sequence
+            queue = rng.choice([sim.sch.waiting, sim.sch.running])
+            if queue:
+                sim.sch.finish(rng.choice(queue), "abort")
+        sim.step()
+        running = recount(sim.sch.running)
+        assert dict(sim.sch.running_adapters) == running, f"step {step}"
+        assert dict(sim.sch.waiting_adapters) == recount(sim.sch.waiting), f"step {step}"
+        assert len(running) <= 2, f"step {step}"
+        waiting = sim.sch.waiting
+        if waiting and waiting[0].request.lora is not None and len(running) == 2 \
+                and waiting[0].request.lora.lora_name not in running:
+            seen_waiting_for_a_slot = True
+        sim.now += 0.5
+    assert sim.sch.num_preemptions > 0 and sim.finished > 50
+    assert seen_waiting_for_a_slot  # the cap was reached and held a request back
