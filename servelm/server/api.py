@@ -80,6 +80,9 @@ def build_app(state: ServerState):
     from servelm.server.web import routes as webui
     for family in (ollama, responses, anthropic, webui):  # Ollama's /api/*, OpenAI's /v1/responses, the chat page at /
         family.add_routes(app, api)
+    from servelm.server import sagemaker
+
+    sagemaker.add_routes(app, state)  # POST /invocations
     from servelm.server.oip import (
         routes as oip,  # the Open Inference Protocol (non-LLM models); app.state.oip
     )

@@ -170,6 +170,8 @@ def test_classify_gives_each_labels_probability(classifier):
         assert d["index"] == i and d["num_classes"] == 3
         np.testing.assert_allclose(d["probs"], want[i], rtol=1e-4, atol=1e-6)
         assert d["label"] == LABELS[int(np.argmax(want[i]))]
+    invoked = client.post("/invocations", json={"input": texts}).json()  # SageMaker's: a classifier classifies
+    assert [d["probs"] for d in invoked["data"]] == [d["probs"] for d in body["data"]]
     raw = client.post("/classify", json={"input": texts[0], "use_activation": False}).json()
     np.testing.assert_allclose(raw["data"][0]["probs"], logits[0], rtol=1e-4, atol=1e-5)
     # scores need one output: a three-label classifier says so rather than picking a column

@@ -23,7 +23,7 @@ from servelm.server.openapi import is_oip_path, is_ollama_path
 
 logger = logging.getLogger("servelm.server")
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/ping", "/metrics", "/v2/health/live", "/v2/health/ready"})
 # vLLM's adapter routes live under /v1 but change the server: they take the admin key like /admin
 ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 QUIET_PATHS = OPEN_PATHS | {"/server/stats"}  # not logged or traced

@@ -1,5 +1,5 @@
-"""Health, readiness, the version and the model list: GET /health, /ready, /version, /v1/models,
-/v1/models/{id}."""
+"""Health, readiness, the version and the model list: GET /health, /ready (and SageMaker's /ping), /version,
+/v1/models, /v1/models/{id}."""
 
 from __future__ import annotations
 
@@ -71,6 +71,9 @@ def add_routes(app: FastAPI, api: Api) -> None:
         if not all(m.check_engine() for m in state.models.fixed()):  # the processes, not their last word
             raise APIError(503, "the engine is not ready", code="engine_unavailable")
         return {"status": "ready", "models": [c["id"] for c in cards()]}
+
+    # SageMaker's health check (GET or POST, as vLLM takes it): 200 once the engine is ready, as /ready
+    app.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)(ready)
 
     @app.get("/v1/models")
     async def list_models():
