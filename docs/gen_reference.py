@@ -229,11 +229,14 @@ def config_reference() -> str:
               "and `--print-config`; a config file may also hold a `models:` list",
               "([Model platform](../platform/index.md)).", ""]
     always_on = _module_defining(r"VLLM_ALWAYS_ON = ").VLLM_ALWAYS_ON
+    translated = _module_defining(r"VLLM_TRANSLATED = ").VLLM_TRANSLATED
     lines += ["## vLLM flags", "",
               "Flags of vLLM's command line that `servelm serve` takes with no key of their own "
               "([vLLM differences](../serving/vllm-differences.md#vllm-serve-flags)):", "",
               "| flag | what |", "| --- | --- |",
               "| `--disable-log-requests`, `--enable-log-requests` | `log_requests` false and true |",
+              "| `-tp` | `tensor_parallel_size` |",
+              *(f"| `{flag}` | {_cell(what)} |" for flag, what in translated.items()),
               *(f"| `{flag}` | accepted and named at start, not needed: {_cell(why)} |"
                 for flag, why in always_on.items()), ""]
     return "\n".join(lines)

@@ -7,6 +7,9 @@ import dataclasses
 
 from servelm.config.engine import ENGINE_FIELDS, ENGINE_SECTIONS, EngineConfig, choices, token_count
 
+# vLLM's short flags, beside the long ones
+SHORT_FLAGS = {"tensor_parallel_size": "-tp"}
+
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = (),
                     suppress_defaults: bool = False, description: str | None = None) -> None:
@@ -25,6 +28,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str, skip
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
+        flags = (SHORT_FLAGS[f.name], flag) if f.name in SHORT_FLAGS else (flag,)
         helptext = f.metadata.get("help", "")
         if "(default" not in helptext and "default:" not in helptext:  # some say what None stands for
             helptext += f" (default: {f.default})"
@@ -34,16 +38,16 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str, skip
         base = next((a for a in typing.get_args(tp) if a is not type(None)), tp) if _is_union(tp) else tp
         helptext = helptext.replace("%", "%%")
         if base is bool:
-            group.add_argument(flag, default=default, action=argparse.BooleanOptionalAction, help=helptext)
+            group.add_argument(*flags, default=default, action=argparse.BooleanOptionalAction, help=helptext)
         elif typing.get_origin(base) is tuple:  # several values: --flag a b (see settings.py's _coerce)
-            group.add_argument(flag, nargs="+", default=default, metavar=f.name.upper(), help=helptext)
+            group.add_argument(*flags, nargs="+", default=default, metavar=f.name.upper(), help=helptext)
         elif f.metadata.get("token_count"):
-            group.add_argument(flag, type=_token_count_arg(optional), default=default,
+            group.add_argument(*flags, type=_token_count_arg(optional), default=default,
                                metavar=f.name.upper(), help=helptext)
         elif choices(base) is not None:  # the config's validation names what is allowed (and vLLM's aliases)
-            group.add_argument(flag, type=str, default=default, metavar=f.name.upper(), help=helptext)
+            group.add_argument(*flags, type=str, default=default, metavar=f.name.upper(), help=helptext)
         else:
-            group.add_argument(flag, type=base, default=default, help=helptext)
+            group.add_argument(*flags, type=base, default=default, help=helptext)
 
 
 def _is_union(tp) -> bool:

@@ -44,9 +44,19 @@ PrefixCacheIsolation = typing.Literal["key", "none"]
 ToolCallParser = typing.Literal["auto", "hermes", "llama3_json", "mistral"]
 ReasoningParser = typing.Literal["none", "deepseek_r1", "qwen3"]
 MetricNames = typing.Literal["servelm", "vllm"]
+UvicornLogLevel = typing.Literal["critical", "error", "warning", "info", "debug", "trace"]
 SECRETS = frozenset({"api_key", "admin_key"})  # never printed, logged or returned
 # URLs that may carry a password (postgresql://user:PASSWORD@host/db): printed with the password masked
 URL_SECRETS = frozenset({"database_url", "registry_url", "redis_url"})
+
+
+def _json_object(text: str) -> dict | None:
+    """The JSON object `text` holds, or None when it holds something else."""
+    try:
+        value = json.loads(text)
+    except (TypeError, json.JSONDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 @dataclass
@@ -104,6 +114,14 @@ class ApiConfig:
     reasoning_parser: ReasoningParser = _f("none", "none | deepseek_r1 | qwen3: split a thinking model's chat reply "
                                            "into its reasoning (<think>...</think>, returned as message.reasoning "
                                            "and Ollama's thinking) and its content (none: all content)")
+    default_chat_template_kwargs: str | None = _f(None, "a JSON object of keyword arguments every chat template "
+                                                  "rendering gets, e.g. '{\"enable_thinking\": false}' for Qwen3 "
+                                                  "(as vLLM's); a request's chat_template_kwargs win over them")
+    uvicorn_log_level: UvicornLogLevel = _f("warning", "critical | error | warning | info | debug | trace: the "
+                                            "HTTP server's own log (info adds its start and shutdown lines, debug "
+                                            "its connections); the request log is --log-requests")
+    disable_fastapi_docs: bool = _f(False, "serve no API documentation: /docs, /redoc and /openapi.json answer 404 "
+                                    "(as vLLM's flag)")
 
     def validate(self) -> None:
         def need(ok: bool, name: str, allowed: str) -> None:
@@ -118,6 +136,10 @@ class ApiConfig:
         names = self.served_model_name or ()
         need(all(n and not any(c.isspace() for c in n) for n in names) and len(set(names)) == len(names),
              "served_model_name", "names with no spaces, each given once")
+        if isinstance(self.default_chat_template_kwargs, dict):  # from Python or a config file's mapping
+            self.default_chat_template_kwargs = json.dumps(self.default_chat_template_kwargs)
+        need(self.default_chat_template_kwargs is None or _json_object(self.default_chat_template_kwargs) is not None,
+             "default_chat_template_kwargs", "a JSON object, e.g. '{\"enable_thinking\": false}'")
         need(all(o == "*" or o.startswith(("http://", "https://")) for o in self.allowed_origins),
              "allowed_origins", "origins like http://localhost:3000, or '*'")
         need(0 <= self.port <= 65535, "port", "in [0, 65535]")
@@ -131,6 +153,11 @@ class ApiConfig:
         self._check_tls()
         need(self.tool_call_parser in choices(ToolCallParser), "tool_call_parser", one_of(ToolCallParser))
         need(self.reasoning_parser in choices(ReasoningParser), "reasoning_parser", one_of(ReasoningParser))
+        need(self.uvicorn_log_level in choices(UvicornLogLevel), "uvicorn_log_level", one_of(UvicornLogLevel))
+
+    def chat_template_defaults(self) -> dict:
+        """default_chat_template_kwargs as a mapping (empty when unset)."""
+        return (_json_object(self.default_chat_template_kwargs) or {}) if self.default_chat_template_kwargs else {}
 
     def _check_tls(self) -> None:
         """HTTPS settings that go together, and files that load (a bad key stops the start, naming it)."""
@@ -360,6 +387,8 @@ class ObservabilityConfig:
 
     log_requests: bool = _f(True, "one JSON log line per request at completion")
     log_prompts: bool = _f(False, "include prompt and completion text in the request log lines")
+    max_log_len: int | None = _f(None, "with --log-prompts: the most characters of the prompt and of the completion "
+                                 "a request log line holds (as vLLM's; None: all of them)")
     otlp_endpoint: str | None = _f(None, "OTLP/HTTP collector, e.g. http://localhost:4318/v1/traces: turns "
                                    "on OpenTelemetry tracing")
     otlp_service_name: str = _f("servelm", "service.name of the exported spans")
@@ -397,6 +426,7 @@ class ObservabilityConfig:
              "prediction_log_otlp_endpoint", "an http:// or https:// URL")
         need(self.drift_check_interval_s >= 0, "drift_check_interval_s", ">= 0 (0: only on request)")
         need(self.metric_names in choices(MetricNames), "metric_names", one_of(MetricNames))
+        need(self.max_log_len is None or self.max_log_len >= 0, "max_log_len", ">= 0 or None (all of the text)")
 
 
 SERVER_SECTIONS: dict[str, type] = {

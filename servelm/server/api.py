@@ -61,8 +61,11 @@ def build_app(state: ServerState):
     from servelm.server.openapi import install_openapi
     from servelm.server.web.docs import add_docs_routes
 
-    app = FastAPI(title="servelm", description="OpenAI-compatible LLM server", docs_url=None, redoc_url=None)
-    add_docs_routes(app)  # Swagger UI and ReDoc with local assets: they work offline
+    docs = not state.config.server.api_config.disable_fastapi_docs
+    app = FastAPI(title="servelm", description="OpenAI-compatible LLM server", docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json" if docs else None)
+    if docs:
+        add_docs_routes(app)  # Swagger UI and ReDoc with local assets: they work offline
     app.state.servelm = state
     api = Api(state)
     install_error_handlers(app)

@@ -118,11 +118,13 @@ class Api:
     async def chat_ids(self, m, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
                        tools: list[dict] | None = None, **kw) -> list[int]:
         """The prompt token ids of a conversation (with its tool calls and results, and the tools on offer),
-        rendered with the model's chat template."""
+        rendered with the model's chat template, which gets the server's default_chat_template_kwargs under the
+        request's own."""
         tok = m.tokenizer
         if getattr(tok, "chat_template", None) is None:
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
         conv = template_messages(messages)
+        kw = {**self.state.config.server.api_config.chat_template_defaults(), **kw}  # the request's win
         if tools:
             kw["tools"] = tools
 

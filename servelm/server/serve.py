@@ -43,6 +43,8 @@ VLLM_ALWAYS_ON = {
     "--enable-prompt-tokens-details": "usage always carries prompt_tokens_details.cached_tokens",
     "--enable-request-id-headers": "every response carries x-request-id",
     "--disable-log-stats": "servelm writes no periodic statistics lines; /metrics and /server/stats have them",
+    "--disable-uvicorn-access-log": "servelm's request log (--log-requests) takes the place of uvicorn's access log, "
+                                    "which is never written",
 }
 
 
@@ -55,16 +57,29 @@ def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
                    help="vLLM's name for --no-log-requests")
     g.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=argparse.SUPPRESS,
                    help="vLLM's name for --log-requests")
+    g.add_argument("--speculative-config", dest="vllm_speculative_config", metavar="JSON", default=argparse.SUPPRESS,
+                   help="vLLM's speculative decoding JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                   "\"prompt_lookup_max\": 4} or {\"model\": DRAFT, \"num_speculative_tokens\": 4}; sets "
+                   "--speculative-method, --speculative-model, --num-speculative-tokens and --ngram-lookup-max/min")
+    g.add_argument("--kv-cache-memory-bytes", dest="vllm_kv_cache_memory_bytes", metavar="N",
+                   default=argparse.SUPPRESS, help="vLLM's KV cache size in bytes (8G, 8589934592): sets "
+                   "--kv-cache-memory-gb")
+    g.add_argument("--num-gpu-blocks-override", dest="vllm_num_gpu_blocks_override", metavar="N", type=int,
+                   default=argparse.SUPPRESS, help="vLLM's KV cache size in blocks: sets --num-kv-blocks")
 
 
 def load_config(args):
     """The serve config tree from file < env < these CLI args."""
     from servelm.config.engine import ConfigError
     from servelm.config.settings import all_fields, load
+    from servelm.config.vllm_flags import translate
 
     cli = {f.name: getattr(args, f.name) for _, f in all_fields() if hasattr(args, f.name)}
     if args.model_pos is not None:
         cli["model"] = args.model_pos
+    vllm = {k.removeprefix("vllm_"): v for k, v in vars(args).items()
+            if k.startswith("vllm_") and k != "vllm_always_on"}
+    cli.update(translate(vllm, cli))  # vLLM's flags that servelm spells as its own settings
     for name, value in cli.items():  # `serve --served-model-name a ./model`: the flag took MODEL as a name
         if args.model_pos is None and isinstance(value, list) and len(value) > 1 and Path(value[-1]).exists():
             flag = "--" + name.replace("_", "-")
@@ -122,7 +137,8 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
         from servelm.server.observability.telemetry import Tracing
 
         tracing = Tracing(endpoint=srv.observability_config.otlp_endpoint, service_name=srv.observability_config.otlp_service_name)
-    telemetry = Telemetry(metrics, srv.observability_config.log_requests, srv.observability_config.log_prompts, tracing)
+    obs = srv.observability_config
+    telemetry = Telemetry(metrics, obs.log_requests, obs.log_prompts, tracing, obs.max_log_len)
     from servelm.server.middleware.ratelimit import store_for
 
     admission = Admission(config, metrics, engine.num_queued, store=store_for(srv))
@@ -290,7 +306,7 @@ def uvicorn_config(app, srv):
     api = srv.api_config
     tls = {"ssl_keyfile": api.ssl_keyfile, "ssl_certfile": api.ssl_certfile, "ssl_ca_certs": api.ssl_ca_certs,
            "ssl_cert_reqs": api.ssl_cert_reqs} if api.ssl_certfile else {}
-    return uvicorn.Config(app, host=api.host, port=api.port, log_level="warning",
+    return uvicorn.Config(app, host=api.host, port=api.port, log_level=api.uvicorn_log_level, access_log=False,
                           timeout_graceful_shutdown=srv.lifecycle_config.drain_timeout,
                           timeout_keep_alive=api.http_keep_alive_s, http=_http_protocol(srv), **tls)
 

@@ -110,6 +110,72 @@ def test_unused_vllm_settings_are_logged_at_start(tmp_path, caplog):
     assert "--enable-auto-tool-choice is not needed: a request that offers tools is always parsed" in caplog.text
 
 
+# -- --speculative-config, --kv-cache-memory-bytes, --num-gpu-blocks-override, -tp -----------------------------
+
+def test_speculative_config_json_becomes_servelms_settings():
+    spec = _config("--speculative-config", json.dumps({
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, "prompt_lookup_min": 2,
+    })).engine.speculative_config
+    assert (spec.speculative_method, spec.speculative_model, spec.num_speculative_tokens, spec.ngram_lookup_max,
+            spec.ngram_lookup_min) == ("ngram", None, 3, 5, 2)
+    for draft in ({"model": "./draft", "num_speculative_tokens": 2},
+                  {"method": "draft_model", "model": "./draft", "num_speculative_tokens": 2}):
+        spec = _config("--speculative-config", json.dumps(draft)).engine.speculative_config
+        assert (spec.speculative_method, spec.speculative_model, spec.num_speculative_tokens) == \
+            ("draft", "./draft", 2)
+    assert not _config().engine.speculative_config.enabled
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ({"method": "eagle", "model": "yuhuili/EAGLE-LLaMA3-Instruct-8B"}, "EAGLE"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8}, "disable_by_batch_size"),
+    ({"method": "ngram", "model": "./draft"}, "no model with method ngram"),
+    ({"method": "draft_model"}, "a \"model\""),
+    ({"method": "ngram", "num_speculative_tokens": 40}, "num_speculative_tokens"),
+    ("not json", "a JSON object"),
+])
+def test_speculative_config_refuses_what_servelm_would_not_do(value, says):
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(")):
+        _config("--speculative-config", value if isinstance(value, str) else json.dumps(value))
+
+
+def test_vllms_kv_cache_sizes_and_tp_short_flag():
+    assert _config("--kv-cache-memory-bytes", "8G").engine.cache_config.kv_cache_memory_gb == 8.0
+    assert _config("--kv-cache-memory-bytes", "1073741824").engine.cache_config.kv_cache_memory_gb == 1.0
+    assert _config("--num-gpu-blocks-override", "96").engine.cache_config.num_kv_blocks == 96
+    assert _config("-tp", "2").engine.parallel_config.tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match="num_kv_blocks must be given once"):  # not a silent choice of one
+        _config("--num-gpu-blocks-override", "96", "--num-kv-blocks", "64")
+    with pytest.raises(ConfigError, match="num_speculative_tokens must be given once"):
+        _config("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                "--num-speculative-tokens", "2")
+    with pytest.raises(ConfigError, match="kv_cache_memory_bytes"):
+        _config("--kv-cache-memory-bytes", "lots")
+
+
+def test_default_chat_template_kwargs_and_the_http_servers_settings():
+    api = _config("--default-chat-template-kwargs", '{"enable_thinking": false}', "--uvicorn-log-level", "info",
+                  "--disable-fastapi-docs").server.api_config
+    assert api.chat_template_defaults() == {"enable_thinking": False}
+    assert api.uvicorn_log_level == "info" and api.disable_fastapi_docs is True
+    assert load({"default_chat_template_kwargs": {"enable_thinking": True}}).server.api_config \
+        .chat_template_defaults() == {"enable_thinking": True}  # a config file's mapping
+    with pytest.raises(ConfigError, match="default_chat_template_kwargs"):
+        _config("--default-chat-template-kwargs", '["enable_thinking"]')
+    with pytest.raises(ConfigError, match="uvicorn_log_level"):
+        _config("--uvicorn-log-level", "loud")
+
+
+def test_max_log_len_cuts_the_logged_prompt_and_completion():
+    from servelm.server.observability.telemetry import RequestRecord
+
+    rec = RequestRecord("r1", "POST", "/v1/completions")
+    rec.prompt_text, rec.completion_text = "a" * 50, "b" * 8
+    assert rec.log_fields(True, 10)["prompt"] == "a" * 10 and rec.log_fields(True, 10)["completion"] == "b" * 8
+    assert rec.log_fields(True)["prompt"] == "a" * 50 and "prompt" not in rec.log_fields(False, 10)
+    assert _config("--max-log-len", "10").server.observability_config.max_log_len == 10
+
+
 # -- --chat-template -------------------------------------------------------------------------------------------
 
 def test_chat_template_is_a_file_or_the_template_inline(tmp_path):
@@ -292,13 +358,17 @@ def test_a_pasted_vllm_serve_command_line_runs(llama_dir, tmp_path, tokenizer):
     """`vllm serve MODEL` with the flags vLLM users paste: the server starts and each flag does what it does in
     vLLM (the KV cache is given as blocks: servelm does not size it from --gpu-memory-utilization)."""
     template = tmp_path / "template.jinja"
-    template.write_text(TEMPLATE)
+    template.write_text("{% for m in messages %}<<{{ m.content }}{{ mark | default('') }}>>{% endfor %}")
     proc, url = start_server(llama_dir, "--served-model-name", "tiny", "tiny-chat", "--max-model-len", "0.5k",
                              "--dtype", "float", "--trust-remote-code", "--chat-template", str(template),
                              "--allowed-origins", f'["{ORIGIN}"]', "--gpu-memory-utilization", "0.9",
-                             "--max-num-batched-tokens", "1k", "--num-kv-blocks", "64", "--embedding-model", "none",
+                             "--max-num-batched-tokens", "1k", "--num-gpu-blocks-override", "64",
+                             "--embedding-model", "none", "-tp", "1",
                              "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--disable-log-requests",
-                             "--enable-prompt-tokens-details", "--disable-log-stats")
+                             "--enable-prompt-tokens-details", "--disable-log-stats", "--disable-uvicorn-access-log",
+                             "--uvicorn-log-level", "info", "--disable-fastapi-docs",
+                             "--default-chat-template-kwargs", '{"mark": "!"}',
+                             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}')
     try:
         cards = httpx.get(url + "/v1/models").json()["data"]
         assert [c["id"] for c in cards] == ["tiny", "tiny-chat"] and cards[0]["max_model_len"] == 500
@@ -306,13 +376,24 @@ def test_a_pasted_vllm_serve_command_line_runs(llama_dir, tmp_path, tokenizer):
             {"role": "user", "content": "hello"}]}, headers={"Origin": ORIGIN})
         assert r.status_code == 200, r.text
         assert r.json()["model"] == "tiny" and r.headers["access-control-allow-origin"] == ORIGIN
-        assert r.json()["usage"]["prompt_tokens"] == len(tokenizer("<<hello>>", add_special_tokens=False).input_ids)
+        # the template got the server's default kwargs, and a request's own win over them
+        assert r.json()["usage"]["prompt_tokens"] == len(tokenizer("<<hello!>>", add_special_tokens=False).input_ids)
+        r = httpx.post(url + "/v1/chat/completions", json={"max_tokens": 2, "chat_template_kwargs": {"mark": "?!?"},
+                                                           "messages": [{"role": "user", "content": "hello"}]})
+        assert r.json()["usage"]["prompt_tokens"] == len(tokenizer("<<hello?!?>>", add_special_tokens=False).input_ids)
         pre = httpx.options(url + "/v1/chat/completions", headers=PREFLIGHT)
         assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == ORIGIN
+        for path in ("/docs", "/redoc", "/openapi.json"):  # --disable-fastapi-docs
+            assert httpx.get(url + path).status_code == 404
+        engine = httpx.get(url + "/server/stats").json()["scheduler"]
+        assert engine["num_kv_blocks"] == 64  # --num-gpu-blocks-override
+        assert len(engine["spec_proposed_by_position"]) == 2  # --speculative-config: 2 draft positions, counted
     finally:
         assert stop_server(proc) == 0
     with open(proc.log_path) as f:
         log = f.read()
     assert "--trust-remote-code is not needed" in log and "--gpu-memory-utilization 0.9 is not used" in log
     assert "--enable-auto-tool-choice is not needed" in log and "--disable-log-stats is not needed" in log
+    assert "--disable-uvicorn-access-log is not needed" in log
+    assert "Application startup complete" in log  # --uvicorn-log-level info: uvicorn's own lines
     assert '"event": "request"' not in log and '"event":"request"' not in log  # --disable-log-requests

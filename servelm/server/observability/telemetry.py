@@ -68,7 +68,9 @@ class RequestRecord:
     def to_ns(self, t: float) -> int:
         return self.start_ns + int((t - self.start) * 1e9)
 
-    def log_fields(self, with_text: bool) -> dict:
+    def log_fields(self, with_text: bool, max_len: int | None = None) -> dict:
+        """The request log line's fields; `with_text` adds the prompt and completion, each cut to `max_len`
+        characters when it is set (vLLM's --max-log-len)."""
         def ms(a: float | None, b: float | None) -> float | None:
             return round(1000 * (b - a), 2) if a is not None and b is not None else None
 
@@ -82,7 +84,8 @@ class RequestRecord:
         if self.error:
             d["error"] = self.error
         if with_text:
-            d["prompt"], d["completion"] = self.prompt_text, self.completion_text
+            d["prompt"], d["completion"] = (t[:max_len] if isinstance(t, str) and max_len is not None else t
+                                            for t in (self.prompt_text, self.completion_text))
         return d
 
 
@@ -152,8 +155,10 @@ class Tracing:
 class Telemetry:
     """Where a finished request goes: metrics, the request log, traces."""
 
-    def __init__(self, metrics, log_requests: bool, log_prompts: bool, tracing: Tracing | None) -> None:
+    def __init__(self, metrics, log_requests: bool, log_prompts: bool, tracing: Tracing | None,
+                 max_log_len: int | None = None) -> None:
         self.metrics, self.log_requests, self.log_prompts, self.tracing = metrics, log_requests, log_prompts, tracing
+        self.max_log_len = max_log_len
         if log_requests:
             setup_request_log()
 
@@ -168,6 +173,6 @@ class Telemetry:
         if quiet:  # health probes and scrapes: counted, not logged or traced
             return
         if self.log_requests:
-            _request_logger.info(json.dumps(rec.log_fields(self.log_prompts), separators=(",", ":")))
+            _request_logger.info(json.dumps(rec.log_fields(self.log_prompts, self.max_log_len), separators=(",", ":")))
         if self.tracing is not None:
             self.tracing.record(rec)

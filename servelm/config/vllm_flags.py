@@ -1,0 +1,83 @@
+"""vLLM command-line flags whose values servelm keeps under other settings: each is translated into those
+settings before the config is loaded, so that a `vllm serve` command line runs unchanged and means the same."""
+
+from __future__ import annotations
+
+import json
+
+from servelm.config.engine import ConfigError, token_count
+
+# flag -> what it becomes (the configuration reference lists these)
+VLLM_TRANSLATED = {
+    "--speculative-config JSON": "vLLM's speculative decoding settings: method ngram with num_speculative_tokens, "
+                                 "prompt_lookup_max and prompt_lookup_min, or a draft model (model, with method "
+                                 "draft_model or none) and num_speculative_tokens; they set speculative_method, "
+                                 "speculative_model, num_speculative_tokens, ngram_lookup_max and ngram_lookup_min",
+    "--kv-cache-memory-bytes N": "kv_cache_memory_gb, N / 2^30 (N as vLLM writes it: 8G or 8589934592)",
+    "--num-gpu-blocks-override N": "num_kv_blocks",
+}
+
+# --speculative-config's keys -> servelm's settings
+_SPECULATIVE_KEYS = {"num_speculative_tokens": "num_speculative_tokens", "prompt_lookup_max": "ngram_lookup_max",
+                     "prompt_lookup_min": "ngram_lookup_min", "model": "speculative_model"}
+_DRAFT_METHODS = ("draft_model", "draft")
+
+
+def speculative_settings(text: str) -> dict:
+    """The settings --speculative-config's JSON stands for. Raises ConfigError for what servelm does not run
+    (EAGLE, Medusa, MTP heads) or keys it would have to ignore."""
+    name = "speculative_config"
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(name, text, f"a JSON object ({e})") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(name, text, "a JSON object")
+    method = spec.get("method")
+    if method is None:
+        method = "draft" if "model" in spec else None
+    if method not in ("ngram", *_DRAFT_METHODS):
+        raise ConfigError(name, text, "a method servelm runs: ngram, or a draft model (\"model\": DRAFT, method "
+                                      "draft_model); EAGLE, Medusa, MLP speculators and MTP heads are not supported")
+    unknown = sorted(set(spec) - set(_SPECULATIVE_KEYS) - {"method"})
+    if unknown:
+        raise ConfigError(name, text, f"keys among method, {', '.join(_SPECULATIVE_KEYS)} (not {', '.join(unknown)})")
+    if method == "ngram" and "model" in spec:
+        raise ConfigError(name, text, "no model with method ngram (the prompt is the draft)")
+    if method != "ngram" and "model" not in spec:
+        raise ConfigError(name, text, "a \"model\" (the draft model) with a draft method")
+    out = {"speculative_method": "ngram" if method == "ngram" else "draft"}
+    out.update({_SPECULATIVE_KEYS[k]: v for k, v in spec.items() if k != "method"})
+    return out
+
+
+def kv_cache_bytes_settings(text: str) -> dict:
+    try:
+        n = token_count(text)
+    except ValueError as e:
+        raise ConfigError("kv_cache_memory_bytes", text, f"a number of bytes ({e})") from None
+    if n is None or n <= 0:
+        raise ConfigError("kv_cache_memory_bytes", text, "a number of bytes above 0")
+    return {"kv_cache_memory_gb": n / 2**30}
+
+
+def translate(flags: dict[str, str], given: dict) -> dict:
+    """The settings the vLLM flags given (dest -> value) stand for; a setting also given as servelm's own flag
+    is a conflict (ConfigError) rather than a silent choice."""
+    out: dict = {}
+    origin: dict[str, str] = {}
+    for dest, value in flags.items():
+        if dest == "speculative_config":
+            settings = speculative_settings(value)
+        elif dest == "kv_cache_memory_bytes":
+            settings = kv_cache_bytes_settings(value)
+        elif dest == "num_gpu_blocks_override":
+            settings = {"num_kv_blocks": value}
+        else:
+            raise KeyError(dest)
+        out.update(settings)
+        origin.update(dict.fromkeys(settings, "--" + dest.replace("_", "-")))
+    for key in out:
+        if key in given:
+            raise ConfigError(key, given[key], f"given once (vLLM's {origin[key]} sets it too)")
+    return out
