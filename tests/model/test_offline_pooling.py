@@ -1,0 +1,89 @@
+"""The offline API of encoder models, as vLLM's pooling models answer it: `LLM.embed`, `LLM.score` and
+`LLM.classify`, each against transformers, with inputs of many lengths batched together and answers in the
+inputs' order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tiny_encoders import (
+    DOCS,
+    LABELS,
+    QUERY,
+    classifier_logits,
+    mean_pooled,
+    save_classifier,
+    save_encoder,
+    sigmoid,
+)
+
+from servelm import LLM
+
+# 40 texts of many lengths: more than one batch, each batch mixing short and long ones before sorting
+TEXTS = [" ".join(["word"] * (1 + (7 * i) % 23) + [f"number {i}"]) for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def encoder_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("minilm-tiny")
+    save_encoder(folder)
+    return folder
+
+
+def test_embed_gives_transformers_mean_pooled_vectors_in_order(encoder_dir):
+    llm = LLM(str(encoder_dir))
+    out = llm.embed(TEXTS, use_tqdm=False)
+    want = mean_pooled(encoder_dir, TEXTS)
+    np.testing.assert_allclose([o.outputs.embedding for o in out], want, rtol=1e-4, atol=1e-5)
+    tok = llm.get_tokenizer()
+    assert [o.prompt_token_ids for o in out] == [tok(t).input_ids for t in TEXTS]
+    assert out[0].outputs.hidden_size == 32 and out[0].finished
+    assert len({o.request_id for o in out}) == len(TEXTS)
+    # truncate_prompt_tokens: each text's last k tokens, the special tokens among them (as /v1/embeddings)
+    short = llm.embed({"prompt": TEXTS[5]}, truncate_prompt_tokens=4, use_tqdm=False)[0]
+    ids = tok(TEXTS[5]).input_ids
+    assert short.prompt_token_ids == [ids[0], *ids[-3:]]  # [CLS], the last two words' tokens, [SEP]
+    np.testing.assert_allclose(short.outputs.embedding, llm.embed(  # the same as embedding those tokens' text
+        tok.decode(ids[-3:-1]), use_tqdm=False)[0].outputs.embedding, rtol=1e-4, atol=1e-5)
+
+
+def test_score_with_an_embedding_model_is_the_cosine_of_its_vectors(encoder_dir):
+    llm = LLM(str(encoder_dir))
+    vec = mean_pooled(encoder_dir, [QUERY, *DOCS])
+    got = [o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)]
+    np.testing.assert_allclose(got, vec[1:] @ vec[0], rtol=1e-4, atol=1e-5)
+    pairs = llm.score(DOCS[:2], DOCS[2:], use_tqdm=False)  # one to one
+    np.testing.assert_allclose([o.outputs.score for o in pairs], (vec[1:3] * vec[3:5]).sum(1), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="data_1 has 2 texts"):
+        llm.score(DOCS[:2], DOCS[:3])
+    with pytest.raises(ValueError, match="needs a sequence classifier"):
+        llm.classify("a cat")
+    with pytest.raises(ValueError, match="an encoder model"):  # no generation on an encoder
+        llm.generate("a cat")
+
+
+def test_a_cross_encoder_scores_pairs_and_a_classifier_classifies(tmp_path):
+    cross, clf = tmp_path / "cross", tmp_path / "clf"
+    save_classifier(cross, "bert", 1)
+    save_classifier(clf, "bert", 3, id2label=LABELS)
+    queries = [QUERY] * len(DOCS)
+    out = LLM(str(cross)).score(QUERY, DOCS, use_tqdm=False)
+    np.testing.assert_allclose([o.outputs.score for o in out], sigmoid(classifier_logits(cross, queries, DOCS)[:, 0]),
+                               rtol=1e-4, atol=1e-6)
+    llm = LLM(str(clf))
+    logits = classifier_logits(clf, TEXTS)
+    want = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    got = llm.classify(TEXTS, use_tqdm=False)
+    np.testing.assert_allclose([o.outputs.probs for o in got], want, rtol=1e-4, atol=1e-6)
+    assert got[0].outputs.num_classes == 3
+    with pytest.raises(ValueError, match="scores need a cross-encoder"):
+        llm.score(QUERY, DOCS)
+    with pytest.raises(ValueError, match="needs an embedding model"):
+        llm.embed("a cat")
+
+
+def test_a_generation_model_refuses_the_pooling_calls(llama_dir):
+    llm = LLM(str(llama_dir), num_kv_blocks=16)
+    for call in (lambda: llm.embed("a cat"), lambda: llm.score("a", "b"), lambda: llm.classify("a")):
+        with pytest.raises(ValueError, match="needs an encoder model"):
+            call()
