@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.routing import Route
 
+from servelm.server.middleware.gateway import replay
 from servelm.server.openai.protocol import APIError
 
 ADAPTER_HEADER = "x-amzn-sagemaker-adapter-identifier"
@@ -75,16 +76,8 @@ class _Invocations:
         path = invocation_path(body, getattr(embedder, "task", "embed") == "classify")
         if adapter:
             raw = json.dumps(body).encode()
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": raw, "more_body": False}
-            return await receive()  # then the client's disconnect, for the route to notice
-
-        await self.app.router({**scope, "path": path, "raw_path": path.encode()}, replay, send)
+        # the route reads the body, then the client's disconnect (to notice it)
+        await self.app.router({**scope, "path": path, "raw_path": path.encode()}, replay(raw, receive), send)
 
 
 def add_routes(app: FastAPI, state) -> None:

@@ -94,7 +94,7 @@ class Gateway:
             if error is not None:
                 await _send_error(send_wrapped, error, oip=is_oip_path(path), ollama=is_ollama_path(path), path=path)
                 return
-            await self.app(scope, _replay(body, receive), send_wrapped)
+            await self.app(scope, replay(body, receive), send_wrapped)
         except Exception:
             # A bug, not input. The app's catch-all already answered a JSON 500 and logged it; swallow the
             # exception Starlette re-raises, or the server would reset a keep-alive connection. A response cut
@@ -244,7 +244,7 @@ async def _read_body(receive, headers: Headers, limit: int) -> tuple[bytes, APIE
             return b"".join(chunks), None
 
 
-def _replay(body: bytes, receive):
+def replay(body: bytes, receive):
     """A receive() that hands the app the body already read, then passes through (for disconnects)."""
     sent = False
 
