@@ -72,3 +72,20 @@ def test_a_client_that_leaves_takes_its_remaining_texts_out():
         assert sum(t.startswith("gone") for b in emb.batches for t in b) == 2  # only the batch already running
 
     asyncio.run(main())
+
+
+def test_a_requests_batches_hold_texts_of_similar_length():
+    """A batch is padded to its longest text: a request's texts go out shortest first, so each batch holds
+    neighbours in length, and the answers still come back in the request's order."""
+    async def main():
+        emb = FakeEmbedder(max_batch_size=3)
+        emb.release.set()
+        texts = ["x" * n for n in (50, 1, 40, 2, 60, 3, 45, 55, 4)]
+        vecs, _ = await emb.embed(texts)
+        assert vecs == [f"vec:{t}" for t in texts]
+        assert [sorted(len(t) for t in b) for b in emb.batches] == [[1, 2, 3], [4, 40, 45], [50, 55, 60]]
+        pairs = [("q", "d" * n) for n in (30, 1, 20)]  # a cross-encoder's pairs: by both texts' length
+        await emb._submit([(q, d, None) for q, d in pairs])
+        assert [len(d) for _, d, _ in emb.batches[-1]] == [1, 20, 30]
+
+    asyncio.run(main())
