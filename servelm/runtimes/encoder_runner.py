@@ -37,14 +37,20 @@ def model_labels(path: Path) -> list[str]:
     return [str(id2label.get(str(i), id2label.get(i, i))) for i in range(len(id2label) or int(config.get("num_labels", 2)))]
 
 
-def _classifier_max_length(tokenizer, config: dict) -> int:
-    """The longest input a classifier reads: the tokenizer's model_max_length where it states one, else the
-    position table's size (RoBERTa's family numbers positions from padding_idx + 1, so two fewer)."""
-    stated = getattr(tokenizer, "model_max_length", None)
-    if isinstance(stated, int) and 0 < stated < 1_000_000:
-        return stated
+def _positions(config: dict) -> int:
+    """How many positions the model's table holds (RoBERTa's family numbers them from padding_idx + 1, so two
+    fewer than its size)."""
     positions = int(config.get("max_position_embeddings", 512))
     return positions - 2 if config.get("model_type") in ("roberta", "xlm-roberta", "camembert") else positions
+
+
+def _max_length(tokenizer, config: dict, task: str, embed_cap: int) -> int:
+    """The longest input the model reads: an embedding model's cap (sentence-transformers' max_seq_length), a
+    classifier's tokenizer's model_max_length where it states one; never more than the position table holds
+    (a longer input would index past it)."""
+    stated = getattr(tokenizer, "model_max_length", None)
+    want = embed_cap if task == "embed" else stated if isinstance(stated, int) and 0 < stated < 1_000_000 else None
+    return min(want, _positions(config)) if want is not None else _positions(config)
 
 
 @dataclass
@@ -68,10 +74,8 @@ class EncoderRunner:
         config = model_config(path)
         self.task = model_task(path)
         self.tokenizer = tokenizer_from_folder(path)
-        if self.task == "classify":
-            self.model, self.max_length = load_classifier(path), _classifier_max_length(self.tokenizer, config)
-        else:
-            self.model, self.max_length = load_encoder(path), max_length
+        self.model = load_classifier(path) if self.task == "classify" else load_encoder(path)
+        self.max_length = _max_length(self.tokenizer, config, self.task, max_length)
 
     def run(self, items: list) -> Pooled:
         """`embed` or `classify`, whichever the model does."""

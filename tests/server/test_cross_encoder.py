@@ -79,6 +79,11 @@ def test_a_cross_encoders_truncation_caps_each_pair(cross):
     r = client.post("/score", json={"text_1": QUERY, "text_2": long_doc, "truncate_prompt_tokens": 12}).json()
     assert r["usage"]["prompt_tokens"] == 12
     assert r["data"][0]["score"] == pytest.approx(want[0], rel=1e-4)
+    # past the model's position table (128 here; its tokenizer says 512): cut to fit, longest side first
+    longer = "the cat " * 100
+    want = sigmoid(classifier_logits(folder, [QUERY], [longer], max_length=128)[:, 0])
+    r = client.post("/score", json={"text_1": QUERY, "text_2": longer}).json()
+    assert r["usage"]["prompt_tokens"] == 128 and r["data"][0]["score"] == pytest.approx(want[0], rel=1e-4)
     r = client.post("/score", json={"text_1": QUERY, "text_2": long_doc, "truncate_prompt_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
 
