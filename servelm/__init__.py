@@ -25,6 +25,7 @@ _LAZY = {
     "ScoringRequestOutput": "servelm.outputs",
     "ClassificationRequestOutput": "servelm.outputs",
     "OutputKind": "servelm.sampling_params",
+    "PoolingParams": "servelm.pooling_params",
     "SamplingParams": "servelm.sampling_params",
 }
 
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
         RequestOutput,
         ScoringRequestOutput,
     )
+    from servelm.pooling_params import PoolingParams
     from servelm.sampling_params import OutputKind, SamplingParams
 
 
@@ -52,5 +54,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "BeamSearchParams", "ClassificationRequestOutput", "CompletionOutput", "EmbeddingRequestOutput",
-           "EngineConfig", "LLMEngine", "Logprob", "LoRARequest", "OutputKind", "RequestOutput", "SamplingParams",
+           "EngineConfig", "LLMEngine", "Logprob", "LoRARequest", "OutputKind", "PoolingParams", "RequestOutput", "SamplingParams",
            "ScoringRequestOutput", "__version__"]

@@ -50,6 +50,11 @@ SECRETS = frozenset({"api_key", "admin_key"})  # never printed, logged or return
 URL_SECRETS = frozenset({"database_url", "registry_url", "redis_url"})
 
 
+# apply_chat_template's own arguments, which every rendering sets: not template variables a server default may set
+_CHAT_TEMPLATE_ARGUMENTS = frozenset({"conversation", "add_generation_prompt", "continue_final_message", "tokenize",
+                                      "tools", "documents", "chat_template", "return_dict"})
+
+
 def _json_object(text: str) -> dict | None:
     """The JSON object `text` holds, or None when it holds something else."""
     try:
@@ -140,6 +145,9 @@ class ApiConfig:
             self.default_chat_template_kwargs = json.dumps(self.default_chat_template_kwargs)
         need(self.default_chat_template_kwargs is None or _json_object(self.default_chat_template_kwargs) is not None,
              "default_chat_template_kwargs", "a JSON object, e.g. '{\"enable_thinking\": false}'")
+        reserved = sorted(set(self.chat_template_defaults()) & _CHAT_TEMPLATE_ARGUMENTS)
+        need(not reserved, "default_chat_template_kwargs", "template variables other than the arguments each request "
+             f"sets itself ({', '.join(sorted(_CHAT_TEMPLATE_ARGUMENTS))}; not {', '.join(reserved)})")
         need(all(o == "*" or o.startswith(("http://", "https://")) for o in self.allowed_origins),
              "allowed_origins", "origins like http://localhost:3000, or '*'")
         need(0 <= self.port <= 65535, "port", "in [0, 65535]")

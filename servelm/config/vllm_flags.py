@@ -10,9 +10,10 @@ from servelm.config.engine import ConfigError, token_count
 # flag -> what it becomes (the configuration reference lists these)
 VLLM_TRANSLATED = {
     "--speculative-config JSON": "vLLM's speculative decoding settings: method ngram with num_speculative_tokens, "
-                                 "prompt_lookup_max and prompt_lookup_min, or a draft model (model, with method "
-                                 "draft_model or none) and num_speculative_tokens; they set speculative_method, "
-                                 "speculative_model, num_speculative_tokens, ngram_lookup_max and ngram_lookup_min",
+                                 "prompt_lookup_max and prompt_lookup_min (vLLM's defaults: both 5, or one given "
+                                 "for both), or a draft model (model, with method draft_model or none) and "
+                                 "num_speculative_tokens; they set speculative_method, speculative_model, "
+                                 "num_speculative_tokens, ngram_lookup_max and ngram_lookup_min",
     "--kv-cache-memory-bytes N": "kv_cache_memory_gb, N / 2^30 (N as vLLM writes it: 8G or 8589934592)",
     "--num-gpu-blocks-override N": "num_kv_blocks",
 }
@@ -34,8 +35,13 @@ def speculative_settings(text: str) -> dict:
     if not isinstance(spec, dict):
         raise ConfigError(name, text, "a JSON object")
     method = spec.get("method")
-    if method is None:
+    if method is None and spec.get("model") in ("ngram", "[ngram]"):  # vLLM's other way to say it
+        spec = {k: v for k, v in spec.items() if k != "model"}
+        method = "ngram"
+    elif method is None:
         method = "draft" if "model" in spec else None
+    if method == "[ngram]":
+        method = "ngram"
     if method not in ("ngram", *_DRAFT_METHODS):
         raise ConfigError(name, text, "a method servelm runs: ngram, or a draft model (\"model\": DRAFT, method "
                                       "draft_model); EAGLE, Medusa, MLP speculators and MTP heads are not supported")
@@ -48,6 +54,10 @@ def speculative_settings(text: str) -> dict:
         raise ConfigError(name, text, "a \"model\" (the draft model) with a draft method")
     out = {"speculative_method": "ngram" if method == "ngram" else "draft"}
     out.update({_SPECULATIVE_KEYS[k]: v for k, v in spec.items() if k != "method"})
+    if method == "ngram":  # vLLM's lookup defaults: both 5, or one given for both
+        lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        out["ngram_lookup_min"], out["ngram_lookup_max"] = (5, 5) if lo is None and hi is None else \
+            (hi if lo is None else lo, lo if hi is None else hi)
     return out
 
 

@@ -46,6 +46,10 @@ class DriftWatch:
 
     def __init__(self, cfg: Any, metrics: TrafficMetricsSink, embedder: Any = None,
                  notify: Callable[[dict], None] | None = None) -> None:
+        if embedder is not None and getattr(embedder, "task", "embed") != "embed":
+            # the server's embedding-process model is a classifier (a cross-encoder): it gives no vectors
+            logger.info("prompt-embedding drift is off: the server's embedding model is a sequence classifier")
+            embedder = None
         self.cfg, self.metrics, self.embedder, self.notify = cfg, metrics, embedder, notify
         self.data: dict[str, DriftMonitor] = {}
         self.concept: dict[str, dict[int, ConceptMonitor]] = {}  # model -> version -> monitor

@@ -101,15 +101,20 @@ class EmbedDeployment:
     def labels(self) -> list[str]:
         return self.embedder.labels if self.embedder else []
 
-    async def embed(self, texts: list[str], truncate: int | None = None) -> tuple[list[np.ndarray], int]:
-        """L2-normalised sentence vectors and the token count (EmbedderDown while its process restarts);
-        `truncate` as Embedder.embed's."""
-        return await self._call("embed", texts, truncate)
+    @property
+    def activation(self) -> str:
+        return self.embedder.activation if self.embedder else "classify"
 
-    async def classify(self, texts: list[str], pairs: list[str] | None = None,
-                       truncate: int | None = None) -> tuple[list[np.ndarray], int]:
+    async def embed(self, texts: list[str], truncate: int | None = None,
+                    side: str = "right") -> tuple[list[np.ndarray], int]:
+        """L2-normalised sentence vectors and the token count (EmbedderDown while its process restarts);
+        `truncate` and `side` as Embedder.embed's."""
+        return await self._call("embed", texts, truncate, side)
+
+    async def classify(self, texts: list[str], pairs: list[str] | None = None, truncate: int | None = None,
+                       side: str = "right") -> tuple[list[np.ndarray], int]:
         """A sequence classifier's logits for each text or (text, pair): Embedder.classify."""
-        return await self._call("classify", texts, pairs, truncate)
+        return await self._call("classify", texts, pairs, truncate, side)
 
     async def _call(self, method: str, *args):
         emb = self.embedder

@@ -19,6 +19,7 @@ from servelm.outputs import (
     RequestOutput,
     ScoringRequestOutput,
 )
+from servelm.pooling_params import PoolingParams
 from servelm.progress import progress
 from servelm.sampling_params import OutputKind, SamplingParams
 
@@ -109,21 +110,29 @@ class LLM:
     def get_tokenizer(self):
         return self.encoder.runner.tokenizer if self.encoder is not None else self.engine.tokenizer
 
-    def embed(self, prompts: str | Sequence[str], *, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
-        """An encoder model's sentence embeddings (L2-normalised, mean-pooled), as /v1/embeddings gives them;
-        `truncate_prompt_tokens` k embeds each text's last k tokens."""
-        return self._encoder("embed()").embed(prompts, truncate_prompt_tokens, use_tqdm)
+    def embed(self, prompts: str | Sequence[str], *, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None, lora_request: None = None,
+              tokenization_kwargs: dict | None = None) -> list[EmbeddingRequestOutput]:
+        """An encoder model's sentence embeddings (L2-normalised, mean-pooled), as /v1/embeddings gives them.
+        As vLLM's: `tokenization_kwargs` may hold truncate_prompt_tokens (each text keeps at most that many tokens)
+        and truncation_side ("right", the default, keeps the first ones; "left" the last ones)."""
+        return self._encoder("embed()").embed(prompts, use_tqdm, pooling_params, lora_request, tokenization_kwargs)
 
-    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], *,
-              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None, lora_request: None = None,
+              tokenization_kwargs: dict | None = None) -> list[ScoringRequestOutput]:
         """Scores of text pairs (one data_1 against every data_2, or one to one), as /score gives them: a
-        cross-encoder's sigmoid of the pair read together, or the cosine similarity of two embeddings."""
-        return self._encoder("score()").score(data_1, data_2, truncate_prompt_tokens, use_tqdm)
+        cross-encoder's logit for the pair read together through the model's activation (PoolingParams
+        use_activation=False: the raw logit), or the cosine similarity of two embeddings."""
+        return self._encoder("score()").score(data_1, data_2, use_tqdm, pooling_params, lora_request,
+                                              tokenization_kwargs)
 
-    def classify(self, prompts: str | Sequence[str], *, use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+    def classify(self, prompts: str | Sequence[str], *, use_tqdm: bool = True,
+                 pooling_params: PoolingParams | None = None, lora_request: None = None,
+                 tokenization_kwargs: dict | None = None) -> list[ClassificationRequestOutput]:
         """A sequence classifier's per-label probabilities for each text, as /classify gives them."""
-        return self._encoder("classify()").classify(prompts, use_tqdm)
+        return self._encoder("classify()").classify(prompts, use_tqdm, pooling_params, lora_request,
+                                                    tokenization_kwargs)
 
     def _encoder(self, call: str) -> EncoderModel:
         if self.encoder is None:

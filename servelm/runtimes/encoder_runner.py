@@ -10,10 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-# A text to embed, or (text, k): keep its last k tokens (truncate_prompt_tokens)
-EmbedInput = str | tuple[str, int]
-# A text to classify, or a pair read together (query, document), and the most tokens it may keep (None: the model's)
-ClassifyInput = tuple[str, str | None, int | None]
+# An input: (its text, the text read with it as a pair or None, the most tokens it keeps or None (-1: the model's
+# limit), which side a cut takes tokens from: "right" keeps the first ones, "left" the last ones)
+Input = tuple[str, str | None, int | None, str]
 DEFAULT_EMBED_MAX_LENGTH = 256  # all-MiniLM-L6-v2's own limit (sentence-transformers' max_seq_length)
 
 
@@ -31,10 +30,40 @@ def model_task(path: Path) -> str:
 
 
 def model_labels(path: Path) -> list[str]:
-    """A classifier's label names in output order (a missing name is the label's index)."""
+    """A classifier's label names in output order (transformers' LABEL_i where id2label names none)."""
     config = model_config(path)
     id2label = config.get("id2label") or {}
-    return [str(id2label.get(str(i), id2label.get(i, i))) for i in range(len(id2label) or int(config.get("num_labels", 2)))]
+    n = len(id2label) or int(config.get("num_labels", 2))
+    return [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n)]
+
+
+# the torch.nn activations a cross-encoder's config may name, as what `activate` does for each
+_NAMED_ACTIVATIONS = {"Identity": "identity", "Sigmoid": "classify", "Softmax": "classify", "Tanh": "tanh"}
+
+
+def model_activation(path: Path) -> str:
+    """How a classifier's logits become its scores and probabilities, read from its config as vLLM reads it:
+    transformers' problem_type (regression: the raw value; multi-label: a sigmoid per label), else the
+    activation a sentence-transformers CrossEncoder saved (sentence_transformers.activation_fn, or the older
+    sbert_ce_default_activation_function: ms-marco-MiniLM's is Identity, its scores are logits), else a sigmoid
+    of one label's logit or a softmax over several. Raises ValueError for an activation it does not know."""
+    config = model_config(path)
+    problem = config.get("problem_type")
+    if problem == "regression":
+        return "identity"
+    if problem == "multi_label_classification":
+        return "sigmoid"
+    if problem == "single_label_classification":
+        return "classify"
+    named = (config.get("sentence_transformers") or {}).get("activation_fn") \
+        or config.get("sbert_ce_default_activation_function")
+    if not named:
+        return "classify"
+    module, _, cls = str(named).rpartition(".")
+    if not module.startswith("torch.nn.modules") or cls not in _NAMED_ACTIVATIONS:
+        raise ValueError(f"{path}: the activation {named!r} its config names is not one servelm applies (torch.nn's "
+                         f"{', '.join(_NAMED_ACTIVATIONS)})")
+    return _NAMED_ACTIVATIONS[cls]
 
 
 def _positions(config: dict) -> int:
@@ -81,47 +110,45 @@ class EncoderRunner:
         """`embed` or `classify`, whichever the model does."""
         return self.classify(items) if self.task == "classify" else self.embed(items)
 
-    def _tokenize(self, texts: list[EmbedInput]):
-        """The batch's input tensors. A text alone is cut at max_length from the end (the tokenizer's default);
-        a (text, k) pair keeps its last k tokens with the special tokens around them (vLLM's
-        truncate_prompt_tokens on embeddings: k -1 or above max_length means max_length)."""
-        tokenizer, max_length = self.tokenizer, self.max_length
-        if all(isinstance(t, str) for t in texts):  # the usual batch: one call
-            return tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    def _cap(self, k: int | None, pair: bool) -> int:
+        """The most tokens an input keeps: k, within the model's limit (-1 or None: the limit), and never fewer
+        than its special tokens and one token of each text (below that a tokenizer does not cut at all)."""
+        cap = self.max_length if k is None or k == -1 else min(k, self.max_length)
+        return max(cap, min(self.tokenizer.num_special_tokens_to_add(pair=pair) + 1 + pair, self.max_length))
+
+    def _tokenize(self, items: list[Input]):
+        """The batch's input tensors. An input is cut to its cap (`_cap`) from its side, its special tokens kept
+        (BERT's [CLS] ... [SEP]); a pair is tokenized as the model was trained to read one (BERT's [CLS] a [SEP]
+        b [SEP] with segment ids, RoBERTa's <s> a </s></s> b </s>) and loses tokens from its longer text first,
+        as sentence-transformers' CrossEncoder cuts it."""
+        tokenizer = self.tokenizer
+        texts, pairs, caps, _ = zip(*items, strict=True)
+        if all(c is None for c in caps) and (all(p is None for p in pairs) or all(p is not None for p in pairs)):
+            second = None if pairs[0] is None else list(pairs)  # the usual batch: one call
+            return tokenizer(list(texts), second, padding=True, truncation=True,
+                             max_length=self._cap(None, second is not None), return_tensors="pt")
         encs = []
         try:
-            for item in texts:
-                text, k = (item, None) if isinstance(item, str) else item
-                tokenizer.truncation_side = "right" if k is None else "left"
-                cap = max_length if k is None or k == -1 else min(k, max_length)
-                encs.append(tokenizer(text, truncation=True, max_length=cap))
+            for text, pair, k, side in items:
+                tokenizer.truncation_side = side
+                encs.append(tokenizer(text, pair, truncation=True, max_length=self._cap(k, pair is not None)))
         finally:
             tokenizer.truncation_side = "right"
         return tokenizer.pad(encs, return_tensors="pt")
 
-    def embed(self, texts: list[EmbedInput]) -> Pooled:
+    def embed(self, items: list[Input]) -> Pooled:
         """L2-normalised, mean-pooled last hidden states."""
         import torch
 
-        enc = self._tokenize(texts)
+        enc = self._tokenize(items)
         mask = enc["attention_mask"]
         hidden = self.model(**enc)
         pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
         return Pooled(torch.nn.functional.normalize(pooled, dim=-1).numpy(), _ids(enc), mask.numel())
 
-    def classify(self, items: list[ClassifyInput]) -> Pooled:
-        """Each text's (or pair's) logits. A pair is tokenized as the model was trained to read one (BERT's
-        [CLS] a [SEP] b [SEP] with segment ids, RoBERTa's <s> a </s></s> b </s>); one too long loses tokens from
-        its longer side first, as sentence-transformers' CrossEncoder cuts it."""
-        tokenizer, max_length = self.tokenizer, self.max_length
-        texts, pairs, caps = zip(*items, strict=True)
-        if all(c is None for c in caps) and (all(p is None for p in pairs) or all(p is not None for p in pairs)):
-            second = None if pairs[0] is None else list(pairs)
-            enc = tokenizer(list(texts), second, padding=True, truncation=True, max_length=max_length,
-                            return_tensors="pt")
-        else:  # a mixed batch, or inputs with their own caps: one at a time, padded together
-            enc = tokenizer.pad([tokenizer(t, p, truncation=True, max_length=max_length if c is None or c == -1
-                                           else min(c, max_length)) for t, p, c in items], return_tensors="pt")
+    def classify(self, items: list[Input]) -> Pooled:
+        """Each text's (or pair's) logits."""
+        enc = self._tokenize(items)
         logits = self.model(**enc)
         return Pooled(logits.float().numpy(), _ids(enc), enc["attention_mask"].numel())
 
@@ -132,11 +159,16 @@ def _ids(enc) -> list[list[int]]:
     return [row[m].tolist() for row, m in zip(enc["input_ids"], mask, strict=True)]
 
 
-def probabilities(logits: np.ndarray) -> np.ndarray:
-    """A classifier's logits [n, labels] as vLLM's pooler activates them: one label's logit through a sigmoid
-    (a cross-encoder's relevance in [0, 1]), several labels' through a softmax."""
+def activate(logits: np.ndarray, activation: str = "classify") -> np.ndarray:
+    """A classifier's logits [n, labels] as scores or probabilities (`model_activation` says which):
+    "classify" is vLLM's default, one label's logit through a sigmoid (a relevance in [0, 1]) and several
+    labels' through a softmax; "sigmoid" is one per label (multi-label); "identity" keeps the logits."""
     logits = np.asarray(logits, dtype=np.float64)
-    if logits.shape[-1] == 1:
+    if activation == "identity":
+        return logits
+    if activation == "tanh":
+        return np.tanh(logits)
+    if activation == "sigmoid" or logits.shape[-1] == 1:
         return 1 / (1 + np.exp(-logits))
     e = np.exp(logits - logits.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)

@@ -62,6 +62,10 @@ class _Invocations:
     def __init__(self, app: FastAPI, state) -> None:
         self.app, self.state = app, state
 
+    def _classifies(self, model) -> bool:
+        """Whether an `input` body's model is a sequence classifier (then /classify, else /v1/embeddings)."""
+        return _task_of(self.state, model) == "classify"
+
     async def __call__(self, scope, receive, send) -> None:
         raw, more = b"", True
         while more:
@@ -72,12 +76,26 @@ class _Invocations:
             more = message.get("more_body", False)
         adapter = Headers(scope=scope).get(ADAPTER_HEADER)
         body = _body(raw, adapter)
-        embedder = self.state.embedder
-        path = invocation_path(body, getattr(embedder, "task", "embed") == "classify")
+        path = invocation_path(body, self._classifies(body.get("model")))
         if adapter:
             raw = json.dumps(body).encode()
+        rec = scope.get("state", {}).get("record")
+        if rec is not None:  # logged, counted and recorded (prediction log, canaries, drift) as that route's
+            rec.path = path
         # the route reads the body, then the client's disconnect (to notice it)
         await self.app.router({**scope, "path": path, "raw_path": path.encode()}, replay(raw, receive), send)
+
+
+def _task_of(state, model) -> str:
+    """The task of the embedding-process model a body names ("embed" when it names none of them)."""
+    if model is None or model == state.embed_model_name:
+        return getattr(state.embedder, "task", "embed")
+    from servelm.control.types import Kind
+
+    for m in state.models.deployed(Kind.EMBED):
+        if model in (m.name, m.served_name):
+            return getattr(m, "task", "embed")
+    return "embed"
 
 
 def add_routes(app: FastAPI, state) -> None:

@@ -118,6 +118,13 @@ def test_speculative_config_json_becomes_servelms_settings():
     })).engine.speculative_config
     assert (spec.speculative_method, spec.speculative_model, spec.num_speculative_tokens, spec.ngram_lookup_max,
             spec.ngram_lookup_min) == ("ngram", None, 3, 5, 2)
+    # vLLM's n-gram defaults: both lookups 5, or the one given for both; "model": "ngram" names the method
+    for given, lookups in (({}, (5, 5)), ({"prompt_lookup_max": 3}, (3, 3)), ({"prompt_lookup_min": 6}, (6, 6)),
+                           ({"model": "ngram"}, (5, 5))):
+        spec = _config("--speculative-config", json.dumps({"method": "ngram", **given} if "model" not in given
+                                                          else given)).engine.speculative_config
+        assert (spec.speculative_method, spec.speculative_model, spec.ngram_lookup_min, spec.ngram_lookup_max) == \
+            ("ngram", None, *lookups)
     for draft in ({"model": "./draft", "num_speculative_tokens": 2},
                   {"method": "draft_model", "model": "./draft", "num_speculative_tokens": 2}):
         spec = _config("--speculative-config", json.dumps(draft)).engine.speculative_config
@@ -162,6 +169,8 @@ def test_default_chat_template_kwargs_and_the_http_servers_settings():
         .chat_template_defaults() == {"enable_thinking": True}  # a config file's mapping
     with pytest.raises(ConfigError, match="default_chat_template_kwargs"):
         _config("--default-chat-template-kwargs", '["enable_thinking"]')
+    with pytest.raises(ConfigError, match="not add_generation_prompt"):  # every rendering sets it itself
+        _config("--default-chat-template-kwargs", '{"add_generation_prompt": false}')
     with pytest.raises(ConfigError, match="uvicorn_log_level"):
         _config("--uvicorn-log-level", "loud")
 

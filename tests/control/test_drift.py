@@ -147,3 +147,17 @@ def test_refusal_detection():
     assert REFUSAL_RE.match("As an AI, I ...")
     assert not REFUSAL_RE.match("Sorry to hear that! Here is the fix:")
     assert not REFUSAL_RE.match("The cannot-fail path is ...")
+
+
+def test_embedding_drift_is_off_when_the_embedding_model_is_a_classifier():
+    """A cross-encoder in the embedding model's place gives no vectors: prompt-embedding drift is off (with a log
+    line), rather than every sampled prompt counting as a failed embedding."""
+    from types import SimpleNamespace
+
+    from servelm.config.settings import load
+    from servelm.control.drift_watch import DriftWatch
+
+    cfg = load({"drift_embedding_sample": 1.0}).server
+    assert DriftWatch(cfg, None, SimpleNamespace(task="classify")).embedder is None
+    encoder = SimpleNamespace(task="embed")
+    assert DriftWatch(cfg, None, encoder).embedder is encoder

@@ -17,7 +17,7 @@ from tiny_encoders import (
     sigmoid,
 )
 
-from servelm import LLM
+from servelm import LLM, LoRARequest, PoolingParams
 
 # 40 texts of many lengths: more than one batch, each batch mixing short and long ones before sorting
 TEXTS = [" ".join(["word"] * (1 + (7 * i) % 23) + [f"number {i}"]) for i in range(40)]
@@ -39,12 +39,21 @@ def test_embed_gives_transformers_mean_pooled_vectors_in_order(encoder_dir):
     assert [o.prompt_token_ids for o in out] == [tok(t).input_ids for t in TEXTS]
     assert out[0].outputs.hidden_size == 32 and out[0].finished
     assert len({o.request_id for o in out}) == len(TEXTS)
-    # truncate_prompt_tokens: each text's last k tokens, the special tokens among them (as /v1/embeddings)
-    short = llm.embed({"prompt": TEXTS[5]}, truncate_prompt_tokens=4, use_tqdm=False)[0]
+    # vLLM's tokenization_kwargs: truncate_prompt_tokens keeps each text's first k tokens, the special tokens
+    # among them (truncation_side "left": its last ones), as /v1/embeddings does
     ids = tok(TEXTS[5]).input_ids
-    assert short.prompt_token_ids == [ids[0], *ids[-3:]]  # [CLS], the last two words' tokens, [SEP]
-    np.testing.assert_allclose(short.outputs.embedding, llm.embed(  # the same as embedding those tokens' text
-        tok.decode(ids[-3:-1]), use_tqdm=False)[0].outputs.embedding, rtol=1e-4, atol=1e-5)
+    for side, kept in (("right", ids[1:3]), ("left", ids[-3:-1])):
+        short = llm.embed({"prompt": TEXTS[5]}, use_tqdm=False,
+                          tokenization_kwargs={"truncate_prompt_tokens": 4, "truncation_side": side})[0]
+        assert short.prompt_token_ids == [ids[0], *kept, ids[-1]]  # [CLS], two words' tokens, [SEP]
+        np.testing.assert_allclose(short.outputs.embedding, llm.embed(  # as embedding those tokens' text
+            tok.decode(kept), use_tqdm=False)[0].outputs.embedding, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="tokenization_kwargs takes"):
+        llm.embed("a", tokenization_kwargs={"padding": "max_length"})
+    with pytest.raises(ValueError, match="dimensions"):
+        llm.embed("a", pooling_params=PoolingParams(dimensions=8))
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        llm.embed("a", lora_request=LoRARequest("x", 1))
 
 
 def test_score_with_an_embedding_model_is_the_cosine_of_its_vectors(encoder_dir):
@@ -56,6 +65,8 @@ def test_score_with_an_embedding_model_is_the_cosine_of_its_vectors(encoder_dir)
     np.testing.assert_allclose([o.outputs.score for o in pairs], (vec[1:3] * vec[3:5]).sum(1), rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="data_1 has 2 texts"):
         llm.score(DOCS[:2], DOCS[:3])
+    with pytest.raises(TypeError):  # data_1 and data_2 are positional-only, as vLLM's
+        llm.score(data_1=QUERY, data_2=DOCS)
     with pytest.raises(ValueError, match="needs a sequence classifier"):
         llm.classify("a cat")
     with pytest.raises(ValueError, match="an encoder model"):  # no generation on an encoder
@@ -76,6 +87,8 @@ def test_a_cross_encoder_scores_pairs_and_a_classifier_classifies(tmp_path):
     got = llm.classify(TEXTS, use_tqdm=False)
     np.testing.assert_allclose([o.outputs.probs for o in got], want, rtol=1e-4, atol=1e-6)
     assert got[0].outputs.num_classes == 3
+    raw = llm.classify(TEXTS[:3], use_tqdm=False, pooling_params=PoolingParams(use_activation=False))
+    np.testing.assert_allclose([o.outputs.probs for o in raw], logits[:3], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="scores need a cross-encoder"):
         llm.score(QUERY, DOCS)
     with pytest.raises(ValueError, match="needs an embedding model"):

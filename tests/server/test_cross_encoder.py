@@ -4,6 +4,7 @@ them (with vLLM's activation: the sigmoid of one logit, the softmax of several).
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -235,3 +236,77 @@ def test_the_embedding_model_may_be_a_hugging_face_repo_id(tmp_path, monkeypatch
         embedder.close()
     with pytest.raises(FileNotFoundError, match="not in the Hugging Face cache"):
         _embedder(load({"embedding_model": "cross-encoder/not-cached"}).server)
+
+
+@pytest.mark.parametrize(("config", "activation"), [
+    ({}, "classify"),
+    ({"sbert_ce_default_activation_function": "torch.nn.modules.linear.Identity"}, "identity"),
+    ({"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Sigmoid"}}, "classify"),
+    ({"problem_type": "regression"}, "identity"),
+    ({"problem_type": "multi_label_classification"}, "sigmoid"),
+])
+def test_a_classifiers_activation_is_the_one_its_config_names(tmp_path, config, activation):
+    """As vLLM reads it: transformers' problem_type, else the activation sentence-transformers saved, else a
+    sigmoid of one logit and a softmax of several."""
+    from servelm.runtimes.encoder_runner import activate, model_activation
+
+    save_classifier(tmp_path, "bert", 3, **config)
+    assert model_activation(tmp_path) == activation
+    logits = np.array([[0.5, -1.0, 2.0]])
+    want = {"identity": logits, "sigmoid": sigmoid(logits),
+            "classify": np.exp(logits) / np.exp(logits).sum()}[activation]
+    np.testing.assert_allclose(activate(logits, activation), want)
+    np.testing.assert_allclose(activate(logits[:, :1], "classify"), sigmoid(logits[:, :1]))  # one label: sigmoid
+
+
+def test_an_activation_outside_torch_nn_stops_the_start(tmp_path):
+    from servelm.runtimes.embedder import Embedder
+
+    save_classifier(tmp_path, "bert", 1, sbert_ce_default_activation_function="mypackage.CustomActivation")
+    with pytest.raises(ValueError, match="CustomActivation"):
+        Embedder(tmp_path)
+
+
+def test_ms_marco_style_cross_encoders_score_with_raw_logits(tokenizer, tmp_path):
+    """ms-marco-MiniLM's config names Identity: its scores are its logits, as vLLM and CrossEncoder give them,
+    and /classify's labels fall back to transformers' LABEL_i names."""
+    save_classifier(tmp_path, "bert", 1, sbert_ce_default_activation_function="torch.nn.modules.linear.Identity")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.pop("id2label", None), cfg.pop("label2id", None)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_labels": 1}))  # no label names
+    want = classifier_logits(tmp_path, [QUERY] * len(DOCS), DOCS)[:, 0]
+    client, embedder = _client(tokenizer, tmp_path)
+    try:
+        with client:
+            r = client.post("/rerank", json={"query": QUERY, "documents": DOCS}).json()
+            got = {x["index"]: x["relevance_score"] for x in r["results"]}
+            np.testing.assert_allclose([got[i] for i in range(len(DOCS))], want, rtol=1e-4, atol=1e-5)
+            assert client.post("/classify", json={"input": "a"}).json()["data"][0]["label"] == "LABEL_0"
+    finally:
+        embedder.close()
+
+
+def test_a_decoders_sequence_classifier_is_not_taken_for_an_encoder():
+    from servelm.model.loading.hf_files import is_classifier, is_encoder
+
+    reward = {"model_type": "qwen2", "architectures": ["Qwen2ForSequenceClassification"]}
+    assert not is_classifier(reward) and not is_encoder(reward)
+    assert is_classifier({"model_type": "xlm-roberta", "architectures": ["XLMRobertaForSequenceClassification"]})
+
+
+def test_one_input_the_encoder_fails_on_fails_alone(monkeypatch):
+    """In the embedding process: a batch that fails runs its inputs one by one, so only the bad one fails."""
+    from servelm.runtimes import embedder as E
+    from servelm.runtimes.encoder_runner import Pooled
+
+    class Runner:
+        def run(self, items):
+            if any(text == "bad" for text, *_ in items):
+                raise RuntimeError("index out of range")
+            return Pooled(np.ones((len(items), 2)), [[1, 2, 3]] * len(items), 3 * len(items))
+
+    monkeypatch.setattr(E, "_worker", Runner())
+    rows, lens, _ = E._encode([("ok", None, None, "right"), ("bad", None, None, "right"),
+                               ("fine", None, None, "right")])
+    assert isinstance(rows[1], E.EncodeFailed) and "index out of range" in str(rows[1])
+    assert rows[0].tolist() == rows[2].tolist() == [1.0, 1.0] and lens == [3, 0, 3]

@@ -21,8 +21,9 @@ class FakeEmbedder(Embedder):
     def _start(self):
         return None, None
 
-    async def _run(self, texts: list[str]):
-        self.batches.append(list(texts))
+    async def _run(self, items: list):
+        texts = [item[0] for item in items]  # (text, pair, cap, side): the text
+        self.batches.append(texts)
         self.first_started.set()
         await self.release.wait()
         await asyncio.sleep(0)  # a real batch is awaited in another process: others run meanwhile
@@ -84,8 +85,29 @@ def test_a_requests_batches_hold_texts_of_similar_length():
         vecs, _ = await emb.embed(texts)
         assert vecs == [f"vec:{t}" for t in texts]
         assert [sorted(len(t) for t in b) for b in emb.batches] == [[1, 2, 3], [4, 40, 45], [50, 55, 60]]
-        pairs = [("q", "d" * n) for n in (30, 1, 20)]  # a cross-encoder's pairs: by both texts' length
-        await emb._submit([(q, d, None) for q, d in pairs])
-        assert [len(d) for _, d, _ in emb.batches[-1]] == [1, 20, 30]
+        pairs = [("q" * n, "d" * (40 - 2 * n)) for n in (3, 10, 1)]  # a cross-encoder's pairs: by both texts
+        await emb._submit([(q, d, None, "right") for q, d in pairs])
+        assert [len(q) for q in emb.batches[-1]] == [10, 3, 1]  # 30, 37 and 39 characters
+
+    asyncio.run(main())
+
+
+def test_an_input_that_failed_alone_fails_only_its_request():
+    """The embedding process marks an input it could not run (the rest of its batch ran): that request fails,
+    the others sharing its batch get their answers."""
+    from servelm.runtimes.embedder import EncodeFailed
+
+    class Flaky(FakeEmbedder):
+        async def _run(self, items):
+            texts = [item[0] for item in items]
+            self.batches.append(texts)
+            return [EncodeFailed("no") if t == "bad" else f"vec:{t}" for t in texts], [len(t) for t in texts]
+
+    async def main():
+        emb = Flaky(max_batch_size=8)
+        good, bad = await asyncio.gather(emb.embed(["a", "b"]), emb.embed(["bad", "c"]), return_exceptions=True)
+        assert good == (["vec:a", "vec:b"], 2) and isinstance(bad, EncodeFailed)
+        assert len(emb.batches) == 1  # they shared one batch
+        assert await emb.embed(["d"]) == (["vec:d"], 1)  # the batcher goes on
 
     asyncio.run(main())

@@ -109,3 +109,38 @@ def test_ping_is_readiness_and_needs_no_key_while_invocations_do(app):
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
     finally:
         del engine.check_engine
+
+
+def test_an_input_body_goes_to_classify_when_the_model_it_names_is_a_classifier():
+    """Which of /v1/embeddings and /classify an `input` body runs follows the model it names: the server's
+    embedding model, or a deployed one of the registry."""
+    from types import SimpleNamespace
+
+    from servelm.server.sagemaker import _task_of, invocation_path
+
+    state = SimpleNamespace(embed_model_name="minilm", embedder=SimpleNamespace(task="embed"), models=SimpleNamespace(
+        deployed=lambda kind: [SimpleNamespace(name="reranker", served_name="reranker:2", task="classify")]))
+    for model, path in ((None, "/v1/embeddings"), ("minilm", "/v1/embeddings"), ("reranker", "/classify"),
+                        ("reranker:2", "/classify"), ("unknown", "/v1/embeddings")):
+        assert invocation_path({"input": "x", "model": model}, _task_of(state, model) == "classify") == path
+
+
+def test_invocations_are_logged_under_the_route_they_ran(app):
+    """The request's record (its log line, trace, and traffic management's view of it) names the route it ran."""
+    import logging
+
+    client, _ = app
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    handler, log = Keep(), logging.getLogger("servelm.requests")
+    log.addHandler(handler)
+    try:
+        assert client.post("/invocations", json={"prompt": "counted", "max_tokens": 1}).status_code == 200
+    finally:
+        log.removeHandler(handler)
+    events = [json.loads(line) for line in lines if line.startswith("{")]
+    assert [e["path"] for e in events if e.get("event") == "request"] == ["/v1/completions"]

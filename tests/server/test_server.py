@@ -581,25 +581,31 @@ def test_score_and_rerank_are_the_embeddings_cosine_similarity(server):
     assert r.status_code in (400, 404) and r.json()["error"]["param"] == "model", r.text
 
 
-def test_embeddings_truncate_prompt_tokens_keeps_each_inputs_end(server):
-    """vLLM's truncate_prompt_tokens on /v1/embeddings: each input is embedded from its last k tokens, with the
-    model's special tokens around them (k counts them), as the text of those words alone would be; -1 and a
-    short input leave it whole; 0 is a 400."""
+def test_embeddings_truncate_prompt_tokens_keeps_the_first_or_last_tokens(server):
+    """vLLM's truncate_prompt_tokens on /v1/embeddings: each input is embedded from its first k tokens (vLLM's
+    truncation_side "right" for these models), or its last ones with truncation_side "left", the model's special
+    tokens around them (k counts them), as the text of those words alone would be; -1 and a short input leave it
+    whole; a k smaller than the special tokens keeps one word; 0 is a 400."""
     words = "one two three four five six seven eight nine ten"  # one wordpiece each
-    tail = "seven eight nine ten"
+    head, tail = "one two three four", "seven eight nine ten"
 
     def embed(body):
         r = httpx.post(server + "/v1/embeddings", json=body)
         assert r.status_code == 200, r.text
         return np.array([d["embedding"] for d in r.json()["data"]]), r.json()["usage"]["prompt_tokens"]
 
+    (first, last, whole, cat), _ = embed({"input": [head, tail, words, "a cat"]})
     cut, tokens = embed({"input": [words, "a cat"], "truncate_prompt_tokens": 6})
-    (want, whole, cat), _ = embed({"input": [tail, words, "a cat"]})
     assert tokens == 6 + 4  # [CLS] four words [SEP], and "a cat" whole
-    assert np.allclose(cut[0], want, atol=1e-5) and not np.allclose(cut[0], whole, atol=1e-2)
+    assert np.allclose(cut[0], first, atol=1e-5) and not np.allclose(cut[0], whole, atol=1e-2)
     assert np.allclose(cut[1], cat, atol=1e-5)
+    cut, _ = embed({"input": words, "truncate_prompt_tokens": 6, "truncation_side": "left"})
+    assert np.allclose(cut[0], last, atol=1e-5)
     same, _ = embed({"input": words, "truncate_prompt_tokens": -1})
     assert np.allclose(same[0], whole, atol=1e-5)
+    (one,), _ = embed({"input": "one"})
+    tiny, tokens = embed({"input": words, "truncate_prompt_tokens": 1})
+    assert tokens == 3 and np.allclose(tiny[0], one, atol=1e-5)  # [CLS] one [SEP]: never fewer
     r = httpx.post(server + "/v1/embeddings", json={"input": words, "truncate_prompt_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
 

@@ -100,6 +100,8 @@ def is_encoder(config: dict) -> bool:
 
 
 def is_classifier(config: dict) -> bool:
-    """Whether a checkpoint's config is a sequence classifier (a cross-encoder or a text classifier): its
-    outputs are per-label logits of the whole input, not token vectors."""
-    return any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+    """Whether a checkpoint's config is an encoder sequence classifier (a cross-encoder or a text classifier):
+    its outputs are per-label logits of the whole input, not token vectors. (A decoder's sequence classifier,
+    such as a Llama reward model, is not one of these.)"""
+    return config.get("model_type") in ENCODER_MODEL_TYPES and \
+        any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or [])

@@ -26,7 +26,7 @@ from servelm.config.settings import PRIORITIES
 from servelm.control.errors import ControlError
 from servelm.control.types import Kind, ModelVersion, State
 from servelm.runtimes.embedder import EmbedderDown
-from servelm.runtimes.encoder_runner import probabilities
+from servelm.runtimes.encoder_runner import activate
 from servelm.runtimes.predict_batcher import PredictBatcher, QueueFull
 from servelm.runtimes.predictors import Predictor, TensorSpec, load_predictor
 from servelm.server.middleware.admission import check_model
@@ -61,7 +61,7 @@ class EmbedderPredictor(Predictor):
             texts.append(text)
         if self.classifier:
             logits, _ = asyncio.run_coroutine_threadsafe(self.embedder.classify(texts), self.loop).result()
-            return {"probs": probabilities(np.asarray(logits)).astype(np.float32)}
+            return {"probs": activate(np.asarray(logits), self.embedder.activation).astype(np.float32)}
         vectors, _ = asyncio.run_coroutine_threadsafe(self.embedder.embed(texts), self.loop).result()
         return {"embedding": np.asarray(vectors, dtype=np.float32)}
 

@@ -25,11 +25,11 @@ async def _embedder(api: Api, request: Request, model: str | None):
     return m, m.served_name
 
 
-async def _embed(api: Api, embedder, inputs: list[str], truncate: int | None = None):
-    """(vectors, prompt tokens) of the inputs, after the request's caps are checked; `truncate`: embed each
-    input's last that many tokens."""
+async def _embed(api: Api, embedder, inputs: list[str], truncate: int | None = None, side: str = "right"):
+    """(vectors, prompt tokens) of the inputs, after the request's caps are checked; `truncate`: each input keeps
+    at most that many tokens, its first ones (`side` "right") or its last ones ("left")."""
     return await pooled(api, inputs, lambda: embedder.embed(inputs) if truncate is None
-                        else embedder.embed(inputs, truncate))
+                        else embedder.embed(inputs, truncate, side))
 
 
 async def pooled(api: Api, inputs: list[str], run: Callable[[], Awaitable]):
@@ -57,7 +57,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
     async def embeddings(req: p.EmbeddingRequest, request: Request):
         embedder, name = await _embedder(api, request, req.model)
         inputs = [req.input] if isinstance(req.input, str) else req.input
-        vectors, tokens = await _embed(api, embedder, inputs, req.truncate_prompt_tokens)
+        vectors, tokens = await _embed(api, embedder, inputs, req.truncate_prompt_tokens, req.side)
         data = []
         for i, v in enumerate(vectors):
             emb = b64(v) if req.encoding_format == "base64" else v.tolist()

@@ -547,9 +547,15 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
 
 class _PooledTruncation(_Body):
     """vLLM's truncate_prompt_tokens on the embedding model's routes: each input keeps at most k tokens
-    (-1: the model's longest input)."""
+    (-1: the model's longest input), with its special tokens; truncation_side "right" (vLLM's default for
+    these models) keeps its first tokens, "left" its last ones."""
 
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+
+    @property
+    def side(self) -> str:
+        return self.truncation_side or "right"
 
     @model_validator(mode="after")
     def _truncation(self):
@@ -560,7 +566,6 @@ class _PooledTruncation(_Body):
 
 
 class EmbeddingRequest(_PooledTruncation):
-    """truncate_prompt_tokens: embed each input's last k tokens rather than its first ones."""
 
     input: Text | Texts
     model: str | None = None
