@@ -176,8 +176,10 @@ def test_serves_from_two_replicas(server):
 def test_replica_killed_under_load_is_replaced_and_no_request_hangs(server):
     async def load():
         async with httpx.AsyncClient(base_url=server, timeout=None) as client:
-            # 12 requests over 2 replicas of 4 sequences each: each replica runs 4 and queues the rest
-            tasks = [asyncio.create_task(stream(client, 64)) for _ in range(12)]
+            # 12 requests over 2 replicas of 4 sequences each: each replica runs 4 and queues the rest. Each asks
+            # for nearly the whole context (1,024), so the load is still running when the poll below looks (64
+            # tokens each could all finish between two polls on a fast engine, and the wait then never ended)
+            tasks = [asyncio.create_task(stream(client, 960)) for _ in range(12)]
             await asyncio.sleep(0)  # the requests are on their way
             victim = replica_actors()[0]
             await asyncio.to_thread(lambda: _wait(lambda: httpx.get(server + "/server/stats").json()["running"] >= 4,
