@@ -21,6 +21,7 @@ from servelm.outputs import (
 )
 from servelm.pooling_params import PoolingParams
 from servelm.progress import progress
+from servelm.runtimes.embed_batcher import input_length
 from servelm.runtimes.encoder_runner import (
     EncoderRunner,
     Pooled,
@@ -81,7 +82,7 @@ class EncoderModel:
     def _run(self, items: list, run: Callable[[list], Pooled], desc: str, use_tqdm: bool):
         """Each item's (row, token ids), in the items' order; batches of inputs of similar length, so that
         little of each batch is padding."""
-        order = sorted(range(len(items)), key=lambda i: sum(len(x) for x in items[i][:2] if x))
+        order = sorted(range(len(items)), key=lambda i: input_length(items[i]))
         rows: list = [None] * len(items)
         bar = progress(total=len(items), desc=desc, unit="input", disable=not use_tqdm)
         for start in range(0, len(order), BATCH_SIZE):
@@ -98,9 +99,6 @@ class EncoderModel:
             kind = "a sequence classifier (a cross-encoder)" if self.task == "classify" else "an embedding model"
             raise ValueError(f"{self.path.name} is {kind}: {call} needs "
                              + ("an embedding model" if task == "embed" else "a sequence classifier"))
-
-    def _activated(self, row: np.ndarray, use_activation: bool) -> np.ndarray:
-        return activate(row[None], self.activation)[0] if use_activation else np.asarray(row, dtype=np.float64)
 
     def embed(self, prompts, use_tqdm: bool = True, pooling_params: PoolingParams | None = None,
               lora_request=None, tokenization_kwargs: dict | None = None) -> list[EmbeddingRequestOutput]:
@@ -120,7 +118,7 @@ class EncoderModel:
         rows = self._run([(t, None, k, side) for t in _texts(prompts, "prompts")], self.runner.classify,
                          "Classifying", use_tqdm)
         return [ClassificationRequestOutput(str(next(self._ids)), ClassificationOutput(
-            self._activated(row, act).tolist()), ids) for row, ids in rows]
+            activate(row[None], self.activation, act)[0].tolist()), ids) for row, ids in rows]
 
     def score(self, data_1, data_2, use_tqdm: bool = True, pooling_params: PoolingParams | None = None,
               lora_request=None, tokenization_kwargs: dict | None = None) -> list[ScoringRequestOutput]:
@@ -138,7 +136,7 @@ class EncoderModel:
             if len(rows[0][0]) != 1:
                 raise ValueError(f"{self.path.name} has {len(rows[0][0])} labels; scores need a cross-encoder with "
                                  "one output (classify() gives each label's probability)")
-            return [ScoringRequestOutput(str(next(self._ids)), ScoringOutput(float(self._activated(row, act)[0])),
+            return [ScoringRequestOutput(str(next(self._ids)), ScoringOutput(float(activate(row[None], self.activation, act)[0, 0])),
                                          ids) for row, ids in rows]
         distinct = list(dict.fromkeys(firsts + two))
         vectors = dict(zip(distinct, self._run([(t, None, k, side) for t in distinct], self.runner.embed,

@@ -18,7 +18,7 @@ from typing import Any
 RunBatch = Callable[[list[str]], Awaitable[tuple[list[Any], list[int]]]]
 
 
-def _length(item) -> int:
+def input_length(item) -> int:
     """How long an input is, to batch like with like: its characters (a pair's, both texts')."""
     return len(item) if isinstance(item, str) else sum(len(x) for x in item if isinstance(x, str))
 
@@ -28,7 +28,7 @@ class _Job:
 
     def __init__(self, texts: list[str], future: asyncio.Future) -> None:
         self.texts, self.next, self.future = texts, 0, future
-        self.order = sorted(range(len(texts)), key=lambda i: _length(texts[i]))  # handed out in this order
+        self.order = sorted(range(len(texts)), key=lambda i: input_length(texts[i]))  # handed out in this order
         self.results: list = [None] * len(texts)
         self.left = len(texts)
 

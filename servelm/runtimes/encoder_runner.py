@@ -159,12 +159,13 @@ def _ids(enc) -> list[list[int]]:
     return [row[m].tolist() for row, m in zip(enc["input_ids"], mask, strict=True)]
 
 
-def activate(logits: np.ndarray, activation: str = "classify") -> np.ndarray:
+def activate(logits: np.ndarray, activation: str = "classify", use_activation: bool | None = None) -> np.ndarray:
     """A classifier's logits [n, labels] as scores or probabilities (`model_activation` says which):
     "classify" is vLLM's default, one label's logit through a sigmoid (a relevance in [0, 1]) and several
-    labels' through a softmax; "sigmoid" is one per label (multi-label); "identity" keeps the logits."""
+    labels' through a softmax; "sigmoid" is one per label (multi-label); "identity" keeps the logits. vLLM's
+    use_activation False keeps the logits whatever the model's activation."""
     logits = np.asarray(logits, dtype=np.float64)
-    if activation == "identity":
+    if activation == "identity" or use_activation is False:
         return logits
     if activation == "tanh":
         return np.tanh(logits)

@@ -23,11 +23,6 @@ from servelm.server.openai.embeddings import _embed, _embedder, pooled
 from servelm.server.openai.protocol import APIError
 
 
-def _activated(model, logits: np.ndarray, use_activation: bool | None) -> np.ndarray:
-    """vLLM's use_activation: the model's activation of its logits unless it is false, then the raw logits."""
-    return np.asarray(logits, dtype=np.float64) if use_activation is False else activate(logits, model.activation)
-
-
 async def _scores(api: Api, model, one: list[str], two: list[str], req):
     """(scores of the pairs, tokens read): a cross-encoder reads each pair once; an embedding model embeds each
     distinct side once, in one batch. `req` has the request's truncation and use_activation."""
@@ -40,7 +35,7 @@ async def _scores(api: Api, model, one: list[str], two: list[str], req):
             raise APIError(400, f"this classifier has {logits.shape[1]} labels; scores need a cross-encoder with "
                                 "one output (POST /classify gives each label's probability)", "model",
                            "wrong_model_task")
-        return _activated(model, logits, req.use_activation)[:, 0], tokens
+        return activate(logits, model.activation, req.use_activation)[:, 0], tokens
     vectors, tokens = await _embed(api, model, one + two, truncate, side)
     vectors = np.asarray(vectors)
     first, second = vectors[:len(one)], vectors[len(one):]
@@ -74,7 +69,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         model, name = await _embedder(api, request, req.model)
         logits, tokens = await pooled(api, texts, lambda: model.classify(texts, None, req.truncate_prompt_tokens,
                                                                          req.side))
-        labels, probs = model.labels, _activated(model, np.asarray(logits), req.use_activation)
+        labels, probs = model.labels, activate(logits, model.activation, req.use_activation)
         data = [{"index": i, "label": labels[int(np.argmax(row))] if int(np.argmax(row)) < len(labels) else None,
                  "probs": row.tolist(), "num_classes": len(row)} for i, row in enumerate(probs)]
         return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": name,
