@@ -25,6 +25,8 @@ checks its padding and metadata against the eager path; on the GPU `tests/gpu/te
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 
 import numpy as np
@@ -171,20 +173,38 @@ def capture_graphs(sizes: list[int], stage_dummy, forward, pool=None) -> dict:
     the rows the previous one returned, which the caller has consumed by then (steps run in stream order)."""
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
     graphs, out = {}, None
-    for size in reversed(sizes):
-        stage_dummy(size)
-        with graph_warmup():
-            warm = forward(size)
-        if out is None:
-            out = torch.empty_like(warm)
-        del warm
+    with no_automatic_collection():
+        for size in reversed(sizes):
+            stage_dummy(size)
+            with graph_warmup():
+                warm = forward(size)
+            if out is None:
+                out = torch.empty_like(warm)
+            del warm
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                y = forward(size)
+                rows = out[:y.shape[0]]
+                rows.copy_(y)
+                del y
+            graphs[size] = (graph, rows)
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            y = forward(size)
-            rows = out[:y.shape[0]]
-            rows.copy_(y)
-            del y
-        graphs[size] = (graph, rows)
-    torch.cuda.synchronize()
     return graphs
+
+
+@contextlib.contextmanager
+def no_automatic_collection():
+    """Python's cyclic garbage collector off (after one collection) while graphs are captured. A collection that
+    an allocation triggers inside a capture runs the finalizers of whatever garbage it finds, such as an earlier
+    engine's graphs, pinned buffers and events: CUDA calls that a capture forbids (the capture is invalidated, or
+    the process aborts) or that it would record into the graph. Seen on an H200 when an engine was built in a
+    process that had dropped others. (vLLM freezes the collector during capture for the same reason.)"""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -73,11 +73,17 @@ def test_engine_with_staged_inputs_matches_transformers(backend, model_dirs, hf_
     monkeypatch.setattr(StepStaging, "stage", lambda self, arrays: staged.append(len(arrays)) or real_stage(self, arrays))
     shared = random_prompts(1, 18, 18, seed=21)[0]
     prompts = [shared + p for p in random_prompts(3, 2, 12, seed=22)] + random_prompts(2, 25, 40, seed=23)
-    llm = LLM(str(model_dirs["llama"]), dtype="float32", device="cpu", enforce_eager=True, num_kv_blocks=96, block_size=4,
-              max_num_batched_tokens=16, max_num_seqs=4)
+    # compiled Triton kernels (a GPU machine) read only CUDA tensors: there the engine runs on the GPU, where the
+    # runner stages its inputs by default; on the CPU (kernels interpreted) staging is forced
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    llm = LLM(str(model_dirs["llama"]), dtype="float32", device=device, enforce_eager=True, num_kv_blocks=96,
+              block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
     runner = llm.engine.core.runner
-    assert runner.staging is None  # the CPU needs no copy
-    runner.staging = StepStaging(torch.device("cpu"), capacity=128)
+    if device == "cpu":
+        assert runner.staging is None  # the CPU needs no copy
+        runner.staging = StepStaging(torch.device("cpu"), capacity=128)
+    else:
+        assert isinstance(runner.staging, StepStaging)
     assert run(llm, prompts) == reference(hf_models, "llama", prompts)
     assert staged and llm.engine.get_stats().prefix_cache_hits > 0
     assert set(staged) == {7 + (6 if backend == "triton" else 0)}  # ids, positions, rows, 4 of metadata, derived

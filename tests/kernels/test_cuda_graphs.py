@@ -3,6 +3,7 @@ static buffers (what a CUDA graph replays) give the same tokens as the eager pat
 
 from __future__ import annotations
 
+import gc
 import os
 
 import numpy as np
@@ -14,7 +15,55 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the Triton kernel's definition
 
 from servelm import LLM  # noqa: E402
-from servelm.engine.cuda_graphs import capture_sizes  # noqa: E402
+from servelm.engine.cuda_graphs import capture_graphs, capture_sizes  # noqa: E402
+
+
+class _Finalized:
+    """A reference cycle whose finalizer records whether a capture was under way when it ran."""
+
+    def __init__(self, log: list, capturing: dict) -> None:
+        self.me, self.log, self.capturing = self, log, capturing
+
+    def __del__(self) -> None:
+        self.log.append(self.capturing["on"])
+
+
+def test_no_garbage_is_collected_while_a_graph_is_captured(monkeypatch):
+    """The collector's finalizers (an old engine's graphs, pinned buffers, events) must not run inside a
+    capture, where their CUDA calls invalidate it or abort the process: garbage from before is collected first,
+    garbage made during a capture waits until the captures end, and the collector is back on after."""
+    capturing, finalized, seen = {"on": False}, [], []
+
+    class FakeCapture:
+        def __init__(self, graph, pool=None) -> None:
+            pass
+
+        def __enter__(self):
+            capturing["on"] = True
+            seen.append(gc.isenabled())
+
+        def __exit__(self, *exc):
+            capturing["on"] = False
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", FakeCapture)
+
+    def forward(size: int) -> torch.Tensor:
+        _Finalized(finalized, capturing)  # garbage at once: only the cycle collector can free it
+        junk = [[] for _ in range(5 * gc.get_threshold()[0])]  # enough allocations to trigger a collection
+        del junk
+        return torch.zeros(size, 3)
+
+    _Finalized(finalized, capturing)  # garbage from before the captures
+    assert gc.isenabled()
+    graphs = capture_graphs([1, 2, 4], lambda size: None, forward)
+    assert sorted(graphs) == [1, 2, 4] and seen == [False, False, False]
+    assert gc.isenabled()
+    gc.collect()
+    assert finalized and not any(finalized)  # every finalizer ran, none inside a capture
+    assert len(finalized) == 1 + 2 * 3  # the one from before and those of three warm-ups and three captures
 
 
 def test_capture_sizes_cover_every_batch_up_to_the_limit():
