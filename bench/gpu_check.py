@@ -34,8 +34,9 @@ With --mixed-shapes (default: 60m and 8b), those shapes' W1 and 2k prefill run a
 `--cuda-graph-mixed-tokens 2048` (`mixed`: steps with prompt chunks replayed from graphs; the speed-ups over
 this tree's eager ones).
 
-With --async-shapes (default: 60m, 1b and 8b, those measured), those shapes' W1 and batch-1 TPOT run again with
-`--async-scheduling` (`async`: the figures and the speed-ups over this tree's step-by-step ones).
+With --async-shapes (default: 60m, 1b and 8b, those measured), those shapes' W1 and batch-1 TPOT run again step
+by step, `--no-async-scheduling` (`async`: those figures and the speed-ups of the default, which on a GPU launches
+each decode step behind the one in flight, over them).
 
 Each measurement runs in a child process (a crash or a hang costs its section, not the run); every figure is
 printed as a JSON line as it comes, and one JSON object ends the run (also written to --out-dir). Models get
@@ -933,14 +934,16 @@ _SPEEDUP = {"w1": lambda base, got: got["output_tok_s"] / base["output_tok_s"],
 
 
 def variant_figures(run: Run, spec: dict, name: str, cap: float, figs: dict, label: str, llm_kwargs: dict,
-                    only: list[str]) -> dict:
+                    only: list[str], of_default: bool = False) -> dict:
     """The figures `only` again with the engine settings `llm_kwargs` on the same model, and each one's speed-up
-    over this tree's default figure (`<figure>_speedup`, > 1: the variant is faster)."""
+    over this tree's default figure (`<figure>_speedup`, > 1: the variant is faster); with `of_default`, the
+    default's speed-up over the variant (> 1: the default is faster)."""
     status, got = run.child("shape", {**spec, "llm_kwargs": llm_kwargs, "only": only}, cap, f"{name}:{label}")
     out: dict = {"status": status, **{k: got[k] for k in (*only, "error") if k in got}}
     for k in only:
         if k in got and k in figs:
-            out[f"{k}_speedup"] = round(_SPEEDUP[k](figs[k], got[k]), 3)
+            base, variant = (got[k], figs[k]) if of_default else (figs[k], got[k])
+            out[f"{k}_speedup"] = round(_SPEEDUP[k](base, variant), 3)
     return out
 
 
@@ -951,9 +954,11 @@ def fp8_figures(run: Run, spec: dict, name: str, cap: float, figs: dict) -> dict
 
 
 def async_figures(run: Run, spec: dict, name: str, cap: float, figs: dict) -> dict:
-    """W1 and batch-1 TPOT with `--async-scheduling` (the next decode step launched behind the one in flight)
-    on the same model, beside this tree's step-by-step figures."""
-    return variant_figures(run, spec, name, cap, figs, "async", {"async_scheduling": True}, ["w1", "tpot_b1"])
+    """W1 and batch-1 TPOT step by step (`--no-async-scheduling`) on the same model, and the speed-ups of this
+    tree's default figures over them: on a GPU the default launches each decode step behind the one in flight
+    (asynchronous scheduling), on the CPU it goes step by step too (the speed-ups are then about 1)."""
+    return variant_figures(run, spec, name, cap, figs, "step_by_step", {"async_scheduling": False},
+                           ["w1", "tpot_b1"], of_default=True)
 
 
 def mixed_figures(run: Run, spec: dict, name: str, cap: float, figs: dict) -> dict:
@@ -1217,7 +1222,7 @@ def main() -> int:
     p.add_argument("--mixed-shapes", default="60m,8b", help="the shapes whose W1 and 2k prefill run again with "
                    "--cuda-graph-mixed-tokens 2048 (default: 60m,8b)")
     p.add_argument("--async-shapes", default="60m,1b,8b", help="the shapes whose W1 and batch-1 TPOT run again "
-                   "with --async-scheduling, where measured ('' for none)")
+                   "step by step (--no-async-scheduling) beside the default, where measured ('' for none)")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="a tokenizer folder to pad to each model's vocabulary (default: a synthetic byte-level one)")
     p.add_argument("--wheels", type=Path, default=None,

@@ -20,6 +20,7 @@ import dataclasses
 import importlib
 import re
 import sys
+import typing
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -217,9 +218,10 @@ def config_reference() -> str:
         lines += [f"## {sec}", "", titles[cls.__name__], "",
                   "| key | flag | env var | default | run time | meaning |",
                   "| --- | --- | --- | --- | --- | --- |"]
+        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            is_bool = isinstance(f.default, bool)
+            is_bool = hints[f.name] in (bool, bool | None)  # an on/off flag and its --no- form
             flags = f"{_code(flag)}, {_code('--no-' + flag[2:])}" if is_bool else _code(flag)
             runtime = "yes" if f.metadata.get("runtime") else "no"
             lines.append(f"| {_code(sec + '.' + f.name)} | {flags} | {_code(env_var(f.name))} | "

@@ -287,12 +287,15 @@ class SchedulerConfig:
                                 "(high, normal, low) with aging, or purely by arrival", runtime=True)
     priority_aging_s: float = _f(10.0, "seconds of waiting that lift a request one priority class, so "
                                  "low priority is never starved (0 disables aging)", runtime=True)
-    async_scheduling: bool = _f(False, "while a step of decodes runs, schedule and launch the next one behind it, "
-                                "its input tokens taken on the device from the step in flight, so that the host's "
-                                "work hides behind the GPU's (as vLLM's --async-scheduling; docs: GPU, Asynchronous "
-                                "scheduling). Steps overlap only while every running request is a plain decode "
-                                "(one sample, no logprobs, penalties, min_tokens or grammar) and no waiting request "
-                                "could be admitted")
+    async_scheduling: bool | None = _f(None, "while a step of decodes runs, schedule and launch the next one "
+                                       "behind it, its input tokens taken on the device from the step in flight, so "
+                                       "that the host's work hides behind the GPU's (vLLM's --async-scheduling; "
+                                       "docs: GPU, Asynchronous scheduling). Steps overlap only while every running "
+                                       "request is a plain decode (one sample, no logprobs, penalties, min_tokens "
+                                       "or grammar) and no waiting request could be admitted. Default (None): on "
+                                       "with a CUDA device unless speculative decoding or tensor_parallel_size > 1 "
+                                       "rules it out, as in vLLM; off on the CPU, whose forward pass runs in the "
+                                       "host's own thread, so nothing overlaps")
 
     def validate(self) -> None:
         def need(ok: bool, name: str, allowed: str) -> None:
@@ -593,15 +596,14 @@ class EngineConfig(SectionedConfig):
         need(cache.kv_cache_dtype == "auto" or not device.batch_invariant, "kv_cache_dtype", "auto with "
              "batch_invariant (an fp8 cache is read through PyTorch, not the C++ kernels that fix the order)")
         tp = self.parallel_config.tensor_parallel_size
-        overlap = self.scheduler_config.async_scheduling
-        need(not overlap or (not self.speculative_config.enabled and self.speculative_config.speculative_model is None),
-             "async_scheduling", "false with speculative decoding (a verification needs the tokens before it is "
-             "scheduled)")
+        overlap = self.scheduler_config.async_scheduling  # as given: None is decided by async_scheduling_on()
+        need(not overlap or not self._speculates(), "async_scheduling", "false with speculative decoding (a "
+             "verification needs the tokens before it is scheduled)")
         need(not overlap or tp == 1, "async_scheduling", "false with tensor_parallel_size > 1 (the other ranks "
              "take each step's input tokens from the host)")
         if tp > 1 and device.device != "cpu":
             self._need_gpus(tp)
-        for ok, why in ((not self.speculative_config.enabled and self.speculative_config.speculative_model is None,
+        for ok, why in ((not self._speculates(),
                          "no speculative decoding"),
                         (not device.batch_invariant, "no batch_invariant"),
                         (cache.kv_cache_persist is None, "no kv_cache_persist (each rank holds part of every block)"),
@@ -611,6 +613,18 @@ class EngineConfig(SectionedConfig):
                          "an fp8 checkpoint is dequantized under none)"),
                         (not self.lora_config.enable_lora, "no LoRA adapters (they are not sharded)")):
             need(tp == 1 or ok, "tensor_parallel_size", f"1, or run with {why}")
+
+    def _speculates(self) -> bool:
+        return self.speculative_config.enabled or self.speculative_config.speculative_model is not None
+
+    def async_scheduling_on(self) -> bool:
+        """Whether decode steps may be launched behind one another: async_scheduling as given, or where it is
+        None, on a CUDA device unless speculative decoding or tensor parallelism rules it out."""
+        given = self.scheduler_config.async_scheduling
+        if given is not None:
+            return given
+        return (self.device_config.device.startswith("cuda") and not self._speculates()
+                and self.parallel_config.tensor_parallel_size == 1)
 
     def _need_gpus(self, tp: int) -> None:
         """tensor_parallel_size ranks on CUDA take one GPU each, from the device's index up: they must exist."""

@@ -126,7 +126,7 @@ class EngineCore:
         self.failed: list[tuple[str, str]] = []  # (request id, why) for requests refused after add_request
         self._order = 0
         # async scheduling: the step launched and not yet collected, and when the last one was collected
-        self.async_scheduling = config.scheduler_config.async_scheduling
+        self.async_scheduling = config.async_scheduling_on()
         self.inflight: InFlight | None = None
         self._last_collect = 0.0
         self.num_overlapped_steps = 0  # steps launched behind another

@@ -7,6 +7,7 @@ tokens on the host (logprobs, penalties) holding the overlap off."""
 from __future__ import annotations
 
 import pytest
+import torch
 from tiny_models import hf_greedy, random_prompts
 
 from servelm import LLM, SamplingParams
@@ -121,6 +122,23 @@ def test_config_refuses_what_async_scheduling_cannot_run_with():
     with pytest.raises(ConfigError, match="async_scheduling"):
         EngineConfig(model="m", async_scheduling=True, tensor_parallel_size=2)
     assert EngineConfig(model="m", async_scheduling=True).scheduler_config.async_scheduling
+
+
+def test_by_default_steps_overlap_on_cuda_where_nothing_rules_it_out(monkeypatch):
+    """As vLLM's default: on with a CUDA device, off where speculative decoding or tensor parallelism needs each
+    step's tokens on the host first (not an error, as it is when asked for), and off on the CPU."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # tensor parallelism's check of the GPUs
+    assert EngineConfig(model="m", device="cuda").async_scheduling_on()
+    assert not EngineConfig(model="m", device="cuda", async_scheduling=False).async_scheduling_on()
+    assert not EngineConfig(model="m", device="cuda", speculative_method="ngram").async_scheduling_on()
+    assert not EngineConfig(model="m", device="cuda", tensor_parallel_size=2).async_scheduling_on()
+    assert not EngineConfig(model="m").async_scheduling_on()
+    assert EngineConfig(model="m", async_scheduling=True).async_scheduling_on()
+
+
+def test_the_cpu_engine_goes_step_by_step_unless_asked(model_dirs):
+    assert _llm(model_dirs).engine.core.async_scheduling is False
+    assert _llm(model_dirs, async_scheduling=True).engine.core.async_scheduling is True
 
 
 def test_a_waiting_request_of_a_better_class_is_not_kept_waiting(model_dirs):
