@@ -555,7 +555,7 @@ def fp8_linear(shape: tuple, on_gpu: bool) -> dict:
             paths["scaled_mm"] = [fp8.Fp8ScaledMatmul(q) for q in quant]
         elif not on_gpu:
             paths["scaled_mm"] = [fp8.Fp8ReferenceMatmul(q) for q in quant]
-        for rows in ((1, 16, 64, 256, 2048) if on_gpu else (1, 2)):
+        for rows in ((1, 16, 32, 64, 256, 2048) if on_gpu else (1, 2)):
             x = torch.randn(rows, k, generator=g, device=dev, dtype=dtype)
             row = {"linear": name, "n": n, "k": k, "rows": rows, "calls_per_replay": copies}
             for path, mms in paths.items():
