@@ -35,7 +35,7 @@ def describe(path: Path) -> CheckpointInfo:
     if (pred := describe_predictor(path)) is not None:  # a non-LLM model: its runtime, from the file name
         return CheckpointInfo(Kind.PREDICT, pred["runtime"], None, None)
     config = hf_files.read_json(path / "config.json") if path.is_dir() else None
-    if config is not None and hf_files.is_encoder(config):  # it embeds, scores or classifies text
+    if config is not None and hf_files.is_embedding_folder(path, config):  # it embeds, scores or classifies text
         return _describe_folder(path, config, Kind.EMBED)
     try:
         src = metadata.check_model(str(path))

@@ -40,12 +40,13 @@ def _unwrap(prompt: Prompt) -> str | list[int]:
 
 
 def _encoder_folder(config: EngineConfig):
-    """The model's folder when it is an encoder checkpoint, else None."""
-    from servelm.model.loading.hf_files import is_encoder, read_json
+    """The model's folder when it holds a pooling model (an encoder, a sentence-transformers embedding model), else None."""
+    from servelm.model.loading.hf_files import is_embedding_folder, read_json
     from servelm.model.loading.source import resolve_model
 
     src = resolve_model(config.model_config.model, config.model_config.gguf_file)
-    return src.path if src.kind == "hf" and is_encoder(read_json(src.path / "config.json") or {}) else None
+    embeds = src.kind == "hf" and is_embedding_folder(src.path, read_json(src.path / "config.json") or {})
+    return src.path if embeds else None
 
 
 class LLM:

