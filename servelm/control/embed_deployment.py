@@ -105,11 +105,11 @@ class EmbedDeployment:
     def activation(self) -> str:
         return self.embedder.activation if self.embedder else "classify"
 
-    async def embed(self, texts: list[str], truncate: int | None = None,
-                    side: str = "right") -> tuple[list[np.ndarray], int]:
-        """L2-normalised sentence vectors and the token count (EmbedderDown while its process restarts);
-        `truncate` and `side` as Embedder.embed's."""
-        return await self._call("embed", texts, truncate, side)
+    async def embed(self, texts: list[str], truncate: int | None = None, side: str = "right",
+                    dimensions: int | None = None) -> tuple[list[np.ndarray], int]:
+        """Sentence vectors and the token count (EmbedderDown while its process restarts); `truncate`, `side`
+        and `dimensions` as Embedder.embed's."""
+        return await self._call("embed", texts, truncate, side, dimensions)
 
     async def classify(self, texts: list[str], pairs: list[str] | None = None, truncate: int | None = None,
                        side: str = "right") -> tuple[list[np.ndarray], int]:

@@ -26,9 +26,13 @@ from servelm.runtimes.encoder_runner import (
     EncoderRunner,
     Pooled,
     activate,
+    check_dimensions,
     cosine,
+    cut_dimensions,
+    embedding_width,
     model_activation,
     model_labels,
+    model_matryoshka,
 )
 
 BATCH_SIZE = 32  # inputs run together (as the server's embedding batches)
@@ -59,12 +63,12 @@ def _truncation(tokenization_kwargs: dict | None) -> tuple[int | None, str]:
     return k, side
 
 
-def _use_activation(pooling_params: PoolingParams | None, lora_request) -> bool:
+def _use_activation(pooling_params: PoolingParams | None, lora_request, task: str) -> bool:
     if lora_request is not None:
         raise ValueError("encoder models take no LoRA adapters")
     if pooling_params is None:
         return True
-    pooling_params.check()
+    pooling_params.check(task)
     return pooling_params.use_activation is not False
 
 
@@ -103,17 +107,21 @@ class EncoderModel:
     def embed(self, prompts, use_tqdm: bool = True, pooling_params: PoolingParams | None = None,
               lora_request=None, tokenization_kwargs: dict | None = None) -> list[EmbeddingRequestOutput]:
         self._need("embed", "embed()")
-        _use_activation(pooling_params, lora_request)
+        _use_activation(pooling_params, lora_request, "embed")
         k, side = _truncation(tokenization_kwargs)
+        dims = pooling_params.dimensions if pooling_params is not None else None
+        if dims is not None:
+            check_dimensions(dims, model_matryoshka(self.path), embedding_width(self.path), self.path.name)
         rows = self._run([(t, None, k, side) for t in _texts(prompts, "prompts")], self.runner.embed, "Embedding",
                          use_tqdm)
-        return [EmbeddingRequestOutput(str(next(self._ids)), EmbeddingOutput(vec.tolist()), ids)
-                for vec, ids in rows]
+        normalize = self.runner.recipe.normalize
+        return [EmbeddingRequestOutput(str(next(self._ids)), EmbeddingOutput(
+            cut_dimensions(vec, dims, normalize).tolist()), ids) for vec, ids in rows]
 
     def classify(self, prompts, use_tqdm: bool = True, pooling_params: PoolingParams | None = None,
                  lora_request=None, tokenization_kwargs: dict | None = None) -> list[ClassificationRequestOutput]:
         self._need("classify", "classify()")
-        act = _use_activation(pooling_params, lora_request)
+        act = _use_activation(pooling_params, lora_request, "classify")
         k, side = _truncation(tokenization_kwargs)
         rows = self._run([(t, None, k, side) for t in _texts(prompts, "prompts")], self.runner.classify,
                          "Classifying", use_tqdm)
@@ -124,7 +132,7 @@ class EncoderModel:
               lora_request=None, tokenization_kwargs: dict | None = None) -> list[ScoringRequestOutput]:
         """One text_1 against every text_2, or pairs one to one: a cross-encoder reads each pair together (its
         logit through the model's activation), an embedding model scores the cosine similarity of the vectors."""
-        act = _use_activation(pooling_params, lora_request)
+        act = _use_activation(pooling_params, lora_request, "score")
         k, side = _truncation(tokenization_kwargs)
         one, two = _texts(data_1, "data_1"), _texts(data_2, "data_2")
         if len(one) != 1 and len(one) != len(two):

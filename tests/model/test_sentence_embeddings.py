@@ -158,3 +158,43 @@ def test_a_sentence_transformers_decoder_is_a_pooling_model_everywhere(tmp_path,
     (tmp_path / "modules.json").unlink()  # the same checkpoint without the modules: a generation model
     assert not is_embedding_folder(tmp_path, read_json(tmp_path / "config.json"))
     assert describe(tmp_path).kind == Kind.GENERATE
+
+
+def test_matryoshka_dimensions_cut_and_normalize_as_vllm_does(tmp_path):
+    """A model whose config lists matryoshka_dimensions: `dimensions` keeps a vector's first values and
+    normalizes them again, offline and in the server's embedding process alike; other cuts are refused."""
+    import asyncio
+
+    from servelm import LLM, PoolingParams
+    from servelm.runtimes.embedder import BadDimensions, Embedder
+
+    save_encoder(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [8, 16, 32]}))
+    full = st_vectors(tmp_path, TEXTS)
+    want = full[:, :16] / np.linalg.norm(full[:, :16], axis=1, keepdims=True)
+    llm = LLM(str(tmp_path))
+    got = [o.outputs.embedding for o in llm.embed(TEXTS, pooling_params=PoolingParams(dimensions=16), use_tqdm=False)]
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="trained for dimensions 8, 16, 32, not 12"):
+        llm.embed(TEXTS, pooling_params=PoolingParams(dimensions=12))
+    with pytest.raises(ValueError, match="embed"):
+        llm.score(TEXTS[0], TEXTS[1], pooling_params=PoolingParams(dimensions=16))
+
+    async def serve() -> list:
+        emb = Embedder(tmp_path)
+        try:
+            await emb.wait_ready()
+            with pytest.raises(BadDimensions, match="not 12"):
+                await emb.embed(TEXTS, dimensions=12)
+            vectors, _ = await emb.embed(TEXTS, dimensions=16)
+            return vectors
+        finally:
+            emb.close()
+
+    np.testing.assert_allclose(asyncio.run(serve()), want, atol=2e-5, rtol=1e-4)
+    config["is_matryoshka"] = True  # any cut, up to the width
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert len(LLM(str(tmp_path)).embed("hi", pooling_params=PoolingParams(dimensions=5))[0].outputs.embedding) == 5
+    with pytest.raises(ValueError, match="from 1 to 32"):
+        LLM(str(tmp_path)).embed("hi", pooling_params=PoolingParams(dimensions=33))

@@ -133,11 +133,18 @@ def test_validation_gaps_are_400_naming_the_field(server, path, body, param):
     (CHAT, {"messages": MSGS, "functions": [{"name": "f"}]}, "functions"),
     ("/v1/completions", {"prompt": "hi", "suffix": " end"}, "suffix"),
     ("/v1/completions", {"prompt": "hi", "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
-    ("/v1/embeddings", {"input": "hi", "dimensions": 8}, "dimensions"),
 ])
 def test_fields_not_implemented_yet_are_400_naming_them(server, path, body, param):
     err = error(httpx.post(server + path, json=body))
     assert err["param"] == param and err["code"] == "unsupported_parameter" and "not supported" in err["message"]
+
+
+def test_dimensions_of_a_model_not_trained_for_them_are_a_400(server):
+    """all-MiniLM-L6-v2 is no Matryoshka model: its vectors cut short would be poor (as vLLM refuses them)."""
+    for path in ("/v1/embeddings", "/api/embed"):
+        r = httpx.post(server + path, json={"input": "hi", "dimensions": 8})
+        assert r.status_code == 400 and "Matryoshka" in r.text, r.text
+    assert error(httpx.post(server + "/v1/embeddings", json={"input": "hi", "dimensions": 8}))["param"] == "dimensions"
 
 
 @pytest.mark.parametrize("path, body", [  # values that change nothing, and the implemented extensions

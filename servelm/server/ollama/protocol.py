@@ -214,7 +214,7 @@ class EmbedRequest(BaseModel):
     truncate: bool = True
     options: dict[str, Any] | None = None
     keep_alive: str | int | float | None = None
-    dimensions: None = None
+    dimensions: int | None = None  # a Matryoshka model's vectors cut to this many values
 
 
 class LegacyEmbeddingsRequest(BaseModel):

@@ -270,7 +270,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         start = time.monotonic()
         embedder, name = await _embedder(api, request, _embed_model(body.model))
         inputs = [body.input] if isinstance(body.input, str) else body.input
-        vectors, tokens = await _embed(api, embedder, inputs)
+        vectors, tokens = await _embed(api, embedder, inputs, dimensions=body.dimensions)
         return {"model": body.model or name, "embeddings": [v.tolist() for v in vectors],
                 "total_duration": _ns(start, time.monotonic()), "load_duration": 0, "prompt_eval_count": tokens}
 

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI, Request
 
 from servelm.control.types import Kind
-from servelm.runtimes.embedder import EmbedderDown, WrongTask
+from servelm.runtimes.embedder import BadDimensions, EmbedderDown, WrongTask
 from servelm.server.common import Api, b64
 from servelm.server.openai import protocol as p
 from servelm.server.openai.protocol import APIError
@@ -25,11 +25,14 @@ async def _embedder(api: Api, request: Request, model: str | None):
     return m, m.served_name
 
 
-async def _embed(api: Api, embedder, inputs: list[str], truncate: int | None = None, side: str = "right"):
+async def _embed(api: Api, embedder, inputs: list[str], truncate: int | None = None, side: str = "right",
+                 dimensions: int | None = None):
     """(vectors, prompt tokens) of the inputs, after the request's caps are checked; `truncate`: each input keeps
-    at most that many tokens, its first ones (`side` "right") or its last ones ("left")."""
-    return await pooled(api, inputs, lambda: embedder.embed(inputs) if truncate is None
-                        else embedder.embed(inputs, truncate, side))
+    at most that many tokens, its first ones (`side` "right") or its last ones ("left"); `dimensions`: a
+    Matryoshka model's vectors cut to that many values."""
+    if truncate is None and dimensions is None:
+        return await pooled(api, inputs, lambda: embedder.embed(inputs))
+    return await pooled(api, inputs, lambda: embedder.embed(inputs, truncate, side, dimensions))
 
 
 async def pooled(api: Api, inputs: list[str], run: Callable[[], Awaitable]):
@@ -48,6 +51,8 @@ async def pooled(api: Api, inputs: list[str], run: Callable[[], Awaitable]):
         raise APIError(503, str(e), code="embedder_unavailable") from e
     except WrongTask as e:
         raise APIError(400, str(e), "model", "wrong_model_task") from e
+    except BadDimensions as e:
+        raise APIError(400, str(e), "dimensions") from e
     except ValueError as e:
         raise APIError(400, str(e), "input") from e
 
@@ -57,7 +62,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
     async def embeddings(req: p.EmbeddingRequest, request: Request):
         embedder, name = await _embedder(api, request, req.model)
         inputs = [req.input] if isinstance(req.input, str) else req.input
-        vectors, tokens = await _embed(api, embedder, inputs, req.truncate_prompt_tokens, req.side)
+        vectors, tokens = await _embed(api, embedder, inputs, req.truncate_prompt_tokens, req.side, req.dimensions)
         data = []
         for i, v in enumerate(vectors):
             emb = b64(v) if req.encoding_format == "base64" else v.tolist()

@@ -82,7 +82,6 @@ NOT_SUPPORTED_YET: dict[str, tuple] = {
     "guided_whitespace_pattern": (), "logits_processors": (),
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "verbosity": (),
     "web_search_options": (), "store": (False,), "metadata": (), "service_tier": ("auto", "default"),
-    "dimensions": (),
 }
 
 
@@ -570,6 +569,7 @@ class EmbeddingRequest(_PooledTruncation):
     input: Text | Texts
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # a Matryoshka model's vectors cut to this many values
     user: str | None = None
 
 
