@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -190,6 +191,36 @@ def test_on_demand_load_and_embedding_versions(server, model_dirs):
     deps = {d["id"]: d for d in httpx.get(server + "/admin/deployments", headers=ADMIN).json()}
     assert deps["od-v1"]["keep_alive_s"] == 300
     assert any(e["action"] == "load_on_demand" and e["target"] == "od-v1"
+               for e in httpx.get(server + "/admin/audit", headers=ADMIN).json()["entries"])
+
+    # Ollama's keep_alive sets how long a model loaded on demand stays loaded once idle
+    user = {"x-api-key": USER_KEY}
+    r = httpx.post(server + "/api/generate", headers=user, timeout=300, json={
+        "model": "od:1", "prompt": "hi", "stream": False, "options": {"num_predict": 2}, "keep_alive": "1h"})
+    assert r.status_code == 200 and r.json()["done"], r.text
+    deps = {d["id"]: d for d in httpx.get(server + "/admin/deployments", headers=ADMIN).json()}
+    assert deps["od-v1"]["keep_alive_s"] == 3600
+    from datetime import datetime, timezone
+
+    ps = {m["name"]: m for m in httpx.get(server + "/api/ps", headers=user).json()["models"]}
+    left = datetime.fromisoformat(ps["od:1"]["expires_at"]) - datetime.now(timezone.utc)
+    assert 3000 < left.total_seconds() <= 3600
+    assert ps["tiny"]["expires_at"].startswith("0001-")  # the server's own model does not expire
+    err = httpx.post(server + "/api/generate", headers=user, json={"model": "od:1", "keep_alive": "soon"})
+    assert err.status_code == 400 and "keep_alive" in err.text
+    # the server's own model stays loaded whatever a client says: answered "load"
+    kept = httpx.post(server + "/api/generate", headers=user, json={"model": "tiny", "keep_alive": 0}).json()
+    assert kept["done_reason"] == "load"
+    # `ollama stop`: no prompt and keep_alive 0; the model is unloaded once idle (by the keep-alive reaper)
+    stop = httpx.post(server + "/api/generate", headers=user, json={"model": "od:1", "keep_alive": 0}).json()
+    assert stop["done_reason"] == "unload"
+    for _ in range(600):  # waits for the unload (the reaper looks every 5 s), not for a time
+        if "od-v1" not in {d["id"] for d in httpx.get(server + "/admin/deployments", headers=ADMIN).json()}:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("od-v1 was not unloaded")
+    assert any(e["action"] == "expire" and e["target"] == "od-v1"
                for e in httpx.get(server + "/admin/audit", headers=ADMIN).json()["entries"])
 
     # an embedding version: deployed, listed and served by name like the generation ones

@@ -9,6 +9,7 @@ output) and `tools` take the OpenAI routes' paths: the same grammars and the sam
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -79,13 +80,44 @@ class Options(BaseModel):
             output_kind=OutputKind.DELTA)
 
 
+KEEP_FOREVER_S = 10 * 365 * 86400.0  # a negative keep_alive: loaded until memory pressure evicts it
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_DURATION_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value: str | int | float | None) -> float | None:
+    """Ollama's keep_alive in seconds: a number of seconds, or a Go duration ("5m", "1h30m", "0"); a negative
+    one keeps the model loaded (KEEP_FOREVER_S); None where it is not given. A 400 naming keep_alive for any
+    other value."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise APIError(400, "keep_alive must be a duration such as \"5m\" or a number of seconds", "keep_alive")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        text = text.lstrip("+-")
+        parts = _DURATION_PART.findall(text)
+        if re.fullmatch(r"\d+(\.\d+)?", text):  # a bare number: seconds
+            seconds = float(text)
+        elif parts and "".join(n + u for n, u in parts) == text:
+            seconds = sum(float(n) * _DURATION_UNIT[u] for n, u in parts)
+        else:
+            raise APIError(400, f"keep_alive {value!r} is not a duration such as \"5m\", \"1h30m\" or \"-1\"",
+                           "keep_alive")
+        seconds *= sign
+    return KEEP_FOREVER_S if seconds < 0 else seconds
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     options: dict[str, Any] | None = None
     stream: bool = True  # Ollama streams unless told not to
-    keep_alive: str | int | float | None = None  # servelm keeps its models loaded: accepted without effect
+    keep_alive: str | int | float | None = None  # for a model loaded on demand: how long it stays loaded idle
     format: Any = None  # "json" or a JSON schema
     think: Any = None
 

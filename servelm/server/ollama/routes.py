@@ -187,9 +187,34 @@ def _line(obj: dict) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
 
-def _loaded(model: str | None) -> dict:
-    """Ollama's answer to a request with no prompt or messages: the model is loaded (servelm's always are)."""
-    return {"model": model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
+def _loaded(model: str | None, unloads: bool = False) -> dict:
+    """Ollama's answer to a request with no prompt or messages: the model is loaded, or (`unloads`: keep_alive 0
+    for a model loaded on demand, what `ollama stop` sends) it is being unloaded."""
+    return {"model": model, "created_at": _now(), "response": "", "done": True,
+            "done_reason": "unload" if unloads else "load"}
+
+
+def _keep_alive(m, keep_alive) -> float | None:
+    """Ollama's keep_alive for the model serving the request: from now on it stays loaded that long once idle
+    (0: it is unloaded as soon as it is idle; negative: kept). servelm honours it for a model that expires, one
+    loaded on demand; the server's own model and deployments an operator keeps stay loaded whatever a client
+    says. Returns the seconds where it applied, else None (a value that is no duration is a 400 either way)."""
+    seconds = o.keep_alive_seconds(keep_alive)
+    deployment = getattr(m, "deployment", None)
+    if seconds is None or deployment is None or getattr(deployment, "keep_alive_s", None) is None:
+        return None
+    deployment.keep_alive_s = seconds
+    return seconds
+
+
+def _expires_at(m) -> str:
+    """/api/ps's expires_at: when a model loaded on demand unloads if it stays idle (RFC 3339, UTC); Ollama's
+    zero time for a model that does not expire."""
+    keep, last = getattr(m, "keep_alive_s", None), getattr(m, "last_used", None)
+    if keep is None or last is None:
+        return "0001-01-01T00:00:00Z"
+    left = max(0.0, keep - (time.monotonic() - last))
+    return datetime.fromtimestamp(time.time() + left, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 def _parameters(m) -> str:
@@ -227,8 +252,9 @@ def add_routes(app: FastAPI, api: Api) -> None:
         body.refuse_unsupported()
         thinking = body.thinking(parsers.reasoning_parser)
         m = await _resolve(api, request, body.model, req=body)
+        kept = _keep_alive(m, body.keep_alive)
         if not body.prompt and not body.context:
-            return _loaded(body.model or m.served_name)
+            return _loaded(body.model or m.served_name, unloads=kept == 0)
         api.hold_place(m, request)
         prompt = body.prompt or ""
         if body.raw or getattr(m.tokenizer, "chat_template", None) is None:
@@ -251,8 +277,9 @@ def add_routes(app: FastAPI, api: Api) -> None:
         body.refuse_unsupported()
         thinking = body.thinking(parsers.reasoning_parser)
         m = await _resolve(api, request, body.model, req=body)
+        kept = _keep_alive(m, body.keep_alive)
         if not body.messages:
-            done = _loaded(body.model or m.served_name)
+            done = _loaded(body.model or m.served_name, unloads=kept == 0)
             del done["response"]
             return {**done, "message": {"role": "assistant", "content": ""}}
         api.hold_place(m, request)
@@ -269,6 +296,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         body = await _body(request, o.EmbedRequest)
         start = time.monotonic()
         embedder, name = await _embedder(api, request, _embed_model(body.model))
+        _keep_alive(embedder, body.keep_alive)
         inputs = [body.input] if isinstance(body.input, str) else body.input
         vectors, tokens = await _embed(api, embedder, inputs, dimensions=body.dimensions)
         return {"model": body.model or name, "embeddings": [v.tolist() for v in vectors],
@@ -279,6 +307,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
     async def embeddings(request: Request):
         body = await _body(request, o.LegacyEmbeddingsRequest)
         embedder, _ = await _embedder(api, request, _embed_model(body.model))
+        _keep_alive(embedder, body.keep_alive)
         vectors, _ = await _embed(api, embedder, [body.prompt])
         return {"embedding": vectors[0].tolist()}
 
@@ -305,8 +334,8 @@ def add_routes(app: FastAPI, api: Api) -> None:
 
     @app.get("/api/ps", include_in_schema=False)
     async def ps():
-        # servelm's models stay loaded for the server's life (on-demand ones until keep_alive_s idle)
-        return {"models": [{**tag(n, m), "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0,
+        # servelm's own models stay loaded for the server's life; on-demand ones until idle for their keep_alive
+        return {"models": [{**tag(n, m), "expires_at": _expires_at(m), "size_vram": 0,
                             "context_length": getattr(m, "max_model_len", 0) if not emb else 0}
                            for n, m, emb in entries()]}
 
