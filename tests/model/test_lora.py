@@ -87,6 +87,19 @@ def test_adapters_batched_with_base_rows_under_chunking_and_the_prefix_cache(set
     assert stats.prefix_cache_hits > 0  # the second round reused blocks, each within its own adapter
 
 
+def test_adapters_with_steps_launched_behind_one_another(setup, hf_models):
+    """Asynchronous scheduling (the GPU's default) launches each decode step behind the one in flight: every row
+    keeps its adapter in the steps behind, so the outputs are still PEFT's merged models'."""
+    arch, base_dir, paths, merged = setup
+    prompts = random_prompts(3, 10, 30, seed=24)
+    loras = [None, LoRARequest("small", 1, str(paths["small"])), LoRARequest("big", 2, str(paths["big"]))]
+    llm = LLM(str(base_dir), dtype="float32", num_kv_blocks=256, enable_lora=True, async_scheduling=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, _params(), use_tqdm=False, lora_request=loras)]
+    assert got == [hf_greedy(m, p, 12) for m, p in zip((hf_models[arch], merged["small"], merged["big"]), prompts,
+                                                      strict=True)]
+    assert llm.engine.core.num_overlapped_steps > 0  # steps did go behind one another
+
+
 def test_max_loras_bounds_a_step_and_requests_still_finish(setup):
     """With room for one adapter per step, rows of two adapters take turns; every request finishes correctly."""
     arch, base_dir, paths, merged = setup
