@@ -233,7 +233,10 @@ class EncoderRunner:
 
         enc = self._tokenize(items)
         mask = enc["attention_mask"]
-        extra = {"position_ids": (mask.cumsum(1) - 1).clamp(min=0)} if self.causal else {}
+        extra = {}
+        if self.causal:  # a decoder takes no segment ids (some tokenizers return them anyway)
+            enc.pop("token_type_ids", None)
+            extra["position_ids"] = (mask.cumsum(1) - 1).clamp(min=0)
         hidden = self.model(**enc, **extra)
         pooled = pool(hidden, mask, self.recipe.pooling)
         if self.recipe.normalize:
