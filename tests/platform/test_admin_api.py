@@ -214,14 +214,17 @@ def test_on_demand_load_and_embedding_versions(server, model_dirs):
     # `ollama stop`: no prompt and keep_alive 0; the model is unloaded once idle (by the keep-alive reaper)
     stop = httpx.post(server + "/api/generate", headers=user, json={"model": "od:1", "keep_alive": 0}).json()
     assert stop["done_reason"] == "unload"
+    def expired() -> bool:  # the unload's audit entry, written once its workers have stopped
+        return any(e["action"] == "expire" and e["target"] == "od-v1"
+                   for e in httpx.get(server + "/admin/audit", headers=ADMIN).json()["entries"])
+
     for _ in range(600):  # waits for the unload (the reaper looks every 5 s), not for a time
-        if "od-v1" not in {d["id"] for d in httpx.get(server + "/admin/deployments", headers=ADMIN).json()}:
+        if expired():
             break
         time.sleep(0.2)
     else:
         raise AssertionError("od-v1 was not unloaded")
-    assert any(e["action"] == "expire" and e["target"] == "od-v1"
-               for e in httpx.get(server + "/admin/audit", headers=ADMIN).json()["entries"])
+    assert "od-v1" not in {d["id"] for d in httpx.get(server + "/admin/deployments", headers=ADMIN).json()}
 
     # an embedding version: deployed, listed and served by name like the generation ones
     from servelm.runtimes.embedder import default_embedding_path
