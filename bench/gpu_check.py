@@ -27,8 +27,9 @@ give the ratios (`baseline`: w1_speedup, tpot_b1_speedup).
 
 With --fp8-shapes (default: 8b on a GPU of compute capability 8.9 or newer), those shapes' batch-1 TPOT and 2k
 prefill run again with `--quantization fp8` (`fp8`: the figures, the TPOT's bound at one byte a linear weight, and
-the speed-ups over bf16), and `fp8_linear` times the shape's linears alone on each fp8 path beside bf16, from one
-row to 2,048 (where the weight-only kernel should give way to `_scaled_mm`).
+the speed-ups over bf16), `fp8_linear` times the shape's linears alone on each fp8 path beside bf16, from one
+row to 2,048 (where the weight-only kernel should give way to `_scaled_mm`), and `fp8_tuning` times the
+weight-only kernel at 1 and 16 rows under a dozen launch settings (programs per SM, tile width, warps, stages).
 
 With --mixed-shapes (default: 60m and 8b), those shapes' W1 and 2k prefill run again with
 `--cuda-graph-mixed-tokens 2048` (`mixed`: steps with prompt chunks replayed from graphs; the speed-ups over
@@ -414,12 +415,13 @@ def child_shape(spec: dict) -> None:
             torch.cuda.empty_cache()
 
     if spec.get("fp8_linear"):
-        try:
-            result("fp8_linear", **fp8_linear(shape, on_gpu))
-        except Exception as e:  # as decode_attention's
-            result("fp8_linear", status="failed", error=f"{type(e).__name__}: {e}"[-1500:])
-            if on_gpu:
-                torch.cuda.empty_cache()
+        for figure, fn in (("fp8_linear", fp8_linear), ("fp8_tuning", fp8_tuning)):
+            try:
+                result(figure, **fn(shape, on_gpu))
+            except Exception as e:  # as decode_attention's
+                result(figure, status="failed", error=f"{type(e).__name__}: {e}"[-1500:])
+                if on_gpu:
+                    torch.cuda.empty_cache()
 
     w1_big(spec, gen, params, shape, pf / len(p2k), g / (len(ws) * spec["sampled"][1]), tflop_s)
     if on_gpu:
@@ -570,6 +572,60 @@ def fp8_linear(shape: tuple, on_gpu: bool) -> dict:
         if on_gpu:
             torch.cuda.empty_cache()
     return {"dtype": str(dtype).removeprefix("torch."), "weight_only_rows": fp8.WEIGHT_ONLY_ROWS, "runs": runs}
+
+
+# the weight-only fp8 kernel's launch settings the sweep times: (programs per SM, output columns a program,
+# warps, pipeline stages); the first is the default
+FP8_TUNINGS = [(2, 64, 4, 3), (4, 64, 4, 3), (8, 64, 4, 3), (16, 64, 4, 3), (4, 32, 4, 3), (4, 128, 4, 3),
+               (4, 128, 8, 3), (4, 64, 4, 4), (8, 64, 4, 4), (4, 64, 8, 4), (8, 32, 4, 4), (8, 128, 8, 4)]
+
+
+def fp8_tuning(shape: tuple, on_gpu: bool) -> dict:
+    """The weight-only fp8 kernel at decode sizes (1 and 16 rows) under each launch setting of FP8_TUNINGS
+    (model/quant/triton_matmul.py's Fp8Tuning): milliseconds for the shape's four linears together and the
+    weight bytes streamed per second, the fastest setting, and its speed-up over the default. Timed as
+    `fp8_linear` times; on the CPU, interpreted, two settings at one row: a smoke of the same code."""
+    import torch
+
+    from servelm.model.quant import fp8
+    from servelm.model.quant.triton_matmul import HAS_TRITON, Fp8Tuning, TritonFp8Matmul
+
+    if not HAS_TRITON:
+        return {"status": "skipped", "reason": "triton is not installed"}
+    h, _, heads, kv, inter, *_ = shape
+    d = h // heads
+    dev = "cuda" if on_gpu else "cpu"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    reps = 5 if on_gpu else 1
+    g = torch.Generator(device=dev).manual_seed(1)
+    shapes = [((heads + 2 * kv) * d, h), (h, heads * d), (2 * inter, h), (h, inter)]
+    weights = []
+    for n, k in shapes:
+        copies = min(64, -(-DECODE_ATTENTION_FLUSH_BYTES // (n * k))) if on_gpu else 1
+        weights.append([fp8.quantize_fp8(torch.randn(n, k, generator=g, device=dev, dtype=dtype) * k**-0.5)
+                        for _ in range(copies)])
+    total_bytes = sum(n * k for n, k in shapes)
+    runs = []
+    for setting in (FP8_TUNINGS if on_gpu else FP8_TUNINGS[:2]):
+        tuning = Fp8Tuning(*setting)
+        for rows in ((1, 16) if on_gpu else (1,)):
+            ms = 0.0
+            for (_, k), quant in zip(shapes, weights, strict=True):
+                x = torch.randn(rows, k, generator=g, device=dev, dtype=dtype)
+                mms = [TritonFp8Matmul(q, tuning=tuning) for q in quant]
+                ms += _replay_ms(lambda mms=mms, x=x: [mm(x) for mm in mms], len(mms), on_gpu, reps)
+            runs.append({"programs_per_sm": tuning.programs_per_sm, "block_n": tuning.block_n,
+                         "num_warps": tuning.num_warps, "num_stages": tuning.num_stages, "rows": rows,
+                         "ms": round(ms, 4), "gb_s": round(total_bytes / ms / 1e6, 1 if on_gpu else 4)})
+    del weights
+    if on_gpu:
+        torch.cuda.empty_cache()
+    out: dict = {"default": list(FP8_TUNINGS[0]), "runs": runs}
+    for rows in sorted({r["rows"] for r in runs}):
+        mine = [r for r in runs if r["rows"] == rows]
+        best = min(mine, key=lambda r: r["ms"])
+        out[f"best_{rows}_rows"] = {**best, "speedup_over_default": round(mine[0]["ms"] / best["ms"], 3)}
+    return out
 
 
 def w1_big(spec: dict, gen, params, shape: tuple, prefill_s_per_token: float, decode_s_per_token: float,
@@ -902,7 +958,7 @@ def section_shape(run: Run, cap: float, name: str) -> dict:
             why = {"timeout": f"the section's cap ({cap:.0f} s) was reached first",
                    "failed": "the child process failed (see error)"}.get(status, "not measured")
             out[k] = {"status": "skipped", "reason": why}
-    for k in ("fp8_linear", "memory", "error"):
+    for k in ("fp8_linear", "fp8_tuning", "memory", "error"):
         if k in figs:
             out[k] = figs[k]
     if name != prof["s1_shape"] and model_dir(run.work, name).exists() and not run.args.keep_models:

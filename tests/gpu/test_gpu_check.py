@@ -185,6 +185,12 @@ def test_an_fp8_variant_runs_beside_on_the_same_model(smoke):
         assert _positive(r["bf16_ms"], r["weight_only_ms"], r["scaled_mm_ms"], r["weight_only_gb_s"],
                          r["fastest_fp8_over_bf16"])
         assert r["fastest_fp8"] in ("weight_only", "scaled_mm")
+    tuning = tiny["fp8_tuning"]
+    assert [(r["programs_per_sm"], r["block_n"], r["num_warps"], r["num_stages"]) for r in tuning["runs"]] == [
+        tuple(tuning["default"]), (4, 64, 4, 3)]
+    assert all(_positive(r["ms"], r["gb_s"]) for r in tuning["runs"])
+    best = tuning["best_1_rows"]
+    assert best["ms"] == min(r["ms"] for r in tuning["runs"]) and best["speedup_over_default"] >= 1
 
 
 @pytest.mark.slow

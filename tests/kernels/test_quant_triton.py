@@ -176,6 +176,20 @@ def test_fp8_split_count_fills_the_gpu_only_where_the_output_cannot():
     assert quant_triton.split_k(output_tiles=1, k_tiles=8, sms=132) == 2  # short inputs: splits of 4 tiles
     assert quant_triton.split_k(output_tiles=1, k_tiles=3, sms=132) == 1
     assert quant_triton.split_k(output_tiles=2, k_tiles=100, sms=1) == 1
+    assert quant_triton.split_k(output_tiles=448, k_tiles=32, sms=132, programs_per_sm=8) == 3  # more programs
+
+
+@pytest.mark.parametrize("tuning", [dict(programs_per_sm=8), dict(block_n=128, num_warps=8, num_stages=4),
+                                    dict(block_n=32, programs_per_sm=4)])
+def test_fp8_kernel_under_other_launch_settings(tuning):
+    """The settings the GPU check sweeps change how the work is cut, not the result."""
+    from servelm.model.quant.fp8 import quantize_fp8
+
+    w = quantize_fp8(torch.randn(200, 512, generator=torch.Generator().manual_seed(3)), torch.float32)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4))
+    mm = quant_triton.TritonFp8Matmul(w.to(DEVICE), sms=4, tuning=quant_triton.Fp8Tuning(**tuning))
+    want = x.double() @ w.dequantize(torch.float64).T
+    torch.testing.assert_close(mm(x.to(DEVICE)).cpu().double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
 def test_fp8_steps_take_the_weight_only_kernel_up_to_64_rows():

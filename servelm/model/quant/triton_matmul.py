@@ -22,6 +22,7 @@ against dequantize-then-matmul. This module imports without Triton; `HAS_TRITON`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -168,11 +169,24 @@ FP8_PROGRAMS_PER_SM = 2  # programs in flight per SM that keep a weight-streamin
 FP8_MIN_TILES_PER_SPLIT = 4  # each split sums at least 4 tiles of inputs: partial sums cost a write and a read
 
 
-def split_k(output_tiles: int, k_tiles: int, sms: int) -> int:
-    """How many slices of the inputs to sum in programs of their own: enough for FP8_PROGRAMS_PER_SM programs on
+@dataclass(frozen=True)
+class Fp8Tuning:
+    """How the weight-only kernel is launched: the programs per SM the split of the inputs aims at, the output
+    columns a program computes, its warps and its loads' pipeline stages (Triton's defaults: 4 and 3). On an
+    H200 the defaults stream the 8B shape's weights at 2.0-2.3 TB/s, about 55% of the copy rate;
+    bench/gpu_check.py's `fp8_tuning` times other settings at the decode sizes to find better ones."""
+
+    programs_per_sm: int = FP8_PROGRAMS_PER_SM
+    block_n: int = FP8_BLOCK_N
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def split_k(output_tiles: int, k_tiles: int, sms: int, programs_per_sm: int = FP8_PROGRAMS_PER_SM) -> int:
+    """How many slices of the inputs to sum in programs of their own: enough for `programs_per_sm` programs on
     every SM where the output's tiles alone are fewer, never slices under FP8_MIN_TILES_PER_SPLIT tiles. A
     function of the shapes and the GPU only, so a step's kernels are the same at every replay of a CUDA graph."""
-    want = -(-FP8_PROGRAMS_PER_SM * sms // output_tiles)
+    want = -(-programs_per_sm * sms // output_tiles)
     return max(1, min(want, k_tiles // FP8_MIN_TILES_PER_SPLIT))
 
 
@@ -184,7 +198,8 @@ class TritonFp8Matmul:
     path = "triton"
     kind = "fp8"
 
-    def __init__(self, w: Fp8Weight, sms: int | None = None) -> None:
+    def __init__(self, w: Fp8Weight, sms: int | None = None, tuning: Fp8Tuning = Fp8Tuning()) -> None:
+        self.tuning = tuning
         self.out_features, self.in_features = w.shape
         self.per_row, self.group = w.per_row, w.group_size
         self.block_k = 128 if w.per_row else _largest_tile_dividing(w.group_size)
@@ -201,16 +216,18 @@ class TritonFp8Matmul:
         if m == 0:
             return x.new_empty(0, n)
         x = x.contiguous()
+        tune = self.tuning
         block_m = min(64, max(16, triton.next_power_of_2(m)))
-        m_tiles, n_tiles, k_tiles = triton.cdiv(m, block_m), triton.cdiv(n, FP8_BLOCK_N), triton.cdiv(k, self.block_k)
-        splits = splits or split_k(m_tiles * n_tiles, k_tiles, self.sms)
+        m_tiles, n_tiles, k_tiles = triton.cdiv(m, block_m), triton.cdiv(n, tune.block_n), triton.cdiv(k, self.block_k)
+        splits = splits or split_k(m_tiles * n_tiles, k_tiles, self.sms, tune.programs_per_sm)
         k_split = triton.cdiv(k_tiles, splits) * self.block_k
         splits = triton.cdiv(k, k_split)
         y = torch.empty(splits, m, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
         _fp8_mm_kernel[(m_tiles, n_tiles, splits)](
             x, self.codes, self.scales, y, m, n, k, k_split, x.stride(0), self.codes.stride(0),
             self.scales.stride(0), y.stride(0), y.stride(1), GROUP=self.group, PER_ROW=self.per_row,
-            BLOCK_M=block_m, BLOCK_N=FP8_BLOCK_N, BLOCK_K=self.block_k, PRECISION=dot_precision(x.dtype))
+            BLOCK_M=block_m, BLOCK_N=tune.block_n, BLOCK_K=self.block_k, PRECISION=dot_precision(x.dtype),
+            num_warps=tune.num_warps, num_stages=tune.num_stages)
         if splits == 1:
             return y[0]
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)  # the partial sums added in one kernel
