@@ -523,6 +523,20 @@ def _replay_ms(calls, n_calls: int, on_gpu: bool, reps: int) -> float:
     return statistics.median(times)
 
 
+def _linear_bench(shape: tuple, on_gpu: bool, seed: int):
+    """What the linear timings share: the shape's four linears as (name, outputs, inputs) (fused qkv, o_proj,
+    fused gate_up, down_proj), the device, the dtype, the timing repetitions and a seeded generator."""
+    import torch
+
+    h, _, heads, kv, inter, *_ = shape
+    d = h // heads
+    dev = "cuda" if on_gpu else "cpu"
+    linears = [("qkv", (heads + 2 * kv) * d, h), ("o_proj", h, heads * d), ("gate_up", 2 * inter, h),
+               ("down_proj", h, inter)]
+    return (linears, dev, torch.bfloat16 if on_gpu else torch.float32, 5 if on_gpu else 1,
+            torch.Generator(device=dev).manual_seed(seed))
+
+
 def fp8_linear(shape: tuple, on_gpu: bool) -> dict:
     """An fp8 linear's paths alone at the shape's four linears (fused qkv, o_proj, fused gate_up, down_proj):
     bf16 `F.linear` on the unquantized weight, the weight-only Triton kernel and `_scaled_mm` (activations
@@ -539,15 +553,9 @@ def fp8_linear(shape: tuple, on_gpu: bool) -> dict:
 
     if not HAS_TRITON:
         return {"status": "skipped", "reason": "triton is not installed"}
-    h, _, heads, kv, inter, *_ = shape
-    d = h // heads
-    dev = "cuda" if on_gpu else "cpu"
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    reps = 5 if on_gpu else 1
-    g = torch.Generator(device=dev).manual_seed(0)
+    linears, dev, dtype, reps, g = _linear_bench(shape, on_gpu, seed=0)
     runs = []
-    for name, n, k in (("qkv", (heads + 2 * kv) * d, h), ("o_proj", h, heads * d), ("gate_up", 2 * inter, h),
-                       ("down_proj", h, inter)):
+    for name, n, k in linears:
         copies = min(64, -(-DECODE_ATTENTION_FLUSH_BYTES // (n * k))) if on_gpu else 1
         dense = [torch.randn(n, k, generator=g, device=dev, dtype=dtype) * k**-0.5 for _ in range(copies)]
         quant = [fp8.quantize_fp8(w) for w in dense]
@@ -592,13 +600,8 @@ def fp8_tuning(shape: tuple, on_gpu: bool) -> dict:
 
     if not HAS_TRITON:
         return {"status": "skipped", "reason": "triton is not installed"}
-    h, _, heads, kv, inter, *_ = shape
-    d = h // heads
-    dev = "cuda" if on_gpu else "cpu"
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    reps = 5 if on_gpu else 1
-    g = torch.Generator(device=dev).manual_seed(1)
-    shapes = [((heads + 2 * kv) * d, h), (h, heads * d), (2 * inter, h), (h, inter)]
+    linears, dev, dtype, reps, g = _linear_bench(shape, on_gpu, seed=1)
+    shapes = [(n, k) for _, n, k in linears]
     weights = []
     for n, k in shapes:
         copies = min(64, -(-DECODE_ATTENTION_FLUSH_BYTES // (n * k))) if on_gpu else 1
