@@ -79,7 +79,7 @@ class EmbedDeployment:
         return self._processes
 
     async def _started(self, version: ModelVersion) -> Embedder:
-        emb = Embedder(Path(version.artifact), self.max_batch_size, self.batch_window_ms)
+        emb = Embedder(Path(version.artifact), self.max_batch_size, self.batch_window_ms, name=version.ref)
         self._processes += 1
         try:
             await emb.wait_ready()

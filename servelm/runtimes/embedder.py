@@ -142,8 +142,9 @@ def _encode(items: list) -> tuple[list, list[int], int]:
 
 class Embedder:
     def __init__(self, path: Path, max_batch_size: int = 32, batch_window_ms: float = 5.0,
-                 max_length: int | None = None) -> None:
+                 max_length: int | None = None, name: str | None = None) -> None:
         self.path, self.max_length = path, max_length
+        self.name = name or Path(path).name  # what errors call it: the name it is served under
         self.task = model_task(path)  # what the model gives: see the module doc
         self.labels = model_labels(path) if self.task == "classify" else []
         # how a classifier's logits become scores (ValueError, stopping the start, for one it cannot apply)
@@ -186,11 +187,11 @@ class Embedder:
         default) or its last ones ("left"). `dimensions`: a Matryoshka model's vectors cut to that many values
         (BadDimensions for a cut the model is not trained for)."""
         if self.task != "embed":
-            raise WrongTask(f"{self.path.name} is a sequence classifier (a cross-encoder): it serves /score, "
+            raise WrongTask(f"{self.name} is a sequence classifier (a cross-encoder): it serves /score, "
                             "/rerank and /classify, not embeddings")
         if dimensions is not None:
             try:
-                check_dimensions(dimensions, self.matryoshka, embedding_width(self.path), self.path.name)
+                check_dimensions(dimensions, self.matryoshka, embedding_width(self.path), self.name)
             except ValueError as e:
                 raise BadDimensions(str(e)) from None
         vectors, tokens = await self._submit([(t, None, truncate, side) for t in texts])
@@ -203,7 +204,7 @@ class Embedder:
         """A classifier's logits for each text, or for each (text, pair) read together; returns the logit rows
         and the token count. `truncate` and `side` as embed's."""
         if self.task != "classify":
-            raise WrongTask(f"{self.path.name} is an embedding model: /classify needs a sequence classifier "
+            raise WrongTask(f"{self.name} is an embedding model: /classify needs a sequence classifier "
                             "(a *ForSequenceClassification checkpoint)")
         if pairs is not None and len(pairs) != len(texts):
             raise ValueError(f"{len(texts)} texts and {len(pairs)} pairs")

@@ -106,7 +106,8 @@ def _embedder(server):
         value = server.embedding_config.embedding_model
         fetch_model(value)
         path, name = resolve_model(value).path, served_name(value)
-    return Embedder(path, server.embedding_config.embedding_max_batch_size, server.embedding_config.embedding_batch_window_ms), name
+    config = server.embedding_config
+    return Embedder(path, config.embedding_max_batch_size, config.embedding_batch_window_ms, name=name), name
 
 
 def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed_name=None, tracing=None,

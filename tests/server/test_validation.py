@@ -143,7 +143,7 @@ def test_dimensions_of_a_model_not_trained_for_them_are_a_400(server):
     """all-MiniLM-L6-v2 is no Matryoshka model: its vectors cut short would be poor (as vLLM refuses them)."""
     for path in ("/v1/embeddings", "/api/embed"):
         r = httpx.post(server + path, json={"input": "hi", "dimensions": 8})
-        assert r.status_code == 400 and "Matryoshka" in r.text, r.text
+        assert r.status_code == 400 and "all-MiniLM-L6-v2 is not a Matryoshka" in r.text, r.text
     assert error(httpx.post(server + "/v1/embeddings", json={"input": "hi", "dimensions": 8}))["param"] == "dimensions"
 
 
