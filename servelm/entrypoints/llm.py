@@ -40,7 +40,8 @@ def _unwrap(prompt: Prompt) -> str | list[int]:
 
 
 def _encoder_folder(config: EngineConfig):
-    """The model's folder when it holds a pooling model (an encoder, a sentence-transformers embedding model), else None."""
+    """The model's folder when it holds a pooling model (an encoder, a sentence-transformers embedding model),
+    else None."""
     from servelm.model.loading.hf_files import is_embedding_folder, read_json
     from servelm.model.loading.source import resolve_model
 

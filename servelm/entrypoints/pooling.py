@@ -111,7 +111,8 @@ class EncoderModel:
         k, side = _truncation(tokenization_kwargs)
         dims = pooling_params.dimensions if pooling_params is not None else None
         if dims is not None:
-            check_dimensions(dims, model_matryoshka(self.path), embedding_width(self.path), self.path.name)
+            check_dimensions(dims, model_matryoshka(self.path), embedding_width(self.path, self.runner.recipe),
+                             self.path.name)
         rows = self._run([(t, None, k, side) for t in _texts(prompts, "prompts")], self.runner.embed, "Embedding",
                          use_tqdm)
         normalize = self.runner.recipe.normalize

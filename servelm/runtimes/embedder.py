@@ -117,9 +117,9 @@ class EncodeFailed(ValueError):
 
 
 def _encode(items: list) -> tuple[list, list[int], int]:
-    """In the embedding process: the inputs' vectors as the model's recipe pools them (a classifier: logits), each input's token
-    count, the padded size. If the batch fails, its inputs run one by one, so that one bad input fails alone:
-    its row is then an EncodeFailed."""
+    """In the embedding process: the inputs' vectors as the model's recipe pools them (a classifier: logits),
+    each input's token count, the padded size. If the batch fails, its inputs run one by one, so that one bad
+    input fails alone: its row is then an EncodeFailed."""
     assert _worker is not None
     try:
         try:
@@ -152,6 +152,7 @@ class Embedder:
         # how an embedding model pools (ValueError, stopping the start, for modules it does not run)
         self.recipe = model_recipe(path) if self.task == "embed" else None
         self.matryoshka = model_matryoshka(path) if self.task == "embed" else None  # the cuts `dimensions` may ask
+        self.width = embedding_width(path, self.recipe) if self.recipe is not None else 0
         self.max_batch_size = max_batch_size
         self.window = batch_window_ms / 1000
         self.stats = BatchStats()
@@ -191,7 +192,7 @@ class Embedder:
                             "/rerank and /classify, not embeddings")
         if dimensions is not None:
             try:
-                check_dimensions(dimensions, self.matryoshka, embedding_width(self.path), self.name)
+                check_dimensions(dimensions, self.matryoshka, self.width, self.name)
             except ValueError as e:
                 raise BadDimensions(str(e)) from None
         vectors, tokens = await self._submit([(t, None, truncate, side) for t in texts])

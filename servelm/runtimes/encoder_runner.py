@@ -82,10 +82,9 @@ def cut_dimensions(vector: np.ndarray, dimensions: int | None, normalize: bool) 
     return cut
 
 
-def embedding_width(path: Path) -> int:
-    """How many values an embedding model's vectors have: its hidden size once per pooling mode."""
-    config = model_config(path)
-    return int(config.get("hidden_size", 0)) * len(model_recipe(path).pooling)
+def embedding_width(path: Path, recipe) -> int:
+    """How many values an embedding model's vectors have: its hidden size once per mode of its `recipe`."""
+    return int(model_config(path).get("hidden_size", 0)) * len(recipe.pooling)
 
 
 # the torch.nn activations a cross-encoder's config may name, as what `activate` does for each

@@ -54,8 +54,7 @@ def check_model(model: str | None, gguf_file: str | None = None) -> ModelSource:
     from types import SimpleNamespace
 
     arch = architecture(SimpleNamespace(**config))
-    if hf_files.is_embedding_folder(src.path, config) and (arch not in SUPPORTED_ARCHITECTURES
-                                                          or not hf_files.is_encoder(config)):
+    if hf_files.is_embedding_folder(src.path, config):  # (no generation architecture is an encoder)
         kind = "an encoder" if hf_files.is_encoder(config) else "an embedding model"
         raise ValueError(f"model {str(src.path)!r} ({arch}) is {kind}: it embeds, scores or classifies text "
                          "rather than generating it, so it runs beside a generation model: servelm serve "
