@@ -29,7 +29,8 @@ With --fp8-shapes (default: 8b on a GPU of compute capability 8.9 or newer), tho
 prefill run again with `--quantization fp8` (`fp8`: the figures, the TPOT's bound at one byte a linear weight, and
 the speed-ups over bf16), `fp8_linear` times the shape's linears alone on each fp8 path beside bf16, from one
 row to 2,048 (where the weight-only kernel should give way to `_scaled_mm`), and `fp8_tuning` times the
-weight-only kernel at 1 and 16 rows under a dozen launch settings (programs per SM, tile width, warps, stages).
+weight-only kernel at 1, 4 and 16 rows under fourteen launch settings (programs per SM, tile width, warps,
+stages; and the matrix-vector kernel, without `tl.dot`, for those row counts).
 
 With --mixed-shapes (default: 60m and 8b), those shapes' W1 and 2k prefill run again with
 `--cuda-graph-mixed-tokens 2048` (`mixed`: steps with prompt chunks replayed from graphs; the speed-ups over
@@ -582,17 +583,27 @@ def fp8_linear(shape: tuple, on_gpu: bool) -> dict:
     return {"dtype": str(dtype).removeprefix("torch."), "weight_only_rows": fp8.WEIGHT_ONLY_ROWS, "runs": runs}
 
 
-# the weight-only fp8 kernel's launch settings the sweep times: (programs per SM, output columns a program,
-# warps, pipeline stages); the first is the default
-FP8_TUNINGS = [(2, 64, 4, 3), (4, 64, 4, 3), (8, 64, 4, 3), (16, 64, 4, 3), (4, 32, 4, 3), (4, 128, 4, 3),
-               (4, 128, 8, 3), (4, 64, 4, 4), (8, 64, 4, 4), (4, 64, 8, 4), (8, 32, 4, 4), (8, 128, 8, 4)]
+# the weight-only fp8 kernel's launch settings the sweep times, as model/quant/triton_matmul.py's Fp8Tuning
+# fields; the first is the default. The dot kernel's: programs per SM, output columns a program, warps,
+# pipeline stages. The matrix-vector kernel's (every timed step up to 16 rows takes it): its tile of outputs
+# by inputs, and programs per SM
+FP8_TUNINGS = [{}, {"programs_per_sm": 4}, {"programs_per_sm": 8}, {"programs_per_sm": 4, "block_n": 32},
+               {"programs_per_sm": 4, "block_n": 128, "num_warps": 8}, {"programs_per_sm": 4, "num_stages": 4},
+               {"programs_per_sm": 8, "num_stages": 4}, {"programs_per_sm": 8, "block_n": 128, "num_warps": 8,
+                                                         "num_stages": 4}]
+FP8_TUNINGS += [{"gemv_rows": 16, "programs_per_sm": pps, "gemv_block_n": bn, "gemv_block_k": bk}
+                for pps, bn, bk in ((4, 16, 256), (4, 32, 256), (4, 16, 512), (8, 16, 256), (8, 8, 512),
+                                    (4, 32, 128))]
 
 
 def fp8_tuning(shape: tuple, on_gpu: bool) -> dict:
-    """The weight-only fp8 kernel at decode sizes (1 and 16 rows) under each launch setting of FP8_TUNINGS
-    (model/quant/triton_matmul.py's Fp8Tuning): milliseconds for the shape's four linears together and the
-    weight bytes streamed per second, the fastest setting, and its speed-up over the default. Timed as
-    `fp8_linear` times; on the CPU, interpreted, two settings at one row: a smoke of the same code."""
+    """The weight-only fp8 kernel at decode sizes (1, 4 and 16 rows) under each launch setting of FP8_TUNINGS
+    (model/quant/triton_matmul.py's Fp8Tuning), the dot kernel's and the matrix-vector kernel's: milliseconds
+    for the shape's four linears together and the weight bytes streamed per second, the fastest setting at
+    each row count, and its speed-up over the default. Timed as `fp8_linear` times; on the CPU, interpreted,
+    the default and one matrix-vector setting at one row: a smoke of the same code."""
+    import dataclasses
+
     import torch
 
     from servelm.model.quant import fp8
@@ -609,21 +620,20 @@ def fp8_tuning(shape: tuple, on_gpu: bool) -> dict:
                         for _ in range(copies)])
     total_bytes = sum(n * k for n, k in shapes)
     runs = []
-    for setting in (FP8_TUNINGS if on_gpu else FP8_TUNINGS[:2]):
-        tuning = Fp8Tuning(*setting)
-        for rows in ((1, 16) if on_gpu else (1,)):
+    for setting in (FP8_TUNINGS if on_gpu else [FP8_TUNINGS[0], FP8_TUNINGS[-1]]):
+        tuning = Fp8Tuning(**setting)
+        for rows in ((1, 4, 16) if on_gpu else (1,)):
             ms = 0.0
             for (_, k), quant in zip(shapes, weights, strict=True):
                 x = torch.randn(rows, k, generator=g, device=dev, dtype=dtype)
                 mms = [TritonFp8Matmul(q, tuning=tuning) for q in quant]
                 ms += _replay_ms(lambda mms=mms, x=x: [mm(x) for mm in mms], len(mms), on_gpu, reps)
-            runs.append({"programs_per_sm": tuning.programs_per_sm, "block_n": tuning.block_n,
-                         "num_warps": tuning.num_warps, "num_stages": tuning.num_stages, "rows": rows,
-                         "ms": round(ms, 4), "gb_s": round(total_bytes / ms / 1e6, 1 if on_gpu else 4)})
+            runs.append({**dataclasses.asdict(tuning), "kernel": "gemv" if rows <= tuning.gemv_rows else "dot",
+                         "rows": rows, "ms": round(ms, 4), "gb_s": round(total_bytes / ms / 1e6, 1 if on_gpu else 4)})
     del weights
     if on_gpu:
         torch.cuda.empty_cache()
-    out: dict = {"default": list(FP8_TUNINGS[0]), "runs": runs}
+    out: dict = {"default": dataclasses.asdict(Fp8Tuning()), "runs": runs}
     for rows in sorted({r["rows"] for r in runs}):
         mine = [r for r in runs if r["rows"] == rows]
         best = min(mine, key=lambda r: r["ms"])

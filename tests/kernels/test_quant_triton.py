@@ -128,12 +128,16 @@ def test_a_quantized_weight_on_the_gpu_gets_the_triton_kernel():
 
 
 # --- fp8 weights: the weight-only kernel ----------------------------------------------------------------------
-def _fp8_check(w, m: int, splits: int | None, dtype: torch.dtype = DTYPE, tol: float = 1e-4) -> torch.Tensor:
+GEMV = quant_triton.Fp8Tuning(gemv_rows=16, gemv_block_n=16, gemv_block_k=64)  # every step here up to 16 rows
+
+
+def _fp8_check(w, m: int, splits: int | None, dtype: torch.dtype = DTYPE, tol: float = 1e-4,
+               tuning: quant_triton.Fp8Tuning = quant_triton.Fp8Tuning()) -> torch.Tensor:
     """The weight-only fp8 kernel against float64 arithmetic on the stored weight (codes times scales)."""
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, w.shape[1], generator=g).to(dtype)
     want = x.double() @ w.dequantize(torch.float64).T
-    got = quant_triton.TritonFp8Matmul(w.to(DEVICE))(x.to(DEVICE), splits=splits).cpu()
+    got = quant_triton.TritonFp8Matmul(w.to(DEVICE), tuning=tuning)(x.to(DEVICE), splits=splits).cpu()
     assert got.dtype == dtype and got.shape == (m, w.shape[0])
     scale = want.abs().max().item()
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * scale)
@@ -149,6 +153,43 @@ def test_fp8_weight_only_per_row(m, splits):
     _fp8_check(w, m, splits)
 
 
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_fp8_gemv_kernel_per_row(m, splits):
+    """The matrix-vector shape for steps of up to `gemv_rows` rows: one row, a row count that is not a power
+    of two (the rows past it are masked) and the most it takes; ragged N and K leave partial tiles."""
+    w = quantize_fp8(torch.randn(72, 300, generator=torch.Generator().manual_seed(1)), DTYPE)
+    _fp8_check(w, m, splits, tuning=GEMV)
+
+
+def test_fp8_gemv_kernel_takes_only_steps_up_to_its_rows(monkeypatch):
+    """Steps of up to `gemv_rows` rows launch the matrix-vector kernel and larger ones the dot kernel; with
+    `gemv_rows` 0 (the default) every step takes the dot kernel."""
+    launched = []
+    for name in ("_fp8_gemv_kernel", "_fp8_mm_kernel"):
+        kernel = getattr(quant_triton, name)
+
+        class Spy:
+            def __getitem__(self, grid, name=name, kernel=kernel):
+                launched.append(name)
+                return kernel[grid]
+
+        monkeypatch.setattr(quant_triton, name, Spy())
+    w = quantize_fp8(torch.randn(24, 64, generator=torch.Generator().manual_seed(5)), DTYPE).to(DEVICE)
+    x = torch.randn(6, 64).to(DEVICE)
+    for tuning, rows, want in ((quant_triton.Fp8Tuning(gemv_rows=4), 4, "_fp8_gemv_kernel"),
+                               (quant_triton.Fp8Tuning(gemv_rows=4), 5, "_fp8_mm_kernel"),
+                               (quant_triton.Fp8Tuning(), 1, "_fp8_mm_kernel")):
+        launched.clear()
+        quant_triton.TritonFp8Matmul(w, tuning=tuning)(x[:rows], splits=1)
+        assert launched == [want]
+
+
+def test_fp8_tuning_refuses_tiles_that_are_not_powers_of_two():
+    with pytest.raises(ValueError, match="gemv_block_k must be a power of two"):
+        quant_triton.Fp8Tuning(gemv_block_k=96)
+
+
 @pytest.mark.parametrize("group", [128, 32])
 def test_fp8_weight_only_block_scaled(group):
     """Scales per row and group of inputs (a 128 x 128 block-scaled checkpoint's, and groups of 32, which
@@ -159,6 +200,7 @@ def test_fp8_weight_only_block_scaled(group):
     assert quant_triton.TritonFp8Matmul(w).block_k == group
     for splits in (1, 2):
         _fp8_check(w, 3, splits)
+        _fp8_check(w, 3, splits, tuning=quant_triton.Fp8Tuning(gemv_rows=4, gemv_block_k=256))  # tiles of one group
 
 
 def test_fp8_weight_only_fp16_activations():
@@ -166,6 +208,7 @@ def test_fp8_weight_only_fp16_activations():
     output's rounding separates the result from exact arithmetic."""
     w = quantize_fp8(torch.randn(48, 256, generator=torch.Generator().manual_seed(3)), torch.float16)
     _fp8_check(w, 4, None, torch.float16, tol=2e-3)
+    _fp8_check(w, 4, None, torch.float16, tol=2e-3, tuning=GEMV)
 
 
 def test_fp8_split_count_fills_the_gpu_only_where_the_output_cannot():

@@ -14,7 +14,9 @@ weight is the cost (a decode step's few rows): e4m3 codes convert exactly to the
 registers, and the scales multiply the dot's result, once at the end for a scale per row or per tile for a
 block-scaled weight. It splits the inputs over more programs where the output alone gives too few to keep the
 GPU's memory busy (`split_k`; a second kernel adds the partial sums in a fixed order, so a result never depends
-on timing).
+on timing). For the fewest rows it has a second shape, `_fp8_gemv_kernel`: a matrix-vector product per row
+with no `tl.dot`, whose smallest tile is 16 rows. Which rows take it is a launch setting (`Fp8Tuning`), off by
+default until a GPU measures it faster (bench/gpu_check.py's `fp8_tuning`).
 
 Without a GPU the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`), which is how CI checks it
 against dequantize-then-matmul. This module imports without Triton; `HAS_TRITON` says if it can run.
@@ -104,6 +106,39 @@ if HAS_TRITON:
 
 
     @triton.jit
+    def _fp8_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_qn, stride_sn, stride_ys,
+                         stride_ym, GROUP: tl.constexpr, PER_ROW: tl.constexpr, ROWS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """`_fp8_mm_kernel`'s result for a few rows without `tl.dot`: a [BLOCK_N, BLOCK_K] tile of codes is read
+        along the weight's rows (the inputs are contiguous there), converted once, and multiplied by each row
+        of x in turn, summed over the inputs in float32. A dot's tile is at least 16 rows, so for one row it
+        pads the activations 16-fold and moves the weight through the layout the tensor cores want."""
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, ROWS)
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        k_from = pid_s * K_SPLIT
+        for k0 in range(k_from, tl.minimum(k_from + K_SPLIT, K), BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(q_ptr + rn[:, None] * stride_qn + rk[None, :],
+                        mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+            if not PER_ROW:  # the tile lies in one group of inputs, as in _fp8_mm_kernel
+                scale = tl.load(s_ptr + rn * stride_sn + k0 // GROUP, mask=rn < N, other=0.0)
+            for r in tl.static_range(ROWS):
+                row = tl.minimum(r, M - 1)  # the rows past M repeat the last: computed, never stored
+                x = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
+                part = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N]
+                if not PER_ROW:
+                    part = part * scale
+                acc += tl.where(rm[:, None] == r, part[None, :], 0.0)
+        if PER_ROW:
+            acc = acc * tl.load(s_ptr + rn * stride_sn, mask=rn < N, other=0.0)[None, :]
+        tl.store(y_ptr + pid_s * stride_ys + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+    @triton.jit
     def _sum_splits_kernel(p_ptr, y_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
         """y = the float32 partial sums [SPLITS, numel] added in split order, rounded once to y's dtype."""
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -180,6 +215,17 @@ class Fp8Tuning:
     block_n: int = FP8_BLOCK_N
     num_warps: int = 4
     num_stages: int = 3
+    # steps of up to `gemv_rows` rows take `_fp8_gemv_kernel` (0: none do), in tiles of gemv_block_n outputs by
+    # gemv_block_k inputs (for a block-scaled weight, at most its group)
+    gemv_rows: int = 0
+    gemv_block_n: int = 16
+    gemv_block_k: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "gemv_block_n", "gemv_block_k"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"Fp8Tuning.{name} must be a power of two, got {v}")
 
 
 def split_k(output_tiles: int, k_tiles: int, sms: int, programs_per_sm: int = FP8_PROGRAMS_PER_SM) -> int:
@@ -205,6 +251,8 @@ class TritonFp8Matmul:
         self.block_k = 128 if w.per_row else _largest_tile_dividing(w.group_size)
         if self.block_k is None:
             raise ValueError(f"fp8 groups of {w.group_size} inputs: the kernel takes groups of a multiple of 16")
+        self.gemv_block_k = (tuning.gemv_block_k if w.per_row
+                             else min(tuning.gemv_block_k, self.block_k))  # block_k divides the group
         self.codes = w.codes.contiguous()
         self.scales = w.scales.contiguous()
         dev = self.codes.device
@@ -217,17 +265,24 @@ class TritonFp8Matmul:
             return x.new_empty(0, n)
         x = x.contiguous()
         tune = self.tuning
-        block_m = min(64, max(16, triton.next_power_of_2(m)))
-        m_tiles, n_tiles, k_tiles = triton.cdiv(m, block_m), triton.cdiv(n, tune.block_n), triton.cdiv(k, self.block_k)
+        gemv = m <= tune.gemv_rows
+        block_m = triton.next_power_of_2(m) if gemv else min(64, max(16, triton.next_power_of_2(m)))
+        block_n, block_k = (tune.gemv_block_n, self.gemv_block_k) if gemv else (tune.block_n, self.block_k)
+        m_tiles, n_tiles, k_tiles = triton.cdiv(m, block_m), triton.cdiv(n, block_n), triton.cdiv(k, block_k)
         splits = splits or split_k(m_tiles * n_tiles, k_tiles, self.sms, tune.programs_per_sm)
-        k_split = triton.cdiv(k_tiles, splits) * self.block_k
+        k_split = triton.cdiv(k_tiles, splits) * block_k
         splits = triton.cdiv(k, k_split)
         y = torch.empty(splits, m, n, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
-        _fp8_mm_kernel[(m_tiles, n_tiles, splits)](
-            x, self.codes, self.scales, y, m, n, k, k_split, x.stride(0), self.codes.stride(0),
-            self.scales.stride(0), y.stride(0), y.stride(1), GROUP=self.group, PER_ROW=self.per_row,
-            BLOCK_M=block_m, BLOCK_N=tune.block_n, BLOCK_K=self.block_k, PRECISION=dot_precision(x.dtype),
-            num_warps=tune.num_warps, num_stages=tune.num_stages)
+        args = (x, self.codes, self.scales, y, m, n, k, k_split, x.stride(0), self.codes.stride(0),
+                self.scales.stride(0), y.stride(0), y.stride(1))
+        if gemv:
+            _fp8_gemv_kernel[(n_tiles, splits)](
+                *args, GROUP=self.group, PER_ROW=self.per_row, ROWS=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                num_warps=tune.num_warps, num_stages=tune.num_stages)
+        else:
+            _fp8_mm_kernel[(m_tiles, n_tiles, splits)](
+                *args, GROUP=self.group, PER_ROW=self.per_row, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                PRECISION=dot_precision(x.dtype), num_warps=tune.num_warps, num_stages=tune.num_stages)
         if splits == 1:
             return y[0]
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)  # the partial sums added in one kernel
