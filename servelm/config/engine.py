@@ -52,6 +52,7 @@ def _f(default, help: str, runtime: bool = False, token_count: bool = False):
 # config file and env readers, and the OpenAPI document of PATCH /admin/config read them from the annotation.
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "none", "gguf", "int8", "int4", "fp8"]
+Runner = Literal["auto", "generate", "pooling"]
 PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["priority", "fcfs"]
 StructuredOutputBackend = Literal["auto", "llguidance", "xgrammar"]
@@ -153,6 +154,12 @@ class ModelConfig:
                                    "template itself inline (as vLLM's --chat-template: a value holding '{', '}' "
                                    "or a line break that names no file is the template); default: the "
                                    "tokenizer's own")
+    runner: Runner = _f("auto", "what MODEL runs for, as vLLM's --runner: generate (a generation engine), pooling "
+                        "(embeddings, scores and classes: the server's embedding model, for /v1/embeddings, "
+                        "/v1/score, /v1/rerank and /classify, in place of a generation engine), or auto (the "
+                        "default): pooling for an embedding model, cross-encoder or classifier folder (a "
+                        "sentence-transformers modules.json with a pooling module, or an encoder architecture), "
+                        "else generate")
     trust_remote_code: bool = _f(False, "accepted for vLLM command lines and changes nothing: servelm runs only "
                                  "its built-in architectures and never executes code from a model folder")
     dtype: Dtype = _f("auto", "auto | float32 | bfloat16 | float16 (vLLM's half and float, and bf16, name the same "
@@ -219,6 +226,7 @@ class ModelConfig:
                 raise ConfigError("chat_template", self.chat_template, "a readable file or an inline Jinja "
                                   f"template ({e})") from None
         need(self.quantization in choices(Quantization), "quantization", one_of(Quantization))
+        need(self.runner in choices(Runner), "runner", one_of(Runner))
         need(self.quantization_group_size in (32, 64, 128, 256), "quantization_group_size", "32, 64, 128 or 256")
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1 or None")
         need(self.sliding_window is None or self.sliding_window >= 1, "sliding_window", ">= 1 or None")

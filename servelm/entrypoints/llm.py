@@ -40,14 +40,12 @@ def _unwrap(prompt: Prompt) -> str | list[int]:
 
 
 def _encoder_folder(config: EngineConfig):
-    """The model's folder when it holds a pooling model (an encoder, a sentence-transformers embedding model),
-    else None."""
-    from servelm.model.loading.hf_files import is_embedding_folder, read_json
-    from servelm.model.loading.source import resolve_model
+    """The model's folder when it runs as a pooling model (an encoder, a sentence-transformers embedding model;
+    `runner`), else None."""
+    from servelm.model.loading.metadata import pooling_folder
 
-    src = resolve_model(config.model_config.model, config.model_config.gguf_file)
-    embeds = src.kind == "hf" and is_embedding_folder(src.path, read_json(src.path / "config.json") or {})
-    return src.path if embeds else None
+    mc = config.model_config
+    return pooling_folder(mc.model, mc.gguf_file, mc.runner)
 
 
 class LLM:
@@ -98,6 +96,10 @@ class LLM:
             logger.info("%s", note)
         fetch_models(config)  # a Hub model not yet in the Hugging Face cache: downloaded now
         folder = _encoder_folder(config)
+        if folder is None:  # one clear error for a model it cannot generate with (an encoder with runner generate)
+            from servelm.model.loading.metadata import check_model
+
+            check_model(config.model_config.model, config.model_config.gguf_file)
         self.encoder = EncoderModel(folder) if folder is not None else None
         self._engine = LLMEngine(config) if folder is None else None
         self._ids = itertools.count()

@@ -152,6 +152,8 @@ class ModelDirectory:
             deployed = [d for d in self.deployments.list() if _kind(d) == kind] if self.deployments is not None else []
             if len(deployed) == 1:
                 return self._wrap(deployed[0], pin)
+            if not self.names(kind) and self.names(Kind.EMBED):
+                raise self._embeds_only(self.names(Kind.EMBED)[0])
             raise APIError(400, f"name a model: this server serves {self._listing(kind)}", "model",
                            "model_required")
         found = self._fixed.get(self.canonical(model)) if kind == Kind.GENERATE else None
@@ -201,7 +203,18 @@ class ModelDirectory:
                 raise e from None
             return self._wrap(dep, pin=True), waited
 
+    def _embeds_only(self, model: str) -> APIError:
+        """A generation request for an embedding model (vLLM answers its pooling runner's the same way)."""
+        names = self.names(Kind.GENERATE)
+        others = (f"generation models here: {self._listing(Kind.GENERATE)}" if names
+                  else "this server has no generation model")
+        return APIError(400, f"model {model!r} is an embedding model: it answers /v1/embeddings, /v1/score, "
+                             f"/v1/rerank and /classify, not generation requests; {others}", "model",
+                        "model_not_supported")
+
     def _not_found(self, model: str | None, kind: Kind) -> APIError:
+        if kind == Kind.GENERATE and model is not None and model in self.names(Kind.EMBED):
+            return self._embeds_only(model)
         if kind == Kind.EMBED:
             return APIError(404, f"model {model!r} does not exist or is not an embedding model; embedding "
                                  f"models: {self._listing(kind)}", "model", "model_not_found")

@@ -30,26 +30,50 @@ class Launch:
         return self.spec is not None and (self.spec.workers > 1 or self.spec.strategy != "round_robin")
 
 
-def _serves_cli_model(config) -> bool:
+def serves_cli_model(config) -> bool:
     """Whether MODEL is served: given as an argument, flag or env, or nothing else is declared."""
     return not config.models or config.sources.get("model.model") != "default"
+
+
+def pooling_model(config):
+    """MODEL's folder when the server runs it as its embedding model (vLLM's pooling runner: --runner pooling,
+    or auto and an embedding model's folder) in place of a generation engine, else None. Raises ConfigError
+    where that leaves two embedding models, or more than one name for it; ValueError or FileNotFoundError where
+    --runner pooling names no pooling model."""
+    from servelm.model.loading.metadata import pooling_folder
+
+    if not serves_cli_model(config):
+        return None
+    mc, srv = config.engine.model_config, config.server
+    folder = pooling_folder(mc.model, mc.gguf_file, mc.runner)
+    if folder is None:
+        return None
+    other = srv.embedding_config.embedding_model
+    if other not in ("default", "none"):
+        raise ConfigError("embedding_model", other, f"none beside MODEL {mc.model!r}, an embedding model that is "
+                          "the server's embedding model (--runner pooling): drop one of them")
+    if len(srv.api_config.served_model_name or ()) > 1:
+        raise ConfigError("served_model_name", srv.api_config.served_model_name,
+                          "one name for an embedding model served as MODEL")
+    return folder
 
 
 def cli_aliases(config) -> tuple[str, ...]:
     """The further names --served-model-name gives MODEL (after the first, its id), when MODEL is served."""
     names = config.server.api_config.served_model_name or ()
-    return tuple(names[1:]) if _serves_cli_model(config) else ()
+    return tuple(names[1:]) if serves_cli_model(config) else ()
 
 
 def fixed_models(config) -> list[Launch]:
-    """What to start: MODEL (given as an argument, flag or env, or nothing else is declared) under
-    served_model_name's first name, then each `models:` entry under its name. The entries take the engine
+    """What to start: MODEL (given as an argument, flag or env, or nothing else is declared; not a pooling
+    model, which the embedder runs) under served_model_name's first name, then each `models:` entry under
+    its name. The entries take the engine
     section's settings but not MODEL's tokenizer, chat template or revision."""
     from servelm.model.loading.hub import served_name
 
     out: list[Launch] = []
     ec, srv = config.engine, config.server
-    if _serves_cli_model(config):
+    if serves_cli_model(config) and pooling_model(config) is None:  # a pooling MODEL runs in the embedder
         name = srv.api_config.served_model_name[0] if srv.api_config.served_model_name else served_name(ec.model_config.model, ec.model_config.gguf_file)
         out.append(Launch(name, ec))
     for spec in config.models:

@@ -88,9 +88,23 @@ def load_config(args):
     return load(cli, file=args.config)
 
 
-def _embedder(server):
+def _embedder(config):
+    """The server's embedding model (a process of its own) and its served name, or (None, None): MODEL where it
+    is a pooling model, else --embedding-model."""
+    from servelm.model.loading.hub import served_name
     from servelm.runtimes.embedder import DEFAULT_EMBED_NAME, Embedder, default_embedding_path
+    from servelm.server.launch import pooling_model
 
+    server = config.server
+    settings = server.embedding_config
+    folder = pooling_model(config)
+    if folder is not None:
+        mc = config.engine.model_config
+        names = server.api_config.served_model_name
+        name = names[0] if names else (DEFAULT_EMBED_NAME if folder == default_embedding_path()
+                                       else served_name(mc.model, mc.gguf_file))
+        return Embedder(folder, settings.embedding_max_batch_size, settings.embedding_batch_window_ms,
+                        name=name), name
     if server.embedding_config.embedding_model == "none":
         return None, None
     if server.embedding_config.embedding_model == "default":
@@ -100,20 +114,21 @@ def _embedder(server):
             return None, None
         name = DEFAULT_EMBED_NAME
     else:  # a folder, or a Hugging Face repo id (from the cache, downloaded first if missing, as MODEL is)
-        from servelm.model.loading.hub import fetch_model, served_name
+        from servelm.model.loading.hub import fetch_model
         from servelm.model.loading.source import resolve_model
 
         value = server.embedding_config.embedding_model
         fetch_model(value)
         path, name = resolve_model(value).path, served_name(value)
-    config = server.embedding_config
-    return Embedder(path, config.embedding_max_batch_size, config.embedding_batch_window_ms, name=name), name
+    return Embedder(path, settings.embedding_max_batch_size, settings.embedding_batch_window_ms, name=name), name
 
 
 def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed_name=None, tracing=None,
                 more: list | None = None):
     """Everything the API needs, wired to one config tree. `engine`, `tokenizer`, `model_name` are the default
-    model; `more` lists further fixed models as (engine, tokenizer, name), each with its own metrics labels."""
+    model (engine and tokenizer None where the server generates with no model of its own: its MODEL is a
+    pooling model, `model_name` the embedder's); `more` lists further fixed models as (engine, tokenizer,
+    name), each with its own metrics labels."""
     from servelm.server.api import ServerState
     from servelm.server.directory import ModelDirectory, ServedModel
     from servelm.server.launch import cli_aliases
@@ -127,7 +142,7 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
     metrics = Metrics(model_name, srv.observability_config.metric_names)
     directory = ModelDirectory(metrics.for_model)
     aliases = cli_aliases(config)
-    for eng, tok, name in [(engine, tokenizer, model_name), *(more or [])]:
+    for eng, tok, name in [*([(engine, tokenizer, model_name)] if engine is not None else []), *(more or [])]:
         m = metrics if name == model_name else metrics.for_model(name)
         if getattr(eng, "workers", None) is None:  # one engine; a deployment's workers' counters cannot share
             wire_metrics(eng, m)
@@ -146,7 +161,8 @@ def build_state(config, tokenizer, engine, model_name: str, embedder=None, embed
     telemetry = Telemetry(metrics, obs.log_requests, obs.log_prompts, tracing, obs.max_log_len)
     from servelm.server.middleware.ratelimit import store_for
 
-    admission = Admission(config, metrics, engine.num_queued, store=store_for(srv))
+    admission = Admission(config, metrics, engine.num_queued if engine is not None else lambda: 0,
+                          store=store_for(srv))
     return ServerState(engine, model_name, tokenizer, config, keys, metrics, admission, telemetry, embedder,
                        embed_name, created=int(time.time()), models=directory)
 
@@ -177,6 +193,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
+    from servelm.control.types import Kind
     from servelm.server.launch import fixed_models, start_engines
 
     t0 = time.perf_counter()
@@ -189,7 +206,7 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
     embedder = None
     started: list = []
     try:
-        embedder, embed_name = _embedder(srv)  # its own process, loading alongside the engines
+        embedder, embed_name = _embedder(config)  # its own process, loading alongside the engines
 
         from servelm.server.api import build_app
 
@@ -201,7 +218,8 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
             embedder.close()
         await asyncio.gather(*(e.shutdown() for e, _, _ in started), return_exceptions=True)
         raise
-    (engine, tokenizer, name), more = started[0], started[1:]
+    # no generation engine where MODEL is a pooling model: the embedder is the server's model
+    (engine, tokenizer, name), more = (started[0], started[1:]) if started else ((None, None, embed_name), [])
     state = build_state(config, tokenizer, engine, name, embedder, embed_name, more=more)
     if config.control_plane:
         try:
@@ -224,7 +242,8 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
         state.reconciler = await start_reconciler(state)
     app = build_app(state)
     logger.info("ready in %.1fs: serving %s on %s://%s:%d (API keys: %s)", time.perf_counter() - t0,
-                ", ".join(state.models.names()), srv.api_config.scheme, srv.api_config.host, sock.getsockname()[1], f"{len(state.keys.keys)}" if state.keys.enabled else "off")
+                ", ".join(state.models.names() + [f"{n} (embeddings)" for n in state.models.names(Kind.EMBED)]),
+                srv.api_config.scheme, srv.api_config.host, sock.getsockname()[1], f"{len(state.keys.keys)}" if state.keys.enabled else "off")
     # the app, tokenizers and libraries live as long as the process: freeze them out of the collector's full
     # passes, which otherwise walk them all between two streamed tokens
     gc.collect()
@@ -402,13 +421,15 @@ def cmd_serve(args, engine_factory=None) -> int:
     from servelm.model.loading.hub import fetch_models
     from servelm.model.loading.metadata import check_model
     from servelm.server.admin.spec import spec_file_problem
-    from servelm.server.launch import fixed_models
+    from servelm.server.launch import fixed_models, serves_cli_model
 
     # a database that cannot be used, or a spec file that cannot be applied, stops start-up before any model loads
     problem = (prepare_database(srv) if config.control_plane else None) or spec_file_problem(config)
     if problem is not None:
         print(f"servelm: error: {problem}", file=sys.stderr)
         return 2
+    if serves_cli_model(config):  # MODEL's files say whether it is a pooling model: a Hub model's are fetched first
+        fetch_models(config.engine)
     for launch in fixed_models(config):  # one line and exit 2 before anything loads
         fetch_models(launch.engine)  # a Hub model not yet in the Hugging Face cache: downloaded now
         check_model(launch.engine.model_config.model, launch.engine.model_config.gguf_file)

@@ -227,7 +227,7 @@ def test_the_embedding_model_may_be_a_hugging_face_repo_id(tmp_path, monkeypatch
     save_classifier(folder, "bert", 1)
     add_folder(use_cache(monkeypatch, tmp_path / "hf"), "cross-encoder/ms-marco-tiny", folder)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    embedder, name = _embedder(load({"embedding_model": "cross-encoder/ms-marco-tiny"}).server)
+    embedder, name = _embedder(load({"embedding_model": "cross-encoder/ms-marco-tiny"}))
     try:
         assert name == "cross-encoder/ms-marco-tiny" and embedder.task == "classify"  # named as vLLM names it
         assert (embedder.path / "config.json").read_bytes() == (folder / "config.json").read_bytes()
@@ -235,7 +235,7 @@ def test_the_embedding_model_may_be_a_hugging_face_repo_id(tmp_path, monkeypatch
     finally:
         embedder.close()
     with pytest.raises(FileNotFoundError, match="not in the Hugging Face cache"):
-        _embedder(load({"embedding_model": "cross-encoder/not-cached"}).server)
+        _embedder(load({"embedding_model": "cross-encoder/not-cached"}))
 
 
 @pytest.mark.parametrize(("config", "activation"), [

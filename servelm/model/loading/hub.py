@@ -236,8 +236,12 @@ def download(ref: HubRef, gguf_file: str | None = None) -> ModelSource:
                 patterns = [p for p in patterns if p != "*.safetensors"] + shards
             logger.info("downloading %s (commit %s) from the Hugging Face Hub into %s", ref.repo_id, commit[:12],
                         cache)
-            snapshot_download(ref.repo_id, revision=revision, cache_dir=cache, allow_patterns=patterns,
-                              ignore_patterns=["*/*"])
+            snap = snapshot_download(ref.repo_id, revision=revision, cache_dir=cache, allow_patterns=patterns,
+                                     ignore_patterns=["*/*"])
+            modules = _module_folders(Path(snap)) if "modules.json" in files else []
+            if modules:  # a sentence-transformers model's modules keep their settings in folders of their own
+                snapshot_download(ref.repo_id, revision=revision, cache_dir=cache,
+                                  allow_patterns=[f"{m}/*.json" for m in modules])
         else:
             name = pick_gguf(ref, files, gguf_file, f"at {revision}")
             logger.info("downloading %s from %s (commit %s) into %s", name, ref.repo_id, commit[:12], cache)
@@ -252,6 +256,17 @@ def download(ref: HubRef, gguf_file: str | None = None) -> ModelSource:
     if src is None:
         raise HubError(f"{ref} was downloaded, but its snapshot is not in {cache}")
     return ModelSource(src.kind, src.path, ref.name, ref.repo_id, src.commit)
+
+
+def _module_folders(snap: Path) -> list[str]:
+    """The folders a sentence-transformers modules.json places its modules in (`1_Pooling`, ...): where each
+    module's config.json is. The transformer's own (path "") is the top level, already downloaded."""
+    try:
+        listed = json.loads((snap / "modules.json").read_text())
+    except (OSError, ValueError):
+        return []  # not readable: the embedder says so when it reads the folder
+    paths = [str(m.get("path") or "").strip("/") for m in listed if isinstance(m, dict)] if isinstance(listed, list) else []
+    return [p for p in dict.fromkeys(paths) if p and ".." not in p.split("/")]
 
 
 def fetch_model(model: str | None, gguf_file: str | None = None) -> None:

@@ -57,12 +57,34 @@ def check_model(model: str | None, gguf_file: str | None = None) -> ModelSource:
     if hf_files.is_embedding_folder(src.path, config):  # (no generation architecture is an encoder)
         kind = "an encoder" if hf_files.is_encoder(config) else "an embedding model"
         raise ValueError(f"model {str(src.path)!r} ({arch}) is {kind}: it embeds, scores or classifies text "
-                         "rather than generating it, so it runs beside a generation model: servelm serve "
-                         f"--embedding-model {src.path}")
+                         "rather than generating it: serve it alone with --runner pooling (or auto, the default), "
+                         f"or beside a generation model with --embedding-model {src.path}")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"model {str(src.path)!r} has architecture {arch!r}, which servelm does not support; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return src
+
+
+def pooling_folder(model: str | None, gguf_file: str | None = None, runner: str = "auto") -> Path | None:
+    """MODEL's folder when it runs as a pooling model (vLLM's pooling runner: embeddings, scores, classes) rather
+    than for generation, else None: never with runner "generate"; with "pooling" it must be one (ValueError
+    where it is not, FileNotFoundError where it cannot be found); "auto" reads its files."""
+    if runner == "generate":
+        return None
+    try:
+        src = resolve_model(model, gguf_file)
+    except FileNotFoundError:
+        if runner == "pooling":
+            raise
+        return None  # not found: the generation path's checks say so
+    config = hf_files.read_json(src.path / "config.json") if src.kind == "hf" else None
+    if config is not None and hf_files.is_embedding_folder(src.path, config):
+        return src.path
+    if runner == "pooling":
+        raise ValueError(f"--runner pooling: {str(src.path)!r} is not a pooling model (an embedding model, "
+                         "cross-encoder or classifier: a folder with a sentence-transformers modules.json that "
+                         "pools, or an encoder architecture such as BertModel)")
+    return None
 
 
 def converted_dir(path: Path) -> Path:
