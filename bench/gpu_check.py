@@ -15,7 +15,8 @@ reported as skipped, with the reason, and the JSON is printed all the same):
             bandwidth bound (the weights and the context's KV read once per step at the measured copy rate);
             a 2k-token prefill's TFLOP/s; W1-sampled (temperature 0.8, top_p 0.95; 256 x 128/128) against
             greedy on the same prompts; the decode attention kernel alone at the shape's heads, single-pass
-            against split-KV (batch 1 and 64, contexts 512 and 4096); W1-big (1,024 prompts of 64..1024 tokens, 128 out) output and total
+            against split-KV (batch 1 and 64, contexts 512 and 4096); the prefill attention kernel alone
+            under eight launch settings (a 2,048-token prompt, a 512-token chunk after 3,584 cached); W1-big (1,024 prompts of 64..1024 tokens, 128 out) output and total
             tok/s against the compute bound, where the time left allows
   s1        S1 through `servelm serve` on 127.0.0.1 at three rates: `servelm bench serve`'s client-side ITL
             beside the server's own, from the servelm:inter_token_latency_seconds histogram of /metrics
@@ -408,12 +409,13 @@ def child_shape(spec: dict) -> None:
            greedy_tok_s=round(n_req * n_out / g, 1), sampled_tok_s=round(n_req * n_out / sm, 1),
            sampled_over_greedy=round(g / sm, 3))
 
-    try:
-        result("decode_attention", **decode_attention(shape, on_gpu))
-    except Exception as e:  # a kernel that fails to compile costs this figure, not the shape's others
-        result("decode_attention", status="failed", error=f"{type(e).__name__}: {e}"[-1500:])
-        if on_gpu:
-            torch.cuda.empty_cache()
+    for figure, fn in (("decode_attention", decode_attention), ("prefill_attention", prefill_attention)):
+        try:
+            result(figure, **fn(shape, on_gpu))
+        except Exception as e:  # a kernel that fails to compile costs this figure, not the shape's others
+            result(figure, status="failed", error=f"{type(e).__name__}: {e}"[-1500:])
+            if on_gpu:
+                torch.cuda.empty_cache()
 
     if spec.get("fp8_linear"):
         for figure, fn in (("fp8_linear", fp8_linear), ("fp8_tuning", fp8_tuning)):
@@ -486,6 +488,68 @@ def decode_attention(shape: tuple, on_gpu: bool) -> dict:
                 torch.cuda.empty_cache()
     return {"dtype": str(dtype).removeprefix("torch."), "block_size": bs, "heads": heads, "kv_heads": kv,
             "head_dim": d, "runs": runs}
+
+
+# the single-pass attention kernel's launch settings for prompt chunks the sweep times, as
+# model/attention/triton_paged.py's PrefillTiling fields (block_m: (query, query head) pairs a tile; block_n: KV
+# positions an iteration; warps; pipeline stages); the first is the default
+PREFILL_TILINGS = [{}, {"block_n": 64}, {"block_m": 128, "block_n": 64, "num_warps": 8},
+                   {"block_m": 128, "block_n": 32, "num_warps": 8}, {"block_m": 64, "block_n": 64, "num_stages": 2},
+                   {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
+                   {"block_m": 128, "block_n": 64, "num_warps": 4}, {"block_m": 64, "block_n": 128, "num_stages": 2}]
+
+
+def prefill_attention(shape: tuple, on_gpu: bool) -> dict:
+    """The single-pass attention kernel on prompt chunks under each setting of PREFILL_TILINGS: a 2,048-token
+    prompt from position 0 and a 512-token chunk after 3,584 cached tokens, at the shape's heads, bf16, block
+    size 16, the blocks scattered over the pool. Milliseconds per call (graph replays, as decode_attention
+    times them), the TFLOP/s of the causal attention's two matmuls, and per chunk the fastest setting and its
+    speed-up over the default. On the CPU, interpreted, a 32-token prompt under two settings in float32: a
+    smoke of the same code, not a measurement."""
+    import dataclasses
+
+    import torch
+
+    from servelm.model.attention import AttentionMetadata, PrefillSpan, triton_paged
+
+    if not triton_paged.HAS_TRITON:
+        return {"status": "skipped", "reason": "triton is not installed"}
+    h, _, heads, kv, *_ = shape
+    d = h // heads
+    dev = "cuda" if on_gpu else "cpu"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    chunks = ((2048, 2048), (512, 4096)) if on_gpu else ((32, 32),)
+    bs, reps, calls = 16, (5 if on_gpu else 1), (4 if on_gpu else 1)
+    g = torch.Generator(device=dev).manual_seed(0)
+    runs = []
+    for q_len, ctx in chunks:
+        n_blocks = -(-ctx // bs)
+        kc = torch.randn(n_blocks, bs, kv, d, generator=g, device=dev, dtype=dtype)
+        vc = torch.randn(n_blocks, bs, kv, d, generator=g, device=dev, dtype=dtype)
+        q = torch.randn(q_len, heads, d, generator=g, device=dev, dtype=dtype)
+        table = torch.randperm(n_blocks, generator=g, device=dev).cpu()
+        pairs = q_len * (ctx - q_len) + q_len * (q_len + 1) // 2  # (query, visible key) pairs
+        tflop = 4 * heads * d * pairs / 1e12
+        for setting in (PREFILL_TILINGS if on_gpu else [PREFILL_TILINGS[0], PREFILL_TILINGS[2]]):
+            tiling = triton_paged.PrefillTiling(**setting)
+            attn = triton_paged.TritonPagedAttention(heads, kv, d, d**-0.5, prefill=tiling)
+            meta = AttentionMetadata(torch.zeros(q_len, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                                     torch.zeros(0, n_blocks, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                                     [PrefillSpan(0, q_len, ctx, table)], bs)
+            meta.derived = attn.derive(meta)
+            ms = _attention_ms(attn, q, (kc, vc), [meta.to(dev)] * calls, on_gpu, reps)
+            runs.append({**dataclasses.asdict(tiling), "q_len": q_len, "context": ctx, "ms": round(ms, 4),
+                         "tflop_s": float(f"{tflop / (ms / 1e3):.4g}")})  # (an interpreted run's is tiny)
+        del kc, vc, q
+        if on_gpu:
+            torch.cuda.empty_cache()
+    out: dict = {"dtype": str(dtype).removeprefix("torch."), "block_size": bs, "heads": heads, "kv_heads": kv,
+                 "head_dim": d, "default": dataclasses.asdict(triton_paged.PrefillTiling()), "runs": runs}
+    for q_len, ctx in chunks:
+        mine = [r for r in runs if (r["q_len"], r["context"]) == (q_len, ctx)]
+        best = min(mine, key=lambda r: r["ms"])
+        out[f"best_{q_len}_of_{ctx}"] = {**best, "speedup_over_default": round(mine[0]["ms"] / best["ms"], 3)}
+    return out
 
 
 def _attention_ms(attn, q, kv_cache, metas: list, on_gpu: bool, reps: int) -> float:
@@ -927,7 +991,8 @@ def section_tests(run: Run, cap: float) -> dict:
     return out
 
 
-SHAPE_KEYS = ["build", "load", "w1", "tpot_b1", "prefill_2k", "w1_sampled", "decode_attention", "w1_big"]
+SHAPE_KEYS = ["build", "load", "w1", "tpot_b1", "prefill_2k", "w1_sampled", "decode_attention", "prefill_attention",
+              "w1_big"]
 
 
 def section_shape(run: Run, cap: float, name: str) -> dict:

@@ -94,6 +94,10 @@ def test_figures_are_positive_numbers(smoke):
     for r in attention["runs"]:
         assert _positive(r["single_ms"], r["split_ms"], r["single_over_split"], r["splits"])
     assert attention["runs"][0]["splits"] > 1  # one row of two KV heads: the split-KV path ran
+    prefill = shape["prefill_attention"]  # the prompt-chunk tilings, interpreted: a smoke of the figure
+    assert [(r["block_m"], r["q_len"]) for r in prefill["runs"]] == [(prefill["default"]["block_m"], 32), (128, 32)]
+    assert all(_positive(r["ms"], r["tflop_s"]) for r in prefill["runs"])
+    assert prefill["best_32_of_32"]["speedup_over_default"] >= 1
     big = shape["w1_big"]
     assert _positive(big["output_tok_s"], big["total_tok_s"], big["compute_bound_s"], big["of_bound"])
     assert big["total_tok_s"] > big["output_tok_s"]  # the prompts' tokens count in the total

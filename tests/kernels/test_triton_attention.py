@@ -315,3 +315,33 @@ def test_single_pass_programs_are_the_rows_tiles_and_no_more(monkeypatch):
         attn = triton_paged.TritonPagedAttention(hq, hkv, d, d**-0.5, split_kv=splits > 1, num_splits=splits)
         attn.attend(q.to(DEVICE), cache, _on_device(meta), None)
         assert grids == [(programs, hkv)]
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("tiling", [dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
+                                    dict(block_m=16, block_n=16), dict(block_m=32, block_n=128, num_stages=4)])
+def test_other_prefill_tilings_cut_the_work_not_the_result(tiling, splits, monkeypatch):
+    """The launch settings the GPU check sweeps for prompt chunks (`PrefillTiling`) change the tiles, and with
+    them the programs launched (one per block_m pairs of a row, per KV head), not the result; a step of
+    decodes alone keeps its own tiles of DECODE_BLOCK_M pairs."""
+    hq, hkv, d, bs, nb = 4, 2, 16, 8, 24
+    kc, vc, meta, t = _step(hkv, d, bs, nb, torch.float32)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
+    for window in (None, 7):
+        ref = TorchPagedAttention(hq, hkv, d, d**-0.5).forward(q, k, v, (kc.clone(), vc.clone()), meta, window)
+        attn = triton_paged.TritonPagedAttention(hq, hkv, d, d**-0.5, split_kv=splits is not None, num_splits=splits,
+                                                 prefill=triton_paged.PrefillTiling(**tiling))
+        grids = record_grids(monkeypatch, triton_paged, "_paged_attention_kernel")
+        out = attn.forward(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), (kc.to(DEVICE), vc.to(DEVICE)),
+                           _on_device(meta), window)
+        torch.testing.assert_close(out.cpu(), ref, atol=2e-5, rtol=2e-5)
+        group = hq // hkv
+        tiles = [-(-n * group // tiling["block_m"]) for n in (1, 1, 1, 20, 9)]
+        assert grids == [(sum(tiles if splits is None else tiles[3:]), hkv)]
+    assert triton_paged.block_m_for(1, attn.prefill) == triton_paged.DECODE_BLOCK_M
+
+
+def test_a_prefill_tiling_must_be_powers_of_two():
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        triton_paged.PrefillTiling(block_n=48)

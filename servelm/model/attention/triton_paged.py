@@ -239,10 +239,33 @@ class TritonRows(BackendMetadata):
         return TritonRows(*(t[start:stop] for t in self), empty, empty)
 
 
-def block_m_for(max_q: int) -> int:
-    """The single-pass kernel's query tile height: 16 rows of (query, query head) pairs for a step of decodes
-    alone, 64 where a row has several queries."""
-    return 16 if max_q == 1 else 64
+DECODE_BLOCK_M = 16  # a step of decodes alone: a tile of 16 (query, query head) pairs, tl.dot's smallest
+
+
+@dataclass(frozen=True)
+class PrefillTiling:
+    """How the single-pass kernel is launched for a step with prompt chunks: the (query, query head) pairs of
+    a tile, the KV positions a loop iteration reads, warps and pipeline stages (Triton's defaults: 4 and 3).
+    A step of decodes alone keeps tiles of DECODE_BLOCK_M pairs and BLOCK_N positions at the defaults.
+    bench/gpu_check.py's `prefill_attention` times other settings on a 2,048-token prompt to choose the
+    defaults on a GPU."""
+
+    block_m: int = 64
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"PrefillTiling.{name} must be a power of two of at least 16, got {v}")
+
+
+def block_m_for(max_q: int, prefill: PrefillTiling = PrefillTiling()) -> int:
+    """The single-pass kernel's query tile height: DECODE_BLOCK_M rows of (query, query head) pairs for a step
+    of decodes alone, the prefill tiling's where a row has several queries."""
+    return DECODE_BLOCK_M if max_q == 1 else prefill.block_m
 
 
 def tiles_of(q_len, group: int, block_m: int):
@@ -276,12 +299,13 @@ class TritonPagedAttention(AttentionBackend):
     CPU_TARGET_PROGRAMS = 8
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, split_kv: bool = True,
-                 num_splits: int | None = None) -> None:
+                 num_splits: int | None = None, prefill: PrefillTiling = PrefillTiling()) -> None:
         if not HAS_TRITON:
             raise RuntimeError("the Triton attention backend needs the triton package")
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.split_kv = split_kv
         self.num_splits = num_splits
+        self.prefill = prefill
         self._target: dict[torch.device, int] = {}
 
     def derive(self, meta: AttentionMetadata) -> TritonRows:
@@ -303,7 +327,7 @@ class TritonPagedAttention(AttentionBackend):
             tables.append(span.block_table[None].cpu())  # (the runner's are on the host; a caller's may not be)
         bt = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables]).to(torch.int32)
         q_starts, q_lens, ctx_lens = (torch.cat(x).to(torch.int32) for x in (starts, lens, ctx))
-        block_m = block_m_for(max([1] + [s.q_len for s in meta.prefills]))
+        block_m = block_m_for(max([1] + [s.q_len for s in meta.prefills]), self.prefill)
         tiles = tile_map(q_lens.numpy(), self.num_heads // self.num_kv_heads, block_m)
         return TritonRows(q_starts, q_lens, ctx_lens, bt, *(torch.from_numpy(t) for t in tiles))
 
@@ -313,20 +337,20 @@ class TritonPagedAttention(AttentionBackend):
         values; a few small device casts, captured with the graph)."""
         i32 = torch.int32
         idx = meta.decode_idx.to(i32)
-        per_row = tiles_of(1, self.num_heads // self.num_kv_heads, block_m_for(1))
+        per_row = tiles_of(1, self.num_heads // self.num_kv_heads, DECODE_BLOCK_M)
         at = torch.arange(idx.numel() * per_row, dtype=i32, device=idx.device)
         return TritonRows(idx, torch.ones_like(idx), meta.decode_seq_lens.to(i32), meta.decode_block_tables.to(i32),
                           at // per_row, at % per_row)
 
     mixed_graphs = True
-    MIXED_BLOCK_M = block_m_for(2)  # a mixed step's rows are tiled as prompt chunks are
 
     def mixed_tiles(self, q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return tile_map(np.asarray(q_lens), self.num_heads // self.num_kv_heads, self.MIXED_BLOCK_M)
+        # a mixed step's rows are tiled as prompt chunks are
+        return tile_map(np.asarray(q_lens), self.num_heads // self.num_kv_heads, self.prefill.block_m)
 
     def max_mixed_tiles(self, num_tokens: int, num_rows: int) -> int:
         # the sum over rows of tiles_of(q) is at most tiles_of(all the tokens) + one partial tile a row
-        return tiles_of(num_tokens, self.num_heads // self.num_kv_heads, self.MIXED_BLOCK_M) + num_rows
+        return tiles_of(num_tokens, self.num_heads // self.num_kv_heads, self.prefill.block_m) + num_rows
 
     def derive_mixed(self, q_starts, q_lens, ctx_lens, block_tables, tile_rows, tile_ids) -> TritonRows:
         i32 = torch.int32
@@ -368,14 +392,15 @@ class TritonPagedAttention(AttentionBackend):
             rows = meta.derived = self.derive(meta).to(q.device)
         n_dec = meta.num_decodes
         splits = self.splits_for(n_dec, rows.block_tables.shape[1] * meta.block_size, q.device)
-        block_m = block_m_for(meta.max_query_len or max([1] + [s.q_len for s in meta.prefills]))
+        max_q = meta.max_query_len or max([1] + [s.q_len for s in meta.prefills])
+        tiling = self.prefill if max_q > 1 else PrefillTiling(DECODE_BLOCK_M, self.BLOCK_N)
         if splits == 1:
-            self._single_pass(out, q, kv_cache, rows, rows.tile_rows, rows.tile_ids, block_m, meta, sliding_window)
+            self._single_pass(out, q, kv_cache, rows, rows.tile_rows, rows.tile_ids, tiling, meta, sliding_window)
             return out
         self._split_decode(out, q, kv_cache, rows.rows(0, n_dec), meta.block_size, sliding_window, splits)
         if meta.prefills:  # the prompt chunks' tiles: after the decodes', one tile each
-            first = n_dec * tiles_of(1, self.num_heads // self.num_kv_heads, block_m)
-            self._single_pass(out, q, kv_cache, rows, rows.tile_rows[first:], rows.tile_ids[first:], block_m, meta,
+            first = n_dec * tiles_of(1, self.num_heads // self.num_kv_heads, tiling.block_m)
+            self._single_pass(out, q, kv_cache, rows, rows.tile_rows[first:], rows.tile_ids[first:], tiling, meta,
                               sliding_window)
         return out
 
@@ -386,9 +411,10 @@ class TritonPagedAttention(AttentionBackend):
     def _precision(q: torch.Tensor) -> str:
         return "ieee" if q.dtype == torch.float32 else "tf32"  # exact float32 dots keep greedy parity
 
-    def _single_pass(self, out, q, kv_cache, rows, tile_rows, tile_ids, block_m: int, meta: AttentionMetadata,
-                     sliding_window) -> None:
-        """The single-pass kernel over the tiles (`tile_rows`, `tile_ids`) of `rows`."""
+    def _single_pass(self, out, q, kv_cache, rows, tile_rows, tile_ids, tiling: PrefillTiling,
+                     meta: AttentionMetadata, sliding_window) -> None:
+        """The single-pass kernel over the tiles (`tile_rows`, `tile_ids`) of `rows`, cut and launched as
+        `tiling` says (block_m: the height the tile map was built with)."""
         k_cache, v_cache = kv_cache
         q_starts, q_lens, ctx_lens, bt = rows
         group = self.num_heads // self.num_kv_heads
@@ -400,8 +426,8 @@ class TritonPagedAttention(AttentionBackend):
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
             GROUP=group, HEAD_DIM=self.head_dim, BLOCK_D=self._block_d(),
-            BLOCK_M=block_m, BLOCK_N=self.BLOCK_N, BLOCK_SIZE=meta.block_size, PRECISION=self._precision(q),
-            KV_FP8=is_fp8(k_cache),
+            BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_SIZE=meta.block_size, PRECISION=self._precision(q),
+            KV_FP8=is_fp8(k_cache), num_warps=tiling.num_warps, num_stages=tiling.num_stages,
         )
 
     def _split_decode(self, out, q, kv_cache, rows, block_size: int, sliding_window, splits: int) -> None:
