@@ -5,7 +5,9 @@ Every sequence in the batch is a row (query start, query length, context length,
 a row with one query. A program handles one (row, KV head, tile of query x query-head pairs), so the query
 heads that share a KV head read its keys and values once, and walks the row's context in tiles of positions
 through its block table (any block size) with an online softmax: no contiguous copy of the context is
-made. Causal and sliding-window masks are computed from positions. The programs are the rows' tiles listed
+made. Causal and sliding-window masks are computed from positions, and only where a tile needs them: the
+KV tiles that every query of a tile sees whole (before its first query, with no window) run without masks,
+the same arithmetic with fewer instructions; the tiles along the diagonal run masked. The programs are the rows' tiles listed
 one after the other (`tile_map`, built with the step's metadata), not rows x the longest row's tiles, which
 beside a 2,048-token chunk gave each decode as many programs as the chunk has tiles, all but one idle.
 
@@ -54,6 +56,45 @@ if HAS_TRITON:
         return (x.to(tl.float32) * scale).to(like.dtype)
 
     @triton.jit
+    def _attend_tile(acc, m_i, l_i, q, start, q_pos, ctx_len, window, row, kv_head, offs_n, offs_d, d_ok, scale,
+                     k_scale, v_scale, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                     BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+                     MASKED: tl.constexpr):
+        """One KV tile of `_paged_attention_kernel`'s online softmax: the tile's keys and values found through
+        the block table, scores, the running max, sum and weighted values updated. With MASKED, positions
+        past the context, after a query's own or outside its window score -inf; without, every position of
+        the tile is visible to every query (the same arithmetic, less of it)."""
+        kv_pos = start + offs_n
+        if MASKED:
+            n_ok = kv_pos < ctx_len
+            block = tl.load(block_tables_ptr + row * stride_bt + kv_pos // BLOCK_SIZE, mask=n_ok, other=0)
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+        else:
+            block = tl.load(block_tables_ptr + row * stride_bt + kv_pos // BLOCK_SIZE)
+            kv_mask = d_ok[None, :]
+        slot = kv_pos % BLOCK_SIZE
+        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks
+                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
+                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k, v = _dequant(k, k_scale, q), _dequant(v, v_scale, q)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        if MASKED:
+            ok = (kv_pos[None, :] <= q_pos[:, None]) & n_ok[None, :]
+            if window > 0:
+                ok = ok & (kv_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+        return acc, m_new, l_i
+
+    @triton.jit
     def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
         q_starts_ptr, q_lens_ptr, ctx_lens_ptr, tile_rows_ptr, tile_ids_ptr,
@@ -91,34 +132,27 @@ if HAS_TRITON:
             lo = 0
             if window > 0:
                 lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+            # the KV tiles every query of this tile sees whole (at or before its first query, no window) need
+            # no mask; only the tiles along the diagonal (and, with a window, every tile) are masked
+            full_end = lo
+            if window == 0:
+                full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
             # KV tiles of BLOCK_N positions whatever the cache's block size: each position finds its block
-            for start in range(lo, last_pos + 1, BLOCK_N):
-                kv_pos = start + offs_n
-                n_ok = kv_pos < ctx_len
-                block = tl.load(block_tables_ptr + row * stride_bt + kv_pos // BLOCK_SIZE, mask=n_ok, other=0)
-                slot = kv_pos % BLOCK_SIZE
-                kv_mask = n_ok[:, None] & d_ok[None, :]
-                k = tl.load(k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks
-                            + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-                v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
-                            + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-                if KV_FP8:
-                    k, v = _dequant(k, k_scale, q), _dequant(v, v_scale, q)
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-                ok = (kv_pos[None, :] <= q_pos[:, None]) & n_ok[None, :]
-                if window > 0:
-                    ok = ok & (kv_pos[None, :] > q_pos[:, None] - window)
-                s = tl.where(ok, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-                p = tl.exp(s - m_safe[:, None])
-                alpha = tl.exp(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-                m_i = m_new
+            for start in range(lo, full_end, BLOCK_N):
+                acc, m_i, l_i = _attend_tile(
+                    acc, m_i, l_i, q, start, q_pos, ctx_len, window, row, kv_head, offs_n, offs_d, d_ok, scale,
+                    k_scale, v_scale, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                    BLOCK_SIZE, PRECISION, KV_FP8, False)
+            for start in range(full_end, last_pos + 1, BLOCK_N):
+                acc, m_i, l_i = _attend_tile(
+                    acc, m_i, l_i, q, start, q_pos, ctx_len, window, row, kv_head, offs_n, offs_d, d_ok, scale,
+                    k_scale, v_scale, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                    BLOCK_SIZE, PRECISION, KV_FP8, True)
             acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(out_ptr + (q_start + query)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
