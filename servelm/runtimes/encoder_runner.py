@@ -187,7 +187,10 @@ class EncoderRunner:
         self.causal = not is_encoder(config)  # a decoder: positions follow each row's own tokens
         self.recipe = model_recipe(path) if self.task == "embed" else None
         self.tokenizer = tokenizer_from_folder(path)
-        self.model = load_classifier(path) if self.task == "classify" else load_encoder(path)
+        if self.tokenizer.pad_token is None and self.tokenizer.eos_token is not None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token  # a decoder's batches need one to pad with
+        self.model = (load_classifier(path, self.tokenizer.pad_token_id) if self.task == "classify"
+                      else load_encoder(path))
         cap = self.recipe.max_seq_length if self.recipe is not None else None
         if max_length is not None:
             cap = max_length if cap is None else min(cap, max_length)
@@ -225,17 +228,21 @@ class EncoderRunner:
             tokenizer.truncation_side = "right"
         return tokenizer.pad(encs, return_tensors="pt")
 
+    def _decoder_inputs(self, enc) -> dict:
+        """A decoder's extra inputs: its rows' positions from their own tokens, so that padding (on the
+        tokenizer's side) changes no result; and no segment ids, which some tokenizers return anyway."""
+        if not self.causal:
+            return {}
+        enc.pop("token_type_ids", None)
+        return {"position_ids": (enc["attention_mask"].cumsum(1) - 1).clamp(min=0)}
+
     def embed(self, items: list[Input]) -> Pooled:
-        """The last hidden states pooled (and normalized) as the model's recipe says. A decoder's rows get their
-        positions from their own tokens, so that padding (on the tokenizer's side) changes no vector."""
+        """The last hidden states pooled (and normalized) as the model's recipe says."""
         import torch
 
         enc = self._tokenize(items)
         mask = enc["attention_mask"]
-        extra = {}
-        if self.causal:  # a decoder takes no segment ids (some tokenizers return them anyway)
-            enc.pop("token_type_ids", None)
-            extra["position_ids"] = (mask.cumsum(1) - 1).clamp(min=0)
+        extra = self._decoder_inputs(enc)
         hidden = self.model(**enc, **extra)
         pooled = pool(hidden, mask, self.recipe.pooling)
         if self.recipe.normalize:
@@ -243,9 +250,10 @@ class EncoderRunner:
         return Pooled(pooled.numpy(), _ids(enc), mask.numel())
 
     def classify(self, items: list[Input]) -> Pooled:
-        """Each text's (or pair's) logits."""
+        """Each text's (or pair's) logits (a decoder's: at its last token)."""
         enc = self._tokenize(items)
-        logits = self.model(**enc)
+        extra = self._decoder_inputs(enc)
+        logits = self.model(**enc, **extra)
         return Pooled(logits.float().numpy(), _ids(enc), enc["attention_mask"].numel())
 
 

@@ -286,12 +286,67 @@ def test_ms_marco_style_cross_encoders_score_with_raw_logits(tokenizer, tmp_path
         embedder.close()
 
 
-def test_a_decoders_sequence_classifier_is_not_taken_for_an_encoder():
+def test_a_decoders_sequence_classifier_is_a_classifier_not_an_encoder():
     from servelm.model.loading.hf_files import is_classifier, is_encoder
 
     reward = {"model_type": "qwen2", "architectures": ["Qwen2ForSequenceClassification"]}
-    assert not is_classifier(reward) and not is_encoder(reward)
+    assert is_classifier(reward) and not is_encoder(reward)
     assert is_classifier({"model_type": "xlm-roberta", "architectures": ["XLMRobertaForSequenceClassification"]})
+    assert not is_classifier({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]})
+
+
+@pytest.fixture(scope="module")
+def decoder_reranker(tokenizer_dir, tokenizer, tmp_path_factory):
+    """A tiny Qwen3ForSequenceClassification with one label, as a Qwen3-Reranker converted to a sequence
+    classifier is, its config naming no pad token (the tokenizer's stands in), its tokenizer padding on the left."""
+    import shutil
+
+    import torch
+    import transformers
+
+    folder = tmp_path_factory.mktemp("qwen3-reranker-tiny")
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      num_labels=1, pad_token_id=None)
+    transformers.Qwen3ForSequenceClassification(config).eval().save_pretrained(folder)
+    for f in tokenizer_dir.iterdir():
+        if f.is_file() and f.name != "config.json":
+            shutil.copy(f, folder / f.name)
+    tc = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**tc, "padding_side": "left"}))  # as Qwen3's pads
+    client, embedder = _client(tokenizer, folder)
+    with client:
+        yield client, folder
+    embedder.close()
+
+
+def test_a_decoder_reranker_scores_each_pair_at_its_last_token(decoder_reranker):
+    """/score and /rerank over a decoder's sequence classifier, batched and padded, give what transformers gives
+    each pair alone (the logit at its last token, through a sigmoid): its positions and its last token do not
+    move with the padding the batch adds."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    client, folder = decoder_reranker
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    with torch.no_grad():
+        logits = [model(**tok(QUERY, doc, return_tensors="pt")).logits[0, 0].item() for doc in DOCS]
+    want = sigmoid(np.array(logits))
+    assert len({len(tok(QUERY, doc)["input_ids"]) for doc in DOCS}) > 1  # the batch pads some pairs
+    r = client.post("/score", json={"text_1": QUERY, "text_2": DOCS})
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose([d["score"] for d in r.json()["data"]], want, rtol=1e-4, atol=1e-6)
+    r = client.post("/rerank", json={"query": QUERY, "documents": DOCS})
+    assert r.status_code == 200, r.text
+    assert [x["index"] for x in r.json()["results"]] == list(np.argsort(-want))
+    # in one padded batch (the server would run a batch that fails one input at a time)
+    from servelm.runtimes.encoder_runner import EncoderRunner
+
+    batch = EncoderRunner(folder).classify([(QUERY, doc, None, "right") for doc in DOCS])
+    assert batch.padded > sum(len(ids) for ids in batch.token_ids)
+    np.testing.assert_allclose(batch.rows[:, 0], logits, rtol=1e-4, atol=1e-5)
 
 
 def test_one_input_the_encoder_fails_on_fails_alone(monkeypatch):

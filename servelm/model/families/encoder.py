@@ -114,14 +114,19 @@ class BertClassifier:
         return enc._linear(torch.tanh(enc._linear(first, "pooler.dense")), "classifier")
 
 
-def load_classifier(folder: Path):
-    """A callable (input_ids, attention_mask[, token_type_ids]) -> logits [batch, labels], float32."""
+def load_classifier(folder: Path, pad_token_id: int | None = None):
+    """A callable (input_ids, attention_mask[, token_type_ids][, position_ids]) -> logits [batch, labels],
+    float32. A decoder's classifier reads its last token that is not padding, which it finds by the pad id:
+    `pad_token_id` (the tokenizer's) stands in where its config names none."""
     enc = BertEncoder.load(folder)
     if enc is not None and "classifier.weight" in enc.w and "pooler.dense.weight" in enc.w:
         return BertClassifier(enc)
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    text = model.config.get_text_config()
+    if text.pad_token_id is None and pad_token_id is not None:
+        text.pad_token_id = model.config.pad_token_id = pad_token_id
 
     @torch.inference_mode()
     def run(**inputs: torch.Tensor) -> torch.Tensor:

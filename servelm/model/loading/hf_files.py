@@ -95,8 +95,7 @@ ENCODER_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "distilbert",
 
 def is_encoder(config: dict) -> bool:
     """Whether a checkpoint's config is an encoder (the embedding process runs it), not a decoder."""
-    return (config.get("model_type") in ENCODER_MODEL_TYPES or is_classifier(config)
-            or "BertModel" in (config.get("architectures") or []))
+    return config.get("model_type") in ENCODER_MODEL_TYPES or "BertModel" in (config.get("architectures") or [])
 
 
 def is_embedding_folder(folder: Path, config: dict) -> bool:
@@ -107,7 +106,7 @@ def is_embedding_folder(folder: Path, config: dict) -> bool:
 
     archs = [str(a) for a in config.get("architectures") or []]
     bare = bool(archs) and all(a.endswith("Model") and not a.endswith(_GENERATIVE_MODEL_SUFFIXES) for a in archs)
-    return is_encoder(config) or has_pooling_module(folder) or bare
+    return is_encoder(config) or is_classifier(config) or has_pooling_module(folder) or bare
 
 
 # architectures named ...Model that generate (vLLM's suffix table: GPT2LMHeadModel, ChatGLM's ...ChatModel)
@@ -115,8 +114,7 @@ _GENERATIVE_MODEL_SUFFIXES = ("LMHeadModel", "ChatModel")
 
 
 def is_classifier(config: dict) -> bool:
-    """Whether a checkpoint's config is an encoder sequence classifier (a cross-encoder or a text classifier):
-    its outputs are per-label logits of the whole input, not token vectors. (A decoder's sequence classifier,
-    such as a Llama reward model, is not one of these.)"""
-    return config.get("model_type") in ENCODER_MODEL_TYPES and \
-        any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+    """Whether a checkpoint's config is a sequence classifier (a cross-encoder, a text classifier, a decoder
+    reranker or reward model such as Qwen3ForSequenceClassification): its outputs are per-label logits of the
+    whole input, not token vectors."""
+    return any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or [])

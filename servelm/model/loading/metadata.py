@@ -55,7 +55,8 @@ def check_model(model: str | None, gguf_file: str | None = None) -> ModelSource:
 
     arch = architecture(SimpleNamespace(**config))
     if hf_files.is_embedding_folder(src.path, config):  # (no generation architecture is an encoder)
-        kind = "an encoder" if hf_files.is_encoder(config) else "an embedding model"
+        kind = ("an encoder" if hf_files.is_encoder(config) else
+                "a sequence classifier" if hf_files.is_classifier(config) else "an embedding model")
         raise ValueError(f"model {str(src.path)!r} ({arch}) is {kind}: it embeds, scores or classifies text "
                          "rather than generating it: serve it alone with --runner pooling (or auto, the default), "
                          f"or beside a generation model with --embedding-model {src.path}")
