@@ -160,6 +160,11 @@ class ModelConfig:
                         "default): pooling for an embedding model, cross-encoder or classifier folder (a "
                         "sentence-transformers modules.json with a pooling module, or an encoder architecture), "
                         "else generate")
+    hf_overrides: str | None = _f(None, "a JSON object of config.json fields merged over MODEL's, as vLLM's "
+                                  "--hf-overrides; for a pooling MODEL (a generation model refuses it), e.g. a "
+                                  "Qwen3-Reranker scored by its yes and no tokens: '{\"architectures\": "
+                                  "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", "
+                                  "\"yes\"], \"is_original_qwen3_reranker\": true}'")
     trust_remote_code: bool = _f(False, "accepted for vLLM command lines and changes nothing: servelm runs only "
                                  "its built-in architectures and never executes code from a model folder")
     dtype: Dtype = _f("auto", "auto | float32 | bfloat16 | float16 (vLLM's half and float, and bf16, name the same "
@@ -201,6 +206,14 @@ class ModelConfig:
             generation.check_setting(self.generation_config)
         except ValueError as e:
             raise ConfigError("generation_config", self.generation_config, str(e)) from None
+        from servelm.config.hf_overrides import parse_hf_overrides
+
+        if isinstance(self.hf_overrides, dict):  # from Python or a config file's mapping
+            self.hf_overrides = json.dumps(self.hf_overrides)
+        try:
+            parse_hf_overrides(self.hf_overrides)
+        except ValueError as e:
+            raise ConfigError("hf_overrides", self.hf_overrides, str(e)) from None
         if isinstance(self.override_generation_config, dict):  # from Python or a config file's mapping
             self.override_generation_config = json.dumps(self.override_generation_config)
         try:
@@ -647,6 +660,13 @@ class EngineConfig(SectionedConfig):
                               f"{tp} ranks need GPUs cuda:{first}..cuda:{first + tp - 1}, and {visible} "
                               f"{'is' if visible == 1 else 'are'} visible (torch.cuda.device_count(); "
                               "CUDA_VISIBLE_DEVICES chooses them)")
+
+    def check_generation_overrides(self) -> None:
+        """--hf-overrides applies to a pooling MODEL only: ConfigError where MODEL runs for generation."""
+        if self.model_config.hf_overrides:
+            raise ConfigError("hf_overrides", self.model_config.hf_overrides,
+                              "none for a generation model: servelm applies --hf-overrides to a pooling MODEL only "
+                              "(an embedding model, reranker or classifier, served by --runner pooling)")
 
     def unused_vllm_settings(self) -> list[str]:
         """What to tell a user about vLLM settings given here that servelm accepts but does not use."""

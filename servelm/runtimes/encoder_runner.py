@@ -189,8 +189,7 @@ class EncoderRunner:
         self.tokenizer = tokenizer_from_folder(path)
         if self.tokenizer.pad_token is None and self.tokenizer.eos_token is not None:
             self.tokenizer.pad_token = self.tokenizer.eos_token  # a decoder's batches need one to pad with
-        self.model = (load_classifier(path, self.tokenizer.pad_token_id) if self.task == "classify"
-                      else load_encoder(path))
+        self.model = load_classifier(path, self.tokenizer) if self.task == "classify" else load_encoder(path)
         cap = self.recipe.max_seq_length if self.recipe is not None else None
         if max_length is not None:
             cap = max_length if cap is None else min(cap, max_length)

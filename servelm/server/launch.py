@@ -45,7 +45,7 @@ def pooling_model(config):
     if not serves_cli_model(config):
         return None
     mc, srv = config.engine.model_config, config.server
-    folder = pooling_folder(mc.model, mc.gguf_file, mc.runner)
+    folder = pooling_folder(mc.model, mc.gguf_file, mc.runner, mc.hf_overrides)
     if folder is None:
         return None
     other = srv.embedding_config.embedding_model
@@ -74,6 +74,7 @@ def fixed_models(config) -> list[Launch]:
     out: list[Launch] = []
     ec, srv = config.engine, config.server
     if serves_cli_model(config) and pooling_model(config) is None:  # a pooling MODEL runs in the embedder
+        ec.check_generation_overrides()
         name = srv.api_config.served_model_name[0] if srv.api_config.served_model_name else served_name(ec.model_config.model, ec.model_config.gguf_file)
         out.append(Launch(name, ec))
     for spec in config.models:

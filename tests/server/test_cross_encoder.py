@@ -365,3 +365,60 @@ def test_one_input_the_encoder_fails_on_fails_alone(monkeypatch):
                                ("fine", None, None, "right")])
     assert isinstance(rows[1], E.EncodeFailed) and "index out of range" in str(rows[1])
     assert rows[0].tolist() == rows[2].tolist() == [1.0, 1.0] and lens == [3, 0, 3]
+
+
+QWEN3_RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+                  "is_original_qwen3_reranker": True}  # vLLM's --hf-overrides for Qwen3-Reranker
+
+
+def test_a_causal_reranker_scores_by_its_yes_and_no_tokens_with_hf_overrides(tokenizer_dir, tokenizer, tmp_path):
+    """`servelm serve Qwen/Qwen3-Reranker-0.6B --hf-overrides '{...}'`: a Qwen3ForCausalLM read as a one-label
+    classifier whose logit is the "yes" token's minus the "no" token's at the last token, so that its score
+    is P(yes) / (P(yes) + P(no)) as the model's card computes it; without the overrides it is a generation
+    model, and a generation model refuses them."""
+    import shutil
+
+    import torch
+    import transformers
+    from starlette.testclient import TestClient
+
+    from servelm.config.engine import ConfigError
+    from servelm.config.settings import load
+    from servelm.server.api import build_app
+    from servelm.server.launch import fixed_models, pooling_model
+    from servelm.server.serve import _embedder, build_state
+
+    folder = tmp_path / "qwen3-reranker-causal"
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    for f in tokenizer_dir.iterdir():
+        if f.is_file() and f.name != "config.json":
+            shutil.copy(f, folder / f.name)
+    no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
+    with torch.no_grad():
+        last = [model(**tokenizer(QUERY, doc, return_tensors="pt")).logits[0, -1] for doc in DOCS]
+    want = sigmoid(np.array([(x[yes] - x[no]).item() for x in last]))
+
+    assert pooling_model(load({"model": str(folder)})) is None  # a causal LM: generation, as it stands
+    served = load({"model": str(folder), "hf_overrides": json.dumps(QWEN3_RERANKER)})
+    assert pooling_model(served) is not None and fixed_models(served) == []
+    embedder, name = _embedder(served)
+    try:
+        assert name == folder.name and embedder.task == "classify" and embedder.labels == ["score"]
+        client = TestClient(build_app(build_state(load({}), tokenizer, IdleEngine(), "tiny", embedder=embedder,
+                                                  embed_name=name)))
+        with client:
+            r = client.post("/score", json={"text_1": QUERY, "text_2": DOCS})
+            assert r.status_code == 200, r.text
+            np.testing.assert_allclose([d["score"] for d in r.json()["data"]], want, rtol=1e-4, atol=1e-6)
+    finally:
+        embedder.close()
+    assert "classifier_from_token" not in (folder / "config.json").read_text()  # the original is left as it was
+    with pytest.raises(ConfigError, match="hf_overrides"):
+        fixed_models(load({"model": str(folder), "hf_overrides": json.dumps(QWEN3_RERANKER),
+                           "runner": "generate"}))
+    with pytest.raises(ConfigError, match="hf_overrides"):
+        load({"hf_overrides": '{"is_original_qwen3_reranker": true}'})

@@ -114,10 +114,16 @@ class BertClassifier:
         return enc._linear(torch.tanh(enc._linear(first, "pooler.dense")), "classifier")
 
 
-def load_classifier(folder: Path, pad_token_id: int | None = None):
+def load_classifier(folder: Path, tokenizer=None):
     """A callable (input_ids, attention_mask[, token_type_ids][, position_ids]) -> logits [batch, labels],
     float32. A decoder's classifier reads its last token that is not padding, which it finds by the pad id:
-    `pad_token_id` (the tokenizer's) stands in where its config names none."""
+    the tokenizer's stands in where its config names none. A config with `classifier_from_token` (vLLM's
+    --hf-overrides; model/loading/hf_overrides.py) is a causal LM scored by those tokens' logits."""
+    import json
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    if config.get("classifier_from_token"):
+        return TokenClassifier(folder, config, tokenizer)
     enc = BertEncoder.load(folder)
     if enc is not None and "classifier.weight" in enc.w and "pooler.dense.weight" in enc.w:
         return BertClassifier(enc)
@@ -125,11 +131,42 @@ def load_classifier(folder: Path, pad_token_id: int | None = None):
 
     model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
     text = model.config.get_text_config()
-    if text.pad_token_id is None and pad_token_id is not None:
-        text.pad_token_id = model.config.pad_token_id = pad_token_id
+    if text.pad_token_id is None and tokenizer is not None and tokenizer.pad_token_id is not None:
+        text.pad_token_id = model.config.pad_token_id = tokenizer.pad_token_id
 
     @torch.inference_mode()
     def run(**inputs: torch.Tensor) -> torch.Tensor:
         return model(**inputs).logits
 
     return run
+
+
+class TokenClassifier:
+    """A causal LM as a classifier (vLLM's `classifier_from_token`): the logits of the named tokens at each
+    input's last token, from the final hidden state and those tokens' rows of the output embedding; with
+    `is_original_qwen3_reranker`, one label, the "yes" logit minus the "no" one (a sigmoid of it is
+    P(yes) / (P(yes) + P(no)), Qwen3-Reranker's score)."""
+
+    def __init__(self, folder: Path, config: dict, tokenizer) -> None:
+        from transformers import AutoModelForCausalLM
+
+        tokens = list(config["classifier_from_token"])
+        ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+        missing = [t for t, i in zip(tokens, ids, strict=True) if i is None or i == tokenizer.unk_token_id]
+        if missing:
+            raise ValueError(f"{folder}: classifier_from_token names {missing}, which the tokenizer does not have "
+                             "as single tokens")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        rows = model.get_output_embeddings().weight.detach()[ids].float()  # [tokens, hidden]
+        if config.get("is_original_qwen3_reranker"):
+            rows = (rows[1] - rows[0])[None]  # ["no", "yes"]: yes over no
+        self.body, self.rows = model.base_model, rows
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 position_ids: torch.Tensor | None = None, **_: torch.Tensor) -> torch.Tensor:
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask,
+                           position_ids=position_ids).last_hidden_state
+        # each row's last real token, whichever side it is padded on
+        at = (torch.arange(input_ids.shape[1]) * attention_mask).argmax(-1)
+        return hidden[torch.arange(input_ids.shape[0]), at].float() @ self.rows.T

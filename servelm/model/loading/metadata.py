@@ -66,10 +66,15 @@ def check_model(model: str | None, gguf_file: str | None = None) -> ModelSource:
     return src
 
 
-def pooling_folder(model: str | None, gguf_file: str | None = None, runner: str = "auto") -> Path | None:
+def pooling_folder(model: str | None, gguf_file: str | None = None, runner: str = "auto",
+                   hf_overrides: str | None = None) -> Path | None:
     """MODEL's folder when it runs as a pooling model (vLLM's pooling runner: embeddings, scores, classes) rather
     than for generation, else None: never with runner "generate"; with "pooling" it must be one (ValueError
-    where it is not, FileNotFoundError where it cannot be found); "auto" reads its files."""
+    where it is not, FileNotFoundError where it cannot be found); "auto" reads its files. With `hf_overrides`
+    the model is read with them, and the folder is its overridden copy (model/loading/hf_overrides.py)."""
+    from servelm.config.hf_overrides import parse_hf_overrides
+    from servelm.model.loading.hf_overrides import overridden_config, overridden_folder
+
     if runner == "generate":
         return None
     try:
@@ -78,9 +83,12 @@ def pooling_folder(model: str | None, gguf_file: str | None = None, runner: str 
         if runner == "pooling":
             raise
         return None  # not found: the generation path's checks say so
+    overrides = parse_hf_overrides(hf_overrides)
     config = hf_files.read_json(src.path / "config.json") if src.kind == "hf" else None
+    if config is not None and overrides:
+        config = overridden_config(config, overrides)
     if config is not None and hf_files.is_embedding_folder(src.path, config):
-        return src.path
+        return overridden_folder(src.path, overrides) if overrides else src.path
     if runner == "pooling":
         raise ValueError(f"--runner pooling: {str(src.path)!r} is not a pooling model (an embedding model, "
                          "cross-encoder or classifier: a folder with a sentence-transformers modules.json that "

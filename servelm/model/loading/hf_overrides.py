@@ -1,0 +1,64 @@
+"""vLLM's `--hf-overrides`: fields merged over a model's config.json, for a pooling model.
+
+The common use is a reranker published as a causal LM and scored by the logits of two tokens, as Qwen3-Reranker
+is served in vLLM:
+
+    --hf-overrides '{"architectures": ["Qwen3ForSequenceClassification"],
+                     "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}'
+
+The overridden model is a folder of its own in servelm's cache (`overridden_folder`): the original's files
+linked, its config.json written merged, so every reader of the folder (the embedding process, the checks made
+before it starts) sees one model. A `classifier_from_token` config makes a classifier whose labels are those
+tokens' logits at the last token (encoder.load_classifier); with `is_original_qwen3_reranker` and two tokens
+("no", "yes") the one label is the difference of their logits, whose sigmoid is P(yes) / (P(yes) + P(no)).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from servelm.model.loading.source import cache_dir
+
+_VERSION = 1  # bump when the folder's layout changes
+
+
+def overridden_config(config: dict, overrides: dict) -> dict:
+    """config.json with `overrides` merged over it; a token classifier's labels follow its tokens (one label,
+    yes over no, for an original Qwen3 reranker)."""
+    out = {**config, **overrides}
+    tokens = out.get("classifier_from_token")
+    if tokens and "num_labels" not in overrides and "id2label" not in overrides:
+        labels = ["score"] if out.get("is_original_qwen3_reranker") else list(tokens)
+        out["id2label"] = {str(i): name for i, name in enumerate(labels)}
+        out["label2id"] = {name: i for i, name in enumerate(labels)}
+        out.pop("num_labels", None)
+    return out
+
+
+def overridden_folder(folder: Path, overrides: dict) -> Path:
+    """A folder in servelm's cache that is `folder` with its config.json overridden: the other files linked
+    (no copy), made once for each source folder, overrides and config."""
+    folder = Path(folder).resolve()
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    st = config_path.stat()
+    key = json.dumps([str(folder), st.st_size, st.st_mtime_ns, overrides, _VERSION], sort_keys=True)
+    view = cache_dir() / "hf-overrides" / f"{folder.name}-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
+    if (view / "config.json").is_file():
+        return view
+    tmp = view.with_name(view.name + f".tmp-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for entry in folder.iterdir():
+        if entry.name != "config.json":
+            (tmp / entry.name).symlink_to(entry.resolve())
+    (tmp / "config.json").write_text(json.dumps(overridden_config(config, overrides), indent=2))
+    try:
+        tmp.rename(view)  # whole or not at all: two starts at once both end with one complete folder
+    except OSError:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return view
