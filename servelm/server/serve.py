@@ -242,7 +242,7 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
         state.reconciler = await start_reconciler(state)
     app = build_app(state)
     logger.info("ready in %.1fs: serving %s on %s://%s:%d (API keys: %s)", time.perf_counter() - t0,
-                ", ".join(state.models.names() + [f"{n} (embeddings)" for n in state.models.names(Kind.EMBED)]),
+                ", ".join(state.models.names() or [f"{n} (embeddings)" for n in state.models.names(Kind.EMBED)]),
                 srv.api_config.scheme, srv.api_config.host, sock.getsockname()[1], f"{len(state.keys.keys)}" if state.keys.enabled else "off")
     # the app, tokenizers and libraries live as long as the process: freeze them out of the collector's full
     # passes, which otherwise walk them all between two streamed tokens
@@ -362,7 +362,29 @@ class _DrainingServer:
                 logger.info("received %s: draining in-flight requests", signal.Signals(sig).name)
                 self.should_exit = True
 
+            async def shutdown(self, sockets=None) -> None:
+                ended = asyncio.create_task(_end_closed_tls(self.server_state))
+                try:
+                    await super().shutdown(sockets)
+                finally:
+                    ended.cancel()
+
         return Server(config)
+
+
+async def _end_closed_tls(server_state) -> None:
+    """While the server drains: end each HTTPS connection it has closed (an idle keep-alive connection at once,
+    a busy one once its response is sent) as soon as everything it was sent has left its buffers. A TLS close
+    otherwise waits for the client's close_notify, which an idle pooled client never reads the socket to
+    send: each such connection held the drain 30 s (the SSL shutdown timeout), past most orchestrators'
+    grace period."""
+    while True:
+        for connection in list(server_state.connections):
+            transport = getattr(connection, "transport", None)
+            if transport is not None and transport.is_closing() and transport.get_extra_info("ssl_object") is not None \
+                    and transport.get_write_buffer_size() == 0:
+                transport.abort()
+        await asyncio.sleep(0.05)
 
 
 def prepare_database(srv) -> str | None:

@@ -4,6 +4,7 @@ that CA (mutual TLS). Settings that cannot work stop the start, naming the setti
 
 from __future__ import annotations
 
+import signal
 import ssl
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def _trusting(pki, client_cert: str | None = None) -> ssl.SSLContext:
 
 def test_mutual_tls_serves_only_clients_with_a_certificate_of_its_ca(llama_dir, pki):
     tls = ["--ssl-keyfile", str(pki / "server.key"), "--ssl-certfile", str(pki / "server.pem"),
-           "--ssl-ca-certs", str(pki / "ca.pem"), "--ssl-cert-reqs", "2"]
+           "--ssl-ca-certs", str(pki / "ca.pem"), "--ssl-cert-reqs", "2", "--drain-timeout", "120"]
     proc, url = start_server(llama_dir, *tls, tls={"verify": _trusting(pki, "client.pem")})
     try:
         # the openai SDK over HTTPS, checking the server's certificate and showing its own
@@ -60,6 +61,12 @@ def test_mutual_tls_serves_only_clients_with_a_certificate_of_its_ca(llama_dir, 
         with pytest.raises(httpx.HTTPError):
             httpx.get(url.replace("https://", "http://") + "/v1/models", timeout=10).raise_for_status()
         assert "serving tiny on https://127.0.0.1" in Path(proc.log_path).read_text()
+        # a client keeping an idle HTTPS connection in its pool does not hold the drain: a TLS close would wait
+        # for its close_notify, which it never reads the socket to send, for the SSL shutdown timeout (30 s)
+        with httpx.Client(verify=_trusting(pki, "client.pem")) as idle:
+            assert idle.get(url + "/v1/models").status_code == 200
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(20) == 0
     finally:
         stop_server(proc)
 
