@@ -67,8 +67,8 @@ def cli_aliases(config) -> tuple[str, ...]:
 def fixed_models(config) -> list[Launch]:
     """What to start: MODEL (given as an argument, flag or env, or nothing else is declared; not a pooling
     model, which the embedder runs) under served_model_name's first name, then each `models:` entry under
-    its name. The entries take the engine
-    section's settings but not MODEL's tokenizer, chat template or revision."""
+    its name. The entries take the engine section's settings but not MODEL's tokenizer, chat template or
+    revision."""
     from servelm.model.loading.hub import served_name
 
     out: list[Launch] = []
