@@ -434,6 +434,15 @@ def child_shape(spec: dict) -> None:
 DECODE_ATTENTION_FLUSH_BYTES = 192 * 2**20  # more KV than an H100's or H200's L2 (50, 60 MB) holds
 
 
+def _attention_bench(shape: tuple, on_gpu: bool):
+    """What the attention timings share: the shape's query heads, KV heads and head size, the device and the
+    dtype (bf16 on a GPU; float32 interpreted, numpy having no bfloat16)."""
+    import torch
+
+    h, _, heads, kv, *_ = shape
+    return heads, kv, h // heads, "cuda" if on_gpu else "cpu", torch.bfloat16 if on_gpu else torch.float32
+
+
 def decode_attention(shape: tuple, on_gpu: bool) -> dict:
     """The decode attention kernel alone (model/attention/triton_paged.py) at the shape's heads: the single-pass
     kernel against split-KV with the split count the engine would choose, batch 1 and 64 at contexts 512 and
@@ -448,10 +457,7 @@ def decode_attention(shape: tuple, on_gpu: bool) -> dict:
 
     if not triton_paged.HAS_TRITON:
         return {"status": "skipped", "reason": "triton is not installed"}
-    h, _, heads, kv, *_ = shape
-    d = h // heads
-    dev = "cuda" if on_gpu else "cpu"
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    heads, kv, d, dev, dtype = _attention_bench(shape, on_gpu)
     batches, contexts = ((1, 64), (512, 4096)) if on_gpu else ((1, 2), (64,))
     bs = 16
     reps = 5 if on_gpu else 1
@@ -514,10 +520,7 @@ def prefill_attention(shape: tuple, on_gpu: bool) -> dict:
 
     if not triton_paged.HAS_TRITON:
         return {"status": "skipped", "reason": "triton is not installed"}
-    h, _, heads, kv, *_ = shape
-    d = h // heads
-    dev = "cuda" if on_gpu else "cpu"
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    heads, kv, d, dev, dtype = _attention_bench(shape, on_gpu)
     chunks = ((2048, 2048), (512, 4096)) if on_gpu else ((32, 32),)
     bs, reps, calls = 16, (5 if on_gpu else 1), (4 if on_gpu else 1)
     g = torch.Generator(device=dev).manual_seed(0)

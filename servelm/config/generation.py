@@ -19,6 +19,8 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 
+from servelm.config.json_object import parse_json_object
+
 logger = logging.getLogger(__name__)
 
 # generation_config.json's name -> the request field it is the default of
@@ -45,13 +47,7 @@ def parse_overrides(value: str | dict | None) -> dict[str, float | int]:
     naming what is wrong). Its values win over the model's file and apply with `--generation-config vllm` too."""
     if value is None:
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError("a JSON object such as '{\"temperature\": 0.6}'")
+    value = parse_json_object(value, '{"temperature": 0.6}')
     unknown = sorted(set(value) - set(FIELDS))
     if unknown:
         raise ValueError(f"unknown field {unknown[0]!r}; the fields are {', '.join(FIELDS)}")

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import json
+from servelm.config.json_object import parse_json_object
 
 
 def parse_hf_overrides(value: str | dict | None) -> dict:
     """`--hf-overrides`: a JSON object of config.json fields (ValueError saying what is wrong)."""
     if value is None:
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError("a JSON object of config.json fields, such as '{\"architectures\": "
-                         "[\"Qwen3ForSequenceClassification\"]}'")
+    value = parse_json_object(value, '{"architectures": ["Qwen3ForSequenceClassification"]}')
     tokens = value.get("classifier_from_token")
     if tokens is not None and (not isinstance(tokens, list) or not tokens
                                or not all(isinstance(t, str) for t in tokens)):

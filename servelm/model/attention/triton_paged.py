@@ -56,6 +56,19 @@ if HAS_TRITON:
         return (x.to(tl.float32) * scale).to(like.dtype)
 
     @triton.jit
+    def _load_kv(k_cache_ptr, v_cache_ptr, block, slot, kv_head, offs_d, kv_mask, k_scale, v_scale, like,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, KV_FP8: tl.constexpr):
+        """A tile's keys and values, [positions, head dim], from the cache blocks and slots of its positions, in
+        `like`'s dtype (an fp8 cache dequantized in registers)."""
+        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks
+                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
+                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k, v = _dequant(k, k_scale, like), _dequant(v, v_scale, like)
+        return k, v
+
+    @triton.jit
     def _attend_tile(acc, m_i, l_i, q, start, q_pos, ctx_len, window, row, kv_head, offs_n, offs_d, d_ok, scale,
                      k_scale, v_scale, k_cache_ptr, v_cache_ptr, block_tables_ptr,
                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -73,13 +86,8 @@ if HAS_TRITON:
         else:
             block = tl.load(block_tables_ptr + row * stride_bt + kv_pos // BLOCK_SIZE)
             kv_mask = d_ok[None, :]
-        slot = kv_pos % BLOCK_SIZE
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
-            k, v = _dequant(k, k_scale, q), _dequant(v, v_scale, q)
+        k, v = _load_kv(k_cache_ptr, v_cache_ptr, block, kv_pos % BLOCK_SIZE, kv_head, offs_d, kv_mask, k_scale,
+                        v_scale, q, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, KV_FP8)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         if MASKED:
             ok = (kv_pos[None, :] <= q_pos[:, None]) & n_ok[None, :]
@@ -199,14 +207,9 @@ if HAS_TRITON:
             kv_pos = tile_start + offs_n
             n_ok = kv_pos < end
             block = tl.load(block_tables_ptr + row * stride_bt + kv_pos // BLOCK_SIZE, mask=n_ok, other=0)
-            slot = kv_pos % BLOCK_SIZE
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks
-                        + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
-                        + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-            if KV_FP8:
-                k, v = _dequant(k, k_scale, q), _dequant(v, v_scale, q)
+            k, v = _load_kv(k_cache_ptr, v_cache_ptr, block, kv_pos % BLOCK_SIZE, kv_head, offs_d,
+                            n_ok[:, None] & d_ok[None, :], k_scale, v_scale, q,
+                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, KV_FP8)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
             s = tl.where(n_ok[None, :], s, float("-inf"))
             # every tile holds at least its first position, so each row's maximum is finite from here on
