@@ -159,7 +159,8 @@ class ModelConfig:
                         "/v1/score, /v1/rerank and /classify, in place of a generation engine), or auto (the "
                         "default): pooling for an embedding model, cross-encoder or classifier folder (a "
                         "sentence-transformers modules.json with a pooling module, or an encoder architecture), "
-                        "else generate")
+                        "else generate; with pooling, a generation model's folder embeds (the last token's final "
+                        "hidden state, normalized, as vLLM's --convert embed)")
     hf_overrides: str | None = _f(None, "a JSON object of config.json fields merged over MODEL's, as vLLM's "
                                   "--hf-overrides; for a pooling MODEL (a generation model refuses it), e.g. a "
                                   "Qwen3-Reranker scored by its yes and no tokens: '{\"architectures\": "

@@ -73,22 +73,47 @@ def test_runner_auto_reads_the_folder_and_runner_generate_refuses_an_embedding_m
     assert [launch.name for launch in fixed_models(_config(model=str(llama_dir)))] == [llama_dir.name]
 
 
-def test_runner_pooling_needs_a_pooling_model_and_one_embedding_model(encoder_dir, llama_dir, tmp_path):
+def test_runner_pooling_needs_a_folder_and_one_embedding_model(encoder_dir, tmp_path):
     from servelm.config.engine import ConfigError
     from servelm.server.launch import pooling_model
 
     assert pooling_model(_config(model=str(encoder_dir), runner="pooling")) == encoder_dir
-    with pytest.raises(ValueError, match="is not a pooling model"):
-        pooling_model(_config(model=str(llama_dir), runner="pooling"))
+    with pytest.raises(ValueError, match="is a GGUF file"):  # the packaged default model
+        pooling_model(_config(runner="pooling"))
     with pytest.raises(ConfigError, match="embedding_model"):
         pooling_model(_config(model=str(encoder_dir), embedding_model=str(tmp_path)))
     with pytest.raises(ConfigError, match="one name"):
         pooling_model(_config(model=str(encoder_dir), served_model_name=["a", "b"]))
     # the command line says so in one line and exits 2 before anything loads
-    run = subprocess.run([sys.executable, "-m", "servelm.entrypoints.cli", "serve", str(llama_dir), "--runner",
-                          "pooling", "--port", "0"], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-m", "servelm.entrypoints.cli", "serve", "--runner", "pooling", "--port",
+                          "0"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().splitlines()[-1].startswith("servelm: error: --runner pooling:")
+
+
+def test_runner_pooling_embeds_with_a_generation_model_as_vllm_converts_it(llama_dir):
+    """`--runner pooling` on a generation model's folder (vLLM's --convert embed): its last token's final hidden
+    state, normalized, as transformers' base model computes it for each text alone, whatever the padding of
+    the batch."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from servelm.runtimes.encoder_runner import EncoderRunner
+    from servelm.server.launch import fixed_models, pooling_model
+
+    config = _config(model=str(llama_dir), runner="pooling")
+    assert pooling_model(config) == llama_dir and fixed_models(config) == []
+    assert pooling_model(_config(model=str(llama_dir))) is None  # auto: a generation model, served as one
+    model = AutoModel.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    with torch.no_grad():
+        want = [torch.nn.functional.normalize(model(**tok(t, return_tensors="pt")).last_hidden_state[0, -1], dim=-1)
+                for t in DOCS]
+    runner = EncoderRunner(llama_dir)
+    assert runner.task == "embed" and runner.recipe.pooling == ("lasttoken",) and runner.recipe.normalize
+    got = runner.embed([(t, None, None, "right") for t in DOCS])
+    assert got.padded > sum(len(ids) for ids in got.token_ids)  # the texts' lengths differ: the batch pads
+    np.testing.assert_allclose(got.rows, torch.stack(want).numpy(), rtol=1e-4, atol=2e-5)
 
 
 def test_the_offline_api_follows_the_runner(encoder_dir):

@@ -66,11 +66,15 @@ def check_model(model: str | None, gguf_file: str | None = None) -> ModelSource:
     return src
 
 
+_told_embeds: set[Path] = set()  # generation models run for pooling, named once in the log
+
+
 def pooling_folder(model: str | None, gguf_file: str | None = None, runner: str = "auto",
                    hf_overrides: str | None = None) -> Path | None:
     """MODEL's folder when it runs as a pooling model (vLLM's pooling runner: embeddings, scores, classes) rather
     than for generation, else None: never with runner "generate"; with "pooling" it must be one (ValueError
-    where it is not, FileNotFoundError where it cannot be found); "auto" reads its files. With `hf_overrides`
+    where it cannot be one: a GGUF file; FileNotFoundError where it cannot be found), a generation model's
+    folder then embedding as vLLM converts it; "auto" reads its files. With `hf_overrides`
     the model is read with them, and the folder is its overridden copy (model/loading/hf_overrides.py)."""
     from servelm.config.hf_overrides import parse_hf_overrides
     from servelm.model.loading.hf_overrides import overridden_config, overridden_folder
@@ -89,10 +93,18 @@ def pooling_folder(model: str | None, gguf_file: str | None = None, runner: str 
         config = overridden_config(config, overrides)
     if config is not None and hf_files.is_embedding_folder(src.path, config):
         return overridden_folder(src.path, overrides) if overrides else src.path
+    if runner == "pooling" and config is not None:
+        # a generation model run for pooling embeds, as vLLM converts it (--convert embed): the final hidden
+        # state of the last token, normalized (the embedding process's defaults for a decoder without modules)
+        if src.path not in _told_embeds:
+            _told_embeds.add(src.path)
+            logger.info("%s (%s) runs as an embedding model: the last token's final hidden state, normalized",
+                        src.path, ", ".join(config.get("architectures") or []) or "no architecture named")
+        return overridden_folder(src.path, overrides) if overrides else src.path
     if runner == "pooling":
-        raise ValueError(f"--runner pooling: {str(src.path)!r} is not a pooling model (an embedding model, "
-                         "cross-encoder or classifier: a folder with a sentence-transformers modules.json that "
-                         "pools, or an encoder architecture such as BertModel)")
+        raise ValueError(f"--runner pooling: {str(src.path)!r} is a GGUF file; a pooling model is a Hugging Face "
+                         "folder (an embedding model, a cross-encoder or classifier, or a generation model to embed "
+                         "with)")
     return None
 
 
