@@ -132,37 +132,6 @@ def _max_length(tokenizer, config: dict, cap: int | None) -> int:
     return min(want, _positions(config)) if want is not None else _positions(config)
 
 
-def pool(hidden, mask, modes: tuple[str, ...]):
-    """Sentence vectors [batch, len(modes) x hidden] from token states [batch, tokens, hidden] and the attention
-    mask, each mode as sentence-transformers' Pooling computes it (padding on either side), concatenated in order:
-    cls the first real token, max and mean over the real ones, mean_sqrt_len_tokens the sum over the square root
-    of the count, weightedmean weighted 1, 2, ... from the first real token, lasttoken the last real one."""
-    import torch
-
-    m = mask.to(hidden.dtype)[..., None]
-    rows = torch.arange(hidden.shape[0])
-    first = mask.to(torch.int32).argmax(1)  # the first real token (after any left padding)
-    out = []
-    for mode in modes:
-        if mode == "cls":
-            out.append(hidden[rows, first])
-        elif mode == "max":
-            out.append(hidden.masked_fill(m == 0, float("-inf")).max(1).values)
-        elif mode in ("mean", "mean_sqrt_len_tokens"):
-            count = m.sum(1).clamp(min=1e-9)
-            out.append((hidden * m).sum(1) / (count if mode == "mean" else count.sqrt()))
-        elif mode == "weightedmean":
-            weights = m * (torch.arange(1, hidden.shape[1] + 1, dtype=hidden.dtype)[None, :, None]
-                           - first[:, None, None].to(hidden.dtype))
-            out.append((hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9))
-        elif mode == "lasttoken":
-            last = hidden.shape[1] - 1 - mask.flip(1).to(torch.int32).argmax(1)
-            out.append(hidden[rows, last])
-        else:
-            raise ValueError(f"pooling mode {mode!r}")
-    return torch.cat(out, dim=-1)
-
-
 @dataclass
 class Pooled:
     """A batch's results: one row per input (a vector or logits), each input's token ids, the padded size."""
@@ -238,6 +207,8 @@ class EncoderRunner:
     def embed(self, items: list[Input]) -> Pooled:
         """The last hidden states pooled (and normalized) as the model's recipe says."""
         import torch
+
+        from servelm.model.families.encoder import pool
 
         enc = self._tokenize(items)
         mask = enc["attention_mask"]

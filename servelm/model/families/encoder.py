@@ -83,6 +83,35 @@ class BertEncoder:
         return x
 
 
+def pool(hidden, mask, modes: tuple[str, ...]):
+    """Sentence vectors [batch, len(modes) x hidden] from token states [batch, tokens, hidden] and the attention
+    mask, each mode as sentence-transformers' Pooling computes it (padding on either side), concatenated in order:
+    cls the first real token, max and mean over the real ones, mean_sqrt_len_tokens the sum over the square root
+    of the count, weightedmean weighted 1, 2, ... from the first real token, lasttoken the last real one."""
+    m = mask.to(hidden.dtype)[..., None]
+    rows = torch.arange(hidden.shape[0])
+    first = mask.to(torch.int32).argmax(1)  # the first real token (after any left padding)
+    out = []
+    for mode in modes:
+        if mode == "cls":
+            out.append(hidden[rows, first])
+        elif mode == "max":
+            out.append(hidden.masked_fill(m == 0, float("-inf")).max(1).values)
+        elif mode in ("mean", "mean_sqrt_len_tokens"):
+            count = m.sum(1).clamp(min=1e-9)
+            out.append((hidden * m).sum(1) / (count if mode == "mean" else count.sqrt()))
+        elif mode == "weightedmean":
+            weights = m * (torch.arange(1, hidden.shape[1] + 1, dtype=hidden.dtype)[None, :, None]
+                           - first[:, None, None].to(hidden.dtype))
+            out.append((hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9))
+        elif mode == "lasttoken":
+            last = hidden.shape[1] - 1 - mask.flip(1).to(torch.int32).argmax(1)
+            out.append(hidden[rows, last])
+        else:
+            raise ValueError(f"pooling mode {mode!r}")
+    return torch.cat(out, dim=-1)
+
+
 def load_encoder(folder: Path):
     """A callable (input_ids, attention_mask[, token_type_ids]) -> last hidden states, float32."""
     enc = BertEncoder.load(folder)
@@ -167,6 +196,4 @@ class TokenClassifier:
                  position_ids: torch.Tensor | None = None, **_: torch.Tensor) -> torch.Tensor:
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids).last_hidden_state
-        # each row's last real token, whichever side it is padded on
-        at = (torch.arange(input_ids.shape[1]) * attention_mask).argmax(-1)
-        return hidden[torch.arange(input_ids.shape[0]), at].float() @ self.rows.T
+        return pool(hidden, attention_mask, ("lasttoken",)).float() @ self.rows.T
