@@ -67,8 +67,8 @@ def cli_aliases(config) -> tuple[str, ...]:
 def fixed_models(config) -> list[Launch]:
     """What to start: MODEL (given as an argument, flag or env, or nothing else is declared; not a pooling
     model, which the embedder runs) under served_model_name's first name, then each `models:` entry under
-    its name. The entries take the engine section's settings but not MODEL's tokenizer, chat template or
-    revision."""
+    its name. The entries take the engine section's settings but not MODEL's tokenizer, chat template,
+    revision or hf_overrides."""
     from servelm.model.loading.hub import served_name
 
     out: list[Launch] = []
@@ -78,8 +78,10 @@ def fixed_models(config) -> list[Launch]:
         name = srv.api_config.served_model_name[0] if srv.api_config.served_model_name else served_name(ec.model_config.model, ec.model_config.gguf_file)
         out.append(Launch(name, ec))
     for spec in config.models:
-        base = ec.replace(tokenizer=None, chat_template=None, revision=None)
-        out.append(Launch(spec.name, spec.engine_config(base), spec))
+        base = ec.replace(tokenizer=None, chat_template=None, revision=None, hf_overrides=None)
+        engine = spec.engine_config(base)
+        engine.check_generation_overrides()  # an entry is a generation model: overrides of its own are refused
+        out.append(Launch(spec.name, engine, spec))
     names = [launch.name for launch in out] + list(cli_aliases(config))
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:

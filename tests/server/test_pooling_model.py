@@ -150,3 +150,26 @@ def test_a_hugging_face_repo_id_as_model_is_downloaded_read_and_served_under_it(
                                        rtol=1e-4, atol=2e-5)
         finally:
             assert stop_server(proc) == 0
+
+
+def test_generation_models_beside_a_pooling_model_take_no_overrides(encoder_dir, llama_dir, tmp_path):
+    """A config file's `models:` list beside an embedding MODEL: its entries are generation models, which do not
+    inherit MODEL's --hf-overrides, and an entry that sets its own is refused at start."""
+    import json
+
+    from servelm.config.engine import ConfigError
+    from servelm.config.settings import load
+    from servelm.server.launch import fixed_models, pooling_model
+
+    def with_models(*entries, **cli):
+        f = tmp_path / "serve.json"
+        f.write_text(json.dumps({"models": list(entries)}))
+        return load({"model": str(encoder_dir), **cli}, env={}, file=str(f))
+
+    chat = {"name": "chat", "path": str(llama_dir)}
+    config = with_models(chat, hf_overrides='{"max_position_embeddings": 512}')
+    assert pooling_model(config) is not None
+    [launch] = fixed_models(config)
+    assert launch.name == "chat" and launch.engine.model_config.hf_overrides is None
+    with pytest.raises(ConfigError, match="hf_overrides"):
+        fixed_models(with_models({**chat, "engine": {"hf_overrides": '{"num_labels": 1}'}}))
