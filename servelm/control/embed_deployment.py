@@ -105,7 +105,7 @@ class EmbedDeployment:
     def activation(self) -> str:
         return self.embedder.activation if self.embedder else "classify"
 
-    async def embed(self, texts: list[str], truncate: int | None = None, side: str = "right",
+    async def embed(self, texts: list[str | list[int]], truncate: int | None = None, side: str = "right",
                     dimensions: int | None = None) -> tuple[list[np.ndarray], int]:
         """Sentence vectors and the token count (EmbedderDown while its process restarts); `truncate`, `side`
         and `dimensions` as Embedder.embed's."""

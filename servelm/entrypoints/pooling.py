@@ -38,13 +38,24 @@ from servelm.runtimes.encoder_runner import (
 BATCH_SIZE = 32  # inputs run together (as the server's embedding batches)
 
 
-def _texts(prompts, what: str) -> list[str]:
-    """One text or several, as vLLM takes them (a {"prompt": text} dict too)."""
+def _texts(prompts, what: str, ids: bool = False) -> list:
+    """One text or several, as vLLM takes them (a {"prompt": text} dict too); with `ids`, a {"prompt_token_ids":
+    [...]} dict (vLLM's TokensPrompt) gives its token ids, run as they are."""
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
-    out = [p["prompt"] if isinstance(p, dict) and "prompt" in p else p for p in prompts]
-    if not out or not all(isinstance(t, str) and t for t in out):
-        raise ValueError(f"{what} must be a non-empty string or a list of non-empty strings")
+    out = []
+    for p in prompts:
+        if ids and isinstance(p, dict) and "prompt_token_ids" in p:
+            given = p["prompt_token_ids"]
+            if not isinstance(given, (list, tuple)) or not given or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in given):
+                raise ValueError(f"{what}: prompt_token_ids must be a non-empty list of token ids")
+            out.append(list(given))
+        else:
+            out.append(p["prompt"] if isinstance(p, dict) and "prompt" in p else p)
+    if not out or not all(isinstance(t, list) or (isinstance(t, str) and t) for t in out):
+        raise ValueError(f"{what} must be a non-empty string or a list of non-empty strings"
+                         + (" or {'prompt_token_ids': [...]} dicts" if ids else ""))
     return out
 
 
@@ -113,8 +124,8 @@ class EncoderModel:
         if dims is not None:
             check_dimensions(dims, model_matryoshka(self.path), embedding_width(self.path, self.runner.recipe),
                              self.path.name)
-        rows = self._run([(t, None, k, side) for t in _texts(prompts, "prompts")], self.runner.embed, "Embedding",
-                         use_tqdm)
+        inputs = _texts(prompts, "prompts", ids=True)
+        rows = self._run([(t, None, k, side) for t in inputs], self.runner.embed, "Embedding", use_tqdm)
         normalize = self.runner.recipe.normalize
         return [EmbeddingRequestOutput(str(next(self._ids)), EmbeddingOutput(
             cut_dimensions(vec, dims, normalize).tolist()), ids) for vec, ids in rows]
@@ -124,7 +135,7 @@ class EncoderModel:
         self._need("classify", "classify()")
         act = _use_activation(pooling_params, lora_request, "classify")
         k, side = _truncation(tokenization_kwargs)
-        rows = self._run([(t, None, k, side) for t in _texts(prompts, "prompts")], self.runner.classify,
+        rows = self._run([(t, None, k, side) for t in _texts(prompts, "prompts", ids=True)], self.runner.classify,
                          "Classifying", use_tqdm)
         return [ClassificationRequestOutput(str(next(self._ids)), ClassificationOutput(
             activate(row[None], self.activation, act)[0].tolist()), ids) for row, ids in rows]

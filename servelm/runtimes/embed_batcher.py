@@ -19,8 +19,13 @@ RunBatch = Callable[[list[str]], Awaitable[tuple[list[Any], list[int]]]]
 
 
 def input_length(item) -> int:
-    """How long an input is, to batch like with like: its characters (a pair's, both texts')."""
-    return len(item) if isinstance(item, str) else sum(len(x) for x in item if isinstance(x, str))
+    """How long an input is, to batch like with like: its characters (a pair's, both texts'); token ids count as
+    four characters each, about what a token of English spells."""
+    if isinstance(item, str):
+        return len(item)
+    if isinstance(item, list):
+        return 4 * len(item)
+    return sum(input_length(x) for x in item if isinstance(x, (str, list)))
 
 
 class _Job:

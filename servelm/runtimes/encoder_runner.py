@@ -11,9 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-# An input: (its text, the text read with it as a pair or None, the most tokens it keeps or None (-1: the model's
-# limit), which side a cut takes tokens from: "right" keeps the first ones, "left" the last ones)
-Input = tuple[str, str | None, int | None, str]
+# An input: (its text, or its token ids as they are, with no special tokens added; the text read with it as a pair
+# or None; the most tokens it keeps or None (-1: the model's limit); which side a cut takes tokens from: "right"
+# keeps the first ones, "left" the last ones)
+Input = tuple[str | list[int], str | None, int | None, str]
 
 
 def model_config(path: Path) -> dict:
@@ -163,6 +164,7 @@ class EncoderRunner:
         if max_length is not None:
             cap = max_length if cap is None else min(cap, max_length)
         self.max_length = _max_length(self.tokenizer, config, cap)
+        self.vocab_size = int(config.get("vocab_size") or len(self.tokenizer))  # the ids token inputs may hold
 
     def run(self, items: list) -> Pooled:
         """`embed` or `classify`, whichever the model does."""
@@ -181,20 +183,37 @@ class EncoderRunner:
         as sentence-transformers' CrossEncoder cuts it."""
         tokenizer = self.tokenizer
         if self.recipe is not None and self.recipe.lower_case:  # as sentence-transformers' do_lower_case
-            items = [(text.lower(), pair, k, side) for text, pair, k, side in items]
+            items = [(text.lower() if isinstance(text, str) else text, pair, k, side) for text, pair, k, side in items]
         texts, pairs, caps, _ = zip(*items, strict=True)
-        if all(c is None for c in caps) and (all(p is None for p in pairs) or all(p is not None for p in pairs)):
+        plain = all(isinstance(t, str) for t in texts)
+        if plain and all(c is None for c in caps) and (all(p is None for p in pairs) or all(p is not None for p in pairs)):
             second = None if pairs[0] is None else list(pairs)  # the usual batch: one call
             return tokenizer(list(texts), second, padding=True, truncation=True,
                              max_length=self._cap(None, second is not None), return_tensors="pt")
         encs = []
         try:
             for text, pair, k, side in items:
+                if not isinstance(text, str):
+                    encs.append(self._given_ids(text, k, side))
+                    continue
                 tokenizer.truncation_side = side
                 encs.append(tokenizer(text, pair, truncation=True, max_length=self._cap(k, pair is not None)))
         finally:
             tokenizer.truncation_side = "right"
         return tokenizer.pad(encs, return_tensors="pt")
+
+    def _given_ids(self, ids: list[int], k: int | None, side: str) -> dict:
+        """An input given as token ids, as the tokenizer's output for it would be: the ids as they are (no special
+        tokens added, as vLLM takes them), cut like a text to k or the model's limit from `side`."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the model's vocabulary (ids 0 to {self.vocab_size - 1})")
+        cap = self.max_length if k is None or k == -1 else min(k, self.max_length)
+        ids = list(ids[:cap] if side == "right" else ids[-cap:])
+        enc = {"input_ids": ids, "attention_mask": [1] * len(ids)}
+        if "token_type_ids" in self.tokenizer.model_input_names:  # one segment, as the tokenizer marks a text
+            enc["token_type_ids"] = [0] * len(ids)
+        return enc
 
     def _decoder_inputs(self, enc) -> dict:
         """A decoder's extra inputs: its rows' positions from their own tokens, so that padding (on the

@@ -48,6 +48,14 @@ def test_embed_gives_transformers_mean_pooled_vectors_in_order(encoder_dir):
         assert short.prompt_token_ids == [ids[0], *kept, ids[-1]]  # [CLS], two words' tokens, [SEP]
         np.testing.assert_allclose(short.outputs.embedding, llm.embed(  # as embedding those tokens' text
             tok.decode(kept), use_tqdm=False)[0].outputs.embedding, rtol=1e-4, atol=1e-5)
+    # vLLM's TokensPrompt: ids run as they are, batched with texts
+    given = llm.embed([{"prompt_token_ids": tok(TEXTS[3]).input_ids}, TEXTS[4]], use_tqdm=False)
+    np.testing.assert_allclose([o.outputs.embedding for o in given], want[3:5], rtol=1e-4, atol=1e-5)
+    assert given[0].prompt_token_ids == tok(TEXTS[3]).input_ids
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        llm.embed({"prompt_token_ids": [len(tok) + 1]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_token_ids must be"):
+        llm.embed({"prompt_token_ids": []}, use_tqdm=False)
     with pytest.raises(ValueError, match="tokenization_kwargs takes"):
         llm.embed("a", tokenization_kwargs={"padding": "max_length"})
     with pytest.raises(ValueError, match="dimensions"):

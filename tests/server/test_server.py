@@ -610,6 +610,62 @@ def test_embeddings_truncate_prompt_tokens_keeps_the_first_or_last_tokens(server
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
+def test_embeddings_take_token_ids_as_openai_does(server, client):
+    """OpenAI's `input` as token ids (one input's, or several inputs'), what LangChain's OpenAIEmbeddings sends:
+    the ids are embedded as they are, with no special tokens added, so the text's own ids give the text's vector;
+    truncate_prompt_tokens cuts them from either side; an id outside the embedding model's vocabulary is a 400
+    naming `input`, and the server goes on serving."""
+    from transformers import AutoTokenizer
+
+    from servelm.runtimes.embedder import default_embedding_path
+
+    tok = AutoTokenizer.from_pretrained(default_embedding_path())
+    texts = ["a cat sat on the mat", "stock markets fell"]
+    want = _vectors(server, texts)
+    ids = [tok(t)["input_ids"] for t in texts]  # [CLS] ... [SEP], as the server tokenizes a text
+
+    def embed(body):
+        r = httpx.post(server + "/v1/embeddings", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return np.array([d["embedding"] for d in r.json()["data"]]), r.json()["usage"]["prompt_tokens"]
+
+    one, tokens = embed({"input": ids[0]})
+    assert tokens == len(ids[0]) and np.allclose(one[0], want[0], atol=1e-5)
+    both, tokens = embed({"input": ids})
+    assert tokens == len(ids[0]) + len(ids[1]) and np.allclose(both, want, atol=1e-5)
+    sdk = client.embeddings.create(model="all-MiniLM-L6-v2", input=ids)
+    assert np.allclose([d.embedding for d in sdk.data], want, atol=1e-5)
+    bare, tokens = embed({"input": tok(texts[0], add_special_tokens=False)["input_ids"]})  # taken as they are
+    assert tokens == len(ids[0]) - 2 and not np.allclose(bare[0], want[0], atol=1e-2)
+    head, _ = embed({"input": ids[0][:4]})
+    tail, _ = embed({"input": ids[0][-4:]})
+    cut, tokens = embed({"input": ids[0], "truncate_prompt_tokens": 4})
+    assert tokens == 4 and np.allclose(cut[0], head[0], atol=1e-5)
+    cut, _ = embed({"input": ids[0], "truncate_prompt_tokens": 4, "truncation_side": "left"})
+    assert np.allclose(cut[0], tail[0], atol=1e-5)
+    for bad in ([ids[0], [101, len(tok) + 5, 102]], []):
+        r = httpx.post(server + "/v1/embeddings", json={"input": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("input"), r.text
+    assert np.allclose(embed({"input": texts})[0], want, atol=1e-5)
+
+
+def test_an_encoder_batch_of_texts_and_token_ids_pads_them_together():
+    """The embedding process batches requests together: one batch mixing a text and another request's token ids
+    gives each the vector it gets alone."""
+    from servelm.runtimes.embedder import default_embedding_path
+    from servelm.runtimes.encoder_runner import EncoderRunner
+
+    runner = EncoderRunner(default_embedding_path())
+    ids = runner.tokenizer("a kitten on a rug")["input_ids"]
+    text, given = ("a cat sat on the mat", None, None, "right"), (ids, None, None, "right")
+    mixed = runner.embed([text, given])
+    assert np.allclose(mixed.rows[0], runner.embed([text]).rows[0], atol=1e-5)
+    assert np.allclose(mixed.rows[1], runner.embed([("a kitten on a rug", None, None, "right")]).rows[0], atol=1e-5)
+    assert mixed.token_ids[1] == ids
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        runner.embed([([runner.vocab_size], None, None, "right")])
+
+
 def test_embedding_process_is_separate_and_replaced_when_it_dies(server):
     st = stats(server)
     pid, engine_pid = st["embeddings"]["pid"], st["engine"]["pid"]

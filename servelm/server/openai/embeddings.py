@@ -25,11 +25,11 @@ async def _embedder(api: Api, request: Request, model: str | None):
     return m, m.served_name
 
 
-async def _embed(api: Api, embedder, inputs: list[str], truncate: int | None = None, side: str = "right",
-                 dimensions: int | None = None):
-    """(vectors, prompt tokens) of the inputs, after the request's caps are checked; `truncate`: each input keeps
-    at most that many tokens, its first ones (`side` "right") or its last ones ("left"); `dimensions`: a
-    Matryoshka model's vectors cut to that many values."""
+async def _embed(api: Api, embedder, inputs: list[str | list[int]], truncate: int | None = None,
+                 side: str = "right", dimensions: int | None = None):
+    """(vectors, prompt tokens) of the inputs (texts, or token ids taken as they are), after the request's caps
+    are checked; `truncate`: each input keeps at most that many tokens, its first ones (`side` "right") or its
+    last ones ("left"); `dimensions`: a Matryoshka model's vectors cut to that many values."""
     if truncate is None and dimensions is None:
         return await pooled(api, inputs, lambda: embedder.embed(inputs))
     return await pooled(api, inputs, lambda: embedder.embed(inputs, truncate, side, dimensions))
@@ -38,7 +38,7 @@ async def _embed(api: Api, embedder, inputs: list[str], truncate: int | None = N
 async def pooled(api: Api, inputs: list[str], run: Callable[[], Awaitable]):
     """`run()`'s answer for these inputs of the embedding model's routes, after the request's caps are checked,
     with the embedding process's failures as API errors."""
-    if not inputs or any(not isinstance(s, str) or not s for s in inputs):
+    if not inputs or any(not isinstance(s, (str, list)) or not s for s in inputs):
         raise APIError(400, "input must be a non-empty string or a list of non-empty strings", "input")
     cap = api.state.config.admission.max_embedding_inputs
     if len(inputs) > cap:
@@ -57,12 +57,19 @@ async def pooled(api: Api, inputs: list[str], run: Callable[[], Awaitable]):
         raise APIError(400, str(e), "input") from e
 
 
+def _inputs(given) -> list[str | list[int]]:
+    """OpenAI's `input` as a list of inputs: a text, texts, one input's token ids, or several inputs' ids."""
+    if isinstance(given, str) or (given and isinstance(given[0], int)):
+        return [given]
+    return list(given)
+
+
 def add_routes(app: FastAPI, api: Api) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(req: p.EmbeddingRequest, request: Request):
         embedder, name = await _embedder(api, request, req.model)
-        inputs = [req.input] if isinstance(req.input, str) else req.input
-        vectors, tokens = await _embed(api, embedder, inputs, req.truncate_prompt_tokens, req.side, req.dimensions)
+        vectors, tokens = await _embed(api, embedder, _inputs(req.input), req.truncate_prompt_tokens, req.side,
+                                       req.dimensions)
         data = []
         for i, v in enumerate(vectors):
             emb = b64(v) if req.encoding_format == "base64" else v.tolist()

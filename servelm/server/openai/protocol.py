@@ -564,9 +564,14 @@ class _PooledTruncation(_Body):
         return self
 
 
+# An embedding input's token ids, as OpenAI's API takes them: the embedding model's vocabulary, which is not the
+# generation model's, bounds them (checked in the embedding process), so /openapi.json gives them no range.
+EmbedTokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)]
+
+
 class EmbeddingRequest(_PooledTruncation):
 
-    input: Text | Texts
+    input: Text | Texts | EmbedTokenIds | Annotated[list[EmbedTokenIds], Field(min_length=1)]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # a Matryoshka model's vectors cut to this many values
