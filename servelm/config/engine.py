@@ -149,6 +149,12 @@ class ModelConfig:
     gguf_file: str | None = _f(None, "a GGUF file name inside the MODEL folder or repo")
     revision: str | None = _f(None, "the branch, tag or commit of a Hugging Face repo id MODEL (as vLLM's "
                               "--revision; the same as MODEL@REVISION); default: main")
+    download_dir: str | None = _f(None, "where Hugging Face repo ids are downloaded to and looked up, as vLLM's "
+                                  "--download-dir: a Hugging Face cache folder (its models--ORG--NAME layout) in "
+                                  "place of HF_HUB_CACHE's; every process servelm starts uses it")
+    hf_token: str | None = _f(None, "the Hugging Face token that downloads gated or private repo ids, as vLLM's "
+                              "--hf-token, in place of HF_TOKEN (never printed; HF_TOKEN or `hf auth login` keep "
+                              "it off the command line)")
     tokenizer: str | None = _f(None, "a tokenizer folder to use instead of the model's own")
     chat_template: str | None = _f(None, "a Jinja chat template to use instead of the tokenizer's: a file, or the "
                                    "template itself inline (as vLLM's --chat-template: a value holding '{', '}' "
@@ -203,6 +209,10 @@ class ModelConfig:
 
         from servelm.config import generation
 
+        need(self.download_dir is None or not Path(self.download_dir).expanduser().is_file(), "download_dir",
+             "a folder (a Hugging Face cache), not a file")
+        if self.hf_token is not None and (not self.hf_token or any(c.isspace() for c in self.hf_token)):
+            raise ConfigError("hf_token", "<redacted>", "a token with no spaces or line breaks")
         try:
             generation.check_setting(self.generation_config)
         except ValueError as e:

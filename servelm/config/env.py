@@ -32,6 +32,7 @@ VARIABLES: dict[str, str] = {
     "TRANSFORMERS_OFFLINE": "as HF_HUB_OFFLINE",
     "HF_HUB_CACHE": "the Hugging Face cache (else $HF_HOME/hub)",
     "HUGGINGFACE_HUB_CACHE": "the older name of HF_HUB_CACHE",
+    "HF_TOKEN": "the Hugging Face token for gated or private repos (read by huggingface_hub; --hf-token sets it)",
     "HF_HOME": "the Hugging Face home (default $XDG_CACHE_HOME/huggingface or ~/.cache/huggingface)",
     "XDG_CACHE_HOME": "the base of the Hugging Face home when HF_HOME is not set",
     "XDG_DATA_HOME": "the base of the default data directory (~/.local/share/servelm)",
@@ -124,6 +125,16 @@ def hf_cache_dir() -> Path:
         home = _get("HF_HOME") or os.path.join(_get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface")
         path = os.path.join(home, "hub")
     return Path(os.path.expandvars(os.path.expanduser(path)))
+
+
+def export_hub_settings(download_dir: str | None, token: str | None) -> None:
+    """--download-dir and --hf-token, as the Hugging Face variables they stand for (HF_HUB_CACHE, HF_TOKEN): set
+    in this process's environment, so that every reader of the cache here (hf_cache_dir, huggingface_hub's
+    downloads) and every process started from here (engine, embedding model, workers) sees the same ones."""
+    if download_dir is not None:
+        os.environ["HF_HUB_CACHE"] = str(Path(download_dir).expanduser().resolve())
+    if token is not None:
+        os.environ["HF_TOKEN"] = token
 
 
 def xdg_data_home() -> str | None:

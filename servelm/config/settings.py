@@ -46,6 +46,7 @@ ReasoningParser = typing.Literal["none", "deepseek_r1", "qwen3"]
 MetricNames = typing.Literal["servelm", "vllm"]
 UvicornLogLevel = typing.Literal["critical", "error", "warning", "info", "debug", "trace"]
 SECRETS = frozenset({"api_key", "admin_key"})  # never printed, logged or returned
+REDACTED = SECRETS | {"hf_token"}  # the fields `describe` never shows
 # URLs that may carry a password (postgresql://user:PASSWORD@host/db): printed with the password masked
 URL_SECRETS = frozenset({"database_url", "registry_url", "redis_url"})
 
@@ -572,7 +573,7 @@ class ServeConfig:
     def describe(self) -> dict:
         """The effective config by section, each value with where it came from (and the declared models, if
         any)."""
-        out = {sec: {k: {"value": "<redacted>" if k in SECRETS and v is not None else
+        out = {sec: {k: {"value": "<redacted>" if k in REDACTED and v is not None else
                           redact_url(v) if k in URL_SECRETS else v,
                           "source": self.sources[f"{sec}.{k}"],
                           "runtime": _field(sec, k).metadata.get("runtime", False)}

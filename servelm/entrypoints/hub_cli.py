@@ -59,6 +59,9 @@ def add_args(sub) -> None:
                    "default: main)")
     p.add_argument("--gguf-file", default=None, help="the .gguf file to download from a GGUF repo (the same as "
                    "NAME:FILE.gguf)")
+    _add_download_dir(p)
+    p.add_argument("--hf-token", default=None, metavar="TOKEN", help="the token for a gated or private repo, in "
+                   "place of HF_TOKEN (as vLLM's --hf-token; HF_TOKEN keeps it off the command line)")
     p.set_defaults(func=cmd_pull)
 
     ls = sub.add_parser("list", help="the models on this machine: the Hugging Face cache and the model registry",
@@ -79,6 +82,7 @@ def add_args(sub) -> None:
                     default=env.database_url(),
                     help="the control database's SQLAlchemy URL, where it is not the data directory's SQLite file "
                     "(default: $SERVELM_DATABASE_URL, or its older name $SERVELM_REGISTRY_URL)")
+    _add_download_dir(ls)
     ls.set_defaults(func=cmd_list)
 
     from servelm.entrypoints.models_cli import _add_shared
@@ -109,7 +113,17 @@ def add_args(sub) -> None:
                                "  servelm rm bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M --dry-run")
     rm.add_argument("names", nargs="+", metavar="NAME", help="a name as `servelm list` shows it")
     rm.add_argument("--dry-run", action="store_true", help="say what would be deleted and freed, delete nothing")
+    _add_download_dir(rm)
     rm.set_defaults(func=cmd_rm)
+
+
+def _add_download_dir(p) -> None:
+    p.add_argument("--download-dir", default=None, metavar="DIR", help="a Hugging Face cache folder to use "
+                   "instead of HF_HUB_CACHE's, as `servelm serve --download-dir` (vLLM's flag) uses it")
+
+
+def _use_hub_settings(args: argparse.Namespace) -> None:
+    env.export_hub_settings(args.download_dir, getattr(args, "hf_token", None))
 
 
 # -- formatting -------------------------------------------------------------------------------------------
@@ -146,6 +160,7 @@ def _table(rows: list[dict], cols: list[str]) -> str:
 # -- pull -------------------------------------------------------------------------------------------------
 
 def cmd_pull(args: argparse.Namespace) -> int:
+    _use_hub_settings(args)
     name = args.name
     try:
         if args.revision is not None:
@@ -275,6 +290,7 @@ def _registry_versions(args) -> tuple[str | None, list[dict] | None, str | None]
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    _use_hub_settings(args)
     rows = cached_models(args.all)
     where, versions, error = _registry_versions(args)
     if args.json:
@@ -388,6 +404,7 @@ def _targets(info, name: str):
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
+    _use_hub_settings(args)
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 

@@ -436,6 +436,10 @@ def cmd_serve(args, engine_factory=None) -> int:
     if args.print_config:
         print(json.dumps(config.describe(), indent=2))
         return 0
+    from servelm.config import env
+
+    mc = config.engine.model_config
+    env.export_hub_settings(mc.download_dir, mc.hf_token)  # before anything finds or downloads a Hub model
     for note in config.engine.unused_vllm_settings():
         logger.info("%s", note)
     for flag in getattr(args, "vllm_always_on", None) or ():

@@ -387,6 +387,36 @@ def test_pull_downloads_what_servelm_needs_then_is_up_to_date(stub_hub, tiny, tm
     assert resolve_model(f"{GGUF_REPO}:Q8_0").path.name == "Tiny-Q8_0.gguf"
 
 
+def test_download_dir_and_hf_token_as_vllm_takes_them(stub_hub, tiny, tmp_path):
+    """vLLM's --download-dir and --hf-token: `pull` downloads into that folder (a Hugging Face cache of its own)
+    with that token, `list` and `rm` work on it, `generate` runs the model from it offline, with nothing in
+    the default cache; the token is never printed."""
+    d = tmp_path / "models"
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": stub_hub.url, "HF_TOKEN": ""}
+    stub_hub.tokens.clear()
+    r = _cli("pull", REPO, "--download-dir", str(d), "--hf-token", "hf_test_token_1", env=env)
+    assert r.returncode == 0, r.stderr
+    assert (d / ("models--" + REPO.replace("/", "--"))).is_dir() and not (tmp_path / "hf").exists()
+    assert stub_hub.tokens and set(stub_hub.tokens) == {"hf_test_token_1"}
+    assert "hf_test_token_1" not in r.stdout + r.stderr
+    listed = json.loads(_cli("list", "--json", "--download-dir", str(d), env=env).stdout)
+    assert REPO in json.dumps(listed)
+    assert REPO not in _cli("list", "--json", env=env).stdout  # the default cache has nothing
+    offline = {**env, "HF_HUB_OFFLINE": "1", **QUIET}
+    r = _cli("generate", "hello", "--model", REPO, "--download-dir", str(d), "--max-tokens", "3", "--temperature",
+             "0", "--dtype", "float32", "--num-kv-blocks", "16", "--json", env=offline, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(json.loads(r.stdout)["completions"][0]["token_ids"]) == 3
+    r = _cli("serve", REPO, "--download-dir", str(d), "--hf-token", "hf_test_token_1", "--print-config", env=offline)
+    config = json.loads(r.stdout)["model"]
+    assert config["hf_token"]["value"] == "<redacted>" and config["download_dir"]["value"] == str(d)
+    assert "hf_test_token_1" not in r.stdout + r.stderr
+    r = _cli("generate", "hello", "--model", REPO, "--hf-token", "two words", env=offline)
+    assert r.returncode == 2 and "hf_token" in r.stderr and "two words" not in r.stderr
+    assert _cli("rm", REPO, "--download-dir", str(d), env=env).returncode == 0
+    assert not (d / ("models--" + REPO.replace("/", "--"))).exists()
+
+
 def test_generate_downloads_a_missing_model_first(stub_hub, tmp_path):
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": stub_hub.url, **QUIET}
     r = _cli("generate", "hello", "--model", REPO, "--max-tokens", "4", "--temperature", "0", "--dtype", "float32",

@@ -74,7 +74,7 @@ def add_folder(cache: Path, repo_id: str, folder: Path, **kw) -> Path:
 class StubHub:
     """The few Hugging Face Hub routes huggingface_hub downloads through (repo info, file tree, file
     resolve), served on 127.0.0.1 for HF_ENDPOINT: repos are {repo_id: {file name: bytes}}, each at one
-    commit. `downloads` lists the files fetched (GET, not HEAD)."""
+    commit. `downloads` lists the files fetched (GET, not HEAD), `tokens` each request's bearer token."""
 
     def __init__(self, repos: dict[str, dict[str, bytes]]) -> None:
         import threading
@@ -82,6 +82,7 @@ class StubHub:
 
         self.repos = repos
         self.downloads: list[str] = []
+        self.tokens: list[str | None] = []  # each request's bearer token (None: it sent none)
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -104,6 +105,9 @@ class StubHub:
 
             def _answer(self, head: bool) -> None:
                 from urllib.parse import unquote, urlparse
+
+                auth = self.headers.get("Authorization") or ""
+                stub.tokens.append(auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else None)
 
                 parts = [unquote(p) for p in urlparse(self.path).path.strip("/").split("/")]
                 api = parts[:2] == ["api", "models"]

@@ -324,7 +324,9 @@ def pull(model: str, gguf_file: str | None = None) -> Pulled:
 
 
 def fetch_models(config) -> None:
-    """fetch_model for an EngineConfig's model and its draft model (speculative decoding)."""
+    """fetch_model for an EngineConfig's model and its draft model (speculative decoding), into its
+    --download-dir (and with its --hf-token) if it names one."""
+    env.export_hub_settings(config.model_config.download_dir, config.model_config.hf_token)
     fetch_model(config.model_config.model, config.model_config.gguf_file)
     draft = config.speculative_config.speculative_model
     if draft is not None and not draft.startswith("self:"):
