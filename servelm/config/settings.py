@@ -128,6 +128,9 @@ class ApiConfig:
                                             "its connections); the request log is --log-requests")
     disable_fastapi_docs: bool = _f(False, "serve no API documentation: /docs, /redoc and /openapi.json answer 404 "
                                     "(as vLLM's flag)")
+    root_path: str = _f("", "the path prefix a reverse proxy serves this server under and strips before "
+                        "forwarding, as vLLM's --root-path (e.g. /llm): the web page, /docs and the OpenAPI "
+                        "document link through it; routes stay where they are")
 
     def validate(self) -> None:
         def need(ok: bool, name: str, allowed: str) -> None:
@@ -151,6 +154,10 @@ class ApiConfig:
              f"sets itself ({', '.join(sorted(_CHAT_TEMPLATE_ARGUMENTS))}; not {', '.join(reserved)})")
         need(all(o == "*" or o.startswith(("http://", "https://")) for o in self.allowed_origins),
              "allowed_origins", "origins like http://localhost:3000, or '*'")
+        self.root_path = self.root_path.rstrip("/")
+        need(not self.root_path or (self.root_path.startswith("/") and "//" not in self.root_path and not any(
+            c.isspace() or c in "?#\"'<>" for c in self.root_path)), "root_path",
+             "a path such as /llm (a leading /, no spaces, quotes, ? or #)")
         need(0 <= self.port <= 65535, "port", "in [0, 65535]")
         need(self.grpc_port is None or 0 < self.grpc_port <= 65535, "grpc_port", "in [1, 65535] or None")
         need(self.header_timeout_s >= 0, "header_timeout_s", ">= 0")

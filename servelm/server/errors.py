@@ -24,6 +24,7 @@ from servelm.control.errors import (
     Unavailable,
 )
 from servelm.server.openai.protocol import ROLES, APIError
+from servelm.server.openapi import route_path
 
 logger = logging.getLogger("servelm.server")
 
@@ -62,9 +63,9 @@ def shaped_errors(route):
         try:
             return await route(request)
         except APIError as e:
-            return error_response(e, request.url.path)
+            return error_response(e, route_path(request.scope))
         except ControlError as e:
-            return error_response(control_api_error(e), request.url.path)
+            return error_response(control_api_error(e), route_path(request.scope))
     return wrapped
 
 
@@ -133,7 +134,7 @@ def json_error_message(err: dict, doc) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(exc, request.url.path)
+        return error_response(exc, route_path(request.scope))
 
     @app.exception_handler(ControlError)
     async def _control_error(_: Request, exc: ControlError):
@@ -150,11 +151,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
         if not db.unavailable(exc):
             return await _unexpected(request, exc)
-        logger.warning("%s %s: the control database cannot be reached: %s", request.method, request.url.path,
+        logger.warning("%s %s: the control database cannot be reached: %s", request.method, route_path(request.scope),
                        str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__)
         return error_response(APIError(503, "the control database cannot be reached (down or restarting); retry "
                                             "later", code="database_unavailable", headers={"Retry-After": "1"}),
-                              request.url.path)
+                              route_path(request.scope))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):
@@ -170,13 +171,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         message = {404: "not found", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
         return error_response(APIError(exc.status_code, message, headers=getattr(exc, "headers", None)),
-                              request.url.path)
+                              route_path(request.scope))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         # A bug, never an answer to input. Starlette re-raises after sending this; the gateway keeps the
         # connection open (see Gateway.__call__).
         rid = request.state.record.request_id if hasattr(request.state, "record") else None
-        logger.error("unhandled %s in %s %s (request %s)", type(exc).__name__, request.method, request.url.path,
+        logger.error("unhandled %s in %s %s (request %s)", type(exc).__name__, request.method, route_path(request.scope),
                      rid, exc_info=exc)
-        return error_response(APIError(500, "internal server error", code="internal_error"), request.url.path)
+        return error_response(APIError(500, "internal server error", code="internal_error"), route_path(request.scope))

@@ -59,6 +59,15 @@ def is_oip_path(path: str) -> bool:
     return path == "/v2" or path.startswith("/v2/")
 
 
+def route_path(scope) -> str:
+    """The path a request's route is found by: its path less --root-path, which uvicorn puts in front of every
+    path (a proxy serving the server under that prefix stripped it; the server's own links add it back)."""
+    path, root = scope["path"], scope.get("root_path") or ""
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):] or "/"
+    return path
+
+
 def is_anthropic_path(path: str) -> bool:
     """Whether a path is Anthropic's Messages API, whose errors have Anthropic's shape."""
     return path == "/v1/messages" or path.startswith("/v1/messages/")

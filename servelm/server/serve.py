@@ -330,7 +330,8 @@ def uvicorn_config(app, srv):
     api = srv.api_config
     tls = {"ssl_keyfile": api.ssl_keyfile, "ssl_certfile": api.ssl_certfile, "ssl_ca_certs": api.ssl_ca_certs,
            "ssl_cert_reqs": api.ssl_cert_reqs} if api.ssl_certfile else {}
-    return uvicorn.Config(app, host=api.host, port=api.port, log_level=api.uvicorn_log_level, access_log=False,
+    return uvicorn.Config(app, host=api.host, port=api.port, root_path=api.root_path,
+                          log_level=api.uvicorn_log_level, access_log=False,
                           timeout_graceful_shutdown=srv.lifecycle_config.drain_timeout,
                           timeout_keep_alive=api.http_keep_alive_s, http=_http_protocol(srv), **tls)
 

@@ -19,7 +19,7 @@ from servelm.server.middleware.auth import KeyStore, presented_key
 from servelm.server.middleware.ratelimit import FailureLimiter
 from servelm.server.observability.telemetry import RequestRecord
 from servelm.server.openai.protocol import APIError
-from servelm.server.openapi import is_oip_path, is_ollama_path
+from servelm.server.openapi import is_oip_path, is_ollama_path, route_path
 
 logger = logging.getLogger("servelm.server")
 
@@ -49,7 +49,7 @@ class Gateway:
         headers = Headers(scope=scope)
         incoming = headers.get("x-request-id")
         rid = incoming if incoming and _REQUEST_ID.match(incoming) else uuid.uuid4().hex
-        path = scope["path"]
+        path = route_path(scope)
         rec = RequestRecord(rid, scope["method"], path, traceparent=headers.get("traceparent"),
                             tracestate=headers.get("tracestate"))
         scope.setdefault("state", {})["record"] = rec
@@ -135,7 +135,7 @@ class Gateway:
 
     def _check(self, scope, headers: Headers, rec: RequestRecord) -> APIError | None:
         """Authenticate: None when the request may proceed."""
-        st, path = self.state, scope["path"]
+        st, path = self.state, route_path(scope)
         keys: KeyStore = st.keys
         presented = presented_key(headers)
         address = (scope.get("client") or ("unknown",))[0]

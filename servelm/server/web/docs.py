@@ -11,6 +11,8 @@ import importlib.util
 import logging
 from pathlib import Path
 
+from fastapi import Request
+
 logger = logging.getLogger("servelm.server")
 
 ASSETS_URL = "/docs-assets"
@@ -38,17 +40,19 @@ def add_docs_routes(app) -> bool:
     title = app.title
 
     @app.get("/docs", include_in_schema=False)
-    async def swagger_ui():
+    async def swagger_ui(request: Request):
+        root = request.scope.get("root_path") or ""  # behind a proxy's prefix (--root-path), links carry it
         return get_swagger_ui_html(
-            openapi_url=app.openapi_url, title=f"{title} - Swagger UI",
-            swagger_js_url=f"{ASSETS_URL}/swagger-ui-bundle.js", swagger_css_url=f"{ASSETS_URL}/swagger-ui.css",
-            swagger_favicon_url=f"{ASSETS_URL}/favicon.png",
+            openapi_url=root + app.openapi_url, title=f"{title} - Swagger UI",
+            swagger_js_url=f"{root}{ASSETS_URL}/swagger-ui-bundle.js",
+            swagger_css_url=f"{root}{ASSETS_URL}/swagger-ui.css", swagger_favicon_url=f"{root}{ASSETS_URL}/favicon.png",
             swagger_ui_parameters={"validatorUrl": None})  # no badge fetched from swagger.io
 
     @app.get("/redoc", include_in_schema=False)
-    async def redoc():
-        return get_redoc_html(openapi_url=app.openapi_url, title=f"{title} - ReDoc",
-                              redoc_js_url=f"{ASSETS_URL}/redoc.standalone.js",
-                              redoc_favicon_url=f"{ASSETS_URL}/favicon.png", with_google_fonts=False)
+    async def redoc(request: Request):
+        root = request.scope.get("root_path") or ""
+        return get_redoc_html(openapi_url=root + app.openapi_url, title=f"{title} - ReDoc",
+                              redoc_js_url=f"{root}{ASSETS_URL}/redoc.standalone.js",
+                              redoc_favicon_url=f"{root}{ASSETS_URL}/favicon.png", with_google_fonts=False)
 
     return True

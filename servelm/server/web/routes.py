@@ -24,11 +24,16 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'se
        "base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
 
 
-def _file(name: str) -> Response:
+def _file(name: str, root: str = "") -> Response:
+    """A file of the page; index.html's links to the others carry `root` (--root-path, where a proxy serves the
+    server under a prefix), and app.js finds the API from its own address."""
     path = UI_DIR / name
     if path.suffix not in TYPES or path.parent != UI_DIR or not path.is_file():  # no way out of the folder
         raise APIError(404, "not found")
-    return Response(path.read_bytes(), media_type=TYPES[path.suffix],
+    body = path.read_bytes()
+    if root:
+        body = body.replace(b'"/ui/', f'"{root}/ui/'.encode())
+    return Response(body, media_type=TYPES[path.suffix],
                     headers={"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
                              "Cache-Control": "no-cache"})
 
@@ -37,9 +42,11 @@ def add_routes(app: FastAPI, api: Api) -> None:
     if api.state.config.server.api_config.ui == "none":
         return
 
+    root = api.state.config.server.api_config.root_path  # checked at start: a plain path, no quotes or <>
+
     @app.get("/", include_in_schema=False)
     async def index():
-        return _file("index.html")
+        return _file("index.html", root)
 
     @app.get("/ui/{name}", include_in_schema=False)
     async def asset(name: str):

@@ -4,6 +4,9 @@
 
 (function () {
   const $ = (id) => document.getElementById(id);
+  // the API sits beside this script's folder: at / or, behind a proxy's prefix (--root-path), under it
+  const API = new URL("..", document.currentScript.src);
+  const api = (path) => new URL(path, API).href;
   const STORE = "servelm.chats.v1", SETTINGS = "servelm.settings.v1", KEY = "servelm.apiKey";
   const ui = {
     model: $("model"), system: $("system"), temperature: $("temperature"), maxTokens: $("max-tokens"),
@@ -73,7 +76,7 @@
   async function loadModels() {
     let resp;
     try {
-      resp = await fetch("/v1/models", { headers: headers() });
+      resp = await fetch(api("v1/models"), { headers: headers() });
     } catch (e) {
       ui.status.textContent = "cannot reach the server: " + e.message;
       return false;
@@ -246,7 +249,7 @@
     };
 
     try {
-      const resp = await fetch("/v1/chat/completions", {
+      const resp = await fetch(api("v1/chat/completions"), {
         method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal,
       });
       if (!resp.ok) {
