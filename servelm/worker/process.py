@@ -95,6 +95,9 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
             if isinstance(msg, m.Shutdown):
                 kv_store.save_at_shutdown()  # --kv-cache-persist: the cache outlives the process
                 core.close()
+                # the frozen heap back to the collector, so that the interpreter's exit frees it: extensions
+                # that count their objects at exit (Triton's, loaded by torch) would list each one as leaked
+                gc.unfreeze()
                 return
             if isinstance(msg, m.KVCacheOp):  # between steps: the cache's blocks are all computed
                 out.send(m.encoder.encode(kv_store.handle(msg)))
