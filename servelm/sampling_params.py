@@ -157,11 +157,12 @@ class SamplingParams:
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
                 f"and max_tokens={self.max_tokens}"
             )
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", "an integer in [0, 20] or None")
+        # how many an engine gives is its --max-logprobs (check_logprobs)
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad("logprobs", "an integer >= 0 or None")
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
-                                                 or not 0 <= self.prompt_logprobs <= 20):
-            raise bad("prompt_logprobs", "an integer in [0, 20] or None")
+                                                 or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", "an integer >= 0 or None")
         if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
             raise bad("seed", "an integer in [-2**63, 2**64) (what a torch generator takes) or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -214,6 +215,14 @@ class SamplingParams:
                 if ids and ids not in seqs:
                     seqs.append(ids)
         self._bad_words_token_ids = seqs
+
+    def check_logprobs(self, cap: int) -> None:
+        """At most `cap` logprobs and prompt_logprobs (the engine's max_logprobs, the vocabulary for -1)."""
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and k > cap:
+                raise ValueError(f"{name}={k} is more than this model's max_logprobs ({cap}); a server started "
+                                 "with a higher --max-logprobs gives more")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Validate token ids against the model's vocabulary."""

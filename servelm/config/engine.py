@@ -194,6 +194,8 @@ class ModelConfig:
                                     "for GGUF files that do not state the window the model was trained with "
                                     "(llama.cpp's converter drops Mistral's and Qwen's)")
     seed: int = _f(0, "seed of the sampler's random generator for unseeded requests")
+    max_logprobs: int = _f(20, "the most logprobs (and prompt_logprobs, top_logprobs) a request may ask for, as "
+                           "vLLM's --max-logprobs; -1: the whole vocabulary")
     generation_config: str = _f("auto", "where a request's unset sampling fields take their defaults from, as "
                                 "vLLM's: auto reads the model's generation_config.json (temperature, top_p, top_k, "
                                 "min_p, repetition_penalty, presence_penalty, frequency_penalty, and max_new_tokens "
@@ -209,6 +211,8 @@ class ModelConfig:
 
         from servelm.config import generation
 
+        need(isinstance(self.max_logprobs, int) and self.max_logprobs >= -1, "max_logprobs",
+             "an integer >= 0, or -1 for the whole vocabulary")
         need(self.download_dir is None or not Path(self.download_dir).expanduser().is_file(), "download_dir",
              "a folder (a Hugging Face cache), not a file")
         if self.hf_token is not None and (not self.hf_token or any(c.isspace() for c in self.hf_token)):

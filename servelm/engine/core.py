@@ -156,6 +156,8 @@ class EngineCore:
         max_len = check_model_len(plan, cache.block_size, config.model_config.max_model_len,
                                   spec.max_position_embeddings)
         self.max_model_len = max_len
+        cap = config.model_config.max_logprobs
+        self.max_logprobs = spec.vocab_size if cap == -1 else cap  # the most logprobs a request may ask for
         swap = sched.preemption_mode == "swap"
         num_cpu_blocks = int(cache.swap_space_gb * 2**30) // plan.block_bytes if swap else 0
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, num_cpu_blocks)
@@ -238,6 +240,7 @@ class EngineCore:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.check_request(req.prompt_token_ids, req.params.max_tokens)
         req.params.check_vocab(self.model.spec.vocab_size)
+        req.params.check_logprobs(self.max_logprobs)
         if req.lora is not None:  # last check: from here the request holds its adapter until it finishes
             if self.loras is None:
                 raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora or "

@@ -149,6 +149,12 @@ class Api:
                 params.check_vocab(m.info.vocab_size if m.info else 1 << 31)
         except ValueError as e:
             raise APIError(400, str(e)) from e
+        cap = getattr(m.info, "max_logprobs", None)  # the engine checks it too; here the 400 names the field
+        for name in ("top_logprobs", "logprobs", "prompt_logprobs"):
+            k = getattr(req, name, None)
+            if cap is not None and type(k) is int and k > cap:
+                raise APIError(400, f"{name} is {k}, more than this model's limit of {cap} (the server's "
+                                    "--max-logprobs)", name)
         if prompt_len + (params.max_tokens or 0) > m.max_model_len:
             raise APIError(400, f"this model's maximum context length is {m.max_model_len} tokens; the "
                                 f"request has {prompt_len} prompt tokens and max_tokens={params.max_tokens} "

@@ -84,6 +84,7 @@ class Ready(msgspec.Struct, tag="ready"):
     eos_token_ids: list[int] = msgspec.field(default_factory=list)  # the model's end-of-sequence ids (beam search)
     # the defaults of a request's unset sampling fields (the model's generation config, --generation-config)
     sampling_defaults: dict[str, int | float] = msgspec.field(default_factory=dict)
+    max_logprobs: int = 20  # the most logprobs a request may ask for (--max-logprobs, resolved)
 
 
 class StepOutputs(msgspec.Struct, tag="step"):

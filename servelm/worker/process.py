@@ -82,7 +82,8 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     out.send(m.encoder.encode(m.Ready(core.max_model_len, model.spec.vocab_size, os.getpid(), core.stats(),
                                       model.spec.architecture, getattr(model, "num_params", 0),
                                       str(model.dtype).removeprefix("torch."),
-                                      getattr(model, "quantization", "none"), sorted(eos), defaults)))
+                                      getattr(model, "quantization", "none"), sorted(eos), defaults,
+                                      core.max_logprobs)))
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     while True:

@@ -14,7 +14,7 @@ from servelm import LLM, EngineConfig, SamplingParams
     ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"), ({"max_tokens": 0}, "max_tokens"),
     ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-    ({"logprobs": 21}, "logprobs"), ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"logprobs": -1}, "logprobs"), ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"logit_bias": {3: 200}}, "logit_bias"),
     ({"structured_outputs": {"json": True}}, "structured_outputs.json"),  # was a TypeError from json.loads
     ({"structured_outputs": {"json": False}}, "structured_outputs.json"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tiny_models import random_prompts, reference
@@ -81,4 +83,26 @@ def test_prompt_logprobs_survive_preemption_by_recompute(llama_dir, hf_models):
 
 def test_prompt_logprobs_range_is_checked():
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=21)
+        SamplingParams(prompt_logprobs=-1)
+
+
+def test_max_logprobs_caps_what_a_request_may_ask_for(llama_dir):
+    """vLLM's max_logprobs: 20 by default, a request asking for more logprobs or prompt_logprobs is refused
+    before it runs; a higher cap gives that many, -1 the whole vocabulary (a distribution that sums to 1)."""
+    prompt = [[5, 17, 42, 9]]
+    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=16)
+    for kw in ({"logprobs": 21}, {"prompt_logprobs": 21}):
+        with pytest.raises(ValueError, match="max_logprobs"):
+            llm.generate(prompt, SamplingParams(max_tokens=1, **kw), use_tqdm=False)
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, logprobs=20, prompt_logprobs=20),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs[0]) == 20 and len(out.prompt_logprobs[1]) >= 20
+    del llm
+    wide = LLM(str(llama_dir), dtype="float32", num_kv_blocks=16, max_logprobs=-1)
+    vocab = wide.engine.core.model.spec.vocab_size
+    out = wide.generate(prompt, SamplingParams(max_tokens=1, temperature=0, logprobs=vocab, prompt_logprobs=40),
+                        use_tqdm=False)[0]
+    top = out.outputs[0].logprobs[0]
+    assert len(top) == vocab and sum(math.exp(lp.logprob) for lp in top.values()) == pytest.approx(1, abs=1e-3)
+    assert sorted(lp.rank for lp in top.values()) == list(range(1, vocab + 1))
+    assert len(out.prompt_logprobs[2]) >= 40

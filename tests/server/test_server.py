@@ -695,6 +695,11 @@ def test_embedding_process_is_separate_and_replaced_when_it_dies(server):
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
     ("POST", "/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
+    # over --max-logprobs (20, vLLM's default)
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                                      "top_logprobs": 21}, 400, "top_logprobs"),
+    ("POST", "/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("POST", "/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ("GET", "/v1/completions", None, 405, None),
     ("GET", "/v1/nothing-here", None, 404, None),
     ("GET", "/v1/models/gpt-9", None, 404, "model"),

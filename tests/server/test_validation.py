@@ -19,7 +19,8 @@ MSGS = [{"role": "user", "content": "hi"}]
 def server(llama_dir):
     # a high watermark of 4: four leaked queue slots would turn every later request into a 503
     proc, url = start_server(llama_dir, "--num-kv-blocks", "64", "--max-model-len", "512", "--admin-key",
-                             ADMIN["x-api-key"], "--queue-high-watermark", "4", "--queue-low-watermark", "0")
+                             ADMIN["x-api-key"], "--queue-high-watermark", "4", "--queue-low-watermark", "0",
+                             "--max-logprobs", "32")
     yield url
     assert stop_server(proc) == 0
 
@@ -74,6 +75,25 @@ def test_lone_surrogates_are_400(server, path, raw, param):
     err = error(httpx.post(server + path, content=raw, headers={"content-type": "application/json"}))
     assert err["param"] == param
     assert err["code"] == "invalid_unicode"
+
+
+def test_max_logprobs_sets_how_many_a_request_may_ask_for(server):
+    """--max-logprobs 32 (vLLM's flag): 32 top logprobs per token, in order; 33 is a 400 naming the field and
+    the limit, and the engine ran nothing for it."""
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2, "logprobs": True,
+                                                          "top_logprobs": 32})
+    assert r.status_code == 200, r.text
+    for tok in r.json()["choices"][0]["logprobs"]["content"]:
+        lps = [t["logprob"] for t in tok["top_logprobs"]]
+        assert len(lps) == 32 and lps == sorted(lps, reverse=True)
+    r = httpx.post(server + "/v1/completions", json={"prompt": "hello there, my friend", "max_tokens": 1,
+                                                       "prompt_logprobs": 32})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["prompt_logprobs"][1]) >= 32, r.text
+    for path, body, param in (("/v1/chat/completions", {"messages": MSGS, "logprobs": True, "top_logprobs": 33},
+                               "top_logprobs"),
+                              ("/v1/completions", {"prompt": "hi", "logprobs": 33}, "logprobs")):
+        err = error(httpx.post(server + path, json=body))
+        assert err["param"] == param and "32" in err["message"]
 
 
 def test_a_valid_surrogate_pair_is_text(server):

@@ -225,7 +225,7 @@ class _SamplingFields(_VllmSampling):
     guided_grammar: Text | None = None
     structured_outputs: StructuredOutputsField | None = None
     # vLLM's: the logprob and rank of each prompt token after the first, with this many alternatives
-    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None  # at most --max-logprobs
     # vLLM's: the token ids of the prompt and of each choice beside the text (on a stream, each chunk's new ones)
     return_token_ids: bool = False
     # vLLM's: logprobs name their tokens "token_id:N" (unset: the server's --return-tokens-as-token-ids)
@@ -347,7 +347,7 @@ class CompletionRequest(_SamplingFields):
     # 0 only with echo: score the prompt, generate nothing (what lm-evaluation-harness's loglikelihood sends)
     max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX, json_schema_extra={"x-context-bound": True})] | None = 16
     echo: bool = False
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None  # at most --max-logprobs
 
     def sampling_params(self, default_max: int, defaults: Mapping | None = None) -> SamplingParams | BeamSearchParams:
         if self.use_beam_search and self.echo and (self.max_tokens == 0 or self.logprobs is not None):
@@ -508,7 +508,7 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
     max_tokens: Length | None = None
     max_completion_tokens: Length | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None  # at most --max-logprobs
     add_generation_prompt: bool = True
     # vLLM's (transformers'): the last message, an assistant's, is left open for the reply to go on from it
     continue_final_message: bool = False
