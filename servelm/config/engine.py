@@ -167,9 +167,11 @@ class ModelConfig:
                         "sentence-transformers modules.json with a pooling module, or an encoder architecture), "
                         "else generate; with pooling, a generation model's folder embeds (the last token's final "
                         "hidden state, normalized, as vLLM's --convert embed)")
-    hf_overrides: str | None = _f(None, "a JSON object of config.json fields merged over MODEL's, as vLLM's "
-                                  "--hf-overrides; for a pooling MODEL (a generation model refuses it), e.g. a "
-                                  "Qwen3-Reranker scored by its yes and no tokens: '{\"architectures\": "
+    hf_overrides: str | None = _f(None, "a JSON object of config.json fields merged over MODEL's before it loads, "
+                                  "as vLLM's --hf-overrides (not for a GGUF file): RoPE scaling for a longer context, "
+                                  "'{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                                  "\"original_max_position_embeddings\": 32768}}', or a Qwen3-Reranker scored by "
+                                  "its yes and no tokens: '{\"architectures\": "
                                   "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", "
                                   "\"yes\"], \"is_original_qwen3_reranker\": true}'")
     trust_remote_code: bool = _f(False, "accepted for vLLM command lines and changes nothing: servelm runs only "
@@ -675,13 +677,6 @@ class EngineConfig(SectionedConfig):
                               f"{tp} ranks need GPUs cuda:{first}..cuda:{first + tp - 1}, and {visible} "
                               f"{'is' if visible == 1 else 'are'} visible (torch.cuda.device_count(); "
                               "CUDA_VISIBLE_DEVICES chooses them)")
-
-    def check_generation_overrides(self) -> None:
-        """--hf-overrides applies to a pooling MODEL only: ConfigError where MODEL runs for generation."""
-        if self.model_config.hf_overrides:
-            raise ConfigError("hf_overrides", self.model_config.hf_overrides,
-                              "none for a generation model: servelm applies --hf-overrides to a pooling MODEL only "
-                              "(an embedding model, reranker or classifier, served by --runner pooling)")
 
     def unused_vllm_settings(self) -> list[str]:
         """What to tell a user about vLLM settings given here that servelm accepts but does not use."""

@@ -12,7 +12,7 @@ from servelm.engine.output_processor import OutputProcessor
 from servelm.engine.sequence import Priority, Request
 from servelm.engine.threads import configure_threads
 from servelm.lora import LoRARequest
-from servelm.model.loading.loader import LoadedModel, load_model
+from servelm.model.loading.loader import LoadedModel, load_engine_model
 from servelm.model.loading.metadata import sampling_defaults
 from servelm.outputs import RequestOutput
 from servelm.sampling_params import SamplingParams
@@ -26,11 +26,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         configure_threads(config)
-        self.loaded = loaded or load_model(config.model_config.model, config.model_config.gguf_file, config.model_config.tokenizer, config.model_config.dtype,
-                                           config.device_config.device, sliding_window=config.model_config.sliding_window,
-                                           quantization=config.load_quantization(),
-                                           quantization_group_size=config.model_config.quantization_group_size,
-                                           tp_size=config.parallel_config.tensor_parallel_size)
+        self.loaded = loaded or load_engine_model(config, with_tokenizer=True)
         self.tokenizer = self.loaded.tokenizer
         if config.model_config.chat_template is not None and self.tokenizer is not None:
             from servelm.config.engine import read_chat_template

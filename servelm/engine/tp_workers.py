@@ -220,16 +220,13 @@ def _serve(conn: Connection, rank: int) -> None:
     from servelm.engine.kv_sizing import CudaMemory
     from servelm.engine.model_runner import ModelRunner
     from servelm.engine.threads import configure_threads
-    from servelm.model.loading.loader import load_model
+    from servelm.model.loading.loader import load_engine_model
 
     init = pickle.loads(conn.recv_bytes())
     config: EngineConfig = init["config"]
     try:
         configure_threads(config, rank)
-        loaded = load_model(config.model_config.model, config.model_config.gguf_file, config.model_config.tokenizer, config.model_config.dtype, config.device_config.device,
-                            with_tokenizer=False, sliding_window=config.model_config.sliding_window,
-                            quantization=config.model_config.quantization, quantization_group_size=config.model_config.quantization_group_size,
-                            tp_rank=rank, tp_size=init["size"])
+        loaded = load_engine_model(config, tp_rank=rank, tp_size=init["size"])
     except Exception as e:
         logger.error("rank %d failed to load the model:\n%s", rank, traceback.format_exc())
         conn.send_bytes(pickle.dumps(("error", f"{type(e).__name__}: {e}")))

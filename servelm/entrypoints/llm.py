@@ -99,7 +99,6 @@ class LLM:
         if folder is None:  # one clear error for a model it cannot generate with (an encoder with runner generate)
             from servelm.model.loading.metadata import check_model
 
-            config.check_generation_overrides()
             check_model(config.model_config.model, config.model_config.gguf_file)
         self.encoder = EncoderModel(folder) if folder is not None else None
         self._engine = LLMEngine(config) if folder is None else None

@@ -74,13 +74,11 @@ def fixed_models(config) -> list[Launch]:
     out: list[Launch] = []
     ec, srv = config.engine, config.server
     if serves_cli_model(config) and pooling_model(config) is None:  # a pooling MODEL runs in the embedder
-        ec.check_generation_overrides()
         name = srv.api_config.served_model_name[0] if srv.api_config.served_model_name else served_name(ec.model_config.model, ec.model_config.gguf_file)
         out.append(Launch(name, ec))
     for spec in config.models:
         base = ec.replace(tokenizer=None, chat_template=None, revision=None, hf_overrides=None)
-        engine = spec.engine_config(base)
-        engine.check_generation_overrides()  # an entry is a generation model: overrides of its own are refused
+        engine = spec.engine_config(base)  # an entry's own hf_overrides apply to it (in its engine's loader)
         out.append(Launch(spec.name, engine, spec))
     names = [launch.name for launch in out] + list(cli_aliases(config))
     dup = next((n for n in names if names.count(n) > 1), None)

@@ -45,16 +45,12 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
         phase("importing torch and the engine")
         from servelm.engine.core import EngineCore
         from servelm.engine.threads import configure_threads
-        from servelm.model.loading.loader import load_model
+        from servelm.model.loading.loader import load_engine_model
         from servelm.model.loading.metadata import sampling_defaults
 
         configure_threads(config)
         phase(f"loading the model {config.model_config.model or '(default)'}")
-        loaded = load_model(config.model_config.model, config.model_config.gguf_file, config.model_config.tokenizer, config.model_config.dtype, config.device_config.device,
-                            with_tokenizer=False, sliding_window=config.model_config.sliding_window,  # the API process tokenizes
-                            quantization=config.load_quantization(),
-                            quantization_group_size=config.model_config.quantization_group_size,
-                            tp_size=config.parallel_config.tensor_parallel_size)
+        loaded = load_engine_model(config)  # no tokenizer: the API process tokenizes
         phase("allocating the KV cache")
         core = EngineCore(config, loaded.model)
         eos = loaded.eos_token_ids

@@ -417,8 +417,9 @@ def test_a_causal_reranker_scores_by_its_yes_and_no_tokens_with_hf_overrides(tok
     finally:
         embedder.close()
     assert "classifier_from_token" not in (folder / "config.json").read_text()  # the original is left as it was
-    with pytest.raises(ConfigError, match="hf_overrides"):
-        fixed_models(load({"model": str(folder), "hf_overrides": json.dumps(QWEN3_RERANKER),
-                           "runner": "generate"}))
+    # --runner generate: the same overrides go to a generation engine's loader (tests/model/test_hf_overrides.py)
+    [launch] = fixed_models(load({"model": str(folder), "hf_overrides": json.dumps(QWEN3_RERANKER),
+                                  "runner": "generate"}))
+    assert json.loads(launch.engine.model_config.hf_overrides) == QWEN3_RERANKER
     with pytest.raises(ConfigError, match="hf_overrides"):
         load({"hf_overrides": '{"is_original_qwen3_reranker": true}'})

@@ -152,9 +152,9 @@ def test_a_hugging_face_repo_id_as_model_is_downloaded_read_and_served_under_it(
             assert stop_server(proc) == 0
 
 
-def test_generation_models_beside_a_pooling_model_take_no_overrides(encoder_dir, llama_dir, tmp_path):
+def test_generation_models_beside_a_pooling_model_take_only_their_own_overrides(encoder_dir, llama_dir, tmp_path):
     """A config file's `models:` list beside an embedding MODEL: its entries are generation models, which do not
-    inherit MODEL's --hf-overrides, and an entry that sets its own is refused at start."""
+    inherit MODEL's --hf-overrides; an entry's own (in its `engine` settings) are its engine's."""
     import json
 
     from servelm.config.engine import ConfigError
@@ -171,5 +171,7 @@ def test_generation_models_beside_a_pooling_model_take_no_overrides(encoder_dir,
     assert pooling_model(config) is not None
     [launch] = fixed_models(config)
     assert launch.name == "chat" and launch.engine.model_config.hf_overrides is None
+    [launch] = fixed_models(with_models({**chat, "engine": {"hf_overrides": '{"max_position_embeddings": 256}'}}))
+    assert json.loads(launch.engine.model_config.hf_overrides) == {"max_position_embeddings": 256}
     with pytest.raises(ConfigError, match="hf_overrides"):
-        fixed_models(with_models({**chat, "engine": {"hf_overrides": '{"num_labels": 1}'}}))
+        fixed_models(with_models({**chat, "engine": {"hf_overrides": '["not", "an", "object"]'}}))

@@ -1,16 +1,22 @@
-"""vLLM's `--hf-overrides`: fields merged over a model's config.json, for a pooling model.
+"""vLLM's `--hf-overrides`: fields merged over a model's config.json.
 
-The common use is a reranker published as a causal LM and scored by the logits of two tokens, as Qwen3-Reranker
-is served in vLLM:
+A generation model takes them as vLLM's does, e.g. YaRN to run Qwen3 past its trained context:
+
+    --hf-overrides '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                      "original_max_position_embeddings": 32768}}' --max-model-len 131072
+
+For a pooling model the common use is a reranker published as a causal LM and scored by the logits of two
+tokens, as Qwen3-Reranker is served in vLLM:
 
     --hf-overrides '{"architectures": ["Qwen3ForSequenceClassification"],
                      "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}'
 
 The overridden model is a folder of its own in servelm's cache (`overridden_folder`): the original's files
 linked, its config.json written merged, so every reader of the folder (the embedding process, the checks made
-before it starts) sees one model. A `classifier_from_token` config makes a classifier whose labels are those
-tokens' logits at the last token (encoder.load_classifier); with `is_original_qwen3_reranker` and two tokens
-("no", "yes") the one label is the difference of their logits, whose sigmoid is P(yes) / (P(yes) + P(no)).
+before it starts, a generation engine's loader) sees one model. A `classifier_from_token` config makes a
+classifier whose labels are those tokens' logits at the last token (encoder.load_classifier); with
+`is_original_qwen3_reranker` and two tokens ("no", "yes") the one label is the difference of their logits,
+whose sigmoid is P(yes) / (P(yes) + P(no)).
 """
 
 from __future__ import annotations
@@ -36,6 +42,22 @@ def overridden_config(config: dict, overrides: dict) -> dict:
         out["label2id"] = {name: i for i, name in enumerate(labels)}
         out.pop("num_labels", None)
     return out
+
+
+def overridden_model(model: str | None, gguf_file: str | None, hf_overrides: str | None) -> str | None:
+    """What a generation engine loads for MODEL with --hf-overrides: its folder overridden (a path), or None
+    without overrides. A GGUF file has no config.json to merge them over (ValueError)."""
+    from servelm.config.hf_overrides import parse_hf_overrides
+    from servelm.model.loading.source import resolve_model
+
+    overrides = parse_hf_overrides(hf_overrides)
+    if not overrides:
+        return None
+    src = resolve_model(model, gguf_file)
+    if src.kind != "hf":
+        raise ValueError(f"--hf-overrides merges fields over a Hugging Face folder's config.json, and {src.name} is "
+                         "a GGUF file, whose settings are its header's: use the model's Hugging Face folder")
+    return str(overridden_folder(src.path, overrides))
 
 
 def overridden_folder(folder: Path, overrides: dict) -> Path:
