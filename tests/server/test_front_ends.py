@@ -150,6 +150,22 @@ def test_ollama_errors_auth_and_limits(url, oc):
     assert r.status_code == 400 and "context length" in r.json()["error"]
 
 
+def test_ollama_model_management_says_where_models_come_from(url, oc):
+    """Ollama's pull, push, create, copy and delete (and its blob uploads) are a 501 in Ollama's shape naming
+    `servelm pull` and the registry, not a 404 that reads as "no such model"; the model list is unchanged."""
+    before = [m.model for m in oc.list().models]
+    for call in (lambda: oc.pull("llama3.2"), lambda: oc.delete("tiny"), lambda: oc.copy("tiny", "tiny2"),
+                 lambda: oc.create(model="x", from_="tiny")):
+        with pytest.raises(ollama.ResponseError) as e:
+            call()
+        assert e.value.status_code == 501 and "servelm pull" in e.value.error
+    for method, path in (("HEAD", "/api/blobs/sha256:00"), ("POST", "/api/push")):
+        r = httpx.request(method, url + path, headers=AUTH, json={} if method == "POST" else None)
+        assert r.status_code == 501, (path, r.text)
+    assert httpx.post(url + "/api/pull", json={"model": "tiny"}).status_code == 401  # behind the API key too
+    assert [m.model for m in oc.list().models] == before
+
+
 def test_ollama_format_json_and_schema(oc):
     """format "json" (any JSON object) and a JSON schema, on chat and generate, whole and streamed: whatever the
     random model writes parses, and validates."""

@@ -241,6 +241,17 @@ def _details(m) -> dict:
             "parameter_size": size, "quantization_level": quant.upper()}
 
 
+MANAGED_ELSEWHERE = (
+    "servelm does not pull, push, create, copy or delete models over the Ollama API: it serves the models it was "
+    "started with (download one with `servelm pull hf.co/ORG/NAME:QUANT`, then `servelm serve hf.co/ORG/NAME:QUANT`) "
+    "and the versions of its model registry (POST /admin/models with the admin key)")
+
+
+@shaped_errors
+async def _manage_models(request: Request):
+    raise APIError(501, MANAGED_ELSEWHERE, code="not_implemented")
+
+
 def add_routes(app: FastAPI, api: Api) -> None:
     state = api.state
     parsers = state.config.server.api_config  # tool_call_parser, reasoning_parser
@@ -338,6 +349,14 @@ def add_routes(app: FastAPI, api: Api) -> None:
         return {"models": [{**tag(n, m), "expires_at": _expires_at(m), "size_vram": 0,
                             "context_length": getattr(m, "max_model_len", 0) if not emb else 0}
                            for n, m, emb in entries()]}
+
+    # Ollama's model management: servelm's models come from its start (MODEL, models:), the Hugging Face cache
+    # (`servelm pull`) and the governed registry (/admin/models), not from clients; a 501 says so, where a 404
+    # would read as "that model does not exist".
+    for path, methods in (("/api/pull", ["POST"]), ("/api/push", ["POST"]), ("/api/create", ["POST"]),
+                          ("/api/copy", ["POST"]), ("/api/delete", ["DELETE"]),
+                          ("/api/blobs/{digest}", ["HEAD", "POST"])):
+        app.add_api_route(path, _manage_models, methods=methods, include_in_schema=False)
 
     @app.get("/api/version", include_in_schema=False)
     async def version():
