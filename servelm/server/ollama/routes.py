@@ -1,5 +1,6 @@
 """Ollama's API: POST /api/generate, /api/chat (NDJSON streams), /api/embed, /api/embeddings, /api/show and
-GET /api/tags, /api/ps, /api/version, so Ollama's clients and UIs work against servelm unchanged.
+GET /api/tags, /api/ps, /api/version, so Ollama's clients and UIs work against servelm unchanged. Its model
+management routes (pull, push, create, copy, delete, blobs) answer 501, saying where servelm's models come from.
 
 Generation goes through the same `Api` machinery as the OpenAI routes (model resolution, admission, metrics,
 client-disconnect aborts), `format` through the same grammars as response_format, and `tools` through the same
