@@ -185,8 +185,8 @@ class EncoderRunner:
         if self.recipe is not None and self.recipe.lower_case:  # as sentence-transformers' do_lower_case
             items = [(text.lower() if isinstance(text, str) else text, pair, k, side) for text, pair, k, side in items]
         texts, pairs, caps, _ = zip(*items, strict=True)
-        plain = all(isinstance(t, str) for t in texts)
-        if plain and all(c is None for c in caps) and (all(p is None for p in pairs) or all(p is not None for p in pairs)):
+        plain = all(isinstance(t, str) for t in texts) and all(c is None for c in caps)
+        if plain and (all(p is None for p in pairs) or all(p is not None for p in pairs)):
             second = None if pairs[0] is None else list(pairs)  # the usual batch: one call
             return tokenizer(list(texts), second, padding=True, truncation=True,
                              max_length=self._cap(None, second is not None), return_tensors="pt")

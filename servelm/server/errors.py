@@ -178,6 +178,6 @@ def install_error_handlers(app: FastAPI) -> None:
         # A bug, never an answer to input. Starlette re-raises after sending this; the gateway keeps the
         # connection open (see Gateway.__call__).
         rid = request.state.record.request_id if hasattr(request.state, "record") else None
-        logger.error("unhandled %s in %s %s (request %s)", type(exc).__name__, request.method, route_path(request.scope),
-                     rid, exc_info=exc)
+        logger.error("unhandled %s in %s %s (request %s)", type(exc).__name__, request.method,
+                     route_path(request.scope), rid, exc_info=exc)
         return error_response(APIError(500, "internal server error", code="internal_error"), route_path(request.scope))
