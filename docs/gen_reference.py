@@ -232,6 +232,7 @@ def config_reference() -> str:
               "([Model platform](../platform/index.md)).", ""]
     always_on = _module_defining(r"VLLM_ALWAYS_ON = ").VLLM_ALWAYS_ON
     translated = _module_defining(r"VLLM_TRANSLATED = ").VLLM_TRANSLATED
+    one_way = _module_defining(r"VLLM_ONE_WAY = ").VLLM_ONE_WAY
     lines += ["## vLLM flags", "",
               "Flags of vLLM's command line that `servelm serve` takes with no key of their own "
               "([vLLM differences](../serving/vllm-differences.md#vllm-serve-flags)):", "",
@@ -240,7 +241,9 @@ def config_reference() -> str:
               "| `-tp` | `tensor_parallel_size` |",
               *(f"| `{flag}` | {_cell(what)} |" for flag, what in translated.items()),
               *(f"| `{flag}` | accepted and named at start, not needed: {_cell(why)} |"
-                for flag, why in always_on.items()), ""]
+                for flag, why in always_on.items()),
+              *(f"| `{flag}` | {', '.join(_code(v) for v in values)} accepted and named at start, not needed; "
+                f"vLLM's other values refused: {_cell(what)} |" for flag, (values, what) in one_way.items()), ""]
     return "\n".join(lines)
 
 

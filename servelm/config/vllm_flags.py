@@ -18,6 +18,29 @@ VLLM_TRANSLATED = {
     "--num-gpu-blocks-override N": "num_kv_blocks",
 }
 
+# flag -> (the values that name the one way servelm does it, that way): accepted with one of those values (the
+# start says it is not needed), refused with any other, so that a pasted command line never means something else
+VLLM_ONE_WAY = {
+    "--load-format": (("auto", "safetensors", "gguf"), "servelm loads MODEL's safetensors (a Hugging Face folder) "
+                      "or its GGUF file, whichever MODEL is"),
+    "--config-format": (("auto", "hf"), "servelm reads the model's config.json (or a GGUF file's header)"),
+    "--tokenizer-mode": (("auto", "hf"), "servelm runs the model's Hugging Face tokenizer (tokenizer.json, or a GGUF "
+                         "file's), as transformers' AutoTokenizer loads it"),
+    "--chat-template-content-format": (("auto", "string"), "servelm gives the chat template a message's text parts "
+                                       "as one string"),
+}
+
+
+def one_way(dest: str, value: str) -> str:
+    """A VLLM_ONE_WAY flag's value: the note for the start (it is not needed), or ConfigError for a value that
+    asks for something servelm does not do."""
+    flag = "--" + dest.replace("_", "-")
+    allowed, what = VLLM_ONE_WAY[flag]
+    if value not in allowed:
+        raise ConfigError(dest, value, f"{' or '.join(allowed)} (vLLM's values for what servelm does: {what})")
+    return f"{flag} {value} is not needed: {what}"
+
+
 # --speculative-config's keys -> servelm's settings
 _SPECULATIVE_KEYS = {"num_speculative_tokens": "num_speculative_tokens", "prompt_lookup_max": "ngram_lookup_max",
                      "prompt_lookup_min": "ngram_lookup_min", "model": "speculative_model"}

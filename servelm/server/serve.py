@@ -66,19 +66,28 @@ def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
                    "--kv-cache-memory-gb")
     g.add_argument("--num-gpu-blocks-override", dest="vllm_num_gpu_blocks_override", metavar="N", type=int,
                    default=argparse.SUPPRESS, help="vLLM's KV cache size in blocks: sets --num-kv-blocks")
+    from servelm.config.vllm_flags import VLLM_ONE_WAY
+
+    for flag, (allowed, what) in VLLM_ONE_WAY.items():
+        g.add_argument(flag, dest="vllm_one_way_" + flag[2:].replace("-", "_"), metavar="|".join(allowed),
+                       default=argparse.SUPPRESS, help=f"not needed with {' or '.join(allowed)}, refused with "
+                       f"vLLM's other values: {what}")
 
 
 def load_config(args):
     """The serve config tree from file < env < these CLI args."""
     from servelm.config.engine import ConfigError
     from servelm.config.settings import all_fields, load
-    from servelm.config.vllm_flags import translate
+    from servelm.config.vllm_flags import one_way, translate
 
     cli = {f.name: getattr(args, f.name) for _, f in all_fields() if hasattr(args, f.name)}
     if args.model_pos is not None:
         cli["model"] = args.model_pos
     vllm = {k.removeprefix("vllm_"): v for k, v in vars(args).items()
-            if k.startswith("vllm_") and k != "vllm_always_on"}
+            if k.startswith("vllm_") and k != "vllm_always_on" and not k.startswith("vllm_one_way_")}
+    for k, v in vars(args).items():  # vLLM's values for what servelm always does, else a ConfigError
+        if k.startswith("vllm_one_way_"):
+            one_way(k.removeprefix("vllm_one_way_"), v)
     cli.update(translate(vllm, cli))  # vLLM's flags that servelm spells as its own settings
     for name, value in cli.items():  # `serve --served-model-name a ./model`: the flag took MODEL as a name
         if args.model_pos is None and isinstance(value, list) and len(value) > 1 and Path(value[-1]).exists():
@@ -445,6 +454,11 @@ def cmd_serve(args, engine_factory=None) -> int:
         logger.info("%s", note)
     for flag in getattr(args, "vllm_always_on", None) or ():
         logger.info("%s is not needed: %s", flag, VLLM_ALWAYS_ON[flag])
+    from servelm.config import vllm_flags
+
+    for k, v in vars(args).items():
+        if k.startswith("vllm_one_way_"):
+            logger.info("%s", vllm_flags.one_way(k.removeprefix("vllm_one_way_"), v))
     from servelm.model.loading.hub import fetch_models
     from servelm.model.loading.metadata import check_model
     from servelm.server.admin.spec import spec_file_problem

@@ -110,6 +110,23 @@ def test_unused_vllm_settings_are_logged_at_start(tmp_path, caplog):
     assert "--enable-auto-tool-choice is not needed: a request that offers tools is always parsed" in caplog.text
 
 
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--load-format", "dummy"), ("--load-format", "mistral"), ("--tokenizer-mode", "mistral"),
+    ("--tokenizer-mode", "slow"), ("--config-format", "mistral"), ("--chat-template-content-format", "openai")])
+def test_vllm_flags_with_one_servelm_way_refuse_the_others(flag, value):
+    """--load-format, --config-format, --tokenizer-mode and --chat-template-content-format: vLLM's values for
+    what servelm does are accepted (above, in a pasted command line); another value would change what the
+    command means, so it stops the start naming the values servelm takes."""
+    dest = flag[2:].replace("-", "_")
+    with pytest.raises(ConfigError, match=dest) as e:
+        _config(flag, value)
+    assert "auto" in str(e.value) and value in str(e.value)
+    from servelm.config.vllm_flags import VLLM_ONE_WAY
+
+    for ok in VLLM_ONE_WAY[flag][0]:
+        _config(flag, ok)
+
+
 # -- --speculative-config, --kv-cache-memory-bytes, --num-gpu-blocks-override, -tp -----------------------------
 
 def test_speculative_config_json_becomes_servelms_settings():
@@ -377,7 +394,9 @@ def test_a_pasted_vllm_serve_command_line_runs(llama_dir, tmp_path, tokenizer):
                              "--enable-prompt-tokens-details", "--disable-log-stats", "--disable-uvicorn-access-log",
                              "--uvicorn-log-level", "info", "--disable-fastapi-docs",
                              "--default-chat-template-kwargs", '{"mark": "!"}',
-                             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}')
+                             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                             "--load-format", "safetensors", "--tokenizer-mode", "auto", "--config-format", "hf",
+                             "--chat-template-content-format", "string")
     try:
         cards = httpx.get(url + "/v1/models").json()["data"]
         assert [c["id"] for c in cards] == ["tiny", "tiny-chat"] and cards[0]["max_model_len"] == 500
@@ -404,5 +423,6 @@ def test_a_pasted_vllm_serve_command_line_runs(llama_dir, tmp_path, tokenizer):
     assert "--trust-remote-code is not needed" in log and "--gpu-memory-utilization 0.9 is not used" in log
     assert "--enable-auto-tool-choice is not needed" in log and "--disable-log-stats is not needed" in log
     assert "--disable-uvicorn-access-log is not needed" in log
+    assert "--load-format safetensors is not needed" in log and "--tokenizer-mode auto is not needed" in log
     assert "Application startup complete" in log  # --uvicorn-log-level info: uvicorn's own lines
     assert '"event": "request"' not in log and '"event":"request"' not in log  # --disable-log-requests
