@@ -149,17 +149,22 @@ class Api:
                 params.check_vocab(m.info.vocab_size if m.info else 1 << 31)
         except ValueError as e:
             raise APIError(400, str(e)) from e
-        cap = getattr(m.info, "max_logprobs", None)  # the engine checks it too; here the 400 names the field
         for name in ("top_logprobs", "logprobs", "prompt_logprobs"):
-            k = getattr(req, name, None)
-            if cap is not None and type(k) is int and k > cap:
-                raise APIError(400, f"{name} is {k}, more than this model's limit of {cap} (the server's "
-                                    "--max-logprobs)", name)
+            self.check_logprobs(m, name, getattr(req, name, None))
         if prompt_len + (params.max_tokens or 0) > m.max_model_len:
             raise APIError(400, f"this model's maximum context length is {m.max_model_len} tokens; the "
                                 f"request has {prompt_len} prompt tokens and max_tokens={params.max_tokens} "
                                 f"({prompt_len + params.max_tokens} in total)", "max_tokens", "context_length_exceeded")
         return params
+
+    @staticmethod
+    def check_logprobs(m, name: str, k) -> None:
+        """A 400 naming the field where a request asks for more logprobs than the model's engine gives (its
+        --max-logprobs; the engine refuses them too, but could not name the field)."""
+        cap = getattr(m.info, "max_logprobs", None)
+        if cap is not None and type(k) is int and k > cap:
+            raise APIError(400, f"{name} is {k}, more than this model's limit of {cap} (the server's "
+                                "--max-logprobs)", name)
 
     def hold_place(self, m, request: Request) -> None:
         """A generation request's place in its model's queue, taken before its text work (see

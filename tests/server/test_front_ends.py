@@ -75,6 +75,36 @@ def test_ollama_chat_equals_openai_chat(oc, client):
     assert chunks[-1].eval_count == ref.usage.completion_tokens and chunks[-1].model == "tiny:latest"
 
 
+def test_ollama_logprobs_are_the_openai_routes(url, oc, client):
+    """Ollama's logprobs and top_logprobs (chat and generate, whole or streamed): each generated token's text,
+    logprob and most likely alternatives, the numbers OpenAI's chat route gives for the same request."""
+    ref = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=6, temperature=0, logprobs=True,
+                                         top_logprobs=3)
+    want = [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in ref.choices[0].logprobs.content]
+    opts = {"temperature": 0, "num_predict": 6}
+
+    def got(entries):
+        assert all(len(e.top_logprobs) == 3 for e in entries)
+        return [(e.token, e.logprob, [a.token for a in e.top_logprobs]) for e in entries]
+
+    def same(a, b):
+        assert [(t, alts) for t, _, alts in a] == [(t, alts) for t, _, alts in b]
+        assert [lp for _, lp, _ in a] == pytest.approx([lp for _, lp, _ in b], abs=1e-4)
+
+    res = oc.chat(model="tiny", messages=MSGS, options=opts, logprobs=True, top_logprobs=3)
+    same(got(res.logprobs), want)
+    chunks = list(oc.chat(model="tiny", messages=MSGS, options=opts, logprobs=True, top_logprobs=3, stream=True))
+    same(got([e for c in chunks for e in c.logprobs or []]), want)
+    assert "".join(e.token for c in chunks for e in c.logprobs or []) == res.message.content
+    gen = oc.generate(model="tiny", prompt=MSGS[1]["content"], options=opts, logprobs=True)
+    assert len(gen.logprobs) == gen.eval_count and all(not e.top_logprobs for e in gen.logprobs)
+    assert oc.chat(model="tiny", messages=MSGS, options=opts).logprobs is None  # only when asked for
+    for body, param in (({"top_logprobs": 2}, "top_logprobs needs logprobs"),
+                        ({"logprobs": True, "top_logprobs": 21}, "--max-logprobs")):
+        r = httpx.post(url + "/api/chat", headers=AUTH, json={"model": "tiny", "messages": MSGS, **body})
+        assert r.status_code == 400 and param in r.json()["error"], r.text
+
+
 def test_ollama_generate_templates_raw_and_context(oc, client):
     opts = {"temperature": 0, "num_predict": 8}
     # not raw: the prompt is a user turn through the chat template, as Ollama does

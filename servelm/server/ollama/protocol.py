@@ -120,6 +120,14 @@ class _Request(BaseModel):
     keep_alive: str | int | float | None = None  # for a model loaded on demand: how long it stays loaded idle
     format: Any = None  # "json" or a JSON schema
     think: Any = None
+    logprobs: bool = False  # each generated token's logprob, with its top_logprobs most likely alternatives
+    top_logprobs: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
+
+    def logprobs_k(self) -> int | None:
+        """How many alternatives each generated token's logprob comes with; None: no logprobs."""
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def structured(self) -> StructuredOutputsParams | None:
         """The grammar `format` asks for: any JSON object ("json"), or a JSON schema (400 if it is neither, or

@@ -27,6 +27,7 @@ from servelm.server.errors import shaped_errors
 from servelm.server.ollama import protocol as o
 from servelm.server.openai import protocol as p
 from servelm.server.openai.embeddings import _embed, _embedder
+from servelm.server.openai.logprobs import chat_logprobs
 from servelm.server.openai.protocol import APIError
 from servelm.server.openai.reasoning import ReasoningStream, defer_grammar, split
 from servelm.server.openai.tool_parsers import ToolCall, ToolStream, parse
@@ -142,6 +143,10 @@ async def _run(api: Api, m, request: Request, body, ids: list[int], prompt: str 
     opts = o.Options.parse(body.options)
     params = api.params(m, opts, len(ids))
     params.structured_outputs = body.structured()
+    k = body.logprobs_k()
+    if k is not None:
+        api.check_logprobs(m, "top_logprobs", k)
+        params.logprobs = k
     if reply.thinking:
         defer_grammar(params, m.tokenizer, ids)
     if isinstance(reply, _ToolReply) and reply.parser == "mistral":
@@ -172,7 +177,11 @@ async def _run(api: Api, m, request: Request, body, ids: list[int], prompt: str 
                     c = out.outputs[0]
                     out_ids += c.token_ids
                     finish = c.finish_reason or finish
-                    for payload in reply.chunks(c.text, c.finish_reason):
+                    payloads = reply.chunks(c.text, c.finish_reason)
+                    if k is not None and c.token_ids:  # the new tokens' logprobs ride on their first line
+                        payloads = payloads or [reply.payload("")]
+                        payloads[0] = {**payloads[0], "logprobs": _logprobs(c.token_ids, c.logprobs, k)}
+                    for payload in payloads:
                         yield _line({"model": model, "created_at": _now(), **payload, "done": False})
                 yield _line(final(finish, out_ids))
             except APIError as e:
@@ -181,7 +190,14 @@ async def _run(api: Api, m, request: Request, body, ids: list[int], prompt: str 
         return StreamingResponse(lines(), media_type=NDJSON)
     [res] = await api.collect(m, request, [job])
     acc = res[0]
-    return {**final(acc["finish"], acc["token_ids"]), **reply.whole(acc["text"], acc["finish"])}
+    lps = {"logprobs": _logprobs(acc["token_ids"], acc["logprobs"], k)} if k is not None else {}
+    return {**final(acc["finish"], acc["token_ids"]), **reply.whole(acc["text"], acc["finish"]), **lps}
+
+
+def _logprobs(token_ids: list[int], entries: list | None, k: int) -> list[dict]:
+    """Ollama's logprobs: per token {token, logprob, bytes, top_logprobs: the k most likely}, as OpenAI's chat
+    gives them."""
+    return chat_logprobs(token_ids, entries or [], k)["content"]
 
 
 def _line(obj: dict) -> bytes:
