@@ -185,8 +185,9 @@ class Embedder:
                     dimensions: int | None = None) -> tuple[list[np.ndarray], int]:
         """Embed texts or token ids (pooled as the model's recipe says); returns the vectors and the token
         count. `truncate`: each input keeps at most that many tokens (-1: the model's limit), its first ones
-        (`side` "right", vLLM's default) or its last ones ("left"). `dimensions`: a Matryoshka model's vectors
-        cut to that many values (BadDimensions for a cut the model is not trained for)."""
+        (`side` "right", vLLM's default) or its last ones ("left"); "none" cuts nothing, and an input over the
+        model's limit fails (ValueError). `dimensions`: a Matryoshka model's vectors cut to that many values
+        (BadDimensions for a cut the model is not trained for)."""
         if self.task != "embed":
             raise WrongTask(f"{self.name} is a sequence classifier (a cross-encoder): it serves /score, "
                             "/rerank and /classify, not embeddings")

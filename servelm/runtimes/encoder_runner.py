@@ -13,7 +13,7 @@ import numpy as np
 
 # An input: (its text, or its token ids as they are, with no special tokens added; the text read with it as a pair
 # or None; the most tokens it keeps or None (-1: the model's limit); which side a cut takes tokens from: "right"
-# keeps the first ones, "left" the last ones)
+# keeps the first ones, "left" the last ones, "none" cuts nothing and refuses an input over the model's limit)
 Input = tuple[str | list[int], str | None, int | None, str]
 
 
@@ -184,8 +184,8 @@ class EncoderRunner:
         tokenizer = self.tokenizer
         if self.recipe is not None and self.recipe.lower_case:  # as sentence-transformers' do_lower_case
             items = [(text.lower() if isinstance(text, str) else text, pair, k, side) for text, pair, k, side in items]
-        texts, pairs, caps, _ = zip(*items, strict=True)
-        plain = all(isinstance(t, str) for t in texts) and all(c is None for c in caps)
+        texts, pairs, caps, sides = zip(*items, strict=True)
+        plain = all(isinstance(t, str) for t in texts) and all(c is None for c in caps) and "none" not in sides
         if plain and (all(p is None for p in pairs) or all(p is not None for p in pairs)):
             second = None if pairs[0] is None else list(pairs)  # the usual batch: one call
             return tokenizer(list(texts), second, padding=True, truncation=True,
@@ -195,12 +195,21 @@ class EncoderRunner:
             for text, pair, k, side in items:
                 if not isinstance(text, str):
                     encs.append(self._given_ids(text, k, side))
-                    continue
-                tokenizer.truncation_side = side
-                encs.append(tokenizer(text, pair, truncation=True, max_length=self._cap(k, pair is not None)))
+                elif side == "none":
+                    encs.append(self._whole(tokenizer(text, pair)))
+                else:
+                    tokenizer.truncation_side = side
+                    encs.append(tokenizer(text, pair, truncation=True, max_length=self._cap(k, pair is not None)))
         finally:
             tokenizer.truncation_side = "right"
         return tokenizer.pad(encs, return_tensors="pt")
+
+    def _whole(self, enc):
+        """An input that may not be cut (side "none"), refused where it is over the model's limit."""
+        n = len(enc["input_ids"])
+        if n > self.max_length:
+            raise ValueError(f"the input has {n} tokens, more than this model's limit of {self.max_length}")
+        return enc
 
     def _given_ids(self, ids: list[int], k: int | None, side: str) -> dict:
         """An input given as token ids, as the tokenizer's output for it would be: the ids as they are (no special
@@ -209,7 +218,9 @@ class EncoderRunner:
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the model's vocabulary (ids 0 to {self.vocab_size - 1})")
         cap = self.max_length if k is None or k == -1 else min(k, self.max_length)
-        ids = list(ids[:cap] if side == "right" else ids[-cap:])
+        if side == "none":
+            self._whole({"input_ids": ids})
+        ids = list(ids[:cap] if side in ("right", "none") else ids[-cap:])
         enc = {"input_ids": ids, "attention_mask": [1] * len(ids)}
         if "token_type_ids" in self.tokenizer.model_input_names:  # one segment, as the tokenizer marks a text
             enc["token_type_ids"] = [0] * len(ids)

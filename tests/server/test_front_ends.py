@@ -132,6 +132,16 @@ def test_ollama_embed_tags_show_ps(oc, client, llama_dir):
     assert emb.prompt_eval_count == ref.usage.prompt_tokens
     assert np.allclose(oc.embeddings(model="all-MiniLM-L6-v2", prompt=texts[0]).embedding, emb.embeddings[0],
                        atol=1e-5)
+    # truncate: false (Ollama's): an input over the model's limit (all-MiniLM: 256 tokens) is an error naming
+    # it, where the default cuts it; one within the limit embeds as it would anyway
+    long = "fox " * 400
+    with pytest.raises(ollama.ResponseError) as e:
+        oc.embed(model="all-MiniLM-L6-v2", input=[texts[0], long], truncate=False)
+    assert e.value.status_code == 400 and "limit of 256" in e.value.error
+    one = oc.embed(model="all-MiniLM-L6-v2", input=texts[0]).prompt_eval_count
+    assert oc.embed(model="all-MiniLM-L6-v2", input=[long, texts[0]]).prompt_eval_count == 256 + one
+    whole = oc.embed(model="all-MiniLM-L6-v2", input=texts, truncate=False)
+    assert np.allclose(whole.embeddings, emb.embeddings, atol=1e-5)
     assert [m.model for m in oc.list().models] == ["tiny", "all-MiniLM-L6-v2"]
     ps = oc.ps().models
     assert ps[0].model == "tiny" and ps[0].context_length == HOLD_CONTEXT

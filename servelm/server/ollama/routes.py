@@ -326,7 +326,8 @@ def add_routes(app: FastAPI, api: Api) -> None:
         embedder, name = await _embedder(api, request, _embed_model(body.model))
         _keep_alive(embedder, body.keep_alive)
         inputs = [body.input] if isinstance(body.input, str) else body.input
-        vectors, tokens = await _embed(api, embedder, inputs, dimensions=body.dimensions)
+        vectors, tokens = await _embed(api, embedder, inputs, dimensions=body.dimensions,
+                                       side="right" if body.truncate else "none")  # false: too long is an error
         return {"model": body.model or name, "embeddings": [v.tolist() for v in vectors],
                 "total_duration": _ns(start, time.monotonic()), "load_duration": 0, "prompt_eval_count": tokens}
 

@@ -29,8 +29,9 @@ async def _embed(api: Api, embedder, inputs: list[str | list[int]], truncate: in
                  side: str = "right", dimensions: int | None = None):
     """(vectors, prompt tokens) of the inputs (texts, or token ids taken as they are), after the request's caps
     are checked; `truncate`: each input keeps at most that many tokens, its first ones (`side` "right") or its
-    last ones ("left"); `dimensions`: a Matryoshka model's vectors cut to that many values."""
-    if truncate is None and dimensions is None:
+    last ones ("left"), or none ("none": an input over the model's limit is a 400); `dimensions`: a Matryoshka
+    model's vectors cut to that many values."""
+    if truncate is None and dimensions is None and side == "right":
         return await pooled(api, inputs, lambda: embedder.embed(inputs))
     return await pooled(api, inputs, lambda: embedder.embed(inputs, truncate, side, dimensions))
 
