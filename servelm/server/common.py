@@ -86,7 +86,7 @@ class Api:
         traffic = getattr(self.state, "traffic", None)
         attrs = None
         if traffic is not None and kind == Kind.GENERATE:
-            rec.user = getattr(req, "user", None)
+            rec.user = getattr(req, "user", None) or getattr(req, "safety_identifier", None)
             attrs = traffic.attrs(request.headers, rec, getattr(req, "metadata", None))
         m, waited = await self.state.models.load(model, kind, attrs)
         rec.leases.append(m)  # the gateway releases its pin on the model's generation when the request ends

@@ -93,8 +93,10 @@ def platform(tokenizer, llama_dir, tmp_path, monkeypatch, database_url):
     reg.close()
 
 
-def complete(client, user: str | None = None, headers: dict | None = None, model: str = "m", prompt="hi"):
-    body = {"model": model, "prompt": prompt, "max_tokens": 1} | ({"user": user} if user else {})
+def complete(client, user: str | None = None, headers: dict | None = None, model: str = "m", prompt="hi",
+             safety_identifier: str | None = None):
+    body = {"model": model, "prompt": prompt, "max_tokens": 1} | ({"user": user} if user else {}) | (
+        {"safety_identifier": safety_identifier} if safety_identifier else {})
     return client.post("/v1/completions", json=body, headers=headers or {})
 
 
@@ -121,7 +123,8 @@ def test_sticky_users_never_switch_and_arms_are_named(platform):
     first: dict[str, str] = {}
     for i in range(200):
         user = f"user-{i % 40}"
-        via = {"headers": {"x-servelm-user": user}} if i % 2 else {"user": user}  # body field or header
+        # the header, the body's user or OpenAI's newer safety_identifier: one user, one arm
+        via = [{"headers": {"x-servelm-user": user}}, {"user": user}, {"safety_identifier": user}][i % 3]
         r = complete(client, **via)
         got = (r.headers["x-servelm-model-version"], r.headers["x-servelm-arm"])
         assert got in {("m:1", "control"), ("m:3", "treatment")}

@@ -261,8 +261,10 @@ def _chat(client, msgs, max_tokens):
 def test_responses_create_and_stream_equal_chat(client):
     ref = _chat(client, MSGS, 12)
     res = client.responses.create(model="tiny", input="Name a colour", instructions="Be brief.",
-                                  max_output_tokens=12, temperature=0)
+                                  max_output_tokens=12, temperature=0, safety_identifier="user-7",
+                                  prompt_cache_key="colours")
     assert res.output_text == ref.choices[0].message.content and res.object == "response"
+    assert (res.safety_identifier, res.prompt_cache_key) == ("user-7", "colours")  # echoed, as OpenAI does
     assert res.status == ("incomplete" if ref.choices[0].finish_reason == "length" else "completed")
     assert res.usage.input_tokens == ref.usage.prompt_tokens
     assert res.usage.output_tokens == ref.usage.completion_tokens

@@ -170,6 +170,7 @@ def test_dimensions_of_a_model_not_trained_for_them_are_a_400(server):
 @pytest.mark.parametrize("path, body", [  # values that change nothing, and the implemented extensions
     (CHAT, {"messages": MSGS, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}),
     (CHAT, {"messages": MSGS, "tools": None, "suffix": None, "stream_options": None, "store": False}),
+    (CHAT, {"messages": MSGS, "safety_identifier": "user-123", "prompt_cache_key": "conversation-9"}),
     ("/v1/completions", {"prompt": "hi", "suffix": "", "best_of": 1}),
     ("/v1/completions", {"prompt": "hi", "ignore_eos": True, "min_tokens": 1, "include_stop_str_in_output": True,
                          "skip_special_tokens": False, "priority": "low", "user": "u1", "top_k": 5, "min_p": 0.1,

@@ -210,6 +210,10 @@ class _SamplingFields(_VllmSampling):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    # OpenAI's newer names: `user` split into an end-user id (what traffic policies match when `user` is unset)
+    # and a cache-routing hint, which servelm's prefix cache does not need (it finds shared prefixes itself)
+    safety_identifier: Annotated[str, Field(max_length=64)] | None = None
+    prompt_cache_key: str | None = None
     # OpenAI's request metadata (up to 16 string pairs): traffic-policy segment rules may match it
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                         Field(max_length=16)] | None = None

@@ -126,6 +126,8 @@ class ResponsesRequest(_Body):
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     user: str | None = None
+    safety_identifier: Annotated[str, Field(max_length=64)] | None = None  # as chat's
+    prompt_cache_key: str | None = None  # as chat's: a hint the prefix cache does not need
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                         Field(max_length=16)] | None = None
     priority: Priority = None
@@ -215,7 +217,8 @@ def response_object(rid: str, created: int, model: str, body: ResponsesRequest, 
             "tool_choice": _dump(body.tool_choice) or ("auto" if body.tools else "none"),
             "tools": [t.model_dump() for t in body.tools or []],
             "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": "disabled", "usage": use,
-            "user": body.user, "metadata": body.metadata or {}}
+            "user": body.user, "safety_identifier": body.safety_identifier,
+            "prompt_cache_key": body.prompt_cache_key, "metadata": body.metadata or {}}
 
 
 def _dump(value):
