@@ -79,12 +79,13 @@ def sampling_params_from_args(args: argparse.Namespace, model_defaults: dict | N
 
 def _load_llm(args: argparse.Namespace):
     """The LLM for generate and chat; a missing or unsupported model is one line (exit 2) before any load."""
+    from servelm.model.loading.hf_overrides import engine_model
     from servelm.model.loading.hub import fetch_models
     from servelm.model.loading.metadata import check_model
 
     config = engine_config_from_args(args)
     fetch_models(config)  # a Hub model not yet in the Hugging Face cache: downloaded now
-    check_model(config.model_config.model, config.model_config.gguf_file)
+    check_model(*engine_model(config.model_config))
     from servelm.entrypoints.llm import LLM
 
     return LLM.from_config(config)

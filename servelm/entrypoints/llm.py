@@ -97,9 +97,10 @@ class LLM:
         fetch_models(config)  # a Hub model not yet in the Hugging Face cache: downloaded now
         folder = _encoder_folder(config)
         if folder is None:  # one clear error for a model it cannot generate with (an encoder with runner generate)
+            from servelm.model.loading.hf_overrides import engine_model
             from servelm.model.loading.metadata import check_model
 
-            check_model(config.model_config.model, config.model_config.gguf_file)
+            check_model(*engine_model(config.model_config))
         self.encoder = EncoderModel(folder) if folder is not None else None
         self._engine = LLMEngine(config) if folder is None else None
         self._ids = itertools.count()

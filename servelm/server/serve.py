@@ -459,6 +459,7 @@ def cmd_serve(args, engine_factory=None) -> int:
     for k, v in vars(args).items():
         if k.startswith("vllm_one_way_"):
             logger.info("%s", vllm_flags.one_way(k.removeprefix("vllm_one_way_"), v))
+    from servelm.model.loading.hf_overrides import engine_model
     from servelm.model.loading.hub import fetch_models
     from servelm.model.loading.metadata import check_model
     from servelm.server.admin.spec import spec_file_problem
@@ -473,7 +474,7 @@ def cmd_serve(args, engine_factory=None) -> int:
         fetch_models(config.engine)
     for launch in fixed_models(config):  # one line and exit 2 before anything loads
         fetch_models(launch.engine)  # a Hub model not yet in the Hugging Face cache: downloaded now
-        check_model(launch.engine.model_config.model, launch.engine.model_config.gguf_file)
+        check_model(*engine_model(launch.engine.model_config))  # as its engine will load it
     try:
         sock = bind_socket(srv.api_config.host, srv.api_config.port)
     except OSError as e:

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -62,3 +65,20 @@ def test_serve_takes_hf_overrides_for_its_generation_model(llama_dir):
         assert r.json()["choices"][0]["token_ids"] == want
     finally:
         assert stop_server(proc) == 0
+
+
+def test_a_model_the_overrides_cannot_apply_to_stops_before_any_engine_starts(llama_dir):
+    """The checks made before an engine starts judge the model as its engine will load it: overrides on a GGUF
+    file, or ones that name an architecture servelm does not run, are one line and exit 2 from `serve` and
+    `generate`, with no engine process started."""
+    env = {**os.environ, "SERVELM_CPU_KERNELS": "0"}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "servelm.entrypoints.cli", *args], capture_output=True,
+                              text=True, env=env, timeout=120)
+
+    for args in (["generate", "hi"], ["serve", "--port", "0"]):  # the default model is a GGUF file
+        r = cli(*args, "--hf-overrides", '{"max_position_embeddings": 64}')
+        assert r.returncode == 2 and "GGUF file" in r.stderr and "engine process started" not in r.stderr
+    r = cli("serve", str(llama_dir), "--port", "0", "--hf-overrides", '{"architectures": ["NoSuchForCausalLM"]}')
+    assert r.returncode == 2 and "NoSuchForCausalLM" in r.stderr and "engine process started" not in r.stderr

@@ -60,6 +60,15 @@ def overridden_model(model: str | None, gguf_file: str | None, hf_overrides: str
     return str(overridden_folder(src.path, overrides))
 
 
+def engine_model(model_config) -> tuple[str | None, str | None]:
+    """(model, gguf_file) as a generation engine loads a ModelConfig's model: the overridden folder where it
+    has --hf-overrides (ValueError for a GGUF file), else its own. The checks made before an engine starts use
+    it too, so that they judge the model the engine will run."""
+    mc = model_config
+    view = overridden_model(mc.model, mc.gguf_file, mc.hf_overrides)
+    return (mc.model, mc.gguf_file) if view is None else (view, None)
+
+
 def overridden_folder(folder: Path, overrides: dict) -> Path:
     """A folder in servelm's cache that is `folder` with its config.json overridden: the other files linked
     (no copy), made once for each source folder, overrides and config."""

@@ -81,12 +81,12 @@ def load_engine_model(config, with_tokenizer: bool = False, tp_rank: int = 0, tp
     """load_model with an EngineConfig's settings, as every engine loads its model: MODEL (its folder
     overridden where --hf-overrides gives fields, model/loading/hf_overrides.py), tokenizer, dtype, device,
     window and quantization; `tp_size` (default: the config's) ranks, this one `tp_rank`."""
-    from servelm.model.loading.hf_overrides import overridden_model
+    from servelm.model.loading.hf_overrides import engine_model
 
     mc = config.model_config
-    view = overridden_model(mc.model, mc.gguf_file, mc.hf_overrides)
-    return load_model(mc.model if view is None else view, mc.gguf_file if view is None else None, mc.tokenizer,
-                      mc.dtype, config.device_config.device, with_tokenizer=with_tokenizer,
+    model, gguf_file = engine_model(mc)
+    return load_model(model, gguf_file, mc.tokenizer, mc.dtype, config.device_config.device,
+                      with_tokenizer=with_tokenizer,
                       sliding_window=mc.sliding_window, quantization=config.load_quantization(),
                       quantization_group_size=mc.quantization_group_size, tp_rank=tp_rank,
                       tp_size=config.parallel_config.tensor_parallel_size if tp_size is None else tp_size)
