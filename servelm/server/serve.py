@@ -443,6 +443,9 @@ def cmd_serve(args, engine_factory=None) -> int:
             flag = name.replace("_", "-")
             logger.warning("--%s is visible to every user of this machine in the process list; use --%s-file or "
                            "SERVELM_%s instead", flag, flag, name.upper())
+    if config.sources["model.hf_token"] == "cli":
+        logger.warning("--hf-token is visible to every user of this machine in the process list; use HF_TOKEN or "
+                       "`hf auth login` instead")
     if args.print_config:
         print(json.dumps(config.describe(), indent=2))
         return 0

@@ -411,6 +411,7 @@ def test_download_dir_and_hf_token_as_vllm_takes_them(stub_hub, tiny, tmp_path):
     config = json.loads(r.stdout)["model"]
     assert config["hf_token"]["value"] == "<redacted>" and config["download_dir"]["value"] == str(d)
     assert "hf_test_token_1" not in r.stdout + r.stderr
+    assert "--hf-token is visible to every user" in r.stderr  # HF_TOKEN keeps it out of the process list
     r = _cli("generate", "hello", "--model", REPO, "--hf-token", "two words", env=offline)
     assert r.returncode == 2 and "hf_token" in r.stderr and "two words" not in r.stderr
     assert _cli("rm", REPO, "--download-dir", str(d), env=env).returncode == 0
