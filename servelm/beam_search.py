@@ -24,7 +24,7 @@ from typing import Any
 from servelm.outputs import CompletionOutput, Logprob, RequestOutput
 from servelm.sampling_params import OutputKind, SamplingParams
 
-# A step asks for the top 2 x beam_width logprobs of each beam, and a request may ask for at most 20.
+# A step asks for the top 2 x beam_width logprobs of each beam, within the engine's max_logprobs (20 by default).
 MAX_BEAM_WIDTH = 10
 
 
