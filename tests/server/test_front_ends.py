@@ -154,6 +154,10 @@ def test_ollama_embed_tags_show_ps(oc, client, llama_dir):
     details = oc.list().models[0].details
     assert (details.family, details.families, details.quantization_level) == ("llama", ["llama"], "F32")
     assert details.parameter_size == f"{params / 1e6:.1f}M" and shown.details.family == "llama"
+    # model_info's GGUF keys, where clients read the context length from
+    info = shown.modelinfo
+    assert info["general.architecture"] == "llama" and info["llama.context_length"] == HOLD_CONTEXT
+    assert info["general.parameter_count"] == params
     assert "embedding" in oc.show("all-MiniLM-L6-v2:latest").capabilities
 
 

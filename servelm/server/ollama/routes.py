@@ -393,8 +393,15 @@ def add_routes(app: FastAPI, api: Api) -> None:
             raise APIError(404, f"model {name!r} not found", "model", "model_not_found")
         m, emb = found[key]
         template = "" if emb else (getattr(m.tokenizer, "chat_template", None) or "")
-        info = {"general.architecture": "bert" if emb else "", "servelm.context_length":
-                0 if emb else getattr(m, "max_model_len", 0)}
-        return {"modelfile": "", "parameters": _parameters(m), "template": template, "details": _details(m),
+        details = _details(m)
+        # GGUF's keys, as Ollama gives them: clients (Continue, LiteLLM) read the context length from
+        # model_info[general.architecture + ".context_length"]
+        arch = "bert" if emb else details["family"] or "servelm"
+        context = 0 if emb else getattr(m, "max_model_len", 0)
+        info = {"general.architecture": arch, f"{arch}.context_length": context, "servelm.context_length": context}
+        params = getattr(getattr(m, "info", None), "num_params", 0)
+        if params:
+            info["general.parameter_count"] = params
+        return {"modelfile": "", "parameters": _parameters(m), "template": template, "details": details,
                 "model_info": info, "capabilities": ["embedding"] if emb else ["completion"],
                 "modified_at": _now()}
