@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
+import select
 import signal
 import sys
 import uuid
@@ -64,6 +66,30 @@ def run_chat(llm, params: SamplingParams, system: str | None) -> int:
     return _loop(lambda history: _reply(llm, history, params)[0], system)
 
 
+def _read_line(prompt: str) -> str:
+    """input(prompt), without losing a Ctrl-C pressed as the prompt appears. input() waits in a read() that a
+    SIGINT arriving just before it does not interrupt, so such a Ctrl-C did nothing until Enter; here the wait
+    also watches the signal's wakeup pipe, and the KeyboardInterrupt is raised as soon as it returns."""
+    if not sys.stdin.isatty():  # piped input: no one to press Ctrl-C, and buffered lines select cannot see
+        return input(prompt)
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    previous = signal.set_wakeup_fd(w)
+    try:
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        while sys.stdin not in select.select([sys.stdin, r], [], [])[0]:  # a line, Ctrl-D, or a signal's byte
+            os.read(r, 64)  # drained; the signal's handler runs here (Ctrl-C's raises KeyboardInterrupt)
+        line = sys.stdin.readline()
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(r)
+        os.close(w)
+    if not line:
+        raise EOFError
+    return line.removesuffix("\n")
+
+
 def _loop(reply: Callable[[list[dict]], str | None], system: str | None) -> int:
     """The conversation: read a message, stream the reply, keep both. `reply` returns None when the turn
     failed (a server's error, already printed): the message is dropped, so the turns still alternate."""
@@ -74,7 +100,7 @@ def _loop(reply: Callable[[list[dict]], str | None], system: str | None) -> int:
     print(HELLO, file=sys.stderr)
     while True:
         try:
-            line = input("> ")
+            line = _read_line("> ")
         except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: leave cleanly
             print()
             return 0
