@@ -36,11 +36,12 @@ async def _embed(api: Api, embedder, inputs: list[str | list[int]], truncate: in
     return await pooled(api, inputs, lambda: embedder.embed(inputs, truncate, side, dimensions))
 
 
-async def pooled(api: Api, inputs: list[str], run: Callable[[], Awaitable]):
+async def pooled(api: Api, inputs: list[str | list[int]], run: Callable[[], Awaitable]):
     """`run()`'s answer for these inputs of the embedding model's routes, after the request's caps are checked,
     with the embedding process's failures as API errors."""
     if not inputs or any(not isinstance(s, (str, list)) or not s for s in inputs):
-        raise APIError(400, "input must be a non-empty string or a list of non-empty strings", "input")
+        raise APIError(400, "input must be a non-empty string, a list of non-empty strings, or token ids",
+                       "input")
     cap = api.state.config.admission.max_embedding_inputs
     if len(inputs) > cap:
         raise APIError(400, f"input has {len(inputs)} items, over this server's limit of {cap} per request "
