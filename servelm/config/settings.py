@@ -128,6 +128,9 @@ class ApiConfig:
                                             "its connections); the request log is --log-requests")
     disable_fastapi_docs: bool = _f(False, "serve no API documentation: /docs, /redoc and /openapi.json answer 404 "
                                     "(as vLLM's flag)")
+    response_role: str = _f("assistant", "the role chat completions give their reply when the request sets "
+                            "add_generation_prompt (the default), as vLLM's --response-role; without it the reply "
+                            "continues the last message and takes its role")
     root_path: str = _f("", "the path prefix a reverse proxy serves this server under and strips before "
                         "forwarding, as vLLM's --root-path (e.g. /llm): the web page, /docs and the OpenAPI "
                         "document link through it; routes stay where they are")
@@ -154,6 +157,8 @@ class ApiConfig:
              f"sets itself ({', '.join(sorted(_CHAT_TEMPLATE_ARGUMENTS))}; not {', '.join(reserved)})")
         need(all(o == "*" or o.startswith(("http://", "https://")) for o in self.allowed_origins),
              "allowed_origins", "origins like http://localhost:3000, or '*'")
+        need(bool(self.response_role) and self.response_role.isprintable() and self.response_role.strip() ==
+             self.response_role, "response_role", "a role name such as assistant")
         self.root_path = self.root_path.rstrip("/")
         need(not self.root_path or (self.root_path.startswith("/") and "//" not in self.root_path and not any(
             c.isspace() or c in "?#\"'<>" for c in self.root_path)), "root_path",

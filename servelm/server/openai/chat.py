@@ -35,6 +35,8 @@ def add_routes(app: FastAPI, api: Api) -> None:
         job = (rid, ids, params, None, prio, api.cache_salt(request, req))
         k = req.top_logprobs or 0
         as_ids = req.tokens_as_ids(api_config.return_tokens_as_token_ids)
+        # vLLM's rule: a new turn is the response role's; a continued message keeps the role it has
+        role = api_config.response_role if req.add_generation_prompt else req.messages[-1].role
 
         if req.stream:
             head = await api.open(m, request, job)
@@ -54,7 +56,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
                 try:
                     for j in range(req.n):
                         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                                   "choices": [{"index": j, "delta": {"role": "assistant", "content": "",
+                                   "choices": [{"index": j, "delta": {"role": role, "content": "",
                                                                       "refusal": None},
                                                 "logprobs": None, "finish_reason": None}], **so_far(),
                                    **({"prompt_token_ids": ids} if req.return_token_ids and j == 0 else {})})
@@ -105,6 +107,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
             completion_tokens += len(acc["token_ids"])
             thought, text = split(thinking, acc["text"]) if thinking else (None, acc["text"])
             message, finish = tools.message(text or "", acc["finish"])
+            message["role"] = role
             if text is None and not message.get("tool_calls"):
                 message["content"] = None  # all reasoning (cut short before its end)
             if show:
