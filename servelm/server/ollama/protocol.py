@@ -19,7 +19,7 @@ from servelm.config import generation
 from servelm.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams
 from servelm.server.openai import protocol as p
 from servelm.server.openai.protocol import INT32_MAX, APIError
-from servelm.server.openai.reasoning import active
+from servelm.server.openai.reasoning import active, effort_kwargs
 
 # Options that set up a model's runtime in Ollama (context size, threads, GPU layers, memory mapping): servelm's
 # engine is configured at start, so a request's values change nothing and are accepted without effect.
@@ -111,6 +111,10 @@ def keep_alive_seconds(value: str | int | float | None) -> float | None:
     return KEEP_FOREVER_S if seconds < 0 else seconds
 
 
+# Ollama's think levels (GPT-OSS's reasoning efforts); true and false are the other values
+THINK_LEVELS = ("low", "medium", "high")
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -146,17 +150,23 @@ class _Request(BaseModel):
 
     def thinking(self, parser: str) -> str | None:
         """The reasoning parser the reply is split with (`parser`, the server's, unless think is false; None: the
-        reply is all content). think true on a server without one is a 400."""
-        if self.think not in (None, True, False):
-            raise APIError(400, "think must be true or false", "think")
-        if self.think is True and parser == "none":
+        reply is all content). think true, or a level, on a server without one is a 400."""
+        if self.think not in (None, True, False, *THINK_LEVELS):
+            raise APIError(400, f"think must be true, false or a level ({', '.join(THINK_LEVELS)})", "think")
+        if self.think not in (None, False) and parser == "none":
             raise APIError(400, "'think' needs a server started with --reasoning-parser (deepseek_r1 or qwen3)",
                            "think", "unsupported_parameter")
         return None if self.think is False else active(parser)
 
-    def template_kwargs(self) -> dict:
-        """What think asks of the chat template: Qwen3's templates read enable_thinking (false: no reasoning)."""
-        return {} if self.think is None else {"enable_thinking": self.think}
+    def template_kwargs(self, tokenizer: Any) -> dict:
+        """What think asks of the chat template: Qwen3's templates read enable_thinking (false: no reasoning);
+        a level (GPT-OSS's "low", "medium", "high") is the template's reasoning_effort, for a template that reads
+        it (else a 400)."""
+        if self.think is None:
+            return {}
+        if isinstance(self.think, bool):
+            return {"enable_thinking": self.think}
+        return {"enable_thinking": True, **effort_kwargs(tokenizer, self.think, "think")}
 
 
 class GenerateRequest(_Request):

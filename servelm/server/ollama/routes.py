@@ -291,7 +291,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         else:  # Ollama puts the prompt (and system) through the model's template, as a user turn
             conv = ([p.SystemMessage(role="system", content=body.system)] if body.system else []) + \
                 [p.UserMessage(role="user", content=prompt)]
-            ids = await api.chat_ids(m, conv, **body.template_kwargs())
+            ids = await api.chat_ids(m, conv, **body.template_kwargs(m.tokenizer))
         ids = list(body.context or []) + ids
         if not ids:
             raise APIError(400, "the prompt is empty", "prompt")
@@ -313,7 +313,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         api.hold_place(m, request)
         msgs = [x.to_chat(i) for i, x in enumerate(body.messages)]
         tools = body.template_tools()
-        ids = await api.chat_ids(m, msgs, tools=tools, **body.template_kwargs())
+        ids = await api.chat_ids(m, msgs, tools=tools, **body.template_kwargs(m.tokenizer))
         reply = _ToolReply(choose_parser(parsers.tool_call_parser, getattr(m.tokenizer, "chat_template", None)),
                            thinking) if tools else _Reply(chat=True, thinking=thinking)
         return await _run(api, m, request, body, ids, None, reply, lambda _: {})

@@ -13,7 +13,7 @@ from servelm.server.common import Api, record, sse, usage
 from servelm.server.openai import protocol as p
 from servelm.server.openai.logprobs import chat_logprobs, prompt_logprobs
 from servelm.server.openai.protocol import APIError
-from servelm.server.openai.reasoning import ReasoningStream, split
+from servelm.server.openai.reasoning import ReasoningStream, effort_kwargs, split
 from servelm.server.openai.tools import reply_readers, template_tools
 
 
@@ -22,8 +22,9 @@ def add_routes(app: FastAPI, api: Api) -> None:
     async def chat_completions(req: p.ChatCompletionRequest, request: Request):
         m = await api.resolve(request, req.model, req=req)
         api.hold_place(m, request)
+        effort = effort_kwargs(m.tokenizer, req.reasoning_effort, "reasoning_effort")
         ids = req.truncate(await api.chat_ids(m, req.messages, req.add_generation_prompt, template_tools(req),
-                                              **req.template_kwargs()), m.max_model_len)
+                                              **{**req.template_kwargs(), **effort}), m.max_model_len)
         params = api.params(m, req, len(ids))
         api_config = api.state.config.server.api_config
         tools, thinking = reply_readers(api_config, m, req, params, ids)

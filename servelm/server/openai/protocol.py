@@ -519,6 +519,9 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: under a reasoning parser, false leaves the reasoning out of the response
     include_reasoning: bool = True
+    # OpenAI's: the chat template's reasoning_effort, for a model whose template reads it (400 for one that
+    # does not: it would change nothing)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
     @model_validator(mode="after")
     def _one_way_to_end_the_prompt(self) -> ChatCompletionRequest:

@@ -14,15 +14,37 @@ same way (`ReasoningStream`), whichever way its text is cut into pieces.
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+from servelm.server.openai.protocol import APIError
 
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
+# OpenAI's reasoning_effort values; a chat template that reads the variable (GPT-OSS's) takes them as they are
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+_EFFORT_VARIABLE = re.compile(r"\breasoning_effort\b")
 
 
 def active(setting: str) -> str | None:
     """The parser a server setting names (server.reasoning_parser), None for "none"."""
     return None if setting == "none" else setting
+
+
+def effort_kwargs(tokenizer: Any, effort: str | None, param: str) -> dict:
+    """The chat template variable a request's reasoning effort sets: `reasoning_effort`, for a model whose
+    template reads it (GPT-OSS's do, as vLLM passes it). With any other template the effort would change nothing,
+    so it is a 400 naming `param` rather than silently ignored."""
+    if effort is None:
+        return {}
+    if effort not in EFFORTS:
+        raise APIError(400, f"{param} must be one of {', '.join(EFFORTS)}", param)
+    templates = getattr(tokenizer, "chat_template", None)
+    sources = templates.values() if isinstance(templates, dict) else [templates or ""]
+    if not any(_EFFORT_VARIABLE.search(src) for src in sources):
+        raise APIError(400, f"'{param}' needs a model whose chat template reads reasoning_effort (this model's "
+                            "does not, so the effort would change nothing)", param, "unsupported_parameter")
+    return {"reasoning_effort": effort}
 
 
 def split(parser: str, text: str) -> tuple[str | None, str | None]:

@@ -20,7 +20,7 @@ from servelm.server.common import Api, record
 from servelm.server.openai import protocol as p
 from servelm.server.openai import responses_protocol as r
 from servelm.server.openai.protocol import APIError
-from servelm.server.openai.reasoning import ReasoningStream, split
+from servelm.server.openai.reasoning import ReasoningStream, effort_kwargs, split
 from servelm.server.openai.response_store import Stored, store_for
 from servelm.server.openai.tools import delta_events, reply_readers, template_tools
 
@@ -145,7 +145,9 @@ def add_routes(app: FastAPI, api: Api) -> None:
         api.hold_place(m, request)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         conv = system + history + new
-        ids = await api.chat_ids(m, [_ROLES[x["role"]](**x) for x in conv], tools=template_tools(tool_fields))
+        effort = effort_kwargs(m.tokenizer, body.reasoning.effort if body.reasoning else None, "reasoning.effort")
+        ids = await api.chat_ids(m, [_ROLES[x["role"]](**x) for x in conv], tools=template_tools(tool_fields),
+                                 **effort)
         params = api.params(m, body, len(ids))
         # the reply's reasoning becomes a reasoning item, its calls function_call items
         tools, thinking = reply_readers(api.state.config.server.api_config, m, tool_fields, params, ids)

@@ -110,6 +110,17 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(BaseModel):
+    """The reasoning settings: effort is the chat template's reasoning_effort (for a model whose template reads
+    it); the reasoning itself comes back whole as a reasoning item's text, so the only summary is auto's (none)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto"] | None = None
+    generate_summary: Literal["auto"] | None = None  # summary's older name
+
+
 class ResponsesRequest(_Body):
     model: str | None = None
     input: Text | Annotated[list[InputItem], Field(min_length=1)]
@@ -122,6 +133,7 @@ class ResponsesRequest(_Body):
     store: bool = True
     text: TextConfig | None = None
     truncation: Literal["disabled"] | None = None
+    reasoning: ReasoningConfig | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
@@ -210,7 +222,9 @@ def response_object(rid: str, created: int, model: str, body: ResponsesRequest, 
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": model,
             "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "store": body.store,
+            "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
+                          "summary": (body.reasoning.summary or body.reasoning.generate_summary) if body.reasoning
+                          else None}, "store": body.store,
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
                      if body.text is not None and body.text.format is not None else {"type": "text"}},
