@@ -16,7 +16,12 @@ VLLM_TRANSLATED = {
                                  "num_speculative_tokens, ngram_lookup_max and ngram_lookup_min",
     "--kv-cache-memory-bytes N": "kv_cache_memory_gb, N / 2^30 (N as vLLM writes it: 8G or 8589934592)",
     "--num-gpu-blocks-override N": "num_kv_blocks",
+    "--task TASK": "runner, as vLLM's older flag meant it: generate, embed (embedding), classify and score are "
+                   "the generate and pooling runners; auto reads the model",
 }
+# --task's values -> the runner they ask for (reward, transcription and draft models are not served)
+_TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling",
+                 "classify": "pooling", "score": "pooling"}
 
 # flag -> (the values that name the one way servelm does it, that way): accepted with one of those values (the
 # start says it is not needed), refused with any other, so that a pasted command line never means something else
@@ -28,7 +33,15 @@ VLLM_ONE_WAY = {
                          "file's), as transformers' AutoTokenizer loads it"),
     "--chat-template-content-format": (("auto", "string"), "servelm gives the chat template a message's text parts "
                                        "as one string"),
+    "--pipeline-parallel-size": (("1",), "servelm splits a model over devices by tensor parallelism "
+                                 "(--tensor-parallel-size), not into pipeline stages"),
+    "--data-parallel-size": (("1",), "one servelm server runs one engine; more replicas are a deployment's workers "
+                             "(servelm models deploy), Ray Serve replicas or Kubernetes pods"),
+    "--distributed-executor-backend": (("mp", "uni"), "servelm runs tensor-parallel ranks as processes of one host "
+                                       "(one process with --tensor-parallel-size 1)"),
 }
+# the short forms vLLM gives some of them
+VLLM_ONE_WAY_SHORT = {"--pipeline-parallel-size": "-pp", "--data-parallel-size": "-dp"}
 
 
 def one_way(dest: str, value: str) -> str:
@@ -106,6 +119,10 @@ def translate(flags: dict[str, str], given: dict) -> dict:
             settings = kv_cache_bytes_settings(value)
         elif dest == "num_gpu_blocks_override":
             settings = {"num_kv_blocks": value}
+        elif dest == "task":
+            if value not in _TASK_RUNNERS:
+                raise ConfigError("task", value, f"one of {', '.join(_TASK_RUNNERS)} (vLLM's tasks servelm serves)")
+            settings = {"runner": _TASK_RUNNERS[value]}
         else:
             raise KeyError(dest)
         out.update(settings)

@@ -66,10 +66,13 @@ def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
                    "--kv-cache-memory-gb")
     g.add_argument("--num-gpu-blocks-override", dest="vllm_num_gpu_blocks_override", metavar="N", type=int,
                    default=argparse.SUPPRESS, help="vLLM's KV cache size in blocks: sets --num-kv-blocks")
-    from servelm.config.vllm_flags import VLLM_ONE_WAY
+    g.add_argument("--task", dest="vllm_task", metavar="TASK", default=argparse.SUPPRESS,
+                   help="vLLM's older form of --runner: generate, or embed, classify and score (the pooling "
+                   "runner), or auto")
+    from servelm.config.vllm_flags import VLLM_ONE_WAY, VLLM_ONE_WAY_SHORT
 
     for flag, (allowed, what) in VLLM_ONE_WAY.items():
-        g.add_argument(flag, dest="vllm_one_way_" + flag[2:].replace("-", "_"), metavar="|".join(allowed),
+        g.add_argument(flag, *filter(None, [VLLM_ONE_WAY_SHORT.get(flag)]), dest="vllm_one_way_" + flag[2:].replace("-", "_"), metavar="|".join(allowed),
                        default=argparse.SUPPRESS, help=f"not needed with {' or '.join(allowed)}, refused with "
                        f"vLLM's other values: {what}")
 

@@ -112,19 +112,38 @@ def test_unused_vllm_settings_are_logged_at_start(tmp_path, caplog):
 
 @pytest.mark.parametrize(("flag", "value"), [
     ("--load-format", "dummy"), ("--load-format", "mistral"), ("--tokenizer-mode", "mistral"),
-    ("--tokenizer-mode", "slow"), ("--config-format", "mistral"), ("--chat-template-content-format", "openai")])
+    ("--tokenizer-mode", "slow"), ("--config-format", "mistral"), ("--chat-template-content-format", "openai"),
+    ("--pipeline-parallel-size", "2"), ("-pp", "4"), ("--data-parallel-size", "2"), ("-dp", "8"),
+    ("--distributed-executor-backend", "ray"), ("--distributed-executor-backend", "external_launcher")])
 def test_vllm_flags_with_one_servelm_way_refuse_the_others(flag, value):
-    """--load-format, --config-format, --tokenizer-mode and --chat-template-content-format: vLLM's values for
-    what servelm does are accepted (above, in a pasted command line); another value would change what the
-    command means, so it stops the start naming the values servelm takes."""
-    dest = flag[2:].replace("-", "_")
+    """--load-format, --config-format, --tokenizer-mode, --chat-template-content-format and the parallelism
+    flags: vLLM's values for what servelm does are accepted (above, in a pasted command line); another value
+    would change what the command means, so it stops the start naming the values servelm takes."""
+    from servelm.config.vllm_flags import VLLM_ONE_WAY, VLLM_ONE_WAY_SHORT
+
+    long = {v: k for k, v in VLLM_ONE_WAY_SHORT.items()}.get(flag, flag)
+    dest = long[2:].replace("-", "_")
     with pytest.raises(ConfigError, match=dest) as e:
         _config(flag, value)
-    assert "auto" in str(e.value) and value in str(e.value)
-    from servelm.config.vllm_flags import VLLM_ONE_WAY
-
-    for ok in VLLM_ONE_WAY[flag][0]:
+    assert all(ok in str(e.value) for ok in VLLM_ONE_WAY[long][0]) and value in str(e.value)
+    for ok in VLLM_ONE_WAY[long][0]:
         _config(flag, ok)
+
+
+@pytest.mark.parametrize(("task", "runner"), [("generate", "generate"), ("embed", "pooling"),
+                                              ("embedding", "pooling"), ("classify", "pooling"),
+                                              ("score", "pooling"), ("auto", "auto")])
+def test_vllms_task_flag_names_the_runner(task, runner):
+    assert _config("--task", task).engine.model_config.runner == runner
+
+
+def test_task_refuses_what_servelm_does_not_serve_and_a_second_runner():
+    for task in ("reward", "transcription", "draft"):
+        with pytest.raises(ConfigError, match="task") as e:
+            _config("--task", task)
+        assert "generate" in str(e.value)
+    with pytest.raises(ConfigError, match="runner must be given once"):
+        _config("--task", "embed", "--runner", "generate")
 
 
 # -- --speculative-config, --kv-cache-memory-bytes, --num-gpu-blocks-override, -tp -----------------------------
@@ -396,7 +415,8 @@ def test_a_pasted_vllm_serve_command_line_runs(llama_dir, tmp_path, tokenizer):
                              "--default-chat-template-kwargs", '{"mark": "!"}',
                              "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
                              "--load-format", "safetensors", "--tokenizer-mode", "auto", "--config-format", "hf",
-                             "--chat-template-content-format", "string")
+                             "--chat-template-content-format", "string", "-pp", "1", "--data-parallel-size", "1",
+                             "--distributed-executor-backend", "mp", "--task", "generate")
     try:
         cards = httpx.get(url + "/v1/models").json()["data"]
         assert [c["id"] for c in cards] == ["tiny", "tiny-chat"] and cards[0]["max_model_len"] == 500
@@ -424,5 +444,6 @@ def test_a_pasted_vllm_serve_command_line_runs(llama_dir, tmp_path, tokenizer):
     assert "--enable-auto-tool-choice is not needed" in log and "--disable-log-stats is not needed" in log
     assert "--disable-uvicorn-access-log is not needed" in log
     assert "--load-format safetensors is not needed" in log and "--tokenizer-mode auto is not needed" in log
+    assert "--pipeline-parallel-size 1 is not needed" in log and "--data-parallel-size 1 is not needed" in log
     assert "Application startup complete" in log  # --uvicorn-log-level info: uvicorn's own lines
     assert '"event": "request"' not in log and '"event":"request"' not in log  # --disable-log-requests
