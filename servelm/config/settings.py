@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import sys
 import types
 import typing
@@ -56,6 +57,9 @@ _CHAT_TEMPLATE_ARGUMENTS = frozenset({"conversation", "add_generation_prompt", "
                                       "tools", "documents", "chat_template", "return_dict"})
 
 
+_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")  # package.module.Name
+
+
 def _json_object(text: str) -> dict | None:
     """The JSON object `text` holds, or None when it holds something else."""
     try:
@@ -71,6 +75,10 @@ class ApiConfig:
 
     host: str = _f("127.0.0.1", "address to listen on")
     port: int = _f(8000, "port to listen on")
+    uds: str | None = _f(None, "listen on this Unix domain socket (a file path) instead of --host and --port, as "
+                         "vLLM's --uds: for a proxy or sidecar on the same machine. The socket file is open to "
+                         "every local user (mode 0666, as uvicorn makes it; API keys still apply) and removed at "
+                         "exit; a stale one left by a server that died is replaced")
     grpc_port: int | None = _f(None, "also serve gRPC on this port (servelm.v1.Llm, the Open Inference Protocol, "
                                "health checking and reflection; needs the grpc extra); None: no gRPC")
     served_model_name: tuple[str, ...] | None = _f(None, "the model id clients use, or several (as vLLM's: "
@@ -131,6 +139,11 @@ class ApiConfig:
     response_role: str = _f("assistant", "the role chat completions give their reply when the request sets "
                             "add_generation_prompt (the default), as vLLM's --response-role; without it the reply "
                             "continues the last message and takes its role")
+    middleware: tuple[str, ...] = _f((), "ASGI middleware for the HTTP app, each an import path "
+                                     "(package.module.Name), as vLLM's --middleware: a class is added with "
+                                     "app.add_middleware, an async function (request, call_next) as an HTTP "
+                                     "middleware; the first given is the outermost. They run inside the "
+                                     "server's gateway, so after its API key checks and rate limits")
     root_path: str = _f("", "the path prefix a reverse proxy serves this server under and strips before "
                         "forwarding, as vLLM's --root-path (e.g. /llm): the web page, /docs and the OpenAPI "
                         "document link through it; routes stay where they are")
@@ -139,7 +152,7 @@ class ApiConfig:
         def need(ok: bool, name: str, allowed: str) -> None:
             require(self, ok, name, allowed)
 
-        for name in ("served_model_name", "allowed_origins", "allowed_methods", "allowed_headers"):
+        for name in ("served_model_name", "allowed_origins", "allowed_methods", "allowed_headers", "middleware"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, strings(name, value))
@@ -163,6 +176,10 @@ class ApiConfig:
         need(not self.root_path or (self.root_path.startswith("/") and "//" not in self.root_path and not any(
             c.isspace() or c in "?#\"'<>" for c in self.root_path)), "root_path",
              "a path such as /llm (a leading /, no spaces, quotes, ? or #)")
+        need(all(_IMPORT_PATH.match(m) for m in self.middleware), "middleware",
+             "import paths such as my_package.middleware.AddHeader")
+        need(self.uds is None or (bool(self.uds) and "\0" not in self.uds and len(self.uds.encode()) < 108),
+             "uds", "a socket file path under 108 bytes")
         need(0 <= self.port <= 65535, "port", "in [0, 65535]")
         need(self.grpc_port is None or 0 < self.grpc_port <= 65535, "grpc_port", "in [1, 65535] or None")
         need(self.header_timeout_s >= 0, "header_timeout_s", ">= 0")

@@ -105,4 +105,7 @@ def build_app(state: ServerState):
         from servelm.server.admin.spec import add_spec_routes
 
         add_spec_routes(app, state)
+    from servelm.server.middleware import user
+
+    user.install(app, state.config.server.api_config.middleware)
     return Gateway(app, state)

@@ -9,8 +9,10 @@ import errno
 import functools
 import gc
 import logging
+import os
 import signal
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -188,6 +190,30 @@ def wire_metrics(engine, metrics) -> None:
         metrics.on_ready(engine.stats, False)
 
 
+def bind_unix_socket(path: str) -> socket.socket:
+    """bind_socket's form for a Unix domain socket (--uds), open to every local user as uvicorn makes it. A
+    socket file that no server answers on (left by one that died) is replaced; one a server answers on is
+    EADDRINUSE. Raises OSError."""
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise OSError(errno.EEXIST, "the path is a file that is not a socket")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(path)
+            except ConnectionRefusedError:
+                os.remove(path)  # stale
+            else:
+                raise OSError(errno.EADDRINUSE, "the address is already in use")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, 0o666)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind the listening address now, before the model loads: a port in use fails at once, and nothing can
     take the port while the model loads. Not yet listening, so clients are refused until the server is ready
@@ -253,9 +279,11 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
 
         state.reconciler = await start_reconciler(state)
     app = build_app(state)
-    logger.info("ready in %.1fs: serving %s on %s://%s:%d (API keys: %s)", time.perf_counter() - t0,
+    api = srv.api_config
+    where = f"{api.scheme}+unix://{api.uds}" if api.uds else f"{api.scheme}://{api.host}:{sock.getsockname()[1]}"
+    logger.info("ready in %.1fs: serving %s on %s (API keys: %s)", time.perf_counter() - t0,
                 ", ".join(state.models.names() or [f"{n} (embeddings)" for n in state.models.names(Kind.EMBED)]),
-                srv.api_config.scheme, srv.api_config.host, sock.getsockname()[1], f"{len(state.keys.keys)}" if state.keys.enabled else "off")
+                where, f"{len(state.keys.keys)}" if state.keys.enabled else "off")
     # the app, tokenizers and libraries live as long as the process: freeze them out of the collector's full
     # passes, which otherwise walk them all between two streamed tokens
     gc.collect()
@@ -481,12 +509,22 @@ def cmd_serve(args, engine_factory=None) -> int:
     for launch in fixed_models(config):  # one line and exit 2 before anything loads
         fetch_models(launch.engine)  # a Hub model not yet in the Hugging Face cache: downloaded now
         check_model(*engine_model(launch.engine.model_config))  # as its engine will load it
+    from servelm.server.middleware import user
+
     try:
-        sock = bind_socket(srv.api_config.host, srv.api_config.port)
+        for path in srv.api_config.middleware:  # before anything loads: one that cannot be used stops the start
+            user.resolve(path)
+    except ValueError as e:
+        print(f"servelm: error: {e}", file=sys.stderr)
+        return 2
+    api = srv.api_config
+    try:
+        sock = bind_unix_socket(api.uds) if api.uds else bind_socket(api.host, api.port)
     except OSError as e:
         reason = "the address is already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
-        print(f"servelm: error: cannot listen on {srv.api_config.host}:{srv.api_config.port}: {reason} (is another server running "
-              "there? choose another with --port)", file=sys.stderr)
+        where, other = (api.uds, "--uds") if api.uds else (f"{api.host}:{api.port}", "--port")
+        print(f"servelm: error: cannot listen on {where}: {reason} (is another server running there? choose "
+              f"another with {other})", file=sys.stderr)
         return 2
     from servelm.worker.client import EngineStartError
 
@@ -496,3 +534,7 @@ def cmd_serve(args, engine_factory=None) -> int:
         except EngineStartError as e:
             print(f"servelm: error: the engine could not start: {e}", file=sys.stderr)
             return 2 if e.input_error else 1
+        finally:
+            if api.uds:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(api.uds)

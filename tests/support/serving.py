@@ -81,21 +81,31 @@ def stats(url: str, headers: dict | None = None) -> dict:
     return httpx.get(url + "/server/stats", headers=headers).json()
 
 
-def start_server(model_dir, *extra: str, env: dict | None = None, tls: dict | None = None):
-    """`tls`: the server speaks HTTPS; httpx's `verify` (and `cert`) to reach it with."""
+def _ready_on(uds: str) -> bool:
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=uds), timeout=2) as client:
+            return client.get("http://localhost/ready").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def start_server(model_dir, *extra: str, env: dict | None = None, tls: dict | None = None, uds: str | None = None):
+    """`tls`: the server speaks HTTPS; httpx's `verify` (and `cert`) to reach it with. `uds`: it listens on that
+    Unix domain socket (the URL returned is then http://localhost, for a client with httpx's uds transport)."""
     port = _free_port()
     # model_dir None: no MODEL argument (the config file's models: list is what is served)
     head = [] if model_dir is None else [str(model_dir), "--served-model-name", "tiny"]
-    cmd = [sys.executable, "-m", "servelm.entrypoints.cli", "serve", *head, "--port", str(port),
-           "--dtype", "float32", *extra]
+    where = ["--uds", uds] if uds else ["--port", str(port)]
+    cmd = [sys.executable, "-m", "servelm.entrypoints.cli", "serve", *head, *where, "--dtype", "float32", *extra]
     fd, log_path = tempfile.mkstemp(prefix="servelm-test-", suffix=".log")
     with os.fdopen(fd, "w") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True,
                                 env={**os.environ, **(env or {})})
     proc.log_path = log_path
-    url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+    url = "http://localhost" if uds else f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+    ready = (lambda: _ready_on(uds)) if uds else (lambda: _ready(url, **(tls or {})))
     try:
-        _wait(lambda: proc.poll() is not None or _ready(url, **(tls or {})), 300, "the server to become ready")
+        _wait(lambda: proc.poll() is not None or ready(), 300, "the server to become ready")
     except AssertionError:
         proc.kill()
         raise
