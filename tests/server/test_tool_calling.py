@@ -26,6 +26,14 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
+SEARCH = {"type": "object", "properties": {
+    "q": {"type": "string"}, "limit": {"type": "integer"}, "exact": {"type": "boolean"}, "filters": {"type": "object"},
+    "tags": {"type": "array"}, "score": {"type": ["number", "null"]}, "note": {"description": "no type"}}}
+PARSE_SCHEMAS = {**SCHEMAS, "search": SEARCH}
+QC_SEARCH = ("<tool_call>\n<function=search>\n<parameter=q>\n12 Main St\nflat 3\n</parameter>\n<parameter=limit>\n5\n"
+             "</parameter>\n<parameter=exact>\nTrue\n</parameter>\n<parameter=filters>\n{\"a\": [1, null]}\n</parameter>\n"
+             "<parameter=tags>\n['x', 'y']\n</parameter>\n<parameter=score>\n0.5\n</parameter>\n<parameter=note>\n7\n"
+             "</parameter>\n</function>\n</tool_call>")
 HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
 
 # A Hermes-style template of our own: it shows the model the tools, earlier calls and their results. Thinking is
@@ -56,14 +64,39 @@ Tools: {% for t in tools %}{{ t.function | tojson }}{% endfor %}<|im_end|>
     ("llama3_json", '{"not": "a call"}', None, []),
     ("mistral", 'ok[TOOL_CALLS][{"name": "f", "arguments": {"x": [1, 2]}}]', "ok", [("f", {"x": [1, 2]})]),
     ("mistral", "[TOOL_CALLS][{", None, []),
+    # qwen3_coder: raw values typed by the tool's schema; text where the schema says string or is silent
+    ("qwen3_coder", "Let me look.\n" + QC_SEARCH, "Let me look.", [("search", {
+        "q": "12 Main St\nflat 3", "limit": 5, "exact": True, "filters": {"a": [1, None]}, "tags": ["x", "y"],
+        "score": 0.5, "note": "7"})]),
+    ("qwen3_coder", "<tool_call>\n<function=get_time>\n<parameter=zone>\n-3\n</parameter>\n</function>\n</tool_call>"
+     "\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\nC\n", None,
+     [("get_time", {"zone": -3}), ("get_weather", {"city": "Paris", "unit": "C"})]),  # the last unclosed at EOS
+    ("qwen3_coder", "<tool_call>\n<function=search>\n<parameter=limit>\nmany\n</parameter>\n</function>\n"
+     "</tool_call>", None, [("search", {"limit": "many"})]),  # not an integer: kept as written
+    ("qwen3_coder", "<tool_call>\n<parameter=zone>\n1\n</parameter>\n</tool_call>", None, []),  # no function
+    # pythonic: a list of calls whose arguments are literals, read as a syntax tree
+    ("pythonic", '[get_weather(city="Paris", unit="C"), get_time(zone=-3)]', None,
+     [("get_weather", {"city": "Paris", "unit": "C"}), ("get_time", {"zone": -3})]),
+    ("pythonic", '<|python_start|>[search(q="a;b", filters={"k": [1, 2.5, None]}, exact=true)]<|python_end|>', None,
+     [("search", {"q": "a;b", "filters": {"k": [1, 2.5, None]}, "exact": True})]),
+    ("pythonic", "Sure: [get_time(zone=1)]", None, []),  # not the whole reply
+    ("pythonic", '[get_time(zone=1), __import__("os").system("ls")]', None, []),  # no literal call
+    ("pythonic", "[get_time(zone=f(1))]", None, []),
+    ("pythonic", "[get_time(zone=1)", None, []),
+    ("pythonic", "[1, 2] are numbers", None, []),
+    # phi4_mini_json: functools and a JSON array
+    ("phi4_mini_json", 'I will check. functools[{"name": "get_time", "arguments": {"zone": 2}}]', "I will check.",
+     [("get_time", {"zone": 2})]),
+    ("phi4_mini_json", "import functools, then functools.partial", None, []),
+    ("phi4_mini_json", 'functools[{"name": "get_time", "arguments": {"zone": ', None, []),
 ])
 def test_parsers_whole_and_streamed_at_every_split(parser, text, content, calls):
-    got_content, got = parse(parser, text)
+    got_content, got = parse(parser, text, PARSE_SCHEMAS)
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
     assert got_content == (content if calls else text)
     for cut in range(len(text) + 1):  # every two-piece split, and one character at a time
         for pieces in ([text[:cut], text[cut:]], list(text)) if cut == 0 else ([text[:cut], text[cut:]],):
-            s = ToolStream(parser)
+            s = ToolStream(parser, PARSE_SCHEMAS)
             sent, streamed = "", []
             for piece in pieces:
                 out, new = s.feed(piece)
@@ -82,6 +115,9 @@ def test_parser_chosen_by_flag_else_by_template():
 
     assert choose_parser("auto", "{{ '[TOOL_CALLS]' }}") == "mistral"
     assert choose_parser("auto", "<|start_header_id|>ipython<|end_header_id|>") == "llama3_json"
+    assert choose_parser("auto", "<function=example_function_name>\n<parameter=example_parameter_1>") == \
+        "qwen3_coder"
+    assert choose_parser("auto", "[func_name1(params_name1=params_value1)]") == "pythonic"
     assert choose_parser("auto", TEMPLATE) == choose_parser("auto", None) == "hermes"
     assert choose_parser("mistral", TEMPLATE) == "mistral"
 

@@ -30,7 +30,7 @@ from servelm.server.openai.embeddings import _embed, _embedder
 from servelm.server.openai.logprobs import chat_logprobs
 from servelm.server.openai.protocol import APIError
 from servelm.server.openai.reasoning import ReasoningStream, defer_grammar, split
-from servelm.server.openai.tool_parsers import ToolCall, ToolStream, parse
+from servelm.server.openai.tool_parsers import ToolCall, ToolStream, parse, tool_schemas
 from servelm.server.openai.tools import choose_parser
 from servelm.version import __version__
 
@@ -112,9 +112,10 @@ class _ToolReply(_Reply):
     """Chat with tools on offer: calls in the reply (in the format `parser` reads) become message.tool_calls,
     streamed as soon as each is complete; a reply cut short by num_predict stays text."""
 
-    def __init__(self, parser: str, thinking: str | None = None) -> None:
+    def __init__(self, parser: str, tools: list[dict], thinking: str | None = None) -> None:
         super().__init__(chat=True, thinking=thinking)
-        self.parser, self.stream = parser, ToolStream(parser)
+        self.schemas = tool_schemas(tools)
+        self.parser, self.stream = parser, ToolStream(parser, self.schemas)
 
     def _content_chunks(self, text: str, finish: str | None) -> list[dict]:
         out = []
@@ -133,7 +134,7 @@ class _ToolReply(_Reply):
     def _whole(self, text: str, finish: str | None, thought: str | None) -> dict:
         if finish == "length":
             return self.payload(text, thought=thought)
-        content, calls = parse(self.parser, text)
+        content, calls = parse(self.parser, text, self.schemas)
         return self.payload(content or "" if calls else text, calls, thought)
 
 
@@ -315,7 +316,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         tools = body.template_tools()
         ids = await api.chat_ids(m, msgs, tools=tools, **body.template_kwargs(m.tokenizer))
         reply = _ToolReply(choose_parser(parsers.tool_call_parser, getattr(m.tokenizer, "chat_template", None)),
-                           thinking) if tools else _Reply(chat=True, thinking=thinking)
+                           tools, thinking) if tools else _Reply(chat=True, thinking=thinking)
         return await _run(api, m, request, body, ids, None, reply, lambda _: {})
 
     @app.post("/api/embed", include_in_schema=False)

@@ -15,6 +15,7 @@ from servelm.server.openai.tool_parsers import (
     parse,
     parse_forced,
     parser_for_template,
+    tool_schemas,
 )
 
 
@@ -77,6 +78,7 @@ class ToolReply:
         self.mode, self.parser = req.tool_mode, parser
         self.named = req.tool_choice.function.name if self.mode == "named" else None
         self.single = req.parallel_tool_calls is False
+        self.schemas = tool_schemas(template_tools(req))  # qwen3_coder types its raw values by them
 
     @property
     def active(self) -> bool:
@@ -91,7 +93,7 @@ class ToolReply:
         if not self.active or finish == "length":  # cut short: whatever it holds is returned as text
             return plain, finish
         if self.mode == "auto":
-            content, calls = parse(self.parser, text)
+            content, calls = parse(self.parser, text, self.schemas)
         else:
             content, calls = None, parse_forced(text, self.named) or []
         if not calls:
@@ -123,7 +125,7 @@ class ChoiceStream:
 
     def __init__(self, reply: ToolReply) -> None:
         self.reply = reply
-        self.auto = ToolStream(reply.parser) if reply.mode == "auto" else None
+        self.auto = ToolStream(reply.parser, reply.schemas) if reply.mode == "auto" else None
         self.held = ""  # required / named: the whole reply is one JSON value, parsed at the end
         self.sent_calls = 0
 
