@@ -43,7 +43,7 @@ PRIORITIES = choices(Priority)  # index = the engine's Priority value
 WebUi = typing.Literal["chat", "none"]
 PrefixCacheIsolation = typing.Literal["key", "none"]
 ToolCallParser = typing.Literal["auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic", "phi4_mini_json"]
-ReasoningParser = typing.Literal["none", "deepseek_r1", "qwen3"]
+ReasoningParser = typing.Literal["none", "deepseek_r1", "qwen3", "mistral"]
 MetricNames = typing.Literal["servelm", "vllm"]
 UvicornLogLevel = typing.Literal["critical", "error", "warning", "info", "debug", "trace"]
 SECRETS = frozenset({"api_key", "admin_key"})  # never printed, logged or returned
@@ -126,9 +126,10 @@ class ApiConfig:
     tool_call_parser: ToolCallParser = _f("auto", "auto | hermes | llama3_json | mistral | qwen3_coder | pythonic | "
                                           "phi4_mini_json: how tool calls are read from a chat reply (auto: the "
                                           "format the model's chat template uses, else hermes)")
-    reasoning_parser: ReasoningParser = _f("none", "none | deepseek_r1 | qwen3: split a thinking model's chat reply "
-                                           "into its reasoning (<think>...</think>, returned as message.reasoning "
-                                           "and Ollama's thinking) and its content (none: all content)")
+    reasoning_parser: ReasoningParser = _f("none", "none | deepseek_r1 | qwen3 | mistral: split a thinking model's "
+                                           "chat reply into its reasoning (<think>...</think>, Magistral's "
+                                           "[THINK]...[/THINK]; returned as message.reasoning and Ollama's "
+                                           "thinking) and its content (none: all content)")
     default_chat_template_kwargs: str | None = _f(None, "a JSON object of keyword arguments every chat template "
                                                   "rendering gets, e.g. '{\"enable_thinking\": false}' for Qwen3 "
                                                   "(as vLLM's); a request's chat_template_kwargs win over them")

@@ -21,6 +21,11 @@ from servelm.server.openai.reasoning import ReasoningStream, split
     ("deepseek_r1", "<think>plan</think>ans", "plan", "ans"),
     ("deepseek_r1", "all reasoning, cut short", "all reasoning, cut short", None),
     ("deepseek_r1", "x</think>", "x", None),
+    ("mistral", "[THINK]plan it[/THINK]\nThe answer.", "plan it", "The answer."),  # Magistral's control tokens
+    ("mistral", "no thinking here", None, "no thinking here"),
+    ("mistral", "[THINK]cut short", "cut short", None),
+    ("mistral", "<think>not its tags</think>", None, "<think>not its tags</think>"),
+    ("mistral", "[THI", None, "[THI"),
 ])
 def test_whole_and_streamed_at_every_split(parser, text, reasoning, content):
     assert split(parser, text) == (reasoning, content)
@@ -46,3 +51,56 @@ def test_a_piece_is_sent_as_soon_as_it_cannot_be_a_tag():
 def test_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="qwen3"):
         ReasoningStream("granite")
+
+
+def test_params_keep_special_tokens_where_the_tags_are_special(tokenizer_dir):
+    """Mistral's tokenizers hold [THINK] as a control token, which decoding would drop: under the mistral parser
+    the reply keeps its special tokens, and a grammar waits for [/THINK] as the tokenizer encodes it. Qwen3's
+    <think> is plain text: nothing changes."""
+    from transformers import AutoTokenizer
+
+    from servelm.sampling_params import SamplingParams, StructuredOutputsParams
+    from servelm.server.openai.reasoning import fit_params
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["[THINK]", "[/THINK]"]})
+    prompt = tok.encode("Say yes.", add_special_tokens=False)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes"]))
+    fit_params("mistral", params, tok, prompt)
+    assert params.skip_special_tokens is False
+    assert params._grammar_after == tok.encode("[/THINK]", add_special_tokens=False) and len(
+        params._grammar_after) == 1  # one control token
+    closed = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes"]))
+    fit_params("mistral", closed, tok, prompt + tok.encode("[THINK]x[/THINK]", add_special_tokens=False))
+    assert not closed._grammar_after  # the prompt closed the reasoning: the grammar applies from the first token
+    plain = SamplingParams()
+    fit_params("qwen3", plain, AutoTokenizer.from_pretrained(tokenizer_dir), prompt)
+    assert plain.skip_special_tokens is True
+
+
+def test_the_mistral_parser_through_the_api(tokenizer):
+    """A server with --reasoning-parser mistral returns Magistral's [THINK] part as the reasoning on chat
+    completions (whole and streamed) and as Ollama's thinking. In-process, with a stub engine's reply."""
+    import json
+
+    from starlette.testclient import TestClient
+    from test_tool_call_formats import Replies
+
+    from servelm.config.settings import load
+    from servelm.server.api import build_app
+    from servelm.server.serve import build_state
+
+    engine = Replies()
+    engine.text = "[THINK]The user greets me.[/THINK]Hello!"
+    config = load({"embedding_model": "none", "log_requests": False, "reasoning_parser": "mistral"}, env={})
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(build_app(build_state(config, tokenizer, engine, "tiny"))) as client:
+        message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert (message["reasoning"], message["content"]) == ("The user greets me.", "Hello!")
+        stream = client.post("/v1/chat/completions", json={**body, "stream": True}).text
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in stream.splitlines()
+                  if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+        assert "".join(d.get("reasoning") or "" for d in deltas) == "The user greets me."
+        assert "".join(d.get("content") or "" for d in deltas) == "Hello!"
+        ollama = client.post("/api/chat", json={**body, "stream": False}).json()["message"]
+        assert (ollama["thinking"], ollama["content"]) == ("The user greets me.", "Hello!")

@@ -154,7 +154,7 @@ class _Request(BaseModel):
         if self.think not in (None, True, False, *THINK_LEVELS):
             raise APIError(400, f"think must be true, false or a level ({', '.join(THINK_LEVELS)})", "think")
         if self.think not in (None, False) and parser == "none":
-            raise APIError(400, "'think' needs a server started with --reasoning-parser (deepseek_r1 or qwen3)",
+            raise APIError(400, "'think' needs a server started with --reasoning-parser (deepseek_r1, qwen3 or mistral)",
                            "think", "unsupported_parameter")
         return None if self.think is False else active(parser)
 

@@ -29,7 +29,7 @@ from servelm.server.openai import protocol as p
 from servelm.server.openai.embeddings import _embed, _embedder
 from servelm.server.openai.logprobs import chat_logprobs
 from servelm.server.openai.protocol import APIError
-from servelm.server.openai.reasoning import ReasoningStream, defer_grammar, split
+from servelm.server.openai.reasoning import ReasoningStream, fit_params, split
 from servelm.server.openai.tool_parsers import ToolCall, ToolStream, parse, tool_schemas
 from servelm.server.openai.tools import choose_parser
 from servelm.version import __version__
@@ -149,7 +149,7 @@ async def _run(api: Api, m, request: Request, body, ids: list[int], prompt: str 
         api.check_logprobs(m, "top_logprobs", k)
         params.logprobs = k
     if reply.thinking:
-        defer_grammar(params, m.tokenizer, ids)
+        fit_params(reply.thinking, params, m.tokenizer, ids)
     if isinstance(reply, _ToolReply) and reply.parser == "mistral":
         params.skip_special_tokens = False  # [TOOL_CALLS] is a special token: the parser must see it
     prio = api.admit(m, request, body, [ids], [params])

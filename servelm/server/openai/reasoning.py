@@ -7,6 +7,8 @@ between `<think>` and `</think>`, and its content, the text after. Chat completi
   (cut short) the whole reply is.
 - `qwen3`: the reply reasons only when it opens with `<think>` (Qwen3 with `enable_thinking` off, and any other
   reply, has no reasoning and is all content); a `</think>` ends the reasoning.
+- `mistral` (Magistral): as `qwen3`, with `[THINK]` and `[/THINK]`, which Mistral's tokenizers hold as control
+  tokens: the reply is decoded with its special tokens so that the parser sees them.
 
 The content after `</think>` starts at its first character that is not a line break. A stream is split the
 same way (`ReasoningStream`), whichever way its text is cut into pieces.
@@ -19,8 +21,10 @@ from typing import Any
 
 from servelm.server.openai.protocol import APIError
 
-PARSERS = ("deepseek_r1", "qwen3")
-START, END = "<think>", "</think>"
+# parser -> the tags around the reasoning
+TAGS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>"), "mistral": ("[THINK]", "[/THINK]")}
+PARSERS = tuple(TAGS)
+OPENED_IN_PROMPT = {"deepseek_r1"}  # the template opens the reasoning: the reply starts inside it
 # OpenAI's reasoning_effort values; a chat template that reads the variable (GPT-OSS's) takes them as they are
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _EFFORT_VARIABLE = re.compile(r"\breasoning_effort\b")
@@ -54,16 +58,26 @@ def split(parser: str, text: str) -> tuple[str | None, str | None]:
     return (reasoning if stream.reasoned else None), (content if content or not stream.reasoned else None)
 
 
-def defer_grammar(params: Any, tokenizer: Any, prompt_ids: list[int]) -> None:
+def fit_params(parser: str, params: Any, tokenizer: Any, prompt_ids: list[int]) -> None:
+    """Fit a request's params to the reasoning parser: its tags decoded where the tokenizer holds them as
+    special tokens (Mistral's [THINK]), and its grammar deferred (defer_grammar)."""
+    start, _ = TAGS[parser]
+    if start in (getattr(tokenizer, "all_special_tokens", None) or ()):
+        params.skip_special_tokens = False
+    defer_grammar(parser, params, tokenizer, prompt_ids)
+
+
+def defer_grammar(parser: str, params: Any, tokenizer: Any, prompt_ids: list[int]) -> None:
     """Under a reasoning parser, a request's grammar (structured output, a required tool call) constrains the
-    answer, not the reasoning before it (vLLM's rule): it waits for the output to end with `</think>` as the
-    tokenizer encodes it, unless the prompt already closed the reasoning (Qwen3's template with
+    answer, not the reasoning before it (vLLM's rule): it waits for the output to end with the closing tag as
+    the tokenizer encodes it, unless the prompt already closed the reasoning (Qwen3's template with
     enable_thinking off ends with an empty `<think></think>`)."""
     if params.structured_outputs is None:
         return
-    if tokenizer.decode(prompt_ids[-16:]).rstrip().endswith(END):
+    _, end = TAGS[parser]
+    if tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False).rstrip().endswith(end):
         return
-    params._grammar_after = list(tokenizer.encode(END, add_special_tokens=False))
+    params._grammar_after = list(tokenizer.encode(end, add_special_tokens=False))
 
 
 def _held(text: str, tag: str) -> int:
@@ -82,6 +96,7 @@ class ReasoningStream:
         if parser not in PARSERS:
             raise ValueError(f"unknown reasoning parser {parser!r} (one of {', '.join(PARSERS)})")
         self.parser = parser
+        self.start, self.end = TAGS[parser]
         # "open": before the reply's first text (has it opened <think>?); "reasoning"; "content"
         self.state = "open"
         self.reasoned = False  # whether the reply has a reasoning part
@@ -101,24 +116,24 @@ class ReasoningStream:
         while True:
             if self.state == "open":
                 text = self.pending.lstrip()
-                if len(text) < len(START) and START.startswith(text):  # nothing yet, or a beginning of <think>
+                if len(text) < len(self.start) and self.start.startswith(text):  # nothing yet, or a tag's start
                     return reasoning, content
-                if text.startswith(START):
-                    self.pending, self.state, self.reasoned = text[len(START):], "reasoning", True
-                elif self.parser == "deepseek_r1":
+                if text.startswith(self.start):
+                    self.pending, self.state, self.reasoned = text[len(self.start):], "reasoning", True
+                elif self.parser in OPENED_IN_PROMPT:
                     self.state, self.reasoned = "reasoning", True
                 else:
                     self.state = "content"
                     self.content_started = True
             elif self.state == "reasoning":
-                at = self.pending.find(END)
+                at = self.pending.find(self.end)
                 if at < 0:
-                    keep = _held(self.pending, END)
+                    keep = _held(self.pending, self.end)
                     reasoning += self.pending[:len(self.pending) - keep]
                     self.pending = self.pending[len(self.pending) - keep:]
                     return reasoning, content
                 reasoning += self.pending[:at]
-                self.pending, self.state = self.pending[at + len(END):], "content"
+                self.pending, self.state = self.pending[at + len(self.end):], "content"
             else:
                 if not self.content_started:
                     self.pending = self.pending.lstrip("\r\n")
@@ -133,10 +148,10 @@ class ReasoningStream:
         """The text held back at the end of the reply."""
         held, self.pending = self.pending, ""
         if self.state == "open":  # the reply was only (a beginning of) <think>, or nothing
-            if held.strip() == START:
+            if held.strip() == self.start:
                 self.reasoned = True
                 return "", ""
-            if self.parser == "deepseek_r1" and held:
+            if self.parser in OPENED_IN_PROMPT and held:
                 self.reasoned = True
                 return held, ""
             return "", held

@@ -7,7 +7,7 @@ import json
 
 from servelm.sampling_params import SamplingParams
 from servelm.server.openai import protocol as p
-from servelm.server.openai.reasoning import active, defer_grammar
+from servelm.server.openai.reasoning import active, fit_params
 from servelm.server.openai.tool_parsers import (
     PARSERS,
     ToolCall,
@@ -59,15 +59,15 @@ def choose_parser(setting: str, chat_template: str | None) -> str:
 def reply_readers(api_config, m, tool_fields: p.ToolFields, params, ids: list[int]) -> tuple[ToolReply, str | None]:
     """How a chat reply is read, on every API that generates one (chat, Responses, Messages): its tool calls (the
     parser --tool-call-parser names, else the template's format) and its reasoning (--reasoning-parser, None when
-    off). `params` are fitted to them: special tokens kept for Mistral's [TOOL_CALLS] marker, a grammar held back
-    until the reasoning ends."""
+    off). `params` are fitted to them: special tokens kept for Mistral's [TOOL_CALLS] marker (and [THINK]), a
+    grammar held back until the reasoning ends."""
     tools = ToolReply(tool_fields, choose_parser(api_config.tool_call_parser,
                                                  getattr(m.tokenizer, "chat_template", None)))
     if tools.active and tools.parser == "mistral":
         params.skip_special_tokens = False  # [TOOL_CALLS] is a special token: the parser must see it
     thinking = active(api_config.reasoning_parser)
     if thinking and isinstance(params, SamplingParams):
-        defer_grammar(params, m.tokenizer, ids)
+        fit_params(thinking, params, m.tokenizer, ids)
     return tools, thinking
 
 
