@@ -13,6 +13,8 @@ set_hf_env()
 # Imported on first use: `import servelm` (and so `servelm serve`, which starts its engine process
 # before anything heavy) must not pay for torch, which LLM and LLMEngine pull in.
 _LAZY = {
+    "AsyncLLM": "servelm.entrypoints.async_llm",
+    "AsyncLLMEngine": "servelm.entrypoints.async_llm",
     "BeamSearchParams": "servelm.beam_search",
     "EngineConfig": "servelm.config.engine",
     "LLMEngine": "servelm.engine.llm_engine",
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from servelm.beam_search import BeamSearchParams
     from servelm.config.engine import EngineConfig
     from servelm.engine.llm_engine import LLMEngine
+    from servelm.entrypoints.async_llm import AsyncLLM, AsyncLLMEngine
     from servelm.entrypoints.llm import LLM
     from servelm.lora import LoRARequest
     from servelm.outputs import (
@@ -53,6 +56,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'servelm' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "BeamSearchParams", "ClassificationRequestOutput", "CompletionOutput", "EmbeddingRequestOutput",
+__all__ = ["LLM", "AsyncLLM", "AsyncLLMEngine", "BeamSearchParams", "ClassificationRequestOutput", "CompletionOutput", "EmbeddingRequestOutput",
            "EngineConfig", "LLMEngine", "Logprob", "LoRARequest", "OutputKind", "PoolingParams", "RequestOutput", "SamplingParams",
            "ScoringRequestOutput", "__version__"]

@@ -260,14 +260,22 @@ class AsyncEngine:
         """Fail in-flight requests (503), forget the dead engine's stats, then start a new one."""
         self._handled = proc
         was_ready = self.ready
-        logger.error("engine process %s exited with code %s; failing %d in-flight requests and restarting",
-                     proc.pid, proc.exitcode, len(self.streams))
+        # the first engine died before it could say why: before importing servelm, as under a script whose engine
+        # start is not inside `if __name__ == "__main__":` (the spawned process re-runs the script); a restart
+        # would die the same way, over and over
+        if not was_ready and self.info is None and self._fatal is None:
+            self._fatal = m.Fatal(f"the engine process exited with code {proc.exitcode} before it was ready (its "
+                                  "log is above; a script that starts an engine must do so under `if __name__ "
+                                  "== \"__main__\":`, since the engine process imports the script's module)")
+        gives_up = not was_ready and self._fatal is not None
+        logger.error("engine process %s exited with code %s; failing %d in-flight requests%s", proc.pid,
+                     proc.exitcode, len(self.streams), "" if gives_up else " and restarting")
         self.ready, self.up_since = False, None
         self.stats = None  # its figures describe a process that is gone
         if self.on_down is not None:
             self.on_down()
         self._fail_all(EngineDeadError("the engine process died; the request was not completed"))
-        if not was_ready and self._fatal:  # it never started: restarting would fail the same way
+        if gives_up:  # it never started: restarting would fail the same way
             self._ready_event.set()
             return
         self.restarts += 1
