@@ -180,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_args(serve)
 
+    from servelm.entrypoints.run_batch import add_args as add_run_batch_args
+
+    add_run_batch_args(sub)  # run-batch: a file of OpenAI Batch API requests
+
     from servelm.entrypoints.hub_cli import add_args as add_hub_args
 
     add_hub_args(sub)  # pull, list, ps, rm

@@ -15,7 +15,9 @@ import socket
 import stat
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger("servelm.server")
 
@@ -230,43 +232,56 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
-    from servelm.control.types import Kind
+@dataclass
+class Stack:
+    """What serving runs on, started: the engines, the embedding process, the state the routes read, the app."""
+
+    state: Any
+    app: Any
+    started: list = field(default_factory=list)  # [(engine, tokenizer, name)]
+    embedder: Any = None
+
+    async def close(self) -> None:
+        state = self.state
+        if self.embedder is not None:
+            self.embedder.close()
+        if state.reconciler is not None:
+            await state.reconciler.close()
+        if state.traffic is not None:
+            await state.traffic.close()
+        if state.control is not None:
+            await state.control.close()
+        await asyncio.gather(*(e.shutdown() for e, _, _ in self.started), return_exceptions=True)
+        if state.telemetry.tracing is not None:
+            state.telemetry.tracing.shutdown()
+
+
+async def open_stack(config, engine_factory=None) -> Stack:
+    """Start every engine of the config and the embedding process, open the control plane, and build the app:
+    what `servelm serve` serves over HTTP and `servelm run-batch` runs a file through. Whatever started is shut
+    down again if something fails."""
+    from servelm.server.api import build_app
     from servelm.server.launch import fixed_models, start_engines
 
-    t0 = time.perf_counter()
     srv = config.server
-    rpc = _bind_grpc(srv.api_config)  # a gRPC port in use fails here, before any model loads
-    if isinstance(rpc, str):
-        print(f"servelm: error: {rpc}", file=sys.stderr)
-        return 2
     launches = fixed_models(config)
     embedder = None
     started: list = []
     try:
         embedder, embed_name = _embedder(config)  # its own process, loading alongside the engines
-
-        from servelm.server.api import build_app
-
         started = await start_engines(launches, srv.lifecycle_config.engine_start_timeout_s, engine_factory)
         if embedder is not None:
             await embedder.wait_ready()
+        # no generation engine where MODEL is a pooling model: the embedder is the server's model
+        (engine, tokenizer, name), more = (started[0], started[1:]) if started else ((None, None, embed_name), [])
+        state = build_state(config, tokenizer, engine, name, embedder, embed_name, more=more)
+        if config.control_plane:
+            state.control = await _open_control_plane(config, state)
     except BaseException:
         if embedder is not None:
             embedder.close()
         await asyncio.gather(*(e.shutdown() for e, _, _ in started), return_exceptions=True)
         raise
-    # no generation engine where MODEL is a pooling model: the embedder is the server's model
-    (engine, tokenizer, name), more = (started[0], started[1:]) if started else ((None, None, embed_name), [])
-    state = build_state(config, tokenizer, engine, name, embedder, embed_name, more=more)
-    if config.control_plane:
-        try:
-            state.control = await _open_control_plane(config, state)
-        except BaseException:
-            if embedder is not None:
-                embedder.close()
-            await asyncio.gather(*(e.shutdown() for e, _, _ in started), return_exceptions=True)
-            raise
     if state.control is not None:
         from servelm.server.traffic import TrafficService
 
@@ -278,7 +293,20 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
         from servelm.server.admin.spec import start_reconciler
 
         state.reconciler = await start_reconciler(state)
-    app = build_app(state)
+    return Stack(state, build_app(state), started, embedder)
+
+
+async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
+    from servelm.control.types import Kind
+
+    t0 = time.perf_counter()
+    srv = config.server
+    rpc = _bind_grpc(srv.api_config)  # a gRPC port in use fails here, before any model loads
+    if isinstance(rpc, str):
+        print(f"servelm: error: {rpc}", file=sys.stderr)
+        return 2
+    stack = await open_stack(config, engine_factory)
+    state, app = stack.state, stack.app
     api = srv.api_config
     where = f"{api.scheme}+unix://{api.uds}" if api.uds else f"{api.scheme}://{api.host}:{sock.getsockname()[1]}"
     logger.info("ready in %.1fs: serving %s on %s (API keys: %s)", time.perf_counter() - t0,
@@ -299,17 +327,7 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
     finally:
         if rpc is not None:
             await rpc.stop(srv.lifecycle_config.drain_timeout)
-        if embedder is not None:
-            embedder.close()
-        if state.reconciler is not None:
-            await state.reconciler.close()
-        if state.traffic is not None:
-            await state.traffic.close()
-        if state.control is not None:
-            await state.control.close()
-        await asyncio.gather(*(e.shutdown() for e, _, _ in started), return_exceptions=True)
-        if state.telemetry.tracing is not None:
-            state.telemetry.tracing.shutdown()
+        await stack.close()
     logger.info("shut down cleanly")
     return 0
 
@@ -460,6 +478,43 @@ def prepare_database(srv) -> str | None:
     return None
 
 
+def check_before_start(config, args) -> str | None:
+    """What stops a start before any model loads, as one line (None: nothing): a database that cannot be used,
+    a spec file that cannot be applied, a model that cannot run, middleware that does not import. On the way it
+    exports the Hub settings, fetches Hub models missing from the cache and says which vLLM flags are not needed."""
+    from servelm.config import env, vllm_flags
+    from servelm.model.loading.hf_overrides import engine_model
+    from servelm.model.loading.hub import fetch_models
+    from servelm.model.loading.metadata import check_model
+    from servelm.server.admin.spec import spec_file_problem
+    from servelm.server.launch import fixed_models, serves_cli_model
+    from servelm.server.middleware import user
+
+    srv, mc = config.server, config.engine.model_config
+    env.export_hub_settings(mc.download_dir, mc.hf_token)  # before anything finds or downloads a Hub model
+    for note in config.engine.unused_vllm_settings():
+        logger.info("%s", note)
+    for flag in getattr(args, "vllm_always_on", None) or ():
+        logger.info("%s is not needed: %s", flag, VLLM_ALWAYS_ON[flag])
+    for k, v in vars(args).items():
+        if k.startswith("vllm_one_way_"):
+            logger.info("%s", vllm_flags.one_way(k.removeprefix("vllm_one_way_"), v))
+    problem = (prepare_database(srv) if config.control_plane else None) or spec_file_problem(config)
+    if problem is not None:
+        return problem
+    if serves_cli_model(config):  # MODEL's files say whether it is a pooling model: a Hub model's are fetched first
+        fetch_models(config.engine)
+    for launch in fixed_models(config):  # check_model: one line and exit 2 before anything loads
+        fetch_models(launch.engine)  # a Hub model not yet in the Hugging Face cache: downloaded now
+        check_model(*engine_model(launch.engine.model_config))  # as its engine will load it
+    try:
+        for path in srv.api_config.middleware:
+            user.resolve(path)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def cmd_serve(args, engine_factory=None) -> int:
     """`servelm serve`; `engine_factory` makes the engines another way (servelm.ray: on a Ray cluster)."""
     import json
@@ -480,42 +535,9 @@ def cmd_serve(args, engine_factory=None) -> int:
     if args.print_config:
         print(json.dumps(config.describe(), indent=2))
         return 0
-    from servelm.config import env
-
-    mc = config.engine.model_config
-    env.export_hub_settings(mc.download_dir, mc.hf_token)  # before anything finds or downloads a Hub model
-    for note in config.engine.unused_vllm_settings():
-        logger.info("%s", note)
-    for flag in getattr(args, "vllm_always_on", None) or ():
-        logger.info("%s is not needed: %s", flag, VLLM_ALWAYS_ON[flag])
-    from servelm.config import vllm_flags
-
-    for k, v in vars(args).items():
-        if k.startswith("vllm_one_way_"):
-            logger.info("%s", vllm_flags.one_way(k.removeprefix("vllm_one_way_"), v))
-    from servelm.model.loading.hf_overrides import engine_model
-    from servelm.model.loading.hub import fetch_models
-    from servelm.model.loading.metadata import check_model
-    from servelm.server.admin.spec import spec_file_problem
-    from servelm.server.launch import fixed_models, serves_cli_model
-
-    # a database that cannot be used, or a spec file that cannot be applied, stops start-up before any model loads
-    problem = (prepare_database(srv) if config.control_plane else None) or spec_file_problem(config)
+    problem = check_before_start(config, args)
     if problem is not None:
         print(f"servelm: error: {problem}", file=sys.stderr)
-        return 2
-    if serves_cli_model(config):  # MODEL's files say whether it is a pooling model: a Hub model's are fetched first
-        fetch_models(config.engine)
-    for launch in fixed_models(config):  # one line and exit 2 before anything loads
-        fetch_models(launch.engine)  # a Hub model not yet in the Hugging Face cache: downloaded now
-        check_model(*engine_model(launch.engine.model_config))  # as its engine will load it
-    from servelm.server.middleware import user
-
-    try:
-        for path in srv.api_config.middleware:  # before anything loads: one that cannot be used stops the start
-            user.resolve(path)
-    except ValueError as e:
-        print(f"servelm: error: {e}", file=sys.stderr)
         return 2
     api = srv.api_config
     try:
