@@ -136,7 +136,7 @@ def test_revisions_branch_tag_and_commit(cache, tiny, monkeypatch):
 
 def test_gguf_files_in_a_repo_by_file_name_quantization_tag_or_default(cache):
     add_snapshot(cache, GGUF_REPO, {"README.md": b"#", **_fake_ggufs(
-        "Tiny-Q4_K_M.gguf", "Tiny-Q8_0.gguf", "mmproj-Tiny-f16.gguf", "Tiny-F16-00001-of-00002.gguf")})
+        "Tiny-Q4_K_M.gguf", "Tiny-Q8_0.gguf", "mmproj-Tiny-f16.gguf")})
     snap = hub.find_cached(hub.parse_ref(GGUF_REPO)).path.parent
 
     def pick(model, gguf_file=None):
@@ -153,10 +153,29 @@ def test_gguf_files_in_a_repo_by_file_name_quantization_tag_or_default(cache):
     with pytest.raises(FileNotFoundError, match="no file 'Tiny-Q2_K.gguf'"):
         resolve_model(f"{GGUF_REPO}:Tiny-Q2_K.gguf")
     (snap / "Tiny-Q4_K_M.gguf").unlink()
-    assert pick(GGUF_REPO)[1] == "Tiny-Q8_0.gguf"  # the only one (projectors and split files do not count)
+    assert pick(GGUF_REPO)[1] == "Tiny-Q8_0.gguf"  # the only one (projectors do not count)
     (snap / "Tiny-Q6_K.gguf").write_bytes(b"GGUF")
     with pytest.raises(FileNotFoundError, match=rf"several .gguf files.*{GGUF_REPO}:FILE.gguf"):
         resolve_model(GGUF_REPO)
+
+
+SPLIT_REPO = "tiny-org/tiny-split-GGUF"
+SPLIT_FILES = ("Q4_K_M/Tiny-Q4_K_M-00001-of-00002.gguf", "Q4_K_M/Tiny-Q4_K_M-00002-of-00002.gguf")
+
+
+def test_split_gguf_models_in_a_repo(cache):
+    """A split model (in a folder of its own, as large quantized models are published, or at the top level)
+    is one choice, named by its first file; a quantization tag matches its files' names or its folder's."""
+    add_snapshot(cache, SPLIT_REPO, {"README.md": b"#", **_fake_ggufs(
+        *SPLIT_FILES, "Tiny-Q8_0.gguf", "Tiny-F16-00001-of-00002.gguf")})
+    snap = hub.find_cached(hub.parse_ref(f"{SPLIT_REPO}:Q8_0")).path.parent
+    assert resolve_model(f"{SPLIT_REPO}:Q4_K_M").path == snap / SPLIT_FILES[0]
+    assert resolve_model(SPLIT_REPO).path == snap / SPLIT_FILES[0]  # Ollama's default, Q4_K_M
+    with pytest.raises(FileNotFoundError, match="lacks Tiny-F16-00002-of-00002.gguf of the split model Tiny-F16"):
+        resolve_model(f"{SPLIT_REPO}:F16")
+    assert hub.gguf_files(SPLIT_FILES[1]) == list(SPLIT_FILES)
+    assert hub.pick_gguf(hub.parse_ref(SPLIT_REPO), [*SPLIT_FILES, "x.gguf"], SPLIT_FILES[1], "") == \
+        SPLIT_FILES[0]  # --gguf-file naming any of its files
 
 
 def test_a_model_not_in_the_cache_says_how_to_get_it(cache, tiny):
@@ -350,7 +369,8 @@ def stub_hub(tiny):
     repos = {REPO: {**files, "pytorch_model.bin": b"bin", "original/consolidated.00.pth": b"pth",
                     "README.md": b"# tiny"},
              "tiny-org/sharded": sharded,
-             GGUF_REPO: {"README.md": b"#", **_fake_ggufs("Tiny-Q4_K_M.gguf", "Tiny-Q8_0.gguf")}}
+             GGUF_REPO: {"README.md": b"#", **_fake_ggufs("Tiny-Q4_K_M.gguf", "Tiny-Q8_0.gguf")},
+             SPLIT_REPO: {"README.md": b"#", **_fake_ggufs(*SPLIT_FILES, "Tiny-Q8_0.gguf")}}
     with StubHub(repos) as stub:
         yield stub
 
@@ -376,6 +396,9 @@ def test_pull_downloads_what_servelm_needs_then_is_up_to_date(stub_hub, tiny, tm
     stub_hub.downloads.clear()
     r = _cli("pull", f"{GGUF_REPO}:Q4_K_M", env=env)  # another file of a repo already cached
     assert r.returncode == 0 and stub_hub.downloads == [f"{GGUF_REPO}/Tiny-Q4_K_M.gguf"], r.stderr
+    stub_hub.downloads.clear()
+    r = _cli("pull", f"{SPLIT_REPO}:Q4_K_M", env=env)  # a split model: every one of its files
+    assert r.returncode == 0 and sorted(stub_hub.downloads) == [f"{SPLIT_REPO}/{f}" for f in SPLIT_FILES], r.stderr
     r = _cli("pull", f"{GGUF_REPO}:Q5_K_M", env=env)
     assert r.returncode == 1 and "no .gguf file matches 'Q5_K_M' at main" in r.stderr
     r = _cli("pull", "nobody/nothing", env=env)
@@ -385,6 +408,7 @@ def test_pull_downloads_what_servelm_needs_then_is_up_to_date(stub_hub, tiny, tm
     assert resolve_model(REPO).kind == "hf" and resolve_model("tiny-org/sharded").kind == "hf"
     assert resolve_model(GGUF_REPO).path.name == "Tiny-Q4_K_M.gguf"  # two cached now: Ollama's default
     assert resolve_model(f"{GGUF_REPO}:Q8_0").path.name == "Tiny-Q8_0.gguf"
+    assert resolve_model(f"{SPLIT_REPO}:Q4_K_M").path.name == "Tiny-Q4_K_M-00001-of-00002.gguf"
 
 
 def test_download_dir_and_hf_token_as_vllm_takes_them(stub_hub, tiny, tmp_path):

@@ -120,8 +120,9 @@ def gguf_config_dict(path: Path, head: GGUFHeader) -> dict:
     r = _Reader(path, head, arch)
     if f.get("general.type", "model") != "model":
         r.refuse(f"general.type is {f['general.type']!r}; only whole models (not adapters) load")
-    if (f.get("split.count") or 1) > 1:
-        r.refuse("split GGUF files are not supported; merge them into one file first (llama-gguf-split --merge)")
+    if (f.get("split.count") or 1) > 1 and not head.shards:  # a split model's file, renamed: its others unknown
+        r.refuse(f"it is file {f.get('split.no', 0) + 1} of {f['split.count']} of a split GGUF model, named other "
+                 "than NAME-00001-of-0000N.gguf, so its other files cannot be found; restore llama.cpp's names")
     unknown = sorted(k for k in f if k.startswith(arch + ".") and k[len(arch) + 1:] not in _ARCH_KEYS)
     if unknown:
         r.refuse(f"metadata {', '.join(unknown)} changes the model in a way servelm does not implement")

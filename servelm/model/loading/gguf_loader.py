@@ -3,6 +3,7 @@ names."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import mmap
@@ -14,7 +15,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from servelm.model.loading.gguf_header import GGUFHeader, read_gguf_header  # noqa: F401 (re-exported)
+from servelm.model.loading.gguf_header import (  # noqa: F401 (re-exported)
+    GGUFHeader,
+    read_gguf_file_header,
+    read_gguf_header,
+)
 from servelm.model.quant.gguf import FORMATS, GGUFBlocks, kept_at_load
 from servelm.model.quant.weight_only import is_linear_weight
 from servelm.progress import progress
@@ -146,13 +151,20 @@ def iter_gguf_tensors(path: Path, dtype: torch.dtype, keep_quantized: bool = Fal
     import gguf
 
     kept, dense = Counter(), Counter()
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        head = read_gguf_header(buf)
+    head = read_gguf_file_header(path)  # a split model's files read as one
+    files = [p for p, _ in head.shards] or [path]
+    with contextlib.ExitStack() as maps:
+        bufs = {}
+        for file in files:
+            f = maps.enter_context(open(file, "rb"))
+            bufs[file] = maps.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
         arch = head.fields.get("general.architecture")
         n_head = head.fields.get(f"{arch}.attention.head_count")
         n_kv = head.fields.get(f"{arch}.attention.head_count_kv") or n_head
-        for gname, shape, ttype, toff in progress(head.tensors, desc=f"Loading {path.name}", unit="tensor",
-                                                  leave=False):
+        for i, (gname, shape, ttype, _) in enumerate(progress(head.tensors, desc=f"Loading {path.name}",
+                                                              unit="tensor", leave=False)):
+            file, offset = head.locate(i, path)
+            buf = bufs[file]
             name = hf_name(gname, arch)
             if name is None:
                 if gname in _CONFIG_TENSORS:
@@ -161,7 +173,7 @@ def iter_gguf_tensors(path: Path, dtype: torch.dtype, keep_quantized: bool = Fal
             qtype = gguf.GGMLQuantizationType(ttype)
             block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
             rows, row_bytes = math.prod(shape[1:]), shape[0] // block * block_bytes
-            raw = np.frombuffer(buf, np.uint8, rows * row_bytes, head.data_offset + toff).reshape(rows, row_bytes)
+            raw = np.frombuffer(buf, np.uint8, rows * row_bytes, offset).reshape(rows, row_bytes)
             permuted = arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight"))
             heads = n_head if "q_proj" in name else n_kv
             if (keep_quantized and qtype.name in KEPT and is_linear_weight(name) and len(shape) == 2

