@@ -210,6 +210,11 @@ def _servable(path: Path) -> tuple[str | None, str | None]:
     return architecture(SimpleNamespace(**{"architectures": None, "model_type": None, **cfg})), None
 
 
+def _in_snapshot(f, snap: Path) -> str:
+    """A cached file's path within its snapshot (huggingface_hub's file_name is the base name alone)."""
+    return Path(f.file_path).relative_to(snap).as_posix()
+
+
 def _label(rev) -> str:
     """How a cached revision is named after the repo id: nothing for main, @REF for another branch or tag,
     @COMMIT (12 digits) for a revision no ref names."""
@@ -237,7 +242,7 @@ def cached_models(include_all: bool = False) -> list[dict]:
             snap = Path(rev.snapshot_path)
             name = repo.repo_id + _label(rev)
             base = {"repo_id": repo.repo_id, "commit": rev.commit_hash, "refs": sorted(rev.refs)}
-            files = {f.file_name: f for f in rev.files}
+            files = {_in_snapshot(f, snap): f for f in rev.files}  # paths in the snapshot (split models: folders)
             ggufs = hub._ggufs(sorted(files))
             found = False
             if (snap / "config.json").is_file() and hub._weights_complete(snap):
@@ -251,9 +256,10 @@ def cached_models(include_all: bool = False) -> list[dict]:
                 arch, why = _servable(snap / g)
                 if arch is not None or include_all:
                     found = True
-                    f = files[g]
-                    rows.append({"name": f"{name}:{g}", **base, "kind": "gguf", "architecture": arch,
-                                 "size_bytes": f.size_on_disk, "modified": f.blob_last_modified,
+                    parts = [files[n] for n in hub.gguf_files(g) if n in files]  # a split model: all its files
+                    rows.append({"name": f"{name}:{g.rsplit('/', 1)[-1]}", **base, "kind": "gguf", "architecture": arch,
+                                 "size_bytes": sum(f.size_on_disk for f in parts),
+                                 "modified": max(f.blob_last_modified for f in parts),
                                  "path": str(snap / g), **({"unservable": why} if why else {})})
             if include_all and not found:
                 rows.append({"name": name, **base, "kind": None, "architecture": None,
@@ -392,12 +398,12 @@ def _targets(info, name: str):
         return [r.commit_hash for r in revisions], []
     files = []
     for rev in revisions:
-        names = sorted(f.file_name for f in rev.files)
+        by_path = {_in_snapshot(f, Path(rev.snapshot_path)): f for f in rev.files}
         try:
-            chosen = hub.pick_gguf(ref, names, None, f"in the cached snapshot {rev.commit_hash[:12]}")
+            chosen = hub.pick_gguf(ref, sorted(by_path), None, f"in the cached snapshot {rev.commit_hash[:12]}")
         except hub.HubError:
             continue
-        files += [f for f in rev.files if f.file_name == chosen]
+        files += [by_path[n] for n in hub.gguf_files(chosen) if n in by_path]  # a split model: all its files
     if not files:
         raise hub.HubError(f"no cached file of {ref.repo_id} matches {ref.file!r}")
     return [], files

@@ -55,3 +55,24 @@ def test_a_missing_renamed_or_misnumbered_file_is_one_error(split, tmp_path):
     shutil.copy(split[2], copies[1])  # the third file named as the second
     with pytest.raises(ValueError, match="named as file 2 of 3.*says file 3 of 3"):
         check_model(str(copies[0]))
+
+
+def test_a_split_model_in_the_cache_is_listed_served_and_removed_whole(split, tmp_path, monkeypatch, capsys):
+    """In a repo's folder, as large quantized models are published: `servelm list` shows it once (its size all
+    its files'), under a name `serve` takes, and `servelm rm` deletes every one of its files."""
+    import json
+
+    from hub_cache import add_snapshot, use_cache
+
+    from servelm.entrypoints.cli import main
+
+    cache = use_cache(monkeypatch, tmp_path / "hub")
+    repo = "smol-org/SmolLM2-GGUF"
+    snap = add_snapshot(cache, repo, {f"Q4_1/{f.name}": f for f in split})
+    assert main(["list", "--json", "--data-dir", str(tmp_path / "data")]) == 0
+    [row] = json.loads(capsys.readouterr().out)["models"]
+    assert row["name"] == f"{repo}:{split[0].name}" and row["architecture"] == "LlamaForCausalLM"
+    assert row["size_bytes"] == sum(f.stat().st_size for f in split)
+    assert resolve_model(row["name"]).path == resolve_model(f"{repo}:Q4_1").path == snap / "Q4_1" / split[0].name
+    assert main(["rm", f"{repo}:Q4_1"]) == 0
+    assert not any((snap / "Q4_1" / f.name).exists() for f in split)

@@ -139,8 +139,9 @@ def pick_gguf(ref: HubRef, files: list[str], gguf_file: str | None, where: str) 
     choices = _ggufs(files)
     listing = ", ".join(choices) if choices else "none"
     if want is not None and want.endswith(".gguf"):
-        if want in files:
-            return gguf_files(want)[0]  # a split model by its first file, whichever was named
+        found = [n for n in files if n == want or n.rsplit("/", 1)[-1] == want]  # a split model's: in its folder
+        if len(found) == 1:
+            return gguf_files(found[0])[0]  # a split model by its first file, whichever was named
         raise HubError(f"{ref.repo_id} has no file {want!r} {where} (its .gguf files: {listing})")
     if want is not None and want.lower() != "latest":
         found = [n for n in choices if _matches(n, want)]
