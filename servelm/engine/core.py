@@ -311,6 +311,15 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def reset_prefix_cache(self) -> int | None:
+        """Forget every cached prefix (after a weight update, or between benchmark runs): the number of blocks
+        dropped, or None, changing nothing, while a request holds blocks (as vLLM's, all or nothing)."""
+        if self.has_unfinished_requests():
+            return None
+        before = len(self.kv.pool.cached)
+        self.kv.pool.reset_prefix_cache()
+        return before - len(self.kv.pool.cached)
+
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any (they also stop when this process exits)."""
         if self.runner.tp_workers is not None:

@@ -101,6 +101,10 @@ class LLMEngine:
     def list_loras(self) -> list[str]:
         return [] if self.core.loras is None else [a.name for a in self.core.loras.adapters()]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False, changing nothing, while requests are in flight (vLLM's)."""
+        return self.core.reset_prefix_cache() is not None
+
     def get_stats(self) -> EngineStats:
         return self.core.stats()
 

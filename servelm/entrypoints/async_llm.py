@@ -161,6 +161,11 @@ class AsyncLLM:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             await self._engine.abort(rid)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False, changing nothing, while requests are in flight (vLLM's)."""
+        await self.start()
+        return await self._engine.reset_prefix_cache() is not None
+
     async def _adapter(self, lora: LoRARequest) -> str:
         """The name the engine holds `lora` under, loading it from its path the first time."""
         held = self._loras.get(lora.name)

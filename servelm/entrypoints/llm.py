@@ -112,6 +112,10 @@ class LLM:
                              "(embed(), score(), classify()) rather than generating it")
         return self._engine
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, as vLLM's: after changing the weights, or between benchmark runs."""
+        return self.engine.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.encoder.runner.tokenizer if self.encoder is not None else self.engine.tokenizer
 

@@ -314,7 +314,7 @@ class AsyncEngine:
                     except Exception:  # reporting it must never stop the engine's outputs being read
                         logger.exception("on_replaced failed")
                 logger.info("engine ready (pid %s, max_model_len %d)", msg.pid, msg.max_model_len)
-            elif isinstance(msg, (m.KVCacheDone, m.LoraDone)):
+            elif isinstance(msg, (m.KVCacheDone, m.LoraDone, m.ResetDone)):
                 fut = self._kv_ops.pop(msg.op_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
@@ -470,6 +470,11 @@ class AsyncEngine:
         """Have the engine save its prefix cache to `path` ("save") or restore it from there ("load"); it does so
         between steps. Raises EngineDeadError if the engine is not ready or dies meanwhile."""
         return await self._ask(lambda op_id: m.KVCacheOp(op_id, action, path))
+
+    async def reset_prefix_cache(self) -> int | None:
+        """Forget every cached prefix between steps: the blocks dropped, or None while requests are in flight.
+        Raises EngineDeadError if the engine is not ready."""
+        return (await self._ask(lambda op_id: m.ResetPrefixCache(op_id))).num_blocks
 
     async def _ask(self, message):
         """Send `message(op_id)` to the engine and wait for its answer with that op id (KVCacheDone, LoraDone).

@@ -63,7 +63,13 @@ class LoraOp(msgspec.Struct, tag="lora"):
     path: str = ""
 
 
-EngineInput = AddRequest | Abort | FinishSample | UpdateConfig | Shutdown | Ping | KVCacheOp | LoraOp
+class ResetPrefixCache(msgspec.Struct, tag="resetcache"):
+    """Forget every cached prefix, between steps (refused while requests are in flight)."""
+
+    op_id: int
+
+
+EngineInput = AddRequest | Abort | FinishSample | UpdateConfig | Shutdown | Ping | KVCacheOp | LoraOp | ResetPrefixCache
 
 
 class RequestError(msgspec.Struct):
@@ -133,7 +139,14 @@ class LoraDone(msgspec.Struct, tag="loradone"):
     adapters: list[dict] = msgspec.field(default_factory=list)
 
 
-EngineOutput = Ready | StepOutputs | Starting | Fatal | Pong | KVCacheDone | LoraDone
+class ResetDone(msgspec.Struct, tag="resetdone"):
+    """The answer to a ResetPrefixCache: the blocks dropped, or None where requests held blocks."""
+
+    op_id: int
+    num_blocks: int | None = None
+
+
+EngineOutput = Ready | StepOutputs | Starting | Fatal | Pong | KVCacheDone | LoraDone | ResetDone
 
 encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(EngineInput)

@@ -102,6 +102,9 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
             if isinstance(msg, m.LoraOp):
                 out.send(m.encoder.encode(_lora_op(core, msg)))
                 continue
+            if isinstance(msg, m.ResetPrefixCache):
+                out.send(m.encoder.encode(m.ResetDone(msg.op_id, core.reset_prefix_cache())))
+                continue
             if isinstance(msg, m.Ping):  # answered between steps: a hung step goes unanswered
                 out.send(m.encoder.encode(m.Pong(msg.seq)))
                 continue

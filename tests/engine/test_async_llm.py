@@ -214,3 +214,23 @@ def test_a_script_without_a_main_guard_fails_its_start_once_saying_why(llama_dir
     assert done.returncode != 0
     assert "EngineStartError" in done.stderr and 'if __name__ == "__main__":' in done.stderr
     assert done.stderr.count("in-flight requests") == 1 and "restarting" not in done.stderr  # one death
+
+
+def test_reset_prefix_cache_as_vllms(served, oracle):
+    """LLM.reset_prefix_cache and AsyncLLM.reset_prefix_cache: the next run of a prompt computes it anew; while
+    a request is in flight the reset is refused (False) and changes nothing."""
+    prompt = list(range(1, 50))
+    params = SamplingParams(temperature=0, max_tokens=2)
+    oracle.generate([prompt], params, use_tqdm=False)
+    assert oracle.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens >= 32
+    oracle.engine.add_request("busy", prompt, params)
+    assert oracle.reset_prefix_cache() is False
+    oracle.engine.abort_request("busy")
+    assert oracle.reset_prefix_cache() is True
+    assert oracle.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 0
+
+    llm, loop = served
+    loop.run(_all(llm, prompt, params))
+    assert loop.run(_all(llm, prompt, params))[-1].num_cached_tokens >= 32
+    assert loop.run(llm.reset_prefix_cache()) is True
+    assert loop.run(_all(llm, prompt, params))[-1].num_cached_tokens == 0

@@ -109,3 +109,44 @@ def _other_model_file(tmp_path, saved):
     path = tmp_path / "other.kvcache"
     path.write_bytes(body + hashlib.sha256(body).digest())
     return path
+
+
+def test_reset_prefix_cache_forgets_every_prefix(restarted, prompts):
+    """vLLM's POST /reset_prefix_cache (admin key): a prompt served again after it computes every token anew."""
+    url = restarted[0]
+    body = {"model": "tiny", "prompt": prompts[0], "max_tokens": 2, "temperature": 0}
+
+    def cached() -> int:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    cached()
+    assert cached() >= 48  # served again: its full blocks from the cache
+    assert httpx.post(url + "/reset_prefix_cache").status_code == 401
+    r = httpx.post(url + "/reset_prefix_cache", headers=ADMIN)
+    assert r.status_code == 200 and r.json()["model"] == "tiny" and r.json()["num_blocks"] >= 3
+    assert cached() == 0
+    r = httpx.post(url + "/reset_prefix_cache", params={"model": "other"}, headers=ADMIN)
+    assert r.status_code == 404
+
+
+def test_reset_prefix_cache_while_requests_are_in_flight_is_a_409(tokenizer):
+    """The engine refuses a reset while requests hold blocks (LLM.reset_prefix_cache's test): the route says so.
+    In-process, with a stub engine that is busy."""
+    from fakes import IdleEngine
+    from starlette.testclient import TestClient
+
+    from servelm.config.settings import load
+    from servelm.server.api import build_app
+    from servelm.server.serve import build_state
+
+    class Busy(IdleEngine):
+        async def kv_cache(self, action, path=None): ...
+
+        async def reset_prefix_cache(self):
+            return None  # requests in flight
+
+    config = load({"embedding_model": "none", "log_requests": False, "admin_key": ADMIN_KEY}, env={})
+    with TestClient(build_app(build_state(config, tokenizer, Busy(), "tiny"))) as client:
+        r = client.post("/reset_prefix_cache", headers=ADMIN)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "prefix_cache_in_use"

@@ -1,5 +1,6 @@
 """POST /admin/kv/save and /admin/kv/load (admin key): a model's engine saves its prefix cache to a file, or
-restores it from one. The engine process does the work between steps; this process only asks and answers."""
+restores it from one; POST /reset_prefix_cache (vLLM's route, admin key) empties it. The engine process does
+the work between steps; this process only asks and answers."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ class KVBody(BaseModel):
                           "(default: the --kv-cache-persist directory)")
 
 
+class ResetOut(BaseModel):
+    model: str
+    num_blocks: int = Field(description="cached blocks dropped")
+
+
 class KVOut(BaseModel):
     model: str
     path: str
@@ -36,15 +42,19 @@ class KVOut(BaseModel):
 
 
 def add_kv_routes(app: FastAPI, state) -> None:
+    def engine_of(model: str | None, what: str):
+        served = state.models.default if model is None else \
+            next((m for m in state.models.fixed() if m.served_name == model), None)
+        if served is None:
+            raise APIError(404, f"no model {model!r} is served from start", "model", "model_not_found")
+        if not hasattr(served.engine, "kv_cache"):
+            raise APIError(400, f"{served.served_name} runs on several workers; {what} a single engine's cache",
+                           "model", "invalid_kv_cache_request")
+        return served
+
     async def run(action: str, body: KVBody | None) -> KVOut:
         body = body or KVBody()
-        served = state.models.default if body.model is None else \
-            next((m for m in state.models.fixed() if m.served_name == body.model), None)
-        if served is None:
-            raise APIError(404, f"no model {body.model!r} is served from start", "model", "model_not_found")
-        if not hasattr(served.engine, "kv_cache"):
-            raise APIError(400, f"{served.served_name} runs on several workers; save or load a single engine's "
-                           "cache", "model", "invalid_kv_cache_request")
+        served = engine_of(body.model, "save or load")
         from servelm.worker.client import EngineDeadError
 
         try:
@@ -56,6 +66,23 @@ def add_kv_routes(app: FastAPI, state) -> None:
             raise APIError(status, done.message, "path" if status in (400, 404) else None, code)
         return KVOut(model=served.served_name, path=done.path, num_blocks=done.num_blocks,
                      num_skipped=done.num_skipped, size_bytes=done.size_bytes, seconds=done.seconds)
+
+    @app.post("/reset_prefix_cache", response_model=ResetOut, responses={409: {"description": "requests in flight"}})
+    async def reset_prefix_cache(model: str | None = None):
+        """Forget every cached prefix of the model (`?model=NAME`, default: the default model), as vLLM's route:
+        after its weights changed, or between benchmark runs. 409 while requests are in flight, changing
+        nothing."""
+        from servelm.worker.client import EngineDeadError
+
+        served = engine_of(model, "reset")
+        try:
+            dropped = await served.engine.reset_prefix_cache()
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from e
+        if dropped is None:
+            raise APIError(409, "requests are in flight: the prefix cache is reset only while the engine is idle",
+                           code="prefix_cache_in_use")
+        return ResetOut(model=served.served_name, num_blocks=dropped)
 
     @app.post("/admin/kv/save", response_model=KVOut)
     async def kv_save(body: KVBody | None = None):

@@ -25,7 +25,7 @@ logger = logging.getLogger("servelm.server")
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/ping", "/metrics", "/v2/health/live", "/v2/health/ready"})
 # vLLM's adapter routes live under /v1 but change the server: they take the admin key like /admin
-ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/reset_prefix_cache"})
 QUIET_PATHS = OPEN_PATHS | {"/server/stats"}  # not logged or traced
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
