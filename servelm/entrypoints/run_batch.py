@@ -51,7 +51,6 @@ def cmd_run_batch(args) -> int:
 
     if args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be at least 1")
-    lines = _read_lines(args.input_file)
     # every line is the caller's own: no keys, and no shedding of what the file itself queues
     args.api_key = args.api_keys_file = args.admin_key = None
     if not hasattr(args, "log_requests"):  # a line per request is the output file's job here
@@ -59,6 +58,10 @@ def cmd_run_batch(args) -> int:
     args.queue_high_watermark = args.max_concurrency + 1
     args.queue_low_watermark = args.max_concurrency
     config = load_config(args)
+    if args.print_config:
+        print(json.dumps(config.describe(), indent=2))
+        return 0
+    lines = _read_lines(args.input_file)  # a file that cannot be read stops the run before anything loads
     problem = check_before_start(config, args)
     if problem is not None:
         print(f"servelm: error: {problem}", file=sys.stderr)

@@ -76,7 +76,8 @@ def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
     from servelm.config.vllm_flags import VLLM_ONE_WAY, VLLM_ONE_WAY_SHORT
 
     for flag, (allowed, what) in VLLM_ONE_WAY.items():
-        g.add_argument(flag, *filter(None, [VLLM_ONE_WAY_SHORT.get(flag)]), dest="vllm_one_way_" + flag[2:].replace("-", "_"), metavar="|".join(allowed),
+        short = [VLLM_ONE_WAY_SHORT[flag]] if flag in VLLM_ONE_WAY_SHORT else []
+        g.add_argument(flag, *short, dest="vllm_one_way_" + flag[2:].replace("-", "_"), metavar="|".join(allowed),
                        default=argparse.SUPPRESS, help=f"not needed with {' or '.join(allowed)}, refused with "
                        f"vLLM's other values: {what}")
 
