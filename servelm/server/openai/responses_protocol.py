@@ -61,7 +61,17 @@ class FunctionCallOutput(BaseModel):
     status: str | None = None
 
 
-InputItem = InputMessage | FunctionCallItem | FunctionCallOutput
+class ReasoningInput(BaseModel):
+    """A reasoning item of an earlier reply, quoted back (as clients that keep no server-side state send the
+    whole conversation): accepted, and left out of the prompt, as chat templates take no earlier reasoning."""
+
+    model_config = ConfigDict(extra="allow", strict=True)  # its summary, content or encrypted_content
+
+    type: Literal["reasoning"]
+    id: str | None = None
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutput | ReasoningInput
 
 
 class FunctionTool(BaseModel):
@@ -134,6 +144,10 @@ class ResponsesRequest(_Body):
     text: TextConfig | None = None
     truncation: Literal["disabled"] | None = None
     reasoning: ReasoningConfig | None = None
+    # what else the output carries: reasoning.encrypted_content asks for the reasoning in a form to send back,
+    # which servelm has no use for (earlier reasoning never re-enters a prompt); its reasoning items carry the
+    # text in `content` instead
+    include: list[Literal["reasoning.encrypted_content"]] | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
@@ -153,6 +167,8 @@ class ResponsesRequest(_Body):
         for item in self.input:
             if isinstance(item, InputMessage):
                 out.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, ReasoningInput):
+                continue  # the answers carry the conversation, as chat templates drop earlier reasoning
             elif isinstance(item, FunctionCallItem):
                 if not out or out[-1]["role"] != "assistant":
                     out.append({"role": "assistant", "content": None})
