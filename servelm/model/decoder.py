@@ -240,12 +240,15 @@ class DecoderLM:
             local = window is not None and self.cos_local is not self.cos
             cos, sin = tables[local]
             q = qk[:, :s.num_heads]
-            if rope_kv and rotary_write_kv(qk, v, s.num_heads, cos, sin, positions, kv_caches[i], meta.slot_mapping):
+            positional = s.rope_layers is None or s.rope_layers[i]  # SmolLM3's NoPE layers rotate nothing
+            if positional and rope_kv and rotary_write_kv(qk, v, s.num_heads, cos, sin, positions, kv_caches[i],
+                                                          meta.slot_mapping):
                 o = self.attn.attend(q, kv_caches[i], meta, window)
             else:
-                if local not in rope:
-                    rope[local] = self._rope_at(cos, sin, positions, rot)
-                rotary_(qk if rot is None else qk[..., :rot], *rope[local], fused)  # queries and keys at once
+                if positional:
+                    if local not in rope:
+                        rope[local] = self._rope_at(cos, sin, positions, rot)
+                    rotary_(qk if rot is None else qk[..., :rot], *rope[local], fused)  # queries and keys at once
                 if not self.attn.strided_qkv:  # the C++ kernels and SDPA get contiguous rows
                     q, v = contiguous_rows(q, fused), contiguous_rows(v, fused)
                 o = self.attn.forward(q, qk[:, s.num_heads:], v, kv_caches[i], meta, window)

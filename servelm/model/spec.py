@@ -44,6 +44,7 @@ class ModelSpec:
     rotary_dim: int | None = None  # RoPE on the first rotary_dim of each head only (partial_rotary_factor < 1)
     fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj already joined (Phi-3)
     moe: MoeOptions | None = None  # mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE)
+    rope_layers: list[bool] | None = None  # per layer, whether it applies RoPE (SmolLM3's NoPE layers); None: all
 
     @classmethod
     def from_hf_config(cls, config, sliding_window: int | None = None) -> ModelSpec:
@@ -61,6 +62,8 @@ class ModelSpec:
             act = getattr(config, "hidden_act", "silu")
             if act != "silu":
                 raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+        if arch == "SmolLM3ForCausalLM":  # every n-th layer attends without positions (NoPE)
+            opts["rope_layers"] = [bool(x) for x in config.no_rope_layers]
         if "inv_freq" not in opts:
             opts["inv_freq"], opts["rope_attention_factor"] = _rope(config, head_dim)
             if 2 * len(opts["inv_freq"]) != head_dim:  # partial_rotary_factor: the rest of each head passes
