@@ -254,6 +254,8 @@ class DecoderLM:
                 o = self.attn.forward(q, qk[:, s.num_heads:], v, kv_caches[i], meta, window)
             o = o.reshape(-1, q_size)
             delta = self._reduce(add_lora(lw.o_proj(o), o, lora, i, "o"))
+            if s.residual_scale is not None:  # Granite: residual + output * multiplier
+                delta = delta * s.residual_scale
             if lw.attn_out_norm is not None:
                 delta = rms_norm(delta, lw.attn_out_norm, eps, nf)
             x = add_rms_norm(delta, h, lw.post_norm, eps, nf)
@@ -265,6 +267,8 @@ class DecoderLM:
                 else:
                     act = lw.gate_up(x, fused)
                 delta = self._reduce(add_lora(lw.down(act), act, lora, i, "down"))
+            if s.residual_scale is not None:
+                delta = delta * s.residual_scale
             if lw.mlp_out_norm is not None:
                 delta = rms_norm(delta, lw.mlp_out_norm, eps, nf)
         return add_rms_norm(delta, h, self.norm, eps, nf)
@@ -288,5 +292,7 @@ class DecoderLM:
         says (Gemma 2). A bf16 model's logits rounded to bf16 tie tokens less than one bf16 step apart (1/128
         of the logit's power of two), and greedy decoding then takes the lower token id, not the likelier one."""
         out = self.lm_head(hidden, float32=True)
+        if self.spec.logits_divisor is not None:  # Granite's logits_scaling
+            out = out / self.spec.logits_divisor
         cap = self.spec.final_softcap
         return out if not cap else (torch.tanh(out.float() / cap) * cap).to(out.dtype)

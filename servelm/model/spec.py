@@ -45,6 +45,8 @@ class ModelSpec:
     fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj already joined (Phi-3)
     moe: MoeOptions | None = None  # mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE)
     rope_layers: list[bool] | None = None  # per layer, whether it applies RoPE (SmolLM3's NoPE layers); None: all
+    residual_scale: float | None = None  # each sublayer's output times this before its residual add (Granite)
+    logits_divisor: float | None = None  # the logits divided by this (Granite's logits_scaling)
 
     @classmethod
     def from_hf_config(cls, config, sliding_window: int | None = None) -> ModelSpec:
@@ -64,6 +66,9 @@ class ModelSpec:
                 raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
         if arch == "SmolLM3ForCausalLM":  # every n-th layer attends without positions (NoPE)
             opts["rope_layers"] = [bool(x) for x in config.no_rope_layers]
+        if arch == "GraniteForCausalLM":  # Llama's layer with four scalars (muP)
+            opts.update(embed_scale=float(config.embedding_multiplier), attn_scale=float(config.attention_multiplier),
+                        residual_scale=float(config.residual_multiplier), logits_divisor=float(config.logits_scaling))
         if "inv_freq" not in opts:
             opts["inv_freq"], opts["rope_attention_factor"] = _rope(config, head_dim)
             if 2 * len(opts["inv_freq"]) != head_dim:  # partial_rotary_factor: the rest of each head passes
