@@ -155,3 +155,21 @@ def test_lora_adapters_batched_with_base_rows_on_gpu(mode, model_dirs, hf_models
         want += [hf_greedy(hf_models["llama"], p, 12), hf_greedy(merged["small"], p, 12), hf_greedy(merged["big"], p, 12)]
     assert got == want
     assert run(llm, prompts) == reference(hf_models, "llama", prompts)  # base-only steps after them
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", ["smollm3", "granite"])
+def test_smollm3_and_granite_match_transformers_on_gpu(family, mode, tmp_path, tokenizer_dir):
+    """SmolLM3's layers without RoPE (the fused RoPE + KV-cache write must leave them alone) and Granite's
+    scalars, batched on the GPU, as transformers on the same weights."""
+    from family_parity import granite_config, save_tiny, smollm3_config
+    from tiny_models import hf_greedy
+    from transformers import AutoModelForCausalLM
+
+    config = smollm3_config(use_sliding_window=True, sliding_window=24) if family == "smollm3" else granite_config()
+    folder = save_tiny(config, tmp_path / family, tokenizer_dir)
+    prompts = random_prompts(8, 3, 60, seed=5)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    want = [hf_greedy(hf, p, 8) for p in prompts]
+    llm = gpu_llm(folder, mode, num_kv_blocks=128)
+    assert run(llm, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) == want

@@ -9,16 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from family_parity import check_parity, mixed_prompts, references, save_tiny  # noqa: E402
-from tiny_models import COMMON  # noqa: E402
-
-SCALARS = dict(embedding_multiplier=6.0, attention_multiplier=0.09, residual_multiplier=0.4, logits_scaling=3.0)
-
-
-def granite_config(**kw):
-    from transformers import GraniteConfig
-
-    return GraniteConfig(**{**COMMON, "tie_word_embeddings": True, **SCALARS, **kw})
+from family_parity import GRANITE_SCALARS as SCALARS  # noqa: E402
+from family_parity import check_parity, granite_config, mixed_prompts, references, save_tiny  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -8,16 +8,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from family_parity import check_parity, save_tiny  # noqa: E402
-from tiny_models import COMMON  # noqa: E402
+from family_parity import check_parity, save_tiny, smollm3_config  # noqa: E402
 
 from servelm.model.kernels import cpu as cpu_kernels  # noqa: E402
-
-
-def smollm3_config(**kw):
-    from transformers import SmolLM3Config
-
-    return SmolLM3Config(**{**COMMON, "num_hidden_layers": 4, "tie_word_embeddings": True, **kw})
 
 
 @pytest.fixture(scope="module")

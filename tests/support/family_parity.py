@@ -43,6 +43,24 @@ def moe_config(arch: str, window: int | None = 24, dense_layers: tuple[int, ...]
     return MixtralConfig(**{**moe, "intermediate_size": 32}, num_local_experts=4, sliding_window=window)
 
 
+def smollm3_config(**kw):
+    """SmolLM3 in small: four layers, the fourth without RoPE (its default no_rope_layers)."""
+    from transformers import SmolLM3Config
+
+    return SmolLM3Config(**{**COMMON, "num_hidden_layers": 4, "tie_word_embeddings": True, **kw})
+
+
+# Granite's four scalars, far from neutral
+GRANITE_SCALARS = dict(embedding_multiplier=6.0, attention_multiplier=0.09, residual_multiplier=0.4,
+                       logits_scaling=3.0)
+
+
+def granite_config(**kw):
+    from transformers import GraniteConfig
+
+    return GraniteConfig(**{**COMMON, "tie_word_embeddings": True, **GRANITE_SCALARS, **kw})
+
+
 def save_tiny(config, out: Path, tokenizer_dir: Path, seed: int = 0, **save_kwargs) -> Path:
     """A random-weight model of `config` saved with the SmolLM2 tokenizer beside it."""
     from transformers import AutoModelForCausalLM
