@@ -103,8 +103,8 @@ def _tied_logits_model(weight_kind: str | None):
     2's logit is 1 + 2^-10, token 1's 1, which round to the same bf16 (one step at 1 is 2^-7)."""
     from servelm.model.decoder import DecoderLM
 
-    model = DecoderLM.__new__(DecoderLM)  # only the lm_head and the spec's soft-cap matter here
-    model.spec = type("Spec", (), {"final_softcap": None})()
+    model = DecoderLM.__new__(DecoderLM)  # only the lm_head and the spec's logit options matter here
+    model.spec = type("Spec", (), {"final_softcap": None, "logits_divisor": None})()
     w = torch.zeros(48, 64)
     w[1, 0] = w[2, 0] = w[2, 1] = 1.0
     model.lm_head = Linear(w.bfloat16())

@@ -87,7 +87,7 @@ def test_admin_refusals(server, model_dirs):
     bad = subprocess.run([sys.executable, "-m", "servelm.entrypoints.cli", "models", "--url", server, "list"],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "SERVELM_ADMIN_KEY": USER_KEY})
     assert bad.returncode == 1 and "may not use admin routes (HTTP 403)" in bad.stderr
-    doc = httpx.get(server + "/openapi.json", headers={"x-api-key": USER_KEY}).json()
+    doc = httpx.get(server + "/openapi.json", headers={"x-api-key": USER_KEY}, timeout=60).json()  # built on first use
     patch = doc["paths"]["/admin/deployments/{deployment_id}"]["patch"]
     assert patch["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ScaleBody")
     assert {"409", "507"} <= set(patch["responses"])
