@@ -52,13 +52,12 @@ class AsyncLLM:
     def _setup(self, config: EngineConfig, start_timeout_s: float) -> None:
         from servelm.model.loading.hf_overrides import engine_model
         from servelm.model.loading.hub import fetch_models
-        from servelm.model.loading.metadata import check_model, load_tokenizer, resolve_model
+        from servelm.model.loading.metadata import check_model, model_tokenizer
 
         fetch_models(config)  # a Hub model not yet in the Hugging Face cache: downloaded now
         check_model(*engine_model(config.model_config))  # a model it cannot run: one clear error, no process
-        mc = config.model_config
         self.config, self.start_timeout_s = config, start_timeout_s
-        self.tokenizer = load_tokenizer(resolve_model(mc.model, mc.gguf_file), mc.tokenizer, mc.chat_template)
+        self.tokenizer = model_tokenizer(config.model_config)
         self._engine = None
         self._starting: asyncio.Future | None = None
         self._loras: dict[str, str] = {}  # adapters loaded through a LoRARequest: name -> path

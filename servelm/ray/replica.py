@@ -19,14 +19,13 @@ class EngineReplica:
     Serve's health check reports the replica healthy only once the engine is warm (see check_health)."""
 
     def __init__(self, engine: dict, start_timeout: float = 600.0) -> None:
-        from servelm.model.loading.metadata import load_tokenizer, resolve_model
+        from servelm.model.loading.metadata import model_tokenizer
         from servelm.worker.client import AsyncEngine
 
         config = EngineConfig(**engine)
         self.engine = AsyncEngine(config, start_timeout=start_timeout)
         self.engine.launch()  # the engine process loads the model while the tokenizer loads here
-        self.engine.set_tokenizer(load_tokenizer(resolve_model(config.model_config.model, config.model_config.gguf_file), config.model_config.tokenizer,
-                                                 config.model_config.chat_template))
+        self.engine.set_tokenizer(model_tokenizer(config.model_config))
         self._started = asyncio.ensure_future(self.engine.wait_ready())
 
     async def ready(self) -> dict:

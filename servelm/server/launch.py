@@ -92,7 +92,7 @@ async def start_engines(launches: list[Launch], start_timeout: float,
     """Launch every engine, load each tokenizer meanwhile, wait until all are warm: [(engine, tokenizer,
     name)]. If one fails to start, the others are shut down and the error raised. `engine_factory(config,
     start_timeout=...)` makes each single engine (default AsyncEngine; servelm.ray passes its Ray one)."""
-    from servelm.model.loading.metadata import load_tokenizer, resolve_model
+    from servelm.model.loading.metadata import model_tokenizer
     from servelm.worker.client import AsyncEngine  # light: no torch, no transformers
 
     make = engine_factory or AsyncEngine
@@ -104,8 +104,7 @@ async def start_engines(launches: list[Launch], start_timeout: float,
                 engines[i] = make(launch.engine, start_timeout=start_timeout)
                 engines[i].launch()  # the engine process imports torch and loads the model meanwhile
         for i, launch in enumerate(launches):
-            ec = launch.engine
-            tok = load_tokenizer(resolve_model(ec.model_config.model, ec.model_config.gguf_file), ec.model_config.tokenizer, ec.model_config.chat_template)
+            tok = model_tokenizer(launch.engine.model_config)
             tokenizers.append(tok)
             if launch.pooled:
                 engines[i] = _deployment(launch, tok, start_timeout)

@@ -51,17 +51,22 @@ class GGUFHeader:
         return path, self.data_offset + self.tensors[i][3]
 
 
-def gguf_shards(path: Path) -> list[Path]:
-    """The files of the GGUF model `path` names: a split model's (any of its files named) in order, else
-    `path` itself. FileNotFoundError naming the files missing beside it."""
-    m = SHARD_NAME.match(path.name)
+def shard_names(name: str) -> list[str]:
+    """The file names of the GGUF model a file named `name` belongs to: a split model's (whichever of its files
+    `name` is), in order, else `name` alone."""
+    m = SHARD_NAME.match(name)
     if m is None or not 1 <= int(m["no"]) <= int(m["count"]):
-        return [path]
-    count = int(m["count"])
-    paths = [path.with_name(f"{m['stem']}-{i:05d}-of-{m['count']}.gguf") for i in range(1, count + 1)]
-    missing = [p.name for p in paths if not p.is_file()]
+        return [name]
+    return [f"{m['stem']}-{i:05d}-of-{m['count']}.gguf" for i in range(1, int(m["count"]) + 1)]
+
+
+def gguf_shards(path: Path) -> list[Path]:
+    """The files of the GGUF model `path` names (shard_names, beside it). FileNotFoundError naming the files
+    of a split model missing beside it."""
+    paths = [path.with_name(n) for n in shard_names(path.name)]
+    missing = [p.name for p in paths if not p.is_file()] if len(paths) > 1 else []
     if missing:
-        raise FileNotFoundError(f"{path.name} is one of the {count} files of a split GGUF model, and "
+        raise FileNotFoundError(f"{path.name} is one of the {len(paths)} files of a split GGUF model, and "
                                 f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not beside it")
     return paths
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from servelm.config import env
 from servelm.config.model_ref import HubRef, hub_ref, parse_ref, with_revision  # noqa: F401 (re-exported)
-from servelm.model.loading.gguf_header import SHARD_NAME, shard_stem
+from servelm.model.loading.gguf_header import SHARD_NAME, shard_names, shard_stem
 from servelm.model.loading.source import ModelSource
 
 logger = logging.getLogger("servelm.hub")
@@ -117,11 +117,7 @@ def _ggufs(names: list[str]) -> list[str]:
 def gguf_files(name: str) -> list[str]:
     """The files of the GGUF model `name` (a repo path): a split model's, in order, else `name` alone."""
     folder, _, base = name.rpartition("/")
-    m = SHARD_NAME.match(base)
-    if m is None:
-        return [name]
-    prefix = folder + "/" if folder else ""
-    return [f"{prefix}{m['stem']}-{i:05d}-of-{m['count']}.gguf" for i in range(1, int(m["count"]) + 1)]
+    return [f"{folder}/{n}" if folder else n for n in shard_names(base)]
 
 
 def _matches(name: str, tag: str) -> bool:

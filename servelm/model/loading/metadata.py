@@ -201,6 +201,12 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None, chat_template
     return tok
 
 
+def model_tokenizer(mc) -> object:
+    """The tokenizer an engine of the model settings `mc` (a ModelConfig) serves with: its --tokenizer and
+    --chat-template applied."""
+    return load_tokenizer(resolve_model(mc.model, mc.gguf_file), mc.tokenizer, mc.chat_template)
+
+
 def eos_ids(src: ModelSource, hf_config, tokenizer_eos: int | None) -> frozenset[int]:
     """EOS ids from the generation config, the model config and the tokenizer (as transformers stops on)."""
     ids: set[int] = set()
