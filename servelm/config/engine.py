@@ -58,6 +58,7 @@ SchedulingPolicy = Literal["priority", "fcfs"]
 StructuredOutputBackend = Literal["auto", "llguidance", "xgrammar"]
 SpeculativeMethod = Literal["ngram", "draft"]
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 
 
 def choices(tp) -> tuple[str, ...] | None:
@@ -198,6 +199,11 @@ class ModelConfig:
     seed: int = _f(0, "seed of the sampler's random generator for unseeded requests")
     max_logprobs: int = _f(20, "the most logprobs (and prompt_logprobs, top_logprobs) a request may ask for, as "
                            "vLLM's --max-logprobs; -1: the whole vocabulary")
+    logprobs_mode: LogprobsMode = _f("raw_logprobs", "what a sampled token's logprobs and top_logprobs hold, as "
+                                     "vLLM's: raw_logprobs, the model's distribution; processed_logprobs, the one "
+                                     "the token was drawn from (after logit_bias, allowed tokens, bad words, "
+                                     "min_tokens, penalties, the grammar, temperature, min_p, top_k and top_p); "
+                                     "raw_logits and processed_logits, the same before the softmax")
     generation_config: str = _f("auto", "where a request's unset sampling fields take their defaults from, as "
                                 "vLLM's: auto reads the model's generation_config.json (temperature, top_p, top_k, "
                                 "min_p, repetition_penalty, presence_penalty, frequency_penalty, and max_new_tokens "
@@ -215,6 +221,7 @@ class ModelConfig:
 
         need(isinstance(self.max_logprobs, int) and self.max_logprobs >= -1, "max_logprobs",
              "an integer >= 0, or -1 for the whole vocabulary")
+        need(self.logprobs_mode in choices(LogprobsMode), "logprobs_mode", one_of(LogprobsMode))
         need(self.download_dir is None or not Path(self.download_dir).expanduser().is_file(), "download_dir",
              "a folder (a Hugging Face cache), not a file")
         if self.hf_token is not None and (not self.hf_token or any(c.isspace() for c in self.hf_token)):

@@ -168,7 +168,7 @@ class EngineCore:
         if workers is not None:
             workers.begin_runners(num_blocks, num_cpu_blocks, max_len, graph_sizes if cuda else None)
         self.runner = ModelRunner(model, num_blocks, cache.block_size, num_cpu_blocks, config.model_config.seed,
-                                  graph_sizes, max_len, cache.kv_cache_dtype)
+                                  graph_sizes, max_len, cache.kv_cache_dtype, config.model_config.logprobs_mode)
         if workers is not None:
             workers.end_runners()
             self.runner.tp_workers = workers

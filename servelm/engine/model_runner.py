@@ -106,9 +106,10 @@ class InFlight:
 class ModelRunner:
     def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, num_cpu_blocks: int, seed: int,
                  cuda_graph_sizes: list[int] | None = None, max_model_len: int = 0,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", logprobs_mode: str = "raw_logprobs") -> None:
         """`cuda_graph_sizes`: on a CUDA device, decode batch sizes to capture (None: run eagerly).
-        `kv_cache_dtype`: auto (the model's dtype) or fp8 (attention/kv_quant.py)."""
+        `kv_cache_dtype`: auto (the model's dtype) or fp8 (attention/kv_quant.py). `logprobs_mode`: what
+        sampled tokens' logprobs hold (Sampler)."""
         self.model = model
         self.block_size = block_size
         self.device = model.embed.device
@@ -130,7 +131,7 @@ class ModelRunner:
         self.kv_caches = [KVCache(zeros(), zeros(), *ks) for ks in scales]
         self.num_cpu_blocks = num_cpu_blocks
         self._cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, logprobs_mode)
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None  # steps with prompt chunks in graphs, where enabled

@@ -40,8 +40,10 @@ def verify(sampler: Sampler, logits: torch.Tensor, seq: Sequence, drafts: list[i
         tokens, with_logprobs = sampler.sample(logits, rows)
         results = [with_logprobs.get(i) or SampleResult(t) for i, t in enumerate(tokens)]
         return results[:num_accepted(drafts, tokens) + 1]
-    raw = torch.log_softmax(logits.float(), dim=-1) if params.logprobs is not None else None
-    probs = sampler.weights(sampler._process(logits, rows), rows)
+    processed = sampler._process(logits, rows)  # (a copy where anything applies)
+    values = None if params.logprobs is None else \
+        sampler.logprob_values(processed if sampler.processed_logprobs else logits, rows)
+    probs = sampler.weights(processed, rows)
     probs = probs / probs.sum(dim=-1, keepdim=True)
     gen = seq.generator or sampler.generator
     p_drafts = probs[torch.arange(len(drafts), device=probs.device),
@@ -58,9 +60,9 @@ def verify(sampler: Sampler, logits: torch.Tensor, seq: Sequence, drafts: list[i
     else:
         tokens.append(_draw(probs[len(drafts)], gen))
     results = [SampleResult(t) for t in tokens]
-    if raw is not None:
-        sampler._attach_logprobs(raw[:len(tokens)], torch.tensor(tokens, device=raw.device), [params] * len(tokens),
-                                 results)
+    if values is not None:
+        sampler._attach_logprobs(values[:len(tokens)], torch.tensor(tokens, device=values.device),
+                                 [params] * len(tokens), results)
     return results
 
 

@@ -1,11 +1,14 @@
 """Vectorized sampling over a batch of logits rows, each row with its own SamplingParams, on the logits' device:
 only the chosen ids and the requested logprobs cross to the host.
 
-Order: logprobs of the raw distribution; logit_bias; allowed_token_ids; bad words and min_tokens masking;
-repetition, frequency and presence penalties; the grammar's mask (structured output, only in rows that have a
-grammar); then greedy argmax, or temperature, top-k, top-p and min-p and a draw with one uniform number per
-row (`kept_weights`, `draw`). A seeded row draws its number from its own generator, so its tokens do not depend
-on the rest of the batch.
+Order: logit_bias; allowed_token_ids; bad words and min_tokens masking; repetition, frequency and presence
+penalties; the grammar's mask (structured output, only in rows that have a grammar); then greedy argmax, or
+temperature, top-k, top-p and min-p and a draw with one uniform number per row (`kept_weights`, `draw`). A
+seeded row draws its number from its own generator, so its tokens do not depend on the rest of the batch.
+
+Logprobs (the engine's logprobs_mode, as vLLM's): by default of the raw distribution, before any of that;
+processed_* of the distribution the token was drawn from (a greedy row's: its processed logits, which no
+temperature scales); *_logits the values before the softmax.
 """
 
 from __future__ import annotations
@@ -91,9 +94,11 @@ def _bad_word_ends(words: list[list[int]], output: list[int]) -> set[int]:
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, logprobs_mode: str = "raw_logprobs") -> None:
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
+        self.processed_logprobs = logprobs_mode.startswith("processed")
+        self.logprobs_as_logits = logprobs_mode.endswith("logits")
 
     @staticmethod
     def plain_greedy(seqs: list[Sequence]) -> bool:
@@ -119,13 +124,42 @@ class Sampler:
         # (DecoderLM.logits): a greedy row takes its argmax as they are (widening to float32 is exact, so the
         # choice is the same), everything else widens first.
         lp_idx = torch.tensor(lp_rows, device=logits.device) if len(lp_rows) < len(seqs) else None
-        raw_logprobs = torch.log_softmax((logits if lp_idx is None else logits[lp_idx]).float(), dim=-1)
-        tokens = self._process_and_choose(logits, seqs)
+
+        def lp_part(x: torch.Tensor) -> torch.Tensor:
+            return x if lp_idx is None else x[lp_idx]
+
+        lp_seqs = [seqs[r] for r in lp_rows]
+        if not self.processed_logprobs:  # taken before the grammar's mask, which may write into the logits
+            values = self.logprob_values(lp_part(logits), lp_seqs)
+        processed = self._processed(logits, seqs)
+        if self.processed_logprobs:
+            values = self.logprob_values(lp_part(processed), lp_seqs)
+        tokens = self._choose(processed, seqs)
         token_list = tokens.tolist()
         results = [SampleResult(token_list[r]) for r in lp_rows]
-        chosen = tokens if lp_idx is None else tokens[lp_idx]
-        self._attach_logprobs(raw_logprobs, chosen, [params[r] for r in lp_rows], results)
+        self._attach_logprobs(values, lp_part(tokens), [params[r] for r in lp_rows], results)
         return token_list, dict(zip(lp_rows, results, strict=True))
+
+    def logprob_values(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The values each row's logprobs report (logprobs_mode), in a tensor of their own: a log-softmax, or
+        logits, of the raw rows, or of the distribution each row's token is drawn from. `logits`: the raw rows,
+        or in a processed mode the rows after `_processed`."""
+        x = self._drawn_from(logits, seqs) if self.processed_logprobs else logits.float()
+        return x.clone() if self.logprobs_as_logits else torch.log_softmax(x, dim=-1)
+
+    def _drawn_from(self, processed: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The logits each row's token is drawn from: a sampled row's scaled by its temperature, with -inf where
+        top-k, top-p or min-p drop a token (the tokens `kept_weights` keeps); a greedy row's as they are."""
+        x = processed.float()
+        rand_rows = [r for r, s in enumerate(seqs) if not s.request.params.greedy]
+        if not rand_rows:
+            return x
+        x = x.clone()  # never write into the logits the model produced
+        idx = torch.tensor(rand_rows, device=x.device)
+        temperature, top_k, top_p, min_p = self._filters([seqs[r] for r in rand_rows], x.device)
+        kept = kept_weights(x[idx], temperature, top_k, top_p, min_p) > 0
+        x[idx] = torch.where(kept, x[idx] / temperature[:, None], float("-inf"))
+        return x
 
     @torch.inference_mode()
     def choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -137,13 +171,18 @@ class Sampler:
 
     def _process_and_choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Logit bias, min_tokens, penalties and the grammar's mask, then a token for each row (greedy or drawn)."""
+        return self._choose(self._processed(logits, seqs), seqs)
+
+    def _processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The logits after logit bias, allowed tokens, bad words, min_tokens, penalties and the grammar's mask:
+        the same tensor where nothing applies."""
         logits = self._process(logits, seqs)
         grammar_rows = [r for r, s in enumerate(seqs) if s.matcher is not None and not s.grammar_after]
         if grammar_rows:  # a batch without structured output never gets here
             from servelm.engine.structured import mask_logits
 
             logits = mask_logits(logits, seqs, grammar_rows)
-        return self._choose(logits, seqs)
+        return logits
 
     def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows, cols, vals = [], [], []

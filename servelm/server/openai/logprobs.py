@@ -5,6 +5,12 @@ text on its own (part of a character, a special token) cannot be told by."""
 from __future__ import annotations
 
 
+def _value(lp) -> float:
+    """A logprob as JSON can carry it: -inf (a token the sampling dropped, under --logprobs-mode
+    processed_logprobs) as -9999.0, as vLLM writes it."""
+    return max(lp.logprob, -9999.0)
+
+
 def _name(tid: int, lp, as_ids: bool) -> str | None:
     return f"token_id:{tid}" if as_ids else lp.decoded_token
 
@@ -13,7 +19,7 @@ def chat_logprobs(token_ids: list[int], entries: list, k: int, as_ids: bool = Fa
     """Chat's {"content": [{token, logprob, bytes, top_logprobs}]} with the k most likely alternatives."""
     def item(t: int, lp) -> dict:
         text = _name(t, lp, as_ids) or ""
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": _value(lp), "bytes": list(text.encode())}
 
     content = []
     for tid, pos in zip(token_ids, entries, strict=False):
@@ -28,8 +34,8 @@ def completion_logprobs(token_ids: list[int], entries: list, offset: int, as_ids
     for tid, pos in zip(token_ids, entries, strict=False):
         lp = pos[tid]
         tokens.append(_name(tid, lp, as_ids))
-        token_lps.append(lp.logprob)
-        tops.append({_name(t, v, as_ids): v.logprob for t, v in pos.items()})
+        token_lps.append(_value(lp))
+        tops.append({_name(t, v, as_ids): _value(v) for t, v in pos.items()})
         offsets.append(offset)
         offset += len(lp.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -46,8 +52,8 @@ def echo_logprobs(tok, ids: list[int], entries: list | None, k: int | None = Non
         lp = pos[tid] if pos is not None else None
         text = lp.decoded_token if lp is not None else tok.decode([tid])
         tokens.append(f"token_id:{tid}" if as_ids else text)
-        token_lps.append(lp.logprob if lp is not None else None)
-        tops.append({_name(t, v, as_ids): v.logprob for t, v in pos.items() if k is None or t == tid or v.rank <= k}
+        token_lps.append(_value(lp) if lp is not None else None)
+        tops.append({_name(t, v, as_ids): _value(v) for t, v in pos.items() if k is None or t == tid or v.rank <= k}
                     if pos is not None else None)
         offsets.append(offset)
         offset += len(text or "")
@@ -65,9 +71,9 @@ def with_echo(tok, ids: list[int], acc: dict, echo: bool, offset: int, k: int, a
 
 def prompt_logprobs(entries: list | None) -> list | None:
     """vLLM's `prompt_logprobs` field: per prompt token None (the first) or {token id: {logprob, rank,
-    decoded_token}}, the token's own entry and the top alternatives; -inf as -9999.0, which JSON can carry."""
+    decoded_token}}, the token's own entry and the top alternatives."""
     if entries is None:
         return None
-    return [None if pos is None else {str(t): {"logprob": max(v.logprob, -9999.0), "rank": v.rank,
+    return [None if pos is None else {str(t): {"logprob": _value(v), "rank": v.rank,
                                                "decoded_token": v.decoded_token} for t, v in pos.items()}
             for pos in entries]
