@@ -12,6 +12,7 @@ import base64
 import contextlib
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -193,6 +194,17 @@ class Api:
         if getattr(req, "cache_salt", None):
             parts.append("salt:" + req.cache_salt)
         return "/".join(parts) or None
+
+    @staticmethod
+    def request_ids(request: Request, prefix: str, body_id: str | None = None) -> tuple[str, str]:
+        """The response's id and the engine's, as vLLM names them: `prefix` and the request's id, which is the
+        client's x-request-id, else the body's request_id, else the gateway's own. A client's ids need not be
+        unique, so an engine id made from one gets a random tail."""
+        rec = record(request)
+        if body_id is not None and not rec.client_named:
+            rec.request_id, rec.client_named = body_id, True
+        rid = f"{prefix}{rec.request_id}"
+        return rid, f"{rid}-{uuid.uuid4().hex[:8]}" if rec.client_named else rid
 
     def log_prompt(self, request: Request, prompts: list) -> None:
         if self.state.telemetry.log_prompts or record(request).capture_text:

@@ -18,7 +18,7 @@ from starlette.routing import Match
 from servelm.server.middleware.auth import KeyStore, presented_key
 from servelm.server.middleware.ratelimit import FailureLimiter
 from servelm.server.observability.telemetry import RequestRecord
-from servelm.server.openai.protocol import APIError
+from servelm.server.openai.protocol import REQUEST_ID_PATTERN, APIError
 from servelm.server.openapi import is_oip_path, is_ollama_path, route_path
 
 logger = logging.getLogger("servelm.server")
@@ -27,7 +27,7 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/ping", "/metrics", "/v2/health/li
 # vLLM's adapter routes live under /v1 but change the server: they take the admin key like /admin
 ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/reset_prefix_cache"})
 QUIET_PATHS = OPEN_PATHS | {"/server/stats"}  # not logged or traced
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 
 
 class Gateway:
@@ -48,10 +48,11 @@ class Gateway:
         st = self.state
         headers = Headers(scope=scope)
         incoming = headers.get("x-request-id")
-        rid = incoming if incoming and _REQUEST_ID.match(incoming) else uuid.uuid4().hex
+        named = bool(incoming and _REQUEST_ID.match(incoming))
         path = route_path(scope)
-        rec = RequestRecord(rid, scope["method"], path, traceparent=headers.get("traceparent"),
-                            tracestate=headers.get("tracestate"))
+        rec = RequestRecord(incoming if named else uuid.uuid4().hex, scope["method"], path,
+                            traceparent=headers.get("traceparent"), tracestate=headers.get("tracestate"),
+                            client_named=named)
         scope.setdefault("state", {})["record"] = rec
         response_started = False
         body_done = False
@@ -61,7 +62,7 @@ class Gateway:
             if message["type"] == "http.response.start":
                 response_started = True
                 rec.status = message["status"]
-                extra = [(b"x-request-id", rid.encode())]
+                extra = [(b"x-request-id", rec.request_id.encode())]  # (a body's request_id may name it)
                 if rec.model_version is not None:
                     extra.append((b"x-servelm-model-version", rec.model_version.encode()))
                 if rec.arm is not None:
@@ -102,7 +103,7 @@ class Gateway:
             if body_done:
                 return
             if not response_started:
-                logger.exception("unhandled error in %s %s (request %s)", scope["method"], path, rid)
+                logger.exception("unhandled error in %s %s (request %s)", scope["method"], path, rec.request_id)
                 await _send_error(send_wrapped, APIError(500, "internal server error", code="internal_error"),
                                   ollama=is_ollama_path(path))
                 return

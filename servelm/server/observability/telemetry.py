@@ -23,6 +23,8 @@ class RequestRecord:
     method: str
     path: str
     start: float = field(default_factory=time.monotonic)
+    # the client chose request_id (x-request-id, or a body's request_id): unique only if the client made it so
+    client_named: bool = False
     start_ns: int = field(default_factory=time.time_ns)  # wall clock, for span timestamps
     key_name: str = "anonymous"
     api_key: object = None  # the caller's ApiKey, None without keys

@@ -4,7 +4,6 @@ not."""
 from __future__ import annotations
 
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -31,9 +30,9 @@ def add_routes(app: FastAPI, api: Api) -> None:
         show = thinking is not None and req.include_reasoning  # the reasoning the response shows
         prio = api.admit(m, request, req, [ids], [params])
         api.log_prompt(request, [msg.text() for msg in req.messages])
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid, engine_id = api.request_ids(request, "chatcmpl-", req.request_id)
         created, model = int(time.time()), m.served_name
-        job = (rid, ids, params, None, prio, api.cache_salt(request, req))
+        job = (engine_id, ids, params, None, prio, api.cache_salt(request, req))
         k = req.top_logprobs or 0
         as_ids = req.tokens_as_ids(api_config.return_tokens_as_token_ids)
         # vLLM's rule: a new turn is the response role's; a continued message keeps the role it has

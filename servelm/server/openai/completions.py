@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -44,13 +43,13 @@ def add_routes(app: FastAPI, api: Api) -> None:
                 raise APIError(400, "prompt must contain at least one token", "prompt")
             if not all(0 <= t < vocab for t in ids):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-        base = f"cmpl-{uuid.uuid4().hex}"
+        base, engine_base = api.request_ids(request, "cmpl-", req.request_id)
         created = int(time.time())
         plist = [api.params(m, req, len(ids)) for _, ids in prompts]
         prio = api.admit(m, request, req, [ids for _, ids in prompts], plist)
         api.log_prompt(request, [text if text is not None else ids for text, ids in prompts])
         salt = api.cache_salt(request, req)
-        jobs = [(f"{base}-{i}", ids, sp, text, prio, salt)
+        jobs = [(f"{engine_base}-{i}", ids, sp, text, prio, salt)
                 for i, ((text, ids), sp) in enumerate(zip(prompts, plist, strict=True))]
         # the text echoed for each prompt (token-id prompts decoded, off the loop)
         echo_texts = await api.off_loop(lambda: [text if text is not None else tok.decode(ids)

@@ -43,6 +43,10 @@ Texts = Annotated[list[Text], Field(min_length=1)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]],
                      Field(min_length=1, json_schema_extra={"x-token-ids": True})]
 Stop = Text | list[Text] | None
+# A request's id, as a client names it (the x-request-id header, vLLM's request_id field): it goes into response
+# ids, headers and logs, so it is kept to characters those carry as they are
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:\-]{1,128}$"
+RequestId = Annotated[str, Field(pattern=REQUEST_ID_PATTERN)]
 # A number of tokens to generate: /openapi.json bounds it by the context length (see openapi.py).
 Length = Annotated[int, Field(ge=1, le=INT32_MAX, json_schema_extra={"x-context-bound": True})]
 
@@ -218,6 +222,9 @@ class _SamplingFields(_VllmSampling):
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                         Field(max_length=16)] | None = None
     priority: Priority = None
+    # vLLM's: the request's id (when no x-request-id header names it): the response's id is the object's prefix
+    # and it, and the x-request-id header and the request's log line carry it
+    request_id: RequestId | None = None
     # vLLM's field: requests share prefix-cache blocks only with requests of the same salt (and, under
     # --prefix-cache-isolation key, of the same API key)
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
