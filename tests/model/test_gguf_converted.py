@@ -13,7 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_parity import GREEDY8, mixed_prompts, moe_config, phi3_config, references, save_tiny
+from family_parity import (
+    GRANITE_SCALARS,
+    GREEDY8,
+    granite_config,
+    mixed_prompts,
+    moe_config,
+    phi3_config,
+    references,
+    save_tiny,
+    smollm3_config,
+)
 from llama_cpp import ConverterUnavailable, convert
 from tiny_models import build_model, hf_greedy, random_prompts, run
 
@@ -45,14 +55,16 @@ def converted(tmp_path_factory, tokenizer_dir, model_dirs) -> dict[str, tuple[Pa
 
 
 # (qwen3moe's file differs from qwen2moe's by q/k norms, which the qwen3 file covers, and no shared expert)
-FAMILIES = {"phi3": "Phi3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+FAMILIES = {"phi3": "Phi3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+            "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 
 
 def _family_folders(root: Path, tokenizer_dir: Path) -> dict[str, Path]:
     """Phi-3 with LongRoPE and partial RoPE, and the MoE families as llama.cpp's converter takes them (every
     layer sparse; Mixtral without a window, which a llama-arch file cannot state)."""
     configs = {"phi3": phi3_config(longrope=True), "qwen2_moe": moe_config("qwen2_moe", dense_layers=()),
-               "mixtral": moe_config("mixtral", window=None)}
+               "mixtral": moe_config("mixtral", window=None), "granite": granite_config(),
+               "smollm3": smollm3_config()}
     return {n: save_tiny(c, root / n, tokenizer_dir, seed=1) for n, c in configs.items()}
 
 
@@ -60,7 +72,8 @@ def _family_folders(root: Path, tokenizer_dir: Path) -> dict[str, Path]:
 def test_converted_family_gguf_matches_its_folder(converted, name):
     """phi3: fused attn_qkv and ffn_up, the rope_factors_long/short tensors, attn factor and original context
     (LongRoPE), rope.dimension_count below the head size; qwen2moe: stacked ffn_*_exps experts, the shared
-    expert; Mixtral: a llama file with experts (Q/K rows permuted)."""
+    expert; Mixtral: a llama file with experts (Q/K rows permuted); Granite: its four multipliers under
+    llama.cpp's names; SmolLM3: no RoPE on every fourth layer, which the file does not state."""
     folder, gguf = converted[name]
     assert read_gguf_config(gguf).architectures == [FAMILIES[name]]
     prompts = mixed_prompts()
@@ -113,9 +126,20 @@ def test_mistral_gguf_warns_then_matches_with_the_window(converted, caplog):
     assert _gguf_tokens(folder, gguf, sliding_window=24) == want
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama3rope"])
+def test_granite_and_smollm3_files_read_as_their_folders_configs(converted):
+    """What the parity above rests on, named: Granite's multipliers, and SmolLM3's NoPE layers by llama.cpp's
+    every-fourth-layer rule (HF's default no_rope_layers, here layer 4 of 4)."""
+    granite = read_gguf_config(converted["granite"][1])
+    assert {k: getattr(granite, k) for k in GRANITE_SCALARS} == pytest.approx(GRANITE_SCALARS)
+    smollm3 = read_gguf_config(converted["smollm3"][1])
+    folder = json.loads((converted["smollm3"][0] / "config.json").read_text())
+    assert smollm3.no_rope_layers == folder["no_rope_layers"] == [1, 1, 1, 0]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3rope", "granite", "smollm3"])
 def test_gguf_tokenizer_and_eos_match_the_folder(converted, name):
-    """The GGUF's tokenizer, on the first start (converted) and on later ones (read from the cache)."""
+    """The GGUF's tokenizer, on the first start (converted) and on later ones (read from the cache); for
+    Granite and SmolLM3, whose files transformers' GGUF reader refuses, built from the vocabulary alone."""
     folder, gguf = converted[name]
     _, ref_cfg, ref, ref_eos = load_config_and_tokenizer(str(folder))
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
@@ -126,7 +150,12 @@ def test_gguf_tokenizer_and_eos_match_the_folder(converted, name):
         assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
             ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True), start
         assert (tok.bos_token_id, tok.eos_token_id, eos) == (ref.bos_token_id, ref.eos_token_id, ref_eos), start
-        assert (cfg.head_dim, cfg.tie_word_embeddings) == (ref_cfg.head_dim, ref_cfg.tie_word_embeddings)
+        assert (_head_dim(cfg), cfg.tie_word_embeddings) == (_head_dim(ref_cfg), ref_cfg.tie_word_embeddings)
+
+
+def _head_dim(config) -> int:
+    """A config's head size (Granite's config class has no head_dim)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 # --- files servelm cannot honour ------------------------------------------------------------------

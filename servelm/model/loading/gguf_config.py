@@ -18,7 +18,8 @@ from servelm.model.loading.gguf_header import GGUFHeader, read_f32_tensor, read_
 GGUF_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "mistral": ("mistral", "MistralForCausalLM"),
                       "qwen2": ("qwen2", "Qwen2ForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
                       "phi3": ("phi3", "Phi3ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
-                      "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"), "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
+                      "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"), "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+                      "smollm3": ("smollm3", "SmolLM3ForCausalLM"), "granite": ("granite", "GraniteForCausalLM")}
 # `{arch}.` keys this module reads (every other one is refused).
 _ARCH_KEYS = frozenset({
     "vocab_size", "context_length", "embedding_length", "feed_forward_length", "block_count",
@@ -31,6 +32,11 @@ _ARCH_KEYS = frozenset({
     "expert_count", "expert_used_count", "expert_feed_forward_length", "expert_shared_feed_forward_length",
     "expert_gating_func",
 })
+# Keys only one architecture may carry: Granite's four scalars (llama.cpp's names for its multipliers).
+_OWN_KEYS = {"granite": frozenset({"attention.scale", "embedding_scale", "residual_scale", "logit_scale"})}
+# llama.cpp's SmolLM3 runs every fourth layer without RoPE, a rule its files do not state (no_rope_layers is
+# not converted): the one HF's SmolLM3Config defaults to.
+SMOLLM3_NO_ROPE_STEP = 4
 _MOE_ARCHS = ("llama", "qwen2moe", "qwen3moe")  # the ones whose files may hold experts
 _GATING_SOFTMAX = 1  # llama.cpp's expert_gating_func for a softmax router (its default)
 _GLOBAL_TENSORS = frozenset({"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"})
@@ -123,7 +129,8 @@ def gguf_config_dict(path: Path, head: GGUFHeader) -> dict:
     if (f.get("split.count") or 1) > 1 and not head.shards:  # a split model's file, renamed: its others unknown
         r.refuse(f"it is file {f.get('split.no', 0) + 1} of {f['split.count']} of a split GGUF model, named other "
                  "than NAME-00001-of-0000N.gguf, so its other files cannot be found; restore llama.cpp's names")
-    unknown = sorted(k for k in f if k.startswith(arch + ".") and k[len(arch) + 1:] not in _ARCH_KEYS)
+    known = _ARCH_KEYS | _OWN_KEYS.get(arch, frozenset())
+    unknown = sorted(k for k in f if k.startswith(arch + ".") and k[len(arch) + 1:] not in known)
     if unknown:
         r.refuse(f"metadata {', '.join(unknown)} changes the model in a way servelm does not implement")
     n_layers = r.get("block_count", required=True)
@@ -160,6 +167,11 @@ def gguf_config_dict(path: Path, head: GGUFHeader) -> dict:
     if rope_dims != head_dim:  # Phi-4-mini: only the first rope_dims of each head rotate
         d["rope_parameters"]["partial_rotary_factor"] = rope_dims / head_dim
     d.update(_experts(r, n_layers, tensors))
+    if arch == "granite":
+        d.update(_granite(r, head_dim))
+    if arch == "smollm3":
+        d["no_rope_layers"] = [int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(n_layers)]
+        d["no_rope_layer_interval"] = SMOLLM3_NO_ROPE_STEP
     factors = read_f32_tensor(path, head, "rope_freqs.weight")
     if factors is not None:  # llama.cpp's form of Llama-3 scaling: per-dimension frequency divisors
         if d["rope_parameters"]["rope_type"] != "default":
@@ -186,6 +198,15 @@ def _gemma3(r: _Reader, head_dim: int) -> dict:
     return {"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
             "query_pre_attn_scalar": head_dim, "final_logit_softcapping": None, "attn_logit_softcapping": None,
             "gguf_norms_include_one": True}
+
+
+def _granite(r: _Reader, head_dim: int) -> dict:
+    """Granite's multipliers, as GraniteConfig names them. A file without attention.scale attends with
+    1/sqrt(head_dim), as llama.cpp does then; the others default to 1."""
+    return {"embedding_multiplier": r.get("embedding_scale", 1.0, kind=float),
+            "attention_multiplier": r.get("attention.scale", head_dim ** -0.5, kind=float),
+            "residual_multiplier": r.get("residual_scale", 1.0, kind=float),
+            "logits_scaling": r.get("logit_scale", 1.0, kind=float)}
 
 
 def _check_tensors(r: _Reader, n_layers: int) -> None:

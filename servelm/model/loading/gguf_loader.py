@@ -62,8 +62,9 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Tensors that go into the config rather than the weights (llama.cpp's Llama-3 RoPE frequency factors, Phi-3's
 # LongRoPE factors).
 _CONFIG_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
-# llama.cpp's converter permutes Q/K rows for rotary only for these architectures.
-_PERMUTED_ARCHS = {"llama", "mistral"}
+# llama.cpp's converter permutes Q/K rows for rotary only for these architectures (its Llama converter's, which
+# Granite's and SmolLM3's inherit).
+_PERMUTED_ARCHS = {"llama", "mistral", "granite", "smollm3"}
 
 
 def hf_name(gguf_name: str, arch: str | None = None) -> str | None:

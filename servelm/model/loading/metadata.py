@@ -140,9 +140,7 @@ def load_gguf_config_and_tokenizer(path: Path):
     out = converted_dir(path)
     if _has_json(out):
         return config, hf_files.tokenizer_from_folder(out)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = _gguf_tokenizer(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
         tokenizer.save_pretrained(out)
@@ -153,6 +151,20 @@ def load_gguf_config_and_tokenizer(path: Path):
     except OSError:
         pass  # a read-only cache only costs speed
     return config, tokenizer
+
+
+def _gguf_tokenizer(path: Path):
+    """transformers' tokenizer of a GGUF file's vocabulary (its tokenizer.ggml.* fields). AutoTokenizer reads the
+    file's config first, only to name the tokenizer's class, and refuses architectures its GGUF reader lacks
+    (granite, smollm3); for those the generic class builds the same tokenizer from the same fields."""
+    from transformers import AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    if read_gguf_file_header(path).fields.get("general.architecture") in GGUF_SUPPORTED_ARCHITECTURES:
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    return TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def _generic_tokenizer_class(folder: Path) -> None:
