@@ -53,7 +53,9 @@ URL_SECRETS = frozenset({"database_url", "registry_url", "redis_url"})
 
 
 # apply_chat_template's own arguments, which every rendering sets: not template variables a server default may set
-_CHAT_TEMPLATE_ARGUMENTS = frozenset({"conversation", "add_generation_prompt", "continue_final_message", "tokenize",
+# apply_chat_template's own arguments, which requests set through their own fields: never through
+# default_chat_template_kwargs or a request's chat_template_kwargs
+CHAT_TEMPLATE_ARGUMENTS = frozenset({"conversation", "add_generation_prompt", "continue_final_message", "tokenize",
                                       "tools", "documents", "chat_template", "return_dict"})
 
 
@@ -141,6 +143,10 @@ class ApiConfig:
     response_role: str = _f("assistant", "the role chat completions give their reply when the request sets "
                             "add_generation_prompt (the default), as vLLM's --response-role; without it the reply "
                             "continues the last message and takes its role")
+    trust_request_chat_template: bool = _f(False, "render a chat request's own chat_template (a Jinja template in "
+                                           "the body) instead of the model's, as vLLM's flag; without it such a "
+                                           "request is a 400. Templates run in transformers' Jinja sandbox, but a "
+                                           "template can still loop for long: set it only for trusted clients")
     middleware: tuple[str, ...] = _f((), "ASGI middleware for the HTTP app, each an import path "
                                      "(package.module.Name), as vLLM's --middleware: a class is added with "
                                      "app.add_middleware, an async function (request, call_next) as an HTTP "
@@ -167,9 +173,9 @@ class ApiConfig:
             self.default_chat_template_kwargs = json.dumps(self.default_chat_template_kwargs)
         need(self.default_chat_template_kwargs is None or _json_object(self.default_chat_template_kwargs) is not None,
              "default_chat_template_kwargs", "a JSON object, e.g. '{\"enable_thinking\": false}'")
-        reserved = sorted(set(self.chat_template_defaults()) & _CHAT_TEMPLATE_ARGUMENTS)
+        reserved = sorted(set(self.chat_template_defaults()) & CHAT_TEMPLATE_ARGUMENTS)
         need(not reserved, "default_chat_template_kwargs", "template variables other than the arguments each request "
-             f"sets itself ({', '.join(sorted(_CHAT_TEMPLATE_ARGUMENTS))}; not {', '.join(reserved)})")
+             f"sets itself ({', '.join(sorted(CHAT_TEMPLATE_ARGUMENTS))}; not {', '.join(reserved)})")
         need(all(o == "*" or o.startswith(("http://", "https://")) for o in self.allowed_origins),
              "allowed_origins", "origins like http://localhost:3000, or '*'")
         need(bool(self.response_role) and self.response_role.isprintable() and self.response_role.strip() ==

@@ -122,10 +122,15 @@ class Api:
         rendered with the model's chat template, which gets the server's default_chat_template_kwargs under the
         request's own."""
         tok = m.tokenizer
-        if getattr(tok, "chat_template", None) is None:
+        api_config = self.state.config.server.api_config
+        if "chat_template" in kw and not api_config.trust_request_chat_template:
+            raise APIError(400, "this server renders chats with its models' own templates; a request's "
+                                "chat_template needs a server started with --trust-request-chat-template",
+                           "chat_template")
+        if getattr(tok, "chat_template", None) is None and "chat_template" not in kw:
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
         conv = template_messages(messages)
-        kw = {**self.state.config.server.api_config.chat_template_defaults(), **kw}  # the request's win
+        kw = {**api_config.chat_template_defaults(), **kw}  # the request's win
         if tools:
             kw["tools"] = tools
 

@@ -21,7 +21,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
     async def chat_completions(req: p.ChatCompletionRequest, request: Request):
         m = await api.resolve(request, req.model, req=req)
         api.hold_place(m, request)
-        effort = effort_kwargs(m.tokenizer, req.reasoning_effort, "reasoning_effort")
+        effort = effort_kwargs(m.tokenizer, req.reasoning_effort, "reasoning_effort", req.chat_template)
         ids = req.truncate(await api.chat_ids(m, req.messages, req.add_generation_prompt, template_tools(req),
                                               **{**req.template_kwargs(), **effort}), m.max_model_len)
         params = api.params(m, req, len(ids))

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from servelm.beam_search import BeamSearchParams
 from servelm.config import generation
+from servelm.config.settings import CHAT_TEMPLATE_ARGUMENTS
 from servelm.engine.json_schema import check_schema
 from servelm.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams, truncate_prompt
 
@@ -514,6 +515,12 @@ class ToolFields(_Body):
         return schema
 
 
+# What a request's chat_template_kwargs may not set: apply_chat_template's arguments, which the server and the
+# request's own fields set (a template from the kwargs would skip --trust-request-chat-template). A RAG template's
+# documents, and tools, may come from them.
+_SET_BY_FIELDS = CHAT_TEMPLATE_ARGUMENTS - {"tools", "documents"}
+
+
 class ChatCompletionRequest(_SamplingFields, ToolFields):
     messages: Messages
     max_tokens: Length | None = None
@@ -524,6 +531,8 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
     # vLLM's (transformers'): the last message, an assistant's, is left open for the reply to go on from it
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: a Jinja template to render this request with, for a server started with --trust-request-chat-template
+    chat_template: Text | None = None
     # vLLM's: under a reasoning parser, false leaves the reasoning out of the response
     include_reasoning: bool = True
     # OpenAI's: the chat template's reasoning_effort, for a model whose template reads it (400 for one that
@@ -532,6 +541,11 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
 
     @model_validator(mode="after")
     def _one_way_to_end_the_prompt(self) -> ChatCompletionRequest:
+        reserved = sorted(set(self.chat_template_kwargs or ()) & _SET_BY_FIELDS)
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: the server, or the "
+                                "request's own fields, do (chat_template, add_generation_prompt, "
+                                "continue_final_message)", "chat_template_kwargs")
         if self.continue_final_message and self.add_generation_prompt:
             raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true (the reply "
                                 "either goes on from the last message or starts a new one); set "
@@ -541,7 +555,8 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
     def template_kwargs(self) -> dict[str, Any]:
         """What apply_chat_template takes besides the messages and tools."""
         return {**(self.chat_template_kwargs or {}),
-                **({"continue_final_message": True} if self.continue_final_message else {})}
+                **({"continue_final_message": True} if self.continue_final_message else {}),
+                **({"chat_template": self.chat_template} if self.chat_template is not None else {})}
 
     def structured(self) -> StructuredOutputsParams | None:
         forced = self.forced_tool_schema()

@@ -35,15 +35,15 @@ def active(setting: str) -> str | None:
     return None if setting == "none" else setting
 
 
-def effort_kwargs(tokenizer: Any, effort: str | None, param: str) -> dict:
+def effort_kwargs(tokenizer: Any, effort: str | None, param: str, template: str | None = None) -> dict:
     """The chat template variable a request's reasoning effort sets: `reasoning_effort`, for a model whose
-    template reads it (GPT-OSS's do, as vLLM passes it). With any other template the effort would change nothing,
-    so it is a 400 naming `param` rather than silently ignored."""
+    template reads it (GPT-OSS's do, as vLLM passes it), or for the request's own `template`. With any other
+    template the effort would change nothing, so it is a 400 naming `param` rather than silently ignored."""
     if effort is None:
         return {}
     if effort not in EFFORTS:
         raise APIError(400, f"{param} must be one of {', '.join(EFFORTS)}", param)
-    templates = getattr(tokenizer, "chat_template", None)
+    templates = template if template is not None else getattr(tokenizer, "chat_template", None)
     sources = templates.values() if isinstance(templates, dict) else [templates or ""]
     if not any(_EFFORT_VARIABLE.search(src) for src in sources):
         raise APIError(400, f"'{param}' needs a model whose chat template reads reasoning_effort (this model's "
