@@ -375,7 +375,7 @@ class ParallelConfig:
 
 @dataclass
 class DeviceConfig:
-    """Where and how the engine runs: the device, CUDA graphs, batch invariance, and the engine process's threads, CPUs, niceness and garbage collector."""
+    """Where and how the engine runs: the device, CUDA graphs, batch invariance, and the engine process's threads, CPUs, niceness, garbage collector and logging."""
 
     device: str = _f("cpu", "device to run on: cpu, or cuda (NVIDIA GPUs: Triton attention, CUDA graphs)")
     enforce_eager: bool = _f(False, "on CUDA, run decode steps eagerly instead of replaying CUDA graphs "
@@ -394,6 +394,10 @@ class DeviceConfig:
                               "vLLM's VLLM_CPU_OMP_THREADS_BIND); default: wherever the OS schedules them")
     cpu_nice: int = _f(0, "raise the engine process's niceness by this much (0-19): a lower CPU priority, so "
                        "a shadow or batch deployment takes only CPU the others leave idle")
+    log_config_file: str | None = _f(None, "a logging configuration (Python's logging.config dictionary schema, "
+                                     "as a JSON or YAML file) for every servelm process: the server, its engine "
+                                     "processes and tensor-parallel ranks, and uvicorn's loggers, as vLLM's "
+                                     "--log-config-file; servelm.requests is the request log")
     gc_young_threshold: int = _f(10000, "the engine process's young-generation garbage collection threshold "
                                  "(Python's default is 700): a step with hundreds of sequences allocates more "
                                  "than 700 objects, so the default collects in nearly every step (README: "
@@ -409,6 +413,13 @@ class DeviceConfig:
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1 or None")
         need(self.gc_young_threshold >= 1, "gc_young_threshold", ">= 1")
         need(0 <= self.cpu_nice <= 19, "cpu_nice", "0 to 19 (only lowering the priority needs no privilege)")
+        if self.log_config_file is not None:
+            from servelm.logs import read_config
+
+            try:
+                read_config(self.log_config_file)
+            except ValueError as e:
+                raise ConfigError("log_config_file", self.log_config_file, str(e).split(": ", 1)[-1]) from None
         need(self.cpu_bind is None or cpu_list(self.cpu_bind) is not None, "cpu_bind",
              f"a list of this process's CPUs {sorted(os.sched_getaffinity(0))} like '0-3' or '0,2'")
 

@@ -33,6 +33,7 @@ import torch
 from servelm.config.engine import EngineConfig
 from servelm.engine.kv_cache_manager import BlockOps
 from servelm.engine.kv_sizing import KVPlan
+from servelm.logs import configure_logging
 from servelm.model.decoder import DecoderLM
 
 logger = logging.getLogger(__name__)
@@ -224,6 +225,8 @@ def _serve(conn: Connection, rank: int) -> None:
 
     init = pickle.loads(conn.recv_bytes())
     config: EngineConfig = init["config"]
+    if config.device_config.log_config_file is not None:
+        configure_logging(config.device_config.log_config_file, "")
     try:
         configure_threads(config, rank)
         loaded = load_engine_model(config, tp_rank=rank, tp_size=init["size"])

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from servelm.logs import configure_logging
+
 logger = logging.getLogger("servelm.server")
 
 
@@ -317,7 +319,7 @@ async def _serve(config, sock: socket.socket, engine_factory=None) -> int:
     # passes, which otherwise walk them all between two streamed tokens
     gc.collect()
     gc.freeze()
-    server = _DrainingServer(uvicorn_config(app, srv))
+    server = _DrainingServer(uvicorn_config(app, srv, config.engine.device_config.log_config_file))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _begin_drain, server, rpc, srv.lifecycle_config.drain_timeout, sig)
@@ -381,16 +383,20 @@ async def _open_control_plane(config, state):
     return plane
 
 
-def uvicorn_config(app, srv):
+def uvicorn_config(app, srv, log_config_file: str | None = None):
     """uvicorn's settings from the server section. Its keep-alive default (5 s) equals httpx's idle expiry, so
     a client could send on a connection the server was closing at that moment (a reset, seen in a soak)."""
     import uvicorn
 
+    from servelm.logs import read_config
+
     api = srv.api_config
     tls = {"ssl_keyfile": api.ssl_keyfile, "ssl_certfile": api.ssl_certfile, "ssl_ca_certs": api.ssl_ca_certs,
            "ssl_cert_reqs": api.ssl_cert_reqs} if api.ssl_certfile else {}
-    return uvicorn.Config(app, host=api.host, port=api.port, root_path=api.root_path,
-                          log_level=api.uvicorn_log_level, access_log=False,
+    # with --log-config-file, uvicorn applies the operator's configuration (which sets its loggers' levels)
+    logging_args = {"log_config": read_config(log_config_file), "log_level": None} if log_config_file else \
+        {"log_level": api.uvicorn_log_level}
+    return uvicorn.Config(app, host=api.host, port=api.port, root_path=api.root_path, access_log=False, **logging_args,
                           timeout_graceful_shutdown=srv.lifecycle_config.drain_timeout,
                           timeout_keep_alive=api.http_keep_alive_s, http=_http_protocol(srv), **tls)
 
@@ -492,6 +498,8 @@ def check_before_start(config, args) -> str | None:
     from servelm.server.middleware import user
 
     srv, mc = config.server, config.engine.model_config
+    if config.engine.device_config.log_config_file is not None:  # the lines below already go where it says
+        configure_logging(config.engine.device_config.log_config_file, "")
     env.export_hub_settings(mc.download_dir, mc.hf_token)  # before anything finds or downloads a Hub model
     for note in config.engine.unused_vllm_settings():
         logger.info("%s", note)

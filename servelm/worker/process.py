@@ -18,6 +18,7 @@ import zmq
 
 from servelm.config.engine import EngineConfig
 from servelm.engine.sequence import Request
+from servelm.logs import configure_logging
 from servelm.lora import LoRARequest
 from servelm.worker import messages as m
 
@@ -29,7 +30,7 @@ logger = logging.getLogger("servelm.engine")
 
 def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     """Entry point of the engine process."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
+    configure_logging(config.device_config.log_config_file, "%(asctime)s %(levelname)s engine: %(message)s")
     _exit_with_parent()
     if config.device_config.cpu_nice:  # before torch starts its threads: they inherit it
         os.nice(config.device_config.cpu_nice)

@@ -16,7 +16,7 @@ ROOT = Path(servelm.__file__).parent
 # runs over any engine's generate) sit below all.
 LAYERS = {
     "config": 0, "version": 0, "sampling_params": 0, "pooling_params": 0, "outputs": 0, "progress": 0, "lora": 0,
-    "beam_search": 0,
+    "beam_search": 0, "logs": 0,
     "model": 1, "engine": 2, "worker": 3, "runtimes": 3, "control": 4, "server": 5,
     "entrypoints": 6, "bench": 6, "ray": 6, "__init__": 6, "__main__": 6,
 }

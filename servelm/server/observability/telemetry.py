@@ -12,6 +12,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from servelm.logs import named_in_log_config
+
 _request_logger = logging.getLogger("servelm.requests")
 
 
@@ -92,7 +94,10 @@ class RequestRecord:
 
 
 def setup_request_log() -> None:
-    """Request lines go to stderr as bare JSON, one per line, whatever the other loggers look like."""
+    """Request lines go to stderr as bare JSON, one per line, whatever the other loggers look like; or where the
+    operator's --log-config-file sends the servelm.requests logger."""
+    if named_in_log_config(_request_logger.name):
+        return
     _request_logger.setLevel(logging.INFO)
     _request_logger.propagate = False
     if not any(getattr(h, "_servelm", False) for h in _request_logger.handlers):
