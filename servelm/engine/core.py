@@ -320,6 +320,22 @@ class EngineCore:
         self.kv.pool.reset_prefix_cache()
         return before - len(self.kv.pool.cached)
 
+    def update_weights(self, source) -> int | None:
+        """New values for the model's weights, copied into it in place (model/weight_update.py): from a
+        checkpoint's path (a folder or a GGUF file), or from (name, tensor) pairs under Hugging Face names. Every
+        cached prefix goes with the old values. The bytes copied, or None, changing nothing, while requests are
+        in flight (their tokens would mix two models); ValueError, changing nothing, where the new weights are
+        not the running model's shapes and settings."""
+        from servelm.model.weight_update import checkpoint_weights, update_in_place
+
+        if self.has_unfinished_requests():
+            return None
+        if self.runner.tp_workers is not None:
+            raise ValueError("weights cannot be updated under tensor parallelism (each rank holds its own shard)")
+        copied = update_in_place(self.model, checkpoint_weights(self.config, self.model, source))
+        self.kv.pool.reset_prefix_cache()
+        return copied
+
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any (they also stop when this process exits)."""
         if self.runner.tp_workers is not None:

@@ -105,6 +105,11 @@ class LLMEngine:
         """Forget every cached prefix; False, changing nothing, while requests are in flight (vLLM's)."""
         return self.core.reset_prefix_cache() is not None
 
+    def update_weights(self, source) -> bool:
+        """New weights in place (EngineCore.update_weights); False, changing nothing, while requests are in
+        flight."""
+        return self.core.update_weights(source) is not None
+
     def get_stats(self) -> EngineStats:
         return self.core.stats()
 

@@ -165,6 +165,13 @@ class AsyncLLM:
         await self.start()
         return await self._engine.reset_prefix_cache() is not None
 
+    async def update_weights_from_disk(self, model_path: str) -> bool:
+        """New weights from a checkpoint on disk (a folder or a GGUF file of the same architecture and settings),
+        copied into the running model in place; every cached prefix is forgotten. False, changing nothing, while
+        requests are in flight; ValueError, changing nothing, where the checkpoint does not fit."""
+        await self.start()
+        return await self._engine.update_weights_from_disk(str(model_path)) is not None
+
     async def _adapter(self, lora: LoRARequest) -> str:
         """The name the engine holds `lora` under, loading it from its path the first time."""
         held = self._loras.get(lora.name)

@@ -67,10 +67,10 @@ class DecoderLM:
         self.dtype = dtype
         self.batch_invariant = False  # set by model.invariant.check_batch_invariant
         self.quantization = "none"  # set by the loader (model/quant/weight_only.py)
-        self.embed = weights.pop("model.embed_tokens.weight")
-        self.norm = self._norm_weight(weights.pop("model.norm.weight"))
-        lm_head = weights.pop("lm_head.weight", None)
-        self.lm_head = Linear(self.embed if lm_head is None or spec.tie_word_embeddings else lm_head)
+        # what a weight update must bring (model/weight_update.py): the checkpoint's names and shapes
+        self.checkpoint_shapes = {k: tuple(t.shape) for k, t in weights.items()
+                                  if not k.endswith("rotary_emb.inv_freq")}
+        self.embed, self.norm, self.lm_head = self._take_globals(weights)
         self.layers = [self._take_layer(weights, i) for i in range(spec.num_layers)]
         unused = [k for k in weights if not k.endswith("rotary_emb.inv_freq")]
         if unused:
@@ -109,6 +109,13 @@ class DecoderLM:
         return slots + [(lin, "bias") for lin in linears if hasattr(lin, "bias")] + [
             (k, n) for k in kernels for n in ("tiled", "panels", "weight") if hasattr(k, n)] + [
             (k.matmul, "packed") for k in kernels if isinstance(getattr(k, "matmul", None), GGUFMatmul)]
+
+    def _take_globals(self, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Linear]:
+        """The embedding, the final norm and the LM head (the embedding's, where tied), taken out of `w`."""
+        embed = w.pop("model.embed_tokens.weight")
+        norm = self._norm_weight(w.pop("model.norm.weight"))
+        lm_head = w.pop("lm_head.weight", None)
+        return embed, norm, Linear(embed if lm_head is None or self.spec.tie_word_embeddings else lm_head)
 
     def _norm_weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
         """Gemma applies RMSNorm weights as (1 + w): add the one once here, in float32."""

@@ -314,7 +314,7 @@ class AsyncEngine:
                     except Exception:  # reporting it must never stop the engine's outputs being read
                         logger.exception("on_replaced failed")
                 logger.info("engine ready (pid %s, max_model_len %d)", msg.pid, msg.max_model_len)
-            elif isinstance(msg, (m.KVCacheDone, m.LoraDone, m.ResetDone)):
+            elif isinstance(msg, (m.KVCacheDone, m.LoraDone, m.ResetDone, m.WeightsDone)):
                 fut = self._kv_ops.pop(msg.op_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
@@ -475,6 +475,18 @@ class AsyncEngine:
         """Forget every cached prefix between steps: the blocks dropped, or None while requests are in flight.
         Raises EngineDeadError if the engine is not ready."""
         return (await self._ask(lambda op_id: m.ResetPrefixCache(op_id))).num_blocks
+
+    async def update_weights_from_disk(self, path: str) -> int | None:
+        """Have the engine copy a checkpoint's weights (a folder or a GGUF file on its machine, of the running
+        model's architecture, shapes and settings) into its model between steps: the bytes copied, or None while
+        requests are in flight. ValueError, changing nothing, where the checkpoint does not fit. A restarted
+        engine loads the new checkpoint. Raises EngineDeadError if the engine is not ready."""
+        done = await self._ask(lambda op_id: m.UpdateWeights(op_id, path))
+        if done.error is not None:
+            raise ValueError(done.error)
+        if done.num_bytes is not None:  # a restart comes back with these weights
+            self.config = self.config.replace(model=path, gguf_file=None)
+        return done.num_bytes
 
     async def _ask(self, message):
         """Send `message(op_id)` to the engine and wait for its answer with that op id (KVCacheDone, LoraDone).

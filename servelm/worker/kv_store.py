@@ -31,6 +31,10 @@ class KVStore:
                                       getattr(self.core.model, "quantization", "none"))
         return self._digest
 
+    def reset_digest(self) -> None:
+        """The weights changed: the hash is computed again (from `source`) when next needed."""
+        self._digest = None
+
     def _path(self, path: str | None) -> Path:
         from servelm.engine.kv_persist import default_file
 

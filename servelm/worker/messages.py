@@ -69,7 +69,16 @@ class ResetPrefixCache(msgspec.Struct, tag="resetcache"):
     op_id: int
 
 
-EngineInput = AddRequest | Abort | FinishSample | UpdateConfig | Shutdown | Ping | KVCacheOp | LoraOp | ResetPrefixCache
+class UpdateWeights(msgspec.Struct, tag="updateweights"):
+    """New weights from a checkpoint on the engine's machine, copied in place between steps (refused while
+    requests are in flight)."""
+
+    op_id: int
+    path: str
+
+
+EngineInput = AddRequest | Abort | FinishSample | UpdateConfig | Shutdown | Ping | KVCacheOp | LoraOp | \
+    ResetPrefixCache | UpdateWeights
 
 
 class RequestError(msgspec.Struct):
@@ -146,7 +155,16 @@ class ResetDone(msgspec.Struct, tag="resetdone"):
     num_blocks: int | None = None
 
 
-EngineOutput = Ready | StepOutputs | Starting | Fatal | Pong | KVCacheDone | LoraDone | ResetDone
+class WeightsDone(msgspec.Struct, tag="weightsdone"):
+    """The answer to an UpdateWeights: the bytes copied; None where requests were in flight; or why the
+    checkpoint was refused (nothing changed)."""
+
+    op_id: int
+    num_bytes: int | None = None
+    error: str | None = None
+
+
+EngineOutput = Ready | StepOutputs | Starting | Fatal | Pong | KVCacheDone | LoraDone | ResetDone | WeightsDone
 
 encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(EngineInput)

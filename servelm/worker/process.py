@@ -106,6 +106,9 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
             if isinstance(msg, m.ResetPrefixCache):
                 out.send(m.encoder.encode(m.ResetDone(msg.op_id, core.reset_prefix_cache())))
                 continue
+            if isinstance(msg, m.UpdateWeights):
+                out.send(m.encoder.encode(_update_weights(core, kv_store, msg)))
+                continue
             if isinstance(msg, m.Ping):  # answered between steps: a hung step goes unanswered
                 out.send(m.encoder.encode(m.Pong(msg.seq)))
                 continue
@@ -176,6 +179,22 @@ def _handle(core: EngineCore, msg, eos: frozenset[int], errors: list[m.RequestEr
     elif isinstance(msg, m.UpdateConfig):
         core.update_config(msg.settings)
         logger.info("scheduler settings changed: %s", msg.settings)
+
+
+def _update_weights(core: EngineCore, kv_store, msg: m.UpdateWeights) -> m.WeightsDone:
+    """New weights from a checkpoint's path, between steps; a checkpoint that does not fit is answered, and
+    changes nothing. A KV cache saved from now on is the new weights' (its file name is their hash)."""
+    try:
+        copied = core.update_weights(msg.path)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        return m.WeightsDone(msg.op_id, error=str(e))
+    if copied is not None:
+        from servelm.model.loading.source import resolve_model
+
+        kv_store.source = resolve_model(msg.path, None)
+        kv_store.reset_digest()
+        logger.info("weights updated from %s (%.1f MB copied); prefix cache emptied", msg.path, copied / 2**20)
+    return m.WeightsDone(msg.op_id, copied)
 
 
 def _lora_op(core: EngineCore, msg: m.LoraOp) -> m.LoraDone:

@@ -173,3 +173,21 @@ def test_smollm3_and_granite_match_transformers_on_gpu(family, mode, tmp_path, t
     want = [hf_greedy(hf, p, 8) for p in prompts]
     llm = gpu_llm(folder, mode, num_kv_blocks=128)
     assert run(llm, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) == want
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_weights_updated_in_place_replay_in_the_captured_graphs(mode, tmp_path, tokenizer_dir):
+    """LLM.load_weights on a GPU: the decode graphs captured with the old weights' addresses replay the new
+    values (nothing moved), so the outputs are transformers' on the new checkpoint."""
+    from family_parity import save_tiny
+    from tiny_models import COMMON, hf_greedy
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folders = [save_tiny(LlamaConfig(**COMMON), tmp_path / f"m{seed}", tokenizer_dir, seed=seed) for seed in (0, 1)]
+    prompts = random_prompts(8, 3, 60, seed=6)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = gpu_llm(folders[0], mode, num_kv_blocks=128)
+    hf = [AutoModelForCausalLM.from_pretrained(f, dtype=torch.float32).eval() for f in folders]
+    assert run(llm, prompts, greedy) == [hf_greedy(hf[0], p, 8) for p in prompts]
+    llm.load_weights(hf[1].state_dict())
+    assert run(llm, prompts, greedy) == [hf_greedy(hf[1], p, 8) for p in prompts]

@@ -92,6 +92,58 @@ def load_engine_model(config, with_tokenizer: bool = False, tp_rank: int = 0, tp
                       tp_size=config.parallel_config.tensor_parallel_size if tp_size is None else tp_size)
 
 
+def checkpoint_tensors(src: ModelSource, hf_config, torch_dtype: torch.dtype, quantization: str):
+    """A checkpoint's (name, tensor) pairs under Hugging Face names, read one at a time, in `torch_dtype`: a GGUF
+    file's quantized linears kept as stored under quantization gguf, an fp8 checkpoint's linears as fp8 weights
+    under fp8 (dequantized under any other)."""
+    fp8 = fp8_checkpoint(hf_config) if src.kind != "gguf" else None
+    if quantization == "gguf" and src.kind != "gguf":
+        raise ValueError(f"quantization 'gguf' keeps a GGUF file's quantized types, and {src.name} is not a GGUF "
+                         "file: use int8 or int4 to quantize it at load")
+    if src.kind == "gguf":
+        tensors = iter_gguf_tensors(src.path, torch_dtype, keep_quantized=quantization == "gguf")
+    elif fp8 is None:
+        tensors = _iter_safetensors(src.path, torch_dtype)
+    else:  # fp8 codes and scales as stored, for read_fp8_checkpoint
+        tensors = _iter_safetensors(src.path, torch_dtype, fp8=True)
+    if fp8 is not None:  # joined before a tensor-parallel split, which takes dense tensors
+        keep = is_linear_weight if quantization == "fp8" else (lambda name: False)
+        tensors = read_fp8_checkpoint(tensors, fp8, torch_dtype, keep)
+    return tensors
+
+
+def quantized_at_load(tensors, quantization: str, quantization_group_size: int, torch_dtype: torch.dtype):
+    """The linears quantized as `quantization` asks (int8, int4 in groups of `quantization_group_size`, fp8),
+    the rest as they come; an fp8 checkpoint's linears are fp8 weights already and pass as they are."""
+    if quantization in ("int8", "int4"):  # from a GGUF file too: its tensors dequantized, then requantized
+        return quantize_linears(tensors, quantization, quantization_group_size, torch_dtype)
+    if quantization == "fp8":
+        return quantize_fp8_linears(tensors, torch_dtype, is_linear_weight)
+    return tensors
+
+
+def build_decoder(tensors, spec: ModelSpec, torch_dtype: torch.dtype, device: str, quantization: str = "none",
+                  quantization_group_size: int = 32, tp_rank: int = 0, tp_size: int = 1) -> DecoderLM:
+    """The DecoderLM of a checkpoint's (name, tensor) pairs, under Hugging Face names: split for rank `tp_rank`
+    of `tp_size`, quantized as `quantization` says (none, gguf: GGUF blocks as they come, int8, int4, fp8), on
+    `device`."""
+    check_shardable(spec, tp_size)
+    whole = [0]  # the checkpoint's parameter count, before a tensor-parallel split
+    if tp_size > 1:  # split before quantizing: each rank quantizes only its own slices
+        tensors = shard_tensors(_counted(tensors, whole), spec, tp_rank, tp_size)
+    tensors = quantized_at_load(tensors, quantization, quantization_group_size, torch_dtype)
+    # on the CPU, .to is a no-op; on a GPU quantized weights go there as codes and scales (model/quant/triton_matmul.py,
+    # model/quant/fp8.py);
+    # GGUF blocks (quantization gguf) are CPU only
+    weights = {name: t.to(device) for name, t in tensors}
+    num_params = whole[0] or sum(math.prod(t.shape) for t in weights.values())
+    tp = TensorParallel(tp_rank, tp_size, device) if tp_size > 1 else None
+    lm = DecoderLM(local_spec(spec, tp_rank, tp_size), weights, torch_dtype, get_backend(device), tp)
+    lm.num_params = num_params  # as the checkpoint stores them (a tied lm_head once)
+    lm.quantization = f"int4/g{quantization_group_size}" if quantization == "int4" else quantization
+    return lm
+
+
 def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str | None = None,
                dtype: str = "auto", device: str = "cpu", with_tokenizer: bool = True,
                sliding_window: int | None = None, quantization: str = "none",
@@ -132,41 +184,14 @@ def load_model(model: str | None, gguf_file: str | None = None, tokenizer: str |
                        "CPU kernels are vectorized for bfloat16 only, so the quantized linears run a scalar loop "
                        "(slow); use dtype bfloat16", quantization,
                        torch_dtype)
-    if quantization == "gguf" and src.kind != "gguf":
-        raise ValueError(f"quantization 'gguf' keeps a GGUF file's quantized types, and {src.name} is not a GGUF "
-                         "file: use int8 or int4 to quantize it at load")
-    if src.kind == "gguf":
-        tensors = iter_gguf_tensors(src.path, torch_dtype, keep_quantized=quantization == "gguf")
-    elif fp8 is None:
-        tensors = _iter_safetensors(src.path, torch_dtype)
-    else:  # fp8 codes and scales as stored, for read_fp8_checkpoint
-        tensors = _iter_safetensors(src.path, torch_dtype, fp8=True)
-    if fp8 is not None:  # joined before a tensor-parallel split, which takes dense tensors
-        keep = is_linear_weight if quantization == "fp8" else (lambda name: False)
-        tensors = read_fp8_checkpoint(tensors, fp8, torch_dtype, keep)
+    tensors = checkpoint_tensors(src, hf_config, torch_dtype, quantization)
     spec = ModelSpec.from_hf_config(hf_config, sliding_window)
-    check_shardable(spec, tp_size)
-    whole = [0]  # the checkpoint's parameter count, before a tensor-parallel split
-    if tp_size > 1:  # split before quantizing: each rank quantizes only its own slices
-        tensors = shard_tensors(_counted(tensors, whole), spec, tp_rank, tp_size)
-    if quantization in ("int8", "int4"):  # from a GGUF file too: its tensors dequantized, then requantized
-        tensors = quantize_linears(tensors, quantization, quantization_group_size, torch_dtype)
-    elif quantization == "fp8":  # an fp8 checkpoint's linears are Fp8Weights already and pass as they are
-        tensors = quantize_fp8_linears(tensors, torch_dtype, is_linear_weight)
     if getattr(hf_config, "gguf_sliding_window_unstated", False) and sliding_window is None:
         logger.warning("%s states no sliding window (llama.cpp's converter does not write Mistral's or Qwen's), "
                        "so every layer runs full attention; if the original model's config.json sets "
                        "sliding_window, pass it: LLM(..., sliding_window=N) or servelm serve --sliding-window N",
                        src.path.name)
-    # on the CPU, .to is a no-op; on a GPU quantized weights go there as codes and scales (model/quant/triton_matmul.py,
-    # model/quant/fp8.py);
-    # GGUF blocks (quantization gguf) are CPU only
-    weights = {name: t.to(device) for name, t in tensors}
-    num_params = whole[0] or sum(math.prod(t.shape) for t in weights.values())
-    tp = TensorParallel(tp_rank, tp_size, device) if tp_size > 1 else None
-    lm = DecoderLM(local_spec(spec, tp_rank, tp_size), weights, torch_dtype, get_backend(device), tp)
-    lm.num_params = num_params  # as the checkpoint stores them (a tied lm_head once)
-    lm.quantization = f"int4/g{quantization_group_size}" if quantization == "int4" else quantization
+    lm = build_decoder(tensors, spec, torch_dtype, device, quantization, quantization_group_size, tp_rank, tp_size)
     seconds = time.perf_counter() - t0
     logger.info("loaded %s (%s, %s%s) in %.1fs", src.name, spec.architecture, torch_dtype,
                 "" if quantization == "none" else f", quantization {quantization}", seconds)

@@ -41,16 +41,22 @@ class KVOut(BaseModel):
     seconds: float
 
 
+def single_engine(state, model: str | None, what: str, code: str = "invalid_kv_cache_request"):
+    """The served model named `model` (default: the default model), which must run on one engine of its own
+    (404 for a model not served from start; 400 with `code` for one on several workers: `what` says what
+    needs one engine)."""
+    served = state.models.default if model is None else \
+        next((m for m in state.models.fixed() if m.served_name == model), None)
+    if served is None:
+        raise APIError(404, f"no model {model!r} is served from start", "model", "model_not_found")
+    if not hasattr(served.engine, "kv_cache"):
+        raise APIError(400, f"{served.served_name} runs on several workers; {what}", "model", code)
+    return served
+
+
 def add_kv_routes(app: FastAPI, state) -> None:
     def engine_of(model: str | None, what: str):
-        served = state.models.default if model is None else \
-            next((m for m in state.models.fixed() if m.served_name == model), None)
-        if served is None:
-            raise APIError(404, f"no model {model!r} is served from start", "model", "model_not_found")
-        if not hasattr(served.engine, "kv_cache"):
-            raise APIError(400, f"{served.served_name} runs on several workers; {what} a single engine's cache",
-                           "model", "invalid_kv_cache_request")
-        return served
+        return single_engine(state, model, f"{what} a single engine's cache")
 
     async def run(action: str, body: KVBody | None) -> KVOut:
         body = body or KVBody()
