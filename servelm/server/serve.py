@@ -48,6 +48,8 @@ VLLM_ALWAYS_ON = {
                                  "(--tool-call-parser chooses the format)",
     "--enable-prompt-tokens-details": "usage always carries prompt_tokens_details.cached_tokens",
     "--enable-request-id-headers": "every response carries x-request-id",
+    "--enable-server-load-tracking": "GET /load always answers {\"server_load\": N}, the requests the server is "
+                                     "working on",
     "--disable-log-stats": "servelm writes no periodic statistics lines; /metrics and /server/stats have them",
     "--disable-uvicorn-access-log": "servelm's request log (--log-requests) takes the place of uvicorn's access log, "
                                     "which is never written",

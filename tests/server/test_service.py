@@ -338,6 +338,24 @@ def test_ollama_stream_abort_on_disconnect(held):
 
 
 
+def test_load_counts_the_requests_being_worked_on(held):
+    """vLLM's GET /load (open, as /metrics is, for load balancers): two requests held in the engine count 2, and
+    0 again once their clients leave."""
+    _, url = held
+
+    def load() -> int:
+        r = httpx.get(url + "/load", timeout=10)
+        assert r.status_code == 200
+        return r.json()["server_load"]
+
+    _wait(lambda: load() == 0, 60, "earlier requests to end")
+    socks = [raw_request(url, "/v1/completions", HOLD, ALICE) for _ in range(2)]
+    _wait(lambda: load() == 2, 60, "two requests in flight")
+    for s in socks:
+        s.close()
+    _wait(lambda: load() == 0, 60, "the requests to be aborted")
+
+
 def test_every_metric_is_exported_and_moved(svc, held):
     _, url = svc
     # three distinct 600-token prompts: their cached blocks overflow the 80-block pool, so the third evicts

@@ -29,6 +29,16 @@ def add_ops_routes(app: FastAPI, state) -> None:
             mm.set_live(*m.live_counts())  # what is true now, not as of the engine's last step
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/load")
+    async def server_load():
+        """vLLM's load probe, for a load balancer: the generation requests the server is working on, those in
+        its engines and those admitted and still being prepared (tokenized, templated) for them."""
+        total = 0
+        for m in state.models:
+            preparing = max(0, state.admission.num_waiting(m.served_name) - m.num_queued())
+            total += m.num_in_flight() + preparing
+        return {"server_load": total}
+
     @app.get("/server/stats")
     async def server_stats():
         """The default model's figures at the top level (as with one model), every model's under "models"."""
