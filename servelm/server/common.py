@@ -265,7 +265,8 @@ class Api:
                     rec.finish_reason = rec.finish_reason or c.finish_reason
                 if out.finished:
                     metrics.observe_finished(submitted, first, now, out.metrics.get("queue_time"), len(ids), n_out,
-                                             next((c.finish_reason for c in out.outputs), None))
+                                             next((c.finish_reason for c in out.outputs), None),
+                                             getattr(params, "n", 1), getattr(params, "max_tokens", None))
                 yield out
         except QueueTimeout as e:
             metrics.timeouts.inc()

@@ -19,6 +19,9 @@ VLLM_SERIES = {
     "vllm:request_time_per_output_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
     "vllm:request_queue_time_seconds_bucket", "vllm:request_prompt_tokens_bucket",
     "vllm:request_generation_tokens_bucket", "vllm:iteration_tokens_total_bucket",
+    "vllm:request_prefill_time_seconds_bucket", "vllm:request_decode_time_seconds_bucket",
+    "vllm:request_inference_time_seconds_bucket", "vllm:request_params_n_bucket",
+    "vllm:request_params_max_tokens_bucket",
 }
 
 
@@ -84,3 +87,20 @@ def test_lora_requests_info_follows_the_adapters_in_use(names):
     assert [s["running_lora_adapters"] for s in _lora_series(m, series)] == ["chat,sql"]
     m.on_engine_down()
     assert _lora_series(m, series) == []
+
+
+def test_a_requests_phases_add_up():
+    """Queued 1 s, its first token 2 s after it was scheduled, its last 7 s after that: prefill 2, decode 7,
+    inference 9 (their sum), each in its own histogram; its n and max_tokens too."""
+    from servelm.server.observability.metrics import Metrics
+
+    m = Metrics("tiny")
+    m.observe_finished(100.0, 103.0, 110.0, 1.0, prompt_tokens=5, output_tokens=8, finish_reason="length", n=2,
+                       max_tokens=8)
+
+    def total(name: str) -> float:
+        return m.registry.get_sample_value(f"servelm:{name}_sum", {"model_name": "tiny"})
+
+    assert (total("request_prefill_time_seconds"), total("request_decode_time_seconds"),
+            total("request_inference_time_seconds"), total("request_queue_time_seconds")) == (2.0, 7.0, 9.0, 1.0)
+    assert (total("request_params_n"), total("request_params_max_tokens")) == (2.0, 8.0)

@@ -370,7 +370,9 @@ def test_every_metric_is_exported_and_moved(svc, held):
              "servelm:requests_total"]
     for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "inter_token_latency_seconds",
               "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prompt_tokens",
-              "request_generation_tokens", "iteration_tokens_total", "batch_size"):
+              "request_generation_tokens", "iteration_tokens_total", "batch_size", "request_prefill_time_seconds",
+              "request_decode_time_seconds", "request_inference_time_seconds", "request_params_n",
+              "request_params_max_tokens"):
         moved.append(f"servelm:{h}_count")
     for name in moved:
         assert _total(s, name) > 0, name

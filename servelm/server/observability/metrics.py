@@ -21,6 +21,7 @@ _PER_TOKEN = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.
 _E2E = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_N = (1, 2, 5, 10, 20)
 
 # Engine counters that arrive as cumulative totals in EngineStats: metric suffix -> stats field.
 _ENGINE_COUNTERS = {
@@ -114,6 +115,12 @@ class Metrics:
         hist("inter_token_latency_seconds", "Time between successive outputs of a request.", _PER_TOKEN)
         hist("e2e_request_latency_seconds", "Request latency, arrival to last token.", _E2E)
         hist("request_queue_time_seconds", "Time from arrival to first scheduled.", _LATENCY)
+        hist("request_prefill_time_seconds", "Time from first scheduled to the first token (the prompt's "
+             "computation, in chunks beside other requests' steps).", _E2E)
+        hist("request_decode_time_seconds", "Time from the first token to the last.", _E2E)
+        hist("request_inference_time_seconds", "Time from first scheduled to the last token.", _E2E)
+        hist("request_params_n", "The n (samples) of each request.", _N)
+        hist("request_params_max_tokens", "The max_tokens of each request.", _TOKENS)
         hist("request_prompt_tokens", "Prompt length per request.", _TOKENS)
         hist("request_generation_tokens", "Generated tokens per request.", _TOKENS)
         counter("request_success", "Finished generation requests, by finish reason.",
@@ -156,6 +163,11 @@ class Metrics:
         self.itl = f["inter_token_latency_seconds"].labels(**m)
         self.e2e = f["e2e_request_latency_seconds"].labels(**m)
         self.queue_time = f["request_queue_time_seconds"].labels(**m)
+        self.prefill_time = f["request_prefill_time_seconds"].labels(**m)
+        self.decode_time = f["request_decode_time_seconds"].labels(**m)
+        self.inference_time = f["request_inference_time_seconds"].labels(**m)
+        self.params_n = f["request_params_n"].labels(**m)
+        self.params_max_tokens = f["request_params_max_tokens"].labels(**m)
         self.prompt_len = f["request_prompt_tokens"].labels(**m)
         self.gen_len = f["request_generation_tokens"].labels(**m)
         self.success = f["request_success"]
@@ -227,15 +239,26 @@ class Metrics:
             self._lora_info.labels(*labels).set(time.time())
 
     def observe_finished(self, arrival: float, first_token: float | None, end: float, queue_time: float | None,
-                         prompt_tokens: int, output_tokens: int, finish_reason: str | None) -> None:
-        """One engine request (all its samples) has finished."""
+                         prompt_tokens: int, output_tokens: int, finish_reason: str | None, n: int = 1,
+                         max_tokens: int | None = None) -> None:
+        """One engine request (all its samples) has finished. Its phases, as vLLM splits them: queued (arrival
+        to first scheduled), prefill (to the first token), decode (to the last)."""
         if first_token is not None:
             self.ttft.observe(first_token - arrival)
             if output_tokens > 1:
                 self.tpot.observe((end - first_token) / (output_tokens - 1))
+            self.decode_time.observe(end - first_token)
         self.e2e.observe(end - arrival)
         if queue_time is not None:
-            self.queue_time.observe(max(0.0, queue_time))
+            queue_time = max(0.0, queue_time)
+            self.queue_time.observe(queue_time)
+            scheduled = min(arrival + queue_time, first_token if first_token is not None else end)
+            if first_token is not None:
+                self.prefill_time.observe(first_token - scheduled)
+            self.inference_time.observe(end - scheduled)
+        self.params_n.observe(n)
+        if max_tokens is not None:
+            self.params_max_tokens.observe(max_tokens)
         self.prompt_len.observe(prompt_tokens)
         self.gen_len.observe(output_tokens)
         self.success.labels(self.model_name, finish_reason or "abort").inc()
