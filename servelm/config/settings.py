@@ -42,7 +42,8 @@ Priority = typing.Literal["high", "normal", "low"]
 PRIORITIES = choices(Priority)  # index = the engine's Priority value
 WebUi = typing.Literal["chat", "none"]
 PrefixCacheIsolation = typing.Literal["key", "none"]
-ToolCallParser = typing.Literal["auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic", "phi4_mini_json"]
+ToolCallParser = typing.Literal["auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic", "phi4_mini_json",
+                                "granite"]
 ReasoningParser = typing.Literal["none", "deepseek_r1", "qwen3", "mistral"]
 MetricNames = typing.Literal["servelm", "vllm"]
 UvicornLogLevel = typing.Literal["critical", "error", "warning", "info", "debug", "trace"]
@@ -126,7 +127,7 @@ class ApiConfig:
     responses_store_ttl_s: float = _f(30 * 86400.0, "seconds a stored response is kept (OpenAI's 30 days; 0: until "
                                       "dropped for room)")
     tool_call_parser: ToolCallParser = _f("auto", "auto | hermes | llama3_json | mistral | qwen3_coder | pythonic | "
-                                          "phi4_mini_json: how tool calls are read from a chat reply (auto: the "
+                                          "phi4_mini_json | granite: how tool calls are read from a chat reply (auto: the "
                                           "format the model's chat template uses, else hermes)")
     reasoning_parser: ReasoningParser = _f("none", "none | deepseek_r1 | qwen3 | mistral: split a thinking model's "
                                            "chat reply into its reasoning (<think>...</think>, Magistral's "

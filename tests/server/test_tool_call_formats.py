@@ -1,5 +1,5 @@
 """The tool-call formats beyond Hermes, end to end through the API: a server started with --tool-call-parser
-qwen3_coder (or pythonic) returns the calls a reply writes in that format as OpenAI's tool_calls, whole and
+qwen3_coder (or pythonic, or granite) returns the calls a reply writes in that format as OpenAI's tool_calls, whole and
 streamed, and as Ollama's, with qwen3_coder's raw values typed by the request's own tool schemas. In-process,
 with a stub engine that replies the given text a few characters at a time."""
 
@@ -20,6 +20,7 @@ REPLIES = {
                    "<parameter=nights>\n3\n</parameter>\n<parameter=breakfast>\ntrue\n</parameter>\n</function>\n"
                    "</tool_call>",
     "pythonic": '[book(room="101", nights=3, breakfast=True)]',
+    "granite": '<tool_call>[{"name": "book", "arguments": {"room": "101", "nights": 3, "breakfast": true}}]',
 }
 WANT = {"room": "101", "nights": 3, "breakfast": True}  # "101" stays text: the schema says string
 

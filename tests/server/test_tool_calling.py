@@ -89,6 +89,14 @@ Tools: {% for t in tools %}{{ t.function | tojson }}{% endfor %}<|im_end|>
      [("get_time", {"zone": 2})]),
     ("phi4_mini_json", "import functools, then functools.partial", None, []),
     ("phi4_mini_json", 'functools[{"name": "get_time", "arguments": {"zone": ', None, []),
+    # granite: the reply is a JSON array, after <|tool_call|> (3.0) or <tool_call> (3.1+)
+    ("granite", '<|tool_call|>[{"name": "get_time", "arguments": {"zone": 2}}, {"name": "f", "arguments": {}}]', None,
+     [("get_time", {"zone": 2}), ("f", {})]),
+    ("granite", '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]', None,
+     [("get_weather", {"city": "Paris"})]),
+    ("granite", '[{"name": "f", "arguments": {"a": [1]}}]', None, [("f", {"a": [1]})]),
+    ("granite", "The answer is [1, 2].", None, []),  # not the whole reply
+    ("granite", '<|tool_call|>[{"name": "f", "arguments": {', None, []),  # cut short: all content
 ])
 def test_parsers_whole_and_streamed_at_every_split(parser, text, content, calls):
     got_content, got = parse(parser, text, PARSE_SCHEMAS)
@@ -118,6 +126,7 @@ def test_parser_chosen_by_flag_else_by_template():
     assert choose_parser("auto", "<function=example_function_name>\n<parameter=example_parameter_1>") == \
         "qwen3_coder"
     assert choose_parser("auto", "[func_name1(params_name1=params_value1)]") == "pythonic"
+    assert choose_parser("auto", "{{- '<|start_of_role|>available_tools<|end_of_role|>' }}") == "granite"
     assert choose_parser("auto", TEMPLATE) == choose_parser("auto", None) == "hermes"
     assert choose_parser("mistral", TEMPLATE) == "mistral"
 

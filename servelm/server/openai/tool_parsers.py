@@ -11,6 +11,8 @@
   `[get_weather(city="Paris"), get_time(zone=1)]`, optionally between `<|python_start|>` and `<|python_end|>`;
   read as a syntax tree of literals, never evaluated
 - phi4_mini_json (Phi-4-mini): `functools` then a JSON array of `{"name": ..., "arguments": {...}}`
+- granite (Granite 3.x): the reply is a JSON array of `{"name": ..., "arguments": {...}}`, after `<|tool_call|>`
+  (Granite 3.0) or `<tool_call>` (3.1 and later)
 
 Text that only looks like a call (bad JSON, no name) stays content: a model's mistake is never a 500.
 """
@@ -26,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic", "phi4_mini_json")
+PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic", "phi4_mini_json", "granite")
 # a tool's name -> its parameters' JSON schema (qwen3_coder types its raw values by it)
 Schemas = Mapping[str, Mapping[str, Any]]
 
@@ -60,6 +62,8 @@ def parser_for_template(template: str | None) -> str:
         return "qwen3_coder"
     if "<|python_start|>" in text or "func_name1(" in text:
         return "pythonic"
+    if "available_tools<|end_of_role|>" in text or "<|tool_call|>" in text:  # Granite's tools role
+        return "granite"
     if "<|python_tag|>" in text or "ipython" in text:
         return "llama3_json"
     return "hermes"
@@ -113,6 +117,14 @@ def parse(parser: str, text: str, schemas: Schemas | None = None) -> tuple[str |
         items = _loads(rest.strip())
         calls = [_call(o) for o in (items if isinstance(items, list) else [items])]
         content = head
+    elif parser == "granite":
+        body = text.strip()
+        for tag in _GRANITE_TAGS:
+            body = body.removeprefix(tag).lstrip()
+        if body.startswith("["):
+            items = _loads(body)
+            calls = [_call(o) for o in items] if isinstance(items, list) and items else [None]
+            content = ""
     elif parser == "llama3_json":
         body = text.strip().removeprefix("<|python_tag|>").strip()
         if body.startswith("{"):
@@ -123,6 +135,7 @@ def parse(parser: str, text: str, schemas: Schemas | None = None) -> tuple[str |
     return (content.strip() or None), calls
 
 
+_GRANITE_TAGS = ("<|tool_call|>", "<tool_call>")
 _QWEN3_CODER_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 _XML_FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?$", re.S)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
@@ -273,9 +286,9 @@ def parse_forced(text: str, named: str | None) -> list[ToolCall] | None:
 _TAG = "<|python_tag|>"
 # where a call may begin in a reply that also has content
 _MARKERS = {"hermes": "<tool_call>", "qwen3_coder": "<tool_call>", "mistral": "[TOOL_CALLS]",
-            "phi4_mini_json": "functools[", "llama3_json": None, "pythonic": None}
+            "phi4_mini_json": "functools[", "llama3_json": None, "pythonic": None, "granite": None}
 # formats whose calls are the whole reply: how such a reply begins
-_LEADS = {"llama3_json": ("{", _TAG), "pythonic": ("[", _PY_START)}
+_LEADS = {"llama3_json": ("{", _TAG), "pythonic": ("[", _PY_START), "granite": ("[", *_GRANITE_TAGS)}
 
 
 class ToolStream:
@@ -292,7 +305,7 @@ class ToolStream:
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content to send now, calls complete now)."""
         if not self.holding:
-            if self.marker is None:  # llama3_json, pythonic: a reply that starts as a call may be one
+            if self.marker is None:  # llama3_json, pythonic, granite: a reply that starts as a call may be one
                 if not self.started:
                     lead = (self.pending + text).lstrip()
                     if not lead:
