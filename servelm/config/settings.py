@@ -44,7 +44,7 @@ WebUi = typing.Literal["chat", "none"]
 PrefixCacheIsolation = typing.Literal["key", "none"]
 ToolCallParser = typing.Literal["auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic", "phi4_mini_json",
                                 "granite"]
-ReasoningParser = typing.Literal["none", "deepseek_r1", "qwen3", "mistral"]
+ReasoningParser = typing.Literal["none", "deepseek_r1", "qwen3", "mistral", "granite"]
 MetricNames = typing.Literal["servelm", "vllm"]
 UvicornLogLevel = typing.Literal["critical", "error", "warning", "info", "debug", "trace"]
 SECRETS = frozenset({"api_key", "admin_key"})  # never printed, logged or returned
@@ -129,7 +129,7 @@ class ApiConfig:
     tool_call_parser: ToolCallParser = _f("auto", "auto | hermes | llama3_json | mistral | qwen3_coder | pythonic | "
                                           "phi4_mini_json | granite: how tool calls are read from a chat reply (auto: the "
                                           "format the model's chat template uses, else hermes)")
-    reasoning_parser: ReasoningParser = _f("none", "none | deepseek_r1 | qwen3 | mistral: split a thinking model's "
+    reasoning_parser: ReasoningParser = _f("none", "none | deepseek_r1 | qwen3 | mistral | granite: split a thinking model's "
                                            "chat reply into its reasoning (<think>...</think>, Magistral's "
                                            "[THINK]...[/THINK]; returned as message.reasoning and Ollama's "
                                            "thinking) and its content (none: all content)")

@@ -26,6 +26,15 @@ from servelm.server.openai.reasoning import ReasoningStream, split
     ("mistral", "[THINK]cut short", "cut short", None),
     ("mistral", "<think>not its tags</think>", None, "<think>not its tags</think>"),
     ("mistral", "[THI", None, "[THI"),
+    # Granite 3.2/3.3: plain-text tags, either wording
+    ("granite", "Here is my thought process:\nplan it\nHere is my response:\nThe answer.", "\nplan it\n",
+     "The answer."),
+    ("granite", "Here's my thought process: a. Here's my response:\n\nb", " a. ", "b"),
+    ("granite", "Here is my thought process: a Here's my response:\nb", " a ", "b"),  # the wordings mixed
+    ("granite", "Here is the answer.", None, "Here is the answer."),
+    ("granite", "Here is my thought process: cut short", " cut short", None),
+    ("granite", "Here is my", None, "Here is my"),
+    ("granite", "<think>not its tags</think>", None, "<think>not its tags</think>"),
 ])
 def test_whole_and_streamed_at_every_split(parser, text, reasoning, content):
     assert split(parser, text) == (reasoning, content)
@@ -50,7 +59,7 @@ def test_a_piece_is_sent_as_soon_as_it_cannot_be_a_tag():
 
 def test_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="qwen3"):
-        ReasoningStream("granite")
+        ReasoningStream("nonexistent")
 
 
 def test_params_keep_special_tokens_where_the_tags_are_special(tokenizer_dir):
@@ -76,6 +85,9 @@ def test_params_keep_special_tokens_where_the_tags_are_special(tokenizer_dir):
     plain = SamplingParams()
     fit_params("qwen3", plain, AutoTokenizer.from_pretrained(tokenizer_dir), prompt)
     assert plain.skip_special_tokens is True
+    granite = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes"]))
+    fit_params("granite", granite, AutoTokenizer.from_pretrained(tokenizer_dir), prompt)
+    assert not granite._grammar_after  # two wordings end Granite's reasoning: the grammar holds from the start
 
 
 def test_the_mistral_parser_through_the_api(tokenizer):

@@ -9,6 +9,9 @@ between `<think>` and `</think>`, and its content, the text after. Chat completi
   reply, has no reasoning and is all content); a `</think>` ends the reasoning.
 - `mistral` (Magistral): as `qwen3`, with `[THINK]` and `[/THINK]`, which Mistral's tokenizers hold as control
   tokens: the reply is decoded with its special tokens so that the parser sees them.
+- `granite` (Granite 3.2 and 3.3 with `thinking` on): as `qwen3`, with plain-text tags: "Here is my thought
+  process:" (or "Here's ...") opens the reasoning and "Here is my response:" (or "Here's ...") ends it. No token
+  sequence ends such reasoning, so a grammar (structured output, a required tool call) constrains the whole reply.
 
 The content after `</think>` starts at its first character that is not a line break. A stream is split the
 same way (`ReasoningStream`), whichever way its text is cut into pieces.
@@ -21,8 +24,11 @@ from typing import Any
 
 from servelm.server.openai.protocol import APIError
 
-# parser -> the tags around the reasoning
-TAGS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>"), "mistral": ("[THINK]", "[/THINK]")}
+# parser -> the tags around the reasoning: (the opening tags, the closing tags), each any one of a few
+TAGS = {"deepseek_r1": (("<think>",), ("</think>",)), "qwen3": (("<think>",), ("</think>",)),
+        "mistral": (("[THINK]",), ("[/THINK]",)),
+        "granite": (("Here is my thought process:", "Here's my thought process:"),
+                    ("Here is my response:", "Here's my response:"))}
 PARSERS = tuple(TAGS)
 OPENED_IN_PROMPT = {"deepseek_r1"}  # the template opens the reasoning: the reply starts inside it
 # OpenAI's reasoning_effort values; a chat template that reads the variable (GPT-OSS's) takes them as they are
@@ -61,8 +67,8 @@ def split(parser: str, text: str) -> tuple[str | None, str | None]:
 def fit_params(parser: str, params: Any, tokenizer: Any, prompt_ids: list[int]) -> None:
     """Fit a request's params to the reasoning parser: its tags decoded where the tokenizer holds them as
     special tokens (Mistral's [THINK]), and its grammar deferred (defer_grammar)."""
-    start, _ = TAGS[parser]
-    if start in (getattr(tokenizer, "all_special_tokens", None) or ()):
+    starts, _ = TAGS[parser]
+    if any(s in (getattr(tokenizer, "all_special_tokens", None) or ()) for s in starts):
         params.skip_special_tokens = False
     defer_grammar(parser, params, tokenizer, prompt_ids)
 
@@ -72,20 +78,26 @@ def defer_grammar(parser: str, params: Any, tokenizer: Any, prompt_ids: list[int
     answer, not the reasoning before it (vLLM's rule): it waits for the output to end with the closing tag as
     the tokenizer encodes it, unless the prompt already closed the reasoning (Qwen3's template with
     enable_thinking off ends with an empty `<think></think>`)."""
-    if params.structured_outputs is None:
+    _, ends = TAGS[parser]
+    if params.structured_outputs is None or len(ends) > 1:  # several ways to end it: no one token sequence
         return
-    _, end = TAGS[parser]
-    if tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False).rstrip().endswith(end):
+    if tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False).rstrip().endswith(ends[0]):
         return
-    params._grammar_after = list(tokenizer.encode(end, add_special_tokens=False))
+    params._grammar_after = list(tokenizer.encode(ends[0], add_special_tokens=False))
 
 
-def _held(text: str, tag: str) -> int:
-    """How many characters at the end of `text` could begin `tag` (and must wait for the next piece)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
+def _held(text: str, tags: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` could begin one of `tags` (and must wait for the next piece)."""
+    for n in range(min(max(map(len, tags)) - 1, len(text)), 0, -1):
+        if any(tag.startswith(text[-n:]) for tag in tags):
             return n
     return 0
+
+
+def _first(text: str, tags: tuple[str, ...]) -> tuple[int, str] | None:
+    """Where the first of `tags` to occur in `text` begins, and which it is (None: none occurs)."""
+    found = [(at, tag) for tag in tags if (at := text.find(tag)) >= 0]
+    return min(found) if found else None
 
 
 class ReasoningStream:
@@ -96,7 +108,7 @@ class ReasoningStream:
         if parser not in PARSERS:
             raise ValueError(f"unknown reasoning parser {parser!r} (one of {', '.join(PARSERS)})")
         self.parser = parser
-        self.start, self.end = TAGS[parser]
+        self.starts, self.ends = TAGS[parser]
         # "open": before the reply's first text (has it opened <think>?); "reasoning"; "content"
         self.state = "open"
         self.reasoned = False  # whether the reply has a reasoning part
@@ -116,24 +128,26 @@ class ReasoningStream:
         while True:
             if self.state == "open":
                 text = self.pending.lstrip()
-                if len(text) < len(self.start) and self.start.startswith(text):  # nothing yet, or a tag's start
+                if any(len(text) < len(s) and s.startswith(text) for s in self.starts):  # nothing yet, or a tag's start
                     return reasoning, content
-                if text.startswith(self.start):
-                    self.pending, self.state, self.reasoned = text[len(self.start):], "reasoning", True
+                opened = next((s for s in self.starts if text.startswith(s)), None)
+                if opened is not None:
+                    self.pending, self.state, self.reasoned = text[len(opened):], "reasoning", True
                 elif self.parser in OPENED_IN_PROMPT:
                     self.state, self.reasoned = "reasoning", True
                 else:
                     self.state = "content"
                     self.content_started = True
             elif self.state == "reasoning":
-                at = self.pending.find(self.end)
-                if at < 0:
-                    keep = _held(self.pending, self.end)
+                found = _first(self.pending, self.ends)
+                if found is None:
+                    keep = _held(self.pending, self.ends)
                     reasoning += self.pending[:len(self.pending) - keep]
                     self.pending = self.pending[len(self.pending) - keep:]
                     return reasoning, content
+                at, end = found
                 reasoning += self.pending[:at]
-                self.pending, self.state = self.pending[at + len(self.end):], "content"
+                self.pending, self.state = self.pending[at + len(end):], "content"
             else:
                 if not self.content_started:
                     self.pending = self.pending.lstrip("\r\n")
@@ -148,7 +162,7 @@ class ReasoningStream:
         """The text held back at the end of the reply."""
         held, self.pending = self.pending, ""
         if self.state == "open":  # the reply was only (a beginning of) <think>, or nothing
-            if held.strip() == self.start:
+            if held.strip() in self.starts:
                 self.reasoned = True
                 return "", ""
             if self.parser in OPENED_IN_PROMPT and held:
