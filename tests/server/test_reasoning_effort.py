@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from fakes import IdleEngine
+from fakes import RecordingEngine
 from transformers import AutoTokenizer
 
 from servelm.config.settings import load
@@ -18,16 +18,6 @@ EFFORT_TEMPLATE = ("{% if reasoning_effort is defined %}Reasoning: {{ reasoning_
                    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                    "{% if add_generation_prompt %}assistant:{% endif %}")
 MSGS = [{"role": "user", "content": "hi"}]
-
-
-class Recording(IdleEngine):
-    def __init__(self) -> None:
-        self.prompts: list[list[int]] = []
-
-    async def generate(self, rid, ids, *args, **kw):
-        self.prompts.append(list(ids))
-        async for out in super().generate(rid, ids, *args, **kw):
-            yield out
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +37,7 @@ def app(effort_tokenizer, tokenizer):
     from servelm.server.serve import build_state
 
     def client(tok):
-        engine = Recording()
+        engine = RecordingEngine()
         config = load({"embedding_model": "none", "log_requests": False, "reasoning_parser": "qwen3"}, env={})
         test_client = TestClient(build_app(build_state(config, tok, engine, "tiny")))
         return test_client, lambda: tok.decode(engine.prompts[-1])

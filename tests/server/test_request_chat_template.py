@@ -5,7 +5,7 @@ server and the request's fields set). In-process, with a stub engine that record
 from __future__ import annotations
 
 import pytest
-from fakes import IdleEngine
+from fakes import RecordingEngine
 from transformers import AutoTokenizer
 
 from servelm.config.settings import load
@@ -14,23 +14,13 @@ OWN = "{% for m in messages %}<<{{ m['role'] }}|{{ m['content'] }}>>{% endfor %}
 MSGS = [{"role": "user", "content": "hi there"}]
 
 
-class Recording(IdleEngine):
-    def __init__(self) -> None:
-        self.prompts: list[list[int]] = []
-
-    async def generate(self, rid, ids, *args, **kw):
-        self.prompts.append(list(ids))
-        async for out in super().generate(rid, ids, *args, **kw):
-            yield out
-
-
 def _client(tok, **cli):
     from starlette.testclient import TestClient
 
     from servelm.server.api import build_app
     from servelm.server.serve import build_state
 
-    engine = Recording()
+    engine = RecordingEngine()
     config = load({"embedding_model": "none", "log_requests": False, **cli}, env={})
     client = TestClient(build_app(build_state(config, tok, engine, "tiny")))
     client.engine = engine

@@ -7,22 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from fakes import IdleEngine
+from fakes import RecordingEngine
 
 from servelm.config.settings import load
-from servelm.outputs import CompletionOutput, RequestOutput
-
-
-class Recording(IdleEngine):
-    def __init__(self) -> None:
-        super().__init__()
-        self.engine_ids: list[str] = []
-
-    async def generate(self, rid, ids, params, prompt=None, priority=1, queue_timeout=None, cache_salt=None, *,
-                       lora=None):
-        self.engine_ids.append(rid)
-        yield RequestOutput(rid, prompt, list(ids), [CompletionOutput(0, "a", [5], finish_reason="length")], True)
-
 
 BODIES = {"/v1/completions": ({"prompt": [1, 2, 3]}, "cmpl-"),
           "/v1/chat/completions": ({"messages": [{"role": "user", "content": "hi"}]}, "chatcmpl-")}
@@ -35,7 +22,7 @@ def client(tokenizer):
     from servelm.server.api import build_app
     from servelm.server.serve import build_state
 
-    engine = Recording()
+    engine = RecordingEngine()
     config = load({"embedding_model": "none", "log_requests": False}, env={})
     with TestClient(build_app(build_state(config, tokenizer, engine, "tiny"))) as c:
         c.engine = engine

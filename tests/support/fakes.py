@@ -44,6 +44,26 @@ class IdleEngine:
         pass
 
 
+class RecordingEngine(IdleEngine):
+    """An IdleEngine that records each request it is given: (engine request id, prompt ids, SamplingParams)."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, list[int], object]] = []
+
+    @property
+    def engine_ids(self) -> list[str]:
+        return [rid for rid, _, _ in self.requests]
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [ids for _, ids, _ in self.requests]
+
+    async def generate(self, rid, ids, params, *args, **kw):
+        self.requests.append((rid, list(ids), params))
+        async for out in super().generate(rid, ids, params, *args, **kw):
+            yield out
+
+
 class StubEngine:
     """AsyncEngine's surface without a process: answers every request with its model path (the artifact of the
     version it serves; "+NAME" with LoRA adapter NAME) and remembers the prompt ids and adapter of each request.
