@@ -209,17 +209,19 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-             continue_final_message: bool = False) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate. `tools` (OpenAI
-        tool definitions) go to the template as `tools=`; the reply's calls are left to the caller to parse
-        (`servelm.server.openai.tool_parsers.parse`). `continue_final_message` (with add_generation_prompt
-        False): the reply goes on from the last message, an assistant's, as written."""
+             continue_final_message: bool = False, chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template (or `chat_template`, a Jinja template, as vLLM's) to one conversation or
+        a list of them, then generate. `tools` (OpenAI tool definitions) go to the template as `tools=`; the
+        reply's calls are left to the caller to parse (`servelm.server.openai.tool_parsers.parse`).
+        `continue_final_message` (with add_generation_prompt False): the reply goes on from the last message, an
+        assistant's, as written."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true; set "
                              "add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {}),
-                  **({"continue_final_message": True} if continue_final_message else {})}
+                  **({"continue_final_message": True} if continue_final_message else {}),
+                  **({"chat_template": chat_template} if chat_template is not None else {})}
         prompts = [self.apply_chat_template(c, add_generation_prompt, **kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
@@ -276,8 +278,9 @@ class LLM:
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             **kwargs) -> list[int]:
         tok = self.engine.tokenizer
-        if getattr(tok, "chat_template", None) is None:
-            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        if getattr(tok, "chat_template", None) is None and kwargs.get("chat_template") is None:
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template, or use generate() "
+                             "with a plain prompt")
         text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
                                        **kwargs)
         # The template already holds any BOS token it needs.

@@ -275,6 +275,10 @@ def test_offline_chat_passes_tools_to_the_template(tool_model):
     plain, offered = (llm.chat(MSGS, SamplingParams(max_tokens=1), use_tqdm=False, tools=t)[0] for t in (None, TOOLS))
     text = llm.get_tokenizer().decode(offered.prompt_token_ids)
     assert len(offered.prompt_token_ids) > len(plain.prompt_token_ids) and '"name": "get_time"' in text
+    # vLLM's chat_template argument: this conversation rendered with its own template
+    own = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
+    [out] = llm.chat(MSGS, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=own)
+    assert llm.get_tokenizer().decode(out.prompt_token_ids) == "".join(f"[{m['role']}] {m['content']}" for m in MSGS)
 
 
 THOUGHT = "<think>\nThe user wants the weather.\n</think>\n\n"
