@@ -106,6 +106,9 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # keep only the prompt's last k tokens (vLLM's left truncation; -1: the last max_model_len)
     truncate_prompt_tokens: int | None = None
+    # vLLM's: False leaves the outputs' text empty (token ids only, never decoded: a training loop's rollouts),
+    # and logprobs' decoded_token None; stop strings need the text, so they need it True
+    detokenize: bool = True
     # Filled by the engine from the model's generation config; not a user field.
     _eos_token_ids: frozenset[int] = field(default=frozenset(), repr=False)
     # bad_words as token sequences, filled where the tokenizer is (tokenize_bad_words); not a user field
@@ -167,6 +170,9 @@ class SamplingParams:
             raise bad("seed", "an integer in [-2**63, 2**64) (what a torch generator takes) or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a non-empty string or a list of non-empty strings")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are looked for in the text: they need detokenize=True (stop_token_ids "
+                             "work without it)")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
         if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(

@@ -26,7 +26,8 @@ class _Sample:
     sent_tokens: int = 0
     reported_finish: bool = False
     # a request that wants only its final text and has no stop strings: its tokens are detokenized once, when
-    # it finishes (one decode instead of one per token); `decoded` counts the tokens already in the text
+    # it finishes (one decode instead of one per token), or never under detokenize=False; `decoded` counts the
+    # tokens already in the text
     deferred: bool = False
     decoded: int = 0
 
@@ -75,7 +76,7 @@ class OutputProcessor:
                                        p.include_stop_str_in_output)
         return _Sample(detok, logprobs=[] if p.logprobs is not None else None,
                        cumulative_logprob=0.0 if p.logprobs is not None else None,
-                       deferred=p.output_kind == OutputKind.FINAL_ONLY and not p.stop)
+                       deferred=(p.output_kind == OutputKind.FINAL_ONLY and not p.stop) or not p.detokenize)
 
     def _token_str(self, tok: int) -> str:
         text = self._token_text.get(tok)
@@ -123,7 +124,8 @@ class OutputProcessor:
         if o is not None:
             st.num_cached_tokens = o.num_cached_tokens
             if o.prompt_logprobs is not None:
-                st.prompt_logprobs = [None if r is None else self._logprob_entry(r) for r in o.prompt_logprobs]
+                st.prompt_logprobs = [None if r is None else self._logprob_entry(r, st.params.detokenize)
+                                      for r in o.prompt_logprobs]
             if st.queue_time is None and o.queue_time is not None:
                 st.queue_time = o.queue_time
         st.first_token_time = st.first_token_time or now
@@ -132,7 +134,7 @@ class OutputProcessor:
             s.token_ids.extend(tokens)
             if s.logprobs is not None and o is not None:
                 for res in o.new_logprobs[:len(tokens)]:
-                    self._add_logprobs(s, res)
+                    self._add_logprobs(s, res, st.params.detokenize)
             if o is not None and o.finish_reason is not None:
                 s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
             return s.finish_reason is not None
@@ -142,7 +144,7 @@ class OutputProcessor:
             can_stop = len(s.token_ids) >= p.min_tokens
             hit = s.detok.add_token(tok, check_stop=can_stop)
             if s.logprobs is not None and o is not None and k < len(o.new_logprobs):
-                self._add_logprobs(s, o.new_logprobs[k])
+                self._add_logprobs(s, o.new_logprobs[k], True)
             if hit is not None:
                 s.finish_reason, s.stop_reason = "stop", hit
                 if o is None or o.finish_reason is None:
@@ -153,15 +155,17 @@ class OutputProcessor:
                 s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
         return s.finish_reason is not None
 
-    def _logprob_entry(self, res) -> dict[int, Logprob]:
-        """The top alternatives and the token itself (which may be outside them), by token id."""
-        entry = {tok: Logprob(lp, rank=i + 1, decoded_token=self._token_str(tok))
+    def _logprob_entry(self, res, decode: bool = True) -> dict[int, Logprob]:
+        """The top alternatives and the token itself (which may be outside them), by token id; each token's text
+        unless `decode` is False (detokenize=False: None)."""
+        text = self._token_str if decode else (lambda tok: None)
+        entry = {tok: Logprob(lp, rank=i + 1, decoded_token=text(tok))
                  for i, (tok, lp) in enumerate(res.top_logprobs or [])}
-        entry[res.token_id] = Logprob(res.logprob, rank=res.rank, decoded_token=self._token_str(res.token_id))
+        entry[res.token_id] = Logprob(res.logprob, rank=res.rank, decoded_token=text(res.token_id))
         return entry
 
-    def _add_logprobs(self, s: _Sample, res) -> None:
-        s.logprobs.append(self._logprob_entry(res))
+    def _add_logprobs(self, s: _Sample, res, decode: bool) -> None:
+        s.logprobs.append(self._logprob_entry(res, decode))
         s.cumulative_logprob += res.logprob
 
     def _make_output(self, st: _RequestState, finished: bool) -> RequestOutput:
@@ -170,7 +174,7 @@ class OutputProcessor:
         completions = []
         for i in sorted(st.samples):
             s = st.samples[i]
-            if s.deferred and s.decoded < len(s.token_ids):
+            if s.deferred and s.decoded < len(s.token_ids) and st.params.detokenize:
                 s.detok.add_tokens(s.token_ids[s.decoded:])
                 s.decoded = len(s.token_ids)
             done = s.finish_reason is not None

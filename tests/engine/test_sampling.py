@@ -219,3 +219,20 @@ def test_plain_greedy_marks_the_batches_that_may_take_their_argmax_on_the_device
                   _seq([1], [], temperature=0.0, min_tokens=2)):
         assert not Sampler.plain_greedy([greedy, other])
     assert Sampler.plain_greedy([_seq([1], [3, 4], temperature=0.0, min_tokens=2)])  # min_tokens reached
+
+
+def test_detokenize_false_gives_the_same_tokens_and_no_text(llm):
+    """vLLM's detokenize=False: the token ids (and logprobs) as with text, never decoded; stop strings, which
+    are looked for in the text, are refused with it."""
+    prompt = random_prompts(1, 9, 9, seed=24)
+    params = dict(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    on = llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0]
+    off = llm.generate(prompt, SamplingParams(**params, detokenize=False), use_tqdm=False)[0]
+    a, b = on.outputs[0], off.outputs[0]
+    assert b.token_ids == a.token_ids and b.text == "" and a.text
+    assert [{t: v.logprob for t, v in e.items()} for e in b.logprobs] == \
+        [{t: v.logprob for t, v in e.items()} for e in a.logprobs]
+    assert all(v.decoded_token is None for e in b.logprobs for v in e.values())
+    assert all(v.decoded_token is None for e in off.prompt_logprobs[1:] for v in e.values())
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["the"], detokenize=False)
