@@ -87,6 +87,15 @@ def test_documents_and_other_variables_still_reach_the_template(trusted):
     assert r.status_code == 200 and trusted.prompt() == "[doc one]<<user|hi there>>A:"
 
 
+def test_the_documents_field_reaches_the_template(trusted):
+    """vLLM's top-level documents (a RAG template's), as the template's `documents`; a document that is not a
+    mapping of strings is a 400."""
+    rag = "{% for d in documents %}[{{ d['title'] }}: {{ d['text'] }}]{% endfor %}" + OWN
+    r = chat(trusted, chat_template=rag, documents=[{"title": "a", "text": "one"}, {"title": "b", "text": "two"}])
+    assert r.status_code == 200 and trusted.prompt() == "[a: one][b: two]<<user|hi there>>A:"
+    assert chat(trusted, chat_template=rag, documents=[{"text": 1}]).status_code == 400
+
+
 def test_reasoning_effort_is_judged_by_the_template_that_renders(trusted):
     """The model's template does not read reasoning_effort (a 400); a request's template that does takes it."""
     assert chat(trusted, reasoning_effort="high").status_code == 400

@@ -533,6 +533,9 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: a Jinja template to render this request with, for a server started with --trust-request-chat-template
     chat_template: Text | None = None
+    # vLLM's: documents for a RAG chat template (Granite's, Command R's), each a mapping of strings such as
+    # {"title": ..., "text": ...}, passed to the template as `documents`
+    documents: list[dict[str, str]] | None = None
     # vLLM's: under a reasoning parser, false leaves the reasoning out of the response
     include_reasoning: bool = True
     # OpenAI's: the chat template's reasoning_effort, for a model whose template reads it (400 for one that
@@ -556,7 +559,8 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
         """What apply_chat_template takes besides the messages and tools."""
         return {**(self.chat_template_kwargs or {}),
                 **({"continue_final_message": True} if self.continue_final_message else {}),
-                **({"chat_template": self.chat_template} if self.chat_template is not None else {})}
+                **({"chat_template": self.chat_template} if self.chat_template is not None else {}),
+                **({"documents": self.documents} if self.documents is not None else {})}
 
     def structured(self) -> StructuredOutputsParams | None:
         forced = self.forced_tool_schema()
