@@ -18,7 +18,12 @@ VLLM_TRANSLATED = {
     "--num-gpu-blocks-override N": "num_kv_blocks",
     "--task TASK": "runner, as vLLM's older flag meant it: generate, embed (embedding), classify and score are "
                    "the generate and pooling runners; auto reads the model",
+    "--guided-decoding-backend NAME": "structured_output_backend, as vLLM's older flag named the grammar engine: "
+                                      "auto, xgrammar, guidance or llguidance (both llguidance)",
+    "--enable-log-outputs": "log_prompts: the request log carries the completion's text (and the prompt's)",
 }
+# --guided-decoding-backend's values -> the grammar engine (outlines, lm-format-enforcer: not served)
+_GUIDED_BACKENDS = {"auto": "auto", "xgrammar": "xgrammar", "guidance": "llguidance", "llguidance": "llguidance"}
 # --task's values -> the runner they ask for (reward, transcription and draft models are not served)
 _TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling",
                  "classify": "pooling", "score": "pooling"}
@@ -123,6 +128,13 @@ def translate(flags: dict[str, str], given: dict) -> dict:
             if value not in _TASK_RUNNERS:
                 raise ConfigError("task", value, f"one of {', '.join(_TASK_RUNNERS)} (vLLM's tasks servelm serves)")
             settings = {"runner": _TASK_RUNNERS[value]}
+        elif dest == "guided_decoding_backend":
+            if value not in _GUIDED_BACKENDS:
+                raise ConfigError("guided_decoding_backend", value, f"one of {', '.join(_GUIDED_BACKENDS)} (the "
+                                  "grammar engines servelm runs)")
+            settings = {"structured_output_backend": _GUIDED_BACKENDS[value]}
+        elif dest == "enable_log_outputs":
+            settings = {"log_prompts": True}
         else:
             raise KeyError(dest)
         out.update(settings)

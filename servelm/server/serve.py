@@ -50,6 +50,10 @@ VLLM_ALWAYS_ON = {
     "--enable-request-id-headers": "every response carries x-request-id",
     "--enable-server-load-tracking": "GET /load always answers {\"server_load\": N}, the requests the server is "
                                      "working on",
+    "--disable-custom-all-reduce": "servelm's tensor-parallel all-reduce is NCCL's (or gloo's on CPUs); it has "
+                                   "no custom kernel to turn off",
+    "--disable-frontend-multiprocessing": "the HTTP process never runs a model: the engine runs in a process of "
+                                          "its own whatever this says",
     "--disable-log-stats": "servelm writes no periodic statistics lines; /metrics and /server/stats have them",
     "--disable-uvicorn-access-log": "servelm's request log (--log-requests) takes the place of uvicorn's access log, "
                                     "which is never written",
@@ -77,6 +81,12 @@ def _add_vllm_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--task", dest="vllm_task", metavar="TASK", default=argparse.SUPPRESS,
                    help="vLLM's older form of --runner: generate, or embed, classify and score (the pooling "
                    "runner), or auto")
+    g.add_argument("--guided-decoding-backend", dest="vllm_guided_decoding_backend", metavar="NAME",
+                   default=argparse.SUPPRESS, help="vLLM's older name for --structured-output-backend: auto, "
+                   "xgrammar, guidance or llguidance")
+    g.add_argument("--enable-log-outputs", dest="vllm_enable_log_outputs", action="store_true",
+                   default=argparse.SUPPRESS, help="vLLM's: the request log carries the completion's text; sets "
+                   "--log-prompts")
     from servelm.config.vllm_flags import VLLM_ONE_WAY, VLLM_ONE_WAY_SHORT
 
     for flag, (allowed, what) in VLLM_ONE_WAY.items():

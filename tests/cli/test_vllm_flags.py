@@ -447,3 +447,27 @@ def test_a_pasted_vllm_serve_command_line_runs(llama_dir, tmp_path, tokenizer):
     assert "--pipeline-parallel-size 1 is not needed" in log and "--data-parallel-size 1 is not needed" in log
     assert "Application startup complete" in log  # --uvicorn-log-level info: uvicorn's own lines
     assert '"event": "request"' not in log and '"event":"request"' not in log  # --disable-log-requests
+
+
+@pytest.mark.parametrize(("backend", "engine"), [("xgrammar", "xgrammar"), ("guidance", "llguidance"),
+                                                 ("llguidance", "llguidance"), ("auto", "auto")])
+def test_vllms_older_guided_decoding_backend_names_the_grammar_engine(backend, engine):
+    if engine == "xgrammar":
+        pytest.importorskip("xgrammar")
+    assert _config("--guided-decoding-backend", backend).engine.structured_outputs_config \
+        .structured_output_backend == engine
+
+
+def test_guided_decoding_backend_refuses_engines_servelm_does_not_run_and_a_second_setting():
+    with pytest.raises(ConfigError, match="guided_decoding_backend") as e:
+        _config("--guided-decoding-backend", "outlines")
+    assert "xgrammar" in str(e.value)
+    with pytest.raises(ConfigError, match="given once"):
+        _config("--guided-decoding-backend", "xgrammar", "--structured-output-backend", "llguidance")
+
+
+def test_enable_log_outputs_and_the_flags_for_what_servelm_always_does():
+    assert _config("--enable-log-outputs").server.observability_config.log_prompts is True
+    assert _config().server.observability_config.log_prompts is False
+    for flag in ("--disable-custom-all-reduce", "--disable-frontend-multiprocessing"):
+        assert flag in _serve_args(flag).vllm_always_on
