@@ -117,10 +117,11 @@ class Api:
         return m.tokenizer(text, **kw).input_ids
 
     async def chat_ids(self, m, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
-                       tools: list[dict] | None = None, **kw) -> list[int]:
+                       tools: list[dict] | None = None, add_special_tokens: bool = False, **kw) -> list[int]:
         """The prompt token ids of a conversation (with its tool calls and results, and the tools on offer),
         rendered with the model's chat template, which gets the server's default_chat_template_kwargs under the
-        request's own."""
+        request's own; `add_special_tokens`: the tokenizer's own (a BOS) added on top of what the template
+        wrote."""
         tok = m.tokenizer
         api_config = self.state.config.server.api_config
         if "chat_template" in kw and not api_config.trust_request_chat_template:
@@ -140,7 +141,7 @@ class Api:
                                                **kw)
             except Exception as e:  # template errors are the caller's input
                 raise APIError(400, f"chat template failed: {e}", "messages") from e
-            return self.encode(m, text, add_special_tokens=False)
+            return self.encode(m, text, add_special_tokens=add_special_tokens)
         return await self.off_loop(render)
 
     # -- admission ---------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ def add_routes(app: FastAPI, api: Api) -> None:
         api.hold_place(m, request)
         effort = effort_kwargs(m.tokenizer, req.reasoning_effort, "reasoning_effort", req.chat_template)
         ids = req.truncate(await api.chat_ids(m, req.messages, req.add_generation_prompt, template_tools(req),
-                                              **{**req.template_kwargs(), **effort}), m.max_model_len)
+                                              req.add_special_tokens, **{**req.template_kwargs(), **effort}),
+                           m.max_model_len)
         params = api.params(m, req, len(ids))
         api_config = api.state.config.server.api_config
         tools, thinking = reply_readers(api_config, m, req, params, ids)

@@ -16,16 +16,18 @@ from servelm.server.openai.logprobs import completion_logprobs, echo_logprobs, p
 from servelm.server.openai.protocol import APIError
 
 
-async def _prompts(api: Api, m, prompt) -> list[tuple[str | None, list[int]]]:
-    """(text or None, token ids) of each prompt in a completions request."""
+async def _prompts(api: Api, m, prompt, special: bool = True) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) of each prompt in a completions request; `special`: with the tokenizer's special
+    tokens added to a text (token ids are taken as they are)."""
     if isinstance(prompt, str):
-        return [(prompt, await api.off_loop(api.encode, m, prompt))]
+        return [(prompt, await api.off_loop(lambda: api.encode(m, prompt, add_special_tokens=special)))]
     if not prompt:
         raise APIError(400, "prompt must not be empty", "prompt")
     if isinstance(prompt[0], int):
         return [(None, list(prompt))]
     if isinstance(prompt[0], str):
-        return list(zip(prompt, await api.off_loop(lambda: [api.encode(m, s) for s in prompt]), strict=True))
+        return list(zip(prompt, await api.off_loop(lambda: [api.encode(m, s, add_special_tokens=special)
+                                                            for s in prompt]), strict=True))
     return [(None, list(ids)) for ids in prompt]
 
 
@@ -36,7 +38,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         api.hold_place(m, request)
         tok = m.tokenizer
         prompts = [(text, ids) if len(cut := req.truncate(ids, m.max_model_len)) == len(ids) else (None, cut)
-                   for text, ids in await _prompts(api, m, req.prompt)]  # a cut prompt echoes its kept tokens
+                   for text, ids in await _prompts(api, m, req.prompt, req.add_special_tokens)]  # a cut prompt echoes its kept tokens
         vocab = vocab_size(m)
         for _, ids in prompts:
             if not ids:

@@ -360,6 +360,8 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX, json_schema_extra={"x-context-bound": True})] | None = 16
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None  # at most --max-logprobs
+    # vLLM's: the tokenizer's special tokens (a BOS) added to a text prompt
+    add_special_tokens: bool = True
 
     def sampling_params(self, default_max: int, defaults: Mapping | None = None) -> SamplingParams | BeamSearchParams:
         if self.use_beam_search and self.echo and (self.max_tokens == 0 or self.logprobs is not None):
@@ -533,6 +535,9 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: a Jinja template to render this request with, for a server started with --trust-request-chat-template
     chat_template: Text | None = None
+    # vLLM's: the tokenizer's special tokens (a BOS) added on top of what the chat template writes (which for
+    # most models already holds them, hence the default)
+    add_special_tokens: bool = False
     # vLLM's: documents for a RAG chat template (Granite's, Command R's), each a mapping of strings such as
     # {"title": ..., "text": ...}, passed to the template as `documents`
     documents: list[dict[str, str]] | None = None
