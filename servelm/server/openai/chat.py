@@ -38,6 +38,8 @@ def add_routes(app: FastAPI, api: Api) -> None:
         as_ids = req.tokens_as_ids(api_config.return_tokens_as_token_ids)
         # vLLM's rule: a new turn is the response role's; a continued message keeps the role it has
         role = api_config.response_role if req.add_generation_prompt else req.messages[-1].role
+        # vLLM's echo: a reply that continues the last message (its role) carries that message's text first
+        echoed = req.messages[-1].text() if req.echo and req.messages[-1].role == role else ""
 
         if req.stream:
             head = await api.open(m, request, job)
@@ -57,7 +59,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
                 try:
                     for j in range(req.n):
                         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                                   "choices": [{"index": j, "delta": {"role": role, "content": "",
+                                   "choices": [{"index": j, "delta": {"role": role, "content": echoed,
                                                                       "refusal": None},
                                                 "logprobs": None, "finish_reason": None}], **so_far(),
                                    **({"prompt_token_ids": ids} if req.return_token_ids and j == 0 else {})})
@@ -111,6 +113,8 @@ def add_routes(app: FastAPI, api: Api) -> None:
             message["role"] = role
             if text is None and not message.get("tool_calls"):
                 message["content"] = None  # all reasoning (cut short before its end)
+            if echoed:
+                message["content"] = echoed + (message["content"] or "")
             if show:
                 message["reasoning"] = message["reasoning_content"] = thought
             choices.append({"index": j, "message": message,

@@ -538,6 +538,8 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
     # vLLM's: the tokenizer's special tokens (a BOS) added on top of what the chat template writes (which for
     # most models already holds them, hence the default)
     add_special_tokens: bool = False
+    # vLLM's: the reply's content begins with the last message's when the reply continues it (same role)
+    echo: bool = False
     # vLLM's: documents for a RAG chat template (Granite's, Command R's), each a mapping of strings such as
     # {"title": ..., "text": ...}, passed to the template as `documents`
     documents: list[dict[str, str]] | None = None
