@@ -57,4 +57,3 @@ def test_force_include_usage_ends_every_stream_with_it(tokenizer, path):
     forced = _chunks(tokenizer, path, BODIES[path], enable_force_include_usage=True)
     assert forced[-1]["choices"] == [] and forced[-1]["usage"]["completion_tokens"] == 3
     assert all("usage" not in c for c in forced[:-1])  # only the last, unless continuous_usage_stats asks
-
