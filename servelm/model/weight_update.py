@@ -133,12 +133,18 @@ def differing_setting(running: Any, new: Any) -> str | None:
     another model (its RoPE base, norm epsilon, window...), which a weight update cannot change."""
     import dataclasses
 
-    for f in dataclasses.fields(running):
-        a, b = getattr(running, f.name), getattr(new, f.name)
-        same = torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else a == b
-        if not same:
-            return f.name
-    return None
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
+                and torch.equal(a, b)
+        if dataclasses.is_dataclass(a) and type(a) is type(b):  # MoE options, which hold tuples and tensors
+            return all(same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+        return a == b
+
+    return next((f.name for f in dataclasses.fields(running)
+                 if not same(getattr(running, f.name), getattr(new, f.name))), None)
 
 
 def checkpoint_weights(config: Any, model: Any, source: Any):

@@ -135,3 +135,15 @@ def test_a_gguf_model_kept_quantized_takes_a_gguf_file():
         llm.load_weights({"model.norm.weight": torch.ones(576)})
     llm.update_weights_from_disk(str(path))
     assert llm.generate([prompt], GREEDY8, use_tqdm=False)[0].outputs[0].token_ids == before
+
+
+def test_a_mixture_of_experts_model_takes_new_weights(tmp_path, tokenizer_dir):
+    """Qwen3-MoE: its router and stacked experts (and the spec's MoE options, compared field by field) too."""
+    from family_parity import moe_config
+
+    a, b = (save_tiny(moe_config("qwen3_moe"), tmp_path / name, tokenizer_dir, seed=seed)
+            for name, seed in (("a", 0), ("b", 1)))
+    llm = LLM(str(a), dtype="float32", num_kv_blocks=64)
+    check(llm, a, "float32")
+    llm.update_weights_from_disk(str(b))
+    check(llm, b, "float32")
