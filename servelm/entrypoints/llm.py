@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from servelm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, top_logprobs
 from servelm.config.engine import ENGINE_FIELDS, EngineConfig
 from servelm.engine.llm_engine import LLMEngine
+from servelm.engine.sequence import Priority
 from servelm.entrypoints.pooling import EncoderModel
 from servelm.lora import LoRARequest
 from servelm.outputs import (
@@ -173,10 +174,12 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-                 ) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate completions; outputs come back in the order of `prompts`. `lora_request`: a LoRA adapter for
-        every prompt, or a list with one (or None, the base model) per prompt; needs `enable_lora=True`."""
+        every prompt, or a list with one (or None, the base model) per prompt; needs `enable_lora=True`.
+        `priority`: one per prompt, as vLLM's (0 high, 1 normal, 2 low: lower is scheduled first, and may
+        preempt a higher one under the priority scheduling policy, the default)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -192,12 +195,16 @@ class LLM:
             loras = list(lora_request)
             if len(loras) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
+        priorities = [Priority.NORMAL] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts) or any(p not in tuple(Priority) for p in priorities):
+            raise ValueError(f"priority must be one of {', '.join(str(int(p)) for p in Priority)} (lower first) "
+                             f"for each of the {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
+            for prompt, params, lora, prio in zip(prompts, params_list, loras, priorities, strict=True):
                 rid = str(next(self._ids))
                 params = dataclasses.replace(params, output_kind=OutputKind.FINAL_ONLY)
-                self.engine.add_request(rid, _unwrap(prompt), params, lora_request=lora)
+                self.engine.add_request(rid, _unwrap(prompt), params, priority=int(prio), lora_request=lora)
                 ids.append(rid)
         except Exception:
             for rid in ids:
