@@ -6,7 +6,8 @@ with a stub engine that records each prompt."""
 from __future__ import annotations
 
 import pytest
-from test_reasoning_effort import EFFORT_TEMPLATE, Recording
+from fakes import RecordingEngine
+from test_reasoning_effort import EFFORT_TEMPLATE
 from transformers import AutoTokenizer
 
 from servelm.config.settings import load
@@ -21,7 +22,7 @@ def app(tokenizer_dir):
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     tok.chat_template = EFFORT_TEMPLATE
-    engine = Recording()
+    engine = RecordingEngine()
     config = load({"embedding_model": "none", "log_requests": False}, env={})
     with TestClient(build_app(build_state(config, tok, engine, "tiny"))) as client:
         yield client, lambda: tok.decode(engine.prompts[-1])
