@@ -37,11 +37,13 @@ def read_config(path: str) -> dict:
     return data
 
 
-def configure_logging(log_config_file: str | None, fmt: str) -> None:
-    """Plain `fmt` lines on stderr at INFO, or the operator's configuration from `log_config_file`. Loggers it
-    does not name keep working (existing ones are not disabled unless the file says so)."""
+def configure_logging(log_config_file: str | None, fmt: str | None = None) -> None:
+    """The operator's configuration from `log_config_file`; without one, plain `fmt` lines on stderr at INFO
+    (None: the process's logging as it is). Loggers the file does not name keep working (existing ones are not
+    disabled unless the file says so)."""
     if log_config_file is None:
-        logging.basicConfig(level=logging.INFO, format=fmt)
+        if fmt is not None:
+            logging.basicConfig(level=logging.INFO, format=fmt)
         return
     data = read_config(log_config_file)
     data.setdefault("disable_existing_loggers", False)

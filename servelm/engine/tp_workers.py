@@ -225,8 +225,7 @@ def _serve(conn: Connection, rank: int) -> None:
 
     init = pickle.loads(conn.recv_bytes())
     config: EngineConfig = init["config"]
-    if config.device_config.log_config_file is not None:
-        configure_logging(config.device_config.log_config_file, "")
+    configure_logging(config.device_config.log_config_file)
     try:
         configure_threads(config, rank)
         loaded = load_engine_model(config, tp_rank=rank, tp_size=init["size"])

@@ -84,10 +84,9 @@ def _load_llm(args: argparse.Namespace):
     from servelm.model.loading.metadata import check_model
 
     config = engine_config_from_args(args)
-    if config.device_config.log_config_file is not None:
-        from servelm.logs import configure_logging
+    from servelm.logs import configure_logging
 
-        configure_logging(config.device_config.log_config_file, "")
+    configure_logging(config.device_config.log_config_file)
     fetch_models(config)  # a Hub model not yet in the Hugging Face cache: downloaded now
     check_model(*engine_model(config.model_config))
     from servelm.entrypoints.llm import LLM

@@ -158,9 +158,12 @@ def checkpoint_weights(config: Any, model: Any, source: Any):
     kind, _, group = getattr(model, "quantization", "none").partition("/g")
     group_size = int(group) if group else config.model_config.quantization_group_size
     if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
-        from servelm.model.loading.metadata import load_config_and_eos
+        from servelm.model.loading.metadata import load_config
+        from servelm.model.loading.source import resolve_model
 
-        src, hf_config, _ = load_config_and_eos(str(source), None, None)
+        # the weights and the config only: a trainer's checkpoint need not hold tokenizer files
+        src = resolve_model(str(source), None)
+        hf_config = load_config(src)
         other = differing_setting(model.spec, ModelSpec.from_hf_config(hf_config, config.model_config.sliding_window))
         if other is not None:
             raise ValueError(f"{source} is another model than the running one (its {other} differs): a weight "

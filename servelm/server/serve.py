@@ -510,8 +510,7 @@ def check_before_start(config, args) -> str | None:
     from servelm.server.middleware import user
 
     srv, mc = config.server, config.engine.model_config
-    if config.engine.device_config.log_config_file is not None:  # the lines below already go where it says
-        configure_logging(config.engine.device_config.log_config_file, "")
+    configure_logging(config.engine.device_config.log_config_file)  # the lines below go where it says
     env.export_hub_settings(mc.download_dir, mc.hf_token)  # before anything finds or downloads a Hub model
     for note in config.engine.unused_vllm_settings():
         logger.info("%s", note)

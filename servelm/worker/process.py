@@ -182,12 +182,16 @@ def _handle(core: EngineCore, msg, eos: frozenset[int], errors: list[m.RequestEr
 
 
 def _update_weights(core: EngineCore, kv_store, msg: m.UpdateWeights) -> m.WeightsDone:
-    """New weights from a checkpoint's path, between steps; a checkpoint that does not fit is answered, and
-    changes nothing. A KV cache saved from now on is the new weights' (its file name is their hash)."""
+    """New weights from a checkpoint's path, between steps; a checkpoint that does not fit, or cannot be read
+    (damaged files), is answered, and changes nothing: every file is read and checked before the first copy.
+    A KV cache saved from now on is the new weights' (its file name is their hash)."""
     try:
         copied = core.update_weights(msg.path)
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except (ValueError, OSError) as e:
         return m.WeightsDone(msg.op_id, error=str(e))
+    except Exception as e:  # a reader's own error type (safetensors, gguf): the checkpoint is the caller's input
+        logger.warning("weights from %s refused: %s: %s", msg.path, type(e).__name__, e)
+        return m.WeightsDone(msg.op_id, error=f"{msg.path} cannot be read as a checkpoint ({type(e).__name__}: {e})")
     if copied is not None:
         from servelm.model.loading.source import resolve_model
 

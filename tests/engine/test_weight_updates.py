@@ -147,3 +147,14 @@ def test_a_mixture_of_experts_model_takes_new_weights(tmp_path, tokenizer_dir):
     check(llm, a, "float32")
     llm.update_weights_from_disk(str(b))
     check(llm, b, "float32")
+
+
+def test_a_checkpoint_of_weights_and_config_alone_is_enough(checkpoints, tmp_path):
+    """What a trainer writes: config.json and the safetensors, no tokenizer files."""
+    bare = tmp_path / "step-1"
+    bare.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (bare / f).write_bytes((checkpoints["b"] / f).read_bytes())
+    llm = LLM(str(checkpoints["a"]), dtype="float32", num_kv_blocks=64)
+    llm.update_weights_from_disk(str(bare))
+    check(llm, checkpoints["b"], "float32")

@@ -48,8 +48,12 @@ def _greedy(url: str, prompts) -> tuple[list[list[int]], list[int]]:
     return toks, cached
 
 
-def test_a_served_model_takes_a_checkpoint_from_disk(checkpoints):
+def test_a_served_model_takes_a_checkpoint_from_disk(checkpoints, tmp_path):
     prompts = mixed_prompts()
+    damaged = tmp_path / "damaged"  # a's config beside weights that are not a safetensors file
+    damaged.mkdir()
+    (damaged / "config.json").write_bytes((checkpoints["a"] / "config.json").read_bytes())
+    (damaged / "model.safetensors").write_bytes(b"not a safetensors file")
     proc, url = start_server(checkpoints["a"], "--embedding-model", "none", "--admin-key", ADMIN_KEY)
     try:
         assert _greedy(url, prompts)[0] == references(checkpoints["a"], "float32", prompts)
@@ -64,6 +68,9 @@ def test_a_served_model_takes_a_checkpoint_from_disk(checkpoints):
         r = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(checkpoints["wider"])},
                        headers=ADMIN, timeout=120)
         assert r.status_code == 400 and r.json()["error"]["param"] == "model_path", r.text
+        r = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(damaged)}, headers=ADMIN,
+                       timeout=120)
+        assert r.status_code == 400 and "cannot be read" in r.json()["error"]["message"], r.text
         r = httpx.post(url + "/update_weights_from_disk", json={**body, "model": "other"}, headers=ADMIN)
         assert r.status_code == 404
         assert _greedy(url, prompts)[0] == references(checkpoints["b"], "float32", prompts)  # unchanged

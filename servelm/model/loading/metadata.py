@@ -135,12 +135,13 @@ def load_gguf_config_and_tokenizer(path: Path):
     vocabulary, cached after the first time). The config comes first: a file servelm cannot run is refused
     before the tokenizer costs anything or leaves a cache folder behind."""
     set_hf_env()
-    config_json = gguf_config_dict(path, read_gguf_file_header(path))
+    head = read_gguf_file_header(path)
+    config_json = gguf_config_dict(path, head)
     config = config_from_dict(config_json)
     out = converted_dir(path)
     if _has_json(out):
         return config, hf_files.tokenizer_from_folder(out)
-    tokenizer = _gguf_tokenizer(path)
+    tokenizer = _gguf_tokenizer(path, head.fields.get("general.architecture"))
     try:
         out.mkdir(parents=True, exist_ok=True)
         tokenizer.save_pretrained(out)
@@ -153,14 +154,14 @@ def load_gguf_config_and_tokenizer(path: Path):
     return config, tokenizer
 
 
-def _gguf_tokenizer(path: Path):
+def _gguf_tokenizer(path: Path, arch: str | None):
     """transformers' tokenizer of a GGUF file's vocabulary (its tokenizer.ggml.* fields). AutoTokenizer reads the
     file's config first, only to name the tokenizer's class, and refuses architectures its GGUF reader lacks
     (granite, smollm3); for those the generic class builds the same tokenizer from the same fields."""
     from transformers import AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    if read_gguf_file_header(path).fields.get("general.architecture") in GGUF_SUPPORTED_ARCHITECTURES:
+    if arch in GGUF_SUPPORTED_ARCHITECTURES:
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 

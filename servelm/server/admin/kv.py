@@ -41,15 +41,16 @@ class KVOut(BaseModel):
     seconds: float
 
 
-def single_engine(state, model: str | None, what: str, code: str = "invalid_kv_cache_request"):
-    """The served model named `model` (default: the default model), which must run on one engine of its own
-    (404 for a model not served from start; 400 with `code` for one on several workers: `what` says what
-    needs one engine)."""
+def single_engine(state, model: str | None, what: str, code: str = "invalid_kv_cache_request",
+                  needs: str = "kv_cache"):
+    """The served model named `model` (default: the default model), which must run on one engine of its own,
+    one with the method `needs` (404 for a model not served from start; 400 with `code` for one on several
+    workers: `what` says what needs one engine)."""
     served = state.models.default if model is None else \
         next((m for m in state.models.fixed() if m.served_name == model), None)
     if served is None:
         raise APIError(404, f"no model {model!r} is served from start", "model", "model_not_found")
-    if not hasattr(served.engine, "kv_cache"):
+    if not hasattr(served.engine, needs):
         raise APIError(400, f"{served.served_name} runs on several workers; {what}", "model", code)
     return served
 

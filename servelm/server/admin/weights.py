@@ -40,7 +40,8 @@ def add_weight_routes(app: FastAPI, state) -> None:
         shapes or settings; either way nothing changes. A restarted engine loads the new checkpoint."""
         from servelm.worker.client import EngineDeadError
 
-        served = single_engine(state, body.model, "update a single engine's weights", "invalid_weights_request")
+        served = single_engine(state, body.model, "update a single engine's weights", "invalid_weights_request",
+                               needs="update_weights_from_disk")
         try:
             copied = await served.engine.update_weights_from_disk(body.model_path)
         except EngineDeadError as e:
