@@ -398,6 +398,11 @@ class DeviceConfig:
                                      "as a JSON or YAML file) for every servelm process: the server, its engine "
                                      "processes and tensor-parallel ranks, and uvicorn's loggers, as vLLM's "
                                      "--log-config-file; servelm.requests is the request log")
+    enable_sleep_mode: bool = _f(False, "let the engine be put to sleep while idle (vLLM's --enable-sleep-mode): "
+                                 "it gives back its KV cache's memory and its weights' (level 1 keeps them in host "
+                                 "memory, level 2 discards them) and takes them again when woken; POST /sleep, "
+                                 "/wake_up and GET /is_sleeping with the admin key, LLM.sleep() and wake_up() "
+                                 "(docs: Weight updates and sleep mode)")
     gc_young_threshold: int = _f(10000, "the engine process's young-generation garbage collection threshold "
                                  "(Python's default is 700): a step with hundreds of sequences allocates more "
                                  "than 700 objects, so the default collects in nearly every step (README: "
@@ -651,6 +656,8 @@ class EngineConfig(SectionedConfig):
              "fixed order)")
         need(cache.kv_cache_dtype == "auto" or not device.batch_invariant, "kv_cache_dtype", "auto with "
              "batch_invariant (an fp8 cache is read through PyTorch, not the C++ kernels that fix the order)")
+        need(not device.enable_sleep_mode or self.speculative_config.speculative_model is None, "enable_sleep_mode",
+             "false with a draft model (its weights and KV cache would stay awake)")
         tp = self.parallel_config.tensor_parallel_size
         overlap = self.scheduler_config.async_scheduling  # as given: None is decided by async_scheduling_on()
         need(not overlap or not self._speculates(), "async_scheduling", "false with speculative decoding (a "
@@ -667,7 +674,8 @@ class EngineConfig(SectionedConfig):
                          "are not split)"),
                         (model.quantization != "fp8", "quantization none, int8 or int4 (fp8 weights are not split; "
                          "an fp8 checkpoint is dequantized under none)"),
-                        (not self.lora_config.enable_lora, "no LoRA adapters (they are not sharded)")):
+                        (not self.lora_config.enable_lora, "no LoRA adapters (they are not sharded)"),
+                        (not device.enable_sleep_mode, "no sleep mode (each rank holds its own shard)")):
             need(tp == 1 or ok, "tensor_parallel_size", f"1, or run with {why}")
 
     def _speculates(self) -> bool:

@@ -30,6 +30,7 @@ from servelm.engine.model_runner import (
 from servelm.engine.proposers import NgramProposer
 from servelm.engine.scheduler import Scheduler, SchedulerOutput
 from servelm.engine.sequence import Request, Sequence
+from servelm.engine.sleep import Sleeper
 from servelm.engine.spec_decode import SpecDecoder
 from servelm.engine.step_outputs import DecodeOutputs, EngineStats, RunnerOutput, SeqOutput
 from servelm.engine.structured import GrammarCache, new_matcher
@@ -133,6 +134,11 @@ class EngineCore:
         self.num_steps = 0
         self.last_num_batched_tokens = 0
         self.last_batch_size = 0
+        # sleep mode (engine/sleep.py), where enabled; and the checkpoint the weights were last read from (None:
+        # the configured model), which an engine woken from level 2 without new weights reads again
+        self.sleeper = Sleeper(self.runner) if config.device_config.enable_sleep_mode else None
+        self.weights_path: str | None = None
+        self.weights_from_tensors = False  # the last update came from tensors, which a level-2 sleep discards
 
     def _build(self, config: EngineConfig, model: DecoderLM, memory: DeviceMemory | None, workers) -> None:
         """The KV cache plan, the cache manager, the scheduler and the runner. With tensor parallelism (`workers`)
@@ -332,9 +338,63 @@ class EngineCore:
             return None
         if self.runner.tp_workers is not None:
             raise ValueError("weights cannot be updated under tensor parallelism (each rank holds its own shard)")
+        if self.sleeper is not None and self.sleeper.weights != "awake":
+            raise ValueError("the weights are asleep: wake them first (wake_up with the tag 'weights')")
         copied = update_in_place(self.model, checkpoint_weights(self.config, self.model, source))
         self.kv.pool.reset_prefix_cache()
+        from_path = isinstance(source, (str, bytes)) or hasattr(source, "__fspath__")
+        self.weights_path = str(source) if from_path else self.weights_path
+        self.weights_from_tensors = not from_path
+        if self.sleeper is not None:
+            self.sleeper.needs_weights = False
         return copied
+
+    # -- sleep mode (engine/sleep.py) ---------------------------------------------------------------
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleeper is not None and bool(self.sleeper.asleep)
+
+    def sleeping(self) -> list[str]:
+        """The parts asleep: "weights", "kv_cache", or none."""
+        return [] if self.sleeper is None else self.sleeper.asleep
+
+    def sleep(self, level: int = 1) -> int | None:
+        """Give back the KV cache's memory, and the weights' (level 1: kept in host memory; level 2: discarded),
+        forgetting every cached prefix; requests added meanwhile wait until the engine is woken. The bytes given
+        back, or None, changing nothing, while requests are in flight."""
+        self._need_sleep_mode()
+        if self.has_unfinished_requests():
+            return None
+        released = self.sleeper.sleep(level)
+        self.kv.pool.reset_prefix_cache()
+        return released
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake the parts named ("weights", "kv_cache"; default both). Woken whole after a level-2 sleep with no
+        weights loaded meanwhile, the engine reads the checkpoint it last loaded from disk again."""
+        self._need_sleep_mode()
+        self.sleeper.wake_up(tags)
+        if self.sleeper.needs_weights and not self.sleeper.asleep:
+            self._reload_weights()
+
+    def _reload_weights(self) -> None:
+        from servelm.model.loading.source import resolve_model
+        from servelm.model.weight_update import checkpoint_weights, update_in_place
+
+        m = self.config.model_config
+        path = self.weights_path or str(resolve_model(m.model, m.gguf_file).path)
+        if self.weights_from_tensors:
+            logger.warning("the weights loaded from tensors were discarded by a level-2 sleep and none were loaded "
+                           "since: reading %s again", path)
+        update_in_place(self.model, checkpoint_weights(self.config, self.model, path))
+        self.sleeper.needs_weights = False
+        self.weights_from_tensors = False
+        logger.info("weights read again from %s after a level-2 sleep", path)
+
+    def _need_sleep_mode(self) -> None:
+        if self.sleeper is None:
+            raise ValueError("sleep mode is not enabled: start the engine with enable_sleep_mode "
+                             "(--enable-sleep-mode)")
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any (they also stop when this process exits)."""
@@ -355,6 +415,8 @@ class EngineCore:
             self._admit_compiled()
         if self.inflight is not None:  # async scheduling: a step runs, the next goes behind it
             return self._step_behind()
+        if self.is_sleeping:  # requests wait for the engine to be woken
+            return [], DecodeOutputs()
         out = self.scheduler.schedule()
         if not out:
             return self._idle()

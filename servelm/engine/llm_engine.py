@@ -110,6 +110,16 @@ class LLMEngine:
         flight."""
         return self.core.update_weights(source) is not None
 
+    def sleep(self, level: int = 1) -> int | None:
+        """EngineCore.sleep: the bytes given back, or None, changing nothing, while requests are in flight."""
+        return self.core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.core.is_sleeping
+
     def get_stats(self) -> EngineStats:
         return self.core.stats()
 

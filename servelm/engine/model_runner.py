@@ -136,6 +136,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None  # steps with prompt chunks in graphs, where enabled
         self._graph_pool = None  # the CUDA graphs' memory, one pool for decode and mixed-step graphs
+        self._saved_graphs = (False, False)  # which of them drop_graphs forgot (sleep mode)
         # eager steps' inputs cross to a GPU in one copy from a pinned buffer (none needed on the CPU)
         self.staging = StepStaging(self.device) if self.device.type == "cuda" else None
         self.num_graph_steps = 0  # decode steps run through the static buffers (replays on a GPU)
@@ -150,6 +151,7 @@ class ModelRunner:
     def enable_decode_graphs(self, sizes: list[int], capture: bool, with_logits: bool = True) -> None:
         """Run pure-decode steps of up to max(sizes) sequences through padded static buffers, replaying a
         CUDA graph per size when `capture` (without it, on any device, the same buffers run eagerly)."""
+        self._graph_args = (sizes, capture, with_logits)
         max_blocks = -(-self.max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_blocks, self.spare_block,
                                    sizes, capture, with_logits, self._pool() if capture else None)
@@ -160,9 +162,31 @@ class ModelRunner:
         if not self.model.attn.mixed_graphs:
             raise ValueError(f"the {type(self.model.attn).__name__} attention backend cannot run mixed steps in "
                              "CUDA graphs (the Triton backend can)")
+        self._mixed_args = (sizes, max_rows, capture)
         max_blocks = -(-self.max_model_len // self.block_size)
         self.mixed = MixedGraphs(self.model, self.kv_caches, self.block_size, max_blocks, self.spare_block, sizes,
                                  max_rows, capture, self._pool() if capture else None)
+
+    def drop_graphs(self) -> None:
+        """Forget the decode and mixed-step buffers and graphs, and the graphs' memory (sleep mode: the KV cache
+        and weights they point into are about to move); recapture_graphs builds them again."""
+        self._saved_graphs = (self.graphs is not None, self.mixed is not None)
+        self.graphs = self.mixed = None
+        self._graph_pool = None
+
+    def recapture_graphs(self) -> None:
+        """Build again the graphs drop_graphs forgot, over the KV cache and weights where they are now."""
+        decode, mixed = self._saved_graphs
+        if decode:
+            self.enable_decode_graphs(*self._graph_args)
+        if mixed:
+            self.enable_mixed_graphs(*self._mixed_args)
+        self._saved_graphs = (False, False)
+
+    def drop_swap_space(self) -> None:
+        """Forget the host swap space of preempted requests' blocks (none are swapped out while the engine is
+        idle); it is allocated again at the next swap."""
+        self._cpu_caches = None
 
     def _pool(self):
         if self._graph_pool is None:

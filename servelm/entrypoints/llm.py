@@ -133,6 +133,23 @@ class LLM:
         if not self.engine.update_weights(source):
             raise RuntimeError("requests are in flight: weights are updated only while the engine is idle")
 
+    def sleep(self, level: int = 1) -> None:
+        """Give back the memory of the KV cache and the weights while the engine is idle, as vLLM's (needs
+        `enable_sleep_mode=True`): level 1 keeps the weights in host memory (on the CPU, where they are already),
+        level 2 discards them, for new ones to be loaded after `wake_up(["weights"])`. Every cached prefix is
+        forgotten. RuntimeError while requests are in flight."""
+        if self.engine.sleep(level) is None:
+            raise RuntimeError("requests are in flight: the engine sleeps only while idle")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the memory back: `tags` names the parts, "weights" and "kv_cache" (default both), so that new
+        weights can be loaded before the KV cache returns. Woken whole after a level-2 sleep with no weights
+        loaded meanwhile, the engine reads its checkpoint from disk again."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
     def get_tokenizer(self):
         return self.encoder.runner.tokenizer if self.encoder is not None else self.engine.tokenizer
 
@@ -301,6 +318,10 @@ class LLM:
 
     def _drain(self, ids: set[str], on_finished=lambda _: None) -> list[RequestOutput]:
         """Step the engine until it has nothing left; the finished outputs of the requests `ids`."""
+        if self.engine.is_sleeping():  # it would wait for a wake_up that this thread cannot give
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise RuntimeError("the engine is asleep: call wake_up() before generating")
         done = []
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():

@@ -87,3 +87,39 @@ def release_freed_heap() -> None:
     except (OSError, AttributeError):  # not glibc
         return
     trim(0)
+
+
+def release_pages(tensors: list[torch.Tensor]) -> int:
+    """Hands the host memory under `tensors` back to the OS, keeping their addresses (madvise MADV_DONTNEED):
+    each page wholly inside one of their byte ranges reads as zero afterwards and costs no memory until written
+    again. Pages a range shares with other data at its ends are left alone. The bytes given back (of ranges
+    whose pages may never have been written, so at most that much memory); 0 where the OS has no madvise."""
+    advise = getattr(mmap, "MADV_DONTNEED", None)
+    if advise is None:
+        return 0
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    released = 0
+    for start, end in _merged_ranges(tensors):
+        first, last = -(-start // page) * page, end // page * page
+        if last > first and madvise(first, last - first, advise) == 0:
+            released += last - first
+    return released
+
+
+def _merged_ranges(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """The byte ranges the tensors span (a view's from its first to its last element), overlaps merged."""
+    spans = []
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+        spans.append((t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()))
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
