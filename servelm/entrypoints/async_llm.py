@@ -172,6 +172,23 @@ class AsyncLLM:
         await self.start()
         return await self._engine.update_weights_from_disk(str(model_path)) is not None
 
+    async def sleep(self, level: int = 1) -> None:
+        """Put the engine to sleep while it is idle, as LLM.sleep (needs `enable_sleep_mode=True`): its KV cache's
+        memory, and its weights' (level 1: kept in host memory; level 2: discarded), are given back; requests
+        made meanwhile wait until it is woken. RuntimeError while requests are in flight."""
+        await self.start()
+        if await self._engine.sleep(level) is None:
+            raise RuntimeError("requests are in flight: the engine sleeps only while idle")
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake the parts `tags` names ("weights", "kv_cache"; default both), as LLM.wake_up."""
+        await self.start()
+        await self._engine.wake_up(tags)
+
+    async def is_sleeping(self) -> bool:
+        await self.start()
+        return bool(await self._engine.sleeping())
+
     async def _adapter(self, lora: LoRARequest) -> str:
         """The name the engine holds `lora` under, loading it from its path the first time."""
         held = self._loras.get(lora.name)

@@ -314,7 +314,7 @@ class AsyncEngine:
                     except Exception:  # reporting it must never stop the engine's outputs being read
                         logger.exception("on_replaced failed")
                 logger.info("engine ready (pid %s, max_model_len %d)", msg.pid, msg.max_model_len)
-            elif isinstance(msg, (m.KVCacheDone, m.LoraDone, m.ResetDone, m.WeightsDone)):
+            elif isinstance(msg, (m.KVCacheDone, m.LoraDone, m.ResetDone, m.WeightsDone, m.SleepDone)):
                 fut = self._kv_ops.pop(msg.op_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
@@ -487,6 +487,27 @@ class AsyncEngine:
         if done.num_bytes is not None:  # a restart comes back with these weights
             self.config = self.config.replace(model=path, gguf_file=None)
         return done.num_bytes
+
+    async def sleep(self, level: int = 1) -> int | None:
+        """Put the engine to sleep (EngineCore.sleep): the bytes it gave back, or None while requests are in
+        flight. ValueError where sleep mode is off or the level unknown. Raises EngineDeadError if the engine is
+        not ready."""
+        return (await self._sleep_op("sleep", level=level)).num_bytes
+
+    async def wake_up(self, tags: list[str] | None = None) -> list[str]:
+        """Wake the parts `tags` names (None: all): the parts still asleep. ValueError where sleep mode is off,
+        a tag is unknown or the checkpoint read again after a level-2 sleep cannot be."""
+        return (await self._sleep_op("wake_up", tags=tags)).asleep
+
+    async def sleeping(self) -> list[str]:
+        """The parts asleep ("weights", "kv_cache"): none for an awake engine, and for a restarted one."""
+        return (await self._sleep_op("query")).asleep
+
+    async def _sleep_op(self, action: str, level: int = 1, tags: list[str] | None = None) -> m.SleepDone:
+        done = await self._ask(lambda op_id: m.SleepOp(op_id, action, level, tags))
+        if done.error is not None:
+            raise ValueError(done.error)
+        return done
 
     async def _ask(self, message):
         """Send `message(op_id)` to the engine and wait for its answer with that op id (KVCacheDone, LoraDone).

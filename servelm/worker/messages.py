@@ -77,8 +77,18 @@ class UpdateWeights(msgspec.Struct, tag="updateweights"):
     path: str
 
 
+class SleepOp(msgspec.Struct, tag="sleep"):
+    """Sleep mode, between steps: put the engine to sleep at `level` (refused while requests are in flight), wake
+    the parts `tags` names (None: all), or only say what sleeps."""
+
+    op_id: int
+    action: str  # "sleep" | "wake_up" | "query"
+    level: int = 1
+    tags: list[str] | None = None
+
+
 EngineInput = AddRequest | Abort | FinishSample | UpdateConfig | Shutdown | Ping | KVCacheOp | LoraOp | \
-    ResetPrefixCache | UpdateWeights
+    ResetPrefixCache | UpdateWeights | SleepOp
 
 
 class RequestError(msgspec.Struct):
@@ -164,7 +174,18 @@ class WeightsDone(msgspec.Struct, tag="weightsdone"):
     error: str | None = None
 
 
-EngineOutput = Ready | StepOutputs | Starting | Fatal | Pong | KVCacheDone | LoraDone | ResetDone | WeightsDone
+class SleepDone(msgspec.Struct, tag="sleepdone"):
+    """The answer to a SleepOp: the parts asleep now; the bytes a sleep gave back (None where requests were in
+    flight); or why it was refused."""
+
+    op_id: int
+    asleep: list[str] = msgspec.field(default_factory=list)
+    num_bytes: int | None = None
+    error: str | None = None
+
+
+EngineOutput = Ready | StepOutputs | Starting | Fatal | Pong | KVCacheDone | LoraDone | ResetDone | WeightsDone | \
+    SleepDone
 
 encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(EngineInput)

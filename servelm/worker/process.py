@@ -85,7 +85,7 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     poller.register(inp, zmq.POLLIN)
     while True:
         # Block while idle; otherwise only drain what has already arrived between steps.
-        timeout = 0 if core.has_unfinished_requests() else 1000
+        timeout = 0 if core.has_unfinished_requests() and not core.is_sleeping else 1000
         errors: list[m.RequestError] = []
         handled = False
         while poller.poll(timeout):
@@ -109,13 +109,16 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
             if isinstance(msg, m.UpdateWeights):
                 out.send(m.encoder.encode(_update_weights(core, kv_store, msg)))
                 continue
+            if isinstance(msg, m.SleepOp):
+                out.send(m.encoder.encode(_sleep_op(core, msg)))
+                continue
             if isinstance(msg, m.Ping):  # answered between steps: a hung step goes unanswered
                 out.send(m.encoder.encode(m.Pong(msg.seq)))
                 continue
             handled = True
             _handle(core, msg, eos, errors)
             timeout = 0
-        if not core.has_unfinished_requests():
+        if not core.has_unfinished_requests() or core.is_sleeping:  # a sleeping engine's requests wait
             if handled:  # e.g. an abort emptied the engine: report errors and fresh stats anyway
                 out.send(m.encoder.encode(m.StepOutputs([], errors, core.stats())))
             continue
@@ -199,6 +202,20 @@ def _update_weights(core: EngineCore, kv_store, msg: m.UpdateWeights) -> m.Weigh
         kv_store.reset_digest()
         logger.info("weights updated from %s (%.1f MB copied); prefix cache emptied", msg.path, copied / 2**20)
     return m.WeightsDone(msg.op_id, copied)
+
+
+def _sleep_op(core: EngineCore, msg: m.SleepOp) -> m.SleepDone:
+    """Sleep, wake or say what sleeps; a refusal is the answer's error, never the engine's end (the reload of a
+    checkpoint that has gone from disk included: the engine then stays asleep with what it could not read)."""
+    try:
+        released = None
+        if msg.action == "sleep":
+            released = core.sleep(msg.level)
+        elif msg.action == "wake_up":
+            core.wake_up(msg.tags)
+        return m.SleepDone(msg.op_id, core.sleeping(), released)
+    except (ValueError, OSError) as e:
+        return m.SleepDone(msg.op_id, core.sleeping(), error=str(e))
 
 
 def _lora_op(core: EngineCore, msg: m.LoraOp) -> m.LoraDone:
