@@ -20,12 +20,13 @@ Memory is given back in one of two ways:
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
 import torch
 
-from servelm.model.memory import release_pages
+from servelm.model.memory import release_freed_heap, release_pages
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,10 @@ class Sleeper:
             self.weights = "offloaded" if level == 1 else "discarded"
         elif self.weights == "awake":
             self.weights = "offloaded"  # level 1 on the CPU: the weights are host memory already
+        if not self.relocate:
+            release_freed_heap()  # what the C heap holds free from the last steps' temporaries goes back too
         if self.relocate and runner.device.type == "cuda":
+            gc.collect()  # the dropped graphs, should a reference cycle hold their memory pool
             torch.cuda.empty_cache()  # to the driver, where another process can have it
         logger.info("asleep at level %d: %.1f MB given back", level, released / 2**20)
         return released

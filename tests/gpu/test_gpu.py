@@ -191,3 +191,41 @@ def test_weights_updated_in_place_replay_in_the_captured_graphs(mode, tmp_path, 
     assert run(llm, prompts, greedy) == [hf_greedy(hf[0], p, 8) for p in prompts]
     llm.load_weights(hf[1].state_dict())
     assert run(llm, prompts, greedy) == [hf_greedy(hf[1], p, 8) for p in prompts]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sleep_gives_back_gpu_memory_and_wakes_to_the_same_answers(mode, tmp_path, tokenizer_dir):
+    """Sleep mode on a GPU: each level gives the weights' and KV cache's device memory back to the driver; the
+    engine wakes (the CUDA graphs captured again over the new addresses, and mixed-step graphs too) to
+    transformers' answers: level 1 from the weights kept in host memory, level 2 from new ones loaded between
+    waking the weights and the KV cache, or from the checkpoint read again."""
+    from family_parity import save_tiny
+    from tiny_models import COMMON, hf_greedy
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folders = [save_tiny(LlamaConfig(**COMMON), tmp_path / f"m{seed}", tokenizer_dir, seed=seed) for seed in (0, 1)]
+    prompts = random_prompts(8, 3, 60, seed=7)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = gpu_llm(folders[0], mode, num_kv_blocks=2048, enable_sleep_mode=True,
+                  **({"cuda_graph_mixed_tokens": 32} if mode == "graphs" else {}))
+    hf = [AutoModelForCausalLM.from_pretrained(f, dtype=torch.float32).eval() for f in folders]
+    want = [[hf_greedy(m, p, 8) for p in prompts] for m in hf]
+    runner = llm.engine.core.runner
+    assert run(llm, prompts, greedy) == want[0]
+    for level in (1, 2):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        llm.sleep(level=level)
+        pool = 2048 * 16 * 2 * 16 * 4 * 2 * 2  # blocks x tokens x KV heads x head dim x fp32 x (K, V) x layers
+        assert torch.cuda.memory_reserved() <= before - pool
+        llm.wake_up()
+        assert llm.is_sleeping() is False
+        assert bool(runner.graphs and runner.graphs.graphs) == (mode == "graphs")  # captured again
+        assert (runner.mixed is not None) == (mode == "graphs")
+        assert run(llm, prompts, greedy) == want[0]
+    llm.sleep(level=2)
+    llm.wake_up(["weights"])
+    llm.load_weights(hf[1].state_dict())
+    llm.wake_up(["kv_cache"])
+    assert run(llm, prompts, greedy) == want[1]
+    assert (runner.num_graph_steps > 0) == (mode == "graphs")
