@@ -174,13 +174,18 @@ class BlockPool:
         """How many of these blocks would leave the free queue if taken."""
         return sum(1 for b in blocks if self.ref_counts[b] == 0)
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, in_use: bool = False) -> None:
+        """Forget the cached prefixes of the free blocks; with `in_use`, also of the blocks requests hold now
+        (their requests keep them, and no later request matches them: weights changed under held requests)."""
         for h, b in list(self.cached.items()):
             if self.ref_counts[b] == 0:
                 self.block_hash[b] = self.block_content[b] = None
                 del self.cached[h]
                 del self.free_cached[b]
                 self.free_plain.append(b)
+            elif in_use:
+                self.block_hash[b] = self.block_content[b] = None
+                del self.cached[h]
 
     # -- persistence (servelm.engine.kv_persist) ---------------------------------------------------
     def cached_blocks(self) -> list[tuple[int, bytes, bytes]]:

@@ -150,6 +150,8 @@ class EngineCore:
         self.sleeper = Sleeper(self.runner) if config.device_config.enable_sleep_mode else None
         self.weights_path: str | None = None
         self.weights_from_tensors = False  # the last update came from tensors, which a level-2 sleep discards
+        # pause_generation's "keep": the requests stay where they are, and no step runs until released
+        self.held = False
 
     def _build(self, config: EngineConfig, model: DecoderLM, memory: DeviceMemory | None, workers) -> None:
         """The KV cache plan, the cache manager, the scheduler and the runner. With tensor parallelism (`workers`)
@@ -345,7 +347,7 @@ class EngineCore:
         not the running model's shapes and settings."""
         from servelm.model.weight_update import checkpoint_weights, update_in_place
 
-        if self.has_unfinished_requests():
+        if self.has_unfinished_requests() and not self.holds_requests:
             return None
         if self.runner.tp_workers is not None:
             raise ValueError("weights cannot be updated under tensor parallelism (each rank holds its own shard)")
@@ -353,13 +355,32 @@ class EngineCore:
             raise ValueError("the weights are asleep: wake them first (wake_up with the tag 'weights')")
         copied = update_in_place(self.model, checkpoint_weights(self.config, self.model, source))
         _free_checkpoint_copy()
-        self.kv.pool.reset_prefix_cache()
+        # held requests keep their blocks (computed with the old weights, as vLLM's pause "keep" leaves them),
+        # but no later request may match them
+        self.kv.pool.reset_prefix_cache(in_use=True)
         from_path = isinstance(source, (str, bytes)) or hasattr(source, "__fspath__")
         self.weights_path = str(source) if from_path else self.weights_path
         self.weights_from_tensors = not from_path
         if self.sleeper is not None:
             self.sleeper.needs_weights = False
         return copied
+
+    # -- pausing (vLLM's pause_generation) ---------------------------------------------------------
+    @property
+    def holds_requests(self) -> bool:
+        """Whether requests wait without a step running: the engine sleeps or is held, and no step is in flight
+        (one launched before is still collected)."""
+        return (self.held or self.is_sleeping) and self.inflight is None
+
+    def abort_all(self) -> list[SeqOutput]:
+        """End every request now, each of its samples with finish reason "abort" (pause_generation's "abort"):
+        the outputs that tell their callers."""
+        outputs = []
+        for rid, req in list(self.requests.items()):
+            done = {seq.index for seq in req.seqs if seq.finished}
+            outputs += [SeqOutput(rid, i, [], finish_reason="abort") for i in range(req.params.n) if i not in done]
+            self.finish_seq(rid, None, "abort")
+        return outputs
 
     # -- sleep mode (engine/sleep.py) ---------------------------------------------------------------
     @property
@@ -428,7 +449,7 @@ class EngineCore:
             self._admit_compiled()
         if self.inflight is not None:  # async scheduling: a step runs, the next goes behind it
             return self._step_behind()
-        if self.is_sleeping:  # requests wait for the engine to be woken
+        if self.is_sleeping or self.held:  # requests wait for the engine to be woken or released
             return [], DecodeOutputs()
         out = self.scheduler.schedule()
         if not out:
@@ -458,7 +479,7 @@ class EngineCore:
         step() schedules as usual."""
         prev, self.inflight = self.inflight, None
         self._rebase(prev)  # samples ended since it was launched (aborts, stop strings) drop out
-        nxt = self.scheduler.schedule_behind(prev.out)
+        nxt = None if self.held else self.scheduler.schedule_behind(prev.out)
         if nxt is not None:
             self.inflight = self.runner.launch(nxt, self._begin(nxt), after=prev)
             self.num_overlapped_steps += 1

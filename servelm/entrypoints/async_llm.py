@@ -172,6 +172,22 @@ class AsyncLLM:
         await self.start()
         return await self._engine.update_weights_from_disk(str(model_path)) is not None
 
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True,
+                               wait_for_inflight_requests: bool = False) -> None:
+        """Stop generating so that weights can change between requests, as vLLM's: new requests wait until
+        resume_generation. `mode`: "abort" ends the requests in flight now (finish reason "abort"), "wait" lets
+        them finish first (also `wait_for_inflight_requests=True`, vLLM's older form), "keep" holds them where
+        they are to go on after the resume. `clear_cache`: after abort or wait, forget every cached prefix."""
+        await self.start()
+        await self._engine.pause_generation("wait" if wait_for_inflight_requests else mode, clear_cache)
+
+    async def resume_generation(self) -> None:
+        await self.start()
+        await self._engine.resume_generation()
+
+    async def is_paused(self) -> bool:
+        return self._engine is not None and self._engine.paused is not None
+
     async def sleep(self, level: int = 1) -> None:
         """Put the engine to sleep while it is idle, as LLM.sleep (needs `enable_sleep_mode=True`): its KV cache's
         memory, and its weights' (level 1: kept in host memory; level 2: discarded), are given back; requests

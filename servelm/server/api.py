@@ -53,6 +53,7 @@ def build_app(state: ServerState):
     from servelm.server.admin.kv import add_kv_routes
     from servelm.server.admin.lora import add_lora_routes
     from servelm.server.admin.ops import add_ops_routes
+    from servelm.server.admin.pause import add_pause_routes
     from servelm.server.admin.sleep import add_sleep_routes
     from servelm.server.admin.weights import add_weight_routes
     from servelm.server.common import Api
@@ -81,6 +82,7 @@ def build_app(state: ServerState):
     add_lora_routes(app, state)
     add_weight_routes(app, state)
     add_sleep_routes(app, state)
+    add_pause_routes(app, state)
     from servelm.server.anthropic import routes as anthropic
     from servelm.server.ollama import routes as ollama
     from servelm.server.openai import responses

@@ -61,6 +61,39 @@ class QueueTimeout(TimeoutError):
 _ABORTED = object()
 
 
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class _Streams(dict):
+    """The streams in flight by request id, which says when the last one has left (pause_generation's wait)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.empty = asyncio.Event()
+        self.empty.set()
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.empty.clear()
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        self._left()
+
+    def pop(self, *args):
+        value = super().pop(*args)
+        self._left()
+        return value
+
+    def clear(self) -> None:
+        super().clear()
+        self._left()
+
+    def _left(self) -> None:
+        if not self:
+            self.empty.set()
+
+
 @dataclass
 class _Stream:
     queue: asyncio.Queue
@@ -80,7 +113,11 @@ class AsyncEngine:
         self.progress_every_s = progress_every_s  # while starting, log what the engine is doing this often
         self.phase, self._phase_since, self._launched = "starting the engine process", time.monotonic(), 0.0
         self.set_tokenizer(tokenizer)
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, _Stream] = _Streams()
+        # pause_generation: its mode while paused, and the door new requests wait at until resumed
+        self.paused: str | None = None
+        self._resumed = asyncio.Event()
+        self._resumed.set()
         self.ready = False
         self.info: m.Ready | None = None
         self.stats: EngineStats | None = None
@@ -314,7 +351,7 @@ class AsyncEngine:
                     except Exception:  # reporting it must never stop the engine's outputs being read
                         logger.exception("on_replaced failed")
                 logger.info("engine ready (pid %s, max_model_len %d)", msg.pid, msg.max_model_len)
-            elif isinstance(msg, (m.KVCacheDone, m.LoraDone, m.ResetDone, m.WeightsDone, m.SleepDone)):
+            elif isinstance(msg, (m.KVCacheDone, m.LoraDone, m.ResetDone, m.WeightsDone, m.SleepDone, m.HoldDone)):
                 fut = self._kv_ops.pop(msg.op_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
@@ -370,6 +407,8 @@ class AsyncEngine:
         `cache_salt`: the request shares prefix-cache blocks only with requests of the same salt. `lora`: the
         name of a LoRA adapter the engine holds, to run the request with.
         """
+        if not self._resumed.is_set():  # paused: new requests wait here until resume_generation
+            await self._resumed.wait()
         if not self.check_engine():
             raise EngineDeadError("the engine is not ready")
         if request_id in self.streams:
@@ -487,6 +526,33 @@ class AsyncEngine:
         if done.num_bytes is not None:  # a restart comes back with these weights
             self.config = self.config.replace(model=path, gguf_file=None)
         return done.num_bytes
+
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Stop generating, as vLLM's pause_generation, so that weights can change between requests: new requests
+        wait until resume_generation. `mode` says what becomes of those in flight: "abort" ends them now
+        (finish reason "abort"), "wait" lets them finish first, "keep" holds them where they are, blocks and
+        all, to go on after the resume (a weight update meanwhile applies to the rest of their tokens).
+        `clear_cache`: after abort or wait, forget every cached prefix. Raises EngineDeadError if the engine is
+        not ready."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode is one of {', '.join(PAUSE_MODES)}, not {mode!r}")
+        self._resumed.clear()
+        self.paused = mode
+        if mode == "keep":
+            await self._ask(lambda op_id: m.HoldOp(op_id, hold=True))
+            return
+        if mode == "abort" and self.streams:
+            await self._ask(lambda op_id: m.HoldOp(op_id, hold=False, abort=True))
+        await self.streams.empty.wait()
+        if clear_cache:
+            await self.reset_prefix_cache()
+
+    async def resume_generation(self) -> None:
+        """Go on after pause_generation: held requests run again, and waiting ones are let in."""
+        if self.paused == "keep" and self.check_engine():
+            await self._ask(lambda op_id: m.HoldOp(op_id, hold=False))
+        self.paused = None
+        self._resumed.set()
 
     async def sleep(self, level: int = 1) -> int | None:
         """Put the engine to sleep (EngineCore.sleep): the bytes it gave back, or None while requests are in

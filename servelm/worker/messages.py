@@ -87,8 +87,17 @@ class SleepOp(msgspec.Struct, tag="sleep"):
     tags: list[str] | None = None
 
 
+class HoldOp(msgspec.Struct, tag="hold"):
+    """Pausing (vLLM's pause_generation), between steps: `abort` ends every request (finish reason "abort");
+    `hold` keeps the requests where they are and runs no step until a HoldOp releases them."""
+
+    op_id: int
+    hold: bool
+    abort: bool = False
+
+
 EngineInput = AddRequest | Abort | FinishSample | UpdateConfig | Shutdown | Ping | KVCacheOp | LoraOp | \
-    ResetPrefixCache | UpdateWeights | SleepOp
+    ResetPrefixCache | UpdateWeights | SleepOp | HoldOp
 
 
 class RequestError(msgspec.Struct):
@@ -184,8 +193,15 @@ class SleepDone(msgspec.Struct, tag="sleepdone"):
     error: str | None = None
 
 
+class HoldDone(msgspec.Struct, tag="holddone"):
+    """The answer to a HoldOp, once no step is in flight: the requests the engine holds."""
+
+    op_id: int
+    num_requests: int = 0
+
+
 EngineOutput = Ready | StepOutputs | Starting | Fatal | Pong | KVCacheDone | LoraDone | ResetDone | WeightsDone | \
-    SleepDone
+    SleepDone | HoldDone
 
 encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(EngineInput)

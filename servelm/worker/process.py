@@ -85,7 +85,7 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     poller.register(inp, zmq.POLLIN)
     while True:
         # Block while idle; otherwise only drain what has already arrived between steps.
-        timeout = 0 if core.has_unfinished_requests() and not core.is_sleeping else 1000
+        timeout = 0 if core.has_unfinished_requests() and not core.holds_requests else 1000
         errors: list[m.RequestError] = []
         handled = False
         while poller.poll(timeout):
@@ -109,6 +109,9 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
             if isinstance(msg, m.UpdateWeights):
                 out.send(m.encoder.encode(_update_weights(core, kv_store, msg)))
                 continue
+            if isinstance(msg, m.HoldOp):
+                _hold(core, msg, out)
+                continue
             if isinstance(msg, m.SleepOp):
                 out.send(m.encoder.encode(_sleep_op(core, msg)))
                 continue
@@ -118,7 +121,7 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
             handled = True
             _handle(core, msg, eos, errors)
             timeout = 0
-        if not core.has_unfinished_requests() or core.is_sleeping:  # a sleeping engine's requests wait
+        if not core.has_unfinished_requests() or core.holds_requests:  # a sleeping or held engine's requests wait
             if handled:  # e.g. an abort emptied the engine: report errors and fresh stats anyway
                 out.send(m.encoder.encode(m.StepOutputs([], errors, core.stats())))
             continue
@@ -202,6 +205,19 @@ def _update_weights(core: EngineCore, kv_store, msg: m.UpdateWeights) -> m.Weigh
         kv_store.reset_digest()
         logger.info("weights updated from %s (%.1f MB copied); prefix cache emptied", msg.path, copied / 2**20)
     return m.WeightsDone(msg.op_id, copied)
+
+
+def _hold(core: EngineCore, msg: m.HoldOp, out) -> None:
+    """Abort every request and/or hold or release them; a step in flight is collected (and its outputs sent)
+    before the answer, so that what follows (a weight update) finds no step running."""
+    outputs = core.abort_all() if msg.abort else []
+    core.held = msg.hold
+    while core.inflight is not None:
+        stepped, decodes = core.step()
+        out.send(m.encoder.encode(m.StepOutputs(stepped, [], core.stats(), decodes=decodes)))
+    if outputs:
+        out.send(m.encoder.encode(m.StepOutputs(outputs, [], core.stats())))
+    out.send(m.encoder.encode(m.HoldDone(msg.op_id, len(core.requests))))
 
 
 def _sleep_op(core: EngineCore, msg: m.SleepOp) -> m.SleepDone:

@@ -92,6 +92,22 @@ def test_lru_eviction_order():
     assert pool.lookup(100) == blocks[0] and pool.lookup(102) == blocks[2]
 
 
+def test_a_reset_forgets_the_prefixes_of_held_blocks_only_when_asked():
+    """A weight update under held requests: their blocks stay theirs, no later request matches them, and once
+    released they are plain free blocks."""
+    pool = BlockPool(4, enable_caching=True)
+    held, free = pool.allocate(), pool.allocate()
+    pool.cache(held, 100)
+    pool.cache(free, 101)
+    pool.release(free)
+    pool.reset_prefix_cache()
+    assert pool.lookup(101) is None and pool.lookup(100) == held  # the held block keeps its prefix
+    pool.reset_prefix_cache(in_use=True)
+    assert pool.lookup(100) is None and pool.ref_counts[held] == 1
+    pool.release(held)
+    assert held in pool.free_plain and held not in pool.free_cached
+
+
 def test_prefix_hit_takes_cached_block_out_of_free_queue():
     kv = KVCacheManager(8, 4, enable_prefix_caching=True, num_cpu_blocks=0)
     a = make_seq(list(range(10)))

@@ -25,9 +25,10 @@ logger = logging.getLogger("servelm.server")
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/ping", "/metrics", "/load", "/v2/health/live", "/v2/health/ready"})
 # Routes outside /admin that change the server or say how it runs (vLLM's adapter routes, the prefix-cache reset,
-# weight updates, sleep mode) take the admin key like /admin
+# weight updates, sleep mode, pausing) take the admin key like /admin
 ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/reset_prefix_cache",
-                         "/update_weights_from_disk", "/sleep", "/wake_up", "/is_sleeping"})
+                         "/update_weights_from_disk", "/sleep", "/wake_up", "/is_sleeping", "/pause", "/resume",
+                         "/is_paused"})
 QUIET_PATHS = OPEN_PATHS | {"/server/stats"}  # not logged or traced
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 
