@@ -118,6 +118,8 @@ class AsyncEngine:
         self.paused: str | None = None
         self._resumed = asyncio.Event()
         self._resumed.set()
+        # sleep mode, as vLLM's engine_sleep_state reports it: awake, weights_offloaded (level 1), discard_all (2)
+        self.sleep_state = "awake"
         self.ready = False
         self.info: m.Ready | None = None
         self.stats: EngineStats | None = None
@@ -340,6 +342,7 @@ class AsyncEngine:
                 continue
             if isinstance(msg, m.Ready):
                 self.info, self.stats, self.ready, self._fatal = msg, msg.stats, True, None
+                self.sleep_state = "awake"  # a new engine process
                 self.up_since = time.time()
                 self._ready_event.set()
                 if self.on_ready is not None:
@@ -558,12 +561,18 @@ class AsyncEngine:
         """Put the engine to sleep (EngineCore.sleep): the bytes it gave back, or None while requests are in
         flight. ValueError where sleep mode is off or the level unknown. Raises EngineDeadError if the engine is
         not ready."""
-        return (await self._sleep_op("sleep", level=level)).num_bytes
+        released = (await self._sleep_op("sleep", level=level)).num_bytes
+        if released is not None:
+            self.sleep_state = "weights_offloaded" if level == 1 else "discard_all"
+        return released
 
     async def wake_up(self, tags: list[str] | None = None) -> list[str]:
         """Wake the parts `tags` names (None: all): the parts still asleep. ValueError where sleep mode is off,
         a tag is unknown or the checkpoint read again after a level-2 sleep cannot be."""
-        return (await self._sleep_op("wake_up", tags=tags)).asleep
+        asleep = (await self._sleep_op("wake_up", tags=tags)).asleep
+        if not asleep:
+            self.sleep_state = "awake"
+        return asleep
 
     async def sleeping(self) -> list[str]:
         """The parts asleep ("weights", "kv_cache"): none for an awake engine, and for a restarted one."""

@@ -49,6 +49,17 @@ def _asleep(url: str) -> list[str]:
     return r.json()["asleep"]
 
 
+def _sleep_state(url: str) -> str:
+    """The state vLLM's engine_sleep_state gauge marks (1) for the model."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    marked = [s.labels["sleep_state"] for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+              if f.name == "servelm:engine_sleep_state" for s in f.samples
+              if s.labels["model_name"] == "tiny" and s.value == 1]
+    assert len(marked) == 1
+    return marked[0]
+
+
 def test_a_trainers_cycle_over_http(checkpoints):
     prompts = mixed_prompts()
     refs = {k: references(checkpoints[k], "float32", prompts) for k in ("a", "b")}
@@ -62,12 +73,14 @@ def test_a_trainers_cycle_over_http(checkpoints):
         r = _post(url, "/sleep", level=2)
         assert r.status_code == 200 and r.json()["level"] == 2 and r.json()["num_bytes"] > 0, r.text
         assert _asleep(url) == ["weights", "kv_cache"]
+        assert _sleep_state(url) == "discard_all"
         r = _post(url, "/wake_up", tags="weights")
         assert r.status_code == 200 and r.json()["asleep"] == ["kv_cache"], r.text
         r = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(checkpoints["b"])},
                        headers=ADMIN, timeout=120)
         assert r.status_code == 200, r.text
         assert _post(url, "/wake_up", tags="kv_cache").json()["asleep"] == []
+        assert _sleep_state(url) == "awake"
         assert [_greedy(url, p) for p in prompts] == refs["b"]
 
         # a request made while the engine sleeps waits, holding off another sleep, and is answered once woken

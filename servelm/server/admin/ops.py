@@ -27,6 +27,7 @@ def add_ops_routes(app: FastAPI, state) -> None:
             mm = metrics_of(m)
             mm.engine_up.set(1 if m.check_engine() else 0)
             mm.set_live(*m.live_counts())  # what is true now, not as of the engine's last step
+            mm.set_sleep_state(getattr(m.engine, "sleep_state", "awake"))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/load")

@@ -61,6 +61,8 @@ def spec_decode_summary(st: EngineStats) -> dict | None:
             "fallbacks": st.spec_fallbacks}
 
 
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+
 # Where vLLM's current name differs from servelm's (under --metric-names vllm).
 VLLM_NAMES = {"time_per_output_token_seconds": "request_time_per_output_token_seconds"}
 
@@ -97,6 +99,9 @@ class Metrics:
               ("model_name", "priority"))
         gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
         gauge("engine_up", "1 while the engine process is ready, else 0.")
+        gauge("engine_sleep_state", "Sleep mode, as vLLM's: 1 for the engine's state (awake, weights_offloaded "
+              "after a level-1 sleep, discard_all after a level-2 one), 0 for the others.",
+              ("model_name", "sleep_state"))
         gauge("lora_requests_info", "With LoRA adapters: the adapters of the running and the waiting requests "
               "(comma-separated labels, as vLLM's), set to the time of the last step.",
               ("model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"))
@@ -150,6 +155,7 @@ class Metrics:
         self.waiting_by_priority = f["num_requests_waiting_by_priority"]
         self.kv_usage = f["kv_cache_usage_perc"].labels(**m)
         self.engine_up = f["engine_up"].labels(**m)
+        self._sleep_state = {state: f["engine_sleep_state"].labels(model_name, state) for state in SLEEP_STATES}
         self.engine_restarts = f["engine_restarts"].labels(**m)
         self._lora_info = f["lora_requests_info"]
         self._lora_labels: tuple | None = None  # the series now exposed: a new set of adapters replaces it
@@ -195,6 +201,10 @@ class Metrics:
             self._lora_labels = None
         for name in ("high", "normal", "low"):
             self.waiting_by_priority.labels(self.model_name, name).set(0)
+
+    def set_sleep_state(self, state: str) -> None:
+        for name, g in self._sleep_state.items():
+            g.set(1 if name == state else 0)
 
     def set_live(self, running: int, waiting: int) -> None:
         """Running and waiting sequences as the API counts them at read time (engine steps lag behind)."""
