@@ -195,9 +195,12 @@ def test_ollama_errors_auth_and_limits(url, oc):
 
 
 def test_ollama_model_management_says_where_models_come_from(url, oc):
-    """Ollama's pull, push, create, copy and delete (and its blob uploads) are a 501 in Ollama's shape naming
+    """Ollama's pull of a served model succeeds at once, whole or streamed (nothing to fetch); a pull of any
+    other model, push, create, copy and delete (and its blob uploads) are a 501 in Ollama's shape naming
     `servelm pull` and the registry, not a 404 that reads as "no such model"; the model list is unchanged."""
     before = [m.model for m in oc.list().models]
+    assert oc.pull("tiny").status == "success"
+    assert [p.status for p in oc.pull("tiny:latest", stream=True)][-1] == "success"
     for call in (lambda: oc.pull("llama3.2"), lambda: oc.delete("tiny"), lambda: oc.copy("tiny", "tiny2"),
                  lambda: oc.create(model="x", from_="tiny")):
         with pytest.raises(ollama.ResponseError) as e:

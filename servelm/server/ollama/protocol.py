@@ -278,6 +278,15 @@ class LegacyEmbeddingsRequest(BaseModel):
     keep_alive: str | int | float | None = None
 
 
+class PullRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    name: str | None = None  # older clients' field
+    insecure: bool = False
+    stream: bool = True
+
+
 class ShowRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 

@@ -1,6 +1,7 @@
 """Ollama's API: POST /api/generate, /api/chat (NDJSON streams), /api/embed, /api/embeddings, /api/show and
-GET /api/tags, /api/ps, /api/version, so Ollama's clients and UIs work against servelm unchanged. Its model
-management routes (pull, push, create, copy, delete, blobs) answer 501, saying where servelm's models come from.
+GET /api/tags, /api/ps, /api/version, so Ollama's clients and UIs work against servelm unchanged. A pull of a
+model the server serves succeeds at once (there is nothing to fetch); the rest of its model management (pulls of
+other models, push, create, copy, delete, blobs) answers 501, saying where servelm's models come from.
 
 Generation goes through the same `Api` machinery as the OpenAI routes (model resolution, admission, metrics,
 client-disconnect aborts), `format` through the same grammars as response_format, and `tools` through the same
@@ -369,10 +370,32 @@ def add_routes(app: FastAPI, api: Api) -> None:
                             "context_length": getattr(m, "max_model_len", 0) if not emb else 0}
                            for n, m, emb in entries()]}
 
-    # Ollama's model management: servelm's models come from its start (MODEL, models:), the Hugging Face cache
-    # (`servelm pull`) and the governed registry (/admin/models), not from clients; a 501 says so, where a 404
-    # would read as "that model does not exist".
-    for path, methods in (("/api/pull", ["POST"]), ("/api/push", ["POST"]), ("/api/create", ["POST"]),
+    def known(name: str) -> str | None:
+        """The name the server answers `name` under (Ollama's ":latest" tag dropped), or None."""
+        names = {n for n, _, _ in entries()}
+        return next((k for k in (name, name.removesuffix(":latest")) if k in names), None)
+
+    @app.post("/api/pull", include_in_schema=False)
+    @shaped_errors
+    async def pull(request: Request):
+        """Ollama's pull of a model the server already serves: nothing to fetch, so its stream ends in
+        "success" at once, as Ollama's does for a model that is up to date (scripts and UIs pull before they
+        run). Any other model is a 501 saying where servelm's models come from."""
+        body = await _body(request, o.PullRequest)
+        name = body.model or body.name
+        if not name:
+            raise APIError(400, "model is required", "model")
+        if known(name) is None:
+            raise APIError(501, MANAGED_ELSEWHERE, code="not_implemented")
+        statuses = [{"status": "pulling manifest"}, {"status": "success"}]
+        if not body.stream:
+            return statuses[-1]
+        return StreamingResponse((json.dumps(x) + "\n" for x in statuses), media_type=NDJSON)
+
+    # The rest of Ollama's model management: servelm's models come from its start (MODEL, models:), the Hugging
+    # Face cache (`servelm pull`) and the governed registry (/admin/models), not from clients; a 501 says so,
+    # where a 404 would read as "that model does not exist".
+    for path, methods in (("/api/push", ["POST"]), ("/api/create", ["POST"]),
                           ("/api/copy", ["POST"]), ("/api/delete", ["DELETE"]),
                           ("/api/blobs/{digest}", ["HEAD", "POST"])):
         app.add_api_route(path, _manage_models, methods=methods, include_in_schema=False)
@@ -388,11 +411,10 @@ def add_routes(app: FastAPI, api: Api) -> None:
         name = body.model or body.name
         if not name:
             raise APIError(400, "model is required", "model")
-        found = {n: (m, emb) for n, m, emb in entries()}
-        key = name if name in found else name.removesuffix(":latest")
-        if key not in found:
+        key = known(name)
+        if key is None:
             raise APIError(404, f"model {name!r} not found", "model", "model_not_found")
-        m, emb = found[key]
+        m, emb = next((m, emb) for n, m, emb in entries() if n == key)
         template = "" if emb else (getattr(m.tokenizer, "chat_template", None) or "")
         details = _details(m)
         # GGUF's keys, as Ollama gives them: clients (Continue, LiteLLM) read the context length from
