@@ -153,6 +153,7 @@ def test_validation_gaps_are_400_naming_the_field(server, path, body, param):
     (CHAT, {"messages": MSGS, "functions": [{"name": "f"}]}, "functions"),
     ("/v1/completions", {"prompt": "hi", "suffix": " end"}, "suffix"),
     ("/v1/completions", {"prompt": "hi", "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
+    (CHAT, {"messages": MSGS, "spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
 ])
 def test_fields_not_implemented_yet_are_400_naming_them(server, path, body, param):
     err = error(httpx.post(server + path, json=body))
@@ -171,7 +172,7 @@ def test_dimensions_of_a_model_not_trained_for_them_are_a_400(server):
     (CHAT, {"messages": MSGS, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}),
     (CHAT, {"messages": MSGS, "tools": None, "suffix": None, "stream_options": None, "store": False}),
     (CHAT, {"messages": MSGS, "safety_identifier": "user-123", "prompt_cache_key": "conversation-9"}),
-    ("/v1/completions", {"prompt": "hi", "suffix": "", "best_of": 1}),
+    ("/v1/completions", {"prompt": "hi", "suffix": "", "best_of": 1, "spaces_between_special_tokens": True}),
     ("/v1/completions", {"prompt": "hi", "ignore_eos": True, "min_tokens": 1, "include_stop_str_in_output": True,
                          "skip_special_tokens": False, "priority": "low", "user": "u1", "top_k": 5, "min_p": 0.1,
                          "repetition_penalty": 1.1, "stop_token_ids": [7], "seed": -5, "echo": True,

@@ -85,6 +85,8 @@ NOT_SUPPORTED_YET: dict[str, tuple] = {
     # either backend enforces the same grammar: the engine's structured_output_backend setting picks which
     "guided_decoding_backend": ("auto", "xgrammar", "guidance", "llguidance"),
     "guided_whitespace_pattern": (), "logits_processors": (),
+    # vLLM's default: special tokens (kept with skip_special_tokens false) decode as the tokenizer joins them
+    "spaces_between_special_tokens": (True,),
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "verbosity": (),
     "web_search_options": (), "store": (False,), "metadata": (), "service_tier": ("auto", "default"),
 }
