@@ -11,8 +11,9 @@ import pytest
 import torch
 from family_parity import (
     GREEDY8,
-    assert_greedy_within_rounding,
+    assert_greedy_matches,
     granite_config,
+    hf_state_dict,
     mixed_prompts,
     references,
     save_tiny,
@@ -41,19 +42,9 @@ def checkpoints(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
             "theta": save_tiny(llama(rope_theta=500000.0), root / "theta", tokenizer_dir, seed=3)}
 
 
-def state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
-
-
 def check(llm: LLM, folder: Path, dtype: str) -> None:
     prompts = mixed_prompts()
-    outs = run(llm, prompts, GREEDY8)
-    if dtype == "float32":
-        assert outs == references(folder, dtype, prompts)
-    else:
-        assert_greedy_within_rounding(folder, prompts, outs)
+    assert_greedy_matches(folder, dtype, prompts, run(llm, prompts, GREEDY8))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -63,7 +54,7 @@ def test_a_state_dict_and_a_folder_replace_the_weights_in_place(checkpoints, dty
     model = llm.engine.core.model
     where = {path: t.data_ptr() for path, t in weight_tensors(model).items()}
     replayed = model.tapes.replayed if model.tapes is not None else None
-    llm.load_weights(state_dict(checkpoints["b"]))  # float32 tensors, under transformers' names
+    llm.load_weights(hf_state_dict(checkpoints["b"]))  # float32 tensors, under transformers' names
     assert {path: t.data_ptr() for path, t in weight_tensors(model).items()} == where  # nothing moved
     check(llm, checkpoints["b"], dtype)
     if replayed is not None:  # bf16 on servelm's kernels: the same tapes replay the new values
@@ -77,7 +68,7 @@ def test_the_prefix_cache_forgets_what_the_old_weights_computed(checkpoints):
     llm = LLM(str(checkpoints["a"]), dtype="float32", num_kv_blocks=64)
     prompt = mixed_prompts()[2]  # 40 tokens: two full blocks to cache
     [first] = llm.generate([prompt], GREEDY8, use_tqdm=False)
-    llm.load_weights(state_dict(checkpoints["b"]).items())
+    llm.load_weights(hf_state_dict(checkpoints["b"]).items())
     [after] = llm.generate([prompt], GREEDY8, use_tqdm=False)
     [again] = llm.generate([prompt], GREEDY8, use_tqdm=False)
     assert after.num_cached_tokens == 0 and again.num_cached_tokens > 0
@@ -93,13 +84,13 @@ def test_a_checkpoint_that_does_not_fit_changes_nothing(checkpoints, tmp_path, t
     before = {path: t.clone() for path, t in weight_tensors(model).items()}
     with pytest.raises(ValueError, match=why):
         if bad == "wider":
-            llm.load_weights(state_dict(checkpoints["wider"]))
+            llm.load_weights(hf_state_dict(checkpoints["wider"]))
         elif bad == "theta":
             llm.update_weights_from_disk(str(checkpoints["theta"]))
         elif bad == "another architecture":
             llm.update_weights_from_disk(str(save_tiny(granite_config(), tmp_path / "g", tokenizer_dir)))
         else:
-            sd = state_dict(checkpoints["b"])
+            sd = hf_state_dict(checkpoints["b"])
             if bad == "missing":
                 del sd["model.layers.1.mlp.down_proj.weight"]
             else:
@@ -115,7 +106,7 @@ def test_an_update_waits_for_an_idle_engine(checkpoints):
     llm = LLM(str(checkpoints["a"]), dtype="float32", num_kv_blocks=64)
     llm.engine.add_request("busy", mixed_prompts()[0], GREEDY8)
     with pytest.raises(RuntimeError, match="in flight"):
-        llm.load_weights(state_dict(checkpoints["b"]))
+        llm.load_weights(hf_state_dict(checkpoints["b"]))
     llm.engine.abort_request("busy")
     check(llm, checkpoints["a"], "float32")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from family_parity import mixed_prompts, references, save_tiny
+from family_parity import async_greedy, mixed_prompts, references, save_tiny
 from serving import _wait, start_server, stop_server
 from tiny_models import COMMON
 
@@ -112,22 +112,15 @@ def test_async_llm_sleeps_and_wakes(checkpoints):
     async def scenario(**kw):
         llm = AsyncLLM(str(checkpoints["a"]), dtype="float32", num_kv_blocks=256, **kw)
         try:
-            async def tokens():
-                out = []
-                for p in prompts:
-                    final = [o async for o in llm.generate(p, greedy)][-1]
-                    out.append(final.outputs[0].token_ids)
-                return out
-
             if not kw:
                 with pytest.raises(ValueError, match="enable_sleep_mode"):
                     await llm.sleep()
                 return None
-            before = await tokens()
+            before = await async_greedy(llm, prompts, greedy)
             await llm.sleep(level=2)
             asleep = await llm.is_sleeping()
             await llm.wake_up()  # no new weights: the checkpoint is read again
-            return before, asleep, await llm.is_sleeping(), await tokens()
+            return before, asleep, await llm.is_sleeping(), await async_greedy(llm, prompts, greedy)
         finally:
             await llm.shutdown()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from family_parity import mixed_prompts, references, save_tiny
+from family_parity import async_greedy, mixed_prompts, references, save_tiny
 from serving import HOLD, HOLD_BLOCKS, HOLD_CONTEXT, start_server, stop_server
 from tiny_models import COMMON
 
@@ -85,16 +85,9 @@ def test_async_llm_updates_its_engine(checkpoints):
     async def scenario():
         llm = AsyncLLM(str(checkpoints["a"]), dtype="float32", num_kv_blocks=256)
         try:
-            async def tokens():
-                out = []
-                for p in prompts:
-                    final = [o async for o in llm.generate(p, greedy)][-1]
-                    out.append(final.outputs[0].token_ids)
-                return out
-
-            before = await tokens()
+            before = await async_greedy(llm, prompts, greedy)
             done = await llm.update_weights_from_disk(checkpoints["b"])
-            return before, done, await tokens()
+            return before, done, await async_greedy(llm, prompts, greedy)
         finally:
             await llm.shutdown()
 

@@ -108,6 +108,30 @@ def assert_greedy_within_rounding(folder: Path, prompts: list[list[int]], outs: 
             assert row[tok] >= top - 3 * ulp, (p, step, tok, int(row.argmax()), float(top - row[tok]))
 
 
+def assert_greedy_matches(folder: Path, dtype: str, prompts: list[list[int]], outs: list[list[int]]) -> None:
+    """In float32 every token as transformers' greedy generate; in bfloat16 transformers' choice up to rounding."""
+    if dtype == "float32":
+        assert outs == references(folder, dtype, prompts)
+    else:
+        assert_greedy_within_rounding(folder, prompts, outs)
+
+
+def hf_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's float32 weights under transformers' names, as a trainer's model holds them."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+
+
+async def async_greedy(llm, prompts: list[list[int]], params: SamplingParams = GREEDY8) -> list[list[int]]:
+    """An AsyncLLM's token ids for each prompt, one request after another."""
+    out = []
+    for p in prompts:
+        final = [o async for o in llm.generate(p, params)][-1]
+        out.append(final.outputs[0].token_ids)
+    return out
+
+
 def check_parity(folder: Path, dtype: str, **llm_kwargs) -> LLM:
     """The first prompt alone, then the rest batched (the shared prefix from the cache) in 16-token prefill
     chunks: in float32 every token as transformers' greedy generate; in bfloat16 every token transformers'
@@ -116,8 +140,5 @@ def check_parity(folder: Path, dtype: str, **llm_kwargs) -> LLM:
     llm = LLM(str(folder), dtype=dtype, num_kv_blocks=64, max_num_batched_tokens=16, **llm_kwargs)
     outs = run(llm, prompts[:1], GREEDY8) + run(llm, prompts[1:], GREEDY8)  # alone, then batched and chunked
     assert llm.engine.get_stats().prefix_cache_hits >= 32  # the shared prefix came from the cache
-    if dtype == "float32":
-        assert outs == references(folder, dtype, prompts)
-    else:
-        assert_greedy_within_rounding(folder, prompts, outs)
+    assert_greedy_matches(folder, dtype, prompts, outs)
     return llm
