@@ -98,7 +98,9 @@ def run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
                 gc.unfreeze()
                 return
             if isinstance(msg, m.KVCacheOp):  # between steps: the cache's blocks are all computed
-                out.send(m.encoder.encode(kv_store.handle(msg)))
+                done = m.KVCacheDone(msg.op_id, "invalid", "the engine is asleep (sleep mode): wake it first") \
+                    if core.is_sleeping else kv_store.handle(msg)
+                out.send(m.encoder.encode(done))
                 continue
             if isinstance(msg, m.LoraOp):
                 out.send(m.encoder.encode(_lora_op(core, msg)))

@@ -74,6 +74,8 @@ def test_a_trainers_cycle_over_http(checkpoints):
         assert r.status_code == 200 and r.json()["level"] == 2 and r.json()["num_bytes"] > 0, r.text
         assert _asleep(url) == ["weights", "kv_cache"]
         assert _sleep_state(url) == "discard_all"
+        r = httpx.post(url + "/admin/kv/load", json={"path": "/nonexistent"}, headers=ADMIN)
+        assert r.status_code == 400 and "asleep" in r.json()["error"]["message"], r.text  # no cache to fill
         r = _post(url, "/wake_up", tags="weights")
         assert r.status_code == 200 and r.json()["asleep"] == ["kv_cache"], r.text
         r = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(checkpoints["b"])},
