@@ -150,6 +150,7 @@ class EngineCore:
         self.sleeper = Sleeper(self.runner) if config.device_config.enable_sleep_mode else None
         self.weights_path: str | None = None
         self.weights_from_tensors = False  # the last update came from tensors, which a level-2 sleep discards
+        self.staged_weights: dict = {}  # a partial update's tensors, waiting for the rest of their layer
         # pause_generation's "keep": the requests stay where they are, and no step runs until released
         self.held = False
 
@@ -257,6 +258,10 @@ class EngineCore:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if self.staged_weights:  # some layers new, some old: neither model's tokens
+            waiting = sorted(self.staged_weights)
+            raise ValueError(f"a partial weight update waits for the rest of its layers ({len(waiting)} tensors, "
+                             f"first {waiting[0]}): load them before generating")
         self.check_request(req.prompt_token_ids, req.params.max_tokens)
         req.params.check_vocab(self.model.spec.vocab_size)
         req.params.check_logprobs(self.max_logprobs)
@@ -339,12 +344,15 @@ class EngineCore:
         self.kv.pool.reset_prefix_cache()
         return before - len(self.kv.pool.cached)
 
-    def update_weights(self, source) -> int | None:
+    def update_weights(self, source, partial: bool = False) -> int | None:
         """New values for the model's weights, copied into it in place (model/weight_update.py): from a
         checkpoint's path (a folder or a GGUF file), or from (name, tensor) pairs under Hugging Face names. Every
         cached prefix goes with the old values. The bytes copied, or None, changing nothing, while requests are
         in flight (their tokens would mix two models); ValueError, changing nothing, where the new weights are
-        not the running model's shapes and settings."""
+        not the running model's shapes and settings. `partial` (tensors only): any subset of the model's
+        tensors, each layer (and the embedding, norm and head together) copied once all of its tensors have
+        arrived, over as many calls as it takes; the rest wait in `staged_weights`, and no request is taken
+        meanwhile."""
         from servelm.model.weight_update import checkpoint_weights, update_in_place
 
         if self.has_unfinished_requests() and not self.holds_requests:
@@ -353,12 +361,17 @@ class EngineCore:
             raise ValueError("weights cannot be updated under tensor parallelism (each rank holds its own shard)")
         if self.sleeper is not None and self.sleeper.weights != "awake":
             raise ValueError("the weights are asleep: wake them first (wake_up with the tag 'weights')")
-        copied = update_in_place(self.model, checkpoint_weights(self.config, self.model, source))
+        from_path = isinstance(source, (str, bytes)) or hasattr(source, "__fspath__")
+        if partial and from_path:
+            raise ValueError("a checkpoint on disk is read whole: partial updates take (name, tensor) pairs")
+        copied = update_in_place(self.model, checkpoint_weights(self.config, self.model, source),
+                                 self.staged_weights if partial else None)
+        if not partial:
+            self.staged_weights.clear()  # a whole checkpoint supersedes what waited
         _free_checkpoint_copy()
         # held requests keep their blocks (computed with the old weights, as vLLM's pause "keep" leaves them),
         # but no later request may match them
         self.kv.pool.reset_prefix_cache(in_use=True)
-        from_path = isinstance(source, (str, bytes)) or hasattr(source, "__fspath__")
         self.weights_path = str(source) if from_path else self.weights_path
         self.weights_from_tensors = not from_path
         if self.sleeper is not None:

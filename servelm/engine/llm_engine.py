@@ -105,10 +105,10 @@ class LLMEngine:
         """Forget every cached prefix; False, changing nothing, while requests are in flight (vLLM's)."""
         return self.core.reset_prefix_cache() is not None
 
-    def update_weights(self, source) -> bool:
+    def update_weights(self, source, partial: bool = False) -> bool:
         """New weights in place (EngineCore.update_weights); False, changing nothing, while requests are in
         flight."""
-        return self.core.update_weights(source) is not None
+        return self.core.update_weights(source, partial) is not None
 
     def sleep(self, level: int = 1) -> int | None:
         """EngineCore.sleep: the bytes given back, or None, changing nothing, while requests are in flight."""

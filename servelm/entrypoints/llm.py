@@ -117,20 +117,26 @@ class LLM:
         """Forget every cached prefix, as vLLM's: after changing the weights, or between benchmark runs."""
         return self.engine.reset_prefix_cache()
 
-    def load_weights(self, weights) -> None:
+    def load_weights(self, weights, partial: bool = False) -> list[str]:
         """New values for the model's weights, as a training step leaves them: (name, tensor) pairs or a
         state dict under Hugging Face names (`model.layers.0.self_attn.q_proj.weight`, ...), of the model's shapes,
         in any float dtype. They are copied into the running model in place, a layer at a time, and quantized as
-        it is; every cached prefix is forgotten. ValueError, changing nothing, where they do not fit."""
-        self._update_weights(weights)
+        it is; every cached prefix is forgotten. ValueError, changing nothing, where they do not fit.
+
+        `partial=True` takes any subset, as vLLM's model.load_weights does (a trainer sending one parameter at a
+        time): each layer, and the embedding, norm and head together, is copied once all of its tensors have
+        arrived, over as many calls as it takes. Returns the names still waiting for the rest of their layer;
+        the engine takes no request until none wait."""
+        self._update_weights(weights, partial)
+        return sorted(self.engine.core.staged_weights)
 
     def update_weights_from_disk(self, model_path: str) -> None:
         """load_weights from a checkpoint on disk (a Hugging Face folder or a GGUF file) of the same architecture
         and settings, read as the model was."""
         self._update_weights(str(model_path))
 
-    def _update_weights(self, source) -> None:
-        if not self.engine.update_weights(source):
+    def _update_weights(self, source, partial: bool = False) -> None:
+        if not self.engine.update_weights(source, partial):
             raise RuntimeError("requests are in flight: weights are updated only while the engine is idle")
 
     def sleep(self, level: int = 1) -> None:

@@ -86,45 +86,62 @@ def _pairs(into: Any, source: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(d, src[path]) for path, d in dst.items()]
 
 
-def update_in_place(model: Any, tensors) -> int:
+GLOBALS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+
+def update_in_place(model: Any, tensors, staged: dict | None = None) -> int:
     """A checkpoint's (name, tensor) pairs, under Hugging Face names and in the form the loader gives them (the
     model's dtype, quantized as the model is), copied into `model` (a DecoderLM) in place; the bytes copied.
-    ValueError, changing nothing, where the names or shapes are not the running model's."""
+    ValueError, changing nothing, where the names or shapes are not the running model's.
+
+    `staged` (a partial update, as vLLM's load_weights takes any subset): the pairs may be any of the model's
+    tensors. A unit (the embedding, norm and head together, or one layer) is copied once all of its tensors are
+    there, with those `staged` holds from earlier calls; the tensors of units still incomplete are left in
+    `staged` (copies: the caller may change its own)."""
     want = model.checkpoint_shapes
     new = {name: t for name, t in tensors if not name.endswith("rotary_emb.inv_freq")}
     if model.spec.tie_word_embeddings and "lm_head.weight" not in want:
         new.pop("lm_head.weight", None)  # a tied head saved anyway: the model reads the embedding
-    missing, extra = sorted(set(want) - set(new)), sorted(set(new) - set(want))
+    missing = [] if staged is not None else sorted(set(want) - set(new))
+    extra = sorted(set(new) - set(want))
     if missing or extra:
         what = f"lacks {', '.join(missing[:3])}" if missing else f"has {', '.join(extra[:3])}, which it does not"
         raise ValueError(f"the new weights do not fit the running model: the checkpoint {what}"
                          f"{' ...' if len(missing or extra) > 3 else ''}")
-    bad = next((n for n in want if tuple(new[n].shape) != want[n]), None)
+    bad = next((n for n in new if tuple(new[n].shape) != want[n]), None)
     if bad is not None:
         raise ValueError(f"the new weights do not fit the running model: {bad} is {tuple(new[bad].shape)}, the "
                          f"model's {want[bad]}")
-    for i, layer in enumerate(model.layers):  # read off the checkpoint's values, like the constructor does
+    fresh = set(new)
+    if staged is not None:
+        new = {**staged, **new}
+    units = [[n for n in GLOBALS if n in want]] + [[n for n in want if n.startswith(f"model.layers.{i}.")]
+                                                   for i in range(len(model.layers))]
+    ready = [k for k, names in enumerate(units) if all(n in new for n in names)]  # 0: the globals, k: layer k-1
+    for i in (k - 1 for k in ready if k > 0):  # read off the checkpoint's values, like the constructor does
         scales = model._kv_scales(lambda name, required=True, p=f"model.layers.{i}.": new.get(p + name))
-        if scales != layer.kv_scales:
+        if scales != model.layers[i].kv_scales:
             raise ValueError(f"layer {i}'s fp8 KV cache scales differ from the running model's; restart the "
                              "engine with the new checkpoint to change them")
     device = model.embed.device
 
-    def layer(i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:  # built from its tensors, moved to the device
-        prefix = f"model.layers.{i}."
-        own = {n: new.pop(n).to(device) for n in [n for n in new if n.startswith(prefix)]}
-        return _pairs(model.layers[i], model._take_layer(own, i))
+    def unit(k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:  # built from its tensors, moved to the device
+        own = {n: new.pop(n).to(device) for n in units[k] if n in new}
+        if k == 0:
+            return _pairs([model.embed, model.norm, model.lm_head], list(model._take_globals(own)))
+        return _pairs(model.layers[k - 1], model._take_layer(own, k - 1))
 
-    # The globals and the first layer are built and checked before anything is copied: every other layer is
-    # built by the same code from tensors of the shapes checked above, so it fits if the first one does.
-    globals_ = model._take_globals({n: new.pop(n).to(device) for n in
-                                    ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight") if n in new})
-    first = _pairs([model.embed, model.norm, model.lm_head], list(globals_)) + layer(0)
-    del globals_
+    # The first unit or two (the globals, the first layer) are built and checked before anything is copied:
+    # every other layer is built by the same code from tensors of the shapes checked above, so it fits if the
+    # first one does.
+    first = [pair for k in ready[:2] for pair in unit(k)]
     copied = _copy(first)
     del first
-    for i in range(1, len(model.layers)):
-        copied += _copy(layer(i))
+    for k in ready[2:]:
+        copied += _copy(unit(k))
+    if staged is not None:
+        staged.clear()
+        staged.update({n: t.clone() if n in fresh and isinstance(t, torch.Tensor) else t for n, t in new.items()})
     return copied
 
 

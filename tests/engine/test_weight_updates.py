@@ -149,3 +149,34 @@ def test_a_checkpoint_of_weights_and_config_alone_is_enough(checkpoints, tmp_pat
     llm = LLM(str(checkpoints["a"]), dtype="float32", num_kv_blocks=64)
     llm.update_weights_from_disk(str(bare))
     check(llm, checkpoints["b"], "float32")
+
+
+def test_a_partial_update_applies_each_layer_once_all_of_it_has_arrived(checkpoints):
+    """load_weights(partial=True), one tensor at a time as a trainer's loop over named_parameters sends them
+    (vLLM's model.load_weights takes any subset): a layer is copied once its last tensor arrives, the others
+    wait (and no request is taken meanwhile), and at the end the model is the new checkpoint."""
+    llm = LLM(str(checkpoints["a"]), dtype="float32", num_kv_blocks=64)
+    model = llm.engine.core.model
+    new = hf_state_dict(checkpoints["b"])
+    layer0 = [n for n in new if n.startswith("model.layers.0.")]
+    before = {p: t.clone() for p, t in weight_tensors(model.layers[1]).items()}
+    first = {p: t.clone() for p, t in weight_tensors(model.layers[0]).items()}
+    for name in layer0[:-1]:
+        assert llm.load_weights([(name, new[name])], partial=True) == sorted(layer0[:layer0.index(name) + 1])
+    with pytest.raises(ValueError, match="waits for the rest of its layers"):
+        llm.generate([[1, 2, 3]], GREEDY8, use_tqdm=False)
+    with pytest.raises(ValueError, match="do not fit"):  # a wrong shape changes nothing, what waits included
+        llm.load_weights([(layer0[-1], torch.zeros(3))], partial=True)
+    assert all(torch.equal(weight_tensors(model.layers[0])[p], t) for p, t in first.items())  # waiting
+    assert llm.load_weights([(layer0[-1], new[layer0[-1]])], partial=True) == []  # layer 0 complete: copied
+    assert not all(torch.equal(weight_tensors(model.layers[0])[p], t) for p, t in first.items())
+    after = weight_tensors(model.layers[1])
+    assert all(torch.equal(after[p], t) for p, t in before.items())  # layer 1 untouched so far
+    rest = [n for n in new if n not in layer0]
+    for name in rest:
+        left = llm.load_weights([(name, new[name])], partial=True)
+    assert left == []
+    check(llm, checkpoints["b"], "float32")
+    llm.load_weights([(rest[0], new[rest[0]])], partial=True)  # waits again; a whole state dict supersedes it
+    llm.load_weights(hf_state_dict(checkpoints["a"]))
+    check(llm, checkpoints["a"], "float32")
