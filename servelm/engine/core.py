@@ -420,7 +420,9 @@ class EngineCore:
         weights loaded meanwhile, the engine reads the checkpoint it last loaded from disk again."""
         self._need_sleep_mode()
         self.sleeper.wake_up(tags)
-        if self.sleeper.needs_weights and not self.sleeper.asleep:
+        if self.sleeper.needs_weights and self.sleeper.in_memory:
+            # where the checkpoint has gone or is damaged, this raises and the weights stay unloaded (asleep):
+            # load new ones, or wake again to read it again
             self._reload_weights()
 
     def _reload_weights(self) -> None:

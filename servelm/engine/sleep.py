@@ -93,16 +93,23 @@ class Sleeper:
         self._kv: _Relocated | None = None
 
     @property
+    def in_memory(self) -> bool:
+        """Whether every part is awake (its memory taken back)."""
+        return all(getattr(self, tag) == "awake" for tag in TAGS)
+
+    @property
     def asleep(self) -> list[str]:
-        """The parts asleep, of TAGS."""
-        return [tag for tag in TAGS if getattr(self, tag) != "awake"]
+        """The parts asleep, of TAGS; "weights" also while they hold no values (woken from level 2 and not
+        loaded since, where the engine is otherwise awake)."""
+        tags = [tag for tag in TAGS if getattr(self, tag) != "awake"]
+        return tags or (["weights"] if self.needs_weights else [])
 
     def sleep(self, level: int) -> int:
         """Put what is awake to sleep at `level` (1 or 2); the bytes given back."""
         if level not in (1, 2):
             raise ValueError(f"the sleep level is 1 (the weights kept in host memory) or 2 (discarded), not {level}")
         runner, released = self.runner, 0
-        if self.relocate and not self.asleep:
+        if self.relocate and self.in_memory:
             runner.drop_graphs()  # they hold the addresses that move
         if self.kv_cache == "awake":
             kv = [t for pair in runner.kv_caches for t in pair]
@@ -148,7 +155,7 @@ class Sleeper:
                 self._kv.restore()
                 self._kv = None
             self.kv_cache = "awake"
-        if not self.asleep and self.relocate:
+        if self.in_memory and self.relocate:
             self.runner.recapture_graphs()
             if self.runner.model.tapes is not None:  # kernel tapes hold addresses too (relocation on the CPU)
                 self.runner.model.tapes.reset()

@@ -223,8 +223,8 @@ def _hold(core: EngineCore, msg: m.HoldOp, out) -> None:
 
 
 def _sleep_op(core: EngineCore, msg: m.SleepOp) -> m.SleepDone:
-    """Sleep, wake or say what sleeps; a refusal is the answer's error, never the engine's end (the reload of a
-    checkpoint that has gone from disk included: the engine then stays asleep with what it could not read)."""
+    """Sleep, wake or say what sleeps; a refusal is the answer's error, never the engine's end (a checkpoint
+    that has gone from disk when a level-2 wake reads it again included: its weights then stay asleep)."""
     try:
         released = None
         if msg.action == "sleep":
@@ -234,6 +234,9 @@ def _sleep_op(core: EngineCore, msg: m.SleepOp) -> m.SleepDone:
         return m.SleepDone(msg.op_id, core.sleeping(), released)
     except (ValueError, OSError) as e:
         return m.SleepDone(msg.op_id, core.sleeping(), error=str(e))
+    except Exception as e:  # a reader's own error type (safetensors, gguf) for a damaged checkpoint
+        logger.warning("waking the engine failed: %s: %s", type(e).__name__, e)
+        return m.SleepDone(msg.op_id, core.sleeping(), error=f"{type(e).__name__}: {e}")
 
 
 def _lora_op(core: EngineCore, msg: m.LoraOp) -> m.LoraDone:

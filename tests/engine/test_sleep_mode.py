@@ -164,3 +164,23 @@ def test_relocation_frees_each_storage_and_restores_it(checkpoints, monkeypatch)
         if tapes is not None:
             assert not tapes.tapes  # forgotten: they hold the old addresses
         assert answers(llm, checkpoints["a"], "bfloat16") == before
+
+
+def test_weights_that_cannot_be_read_again_stay_asleep(checkpoints, tmp_path):
+    """A level-2 wake with no new weights reads the checkpoint again; where it has gone, the wake fails and the
+    weights count as asleep (their memory is back, their values are not), so no request runs on discarded
+    values; new weights loaded then wake the engine."""
+    import shutil
+
+    folder = shutil.copytree(checkpoints["a"], tmp_path / "gone")
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, enable_sleep_mode=True)
+    llm.sleep(level=2)
+    shutil.rmtree(folder)
+    with pytest.raises(FileNotFoundError):
+        llm.wake_up()
+    assert llm.is_sleeping() and llm.engine.core.sleeping() == ["weights"]
+    with pytest.raises(RuntimeError, match="asleep"):
+        llm.generate([[1, 2, 3]], GREEDY8, use_tqdm=False)
+    llm.load_weights(hf_state_dict(checkpoints["b"]))
+    assert not llm.is_sleeping()
+    answers(llm, checkpoints["b"], "float32")
