@@ -541,12 +541,20 @@ class AsyncEngine:
             raise ValueError(f"mode is one of {', '.join(PAUSE_MODES)}, not {mode!r}")
         self._resumed.clear()
         self.paused = mode
-        if mode == "keep":
-            await self._ask(lambda op_id: m.HoldOp(op_id, hold=True))
-            return
-        if mode == "abort" and self.streams:
-            await self._ask(lambda op_id: m.HoldOp(op_id, hold=False, abort=True))
-        await self.streams.empty.wait()
+        try:
+            if mode == "keep":
+                await self._ask(lambda op_id: m.HoldOp(op_id, hold=True))
+                return
+            if mode == "abort" and self.streams:
+                await self._ask(lambda op_id: m.HoldOp(op_id, hold=False, abort=True))
+            await self.streams.empty.wait()
+        except BaseException:  # a dead engine, or a caller that gave up: no one would resume, so nothing pauses
+            self.paused = None
+            self._resumed.set()
+            if mode == "keep" and self.ready:  # the hold may have reached the engine: release it (unanswered)
+                with contextlib.suppress(Exception):
+                    await self._in.send(m.encoder.encode(m.HoldOp(0, hold=False)), flags=zmq.NOBLOCK)
+            raise
         if clear_cache:
             await self.reset_prefix_cache()
 

@@ -1,6 +1,7 @@
 """AsyncEngine.generate registers a request and releases it as one guarded unit: no exception path, before or
-after the engine hears of the request, may leave a stream (a queue slot) behind. No engine process is started:
-the handle is marked ready and the requests never get further than the API side."""
+after the engine hears of the request, may leave a stream (a queue slot) behind; likewise a pause whose caller
+gives up leaves nothing paused. No engine process is started: the handle is marked ready and the requests never
+get further than the API side."""
 
 from __future__ import annotations
 
@@ -78,3 +79,20 @@ def test_a_cancelled_request_releases_the_slot(engine):
     asyncio.run(main())
     assert engine.streams == {} and engine.output_processor.states == {}
     assert [type(x).__name__ for x in _sent(engine)] == ["AddRequest", "Abort"]  # its KV blocks are freed too
+
+
+def test_a_pause_given_up_leaves_nothing_paused(engine):
+    """pause_generation("keep") cancelled before the engine answers (its caller left): new requests are let in
+    again, and the engine is told to release what the hold may have reached."""
+    async def main():
+        task = asyncio.create_task(engine.pause_generation("keep"))
+        while not engine.peer.poll(0):  # the hold has been sent; its answer never comes
+            await asyncio.sleep(0.01)
+        assert engine.paused == "keep" and not engine._resumed.is_set()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert engine.paused is None and engine._resumed.is_set()
+    assert [(type(x).__name__, x.hold) for x in _sent(engine)] == [("HoldOp", True), ("HoldOp", False)]
