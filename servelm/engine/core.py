@@ -355,6 +355,7 @@ class EngineCore:
         meanwhile."""
         from servelm.model.weight_update import checkpoint_weights, update_in_place
 
+        self._settle()
         if self.has_unfinished_requests() and not self.holds_requests:
             return None
         if self.runner.tp_workers is not None:
@@ -377,6 +378,13 @@ class EngineCore:
         if self.sleeper is not None:
             self.sleeper.needs_weights = False
         return copied
+
+    def _settle(self) -> None:
+        """Collect a step still in flight (async scheduling) whose requests have all gone (aborted since it was
+        launched): the weights or the memory it reads may change next."""
+        if self.inflight is not None and not self.requests:
+            self.runner.collect(self.inflight)
+            self.inflight = None
 
     # -- pausing (vLLM's pause_generation) ---------------------------------------------------------
     @property
@@ -409,6 +417,7 @@ class EngineCore:
         forgetting every cached prefix; requests added meanwhile wait until the engine is woken. The bytes given
         back, or None, changing nothing, while requests are in flight."""
         self._need_sleep_mode()
+        self._settle()
         if self.has_unfinished_requests():
             return None
         released = self.sleeper.sleep(level)

@@ -33,3 +33,34 @@ def test_abort_all_ends_every_sample(llama_dir):
     assert sorted((o.request_id, o.index, o.finish_reason) for o in outputs) == [
         ("n3", 0, "abort"), ("n3", 1, "abort"), ("n3", 2, "abort"), ("one", 0, "abort")]
     assert not engine.has_unfinished_requests() and core.kv.num_free_blocks == 64
+
+
+def test_a_step_left_in_flight_by_aborts_is_collected_before_weights_change(llama_dir):
+    """Async scheduling: requests aborted while a step runs behind them leave it in flight with no request;
+    a weight update (or a sleep) collects it first, so that no step reads weights as they are written. A held
+    engine collects its step in flight alone and launches none behind it."""
+    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=64, async_scheduling=True, enable_sleep_mode=True)
+    engine, core = llm.engine, llm.engine.core
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3]], greedy, use_tqdm=False)]
+    engine.add_request("r", [1, 2, 3], greedy)
+    while core.inflight is None:
+        engine.step()
+    engine.abort_request("r")
+    assert core.inflight is not None and not engine.has_unfinished_requests()
+    assert llm.engine.update_weights(str(llama_dir))
+    assert core.inflight is None
+    engine.add_request("s", [1, 2, 3], greedy)
+    while core.inflight is None:
+        engine.step()
+    core.held = True
+    engine.step()  # the step in flight is collected, none goes behind it
+    assert core.inflight is None and engine.step() == []
+    core.held = False
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    llm.sleep(level=1)  # nothing in flight to collect; the same answers after
+    llm.wake_up()
+    assert [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3]], greedy, use_tqdm=False)] == want
