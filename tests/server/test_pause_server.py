@@ -135,3 +135,40 @@ def test_wait_answers_once_the_requests_in_flight_have_ended(server):
     r = _call(url, "POST", "/pause", mode="sideways")
     assert r.status_code == 400 and r.json()["error"]["param"] == "mode"
     assert _call(url, "POST", "/resume").status_code == 200
+
+
+def test_async_llm_abort_ends_every_sample_and_resume_lets_requests_in(long_llama_dir):
+    """AsyncLLM.pause_generation("abort"): a request of n=3 that would run for minutes ends, each sample with
+    finish reason "abort" and the tokens it had; after resume_generation new requests run."""
+    import asyncio
+
+    from servelm import AsyncLLM, SamplingParams
+
+    async def scenario():
+        llm = AsyncLLM(str(long_llama_dir), dtype="float32", max_model_len=HOLD_CONTEXT,
+                       num_kv_blocks=3 * HOLD_BLOCKS)
+        try:
+            params = SamplingParams(n=3, max_tokens=HOLD["max_tokens"], temperature=1.0, ignore_eos=True)
+            outs = []
+            first = asyncio.Event()
+
+            async def run():
+                async for o in llm.generate(HOLD["prompt"], params):
+                    outs.append(o)
+                    first.set()
+
+            task = asyncio.create_task(run())
+            await first.wait()
+            await llm.pause_generation("abort")
+            paused = await llm.is_paused()
+            await task
+            await llm.resume_generation()
+            after = [o async for o in llm.generate([5, 6, 7], SamplingParams(max_tokens=4))][-1]
+            return outs[-1], paused, await llm.is_paused(), after
+        finally:
+            await llm.shutdown()
+
+    last, paused, still, after = asyncio.run(scenario())
+    assert last.finished and [(c.index, c.finish_reason) for c in last.outputs] == [(i, "abort") for i in range(3)]
+    assert all(len(c.token_ids) < HOLD["max_tokens"] for c in last.outputs)  # cut short
+    assert paused is True and still is False and after.outputs[0].finish_reason == "length"
