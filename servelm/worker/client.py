@@ -410,8 +410,15 @@ class AsyncEngine:
         `cache_salt`: the request shares prefix-cache blocks only with requests of the same salt. `lora`: the
         name of a LoRA adapter the engine holds, to run the request with.
         """
-        if not self._resumed.is_set():  # paused: new requests wait here until resume_generation
-            await self._resumed.wait()
+        if not self._resumed.is_set():  # paused: new requests wait here until resume_generation, in their queue time
+            waited = time.monotonic()
+            try:
+                await asyncio.wait_for(self._resumed.wait(), queue_timeout)
+            except asyncio.TimeoutError:
+                raise QueueTimeout(f"the request waited {queue_timeout:g}s for generation to resume (the server "
+                                   "is paused); try again later") from None
+            if queue_timeout is not None:
+                queue_timeout = max(queue_timeout - (time.monotonic() - waited), 1e-3)
         if not self.check_engine():
             raise EngineDeadError("the engine is not ready")
         if request_id in self.streams:

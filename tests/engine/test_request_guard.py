@@ -13,7 +13,7 @@ import zmq
 from servelm.config.engine import EngineConfig
 from servelm.sampling_params import SamplingParams
 from servelm.worker import messages as m
-from servelm.worker.client import AsyncEngine, RequestRejected
+from servelm.worker.client import AsyncEngine, QueueTimeout, RequestRejected
 
 
 async def _drain(engine: AsyncEngine, rid: str, ids: list[int], params: SamplingParams) -> None:
@@ -96,3 +96,17 @@ def test_a_pause_given_up_leaves_nothing_paused(engine):
     asyncio.run(main())
     assert engine.paused is None and engine._resumed.is_set()
     assert [(type(x).__name__, x.hold) for x in _sent(engine)] == [("HoldOp", True), ("HoldOp", False)]
+
+
+def test_a_request_at_a_paused_door_keeps_its_queue_timeout(engine):
+    """While paused, a new request waits before it is registered; its queue timeout counts that wait, and one
+    that runs out leaves nothing behind."""
+    async def main():
+        engine.paused = "wait"
+        engine._resumed.clear()
+        with pytest.raises(QueueTimeout, match="paused"):
+            async for _ in engine.generate("late", [1, 2, 3], SamplingParams(), queue_timeout=0.05):
+                pass
+
+    asyncio.run(main())
+    assert engine.streams == {} and _sent(engine) == []
