@@ -64,6 +64,10 @@ class _Relocated:
     def nbytes(self) -> int:
         return sum(n for _, n, _ in self.held)
 
+    def forget_values(self) -> None:
+        """Drop the host copies: the storages come back as zeros."""
+        self.held = [(s, n, None) for s, n, _ in self.held]
+
     def restore(self) -> None:
         """Each storage at its size again, holding its values where they were kept, else zeros."""
         for s, n, copy in self.held:
@@ -130,6 +134,12 @@ class Sleeper:
             self.weights = "offloaded" if level == 1 else "discarded"
         elif self.weights == "awake":
             self.weights = "offloaded"  # level 1 on the CPU: the weights are host memory already
+        elif self.weights == "offloaded" and level == 2:  # asleep at level 1, now 2: the kept values go too
+            if self._weights is not None:
+                self._weights.forget_values()
+            else:
+                released += release_pages(checkpoint_tensors_of(runner.model))
+            self.weights = "discarded"
         if not self.relocate:
             release_freed_heap()  # what the C heap holds free from the last steps' temporaries goes back too
         if self.relocate and runner.device.type == "cuda":
@@ -144,6 +154,7 @@ class Sleeper:
         unknown = sorted(set(tags) - set(TAGS))
         if unknown:
             raise ValueError(f"unknown sleep tag {unknown[0]!r}: the tags are {', '.join(TAGS)}")
+        woke = any(t in tags and getattr(self, t) != "awake" for t in TAGS)
         if "weights" in tags and self.weights != "awake":
             if self._weights is not None:
                 self._weights.restore()
@@ -155,7 +166,7 @@ class Sleeper:
                 self._kv.restore()
                 self._kv = None
             self.kv_cache = "awake"
-        if self.in_memory and self.relocate:
+        if woke and self.in_memory and self.relocate:
             self.runner.recapture_graphs()
             if self.runner.model.tapes is not None:  # kernel tapes hold addresses too (relocation on the CPU)
                 self.runner.model.tapes.reset()

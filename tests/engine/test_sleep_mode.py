@@ -184,3 +184,30 @@ def test_weights_that_cannot_be_read_again_stay_asleep(checkpoints, tmp_path):
     llm.load_weights(hf_state_dict(checkpoints["b"]))
     assert not llm.is_sleeping()
     answers(llm, checkpoints["b"], "float32")
+
+
+@pytest.mark.parametrize("relocate", [False, True])
+def test_a_second_sleep_at_level_2_discards_what_level_1_kept(checkpoints, monkeypatch, relocate):
+    """Asleep at level 1, then at level 2: the weights' kept values go too (their pages, or their host copy),
+    and the wake reads the checkpoint again."""
+    if relocate:
+        from servelm.engine import model_runner
+        from servelm.model import memory
+
+        monkeypatch.setattr(memory, "WEIGHTS_IN_HUGE_PAGES", False)
+        monkeypatch.setattr(model_runner, "lazy_zeros", lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+    llm = LLM(str(checkpoints["a"]), dtype="float32", num_kv_blocks=64, enable_sleep_mode=True)
+    core = llm.engine.core
+    if relocate:
+        core.sleeper = Sleeper(core.runner, relocate=True)
+    before = answers(llm, checkpoints["a"], "float32")
+    llm.sleep(level=1)
+    llm.sleep(level=2)
+    assert core.sleeper.weights == "discarded"
+    if relocate:
+        assert all(copy is None for _, _, copy in core.sleeper._weights.held)
+    else:
+        big = [t for t in checkpoint_tensors_of(core.model) if t.numel() * t.element_size() >= 4 * mmap.PAGESIZE]
+        assert resident(big) == 0
+    llm.wake_up()
+    assert not core.sleeper.needs_weights and answers(llm, checkpoints["a"], "float32") == before
