@@ -1,7 +1,7 @@
 """Decode attention at W1's batch-64 step: servelm's paged kernel beside the PyTorch path (gather the
 blocks, then SDPA) and beside a plain read of the same bytes (what memory bandwidth allows), over a
 whole model's worth of distinct layer caches so nothing stays cached between layer calls. Systems
-alternate each round; medians are kept. Prints one JSON object with ratios.
+alternate each repeat; medians are kept. Prints one JSON object with ratios.
 
   python bench/decode_attention.py --model smollm2 --batch 64 --context 192 --threads 1
 
@@ -48,7 +48,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=192, help="tokens of context per sequence")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=10)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     kernels = cpu_kernels.load()
@@ -76,7 +76,7 @@ def main() -> None:
     times: dict[str, list[float]] = {n: [] for n in systems}
     for f in systems.values():
         f()
-    for r in range(args.rounds):
+    for r in range(args.repeats):
         for name, f in (systems.items() if r % 2 == 0 else reversed(list(systems.items()))):
             t = time.perf_counter()
             f()

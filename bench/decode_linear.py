@@ -1,6 +1,6 @@
 """Decode-step linear layers: servelm's kernel over packed weights (the AMX tile matmul where the CPU has
 AMX, else the AVX512-BF16 kernel in each of its two pair-product forms) beside oneDNN's prepacked bf16
-matmul, over a whole model's worth of distinct, cache-cold weights, alternating the systems each round
+matmul, over a whole model's worth of distinct, cache-cold weights, alternating the systems each repeat
 and keeping each one's best. Prints one JSON object with ratios, weight bytes and flops per second.
 
   python bench/decode_linear.py --model 60m --rows 1,16,32,64 --threads 1
@@ -31,7 +31,7 @@ def main() -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="60m")
     p.add_argument("--rows", default="1,16,32,64", help="comma-separated batch sizes (rows per matmul)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=10)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     k = cpu_kernels.load()
@@ -63,7 +63,7 @@ def main() -> None:
         best = dict.fromkeys(systems, float("inf"))
         for f in systems.values():
             f()  # warm-up
-        for _ in range(args.rounds):
+        for _ in range(args.repeats):
             for name, f in systems.items():
                 t = time.perf_counter()
                 f()

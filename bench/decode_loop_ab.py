@@ -2,9 +2,9 @@
 against the former hand-written C++ decode loop (`decode_layers.cpp`, removed; `--old-kernels` names a
 kernel library built from a checkout that still has it, e.g. main before the tapes), alternating in one
 process so that a noisy minute hits every side alike: W2's TPOT (one 512-token prompt, 128 tokens) and
-optionally W1's throughput, per round. Prints one JSON object with each side's rounds, medians and ratios.
+optionally W1's throughput, per repeat. Prints one JSON object with each side's repeats, medians and ratios.
 
-  python bench/decode_loop_ab.py --model DIR --threads 1 --rounds 5 [--dtype float32] \
+  python bench/decode_loop_ab.py --model DIR --threads 1 --repeats 5 [--dtype float32] \
       [--old-kernels OLD_CHECKOUT/servelm/model/kernels/lib/libservelm_amx.so]
 
 A benchmark, not a test: CI does not run it.
@@ -17,7 +17,7 @@ import json
 import types
 
 import torch
-from ab_rounds import alternate, parser  # bench/ is on sys.path when run
+from ab_repeats import alternate, parser  # bench/ is on sys.path when run
 
 from servelm.model.decoder import DecoderLM
 
@@ -94,7 +94,7 @@ def main() -> None:
 
     sides = ("tape", "python") + (("old_cpp",) if old else ())
     out = {"model": a.model, "dtype": a.dtype, "threads": a.threads, "clock": a.clock,
-           **alternate(select, sides, model.spec.vocab_size, a.rounds, a.w1, a.clock)}
+           **alternate(select, sides, model.spec.vocab_size, a.repeats, a.w1, a.clock)}
     out["tapes"] = {"recorded": tapes.recorded, "replayed": tapes.replayed, "refused": tapes.refused}
     print(json.dumps(out, indent=1))
 

@@ -1,6 +1,6 @@
 """The fixed-order dense kernel (csrc/dense_linear.cpp: every output summed over its inputs in order, whatever the
 row count) against what it replaced, PyTorch's matmul (MKL in float32; oneDNN's prepacked bf16 matmul where the
-CPU has it, else F.linear), per SmolLM2-135M layer shape and row count, alternating the two round by round and
+CPU has it, else F.linear), per SmolLM2-135M layer shape and row count, alternating the two repeat by repeat and
 keeping each one's median. Prints one JSON object: per dtype, shape and row count, each side's ms per call, the
 kernel's GFLOP/s and the ratio torch / kernel (above 1: the kernel is faster).
 
@@ -40,7 +40,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", default="1,16,64,512")
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--shapes", default=",".join(SHAPES))
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -62,9 +62,9 @@ def main() -> None:
 
             for m in map(int, a.rows.split(",")):
                 x = torch.randn(m, kk).to(dt)
-                reps = max(2, int(2e8 / (2 * m * n * kk)))  # about 0.2 GFLOP a side per round
+                reps = max(2, int(2e8 / (2 * m * n * kk)))  # about 0.2 GFLOP a side per repeat
                 sides: dict[str, list[float]] = {"kernel": [], "torch": []}
-                for r in range(a.rounds):
+                for r in range(a.repeats):
                     order = ("kernel", "torch") if r % 2 == 0 else ("torch", "kernel")
                     for side in order:
                         fn = (lambda x=x, n=n, panels=panels: k.dense_linear(x, panels, n)) if side == "kernel" \

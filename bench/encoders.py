@@ -6,13 +6,13 @@ encoder of the embedding process, with BERT's pooler and classifier for cross-en
 all-MiniLM-L6-v2; the cross-encoder has ms-marco-MiniLM-L-6-v2's shape (MiniLM-L6-H384, one label) with random
 weights and the same tokenizer, which is all its speed depends on. Both run the batches in the request's order;
 servelm also runs them in the order its batcher takes one request's inputs (shortest first, so that little of a
-batch is padding). Rounds alternate the systems, so a noisy minute hits each; the medians are compared. Prints one
+batch is padding). Repeats alternate the systems, so a noisy minute hits each; the medians are compared. Prints one
 JSON object: texts (or pairs) per second per system, servelm / transformers, by-length / request order, the
 padded tokens of both orders, and the largest difference between servelm's and transformers' outputs (parity). A benchmark, not a test:
 run it on an idle machine.
 
-  python bench/encoders.py --threads 2 --rounds 5
-  python bench/encoders.py --texts 64 --rounds 1      # smoke run
+  python bench/encoders.py --threads 2 --repeats 5
+  python bench/encoders.py --texts 64 --repeats 1      # smoke run
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def measure(name: str, folder: Path, items: list, pairs: bool, args) -> dict:
     systems = {"servelm": (own, given), "transformers": (ref, given), "servelm_by_length": (own, ordered)}
     outs = {s: np.concatenate([f(e) for e in encs]) for s, (f, encs) in systems.items()}  # warm-up, and parity
     times: dict[str, list[float]] = {s: [] for s in systems}
-    for _ in range(args.rounds):
+    for _ in range(args.repeats):
         for s, (f, encs) in systems.items():
             t = time.perf_counter()
             for e in encs:
@@ -140,7 +140,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--texts", type=int, default=512, help="texts embedded, and documents reranked for one query")
     p.add_argument("--batch-size", type=int, default=32, help="inputs per batch (the server's default)")
-    p.add_argument("--rounds", type=int, default=5, help="timed passes per system, alternating")
+    p.add_argument("--repeats", type=int, default=5, help="timed passes per system, alternating")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
     import torch
@@ -159,7 +159,7 @@ def main() -> None:
                    measure("rerank (ms-marco-MiniLM-L-6-v2 shape)", cross,
                            [("where do cats sleep", d) for d in corpus], True, args)]
     print(json.dumps({"benchmark": "encoders", "cpu": platform.processor() or platform.machine(),
-                      "threads": torch.get_num_threads(), "batch_size": args.batch_size, "rounds": args.rounds,
+                      "threads": torch.get_num_threads(), "batch_size": args.batch_size, "repeats": args.repeats,
                       "results": results}, indent=1))
 
 

@@ -106,11 +106,11 @@ def add(core: EngineCore, rid: str, prompt: list[int], max_tokens: int) -> None:
 
 
 # -- 1. block allocation ----------------------------------------------------------------------------------
-def bench_blocks(num_blocks: int, rounds: int) -> dict:
+def bench_blocks(num_blocks: int, repeats: int) -> dict:
     res: dict[str, list[float]] = {k: [] for k in ("pool_alloc", "pool_free", "kv_alloc", "kv_free",
                                                     "kv_alloc_evicting")}
     seq_tokens, bs = 1024, 16
-    for _ in range(rounds):
+    for _ in range(repeats):
         pool = BlockPool(num_blocks, enable_caching=True)
         t = time.perf_counter()
         blocks = [pool.allocate() for _ in range(num_blocks)]
@@ -145,7 +145,7 @@ def bench_blocks(num_blocks: int, rounds: int) -> dict:
         res["kv_alloc_evicting"].append((time.perf_counter() - t) / n)
     out = {f"{k}_us_per_block": round(statistics.median(v) * 1e6, 3) for k, v in res.items()}
     worst = max(out.values())
-    return {**out, "blocks": num_blocks, "rounds": rounds, "target_us_per_block": 1.0, "meets_target": worst < 1.0}
+    return {**out, "blocks": num_blocks, "repeats": repeats, "target_us_per_block": 1.0, "meets_target": worst < 1.0}
 
 
 # -- 2. scheduler overhead ----------------------------------------------------------------------------------
@@ -282,7 +282,7 @@ def _block_bytes(model: SimpleNamespace) -> int:
 
 
 # -- 4. swap preemption ----------------------------------------------------------------------------------
-def bench_swap(tokens: int, rounds: int, model: SimpleNamespace) -> dict:
+def bench_swap(tokens: int, repeats: int, model: SimpleNamespace) -> dict:
     bs = 16
     blocks = -(-tokens // bs) + 1
     swap_gb = (2 * blocks + 1) * _block_bytes(model) / 2**30
@@ -299,7 +299,7 @@ def bench_swap(tokens: int, rounds: int, model: SimpleNamespace) -> dict:
     kv.commit_computed(seq)
     first_layer_k = runner.kv_caches[0][0][torch.tensor(seq.block_table)].clone()
     outs, ins = [], []
-    for _ in range(rounds):
+    for _ in range(repeats):
         t = time.perf_counter()
         kv.swap_out(seq)
         runner.apply_block_ops(kv.take_ops())
@@ -313,10 +313,10 @@ def bench_swap(tokens: int, rounds: int, model: SimpleNamespace) -> dict:
         ins.append(t2 - t1)
         got = runner.kv_caches[0][0][torch.tensor(seq.block_table[:-(-tokens // bs)])]
         assert torch.equal(got, first_layer_k), "swap round trip changed the KV"
-        kv.roll_back(seq)  # the block swap_in added for the next token: the next round starts as the first
+        kv.roll_back(seq)  # the block swap_in added for the next token: the next repeat starts as the first
     med_out, med_in = statistics.median(outs[1:] or outs) * 1e3, statistics.median(ins[1:] or ins) * 1e3
     nbytes = -(-tokens // bs) * _block_bytes(model)
-    return {"tokens": tokens, "blocks": -(-tokens // bs), "bytes_per_direction": nbytes, "rounds": rounds,
+    return {"tokens": tokens, "blocks": -(-tokens // bs), "bytes_per_direction": nbytes, "repeats": repeats,
             "mode": "swap (preemption_mode='swap' exists; recompute is the default)",
             "swap_out_ms_median": round(med_out, 3), "swap_in_ms_median": round(med_in, 3),
             "swap_out_plus_in_ms_median": round(med_out + med_in, 3),
@@ -341,7 +341,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="blocks,scheduler,fragmentation,swap", help="comma-separated parts to run")
     p.add_argument("--blocks", type=int, default=65536, help="pool size for the allocation timing")
-    p.add_argument("--rounds", type=int, default=5, help="allocation and swap rounds (median kept)")
+    p.add_argument("--repeats", type=int, default=5, help="allocation and swap repeats (median kept)")
     p.add_argument("--running", type=int, default=256)
     p.add_argument("--waiting", type=int, default=1000)
     p.add_argument("--iters", type=int, default=300, help="timed scheduler iterations")
@@ -363,14 +363,14 @@ def main() -> None:
     result: dict = {"machine": machine()}
     gc.collect()
     if "blocks" in only:
-        result["block_allocation"] = bench_blocks(a.blocks, a.rounds)
+        result["block_allocation"] = bench_blocks(a.blocks, a.repeats)
     if "scheduler" in only:
         result["scheduler"] = bench_scheduler(a.running, a.waiting, a.iters, a.policy, a.gc_freeze, a.gc_threshold)
     if "fragmentation" in only:
         result["fragmentation"] = [bench_fragmentation(int(c), 300, a.frag_steps, model, a.kv_gb)
                                    for c in a.concurrency.split(",")]
     if "swap" in only:
-        result["swap"] = bench_swap(a.swap_tokens, max(a.rounds, 3), model)
+        result["swap"] = bench_swap(a.swap_tokens, max(a.repeats, 3), model)
     print(json.dumps(result))
 
 

@@ -1,7 +1,7 @@
 """GGUF block kernels (csrc/quant_linear.cpp) beside the bf16 tile kernel over a whole model's worth of distinct
 linear weights (SmolLM2-135M's shapes: qkv, o, gate_up, down per layer), for several row counts: the
 int8-activation path and the dequantize-to-bf16-tiles path of each format, and the bf16 kernel over the
-same weights dequantized. Alternates the systems each round and keeps each one's best. Prints JSON: ms
+same weights dequantized. Alternates the systems each repeat and keeps each one's best. Prints JSON: ms
 per pass over all layers, weight bytes each system reads, and those bytes over the time (GB/s).
 
   nice python bench/gguf_linear.py --formats Q4_1,Q8_0 --rows 1,4,8,16,32 --threads 2
@@ -43,7 +43,7 @@ def main() -> None:
     p.add_argument("--formats", default="Q4_1,Q8_0")
     p.add_argument("--rows", default="1,4,8,16,32")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--layers", type=int, default=LAYERS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -77,7 +77,7 @@ def main() -> None:
         best = dict.fromkeys(systems, float("inf"))
         for fn in systems.values():
             fn()
-        for _ in range(args.rounds):
+        for _ in range(args.repeats):
             for name, fn in systems.items():
                 t = time.perf_counter()
                 fn()

@@ -1,6 +1,6 @@
 """GGUF tile path (csrc/quant_linear.cpp's bf16 path for many rows, which the engine does not use: its bits
 differ from the int8 kernel's) per SmolLM2-135M layer shape, alternating
-systems round by round and keeping each one's best:
+systems repeat by repeat and keeping each one's best:
 
 - `bf16`: the bf16 tile kernel over the weight dequantized and packed (what `--quantization none` runs);
 - `tiles`: quant_linear's bf16 tile path (int_rows=0);
@@ -74,7 +74,7 @@ def main() -> None:
     p.add_argument("--rows", default="17,32,64,100")
     p.add_argument("--systems", default="bf16,tiles,int8", help="of bf16, tiles, int8 (and base_* with --baseline)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--copies", type=int, default=30)
     p.add_argument("--variant", help="this checkout's build to run (default: the one servelm loads), e.g. avx512bf16")
     p.add_argument("--baseline", help="another build of the kernel library to run beside this one")
@@ -104,7 +104,7 @@ def main() -> None:
             times = {name: [] for name in systems}  # every call's own time: a preempted call spoils one sample
             for fn in systems.values():
                 fn()
-            for _ in range(args.rounds):
+            for _ in range(args.repeats):
                 for name, fn in systems.items():
                     times[name] += fn()
             row = {"shape": shape, "rows": m,

@@ -1,7 +1,7 @@
 """Structured output's cost per step, over SmolLM2's 49k vocabulary.
 
     python bench/grammar_sampler.py --batch 32 --steps 200 [--backend llguidance|xgrammar] [--tokenizer DIR]
-    python bench/grammar_sampler.py --backends [--batches 1,8,32] [--rounds 5] [--tokenizer DIR]
+    python bench/grammar_sampler.py --backends [--batches 1,8,32] [--repeats 5] [--tokenizer DIR]
 
 The first form: the whole sampler, a batch of B rows with 0, 1 or all rows under a JSON-schema grammar (the
 matcher reset each step so its state stays the same).
@@ -87,7 +87,7 @@ def sampler_bench(a, tok) -> None:
               f"{1e3 * statistics.median(times):.2f} ms/step, CPU median {1e3 * statistics.median(cpu):.2f} ms/step")
 
 
-def backend_bench(backend: str, tok, batches: list[int], rounds: int) -> dict:
+def backend_bench(backend: str, tok, batches: list[int], repeats: int) -> dict:
     cache = GrammarCache(VOCAB, lambda: tok, backend)
     t = time.perf_counter()
     cache._get_compiler(frozenset({EOS}))
@@ -104,7 +104,7 @@ def backend_bench(backend: str, tok, batches: list[int], rounds: int) -> dict:
         logits = torch.randn(batch, VOCAB)
         rows = list(range(batch))
         fill, apply, fill_cpu, apply_cpu, numpy_apply = [], [], [], [], []
-        for _ in range(rounds):
+        for _ in range(repeats):
             for s in seqs:
                 s.matcher.reset()
             for token in doc:
@@ -146,7 +146,7 @@ def main() -> None:
     ap.add_argument("--backend", default="auto", choices=("auto", "llguidance", "xgrammar"))
     ap.add_argument("--backends", action="store_true", help="compare the grammar backends' mask time (JSON)")
     ap.add_argument("--batches", default="1,8,32", help="with --backends: the batch sizes")
-    ap.add_argument("--rounds", type=int, default=5, help="with --backends: walks of the document per batch size")
+    ap.add_argument("--repeats", type=int, default=5, help="with --backends: walks of the document per batch size")
     ap.add_argument("--tokenizer", default=None)
     a = ap.parse_args()
     tok = load_tokenizer(a.tokenizer)
@@ -158,7 +158,7 @@ def main() -> None:
     result = {"vocab": VOCAB, "schema": SCHEMA, "torch_threads": 1, "apply": "xgrammar's kernel" if
               installed("xgrammar") else "numpy", "backends": {}}
     for backend in ("llguidance", "xgrammar"):
-        result["backends"][backend] = backend_bench(backend, tok, batches, a.rounds) if installed(backend) \
+        result["backends"][backend] = backend_bench(backend, tok, batches, a.repeats) if installed(backend) \
             else {"error": "not installed"}
     print(json.dumps(result, indent=1))
 

@@ -1,9 +1,9 @@
 """Weights in transparent huge pages (the default) against weights in 4 KB pages, alternating in one
 process so that a noisy minute hits both alike: two engines over the same checkpoint, one built with
-`servelm.model.memory.WEIGHTS_IN_HUGE_PAGES` off. Per round: W2's TPOT (one 512-token prompt, 128
-tokens) and optionally W1's throughput. Prints one JSON object with each side's rounds, medians and ratios.
+`servelm.model.memory.WEIGHTS_IN_HUGE_PAGES` off. Per repeat: W2's TPOT (one 512-token prompt, 128
+tokens) and optionally W1's throughput. Prints one JSON object with each side's repeats, medians and ratios.
 
-  python bench/huge_pages_ab.py --model ~/.cache/servelm-bench/models/smollm2-135m --threads 1 --rounds 5
+  python bench/huge_pages_ab.py --model ~/.cache/servelm-bench/models/smollm2-135m --threads 1 --repeats 5
 
 A benchmark, not a test: CI does not run it.
 """
@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from ab_rounds import alternate, parser  # bench/ is on sys.path when run
+from ab_repeats import alternate, parser  # bench/ is on sys.path when run
 
 
 def anon_huge_kb() -> int:
@@ -37,7 +37,7 @@ def main() -> None:
         print(f"{side}: AnonHugePages +{anon_huge_kb() - before} kB", file=sys.stderr)
     out = {"model": a.model, "threads": a.threads,
            **alternate(engines.__getitem__, ("huge", "small"), engines["huge"].engine.core.model.spec.vocab_size,
-                       a.rounds, a.w1)}
+                       a.repeats, a.w1)}
     print(json.dumps(out, indent=1))
 
 

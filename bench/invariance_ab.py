@@ -1,9 +1,9 @@
 """What scheduling invariance costs in bf16 on an AMX CPU: the linears on the tile kernel for every row count
 (today's dispatch) against the old one, oneDNN's prepacked matmul for inputs of more than 64 rows (faster
-for prefill chunks, but its sums change with the row count). Alternating in one process: per round, W2's
+for prefill chunks, but its sums change with the row count). Alternating in one process: per repeat, W2's
 TTFT and TPOT (one 512-token prompt) and optionally W1's throughput on each side. Prints one JSON object.
 
-  python bench/invariance_ab.py --model DIR --threads 1 --rounds 3 --w1
+  python bench/invariance_ab.py --model DIR --threads 1 --repeats 3 --w1
 
 A benchmark, not a test: CI does not run it.
 """
@@ -15,7 +15,7 @@ import statistics
 import time
 
 import torch
-from ab_rounds import parser, prompts  # bench/ is on sys.path when run
+from ab_repeats import parser, prompts  # bench/ is on sys.path when run
 
 from servelm.model.layers.blocks import GateUpLinear, Linear, silu_mul
 from servelm.model.layers.linear_kernels import _onednn_linear, _onednn_packed
@@ -80,7 +80,7 @@ def main() -> None:
     for s in sides:
         select(s)
         gen([w2], 4)
-    for r in range(a.rounds):
+    for r in range(a.repeats):
         for s in sides if r % 2 == 0 else sides[::-1]:
             select(s)
             ttft = gen([w2], 1)
@@ -88,7 +88,7 @@ def main() -> None:
             res[s]["tpot_ms"].append(round(1000 * (gen([w2], 64) - ttft) / 63, 3))
             if a.w1:
                 res[s]["w1_tok_s"].append(round(64 * 128 / gen(w1, 128), 1))
-    out: dict = {"model": a.model, "threads": a.threads, "rounds": res}
+    out: dict = {"model": a.model, "threads": a.threads, "repeats": res}
     for key in ("ttft_ms", "tpot_ms", "w1_tok_s"):
         if res[sides[0]][key]:
             m = {s: statistics.median(res[s][key]) for s in sides}

@@ -1,7 +1,7 @@
 """Two builds of servelm's C++ kernels side by side in one process: a decode step's linear layers (AMX
 tiles, or the AVX512-BF16 kernel on CPUs without AMX)
 (SmolLM2's or llama-rand-60m's shapes, cold weights) and the paged decode attention at W1's batch,
-alternating the builds each round. Outputs must be identical (the kernels promise fixed summation
+alternating the builds each repeat. Outputs must be identical (the kernels promise fixed summation
 order); prints one JSON object with medians and the new/base speed-up.
 
   git worktree add /tmp/base HEAD~1
@@ -10,7 +10,7 @@ order); prints one JSON object with medians and the new/base speed-up.
 
 `--base` and `--new` name checkouts (their servelm/model/kernels/csrc is built, or found in the kernel cache).
 `--engine DIR` also runs a model end to end with each build's kernels in turn (one engine; W2 TPOT and,
-with `--w1`, W1 throughput, alternating rounds).
+with `--w1`, W1 throughput, alternating repeats).
 A benchmark, not a test: CI does not run it.
 """
 
@@ -36,11 +36,11 @@ MODELS = {  # hidden, intermediate, layers, vocab, q heads, kv heads, head dim
 }
 
 
-def alternate(fa, fb, rounds: int, before=None) -> dict:
-    """Median seconds of each over `rounds`, the order flipped every round; `before` runs untimed
+def alternate(fa, fb, repeats: int, before=None) -> dict:
+    """Median seconds of each over `repeats`, the order flipped every repeat; `before` runs untimed
     before each call."""
     ta, tb = [], []
-    for r in range(rounds):
+    for r in range(repeats):
         for f, t in ((fa, ta), (fb, tb)) if r % 2 == 0 else ((fb, tb), (fa, ta)):
             if before is not None:
                 before()
@@ -51,7 +51,7 @@ def alternate(fa, fb, rounds: int, before=None) -> dict:
     return {"base_ms": round(a * 1e3, 2), "new_ms": round(b * 1e3, 2), "new_speedup": round(a / b, 3)}
 
 
-def linears(base, new, model: str, rows: list[int], rounds: int) -> dict:
+def linears(base, new, model: str, rows: list[int], repeats: int) -> dict:
     h, i, layers, vocab, nq, nkv, hd = MODELS[model]
     shapes = [((nq + 2 * nkv) * hd, h, False), (h, nq * hd, False), (2 * i, h, True), (h, i, False)] * layers
     shapes.append((vocab, h, False))
@@ -71,11 +71,11 @@ def linears(base, new, model: str, rows: list[int], rounds: int) -> dict:
         fa, fb = run(base), run(new)
         if not all(torch.equal(a, b) for a, b in zip(fa(), fb(), strict=True)):
             raise SystemExit(f"linear outputs differ at {m} rows")
-        out[f"linear rows={m}"] = alternate(fa, fb, rounds)
+        out[f"linear rows={m}"] = alternate(fa, fb, repeats)
     return out
 
 
-def attention(base, new, model: str, batch: int, context: int, rounds: int, allow_diff: bool = False,
+def attention(base, new, model: str, batch: int, context: int, repeats: int, allow_diff: bool = False,
               dtype: torch.dtype = torch.bfloat16) -> dict:
     _h, _i, layers, _v, hq, hkv, d = MODELS[model]
     caches, tables, lens, q = decode_step(model, batch, context, dtype=dtype)
@@ -93,7 +93,7 @@ def attention(base, new, model: str, batch: int, context: int, rounds: int, allo
     # a decode step streams the weights between layers' attention: caches that would fit the last-level
     # cache are evicted before each call by a read of 256 MB, as the weights would
     evict = torch.ones(64 << 20).sum if kv_bytes < 128 << 20 else None
-    row = alternate(fa, fb, rounds, evict)
+    row = alternate(fa, fb, repeats, evict)
     row["max_abs_diff"] = diff
     row.update(new_gb_s=round(kv_bytes / row["new_ms"] / 1e6, 2), base_gb_s=round(kv_bytes / row["base_ms"] / 1e6, 2))
     return {f"decode attention batch={batch} context={context}": row}
@@ -116,7 +116,7 @@ def main() -> None:
     p.add_argument("--variant", default=None,
                    help="kernel build to load (avx2, portable, ...; default: this CPU's best), as SERVELM_CPU_KERNELS")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=12)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     base, new = (cpu_kernels.build(c / "servelm" / "model" / "kernels" / "csrc", a.variant) for c in (a.base, a.new))
@@ -124,20 +124,20 @@ def main() -> None:
         raise SystemExit("the linear layers need a build with AVX512-BF16 (--rows '' times attention alone)")
     res = {"model": a.model, "threads": a.threads, "variant": base.variant, "dtype": a.dtype}
     if a.rows:
-        res.update(linears(base, new, a.model, [int(r) for r in a.rows.split(",")], a.rounds))
+        res.update(linears(base, new, a.model, [int(r) for r in a.rows.split(",")], a.repeats))
     if a.attention:
         batch, context = map(int, a.attention.split("x"))
-        res.update(attention(base, new, a.model, batch, context, a.rounds, a.allow_diff, getattr(torch, a.dtype)))
+        res.update(attention(base, new, a.model, batch, context, a.repeats, a.allow_diff, getattr(torch, a.dtype)))
     if a.engine:
-        res["engine"] = engine(base, new, a.engine, a.threads, max(3, a.rounds // 2), a.w1, a.dtype)
+        res["engine"] = engine(base, new, a.engine, a.threads, max(3, a.repeats // 2), a.w1, a.dtype)
     print(json.dumps(res, indent=1))
 
 
-def engine(base, new, model_dir: Path, threads: int, rounds: int, w1: bool, dtype: str = "bfloat16") -> dict:
+def engine(base, new, model_dir: Path, threads: int, repeats: int, w1: bool, dtype: str = "bfloat16") -> dict:
     """One engine whose attention kernels and fused-kernel module (the C++ decode layer loop and the
     elementwise kernels, bf16 only) are switched between the builds; the linear layers keep this process's
     build (SERVELM_CPU_KERNELS chooses it)."""
-    from ab_rounds import alternate
+    from ab_repeats import alternate
 
     from servelm import LLM
 
@@ -153,7 +153,7 @@ def engine(base, new, model_dir: Path, threads: int, rounds: int, w1: bool, dtyp
             model.fused = module
         return llm
 
-    return {"model": str(model_dir), **alternate(select, ("new", "base"), model.spec.vocab_size, rounds, w1)}
+    return {"model": str(model_dir), **alternate(select, ("new", "base"), model.spec.vocab_size, repeats, w1)}
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ minute hits both alike: two engines over the same checkpoint, each built while `
 returned its side's kernels. The other build is either a compiled torch-extension module (the JIT builds
 that servelm made before the kernels moved to install time, cached as
 `~/.cache/servelm/kernels/<tag>/servelm_cpu_<tag>.so`) or another checkout, whose kernels are built into
-the cache. Per round: W2's TPOT and optionally W1's throughput. Prints one JSON object with each side's
-rounds, medians and ratios.
+the cache. Per repeat: W2's TPOT and optionally W1's throughput. Prints one JSON object with each side's
+repeats, medians and ratios.
 
   python bench/kernel_build_ab.py --model DIR --base ~/.cache/servelm/kernels/a02d8631f7b2/servelm_cpu_a02d8631f7b2.so --w1
 
@@ -18,7 +18,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from ab_rounds import alternate, parser  # bench/ is on sys.path when run
+from ab_repeats import alternate, parser  # bench/ is on sys.path when run
 
 
 def base_kernels(path: Path):
@@ -55,7 +55,7 @@ def main() -> None:
 
     vocab = engines["new"].engine.core.model.spec.vocab_size
     out = {"model": a.model, "threads": a.threads, "base": str(a.base),
-           **alternate(select, ("new", "base"), vocab, a.rounds, a.w1)}
+           **alternate(select, ("new", "base"), vocab, a.repeats, a.w1)}
     print(json.dumps(out, indent=1))
 
 

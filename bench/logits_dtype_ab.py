@@ -1,9 +1,9 @@
 """W1 throughput (64 prompts, 128 tokens each) of the default model with its logits stored in float32 (the
 default: the C++ kernels' float32 sums, unrounded) against the same model with the lm_head's output rounded
-to bf16, in one process, alternating the two every round. Greedy and sampled (temperature 0.8). Prints one
-JSON object: the rounds, the medians and float32's ratio to bf16.
+to bf16, in one process, alternating the two every repeat. Greedy and sampled (temperature 0.8). Prints one
+JSON object: the repeats, the medians and float32's ratio to bf16.
 
-  python bench/logits_dtype_ab.py --rounds 4 --threads 2
+  python bench/logits_dtype_ab.py --repeats 4 --threads 2
 
 A benchmark, not a test: CI does not run it.
 """
@@ -26,7 +26,7 @@ from servelm.model.layers import blocks  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
     llm = LLM(num_threads=a.threads, enable_prefix_caching=False)
@@ -46,7 +46,7 @@ def main() -> None:
     for name, temperature in (("greedy", 0.0), ("sampled", 0.8)):
         tok_s(temperature)  # warm-up
         runs: dict[str, list[float]] = {"float32": [], "bf16": []}
-        for r in range(a.rounds):
+        for r in range(a.repeats):
             for mode in ("float32", "bf16") if r % 2 == 0 else ("bf16", "float32"):
                 blocks.Linear.__call__ = float32_call if mode == "float32" else rounded_call
                 runs[mode].append(tok_s(temperature))

@@ -1,8 +1,8 @@
 """What LoRA adapters cost: W1 (64 requests of 128 prompt / 128 output tokens, greedy) on the base model alone
-beside W1 with N adapters spread over its requests (request i uses adapter i mod N), in one process, rounds
+beside W1 with N adapters spread over its requests (request i uses adapter i mod N), in one process, repeats
 alternating; plus the memory of one loaded adapter and the time to load one. Prints one JSON object.
 
-  nice python bench/lora_cost.py --adapters 8 --rank 16 --threads 2 --rounds 2
+  nice python bench/lora_cost.py --adapters 8 --rank 16 --threads 2 --repeats 2
   nice python bench/lora_cost.py --model /path/to/hf-folder --dtype bfloat16 --targets q_proj,v_proj
 
 The adapters are random PEFT-format folders (adapter_config.json + adapter_model.safetensors) of rank --rank on
@@ -58,7 +58,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--targets", default=ALL, help=f"comma-separated PEFT module names (default: {ALL})")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--rounds", type=int, default=2, help="rounds of (base, adapters), alternating")
+    p.add_argument("--repeats", type=int, default=2, help="repeats of (base, adapters), alternating")
     p.add_argument("--device", default="cpu")
     args = p.parse_args()
 
@@ -80,7 +80,7 @@ def main() -> None:
     per_request = [loras[i % len(loras)] for i in range(len(w1.prompts))]
     llm.generate(w1.prompts[:4], SamplingParams(max_tokens=4), use_tqdm=False, lora_request=per_request[:4])  # warm
     tok_s: dict[str, list[float]] = {"base": [], "adapters": []}
-    for _ in range(args.rounds):
+    for _ in range(args.repeats):
         for name, lora in (("base", None), ("adapters", per_request)):
             t = time.perf_counter()
             outs = llm.generate(w1.prompts, params, use_tqdm=False, lora_request=lora)
@@ -90,7 +90,7 @@ def main() -> None:
     print(json.dumps({
         "bench": "lora_cost", "model": args.model or "SmolLM2-135M (packaged)", "dtype": str(llm.engine.loaded.model.dtype),
         "device": args.device, "threads": args.threads, "adapters": args.adapters, "rank": args.rank,
-        "targets": targets, "workload": "W1 (64 x 128/128, greedy)", "rounds": args.rounds,
+        "targets": targets, "workload": "W1 (64 x 128/128, greedy)", "repeats": args.repeats,
         "base_tok_s": round(base, 1), "adapters_tok_s": round(lora_rate, 1),
         "base_over_adapters": round(base / lora_rate, 3),
         "rounds_tok_s": {k: [round(v, 1) for v in vs] for k, vs in tok_s.items()},

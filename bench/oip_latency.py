@@ -3,13 +3,13 @@
 Trains a gradient-boosted tree model (XGBoost, 20 features), registers it twice in a fresh server's
 registry (one version with the batch window, one with `batch_window_ms: 0`), then sends single-row
 requests open-loop at a fixed rate (each request's latency counts from when it was due, so a stalled
-client cannot hide queueing), alternating the two setups in rounds so a noisy minute hits both alike.
+client cannot hide queueing), alternating the two setups in repeats so a noisy minute hits both alike.
 Prints one JSON object: per setup p50/p99/mean latency in ms, the achieved rate, errors and the mean
 requests per predictor call (from /metrics), and the ratios window-on / window-off. A benchmark, not a
 test: run it on an idle machine.
 
-  python bench/oip_latency.py --rate 100 --duration 20 --rounds 3 --window-ms 2 --protocol rest
-  python bench/oip_latency.py --rate 20 --duration 2 --rounds 1 --trees 10   # smoke run
+  python bench/oip_latency.py --rate 100 --duration 20 --repeats 3 --window-ms 2 --protocol rest
+  python bench/oip_latency.py --rate 20 --duration 2 --repeats 1 --trees 10   # smoke run
 
 The server also serves an LLM (`servelm serve` always does): `--model` (default: the packaged one) with
 `--embedding-model none`; it idles while this runs.
@@ -146,10 +146,10 @@ def batch_stats(url: str, model: str) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rate", type=float, default=100.0, help="requests per second")
-    ap.add_argument("--duration", type=float, default=20.0, help="seconds per setup per round")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds per setup per repeat")
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--window-ms", type=float, default=2.0, help="the batch window of the 'on' setup")
-    ap.add_argument("--trees", type=int, default=100, help="boosting rounds (depth 6)")
+    ap.add_argument("--trees", type=int, default=100, help="boosting repeats (depth 6)")
     ap.add_argument("--protocol", choices=("rest", "grpc"), default="rest")
     ap.add_argument("--model", default=None, help="the LLM the server also serves (default: the packaged one)")
     args = ap.parse_args()
@@ -172,7 +172,7 @@ def main() -> None:
             for name in setups:  # warm: the first request loads the model
                 asyncio.run(run_rest(url, f"gbt-{name}", rows, 10, 0.5))
             before = {name: batch_stats(url, f"gbt-{name}:1") for name in setups}
-            for rnd in range(args.rounds):
+            for rnd in range(args.repeats):
                 order = list(setups) if rnd % 2 == 0 else list(reversed(setups))
                 for name in order:
                     if args.protocol == "rest":
@@ -182,7 +182,7 @@ def main() -> None:
                                                         args.duration))
                     results[name]["latencies"] += lat
                     results[name]["errors"] += err
-            out: dict = {"rate": args.rate, "duration_s": args.duration, "rounds": args.rounds,
+            out: dict = {"rate": args.rate, "duration_s": args.duration, "repeats": args.repeats,
                          "protocol": args.protocol, "window_ms": args.window_ms, "trees": args.trees,
                          "features": FEATURES, "cpus": os.cpu_count(), "setups": {}}
             for name, res in results.items():

@@ -6,7 +6,7 @@ real text and from random ids, one step at a time through the running batch's de
 tokenizer; both ways run alternately in one process. Prints one JSON object.
 
     python bench/output_processing.py
-    python bench/output_processing.py --requests 64 --tokens 512 --rounds 5
+    python bench/output_processing.py --requests 64 --tokens 512 --repeats 5
 
 A benchmark, not a test: CI does not run it (tests/engine/test_output_processor.py checks the texts agree).
 """
@@ -63,7 +63,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
     _, tokenizer = load_gguf_config_and_tokenizer(default_model_path())
     rng = random.Random(0)
@@ -79,14 +79,14 @@ def main() -> None:
             streams.append(prose[start:start + a.tokens])
     per_token: dict[str, list[float]] = {"at_end": [], "token_by_token": []}
     n = a.requests * a.tokens
-    for _ in range(a.rounds):
+    for _ in range(a.repeats):
         end_s, end_texts = run(OutputProcessor, tokenizer, streams)
         each_s, each_texts = run(TokenByToken, tokenizer, streams)
         assert end_texts == each_texts, "the two ways gave different texts"
         per_token["at_end"].append(end_s / n * 1e6)
         per_token["token_by_token"].append(each_s / n * 1e6)
     med = {k: round(statistics.median(v), 3) for k, v in per_token.items()}
-    print(json.dumps({"requests": a.requests, "tokens": a.tokens, "rounds": a.rounds, "cpu": platform.processor(),
+    print(json.dumps({"requests": a.requests, "tokens": a.tokens, "repeats": a.repeats, "cpu": platform.processor(),
                       "us_per_token_detokenized_at_end": med["at_end"],
                       "us_per_token_token_by_token": med["token_by_token"],
                       "token_by_token_over_at_end": round(med["token_by_token"] / med["at_end"], 2)}))

@@ -1,7 +1,7 @@
 """Two builds of servelm's prefill attention kernel side by side in one process, on a model's shapes
 (SmolLM2-135M: 9 query heads, 3 kv heads, head_dim 64): one 2,048-query chunk at the start of a prompt
 (context 2k) and the chunks of an 8k prompt prefilled 2,048 at a time (contexts 2k, 4k, 6k, 8k), over a
-paged bf16 cache with its blocks scattered. The builds alternate each round; prints one JSON object with
+paged bf16 cache with its blocks scattered. The builds alternate each repeat; prints one JSON object with
 medians, causal GFLOP/s (4 x H x D x the number of query-key pairs) and the new/base speed-up, and the
 largest difference between the builds' outputs.
 
@@ -55,7 +55,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (the engine's step budget)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--window", type=int, default=0)
     p.add_argument("--cpu-time", action="store_true",
                    help="time the process's CPU seconds, not wall time (steadier on a busy machine; with --threads 1)")
@@ -90,7 +90,7 @@ def main() -> None:
         fa(), fb()
         diff = (outs["base"].float() - outs["new"].float()).abs().max().item()
         ta, tb = [], []
-        for r in range(a.rounds):
+        for r in range(a.repeats):
             for f, t in ((fa, ta), (fb, tb)) if r % 2 == 0 else ((fb, tb), (fa, ta)):
                 start = clock()
                 f()

@@ -1,7 +1,7 @@
-"""Which CPU binding serves S1 best on this machine: `servelm serve` started once per variant and round,
-the same S1 traffic (`servelm bench serve`, Poisson arrivals) sent to each, variants alternated round by
-round so that a noisy machine hits them alike. Prints one JSON line per run, then a summary: per variant
-the median over rounds of p95 TTFT, p95 TPOT, p99 ITL and goodput (requests/s within 500 ms TTFT and
+"""Which CPU binding serves S1 best on this machine: `servelm serve` started once per variant and repeat,
+the same S1 traffic (`servelm bench serve`, Poisson arrivals) sent to each, variants alternated repeat by
+repeat so that a noisy machine hits them alike. Prints one JSON line per run, then a summary: per variant
+the median over repeats of p95 TTFT, p95 TPOT, p99 ITL and goodput (requests/s within 500 ms TTFT and
 50 ms TPOT), and its ratio to the first variant.
 
 On two cores the API process (HTTP, tokenization, streaming), the engine's compute threads and the load
@@ -11,7 +11,7 @@ generator share the CPUs; the variants are:
   engine-1     --num-threads 1 --cpu-bind (n-1): the engine on the last CPU, the rest left to the API process
   api-split    engine-1, and the API process's threads pinned to the other CPUs (os.sched_setaffinity)
 
-    python bench/serve_binding.py --rate 1.75 --num-requests 120 --rounds 2
+    python bench/serve_binding.py --rate 1.75 --num-requests 120 --repeats 2
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def main() -> int:
     p.add_argument("--model", default="", help="model path (default: servelm's default model)")
     p.add_argument("--rate", type=float, default=1.75, help="S1 Poisson rate, requests/s")
     p.add_argument("--num-requests", type=int, default=120)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--variants", default="default,bind-all,engine-1,api-split")
     p.add_argument("--output", type=Path, default=None, help="append each run's JSON line here")
     a = p.parse_args()
@@ -70,10 +70,10 @@ def main() -> int:
     names = [v for v in a.variants.split(",") if v]
     model = a.model or default_model_path()
     runs: dict[str, list[dict]] = {v: [] for v in names}
-    for rnd in range(a.rounds):
+    for rnd in range(a.repeats):
         for name in names if rnd % 2 == 0 else names[::-1]:
             extra, api = table[name]
-            row = {"variant": name, "round": rnd, **run_one(str(model), extra, api, a.rate, a.num_requests,
+            row = {"variant": name, "repeat": rnd, **run_one(str(model), extra, api, a.rate, a.num_requests,
                                                             len(cpus))}
             runs[name].append(row)
             print(json.dumps(row), flush=True)

@@ -1,13 +1,13 @@
 """Caller latency with shadow mirroring on against off, side by side in one run, over HTTP on a real server:
 version 1 of a model serves (PRODUCTION), version 2 (the same weights, its own workers) is the shadow that
-gets a copy of every request when mirroring is on. Phases alternate off/on for `--rounds` rounds (so a
+gets a copy of every request when mirroring is on. Phases alternate off/on for `--repeats` repeats (so a
 drift of the machine's speed hits both alike); each phase sends `--requests` streamed completions with
 Poisson arrivals at `--rate` per second. Prints one JSON object: TTFT and total latency p50/p90/p99 (ms) for
 off and on, the on/off ratios, and the shadow's own figures (mirrored, dropped, agreement). A benchmark, not a
 test: run it on a quiet machine.
 
   python bench/shadow_latency.py --model ~/.cache/servelm-bench/models/llama-rand-60m --dtype bfloat16 \\
-      --threads 1 --requests 200 --rate 2 --rounds 3 --max-tokens 64
+      --threads 1 --requests 200 --rate 2 --repeats 3 --max-tokens 64
   python bench/shadow_latency.py --quick   # a smoke run on a tiny random-weight Llama built on the spot
 
 The shadow queue is the server's default (`--shadow-queue 64`, `--shadow-concurrency 1`): what overflows is
@@ -136,7 +136,7 @@ async def main(args) -> dict:
         await _phase(url, args, 0)  # warm-up, not counted
         runs: dict[str, list[dict]] = {"off": [], "on": []}
         failed = {"off": 0, "on": 0}
-        for rnd in range(args.rounds):
+        for rnd in range(args.repeats):
             for mode in (("off", "on") if rnd % 2 == 0 else ("on", "off")):
                 if mode == "on":
                     _admin(url, "PUT", "/admin/models/m/shadow", {"version": 2, "fraction": 1.0})
@@ -154,7 +154,7 @@ async def main(args) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)
         shutil.rmtree(data, ignore_errors=True)  # the registry and its copy of the model
     out: dict = {"model": args.model, "shadow_nice": args.shadow_nice, "dtype": args.dtype, "threads": args.threads, "requests_per_phase":
-                 args.requests, "rounds": args.rounds, "rate": args.rate, "max_tokens": args.max_tokens,
+                 args.requests, "repeats": args.repeats, "rate": args.rate, "max_tokens": args.max_tokens,
                  "prompt_len": args.prompt_len, "quick": args.quick, "failed": failed}
     for k in ("ttft", "total"):
         off, on = _pct([r[k] for r in runs["off"]]), _pct([r[k] for r in runs["on"]])
@@ -173,17 +173,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--requests", type=int, default=200, help="requests per phase")
     p.add_argument("--rate", type=float, default=2.0, help="arrivals per second (Poisson)")
-    p.add_argument("--rounds", type=int, default=3, help="off/on pairs (the order alternates)")
+    p.add_argument("--repeats", type=int, default=3, help="off/on pairs (the order alternates)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--shadow-nice", type=int, default=0,
                    help="run the shadow version's engine at this much higher niceness (its `cpu_nice`)")
-    p.add_argument("--quick", action="store_true", help="a tiny model, 6 requests per phase, 1 round")
+    p.add_argument("--quick", action="store_true", help="a tiny model, 6 requests per phase, 1 repeat")
     args = p.parse_args(argv)
     if args.model is None and not args.quick:
         p.error("--model is required (or --quick, which builds a tiny model)")
     if args.quick:
-        args.requests, args.rounds, args.rate, args.max_tokens, args.prompt_len = 6, 1, 8.0, 8, 16
+        args.requests, args.repeats, args.rate, args.max_tokens, args.prompt_len = 6, 1, 8.0, 8, 16
         args.num_kv_blocks = args.num_kv_blocks or 64
         args.max_model_len = min(args.max_model_len, 256)
     return args

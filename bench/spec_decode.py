@@ -1,5 +1,5 @@
 """Speculative decoding side by side: batch-1 greedy decode without speculation, with n-gram prompt lookup and
-with a draft model, on two workloads, in one process (variants alternate every round, so a noisy minute hits
+with a draft model, on two workloads, in one process (variants alternate every repeat, so a noisy minute hits
 all alike). Prints JSON: per workload and variant the median TPOT, the acceptance figures, the speed-up over
 plain decoding, and whether the tokens were identical to plain decoding (greedy speculation must not change
 a single token).
@@ -10,9 +10,9 @@ a single token).
 The draft model is by default the target's own first layers (`--draft self:8`: no extra weights, its own KV
 cache); any model sharing the target's tokenizer can be named instead.
 
-  python bench/spec_decode.py --model ~/.cache/servelm-bench/models/smollm2-135m --threads 4 --rounds 5
+  python bench/spec_decode.py --model ~/.cache/servelm-bench/models/smollm2-135m --threads 4 --repeats 5
   python bench/spec_decode.py --model DIR --draft self:8 --k 4          # the real run (an idle machine)
-  python bench/spec_decode.py --model TINY_DIR --tokens 8 --rounds 1    # a smoke run on a tiny model
+  python bench/spec_decode.py --model TINY_DIR --tokens 8 --repeats 1    # a smoke run on a tiny model
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main() -> None:
     p.add_argument("--gguf-file", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tokens", type=int, default=128, help="output tokens per request")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--draft", default="self:8", help="speculative_model of the draft variant")
@@ -84,7 +84,7 @@ def main() -> None:
         tokens: dict[str, list[int]] = {}
         before = {v: llm.engine.get_stats() for v, llm in variants.items()}
         order = list(variants)
-        for r in range(args.rounds):
+        for r in range(args.repeats):
             for v in order[r % len(order):] + order[:r % len(order)]:
                 ttft, _ = gen(variants[v], prompt, 1, ignore_eos)
                 total, toks = gen(variants[v], prompt, args.tokens, ignore_eos)

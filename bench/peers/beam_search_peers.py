@@ -7,7 +7,7 @@ is the same token for token in both (in bf16 a near-tie may go either way).
 
 This is a benchmark, not a test: CI does not run it. Example (vLLM's environment is made on first use, as for
 run_peers.py):
-  python bench/peers/beam_search_peers.py --threads 2 --rounds 2
+  python bench/peers/beam_search_peers.py --threads 2 --repeats 2
 """
 
 from __future__ import annotations
@@ -41,13 +41,13 @@ def main() -> int:
     p.add_argument("--systems", default="servelm,vllm")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=3, help="timed searches per worker (median)")
-    p.add_argument("--rounds", type=int, default=1, help="fresh workers per system, alternating")
+    p.add_argument("--repeats", type=int, default=1, help="fresh workers per system, alternating")
     p.add_argument("--dtype", default="bfloat16")
     args = p.parse_args()
     model = ensure_models(args.cache, [args.model], gguf_too=False)[args.model]["hf"]
     systems = args.systems.split(",")
     rows: dict[str, list[dict]] = {s: [] for s in systems}
-    for _ in range(args.rounds):
+    for _ in range(args.repeats):
         for name in systems:
             venv, script = SYSTEMS[name]
             py = Path(sys.executable) if venv is None else ensure_venv(args.cache, venv)

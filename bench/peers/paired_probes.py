@@ -1,8 +1,8 @@
 """Paired probes: the same requests sent in turn to two (or more) OpenAI-compatible servers that run at once.
 
 On a shared machine absolute speed drifts by 2x within an hour, so sequential runs of two systems compare
-two different hours. Here every round sends each probe to each server back to back and the medians over
-rounds are compared, so drift hits both sides alike. Start the servers first (one engine thread each), e.g.
+two different hours. Here every repeat sends each probe to each server back to back and the medians over
+repeats are compared, so drift hits both sides alike. Start the servers first (one engine thread each), e.g.
 
   servelm serve MODEL --dtype bfloat16 --num-threads 1 --port 8411 --no-enable-prefix-caching
   vllm serve MODEL --dtype bfloat16 --port 8412 --no-enable-prefix-caching    # OMP_NUM_THREADS=1
@@ -55,13 +55,13 @@ async def _tpot(c: httpx.AsyncClient, url: str, model: str, prompt: list[int], n
     return (times[-1] - times[h]) / (len(times) - 1 - h)
 
 
-async def run(servers: dict[str, str], rounds: int, seed: int) -> dict:
+async def run(servers: dict[str, str], repeats: int, seed: int) -> dict:
     rng = random.Random(seed)
     async with httpx.AsyncClient(timeout=600) as c:
         models = {k: await _model(c, u) for k, u in servers.items()}
         res: dict[str, dict[str, list[float]]] = {
             k: {"ttft_512": [], "ttft_128": [], "tpot_b1": [], "tpot_b32": []} for k in servers}
-        for _ in range(rounds):
+        for _ in range(repeats):
             p512, p128 = _ids(rng, 512), _ids(rng, 128)
             batch = [_ids(rng, 400) for _ in range(32)]
             for k, u in servers.items():
@@ -74,19 +74,19 @@ async def run(servers: dict[str, str], rounds: int, seed: int) -> dict:
     med = {k: {probe: round(statistics.median(v) * 1e3, 1) for probe, v in d.items()} for k, d in res.items()}
     first = next(iter(med))
     ratios = {k: {probe: round(v / med[first][probe], 2) for probe, v in d.items()} for k, d in med.items() if k != first}
-    return {"rounds": rounds, "median_ms": med, f"ratio_to_{first}": ratios}
+    return {"repeats": repeats, "median_ms": med, f"ratio_to_{first}": ratios}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("servers", nargs="+", help="NAME=BASE_URL, at least two; ratios are against the first")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     servers = dict(s.split("=", 1) for s in a.servers)
     if len(servers) < 2:
         p.error("give at least two servers")
-    print(json.dumps(asyncio.run(run(servers, a.rounds, a.seed))))
+    print(json.dumps(asyncio.run(run(servers, a.repeats, a.seed))))
 
 
 if __name__ == "__main__":

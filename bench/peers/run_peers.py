@@ -367,10 +367,10 @@ class PairedWorker:
 
 
 def run_paired(cache: Path, pythons: dict[str, Path], model: str, paths: dict[str, Path], systems: list[str],
-               workloads: list[str], threads: int, rounds: int, freeze_idle: bool = True,
+               workloads: list[str], threads: int, repeats: int, freeze_idle: bool = True,
                dtype: str = "bfloat16") -> list[dict]:
-    """Every system loaded at once, one repeat of each workload on each in turn per round (the order reversed
-    every other round), so the machine's drift falls on all of them alike; the idle ones are stopped
+    """Every system loaded at once, one repeat of each workload on each in turn per repeat (the order reversed
+    every other repeat), so the machine's drift falls on all of them alike; the idle ones are stopped
     (SIGSTOP) unless `freeze_idle` is off. Returns one row per repeat."""
     workers = {}
     try:
@@ -379,7 +379,7 @@ def run_paired(cache: Path, pythons: dict[str, Path], model: str, paths: dict[st
             workers[s] = PairedWorker(pythons[s], script, [*extra, "--dtype", dtype], paths["gguf"] if s == "llamacpp" else paths["hf"],
                                       threads, cache / "peers" / "logs" / f"{s}-{model}-{threads}t.log")
         rows = []
-        for rnd in range(rounds):
+        for rnd in range(repeats):
             for workload in workloads:
                 for s in systems if rnd % 2 == 0 else systems[::-1]:
                     # what the idle workers burn meanwhile: their polling competes with the one measured
@@ -390,7 +390,7 @@ def run_paired(cache: Path, pythons: dict[str, Path], model: str, paths: dict[st
                     row = workers[s].measure(workload)
                     idle = sum(w.cpu_s() for w in others) - before
                     rows.append({**row, "model": model, "system": s, "workload": workload, "threads": threads,
-                                 "round": rnd, "others_cpu_s": round(idle, 2), "others_frozen": freeze_idle})
+                                 "repeat": rnd, "others_cpu_s": round(idle, 2), "others_frozen": freeze_idle})
                     log(json.dumps(rows[-1]))
     finally:
         peaks = {s: w.close() for s, w in workers.items()}
@@ -398,8 +398,8 @@ def run_paired(cache: Path, pythons: dict[str, Path], model: str, paths: dict[st
 
 
 def paired_summary(rows: list[dict]) -> tuple[list[dict], dict]:
-    """Per (model, threads, workload, system): the median over rounds of each figure; and per peer, the
-    min / median / max over rounds of the round-by-round ratio (above 1: servelm is better)."""
+    """Per (model, threads, workload, system): the median over repeats of each figure; and per peer, the
+    min / median / max over repeats of the repeat-by-repeat ratio (above 1: servelm is better)."""
     from statistics import median
 
     groups: dict[tuple, list[dict]] = {}
@@ -409,15 +409,15 @@ def paired_summary(rows: list[dict]) -> tuple[list[dict], dict]:
     for rs in groups.values():
         figures = {k: round(median(r[k] for r in rs), 3) for k in ("output_tok_per_s", "ttft_ms", "tpot_ms")
                    if k in rs[0]}
-        summary.append({**rs[0], **figures, "rounds": len(rs)})
+        summary.append({**rs[0], **figures, "repeats": len(rs)})
     spread = {}
-    ours = {(r["model"], r["threads"], r["workload"], r["round"]): r for r in rows if r["system"] == "servelm"}
+    ours = {(r["model"], r["threads"], r["workload"], r["repeat"]): r for r in rows if r["system"] == "servelm"}
     for (model, threads, workload, system), rs in groups.items():
         if system == "servelm":
             continue
         for fig, better_low in (("output_tok_per_s", False), ("ttft_ms", True), ("tpot_ms", True)):
             per_round = [ours[k][fig] / r[fig] if not better_low else r[fig] / ours[k][fig] for r in rs
-                         if fig in r and (k := (model, threads, workload, r["round"])) in ours]
+                         if fig in r and (k := (model, threads, workload, r["repeat"])) in ours]
             if per_round:
                 q = sorted(per_round)
                 spread[f"{model} {threads}t {workload} servelm vs {system} {fig}"] = [
@@ -613,8 +613,8 @@ def main() -> int:
                    help="S1 requests sample (temperature 0.8, top_p 0.95) instead of decoding greedily")
     p.add_argument("--threads", default="1", help="comma-separated thread counts, e.g. 1,2")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
-                   help="keep every system loaded at once and alternate single repeats for ROUNDS rounds "
+    p.add_argument("--paired", type=int, default=0, metavar="REPEATS",
+                   help="keep every system loaded at once and alternate single repeats for REPEATS repeats "
                         "(the way to compare on a noisy machine; --reps is then unused)")
     p.add_argument("--freeze-idle", action=argparse.BooleanOptionalAction, default=True,
                    help="with --paired, SIGSTOP the systems not being measured so their idle polling "
