@@ -369,7 +369,8 @@ class EngineCore:
                                  self.staged_weights if partial else None)
         if not partial:
             self.staged_weights.clear()  # a whole checkpoint supersedes what waited
-        _free_checkpoint_copy()
+        if copied and not self.staged_weights:  # not per tensor of a partial update: a collection costs ~0.1 s
+            _free_checkpoint_copy()
         # held requests keep their blocks (computed with the old weights, as vLLM's pause "keep" leaves them),
         # but no later request may match them
         self.kv.pool.reset_prefix_cache(in_use=True)
@@ -406,7 +407,7 @@ class EngineCore:
     # -- sleep mode (engine/sleep.py) ---------------------------------------------------------------
     @property
     def is_sleeping(self) -> bool:
-        return self.sleeper is not None and bool(self.sleeper.asleep)
+        return self.sleeper is not None and not self.sleeper.serving
 
     def sleeping(self) -> list[str]:
         """The parts asleep: "weights", "kv_cache", or none."""

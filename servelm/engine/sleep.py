@@ -99,7 +99,13 @@ class Sleeper:
     @property
     def in_memory(self) -> bool:
         """Whether every part is awake (its memory taken back)."""
-        return all(getattr(self, tag) == "awake" for tag in TAGS)
+        return self.weights == "awake" and self.kv_cache == "awake"
+
+    @property
+    def serving(self) -> bool:
+        """Whether the engine may run steps: every part awake, the weights holding values (read each step, so no
+        list is built)."""
+        return self.in_memory and not self.needs_weights
 
     @property
     def asleep(self) -> list[str]:

@@ -115,8 +115,10 @@ def update_in_place(model: Any, tensors, staged: dict | None = None) -> int:
     fresh = set(new)
     if staged is not None:
         new = {**staged, **new}
-    units = [[n for n in GLOBALS if n in want]] + [[n for n in want if n.startswith(f"model.layers.{i}.")]
-                                                   for i in range(len(model.layers))]
+    units: list[list[str]] = [[n for n in GLOBALS if n in want]] + [[] for _ in model.layers]
+    for n in want:  # one pass: a partial update calls this once per tensor
+        if n.startswith("model.layers."):
+            units[int(n.split(".", 3)[2]) + 1].append(n)
     ready = [k for k, names in enumerate(units) if all(n in new for n in names)]  # 0: the globals, k: layer k-1
     for i in (k - 1 for k in ready if k > 0):  # read off the checkpoint's values, like the constructor does
         scales = model._kv_scales(lambda name, required=True, p=f"model.layers.{i}.": new.get(p + name))

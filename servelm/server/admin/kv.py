@@ -55,6 +55,21 @@ def single_engine(state, model: str | None, what: str, code: str = "invalid_kv_c
     return served
 
 
+async def ask_engine(call, code: str | None = None, field: str | None = None):
+    """`await call()` on a model's engine: an engine that is down is a 503; with `code`, a ValueError (what the
+    engine refused, changing nothing) is a 400 naming `field`."""
+    from servelm.worker.client import EngineDeadError
+
+    try:
+        return await call()
+    except EngineDeadError as e:
+        raise APIError(503, str(e), code="engine_unavailable") from e
+    except ValueError as e:
+        if code is None:
+            raise
+        raise APIError(400, str(e), field, code) from e
+
+
 def add_kv_routes(app: FastAPI, state) -> None:
     def engine_of(model: str | None, what: str):
         return single_engine(state, model, f"{what} a single engine's cache")
@@ -62,12 +77,7 @@ def add_kv_routes(app: FastAPI, state) -> None:
     async def run(action: str, body: KVBody | None) -> KVOut:
         body = body or KVBody()
         served = engine_of(body.model, "save or load")
-        from servelm.worker.client import EngineDeadError
-
-        try:
-            done = await served.engine.kv_cache(action, body.path)
-        except EngineDeadError as e:
-            raise APIError(503, str(e), code="engine_unavailable") from e
+        done = await ask_engine(lambda: served.engine.kv_cache(action, body.path))
         if done.error is not None:
             status, code = _ERRORS.get(done.error, (500, "internal_error"))
             raise APIError(status, done.message, "path" if status in (400, 404) else None, code)
@@ -79,13 +89,8 @@ def add_kv_routes(app: FastAPI, state) -> None:
         """Forget every cached prefix of the model (`?model=NAME`, default: the default model), as vLLM's route:
         after its weights changed, or between benchmark runs. 409 while requests are in flight, changing
         nothing."""
-        from servelm.worker.client import EngineDeadError
-
         served = engine_of(model, "reset")
-        try:
-            dropped = await served.engine.reset_prefix_cache()
-        except EngineDeadError as e:
-            raise APIError(503, str(e), code="engine_unavailable") from e
+        dropped = await ask_engine(served.engine.reset_prefix_cache)
         if dropped is None:
             raise APIError(409, "requests are in flight: the prefix cache is reset only while the engine is idle",
                            code="prefix_cache_in_use")

@@ -10,6 +10,7 @@ from typing import Annotated
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
+from servelm.server.admin.kv import ask_engine
 from servelm.server.openai.protocol import APIError
 
 ADAPTER_NAME = r"^[A-Za-z0-9._:/\-]+$"
@@ -44,13 +45,8 @@ def _engine_of(state, base: str | None):
 
 
 def add_lora_routes(app: FastAPI, state) -> None:
-    from servelm.worker.client import EngineDeadError
-
     async def run(served, action: str, name: str, path: str = ""):
-        try:
-            done = await served.engine.lora_adapter(action, name, path)
-        except EngineDeadError as e:
-            raise APIError(503, str(e), code="engine_unavailable") from e
+        done = await ask_engine(lambda: served.engine.lora_adapter(action, name, path))
         if done.error is not None:
             status = 404 if "no adapter named" in done.error else 409 if "in use" in done.error else 400
             raise APIError(status, done.error, "lora_path" if status == 400 else "lora_name", "invalid_lora_request")

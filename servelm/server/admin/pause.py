@@ -8,8 +8,9 @@ from __future__ import annotations
 from fastapi import FastAPI, Query
 from pydantic import BaseModel
 
-from servelm.server.admin.kv import single_engine
+from servelm.server.admin.kv import ask_engine, single_engine
 from servelm.server.openai.protocol import APIError
+from servelm.worker.client import PAUSE_MODES
 
 
 class PauseOut(BaseModel):
@@ -27,14 +28,6 @@ def add_pause_routes(app: FastAPI, state) -> None:
         return single_engine(state, model, "pausing holds a single engine's requests", "invalid_pause_request",
                              needs="pause_generation")
 
-    async def ask(call):
-        from servelm.worker.client import EngineDeadError
-
-        try:
-            return await call()
-        except EngineDeadError as e:
-            raise APIError(503, str(e), code="engine_unavailable") from e
-
     @app.post("/pause", response_model=PauseOut, responses={400: {"description": "an unknown mode"}})
     async def pause(mode: str = Query("abort", description="abort: end the requests in flight (finish reason "
                                                            "abort); wait: let them finish; keep: hold them to "
@@ -49,9 +42,10 @@ def add_pause_routes(app: FastAPI, state) -> None:
         until POST /resume."""
         served = engine_of(model)
         mode = "wait" if wait_for_inflight_requests else mode
-        if mode not in ("abort", "wait", "keep"):
-            raise APIError(400, f"mode is abort, wait or keep, not {mode!r}", "mode", "invalid_pause_request")
-        await ask(lambda: served.engine.pause_generation(mode, clear_cache))
+        if mode not in PAUSE_MODES:
+            raise APIError(400, f"mode is one of {', '.join(PAUSE_MODES)}, not {mode!r}", "mode",
+                           "invalid_pause_request")
+        await ask_engine(lambda: served.engine.pause_generation(mode, clear_cache))
         return PauseOut(status="paused", model=served.served_name)
 
     @app.post("/resume", response_model=PauseOut)
@@ -59,7 +53,7 @@ def add_pause_routes(app: FastAPI, state) -> None:
                                                                  "model)")):
         """Go on after POST /pause: held requests run again and waiting ones are let in."""
         served = engine_of(model)
-        await ask(lambda: served.engine.resume_generation())
+        await ask_engine(served.engine.resume_generation)
         return PauseOut(status="resumed", model=served.served_name)
 
     @app.get("/is_paused", response_model=PausedOut)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Query
 from pydantic import BaseModel, Field
 
-from servelm.server.admin.kv import single_engine
+from servelm.server.admin.kv import ask_engine, single_engine
 from servelm.server.openai.protocol import APIError
 
 
@@ -34,15 +34,8 @@ def add_sleep_routes(app: FastAPI, state) -> None:
         return single_engine(state, model, "sleep mode puts a single engine to sleep", "invalid_sleep_request",
                              needs="sleep")
 
-    async def ask(call, field: str | None = None):
-        from servelm.worker.client import EngineDeadError
-
-        try:
-            return await call()
-        except EngineDeadError as e:
-            raise APIError(503, str(e), code="engine_unavailable") from e
-        except ValueError as e:
-            raise APIError(400, str(e), field, "invalid_sleep_request") from e
+    def ask(call, field: str | None = None):
+        return ask_engine(call, "invalid_sleep_request", field)
 
     @app.post("/sleep", response_model=SleepOut,
               responses={409: {"description": "requests in flight"},

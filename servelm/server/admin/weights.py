@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
-from servelm.server.admin.kv import single_engine
+from servelm.server.admin.kv import ask_engine, single_engine
 from servelm.server.openai.protocol import APIError
 
 
@@ -38,16 +38,10 @@ def add_weight_routes(app: FastAPI, state) -> None:
         """Copy a checkpoint's weights into the model's engine in place and empty its prefix cache, as
         SGLang's route: after a training step. 409 while requests are in flight, 400 for a checkpoint of other
         shapes or settings; either way nothing changes. A restarted engine loads the new checkpoint."""
-        from servelm.worker.client import EngineDeadError
-
         served = single_engine(state, body.model, "update a single engine's weights", "invalid_weights_request",
                                needs="update_weights_from_disk")
-        try:
-            copied = await served.engine.update_weights_from_disk(body.model_path)
-        except EngineDeadError as e:
-            raise APIError(503, str(e), code="engine_unavailable") from e
-        except ValueError as e:
-            raise APIError(400, str(e), "model_path", "invalid_weights_request") from e
+        copied = await ask_engine(lambda: served.engine.update_weights_from_disk(body.model_path),
+                                  "invalid_weights_request", "model_path")
         if copied is None:
             raise APIError(409, "requests are in flight: weights are updated only while the engine is idle",
                            code="engine_busy")

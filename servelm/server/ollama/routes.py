@@ -370,10 +370,10 @@ def add_routes(app: FastAPI, api: Api) -> None:
                             "context_length": getattr(m, "max_model_len", 0) if not emb else 0}
                            for n, m, emb in entries()]}
 
-    def known(name: str) -> str | None:
-        """The name the server answers `name` under (Ollama's ":latest" tag dropped), or None."""
-        names = {n for n, _, _ in entries()}
-        return next((k for k in (name, name.removesuffix(":latest")) if k in names), None)
+    def find(name: str) -> tuple[object, bool] | None:
+        """(model, is embedding) the server answers `name` with (Ollama's ":latest" tag dropped), or None."""
+        found = {n: (m, emb) for n, m, emb in entries()}
+        return found.get(name) or found.get(name.removesuffix(":latest"))
 
     @app.post("/api/pull", include_in_schema=False)
     @shaped_errors
@@ -385,7 +385,7 @@ def add_routes(app: FastAPI, api: Api) -> None:
         name = body.model or body.name
         if not name:
             raise APIError(400, "model is required", "model")
-        if known(name) is None:
+        if find(name) is None:
             raise APIError(501, MANAGED_ELSEWHERE, code="not_implemented")
         statuses = [{"status": "pulling manifest"}, {"status": "success"}]
         if not body.stream:
@@ -411,10 +411,10 @@ def add_routes(app: FastAPI, api: Api) -> None:
         name = body.model or body.name
         if not name:
             raise APIError(400, "model is required", "model")
-        key = known(name)
-        if key is None:
+        found = find(name)
+        if found is None:
             raise APIError(404, f"model {name!r} not found", "model", "model_not_found")
-        m, emb = next((m, emb) for n, m, emb in entries() if n == key)
+        m, emb = found
         template = "" if emb else (getattr(m.tokenizer, "chat_template", None) or "")
         details = _details(m)
         # GGUF's keys, as Ollama gives them: clients (Continue, LiteLLM) read the context length from
