@@ -40,15 +40,15 @@ from servelm.model.spec import ModelSpec
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor
+    input_norm: torch.Tensor | None  # None: the attention reads the residual stream itself (OLMo)
     qkv: Linear | PartsLinear
     o_proj: Linear
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor | None  # the norm in front of the MLP (None: the MLP reads the stream, OLMo)
     gate_up: GateUpLinear | None  # the dense MLP (None in a mixture-of-experts layer)
     down: Linear | None
-    attn_out_norm: torch.Tensor | None = None  # sandwich norms (Gemma): on the attention output
+    attn_out_norm: torch.Tensor | None = None  # sandwich norms (Gemma) and OLMo's: on the attention output
     mlp_out_norm: torch.Tensor | None = None  # and on the MLP output, before each residual add
     moe: SparseMoe | None = None  # the sparse MLP of a mixture-of-experts layer (servelm/model/families/moe.py)
     # (k_scale, v_scale) of an fp8 KV cache: the checkpoint's self_attn.k_scale / v_scale (vLLM's names), else 1.0
@@ -152,20 +152,29 @@ class DecoderLM:
             else:
                 gate, up = take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")
             gate_up, down = GateUpLinear(gate, up, self.spec.hidden_act), Linear(take("mlp.down_proj.weight"))
-        sandwich = self.spec.sandwich_norms
+        sandwich, post_only = self.spec.sandwich_norms, self.spec.post_norms_only
         norm = self._norm_weight
+        # the norm in front of the MLP: Llama names it post_attention_layernorm, Gemma pre_feedforward; OLMo has none
+        before_mlp = None if post_only else take("pre_feedforward_layernorm.weight" if sandwich
+                                                  else "post_attention_layernorm.weight")
+        after = sandwich or post_only  # norms on the sublayers' outputs (Gemma, OLMo)
+        q_norm, k_norm = norm(take("self_attn.q_norm.weight", False)), norm(take("self_attn.k_norm.weight", False))
+        if self.spec.whole_qk_norm and q_norm is not None:
+            width = (self.spec.num_heads * self.spec.head_dim, self.spec.num_kv_heads * self.spec.head_dim)
+            if (q_norm.numel(), k_norm.numel()) != width:
+                raise ValueError(f"{p}self_attn.q_norm/k_norm: {q_norm.numel()} and {k_norm.numel()} wide, expected "
+                                 f"the whole projections' {width[0]} and {width[1]}")
         return LayerWeights(
-            input_norm=norm(take("input_layernorm.weight")),
+            input_norm=None if post_only else norm(take("input_layernorm.weight")),
             qkv=linear_for(qkv_weight, qkv_bias),
             o_proj=Linear(take("self_attn.o_proj.weight"), take("self_attn.o_proj.bias", False)),
-            q_norm=norm(take("self_attn.q_norm.weight", False)),
-            k_norm=norm(take("self_attn.k_norm.weight", False)),
-            # the norm in front of the MLP: Llama names it post_attention_layernorm, Gemma pre_feedforward
-            post_norm=norm(take("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
+            q_norm=q_norm,
+            k_norm=k_norm,
+            post_norm=norm(before_mlp),
             gate_up=gate_up,
             down=down,
-            attn_out_norm=norm(take("post_attention_layernorm.weight")) if sandwich else None,
-            mlp_out_norm=norm(take("post_feedforward_layernorm.weight")) if sandwich else None,
+            attn_out_norm=norm(take("post_attention_layernorm.weight")) if after else None,
+            mlp_out_norm=norm(take("post_feedforward_layernorm.weight")) if after else None,
             moe=moe,
             kv_scales=self._kv_scales(take),
         )
@@ -182,8 +191,9 @@ class DecoderLM:
 
     def _rope_cache(self, max_pos: int) -> None:
         self.cos, self.sin = self._rope_tables(self.spec.inv_freq, max_pos, self.spec.rope_attention_factor)
-        local = self.spec.local_inv_freq  # Gemma 3: the sliding-window layers' own RoPE base
-        self.cos_local, self.sin_local = (self.cos, self.sin) if local is None else self._rope_tables(local, max_pos, 1.0)
+        local = self.spec.local_inv_freq  # Gemma 3, OLMo 3: the sliding-window layers' own RoPE
+        self.cos_local, self.sin_local = (self.cos, self.sin) if local is None else self._rope_tables(
+            local, max_pos, self.spec.local_rope_attention_factor)
 
     def _rope_tables(self, inv_freq: torch.Tensor, max_pos: int, f: float) -> tuple[torch.Tensor, torch.Tensor]:
         t = torch.arange(max_pos, dtype=torch.float32)
@@ -236,11 +246,15 @@ class DecoderLM:
         delta = None  # the last sublayer's output, not yet added to h
         for i, lw in enumerate(self.layers):
             window = s.sliding_windows[i]
-            x = rms_norm(h, lw.input_norm, eps, nf) if delta is None else add_rms_norm(delta, h, lw.input_norm, eps, nf)
+            x = self._residual(delta, h, lw.input_norm, nf)
             qkv = add_lora(lw.qkv(x), x, lora, i, "qkv")
             qk = qkv[:, :q_size + kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
             v = qkv[:, q_size + kv_size:].view(-1, s.num_kv_heads, s.head_dim)
-            if lw.q_norm is not None:
+            if lw.q_norm is not None and s.whole_qk_norm:  # OLMo: all heads' queries (and keys) as one vector
+                q_all, k_all = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
+                rms_norm(q_all, lw.q_norm, eps, nf, out=q_all)
+                rms_norm(k_all, lw.k_norm, eps, nf, out=k_all)
+            elif lw.q_norm is not None:
                 q_part, k_part = qk[:, :s.num_heads], qk[:, s.num_heads:]
                 rms_norm(q_part, lw.q_norm, eps, nf, out=q_part)
                 rms_norm(k_part, lw.k_norm, eps, nf, out=k_part)
@@ -265,7 +279,7 @@ class DecoderLM:
                 delta = delta * s.residual_scale
             if lw.attn_out_norm is not None:
                 delta = rms_norm(delta, lw.attn_out_norm, eps, nf)
-            x = add_rms_norm(delta, h, lw.post_norm, eps, nf)
+            x = self._residual(delta, h, lw.post_norm, nf)
             if lw.moe is not None:
                 delta = lw.moe(x, fused)
             else:
@@ -279,6 +293,15 @@ class DecoderLM:
             if lw.mlp_out_norm is not None:
                 delta = rms_norm(delta, lw.mlp_out_norm, eps, nf)
         return add_rms_norm(delta, h, self.norm, eps, nf)
+
+    def _residual(self, delta: torch.Tensor | None, h: torch.Tensor, norm: torch.Tensor | None, fused
+                  ) -> torch.Tensor:
+        """h += delta (the last sublayer's output; none before the first layer), then the input of the next
+        sublayer: h under its norm, or h itself where the model has no norm before its sublayers (OLMo)."""
+        if norm is None:
+            return h if delta is None else h.add_(delta)
+        eps = self.spec.rms_norm_eps
+        return rms_norm(h, norm, eps, fused) if delta is None else add_rms_norm(delta, h, norm, eps, fused)
 
     def _rope_at(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, rot: int | None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -9,6 +9,7 @@ import torch
 
 from servelm.model.families.gemma import GEMMA_ARCHITECTURES, gemma_options
 from servelm.model.families.moe import MOE_ARCHITECTURES, MoeOptions, moe_options
+from servelm.model.families.olmo import OLMO_ARCHITECTURES, olmo_options
 from servelm.model.families.phi3 import PHI3_ARCHITECTURES, phi3_options
 from servelm.model.loading.metadata import SUPPORTED_ARCHITECTURES, architecture
 
@@ -37,10 +38,13 @@ class ModelSpec:
     norm_unit_offset: bool = False  # RMSNorm weights applied as (1 + w) (Gemma)
     norm_weight_in_float32: bool = False  # RMSNorm scales by its weight before rounding (Gemma), not after
     sandwich_norms: bool = False  # a norm before and after each sublayer (Gemma 2/3)
+    post_norms_only: bool = False  # a norm after each sublayer, none before it (OLMo 2/3)
+    whole_qk_norm: bool = False  # q/k norms over the whole projections, before the split into heads (OLMo 2/3)
     attn_scale: float | None = None  # attention score scale (default head_dim**-0.5)
     attn_softcap: float | None = None  # scores soft-capped as cap * tanh(s / cap) (Gemma 2)
     final_softcap: float | None = None  # logits soft-capped likewise (Gemma 2)
-    local_inv_freq: torch.Tensor | None = None  # RoPE of the sliding-window layers, if theirs differs (Gemma 3)
+    local_inv_freq: torch.Tensor | None = None  # RoPE of the sliding-window layers, if theirs differs (Gemma 3, OLMo 3)
+    local_rope_attention_factor: float = 1.0
     rotary_dim: int | None = None  # RoPE on the first rotary_dim of each head only (partial_rotary_factor < 1)
     fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj already joined (Phi-3)
     moe: MoeOptions | None = None  # mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE)
@@ -56,9 +60,11 @@ class ModelSpec:
             raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         if arch in GEMMA_ARCHITECTURES:
-            opts = gemma_options(config, arch, head_dim, _rope)
+            opts = gemma_options(config, arch, head_dim)
         else:
             opts = phi3_options(config) if arch in PHI3_ARCHITECTURES else {}
+            if arch in OLMO_ARCHITECTURES:
+                opts.update(olmo_options(config))
             if arch in MOE_ARCHITECTURES:
                 opts["moe"] = moe_options(config, arch)
             act = getattr(config, "hidden_act", "silu")
@@ -69,6 +75,7 @@ class ModelSpec:
         if arch == "GraniteForCausalLM":  # Llama's layer with four scalars (muP)
             opts.update(embed_scale=float(config.embedding_multiplier), attn_scale=float(config.attention_multiplier),
                         residual_scale=float(config.residual_multiplier), logits_divisor=float(config.logits_scaling))
+        opts.update(layer_type_ropes(config, head_dim))
         if "inv_freq" not in opts:
             opts["inv_freq"], opts["rope_attention_factor"] = _rope(config, head_dim)
             if 2 * len(opts["inv_freq"]) != head_dim:  # partial_rotary_factor: the rest of each head passes
@@ -117,10 +124,13 @@ def _max_positions(config) -> int:
     return n
 
 
-def _rope(config, head_dim: int) -> tuple[torch.Tensor, float]:
+def _rope(config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies via transformers' own RoPE initialisers, so every scaling type matches it. With a
-    partial_rotary_factor below 1 they cover only that fraction of each head (as transformers')."""
+    partial_rotary_factor below 1 they cover only that fraction of each head (as transformers'). `layer_type`:
+    the RoPE of one kind of layer, for configs that give each its own (`rope_parameters["sliding_attention"]`)."""
     params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -138,5 +148,19 @@ def _rope(config, head_dim: int) -> tuple[torch.Tensor, float]:
     # Imported only here: the module pulls in torch._dynamo and most of transformers (seconds of start-up).
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv, factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    init = ROPE_INIT_FUNCTIONS[rope_type]
+    inv, factor = init(config, "cpu") if layer_type is None else init(config, "cpu", layer_type=layer_type)
     return inv.float(), float(factor)
+
+
+def layer_type_ropes(config, head_dim: int) -> dict:
+    """ModelSpec's RoPE fields for a config whose global and sliding-window layers each have their own RoPE
+    (`rope_parameters` keyed by layer type: Gemma 3, OLMo 3); {} for one RoPE over every layer."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if "full_attention" not in params:
+        return {}
+    opts = {}
+    opts["inv_freq"], opts["rope_attention_factor"] = _rope(config, head_dim, "full_attention")
+    if params.get("sliding_attention") is not None:
+        opts["local_inv_freq"], opts["local_rope_attention_factor"] = _rope(config, head_dim, "sliding_attention")
+    return opts

@@ -50,6 +50,19 @@ def smollm3_config(**kw):
     return SmolLM3Config(**{**COMMON, "num_hidden_layers": 4, "tie_word_embeddings": True, **kw})
 
 
+def olmo_config(version: int, **kw):
+    """OLMo 2, or OLMo 3 in small: four layers, the fourth global and the rest in a 24-token window, the global
+    layer with YaRN on another base than the local ones (so each kind's own RoPE is checked)."""
+    from transformers import Olmo2Config, Olmo3Config
+
+    if version == 2:
+        return Olmo2Config(**{**COMMON, **kw})
+    ropes = {"full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                                "rope_theta": 500000.0},
+             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    return Olmo3Config(**{**COMMON, "num_hidden_layers": 4, "sliding_window": 24, "rope_parameters": ropes, **kw})
+
+
 # Granite's four scalars, far from neutral
 GRANITE_SCALARS = dict(embedding_multiplier=6.0, attention_multiplier=0.09, residual_multiplier=0.4,
                        logits_scaling=3.0)

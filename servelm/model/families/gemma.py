@@ -14,13 +14,11 @@ kernel tapes (model/kernels/tape.py).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
-def gemma_options(config, arch: str, head_dim: int, rope) -> dict:
-    """ModelSpec fields for a Gemma config; `rope(config, head_dim)` is spec's RoPE initialiser."""
+def gemma_options(config, arch: str, head_dim: int) -> dict:
+    """ModelSpec fields for a Gemma config."""
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
     if act not in ("gelu_pytorch_tanh", "gelu"):
         raise ValueError(f"hidden_activation {act!r} is not supported for {arch} (only gelu_pytorch_tanh)")
@@ -35,18 +33,10 @@ def gemma_options(config, arch: str, head_dim: int, rope) -> dict:
         attn_softcap=getattr(config, "attn_logit_softcapping", None),
         final_softcap=getattr(config, "final_logit_softcapping", None),
     )
+    # one RoPE per layer type (rope_parameters keyed "full_attention" and "sliding_attention") is read by
+    # spec.layer_type_ropes; transformers 4 named only the local layers' base
     params = getattr(config, "rope_parameters", None) or {}
-    if arch == "Gemma3ForCausalLM" and "full_attention" in params:  # one RoPE per layer type
-        glob = SimpleNamespace(**{**vars(config), "rope_parameters": params["full_attention"]})
-        opts["inv_freq"], opts["rope_attention_factor"] = rope(glob, head_dim)
-        local = params.get("sliding_attention")
-        if local is not None:
-            loc = SimpleNamespace(**{**vars(config), "rope_parameters": local})
-            inv, factor = rope(loc, head_dim)
-            if factor != 1.0:
-                raise ValueError("RoPE scaling with an attention factor on Gemma 3's local layers is not supported")
-            opts["local_inv_freq"] = inv
-    elif arch == "Gemma3ForCausalLM" and getattr(config, "rope_local_base_freq", None):  # transformers 4 naming
+    if arch == "Gemma3ForCausalLM" and "full_attention" not in params and getattr(config, "rope_local_base_freq", None):
         base = float(config.rope_local_base_freq)
         import torch
 

@@ -41,9 +41,10 @@ def check_batch_invariant(model: DecoderLM) -> None:
         raise ValueError("batch_invariant needs servelm's C++ CPU kernels, which are off or not built here "
                          "(SERVELM_CPU_KERNELS=0, or a checkout built without a compiler): PyTorch's matmuls "
                          "and attention change a row's sums with the batch on some CPUs")
-    if model.spec.sandwich_norms or model.spec.moe is not None or model.spec.attn_softcap:
-        raise ValueError(f"batch_invariant is not supported for {model.spec.architecture} (its MLP, attention "
-                         "or expert routing runs in PyTorch ops)")
+    spec = model.spec
+    if spec.sandwich_norms or spec.post_norms_only or spec.moe is not None or spec.attn_softcap:
+        raise ValueError(f"batch_invariant is not supported for {spec.architecture} (its norms, MLP, attention "
+                         "or expert routing run in PyTorch ops)")
     linears = [model.lm_head] + [lin for lw in model.layers for lin in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
     left = [lin for lin in linears if not _runs_in_a_kernel(lin)]
     if left:

@@ -105,6 +105,9 @@ def check_shardable(spec: ModelSpec, size: int) -> None:
     if spec.moe is not None:
         raise ValueError(f"tensor_parallel_size={size}: mixture-of-experts models ({spec.architecture}) are not "
                          "supported with tensor parallelism (their experts are not sharded)")
+    if spec.whole_qk_norm:
+        raise ValueError(f"tensor_parallel_size={size}: {spec.architecture}'s q/k norms span every head's "
+                         "projection, which tensor-parallel ranks split; serve it on one rank")
     if spec.num_heads % size:
         raise ValueError(f"tensor_parallel_size={size} must divide the model's {spec.num_heads} attention heads")
     kv = spec.num_kv_heads

@@ -19,7 +19,9 @@ GGUF_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "mistral": ("mistr
                       "qwen2": ("qwen2", "Qwen2ForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
                       "phi3": ("phi3", "Phi3ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
                       "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"), "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
-                      "smollm3": ("smollm3", "SmolLM3ForCausalLM"), "granite": ("granite", "GraniteForCausalLM")}
+                      "smollm3": ("smollm3", "SmolLM3ForCausalLM"), "granite": ("granite", "GraniteForCausalLM"),
+                      # llama.cpp writes OLMo 3 as olmo2 with its sliding window (read as OLMo 3 below)
+                      "olmo2": ("olmo2", "Olmo2ForCausalLM")}
 # `{arch}.` keys this module reads (every other one is refused).
 _ARCH_KEYS = frozenset({
     "vocab_size", "context_length", "embedding_length", "feed_forward_length", "block_count",
@@ -51,7 +53,9 @@ _EXPERT_TENSORS = frozenset({f"{n}.weight" for n in ("ffn_gate_inp", "ffn_gate_e
                                                        "ffn_gate_up_exps")})
 _SHARED_EXPERT_TENSORS = frozenset({f"{n}.weight" for n in ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp",
                                                               "ffn_down_shexp")})
-_SANDWICH_NORMS = frozenset({"post_attention_norm.weight", "post_ffw_norm.weight"})  # Gemma's norms after sublayers
+_SANDWICH_NORMS = frozenset({"post_attention_norm.weight", "post_ffw_norm.weight"})  # norms after the sublayers
+_POST_NORM_ARCHS = ("gemma3", "olmo2")  # the ones with them
+_QK_NORM_ARCHS = ("qwen3", "qwen3moe", "gemma3", "olmo2")
 # Families whose Hugging Face configs can carry a sliding window that llama.cpp's converter does not write.
 _WINDOW_FAMILIES = ("mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
@@ -148,6 +152,8 @@ def gguf_config_dict(path: Path, head: GGUFHeader) -> dict:
     model_type, cls = GGUF_ARCHITECTURES[arch]
     if arch == "llama" and r.get("expert_count") is not None:
         model_type, cls = "mixtral", "MixtralForCausalLM"
+    if arch == "olmo2" and r.get("attention.sliding_window", None):
+        model_type, cls = "olmo3", "Olmo3ForCausalLM"
     tensors = {name: shape for name, shape, _, _ in head.tensors}
     if "token_embd.weight" not in tensors:
         r.refuse("the token_embd.weight tensor is missing")
@@ -212,8 +218,10 @@ def _granite(r: _Reader, head_dim: int) -> dict:
 def _check_tensors(r: _Reader, n_layers: int) -> None:
     """Every tensor must be one the decoder uses: an unknown one would be skipped, a different model."""
     allowed = _PHI3_TENSORS if r.arch == "phi3" else _BLOCK_TENSORS
-    allowed = allowed | (_QK_NORMS if r.arch in ("qwen3", "qwen3moe", "gemma3") else frozenset()) \
-        | (_SANDWICH_NORMS if r.arch == "gemma3" else frozenset())
+    if r.arch == "olmo2":  # norms after the sublayers only
+        allowed = allowed - {"attn_norm.weight", "ffn_norm.weight"}
+    allowed = allowed | (_QK_NORMS if r.arch in _QK_NORM_ARCHS else frozenset()) \
+        | (_SANDWICH_NORMS if r.arch in _POST_NORM_ARCHS else frozenset())
     if r.arch in _MOE_ARCHS and r.get("expert_count") is not None:
         allowed = allowed | _EXPERT_TENSORS | (_SHARED_EXPERT_TENSORS if r.arch == "qwen2moe" else frozenset())
     bad, norms = [], set()
@@ -230,12 +238,12 @@ def _check_tensors(r: _Reader, n_layers: int) -> None:
     if bad:
         r.refuse(f"tensor {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} is not part of a {r.arch} model "
                  "that servelm implements")
-    if r.arch in ("qwen3", "qwen3moe", "gemma3") and len(norms) != 2 * n_layers:
+    if r.arch in _QK_NORM_ARCHS and len(norms) != 2 * n_layers:
         r.refuse(f"a {r.arch} model needs attn_q_norm and attn_k_norm in every block")
-    if r.arch == "gemma3":
+    if r.arch in _POST_NORM_ARCHS:
         names = {name for name, *_ in r.head.tensors}
         if any(f"blk.{i}.{n}" not in names for i in range(n_layers) for n in _SANDWICH_NORMS):
-            r.refuse("a gemma3 model needs post_attention_norm and post_ffw_norm in every block")
+            r.refuse(f"a {r.arch} model needs post_attention_norm and post_ffw_norm in every block")
 
 
 def _experts(r: _Reader, n_layers: int, tensors: dict) -> dict:
