@@ -132,7 +132,7 @@ class DecoderLM:
                 raise ValueError(f"checkpoint is missing {p + name}")
             return t
 
-        if self.spec.fused_checkpoint:  # Phi-3: Q, K, V in one matrix, gate and up in another
+        if self.spec.fused_checkpoint:  # Phi-3: Q, K, V in one matrix, gate and up in another (GLM-4: those only)
             qkv_weight, qkv_bias = take("self_attn.qkv_proj.weight"), take("self_attn.qkv_proj.bias", False)
         else:
             q, k, v = take("self_attn.q_proj.weight"), take("self_attn.k_proj.weight"), take("self_attn.v_proj.weight")
@@ -147,17 +147,19 @@ class DecoderLM:
         if self.spec.moe is not None and self.spec.moe.sparse_layers[i]:
             moe = take_sparse_moe(take, self.spec.moe)
         else:
-            if self.spec.fused_checkpoint:
+            if self.spec.fused_checkpoint or p + "mlp.gate_up_proj.weight" in w:
                 gate, up = take("mlp.gate_up_proj.weight").chunk(2)
             else:
                 gate, up = take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")
             gate_up, down = GateUpLinear(gate, up, self.spec.hidden_act), Linear(take("mlp.down_proj.weight"))
         sandwich, post_only = self.spec.sandwich_norms, self.spec.post_norms_only
         norm = self._norm_weight
-        # the norm in front of the MLP: Llama names it post_attention_layernorm, Gemma pre_feedforward; OLMo has none
-        before_mlp = None if post_only else take("pre_feedforward_layernorm.weight" if sandwich
-                                                  else "post_attention_layernorm.weight")
-        after = sandwich or post_only  # norms on the sublayers' outputs (Gemma, OLMo)
+        # the norms on the sublayers' outputs (Gemma, GLM-4, OLMo), and the one in front of the MLP: Llama names it
+        # post_attention_layernorm, Gemma pre_feedforward_layernorm, GLM-4 post_attention_layernorm; OLMo has none
+        attn_out, mlp_in, mlp_out = (self.spec.sandwich_norm_names if sandwich else
+                                     ("post_attention_layernorm", None, "post_feedforward_layernorm") if post_only else
+                                     (None, "post_attention_layernorm", None))
+        before_mlp = None if mlp_in is None else take(mlp_in + ".weight")
         q_norm, k_norm = norm(take("self_attn.q_norm.weight", False)), norm(take("self_attn.k_norm.weight", False))
         if self.spec.whole_qk_norm and q_norm is not None:
             width = (self.spec.num_heads * self.spec.head_dim, self.spec.num_kv_heads * self.spec.head_dim)
@@ -173,8 +175,8 @@ class DecoderLM:
             post_norm=norm(before_mlp),
             gate_up=gate_up,
             down=down,
-            attn_out_norm=norm(take("post_attention_layernorm.weight")) if after else None,
-            mlp_out_norm=norm(take("post_feedforward_layernorm.weight")) if after else None,
+            attn_out_norm=None if attn_out is None else norm(take(attn_out + ".weight")),
+            mlp_out_norm=None if mlp_out is None else norm(take(mlp_out + ".weight")),
             moe=moe,
             kv_scales=self._kv_scales(take),
         )

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from servelm.model.families.gemma import GEMMA_ARCHITECTURES, gemma_options
+from servelm.model.families.glm import GLM_ARCHITECTURES, glm_options
 from servelm.model.families.moe import MOE_ARCHITECTURES, MoeOptions, moe_options
-from servelm.model.families.olmo import OLMO_ARCHITECTURES, olmo_options
+from servelm.model.families.olmo import OLMO_ARCHITECTURES, exaone4_options, olmo_options
 from servelm.model.families.phi3 import PHI3_ARCHITECTURES, phi3_options
 from servelm.model.loading.metadata import SUPPORTED_ARCHITECTURES, architecture
 
@@ -37,8 +38,11 @@ class ModelSpec:
     embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden_size))
     norm_unit_offset: bool = False  # RMSNorm weights applied as (1 + w) (Gemma)
     norm_weight_in_float32: bool = False  # RMSNorm scales by its weight before rounding (Gemma), not after
-    sandwich_norms: bool = False  # a norm before and after each sublayer (Gemma 2/3)
-    post_norms_only: bool = False  # a norm after each sublayer, none before it (OLMo 2/3)
+    sandwich_norms: bool = False  # a norm before and after each sublayer (Gemma 2/3, GLM-4)
+    # with sandwich norms, the checkpoint's names of the norms after the attention, before the MLP and after it
+    sandwich_norm_names: tuple[str, str, str] = ("post_attention_layernorm", "pre_feedforward_layernorm",
+                                                 "post_feedforward_layernorm")
+    post_norms_only: bool = False  # a norm after each sublayer, none before it (OLMo 2/3, EXAONE 4)
     whole_qk_norm: bool = False  # q/k norms over the whole projections, before the split into heads (OLMo 2/3)
     attn_scale: float | None = None  # attention score scale (default head_dim**-0.5)
     attn_softcap: float | None = None  # scores soft-capped as cap * tanh(s / cap) (Gemma 2)
@@ -46,6 +50,9 @@ class ModelSpec:
     local_inv_freq: torch.Tensor | None = None  # RoPE of the sliding-window layers, if theirs differs (Gemma 3, OLMo 3)
     local_rope_attention_factor: float = 1.0
     rotary_dim: int | None = None  # RoPE on the first rotary_dim of each head only (partial_rotary_factor < 1)
+    # the checkpoint rotates pairs of neighbouring dims (GLM-4, ERNIE 4.5): its q/k rows are reordered at load so
+    # that the usual half-split RoPE computes the same (model/layers/rope_layout.py)
+    interleaved_rope: bool = False
     fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj already joined (Phi-3)
     moe: MoeOptions | None = None  # mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE)
     rope_layers: list[bool] | None = None  # per layer, whether it applies RoPE (SmolLM3's NoPE layers); None: all
@@ -65,6 +72,12 @@ class ModelSpec:
             opts = phi3_options(config) if arch in PHI3_ARCHITECTURES else {}
             if arch in OLMO_ARCHITECTURES:
                 opts.update(olmo_options(config))
+            if arch in GLM_ARCHITECTURES:
+                opts.update(glm_options(config, arch))
+            if arch == "Exaone4ForCausalLM":  # OLMo's norms after the sublayers, per-head q/k norms, NoPE global layers
+                opts.update(exaone4_options(config))
+            if arch == "SeedOssForCausalLM" and getattr(config, "mlp_bias", False):
+                raise ValueError("SeedOssForCausalLM with mlp_bias is not supported")
             if arch in MOE_ARCHITECTURES:
                 opts["moe"] = moe_options(config, arch)
             act = getattr(config, "hidden_act", "silu")

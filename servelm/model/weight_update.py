@@ -171,6 +171,7 @@ def checkpoint_weights(config: Any, model: Any, source: Any):
     folder or a GGUF file), read as the engine of `config` reads its model; or (name, tensor) pairs (or a
     mapping) under Hugging Face names, in any float dtype. Either way quantized as the running model is.
     ValueError for a checkpoint of another architecture or settings."""
+    from servelm.model.layers.rope_layout import checkpoint_to_half_split
     from servelm.model.loading.loader import checkpoint_tensors, quantized_at_load
     from servelm.model.spec import ModelSpec
 
@@ -194,4 +195,5 @@ def checkpoint_weights(config: Any, model: Any, source: Any):
                              "GGUF file's path")
         pairs = source.items() if hasattr(source, "items") else source
         tensors = ((name, t.detach().to(dtype=model.dtype)) for name, t in pairs)
-    return quantized_at_load(tensors, kind, group_size, model.dtype)
+    # as the loader lays them out (build_decoder): interleaved RoPE's q/k rows reordered, then quantized
+    return quantized_at_load(checkpoint_to_half_split(tensors, model.spec), kind, group_size, model.dtype)

@@ -63,6 +63,34 @@ def olmo_config(version: int, **kw):
     return Olmo3Config(**{**COMMON, "num_hidden_layers": 4, "sliding_window": 24, "rope_parameters": ropes, **kw})
 
 
+def glm4_config(**kw):
+    """GLM-4 in small: interleaved RoPE on half of each 16-wide head, q/k/v biases, sandwich norms."""
+    from transformers import Glm4Config
+
+    return Glm4Config(**{**COMMON, "head_dim": 16, "attention_bias": True, **kw})
+
+
+def ernie_config(**kw):
+    """ERNIE 4.5 in small: the Llama layer with interleaved RoPE over whole heads, tied embeddings."""
+    from transformers import Ernie4_5Config
+
+    return Ernie4_5Config(**{**COMMON, "tie_word_embeddings": True, **kw})
+
+
+def exaone4_config(**kw):
+    """EXAONE 4 in small: four layers, three local (24-token window, with RoPE) and a global one without RoPE."""
+    from transformers import Exaone4Config
+
+    return Exaone4Config(**{**COMMON, "num_hidden_layers": 4, "sliding_window": 24, "sliding_window_pattern": 4,
+                            "layer_types": ["sliding_attention"] * 3 + ["full_attention"], **kw})
+
+
+def seed_oss_config(**kw):
+    from transformers import SeedOssConfig
+
+    return SeedOssConfig(**{**COMMON, "attention_bias": True, "attention_out_bias": True, **kw})
+
+
 # Granite's four scalars, far from neutral
 GRANITE_SCALARS = dict(embedding_multiplier=6.0, attention_multiplier=0.09, residual_multiplier=0.4,
                        logits_scaling=3.0)

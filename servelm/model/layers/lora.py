@@ -20,6 +20,7 @@ import torch
 
 from servelm.model.layers.blocks import Linear
 from servelm.model.layers.lora_config import LoraError, read_adapter_config
+from servelm.model.layers.rope_layout import to_half_split
 from servelm.model.spec import ModelSpec
 
 # PEFT module names -> (servelm's fused target, the part's index within it)
@@ -137,6 +138,8 @@ def load_lora(name: str, path: str | Path, spec: ModelSpec, dtype: torch.dtype, 
         if a.shape != (r, k_in) or b.shape != (n_out, r):
             raise LoraError(f"{name}: {full} has A {tuple(a.shape)} and B {tuple(b.shape)}; this base model "
                             f"needs A ({r}, {k_in}) and B ({n_out}, {r}): an adapter of another base model?")
+        if spec.interleaved_rope and module in ("q_proj", "k_proj"):  # B's rows as the base's q/k rows are laid out
+            b = to_half_split(b, spec.head_dim, spec.rotary_dim or spec.head_dim)
         alpha = float(_pattern_value(cfg.get("alpha_pattern"), full, alpha0))
         scale = alpha / (math.sqrt(r) if rs else r)
         parts[layer].setdefault(target, {})[part] = (a, b * scale)
