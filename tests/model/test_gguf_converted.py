@@ -19,10 +19,12 @@ from family_parity import (
     granite_config,
     mixed_prompts,
     moe_config,
+    exaone4_config,
     olmo_config,
     phi3_config,
     references,
     save_tiny,
+    seed_oss_config,
     smollm3_config,
 )
 from llama_cpp import ConverterUnavailable, convert
@@ -58,7 +60,7 @@ def converted(tmp_path_factory, tokenizer_dir, model_dirs) -> dict[str, tuple[Pa
 # (qwen3moe's file differs from qwen2moe's by q/k norms, which the qwen3 file covers, and no shared expert)
 FAMILIES = {"phi3": "Phi3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
             "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-            "olmo3": "Olmo3ForCausalLM"}
+            "olmo3": "Olmo3ForCausalLM", "exaone4": "Exaone4ForCausalLM", "seed_oss": "SeedOssForCausalLM"}
 
 
 def _family_folders(root: Path, tokenizer_dir: Path) -> dict[str, Path]:
@@ -68,7 +70,8 @@ def _family_folders(root: Path, tokenizer_dir: Path) -> dict[str, Path]:
     one_rope = {t: {"rope_type": "default", "rope_theta": 10000.0} for t in ("full_attention", "sliding_attention")}
     configs = {"phi3": phi3_config(longrope=True), "qwen2_moe": moe_config("qwen2_moe", dense_layers=()),
                "mixtral": moe_config("mixtral", window=None), "granite": granite_config(),
-               "smollm3": smollm3_config(), "olmo2": olmo_config(2), "olmo3": olmo_config(3, rope_parameters=one_rope)}
+               "smollm3": smollm3_config(), "olmo2": olmo_config(2), "olmo3": olmo_config(3, rope_parameters=one_rope),
+               "exaone4": exaone4_config(), "seed_oss": seed_oss_config()}
     return {n: save_tiny(c, root / n, tokenizer_dir, seed=1) for n, c in configs.items()}
 
 
@@ -78,7 +81,9 @@ def test_converted_family_gguf_matches_its_folder(converted, name):
     (LongRoPE), rope.dimension_count below the head size; qwen2moe: stacked ffn_*_exps experts, the shared
     expert; Mixtral: a llama file with experts (Q/K rows permuted); Granite: its four multipliers under
     llama.cpp's names; SmolLM3: no RoPE on every fourth layer, which the file does not state; OLMo 2: norms after
-    the sublayers only, whole-projection q/k norms; OLMo 3: an olmo2 file with a window and its layer pattern."""
+    the sublayers only, whole-projection q/k norms; OLMo 3: an olmo2 file with a window and its layer pattern;
+    EXAONE 4: post-sublayer norms, per-head q/k norms, global layers without RoPE by the window's pattern;
+    Seed-OSS: q/k/v and output biases, the norm before the MLP under llama.cpp's post_attention_norm."""
     folder, gguf = converted[name]
     assert read_gguf_config(gguf).architectures == [FAMILIES[name]]
     prompts = mixed_prompts()

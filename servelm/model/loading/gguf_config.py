@@ -21,7 +21,8 @@ GGUF_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "mistral": ("mistr
                       "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"), "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
                       "smollm3": ("smollm3", "SmolLM3ForCausalLM"), "granite": ("granite", "GraniteForCausalLM"),
                       # llama.cpp writes OLMo 3 as olmo2 with its sliding window (read as OLMo 3 below)
-                      "olmo2": ("olmo2", "Olmo2ForCausalLM")}
+                      "olmo2": ("olmo2", "Olmo2ForCausalLM"), "exaone4": ("exaone4", "Exaone4ForCausalLM"),
+                      "seed_oss": ("seed_oss", "SeedOssForCausalLM")}
 # `{arch}.` keys this module reads (every other one is refused).
 _ARCH_KEYS = frozenset({
     "vocab_size", "context_length", "embedding_length", "feed_forward_length", "block_count",
@@ -54,8 +55,8 @@ _EXPERT_TENSORS = frozenset({f"{n}.weight" for n in ("ffn_gate_inp", "ffn_gate_e
 _SHARED_EXPERT_TENSORS = frozenset({f"{n}.weight" for n in ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp",
                                                               "ffn_down_shexp")})
 _SANDWICH_NORMS = frozenset({"post_attention_norm.weight", "post_ffw_norm.weight"})  # norms after the sublayers
-_POST_NORM_ARCHS = ("gemma3", "olmo2")  # the ones with them
-_QK_NORM_ARCHS = ("qwen3", "qwen3moe", "gemma3", "olmo2")
+_POST_NORM_ARCHS = ("gemma3", "olmo2", "exaone4")  # the ones with them
+_QK_NORM_ARCHS = ("qwen3", "qwen3moe", "gemma3", "olmo2", "exaone4")
 # Families whose Hugging Face configs can carry a sliding window that llama.cpp's converter does not write.
 _WINDOW_FAMILIES = ("mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
@@ -218,8 +219,10 @@ def _granite(r: _Reader, head_dim: int) -> dict:
 def _check_tensors(r: _Reader, n_layers: int) -> None:
     """Every tensor must be one the decoder uses: an unknown one would be skipped, a different model."""
     allowed = _PHI3_TENSORS if r.arch == "phi3" else _BLOCK_TENSORS
-    if r.arch == "olmo2":  # norms after the sublayers only
+    if r.arch in ("olmo2", "exaone4"):  # norms after the sublayers only
         allowed = allowed - {"attn_norm.weight", "ffn_norm.weight"}
+    if r.arch == "seed_oss":  # the norm in front of the MLP under another name
+        allowed = allowed - {"ffn_norm.weight"} | {"post_attention_norm.weight"}
     allowed = allowed | (_QK_NORMS if r.arch in _QK_NORM_ARCHS else frozenset()) \
         | (_SANDWICH_NORMS if r.arch in _POST_NORM_ARCHS else frozenset())
     if r.arch in _MOE_ARCHS and r.get("expert_count") is not None:

@@ -52,9 +52,13 @@ _EXPERT_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_
                  "ffn_gate_up_exps": "mlp.experts.gate_up_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
                  "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
                  "ffn_down_shexp": "mlp.shared_expert.down_proj"}
-# OLMo 2/3: no norm before the sublayers, one after each (llama.cpp names them as Gemma's).
+# OLMo 2/3, EXAONE 4: no norm before the sublayers, one after each (llama.cpp names them as Gemma's).
 _POST_NORM_NAMES = {k: v for k, v in _SANDWICH_NAMES.items() if k not in ("attn_norm", "ffn_norm")}
-_ARCH_NAMES = {"gemma3": _SANDWICH_NAMES, "phi3": _PHI3_NAMES, "olmo2": _POST_NORM_NAMES}
+# Seed-OSS: llama.cpp names the norm in front of the MLP post_attention_norm.
+_SEED_OSS_NAMES = {**{k: v for k, v in _BLOCK_NAMES.items() if k != "ffn_norm"},
+                   "post_attention_norm": "post_attention_layernorm"}
+_ARCH_NAMES = {"gemma3": _SANDWICH_NAMES, "phi3": _PHI3_NAMES, "olmo2": _POST_NORM_NAMES, "exaone4": _POST_NORM_NAMES,
+               "seed_oss": _SEED_OSS_NAMES}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
