@@ -16,10 +16,10 @@ import torch
 from family_parity import (
     GRANITE_SCALARS,
     GREEDY8,
+    exaone4_config,
     granite_config,
     mixed_prompts,
     moe_config,
-    exaone4_config,
     olmo_config,
     phi3_config,
     references,
