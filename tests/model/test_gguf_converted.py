@@ -17,6 +17,7 @@ from family_parity import (
     GRANITE_SCALARS,
     GREEDY8,
     exaone4_config,
+    glm4_config,
     granite_config,
     mixed_prompts,
     moe_config,
@@ -45,6 +46,7 @@ def converted(tmp_path_factory, tokenizer_dir, model_dirs) -> dict[str, tuple[Pa
     folders = {a: model_dirs[a] for a in ("llama3rope", "qwen3", "mistral")}
     folders["llama_yarn"] = build_model("llama_yarn", tmp_path_factory.mktemp("yarn") / "llama_yarn", tokenizer_dir)
     folders.update(_family_folders(tmp_path_factory.mktemp("families"), tokenizer_dir))  # one converter run for all
+    _name_glm_special_tokens(folders["glm4"])
     tc = folders["phi3"] / "tokenizer_config.json"  # the converter's Phi-3 path reads a BPE vocabulary only so
     original = tc.read_text()
     tc.write_text(json.dumps({**json.loads(original), "tokenizer_class": "GPT2Tokenizer"}))
@@ -60,7 +62,20 @@ def converted(tmp_path_factory, tokenizer_dir, model_dirs) -> dict[str, tuple[Pa
 # (qwen3moe's file differs from qwen2moe's by q/k norms, which the qwen3 file covers, and no shared expert)
 FAMILIES = {"phi3": "Phi3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
             "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-            "olmo3": "Olmo3ForCausalLM", "exaone4": "Exaone4ForCausalLM", "seed_oss": "SeedOssForCausalLM"}
+            "olmo3": "Olmo3ForCausalLM", "exaone4": "Exaone4ForCausalLM", "seed_oss": "SeedOssForCausalLM",
+            "glm4": "Glm4ForCausalLM"}
+
+
+def _name_glm_special_tokens(folder: Path) -> None:
+    """The converter's GLM-4 path reads the ids of GLM's <|endoftext|> and <|user|> from the tokenizer: one of
+    SmolLM2's special tokens takes the second name (the ids, and so the tokens compared, stay the same)."""
+    path = folder / "tokenizer.json"
+    tok = json.loads(path.read_text())
+    for added in tok["added_tokens"]:
+        if added["content"] == "<issue_start>":
+            added["content"] = "<|user|>"
+    tok["model"]["vocab"]["<|user|>"] = tok["model"]["vocab"].pop("<issue_start>")
+    path.write_text(json.dumps(tok))
 
 
 def _family_folders(root: Path, tokenizer_dir: Path) -> dict[str, Path]:
@@ -71,7 +86,7 @@ def _family_folders(root: Path, tokenizer_dir: Path) -> dict[str, Path]:
     configs = {"phi3": phi3_config(longrope=True), "qwen2_moe": moe_config("qwen2_moe", dense_layers=()),
                "mixtral": moe_config("mixtral", window=None), "granite": granite_config(),
                "smollm3": smollm3_config(), "olmo2": olmo_config(2), "olmo3": olmo_config(3, rope_parameters=one_rope),
-               "exaone4": exaone4_config(), "seed_oss": seed_oss_config()}
+               "exaone4": exaone4_config(), "seed_oss": seed_oss_config(), "glm4": glm4_config()}
     return {n: save_tiny(c, root / n, tokenizer_dir, seed=1) for n, c in configs.items()}
 
 
@@ -83,7 +98,9 @@ def test_converted_family_gguf_matches_its_folder(converted, name):
     llama.cpp's names; SmolLM3: no RoPE on every fourth layer, which the file does not state; OLMo 2: norms after
     the sublayers only, whole-projection q/k norms; OLMo 3: an olmo2 file with a window and its layer pattern;
     EXAONE 4: post-sublayer norms, per-head q/k norms, global layers without RoPE by the window's pattern;
-    Seed-OSS: q/k/v and output biases, the norm before the MLP under llama.cpp's post_attention_norm."""
+    Seed-OSS: q/k/v and output biases, the norm before the MLP under llama.cpp's post_attention_norm; GLM-4:
+    interleaved RoPE on half of each head (rows as the folder's, reordered as they load), sandwich norms, gate and
+    up in ffn_up."""
     folder, gguf = converted[name]
     assert read_gguf_config(gguf).architectures == [FAMILIES[name]]
     prompts = mixed_prompts()

@@ -22,7 +22,7 @@ GGUF_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "mistral": ("mistr
                       "smollm3": ("smollm3", "SmolLM3ForCausalLM"), "granite": ("granite", "GraniteForCausalLM"),
                       # llama.cpp writes OLMo 3 as olmo2 with its sliding window (read as OLMo 3 below)
                       "olmo2": ("olmo2", "Olmo2ForCausalLM"), "exaone4": ("exaone4", "Exaone4ForCausalLM"),
-                      "seed_oss": ("seed_oss", "SeedOssForCausalLM")}
+                      "seed_oss": ("seed_oss", "SeedOssForCausalLM"), "glm4": ("glm4", "Glm4ForCausalLM")}
 # `{arch}.` keys this module reads (every other one is refused).
 _ARCH_KEYS = frozenset({
     "vocab_size", "context_length", "embedding_length", "feed_forward_length", "block_count",
@@ -55,7 +55,8 @@ _EXPERT_TENSORS = frozenset({f"{n}.weight" for n in ("ffn_gate_inp", "ffn_gate_e
 _SHARED_EXPERT_TENSORS = frozenset({f"{n}.weight" for n in ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp",
                                                               "ffn_down_shexp")})
 _SANDWICH_NORMS = frozenset({"post_attention_norm.weight", "post_ffw_norm.weight"})  # norms after the sublayers
-_POST_NORM_ARCHS = ("gemma3", "olmo2", "exaone4")  # the ones with them
+_POST_NORM_ARCHS = ("gemma3", "olmo2", "exaone4", "glm4")  # the ones with them
+_PARTIAL_ROPE_ARCHS = ("phi3", "glm4")
 _QK_NORM_ARCHS = ("qwen3", "qwen3moe", "gemma3", "olmo2", "exaone4")
 # Families whose Hugging Face configs can carry a sliding window that llama.cpp's converter does not write.
 _WINDOW_FAMILIES = ("mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
@@ -147,9 +148,9 @@ def gguf_config_dict(path: Path, head: GGUFHeader) -> dict:
         r.refuse(f"{arch}.attention.value_length {f[arch + '.attention.value_length']} differs from the key length "
                  f"{head_dim} (value heads of another size are not supported)")
     rope_dims = r.get("rope.dimension_count", head_dim)
-    if rope_dims != head_dim and (arch != "phi3" or not 0 < rope_dims < head_dim or rope_dims % 2):
+    if rope_dims != head_dim and (arch not in _PARTIAL_ROPE_ARCHS or not 0 < rope_dims < head_dim or rope_dims % 2):
         r.refuse(f"{arch}.rope.dimension_count {rope_dims} is not the head size {head_dim} "
-                 "(partial rotary embeddings are supported for phi3 only)")
+                 f"(partial rotary embeddings are supported for {' and '.join(_PARTIAL_ROPE_ARCHS)} only)")
     model_type, cls = GGUF_ARCHITECTURES[arch]
     if arch == "llama" and r.get("expert_count") is not None:
         model_type, cls = "mixtral", "MixtralForCausalLM"
@@ -223,6 +224,8 @@ def _check_tensors(r: _Reader, n_layers: int) -> None:
         allowed = allowed - {"attn_norm.weight", "ffn_norm.weight"}
     if r.arch == "seed_oss":  # the norm in front of the MLP under another name
         allowed = allowed - {"ffn_norm.weight"} | {"post_attention_norm.weight"}
+    if r.arch == "glm4":  # gate and up in ffn_up
+        allowed = allowed - {"ffn_gate.weight"}
     allowed = allowed | (_QK_NORMS if r.arch in _QK_NORM_ARCHS else frozenset()) \
         | (_SANDWICH_NORMS if r.arch in _POST_NORM_ARCHS else frozenset())
     if r.arch in _MOE_ARCHS and r.get("expert_count") is not None:
