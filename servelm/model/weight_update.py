@@ -172,6 +172,7 @@ def checkpoint_weights(config: Any, model: Any, source: Any):
     mapping) under Hugging Face names, in any float dtype. Either way quantized as the running model is.
     ValueError for a checkpoint of another architecture or settings."""
     from servelm.model.layers.rope_layout import checkpoint_to_half_split
+    from servelm.model.loading.language_part import language_tensors
     from servelm.model.loading.loader import checkpoint_tensors, quantized_at_load
     from servelm.model.spec import ModelSpec
 
@@ -194,6 +195,7 @@ def checkpoint_weights(config: Any, model: Any, source: Any):
             raise ValueError("this model's linears are kept in a GGUF file's quantized types: update it from a "
                              "GGUF file's path")
         pairs = source.items() if hasattr(source, "items") else source
-        tensors = ((name, t.detach().to(dtype=model.dtype)) for name, t in pairs)
+        # a multimodal model's state dict: its language model's tensors, under a causal LM's names
+        tensors = ((name, t.detach().to(dtype=model.dtype)) for name, t in language_tensors(pairs))
     # as the loader lays them out (build_decoder): interleaved RoPE's q/k rows reordered, then quantized
     return quantized_at_load(checkpoint_to_half_split(tensors, model.spec), kind, group_size, model.dtype)

@@ -23,6 +23,7 @@ from servelm.model.layers.parallel import (
 from servelm.model.layers.rope_layout import checkpoint_to_half_split
 from servelm.model.loading.fp8_checkpoint import fp8_checkpoint, kept_as_stored, read_fp8_checkpoint
 from servelm.model.loading.gguf_loader import iter_gguf_tensors
+from servelm.model.loading.language_part import VISION_PREFIXES, language_tensors
 from servelm.model.loading.metadata import load_config_and_eos, load_config_and_tokenizer
 from servelm.model.loading.source import ModelSource
 from servelm.model.quant.fp8 import quantize_fp8_linears
@@ -54,8 +55,9 @@ class LoadedModel:
     load_seconds: float
 
 
-def _iter_safetensors(folder: Path, dtype: torch.dtype, fp8: bool = False):
-    """(name, tensor in `dtype`); with `fp8`, an fp8 checkpoint's codes and scales as stored (fp8_checkpoint)."""
+def _iter_safetensors(folder: Path, dtype: torch.dtype, fp8: bool = False, skip: tuple[str, ...] = ()):
+    """(name, tensor in `dtype`); with `fp8`, an fp8 checkpoint's codes and scales as stored (fp8_checkpoint).
+    Tensors whose names start with one of `skip` are not read."""
     from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
@@ -63,7 +65,9 @@ def _iter_safetensors(folder: Path, dtype: torch.dtype, fp8: bool = False):
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
-            for name in progress(list(sf.keys()), desc=f"Loading {f.name}", unit="tensor", leave=False):
+            names = list(sf.keys())
+            names = [n for n in names if not n.startswith(skip)] if skip else names
+            for name in progress(names, desc=f"Loading {f.name}", unit="tensor", leave=False):
                 t = sf.get_tensor(name)
                 # get_tensor maps the file: a kept tensor would keep the whole mapping, and with it every
                 # page that loading touched, resident (the packed and fused copies made from them too).
@@ -101,12 +105,16 @@ def checkpoint_tensors(src: ModelSource, hf_config, torch_dtype: torch.dtype, qu
     if quantization == "gguf" and src.kind != "gguf":
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's quantized types, and {src.name} is not a GGUF "
                          "file: use int8 or int4 to quantize it at load")
+    # a multimodal checkpoint's language model alone (model/loading/language_part.py)
+    skip = VISION_PREFIXES if getattr(hf_config, "language_of", None) else ()
     if src.kind == "gguf":
         tensors = iter_gguf_tensors(src.path, torch_dtype, keep_quantized=quantization == "gguf")
     elif fp8 is None:
-        tensors = _iter_safetensors(src.path, torch_dtype)
+        tensors = _iter_safetensors(src.path, torch_dtype, skip=skip)
     else:  # fp8 codes and scales as stored, for read_fp8_checkpoint
-        tensors = _iter_safetensors(src.path, torch_dtype, fp8=True)
+        tensors = _iter_safetensors(src.path, torch_dtype, fp8=True, skip=skip)
+    if skip:
+        tensors = language_tensors(tensors)
     if fp8 is not None:  # joined before a tensor-parallel split, which takes dense tensors
         keep = is_linear_weight if quantization == "fp8" else (lambda name: False)
         tensors = read_fp8_checkpoint(tensors, fp8, torch_dtype, keep)

@@ -13,6 +13,7 @@ from pathlib import Path
 from servelm.model.loading import hf_files
 from servelm.model.loading.gguf_config import config_from_dict, gguf_config_dict, read_gguf_config
 from servelm.model.loading.gguf_header import read_gguf_file_header
+from servelm.model.loading.language_part import language_architecture, language_config
 from servelm.model.loading.source import ModelSource, cache_dir, resolve_model, set_hf_env
 
 logger = logging.getLogger(__name__)
@@ -59,13 +60,15 @@ def check_model(model: str | None, gguf_file: str | None = None) -> ModelSource:
     from types import SimpleNamespace
 
     arch = architecture(SimpleNamespace(**config))
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    served = language_architecture(arch, text.get("model_type"), _MODEL_TYPE_TO_ARCH) or arch  # a multimodal model's
     if hf_files.is_embedding_folder(src.path, config):  # (no generation architecture is an encoder)
         kind = ("an encoder" if hf_files.is_encoder(config) else
                 "a sequence classifier" if hf_files.is_classifier(config) else "an embedding model")
         raise ValueError(f"model {str(src.path)!r} ({arch}) is {kind}: it embeds, scores or classifies text "
                          "rather than generating it: serve it alone with --runner pooling (or auto, the default), "
                          f"or beside a generation model with --embedding-model {src.path}")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if served not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"model {str(src.path)!r} has architecture {arch!r}, which servelm does not support; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return src
@@ -196,7 +199,8 @@ def load_config(src: ModelSource):
     set_hf_env()
     if src.kind == "gguf":
         return read_gguf_config(src.path)
-    return _config_from_folder(src.path)
+    # a multimodal checkpoint: its language model's config (model/loading/language_part.py)
+    return language_config(_config_from_folder(src.path), _MODEL_TYPE_TO_ARCH)
 
 
 def _tokenizer_folder(src: ModelSource, tokenizer: str | None) -> Path | None:

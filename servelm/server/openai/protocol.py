@@ -388,11 +388,27 @@ class TextPart(BaseModel):
     text: str
 
 
+# OpenAI's content parts that carry media rather than text
+_MEDIA_PARTS = frozenset({"image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file"})
+
+
 class _Message(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     content: str | list[TextPart]
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        """A media part is named as such, rather than failing as "not text"."""
+        parts = data.get("content") if isinstance(data, dict) else None
+        for part in parts if isinstance(parts, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _MEDIA_PARTS:
+                raise APIError(400, f"'{kind}' content parts are not supported: servelm takes text (a multimodal "
+                               "model is served by its language model alone)", "messages", "unsupported_parameter")
+        return data
 
     def text(self) -> str:
         """The content as one string."""

@@ -1,0 +1,56 @@
+"""Multimodal checkpoints (Gemma 3, Mistral3, LLaVA, Qwen2.5-VL, Qwen3-VL) served by their language model alone:
+on text, tiny random-weight models give the whole transformers model's greedy tokens, token for token, alone and
+batched with prefix caching and chunked prefill; the vision tensors are never read, and a trainer's state dict
+of the whole model updates the language model in place."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from family_parity import GREEDY8, mixed_prompts, multimodal_model  # noqa: E402
+from tiny_models import hf_greedy, run  # noqa: E402
+
+from servelm import LLM  # noqa: E402
+
+KINDS = {"gemma3": "Gemma3ForCausalLM", "mistral3": "MistralForCausalLM", "llava": "LlamaForCausalLM",
+         "qwen2_5_vl": "Qwen2ForCausalLM", "qwen3_vl": "Qwen3ForCausalLM"}
+
+
+def _save(model, folder, tokenizer_dir):
+    model.save_pretrained(folder)
+    for f in tokenizer_dir.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    return folder
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def multimodal(request, tmp_path_factory, tokenizer_dir):
+    model = multimodal_model(request.param)
+    return request.param, model, _save(model, tmp_path_factory.mktemp(request.param), tokenizer_dir)
+
+
+def test_text_matches_the_whole_model(multimodal):
+    kind, hf, folder = multimodal
+    assert json.loads((folder / "config.json").read_text())["architectures"][0].endswith("ForConditionalGeneration")
+    prompts = mixed_prompts()
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16)
+    outs = run(llm, prompts[:1], GREEDY8) + run(llm, prompts[1:], GREEDY8)
+    assert llm.engine.get_stats().prefix_cache_hits >= 32
+    assert outs == [hf_greedy(hf, p, 8) for p in prompts]
+    assert llm.engine.core.model.spec.architecture == KINDS[kind]
+
+
+def test_the_whole_models_state_dict_updates_the_language_model(multimodal, tokenizer_dir):
+    """Names as the whole model has them (its vision tensors included): the language model takes its own."""
+    kind, _, folder = multimodal
+    other = multimodal_model(kind, seed=1)
+    prompts = mixed_prompts()
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64)
+    before = run(llm, prompts, GREEDY8)
+    llm.load_weights(other.state_dict().items())
+    after = run(llm, prompts, GREEDY8)
+    assert after == [hf_greedy(other, p, 8) for p in prompts] and after != before
