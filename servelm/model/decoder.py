@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from servelm.model import memory
 from servelm.model.attention import AttentionBackend, AttentionMetadata
@@ -158,6 +159,7 @@ class DecoderLM:
         # post_attention_layernorm, Gemma pre_feedforward_layernorm, GLM-4 post_attention_layernorm; OLMo has none
         attn_out, mlp_in, mlp_out = (self.spec.sandwich_norm_names if sandwich else
                                      ("post_attention_layernorm", None, "post_feedforward_layernorm") if post_only else
+                                     (None, None, None) if self.spec.parallel_residual else  # Cohere: one norm
                                      (None, "post_attention_layernorm", None))
         before_mlp = None if mlp_in is None else take(mlp_in + ".weight")
         q_norm, k_norm = norm(take("self_attn.q_norm.weight", False)), norm(take("self_attn.k_norm.weight", False))
@@ -229,10 +231,11 @@ class DecoderLM:
                    meta: AttentionMetadata, lora: LoraBatch | None = None) -> torch.Tensor:
         """The layer stack over the residual stream h [T, hidden] (updated in place), then the final norm. One
         loop for every family; what differs is read from the spec and the layer's weights: sandwich norms
-        (Gemma: the sublayers' outputs are normed before each residual add), q/k norms, partial RoPE, a
-        local RoPE for sliding-window layers, MoE MLPs. `lora`: the step's adapters, added to the rows that use
+        (Gemma: the sublayers' outputs are normed before each residual add), norms after the sublayers only
+        (OLMo), a parallel attention and MLP (Cohere), q/k norms, partial RoPE, a local RoPE for sliding-window
+        layers, MoE MLPs. `lora`: the step's adapters, added to the rows that use
         them (model/layers/lora.py)."""
-        s, fused, eps = self.spec, self.fused, self.spec.rms_norm_eps
+        s, fused = self.spec, self.fused
         # Gemma's RMSNorm scales by its weight in float32 and rounds once (as F.rms_norm does); the fused
         # kernel rounds before the scaling, as Llama's does, so it serves the other families only
         nf = None if s.norm_weight_in_float32 else fused
@@ -254,12 +257,12 @@ class DecoderLM:
             v = qkv[:, q_size + kv_size:].view(-1, s.num_kv_heads, s.head_dim)
             if lw.q_norm is not None and s.whole_qk_norm:  # OLMo: all heads' queries (and keys) as one vector
                 q_all, k_all = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
-                rms_norm(q_all, lw.q_norm, eps, nf, out=q_all)
-                rms_norm(k_all, lw.k_norm, eps, nf, out=k_all)
+                self._norm(q_all, lw.q_norm, nf, out=q_all)
+                self._norm(k_all, lw.k_norm, nf, out=k_all)
             elif lw.q_norm is not None:
                 q_part, k_part = qk[:, :s.num_heads], qk[:, s.num_heads:]
-                rms_norm(q_part, lw.q_norm, eps, nf, out=q_part)
-                rms_norm(k_part, lw.k_norm, eps, nf, out=k_part)
+                self._norm(q_part, lw.q_norm, nf, out=q_part)
+                self._norm(k_part, lw.k_norm, nf, out=k_part)
             local = window is not None and self.cos_local is not self.cos
             cos, sin = tables[local]
             q = qk[:, :s.num_heads]
@@ -280,8 +283,11 @@ class DecoderLM:
             if s.residual_scale is not None:  # Granite: residual + output * multiplier
                 delta = delta * s.residual_scale
             if lw.attn_out_norm is not None:
-                delta = rms_norm(delta, lw.attn_out_norm, eps, nf)
-            x = self._residual(delta, h, lw.post_norm, nf)
+                delta = self._norm(delta, lw.attn_out_norm, nf)
+            if s.parallel_residual:  # Cohere: the MLP reads the attention's input; both outputs join h at once
+                attn_delta = delta
+            else:
+                x = self._residual(delta, h, lw.post_norm, nf)
             if lw.moe is not None:
                 delta = lw.moe(x, fused)
             else:
@@ -293,8 +299,10 @@ class DecoderLM:
             if s.residual_scale is not None:
                 delta = delta * s.residual_scale
             if lw.mlp_out_norm is not None:
-                delta = rms_norm(delta, lw.mlp_out_norm, eps, nf)
-        return add_rms_norm(delta, h, self.norm, eps, nf)
+                delta = self._norm(delta, lw.mlp_out_norm, nf)
+            if s.parallel_residual:
+                delta = delta + attn_delta
+        return self._residual(delta, h, self.norm, nf)
 
     def _residual(self, delta: torch.Tensor | None, h: torch.Tensor, norm: torch.Tensor | None, fused
                   ) -> torch.Tensor:
@@ -302,8 +310,19 @@ class DecoderLM:
         sublayer: h under its norm, or h itself where the model has no norm before its sublayers (OLMo)."""
         if norm is None:
             return h if delta is None else h.add_(delta)
+        if delta is None or self.spec.layer_norm:
+            return self._norm(h if delta is None else h.add_(delta), norm, fused)
+        return add_rms_norm(delta, h, norm, self.spec.rms_norm_eps, fused)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, fused, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's norm over x's last dim (into `out` when given): RMSNorm, or Cohere's LayerNorm (centred, no
+        bias, its weight applied in float32 before one rounding; a [heads, head_dim] weight gives each head its
+        own)."""
         eps = self.spec.rms_norm_eps
-        return rms_norm(h, norm, eps, fused) if delta is None else add_rms_norm(delta, h, norm, eps, fused)
+        if not self.spec.layer_norm:
+            return rms_norm(x, weight, eps, fused, out)
+        y = (F.layer_norm(x.float(), (x.shape[-1],), None, None, eps) * weight.float()).to(x.dtype)
+        return y if out is None else out.copy_(y)
 
     def _rope_at(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, rot: int | None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -326,5 +345,7 @@ class DecoderLM:
         out = self.lm_head(hidden, float32=True)
         if self.spec.logits_divisor is not None:  # Granite's logits_scaling
             out = out / self.spec.logits_divisor
+        if self.spec.logits_scale is not None:  # Cohere's logit_scale
+            out = out * self.spec.logits_scale
         cap = self.spec.final_softcap
         return out if not cap else (torch.tanh(out.float() / cap) * cap).to(out.dtype)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from servelm.model.families.cohere import COHERE_ARCHITECTURES, cohere_options
 from servelm.model.families.gemma import GEMMA_ARCHITECTURES, gemma_options
 from servelm.model.families.glm import GLM_ARCHITECTURES, glm_options
 from servelm.model.families.moe import MOE_ARCHITECTURES, MoeOptions, moe_options
@@ -58,6 +59,9 @@ class ModelSpec:
     rope_layers: list[bool] | None = None  # per layer, whether it applies RoPE (SmolLM3's NoPE layers); None: all
     residual_scale: float | None = None  # each sublayer's output times this before its residual add (Granite)
     logits_divisor: float | None = None  # the logits divided by this (Granite's logits_scaling)
+    logits_scale: float | None = None  # the logits multiplied by this (Cohere's logit_scale)
+    layer_norm: bool = False  # norms are LayerNorms without bias (Cohere), not RMSNorms; rms_norm_eps is theirs
+    parallel_residual: bool = False  # attention and MLP read the same normed input, both add to h (Cohere)
 
     @classmethod
     def from_hf_config(cls, config, sliding_window: int | None = None) -> ModelSpec:
@@ -76,6 +80,8 @@ class ModelSpec:
                 opts.update(glm_options(config, arch))
             if arch == "Exaone4ForCausalLM":  # OLMo's norms after the sublayers, per-head q/k norms, NoPE global layers
                 opts.update(exaone4_options(config))
+            if arch in COHERE_ARCHITECTURES:
+                opts.update(cohere_options(config))
             if arch == "SeedOssForCausalLM" and getattr(config, "mlp_bias", False):
                 raise ValueError("SeedOssForCausalLM with mlp_bias is not supported")
             if arch in MOE_ARCHITECTURES:
@@ -102,7 +108,7 @@ class ModelSpec:
             num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             head_dim=head_dim,
             intermediate_size=config.intermediate_size,
-            rms_norm_eps=config.rms_norm_eps,
+            rms_norm_eps=config.layer_norm_eps if opts.get("layer_norm") else config.rms_norm_eps,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_position_embeddings=_max_positions(config),
             sliding_windows=[sliding_window] * config.num_hidden_layers if sliding_window else _sliding_windows(config),

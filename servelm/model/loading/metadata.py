@@ -26,7 +26,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
                            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM",
                            "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM",
-                           "Glm4ForCausalLM", "Ernie4_5ForCausalLM", "SeedOssForCausalLM")
+                           "Glm4ForCausalLM", "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "CohereForCausalLM",
+                           "Cohere2ForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
                        "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
@@ -34,7 +35,7 @@ _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "qwen3_moe": "Qwen3MoeForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                        "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
                        "exaone4": "Exaone4ForCausalLM", "glm4": "Glm4ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
-                       "seed_oss": "SeedOssForCausalLM"}
+                       "seed_oss": "SeedOssForCausalLM", "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM"}
 
 
 def architecture(config) -> str | None:
