@@ -109,10 +109,9 @@ def checkpoint_tensors(src: ModelSource, hf_config, torch_dtype: torch.dtype, qu
     skip = VISION_PREFIXES if getattr(hf_config, "language_of", None) else ()
     if src.kind == "gguf":
         tensors = iter_gguf_tensors(src.path, torch_dtype, keep_quantized=quantization == "gguf")
-    elif fp8 is None:
-        tensors = _iter_safetensors(src.path, torch_dtype, skip=skip)
-    else:  # fp8 codes and scales as stored, for read_fp8_checkpoint
-        tensors = _iter_safetensors(src.path, torch_dtype, fp8=True, skip=skip)
+    else:  # an fp8 checkpoint's codes and scales as stored, for read_fp8_checkpoint
+        tensors = _iter_safetensors(src.path, torch_dtype, **({"fp8": True} if fp8 is not None else {}),
+                                    **({"skip": skip} if skip else {}))
     if skip:
         tensors = language_tensors(tensors)
     if fp8 is not None:  # joined before a tensor-parallel split, which takes dense tensors
