@@ -212,8 +212,10 @@ class DecoderLM:
                 lora: LoraBatch | None = None) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]. A pure-decode step replays its kernel tape where
         there is one (the same kernel calls as `run_layers`, from C++); a step with LoRA rows runs the layers, and
-        so does every step over an fp8 KV cache, which the C++ kernels a tape replays do not read."""
-        if self.tapes is not None and not meta.prefills and lora is None and not is_fp8(kv_caches[0][0]):
+        so does every step over an fp8 KV cache, which the C++ kernels a tape replays do not read, and every
+        step with queries to scale (a tape holds no scaling)."""
+        if self.tapes is not None and not meta.prefills and lora is None and not is_fp8(kv_caches[0][0]) \
+                and self._query_scales(positions) is None:
             hidden = self.tapes.forward(input_ids, positions, kv_caches, meta)
             if hidden is not None:
                 return hidden
@@ -249,6 +251,7 @@ class DecoderLM:
         # backend that attends over a cache written for it
         rope_kv = rot is None and self.attn.attends_written_cache
         delta = None  # the last sublayer's output, not yet added to h
+        q_scales = self._query_scales(positions)  # Ministral 3, past its original context
         for i, lw in enumerate(self.layers):
             window = s.sliding_windows[i]
             x = self._residual(delta, h, lw.input_norm, nf)
@@ -269,12 +272,16 @@ class DecoderLM:
             positional = s.rope_layers is None or s.rope_layers[i]  # SmolLM3's NoPE layers rotate nothing
             if positional and rope_kv and rotary_write_kv(qk, v, s.num_heads, cos, sin, positions, kv_caches[i],
                                                           meta.slot_mapping):
+                if q_scales is not None:
+                    q.mul_(q_scales)
                 o = self.attn.attend(q, kv_caches[i], meta, window)
             else:
                 if positional:
                     if local not in rope:
                         rope[local] = self._rope_at(cos, sin, positions, rot)
                     rotary_(qk if rot is None else qk[..., :rot], *rope[local], fused)  # queries and keys at once
+                if q_scales is not None:
+                    q.mul_(q_scales)
                 if not self.attn.strided_qkv:  # the C++ kernels and SDPA get contiguous rows
                     q, v = contiguous_rows(q, fused), contiguous_rows(v, fused)
                 o = self.attn.forward(q, qk[:, s.num_heads:], v, kv_caches[i], meta, window)
@@ -313,6 +320,19 @@ class DecoderLM:
         if delta is None or self.spec.layer_norm:
             return self._norm(h if delta is None else h.add_(delta), norm, fused)
         return add_rms_norm(delta, h, norm, self.spec.rms_norm_eps, fused)
+
+    def _query_scales(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """Ministral 3's queries, after RoPE, times 1 + beta * log(1 + floor(position / L)) (Llama 4's attention
+        temperature; L its original context), as [T, 1, 1] in the model's dtype; None where nothing scales (on the
+        CPU, a step whose positions are all under L, which then may replay a kernel tape). A GPU step always
+        scales, so that a captured CUDA graph holds the scaling for every later position."""
+        spec = self.spec
+        if spec.query_scale_beta is None:
+            return None
+        if positions.device.type == "cpu" and int(positions.max()) < spec.query_scale_length:
+            return None
+        scales = 1 + spec.query_scale_beta * torch.log1p(torch.floor(positions.float() / spec.query_scale_length))
+        return scales.to(self.dtype)[:, None, None]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, fused, out: torch.Tensor | None = None) -> torch.Tensor:
         """The model's norm over x's last dim (into `out` when given): RMSNorm, or Cohere's LayerNorm (centred, no

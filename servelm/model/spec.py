@@ -10,6 +10,7 @@ import torch
 from servelm.model.families.cohere import COHERE_ARCHITECTURES, cohere_options
 from servelm.model.families.gemma import GEMMA_ARCHITECTURES, gemma_options
 from servelm.model.families.glm import GLM_ARCHITECTURES, glm_options
+from servelm.model.families.ministral import ministral3_options
 from servelm.model.families.moe import MOE_ARCHITECTURES, MoeOptions, moe_options
 from servelm.model.families.olmo import OLMO_ARCHITECTURES, exaone4_options, olmo_options
 from servelm.model.families.phi3 import PHI3_ARCHITECTURES, phi3_options
@@ -60,6 +61,9 @@ class ModelSpec:
     residual_scale: float | None = None  # each sublayer's output times this before its residual add (Granite)
     logits_divisor: float | None = None  # the logits divided by this (Granite's logits_scaling)
     logits_scale: float | None = None  # the logits multiplied by this (Cohere's logit_scale)
+    # queries times 1 + beta * log(1 + floor(position / length)) after RoPE (Ministral 3: Llama 4's temperature)
+    query_scale_beta: float | None = None
+    query_scale_length: int = 0
     layer_norm: bool = False  # norms are LayerNorms without bias (Cohere), not RMSNorms; rms_norm_eps is theirs
     parallel_residual: bool = False  # attention and MLP read the same normed input, both add to h (Cohere)
 
@@ -82,6 +86,8 @@ class ModelSpec:
                 opts.update(exaone4_options(config))
             if arch in COHERE_ARCHITECTURES:
                 opts.update(cohere_options(config))
+            if arch == "Ministral3ForCausalLM":
+                opts.update(ministral3_options(config))
             if arch == "SeedOssForCausalLM" and getattr(config, "mlp_bias", False):
                 raise ValueError("SeedOssForCausalLM with mlp_bias is not supported")
             if arch in MOE_ARCHITECTURES:

@@ -1,4 +1,5 @@
-"""Multimodal checkpoints (Gemma 3, Mistral3, LLaVA, Qwen2.5-VL, Qwen3-VL) served by their language model alone:
+"""Multimodal checkpoints (Gemma 3, Mistral3 with Mistral's or Ministral 3's language model, LLaVA, Qwen2.5-VL,
+Qwen3-VL) served by their language model alone:
 on text, tiny random-weight models give the whole transformers model's greedy tokens, token for token, alone and
 batched with prefix caching and chunked prefill; the vision tensors are never read, and a trainer's state dict
 of the whole model updates the language model in place."""
@@ -16,7 +17,8 @@ from tiny_models import hf_greedy, run  # noqa: E402
 
 from servelm import LLM  # noqa: E402
 
-KINDS = {"gemma3": "Gemma3ForCausalLM", "mistral3": "MistralForCausalLM", "llava": "LlamaForCausalLM",
+KINDS = {"gemma3": "Gemma3ForCausalLM", "mistral3": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM",
+         "llava": "LlamaForCausalLM",
          "qwen2_5_vl": "Qwen2ForCausalLM", "qwen3_vl": "Qwen3ForCausalLM"}
 
 

@@ -96,6 +96,24 @@ def cohere_config(version: int, **kw):
                             "layer_types": ["sliding_attention"] * 3 + ["full_attention"], **kw})
 
 
+def ministral3_config(**kw):
+    """Ministral 3 in small: YaRN and Llama 4's query scaling past an original context of 16 (so the mixed
+    prompts' later positions are scaled)."""
+    from transformers import Ministral3Config
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5}
+    return Ministral3Config(**{**COMMON, "head_dim": 16, "sliding_window": None, "rope_parameters": rope, **kw})
+
+
+def ministral_config(**kw):
+    """Ministral (8B-2410's layout) in small: a 24-token window on three of four layers."""
+    from transformers import MinistralConfig
+
+    return MinistralConfig(**{**COMMON, "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 24,
+                              "layer_types": ["sliding_attention"] * 3 + ["full_attention"], **kw})
+
+
 def seed_oss_config(**kw):
     from transformers import SeedOssConfig
 
@@ -197,8 +215,9 @@ def check_parity(folder: Path, dtype: str, **llm_kwargs) -> LLM:
 
 
 def multimodal_model(kind: str, seed: int = 0, **text_kw):
-    """A tiny random-weight multimodal model (its vision part one small layer) of `kind`: gemma3, mistral3, llava,
-    qwen2_5_vl or qwen3_vl; its language model from COMMON with `text_kw`."""
+    """A tiny random-weight multimodal model (its vision part one small layer) of `kind`: gemma3, mistral3,
+    ministral3 (Mistral3 with a Ministral 3 language model), llava, qwen2_5_vl or qwen3_vl; its language model from
+    COMMON with `text_kw`."""
     import transformers as tf
 
     text = {k: v for k, v in COMMON.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
@@ -213,10 +232,12 @@ def multimodal_model(kind: str, seed: int = 0, **text_kw):
                                  vision_config=clip,
                                  mm_tokens_per_image=4, tie_word_embeddings=True, **ids)
         cls = tf.Gemma3ForConditionalGeneration
-    elif kind == "mistral3":
-        config = tf.Mistral3Config(text_config=dict(text, model_type="mistral", head_dim=16, sliding_window=None,
-                                                    **ids), vision_config=dict(clip, head_dim=16),
-                                   tie_word_embeddings=False, **ids)
+    elif kind in ("mistral3", "ministral3"):
+        lm = dict(text, model_type="mistral", head_dim=16, sliding_window=None, **ids)
+        if kind == "ministral3":
+            lm = {**ministral3_config().to_dict(), **lm, "model_type": "ministral3"}
+        config = tf.Mistral3Config(text_config=lm, vision_config=dict(clip, head_dim=16), tie_word_embeddings=False,
+                                   **ids)
         cls = tf.Mistral3ForConditionalGeneration
     elif kind == "llava":
         config = tf.LlavaConfig(text_config=dict(text, model_type="llama", **ids),

@@ -27,7 +27,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM",
                            "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM",
                            "Glm4ForCausalLM", "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "CohereForCausalLM",
-                           "Cohere2ForCausalLM")
+                           "Cohere2ForCausalLM", "MinistralForCausalLM", "Ministral3ForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
                        "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
@@ -35,7 +35,8 @@ _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "qwen3_moe": "Qwen3MoeForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                        "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
                        "exaone4": "Exaone4ForCausalLM", "glm4": "Glm4ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
-                       "seed_oss": "SeedOssForCausalLM", "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM"}
+                       "seed_oss": "SeedOssForCausalLM", "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
+                       "ministral": "MinistralForCausalLM", "ministral3": "Ministral3ForCausalLM"}
 
 
 def architecture(config) -> str | None:
