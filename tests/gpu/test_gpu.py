@@ -175,6 +175,25 @@ def test_smollm3_and_granite_match_transformers_on_gpu(family, mode, tmp_path, t
     assert run(llm, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) == want
 
 
+@pytest.mark.parametrize("family", ["olmo3", "glm4", "ernie", "exaone4", "cohere2", "ministral3"])
+def test_more_families_match_transformers_on_gpu(family, tmp_path, tokenizer_dir):
+    """Norms after the sublayers only (OLMo 3, EXAONE 4), interleaved RoPE over reordered q/k rows (GLM-4's partial,
+    ERNIE's whole, Cohere's), a parallel block and NoPE global layers (Cohere2), and Ministral 3's query scaling,
+    which its CUDA graphs hold for every position: batched on the GPU under CUDA graphs, as transformers."""
+    import family_parity as fp
+    from tiny_models import hf_greedy
+    from transformers import AutoModelForCausalLM
+
+    config = fp.cohere_config(2) if family == "cohere2" else fp.olmo_config(3) if family == "olmo3" else \
+        getattr(fp, f"{family}_config")()
+    folder = fp.save_tiny(config, tmp_path / family, tokenizer_dir)
+    prompts = random_prompts(8, 3, 60, seed=5)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    want = [hf_greedy(hf, p, 8) for p in prompts]
+    llm = gpu_llm(folder, "graphs", num_kv_blocks=128)
+    assert run(llm, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) == want
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_weights_updated_in_place_replay_in_the_captured_graphs(mode, tmp_path, tokenizer_dir):
     """LLM.load_weights on a GPU: the decode graphs captured with the old weights' addresses replay the new
