@@ -64,6 +64,7 @@ class ModelSpec:
     # queries times 1 + beta * log(1 + floor(position / length)) after RoPE (Ministral 3: Llama 4's temperature)
     query_scale_beta: float | None = None
     query_scale_length: int = 0
+    extra_layers: int = 0  # layers the checkpoint has past num_layers, left unread (GLM-4.5's next-token prediction)
     layer_norm: bool = False  # norms are LayerNorms without bias (Cohere), not RMSNorms; rms_norm_eps is theirs
     parallel_residual: bool = False  # attention and MLP read the same normed input, both add to h (Cohere)
 
@@ -92,6 +93,8 @@ class ModelSpec:
                 raise ValueError("SeedOssForCausalLM with mlp_bias is not supported")
             if arch in MOE_ARCHITECTURES:
                 opts["moe"] = moe_options(config, arch)
+            if arch == "Glm4MoeForCausalLM":  # its checkpoints hold next-token prediction layers past the model's
+                opts["extra_layers"] = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
             act = getattr(config, "hidden_act", "silu")
             if act != "silu":
                 raise ValueError(f"hidden_act {act!r} is not supported (only silu)")

@@ -171,9 +171,9 @@ def checkpoint_weights(config: Any, model: Any, source: Any):
     folder or a GGUF file), read as the engine of `config` reads its model; or (name, tensor) pairs (or a
     mapping) under Hugging Face names, in any float dtype. Either way quantized as the running model is.
     ValueError for a checkpoint of another architecture or settings."""
-    from servelm.model.layers.rope_layout import checkpoint_to_half_split
     from servelm.model.loading.language_part import language_tensors
     from servelm.model.loading.loader import checkpoint_tensors, quantized_at_load
+    from servelm.model.loading.served_tensors import served_tensors
     from servelm.model.spec import ModelSpec
 
     kind, _, group = getattr(model, "quantization", "none").partition("/g")
@@ -197,5 +197,5 @@ def checkpoint_weights(config: Any, model: Any, source: Any):
         pairs = source.items() if hasattr(source, "items") else source
         # a multimodal model's state dict: its language model's tensors, under a causal LM's names
         tensors = ((name, t.detach().to(dtype=model.dtype)) for name, t in language_tensors(pairs))
-    # as the loader lays them out (build_decoder): interleaved RoPE's q/k rows reordered, then quantized
-    return quantized_at_load(checkpoint_to_half_split(tensors, model.spec), kind, group_size, model.dtype)
+    # as the loader lays them out (build_decoder): the model's own tensors, laid out for it, then quantized
+    return quantized_at_load(served_tensors(tensors, model.spec), kind, group_size, model.dtype)

@@ -114,6 +114,17 @@ def ministral_config(**kw):
                               "layer_types": ["sliding_attention"] * 3 + ["full_attention"], **kw})
 
 
+def glm4_moe_config(**kw):
+    """GLM-4.5 in small: the first layer dense, then 8 routed experts in 4 groups (the best 2 groups, top 2 within)
+    and a shared expert, q/k norms, half of each head rotated, a next-token prediction layer in the checkpoint."""
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(**{**COMMON, "num_hidden_layers": 3, "head_dim": 16, "n_routed_experts": 8,
+                            "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+                            "moe_intermediate_size": 32, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+                            "norm_topk_prob": True, "use_qk_norm": True, "attention_bias": True, **kw})
+
+
 def seed_oss_config(**kw):
     from transformers import SeedOssConfig
 

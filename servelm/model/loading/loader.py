@@ -20,11 +20,11 @@ from servelm.model.layers.parallel import (
     rank_device,
     shard_tensors,
 )
-from servelm.model.layers.rope_layout import checkpoint_to_half_split
 from servelm.model.loading.fp8_checkpoint import fp8_checkpoint, kept_as_stored, read_fp8_checkpoint
 from servelm.model.loading.gguf_loader import iter_gguf_tensors
 from servelm.model.loading.language_part import VISION_PREFIXES, language_tensors
 from servelm.model.loading.metadata import load_config_and_eos, load_config_and_tokenizer
+from servelm.model.loading.served_tensors import served_tensors
 from servelm.model.loading.source import ModelSource
 from servelm.model.quant.fp8 import quantize_fp8_linears
 from servelm.model.quant.gguf import auto_quantization
@@ -136,7 +136,7 @@ def build_decoder(tensors, spec: ModelSpec, torch_dtype: torch.dtype, device: st
     of `tp_size`, quantized as `quantization` says (none, gguf: GGUF blocks as they come, int8, int4, fp8), on
     `device`."""
     check_shardable(spec, tp_size)
-    tensors = checkpoint_to_half_split(tensors, spec)  # interleaved RoPE's q/k rows, before any split or quantization
+    tensors = served_tensors(tensors, spec)  # what the model takes, before any split or quantization
     whole = [0]  # the checkpoint's parameter count, before a tensor-parallel split
     if tp_size > 1:  # split before quantizing: each rank quantizes only its own slices
         tensors = shard_tensors(_counted(tensors, whole), spec, tp_rank, tp_size)

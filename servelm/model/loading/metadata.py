@@ -27,7 +27,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM",
                            "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM",
                            "Glm4ForCausalLM", "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "CohereForCausalLM",
-                           "Cohere2ForCausalLM", "MinistralForCausalLM", "Ministral3ForCausalLM")
+                           "Cohere2ForCausalLM", "MinistralForCausalLM", "Ministral3ForCausalLM",
+                           "Glm4MoeForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
                        "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
@@ -36,7 +37,8 @@ _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
                        "exaone4": "Exaone4ForCausalLM", "glm4": "Glm4ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
                        "seed_oss": "SeedOssForCausalLM", "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
-                       "ministral": "MinistralForCausalLM", "ministral3": "Ministral3ForCausalLM"}
+                       "ministral": "MinistralForCausalLM", "ministral3": "Ministral3ForCausalLM",
+                       "glm4_moe": "Glm4MoeForCausalLM"}
 
 
 def architecture(config) -> str | None:
