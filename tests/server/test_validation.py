@@ -157,6 +157,8 @@ def test_validation_gaps_are_400_naming_the_field(server, path, body, param):
                                                       {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
      "messages"),
+    ("/v1/responses", {"input": [{"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "what is this?"}, {"type": "input_image", "image_url": "x"}]}]}, "input"),
 ])
 def test_fields_not_implemented_yet_are_400_naming_them(server, path, body, param):
     err = error(httpx.post(server + path, json=body))

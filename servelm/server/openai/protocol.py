@@ -388,8 +388,20 @@ class TextPart(BaseModel):
     text: str
 
 
-# OpenAI's content parts that carry media rather than text
-_MEDIA_PARTS = frozenset({"image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file"})
+# OpenAI's content parts that carry media rather than text (Chat Completions' and the Responses API's)
+_MEDIA_PARTS = frozenset({"image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file",
+                          "input_file"})
+
+
+def reject_media_parts(data: Any, param: str) -> Any:
+    """A message's media part named as such (a 400 on `param`), rather than failing validation as "not text"."""
+    parts = data.get("content") if isinstance(data, dict) else None
+    for part in parts if isinstance(parts, list) else ():
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _MEDIA_PARTS:
+            raise APIError(400, f"'{kind}' content parts are not supported: servelm takes text (a multimodal "
+                           "model is served by its language model alone)", param, "unsupported_parameter")
+    return data
 
 
 class _Message(BaseModel):
@@ -401,14 +413,7 @@ class _Message(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _text_only(cls, data: Any) -> Any:
-        """A media part is named as such, rather than failing as "not text"."""
-        parts = data.get("content") if isinstance(data, dict) else None
-        for part in parts if isinstance(parts, list) else ():
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in _MEDIA_PARTS:
-                raise APIError(400, f"'{kind}' content parts are not supported: servelm takes text (a multimodal "
-                               "model is served by its language model alone)", "messages", "unsupported_parameter")
-        return data
+        return reject_media_parts(data, "messages")
 
     def text(self) -> str:
         """The content as one string."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from servelm.config import generation
 from servelm.sampling_params import OutputKind, SamplingParams, StructuredOutputsParams
@@ -31,6 +31,11 @@ class InputMessage(BaseModel):
     content: str | list[ContentPart]
     id: str | None = None  # an earlier output message quoted back carries its id and status
     status: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        return p.reject_media_parts(data, "input")
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
