@@ -16,6 +16,7 @@ import torch
 from family_parity import (
     GRANITE_SCALARS,
     GREEDY8,
+    cohere_config,
     exaone4_config,
     glm4_config,
     granite_config,
@@ -63,7 +64,7 @@ def converted(tmp_path_factory, tokenizer_dir, model_dirs) -> dict[str, tuple[Pa
 FAMILIES = {"phi3": "Phi3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
             "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
             "olmo3": "Olmo3ForCausalLM", "exaone4": "Exaone4ForCausalLM", "seed_oss": "SeedOssForCausalLM",
-            "glm4": "Glm4ForCausalLM"}
+            "glm4": "Glm4ForCausalLM", "command_r_plus": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM"}
 
 
 def _name_glm_special_tokens(folder: Path) -> None:
@@ -86,7 +87,8 @@ def _family_folders(root: Path, tokenizer_dir: Path) -> dict[str, Path]:
     configs = {"phi3": phi3_config(longrope=True), "qwen2_moe": moe_config("qwen2_moe", dense_layers=()),
                "mixtral": moe_config("mixtral", window=None), "granite": granite_config(),
                "smollm3": smollm3_config(), "olmo2": olmo_config(2), "olmo3": olmo_config(3, rope_parameters=one_rope),
-               "exaone4": exaone4_config(), "seed_oss": seed_oss_config(), "glm4": glm4_config()}
+               "exaone4": exaone4_config(), "seed_oss": seed_oss_config(), "glm4": glm4_config(),
+               "command_r_plus": cohere_config(1, use_qk_norm=True), "cohere2": cohere_config(2)}
     return {n: save_tiny(c, root / n, tokenizer_dir, seed=1) for n, c in configs.items()}
 
 
@@ -100,7 +102,8 @@ def test_converted_family_gguf_matches_its_folder(converted, name):
     EXAONE 4: post-sublayer norms, per-head q/k norms, global layers without RoPE by the window's pattern;
     Seed-OSS: q/k/v and output biases, the norm before the MLP under llama.cpp's post_attention_norm; GLM-4:
     interleaved RoPE on half of each head (rows as the folder's, reordered as they load), sandwich norms, gate and
-    up in ffn_up."""
+    up in ffn_up; Command R+: a command-r file's LayerNorm epsilon and logit scale, per-head q/k norms, interleaved
+    RoPE; Cohere2: its window on llama.cpp's fixed pattern (three local layers, then a global one without RoPE)."""
     folder, gguf = converted[name]
     assert read_gguf_config(gguf).architectures == [FAMILIES[name]]
     prompts = mixed_prompts()

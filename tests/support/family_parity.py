@@ -87,12 +87,13 @@ def exaone4_config(**kw):
 
 def cohere_config(version: int, **kw):
     """Command R in small (q/k norms per head with use_qk_norm), or Command R7B's layout: four layers, three local
-    (24-token window) and a global one without RoPE."""
+    (24-token window) and a global one without RoPE; tied embeddings, as Cohere's models have."""
     from transformers import Cohere2Config, CohereConfig
 
     if version == 1:
-        return CohereConfig(**{**COMMON, "logit_scale": 0.5, **kw})
-    return Cohere2Config(**{**COMMON, "num_hidden_layers": 4, "logit_scale": 0.5, "sliding_window": 24,
+        return CohereConfig(**{**COMMON, "tie_word_embeddings": True, "logit_scale": 0.5, **kw})
+    return Cohere2Config(**{**COMMON, "tie_word_embeddings": True, "num_hidden_layers": 4, "logit_scale": 0.5,
+                            "sliding_window": 24, "rotary_pct": 1.0,  # (which llama.cpp's converter reads)
                             "layer_types": ["sliding_attention"] * 3 + ["full_attention"], **kw})
 
 

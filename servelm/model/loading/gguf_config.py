@@ -22,7 +22,8 @@ GGUF_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "mistral": ("mistr
                       "smollm3": ("smollm3", "SmolLM3ForCausalLM"), "granite": ("granite", "GraniteForCausalLM"),
                       # llama.cpp writes OLMo 3 as olmo2 with its sliding window (read as OLMo 3 below)
                       "olmo2": ("olmo2", "Olmo2ForCausalLM"), "exaone4": ("exaone4", "Exaone4ForCausalLM"),
-                      "seed_oss": ("seed_oss", "SeedOssForCausalLM"), "glm4": ("glm4", "Glm4ForCausalLM")}
+                      "seed_oss": ("seed_oss", "SeedOssForCausalLM"), "glm4": ("glm4", "Glm4ForCausalLM"),
+                      "command-r": ("cohere", "CohereForCausalLM"), "cohere2": ("cohere2", "Cohere2ForCausalLM")}
 # `{arch}.` keys this module reads (every other one is refused).
 _ARCH_KEYS = frozenset({
     "vocab_size", "context_length", "embedding_length", "feed_forward_length", "block_count",
@@ -36,7 +37,13 @@ _ARCH_KEYS = frozenset({
     "expert_gating_func",
 })
 # Keys only one architecture may carry: Granite's four scalars (llama.cpp's names for its multipliers).
-_OWN_KEYS = {"granite": frozenset({"attention.scale", "embedding_scale", "residual_scale", "logit_scale"})}
+_COHERE_KEYS = frozenset({"logit_scale", "attention.layer_norm_epsilon"})  # LayerNorms, scaled logits
+_OWN_KEYS = {"granite": frozenset({"attention.scale", "embedding_scale", "residual_scale", "logit_scale"}),
+             "command-r": _COHERE_KEYS, "cohere2": _COHERE_KEYS}
+_COHERE_ARCHS = ("command-r", "cohere2")
+# llama.cpp's fixed window patterns where a file states none: Gemma 3's five local layers then one global, Cohere2's
+# three then one
+_FIXED_PATTERNS = {"gemma3": 6, "cohere2": 4}
 # llama.cpp's SmolLM3 runs every fourth layer without RoPE, a rule its files do not state (no_rope_layers is
 # not converted): the one HF's SmolLM3Config defaults to.
 SMOLLM3_NO_ROPE_STEP = 4
@@ -166,7 +173,10 @@ def gguf_config_dict(path: Path, head: GGUFHeader) -> dict:
         "hidden_size": hidden, "intermediate_size": r.get("feed_forward_length", required=True),
         "num_hidden_layers": n_layers, "num_attention_heads": n_head,
         "num_key_value_heads": r.get("attention.head_count_kv", n_head), "head_dim": head_dim,
-        "rms_norm_eps": r.get("attention.layer_norm_rms_epsilon", kind=float, required=True),
+        **({"layer_norm_eps": r.get("attention.layer_norm_epsilon", kind=float, required=True),
+            "logit_scale": r.get("logit_scale", 1.0, kind=float),
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors} if arch in _COHERE_ARCHS else
+           {"rms_norm_eps": r.get("attention.layer_norm_rms_epsilon", kind=float, required=True)}),
         "max_position_embeddings": r.get("context_length", required=True),
         "tie_word_embeddings": "output.weight" not in tensors,
         **_token_ids(f),
@@ -226,6 +236,8 @@ def _check_tensors(r: _Reader, n_layers: int) -> None:
         allowed = allowed - {"ffn_norm.weight"} | {"post_attention_norm.weight"}
     if r.arch == "glm4":  # gate and up in ffn_up
         allowed = allowed - {"ffn_gate.weight"}
+    if r.arch in _COHERE_ARCHS:  # one norm per layer (a parallel block); Command R+'s q/k norms
+        allowed = allowed - {"ffn_norm.weight"} | _QK_NORMS
     allowed = allowed | (_QK_NORMS if r.arch in _QK_NORM_ARCHS else frozenset()) \
         | (_SANDWICH_NORMS if r.arch in _POST_NORM_ARCHS else frozenset())
     if r.arch in _MOE_ARCHS and r.get("expert_count") is not None:
@@ -360,8 +372,8 @@ def _windows(r: _Reader, n_layers: int) -> dict:
     if window == 0:
         return {"sliding_window": None}
     pattern = r.head.fields.get(f"{r.arch}.attention.sliding_window_pattern")
-    if pattern is None and r.arch == "gemma3":
-        pattern = 6  # llama.cpp's fixed Gemma 3 pattern: five local layers, then one global
+    if pattern is None and r.arch in _FIXED_PATTERNS:
+        pattern = _FIXED_PATTERNS[r.arch]
     if pattern is None:
         sliding = [True] * n_layers
     elif isinstance(pattern, list) and len(pattern) == n_layers:

@@ -60,8 +60,10 @@ _SEED_OSS_NAMES = {**{k: v for k, v in _BLOCK_NAMES.items() if k != "ffn_norm"},
 # GLM-4: sandwich norms under its own Hugging Face names, and ffn_up holding gate and up (gate first), as Phi-3's.
 _GLM4_NAMES = {**_BLOCK_NAMES, "ffn_up": "mlp.gate_up_proj", "ffn_norm": "post_attention_layernorm",
                "post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm"}
+# Cohere: one norm per layer, the attention's and the MLP's input at once.
+_COHERE_NAMES = {k: v for k, v in _BLOCK_NAMES.items() if k != "ffn_norm"}
 _ARCH_NAMES = {"gemma3": _SANDWICH_NAMES, "phi3": _PHI3_NAMES, "olmo2": _POST_NORM_NAMES, "exaone4": _POST_NORM_NAMES,
-               "seed_oss": _SEED_OSS_NAMES, "glm4": _GLM4_NAMES}
+               "seed_oss": _SEED_OSS_NAMES, "glm4": _GLM4_NAMES, "command-r": _COHERE_NAMES, "cohere2": _COHERE_NAMES}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
