@@ -104,7 +104,7 @@ def _tied_logits_model(weight_kind: str | None):
     from servelm.model.decoder import DecoderLM
 
     model = DecoderLM.__new__(DecoderLM)  # only the lm_head and the spec's logit options matter here
-    model.spec = type("Spec", (), {"final_softcap": None, "logits_divisor": None})()
+    model.spec = type("Spec", (), {"final_softcap": None, "logits_divisor": None, "logits_scale": None})()
     w = torch.zeros(48, 64)
     w[1, 0] = w[2, 0] = w[2, 1] = 1.0
     model.lm_head = Linear(w.bfloat16())
