@@ -10,15 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from family_parity import (  # noqa: E402
-    check_parity,
-    ernie_config,
-    glm4_config,
-    hf_state_dict,
-    mixed_prompts,
-    references,
-    save_tiny,
-)
+import family_parity as fp  # noqa: E402
+from family_parity import check_parity, mixed_prompts, references  # noqa: E402
 from tiny_models import hf_greedy, run  # noqa: E402
 
 from servelm import LLM, LoRARequest, SamplingParams  # noqa: E402
@@ -30,9 +23,9 @@ from servelm.model.layers.rope_layout import to_half_split  # noqa: E402
 @pytest.fixture(scope="module")
 def glm(tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp("glm")
-    return {"glm4": save_tiny(glm4_config(), root / "glm4", tokenizer_dir),
-            "glm4-b": save_tiny(glm4_config(), root / "glm4-b", tokenizer_dir, seed=3),
-            "ernie": save_tiny(ernie_config(), root / "ernie", tokenizer_dir)}
+    return {"glm4": fp.save_tiny(fp.glm4_config(), root / "glm4", tokenizer_dir),
+            "glm4-b": fp.save_tiny(fp.glm4_config(), root / "glm4-b", tokenizer_dir, seed=3),
+            "ernie": fp.save_tiny(fp.ernie_config(), root / "ernie", tokenizer_dir)}
 
 
 @pytest.mark.parametrize("rot", [16, 8])
@@ -86,7 +79,7 @@ def test_weight_updates_bring_rows_in_the_checkpoints_order(glm):
     prompts = mixed_prompts()
     llm = LLM(str(glm["glm4"]), dtype="float32", num_kv_blocks=64)
     before = run(llm, prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    llm.load_weights(hf_state_dict(glm["glm4-b"]).items())
+    llm.load_weights(fp.hf_state_dict(glm["glm4-b"]).items())
     after = run(llm, prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert after == references(glm["glm4-b"], "float32", prompts) and after != before
 

@@ -10,7 +10,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from family_parity import GRANITE_SCALARS as SCALARS  # noqa: E402
-from family_parity import check_parity, granite_config, mixed_prompts, references, save_tiny  # noqa: E402
+from family_parity import (  # noqa: E402
+    assert_first_logprobs_match,
+    check_parity,
+    granite_config,
+    mixed_prompts,
+    references,
+    save_tiny,
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +50,4 @@ def test_the_scalars_change_the_output(granite):
 def test_logprobs_are_of_the_divided_logits(granite):
     """Dividing the logits never changes an argmax, so greedy parity cannot see logits_scaling: the logprobs do
     (transformers' GraniteForCausalLM divides its logits before any softmax)."""
-    from transformers import AutoModelForCausalLM
-
-    from servelm import LLM, SamplingParams
-
-    prompt = mixed_prompts()[2]
-    out = LLM(str(granite["granite"]), dtype="float32", num_kv_blocks=16).generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=3), use_tqdm=False)[0].outputs[0]
-    hf = AutoModelForCausalLM.from_pretrained(granite["granite"], dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1], dim=-1)
-    [step] = out.logprobs
-    for tok, lp in step.items():
-        assert lp.logprob == pytest.approx(float(want[tok]), abs=1e-4)
+    assert_first_logprobs_match(granite["granite"])

@@ -214,6 +214,22 @@ async def async_greedy(llm, prompts: list[list[int]], params: SamplingParams = G
     return out
 
 
+def assert_first_logprobs_match(folder: Path) -> None:
+    """The first sampled token's top logprobs are log_softmax of transformers' logits (float32): what greedy parity
+    cannot see of a scale on the logits, which never moves an argmax."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = mixed_prompts()[2]
+    out = LLM(str(folder), dtype="float32", num_kv_blocks=16).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=3), use_tqdm=False)[0].outputs[0]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1], dim=-1)
+    [step] = out.logprobs
+    for tok, lp in step.items():
+        assert abs(lp.logprob - float(want[tok])) <= 1e-4, (tok, lp.logprob, float(want[tok]))
+
+
 def check_parity(folder: Path, dtype: str, **llm_kwargs) -> LLM:
     """The first prompt alone, then the rest batched (the shared prefix from the cache) in 16-token prefill
     chunks: in float32 every token as transformers' greedy generate; in bfloat16 every token transformers'
