@@ -56,3 +56,14 @@ def test_the_whole_models_state_dict_updates_the_language_model(multimodal, toke
     llm.load_weights(other.state_dict().items())
     after = run(llm, prompts, GREEDY8)
     assert after == [hf_greedy(other, p, 8) for p in prompts] and after != before
+
+
+def test_hf_overrides_reach_the_language_model(tmp_path, tokenizer_dir):
+    """--hf-overrides of a field the outer config lacks (a window) is the language model's, as the whole model reads
+    it from its text config; the tokens follow transformers' model built with it."""
+    folder = _save(multimodal_model("gemma3"), tmp_path / "gemma3", tokenizer_dir)
+    want = multimodal_model("gemma3", sliding_window=8)  # the same weights (seed 0), the window in text_config
+    prompts = mixed_prompts()
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, hf_overrides={"sliding_window": 8})
+    assert llm.engine.core.model.spec.sliding_windows[0] == 8
+    assert run(llm, prompts, GREEDY8) == [hf_greedy(want, p, 8) for p in prompts]

@@ -249,14 +249,14 @@ def multimodal_model(kind: str, seed: int = 0, **text_kw):
     import transformers as tf
 
     text = {k: v for k, v in COMMON.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    text.update(text_kw)
     ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=2)
     clip = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                 patch_size=14)
     if kind == "gemma3":  # its global layers' RoPE linearly scaled, as Gemma 3 4B and up have it
         ropes = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
-        config = tf.Gemma3Config(text_config=dict(text, head_dim=16, sliding_window=24, rope_parameters=ropes, **ids),
+        config = tf.Gemma3Config(text_config={**text, "head_dim": 16, "sliding_window": 24, "rope_parameters": ropes,
+                                              **ids, **text_kw},
                                  vision_config=clip,
                                  mm_tokens_per_image=4, tie_word_embeddings=True, **ids)
         cls = tf.Gemma3ForConditionalGeneration
@@ -264,22 +264,23 @@ def multimodal_model(kind: str, seed: int = 0, **text_kw):
         lm = dict(text, model_type="mistral", head_dim=16, sliding_window=None, **ids)
         if kind == "ministral3":
             lm = {**ministral3_config().to_dict(), **lm, "model_type": "ministral3"}
+        lm.update(text_kw)
         config = tf.Mistral3Config(text_config=lm, vision_config=dict(clip, head_dim=16), tie_word_embeddings=False,
                                    **ids)
         cls = tf.Mistral3ForConditionalGeneration
     elif kind == "llava":
-        config = tf.LlavaConfig(text_config=dict(text, model_type="llama", **ids),
+        config = tf.LlavaConfig(text_config=dict(text, model_type="llama", **ids, **text_kw),
                                 vision_config=dict(clip, model_type="clip_vision_model"), **ids)
         cls = tf.LlavaForConditionalGeneration
     elif kind == "qwen2_5_vl":
         rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
-        config = tf.Qwen2_5_VLConfig(text_config=dict(text, rope_parameters=rope, **ids),
+        config = tf.Qwen2_5_VLConfig(text_config=dict(text, rope_parameters=rope, **ids, **text_kw),
                                      vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                                         out_hidden_size=text["hidden_size"]), **ids)
         cls = tf.Qwen2_5_VLForConditionalGeneration
     else:
         rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True, "rope_theta": 10000.0}
-        config = tf.Qwen3VLConfig(text_config=dict(text, head_dim=16, rope_parameters=rope, **ids),
+        config = tf.Qwen3VLConfig(text_config=dict(text, head_dim=16, rope_parameters=rope, **ids, **text_kw),
                                   vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                                      out_hidden_size=text["hidden_size"], deepstack_visual_indexes=[]),
                                   **ids)

@@ -26,6 +26,7 @@ import json
 import os
 from pathlib import Path
 
+from servelm.model.loading.language_part import MULTIMODAL_ARCHITECTURES
 from servelm.model.loading.source import cache_dir
 
 _VERSION = 1  # bump when the folder's layout changes
@@ -33,8 +34,17 @@ _VERSION = 1  # bump when the folder's layout changes
 
 def overridden_config(config: dict, overrides: dict) -> dict:
     """config.json with `overrides` merged over it; a token classifier's labels follow its tokens (one label,
-    yes over no, for an original Qwen3 reranker)."""
+    yes over no, for an original Qwen3 reranker). A multimodal checkpoint, which servelm serves by its language
+    model (language_part.py), takes the fields its outer config lacks, and a `text_config` override, into its
+    text config."""
     out = {**config, **overrides}
+    text = config.get("text_config")
+    if isinstance(text, dict) and (config.get("architectures") or [None])[0] in MULTIMODAL_ARCHITECTURES:
+        inner = {k: v for k, v in overrides.items() if k not in config and k != "text_config"}
+        given = overrides.get("text_config") if isinstance(overrides.get("text_config"), dict) else {}
+        out["text_config"] = {**text, **inner, **given}
+        for k in inner:
+            del out[k]
     tokens = out.get("classifier_from_token")
     if tokens and "num_labels" not in overrides and "id2label" not in overrides:
         labels = ["score"] if out.get("is_original_qwen3_reranker") else list(tokens)
