@@ -67,3 +67,21 @@ def test_hf_overrides_reach_the_language_model(tmp_path, tokenizer_dir):
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, hf_overrides={"sliding_window": 8})
     assert llm.engine.core.model.spec.sliding_windows[0] == 8
     assert run(llm, prompts, GREEDY8) == [hf_greedy(want, p, 8) for p in prompts]
+
+
+def test_a_template_kept_with_the_processor_serves_chat(tmp_path, tokenizer_dir):
+    """Multimodal checkpoints may keep the chat template in their processor's chat_template.json only."""
+    import json
+
+    from servelm.model.loading.metadata import load_tokenizer
+    from servelm.model.loading.source import resolve_model
+
+    folder = _save(multimodal_model("qwen2_5_vl"), tmp_path / "vl", tokenizer_dir)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    tc = json.loads((folder / "tokenizer_config.json").read_text())
+    tc.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(tc))
+    template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}<|assistant|>"
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    tok = load_tokenizer(resolve_model(str(folder), None))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<|user|>hi<|assistant|>"

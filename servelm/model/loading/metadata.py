@@ -220,6 +220,11 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None, chat_template
     set_hf_env()
     folder = _tokenizer_folder(src, tokenizer)
     tok = load_gguf_config_and_tokenizer(src.path)[1] if folder is None else hf_files.tokenizer_from_folder(folder)
+    if folder is not None and not getattr(tok, "chat_template", None):
+        # a multimodal checkpoint may keep its template with its processor (chat_template.json) only
+        processor = hf_files.read_json(folder / "chat_template.json") or {}
+        if isinstance(processor.get("chat_template"), str):
+            tok.chat_template = processor["chat_template"]
     if chat_template is not None:
         tok.chat_template = read_chat_template(chat_template)
     return tok
