@@ -85,3 +85,21 @@ def test_a_template_kept_with_the_processor_serves_chat(tmp_path, tokenizer_dir)
     (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
     tok = load_tokenizer(resolve_model(str(folder), None))
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<|user|>hi<|assistant|>"
+
+
+def test_a_qwen_vl_config_in_its_original_flat_form(tmp_path, tokenizer_dir):
+    """Qwen2-VL and Qwen2.5-VL repos keep the language model's fields at the top of config.json (no text_config) and
+    its RoPE as rope_scaling {"type": "mrope"}: read as transformers reads them."""
+    import json
+
+    hf = multimodal_model("qwen2_5_vl")
+    folder = _save(hf, tmp_path / "flat", tokenizer_dir)
+    config = json.loads((folder / "config.json").read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    config.update({k: v for k, v in text.items() if k not in ("architectures", "model_type")})
+    config.update(rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+    (folder / "config.json").write_text(json.dumps(config))
+    prompts = mixed_prompts()
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64)
+    assert run(llm, prompts, GREEDY8) == [hf_greedy(hf, p, 8) for p in prompts]
