@@ -65,8 +65,8 @@ def make(model_dir):
             return LLM(model_dir, dtype=dtype, quantization=quantization, **kw)
         original = loader._iter_safetensors
 
-        def quantized(p, dt):
-            for name, t in original(p, dt):
+        def quantized(p, dt, **kw):
+            for name, t in original(p, dt, **kw):
                 if is_linear_weight(name):
                     raw = gguf_blocks(t, fmt)
                     t = GGUFBlocks(fmt, torch.from_numpy(np.ascontiguousarray(raw)), t.shape[1], dt)

@@ -178,8 +178,8 @@ def gguf_llama(llama_dir):
     def load(qtype: str, env: dict) -> LLM:
         original = loader._iter_safetensors
 
-        def quantized(path, dtype):
-            for name, t in original(path, dtype):
+        def quantized(path, dtype, **kw):
+            for name, t in original(path, dtype, **kw):
                 if is_linear_weight(name):
                     raw = gguf.quants.quantize(t.float().numpy(), gguf.GGMLQuantizationType[qtype])
                     t = GGUFBlocks(qtype, torch.from_numpy(np.ascontiguousarray(raw)), t.shape[1], dtype)

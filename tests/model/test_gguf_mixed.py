@@ -87,8 +87,8 @@ def mixed_llama(llama_dir):
     def load(kept: bool, env: dict):
         original = loader._iter_safetensors
 
-        def quantized(path, dtype):
-            for name, t in original(path, dtype):
+        def quantized(path, dtype, **kw):
+            for name, t in original(path, dtype, **kw):
                 if is_linear_weight(name):
                     qtype = "Q5_0" if name == DENSE else TYPES[name.split(".")[-2]]
                     raw = gguf.quants.quantize(t.float().numpy(), gguf.GGMLQuantizationType[qtype])

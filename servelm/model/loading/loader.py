@@ -109,9 +109,8 @@ def checkpoint_tensors(src: ModelSource, hf_config, torch_dtype: torch.dtype, qu
     skip = VISION_PREFIXES if getattr(hf_config, "language_of", None) else ()
     if src.kind == "gguf":
         tensors = iter_gguf_tensors(src.path, torch_dtype, keep_quantized=quantization == "gguf")
-    else:  # an fp8 checkpoint's codes and scales as stored, for read_fp8_checkpoint
-        tensors = _iter_safetensors(src.path, torch_dtype, **({"fp8": True} if fp8 is not None else {}),
-                                    **({"skip": skip} if skip else {}))
+    else:  # with fp8, an fp8 checkpoint's codes and scales as stored, for read_fp8_checkpoint
+        tensors = _iter_safetensors(src.path, torch_dtype, fp8=fp8 is not None, skip=skip)
     if skip:
         tensors = language_tensors(tensors)
     if fp8 is not None:  # joined before a tensor-parallel split, which takes dense tensors
