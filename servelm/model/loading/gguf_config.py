@@ -36,7 +36,8 @@ _ARCH_KEYS = frozenset({
     "expert_count", "expert_used_count", "expert_feed_forward_length", "expert_shared_feed_forward_length",
     "expert_gating_func",
 })
-# Keys only one architecture may carry: Granite's four scalars (llama.cpp's names for its multipliers).
+# Keys only some architectures may carry: Granite's four scalars (llama.cpp's names for its multipliers), and
+# Cohere's LayerNorm epsilon and logit scale.
 _COHERE_KEYS = frozenset({"logit_scale", "attention.layer_norm_epsilon"})  # LayerNorms, scaled logits
 _OWN_KEYS = {"granite": frozenset({"attention.scale", "embedding_scale", "residual_scale", "logit_scale"}),
              "command-r": _COHERE_KEYS, "cohere2": _COHERE_KEYS}
