@@ -1,5 +1,5 @@
-"""Multimodal checkpoints served by their language model alone: Gemma 3 (4B and up), Mistral Small 3.1/3.2
-(Mistral3), LLaVA, Qwen2-VL, Qwen2.5-VL and Qwen3-VL folders, as vLLM serves them with no images allowed.
+"""Multimodal checkpoints served by their language model alone: Gemma 3 (4B and up), Mistral Small 3.1/3.2 and
+Ministral 3 (Mistral3), LLaVA, Qwen2-VL, Qwen2.5-VL and Qwen3-VL folders, as vLLM serves them with no images allowed.
 
 Their config nests the language model's under `text_config` and their weights put its tensors under a prefix
 (`language_model.model.`, or `model.language_model.` as newer transformers saves them) beside a vision tower and
@@ -26,8 +26,8 @@ MULTIMODAL_ARCHITECTURES = {
 _RENAMES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
             ("model.language_model.", "model."))
 # the vision tower and the projector, left unread
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "model.vision_tower.", "model.multi_modal_projector.",
-           "model.visual.")
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.",
+                   "model.vision_tower.", "model.multi_modal_projector.", "model.visual.")
 
 
 def language_architecture(arch: str | None, text_model_type: str | None, by_model_type: dict[str, str]) -> str | None:
